@@ -1,0 +1,85 @@
+# FlashAttention from First Principles — every command a learner or an instructor needs.
+# `make help` lists them. PYTHON is the course's environment (.venv) once `make setup` has made it,
+# else the python3 on PATH (as on a GPU machine whose image already holds torch and triton).
+
+VENV       ?= .venv
+PYTHON     ?= $(if $(wildcard $(VENV)/bin/python),$(VENV)/bin/python,python3)
+,          := ,
+PINNED     ?= 1
+EXTRAS     := $(if $(filter 1,$(PINNED)),course$(,)pinned,course)
+JOBS       ?= 2
+LAB_ARGS   ?=
+STUDENT    := build/student
+NBVAL      := --nbval-lax --nbval-current-env --nbval-cell-timeout=900 --nbval-sanitize-with tests/nbval_sanitize.cfg
+
+.PHONY: help setup lab test test-gpu bench lint format notebooks student doctor clean
+
+help:
+	@echo "make setup     create $(VENV) with the pinned course environment (PINNED=0 keeps your own torch/triton)"
+	@echo "make lab       open the course in JupyterLab"
+	@echo "make doctor    report versions and device; fail on known-bad combinations"
+	@echo "make test      CPU: course_lib tests, every notebook and the student edition under nbval"
+	@echo "make test-gpu  CUDA GPU: the tests with compiled kernels and GPU sizes, then every notebook"
+	@echo "make bench     benchmark course_lib's attention against PyTorch; record to assets/benchmarks/"
+	@echo "make lint      ruff, and notebooks in sync with their sources and free of outputs"
+	@echo "make notebooks regenerate notebooks/*.ipynb from their sources notebooks/*.py"
+	@echo "make student   write the student edition (solutions removed) to $(STUDENT)/"
+
+setup:
+	@echo "==> make setup: creating the course environment in $(VENV)"
+	@if command -v conda >/dev/null 2>&1 && [ "$(USE_CONDA)" = "1" ]; then \
+		echo "    conda found and USE_CONDA=1: conda env create -p $(VENV) -f environment.yml"; \
+		conda env create -p $(VENV) -f environment.yml --yes; \
+	else \
+		echo "    python3 -m venv $(VENV), then pip install -e .[$(EXTRAS)]"; \
+		python3 -m venv $(VENV) && \
+		$(VENV)/bin/python -m pip install --quiet --upgrade pip && \
+		$(VENV)/bin/python -m pip install --quiet -e ".[$(EXTRAS)]"; \
+	fi
+	@$(VENV)/bin/python -m course_lib doctor
+	@echo "==> done. Next: make lab   (or: make test)"
+
+lab:
+	@echo "==> make lab: JupyterLab on notebooks/ (start with 00_setup.ipynb)"
+	$(PYTHON) -m jupyter lab --notebook-dir=notebooks $(LAB_ARGS)
+
+doctor:
+	@$(PYTHON) -m course_lib doctor
+
+student:
+	@echo "==> make student: writing the student edition to $(STUDENT)/"
+	@rm -rf $(STUDENT)
+	@$(PYTHON) -m course_lib.tools.notebooks student $(STUDENT)
+
+test: student
+	@echo "==> make test: doctor, then course_lib tests + notebooks/ + $(STUDENT)/ under nbval ($(JOBS) workers, CPU)"
+	@$(PYTHON) -m course_lib doctor
+	COURSE_DEVICE=cpu $(PYTHON) -m pytest -q -n $(JOBS) --dist loadfile -m "not gpu" $(NBVAL) \
+		tests notebooks $(STUDENT)
+
+test-gpu:
+	@echo "==> make test-gpu: course_lib tests on the GPU (compiled kernels, GPU sizes), then every notebook"
+	@$(PYTHON) -m course_lib doctor
+	COURSE_DEVICE=cuda $(PYTHON) -m pytest -q -m "not browser" tests
+	COURSE_DEVICE=cuda $(PYTHON) -m course_lib.tools.run_notebooks
+
+bench:
+	@echo "==> make bench: course_lib vs PyTorch attention backends; record written to assets/benchmarks/"
+	COURSE_DEVICE=cuda $(PYTHON) -m course_lib bench
+
+lint:
+	@echo "==> make lint: ruff check, ruff format --check, notebooks in sync and stripped"
+	$(PYTHON) -m ruff check course_lib tests notebooks
+	$(PYTHON) -m ruff format --check course_lib tests
+	$(PYTHON) -m course_lib.tools.notebooks check
+
+format:
+	$(PYTHON) -m ruff format course_lib tests
+	$(PYTHON) -m ruff check --fix course_lib tests notebooks
+
+notebooks:
+	@echo "==> make notebooks: notebooks/*.ipynb from notebooks/*.py, outputs stripped"
+	@$(PYTHON) -m course_lib.tools.notebooks sync
+
+clean:
+	rm -rf build .pytest_cache

@@ -1,0 +1,58 @@
+"""course_lib: the finished pieces of *FlashAttention from First Principles*.
+
+Importing it decides, once, where Triton kernels run (`course_lib.runtime`): compiled on a CUDA GPU,
+or through Triton's interpreter on the CPU. Every kernel module imports `runtime` first, so that
+decision always comes before a kernel is defined.
+
+Where each piece is taught:
+- runtime, doctor ............ notebook 00
+- hardware, plotting, timing . notebooks 01, 02, 08
+- reference .................. notebook 02 (standard attention: the float64 reference)
+- softmax .................... notebook 03 (naive, safe, online softmax in NumPy)
+- FlashAttentionTorch ........ notebook 04 (tiled attention in PyTorch, forward and backward)
+- primer ..................... notebook 05 (Triton primer kernels)
+- flash_attention, FlashAttentionTriton ... notebooks 06 and 07 (Triton FlashAttention-2)
+- bench ...................... notebook 08 and `make bench`
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from . import runtime
+from .runtime import DEVICE, INTERPRET, ON_GPU, RUNTIME, pick
+
+__version__ = "0.1.0"
+
+# Heavier pieces load on first use, so `import course_lib` stays quick (notebooks 01-04 need no kernels).
+_LAZY = {
+    "FlashAttentionTorch": "flash_torch",
+    "FlashAttentionTriton": "flash_triton",
+    "flash_attention": "flash_triton",
+    "attention_reference": ("reference", "attention"),
+}
+
+__all__ = [
+    "DEVICE",
+    "INTERPRET",
+    "ON_GPU",
+    "RUNTIME",
+    "pick",
+    "runtime",
+    *_LAZY,
+]
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        target = _LAZY[name]
+        module, attr = target if isinstance(target, tuple) else (target, name)
+        value = getattr(importlib.import_module(f".{module}", __name__), attr)
+        globals()[name] = value
+        return value
+    try:
+        return importlib.import_module(f".{name}", __name__)
+    except ModuleNotFoundError as exc:
+        if exc.name == f"{__name__}.{name}":
+            raise AttributeError(f"module 'course_lib' has no attribute {name!r}") from None
+        raise

@@ -1,0 +1,29 @@
+"""Command line: `python -m course_lib doctor` (environment check) and `python -m course_lib bench`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m course_lib")
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("doctor", help="report versions and device; fail on known-bad combinations")
+    bench = sub.add_parser("bench", help="benchmark course_lib's attention against PyTorch (GPU)")
+    bench.add_argument("--quick", action="store_true", help="a small grid, for a smoke test")
+    bench.add_argument("--out", default="assets/benchmarks", help="folder for the record")
+    args = parser.parse_args(argv)
+    if args.command == "doctor":
+        from .doctor import doctor
+
+        return 0 if doctor() else 1
+    if args.command == "bench":
+        from .bench import main as bench_main
+
+        return bench_main(quick=args.quick, out=args.out)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

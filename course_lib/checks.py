@@ -1,0 +1,93 @@
+"""Input checks shared by every public attention function in course_lib.
+
+Bad input must give an error that names the problem (shape, dtype, device, head dimension), never a
+crash inside a kernel, a hang or silent garbage. Every public entry point calls `check_attention_inputs`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _describe(name: str, t: torch.Tensor) -> str:
+    return f"{name}: shape {tuple(t.shape)}, dtype {t.dtype}, device {t.device}"
+
+
+def check_attention_inputs(
+    q,
+    k,
+    v,
+    *,
+    where: str,
+    dtypes: tuple[torch.dtype, ...] = FLOAT_DTYPES,
+    head_dims: tuple[int, ...] | None = None,
+    same_head_dim_v: bool = True,
+) -> None:
+    """Validate q (..., Nq, d), k (..., Nk, d), v (..., Nk, d_v) for attention.
+
+    `where` names the caller in the message. `dtypes` lists accepted dtypes; `head_dims`, if given,
+    the accepted d. Raises TypeError (wrong kind or dtype) or ValueError (shapes, devices, d)."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{where}: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() < 2:
+            raise ValueError(
+                f"{where}: {name} must have at least 2 dims (..., seq_len, head_dim); {_describe(name, t)}"
+            )
+        if not t.dtype.is_floating_point:
+            raise TypeError(
+                f"{where}: {name} has dtype {t.dtype}; attention needs floating-point inputs "
+                f"({', '.join(str(d).replace('torch.', '') for d in dtypes)})"
+            )
+        if t.dtype not in dtypes:
+            raise TypeError(
+                f"{where}: {name} has dtype {t.dtype}, which is not supported here; "
+                f"supported: {', '.join(str(d).replace('torch.', '') for d in dtypes)}"
+            )
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(
+            f"{where}: q, k and v must share one dtype; got q {q.dtype}, k {k.dtype}, v {v.dtype}"
+        )
+    if not (q.device == k.device == v.device):
+        raise ValueError(
+            f"{where}: q, k and v must be on one device; got q on {q.device}, k on {k.device}, v on {v.device}"
+        )
+    if not (q.dim() == k.dim() == v.dim()) or not (q.shape[:-2] == k.shape[:-2] == v.shape[:-2]):
+        raise ValueError(
+            f"{where}: q, k and v must have the same leading (batch, heads) dims; got "
+            f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(
+            f"{where}: head dims differ: q has d={q.shape[-1]}, k has d={k.shape[-1]} "
+            f"(q {tuple(q.shape)}, k {tuple(k.shape)})"
+        )
+    if k.shape[-2] != v.shape[-2]:
+        raise ValueError(
+            f"{where}: k and v must have the same number of keys; got k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
+    if same_head_dim_v and v.shape[-1] != q.shape[-1]:
+        raise ValueError(
+            f"{where}: v must have the head dim of q (d={q.shape[-1]}); got v {tuple(v.shape)}"
+        )
+    if q.shape[-2] == 0 or k.shape[-2] == 0 or q.shape[-1] == 0:
+        raise ValueError(
+            f"{where}: empty sequence or head dim: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
+    if head_dims is not None and q.shape[-1] not in head_dims:
+        raise ValueError(
+            f"{where}: head dim d={q.shape[-1]} is not supported; supported head dims: "
+            f"{', '.join(map(str, head_dims))}"
+        )
+
+
+def default_scale(head_dim: int, scale: float | None) -> float:
+    """The softmax scale: 1/sqrt(d) unless given. Rejects non-positive or non-finite scales."""
+    if scale is None:
+        return head_dim**-0.5
+    scale = float(scale)
+    if not (scale > 0 and scale != float("inf")):
+        raise ValueError(f"scale must be a positive finite number, got {scale}")
+    return scale

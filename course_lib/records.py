@@ -1,0 +1,83 @@
+"""Recorded GPU figures: how measured numbers reach a learner who has no GPU.
+
+`make bench` (on a GPU) measures and writes each record as JSON to `assets/benchmarks/`, stamped with
+the GPU, driver, versions and date; notebooks load the newest record of a kind and label it as such.
+No GPU figure shown in the course is typed by hand.
+
+A record file is `assets/benchmarks/<kind>-<gpu>.json`:
+    {"kind": ..., "meta": {"gpu": ..., "driver": ..., "torch": ..., "triton": ..., "cuda": ...,
+     "date": "YYYY-MM-DD", ...}, "data": {...}}
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import re
+import subprocess
+from pathlib import Path
+
+import torch
+
+from . import runtime
+
+ASSETS = Path(__file__).resolve().parents[1] / "assets" / "benchmarks"
+
+
+def machine_meta() -> dict:
+    """GPU name, driver, torch/triton/CUDA/cuDNN versions and today's date, for stamping a record."""
+    meta = {
+        "date": _dt.date.today().isoformat(),
+        "torch": torch.__version__,
+        "triton": getattr(runtime.triton, "__version__", None),
+        "cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
+        "device": "cuda" if runtime.ON_GPU else "cpu",
+    }
+    if runtime.ON_GPU:
+        p = torch.cuda.get_device_properties(runtime.DEVICE)
+        meta.update(gpu=p.name, sm_count=p.multi_processor_count, capability=f"{p.major}.{p.minor}",
+                    memory_gib=round(p.total_memory / 2**30, 1))
+        try:
+            meta["driver"] = subprocess.run(
+                ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                capture_output=True, text=True, timeout=20,
+            ).stdout.strip().splitlines()[0]
+        except (OSError, IndexError, subprocess.SubprocessError):
+            meta["driver"] = None
+    else:
+        meta["gpu"] = None
+    return meta
+
+
+def _slug(name: str | None) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", (name or "cpu").lower()).strip("-")
+
+
+def save_record(kind: str, data: dict, folder: Path | str = ASSETS) -> Path:
+    """Write `data` as the record of `kind` for this machine's GPU; returns the path."""
+    meta = machine_meta()
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{kind}-{_slug(meta['gpu'])}.json"
+    path.write_text(json.dumps({"kind": kind, "meta": meta, "data": data}, indent=1) + "\n")
+    return path
+
+
+def load_record(kind: str, gpu: str | None = None, folder: Path | str = ASSETS) -> dict | None:
+    """The newest record of `kind` (for `gpu` if given, e.g. "H200"), or None if there is none."""
+    found = []
+    for path in Path(folder).glob(f"{kind}-*.json"):
+        rec = json.loads(path.read_text())
+        if rec.get("kind") != kind:
+            continue
+        if gpu is not None and gpu.lower() not in (rec["meta"].get("gpu") or "").lower():
+            continue
+        found.append(rec)
+    return max(found, key=lambda r: r["meta"]["date"]) if found else None
+
+
+def label(record: dict) -> str:
+    """'recorded on NVIDIA H200, 2026-11-22 (torch 2.11.0, triton 3.6.0)': how a figure is credited."""
+    m = record["meta"]
+    return f"recorded on {m.get('gpu')}, {m['date']} (torch {m['torch']}, triton {m['triton']})"

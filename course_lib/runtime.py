@@ -1,0 +1,113 @@
+"""Where the course's Triton kernels run: compiled on a CUDA GPU, or interpreted on the CPU.
+
+Taught in notebook 00. The decision is made once, when `course_lib` is imported, and it must come
+before any kernel is defined: Triton reads its interpreter switch when `@triton.jit` decorates a
+function, not when a kernel is launched. So every module that defines a kernel imports this one first.
+
+The decision, in order:
+1. `COURSE_DEVICE=cpu` or `COURSE_DEVICE=cuda` in the environment forces a mode
+   (`cpu` on a GPU machine runs everything as a laptop would; `cuda` without a GPU is an error).
+2. `TRITON_INTERPRET=1` already set by the user means the interpreter, on the CPU.
+3. Otherwise: a usable CUDA GPU and a Linux Triton build mean compiled kernels; anything else
+   means the interpreter on the CPU.
+
+What the interpreter cannot do (autotuning over several configs, `triton.testing.do_bench`) is
+wrapped here and in `course_lib.timing`, so notebooks and kernels never branch on the mode themselves.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """The decision: `device` is where tensors for the kernels live; `interpret` says whether Triton
+    executes kernels in Python on the CPU (True) or compiles them for the GPU (False)."""
+
+    device: torch.device
+    interpret: bool
+    reason: str
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.device.type == "cuda"
+
+    def describe(self) -> str:
+        if self.on_gpu:
+            return f"GPU ({torch.cuda.get_device_name(self.device)}) — Triton kernels compiled"
+        return "CPU — Triton interpreter (kernels run in Python: small sizes only)"
+
+
+def _decide() -> Runtime:
+    forced = os.environ.get("COURSE_DEVICE", "").strip().lower()
+    if forced not in ("", "cpu", "cuda"):
+        raise ValueError(f"COURSE_DEVICE must be 'cpu' or 'cuda', got {forced!r}")
+    cuda_ok = torch.cuda.is_available()
+    if forced == "cuda":
+        if not cuda_ok:
+            raise RuntimeError(
+                "COURSE_DEVICE=cuda was set but torch sees no CUDA GPU "
+                f"(torch {torch.__version__}, built for CUDA {torch.version.cuda}). "
+                "Unset COURSE_DEVICE to run on the CPU through the Triton interpreter."
+            )
+        return Runtime(torch.device("cuda"), False, "COURSE_DEVICE=cuda")
+    if forced == "cpu":
+        return Runtime(torch.device("cpu"), True, "COURSE_DEVICE=cpu")
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        return Runtime(torch.device("cpu"), True, "TRITON_INTERPRET=1 was set")
+    if cuda_ok:
+        return Runtime(torch.device("cuda"), False, "a CUDA GPU is available")
+    return Runtime(torch.device("cpu"), True, "no CUDA GPU")
+
+
+RUNTIME = _decide()
+DEVICE: torch.device = RUNTIME.device
+INTERPRET: bool = RUNTIME.interpret
+ON_GPU: bool = RUNTIME.on_gpu
+
+if INTERPRET:
+    # Must happen before `import triton` anywhere decorates a kernel.
+    os.environ["TRITON_INTERPRET"] = "1"
+
+try:
+    import triton  # noqa: E402
+    import triton.language as tl  # noqa: E402,F401
+
+    TRITON_IMPORT_ERROR: str | None = None
+except ImportError as exc:  # macOS / Windows: Triton ships Linux wheels only.
+    triton = None
+    TRITON_IMPORT_ERROR = str(exc)
+
+if INTERPRET and triton is not None and hasattr(triton, "knobs"):
+    # Triton >= 3.4 also keeps the switch in its knobs; set both in case triton was imported earlier.
+    triton.knobs.runtime.interpret = True
+
+
+def require_triton() -> None:
+    """Raise a clear error when Triton is not importable (it has Linux wheels only)."""
+    if triton is None:
+        raise RuntimeError(
+            "Triton is not installed or failed to import "
+            f"({TRITON_IMPORT_ERROR}). Triton ships Linux wheels only: on macOS or Windows use Linux, "
+            "WSL 2 or a hosted notebook. The pure-PyTorch parts of course_lib still work."
+        )
+
+
+def pick(cpu, gpu):
+    """Choose a value by where the kernels run: `N = pick(cpu=256, gpu=8192)`.
+
+    Notebooks call this in one place near the top, so a reader sees every size the notebook uses."""
+    return gpu if ON_GPU else cpu
+
+
+def autotune(configs, key, **kwargs):
+    """`triton.autotune` on a GPU; on the interpreter, only the first config (the interpreter
+    cannot time configs, and autotune with more than one config fails there)."""
+    require_triton()
+    if INTERPRET:
+        configs = configs[:1]
+    return triton.autotune(configs=configs, key=key, **kwargs)

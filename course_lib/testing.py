@@ -1,0 +1,84 @@
+"""Random inputs and the accuracy rule that every attention implementation in the course is held to.
+
+The rule (used by tests and notebooks alike): an implementation's error against the float64
+reference may be at most `factor` (2) times the error of plain PyTorch standard attention computed
+in the same dtype as the inputs, plus a small floor. A kernel is judged against what its dtype
+allows, not against a tolerance picked to make it pass.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .reference import attention
+
+# Floors: absolute slack on top of 2x the same-dtype reference's error, per dtype.
+FLOOR = {torch.float64: 1e-10, torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}
+
+
+def random_qkv(
+    shape_q,
+    n_keys: int | None = None,
+    *,
+    dtype=torch.float32,
+    device=None,
+    transposed: bool = False,
+    scale: float = 1.0,
+    requires_grad: bool = False,
+    generator: torch.Generator | None = None,
+):
+    """Fresh standard-normal q (shape_q), k and v (shape_q with n_keys rows) times `scale`.
+
+    `transposed=True` returns non-contiguous views: the tensors are stored as (..., d, N) and
+    transposed, so kernels must honour strides. Never zeros: zeros hide indexing bugs."""
+    *lead, n_q, d = shape_q
+    n_k = n_q if n_keys is None else n_keys
+
+    def make(n):
+        if transposed:
+            t = torch.randn(*lead, d, n, generator=generator, dtype=torch.float32).transpose(-1, -2)
+        else:
+            t = torch.randn(*lead, n, d, generator=generator, dtype=torch.float32)
+        t = (t * scale).to(dtype=dtype, device=device)
+        if requires_grad:
+            t.requires_grad_(True)
+        return t
+
+    return make(n_q), make(n_k), make(n_k)
+
+
+def max_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """max |actual - expected| in float64; inf if either holds a NaN or inf that the other lacks."""
+    a, e = actual.detach().double().cpu(), expected.detach().double().cpu()
+    if a.shape != e.shape:
+        raise AssertionError(f"shape {tuple(a.shape)} != expected {tuple(e.shape)}")
+    if not torch.isfinite(a).all():
+        return float("inf")
+    return float((a - e).abs().max()) if a.numel() else 0.0
+
+
+def assert_close_to_reference(actual, reference64, baseline, what: str, factor: float = 2.0, floor=None):
+    """Assert error(actual) <= factor * error(baseline) + floor, both against `reference64`.
+
+    `baseline` is the same quantity computed by plain PyTorch in the inputs' dtype; `what` names the
+    case (shape, dtype, causal, device) in the failure message."""
+    floor = FLOOR.get(actual.dtype, 1e-3) if floor is None else floor
+    err, base = max_error(actual, reference64), max_error(baseline, reference64)
+    bound = factor * base + floor
+    if not err <= bound:
+        raise AssertionError(
+            f"{what}: max error {err:.3g} against the float64 reference exceeds {bound:.3g} "
+            f"(= {factor} x plain PyTorch's {base:.3g} in {actual.dtype} + floor {floor:.1g})"
+        )
+
+
+def reference_outputs(q, k, v, causal: bool, scale=None, grad_out=None):
+    """Forward (and, with grad_out, dq, dk, dv) of the standard reference on the given tensors.
+
+    Runs on detached copies, so it works for float64 references and same-dtype baselines alike."""
+    q, k, v = (t.detach().clone().requires_grad_(grad_out is not None) for t in (q, k, v))
+    o = attention(q, k, v, causal=causal, scale=scale)
+    if grad_out is None:
+        return o.detach(), None
+    o.backward(grad_out.to(o.dtype))
+    return o.detach(), (q.grad, k.grad, v.grad)
