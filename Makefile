@@ -10,6 +10,7 @@ EXTRAS     := $(if $(filter 1,$(PINNED)),course$(,)pinned,course)
 JOBS       ?= 2
 LAB_ARGS   ?=
 STUDENT    := build/student
+NOTEBOOK_DIR ?= notebooks
 NBVAL      := --nbval-lax --nbval-current-env --nbval-cell-timeout=900 --nbval-sanitize-with tests/nbval_sanitize.cfg
 
 .PHONY: help setup lab test test-gpu bench lint format notebooks student doctor clean
@@ -41,7 +42,7 @@ setup:
 
 lab:
 	@echo "==> make lab: JupyterLab on notebooks/ (start with 00_setup.ipynb)"
-	$(PYTHON) -m jupyter lab --notebook-dir=notebooks $(LAB_ARGS)
+	$(PYTHON) -m jupyter lab --notebook-dir=$(NOTEBOOK_DIR) $(LAB_ARGS)
 
 doctor:
 	@$(PYTHON) -m course_lib doctor
@@ -54,7 +55,7 @@ student:
 test: student
 	@echo "==> make test: doctor, then course_lib tests + notebooks/ + $(STUDENT)/ under nbval ($(JOBS) workers, CPU)"
 	@$(PYTHON) -m course_lib doctor
-	COURSE_DEVICE=cpu $(PYTHON) -m pytest -q -n $(JOBS) --dist loadfile -m "not gpu" $(NBVAL) \
+	COURSE_DEVICE=cpu $(PYTHON) -m pytest -q -n $(JOBS) --dist loadfile --durations=15 -m "not gpu" $(NBVAL) \
 		tests notebooks $(STUDENT)
 
 test-gpu:

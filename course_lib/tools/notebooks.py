@@ -22,8 +22,6 @@ import copy
 import sys
 from pathlib import Path
 
-import jupytext
-import nbformat
 
 ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOKS = ROOT / "notebooks"
@@ -37,6 +35,9 @@ def sources() -> list[Path]:
 
 def build(py: Path) -> str:
     """The .ipynb text for a percent-format source: outputs empty, ids numbered, kernelspec set."""
+    import jupytext  # imported here: a GPU machine without Jupyter still runs `sources()`
+    import nbformat
+
     nb = jupytext.read(py)
     nb.metadata.pop("jupytext", None)
     nb.metadata["kernelspec"] = KERNELSPEC
@@ -98,7 +99,7 @@ def _strip_solution_regions(source: str) -> tuple[str, bool]:
     return "\n".join(out), top_level
 
 
-def student_notebook(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
+def student_notebook(nb):
     """The student edition of an (instructor) notebook: solutions out, checks expected to fail."""
     nb = copy.deepcopy(nb)
     for cell in nb.cells:
@@ -118,6 +119,8 @@ def student_notebook(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
 
 
 def student(outdir: Path) -> None:
+    import nbformat
+
     outdir.mkdir(parents=True, exist_ok=True)
     for py in sources():
         nb = nbformat.reads(build(py), as_version=4)

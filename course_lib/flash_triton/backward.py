@@ -1,0 +1,526 @@
+"""FlashAttention-2 backward pass in Triton (notebook 07).
+
+Given dO, the backward needs dQ = dS K * scale, dK = dS^T Q * scale and dV = P^T dO, where
+P = exp(S * scale - L) is rebuilt tile by tile from the saved logsumexp L (no Nq x Nk matrix is ever
+stored) and dS = P * (dP - D) with dP = dO V^T and D = rowsum(dO * O).
+
+Three kernels:
+1. `_preprocess_kernel`: D = rowsum(dO * O), one float per query row (reads dO and O once).
+2. `_dkdv_kernel`: one program per block of BLOCK_N key rows. K and V stay on chip (registers /
+   shared memory) while the program loops over all query blocks that see them, streaming Q, dO, L
+   and D from HBM; dK and dV accumulate in fp32 registers and are written once.
+3. `_dq_kernel`: one program per block of BLOCK_M query rows. Q, dO, L, D stay on chip while the
+   program loops over the K/V blocks; dQ accumulates in fp32 registers and is written once.
+Splitting dQ from dK/dV costs recomputing S and dP (7 matrix products instead of 5) but needs no
+atomics: that is `dq_mode="two_kernel"` (the default). `dq_mode="atomic"` instead adds each
+program's dQ contribution into an fp32 buffer with `tl.atomic_add` inside the dK/dV kernel (one pass,
+5 products, but Nk / BLOCK_N read-modify-writes of every dQ element).
+
+Causal: blocks wholly above the diagonal are skipped; only diagonal blocks are masked (separate
+loop stages), as in the forward pass (`course_lib.flash_triton.forward`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import runtime
+from ..checks import default_scale
+from ..runtime import tl, triton
+from .forward import (
+    CPU_CONFIG,
+    LOG2E,
+    _tuner,
+    as_4d,
+    check_inputs,
+    cuda_device,
+    kernel_flags,
+    n_bucket,
+    row_mask,
+    split_config,
+    strides4,
+)
+
+DQ_MODES = ("two_kernel", "atomic")
+
+
+@triton.jit
+def _preprocess_kernel(
+    O, DO, Dlt,
+    stride_ob, stride_oh, stride_om, stride_od,
+    stride_dob, stride_doh, stride_dom, stride_dod,
+    H, N_Q,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, UPCAST: tl.constexpr,
+    ACC_DTYPE: tl.constexpr,
+):  # fmt: skip
+    """D[z, rows] = sum over d of dO * O for one block of BLOCK_M rows: reads 2 * BLOCK_M * d
+    elements, writes BLOCK_M floats (D is contiguous, (B * H, N_Q))."""
+    num_m = tl.cdiv(N_Q, BLOCK_M)
+    pid = tl.program_id(0)
+    off_hz = pid // num_m
+    start_m = pid % num_m
+    off_b = (off_hz // H).to(tl.int64)
+    off_h = (off_hz % H).to(tl.int64)
+    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = row_mask(offs_m, N_Q, offs_d, HEAD_DIM, BLOCK_D)
+    o = tl.load(
+        O + off_b * stride_ob + off_h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od,
+        mask=mask,
+        other=0.0,
+    )
+    do = tl.load(
+        DO
+        + off_b * stride_dob
+        + off_h * stride_doh
+        + offs_m[:, None] * stride_dom
+        + offs_d[None, :] * stride_dod,
+        mask=mask,
+        other=0.0,
+    )
+    delta = tl.sum(o.to(ACC_DTYPE) * do.to(ACC_DTYPE), axis=1)
+    tl.store(Dlt + off_hz.to(tl.int64) * N_Q + offs_m, delta, mask=offs_m < N_Q)
+
+
+@triton.jit
+def _dkdv_inner(
+    dk, dv, k, v,  # accumulators and this program's K, V blocks (all on chip)
+    q_base, do_base, l_base, d_base, dq_base,
+    stride_qm, stride_qd, stride_dom, stride_dod, stride_lm, stride_dqm, stride_dqd,
+    offs_n, offs_m, offs_d, lo, hi, N_Q, N_K, qk_scale, sm_scale,
+    MASK: tl.constexpr, CAUSAL: tl.constexpr, EXP2: tl.constexpr, ATOMIC: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, ACC_DTYPE: tl.constexpr,
+):  # fmt: skip
+    """Accumulate dK, dV of one K/V block over the query blocks lo, lo + BLOCK_M, ... < hi.
+
+    The tiles are computed transposed, (BLOCK_N, BLOCK_M): S^T = K Q^T, so P^T and dS^T come out
+    ready for dV += P^T dO and dK += dS^T Q without moving a tile between layouts. Query rows past
+    N_Q load L = +inf, so their P is exactly 0 and they add nothing even in an unmasked stage."""
+    q_ptrs = q_base + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd
+    do_ptrs = do_base + offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod
+    for start_m in range(lo, hi, BLOCK_M):
+        start_m = tl.multiple_of(start_m, BLOCK_M)
+        rows = start_m + offs_m
+        q_mask = row_mask(rows, N_Q, offs_d, HEAD_DIM, BLOCK_D)
+        # Q and dO blocks: HBM -> shared memory, 2 * BLOCK_M * d elements per step (coalesced rows).
+        q = tl.load(q_ptrs + start_m * stride_qm, mask=q_mask, other=0.0)
+        if UPCAST:
+            q = q.to(tl.float32)
+        lse = tl.load(l_base + rows * stride_lm, mask=rows < N_Q, other=float("inf"))  # L: BLOCK_M floats
+        sT = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION, out_dtype=ACC_DTYPE)  # (BLOCK_N, BLOCK_M)
+        if MASK:
+            visible = offs_n[:, None] < N_K
+            if CAUSAL:
+                visible = visible & (rows[None, :] >= offs_n[:, None])
+            sT = tl.where(visible, sT, float("-inf"))  # masked before exp: P^T = exactly 0 there
+        if EXP2:
+            pT = tl.math.exp2(sT * qk_scale - (lse * LOG2E)[None, :])
+        else:
+            pT = tl.exp(sT * qk_scale - lse[None, :])
+        do = tl.load(do_ptrs + start_m * stride_dom, mask=q_mask, other=0.0)
+        if UPCAST:
+            do = do.to(tl.float32)
+        dv += tl.dot(pT.to(do.dtype), do, input_precision=DOT_PRECISION, out_dtype=ACC_DTYPE)
+        delta = tl.load(d_base + rows, mask=rows < N_Q, other=0.0)  # D: BLOCK_M floats
+        dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION, out_dtype=ACC_DTYPE)  # (dO V^T)^T
+        dsT = pT * (dpT - delta[None, :])
+        dk += tl.dot(dsT.to(q.dtype), q, input_precision=DOT_PRECISION, out_dtype=ACC_DTYPE)
+        if ATOMIC:
+            # this K/V block's share of dQ = dS K * scale, added into the fp32 dQ buffer in HBM
+            dq = tl.dot(tl.trans(dsT.to(k.dtype)), k, input_precision=DOT_PRECISION, out_dtype=ACC_DTYPE)
+            dq_ptrs = dq_base + rows[:, None] * stride_dqm + offs_d[None, :] * stride_dqd
+            tl.atomic_add(dq_ptrs, dq * sm_scale, mask=q_mask)
+    return dk, dv
+
+
+@triton.jit
+def _dkdv_kernel(
+    Q, K, V, DO, L, Dlt, DQ, DK, DV, sm_scale,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_dob, stride_doh, stride_dom, stride_dod,
+    stride_lb, stride_lh, stride_lm,
+    stride_dqb, stride_dqh, stride_dqm, stride_dqd,
+    stride_dkb, stride_dkh, stride_dkn, stride_dkd,
+    stride_dvb, stride_dvh, stride_dvn, stride_dvd,
+    H, N_Q, N_K, N_BUCKET,
+    CAUSAL: tl.constexpr, EXP2: tl.constexpr, SKIP_MASKED: tl.constexpr, ATOMIC: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, ACC_DTYPE: tl.constexpr,
+):  # fmt: skip
+    """dK, dV for one block of BLOCK_N key rows of one (batch, head); with ATOMIC also dQ (added).
+
+    Grid: (cdiv(N_K, BLOCK_N) * B * H,)."""
+    num_n = tl.cdiv(N_K, BLOCK_N)
+    pid = tl.program_id(0)
+    off_hz = pid // num_n
+    start_n = (pid % num_n) * BLOCK_N  # causal: the first key blocks have the most work; they start first
+    off_b = (off_hz // H).to(tl.int64)
+    off_h = (off_hz % H).to(tl.int64)
+    q_base = Q + off_b * stride_qb + off_h * stride_qh
+    do_base = DO + off_b * stride_dob + off_h * stride_doh
+    l_base = L + off_b * stride_lb + off_h * stride_lh
+    d_base = Dlt + off_hz.to(tl.int64) * N_Q
+    dq_base = DQ + off_b * stride_dqb + off_h * stride_dqh
+
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    kv_mask = row_mask(offs_n, N_K, offs_d, HEAD_DIM, BLOCK_D)
+    # K and V blocks: HBM -> on chip once, 2 * BLOCK_N * d elements, reused for every query block.
+    k = tl.load(
+        K + off_b * stride_kb + off_h * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
+        mask=kv_mask,
+        other=0.0,
+    )
+    v = tl.load(
+        V + off_b * stride_vb + off_h * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
+        mask=kv_mask,
+        other=0.0,
+    )
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=ACC_DTYPE)  # fp32 accumulators, registers
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=ACC_DTYPE)
+    if EXP2:
+        qk_scale = sm_scale * LOG2E
+    else:
+        qk_scale = sm_scale
+
+    n_q_pad = tl.cdiv(N_Q, BLOCK_M) * BLOCK_M
+    if SKIP_MASKED:
+        if CAUSAL:
+            # Query blocks wholly before start_n see none of these keys: skipped. Blocks that straddle
+            # the diagonal: masked stage. Blocks after it see every key of the block: unmasked stage.
+            lo = (start_n // BLOCK_M) * BLOCK_M
+            mid = tl.minimum(tl.cdiv(start_n + BLOCK_N - 1, BLOCK_M) * BLOCK_M, n_q_pad)
+            dk, dv = _dkdv_inner(
+                dk, dv, k, v, q_base, do_base, l_base, d_base, dq_base,
+                stride_qm, stride_qd, stride_dom, stride_dod, stride_lm, stride_dqm, stride_dqd,
+                offs_n, offs_m, offs_d, lo, mid, N_Q, N_K, qk_scale, sm_scale,
+                True, CAUSAL, EXP2, ATOMIC, HEAD_DIM, BLOCK_D, BLOCK_M, UPCAST, DOT_PRECISION, ACC_DTYPE,
+            )  # fmt: skip
+        else:
+            mid = 0
+        # Unmasked stage. In atomic mode it is masked too: the zero-filled keys past N_K of a ragged last
+        # block would otherwise add exp(-L) * (dP - D) * 0 terms, which overflow to NaN when L << 0.
+        dk, dv = _dkdv_inner(
+            dk, dv, k, v, q_base, do_base, l_base, d_base, dq_base,
+            stride_qm, stride_qd, stride_dom, stride_dod, stride_lm, stride_dqm, stride_dqd,
+            offs_n, offs_m, offs_d, mid, n_q_pad, N_Q, N_K, qk_scale, sm_scale,
+            ATOMIC, CAUSAL, EXP2, ATOMIC, HEAD_DIM, BLOCK_D, BLOCK_M, UPCAST, DOT_PRECISION, ACC_DTYPE,
+        )  # fmt: skip
+    else:
+        # The naive loop: every query block, every tile masked.
+        dk, dv = _dkdv_inner(
+            dk, dv, k, v, q_base, do_base, l_base, d_base, dq_base,
+            stride_qm, stride_qd, stride_dom, stride_dod, stride_lm, stride_dqm, stride_dqd,
+            offs_n, offs_m, offs_d, 0, n_q_pad, N_Q, N_K, qk_scale, sm_scale,
+            True, CAUSAL, EXP2, ATOMIC, HEAD_DIM, BLOCK_D, BLOCK_M, UPCAST, DOT_PRECISION, ACC_DTYPE,
+        )  # fmt: skip
+
+    # dK = dS^T Q * scale and dV: registers -> HBM once, 2 * BLOCK_N * d elements.
+    dk = dk * sm_scale
+    dk_ptrs = (
+        DK
+        + off_b * stride_dkb
+        + off_h * stride_dkh
+        + offs_n[:, None] * stride_dkn
+        + offs_d[None, :] * stride_dkd
+    )
+    dv_ptrs = (
+        DV
+        + off_b * stride_dvb
+        + off_h * stride_dvh
+        + offs_n[:, None] * stride_dvn
+        + offs_d[None, :] * stride_dvd
+    )
+    tl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=kv_mask)
+    tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=kv_mask)
+
+
+@triton.jit
+def _dq_inner(
+    dq, q, do, lse, delta,  # dQ accumulator and this program's Q, dO, L, D (all on chip)
+    k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+    offs_m, offs_n, offs_d, lo, hi, N_K, qk_scale,
+    MASK: tl.constexpr, CAUSAL: tl.constexpr, EXP2: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, ACC_DTYPE: tl.constexpr,
+):  # fmt: skip
+    """Accumulate dQ of one query block over the K/V blocks lo, lo + BLOCK_N, ... < hi."""
+    k_ptrs = k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd
+    v_ptrs = v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd
+    for start_n in range(lo, hi, BLOCK_N):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        cols = start_n + offs_n
+        kv_mask = row_mask(cols, N_K, offs_d, HEAD_DIM, BLOCK_D)
+        # K and V blocks: HBM -> shared memory, 2 * BLOCK_N * d elements per step (coalesced rows).
+        k = tl.load(k_ptrs + start_n * stride_kn, mask=kv_mask, other=0.0)
+        v = tl.load(v_ptrs + start_n * stride_vn, mask=kv_mask, other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION, out_dtype=ACC_DTYPE)  # (BLOCK_M, BLOCK_N)
+        if MASK:
+            visible = cols[None, :] < N_K
+            if CAUSAL:
+                visible = visible & (offs_m[:, None] >= cols[None, :])
+            s = tl.where(visible, s, float("-inf"))  # masked before exp: P = exactly 0 there
+        if EXP2:
+            p = tl.math.exp2(s * qk_scale - lse[:, None])  # lse already in base-2 units here
+        else:
+            p = tl.exp(s * qk_scale - lse[:, None])
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION, out_dtype=ACC_DTYPE)
+        ds = p * (dp - delta[:, None])
+        dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION, out_dtype=ACC_DTYPE)
+    return dq
+
+
+@triton.jit
+def _dq_kernel(
+    Q, K, V, DO, L, Dlt, DQ, sm_scale,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_dob, stride_doh, stride_dom, stride_dod,
+    stride_lb, stride_lh, stride_lm,
+    stride_dqb, stride_dqh, stride_dqm, stride_dqd,
+    H, N_Q, N_K, N_BUCKET,
+    CAUSAL: tl.constexpr, EXP2: tl.constexpr, SKIP_MASKED: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, ACC_DTYPE: tl.constexpr,
+):  # fmt: skip
+    """dQ for one block of BLOCK_M query rows of one (batch, head). Grid: (cdiv(N_Q, BLOCK_M) * B * H,)."""
+    num_m = tl.cdiv(N_Q, BLOCK_M)
+    pid = tl.program_id(0)
+    off_hz = pid // num_m
+    start_m = pid % num_m
+    if CAUSAL:
+        start_m = num_m - 1 - start_m  # the longest rows start first
+    off_b = (off_hz // H).to(tl.int64)
+    off_h = (off_hz % H).to(tl.int64)
+    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    q_mask = row_mask(offs_m, N_Q, offs_d, HEAD_DIM, BLOCK_D)
+    # Q, dO blocks: HBM -> on chip once (2 * BLOCK_M * d elements); L and D: BLOCK_M floats each.
+    q = tl.load(
+        Q + off_b * stride_qb + off_h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
+        mask=q_mask,
+        other=0.0,
+    )
+    do = tl.load(
+        DO
+        + off_b * stride_dob
+        + off_h * stride_doh
+        + offs_m[:, None] * stride_dom
+        + offs_d[None, :] * stride_dod,
+        mask=q_mask,
+        other=0.0,
+    )
+    if UPCAST:
+        q = q.to(tl.float32)
+        do = do.to(tl.float32)
+    lse = tl.load(
+        L + off_b * stride_lb + off_h * stride_lh + offs_m * stride_lm, mask=offs_m < N_Q, other=0.0
+    )
+    delta = tl.load(Dlt + off_hz.to(tl.int64) * N_Q + offs_m, mask=offs_m < N_Q, other=0.0)
+    if EXP2:
+        qk_scale = sm_scale * LOG2E
+        lse = lse * LOG2E
+    else:
+        qk_scale = sm_scale
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=ACC_DTYPE)  # fp32 accumulator, registers
+    k_base = K + off_b * stride_kb + off_h * stride_kh
+    v_base = V + off_b * stride_vb + off_h * stride_vh
+
+    n_k_pad = tl.cdiv(N_K, BLOCK_N) * BLOCK_N
+    if SKIP_MASKED:
+        # Stage 1, unmasked: K/V blocks every row sees. Stage 2, masked: causal diagonal blocks and the
+        # ragged last block (whose zero-filled keys must not reach dQ). Blocks above the diagonal: skipped.
+        hi_full = (N_K // BLOCK_N) * BLOCK_N
+        if CAUSAL:
+            hi_full = tl.minimum(hi_full, (start_m * BLOCK_M // BLOCK_N) * BLOCK_N)
+            hi_masked = tl.minimum((start_m + 1) * BLOCK_M, N_K)
+        else:
+            hi_masked = N_K
+        dq = _dq_inner(
+            dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+            offs_m, offs_n, offs_d, 0, hi_full, N_K, qk_scale,
+            False, CAUSAL, EXP2, HEAD_DIM, BLOCK_D, BLOCK_N, UPCAST, DOT_PRECISION, ACC_DTYPE,
+        )  # fmt: skip
+        dq = _dq_inner(
+            dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+            offs_m, offs_n, offs_d, hi_full, hi_masked, N_K, qk_scale,
+            True, CAUSAL, EXP2, HEAD_DIM, BLOCK_D, BLOCK_N, UPCAST, DOT_PRECISION, ACC_DTYPE,
+        )  # fmt: skip
+    else:
+        dq = _dq_inner(
+            dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+            offs_m, offs_n, offs_d, 0, n_k_pad, N_K, qk_scale,
+            True, CAUSAL, EXP2, HEAD_DIM, BLOCK_D, BLOCK_N, UPCAST, DOT_PRECISION, ACC_DTYPE,
+        )  # fmt: skip
+    # dQ = dS K * scale: registers -> HBM once, BLOCK_M * d elements.
+    dq = dq * sm_scale
+    dq_ptrs = (
+        DQ
+        + off_b * stride_dqb
+        + off_h * stride_dqh
+        + offs_m[:, None] * stride_dqm
+        + offs_d[None, :] * stride_dqd
+    )
+    tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=q_mask)
+
+
+# --------------------------------------------------------------------------------------------------
+# Launch configurations
+# --------------------------------------------------------------------------------------------------
+PRE_BLOCK_M = 64 if not runtime.INTERPRET else 32
+# Fixed defaults on a GPU when a `config` dict names only some launch keys (BLOCK_M, BLOCK_N apply to
+# both kernels unless BLOCK_M1/BLOCK_N1 (dK/dV) or BLOCK_M2/BLOCK_N2 (dQ) are given).
+GPU_DEFAULT = dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)
+# Hopper candidates (BLOCK_M1, BLOCK_N1, num_warps, num_stages) for dK/dV: a tall K/V block (BLOCK_N1)
+# amortises its on-chip residency, short query steps (BLOCK_M1) keep the transposed tiles small.
+GPU_DKDV_CANDIDATES = [
+    (32, 128, 4, 3),
+    (32, 128, 8, 3),
+    (64, 128, 8, 2),
+    (64, 128, 8, 3),
+    (32, 64, 4, 3),
+    (64, 64, 4, 2),
+    (32, 64, 8, 3),
+    (64, 64, 8, 2),
+]
+# (BLOCK_M2, BLOCK_N2, num_warps, num_stages) for dQ: a tall query block, short K/V steps.
+GPU_DQ_CANDIDATES = [
+    (128, 32, 4, 3),
+    (128, 32, 8, 3),
+    (128, 64, 8, 2),
+    (128, 64, 8, 3),
+    (64, 64, 4, 3),
+    (64, 32, 4, 3),
+    (128, 128, 8, 2),
+]
+_TUNE_KEY = ["N_BUCKET", "HEAD_DIM", "CAUSAL", "EXP2", "SKIP_MASKED"]
+_DKDV = dict(small=(32, 64, 4, 2), wide=(32, 32, 4, 2), huge=(32, 64, 8, 2))
+_dkdv_tuned = _tuner(_dkdv_kernel, GPU_DKDV_CANDIDATES, key=_TUNE_KEY + ["ATOMIC"], **_DKDV)
+# The atomic variant adds into DQ: the tuner must zero it before each timed run.
+_dkdv_atomic_tuned = _tuner(
+    _dkdv_kernel, GPU_DKDV_CANDIDATES, key=_TUNE_KEY + ["ATOMIC"], reset_to_zero=["DQ"], **_DKDV
+)
+_dq_tuned = _tuner(
+    _dq_kernel,
+    GPU_DQ_CANDIDATES,
+    key=_TUNE_KEY,
+    small=(64, 32, 4, 2),
+    wide=(32, 32, 4, 2),
+    huge=(64, 32, 8, 2),
+)
+
+
+def backward(
+    do,
+    q,
+    k,
+    v,
+    o,
+    L,
+    causal: bool = False,
+    scale: float | None = None,
+    config: dict | None = None,
+    dq_mode: str = "two_kernel",
+):
+    """FlashAttention-2 backward: (dQ, dK, dV) from dO, the inputs and the forward's O and L.
+
+    do, q, o: (Z, Nq, d); k, v: (Z, Nk, d); L: (Z, Nq) logsumexp in natural-log units, as returned
+    by `forward.forward` (any number of leading dims also works; any strides). Returns dq, dk, dv with
+    the shapes and dtype of q, k, v (contiguous). Nothing of size Nq x Nk is allocated.
+
+    dq_mode: "two_kernel" (default) — a dK/dV kernel and a separate dQ kernel, no atomics;
+             "atomic" — one dK/dV kernel that also adds dQ into an fp32 buffer with tl.atomic_add.
+    config (dict, optional): BLOCK_M, BLOCK_N (for both kernels; BLOCK_M1/BLOCK_N1 and
+    BLOCK_M2/BLOCK_N2 override them for the dK/dV and dQ kernels), num_warps, num_stages, and the
+    switches exp2 and skip_masked_blocks (see `forward.forward`). config=None: tuned defaults."""
+    check_inputs(q, k, v, where="flash_triton.backward")
+    for name, t, like in (("do", do, q), ("o", o, q)):
+        if not isinstance(t, torch.Tensor) or t.shape != like.shape or t.dtype != like.dtype:
+            raise ValueError(
+                f"flash_triton.backward: {name} must match q in shape and dtype; got "
+                f"{getattr(t, 'shape', type(t))} {getattr(t, 'dtype', '')}, q {tuple(q.shape)} {q.dtype}"
+            )
+    if not isinstance(L, torch.Tensor) or L.shape != q.shape[:-1]:
+        raise ValueError(
+            f"flash_triton.backward: L must have shape q.shape[:-1] = {tuple(q.shape[:-1])}; "
+            f"got {getattr(L, 'shape', type(L))}"
+        )
+    if dq_mode not in DQ_MODES:
+        raise ValueError(f"flash_triton.backward: dq_mode must be one of {DQ_MODES}, got {dq_mode!r}")
+    scale = default_scale(q.shape[-1], scale)
+    launch, switches = split_config(config, CPU_CONFIG if runtime.INTERPRET else GPU_DEFAULT)
+    return _backward(do, q, k, v, o, L, bool(causal), scale, launch, switches, dq_mode)
+
+
+def _backward(do, q, k, v, o, L, causal, scale, launch, switches, dq_mode):
+    """Launch the three kernels on validated inputs (no checks here)."""
+    q4, k4, v4, o4, do4 = as_4d(q), as_4d(k), as_4d(v), as_4d(o), as_4d(do)
+    l3 = L.reshape(q4.shape[:-1])
+    B, H, n_q, d = q4.shape
+    n_k = k4.shape[2]
+    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    dk4, dv4 = as_4d(dk), as_4d(dv)
+    acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    delta = torch.empty((B * H, n_q), dtype=acc_dtype, device=q.device)  # D, contiguous
+    atomic = dq_mode == "atomic"
+    if atomic:
+        dq_acc = torch.zeros(q4.shape, dtype=acc_dtype, device=q.device)  # fp32 dQ, added to atomically
+    else:
+        dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        dq_acc = as_4d(dq)
+    flags = kernel_flags(q.dtype)
+    block_d = max(16, triton.next_power_of_2(d))
+    common = dict(CAUSAL=causal, HEAD_DIM=d, BLOCK_D=block_d, **switches, **flags)
+    bucket = n_bucket(max(n_q, n_k))
+
+    with cuda_device(q):
+        _preprocess_kernel[(triton.cdiv(n_q, PRE_BLOCK_M) * B * H,)](
+            o4, do4, delta, *strides4(o4), *strides4(do4), H, n_q,
+            HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=PRE_BLOCK_M,
+            UPCAST=flags["UPCAST"], ACC_DTYPE=flags["ACC_DTYPE"],
+        )  # fmt: skip
+        kv_args = (
+            q4, k4, v4, do4, l3, delta, dq_acc, dk4, dv4, scale,
+            *strides4(q4), *strides4(k4), *strides4(v4), *strides4(do4), *l3.stride(),
+            *strides4(dq_acc), *strides4(dk4), *strides4(dv4), H, n_q, n_k, bucket,
+        )  # fmt: skip
+        if launch is None:
+            tuned = _dkdv_atomic_tuned if atomic else _dkdv_tuned
+            tuned[lambda META: (triton.cdiv(n_k, META["BLOCK_N"]) * B * H,)](
+                *kv_args, ATOMIC=atomic, **common
+            )
+        else:
+            bm, bn = launch.get("BLOCK_M1", launch["BLOCK_M"]), launch.get("BLOCK_N1", launch["BLOCK_N"])
+            _dkdv_kernel[(triton.cdiv(n_k, bn) * B * H,)](
+                *kv_args, ATOMIC=atomic, **common, BLOCK_M=bm, BLOCK_N=bn,
+                num_warps=launch["num_warps"], num_stages=launch["num_stages"],
+            )  # fmt: skip
+        if atomic:
+            return dq_acc.to(q.dtype).view(q.shape), dk, dv
+        q_args = (
+            q4, k4, v4, do4, l3, delta, dq_acc, scale,
+            *strides4(q4), *strides4(k4), *strides4(v4), *strides4(do4), *l3.stride(),
+            *strides4(dq_acc), H, n_q, n_k, bucket,
+        )  # fmt: skip
+        if launch is None:
+            _dq_tuned[lambda META: (triton.cdiv(n_q, META["BLOCK_M"]) * B * H,)](*q_args, **common)
+        else:
+            bm, bn = launch.get("BLOCK_M2", launch["BLOCK_M"]), launch.get("BLOCK_N2", launch["BLOCK_N"])
+            _dq_kernel[(triton.cdiv(n_q, bm) * B * H,)](
+                *q_args, **common, BLOCK_M=bm, BLOCK_N=bn,
+                num_warps=launch["num_warps"], num_stages=launch["num_stages"],
+            )  # fmt: skip
+    return dq, dk, dv

@@ -1,0 +1,250 @@
+"""Plots for the course: benchmark series, bar charts and the roofline, readable on a projector;
+and `print_table` for the same results as text.
+
+Taught in notebook 01 (the roofline), used from notebook 00 on. Every plotting function draws on `ax`
+(or a new figure), sets axis labels (give the units: "time (ms)"), a title (state the finding, not the
+topic) and large fonts, and returns the Axes. Call `plt.show()` after it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import matplotlib.pyplot as plt
+import numpy as np
+
+FONT = {"title": 15, "label": 14, "ticks": 12, "legend": 12, "note": 11}
+FIGSIZE = (9.5, 5.5)
+
+
+def _axes(ax, figsize=FIGSIZE):
+    if ax is None:
+        _, ax = plt.subplots(figsize=figsize, layout="constrained")
+    return ax
+
+
+def _require_text(**texts) -> None:
+    for name, text in texts.items():
+        if not isinstance(text, str) or not text.strip():
+            raise ValueError(f"{name} must be a non-empty string (with units for axis labels), got {text!r}")
+
+
+def _finish(ax, xlabel: str, ylabel: str, title: str):
+    ax.set_xlabel(xlabel, fontsize=FONT["label"])
+    ax.set_ylabel(ylabel, fontsize=FONT["label"])
+    ax.set_title(title, fontsize=FONT["title"])
+    ax.tick_params(labelsize=FONT["ticks"])
+    ax.grid(True, which="major", alpha=0.35)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=FONT["legend"])
+    return ax
+
+
+def _as_float(values, what: str) -> np.ndarray:
+    """Numbers as a float array; None (a missing point, e.g. out of memory) becomes NaN, a gap in the line."""
+    try:
+        return np.array([np.nan if v is None else float(v) for v in values], dtype=float)
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"{what} must hold numbers or None, got {list(values)!r}") from exc
+
+
+def plot_series(
+    x,
+    series: dict,
+    *,
+    xlabel: str,
+    ylabel: str,
+    title: str,
+    logx: bool = False,
+    logy: bool = False,
+    ax=None,
+    marker: str = "o",
+):
+    """One line per entry of `series` ({label: values}), all against `x`; None values leave a gap.
+
+    Returns the Axes. Raises ValueError if a series' length differs from x's, naming the series."""
+    _require_text(xlabel=xlabel, ylabel=ylabel, title=title)
+    if not isinstance(series, dict) or not series:
+        raise ValueError("series must be a non-empty dict {label: list of values}")
+    xs = _as_float(x, "x")
+    ax = _axes(ax)
+    for label, values in series.items():
+        ys = _as_float(values, f"series {label!r}")
+        if len(ys) != len(xs):
+            raise ValueError(f"series {label!r} has {len(ys)} values but x has {len(xs)}")
+        ax.plot(xs, ys, marker=marker, linewidth=2, markersize=7, label=str(label))
+    if logx:
+        ax.set_xscale("log", base=2 if _all_powers_of_two(xs) else 10)
+    if logy:
+        ax.set_yscale("log")
+    return _finish(ax, xlabel, ylabel, title)
+
+
+def _all_powers_of_two(xs: np.ndarray) -> bool:
+    return bool(len(xs)) and all(v > 0 and float(v).is_integer() and (int(v) & (int(v) - 1)) == 0 for v in xs)
+
+
+def bar_chart(
+    labels,
+    values,
+    *,
+    xlabel: str,
+    ylabel: str,
+    title: str,
+    ax=None,
+    horizontal: bool = False,
+    logy: bool = False,
+    fmt: str = "{:.3g}",
+    annotate: bool = True,
+):
+    """Bars for `labels`: `values` is a list (one bar per label) or a dict {series: list} (grouped bars).
+
+    With horizontal=True the bars run left to right, labels on the y axis (then `xlabel` names the
+    values). Each bar is annotated with its value formatted by `fmt`. Returns the Axes."""
+    _require_text(xlabel=xlabel, ylabel=ylabel, title=title)
+    labels = [str(label) for label in labels]
+    groups = values if isinstance(values, dict) else {"": values}
+    for name, vals in groups.items():
+        if len(vals) != len(labels):
+            raise ValueError(f"bar_chart: series {name!r} has {len(vals)} values for {len(labels)} labels")
+    ax = _axes(ax)
+    pos = np.arange(len(labels))
+    width = 0.8 / len(groups)
+    for i, (name, vals) in enumerate(groups.items()):
+        vals = _as_float(vals, f"series {name!r}")
+        offset = pos - 0.4 + width * (i + 0.5)
+        draw = ax.barh if horizontal else ax.bar
+        bars = draw(offset, vals, width * 0.9, label=name or None)
+        if annotate:
+            ax.bar_label(
+                bars,
+                labels=[fmt.format(v) if math.isfinite(v) else "" for v in vals],
+                fontsize=FONT["note"],
+                padding=3,
+            )
+    if horizontal:
+        ax.set_yticks(pos, labels)
+        ax.invert_yaxis()
+        if logy:
+            ax.set_xscale("log")
+        ax.margins(x=0.15)
+    else:
+        ax.set_xticks(pos, labels)
+        if logy:
+            ax.set_yscale("log")
+        ax.margins(y=0.25)
+    return _finish(ax, xlabel, ylabel, title)
+
+
+def roofline(
+    ceilings,
+    points=(),
+    *,
+    title: str,
+    ax=None,
+    xlabel: str = "arithmetic intensity (FLOP/byte)",
+    ylabel: str = "performance (TFLOP/s)",
+    intensity_range=None,
+):
+    """The roofline model: for each ceiling, performance = min(peak, bandwidth x intensity); operations
+    as points at (intensity, achieved TFLOP/s).
+
+    ceilings: list of (label, peak_tflops, bandwidth_gbps); the ridge point (the machine balance) is
+    marked. points: dicts with "name", "flops", "bytes", "ms" (as `hardware.measure_operations` returns),
+    optionally "label" (a legend group, default: the first ceiling's device). Returns the Axes."""
+    _require_text(title=title, xlabel=xlabel, ylabel=ylabel)
+    ceilings = list(ceilings)
+    if not ceilings:
+        raise ValueError("roofline needs at least one ceiling (label, peak_tflops, bandwidth_gbps)")
+    for c in ceilings:
+        if len(c) != 3 or not all(isinstance(v, (int, float)) and v > 0 for v in c[1:]):
+            raise ValueError(f"a ceiling is (label, peak_tflops > 0, bandwidth_gbps > 0), got {c!r}")
+    points = list(points)
+    intensities = [p["flops"] / p["bytes"] for p in points]
+    ridges = [peak * 1e3 / bw for _, peak, bw in ceilings]
+    if intensity_range is None:
+        lo = min(intensities + ridges) / 4
+        hi = max(intensities + ridges) * 4
+    else:
+        lo, hi = intensity_range
+    ax = _axes(ax, figsize=(11, 8.5))
+    xs = np.logspace(math.log10(lo), math.log10(hi), 200)
+    for i, ((label, peak, bw), ridge) in enumerate(zip(ceilings, ridges)):
+        color = f"C{i}"
+        ax.plot(
+            xs,
+            np.minimum(peak, bw * xs / 1e3),
+            color=color,
+            linewidth=2.5,
+            label=f"{label}: {peak:.3g} TFLOP/s, {bw:.4g} GB/s",
+        )
+        ax.axvline(ridge, color=color, linestyle=":", linewidth=1.2)
+        ax.annotate(
+            f"ridge {ridge:.3g}",
+            (ridge, peak),
+            textcoords="offset points",
+            xytext=(4, 6),
+            fontsize=FONT["note"],
+            color=color,
+        )
+    groups: dict[str, list] = {}
+    for p, inten in zip(points, intensities):
+        groups.setdefault(p.get("label", "measured"), []).append((p, inten))
+    markers = "osD^v"
+    for j, (group, members) in enumerate(groups.items()):
+        achieved = [p["flops"] / (p["ms"] * 1e9) for p, _ in members]
+        ax.scatter(
+            [i for _, i in members],
+            achieved,
+            s=70,
+            marker=markers[j % len(markers)],
+            color="black",
+            zorder=5,
+            label=f"operations ({group})",
+        )
+        by_intensity = sorted(zip(members, achieved), key=lambda m: m[0][1])
+        for i, ((p, inten), y) in enumerate(by_intensity):
+            ax.annotate(  # alternate above and below, so that neighbours' names do not overlap
+                p["name"],
+                (inten, y),
+                textcoords="offset points",
+                xytext=(6, 6 if i % 2 else -12),
+                fontsize=FONT["note"],
+            )
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlim(lo, hi)
+    _finish(ax, xlabel, ylabel, title)
+    ax.legend(fontsize=FONT["legend"], loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=1)
+    return ax
+
+
+def print_table(rows, columns=None, fmt: str = "{:.3g}") -> None:
+    """Print a list of dicts as an aligned text table; floats formatted with `fmt`, None as "-"."""
+    rows = list(rows)
+    if not rows:
+        print("(no rows)")
+        return
+    columns = list(columns or rows[0].keys())
+
+    def cell(v):
+        if v is None:
+            return "-"
+        if isinstance(v, float):
+            return fmt.format(v)
+        return str(v)
+
+    text = [[cell(row.get(c)) for c in columns] for row in rows]
+    widths = [max(len(c), *(len(t[i]) for t in text)) for i, c in enumerate(columns)]
+    print("  ".join(c.ljust(w) for c, w in zip(columns, widths)))
+    print("  ".join("-" * w for w in widths))
+    for t in text:
+        print("  ".join(v.rjust(w) if _numeric(v) else v.ljust(w) for v, w in zip(t, widths)))
+
+
+def _numeric(text: str) -> bool:
+    try:
+        float(text.replace(",", ""))
+        return True
+    except ValueError:
+        return False

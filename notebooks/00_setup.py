@@ -1,0 +1,194 @@
+# ---
+# jupyter:
+#   jupytext:
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 00 · Setup and a tour of the course
+#
+# **FlashAttention from First Principles** takes you from the roofline model to a fast FlashAttention-2
+# written in Triton, forward and backward. Every notebook runs on a laptop CPU; on a CUDA GPU the same
+# notebooks compile their kernels and run at real sizes.
+#
+# **Learning goals of this notebook**
+# 1. Check that your environment works, and know whether your Triton kernels are *compiled* (GPU) or
+#    *interpreted* (CPU).
+# 2. Know where notebook sizes come from, and how GPU figures reach you when you have no GPU.
+# 3. Know how the course is laid out, and how homework imports `course_lib`.
+# 4. Do one small exercise and see how exercises are checked.
+
+# %% [markdown]
+# ## 1. The environment doctor
+#
+# `import course_lib` makes one decision before anything else: where Triton kernels run.
+# With a CUDA GPU they are compiled to GPU code. Without one, Triton's **interpreter** runs each kernel in
+# Python on the CPU, one program instance after another: the results are the same, the speed is not
+# (thousands of times slower), so CPU notebooks use small sizes.
+#
+# The doctor prints what you run with and flags known-bad combinations. The same report is available
+# from a terminal: `python -m course_lib doctor`.
+
+# %%
+import course_lib
+from course_lib.doctor import doctor
+
+healthy = doctor()
+assert healthy, "The doctor found a problem: read its PROBLEMS list above and apply the fix it gives."
+
+# %% [markdown]
+# ## 2. CPU or GPU: one decision, one place for sizes
+#
+# The decision is exposed as `course_lib.RUNTIME` (with `DEVICE`, `ON_GPU`, `INTERPRET`). Each notebook
+# chooses its sizes in one cell near the top with `course_lib.pick(cpu=..., gpu=...)`, so you can see at a
+# glance what it will run. On a GPU you may raise them; on a CPU, keep them small.
+#
+# To run the CPU path on a GPU machine (to see what a laptop learner sees), start Jupyter with
+# `COURSE_DEVICE=cpu make lab`.
+
+# %%
+print("device      :", course_lib.DEVICE)
+print("interpreted :", course_lib.INTERPRET)
+print("why         :", course_lib.RUNTIME.reason)
+
+# The sizes this notebook uses, chosen in one place:
+N_TOUR = course_lib.pick(cpu=[64, 128, 256, 512], gpu=[1024, 2048, 4096, 8192])
+HEAD_DIM = 64
+
+# %% [markdown]
+# ## 3. A first look: attention's cost grows with N²
+#
+# `course_lib.reference.attention` is standard attention written the obvious way: it builds the full
+# N × N score matrix. Every kernel in the course is tested against it (in float64). Let us time it as the
+# sequence length N doubles. If its cost were dominated by the N × N matrices, each doubling should cost
+# about **4×**. We predict, then measure.
+
+# %%
+import torch
+
+from course_lib.plotting import plot_series
+from course_lib.reference import attention
+from course_lib.timing import benchmark
+
+times_ms = []
+for n in N_TOUR:
+    q, k, v = (torch.randn(1, 4, n, HEAD_DIM, device=course_lib.DEVICE) for _ in range(3))
+    times_ms.append(benchmark(lambda: attention(q, k, v)))
+
+growth = [b / a for a, b in zip(times_ms, times_ms[1:])]
+print("time (ms):", [f"{t:.3f}" for t in times_ms])
+print("growth per doubling of N:", [f"{g:.1f}x" for g in growth], "(prediction: about 4x)")
+
+# %%
+import matplotlib.pyplot as plt
+
+ax = plot_series(
+    N_TOUR,
+    {"measured": times_ms, "N² from the first point": [times_ms[0] * (n / N_TOUR[0]) ** 2 for n in N_TOUR]},
+    xlabel="sequence length N",
+    ylabel="time per call (ms)",
+    title=f"Standard attention time grows about as N² ({course_lib.DEVICE.type})",
+    logx=True,
+    logy=True,
+)
+plt.show()
+
+# %% [markdown]
+# On a CPU the small sizes are partly dominated by fixed overheads, so the first doublings may cost less
+# than 4×; the larger ones approach it. Notebook 02 explains *why* the N × N matrices, not the
+# arithmetic, are the real cost on a GPU.
+#
+# ## 4. Figures from a GPU, when you have none
+#
+# Speed is a GPU story. When you work on a CPU, the notebooks show **recorded** GPU figures: files in
+# `assets/benchmarks/` written by `make bench` on a real GPU, each stamped with the GPU, the driver, the
+# versions and the date. No GPU number in the course is typed by hand. Next to them you always see what
+# *your* machine measured, labelled as such.
+
+# %%
+from course_lib import records
+
+rec = records.load_record("attention")
+if rec is None:
+    print("No recorded GPU benchmark in assets/benchmarks/ yet (run `make bench` on a GPU to make one).")
+else:
+    print("Recorded benchmark:", records.label(rec))
+
+# %% [markdown]
+# ## 5. The course map
+#
+# | notebook | what you build | where the finished piece lives |
+# | --- | --- | --- |
+# | 00 setup | this tour | `course_lib.doctor`, `course_lib.runtime` |
+# | 01 roofline | the roofline model, the memory hierarchy, fusion | `course_lib.hardware`, `course_lib.plotting` |
+# | 02 standard attention | why attention is memory-bound | `course_lib.reference`, `course_lib.profiling` |
+# | 03 softmax | naive, safe and online softmax (NumPy) | `course_lib.softmax` |
+# | 04 tiled attention | FlashAttention in PyTorch, forward and backward | `course_lib.FlashAttentionTorch` |
+# | 05 Triton primer | vector add, weighted sum, fused softmax | `course_lib.primer` |
+# | 06 FA-2 forward | the Triton forward kernel | `course_lib.flash_attention` |
+# | 07 FA-2 backward | the Triton backward kernels | `course_lib.FlashAttentionTriton` |
+# | 08 benchmarking | timing, profiling, the optimisation ladder | `course_lib.bench`, `course_lib.timing` |
+# | later (planned) | decoding with split-KV and a paged KV cache; fused RMSNorm and RoPE | — |
+#
+# ## 6. course_lib from homework
+#
+# Homework (for example an assignment that asks for a FlashAttention-2 `torch.autograd.Function`) can
+# import the course's finished classes. `pip install -e .` from the course folder (which `make setup`
+# already did) makes `course_lib` importable anywhere in that environment. Both classes take
+# `(q, k, v, is_causal)` with q of shape (batch, n_queries, d) or (batch, heads, n_queries, d):
+#
+# ```python
+# import course_lib
+#
+# def get_flashattention_autograd_function_pytorch():
+#     return course_lib.FlashAttentionTorch      # pure PyTorch, tiled: runs anywhere
+#
+# def get_flashattention_autograd_function_triton():
+#     return course_lib.FlashAttentionTriton     # Triton kernels: compiled on a GPU, interpreted on a CPU
+# ```
+#
+# ## 7. How exercises work
+#
+# Each notebook ends with exercises. An exercise cell holds a place for your code; the cell after it,
+# a **check**, calls `course_lib.exercises.check`, which says whether your answer is missing, wrong (and
+# by how much) or correct. In the student edition (`make student`) the answers are removed; in the
+# instructor edition (this one) they are filled in. Later cells never depend on your answers, so you can
+# always run a notebook to the end.
+#
+# **Exercise 0.** The standard attention above builds an N × N score matrix per (batch, head). Write a
+# function that returns how many bytes that matrix takes for a batch of `b` sequences, `h` heads,
+# length `n`, with `bytes_per_element` bytes per entry.
+
+# %%
+def score_matrix_bytes(b, h, n, bytes_per_element):
+    ### BEGIN SOLUTION
+    return b * h * n * n * bytes_per_element
+    ### END SOLUTION
+
+
+# %% tags=["check"]
+from course_lib.exercises import check
+
+check("score matrix bytes", lambda: score_matrix_bytes(8, 16, 4096, 2), 8 * 16 * 4096**2 * 2)
+check("score matrix bytes (fp32)", lambda: score_matrix_bytes(1, 32, 8192, 4), 32 * 8192**2 * 4)
+
+# %% [markdown]
+# For 8 sequences of 4096 tokens, 16 heads, in bf16, that is 4 GiB for one layer's scores — and the
+# softmax output P needs as much again. Keep that number in mind for notebook 02.
+#
+# ## Summary
+# - `import course_lib` decides where Triton kernels run; the doctor says what it decided and why.
+# - Sizes are chosen in one place per notebook with `course_lib.pick`.
+# - GPU figures on a CPU come from recorded runs, labelled; your own machine's measurements sit next to them.
+# - `course_lib` holds every finished piece; homework imports `FlashAttentionTorch` and `FlashAttentionTriton`.
+#
+# ## Exercises
+# 1. (done above) Bytes of the N × N score matrix.
+# 2. Run `python -m course_lib doctor` in a terminal and compare with the first cell's output.
+# 3. Change `N_TOUR` to larger sizes and see when the measured growth approaches 4× per doubling.

@@ -1,0 +1,728 @@
+# ---
+# jupyter:
+#   jupytext:
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 04 · Tiled attention in PyTorch
+#
+# Standard attention writes two N × N matrices, S and P, to GPU memory (HBM) and reads them back
+# (notebook 02). FlashAttention never forms them: it cuts Q, K and V into blocks, computes one
+# tile of S at a time on chip, and folds it into the output with the online softmax of notebook 03. Here
+# we build that algorithm in plain PyTorch, forward and backward, and count what it saves. The Triton
+# kernels of notebooks 06 and 07 run these same loops, one tile per step, inside a GPU program.
+#
+# **Learning goals**
+# 1. Cut Q into row blocks and K, V into column blocks, and see how the on-chip memory (SRAM) of size M
+#    bounds the block sizes.
+# 2. Put the online softmax inside attention: an unnormalised O with a running max m and sum l per row,
+#    rescaled as blocks arrive, normalised once at the end; save the logsumexp L = m + log l.
+# 3. Compare FlashAttention-1's loop order with FlashAttention-2's: HBM traffic, non-matmul work,
+#    parallelism.
+# 4. Count the HBM bytes of standard and tiled attention as functions of N, d and M; meet Θ(N²d²/M).
+# 5. Skip the tiles a causal mask hides, and count the work saved.
+# 6. Derive the backward pass and compute it tile by tile, recomputing P from Q, K and L.
+# 7. Use `course_lib.FlashAttentionTorch`, a drop-in `torch.autograd.Function`.
+
+# %% [markdown]
+# ## 0. Sizes
+#
+# Everything runs on `course_lib.DEVICE`. The tiled code is pure PyTorch: every tile costs a few small
+# PyTorch calls, so it is slow but exact, and the CPU sizes stay small. `N_FIG` and `BLOCK_FIG` are the
+# small problem we draw step by step.
+
+# %%
+import math
+
+import matplotlib.pyplot as plt
+import numpy as np
+import torch
+
+import course_lib
+from course_lib import tiles
+from course_lib.exercises import check
+from course_lib.flash_torch import FlashAttentionTorch, flash_backward, flash_forward
+from course_lib.plotting import plot_series
+from course_lib.reference import attention
+from course_lib.testing import assert_close_to_reference, random_qkv, reference_outputs
+
+DEVICE = course_lib.DEVICE
+BATCH, HEADS, N, D = course_lib.pick(cpu=(1, 2, 256, 64), gpu=(2, 4, 1024, 64))
+BLOCK_M, BLOCK_N = 64, 64  # the paper's B_r (rows of Q per tile) and B_c (rows of K and V per tile)
+N_FIG, D_FIG, BLOCK_FIG = 128, 16, 32
+plt.rcParams["font.size"] = 12
+torch.manual_seed(0)
+print(f"device {DEVICE}; batch {BATCH}, heads {HEADS}, N {N}, d {D}; tiles {BLOCK_M} x {BLOCK_N}")
+
+# %% [markdown]
+# ## 1. What standard attention stores
+#
+# For each (batch, head): S = Q Kᵀ / √d, P = softmax(S) row by row, O = P V. S and P are N × N.
+# `course_lib.reference.attention` computes exactly this; in float64 it is the reference everything below
+# is checked against. The N × N matrices dominate memory long before the inputs do:
+
+# %%
+for n in (1024, 4096, 16384, 65536):
+    qkvo = 4 * n * 128 * 2  # Q, K, V, O at d = 128 in bf16
+    s = n * n * 2  # one N x N matrix in bf16
+    print(f"N = {n:6}: Q, K, V, O take {qkvo / 2**20:8.1f} MiB per head; S alone takes {s / 2**20:8.1f} MiB")
+
+# %% [markdown]
+# ## 2. Tiles, and how SRAM bounds their size
+#
+# Cut Q into $T_r = \lceil N_q / B_r \rceil$ row blocks $Q_i$ of $B_r$ rows, and K and V into
+# $T_c = \lceil N_k / B_c \rceil$ blocks $K_j, V_j$ of $B_c$ rows. Tile $(i, j)$ of the score matrix is
+# $S_{ij} = Q_i K_j^T / \sqrt d$, of size $B_r \times B_c$. To work on it, the chip needs $Q_i$, $K_j$, $V_j$
+# and the output rows $O_i$: $(2 B_r + 2 B_c)\, d$ numbers, plus the tile itself.
+#
+# FlashAttention-1 (Dao et al., 2022, Algorithm 1) sizes the blocks from the SRAM size M (in elements):
+# $B_c = \lceil M / 4d \rceil$ so that $K_j, V_j$ and $Q_i, O_i$ fit together, and $B_r = \min(B_c, d)$ so
+# that the tile $B_r \times B_c \le M/4$ fits as well. An H100 or H200 has 228 KiB of shared memory per
+# streaming multiprocessor (SM); an A100 has up to 164 KiB. In bf16 (2 bytes) that is:
+
+# %%
+SRAM_BYTES = {"A100 (164 KiB)": 164 * 1024, "H100/H200 (228 KiB)": 228 * 1024}
+print(f"{'GPU':22} {'d':>4} {'M (elements)':>13} {'B_r':>5} {'B_c':>5}")
+for gpu, sram in SRAM_BYTES.items():
+    for d in (64, 128):
+        M = sram // 2
+        b_r, b_c = tiles.paper_block_sizes(M, d)
+        print(f"{gpu:22} {d:4} {M:13} {b_r:5} {b_c:5}")
+
+# %% [markdown]
+# Real kernels do not use these numbers. FlashAttention-2 chooses among **{64, 128} × {64, 128}**, tuned
+# per head dimension and GPU, and Triton kernels autotune over similar powers of two. The formula assumes
+# the only limit is SRAM; the real limits are elsewhere:
+# - the tile S, its exponentials P and the accumulator O live in **registers** (256 KiB per SM, shared by
+#   every thread on it); past a size, registers spill to slow memory;
+# - several warps and a second buffer for the next K, V block (pipelining) must fit at the same time;
+# - matrix instructions (tensor cores) work on tiles whose sides are multiples of 16, and powers of two
+#   keep the index arithmetic cheap.
+#
+# In this notebook we use `BLOCK_M = BLOCK_N = 64` (`course_lib.flash_torch`'s default).
+
+# %% [markdown]
+# ## 3. The online softmax inside attention
+#
+# Take one row block $Q_i$. The keys arrive one block at a time. For each row we keep the running max m,
+# the running sum l, and an **unnormalised** output row: $\tilde O = \sum_j e^{s_j - m}\, v_j$ over the
+# keys seen so far. When block j arrives with scores $S = Q_i K_j^T/\sqrt d$:
+#
+# $$m_{new} = \max(m, \mathrm{rowmax}(S)), \quad \tilde P = e^{S - m_{new}}, \quad \alpha = e^{m - m_{new}},$$
+# $$l \leftarrow \alpha\, l + \mathrm{rowsum}(\tilde P), \qquad
+#   \tilde O \leftarrow \alpha\, \tilde O + \tilde P V_j.$$
+#
+# $\tilde O$ is rescaled by the same factor α as l, for the same reason (notebook 03, section 5): each of
+# its terms was weighted against the old maximum. After the last block, $O = \tilde O / l$: **one**
+# division per row, at the end. We also keep one number per row for the backward pass, the logsumexp
+# $L = m + \log l$, which is all it takes to rebuild any probability: $P_{rc} = e^{S_{rc} - L_r}$.
+
+
+# %%
+def attend_row_block(Qi, K, V, block_n, record=None):
+    """O_i and L_i for one block of query rows Qi (..., B_r, d), keys and values K, V (..., N_k, d)."""
+    scale = Qi.shape[-1] ** -0.5
+    m = torch.full(Qi.shape[:-1], -math.inf, dtype=Qi.dtype, device=Qi.device)
+    l = torch.zeros(Qi.shape[:-1], dtype=Qi.dtype, device=Qi.device)
+    O = torch.zeros_like(Qi)
+    for j0 in range(0, K.shape[-2], block_n):
+        Kj, Vj = K[..., j0 : j0 + block_n, :], V[..., j0 : j0 + block_n, :]
+        S = Qi @ Kj.transpose(-1, -2) * scale
+        m_new = torch.maximum(m, S.amax(dim=-1))
+        P = torch.exp(S - m_new[..., None])
+        alpha = torch.exp(m - m_new)
+        l = alpha * l + P.sum(dim=-1)
+        O = alpha[..., None] * O + P @ Vj
+        m = m_new
+        if record is not None:
+            record.append(
+                {"j": j0 // block_n, "m": m.cpu().numpy(), "l": l.cpu().numpy(), "O": O.cpu().numpy()}
+            )
+    return O / l[..., None], m + torch.log(l)
+
+
+q, k, v = random_qkv((BATCH, HEADS, N, D), dtype=torch.float32, device=DEVICE)
+O_ref, L_ref = attention(q.double(), k.double(), v.double(), return_lse=True)
+i0, i1 = BLOCK_M, 2 * BLOCK_M  # the second row block
+O_i, L_i = attend_row_block(q[..., i0:i1, :], k, v, BLOCK_N)
+torch.testing.assert_close(O_i.double(), O_ref[..., i0:i1, :], atol=1e-5, rtol=1e-5)
+torch.testing.assert_close(L_i.double(), L_ref[..., i0:i1], atol=1e-5, rtol=1e-5)
+print(
+    f"rows {i0}..{i1 - 1}: O and L match the float64 reference, "
+    f"max |O error| = {(O_i.double() - O_ref[..., i0:i1, :]).abs().max():.1e}"
+)
+
+# %% [markdown]
+# ## 4. Watching the tile loop
+#
+# A small problem (N = 128, d = 16, tiles of 32 × 32) makes a 4 × 4 grid of tiles. We record m, l and
+# $\tilde O$ of Q block 1 after each K/V block and draw one column per step: which tile is on chip, the
+# running max and sum of each of the block's 32 rows, and how far the current estimate $\tilde O / l$ still
+# is from the final output. The distance reaches 0 only when the last block has arrived: every key can
+# change every output row.
+
+# %%
+q_fig, k_fig, v_fig = random_qkv((N_FIG, D_FIG), dtype=torch.float64)
+fig_block = 1
+steps = []
+O_fig, _ = attend_row_block(q_fig[BLOCK_FIG : 2 * BLOCK_FIG], k_fig, v_fig, BLOCK_FIG, record=steps)
+for s in steps:
+    s["i"] = fig_block
+fig = tiles.plot_tile_steps(steps, N_FIG, N_FIG, BLOCK_FIG, BLOCK_FIG, O_final=O_fig.numpy())
+fig.suptitle(
+    "FlashAttention-2's inner loop for Q block 1: m only grows, l is rescaled, O converges at the "
+    "last K/V block",
+    fontsize=14,
+)
+plt.show()
+
+# %% [markdown]
+# ## 5. The whole forward pass: two loop orders
+#
+# The full forward wraps `attend_row_block` in a loop over the row blocks of Q. Which loop goes outside
+# is the main difference between FlashAttention-1 and FlashAttention-2.
+#
+# **FlashAttention-2**: outer loop over Q blocks, inner over K/V blocks. $Q_i$, m, l and $\tilde O_i$ stay
+# on chip for the whole inner loop; $O_i$ and $L_i$ are written once. Row blocks are independent, so
+# each one can go to its own GPU program: batch × heads × $T_r$ programs in parallel.
+#
+# **FlashAttention-1**: outer loop over K/V blocks, inner over Q blocks. $K_j, V_j$ stay on chip, but every
+# visit to row block i must read $O_i$, $l_i$, $m_i$ back from HBM and write them again; and O is kept
+# normalised after every step (divided by the new l each time). The original kernel parallelised over
+# batch × heads only.
+#
+# To count HBM traffic we route every load and store through a small counter. Everything sliced out of a
+# full-size tensor is "loaded to the chip"; everything written into one is "stored".
+
+
+# %%
+class HBM:
+    """Counts elements moved between HBM (full-size tensors) and the chip, per (batch, head)."""
+
+    def __init__(self, heads=1):
+        self.heads, self.reads, self.writes = heads, 0, 0
+
+    def load(self, t):
+        self.reads += t.numel() // self.heads
+        return t
+
+    def store(self, dst, index, value):
+        self.writes += value.numel() // self.heads
+        dst[index] = value
+
+
+def tile_mask(i0, i1, j0, j1, device):
+    """True where query row r may see key c (c <= r), for rows [i0, i1) and keys [j0, j1)."""
+    return torch.arange(j0, j1, device=device)[None, :] <= torch.arange(i0, i1, device=device)[:, None]
+
+
+def forward_fa2(q, k, v, causal=False, block_m=BLOCK_M, block_n=BLOCK_N, io=None):
+    io = io or HBM()
+    scale = q.shape[-1] ** -0.5
+    n_q, n_k = q.shape[-2], k.shape[-2]
+    O = torch.empty_like(q)
+    L = torch.empty(q.shape[:-1], dtype=q.dtype, device=q.device)
+    for i0 in range(0, n_q, block_m):
+        i1 = min(i0 + block_m, n_q)
+        Qi = io.load(q[..., i0:i1, :])
+        m = torch.full(Qi.shape[:-1], -math.inf, dtype=q.dtype, device=q.device)
+        l = torch.zeros_like(m)
+        Oi = torch.zeros_like(Qi)
+        for j0 in range(0, n_k, block_n):
+            j1 = min(j0 + block_n, n_k)
+            kind = tiles.block_kind(i0, i1, j0, j1, causal)
+            if kind == tiles.SKIPPED:  # every key is after every query: nothing to do
+                continue
+            Kj, Vj = io.load(k[..., j0:j1, :]), io.load(v[..., j0:j1, :])
+            S = Qi @ Kj.transpose(-1, -2) * scale
+            if kind == tiles.DIAGONAL:
+                S = S.masked_fill(~tile_mask(i0, i1, j0, j1, q.device), -math.inf)
+            m_new = torch.maximum(m, S.amax(dim=-1))
+            P = torch.exp(S - m_new[..., None])
+            alpha = torch.exp(m - m_new)
+            l = alpha * l + P.sum(dim=-1)
+            Oi = alpha[..., None] * Oi + P @ Vj
+            m = m_new
+        io.store(O, np.s_[..., i0:i1, :], Oi / l[..., None])
+        io.store(L, np.s_[..., i0:i1], m + torch.log(l))
+    return O, L
+
+
+def forward_fa1(q, k, v, causal=False, block_m=BLOCK_M, block_n=BLOCK_N, io=None):
+    io = io or HBM()
+    scale = q.shape[-1] ** -0.5
+    n_q, n_k = q.shape[-2], k.shape[-2]
+    O = torch.empty_like(q)
+    l = torch.empty(q.shape[:-1], dtype=q.dtype, device=q.device)
+    m = torch.empty_like(l)
+    io.store(O, np.s_[...], torch.zeros_like(O))  # Algorithm 1, line 2: initialise O, l, m in HBM
+    io.store(l, np.s_[...], torch.zeros_like(l))
+    io.store(m, np.s_[...], torch.full_like(m, -math.inf))
+    for j0 in range(0, n_k, block_n):
+        j1 = min(j0 + block_n, n_k)
+        Kj, Vj = io.load(k[..., j0:j1, :]), io.load(v[..., j0:j1, :])
+        for i0 in range(0, n_q, block_m):
+            i1 = min(i0 + block_m, n_q)
+            kind = tiles.block_kind(i0, i1, j0, j1, causal)
+            if kind == tiles.SKIPPED:
+                continue
+            Qi = io.load(q[..., i0:i1, :])
+            Oi, li, mi = io.load(O[..., i0:i1, :]), io.load(l[..., i0:i1]), io.load(m[..., i0:i1])
+            S = Qi @ Kj.transpose(-1, -2) * scale
+            if kind == tiles.DIAGONAL:
+                S = S.masked_fill(~tile_mask(i0, i1, j0, j1, q.device), -math.inf)
+            m_tile = S.amax(dim=-1)  # this tile's own max and sum ...
+            P = torch.exp(S - m_tile[..., None])
+            l_tile = P.sum(dim=-1)
+            m_new = torch.maximum(mi, m_tile)  # ... merged with the state read from HBM
+            l_new = torch.exp(mi - m_new) * li + torch.exp(m_tile - m_new) * l_tile
+            O_new = (
+                (li * torch.exp(mi - m_new))[..., None] * Oi + torch.exp(m_tile - m_new)[..., None] * (P @ Vj)
+            ) / l_new[..., None]
+            io.store(O, np.s_[..., i0:i1, :], O_new)
+            io.store(l, np.s_[..., i0:i1], l_new)
+            io.store(m, np.s_[..., i0:i1], m_new)
+    return O, m + torch.log(l)
+
+
+# %% [markdown]
+# Both give the reference's O and L (the FA1 version keeps separate tile maxima, as the paper's
+# Algorithm 1 does; with equal block sizes no tile row is entirely masked, so `m_tile` is always finite),
+# and both match `course_lib.flash_torch.flash_forward`, the finished forward:
+
+# %%
+for causal in (False, True):
+    O_ref, L_ref = attention(q.double(), k.double(), v.double(), causal=causal, return_lse=True)
+    O_lib, L_lib = flash_forward(q, k, v, causal=causal, block_m=BLOCK_M, block_n=BLOCK_N)
+    for name, (O_, L_) in {
+        "FA2 loop": forward_fa2(q, k, v, causal),
+        "FA1 loop": forward_fa1(q, k, v, causal),
+        "course_lib": (O_lib, L_lib),
+    }.items():
+        torch.testing.assert_close(O_.double(), O_ref, atol=2e-5, rtol=1e-5, msg=f"{name}, causal={causal}")
+        torch.testing.assert_close(L_.double(), L_ref, atol=2e-5, rtol=1e-5, msg=f"{name}, causal={causal}")
+print("FA1 order, FA2 order and course_lib.flash_forward all match the float64 reference, causal or not")
+
+# %% [markdown]
+# Now count. The counters must agree with the formulas in `course_lib.tiles.hbm_elements` (read its
+# docstring: it lists every load and store per tile), and they tell the two loop orders apart:
+
+# %%
+print(f"per (batch, head), N = {N}, d = {D}, tiles {BLOCK_M} x {BLOCK_N}, elements moved:")
+for causal in (False, True):
+    for order, forward in (("fa1", forward_fa1), ("fa2", forward_fa2)):
+        io = HBM(BATCH * HEADS)
+        forward(q, k, v, causal, io=io)
+        predicted = tiles.hbm_elements(order, N, N, D, BLOCK_M, BLOCK_N, causal)
+        assert io.reads + io.writes == predicted, (order, causal, io.reads + io.writes, predicted)
+        print(f"  {order}, causal={causal!s:5}: {io.reads:8} reads + {io.writes:7} writes = {predicted:8}")
+    print(f"  standard, causal={causal!s:5}: {tiles.hbm_elements('standard', N, N, D):30}")
+
+# %% [markdown]
+# At these sizes FA1 moves more than FA2: it re-reads and re-writes $O_i$, $l_i$, $m_i$ on every tile,
+# while FA2 re-reads only $K_j, V_j$. FA2 also does less **non-matmul** arithmetic. Count the element-wise
+# operations on the output accumulator per tile: FA1 scales the old $O_i$ by $l_i e^{m_i - m_{new}}$, scales
+# $\tilde P V_j$ by $e^{\tilde m - m_{new}}$, adds, and divides by $l_{new}$: 4 operations per element of
+# $O_i$. FA2 scales by α and adds: 2, plus one division per element at the very end. Non-matmul FLOPs
+# matter because they run on the ordinary floating-point units: an A100 does 312 TFLOP/s of bf16 matmul
+# but 19.5 TFLOP/s of other fp32 arithmetic, so each non-matmul FLOP costs as much as ~16 matmul FLOPs.
+
+# %%
+n_tiles = len(tiles.tile_schedule(N, N, BLOCK_M, BLOCK_N))
+fa1_ops = 4 * BLOCK_M * D * n_tiles
+fa2_ops = 2 * BLOCK_M * D * n_tiles + N * D
+print(
+    f"element-wise operations on O per (batch, head): FA1 {fa1_ops}, FA2 {fa2_ops} "
+    f"({fa1_ops / fa2_ops:.1f}x fewer)"
+)
+assert fa2_ops < fa1_ops
+
+# %% [markdown]
+# ## 6. IO complexity: Θ(N²d²/M)
+#
+# The formulas, for $N_q = N_k = N$ (elements, one head):
+# - standard: $4Nd + 4N^2$, i.e. Θ(N² + Nd);
+# - FA1 with the paper's blocks: $K, V$ once, and $(3d + 4)$ per row for each of $T_c = N/B_c$ outer steps:
+#   about $N^2 (3d+4) / B_c \approx 12 N^2 d^2 / M$;
+# - FA2: $K, V$ re-read once per row block, $2Nd \cdot T_r = 2N^2 d / B_r$. With blocks that fill the same
+#   SRAM ($B_r = B_c = M / 4d$) that is $8 N^2 d^2 / M$.
+#
+# Both tiled orders are Θ(N²d²/M), and Dao et al. prove that no exact attention algorithm can do
+# asymptotically better for every M between d and Nd. For d = 64 and M = 116 736 (228 KiB of bf16),
+# $d^2 / M \approx 1/28$: tiling moves an order of magnitude fewer bytes. The plot also shows FA2 with the
+# blocks a real kernel uses (128 × 64): with only 128 rows per block, K and V are re-read N/128 times.
+# In practice many of those re-reads are served by the GPU's L2 cache (50 MB on an H200) rather than HBM,
+# because programs that work on the same head tend to run at about the same time.
+
+# %%
+D_IO, M_IO, BYTES = 64, 228 * 1024 // 2, 2
+N_IO = [2**p for p in range(10, 17)]
+b_r, b_c = tiles.paper_block_sizes(M_IO, D_IO)
+b_sq = M_IO // (4 * D_IO)
+curves = {
+    "standard": [tiles.hbm_elements("standard", n, n, D_IO) * BYTES for n in N_IO],
+    f"FA1, paper blocks {b_r} x {b_c}": [
+        tiles.hbm_elements("fa1", n, n, D_IO, b_r, b_c) * BYTES for n in N_IO
+    ],
+    f"FA2, blocks {b_sq} x {b_sq}": [tiles.hbm_elements("fa2", n, n, D_IO, b_sq, b_sq) * BYTES for n in N_IO],
+    "FA2, blocks 128 x 64": [tiles.hbm_elements("fa2", n, n, D_IO, 128, 64) * BYTES for n in N_IO],
+}
+M_RANGE = [2**p for p in range(13, 20)]
+vs_m = {
+    "standard": [tiles.hbm_elements("standard", 16384, 16384, D_IO) * BYTES for _ in M_RANGE],
+    "FA1, paper blocks": [
+        tiles.hbm_elements("fa1", 16384, 16384, D_IO, *tiles.paper_block_sizes(M, D_IO)) * BYTES
+        for M in M_RANGE
+    ],
+    "FA2, blocks M/4d": [
+        tiles.hbm_elements("fa2", 16384, 16384, D_IO, M // (4 * D_IO), M // (4 * D_IO)) * BYTES
+        for M in M_RANGE
+    ],
+}
+ratio = curves["standard"][-1] / curves[f"FA2, blocks {b_sq} x {b_sq}"][-1]
+
+GIB = 2**30
+fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(16, 6), layout="constrained")
+ax1.plot(N_IO, [12 * n**2 * D_IO**2 / M_IO * BYTES / GIB for n in N_IO], "k:", label="12 N²d²/M")
+plot_series(
+    N_IO,
+    {name: [y / GIB for y in ys] for name, ys in curves.items()},
+    xlabel="sequence length N",
+    ylabel="HBM traffic per head (GiB)",
+    title=f"Forward HBM traffic, d = {D_IO}, M = 228 KiB of bf16",
+    logx=True,
+    logy=True,
+    ax=ax1,
+)
+ax2.axvline(228, color="grey", linestyle="--", label="H100/H200: 228 KiB")
+plot_series(
+    [M * BYTES / 1024 for M in M_RANGE],
+    {name: [y / GIB for y in ys] for name, ys in vs_m.items()},
+    xlabel="SRAM size M (KiB of bf16)",
+    ylabel="HBM traffic per head (GiB)",
+    title="N = 16384: tiled traffic falls as 1/M",
+    logx=True,
+    logy=True,
+    ax=ax2,
+)
+fig.suptitle(
+    f"Tiling moves {ratio:.0f}x fewer bytes than standard attention at N = {N_IO[-1]} "
+    f"(both grow as N², tiled ones with d²/M in front)",
+    fontsize=14,
+)
+plt.show()
+
+# %%
+for n, std, fa1, fa2 in zip(
+    N_IO,
+    curves["standard"],
+    curves[f"FA1, paper blocks {b_r} x {b_c}"],
+    curves[f"FA2, blocks {b_sq} x {b_sq}"],
+):
+    print(f"N = {n:6}: standard / FA1 = {std / fa1:4.1f}, standard / FA2 = {std / fa2:4.1f}")
+    assert n < 4096 or (fa1 < std / 8 and fa2 < std / 10), n  # an order of magnitude at d = 64 and this M
+halved = vs_m["FA2, blocks M/4d"]
+assert all(0.45 < b / a < 0.6 for a, b in zip(halved, halved[1:]))  # doubling M about halves the traffic
+
+# %% [markdown]
+# ## 7. Causal masking: skip what is hidden
+#
+# With a causal mask, query r sees keys c ≤ r (top-left aligned, as in `scaled_dot_product_attention`).
+# A tile entirely above the diagonal is fully masked: it is **skipped**, never loaded. A tile entirely below
+# needs no mask at all. Only the tiles on the diagonal are computed and then masked. For a square problem
+# with T × T tiles: T(T−1)/2 skipped, T diagonal, T(T−1)/2 full, so the work tends to one half.
+
+# %%
+counts = tiles.block_counts(N, N, BLOCK_M, BLOCK_N, causal=True)
+T = N // BLOCK_M
+assert counts == {"skipped": T * (T - 1) // 2, "diagonal": T, "full": T * (T - 1) // 2}
+computed = counts["full"] + counts["diagonal"]
+print(
+    f"N = {N}, tiles of {BLOCK_M}: {counts}; {computed} of {T * T} tiles computed ({computed / (T * T):.0%})"
+)
+for n in (1024, 4096, 16384):
+    c = tiles.block_counts(n, n, 128, 128, causal=True)
+    done_n = c["full"] + c["diagonal"]
+    print(
+        f"N = {n:5}, tiles of 128: computed {done_n / (n // 128) ** 2:.1%} of the tiles, "
+        f"of which {c['diagonal'] / done_n:.1%} need a mask"
+    )
+
+# %%
+fig, ax = plt.subplots(figsize=(6.5, 5), constrained_layout=True)
+tiles.draw_block_map(
+    ax,
+    N,
+    N,
+    BLOCK_M,
+    BLOCK_N,
+    causal=True,
+    done=tiles.tile_schedule(N, N, BLOCK_M, BLOCK_N, True),
+    legend=True,
+    title=f"Causal, N = {N}: {computed} of {T * T} tiles computed, {T} masked (M)",
+)
+plt.show()
+
+# %% [markdown]
+# ## 8. The backward pass, by recomputation
+#
+# Given the gradient dO of the loss with respect to O, we need dQ, dK, dV. Go backwards through
+# O = P V, P = softmax(S) row by row, S = scale · Q Kᵀ:
+#
+# - $O = PV$ gives $dV = P^T dO$ and $dP = dO\, V^T$.
+# - Softmax, row r: $P_{rc} = e^{S_{rc}} / \sum_{c'} e^{S_{rc'}}$, so
+#   $\partial P_{rc'} / \partial S_{rc} = P_{rc'} (\delta_{cc'} - P_{rc})$ and
+#   $dS_{rc} = \sum_{c'} dP_{rc'} P_{rc'} (\delta_{cc'} - P_{rc}) = P_{rc}\,(dP_{rc} - D_r)$ with
+#   $D_r = \sum_{c'} P_{rc'} dP_{rc'}$.
+# - $D_r$ does not need P:
+#   $D_r = \sum_{c'} P_{rc'} (dO_r \cdot V_{c'}) = dO_r \cdot \sum_{c'} P_{rc'} V_{c'} = dO_r \cdot O_r$.
+#   So $D = \mathrm{rowsum}(dO \circ O)$: one cheap pass over two N × d matrices.
+# - $S = \text{scale} \cdot Q K^T$ gives $dQ = \text{scale} \cdot dS\, K$ and
+#   $dK = \text{scale} \cdot dS^T Q$.
+#
+# In summary: $dV = P^T dO$, $dP = dO\,V^T$, $dS = P \circ (dP - D)$, $dQ = dS\,K \cdot$ scale,
+# $dK = dS^T Q \cdot$ scale. First we check these formulas with full matrices in float64 against autograd:
+
+# %%
+q64, k64, v64 = random_qkv((2, 48, 16), 40, dtype=torch.float64)
+dO64 = torch.randn(2, 48, 16, dtype=torch.float64)
+_, (dq_auto, dk_auto, dv_auto) = reference_outputs(q64, k64, v64, causal=False, grad_out=dO64)
+scale = 16**-0.5
+P64 = torch.softmax(q64 @ k64.mT * scale, dim=-1)
+O64 = P64 @ v64
+dV = P64.mT @ dO64
+dP = dO64 @ v64.mT
+D64 = (dO64 * O64).sum(-1)
+torch.testing.assert_close(D64, (P64 * dP).sum(-1))  # D = rowsum(dO * O) = rowsum(P * dP)
+dS = P64 * (dP - D64[..., None])
+for name, ours, auto in (
+    ("dQ", dS @ k64 * scale, dq_auto),
+    ("dK", dS.mT @ q64 * scale, dk_auto),
+    ("dV", dV, dv_auto),
+):
+    torch.testing.assert_close(ours, auto, msg=name)
+print("dQ, dK, dV from the formulas match autograd (float64)")
+
+# %% [markdown]
+# The backward must not store P either. It does not need to: with L saved by the forward,
+# $P_{rc} = e^{S_{rc} - L_r}$ can be rebuilt exactly, tile by tile, from $Q_i$, $K_j$ and $L_i$: a second
+# matmul per tile is cheaper than reading an N × N matrix from HBM. FlashAttention-2's backward loops
+# over K/V blocks outside (so $dK_j$ and $dV_j$ accumulate on chip and are written once) and over Q blocks
+# inside; $dQ_i$ receives a contribution from every K/V block, so it is accumulated in HBM (a GPU kernel
+# uses atomic adds, or a second pass; notebook 07).
+
+
+# %%
+def backward_tiled(dO, q, k, v, O, L, causal=False, block_m=BLOCK_M, block_n=BLOCK_N):
+    scale = q.shape[-1] ** -0.5
+    n_q, n_k = q.shape[-2], k.shape[-2]
+    D = (dO * O).sum(dim=-1)
+    dQ, dK, dV = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    for j0 in range(0, n_k, block_n):
+        j1 = min(j0 + block_n, n_k)
+        Kj, Vj = k[..., j0:j1, :], v[..., j0:j1, :]
+        dKj, dVj = torch.zeros_like(Kj), torch.zeros_like(Vj)
+        for i0 in range(0, n_q, block_m):
+            i1 = min(i0 + block_m, n_q)
+            kind = tiles.block_kind(i0, i1, j0, j1, causal)
+            if kind == tiles.SKIPPED:
+                continue
+            S = q[..., i0:i1, :] @ Kj.mT * scale
+            if kind == tiles.DIAGONAL:
+                S = S.masked_fill(~tile_mask(i0, i1, j0, j1, q.device), -math.inf)
+            P = torch.exp(S - L[..., i0:i1, None])  # recomputed, exact
+            dVj += P.mT @ dO[..., i0:i1, :]
+            dP = dO[..., i0:i1, :] @ Vj.mT
+            dS = P * (dP - D[..., i0:i1, None])
+            dQ[..., i0:i1, :] += dS @ Kj * scale
+            dKj += dS.mT @ q[..., i0:i1, :] * scale
+        dK[..., j0:j1, :], dV[..., j0:j1, :] = dKj, dVj
+    return dQ, dK, dV
+
+
+for causal in (False, True):
+    O_, L_ = forward_fa2(q, k, v, causal)
+    dO = torch.randn_like(O_)
+    _, grads_ref = reference_outputs(q.double(), k.double(), v.double(), causal, grad_out=dO.double())
+    ours = backward_tiled(dO, q, k, v, O_, L_, causal)
+    lib = flash_backward(dO, q, k, v, O_, L_, causal, block_m=BLOCK_M, block_n=BLOCK_N)
+    for name, a, b, r in zip(("dQ", "dK", "dV"), ours, lib, grads_ref):
+        torch.testing.assert_close(a.double(), r, atol=1e-4, rtol=1e-4, msg=f"{name}, causal={causal}")
+        torch.testing.assert_close(b.double(), r, atol=1e-4, rtol=1e-4, msg=f"{name}, causal={causal}")
+print("tiled backward (ours and course_lib.flash_backward) matches the float64 reference, causal or not")
+
+# %% [markdown]
+# ## 9. `course_lib.FlashAttentionTorch`
+#
+# The finished piece wraps `flash_forward` and `flash_backward` in a `torch.autograd.Function`, with the
+# interface homework usually asks for: `FlashAttentionTorch.apply(q, k, v, is_causal)`, inputs
+# (batch, N, d) or (batch, heads, N, d) (any leading dims), scale 1/√d. The forward saves Q, K, V, O and L;
+# the backward recomputes P. We hold it to the course's accuracy rule (`course_lib.testing`): its error
+# against the float64 reference may be at most twice that of plain PyTorch in the same dtype.
+
+# %%
+for shape_q, n_k, causal in (((BATCH, N, D), N, True), ((BATCH, HEADS, N, D), N // 2 + 3, False)):
+    q1, k1, v1 = random_qkv(shape_q, n_k, dtype=torch.float32, device=DEVICE, requires_grad=True)
+    out = FlashAttentionTorch.apply(q1, k1, v1, causal)
+    dO = torch.randn_like(out)
+    out.backward(dO)
+    ref64, grads64 = reference_outputs(q1.double(), k1.double(), v1.double(), causal, grad_out=dO.double())
+    base, grads32 = reference_outputs(q1, k1, v1, causal, grad_out=dO)
+    what = f"q {tuple(shape_q)}, Nk {n_k}, causal={causal}, {DEVICE.type}"
+    assert_close_to_reference(out, ref64, base, f"O, {what}")
+    for name, g, r, b in zip(("dq", "dk", "dv"), (q1.grad, k1.grad, v1.grad), grads64, grads32):
+        assert_close_to_reference(g, r, b, f"{name}, {what}")
+    print(f"{what}: O, dq, dk, dv within the accuracy rule")
+
+# %% [markdown]
+# `torch.autograd.gradcheck` compares the backward with finite differences of the forward, in float64:
+
+# %%
+qg, kg, vg = random_qkv((2, 9, 4), 7, dtype=torch.float64, requires_grad=True)
+for causal in (False, True):
+    fn = lambda a, b, c, causal=causal: FlashAttentionTorch.apply(a, b, c, causal, None, 4, 3)
+    assert torch.autograd.gradcheck(fn, (qg, kg, vg))
+print("gradcheck passes (float64, blocks 4 x 3, odd lengths, causal and not)")
+
+# %% [markdown]
+# And the point of it all: nothing of size $N_q \times N_k$ is kept for the backward. PyTorch's
+# `saved_tensors_hooks` shows every tensor autograd saves:
+
+# %%
+saved = []
+with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(tuple(t.shape)) or t, lambda t: t):
+    q1, k1, v1 = random_qkv((BATCH, HEADS, N, D), N + 32, device=DEVICE, requires_grad=True)
+    out = FlashAttentionTorch.apply(q1, k1, v1, True)
+print("saved for backward:", saved)
+assert (BATCH, HEADS, N) in saved  # L, one number per query row
+assert all(s[-2:] != (N, N + 32) for s in saved) and max(math.prod(s) for s in saved) <= k1.numel()
+
+# %% [markdown]
+# What does the tiling cost in time, written in Python? Each tile costs several small PyTorch calls
+# (on a GPU, several kernel launches), and there are (N/64)² tiles, while standard attention is three big
+# calls. Here is the price at this notebook's size, measured on this machine:
+
+# %%
+from course_lib.timing import benchmark
+
+q1, k1, v1 = random_qkv((BATCH, HEADS, N, D), device=DEVICE)
+t_std = benchmark(lambda: attention(q1, k1, v1, causal=True))
+t_tiled = benchmark(lambda: FlashAttentionTorch.apply(q1, k1, v1, True))
+print(f"{DEVICE.type}, N = {N}: standard {t_std:.2f} ms, tiled in PyTorch {t_tiled:.2f} ms", end=" ")
+print(f"({t_tiled / t_std:.1f}x the time)")
+
+# %% [markdown]
+# The algorithm is right and needs only O(N) memory beyond its inputs and output, but the Python loops
+# give nothing back in speed: that has to come from moving both loops into one GPU kernel, where a tile
+# really stays in SRAM and registers. Notebooks 05 to 07 do that in Triton.
+
+# %% [markdown]
+# ## Exercises
+#
+# Each exercise has a cell to fill in and a check cell after it. Later cells never use your answers.
+#
+# **Exercise 1 (block sizes).** Write `paper_blocks(M, d)`, the block sizes $(B_r, B_c)$ of
+# FlashAttention-1's Algorithm 1 for an SRAM of M elements.
+
+
+# %%
+def paper_blocks(M, d):
+    ### BEGIN SOLUTION
+    b_c = math.ceil(M / (4 * d))
+    return min(b_c, d), b_c
+    ### END SOLUTION
+
+
+# %% tags=["check"]
+check(
+    "paper block sizes",
+    lambda: [paper_blocks(M, d) for M, d in ((116736, 64), (83968, 128), (1000, 64))],
+    [tiles.paper_block_sizes(M, d) for M, d in ((116736, 64), (83968, 128), (1000, 64))],
+)
+
+# %% [markdown]
+# **Exercise 2 (causal tiles).** For a causal square problem of N rows and tiles of B × B (B divides N),
+# how many tiles does the forward compute, and what fraction of all tiles is that? Return
+# `(computed, fraction)`.
+
+
+# %%
+def causal_tiles(N, B):
+    ### BEGIN SOLUTION
+    T = N // B
+    computed = T * (T + 1) // 2
+    return computed, computed / T**2
+    ### END SOLUTION
+
+
+# %% tags=["check"]
+_c = tiles.block_counts(8192, 8192, 128, 128, causal=True)
+_computed = _c["full"] + _c["diagonal"]
+check("causal tiles", lambda: causal_tiles(8192, 128), (_computed, _computed / sum(_c.values())))
+
+# %% [markdown]
+# **Exercise 3 (merging two partial outputs: split-KV).** Split the keys and values into two parts A and B.
+# Attention over each part gives a normalised output and a logsumexp: $(O_A, L_A)$ and $(O_B, L_B)$.
+# Write `combine(O_a, L_a, O_b, L_b)` that returns $(O, L)$ of attention over all the keys. Hint: with
+# $L = \log(e^{L_A} + e^{L_B})$, part A's share of the probability mass of row r is $e^{L_A - L}$.
+# This is how split-KV decoding merges the work of several programs.
+
+
+# %%
+def combine(O_a, L_a, O_b, L_b):
+    ### BEGIN SOLUTION
+    L = torch.logaddexp(L_a, L_b)
+    return torch.exp(L_a - L)[..., None] * O_a + torch.exp(L_b - L)[..., None] * O_b, L
+    ### END SOLUTION
+
+
+# %% tags=["check"]
+_q, _k, _v = random_qkv((2, 10, 8), 30, dtype=torch.float64)
+_Oa, _La = attention(_q, _k[:, :12], _v[:, :12], return_lse=True)
+_Ob, _Lb = attention(_q, _k[:, 12:], _v[:, 12:], return_lse=True)
+check("split-KV combine", lambda: combine(_Oa, _La, _Ob, _Lb), attention(_q, _k, _v, return_lse=True))
+
+# %% [markdown]
+# **Exercise 4 (FA2 traffic).** For a non-causal square problem (N rows, head dim d, blocks $B_r \times B_c$
+# that divide N), write the number of elements FlashAttention-2's forward moves to and from HBM, from the
+# loop structure of `forward_fa2` (do not call `tiles`).
+
+
+# %%
+def fa2_elements(N, d, B_r, B_c):
+    ### BEGIN SOLUTION
+    T_r = N // B_r
+    return N * d + T_r * 2 * N * d + N * d + N
+    ### END SOLUTION
+
+
+# %% tags=["check"]
+check(
+    "FA2 HBM elements",
+    lambda: [fa2_elements(n, 64, 128, 64) for n in (1024, 8192)],
+    [tiles.hbm_elements("fa2", n, n, 64, 128, 64) for n in (1024, 8192)],
+)
+
+# %% [markdown]
+# ## Summary
+#
+# - Tiling cuts Q into row blocks and K, V into column blocks; one tile $S_{ij}$ at a time lives on chip.
+#   The paper sizes blocks from SRAM ($B_c = \lceil M/4d \rceil$, $B_r = \min(B_c, d)$); real kernels tune
+#   powers of two such as 64 and 128, limited by registers.
+# - Inside attention, the online softmax keeps m, l and an unnormalised $\tilde O$ per row, rescales both l
+#   and $\tilde O$ by $e^{m_{old} - m_{new}}$, divides once at the end, and saves $L = m + \log l$.
+# - FlashAttention-2 puts the Q loop outside: $O_i$ stays on chip and is written once, rows are independent
+#   programs, and the output needs about half the element-wise work of FlashAttention-1's order.
+# - HBM traffic drops from Θ(N² + Nd) to Θ(N²d²/M): an order of magnitude at d = 64 on today's SRAM.
+# - Causal masking skips the tiles above the diagonal, masks only the diagonal ones: about half the work.
+# - The backward rebuilds P tile by tile from Q, K and L: $dV = P^T dO$, $dP = dO V^T$,
+#   $dS = P \circ (dP - D)$ with $D = \mathrm{rowsum}(dO \circ O)$, $dQ = dS K$·scale, $dK = dS^T Q$·scale.
+# - `course_lib.FlashAttentionTorch.apply(q, k, v, is_causal)` is the finished, tested piece. It is exact
+#   but slow in Python; notebooks 05 to 07 write the same loops as Triton kernels.

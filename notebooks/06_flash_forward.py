@@ -1,0 +1,728 @@
+# ---
+# jupyter:
+#   jupytext:
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 06 · The FlashAttention-2 forward pass in Triton
+#
+# Notebook 04 ran FlashAttention-2's loops in PyTorch: correct, but every tile went to HBM and back
+# between two PyTorch calls. Here the same loops become **one Triton kernel**: a program loads its block
+# of queries once, keeps the running max, the running sum and the output accumulator in registers, and
+# streams the keys and values past them. Nothing of size Nq x Nk ever reaches HBM.
+#
+# **Learning goals**
+# 1. Map FlashAttention-2 onto Triton programs: one program per (query block, batch·head); the K/V loop
+#    inside it; what lives in registers and what crosses HBM.
+# 2. Write the kernel in steps: the core loop; masks for any sequence lengths (Nq != Nk too); base-2
+#    exponentials with the softmax scale folded in; causal attention that skips the blocks above the
+#    diagonal and masks only the diagonal ones; float16 / bfloat16 / float32 inputs with float32 accumulators.
+# 3. Check it against the float64 reference and against course_lib's finished kernel.
+# 4. On a GPU: compare with notebook 04's PyTorch version and PyTorch's `scaled_dot_product_attention`, and
+#    sweep block sizes and warps.
+#
+# The finished kernel is `course_lib.flash_attention` (in `course_lib/flash_triton/forward.py`).
+
+# %% [markdown]
+# ## 0. Setup and sizes
+#
+# `import course_lib` first: it decides whether kernels are compiled (GPU) or interpreted (CPU) before any
+# kernel below is defined. On the CPU the interpreter costs about 2.5 ms per program per loop iteration, so
+# the CPU sizes are small and the blocks 32 x 32.
+
+# %%
+import math
+
+import matplotlib.pyplot as plt
+import numpy as np
+import torch
+from matplotlib.colors import ListedColormap
+
+import course_lib
+from course_lib import records
+from course_lib.exercises import check
+from course_lib.flash_triton import forward as lib_forward
+from course_lib.plotting import bar_chart, plot_series
+from course_lib.reference import attention, causal_mask
+from course_lib.runtime import tl, triton
+from course_lib.testing import assert_close_to_reference, random_qkv
+from course_lib.timing import attention_flops, benchmark
+
+DEVICE = course_lib.DEVICE
+print(course_lib.RUNTIME.describe())
+
+# %%
+B, H, D = course_lib.pick(cpu=(1, 2, 32), gpu=(2, 4, 64))  # batch, heads, head dim
+N_EVEN = course_lib.pick(cpu=128, gpu=1024)  # step 1: a length that is a multiple of the blocks
+N_Q, N_K = course_lib.pick(cpu=(100, 75), gpu=(1000, 1531))  # later steps: ragged and unequal lengths
+BLOCK_M, BLOCK_N = course_lib.pick(cpu=(32, 32), gpu=(64, 64))  # the teaching launches
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+BENCH_NS = course_lib.pick(cpu=[], gpu=[1024, 2048, 4096, 8192, 16384])  # GPU benchmark: sequence lengths
+BENCH_D, BENCH_TOKENS = 64, 16384  # GPU benchmark: head dim, B*N tokens (H*d = 2048, as in the papers)
+torch.manual_seed(0)
+
+# %% [markdown]
+# ## 1. The algorithm, and who does what
+#
+# For one (batch, head), FlashAttention-2 computes $O = \mathrm{softmax}(QK^\top \cdot \text{scale})\,V$ like
+# this (notebook 04):
+#
+# ```
+# for each query block Q_i (BLOCK_M rows):             <- one Triton program each, in parallel
+#     m = -inf, l = 0, acc = 0                          <- registers, float32
+#     for each key/value block K_j, V_j (BLOCK_N rows): <- a loop inside the program
+#         S = Q_i K_j^T * scale                         (BLOCK_M x BLOCK_N, registers)
+#         m_new = max(m, rowmax(S))
+#         P = exp(S - m_new);  alpha = exp(m - m_new)
+#         l = alpha * l + rowsum(P)
+#         acc = alpha * acc + P V_j
+#         m = m_new
+#     O_i = acc / l;  L_i = m + log(l)                  -> HBM
+# ```
+#
+# The grid is two-dimensional: `program_id(0)` picks the query block, `program_id(1)` the (batch, head)
+# pair — we flatten (B, H, N, d) tensors to (Z = B·H, N, d). A program reads its Q block once, reads every
+# K and V block once, and writes its O block and its BLOCK_M values of L. **L** (the logsumexp of each row) is
+# all the backward pass (notebook 07) needs to rebuild P without storing it.
+#
+# **Bytes.** Per (batch, head): Q and O cross HBM once (2·N·d elements); K and V are read once per query block
+# (2·N·d·N/BLOCK_M), which is why larger BLOCK_M helps, and why those reads mostly come from the L2 cache.
+# The N x N matrices S and P never leave the chip.
+
+# %% [markdown]
+# ## 2. Step 1: the core loop
+#
+# The smallest kernel that works: lengths that are multiples of the blocks, Nq = Nk, no mask, `tl.exp`.
+# Rows are `offs_m`, keys `offs_n`, head-dim columns `offs_d`; the head dim must be a power of two (it is a
+# `tl.arange` length) and the last dimension of each tensor contiguous. `tl.dot` multiplies two blocks on the
+# tensor cores; its result is float32 whatever the input dtype.
+
+
+# %%
+@triton.jit
+def flash_fwd_v1(
+    Q, K, V, O, L, scale,
+    stride_qz, stride_qn, stride_kz, stride_kn, stride_vz, stride_vn, stride_oz, stride_on,
+    N, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    start_m = tl.program_id(0)  # which block of query rows
+    z = tl.program_id(1)  # which (batch, head)
+    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    # Q block: HBM -> registers, once. It stays there for the whole loop.
+    q = tl.load(Q + z * stride_qz + offs_m[:, None] * stride_qn + offs_d[None, :])
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)  # running row max
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # running row sum of exp(S - m)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)  # unnormalised output
+    for start_n in range(0, N, BLOCK_N):
+        rows_kv = start_n + offs_n
+        k = tl.load(K + z * stride_kz + rows_kv[:, None] * stride_kn + offs_d[None, :])  # (BLOCK_N, d)
+        v = tl.load(V + z * stride_vz + rows_kv[:, None] * stride_vn + offs_d[None, :])
+        s = tl.dot(q, tl.trans(k)) * scale  # S tile (BLOCK_M, BLOCK_N), float32, registers
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m_i - m_new)  # rescales what was summed under the old max
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)  # P in the input dtype for the tensor cores
+        m_i = m_new
+    tl.store(
+        O + z * stride_oz + offs_m[:, None] * stride_on + offs_d[None, :],
+        (acc / l_i[:, None]).to(O.dtype.element_ty),
+    )
+    tl.store(L + z * N + offs_m, m_i + tl.log(l_i))
+
+
+def flash_forward_v1(q, k, v, block_m=BLOCK_M, block_n=BLOCK_N):
+    """q, k, v: (Z, N, d), last dim contiguous, N a multiple of both blocks. Returns O (Z, N, d), L (Z, N)."""
+    Z, N, d = q.shape
+    assert N % block_m == 0 and N % block_n == 0 and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1
+    o = torch.empty_like(q)
+    lse = torch.empty(Z, N, device=q.device, dtype=torch.float32)
+    grid = (N // block_m, Z)
+    flash_fwd_v1[grid](
+        q, k, v, o, lse, d**-0.5,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        v.stride(0), v.stride(1), o.stride(0), o.stride(1), N, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n,
+    )  # fmt: skip
+    return o, lse
+
+
+# %% [markdown]
+# Check it against the float64 reference. The accuracy rule of the course
+# (`course_lib.testing.assert_close_to_reference`): the kernel's error against float64 may be at most twice
+# the error of plain PyTorch attention computed in the kernel's own dtype, plus a small floor. We test in
+# float16 here (the tensor cores' native input, on every GPU and in the interpreter).
+
+# %%
+q, k, v = random_qkv((B * H, N_EVEN, D), dtype=torch.float16, device=DEVICE)
+o1, L1 = flash_forward_v1(q, k, v)
+o_ref, L_ref = attention(q.double(), k.double(), v.double(), return_lse=True)
+o_same, L_same = attention(q, k, v, return_lse=True)  # plain PyTorch in float16: the baseline
+assert_close_to_reference(o1, o_ref, o_same, f"v1 O, (Z, N, d)={tuple(q.shape)}, float16")
+assert_close_to_reference(L1, L_ref, L_same, f"v1 L, (Z, N, d)={tuple(q.shape)}, float16")
+print(f"step 1: O and L match the float64 reference for (Z, N, d) = {tuple(q.shape)}, float16")
+
+# %% [markdown]
+# ## 3. Step 2: any lengths, Nq != Nk
+#
+# Real sequences are not multiples of 32 or 128, and cross-attention has Nq != Nk. Two kinds of padding
+# appear:
+# - **query rows** past Nq in the last query block: load them as 0 (`mask=rows < N_Q`), compute on them
+#   harmlessly, and mask the stores of O and L. Without the store mask they would overwrite memory past the
+#   end of O (section 3 of notebook 05: never do that).
+# - **key columns** past Nk in the last K/V block: loading K and V as 0 is *not* enough — a score of 0 still
+#   gets weight exp(0 - m) in the softmax. Their scores must become **-inf** before the max and the exp,
+#   so that they get weight exactly 0.
+#
+# Only the last K/V block can contain padding keys. So the loop splits into a stage without any mask for
+# the full blocks and a masked stage for the ragged last block: the masking costs one block, not all of them.
+# Section 5 reuses the same split for causal attention.
+
+# %% [markdown]
+# ## 4. Step 3: base-2 exponentials with the scale folded in
+#
+# The GPU computes $2^x$ in hardware (`ex2.approx` in PTX; notebook 05 showed that `tl.exp(x)` becomes
+# `ex2(x * log2(e))`). Write $e^{x} = 2^{x \log_2 e}$ and keep the running max in base-2 units:
+# $$p = e^{\,s\cdot\text{scale} - m} = 2^{\,s\cdot(\text{scale}\cdot\log_2 e) - m_2},
+#   \qquad m_2 = m \log_2 e .$$
+# So we multiply the raw scores by one constant `qk_scale = scale * log2(e)` (computed once, on the host) and
+# call `exp2`: one multiply-add and one `ex2` per score, instead of a multiply for the scale, another for
+# $\log_2 e$, and the `ex2`. At the end, the logsumexp goes back to natural-log units, which the backward pass
+# and the reference expect: $L = m + \ln l = (m_2 + \log_2 l)\cdot\ln 2$.
+#
+# The identity, checked in PyTorch on one row:
+
+# %%
+s_row = torch.randn(1000, dtype=torch.float64) * 5
+scale = 0.125
+qk_scale = scale * math.log2(math.e)
+m2 = (s_row * qk_scale).max()
+l2 = torch.exp2(s_row * qk_scale - m2).sum()
+p_base2 = torch.exp2(s_row * qk_scale - m2) / l2
+torch.testing.assert_close(p_base2, torch.softmax(s_row * scale, dim=0))
+torch.testing.assert_close((m2 + torch.log2(l2)) * math.log(2), torch.logsumexp(s_row * scale, dim=0))
+print("softmax and logsumexp in base 2 match the natural-log versions")
+
+# %% [markdown]
+# ## 5. Step 4: causal attention — skip what is masked, mask only the diagonal
+#
+# With a causal mask, query $i$ sees keys $j \le i$ (top-left aligned, as in `scaled_dot_product_attention`).
+# Seen in blocks, each (query block, key block) pair is one of three kinds:
+# - **fully visible**: every key of the block is $\le$ every query row: no mask needed;
+# - **on the diagonal**: some pairs are masked: set those scores to -inf;
+# - **fully masked**: every key is after every query row: the block contributes exactly nothing, so the
+#   kernel **never loads it**. That halves the work.
+#
+# For a query block starting at row m0, the kernel visits keys in two stages:
+# - stage 1, unmasked: the full blocks that end at or before min(m0, Nk);
+# - stage 2, masked: from there up to min(m0 + BLOCK_M, Nk) — the diagonal blocks and the ragged last block.
+#
+# Without causal masking, stage 1 runs over all full blocks and stage 2 over the ragged last block (if any).
+# Here is the plan in Python, and a check, block by block, that it skips only fully masked blocks and leaves
+# unmasked only fully visible ones:
+
+# %%
+SKIP, MASKED, FULL = 0, 1, 2
+
+
+def block_plan(n_q, n_k, block_m, block_n, causal):
+    """(query blocks, key blocks) array: how the kernel treats each pair of blocks (SKIP, MASKED or FULL)."""
+    num_m, num_n = math.ceil(n_q / block_m), math.ceil(n_k / block_n)
+    plan = np.full((num_m, num_n), SKIP)
+    for i in range(num_m):
+        m0 = i * block_m
+        hi = min(m0 + block_m, n_k) if causal else n_k
+        hi_full = (min(m0, n_k) if causal else n_k) // block_n * block_n
+        for j, n0 in enumerate(range(0, hi, block_n)):
+            plan[i, j] = FULL if n0 < hi_full else MASKED
+    return plan
+
+
+def block_truth(n_q, n_k, block_m, block_n, causal):
+    """The same classification from the element-wise mask: what each block *must* be at least."""
+    visible = causal_mask(n_q, n_k) if causal else torch.ones(n_q, n_k, dtype=torch.bool)
+    num_m, num_n = math.ceil(n_q / block_m), math.ceil(n_k / block_n)
+    truth = np.zeros((num_m, num_n), dtype=int)
+    for i in range(num_m):
+        for j in range(num_n):
+            tile = visible[i * block_m : (i + 1) * block_m, j * block_n : (j + 1) * block_n]
+            full = tile.all() and tile.shape[1] == block_n  # padding keys need a mask; padding rows do not
+            truth[i, j] = FULL if full else (MASKED if tile.any() else SKIP)
+    return truth
+
+
+for n_q, n_k, bm, bn in [(256, 256, 32, 32), (100, 75, 32, 32), (300, 200, 64, 32), (200, 300, 32, 64)]:
+    for causal in (False, True):
+        plan, truth = block_plan(n_q, n_k, bm, bn, causal), block_truth(n_q, n_k, bm, bn, causal)
+        assert ((plan == SKIP) <= (truth == SKIP)).all(), "a visible block would be skipped"
+        assert ((plan == FULL) <= (truth == FULL)).all(), "a partly masked block would go unmasked"
+        assert ((truth == SKIP) <= (plan == SKIP)).all(), "a fully masked block would be loaded"
+print("the plan skips exactly the fully masked blocks and masks only where needed")
+
+# %% [markdown]
+# The plan for a causal 256 x 256 attention with 32 x 32 blocks: of 64 block pairs, 28 are skipped, 8 are
+# masked (the diagonal) and 28 need no mask.
+
+# %%
+plan = block_plan(256, 256, 32, 32, causal=True)
+fig, ax = plt.subplots(figsize=(5.5, 5))
+ax.imshow(plan, cmap=ListedColormap(["#eeeeee", "#fdae6b", "#3182bd"]), vmin=0, vmax=2)
+ax.set_xlabel("key block j (BLOCK_N = 32 keys)")
+ax.set_ylabel("query block i (BLOCK_M = 32 queries)")
+counts = {name: int((plan == c).sum()) for name, c in (("skipped", SKIP), ("masked", MASKED), ("full", FULL))}
+ax.set_title(
+    f"Causal: {counts['skipped']} of {plan.size} blocks never loaded\n"
+    f"grey: skipped, orange: masked ({counts['masked']}), blue: no mask ({counts['full']})"
+)
+plt.show()
+assert counts == {"skipped": 28, "masked": 8, "full": 28}
+
+# %% [markdown]
+# ## 6. Step 5: the kernel, with every step
+#
+# The K/V loop moves into a helper, `_attend`, called once per stage with `MASK` as a compile-time constant:
+# the unmasked stage compiles without a single `tl.where`. The helper carries the running state `(acc, l_i,
+# m_i)` in and out; Triton inlines it.
+#
+# Input dtypes: float16 and bfloat16 go into `tl.dot` as they are (the tensor cores' inputs), P is cast to
+# V's dtype for the second product, and all accumulation is float32. Two switches depend on the dtype:
+# - `DOT_PRECISION = "ieee"` for float32 inputs: on a GPU, `tl.dot` on float32 otherwise uses TF32 (about
+#   1e-3 relative error), which would fail our float32 accuracy rule;
+# - `UPCAST` for bfloat16 **under the interpreter only**: the interpreter's bfloat16 `tl.dot` gives wrong
+#   values, so there the tiles are converted to float32 right after loading. On a GPU, `UPCAST` is False.
+#
+# All strides are passed in, so any view of (Z, N, d) works, and the head dim is any power of two >= 16.
+
+
+# %%
+@triton.jit
+def _attend(
+    acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+    offs_m, offs_n, offs_d, lo, hi, N_K, qk_scale,
+    MASK: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    for start_n in range(lo, hi, BLOCK_N):
+        cols = start_n + offs_n  # key indices of this block
+        k_ptrs = k_base + cols[:, None] * stride_kn + offs_d[None, :] * stride_kd
+        v_ptrs = v_base + cols[:, None] * stride_vn + offs_d[None, :] * stride_vd
+        if MASK:  # the ragged last block may hold padding keys: load them as 0
+            k = tl.load(k_ptrs, mask=cols[:, None] < N_K, other=0.0)
+        else:
+            k = tl.load(k_ptrs)  # K block (BLOCK_N, d): HBM -> SRAM
+        if UPCAST:
+            k = k.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # raw scores Q K^T, float32, registers
+        if MASK:  # only the diagonal blocks and the ragged last block
+            visible = cols[None, :] < N_K
+            if CAUSAL:
+                visible = visible & (offs_m[:, None] >= cols[None, :])
+            s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)  # base-2 units
+        p = tl.math.exp2(s * qk_scale - m_new[:, None])  # one FMA and one ex2 per score
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if MASK:
+            v = tl.load(v_ptrs, mask=cols[:, None] < N_K, other=0.0)
+        else:
+            v = tl.load(v_ptrs)  # V block (BLOCK_N, d): HBM -> SRAM
+        if UPCAST:
+            v = v.to(tl.float32)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)  # acc += P V
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def flash_fwd(
+    Q, K, V, O, L, qk_scale,
+    stride_qz, stride_qn, stride_qd, stride_kz, stride_kn, stride_kd,
+    stride_vz, stride_vn, stride_vd, stride_oz, stride_on, stride_od,
+    N_Q, N_K,
+    CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    start_m = tl.program_id(0)
+    z = tl.program_id(1).to(tl.int64)  # int64: z * stride can pass 2**31 for large batches
+    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_ok = offs_m < N_Q  # padding rows of the last query block
+    q = tl.load(
+        Q + z * stride_qz + offs_m[:, None] * stride_qn + offs_d[None, :] * stride_qd,
+        mask=row_ok[:, None],
+        other=0.0,
+    )
+    if UPCAST:
+        q = q.to(tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+
+    # The two stages of section 5. Key 0 is visible to every row and comes first, so after the first
+    # block every m_i is finite: no -inf - (-inf) = NaN can occur.
+    if CAUSAL:
+        hi = tl.minimum((start_m + 1) * BLOCK_M, N_K)  # keys after the block's last row: never loaded
+        hi_full = tl.minimum(start_m * BLOCK_M, N_K) // BLOCK_N * BLOCK_N
+    else:
+        hi = N_K
+        hi_full = N_K // BLOCK_N * BLOCK_N
+    k_base = K + z * stride_kz
+    v_base = V + z * stride_vz
+    acc, l_i, m_i = _attend(
+        acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+        offs_m, offs_n, offs_d, 0, hi_full, N_K, qk_scale, False, CAUSAL, BLOCK_N, UPCAST, DOT_PRECISION,
+    )  # fmt: skip
+    acc, l_i, m_i = _attend(
+        acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+        offs_m, offs_n, offs_d, hi_full, hi, N_K, qk_scale, True, CAUSAL, BLOCK_N, UPCAST, DOT_PRECISION,
+    )  # fmt: skip
+
+    o = acc / l_i[:, None]
+    tl.store(
+        O + z * stride_oz + offs_m[:, None] * stride_on + offs_d[None, :] * stride_od,
+        o.to(O.dtype.element_ty),
+        mask=row_ok[:, None],
+    )
+    lse = (m_i + tl.math.log2(l_i)) * 0.6931471805599453  # back to natural log: (m2 + log2 l) * ln 2
+    tl.store(L + z * N_Q + offs_m, lse, mask=row_ok)
+
+
+def flash_forward(
+    q, k, v, causal=False, scale=None, block_m=BLOCK_M, block_n=BLOCK_N, num_warps=4, num_stages=2
+):
+    """q: (..., Nq, d), k and v: (..., Nk, d); float16, bfloat16 or float32; d a power of two >= 16.
+
+    Returns O (..., Nq, d) in q's dtype and L (..., Nq) in float32 (natural-log units)."""
+    *lead, n_q, d = q.shape
+    n_k = k.shape[-2]
+    assert d >= 16 and d & (d - 1) == 0, f"head dim {d}: this teaching kernel takes powers of two >= 16"
+    q3, k3, v3 = q.reshape(-1, n_q, d), k.reshape(-1, n_k, d), v.reshape(-1, n_k, d)  # (Z, N, d) views
+    Z = q3.shape[0]
+    o = torch.empty_like(q3)
+    lse = torch.empty(Z, n_q, device=q.device, dtype=torch.float32)
+    scale = d**-0.5 if scale is None else scale
+    grid = (triton.cdiv(n_q, block_m), Z)
+    flash_fwd[grid](
+        q3, k3, v3, o, lse, scale * math.log2(math.e),  # qk_scale: the scale folded into base 2
+        *q3.stride(), *k3.stride(), *v3.stride(), *o.stride(), n_q, n_k,
+        CAUSAL=causal, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n,
+        UPCAST=course_lib.INTERPRET and q.dtype == torch.bfloat16,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+    return o.reshape(*lead, n_q, d), lse.reshape(*lead, n_q)
+
+
+# %% [markdown]
+# ## 7. Check: every case against float64, and against course_lib
+#
+# (B, H, Nq, d) inputs with Nq and Nk not multiples of the blocks and Nq != Nk, both orders; causal and not;
+# three dtypes. Each result is held to the accuracy rule against the float64 reference, for O and for L, and
+# compared with `course_lib.flash_attention` (the finished kernel) and its `forward` (which also returns L).
+
+# %%
+TOL = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 2e-2}  # kernel vs kernel
+for n_q, n_k in [(N_Q, N_K), (N_K, N_Q)]:
+    for causal in (False, True):
+        for dtype in DTYPES:
+            what = f"(B, H, Nq, Nk, d)=({B}, {H}, {n_q}, {n_k}, {D}), {dtype}, causal={causal}"
+            q, k, v = random_qkv((B, H, n_q, D), n_k, dtype=dtype, device=DEVICE)
+            o, lse = flash_forward(q, k, v, causal=causal)
+            o_ref, L_ref = attention(q.double(), k.double(), v.double(), causal=causal, return_lse=True)
+            o_same, L_same = attention(q, k, v, causal=causal, return_lse=True)
+            assert_close_to_reference(o, o_ref, o_same, "O " + what)
+            assert_close_to_reference(lse, L_ref, L_same, "L " + what)
+            o_lib = course_lib.flash_attention(q, k, v, causal=causal)
+            torch.testing.assert_close(
+                o, o_lib, rtol=TOL[dtype], atol=TOL[dtype], msg=lambda m, w=what: f"{w}: {m}"
+            )
+            _, L_lib = lib_forward.forward(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), causal, None)
+            torch.testing.assert_close(
+                lse.flatten(0, 1), L_lib, rtol=1e-4, atol=1e-4, msg=lambda m, w=what: f"{w}: {m}"
+            )
+print("O and L: within the accuracy rule for every case, and equal to course_lib's kernel")
+
+# %% [markdown]
+# The kernel also honours strides: here K and V are stored transposed (as (…, d, N)), so their rows are not
+# contiguous, and the result is unchanged.
+
+# %%
+q, k, v = random_qkv((B, H, N_Q, D), N_K, dtype=torch.float16, device=DEVICE, transposed=True)
+assert k.stride(-1) != 1
+o, _ = flash_forward(q, k, v, causal=True)
+torch.testing.assert_close(o, flash_forward(q.contiguous(), k.contiguous(), v.contiguous(), causal=True)[0])
+print("non-contiguous inputs: same result")
+
+# %% [markdown]
+# ## 8. On the GPU: against notebook 04 and PyTorch (GPU only)
+#
+# Forward time for the shapes of the FlashAttention papers, reported as TFLOP/s by the papers' convention
+# ($4 \cdot B \cdot H \cdot N^2 \cdot d$ useful FLOPs, half of that when causal): bfloat16,
+# B·N = 16384 tokens, H·d = 2048, d = 64. Providers: this notebook's kernel (BLOCK_M=128, BLOCK_N=64,
+# 4 warps, 3 stages), `course_lib.flash_attention` (autotuned), notebook 04's `FlashAttentionTorch` (a Python
+# loop over tiles: only up to N = 2048, it is slow) and `scaled_dot_product_attention` (PyTorch picks its
+# fastest backend).
+# On a CPU we show the recorded run.
+
+
+# %%
+def plot_forward_comparison(data, source):
+    fig, axes = plt.subplots(1, 2, figsize=(16, 6), sharey=True, layout="constrained")
+    for ax, causal in zip(axes, (False, True)):
+        tflops = data["tflops"][str(causal)]
+        nb, lib = max(tflops["this notebook"]), max(tflops["course_lib.flash_attention"])
+        kind = "causal" if causal else "not causal"
+        plot_series(
+            data["N"], tflops, xlabel="sequence length N (tokens)", ylabel="forward TFLOP/s (bf16)",
+            title=f"{kind}: up to {nb:.0f} (this notebook), {lib:.0f} (course_lib)", logx=True, ax=ax,
+        )  # fmt: skip
+        ax.set_xticks(data["N"], [f"{n // 1024}k" for n in data["N"]])
+    fig.suptitle(f"Triton FlashAttention-2 forward against PyTorch, d = {data['d']}\n{source}", fontsize=15)
+    plt.show()
+
+
+if course_lib.ON_GPU:
+    from torch.nn.functional import scaled_dot_product_attention
+
+    providers = {
+        "this notebook": lambda q, k, v, c: flash_forward(q, k, v, c, block_m=128, block_n=64, num_stages=3)[
+            0
+        ],
+        "course_lib.flash_attention": lambda q, k, v, c: course_lib.flash_attention(q, k, v, causal=c),
+        "FlashAttentionTorch (nb 04)": lambda q, k, v, c: course_lib.FlashAttentionTorch.apply(q, k, v, c),
+        "SDPA": lambda q, k, v, c: scaled_dot_product_attention(q, k, v, is_causal=c),
+    }
+    heads = 2048 // BENCH_D
+    data = {"N": BENCH_NS, "d": BENCH_D, "heads": heads, "tokens": BENCH_TOKENS, "tflops": {}}
+    for causal in (False, True):
+        data["tflops"][str(causal)] = {name: [] for name in providers}
+        for n in BENCH_NS:
+            q, k, v = random_qkv((BENCH_TOKENS // n, heads, n, BENCH_D), dtype=torch.bfloat16, device=DEVICE)
+            flops = attention_flops(BENCH_TOKENS // n, heads, n, n, BENCH_D, causal=causal)
+            for name, fn in providers.items():
+                if name.startswith("FlashAttentionTorch") and n > 2048:
+                    data["tflops"][str(causal)][name].append(None)
+                    continue
+                ms = benchmark(lambda fn=fn, q=q, k=k, v=v, c=causal: fn(q, k, v, c))
+                data["tflops"][str(causal)][name].append(flops / ms * 1e-9)
+    records.save_record("flash_forward_compare", data)
+    plot_forward_comparison(data, "measured now on " + torch.cuda.get_device_name())
+else:
+    rec = records.load_record("flash_forward_compare")
+    if rec is None:
+        print(
+            "No recorded GPU run yet (it is written when this notebook runs on a GPU). What to look for\n"
+            "in it: how close the Triton kernels come to SDPA, how much the notebook's fixed launch loses\n"
+            "to course_lib's tuned one, and how far notebook 04's PyTorch loop falls behind (every tile\n"
+            "costs several kernel launches and round trips to HBM)."
+        )
+    else:
+        plot_forward_comparison(rec["data"], records.label(rec))
+
+# %% [markdown]
+# ## 9. Block sizes and warps (GPU only)
+#
+# BLOCK_M, BLOCK_N, `num_warps` and `num_stages` trade against each other: larger blocks reuse each loaded
+# K/V block for more queries (fewer bytes per FLOP) but need more registers and shared memory per program, so
+# fewer programs fit on an SM at once and large tiles may spill registers; more warps split a tile over more
+# threads; more stages prefetch more K/V blocks ahead (more shared memory). We sweep this notebook's kernel at
+# N = 4096 (bf16, d = 64, not causal). Configurations that do not fit are reported as such.
+
+# %%
+SWEEP = [(bm, bn, w, s) for bm in (64, 128) for bn in (32, 64, 128) for w in (4, 8) for s in (2, 3)]
+
+
+def show_sweep(data, source):
+    ok = sorted(
+        (t, f"{bm} x {bn}, {w} warps, {s} stages")
+        for (bm, bn, w, s), t in zip(data["configs"], data["tflops"])
+        if t
+    )
+    failed = [cfg for cfg, t in zip(data["configs"], data["tflops"]) if t is None]
+    ok.reverse()  # fastest first (at the top)
+    _, ax = plt.subplots(figsize=(10, 0.35 * len(ok) + 2), layout="constrained")
+    bar_chart(
+        [name for _, name in ok], [t for t, _ in ok], horizontal=True, fmt="{:.0f}", ax=ax,
+        xlabel="forward TFLOP/s (bf16, d = 64, not causal)", ylabel="BLOCK_M x BLOCK_N, warps, stages",
+        title=f"N = {data['N']}: the best configuration is {ok[0][0] / ok[-1][0]:.1f}x the worst\n{source}",
+    )  # fmt: skip
+    plt.show()
+    if failed:
+        print("did not fit (BLOCK_M, BLOCK_N, warps, stages):", failed)
+
+
+if course_lib.ON_GPU:
+    n = 4096
+    q, k, v = random_qkv(
+        (BENCH_TOKENS // n, 2048 // BENCH_D, n, BENCH_D), dtype=torch.bfloat16, device=DEVICE
+    )
+    flops = attention_flops(BENCH_TOKENS // n, 2048 // BENCH_D, n, n, BENCH_D)
+    data = {"N": n, "configs": SWEEP, "tflops": []}
+    for bm, bn, w, s in SWEEP:
+        run = lambda bm=bm, bn=bn, w=w, s=s: flash_forward(
+            q, k, v, block_m=bm, block_n=bn, num_warps=w, num_stages=s
+        )
+        try:
+            data["tflops"].append(flops / benchmark(run) * 1e-9)
+        except triton.runtime.errors.OutOfResources:
+            data["tflops"].append(None)
+    records.save_record("flash_forward_blocks", data)
+    show_sweep(data, "measured now on " + torch.cuda.get_device_name())
+else:
+    rec = records.load_record("flash_forward_blocks")
+    if rec is None:
+        print(
+            "No recorded GPU run yet (it is written when this notebook runs on a GPU). What to look for\n"
+            "in it: the spread between the best and the worst configuration, and which way each knob pushes."
+        )
+    else:
+        show_sweep(rec["data"], records.label(rec))
+
+# %% [markdown]
+# ## 10. Exercises
+#
+# **Exercise 1 — back from base 2.** A program ends its loop with `m2` (the running max of the scores times
+# `qk_scale`, in base-2 units) and `l` (the sum of `2**(s * qk_scale - m2)`), for a block of rows. Return the
+# natural-log logsumexp L of the scaled scores `s * scale`, as the kernel stores it.
+
+
+# %%
+def lse_from_base2(m2, l):
+    ### BEGIN SOLUTION
+    return (m2 + torch.log2(l)) * math.log(2)
+    ### END SOLUTION
+
+
+# %% tags=["check"]
+s_rows = torch.randn(4, 300, dtype=torch.float64) * 4
+m2_rows = (s_rows * qk_scale).amax(dim=1)
+l_rows = torch.exp2(s_rows * qk_scale - m2_rows[:, None]).sum(dim=1)
+check("lse_from_base2", lambda: lse_from_base2(m2_rows, l_rows), torch.logsumexp(s_rows * scale, dim=1))
+
+# %% [markdown]
+# **Exercise 2 — which blocks can a sliding window skip?** With a sliding window of W keys, query i sees keys
+# j with i - W < j <= i. For the query block starting at row `m0` (BLOCK_M rows) and the key block starting at
+# `n0` (BLOCK_N keys), return `SKIP` if no pair is visible, `FULL` if every pair is, and `MASKED` otherwise.
+# (Assume Nq and Nk are multiples of the blocks.)
+
+
+# %%
+def window_block_kind(m0, n0, block_m, block_n, W):
+    ### BEGIN SOLUTION
+    first_q, last_q = m0, m0 + block_m - 1
+    first_k, last_k = n0, n0 + block_n - 1
+    if first_k > last_q or last_k <= first_q - W:
+        return SKIP
+    if last_k <= first_q and first_k > last_q - W:
+        return FULL
+    return MASKED
+    ### END SOLUTION
+
+
+# %% tags=["check"]
+def window_truth(n, block_m, block_n, W):
+    i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    visible = (j <= i) & (j > i - W)
+    kinds = []
+    for m0 in range(0, n, block_m):
+        for n0 in range(0, n, block_n):
+            tile = visible[m0 : m0 + block_m, n0 : n0 + block_n]
+            kinds.append(FULL if tile.all() else (MASKED if tile.any() else SKIP))
+    return kinds
+
+
+check(
+    "window_block_kind",
+    lambda: [window_block_kind(m0, n0, 32, 16, 70) for m0 in range(0, 256, 32) for n0 in range(0, 256, 16)],
+    window_truth(256, 32, 16, 70),
+)
+
+# %% [markdown]
+# **Exercise 3 — a logsumexp-only kernel.** Some uses need only L (for example, to rebuild P later). Write
+# `lse_kernel`: one program per (query block, z), a loop over key blocks with the online max and sum in
+# base 2, no V and no accumulator. Nq and Nk may be ragged (mask the padding keys with -inf), no causal mask.
+# It stores L in natural-log units.
+
+
+# %%
+@triton.jit
+def lse_kernel(
+    Q, K, L, qk_scale, stride_qz, stride_qn, stride_kz, stride_kn, N_Q, N_K,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    ### BEGIN SOLUTION
+    start_m = tl.program_id(0)
+    z = tl.program_id(1)
+    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    q = tl.load(
+        Q + z * stride_qz + offs_m[:, None] * stride_qn + offs_d[None, :],
+        mask=offs_m[:, None] < N_Q,
+        other=0.0,
+    )
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for start_n in range(0, N_K, BLOCK_N):
+        cols = start_n + offs_n
+        k = tl.load(
+            K + z * stride_kz + cols[:, None] * stride_kn + offs_d[None, :],
+            mask=cols[:, None] < N_K,
+            other=0.0,
+        )
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        s = tl.where(cols[None, :] < N_K, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)
+        l_i = l_i * tl.math.exp2(m_i - m_new) + tl.sum(tl.math.exp2(s * qk_scale - m_new[:, None]), axis=1)
+        m_i = m_new
+    tl.store(L + z * N_Q + offs_m, (m_i + tl.math.log2(l_i)) * 0.6931471805599453, mask=offs_m < N_Q)
+    ### END SOLUTION
+
+
+def logsumexp_only(q, k, block_m=BLOCK_M, block_n=BLOCK_N):
+    Z, n_q, d = q.shape
+    lse = torch.empty(Z, n_q, device=q.device, dtype=torch.float32)
+    lse_kernel[(triton.cdiv(n_q, block_m), Z)](
+        q, k, lse, d**-0.5 * math.log2(math.e), q.stride(0), q.stride(1), k.stride(0), k.stride(1), n_q,
+        k.shape[1], HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n,
+    )  # fmt: skip
+    return lse
+
+
+# %% tags=["check"]
+q, k, _ = random_qkv((B * H, N_Q, D), N_K, device=DEVICE)
+_, L_expected = attention(q.double(), k.double(), k.double(), return_lse=True)
+check("lse_kernel", lambda: logsumexp_only(q, k).double(), L_expected, rtol=1e-4, atol=1e-4)
+
+# %% [markdown]
+# **Exercise 4 (open).** In a causal forward, the programs of the last query blocks do the most work (they see
+# the most keys). course_lib's kernel launches the query blocks in reverse order when causal. On a GPU with
+# 132 SMs and more programs than SMs, why does starting the longest programs first shorten the whole run?
+# Measure it with `flash_forward` by reversing `start_m` in `flash_fwd`.
+
+# %% [markdown]
+# ## Summary
+#
+# - One Triton program per (query block, batch·head). It loads its Q block once, streams K and V blocks past
+#   it, and keeps the running max m, the running sum l and the accumulator in float32 registers; only O and
+#   L (one float per row, for the backward) go back to HBM. S and P exist one tile at a time, on chip.
+# - Ragged lengths: padding query rows are computed and not stored; padding keys get score -inf. Only the
+#   last block needs the mask, so the loop splits into an unmasked and a masked stage.
+# - Base-2 exponentials with `qk_scale = scale * log2(e)` folded in: one FMA and one `ex2` per score;
+#   L = (m2 + log2 l) ln 2 at the end.
+# - Causal: blocks above the diagonal are never loaded (about half the work), diagonal blocks are masked,
+#   the rest runs unmasked.
+# - float16 / bfloat16 into the tensor cores, float32 accumulation; float32 inputs need
+#   `input_precision="ieee"` to avoid TF32's error; under the interpreter bfloat16 tiles are converted to
+#   float32 after loading.
+#
+# Next, notebook 07 writes the backward pass: it rebuilds P from Q, K and L, block by block.

@@ -1,0 +1,566 @@
+# ---
+# jupyter:
+#   jupytext:
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 08 · Benchmarking, profiling and the optimisation ladder
+#
+# Notebooks 06 and 07 built a FlashAttention-2 forward and backward in Triton that are *correct*. This
+# notebook is about *fast*, and about knowing it: how to time GPU code without fooling yourself, how to
+# see where the time goes, and how the kernels went from a straightforward version to course_lib's
+# finished ones one step at a time, each step predicted before it was measured.
+#
+# **Learning goals**
+# 1. Time GPU code honestly: asynchrony and synchronisation, warm-up, medians, the L2 cache,
+#    `triton.testing.do_bench` against `torch.utils.benchmark` — and know why interpreter timings mean
+#    nothing.
+# 2. Count FLOPs by the convention of the FlashAttention papers and turn a time into TFLOP/s.
+# 3. Profile: `torch.profiler` (a kernel table and a trace), NVTX ranges, and what Nsight Systems and
+#    Nsight Compute show.
+# 4. Read the optimisation ladder: predict each step's gain from bytes and FLOPs, then compare with the
+#    measurement.
+# 5. Compare course_lib with PyTorch's attention backends, and know what `make bench` records.
+
+# %% [markdown]
+# ## 0. Sizes
+#
+# Every size this notebook uses, in one place. On a CPU the Triton kernels run in the interpreter, so
+# they stay tiny; on a GPU they run at sizes where timing means something.
+
+# %%
+import math
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+import torch
+import torch.nn.functional as F
+
+import course_lib
+from course_lib import bench, records, timing
+from course_lib.reference import attention
+
+DEVICE = course_lib.DEVICE
+DTYPE = course_lib.pick(cpu=torch.float32, gpu=torch.bfloat16)  # the interpreter has no bf16 arithmetic
+MATMUL_N = course_lib.pick(cpu=512, gpu=8192)  # square matmul of the asynchrony demo
+SWEEP_BYTES = course_lib.pick(cpu=[2**k for k in range(15, 27, 2)], gpu=[2**k for k in range(18, 32, 2)])
+# Attention shape for live timings, (B, H, N, d): the papers' B*N = 16k tokens, H*d = 2048 on a GPU.
+B, H, N, D = course_lib.pick(cpu=(1, 2, 256, 32), gpu=(4, 16, 4096, 128))
+N_KERNEL = course_lib.pick(cpu=128, gpu=1024)  # course_lib kernels in the correctness checks
+print(f"{course_lib.RUNTIME.describe()}; attention shape (B, H, N, d) = {(B, H, N, D)}, {DTYPE}")
+
+# %% [markdown]
+# ## 1. How to time GPU code
+#
+# ### 1.1 Asynchrony: the CPU does not wait for the GPU
+#
+# A CUDA call from Python *enqueues* work and returns at once; the GPU runs it later. A stopwatch on the
+# CPU around `a @ b` therefore measures the **launch** (microseconds), not the matmul. To measure the
+# work, wait for the GPU before reading the clock: `torch.cuda.synchronize()` (or CUDA events, which
+# the GPU itself timestamps). On a CPU every PyTorch call is synchronous, so the stopwatch is right —
+# the pitfall only bites on a GPU, and it bites silently: you get a plausible, tiny number.
+
+# %%
+a, b = (torch.randn(MATMUL_N, MATMUL_N, device=DEVICE, dtype=DTYPE) for _ in range(2))
+
+
+def sync():
+    if course_lib.ON_GPU:
+        torch.cuda.synchronize()
+
+
+def stopwatch_ms(fn, wait: bool) -> float:
+    """One call timed with the CPU clock; wait=True synchronises before and after."""
+    if wait:
+        sync()
+    t0 = time.perf_counter()
+    fn()
+    if wait:
+        sync()
+    return (time.perf_counter() - t0) * 1e3
+
+
+_ = a @ b  # warm-up (section 1.2)
+sync()
+no_wait = statistics.median(stopwatch_ms(lambda: a @ b, wait=False) for _ in range(10))
+sync()
+with_wait = statistics.median(stopwatch_ms(lambda: a @ b, wait=True) for _ in range(10))
+flops = 2 * MATMUL_N**3
+print(f"{MATMUL_N}^3 matmul ({DTYPE}) on {DEVICE.type}:")
+print(f"  stopwatch without synchronising: {no_wait:8.3f} ms  -> '{flops / no_wait / 1e9:.3g} TFLOP/s'")
+print(f"  stopwatch with synchronising:    {with_wait:8.3f} ms  -> {flops / with_wait / 1e9:.3g} TFLOP/s")
+if course_lib.ON_GPU:
+    assert with_wait > 3 * no_wait, "on a GPU the unsynchronised stopwatch should see only the launch"
+else:
+    print("On the CPU both agree: PyTorch's CPU operations finish before they return.")
+
+# %% [markdown]
+# On a GPU the unsynchronised "TFLOP/s" is usually far above the hardware's peak — the telltale sign.
+#
+# ### 1.2 Warm-up: the first call pays for everything that happens once
+#
+# The first call of a kernel pays for one-time work: CUDA context and library handles, Triton's
+# compilation (and autotuning, which times every candidate config), `torch.compile`'s tracing, memory
+# the caching allocator has not reserved yet. Always call once before timing; `timing.benchmark` does.
+# Here: the first call of course_lib's kernel on a new shape against the median of the next ones.
+
+# %%
+q, k, v = (torch.randn(B, H, N_KERNEL + 16, D, device=DEVICE, dtype=DTYPE) for _ in range(3))
+first = stopwatch_ms(lambda: course_lib.flash_attention(q, k, v), wait=True)
+later = statistics.median(
+    stopwatch_ms(lambda: course_lib.flash_attention(q, k, v), wait=True) for _ in range(5)
+)
+print(f"first call {first:.1f} ms, later calls {later:.1f} ms (median): {first / later:.0f}x")
+
+# %% [markdown]
+# ### 1.3 Medians, not means
+#
+# Repeated timings scatter: other processes, clock boost, interrupts, the Python garbage collector. The
+# distribution has a long tail to the right (something occasionally gets in the way; nothing makes a
+# kernel faster than it is), so the **median** is the robust summary, and the minimum is optimistic.
+# Let us time standard attention 60 times, one call at a time.
+
+# %%
+q, k, v = (torch.randn(B, H, N, D, device=DEVICE, dtype=DTYPE) for _ in range(3))
+samples = [stopwatch_ms(lambda: attention(q, k, v), wait=True) for _ in range(60)]
+med, mean = statistics.median(samples), statistics.fmean(samples)
+fig, ax = plt.subplots(figsize=(8, 4))
+ax.hist(samples, bins=30, color="tab:blue")
+for value, name, style in ((med, "median", "-"), (mean, "mean", "--"), (min(samples), "min", ":")):
+    ax.axvline(value, color="black", linestyle=style, label=f"{name} {value:.3f} ms")
+ax.set_xlabel("time per call (ms)")
+ax.set_ylabel("number of calls")
+ax.set_title(f"60 timings of standard attention ({DEVICE.type}): a tail to the right")
+ax.legend()
+plt.show()
+
+# %% [markdown]
+# ### 1.4 The L2 cache: hot data lies
+#
+# Timing one call many times in a row on the **same** tensors leaves them in the cache after the first
+# call; every later call reads from the cache instead of from memory. For data that fits (the H200's L2
+# holds 50 MB; a CPU core's L2 a few MB), the loop measures a bandwidth the real workload, which
+# streams fresh data, never sees. `triton.testing.do_bench` therefore **clears the L2** (by writing a
+# 256 MB buffer) before every call; `torch.utils.benchmark` does not.
+#
+# Below: the bandwidth of `x.sum()` as the array grows, timed hot (repeated calls, `torch.utils.benchmark`)
+# and, on a GPU, with the L2 flushed (`do_bench`). Hot small arrays look much faster than memory is.
+
+# %%
+from torch.utils import benchmark as tbench
+
+hot, flushed = [], []
+for nbytes in SWEEP_BYTES:
+    x = torch.randn(nbytes // 4, device=DEVICE)
+    t = tbench.Timer("x.sum()", globals={"x": x}).blocked_autorange(min_run_time=0.05).median
+    hot.append(nbytes / t / 1e9)
+    if course_lib.ON_GPU:
+        flushed.append(nbytes / (timing.benchmark(lambda x=x: x.sum()) * 1e-3) / 1e9)
+series = {"hot: repeated calls (torch.utils.benchmark)": hot}
+if flushed:
+    series["L2 flushed before each call (do_bench)"] = flushed
+fig, ax = plt.subplots(figsize=(8, 4.5))
+for name, ys in series.items():
+    ax.plot([n / 2**20 for n in SWEEP_BYTES], ys, marker="o", label=name)
+ax.set_xscale("log", base=2)
+ax.set_xlabel("array size (MiB)")
+ax.set_ylabel("bytes read per second (GB/s)")
+ax.set_title(f"x.sum() on {DEVICE.type}: cache-resident data reads faster than memory")
+ax.legend()
+plt.show()
+
+# %% [markdown]
+# ### 1.5 `do_bench` against `torch.utils.benchmark`
+#
+# | | `triton.testing.do_bench` | `torch.utils.benchmark.Timer` |
+# | --- | --- | --- |
+# | devices | CUDA only (not the interpreter) | CPU and CUDA |
+# | synchronises | yes (CUDA events) | yes |
+# | warm-up | yes (`warmup` ms) | `blocked_autorange` runs until `min_run_time` |
+# | L2 cache | flushed before every call | not flushed (hot) |
+# | summary | median (or mean, min, quantiles) in ms | median and IQR, seconds; compares runs in tables |
+#
+# `course_lib.timing.benchmark(fn)` is `do_bench`'s median on a GPU and a wall-clock median of a few calls
+# on the CPU. Both ways on standard attention:
+
+# %%
+t_course = timing.benchmark(lambda: attention(q, k, v))
+t_torch = tbench.Timer("attention(q, k, v)", globals=dict(attention=attention, q=q, k=k, v=v))
+t_torch = t_torch.blocked_autorange(min_run_time=0.2).median * 1e3
+print(f"course_lib.timing.benchmark: {t_course:.3f} ms   torch.utils.benchmark: {t_torch:.3f} ms")
+
+# %% [markdown]
+# For a kernel whose inputs are much larger than the L2 (as here on a GPU) the two agree to a few percent;
+# for small inputs `torch.utils.benchmark` reads faster, for the reason of 1.4.
+#
+# ### 1.6 Interpreter timings mean nothing
+#
+# On a CPU, Triton's interpreter runs each program instance in Python, one after another. Its time is
+# roughly (number of program instances) x (loop iterations) x (a few ms of Python): it counts *tiles*,
+# not memory traffic, occupancy or tensor-core use. Below, 32 x 32 tiles against 64 x 64 tiles: the
+# interpreter predicts "4x slower" just from the tile count; on a GPU the answer depends on everything
+# the interpreter does not model (and can go either way).
+
+# %%
+from course_lib.flash_triton import backward, forward
+
+q3, k3, v3, do3 = (torch.randn(B * H, N_KERNEL, D, device=DEVICE, dtype=DTYPE) for _ in range(4))
+for bm in (32, 64):
+    cfg = dict(BLOCK_M=bm, BLOCK_N=bm, num_warps=4, num_stages=2)
+    tiles = B * H * math.ceil(N_KERNEL / bm) ** 2
+    ms = timing.benchmark(lambda cfg=cfg: forward.forward(q3, k3, v3, False, None, config=cfg))
+    how = "compiled" if course_lib.ON_GPU else "interpreted"
+    print(f"{bm} x {bm} tiles: {tiles:5d} tiles, {ms:8.3f} ms ({how})")
+
+# %% [markdown]
+# ### 1.7 Counting FLOPs: the papers' convention
+#
+# TFLOP/s is *useful* floating-point operations per second, counted the same way for every
+# implementation, whatever it actually executes:
+# - forward: two matmuls, S = Q Kᵀ and O = P V, each 2·N·N·d per (batch, head): **4·B·H·N²·d**;
+# - causal: **half** of that (a kernel that computes masked tiles gets no credit for them);
+# - backward: **2.5x** the forward (five matmuls, one of them recomputing S); forward + backward: 3.5x.
+# Softmax's exponentials are not counted. `course_lib.timing.attention_flops` implements it.
+
+# %%
+for causal in (False, True):
+    for mode in ("fwd", "bwd", "fwd_bwd"):
+        f = timing.attention_flops(4, 16, 4096, 4096, 128, causal=causal, mode=mode)
+        print(f"B=4, H=16, N=4096, d=128, causal={causal!s:5}, {mode:7}: {f / 1e12:6.3f} TFLOP")
+assert timing.attention_flops(4, 16, 4096, 4096, 128) == 4 * 4 * 16 * 4096**2 * 128
+
+# %% [markdown]
+# So a causal forward at that shape that takes 1 ms runs at 2.2 TFLOP / 1 ms = 2200 TFLOP/s — impossible on
+# an H200 (about 810 TFLOP/s of dense bf16 matmul measured): a number like that means a timing bug.
+#
+# ## 2. Profiling: where does the time go?
+#
+# A benchmark says *how long*; a profiler says *where*. `torch.profiler` records every operator (CPU
+# side) and every kernel (GPU side, with `ProfilerActivity.CUDA`), and can export a trace for
+# `chrome://tracing` or https://ui.perfetto.dev. `record_function` names a region of your own.
+
+# %%
+from torch.profiler import ProfilerActivity, profile, record_function
+
+activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if course_lib.ON_GPU else [])
+qg, kg, vg = (t.clone().requires_grad_(True) for t in (q, k, v))
+with profile(activities=activities) as prof:
+    with record_function("standard attention fwd+bwd"):
+        attention(qg, kg, vg, causal=True).sum().backward()
+    with record_function("SDPA fwd+bwd"):
+        F.scaled_dot_product_attention(qg, kg, vg, is_causal=True).sum().backward()
+    sync()
+sort_by = "self_device_time_total" if course_lib.ON_GPU else "self_cpu_time_total"
+print(prof.key_averages().table(sort_by=sort_by, row_limit=12, max_name_column_width=50))
+trace = Path(tempfile.gettempdir()) / "course_08_attention_trace.json"
+prof.export_chrome_trace(str(trace))
+print(f"trace written to {trace}: open it in https://ui.perfetto.dev (or chrome://tracing)")
+
+# %% [markdown]
+# Read the table top-down: the operators (or, on a GPU, the kernels) that cost the most self time come
+# first. In standard attention you see the matmuls, but also the softmax pieces (`exp`, `sub`,
+# `logsumexp`, `masked_fill`) — each one a full pass over an N x N matrix in memory. SDPA's fused kernel
+# appears as one or two entries.
+#
+# ### NVTX ranges, Nsight Systems and Nsight Compute
+#
+# On a GPU, **NVTX ranges** name regions of your program for NVIDIA's tools (they cost almost nothing
+# when no tool listens): `with torch.cuda.nvtx.range("attention fwd"): ...`.
+#
+# - **Nsight Systems** (`nsys`) draws a *timeline*: CPU threads, CUDA API calls, every kernel and copy,
+#   and your NVTX ranges. It answers "is the GPU busy, or waiting for Python / launches / copies?"
+#   ```
+#   nsys profile -t cuda,nvtx -o attention python my_benchmark.py
+#   nsys stats attention.nsys-rep            # kernel and NVTX summaries in the terminal
+#   ```
+# - **Nsight Compute** (`ncu`) replays *one kernel* many times to read hardware counters: achieved
+#   occupancy, "speed of light" (compute and memory throughput as % of peak), DRAM and L2 bytes, warp
+#   stall reasons, registers and shared memory per thread block, a roofline. It answers "why is this
+#   kernel as slow as it is?"
+#   ```
+#   ncu --set full -k regex:_fwd_kernel -c 1 -o fwd python my_benchmark.py
+#   ncu --import fwd.ncu-rep --page details
+#   ```
+#   Replays make `ncu` slow (seconds per kernel): filter with `-k` (kernel name) and `-c` (count).
+
+# %%
+if course_lib.ON_GPU:
+    with torch.cuda.nvtx.range("course_lib flash_attention fwd"):
+        _ = course_lib.flash_attention(q, k, v, causal=True)
+    sync()
+    print("NVTX range recorded (visible under nsys)")
+else:
+    print("NVTX ranges need CUDA; on the CPU, record_function (above) plays that role for torch.profiler.")
+
+# %% [markdown]
+# ## 3. The optimisation ladder
+#
+# course_lib's kernels did not start fast. The ladder retraces the way from the straightforward kernels of
+# notebooks 06 and 07 to the finished ones, one change at a time, through the `config=` switches of
+# `forward.forward` and `backward.backward` (`"exp2"`, `"skip_masked_blocks"`, `BLOCK_M`, `BLOCK_N`,
+# `num_warps`, `num_stages`; `config=None` is the tuned kernel) and the backward's work split `dq_mode`.
+# Each rung carries a gain **predicted** from bytes and FLOPs, written next to it in `course_lib.bench`,
+# *before* it was measured. The shape: d = 128, N = 4096, causal, bf16, B·N = 16k tokens.
+
+# %%
+previous = {}
+for step in bench.LADDER:
+    before = previous.get(step.pass_)
+    if step.config is None:
+        change = f"config=None (tuned), dq_mode={step.dq_mode!r}"
+    else:
+        changed = {key: val for key, val in step.config.items() if before is None or before.get(key) != val}
+        change = ", ".join(f"{key}={val}" for key, val in changed.items())
+    previous[step.pass_] = step.config
+    print(f"[{step.pass_}] {step.name:34} predicted {step.predicted:4.2f}x   {change}")
+    print(f"      {'':34} why: {step.reason}")
+
+# %% [markdown]
+# Some predictions in words:
+# - **Base-2 exponentials.** The hardware computes `exp(x)` as `ex2(x · log2 e)`. Folding log2 e into the
+#   softmax scale saves one multiply per score. Small (~1.06x): exponentials and friends are about a third
+#   of the time at d = 128, and this removes one of about six operations there.
+# - **Skipping fully masked tiles.** With a causal mask, the tiles above the diagonal contribute nothing.
+#   The straightforward kernel loads and masks them anyway; skipping them halves the work (2080 of 4096
+#   tiles remain at N = 4096 with 64 x 64 tiles): ~1.9x.
+# - **Block shapes.** A K/V tile loaded from memory serves BLOCK_M queries. Going from 64 to 128 doubles
+#   the FLOPs per byte of K and V (64 → 128 FLOP/B, still under the H200's ridge of ~190 FLOP/B).
+# - **Pipeline stages.** With `num_stages` > 1 the loads of the next K/V tile are issued while the tensor
+#   cores work on the current one, hiding memory latency.
+# - **The backward's work split.** The two-kernel backward computes dK, dV in one kernel and dQ in
+#   another, which recomputes S and dP: 7 tile matmuls instead of 5. The atomic variant does one pass and
+#   adds dQ with fp32 atomics instead: fewer FLOPs, more (atomic) memory traffic.
+#
+# Optimisation must not change the answer. Every rung computes the same attention:
+
+# %%
+from course_lib.testing import assert_close_to_reference, reference_outputs
+
+causal, scale = True, D**-0.5
+q3, k3, v3, do3 = (torch.randn(2, N_KERNEL, D, device=DEVICE, dtype=DTYPE) for _ in range(4))
+q64, k64, v64, do64 = (t.double() for t in (q3, k3, v3, do3))
+o64, (dq64, dk64, dv64) = reference_outputs(q64, k64, v64, causal, grad_out=do64)
+o_base, grads_base = reference_outputs(q3, k3, v3, causal, grad_out=do3)
+o3, L3 = forward.forward(q3, k3, v3, causal, scale)
+for step in bench.LADDER:
+    what = f"ladder step '{step.name}' ({step.pass_}), N={N_KERNEL}, d={D}, {DTYPE}, causal"
+    if step.pass_ == "fwd":
+        o_step, _ = forward.forward(q3, k3, v3, causal, scale, config=step.config)
+        assert_close_to_reference(o_step, o64, o_base, what)
+    else:
+        grads = backward.backward(
+            do3, q3, k3, v3, o3, L3, causal, scale, config=step.config, dq_mode=step.dq_mode
+        )
+        for name, g, g64, g_base in zip(("dQ", "dK", "dV"), grads, (dq64, dk64, dv64), grads_base):
+            assert_close_to_reference(g, g64, g_base, f"{what}: {name}")
+print(f"all {len(bench.LADDER)} rungs agree with the float64 reference")
+
+# %% [markdown]
+# ### Predicted against measured, on the H200
+#
+# `make bench` measures the ladder (`course_lib.bench.ladder`) and records it. Left, the forward; right, the
+# backward; grey, the prediction; blue, the measurement. Where they disagree, the model behind the
+# prediction missed something — that is where to look with Nsight Compute.
+
+# %%
+ladder_rec = records.load_record("ladder")
+if ladder_rec is None:
+    print("No recorded ladder in assets/benchmarks/ yet: run `make bench` on a GPU to record one.")
+else:
+    print("Ladder", records.label(ladder_rec))
+    for s in ladder_rec["data"]["steps"]:
+        if s.get("status") == "ok":
+            gain = "" if s.get("measured_gain") is None else f"measured {s['measured_gain']:.2f}x"
+            tf = f"{s['tflops']:6.0f} TFLOP/s"
+            print(f"[{s['pass_']}] {s['name']:34} {tf}  predicted {s['predicted_gain']:.2f}x  {gain}")
+        else:
+            print(f"[{s['pass_']}] {s['name']:34} not measured: {s.get('reason_failed')}")
+    _ = bench.plot_ladder(ladder_rec)
+    plt.show()
+
+# %% [markdown]
+# ## 4. course_lib against PyTorch's attention backends
+#
+# `scaled_dot_product_attention` (SDPA) dispatches to one of several kernels; `torch.nn.attention.sdpa_kernel`
+# forces one: `FLASH_ATTENTION` (FlashAttention-2), `EFFICIENT_ATTENTION` (xFormers' memory-efficient
+# kernel), `CUDNN_ATTENTION` (NVIDIA's cuDNN; on Hopper the default choice for bf16). A backend that
+# cannot take a shape refuses it ("No available kernel"); the benchmark records that as unsupported.
+# `make bench` measures all of them, course_lib's kernels, and standard attention (eager and
+# `torch.compile`, capped where its N x N scores would not fit) on the papers' shapes. Its record:
+
+# %%
+att_rec = records.load_record("attention")
+if att_rec is None:
+    print("No recorded attention benchmark in assets/benchmarks/ yet: run `make bench` on a GPU.")
+else:
+    print("Attention benchmark", records.label(att_rec))
+    _ = bench.plot_tflops(att_rec, "fwd")
+    plt.show()
+
+# %%
+if att_rec is not None:
+    _ = bench.plot_tflops(att_rec, "fwd_bwd")
+    plt.show()
+
+# %% [markdown]
+# Memory tells the other half of the story: standard attention keeps N x N matrices per (batch, head), so
+# its peak grows with N (at a fixed number of tokens); the fused kernels stay at what they must hold:
+# inputs, outputs and gradients.
+
+# %%
+if att_rec is not None:
+    _ = bench.plot_memory(att_rec)
+    plt.show()
+
+# %% [markdown]
+# `make bench` ends with this table: course_lib's TFLOP/s over SDPA's, per cell, with the minimum and the
+# geometric mean per column (the right average for ratios: a 2x and a 0.5x cancel out), and the targets
+# the kernels are held to.
+
+# %%
+if att_rec is not None:
+    print(bench.format_report(att_rec["data"]))
+
+# %% [markdown]
+# ### Live, on this machine
+#
+# On a GPU: one cell of the grid, now. On a CPU: the CPU's own attention kernels (standard attention and
+# SDPA's CPU kernel), timed at small sizes — CPU figures, not GPU ones, and labelled as such.
+
+# %%
+q, k, v = (torch.randn(B, H, N, D, device=DEVICE, dtype=DTYPE) for _ in range(3))
+live = {"standard attention (eager)": lambda: attention(q, k, v, causal=True)}
+live["SDPA default"] = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)
+if course_lib.ON_GPU:
+    live["course_lib"] = lambda: course_lib.flash_attention(q, k, v, causal=True)
+flop = timing.attention_flops(B, H, N, N, D, causal=True)
+print(f"live on {course_lib.RUNTIME.describe()}, (B, H, N, d) = {(B, H, N, D)}, causal, {DTYPE}:")
+for name, fn in live.items():
+    ms = timing.benchmark(fn)
+    print(f"  {name:28} {ms:9.3f} ms  {flop / (ms * 1e-3) / 1e12:9.3g} TFLOP/s")
+
+# %% [markdown]
+# ## 5. Exercises
+#
+# **Exercise 1 — TFLOP/s from a time.** Write `tflops(ms, b, h, n, d, causal, mode)`: the attention TFLOP/s
+# of a call that took `ms` milliseconds, by the papers' convention (do not call `attention_flops`).
+
+# %%
+def tflops(ms, b, h, n, d, causal, mode):
+    ### BEGIN SOLUTION
+    flops = 4 * b * h * n * n * d * (0.5 if causal else 1.0) * {"fwd": 1.0, "bwd": 2.5, "fwd_bwd": 3.5}[mode]
+    return flops / (ms * 1e-3) / 1e12
+    ### END SOLUTION
+
+
+# %% tags=["check"]
+from course_lib.exercises import check
+
+fwd_flops = 4 * 4 * 16 * 4096**2 * 128
+check("TFLOP/s (forward)", lambda: tflops(2.0, 4, 16, 4096, 128, False, "fwd"), fwd_flops / 2e-3 / 1e12)
+check(
+    "TFLOP/s (causal fwd+bwd)",
+    lambda: tflops(5.0, 1, 32, 16384, 64, True, "fwd_bwd"),
+    timing.attention_flops(1, 32, 16384, 16384, 64, causal=True, mode="fwd_bwd") / 5e-3 / 1e12,
+)
+
+# %% [markdown]
+# **Exercise 2 — predict a ratio from bytes.** Per (batch, head), count the elements that standard attention
+# moves through memory in its forward: it reads Q and K (N·d each), writes S (N²), reads S and writes P
+# (the softmax: N² each), reads P (N²) and V (N·d), writes O (N·d). A fused kernel reads Q, K, V and
+# writes O once (4·N·d, ignoring re-reads that the L2 absorbs). Write `bytes_ratio(n, d)`: standard over
+# fused. For a memory-bound computation, that is the speed-up to expect.
+
+# %%
+def bytes_ratio(n, d):
+    ### BEGIN SOLUTION
+    standard = 4 * n * d + 4 * n * n
+    fused = 4 * n * d
+    return standard / fused
+    ### END SOLUTION
+
+
+# %% tags=["check"]
+check("bytes ratio", lambda: bytes_ratio(4096, 128), 1 + 4096 / 128)
+check("bytes ratio", lambda: bytes_ratio(1024, 64), 1 + 1024 / 64)
+
+# %% [markdown]
+# At N = 4096, d = 128 that is 33x fewer bytes. (The real gain is smaller: standard attention's matmuls
+# are compute-bound and cuBLAS is good at them; it is the softmax passes that the fusion removes.)
+#
+# **Exercise 3 — summarise ratios.** Write `min_and_geomean(ratios)`: the minimum and the geometric mean
+# of a list of ratios, skipping `None` (a cell without a figure). Why the geometric mean: the arithmetic
+# mean of 2x and 0.5x is 1.25x, although one cell gained what the other lost.
+
+# %%
+def min_and_geomean(ratios):
+    ### BEGIN SOLUTION
+    vals = [r for r in ratios if r is not None]
+    return min(vals), math.exp(sum(math.log(r) for r in vals) / len(vals))
+    ### END SOLUTION
+
+
+# %% tags=["check"]
+example = [1.31, 0.94, None, 1.12, 2.0, 0.5]
+check("min and geomean", lambda: min_and_geomean(example), bench.summarise(example))
+check("geomean of 2x and 0.5x", lambda: min_and_geomean([2.0, 0.5])[1], 1.0)
+
+# %% [markdown]
+# When a record exists, the same function summarises it (the learner-independent version is
+# `bench.summarise`):
+
+# %%
+if att_rec is not None:
+    col = "fwd/sdpa_flash"
+    lo, geo = bench.summarise(r[col] for r in bench.ratio_rows(att_rec["data"]))
+    if lo is not None:
+        print(f"course_lib forward / SDPA FLASH_ATTENTION: min {lo:.2f}x, geomean {geo:.2f}x")
+        print(records.label(att_rec))
+
+# %% [markdown]
+# **Exercise 4 — the ladder's total.** If every prediction of the forward ladder were exact, how much faster
+# would the tuned forward be than the straightforward one? Write `predicted_total(steps)` for a list of
+# `bench.Step` of one pass.
+
+# %%
+def predicted_total(steps):
+    ### BEGIN SOLUTION
+    return math.prod(s.predicted for s in steps)
+    ### END SOLUTION
+
+
+# %% tags=["check"]
+fwd_steps = [s for s in bench.LADDER if s.pass_ == "fwd"]
+check("predicted ladder total", lambda: predicted_total(fwd_steps), math.prod(s.predicted for s in fwd_steps))
+
+# %% [markdown]
+# Compare with the recorded ladder: the ratio of the last forward rung's TFLOP/s to the first's.
+#
+# ## Summary
+# - A GPU runs asynchronously: synchronise (or use events) before reading a clock; warm up first; report
+#   medians; flush the L2 or you time the cache. `do_bench` does all of it; `course_lib.timing.benchmark`
+#   wraps it, and falls back to a wall clock on the CPU, where interpreted kernels' times mean nothing.
+# - TFLOP/s by the papers' convention: 4·B·H·N²·d for a forward, halved when causal, x2.5 for the backward.
+# - `torch.profiler` shows where time goes per operator and kernel; Nsight Systems shows the timeline,
+#   Nsight Compute one kernel's hardware counters.
+# - Optimise one step at a time, predict each step from bytes and FLOPs, measure, and explain the gap.
+# - `make bench` records course_lib against every SDPA backend and standard attention, with plots and a
+#   ratio table; the notebooks show those records, labelled, wherever there is no GPU.
+#
+# ## More exercises
+# 5. On a GPU, profile `course_lib.flash_attention` forward + backward with `torch.profiler` and find its
+#    kernels in the table: which one takes the longest, and is that what the FLOP count predicts?
+# 6. Run `ncu` on the forward kernel at the ladder's shape with `config=bench.FWD0` and with `config=None`;
+#    compare the achieved occupancy and the "Compute (SM) Throughput".
+# 7. Add a rung to the ladder (for example BLOCK_N = 128 in the forward): write its predicted gain and
+#    the reason first, then measure it with `bench.ladder(steps=...)`.

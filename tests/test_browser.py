@@ -1,0 +1,115 @@
+"""`make lab` serves the course: JupyterLab opens notebook 00 in a real headless Chromium and runs it.
+
+Needs Debian's `chromium` (apt-get install chromium) and the `playwright` Python package (in the
+course environment). Without Chromium the test is skipped with that hint, except in CI (CI=true),
+where it must run. The server gets a copy of the notebooks, so nothing is saved into notebooks/.
+"""
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+pytestmark = pytest.mark.browser
+
+
+def _require_browser():
+    if CHROMIUM is None:
+        msg = "no Chromium: install it to run this test (Debian/Ubuntu: sudo apt-get install chromium)"
+        if os.environ.get("CI"):
+            pytest.fail(msg)
+        pytest.skip(msg)
+    return pytest.importorskip("playwright.sync_api", reason="pip install playwright (in `make setup`)")
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _lab_settings(folder: Path):
+    """JupyterLab settings for a repeatable run: no autosave, no news, every cell kept in the page."""
+    settings = {
+        "@jupyterlab/docmanager-extension/plugin.jupyterlab-settings": {"autosave": False},
+        "@jupyterlab/apputils-extension/notification.jupyterlab-settings": {"fetchNews": "false"},
+        "@jupyterlab/notebook-extension/tracker.jupyterlab-settings": {"windowingMode": "none"},
+    }
+    for name, value in settings.items():
+        path = folder / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(value))
+
+
+def test_make_lab_runs_notebook_00_in_chromium(tmp_path):
+    sync_api = _require_browser()
+    nb_dir = tmp_path / "notebooks"
+    shutil.copytree(ROOT / "notebooks", nb_dir, ignore=shutil.ignore_patterns("*.py", ".ipynb_checkpoints"))
+    _lab_settings(tmp_path / "settings")
+    port = _free_port()
+    env = dict(os.environ, JUPYTERLAB_SETTINGS_DIR=str(tmp_path / "settings"),
+               JUPYTERLAB_WORKSPACES_DIR=str(tmp_path / "workspaces"), JUPYTER_RUNTIME_DIR=str(tmp_path / "rt"))
+    lab_args = (f"--no-browser --allow-root --ip=127.0.0.1 --port={port} "
+                "--IdentityProvider.token= --ServerApp.password=")
+    server = subprocess.Popen(
+        ["make", "-s", "lab", f"PYTHON={sys.executable}", f"NOTEBOOK_DIR={nb_dir}", f"LAB_ARGS={lab_args}"],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+    )
+    try:
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.time() + 90
+        while True:
+            try:
+                urllib.request.urlopen(f"{base}/api/status", timeout=2)
+                break
+            except OSError:
+                if time.time() > deadline or server.poll() is not None:
+                    pytest.fail(f"`make lab` did not serve within 90 s:\n{server.stdout.read1().decode()}")
+                time.sleep(0.5)
+
+        with sync_api.sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=CHROMIUM, args=[
+                "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                "--disable-background-networking", "--disable-component-update", "--disable-sync"])
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            page.goto(f"{base}/lab/tree/00_setup.ipynb?reset")
+            page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=90_000)
+            shots = ROOT / "build" / "browser"
+            shots.mkdir(parents=True, exist_ok=True)
+            try:
+                select = page.get_by_role("button", name="Select", exact=True)
+                try:  # JupyterLab may ask which kernel to use; the notebook names python3
+                    select.wait_for(timeout=5_000)
+                    select.click()
+                except sync_api.TimeoutError:
+                    pass
+                page.get_by_role("menuitem", name="Run", exact=True).click()
+                page.get_by_text("Run All Cells", exact=True).click()
+                outputs = page.locator(".jp-OutputArea-output")
+                sync_api.expect(outputs.filter(has_text="All good: the course runs here.")).to_have_count(
+                    1, timeout=120_000)
+                sync_api.expect(outputs.filter(has_text="Exercise 'score matrix bytes': correct.")).to_have_count(
+                    1, timeout=120_000)
+                sync_api.expect(page.locator(".jp-OutputArea-output img").first).to_be_visible(timeout=60_000)
+                page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=60_000)
+                text = page.locator(".jp-Notebook").inner_text()
+            finally:
+                page.screenshot(path=str(shots / "00_setup.png"), full_page=False)  # kept for a human to look at
+                browser.close()
+        assert "Traceback" not in text, "a cell raised in the browser: " + text[text.find("Traceback"):][:800]
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)

@@ -1,0 +1,330 @@
+"""Tests of course_lib.flash_triton: the Triton FlashAttention-2 forward and backward.
+
+Every result is held to the course's accuracy rule (`course_lib.testing.assert_close_to_reference`):
+error against the float64 reference at most 2x plain PyTorch's error in the same dtype, plus a floor.
+On the CPU the kernels run in Triton's interpreter, so shapes are tiny (blocks of 32, a few blocks per
+sequence); GPU-sized cases run only where `course_lib.ON_GPU` (`@pytest.mark.gpu`).
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+import pytest
+import torch
+
+import course_lib
+from course_lib import FlashAttentionTriton, flash_attention
+from course_lib.flash_triton import backward as bwd_mod
+from course_lib.flash_triton import forward as fwd_mod
+from course_lib.reference import attention as reference_attention
+from course_lib.testing import assert_close_to_reference, random_qkv, reference_outputs
+
+DEVICE = course_lib.DEVICE
+ON_GPU = course_lib.ON_GPU
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if ON_GPU else [])
+gpu = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU with compiled Triton kernels")
+
+
+def _name(dtype):
+    return str(dtype).replace("torch.", "")
+
+
+def _check_fwd_bwd(q, k, v, causal, what, do=None, scale=None, fn=None, grad_floor=None):
+    """Run fn (default flash_attention) forward and backward; compare O, dq, dk, dv with the float64
+    reference, the bound being set by plain PyTorch in the inputs' dtype (grad_floor: the gradients'
+    floor, when not the dtype's default)."""
+    fn = fn or (lambda q, k, v: flash_attention(q, k, v, causal=causal, scale=scale))
+    q, k, v = (t.detach().requires_grad_(True) for t in (q, k, v))
+    o = fn(q, k, v)
+    assert o.shape == q.shape and o.dtype == q.dtype, f"{what}: O has shape {o.shape}, dtype {o.dtype}"
+    if do is None:
+        do = torch.randn(o.shape, dtype=o.dtype, device=o.device)
+    o.backward(do)
+    ref_o, ref_g = reference_outputs(
+        *(t.detach().cpu().double() for t in (q, k, v)), causal, scale, do.detach().cpu().double()
+    )
+    base_o, base_g = reference_outputs(q, k, v, causal, scale, do)
+    assert_close_to_reference(o, ref_o, base_o, what=f"O, {what}")
+    for name, t, r, b in zip(("dq", "dk", "dv"), (q, k, v), ref_g, base_g):
+        assert t.grad is not None and t.grad.shape == t.shape, (
+            f"{name}, {what}: no gradient of the right shape"
+        )
+        assert_close_to_reference(t.grad, r, b, what=f"{name}, {what}", floor=grad_floor)
+
+
+# (name, q shape (..., Nq, d), Nk, causal). Blocks are 32 x 32 under the interpreter (64-128 on a GPU):
+# N = 1, a small odd N, N not a multiple of any block, Nq != Nk both ways, 3-D / 4-D / 5-D layouts.
+CASES = [
+    ("N=1, 3-D", (2, 1, 16), 1, False),
+    ("N=1, causal", (1, 2, 1, 32), 1, True),
+    ("N=7 odd, causal", (1, 2, 7, 32), 7, True),
+    ("N=45, 3-D homework layout, causal", (2, 45, 64), 45, True),
+    ("Nq=33 < Nk=70, causal", (1, 2, 33, 16), 70, True),
+    ("Nq=70 > Nk=33, causal", (1, 2, 70, 16), 33, True),
+    ("Nq=45, Nk=80", (1, 2, 45, 32), 80, False),
+    ("d=128, N=50, causal", (1, 1, 50, 128), 50, True),
+    ("d=40 (padded to 64), causal", (2, 1, 37, 40), 37, True),
+    ("N=128 larger, causal", (1, 2, 128, 64), 128, True),
+    ("N=100 larger", (1, 1, 100, 32), 100, False),
+    ("5-D leading dims", (1, 2, 2, 20, 16), 20, True),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=_name)
+@pytest.mark.parametrize("name,shape_q,n_k,causal", CASES, ids=[c[0] for c in CASES])
+def test_matches_reference(name, shape_q, n_k, causal, dtype):
+    torch.manual_seed(zlib.crc32(name.encode()))
+    q, k, v = random_qkv(shape_q, n_k, dtype=dtype, device=DEVICE)
+    _check_fwd_bwd(q, k, v, causal, f"{name}, {_name(dtype)}, {DEVICE.type}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=_name)
+@pytest.mark.parametrize("d", [16, 32, 64, 128])
+def test_head_dims(d, dtype):
+    torch.manual_seed(d)
+    q, k, v = random_qkv((1, 1, 40, d), 40, dtype=dtype, device=DEVICE)
+    _check_fwd_bwd(q, k, v, d % 32 == 0, f"d={d}, {_name(dtype)}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=_name)
+def test_non_contiguous_views(dtype):
+    """Transposed storage, the (batch, N, heads, d) layout viewed as (batch, heads, N, d), and a
+    stride-0 dO: the kernels read the strides; no copy where the layout allows."""
+    torch.manual_seed(1)
+    q, k, v = random_qkv((1, 2, 48, 32), 40, dtype=dtype, device=DEVICE, transposed=True)
+    assert not q.is_contiguous()
+    _check_fwd_bwd(q, k, v, True, f"transposed storage, {_name(dtype)}")
+
+    bnhd = [torch.randn(2, n, 3, 16, device=DEVICE).to(dtype) for n in (37, 29, 29)]
+    q, k, v = (t.transpose(1, 2) for t in bnhd)  # (2, 3, N, 16), heads interleaved in memory
+    assert fwd_mod.as_4d(q).data_ptr() == q.data_ptr()
+    do = torch.randn(1, 1, 1, 1, device=DEVICE).to(dtype).expand(2, 3, 37, 16)  # stride 0 everywhere
+    _check_fwd_bwd(q, k, v, False, f"(B, N, H, d) viewed as (B, H, N, d), stride-0 dO, {_name(dtype)}", do=do)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=_name)
+@pytest.mark.parametrize("causal", [False, True])
+def test_large_logits(causal, dtype):
+    """Inputs scaled so that the logits reach ~1e3-1e4: the online softmax must stay finite and O
+    accurate. There the softmax is one-hot and every exact gradient is ~0; plain PyTorch gets ~0
+    exactly (its P is exactly 0 or 1), while FlashAttention-2 rebuilds P from L = logsumexp stored in
+    float32 (rounded at the logits' magnitude, ulp(1e4) ~ 1e-3) and forms dS = P (dP - D) from
+    D = rowsum(dO * O), a difference of two float32 sums. So the gradients' floor is the float32
+    rounding at that magnitude: eps * max|logit| * max|dO| * max(1, scale * max|Q|, scale * max|K|)."""
+    torch.manual_seed(2)
+    scale_in = 30.0 if dtype == torch.float16 else 60.0
+    d = 16
+    q, k, v = random_qkv((1, 2, 45, d), 45, dtype=dtype, device=DEVICE, scale=scale_in)
+    logits = (q.double() @ k.double().transpose(-1, -2)).abs().max().item() / math.sqrt(d)
+    assert logits > 1e3, f"test set-up: logits reach only {logits:.3g}"
+    do = torch.randn(q.shape, device=DEVICE).to(dtype)
+    reach = max(1.0, *(t.double().abs().max().item() / math.sqrt(d) for t in (q, k)))
+    floor = 4 * torch.finfo(torch.float32).eps * logits * do.double().abs().max().item() * reach
+    _check_fwd_bwd(q, k, v, causal, f"logits up to {logits:.3g}, causal={causal}, {_name(dtype)}", do=do,
+                   grad_floor=floor)  # fmt: skip
+
+
+def test_custom_scale_and_lse():
+    torch.manual_seed(3)
+    q, k, v = random_qkv((2, 3, 50, 32), 61, device=DEVICE)
+    _check_fwd_bwd(q, k, v, True, "scale=0.3", scale=0.3)
+    o, lse = fwd_mod.forward(q, k, v, True, 0.3)
+    ref_o, ref_lse = reference_attention(*(t.cpu().double() for t in (q, k, v)), True, 0.3, return_lse=True)
+    assert lse.shape == q.shape[:-1] and lse.dtype == torch.float32
+    torch.testing.assert_close(lse.cpu().double(), ref_lse, rtol=1e-5, atol=1e-5, msg="L = logsumexp")
+
+
+def test_homework_interface():
+    """Cls.apply(q, k, v, is_causal) on (batch, N, d) float32, as homework tests call it."""
+    torch.manual_seed(4)
+    for is_causal in (False, True):
+        q, k, v = random_qkv((4, 38, 64), 38, device=DEVICE, requires_grad=True)
+        o = FlashAttentionTriton.apply(q, k, v, is_causal)
+        o.sum().backward()
+        ref = reference_attention(q.detach(), k.detach(), v.detach(), causal=is_causal)
+        torch.testing.assert_close(o, ref, rtol=1e-2, atol=1e-2)
+        qq, kk, vv = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+        reference_attention(qq, kk, vv, causal=is_causal).sum().backward()
+        for name, a, b in (("dq", q, qq), ("dk", k, kk), ("dv", v, vv)):
+            torch.testing.assert_close(
+                a.grad, b.grad, rtol=1e-2, atol=1e-2, msg=f"{name}, causal={is_causal}"
+            )
+
+
+# The switches of notebook 08's ladder and the atomic dQ variant must compute the same function.
+CONFIGS = [
+    ({"exp2": False}, "two_kernel"),
+    ({"skip_masked_blocks": False}, "two_kernel"),
+    ({"BLOCK_M": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1}, "two_kernel"),
+    ({"BLOCK_M": 64, "BLOCK_N": 16}, "two_kernel"),
+    (None, "atomic"),
+    ({"BLOCK_M": 32, "BLOCK_N": 16, "exp2": False, "skip_masked_blocks": False}, "atomic"),
+]
+
+
+@pytest.mark.parametrize("config,dq_mode", CONFIGS, ids=[f"{c}-{m}" for c, m in CONFIGS])
+def test_config_switches_and_dq_modes(config, dq_mode):
+    torch.manual_seed(5)
+    dtype = torch.float16
+    for causal, (n_q, n_k) in ((True, (45, 61)), (False, (37, 37))):
+        q, k, v = random_qkv((1, 2, n_q, 32), n_k, dtype=dtype, device=DEVICE)
+
+        def fn(q, k, v, causal=causal):
+            return _ConfigAttention.apply(q, k, v, causal, config, dq_mode)
+
+        _check_fwd_bwd(q, k, v, causal, f"config={config}, dq_mode={dq_mode}, causal={causal}", fn=fn)
+
+
+class _ConfigAttention(torch.autograd.Function):
+    """forward.forward + backward.backward with a given config, as notebook 08 calls them."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal, config, dq_mode):
+        o, lse = fwd_mod.forward(q, k, v, causal, None, config=config)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.args = (causal, config, dq_mode)
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse = ctx.saved_tensors
+        causal, config, dq_mode = ctx.args
+        dq, dk, dv = bwd_mod.backward(do, q, k, v, o, lse, causal, None, config=config, dq_mode=dq_mode)
+        return dq, dk, dv, None, None, None
+
+
+def test_saves_only_linear_size_tensors():
+    """The autograd graph holds Q, K, V, O and L: nothing of size Nq x Nk."""
+    n_q, n_k, d = 64, 48, 16
+    q, k, v = random_qkv((2, n_q, d), n_k, device=DEVICE, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        o = flash_attention(q, k, v, causal=True)
+    shapes = sorted(tuple(t.shape) for t in saved)
+    assert len(saved) == 5, f"expected Q, K, V, O, L saved; got shapes {shapes}"
+    assert (2, n_q) in shapes, f"L of shape (2, {n_q}) not saved; got {shapes}"
+    assert max(t.numel() for t in saved) < n_q * n_k, f"a saved tensor is as large as Nq x Nk: {shapes}"
+    o.sum().backward()
+
+
+@pytest.mark.skipif(ON_GPU, reason="float64 kernels run only under the interpreter")
+def test_gradcheck_float64():
+    torch.manual_seed(6)
+    q, k, v = random_qkv((1, 2, 9, 16), 13, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(
+        lambda q, k, v: flash_attention(q, k, v, causal=True), (q, k, v), fast_mode=True
+    )
+    q, k, v = random_qkv((1, 3, 16), 3, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda q, k, v: FlashAttentionTriton.apply(q, k, v, False), (q, k, v))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Bad input
+# ---------------------------------------------------------------------------------------------------
+def _qkv(shape_q=(1, 2, 8, 16), n_k=8, dtype=torch.float32, device=DEVICE):
+    return random_qkv(shape_q, n_k, dtype=dtype, device=device)
+
+
+def test_bad_shapes_and_head_dims():
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match="head dims differ"):
+        flash_attention(q, k[..., :8], v)
+    with pytest.raises(ValueError, match="same number of keys"):
+        flash_attention(q, k, v[..., :5, :])
+    with pytest.raises(ValueError, match="leading"):
+        flash_attention(q, k[:, :1], v[:, :1])
+    with pytest.raises(ValueError, match="v must have the head dim"):
+        flash_attention(q, k, torch.cat([v, v], dim=-1))
+    with pytest.raises(ValueError, match="at least 2 dims"):
+        flash_attention(q[0, 0, 0], k[0, 0, 0], v[0, 0, 0])
+    for d in (8, 12, 264):
+        q, k, v = _qkv((1, 4, d), 4)
+        with pytest.raises(ValueError, match=f"head dim d={d} is not supported"):
+            flash_attention(q, k, v)
+
+
+def test_bad_dtypes():
+    q, k, v = _qkv()
+    with pytest.raises(TypeError, match="share one dtype"):
+        flash_attention(q, k.half(), v)
+    with pytest.raises(TypeError, match="floating-point"):
+        flash_attention(*(torch.ones(1, 8, 16, dtype=torch.int32, device=DEVICE) for _ in range(3)))
+    if ON_GPU:
+        with pytest.raises(TypeError, match="float64 runs only under the Triton interpreter"):
+            flash_attention(q.double(), k.double(), v.double())
+
+
+def test_bad_devices():
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match="one device"):
+        flash_attention(q, k.to("meta"), v)
+    if course_lib.INTERPRET:
+        # A tensor on another device (meta stands in for CUDA on a machine without a GPU).
+        with pytest.raises(ValueError, match="interpreter on the CPU"):
+            flash_attention(*(t.to("meta") for t in (q, k, v)))
+    if ON_GPU:
+        with pytest.raises(ValueError, match="compiled for the GPU"):
+            flash_attention(*(t.cpu() for t in (q, k, v)))
+
+
+def test_bad_config_and_dq_mode():
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match="unknown config keys"):
+        fwd_mod.forward(q, k, v, config={"BLOCK_K": 32})
+    with pytest.raises(ValueError, match="powers of two"):
+        fwd_mod.forward(q, k, v, config={"BLOCK_M": 24})
+    o, lse = fwd_mod.forward(q, k, v)
+    with pytest.raises(ValueError, match="dq_mode"):
+        bwd_mod.backward(o, q, k, v, o, lse, dq_mode="fused")
+    with pytest.raises(ValueError, match="L must have shape"):
+        bwd_mod.backward(o, q, k, v, o, lse[..., :3])
+
+
+# ---------------------------------------------------------------------------------------------------
+# GPU-sized cases
+# ---------------------------------------------------------------------------------------------------
+GPU_CASES = [
+    ((2, 4, 1000, 64), 1000, True, torch.bfloat16),
+    ((1, 4, 2048, 128), 2048, False, torch.bfloat16),
+    ((1, 2, 1024, 128), 1536, True, torch.float16),
+    ((2, 2, 700, 256), 700, True, torch.bfloat16),
+    ((1, 2, 300, 96), 300, False, torch.float16),
+    ((1, 2, 256, 256), 256, True, torch.float32),
+]
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("shape_q,n_k,causal,dtype", GPU_CASES, ids=[str(c[:3]) for c in GPU_CASES])
+def test_gpu_sizes(shape_q, n_k, causal, dtype):
+    torch.manual_seed(7)
+    q, k, v = random_qkv(shape_q, n_k, dtype=dtype, device=DEVICE)
+    _check_fwd_bwd(q, k, v, causal, f"GPU {shape_q}, Nk={n_k}, causal={causal}, {_name(dtype)}")
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_peak_memory_linear_in_n():
+    """Forward + backward allocate only O(N) beyond their inputs: peak memory grows linearly in N and
+    stays within 10% of inputs + outputs + gradients."""
+    peaks, budgets = [], []
+    for n in (2048, 4096, 8192):
+        q, k, v = random_qkv((1, 4, n, 64), n, dtype=torch.bfloat16, device=DEVICE, requires_grad=True)
+        do = torch.randn_like(q)
+        flash_attention(q, k, v, causal=True).backward(do)  # autotune and compile outside the measurement
+        for t in (q, k, v):
+            t.grad = None
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        flash_attention(q, k, v, causal=True).backward(do)
+        torch.cuda.synchronize()
+        peaks.append(torch.cuda.max_memory_allocated() - before)
+        budgets.append(4 * q.numel() * q.element_size())  # O, dq, dk, dv
+    for n, p, b in zip((2048, 4096, 8192), peaks, budgets):
+        assert p <= 1.1 * b, (
+            f"N={n}: peak {p / 2**20:.1f} MiB above inputs, budget O+grads {b / 2**20:.1f} MiB"
+        )
+    assert peaks[2] / peaks[0] < 5, f"peak memory grows faster than linearly in N: {peaks}"

@@ -1,0 +1,48 @@
+"""Notebooks stay in sync with their sources, and the student edition is made correctly."""
+
+import pytest
+
+from course_lib.tools import notebooks
+
+nbformat = pytest.importorskip("nbformat", reason="the notebook tools need nbformat and jupytext")
+pytest.importorskip("jupytext")
+
+
+def code_cell(source, tags=()):
+    cell = nbformat.v4.new_code_cell(source)
+    cell.metadata["tags"] = list(tags)
+    return cell
+
+
+def test_committed_notebooks_are_in_sync_and_stripped():
+    assert notebooks.sources(), "no notebook sources found"
+    assert notebooks.check() == []
+
+
+def test_student_edition_removes_solutions_and_expects_checks_to_fail():
+    nb = nbformat.v4.new_notebook(cells=[
+        code_cell("def f(x):\n    ### BEGIN SOLUTION\n    return 2 * x\n    ### END SOLUTION\n"),
+        code_cell("answer = 1\n### BEGIN SOLUTION\nanswer = 42\n### END SOLUTION"),
+        code_cell("secret = 7", tags=["solution"]),
+        code_cell("check('f', lambda: f(2), 4)", tags=["check"]),
+        code_cell("print('later cells run as they are')"),
+    ])
+    out = notebooks.student_notebook(nb)
+    f_cell, top_cell, whole, chk, later = out.cells
+    assert "return 2 * x" not in f_cell.source and "    raise NotImplementedError" in f_cell.source
+    assert "raises-exception" not in f_cell.metadata["tags"]  # defining f does not raise
+    assert "answer = 42" not in top_cell.source and "raises-exception" in top_cell.metadata["tags"]
+    assert "secret" not in whole.source and "solution" not in whole.metadata["tags"]
+    assert "raises-exception" in chk.metadata["tags"]
+    assert later.source == nb.cells[4].source
+    assert "return 2 * x" in nb.cells[0].source, "the instructor notebook must be left unchanged"
+
+
+def test_every_notebook_with_exercises_checks_them():
+    for py in notebooks.sources():
+        nb = nbformat.reads(notebooks.build(py), as_version=4)
+        has_solution = any(
+            notebooks.BEGIN in c.source or "solution" in c.metadata.get("tags", []) for c in nb.cells
+        )
+        has_check = any("check" in c.metadata.get("tags", []) for c in nb.cells)
+        assert not has_solution or has_check, f"{py.name}: exercises without a `check` cell"

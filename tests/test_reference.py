@@ -1,0 +1,73 @@
+"""The float64 reference every kernel is judged by, and the input checks of every public function."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from course_lib.reference import attention, causal_mask
+from course_lib.testing import random_qkv
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape_q,n_k", [((2, 7, 16), 7), ((2, 3, 5, 8), 9), ((1, 9, 4), 5), ((1, 1, 8), 1)])
+def test_matches_sdpa_float64(shape_q, n_k, causal):
+    q, k, v = random_qkv(shape_q, n_k, dtype=torch.float64)
+    out, lse = attention(q, k, v, causal=causal, return_lse=True)
+    expected = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    torch.testing.assert_close(out, expected, msg=lambda m: f"{shape_q} nk={n_k} causal={causal}: {m}")
+    s = (q @ k.transpose(-1, -2)) * shape_q[-1] ** -0.5
+    if causal:
+        s = s.masked_fill(~causal_mask(shape_q[-2], n_k), float("-inf"))
+    torch.testing.assert_close(lse, torch.logsumexp(s, -1))
+    assert lse.shape == q.shape[:-1]
+
+
+def test_causal_mask_is_top_left_aligned():
+    m = causal_mask(3, 5)
+    assert m.tolist() == [[True, False, False, False, False],
+                          [True, True, False, False, False],
+                          [True, True, True, False, False]]
+
+
+def test_scale_and_half_precision():
+    q, k, v = random_qkv((2, 16, 32), dtype=torch.float64)
+    out = attention(q, k, v, scale=0.5)
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, scale=0.5))
+    out16, lse16 = attention(q.half(), k.half(), v.half(), return_lse=True)
+    assert out16.dtype == torch.float16 and lse16.dtype == torch.float32
+    torch.testing.assert_close(out16.double(), attention(q, k, v), atol=5e-3, rtol=5e-3)
+
+
+def test_gradients_flow_in_float64():
+    q, k, v = random_qkv((1, 5, 4), 6, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda q, k, v: attention(q, k, v, causal=True), (q, k, v))
+
+
+def test_large_logits_stay_finite():
+    q, k, v = random_qkv((1, 33, 16), dtype=torch.float32, scale=40.0)
+    assert torch.isfinite(attention(q, k, v, causal=True)).all()
+
+
+BAD = [
+    ("int", lambda q, k, v: (q.long(), k, v), TypeError, "dtype torch.int64"),
+    ("mixed dtypes", lambda q, k, v: (q, k.half(), v), TypeError, "share one dtype"),
+    ("1-D", lambda q, k, v: (q[0, 0], k, v), ValueError, "at least 2 dims"),
+    ("head dims", lambda q, k, v: (q, k[..., :4], v), ValueError, "head dims differ"),
+    ("keys vs values", lambda q, k, v: (q, k, v[:, :3]), ValueError, "same number of keys"),
+    ("batch", lambda q, k, v: (q, k[:1], v[:1]), ValueError, "leading"),
+    ("not a tensor", lambda q, k, v: (q.tolist(), k, v), TypeError, "must be a torch.Tensor"),
+    ("empty", lambda q, k, v: (q[:, :0], k, v), ValueError, "empty"),
+]
+
+
+@pytest.mark.parametrize("name,mutate,exc,words", BAD, ids=[b[0] for b in BAD])
+def test_bad_input_is_named(name, mutate, exc, words):
+    q, k, v = random_qkv((2, 6, 8))
+    with pytest.raises(exc, match=words):
+        attention(*mutate(q, k, v))
+
+
+def test_bad_scale():
+    q, k, v = random_qkv((1, 4, 8))
+    with pytest.raises(ValueError, match="scale"):
+        attention(q, k, v, scale=-1.0)

@@ -1,0 +1,109 @@
+"""The runtime decision, the doctor, recorded figures, exercises and timing helpers."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import course_lib
+from course_lib import doctor, exercises, records, runtime, timing
+
+
+def run_python(code, **env):
+    full_env = {k: v for k, v in os.environ.items() if k not in ("COURSE_DEVICE", "TRITON_INTERPRET")}
+    full_env.update(env)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=full_env, timeout=120)
+
+
+def test_decision_is_consistent():
+    assert course_lib.DEVICE == runtime.RUNTIME.device
+    assert course_lib.INTERPRET == (course_lib.DEVICE.type == "cpu")
+    assert course_lib.pick(cpu=1, gpu=2) == (2 if course_lib.ON_GPU else 1)
+    if course_lib.INTERPRET:
+        assert os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def test_forced_cpu_sets_interpreter_before_kernels_are_defined():
+    code = (
+        "import course_lib, os; from course_lib import primer; "
+        "print(course_lib.INTERPRET, os.environ['TRITON_INTERPRET'], type(primer.add_kernel).__name__)"
+    )
+    out = run_python(code, COURSE_DEVICE="cpu")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split()[:2] == ["True", "1"]
+
+
+def test_bad_course_device_value_is_named():
+    out = run_python("import course_lib", COURSE_DEVICE="tpu")
+    assert out.returncode != 0 and "COURSE_DEVICE must be 'cpu' or 'cuda'" in out.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown on a machine without a GPU")
+def test_forcing_cuda_without_gpu_explains():
+    out = run_python("import course_lib", COURSE_DEVICE="cuda")
+    assert out.returncode != 0 and "sees no CUDA GPU" in out.stderr
+
+
+def test_doctor_command_exits_zero_and_names_the_mode():
+    out = subprocess.run([sys.executable, "-m", "course_lib", "doctor"], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "triton interpreted" in out.stdout
+    assert ("yes" if course_lib.INTERPRET else "no") in out.stdout.split("triton interpreted")[1].splitlines()[0]
+    assert "All good" in out.stdout
+
+
+def test_doctor_flags_old_triton_with_new_numpy(monkeypatch):
+    monkeypatch.setattr(runtime.triton, "__version__", "3.6.0")
+    monkeypatch.setattr(doctor.np, "__version__", "2.4.1")
+    monkeypatch.setattr(runtime, "INTERPRET", True)
+    found = doctor.problems()
+    assert any("numpy" in p and "triton" in p and "Fix" in p for p in found), found
+
+
+def test_doctor_flags_mismatched_torch_triton(monkeypatch):
+    monkeypatch.setattr(doctor, "_torch_triton_requirement", lambda: "3.9.0")
+    monkeypatch.setattr(runtime.triton, "__version__", "3.7.1")
+    assert any("built for triton 3.9.0" in p for p in doctor.problems())
+
+
+def test_records_round_trip(tmp_path):
+    path = records.save_record("demo", {"x": [1, 2]}, folder=tmp_path)
+    rec = json.loads(path.read_text())
+    assert rec["kind"] == "demo" and rec["data"] == {"x": [1, 2]}
+    for key in ("date", "torch", "triton", "gpu"):
+        assert key in rec["meta"]
+    assert records.load_record("demo", folder=tmp_path)["data"]["x"] == [1, 2]
+    assert records.load_record("absent", folder=tmp_path) is None
+    assert "recorded on" in records.label(rec)
+
+
+def test_committed_records_are_stamped():
+    for path in records.ASSETS.glob("*.json"):
+        meta = json.loads(path.read_text())["meta"]
+        assert meta.get("gpu") and meta.get("date") and meta.get("torch"), f"{path.name}: incomplete stamp"
+
+
+def test_exercise_check_messages():
+    exercises.check("sum", lambda: 3, 3)
+
+    def unsolved():
+        raise NotImplementedError
+
+    with pytest.raises(exercises.ExerciseNotDone, match="'todo' is not done yet"):
+        exercises.check("todo", unsolved, 1)
+    with pytest.raises(exercises.ExerciseWrong, match="'wrong' is not right yet"):
+        exercises.check("wrong", lambda: torch.ones(3), torch.zeros(3))
+    with pytest.raises(exercises.ExerciseWrong, match="shape"):
+        exercises.check("shape", lambda: [1, 2], [1, 2, 3])
+
+
+def test_timing_and_flops():
+    assert timing.benchmark(lambda: torch.randn(64, 64) @ torch.randn(64, 64)) > 0
+    assert timing.attention_flops(1, 1, 128, 128, 64) == 4 * 128 * 128 * 64
+    assert timing.attention_flops(2, 4, 128, 128, 64, causal=True, mode="fwd_bwd") == 3.5 * 0.5 * 4 * 8 * 128**2 * 64
+    with pytest.raises(ValueError, match="mode"):
+        timing.attention_flops(1, 1, 8, 8, 8, mode="sideways")
