@@ -22,6 +22,7 @@ ran; `ideal_bytes` is what the call cannot avoid: inputs + outputs (+ gradients)
 
 from __future__ import annotations
 
+import json
 import math
 import time
 import warnings
@@ -169,12 +170,32 @@ def _nbytes(*tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def measure_provider(fn, q, k, v, do, causal: bool, timer) -> dict:
-    """Time and peak memory of `fn` for the forward, the backward and both on fresh inputs.
+def _measure(call, resident: int, ideal: int, timer, provider: str) -> dict:
+    """One mode of one provider: {"status": "ok", "ms", "peak_bytes", "ideal_bytes"} or a failure.
 
-    q, k, v: (B, H, N, d) with requires_grad; do: (B, H, N, d), the gradient of O. Returns
-    mode -> {"ms", "peak_bytes", "ideal_bytes"}. The first calls (compilation, autotuning, backend
-    choice) happen here, before any timing."""
+    `resident`: bytes already allocated that the call needs (its inputs); peak_memory adds what the
+    call allocates on top of everything allocated before it."""
+    try:
+        call()  # warm-up: compilation, autotuning, the backend's choice; never timed
+        if runtime.ON_GPU:
+            torch.cuda.synchronize()
+        peak = timing.peak_memory(call)
+        ms = timer(call)
+    except Exception as exc:  # a refused shape, an OOM: recorded, never a crash of the whole run
+        status, reason = _failure(exc, provider)
+        return dict(status=status, reason=reason)
+    finally:
+        if runtime.ON_GPU:
+            torch.cuda.empty_cache()
+    return dict(status="ok", ms=ms, peak_bytes=None if peak is None else resident + peak, ideal_bytes=ideal)
+
+
+def measure_provider(fn, q, k, v, do, causal: bool, timer, provider: str = "") -> dict:
+    """Time and peak memory of `fn` for the forward, the backward and both; mode -> `_measure`'s dict.
+
+    q, k, v: (B, H, N, d) with requires_grad; do: (B, H, N, d), the gradient of O. The forward runs
+    under no_grad; the backward alone backpropagates through one forward kept alive for it."""
+    size = _nbytes(q)  # one (B, H, N, d) tensor
 
     def fwd():
         with torch.no_grad():
@@ -183,32 +204,22 @@ def measure_provider(fn, q, k, v, do, causal: bool, timer) -> dict:
     def fwd_bwd():
         return torch.autograd.grad(fn(q, k, v, causal), (q, k, v), do)
 
-    fwd()  # warm-up: compile / autotune, outside every timing
-    fwd_bwd()
-    if runtime.ON_GPU:
-        torch.cuda.synchronize()
-    size = _nbytes(q)  # one (B, H, N, d) tensor
-    out = {}
-    # Inputs are resident before each call; peak_memory measures what the call allocates on top.
-    peak = timing.peak_memory(fwd)
-    out["fwd"] = dict(
-        ms=timer(fwd), peak_bytes=None if peak is None else 3 * size + peak, ideal_bytes=4 * size
-    )
-    peak = timing.peak_memory(fwd_bwd)
-    out["fwd_bwd"] = dict(
-        ms=timer(fwd_bwd), peak_bytes=None if peak is None else 4 * size + peak, ideal_bytes=8 * size
-    )
-    before = torch.cuda.memory_allocated() if runtime.ON_GPU else 0
-    o = fn(q, k, v, causal)  # the graph to backpropagate through: O and what the forward saved stay resident
-    saved = torch.cuda.memory_allocated() - before if runtime.ON_GPU else 0
-
-    def bwd():
-        return torch.autograd.grad(o, (q, k, v), do, retain_graph=True)
-
-    peak = timing.peak_memory(bwd)
-    out["bwd"] = dict(
-        ms=timer(bwd), peak_bytes=None if peak is None else 4 * size + saved + peak, ideal_bytes=8 * size
-    )
+    # What each mode cannot avoid holding: q, k, v, O (forward); also dO, dQ, dK, dV (with a backward).
+    out = {
+        "fwd": _measure(fwd, 3 * size, 4 * size, timer, provider),
+        "fwd_bwd": _measure(fwd_bwd, 4 * size, 8 * size, timer, provider),
+    }
+    try:
+        before = torch.cuda.memory_allocated() if runtime.ON_GPU else 0
+        o = fn(q, k, v, causal)  # O and what the forward saved for the backward stay resident
+        saved = torch.cuda.memory_allocated() - before if runtime.ON_GPU else 0
+    except Exception as exc:
+        status, reason = _failure(exc, provider)
+        out["bwd"] = dict(status=status, reason=reason)
+    else:
+        bwd = lambda: torch.autograd.grad(o, (q, k, v), do, retain_graph=True)
+        out["bwd"] = _measure(bwd, 4 * size + saved, 8 * size, timer, provider)
+        del o, bwd
     return out
 
 
@@ -245,26 +256,24 @@ def run_attention(quick: bool = False) -> dict:
             t0 = time.perf_counter()
             base = dict(provider=provider, **cell)
             reason = skip_reason(provider, cell, fns)
-            try:
-                if reason is not None:
-                    raise LookupError(reason)
-                with warnings.catch_warnings(), torch.no_grad():
-                    warnings.simplefilter("ignore")  # SDPA warns about every backend it cannot use
-                    err = float((fns[provider](q, k, v, causal).float() - o_ref.float()).abs().max())
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore")
-                    measured = measure_provider(fns[provider], q, k, v, do, causal, timer)
-            except LookupError:
+            if reason is not None:
                 results += [dict(base, mode=m, status="skipped", reason=reason) for m in MODES]
-            except Exception as exc:  # a refused shape, an OOM: recorded, never a crash of the whole run
-                status, why = _failure(exc, provider)
-                results += [dict(base, mode=m, status=status, reason=why) for m in MODES]
             else:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # SDPA warns about every backend it cannot use
+                    try:
+                        with torch.no_grad():  # first call: also checks the output against SDPA's
+                            err = float((fns[provider](q, k, v, causal).float() - o_ref.float()).abs().max())
+                    except Exception as exc:
+                        status, why = _failure(exc, provider)
+                        measured = dict.fromkeys(MODES, dict(status=status, reason=why))
+                    else:
+                        measured = measure_provider(fns[provider], q, k, v, do, causal, timer, provider)
                 for m in MODES:
-                    flops = timing.attention_flops(B, H, N, N, d, causal=causal, mode=m)
-                    entry = dict(base, mode=m, status="ok", **measured[m])
-                    entry["tflops"] = flops / (entry["ms"] * 1e-3) / 1e12
-                    entry["max_abs_diff_vs_sdpa"] = err
+                    entry = dict(base, mode=m, **measured[m])
+                    if entry["status"] == "ok":
+                        flops = timing.attention_flops(B, H, N, N, d, causal=causal, mode=m)
+                        entry.update(tflops=flops / (entry["ms"] * 1e-3) / 1e12, max_abs_diff_vs_sdpa=err)
                     results.append(entry)
             if on_gpu:
                 torch.cuda.empty_cache()
@@ -353,13 +362,20 @@ def check_targets(data: dict) -> list[dict]:
         values = [r[f"{mode}/{base}"] for r in rows]
         lo, geo = summarise(values)
         value = lo if stat == "min" else geo
-        missing = sum(v is None for v in values)
-        detail = f"{stat} {value:.3f}x" if value is not None else "not measured"
-        if missing and value is not None:
-            detail += f" ({missing} of {len(values)} cells without a figure)"
-        out.append(
-            dict(target=what, value=value, met=None if value is None else value >= threshold, detail=detail)
+        met = None if value is None else value >= threshold
+        detail = f"{stat} {value:.4f}x" if value is not None else "not measured"
+        # A cell where the baseline ran but course_lib did not (an error, an OOM) fails the target.
+        ours_missing = sum(
+            tflops_of(data, "course_lib", mode, c["d"], c["causal"], c["N"]) is None
+            and tflops_of(data, base, mode, c["d"], c["causal"], c["N"]) is not None
+            for c in data["cells"]
         )
+        if ours_missing:
+            met = False
+            detail += f"; course_lib has no figure in {ours_missing} cell(s) where the baseline has one"
+        elif value is not None and None in values:
+            detail += f" ({values.count(None)} of {len(values)} cells without a baseline figure)"
+        out.append(dict(target=what, value=value, met=met, detail=detail))
     n_max = max(c["N"] for c in data["cells"])
     worst = None
     for c in data["cells"]:
@@ -709,11 +725,6 @@ def plot_ladder(record: dict):
 
 def save_plots(attention_path: Path | None, ladder_path: Path | None) -> list[Path]:
     """Draw the plots of the saved records and write them as PNGs next to them; returns the paths."""
-    import json
-
-    import matplotlib
-
-    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     written = []
@@ -799,13 +810,13 @@ def main(quick: bool = False, out: str | Path = records.ASSETS) -> int:
         failures.append("plots")
         print(f"bench: plots FAILED: {type(exc).__name__}: {exc}")
     if "attention" in saved:
-        import json
-
         data = json.loads(saved["attention"].read_text())["data"]
         print()
         print(format_report(data))
         if not runtime.ON_GPU:
             print("(CPU: interpreted kernels; these ratios only show that the benchmark runs)")
+        spent = ", ".join(f"{p} {t:.0f} s" for p, t in data.get("seconds_per_provider", {}).items())
+        print(f"time per provider (compilation and autotuning included): {spent}")
     print(
         f"\nbench: done in {time.perf_counter() - start:.0f} s"
         + (f"; FAILED: {', '.join(failures)}" if failures else "")

@@ -1,9 +1,9 @@
 """The GPU memory hierarchy in numbers, the roofline model, and the ceilings of the device you run on.
 
-Taught in notebook 01 (used again in 02 and 08). Three parts:
+Taught in notebook 01 (used again in 02). Three parts:
 - `GPUS`: a datasheet table for A100, H100, H200 and RTX 4090. Every figure carries the address of the
-  vendor document it comes from (`GPUSpec.sources`); the one derived figure (the SRAM bandwidth) says how
-  it is derived.
+  vendor document it comes from (`GPUSpec.sources`); the derived figures (the clock and the SRAM
+  bandwidth) say how they are derived.
 - The roofline model: arithmetic intensity (FLOP per byte moved to or from HBM), machine balance and the
   time an operation cannot beat, `roofline_ms`.
 - Measurements on the current device: copy bandwidth, matmul FLOP/s, the cost and time of a few common

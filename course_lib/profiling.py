@@ -1,7 +1,7 @@
 """Where the time of standard attention goes: a cost model per step, labelled steps for the profilers,
 and the GPU record that notebook 02 shows a CPU learner.
 
-Taught in notebook 02 (reused in 08). Standard attention, as the FlashAttention paper writes it
+Taught in notebook 02. Standard attention, as the FlashAttention paper writes it
 (its Algorithm 0), with the mask and dropout of a real model:
 
     S = Q K^T * scale      (B*H, N, N)  written to HBM

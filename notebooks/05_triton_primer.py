@@ -593,10 +593,10 @@ check(
 )
 
 # %% [markdown]
-# **Exercise 4 (open).** Change `BLOCK_D` in `WeightedSum` to 16 and to 128, and `ROWS` to 1. Which choices
-# change the number of programs, which the number of loop iterations per program? On a GPU, time the forward
-# for a (8192, 1000) input for each choice and explain what you see in terms of parallelism (programs per SM)
-# and of work per program.
+# **Exercise 4 (open).** In `WeightedSum`, try `BLOCK_D` = 16 and 128, and `ROWS` = 4 and 64. Which of these
+# change the number of programs, and which the number of loop iterations per program? On a GPU, time the
+# forward for a (8192, 1000) input for each choice and explain what you see in terms of parallelism (programs
+# per SM) and of work per program.
 
 # %% [markdown]
 # ## Summary

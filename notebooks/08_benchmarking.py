@@ -128,7 +128,9 @@ print(f"first call {first:.1f} ms, later calls {later:.1f} ms (median): {first /
 # Repeated timings scatter: other processes, clock boost, interrupts, the Python garbage collector. The
 # distribution has a long tail to the right (something occasionally gets in the way; nothing makes a
 # kernel faster than it is), so the **median** is the robust summary, and the minimum is optimistic.
-# Let us time standard attention 60 times, one call at a time.
+# Let us time standard attention 60 times, one call at a time. (On a busy shared machine — a CI runner,
+# a laptop compiling something — the tail can hold most of the calls: then no single number is honest,
+# and the fix is a quiet machine, not a cleverer statistic.)
 
 # %%
 q, k, v = (torch.randn(B, H, N, D, device=DEVICE, dtype=DTYPE) for _ in range(3))
@@ -140,7 +142,7 @@ for value, name, style in ((med, "median", "-"), (mean, "mean", "--"), (min(samp
     ax.axvline(value, color="black", linestyle=style, label=f"{name} {value:.3f} ms")
 ax.set_xlabel("time per call (ms)")
 ax.set_ylabel("number of calls")
-ax.set_title(f"60 timings of standard attention ({DEVICE.type}): a tail to the right")
+ax.set_title(f"60 timings of one call ({DEVICE.type}): they scatter, the median is robust")
 ax.legend()
 plt.show()
 

@@ -95,6 +95,16 @@ def test_exercise_check_messages():
 
     with pytest.raises(exercises.ExerciseNotDone, match="'todo' is not done yet"):
         exercises.check("todo", unsolved, 1)
+    def wrapped():
+        try:
+            unsolved()
+        except NotImplementedError as exc:
+            raise RuntimeError("kernel failed") from exc
+
+    with pytest.raises(exercises.ExerciseNotDone, match="'kernel' is not done yet"):
+        exercises.check("kernel", wrapped, 1)
+    with pytest.raises(ZeroDivisionError):
+        exercises.check("crash", lambda: 1 / 0, 1)
     with pytest.raises(exercises.ExerciseWrong, match="'wrong' is not right yet"):
         exercises.check("wrong", lambda: torch.ones(3), torch.zeros(3))
     with pytest.raises(exercises.ExerciseWrong, match="shape"):
