@@ -69,9 +69,7 @@ def check_attention_inputs(
             f"{where}: k and v must have the same number of keys; got k {tuple(k.shape)}, v {tuple(v.shape)}"
         )
     if same_head_dim_v and v.shape[-1] != q.shape[-1]:
-        raise ValueError(
-            f"{where}: v must have the head dim of q (d={q.shape[-1]}); got v {tuple(v.shape)}"
-        )
+        raise ValueError(f"{where}: v must have the head dim of q (d={q.shape[-1]}); got v {tuple(v.shape)}")
     if q.shape[-2] == 0 or k.shape[-2] == 0 or q.shape[-1] == 0:
         raise ValueError(
             f"{where}: empty sequence or head dim: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"

@@ -88,8 +88,11 @@ def report() -> list[tuple[str, str]]:
             ("compute capability", f"{p.major}.{p.minor}"),
             ("GPU memory", f"{p.total_memory / 2**30:.1f} GiB"),
             ("SMs", str(p.multi_processor_count)),
-            ("TF32 matmul", f"allow_tf32={torch.backends.cuda.matmul.allow_tf32}, "
-                            f"float32_matmul_precision={torch.get_float32_matmul_precision()!r}"),
+            (
+                "TF32 matmul",
+                f"allow_tf32={torch.backends.cuda.matmul.allow_tf32}, "
+                f"float32_matmul_precision={torch.get_float32_matmul_precision()!r}",
+            ),
         ]
     else:
         rows.append(("GPU", "none — CPU, Triton interpreter; GPU figures in the notebooks are recorded runs"))

@@ -55,7 +55,9 @@ def _unsolved(exc: BaseException) -> bool:
 def _compare(actual, expected, rtol, atol) -> None:
     if isinstance(expected, (tuple, list)):
         if not isinstance(actual, (tuple, list)) or len(actual) != len(expected):
-            raise AssertionError(f"expected a sequence of {len(expected)} results, got {type(actual).__name__}")
+            raise AssertionError(
+                f"expected a sequence of {len(expected)} results, got {type(actual).__name__}"
+            )
         for a, e in zip(actual, expected):
             _compare(a, e, rtol, atol)
         return

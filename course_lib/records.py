@@ -36,13 +36,23 @@ def machine_meta() -> dict:
     }
     if runtime.ON_GPU:
         p = torch.cuda.get_device_properties(runtime.DEVICE)
-        meta.update(gpu=p.name, sm_count=p.multi_processor_count, capability=f"{p.major}.{p.minor}",
-                    memory_gib=round(p.total_memory / 2**30, 1))
+        meta.update(
+            gpu=p.name,
+            sm_count=p.multi_processor_count,
+            capability=f"{p.major}.{p.minor}",
+            memory_gib=round(p.total_memory / 2**30, 1),
+        )
         try:
-            meta["driver"] = subprocess.run(
-                ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                capture_output=True, text=True, timeout=20,
-            ).stdout.strip().splitlines()[0]
+            meta["driver"] = (
+                subprocess.run(
+                    ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                    capture_output=True,
+                    text=True,
+                    timeout=20,
+                )
+                .stdout.strip()
+                .splitlines()[0]
+            )
         except (OSError, IndexError, subprocess.SubprocessError):
             meta["driver"] = None
     else:

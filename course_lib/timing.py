@@ -43,8 +43,15 @@ def peak_memory(fn) -> int | None:
     return torch.cuda.max_memory_allocated() - before
 
 
-def attention_flops(batch: int, heads: int, n_queries: int, n_keys: int, head_dim: int,
-                    causal: bool = False, mode: str = "fwd") -> float:
+def attention_flops(
+    batch: int,
+    heads: int,
+    n_queries: int,
+    n_keys: int,
+    head_dim: int,
+    causal: bool = False,
+    mode: str = "fwd",
+) -> float:
     """Useful FLOPs of attention by the convention of the FlashAttention papers.
 
     Forward: two matmuls of 2 * Nq * Nk * d each, so 4 * B * H * Nq * Nk * d; halved when causal.

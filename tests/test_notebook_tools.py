@@ -20,13 +20,15 @@ def test_committed_notebooks_are_in_sync_and_stripped():
 
 
 def test_student_edition_removes_solutions_and_expects_checks_to_fail():
-    nb = nbformat.v4.new_notebook(cells=[
-        code_cell("def f(x):\n    ### BEGIN SOLUTION\n    return 2 * x\n    ### END SOLUTION\n"),
-        code_cell("answer = 1\n### BEGIN SOLUTION\nanswer = 42\n### END SOLUTION"),
-        code_cell("secret = 7", tags=["solution"]),
-        code_cell("check('f', lambda: f(2), 4)", tags=["check"]),
-        code_cell("print('later cells run as they are')"),
-    ])
+    nb = nbformat.v4.new_notebook(
+        cells=[
+            code_cell("def f(x):\n    ### BEGIN SOLUTION\n    return 2 * x\n    ### END SOLUTION\n"),
+            code_cell("answer = 1\n### BEGIN SOLUTION\nanswer = 42\n### END SOLUTION"),
+            code_cell("secret = 7", tags=["solution"]),
+            code_cell("check('f', lambda: f(2), 4)", tags=["check"]),
+            code_cell("print('later cells run as they are')"),
+        ]
+    )
     out = notebooks.student_notebook(nb)
     f_cell, top_cell, whole, chk, later = out.cells
     assert "return 2 * x" not in f_cell.source and "    raise NotImplementedError" in f_cell.source

@@ -24,9 +24,11 @@ def test_matches_sdpa_float64(shape_q, n_k, causal):
 
 def test_causal_mask_is_top_left_aligned():
     m = causal_mask(3, 5)
-    assert m.tolist() == [[True, False, False, False, False],
-                          [True, True, False, False, False],
-                          [True, True, True, False, False]]
+    assert m.tolist() == [
+        [True, False, False, False, False],
+        [True, True, False, False, False],
+        [True, True, True, False, False],
+    ]
 
 
 def test_scale_and_half_precision():

@@ -15,7 +15,9 @@ from course_lib import doctor, exercises, records, runtime, timing
 def run_python(code, **env):
     full_env = {k: v for k, v in os.environ.items() if k not in ("COURSE_DEVICE", "TRITON_INTERPRET")}
     full_env.update(env)
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=full_env, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=full_env, timeout=120
+    )
 
 
 def test_decision_is_consistent():
@@ -48,11 +50,14 @@ def test_forcing_cuda_without_gpu_explains():
 
 
 def test_doctor_command_exits_zero_and_names_the_mode():
-    out = subprocess.run([sys.executable, "-m", "course_lib", "doctor"], capture_output=True, text=True,
-                         timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "course_lib", "doctor"], capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     assert "triton interpreted" in out.stdout
-    assert ("yes" if course_lib.INTERPRET else "no") in out.stdout.split("triton interpreted")[1].splitlines()[0]
+    assert ("yes" if course_lib.INTERPRET else "no") in out.stdout.split("triton interpreted")[
+        1
+    ].splitlines()[0]
     assert "All good" in out.stdout
 
 
@@ -95,6 +100,7 @@ def test_exercise_check_messages():
 
     with pytest.raises(exercises.ExerciseNotDone, match="'todo' is not done yet"):
         exercises.check("todo", unsolved, 1)
+
     def wrapped():
         try:
             unsolved()
@@ -114,6 +120,9 @@ def test_exercise_check_messages():
 def test_timing_and_flops():
     assert timing.benchmark(lambda: torch.randn(64, 64) @ torch.randn(64, 64)) > 0
     assert timing.attention_flops(1, 1, 128, 128, 64) == 4 * 128 * 128 * 64
-    assert timing.attention_flops(2, 4, 128, 128, 64, causal=True, mode="fwd_bwd") == 3.5 * 0.5 * 4 * 8 * 128**2 * 64
+    assert (
+        timing.attention_flops(2, 4, 128, 128, 64, causal=True, mode="fwd_bwd")
+        == 3.5 * 0.5 * 4 * 8 * 128**2 * 64
+    )
     with pytest.raises(ValueError, match="mode"):
         timing.attention_flops(1, 1, 8, 8, 8, mode="sideways")

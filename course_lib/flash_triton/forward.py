@@ -326,20 +326,32 @@ GPU_DEFAULT = dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3)
 # Hopper candidates (BLOCK_M, BLOCK_N, num_warps, num_stages). 128-row Q blocks keep the tensor cores
 # busy (one warpgroup per 64 rows); 8 warps only pay off with 128 x 128 tiles.
 GPU_FWD_CANDIDATES = [
-    (128, 64, 4, 3),
-    (128, 64, 4, 4),
-    (128, 128, 8, 2),
-    (128, 128, 8, 3),
     (128, 64, 8, 3),
-    (128, 32, 4, 3),
+    (128, 64, 8, 2),
+    (128, 64, 8, 4),
+    (128, 128, 8, 3),
+    (128, 128, 8, 2),
     (64, 64, 4, 3),
+    (64, 64, 4, 2),
+    (128, 64, 4, 3),
+    (64, 128, 4, 3),
+    # a fifth entry caps registers per thread (maxnreg) so that two programs fit on one SM
+    (128, 64, 8, 2, 128),
+    (128, 64, 8, 3, 128),
+    (128, 128, 8, 2, 128),
 ]
 
 
 def _as_configs(candidates):
-    return [
-        triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in candidates
-    ]
+    """triton.Config objects from (BLOCK_M, BLOCK_N, num_warps, num_stages[, maxnreg]) tuples."""
+    configs = []
+    for m, n, w, s, *maxnreg in candidates:
+        configs.append(
+            triton.Config(
+                {"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s, maxnreg=(maxnreg or [None])[0]
+            )
+        )
+    return configs
 
 
 def make_prune(small, wide, huge):

@@ -22,7 +22,6 @@ import copy
 import sys
 from pathlib import Path
 
-
 ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOKS = ROOT / "notebooks"
 BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
@@ -67,11 +66,15 @@ def check() -> list[str]:
         if not target.exists():
             errors.append(f"{target.relative_to(ROOT)} is missing: run `make notebooks`")
         elif target.read_text() != build(py):
-            errors.append(f"{target.relative_to(ROOT)} is out of sync with {py.name} or has outputs: "
-                          "run `make notebooks`")
+            errors.append(
+                f"{target.relative_to(ROOT)} is out of sync with {py.name} or has outputs: "
+                "run `make notebooks`"
+            )
     for ipynb in sorted(NOTEBOOKS.glob("*.ipynb")):
         if not ipynb.with_suffix(".py").exists():
-            errors.append(f"{ipynb.relative_to(ROOT)} has no percent-format source {ipynb.with_suffix('.py').name}")
+            errors.append(
+                f"{ipynb.relative_to(ROOT)} has no percent-format source {ipynb.with_suffix('.py').name}"
+            )
     return errors
 
 
@@ -152,4 +155,3 @@ def main(argv: list[str]) -> int:
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))
-
