@@ -1,8 +1,9 @@
 """Recorded GPU figures: how measured numbers reach a learner who has no GPU.
 
-`make bench` (on a GPU) measures and writes each record as JSON to `assets/benchmarks/`, stamped with
-the GPU, driver, versions and date; notebooks load the newest record of a kind and label it as such.
-No GPU figure shown in the course is typed by hand.
+`make bench` (on a GPU) measures and writes the benchmark records as JSON to `assets/benchmarks/`,
+stamped with the GPU, driver, versions and date; the GPU-only cells of notebooks 05-07 record their own
+live measurements the same way when they run on a GPU (`make test-gpu` runs them). Notebooks load the
+newest record of a kind and label it as such. No GPU figure shown in the course is typed by hand.
 
 A record file is `assets/benchmarks/<kind>-<gpu>.json`:
     {"kind": ..., "meta": {"gpu": ..., "driver": ..., "torch": ..., "triton": ..., "cuda": ...,

@@ -413,10 +413,14 @@ print(f"({SM_ROWS}, {SM_COLS}), BLOCK_SIZE {triton.next_power_of_2(SM_COLS)}: ma
 # **Measure (GPU only).** We time the naive version, the fused kernel (`course_lib.primer.softmax`) and
 # `torch.softmax` (itself a fused CUDA kernel) for M = 4096 rows and a sweep of row lengths N, and report
 # each as *effective bandwidth*: the 2MN elements a softmax must move, divided by the time. A kernel at the
-# memory ceiling (about 4.3 TB/s for a copy on our H200) cannot go faster. On a CPU the interpreter's timings
-# would measure Python, so we show the recorded run instead.
+# memory ceiling (the copy bandwidth of notebook 01, printed below from the recorded hardware figures)
+# cannot go faster. On a CPU the interpreter's timings would measure Python, so we show the recorded run
+# instead.
 
 # %%
+hw = records.load_record("hardware")
+if hw is not None:
+    print(f"copy ceiling: {hw['data']['copy_gbps']:.0f} GB/s ({records.label(hw)})")
 NAIVE, FUSED = "naive (eager PyTorch)", "fused Triton (course_lib.primer)"
 
 

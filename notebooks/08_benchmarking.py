@@ -242,8 +242,15 @@ for causal in (False, True):
 assert timing.attention_flops(4, 16, 4096, 4096, 128) == 4 * 4 * 16 * 4096**2 * 128
 
 # %% [markdown]
-# So a causal forward at that shape that takes 1 ms runs at 2.2 TFLOP / 1 ms = 2200 TFLOP/s — impossible on
-# an H200 (about 810 TFLOP/s of dense bf16 matmul measured): a number like that means a timing bug.
+# So a causal forward at that shape that takes 1 ms runs at 2.2 TFLOP / 1 ms = 2200 TFLOP/s — more than
+# any GPU's dense bf16 matmul ceiling (the H200's measured ceiling is printed below from the recorded
+# hardware figures): a number like that means a timing bug.
+
+# %%
+hw = records.load_record("hardware")
+if hw is not None:
+    print(f"bf16 matmul ceiling: {hw['data']['matmul_tflops'].get('bfloat16', float('nan')):.0f} TFLOP/s "
+          f"({records.label(hw)})")
 #
 # ## 2. Profiling: where does the time go?
 #
