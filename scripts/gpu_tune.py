@@ -55,10 +55,14 @@ def _precompile(job):
         torch.randn(1, h, 1024, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3)
     )
     errors = []
+    try:  # the forward alone first: a candidate that fails here is dropped from the forward tuner
+        F.forward(q.detach(), k.detach(), v.detach(), causal, None)
+    except Exception as exc:  # a candidate that does not fit (shared memory, registers) is reported
+        errors.append(f"forward: {type(exc).__name__}: {str(exc)[:200]}")
     try:
         o = flash_attention(q, k, v, causal=causal)
         o.backward(torch.randn_like(o))
-    except Exception as exc:  # a candidate that does not fit (shared memory, registers) is reported
+    except Exception as exc:
         errors.append(f"two_kernel: {type(exc).__name__}: {str(exc)[:200]}")
     try:
         o, lse = F.forward(q.detach(), k.detach(), v.detach(), causal, None)
@@ -108,9 +112,16 @@ def main():
     with mp.get_context("spawn").Pool(args.workers) as pool:
         compiled = pool.map(_precompile, jobs, chunksize=1)
     print(f"precompiled {len(jobs)} jobs in {time.time() - t0:.0f} s", flush=True)
+    failed_fwd = set()
     for d, c, i, _secs, errs in compiled:
         for e in errs:
             print(f"  candidate {i} d={d} causal={c}: {e}")
+            if e.startswith("forward") and i < len(F.GPU_FWD_CANDIDATES):
+                failed_fwd.add(i)
+    if failed_fwd:
+        keep = [c for i, c in enumerate(F.GPU_FWD_CANDIDATES) if i not in failed_fwd]
+        F._fwd_tuned.configs = F._as_configs(keep)
+        print(f"  forward candidates dropped: {[F.GPU_FWD_CANDIDATES[i] for i in sorted(failed_fwd)]}")
 
     rows, record = [], {"cells": [], "compile": compiled}
     seq_lens = (1024, 4096, 16384) if args.quick else SEQ_LENS

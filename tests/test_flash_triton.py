@@ -221,6 +221,20 @@ def test_gradcheck_float64():
     assert torch.autograd.gradcheck(lambda q, k, v: FlashAttentionTriton.apply(q, k, v, False), (q, k, v))
 
 
+def test_gpu_candidate_configs_build():
+    """The GPU autotuning candidates and their pruning, which the interpreter never uses, are well
+    formed: every block >= 16, the full list only for 16-bit inputs, d <= 128 and N >= 1024."""
+    for candidates in (fwd_mod.GPU_FWD_CANDIDATES, bwd_mod.GPU_DKDV_CANDIDATES, bwd_mod.GPU_DQ_CANDIDATES):
+        configs = fwd_mod._as_configs(candidates)
+        assert all(min(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]) >= 16 for c in configs)
+    prune = fwd_mod.make_prune((64, 64, 4, 2), (64, 32, 4, 2), (64, 32, 4, 2))
+    full = fwd_mod._as_configs(fwd_mod.GPU_FWD_CANDIDATES)
+    bf16 = torch.empty(1, dtype=torch.bfloat16)
+    assert prune(full, {"Q": bf16, "N_BUCKET": 4096}, BLOCK_D=128) == full
+    for q, n_bucket, block_d in ((bf16, 256, 64), (bf16.float(), 4096, 64), (bf16, 4096, 256)):
+        assert len(prune(full, {"Q": q, "N_BUCKET": n_bucket}, BLOCK_D=block_d)) == 1
+
+
 # ---------------------------------------------------------------------------------------------------
 # Bad input
 # ---------------------------------------------------------------------------------------------------

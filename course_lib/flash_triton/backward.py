@@ -383,30 +383,32 @@ PRE_BLOCK_M = 64 if not runtime.INTERPRET else 32
 # Fixed defaults on a GPU when a `config` dict names only some launch keys (BLOCK_M, BLOCK_N apply to
 # both kernels unless BLOCK_M1/BLOCK_N1 (dK/dV) or BLOCK_M2/BLOCK_N2 (dQ) are given).
 GPU_DEFAULT = dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)
-# Hopper candidates (BLOCK_M1, BLOCK_N1, num_warps, num_stages) for dK/dV: a tall K/V block (BLOCK_N1)
-# amortises its on-chip residency, short query steps (BLOCK_M1) keep the transposed tiles small.
+# Hopper candidates (BLOCK_M1, BLOCK_N1, num_warps, num_stages) for dK/dV, kept from a wider sweep on
+# an H200 (notes/performance.md): a tall K/V block (BLOCK_N1) amortises its stay on chip, short query
+# steps (BLOCK_M1) keep the transposed tiles small. 32 x 128 / 4 warps wins d = 64; 64 x 128 / 8 warps
+# wins d = 128 at long sequences; 64 x 64 / 4 warps wins causal at short ones. (64-row K/V blocks with
+# 8 warps ran 2-4x slower and were dropped.)
 GPU_DKDV_CANDIDATES = [
     (32, 128, 4, 3),
-    (32, 128, 8, 3),
-    (64, 128, 8, 2),
-    (64, 128, 8, 3),
     (32, 64, 4, 3),
+    (64, 128, 8, 3),
+    (64, 128, 8, 2),
     (64, 64, 4, 2),
-    (32, 64, 8, 3),
-    (64, 64, 8, 2),
+    (32, 128, 8, 3),
 ]
-# (BLOCK_M2, BLOCK_N2, num_warps, num_stages) for dQ: a tall query block, short K/V steps.
+# (BLOCK_M2, BLOCK_N2, num_warps, num_stages) for dQ: a tall query block, short K/V steps;
+# 128 x 64 / 8 warps wins almost everywhere, 64 x 64 / 4 warps at d = 64 causal.
 GPU_DQ_CANDIDATES = [
-    (128, 32, 4, 3),
-    (128, 32, 8, 3),
-    (128, 64, 8, 2),
     (128, 64, 8, 3),
+    (128, 64, 8, 2),
     (64, 64, 4, 3),
     (64, 32, 4, 3),
-    (128, 128, 8, 2),
+    (128, 32, 8, 3),
+    (128, 32, 4, 3),
 ]
 _TUNE_KEY = ["N_BUCKET", "HEAD_DIM", "CAUSAL", "EXP2", "SKIP_MASKED"]
-_DKDV = dict(small=(32, 64, 4, 2), wide=(32, 32, 4, 2), huge=(32, 64, 8, 2))
+_CPU = (CPU_CONFIG["BLOCK_M"], CPU_CONFIG["BLOCK_N"], 4, 1)
+_DKDV = dict(small=(32, 64, 4, 2), wide=(32, 32, 4, 2), huge=(32, 64, 8, 2), cpu=_CPU)
 _dkdv_tuned = _tuner(_dkdv_kernel, GPU_DKDV_CANDIDATES, key=_TUNE_KEY + ["ATOMIC"], **_DKDV)
 # The atomic variant adds into DQ: the tuner must zero it before each timed run.
 _dkdv_atomic_tuned = _tuner(
@@ -419,6 +421,7 @@ _dq_tuned = _tuner(
     small=(64, 32, 4, 2),
     wide=(32, 32, 4, 2),
     huge=(64, 32, 8, 2),
+    cpu=_CPU,
 )
 
 

@@ -124,13 +124,15 @@ def split_config(config: dict | None, defaults: dict) -> tuple[dict | None, dict
     """Split a user `config` into (launch parameters or None for autotuning, teaching switches).
 
     If any of BLOCK_M, BLOCK_N, num_warps, num_stages is given, the launch is fixed (missing ones take
-    `defaults`); otherwise the tuned defaults are used. Switches default to the fast choice (True)."""
+    `defaults`); otherwise the tuned defaults are used. Switches default to the fast choice (True).
+    BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2 (backward kernels only) are launch keys too."""
     config = dict(config or {})
     unknown = (
         set(config) - set(LAUNCH_KEYS) - set(SWITCH_KEYS) - {"BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2"}
     )
     if unknown:
-        raise ValueError(f"unknown config keys {sorted(unknown)}; known: {LAUNCH_KEYS + SWITCH_KEYS}")
+        known = LAUNCH_KEYS + SWITCH_KEYS + ("BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2 (backward)")
+        raise ValueError(f"unknown config keys {sorted(unknown)}; known: {', '.join(known)}")
     switches = {
         "EXP2": bool(config.pop("exp2", True)),
         "SKIP_MASKED": bool(config.pop("skip_masked_blocks", True)),
@@ -196,9 +198,8 @@ def _fwd_inner(
         k = tl.load(k_ptrs + start_n * stride_kn, mask=kv_mask, other=0.0)
         if UPCAST:
             k = k.to(tl.float32)
-        s = tl.dot(
-            q, tl.trans(k), input_precision=DOT_PRECISION, out_dtype=ACC_DTYPE
-        )  # S tile (BLOCK_M, BLOCK_N), registers
+        # S = Q K^T: a (BLOCK_M, BLOCK_N) tile in registers, fp32
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION, out_dtype=ACC_DTYPE)
         if MASK:
             visible = cols[None, :] < N_K
             if CAUSAL:
@@ -216,14 +217,13 @@ def _fwd_inner(
             p = tl.exp(s - m_new[:, None])
             alpha = tl.exp(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
+        acc = acc * alpha[:, None]  # rescale the accumulator to the new max: BLOCK_M x d multiplies
+        m_i = m_new
         v = tl.load(v_ptrs + start_n * stride_vn, mask=kv_mask, other=0.0)  # V block: HBM -> shared
         if UPCAST:
             v = v.to(tl.float32)
-        acc = tl.dot(
-            p.to(v.dtype), v, acc, input_precision=DOT_PRECISION, out_dtype=ACC_DTYPE
-        )  # acc += P V, registers
-        m_i = m_new
+        # acc += P V: P from registers, V from shared memory, fp32 accumulator in registers
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION, out_dtype=ACC_DTYPE)
     return acc, l_i, m_i
 
 
@@ -322,36 +322,27 @@ def _fwd_kernel(
 # On the CPU: one config (the interpreter cannot time several); 32 x 32 keeps the Python loop short.
 CPU_CONFIG = dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=1)
 # Fixed defaults on a GPU when a `config` dict names only some launch keys.
-GPU_DEFAULT = dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3)
-# Hopper candidates (BLOCK_M, BLOCK_N, num_warps, num_stages). 128-row Q blocks keep the tensor cores
-# busy (one warpgroup per 64 rows); 8 warps only pay off with 128 x 128 tiles.
+GPU_DEFAULT = dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3)
+# Hopper candidates (BLOCK_M, BLOCK_N, num_warps, num_stages), kept from a wider sweep on an H200
+# (notes/performance.md): 128 x 64 with 8 warps (one warpgroup per 64 query rows) wins most shapes;
+# 64 x 64 with 4 warps wins d = 128 at short sequences (two programs share an SM); 128 x 128 wins
+# long causal d = 128. 128 x 64 with only 4 warps spills registers at d = 128 (3.5x slower) but is
+# close to the best at d = 64.
 GPU_FWD_CANDIDATES = [
     (128, 64, 8, 3),
-    (128, 64, 8, 2),
     (128, 64, 8, 4),
     (128, 128, 8, 3),
-    (128, 128, 8, 2),
     (64, 64, 4, 3),
     (64, 64, 4, 2),
     (128, 64, 4, 3),
-    (64, 128, 4, 3),
-    # a fifth entry caps registers per thread (maxnreg) so that two programs fit on one SM
-    (128, 64, 8, 2, 128),
-    (128, 64, 8, 3, 128),
-    (128, 128, 8, 2, 128),
 ]
 
 
 def _as_configs(candidates):
-    """triton.Config objects from (BLOCK_M, BLOCK_N, num_warps, num_stages[, maxnreg]) tuples."""
-    configs = []
-    for m, n, w, s, *maxnreg in candidates:
-        configs.append(
-            triton.Config(
-                {"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s, maxnreg=(maxnreg or [None])[0]
-            )
-        )
-    return configs
+    """triton.Config objects from (BLOCK_M, BLOCK_N, num_warps, num_stages) tuples."""
+    return [
+        triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in candidates
+    ]
 
 
 def make_prune(small, wide, huge):
@@ -373,12 +364,11 @@ def make_prune(small, wide, huge):
     return prune
 
 
-def _tuner(kernel, candidates, key, small, wide, huge, **kwargs):
+def _tuner(kernel, candidates, key, small, wide, huge, cpu, **kwargs):
     """`runtime.autotune` over `candidates` on a GPU (pruned by `make_prune`); on the CPU the single
-    CPU_CONFIG (the interpreter cannot time configs)."""
+    config `cpu` (the interpreter cannot time configs)."""
     if runtime.INTERPRET:
-        c = CPU_CONFIG
-        return runtime.autotune(_as_configs([(c["BLOCK_M"], c["BLOCK_N"], 4, 1)]), key=key, **kwargs)(kernel)
+        return runtime.autotune(_as_configs([cpu]), key=key, **kwargs)(kernel)
     return runtime.autotune(
         _as_configs(candidates),
         key=key,
@@ -395,6 +385,7 @@ _fwd_tuned = _tuner(
     small=(64, 64, 4, 2),
     wide=(64, 32, 4, 2),
     huge=(64, 32, 4, 2),
+    cpu=(CPU_CONFIG["BLOCK_M"], CPU_CONFIG["BLOCK_N"], 4, 1),
 )
 
 
