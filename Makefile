@@ -8,6 +8,7 @@ PYTHON     ?= $(if $(wildcard $(VENV)/bin/python),$(VENV)/bin/python,python3)
 PINNED     ?= 1
 EXTRAS     := $(if $(filter 1,$(PINNED)),course$(,)pinned,course)
 JOBS       ?= 2
+GPU_JOBS   ?= 8
 LAB_ARGS   ?=
 STUDENT    := build/student
 NOTEBOOK_DIR ?= notebooks
@@ -59,9 +60,9 @@ test: student
 		tests notebooks $(STUDENT)
 
 test-gpu:
-	@echo "==> make test-gpu: course_lib tests on the GPU (compiled kernels, GPU sizes), then every notebook"
+	@echo "==> make test-gpu: course_lib tests on the GPU ($(GPU_JOBS) processes: compiling kernels is CPU-bound), then every notebook, one at a time"
 	@$(PYTHON) -m course_lib doctor
-	COURSE_DEVICE=cuda $(PYTHON) -m pytest -q -m "not browser" tests
+	COURSE_DEVICE=cuda $(PYTHON) -m pytest -q -n $(GPU_JOBS) --durations=10 -m "not browser" tests
 	COURSE_DEVICE=cuda $(PYTHON) -m course_lib.tools.run_notebooks
 
 bench:
