@@ -83,7 +83,7 @@ def test_predict_step_ms_uses_the_right_ceiling_per_kind():
 
 
 def test_profile_steps_times_every_labelled_step():
-    q, k, v = (torch.randn(1, 2, 128, 32) for _ in range(3))
+    q, k, v = (torch.randn(1, 2, 128, 32, device=course_lib.DEVICE) for _ in range(3))
     result = profiling.profile_steps(
         lambda: profiling.standard_attention(q, k, v, causal=True, dropout_p=0.1), repeats=2
     )

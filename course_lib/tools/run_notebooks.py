@@ -15,12 +15,14 @@ import subprocess
 import sys
 import time
 
-from .notebooks import NOTEBOOKS, sources
+from .notebooks import NOTEBOOKS, ROOT, sources
 
 
 def main(argv: list[str]) -> int:
     selected = [p for p in sources() if not argv or any(a in p.name for a in argv)]
-    env = dict(os.environ, MPLBACKEND="Agg", PYTHONUNBUFFERED="1")
+    # The repository root goes first on the path, so course_lib imports even where it is not pip-installed.
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    env = dict(os.environ, MPLBACKEND="Agg", PYTHONUNBUFFERED="1", PYTHONPATH=path)
     results = []
     for py in selected:
         print(f"==> {py.name}", flush=True)
