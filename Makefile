@@ -63,6 +63,7 @@ test-gpu:
 	@echo "==> make test-gpu: course_lib tests on the GPU ($(GPU_JOBS) processes: compiling kernels is CPU-bound), then every notebook, one at a time"
 	@$(PYTHON) -m course_lib doctor
 	COURSE_DEVICE=cuda $(PYTHON) -m pytest -q -n $(GPU_JOBS) --durations=10 -m "not browser" tests
+	COURSE_DEVICE=cuda $(PYTHON) -m course_lib.flash_triton.precompile
 	COURSE_DEVICE=cuda $(PYTHON) -m course_lib.tools.run_notebooks
 
 bench:

@@ -794,6 +794,13 @@ def main(quick: bool = False, out: str | Path = records.ASSETS) -> int:
         f"CUDA {meta['cuda']} | {'quick' if quick else 'full'} grid -> {out}/"
     )
     failures, saved = [], {}
+    if runtime.ON_GPU:  # compile every autotuning candidate in parallel first: minutes saved when cold
+        from .flash_triton.precompile import precompile
+
+        seconds, errors = precompile(head_dims=(64,) if quick else (64, 128))
+        print(f"bench: precompiled the kernels' autotuning candidates in {seconds:.0f} s")
+        for e in errors:
+            print(f"bench:   could not compile {e}")
 
     def part(kind, make_data):
         t0 = time.perf_counter()

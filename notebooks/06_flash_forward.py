@@ -538,7 +538,7 @@ else:
 # N = 4096 (bf16, d = 64, not causal). Configurations that do not fit are reported as such.
 
 # %%
-SWEEP = [(bm, bn, w, s) for bm in (64, 128) for bn in (32, 64, 128) for w in (4, 8) for s in (2, 3)]
+SWEEP = [(bm, bn, w, s) for bm in (64, 128) for bn in (64, 128) for w in (4, 8) for s in (2, 3)]
 
 
 def show_sweep(data, source):

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import multiprocessing as mp
 import os
 import sys
 import time
@@ -29,50 +28,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 TOKENS, HIDDEN = 16384, 2048
 SEQ_LENS = (1024, 2048, 4096, 8192, 16384)
-
-
-def _precompile(job):
-    """Worker: compile one candidate of each kernel for one (d, causal) by running it on a small
-    input shaped like the benchmark (same integer specialisations: N, strides, H divisible by 16)."""
-    import torch
-
-    from course_lib.flash_triton import backward as B
-    from course_lib.flash_triton import flash_attention
-    from course_lib.flash_triton import forward as F
-
-    d, causal, i = job
-    t0 = time.time()
-    tuners = (
-        (F._fwd_tuned, F.GPU_FWD_CANDIDATES),
-        (B._dkdv_tuned, B.GPU_DKDV_CANDIDATES),
-        (B._dq_tuned, B.GPU_DQ_CANDIDATES),
-        (B._dkdv_atomic_tuned, B.GPU_DKDV_CANDIDATES),
-    )
-    for tuner, cands in tuners:
-        tuner.configs = F._as_configs([cands[min(i, len(cands) - 1)]])
-    h = HIDDEN // d
-    q, k, v = (
-        torch.randn(1, h, 1024, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3)
-    )
-    errors = []
-    try:  # the forward alone first: a candidate that fails here is dropped from the forward tuner
-        F.forward(q.detach(), k.detach(), v.detach(), causal, None)
-    except Exception as exc:  # a candidate that does not fit (shared memory, registers) is reported
-        errors.append(f"forward: {type(exc).__name__}: {str(exc)[:200]}")
-    try:
-        o = flash_attention(q, k, v, causal=causal)
-        o.backward(torch.randn_like(o))
-    except Exception as exc:
-        errors.append(f"two_kernel: {type(exc).__name__}: {str(exc)[:200]}")
-    try:
-        o, lse = F.forward(q.detach(), k.detach(), v.detach(), causal, None)
-        B.backward(
-            torch.randn_like(o), q.detach(), k.detach(), v.detach(), o, lse, causal, None, dq_mode="atomic"
-        )
-    except Exception as exc:
-        errors.append(f"atomic: {type(exc).__name__}: {str(exc)[:200]}")
-    torch.cuda.synchronize()
-    return (d, causal, i, round(time.time() - t0, 1), errors)
 
 
 def flops(b, h, n, d, causal, mode):
@@ -95,8 +50,6 @@ def main():
     import torch
 
     import course_lib
-    from course_lib.flash_triton import backward as B
-    from course_lib.flash_triton import forward as F
     from course_lib.runtime import triton
 
     assert course_lib.ON_GPU, "needs a CUDA GPU"
@@ -105,25 +58,15 @@ def main():
         flush=True,
     )
 
-    # 1. parallel compilation of every candidate
-    n_jobs = max(len(F.GPU_FWD_CANDIDATES), len(B.GPU_DKDV_CANDIDATES), len(B.GPU_DQ_CANDIDATES))
-    jobs = [(d, c, i) for d in (64, 128) for c in (False, True) for i in range(n_jobs)]
-    t0 = time.time()
-    with mp.get_context("spawn").Pool(args.workers) as pool:
-        compiled = pool.map(_precompile, jobs, chunksize=1)
-    print(f"precompiled {len(jobs)} jobs in {time.time() - t0:.0f} s", flush=True)
-    failed_fwd = set()
-    for d, c, i, _secs, errs in compiled:
-        for e in errs:
-            print(f"  candidate {i} d={d} causal={c}: {e}")
-            if e.startswith("forward") and i < len(F.GPU_FWD_CANDIDATES):
-                failed_fwd.add(i)
-    if failed_fwd:
-        keep = [c for i, c in enumerate(F.GPU_FWD_CANDIDATES) if i not in failed_fwd]
-        F._fwd_tuned.configs = F._as_configs(keep)
-        print(f"  forward candidates dropped: {[F.GPU_FWD_CANDIDATES[i] for i in sorted(failed_fwd)]}")
+    # 1. parallel compilation of every candidate (course_lib.flash_triton.precompile)
+    from course_lib.flash_triton.precompile import precompile
 
-    rows, record = [], {"cells": [], "compile": compiled}
+    seconds, errors = precompile(workers=args.workers)
+    print(f"precompiled every candidate in {seconds:.0f} s", flush=True)
+    for e in errors:
+        print(f"  could not compile {e}")
+
+    rows, record = [], {"cells": [], "compile_errors": errors}
     seq_lens = (1024, 4096, 16384) if args.quick else SEQ_LENS
 
     for d in (64, 128):
