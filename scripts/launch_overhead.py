@@ -43,6 +43,19 @@ def per_call(fn, iters=50):
     return wall, gpu, issue
 
 
+def providers(q, k, v, do):
+    """fwd+bwd callables of course_lib and SDPA's FLASH_ATTENTION backend, causal."""
+
+    def ours():
+        return torch.autograd.grad(course_lib.flash_attention(q, k, v, causal=True), (q, k, v), do)
+
+    def sdpa_flash():
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            return torch.autograd.grad(F.scaled_dot_product_attention(q, k, v, is_causal=True), (q, k, v), do)
+
+    return {"course_lib": ours, "sdpa_flash": sdpa_flash}
+
+
 def main():
     assert course_lib.ON_GPU
     print(f"{'provider':<12} {'N':>6} {'d':>4} causal  wall/call  kernels/call  CPU issue/call (ms)")
@@ -51,21 +64,7 @@ def main():
         q, k, v = (
             torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3)
         )
-        do = torch.randn_like(q)
-        providers = {
-            "course_lib": lambda: torch.autograd.grad(
-                course_lib.flash_attention(q, k, v, causal=True), (q, k, v), do
-            ),
-        }
-
-        def sdpa():
-            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-                return torch.autograd.grad(
-                    F.scaled_dot_product_attention(q, k, v, is_causal=True), (q, k, v), do
-                )
-
-        providers["sdpa_flash"] = sdpa
-        for name, fn in providers.items():
+        for name, fn in providers(q, k, v, torch.randn_like(q)).items():
             wall, gpu, issue = per_call(fn)
             print(f"{name:<12} {n:>6} {d:>4} {'yes':>6}  {wall:9.3f}  {gpu:12.3f}  {issue:9.3f}")
 
