@@ -378,7 +378,7 @@ print(f"all {len(bench.LADDER)} rungs agree with the float64 reference")
 # ### Predicted against measured, on the H200
 #
 # `make bench` measures the ladder (`course_lib.bench.ladder`) and records it. Left, the forward; right, the
-# backward; grey, the prediction; blue, the measurement. Where they disagree, the model behind the
+# backward; grey, the prediction; orange, the measurement. Where they disagree, the model behind the
 # prediction missed something — that is where to look with Nsight Compute.
 
 # %%
@@ -396,6 +396,19 @@ else:
             print(f"[{s['pass_']}] {s['name']:34} not measured: {s.get('reason_failed')}")
     _ = bench.plot_ladder(ladder_rec)
     plt.show()
+
+# %% [markdown]
+# **Reading the misses in the recorded H200 run.**
+# - *128-row blocks, then pipelining.* Each prediction assumed the other step was already there. Without
+#   software pipelining (one stage), a program with a 128-row tile loads each K/V tile and then waits for it
+#   with nothing else to do, so doubling the tile bought nothing; three stages then paid more than predicted,
+#   because they hide exactly those waits. Two steps that interact should be predicted together: their
+#   product is what to compare.
+# - *Atomic dQ.* Predicted faster (5 tile products instead of 7), measured far slower: every K/V program
+#   adds a BLOCK_M x d float32 tile into dQ at every step, and those read-modify-writes in L2 cost more than
+#   the two products they save. The byte count the prediction left out is the atomics' traffic — notebook 07
+#   measures the same trade-off across shapes.
+# - *Autotuned.* Close to 1.0x: the hand-picked last rung is already the tuner's choice for this shape.
 
 # %% [markdown]
 # ## 4. course_lib against PyTorch's attention backends
