@@ -107,7 +107,7 @@ def test_make_lab_runs_notebook_00_in_chromium(tmp_path):
             shots.mkdir(parents=True, exist_ok=True)
             try:
                 select = page.get_by_role("button", name="Select", exact=True)
-                try:  # JupyterLab may ask which kernel to use; the notebook names python3
+                try:  # after ?reset JupyterLab may ask which kernel to use; the notebook names python3
                     select.wait_for(timeout=5_000)
                     select.click()
                 except sync_api.TimeoutError:
