@@ -81,6 +81,11 @@ def check_attention_inputs(
         )
 
 
+def accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Where softmax statistics and sums accumulate: float64 for float64 inputs, else float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def default_scale(head_dim: int, scale: float | None) -> float:
     """The softmax scale: 1/sqrt(d) unless given. Rejects non-positive or non-finite scales."""
     if scale is None:

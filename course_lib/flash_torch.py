@@ -21,14 +21,11 @@ import math
 import torch
 from torch.autograd.function import once_differentiable
 
-from .checks import check_attention_inputs, default_scale
+from .checks import accumulator_dtype, check_attention_inputs, default_scale
+from .reference import causal_mask_tile
 
 BLOCK_M = 64  # rows of Q per tile (the paper's B_r)
 BLOCK_N = 64  # rows of K and V per tile (the paper's B_c)
-
-
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _check_options(causal, block_m, block_n, where: str) -> None:
@@ -37,13 +34,6 @@ def _check_options(causal, block_m, block_n, where: str) -> None:
     for name, b in (("block_m", block_m), ("block_n", block_n)):
         if isinstance(b, bool) or not isinstance(b, int) or b < 1:
             raise ValueError(f"{where}: {name} must be a positive integer, got {b!r}")
-
-
-def _causal_mask(i0: int, i1: int, j0: int, j1: int, device) -> torch.Tensor:
-    """(i1-i0, j1-j0) bool tile of the causal mask, True where query i may see key j (j <= i)."""
-    i = torch.arange(i0, i1, device=device)[:, None]
-    j = torch.arange(j0, j1, device=device)[None, :]
-    return j <= i
 
 
 def flash_forward(
@@ -57,7 +47,7 @@ def flash_forward(
     check_attention_inputs(q, k, v, where="flash_forward")
     _check_options(causal, block_m, block_n, "flash_forward")
     scale = default_scale(q.shape[-1], scale)
-    acc = _acc_dtype(q.dtype)
+    acc = accumulator_dtype(q.dtype)
     n_q, n_k = q.shape[-2], k.shape[-2]
     lead = q.shape[:-2]
     O = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # HBM, written once per row block
@@ -78,7 +68,7 @@ def flash_forward(
             Vj = v[..., j0:j1, :].to(acc)  # HBM -> SRAM: BLOCK_N x d
             S = (Qi @ Kj.transpose(-1, -2)) * scale  # BLOCK_M x BLOCK_N tile, on chip only
             if causal and j1 - 1 > i0:  # only tiles crossing the diagonal need a mask
-                S = S.masked_fill(~_causal_mask(i0, i1, j0, j1, q.device), -math.inf)
+                S = S.masked_fill(~causal_mask_tile(i0, i1, j0, j1, q.device), -math.inf)
             m_new = torch.maximum(m, S.amax(dim=-1))  # finite: every row sees key 0 in block 0
             P = torch.exp(S - m_new[..., None])  # unnormalised probabilities of this tile
             alpha = torch.exp(m - m_new)  # rescales what was summed under the old maximum
@@ -112,7 +102,7 @@ def flash_backward(
     check_attention_inputs(q, k, v, where="flash_backward")
     _check_options(causal, block_m, block_n, "flash_backward")
     scale = default_scale(q.shape[-1], scale)
-    acc = _acc_dtype(q.dtype)
+    acc = accumulator_dtype(q.dtype)
     n_q, n_k = q.shape[-2], k.shape[-2]
     D = (dO.to(acc) * O.to(acc)).sum(dim=-1)  # (..., Nq): one cheap pass over dO and O
     L = L.to(acc)
@@ -134,7 +124,7 @@ def flash_backward(
             dOi = dO[..., i0:i1, :].to(acc)
             S = (Qi @ Kj.transpose(-1, -2)) * scale  # recomputed tile
             if causal and j1 - 1 > i0:
-                S = S.masked_fill(~_causal_mask(i0, i1, j0, j1, q.device), -math.inf)
+                S = S.masked_fill(~causal_mask_tile(i0, i1, j0, j1, q.device), -math.inf)
             P = torch.exp(S - L[..., i0:i1, None])  # exact probabilities: L holds each row's log-normaliser
             dVj += P.transpose(-1, -2) @ dOi
             dP = dOi @ Vj.transpose(-1, -2)

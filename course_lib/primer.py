@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from . import runtime
+from .checks import accumulator_dtype
 from .runtime import tl, triton
 
 runtime.require_triton()
@@ -152,10 +153,6 @@ def weighted_sum_bwd_kernel(
         tl.store(partial_grad_w_ptr + pid * n_cols + cols, tl.sum(x * g[:, None], axis=0), mask=col_mask)
 
 
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 class WeightedSum(torch.autograd.Function):
     """Differentiable row-wise weighted sum: `WeightedSum.apply(x, weight)`, see `weighted_sum`."""
 
@@ -166,7 +163,7 @@ class WeightedSum(torch.autograd.Function):
     def forward(ctx, x, weight):
         x2 = x.reshape(-1, x.shape[-1])  # (rows, D); a view when it can be
         n_rows, n_cols = x2.shape
-        out = torch.empty(n_rows, device=x.device, dtype=_acc_dtype(x.dtype))
+        out = torch.empty(n_rows, device=x.device, dtype=accumulator_dtype(x.dtype))
         grid = (triton.cdiv(n_rows, WeightedSum.ROWS),)
         weighted_sum_fwd_kernel[grid](
             x2, weight, out, n_rows, n_cols, x2.stride(0), x2.stride(1),
@@ -182,7 +179,7 @@ class WeightedSum(torch.autograd.Function):
         n_rows, n_cols = x2.shape
         grid = (triton.cdiv(n_rows, WeightedSum.ROWS),)
         grad_x = torch.empty((n_rows, n_cols), device=x.device, dtype=x.dtype)
-        partial_grad_w = torch.empty((grid[0], n_cols), device=x.device, dtype=_acc_dtype(x.dtype))
+        partial_grad_w = torch.empty((grid[0], n_cols), device=x.device, dtype=accumulator_dtype(x.dtype))
         weighted_sum_bwd_kernel[grid](
             x2, weight, grad_out.reshape(-1).contiguous(), grad_x, partial_grad_w,
             n_rows, n_cols, x2.stride(0), x2.stride(1),

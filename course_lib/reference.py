@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .checks import check_attention_inputs, default_scale
+from .checks import accumulator_dtype, check_attention_inputs, default_scale
 
 
 def causal_mask(n_queries: int, n_keys: int, device=None) -> torch.Tensor:
@@ -18,8 +18,14 @@ def causal_mask(n_queries: int, n_keys: int, device=None) -> torch.Tensor:
 
     Query i is aligned with key i (top-left), as in `scaled_dot_product_attention(is_causal=True)`;
     every row keeps at least key 0, so no row is fully masked."""
-    i = torch.arange(n_queries, device=device)[:, None]
-    j = torch.arange(n_keys, device=device)[None, :]
+    return causal_mask_tile(0, n_queries, 0, n_keys, device)
+
+
+def causal_mask_tile(i0: int, i1: int, j0: int, j1: int, device=None) -> torch.Tensor:
+    """The (i1 - i0, j1 - j0) tile of `causal_mask` for query rows [i0, i1) and keys [j0, j1)
+    (notebook 04: only tiles that cross the diagonal need it)."""
+    i = torch.arange(i0, i1, device=device)[:, None]
+    j = torch.arange(j0, j1, device=device)[None, :]
     return j <= i
 
 
@@ -32,7 +38,7 @@ def attention(q, k, v, causal: bool = False, scale: float | None = None, return_
     dtype. Softmax and the logsumexp are computed in at least float32."""
     check_attention_inputs(q, k, v, where="reference.attention", same_head_dim_v=False)
     scale = default_scale(q.shape[-1], scale)
-    acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    acc_dtype = accumulator_dtype(q.dtype)
     S = torch.matmul(q, k.transpose(-2, -1)).to(acc_dtype) * scale  # (..., Nq, Nk)
     if causal:
         S = S.masked_fill(~causal_mask(q.shape[-2], k.shape[-2], q.device), float("-inf"))

@@ -50,7 +50,7 @@ from course_lib import tiles
 from course_lib.exercises import check
 from course_lib.flash_torch import FlashAttentionTorch, flash_backward, flash_forward
 from course_lib.plotting import plot_series
-from course_lib.reference import attention
+from course_lib.reference import attention, causal_mask_tile
 from course_lib.testing import assert_close_to_reference, random_qkv, reference_outputs
 
 DEVICE = course_lib.DEVICE
@@ -218,11 +218,6 @@ class HBM:
         dst[index] = value
 
 
-def tile_mask(i0, i1, j0, j1, device):
-    """True where query row r may see key c (c <= r), for rows [i0, i1) and keys [j0, j1)."""
-    return torch.arange(j0, j1, device=device)[None, :] <= torch.arange(i0, i1, device=device)[:, None]
-
-
 def forward_fa2(q, k, v, causal=False, block_m=BLOCK_M, block_n=BLOCK_N, io=None):
     io = io or HBM()
     scale = q.shape[-1] ** -0.5
@@ -243,7 +238,7 @@ def forward_fa2(q, k, v, causal=False, block_m=BLOCK_M, block_n=BLOCK_N, io=None
             Kj, Vj = io.load(k[..., j0:j1, :]), io.load(v[..., j0:j1, :])
             S = Qi @ Kj.transpose(-1, -2) * scale
             if kind == tiles.DIAGONAL:
-                S = S.masked_fill(~tile_mask(i0, i1, j0, j1, q.device), -math.inf)
+                S = S.masked_fill(~causal_mask_tile(i0, i1, j0, j1, q.device), -math.inf)
             m_new = torch.maximum(m, S.amax(dim=-1))
             P = torch.exp(S - m_new[..., None])
             alpha = torch.exp(m - m_new)
@@ -277,7 +272,7 @@ def forward_fa1(q, k, v, causal=False, block_m=BLOCK_M, block_n=BLOCK_N, io=None
             Oi, li, mi = io.load(O[..., i0:i1, :]), io.load(l[..., i0:i1]), io.load(m[..., i0:i1])
             S = Qi @ Kj.transpose(-1, -2) * scale
             if kind == tiles.DIAGONAL:
-                S = S.masked_fill(~tile_mask(i0, i1, j0, j1, q.device), -math.inf)
+                S = S.masked_fill(~causal_mask_tile(i0, i1, j0, j1, q.device), -math.inf)
             m_tile = S.amax(dim=-1)  # this tile's own max and sum ...
             P = torch.exp(S - m_tile[..., None])
             l_tile = P.sum(dim=-1)
@@ -536,7 +531,7 @@ def backward_tiled(dO, q, k, v, O, L, causal=False, block_m=BLOCK_M, block_n=BLO
                 continue
             S = q[..., i0:i1, :] @ Kj.mT * scale
             if kind == tiles.DIAGONAL:
-                S = S.masked_fill(~tile_mask(i0, i1, j0, j1, q.device), -math.inf)
+                S = S.masked_fill(~causal_mask_tile(i0, i1, j0, j1, q.device), -math.inf)
             P = torch.exp(S - L[..., i0:i1, None])  # recomputed, exact
             dVj += P.mT @ dO[..., i0:i1, :]
             dP = dO[..., i0:i1, :] @ Vj.mT

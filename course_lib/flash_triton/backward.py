@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from .. import runtime
-from ..checks import default_scale
+from ..checks import accumulator_dtype, default_scale
 from ..runtime import tl, triton
 from .forward import (
     CPU_CONFIG,
@@ -476,7 +476,7 @@ def _backward(do, q, k, v, o, L, causal, scale, launch, switches, dq_mode):
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     dk4, dv4 = as_4d(dk), as_4d(dv)
-    acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    acc_dtype = accumulator_dtype(q.dtype)
     delta = torch.empty((B * H, n_q), dtype=acc_dtype, device=q.device)  # D, contiguous
     atomic = dq_mode == "atomic"
     if atomic:

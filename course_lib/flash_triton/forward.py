@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from .. import runtime
-from ..checks import check_attention_inputs, default_scale
+from ..checks import accumulator_dtype, check_attention_inputs, default_scale
 from ..runtime import tl, triton
 
 runtime.require_triton()
@@ -418,7 +418,7 @@ def forward(q, k, v, causal: bool = False, scale: float | None = None, config: d
 def _forward(q, k, v, causal, scale, launch, switches):
     """Launch the forward kernel on validated inputs (no checks here)."""
     o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    lse_dtype = accumulator_dtype(q.dtype)
     lse = torch.empty(q.shape[:-1], dtype=lse_dtype, device=q.device)
     q4, k4, v4, o4 = as_4d(q), as_4d(k), as_4d(v), as_4d(o)
     l3 = lse.view(q4.shape[:-1])
