@@ -4,7 +4,7 @@ For one shape, runs forward+backward back to back without synchronising and comp
 per call (what a training loop sees) with the GPU time of the kernels it launched (torch.profiler).
 Wall time well above kernel time means the CPU cannot launch work as fast as the GPU finishes it.
 
-    COURSE_DEVICE=cuda python3 scripts/launch_overhead.py
+    COURSE_DEVICE=cuda python3 scripts/launch_overhead.py [--profile] [--after-compile] [--breakdown]
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 import course_lib  # noqa: E402
+from course_lib.runtime import tl, triton  # noqa: E402
 
 
 def per_call(fn, iters=50):
@@ -56,8 +57,8 @@ def providers(q, k, v, do):
     return {"course_lib": ours, "sdpa_flash": sdpa_flash}
 
 
-def main():
-    assert course_lib.ON_GPU
+def table(title):
+    print(f"\n{title}")
     print(f"{'provider':<12} {'N':>6} {'d':>4} causal  wall/call  kernels/call  CPU issue/call (ms)")
     for n, d in ((1024, 128), (1024, 64), (4096, 128)):
         b, h = 16384 // n, 2048 // d
@@ -67,6 +68,209 @@ def main():
         for name, fn in providers(q, k, v, torch.randn_like(q)).items():
             wall, gpu, issue = per_call(fn)
             print(f"{name:<12} {n:>6} {d:>4} {'yes':>6}  {wall:9.3f}  {gpu:12.3f}  {issue:9.3f}")
+
+
+def profile_issue(n=1024, d=128, calls=300):
+    """Where the CPU time of issuing one course_lib forward+backward goes (cProfile, cumulative)."""
+    import cProfile
+    import pstats
+
+    b, h = 16384 // n, 2048 // d
+    q, k, v = (
+        torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3)
+    )
+    fn = providers(q, k, v, torch.randn_like(q))["course_lib"]
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    prof.disable()
+    torch.cuda.synchronize()
+    print(f"\ncProfile of {calls} course_lib forward+backward calls (N={n}, d={d}, causal), by own time:")
+    pstats.Stats(prof).sort_stats("tottime").print_stats(18)
+
+
+@triton.jit
+def noop(X, n, BLOCK: tl.constexpr):
+    pass
+
+
+@triton.jit
+def noop40(X0, X1, X2, X3, X4, X5, X6, X7, X8, a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, b0, b1, b2, b3, b4,
+           b5, b6, b7, b8, b9, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, BLOCK: tl.constexpr):  # fmt: skip
+    pass
+
+
+def issue_us(fn, calls=300):
+    """CPU microseconds to issue one fn() (small shapes: the GPU keeps up, nothing blocks)."""
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    t = (time.perf_counter() - t0) / calls * 1e6
+    torch.cuda.synchronize()
+    return t
+
+
+def breakdown(d=128):
+    """CPU cost of each layer of one course_lib forward+backward, on a small (1, 16, 1024, d) shape."""
+    from course_lib.flash_triton import api
+    from course_lib.flash_triton import backward as B
+    from course_lib.flash_triton import forward as Fw
+
+    q, k, v = (
+        torch.randn(1, 16, 1024, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3)
+    )
+    do = torch.randn_like(q)
+    qd, kd, vd = q.detach(), k.detach(), v.detach()
+    o, lse = Fw._forward(qd, kd, vd, True, d**-0.5, None, api._FAST)
+    ints = list(range(16, 16 * 31, 16))
+    rows = {
+        "torch.empty (1, 16, 1024, d) bf16": lambda: torch.empty(q.shape, dtype=q.dtype, device=q.device),
+        "triton launch, 1 tensor + 1 int": lambda: noop[(64,)](qd, 1024, BLOCK=64),
+        "triton launch, 9 tensors + 30 ints": lambda: noop40[(64,)](
+            qd, kd, vd, o, do, qd, kd, vd, o, *ints, BLOCK=64
+        ),
+        "forward._forward (allocs + 1 launch)": lambda: Fw._forward(
+            qd, kd, vd, True, d**-0.5, None, api._FAST
+        ),
+        "backward._backward (allocs + 2 launches)": lambda: B._backward(
+            do, qd, kd, vd, o, lse, True, d**-0.5, None, api._FAST, "two_kernel"
+        ),
+        "flash_attention forward, no_grad": lambda: _no_grad(course_lib.flash_attention, q, k, v),
+        "flash_attention forward + autograd.grad": providers(q, k, v, do)["course_lib"],
+        "identity autograd.Function + autograd.grad": lambda: torch.autograd.grad(
+            _Identity.apply(q), (q,), do
+        ),
+        "SDPA FLASH forward + autograd.grad": providers(q, k, v, do)["sdpa_flash"],
+    }
+    o_graph = course_lib.flash_attention(q, k, v, causal=True)
+    rows["flash_attention forward, with autograd graph"] = lambda: course_lib.flash_attention(
+        q, k, v, causal=True
+    )
+    rows["autograd.grad of a kept forward"] = lambda: torch.autograd.grad(
+        o_graph, (q, k, v), do, retain_graph=True
+    )
+    print(f"\nCPU time to issue (us per call), shape (1, 16, 1024, {d}), causal:")
+    for name, fn in rows.items():
+        print(f"  {name:<48} {issue_us(fn):7.1f}")
+    import gc
+
+    fwd_bwd = rows["flash_attention forward + autograd.grad"]
+    gc.disable()
+    print(f"  {'the same, garbage collector off':<48} {issue_us(fwd_bwd):7.1f}")
+    gc.enable()
+    retained = lambda: torch.autograd.grad(  # noqa: E731
+        course_lib.flash_attention(q, k, v, causal=True), (q, k, v), do, retain_graph=True
+    )
+    print(f"  {'the same, retain_graph=True':<48} {issue_us(retained):7.1f}")
+    print(f"  {'the same, again':<48} {issue_us(fwd_bwd):7.1f}")
+    sdpa = rows["SDPA FLASH forward + autograd.grad"]
+    print(f"  {'SDPA FLASH forward + autograd.grad, again':<48} {issue_us(sdpa):7.1f}")
+    # The same _backward, timed inside the autograd engine's thread.
+    spent = []
+    original = api._backward
+
+    def timed(*a, **kw):
+        t0 = time.perf_counter()
+        out = original(*a, **kw)
+        spent.append(time.perf_counter() - t0)
+        return out
+
+    api._backward = timed
+    try:
+        total = issue_us(rows["autograd.grad of a kept forward"])
+    finally:
+        api._backward = original
+    inside = sum(spent[-300:]) / 300 * 1e6
+    print(f"  autograd.grad {total:.1f} us, of which _backward {inside:.1f} us (in the engine's thread)")
+
+
+def stalls(calls=400):
+    """Per-call CPU time of course_lib's forward+backward at the full N = 1k cell: median vs mean (a mean
+    far above the median means occasional long stalls), and with the launches or the backward removed."""
+    from course_lib.flash_triton import api
+
+    def per_call_us(fn):
+        for _ in range(10):
+            fn()
+        torch.cuda.synchronize()
+        ts = []
+        for _ in range(calls):
+            t0 = time.perf_counter_ns()
+            fn()
+            ts.append((time.perf_counter_ns() - t0) / 1e3)
+        torch.cuda.synchronize()
+        ts.sort()
+        return ts[len(ts) // 2], sum(ts) / len(ts), ts[int(len(ts) * 0.95)]
+
+    def show(name, fn):
+        med, mean, p95 = per_call_us(fn)
+        print(f"  {name:<40} {med:8.1f} {mean:8.1f} {p95:8.1f}")
+
+    for b, d in ((16, 128), (1, 128)):
+        q, k, v = (
+            torch.randn(b, 16, 1024, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            for _ in range(3)
+        )
+        fns = providers(q, k, v, torch.randn_like(q))
+        print(f"\nper-call CPU us (median / mean / p95), ({b}, 16, 1024, {d}) causal:")
+        for name in ("course_lib", "sdpa_flash"):
+            show(name, fns[name])
+        with torch.autograd.set_multithreading_enabled(
+            False
+        ):  # the backward on this thread, not the engine's
+            show("course_lib, backward on the calling thread", fns["course_lib"])
+            show("sdpa_flash, backward on the calling thread", fns["sdpa_flash"])
+        saved = api._backward
+        api._backward = lambda do, q, k, v, *rest: (do, do, do)
+        show("course_lib, backward launches nothing", fns["course_lib"])
+        api._backward = saved
+        with torch.no_grad():
+            show(
+                "course_lib forward only, no_grad",
+                lambda q=q, k=k, v=v: course_lib.flash_attention(q, k, v, True),
+            )
+
+
+def _no_grad(f, *args):
+    with torch.no_grad():
+        return f(*args, causal=True)
+
+
+class _Identity(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+def main():
+    assert course_lib.ON_GPU
+    if "--breakdown" in sys.argv:
+        breakdown()
+        return
+    if "--stalls" in sys.argv:
+        stalls()
+        return
+    table("fresh process")
+    if "--profile" in sys.argv:
+        profile_issue()
+    if "--after-compile" in sys.argv:
+        # Does a process that has used torch.compile (as `make bench` has by then) issue calls slower?
+        compiled = torch.compile(course_lib.reference.attention, dynamic=True)
+        for n in (256, 512):
+            x = torch.randn(2, 4, n, 64, device="cuda", requires_grad=True)
+            compiled(x, x, x, causal=True).sum().backward()
+        table("after torch.compile ran in this process")
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ Given dO, the backward needs dQ = dS K * scale, dK = dS^T Q * scale and dV = P^T
 P = exp(S * scale - L) is rebuilt tile by tile from the saved logsumexp L (no Nq x Nk matrix is ever
 stored) and dS = P * (dP - D) with dP = dO V^T and D = rowsum(dO * O).
 
-Three kernels:
+The kernels:
 1. `_preprocess_kernel`: D = rowsum(dO * O), one float per query row (reads dO and O once).
 2. `_dkdv_kernel`: one program per block of BLOCK_N key rows. K and V stay on chip (registers /
    shared memory) while the program loops over all query blocks that see them, streaming Q, dO, L
@@ -12,9 +12,12 @@ Three kernels:
 3. `_dq_kernel`: one program per block of BLOCK_M query rows. Q, dO, L, D stay on chip while the
    program loops over the K/V blocks; dQ accumulates in fp32 registers and is written once.
 Splitting dQ from dK/dV costs recomputing S and dP (7 matrix products instead of 5) but needs no
-atomics: that is `dq_mode="two_kernel"` (the default). `dq_mode="atomic"` instead adds each
-program's dQ contribution into an fp32 buffer with `tl.atomic_add` inside the dK/dV kernel (one pass,
-5 products, but Nk / BLOCK_N read-modify-writes of every dQ element).
+atomics: that is `dq_mode="two_kernel"` (the default). There the dQ kernel runs first and computes D
+itself (FUSE_D: it holds dO already and reads O once more), storing D for the dK/dV kernel, so the
+backward is two launches, not three (launches cost CPU time, notes/performance.md).
+`dq_mode="atomic"` instead adds each program's dQ contribution into an fp32 buffer with
+`tl.atomic_add` inside the dK/dV kernel (one pass, 5 products, but Nk / BLOCK_N read-modify-writes of
+every dQ element), after the preprocessing kernel.
 
 Causal: blocks wholly above the diagonal are skipped; only diagonal blocks are masked (separate
 loop stages), as in the forward pass (`course_lib.flash_triton.forward`).
@@ -35,6 +38,7 @@ from .forward import (
     check_inputs,
     cuda_device,
     kernel_flags,
+    launch_tuned,
     n_bucket,
     row_mask,
     split_config,
@@ -282,19 +286,24 @@ def _dq_inner(
 
 @triton.jit
 def _dq_kernel(
-    Q, K, V, DO, L, Dlt, DQ, sm_scale,
+    Q, K, V, O, DO, L, Dlt, DQ, sm_scale,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_ob, stride_oh, stride_om, stride_od,
     stride_dob, stride_doh, stride_dom, stride_dod,
     stride_lb, stride_lh, stride_lm,
     stride_dqb, stride_dqh, stride_dqm, stride_dqd,
     H, N_Q, N_K, N_BUCKET,
-    CAUSAL: tl.constexpr, EXP2: tl.constexpr, SKIP_MASKED: tl.constexpr,
+    CAUSAL: tl.constexpr, EXP2: tl.constexpr, SKIP_MASKED: tl.constexpr, FUSE_D: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, ACC_DTYPE: tl.constexpr,
 ):  # fmt: skip
-    """dQ for one block of BLOCK_M query rows of one (batch, head). Grid: (cdiv(N_Q, BLOCK_M) * B * H,)."""
+    """dQ for one block of BLOCK_M query rows of one (batch, head). Grid: (cdiv(N_Q, BLOCK_M) * B * H,).
+
+    FUSE_D=True: compute D = rowsum(dO * O) for these rows here (reading the O block once) and store
+    it for the dK/dV kernel, which then runs second; FUSE_D=False: read D written by
+    `_preprocess_kernel`."""
     num_m = tl.cdiv(N_Q, BLOCK_M)
     pid = tl.program_id(0)
     off_hz = pid // num_m
@@ -328,7 +337,22 @@ def _dq_kernel(
     lse = tl.load(
         L + off_b * stride_lb + off_h * stride_lh + offs_m * stride_lm, mask=offs_m < N_Q, other=0.0
     )
-    delta = tl.load(Dlt + off_hz.to(tl.int64) * N_Q + offs_m, mask=offs_m < N_Q, other=0.0)
+    d_ptrs = Dlt + off_hz.to(tl.int64) * N_Q + offs_m
+    if FUSE_D:
+        # D = rowsum(dO * O): the O block, HBM -> registers once (BLOCK_M * d elements); D to HBM.
+        o = tl.load(
+            O
+            + off_b * stride_ob
+            + off_h * stride_oh
+            + offs_m[:, None] * stride_om
+            + offs_d[None, :] * stride_od,
+            mask=q_mask,
+            other=0.0,
+        )
+        delta = tl.sum(o.to(ACC_DTYPE) * do.to(ACC_DTYPE), axis=1)
+        tl.store(d_ptrs, delta, mask=offs_m < N_Q)
+    else:
+        delta = tl.load(d_ptrs, mask=offs_m < N_Q, other=0.0)
     if EXP2:
         qk_scale = sm_scale * LOG2E
         lse = lse * LOG2E
@@ -417,7 +441,7 @@ _dkdv_atomic_tuned = _tuner(
 _dq_tuned = _tuner(
     _dq_kernel,
     GPU_DQ_CANDIDATES,
-    key=_TUNE_KEY,
+    key=_TUNE_KEY + ["FUSE_D"],
     small=(64, 32, 4, 2),
     wide=(32, 32, 4, 2),
     huge=(64, 32, 8, 2),
@@ -468,7 +492,8 @@ def backward(
 
 
 def _backward(do, q, k, v, o, L, causal, scale, launch, switches, dq_mode):
-    """Launch the three kernels on validated inputs (no checks here)."""
+    """Launch the kernels on validated inputs (no checks here): dQ (with D) then dK/dV, or, atomic,
+    the preprocessing then dK/dV with dQ."""
     q4, k4, v4, o4, do4 = as_4d(q), as_4d(k), as_4d(v), as_4d(o), as_4d(do)
     l3 = L.reshape(q4.shape[:-1])
     B, H, n_q, d = q4.shape
@@ -486,15 +511,34 @@ def _backward(do, q, k, v, o, L, causal, scale, launch, switches, dq_mode):
         dq_acc = as_4d(dq)
     flags = kernel_flags(q.dtype)
     block_d = max(16, triton.next_power_of_2(d))
-    common = dict(CAUSAL=causal, HEAD_DIM=d, BLOCK_D=block_d, **switches, **flags)
+    exp2, skip = switches["EXP2"], switches["SKIP_MASKED"]
+    common = dict(CAUSAL=causal, HEAD_DIM=d, BLOCK_D=block_d, EXP2=exp2, SKIP_MASKED=skip, **flags)
     bucket = n_bucket(max(n_q, n_k))
+    key = (bucket, d, causal, q.dtype, exp2, skip)  # what the tuners' choices depend on
 
     with cuda_device(q):
-        _preprocess_kernel[(triton.cdiv(n_q, PRE_BLOCK_M) * B * H,)](
-            o4, do4, delta, *strides4(o4), *strides4(do4), H, n_q,
-            HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=PRE_BLOCK_M,
-            UPCAST=flags["UPCAST"], ACC_DTYPE=flags["ACC_DTYPE"],
-        )  # fmt: skip
+        if atomic:
+            _preprocess_kernel[(triton.cdiv(n_q, PRE_BLOCK_M) * B * H,)](
+                o4, do4, delta, *strides4(o4), *strides4(do4), H, n_q,
+                HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=PRE_BLOCK_M,
+                UPCAST=flags["UPCAST"], ACC_DTYPE=flags["ACC_DTYPE"],
+            )  # fmt: skip
+        else:
+            # dQ first: it also computes D, which the dK/dV kernel needs (stream order keeps them apart).
+            q_args = (
+                q4, k4, v4, o4, do4, l3, delta, dq_acc, scale,
+                *strides4(q4), *strides4(k4), *strides4(v4), *strides4(o4), *strides4(do4), *l3.stride(),
+                *strides4(dq_acc), H, n_q, n_k, bucket,
+            )  # fmt: skip
+            if launch is None:
+                grid = lambda META: (triton.cdiv(n_q, META["BLOCK_M"]) * B * H,)
+                launch_tuned(_dq_tuned, grid, q_args, dict(common, FUSE_D=True), key)
+            else:
+                bm, bn = launch.get("BLOCK_M2", launch["BLOCK_M"]), launch.get("BLOCK_N2", launch["BLOCK_N"])
+                _dq_kernel[(triton.cdiv(n_q, bm) * B * H,)](
+                    *q_args, **common, FUSE_D=True, BLOCK_M=bm, BLOCK_N=bn,
+                    num_warps=launch["num_warps"], num_stages=launch["num_stages"],
+                )  # fmt: skip
         kv_args = (
             q4, k4, v4, do4, l3, delta, dq_acc, dk4, dv4, scale,
             *strides4(q4), *strides4(k4), *strides4(v4), *strides4(do4), *l3.stride(),
@@ -502,28 +546,14 @@ def _backward(do, q, k, v, o, L, causal, scale, launch, switches, dq_mode):
         )  # fmt: skip
         if launch is None:
             tuned = _dkdv_atomic_tuned if atomic else _dkdv_tuned
-            tuned[lambda META: (triton.cdiv(n_k, META["BLOCK_N"]) * B * H,)](
-                *kv_args, ATOMIC=atomic, **common
-            )
+            grid = lambda META: (triton.cdiv(n_k, META["BLOCK_N"]) * B * H,)
+            launch_tuned(tuned, grid, kv_args, dict(common, ATOMIC=atomic), key)
         else:
             bm, bn = launch.get("BLOCK_M1", launch["BLOCK_M"]), launch.get("BLOCK_N1", launch["BLOCK_N"])
             _dkdv_kernel[(triton.cdiv(n_k, bn) * B * H,)](
                 *kv_args, ATOMIC=atomic, **common, BLOCK_M=bm, BLOCK_N=bn,
                 num_warps=launch["num_warps"], num_stages=launch["num_stages"],
             )  # fmt: skip
-        if atomic:
-            return dq_acc.to(q.dtype).view(q.shape), dk, dv
-        q_args = (
-            q4, k4, v4, do4, l3, delta, dq_acc, scale,
-            *strides4(q4), *strides4(k4), *strides4(v4), *strides4(do4), *l3.stride(),
-            *strides4(dq_acc), H, n_q, n_k, bucket,
-        )  # fmt: skip
-        if launch is None:
-            _dq_tuned[lambda META: (triton.cdiv(n_q, META["BLOCK_M"]) * B * H,)](*q_args, **common)
-        else:
-            bm, bn = launch.get("BLOCK_M2", launch["BLOCK_M"]), launch.get("BLOCK_N2", launch["BLOCK_N"])
-            _dq_kernel[(triton.cdiv(n_q, bm) * B * H,)](
-                *q_args, **common, BLOCK_M=bm, BLOCK_N=bn,
-                num_warps=launch["num_warps"], num_stages=launch["num_stages"],
-            )  # fmt: skip
+    if atomic:
+        return dq_acc.to(q.dtype).view(q.shape), dk, dv
     return dq, dk, dv

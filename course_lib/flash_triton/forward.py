@@ -38,7 +38,7 @@ SUPPORTED_HEAD_DIMS = tuple(range(16, MAX_HEAD_DIM + 1, 8))
 
 # Keys of the `config` dict that fix the launch (the rest are teaching switches).
 LAUNCH_KEYS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")
-SWITCH_KEYS = ("exp2", "skip_masked_blocks")
+SWITCH_KEYS = ("exp2", "skip_masked_blocks", "tma")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -136,6 +136,7 @@ def split_config(config: dict | None, defaults: dict) -> tuple[dict | None, dict
     switches = {
         "EXP2": bool(config.pop("exp2", True)),
         "SKIP_MASKED": bool(config.pop("skip_masked_blocks", True)),
+        "TMA": bool(config.pop("tma", False)),
     }
     if not config:
         return None, switches
@@ -148,8 +149,11 @@ def split_config(config: dict | None, defaults: dict) -> tuple[dict | None, dict
 
 
 def cuda_device(t: torch.Tensor):
-    """Context that makes t's GPU current during a launch (Triton launches on the current device)."""
-    return torch.cuda.device(t.device) if t.is_cuda else _NoDevice()
+    """Context that makes t's GPU current during a launch (Triton launches on the current device);
+    a no-op when it already is (switching costs microseconds that a small call can feel)."""
+    if t.is_cuda and t.device.index != torch.cuda.current_device():
+        return torch.cuda.device(t.device)
+    return _NO_DEVICE
 
 
 class _NoDevice:
@@ -158,6 +162,70 @@ class _NoDevice:
 
     def __exit__(self, *exc):
         return False
+
+
+_NO_DEVICE = _NoDevice()
+
+
+# --------------------------------------------------------------------------------------------------
+# The tensor memory accelerator (TMA): Hopper's tile copy engine, used by the GPU forward when it can
+# --------------------------------------------------------------------------------------------------
+_TMA_AVAILABLE: bool | None = None
+
+
+def tma_available() -> bool:
+    """True on a GPU of compute capability >= 9.0 (Hopper) with a Triton that has tensor descriptors."""
+    global _TMA_AVAILABLE
+    if _TMA_AVAILABLE is None:
+        _TMA_AVAILABLE = bool(
+            runtime.ON_GPU
+            and hasattr(tl, "make_tensor_descriptor")
+            and hasattr(triton, "set_allocator")
+            and torch.cuda.get_device_capability()[0] >= 9
+        )
+    return _TMA_AVAILABLE
+
+
+def use_tma(*tensors: torch.Tensor) -> bool:
+    """Whether the forward kernel may fetch these (B, H, N, d) tensors with TMA descriptors: a Hopper
+    GPU, 16-bit data, contiguous rows (last stride 1), and every other stride and the base address
+    multiples of 16 bytes (what a descriptor requires). Anything else takes the pointer path."""
+    if not tma_available():
+        return False
+    for t in tensors:
+        size = t.element_size()
+        if size != 2 or t.stride(-1) != 1 or t.data_ptr() % 16:
+            return False
+        if any((s * size) % 16 for s in t.stride()[:-1]):
+            return False
+    return True
+
+
+def _tma_scratch(size: int, alignment: int, stream):
+    """Global memory where the programs write their tensor descriptors (128 bytes each)."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+# --------------------------------------------------------------------------------------------------
+# Launching an autotuned kernel
+# --------------------------------------------------------------------------------------------------
+_CHOSEN: dict = {}
+
+
+def launch_tuned(tuner, grid, args: tuple, meta: dict, key: tuple) -> None:
+    """Launch `tuner` (a `runtime.autotune`d kernel) on `grid`, remembering its choice per `key`.
+
+    The first call for a key goes through the autotuner, which times the candidates (GPU) and picks
+    one. Later calls launch the chosen configuration directly: the autotuner's own dispatch rebuilds a
+    dict of all 30-50 arguments and its key on every call, tens of microseconds of Python that a
+    millisecond-sized forward+backward feels (notes/performance.md). `key` must determine the choice:
+    size class, head dim, dtype and every compile-time switch."""
+    config = _CHOSEN.get((id(tuner), key))
+    if config is None:
+        tuner[grid](*args, **meta)
+        _CHOSEN[(id(tuner), key)] = tuner.best_config
+    else:
+        tuner.fn[grid](*args, **meta, **config.all_kwargs())
 
 
 # --------------------------------------------------------------------------------------------------
@@ -176,9 +244,9 @@ def row_mask(rows, n_rows, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr
 @triton.jit
 def _fwd_inner(
     acc, l_i, m_i, q,  # running state (registers) and the Q block (registers)
-    k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+    k_src, v_src, stride_kn, stride_kd, stride_vn, stride_vd,
     offs_m, offs_n, offs_d, lo, hi, N_K, qk_scale,
-    MASK: tl.constexpr, CAUSAL: tl.constexpr, EXP2: tl.constexpr,
+    MASK: tl.constexpr, CAUSAL: tl.constexpr, EXP2: tl.constexpr, TMA: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, ACC_DTYPE: tl.constexpr,
 ):  # fmt: skip
@@ -186,16 +254,21 @@ def _fwd_inner(
 
     MASK=False is the fast stage: every key of every block is visible to every query row, so no
     score is masked. MASK=True (causal diagonal blocks, the ragged last block) sets the scores of
-    invisible keys (past N_K, or j > i when CAUSAL) to -inf before the softmax."""
-    k_ptrs = k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd  # K block (BLOCK_N, d)
-    v_ptrs = v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd  # V block (BLOCK_N, d)
+    invisible keys (past N_K, or j > i when CAUSAL) to -inf before the softmax.
+    k_src, v_src: this head's K and V, as base pointers (TMA=False) or tensor descriptors (TMA=True)."""
+    if not TMA:
+        k_ptrs = k_src + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd  # K block (BLOCK_N, d)
+        v_ptrs = v_src + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd  # V block (BLOCK_N, d)
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         cols = start_n + offs_n
-        kv_mask = row_mask(cols, N_K, offs_d, HEAD_DIM, BLOCK_D)
         # K block: HBM -> shared memory, BLOCK_N * d elements, rows read contiguously (coalesced);
         # the transpose for Q K^T is a change of shared-memory layout, not a second read.
-        k = tl.load(k_ptrs + start_n * stride_kn, mask=kv_mask, other=0.0)
+        if TMA:
+            k = k_src.load([start_n, 0])  # one bulk copy; rows past N_K arrive as zeros
+        else:
+            kv_mask = row_mask(cols, N_K, offs_d, HEAD_DIM, BLOCK_D)
+            k = tl.load(k_ptrs + start_n * stride_kn, mask=kv_mask, other=0.0)
         if UPCAST:
             k = k.to(tl.float32)
         # S = Q K^T: a (BLOCK_M, BLOCK_N) tile in registers, fp32
@@ -219,7 +292,10 @@ def _fwd_inner(
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]  # rescale the accumulator to the new max: BLOCK_M x d multiplies
         m_i = m_new
-        v = tl.load(v_ptrs + start_n * stride_vn, mask=kv_mask, other=0.0)  # V block: HBM -> shared
+        if TMA:
+            v = v_src.load([start_n, 0])  # V block: HBM -> shared memory
+        else:
+            v = tl.load(v_ptrs + start_n * stride_vn, mask=kv_mask, other=0.0)  # V block: HBM -> shared
         if UPCAST:
             v = v.to(tl.float32)
         # acc += P V: P from registers, V from shared memory, fp32 accumulator in registers
@@ -236,13 +312,17 @@ def _fwd_kernel(
     stride_ob, stride_oh, stride_om, stride_od,
     stride_lb, stride_lh, stride_lm,
     H, N_Q, N_K, N_BUCKET,
-    CAUSAL: tl.constexpr, EXP2: tl.constexpr, SKIP_MASKED: tl.constexpr,
+    CAUSAL: tl.constexpr, EXP2: tl.constexpr, SKIP_MASKED: tl.constexpr, TMA: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, ACC_DTYPE: tl.constexpr,
 ):  # fmt: skip
     """O[b, h, rows] and L[b, h, rows] for one block of BLOCK_M query rows of one (batch, head).
 
-    Grid: (cdiv(N_Q, BLOCK_M) * B * H,). N_BUCKET only keys the autotuner."""
+    Grid: (cdiv(N_Q, BLOCK_M) * B * H,). N_BUCKET only keys the autotuner.
+    TMA=True (Hopper and newer, rows contiguous and 16-byte aligned: `use_tma`): Q, K and V tiles are
+    fetched by the tensor memory accelerator, a copy engine that moves a whole tile HBM -> shared
+    memory from a descriptor (base, shape, strides, tile shape), with no per-element addresses or
+    masks computed by the program's threads. TMA=False: pointer arithmetic and masked loads."""
     num_m = tl.cdiv(N_Q, BLOCK_M)
     pid = tl.program_id(0)
     off_hz = pid // num_m
@@ -259,8 +339,19 @@ def _fwd_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     q_mask = row_mask(offs_m, N_Q, offs_d, HEAD_DIM, BLOCK_D)
-    # Q block: HBM -> registers once, BLOCK_M * d elements; it stays there for the whole loop.
-    q = tl.load(q_base + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd, mask=q_mask, other=0.0)
+    # Q block: HBM -> on chip once, BLOCK_M * d elements; it stays there for the whole loop.
+    if TMA:
+        # Descriptors of this head's (N, d) matrices; tiles past the last row are zero-filled.
+        q_desc = tl.make_tensor_descriptor(q_base, [N_Q, HEAD_DIM], [stride_qm, 1], [BLOCK_M, BLOCK_D])
+        k_src = tl.make_tensor_descriptor(k_base, [N_K, HEAD_DIM], [stride_kn, 1], [BLOCK_N, BLOCK_D])
+        v_src = tl.make_tensor_descriptor(v_base, [N_K, HEAD_DIM], [stride_vn, 1], [BLOCK_N, BLOCK_D])
+        q = q_desc.load([start_m * BLOCK_M, 0])
+    else:
+        k_src = k_base
+        v_src = v_base
+        q = tl.load(
+            q_base + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd, mask=q_mask, other=0.0
+        )
     if UPCAST:
         q = q.to(tl.float32)
 
@@ -285,21 +376,21 @@ def _fwd_kernel(
         else:
             hi_masked = N_K
         acc, l_i, m_i = _fwd_inner(
-            acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+            acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_kd, stride_vn, stride_vd,
             offs_m, offs_n, offs_d, 0, hi_full, N_K, qk_scale,
-            False, CAUSAL, EXP2, HEAD_DIM, BLOCK_D, BLOCK_N, UPCAST, DOT_PRECISION, ACC_DTYPE,
+            False, CAUSAL, EXP2, TMA, HEAD_DIM, BLOCK_D, BLOCK_N, UPCAST, DOT_PRECISION, ACC_DTYPE,
         )  # fmt: skip
         acc, l_i, m_i = _fwd_inner(
-            acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+            acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_kd, stride_vn, stride_vd,
             offs_m, offs_n, offs_d, hi_full, hi_masked, N_K, qk_scale,
-            True, CAUSAL, EXP2, HEAD_DIM, BLOCK_D, BLOCK_N, UPCAST, DOT_PRECISION, ACC_DTYPE,
+            True, CAUSAL, EXP2, TMA, HEAD_DIM, BLOCK_D, BLOCK_N, UPCAST, DOT_PRECISION, ACC_DTYPE,
         )  # fmt: skip
     else:
         # The naive loop: every K/V block, every score masked (causal blocks above the diagonal too).
         acc, l_i, m_i = _fwd_inner(
-            acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+            acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_kd, stride_vn, stride_vd,
             offs_m, offs_n, offs_d, 0, n_k_pad, N_K, qk_scale,
-            True, CAUSAL, EXP2, HEAD_DIM, BLOCK_D, BLOCK_N, UPCAST, DOT_PRECISION, ACC_DTYPE,
+            True, CAUSAL, EXP2, TMA, HEAD_DIM, BLOCK_D, BLOCK_N, UPCAST, DOT_PRECISION, ACC_DTYPE,
         )  # fmt: skip
 
     # Every query row sees key 0, so l_i > 0. O = acc / l: registers -> HBM, BLOCK_M * d elements.
@@ -381,7 +472,7 @@ def _tuner(kernel, candidates, key, small, wide, huge, cpu, **kwargs):
 _fwd_tuned = _tuner(
     _fwd_kernel,
     GPU_FWD_CANDIDATES,
-    key=["N_BUCKET", "HEAD_DIM", "CAUSAL", "EXP2", "SKIP_MASKED"],
+    key=["N_BUCKET", "HEAD_DIM", "CAUSAL", "EXP2", "SKIP_MASKED", "TMA"],
     small=(64, 64, 4, 2),
     wide=(64, 32, 4, 2),
     huge=(64, 32, 4, 2),
@@ -407,6 +498,9 @@ def forward(q, k, v, causal: bool = False, scale: float | None = None, config: d
       skip_masked_blocks (bool, default True)   False: every K/V block is loaded and masked, as a
           naive kernel would; True: causal blocks above the diagonal are skipped and only the
           diagonal (and ragged last) blocks pay for masking.
+      tma (bool, default False)   True: on a Hopper GPU, fetch tiles with TMA descriptors when the
+          layout allows it (`use_tma`); False: pointer arithmetic and masked loads. Measured on an
+          H200 (notes/performance.md), TMA loads were no faster overall, so they are opt-in.
     Giving any of the four launch keys fixes the launch (the others take defaults); config=None (or
     only switches) uses the tuned defaults: autotuned on a GPU, one fixed config on the CPU."""
     check_inputs(q, k, v, where="flash_triton.forward")
@@ -429,17 +523,23 @@ def _forward(q, k, v, causal, scale, launch, switches):
         *strides4(q4), *strides4(k4), *strides4(v4), *strides4(o4), *l3.stride(),
         H, n_q, n_k, n_bucket(max(n_q, n_k)),
     )  # fmt: skip
+    tma = switches["TMA"] and use_tma(q4, k4, v4)
     meta = dict(
         CAUSAL=causal,
         HEAD_DIM=d,
         BLOCK_D=max(16, triton.next_power_of_2(d)),
-        **switches,
+        EXP2=switches["EXP2"],
+        SKIP_MASKED=switches["SKIP_MASKED"],
+        TMA=tma,
         **kernel_flags(q.dtype),
     )
+    if tma:
+        triton.set_allocator(_tma_scratch)  # descriptors built on the GPU need a little scratch memory
     with cuda_device(q):
         if launch is None:
             grid = lambda META: (triton.cdiv(n_q, META["BLOCK_M"]) * B * H,)
-            _fwd_tuned[grid](*args, **meta)
+            key = (args[-1], d, causal, tma, q.dtype, switches["EXP2"], switches["SKIP_MASKED"])
+            launch_tuned(_fwd_tuned, grid, args, meta, key)
         else:
             grid = (triton.cdiv(n_q, launch["BLOCK_M"]) * B * H,)
             _fwd_kernel[grid](
