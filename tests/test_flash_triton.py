@@ -196,6 +196,30 @@ class _ConfigAttention(torch.autograd.Function):
         return dq, dk, dv, None, None, None
 
 
+@pytest.mark.parametrize(
+    "config", [{"tma": True}, {"tma": True, "BLOCK_M": 64, "BLOCK_N": 32, "num_stages": 2}]
+)
+def test_tma_switch(config):
+    """The opt-in TMA forward (Hopper) computes what the pointer forward does, ragged and causal; where
+    TMA cannot be used (CPU, odd strides or alignment) the same call takes the pointer path."""
+    torch.manual_seed(6)
+    dtype = torch.bfloat16 if ON_GPU else torch.float32
+    for d in (32, 80, 128) if ON_GPU else (32,):
+        for causal, (n_q, n_k) in ((True, (100, 131)), (False, (77, 45))):
+            q, k, v = random_qkv((2, 3, n_q, d), n_k, dtype=dtype, device=DEVICE)
+            o, lse = fwd_mod.forward(q, k, v, causal, None, config=config)
+            o_ptr, lse_ptr = fwd_mod.forward(q, k, v, causal, None, config=dict(config, tma=False))
+            msg = f"d={d}, causal={causal}"
+            torch.testing.assert_close(o.float(), o_ptr.float(), rtol=2e-2, atol=2e-2, msg=msg)
+            torch.testing.assert_close(lse, lse_ptr, rtol=1e-3, atol=1e-3, msg=msg)
+            ref_o, _ = reference_outputs(*(t.cpu().double() for t in (q, k, v)), causal)
+            base_o, _ = reference_outputs(q, k, v, causal)
+            assert_close_to_reference(o, ref_o, base_o, what=f"O with config={config}, {msg}")
+    assert fwd_mod.use_tma(q, k, v) == (ON_GPU and torch.cuda.get_device_capability()[0] >= 9)
+    assert not fwd_mod.use_tma(q[..., 1:17])  # a base address that is not a multiple of 16 bytes
+    assert not fwd_mod.use_tma(q.transpose(-1, -2))  # columns not contiguous
+
+
 def test_saves_only_linear_size_tensors():
     """The autograd graph holds Q, K, V, O and L: nothing of size Nq x Nk."""
     n_q, n_k, d = 64, 48, 16
