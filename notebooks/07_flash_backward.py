@@ -675,7 +675,8 @@ check("dv_kernel", lambda: dv_only(do, q, k, lse).double(), dv_expected, rtol=1e
 #
 # - The backward rebuilds P from the saved logsumexp L, one tile at a time:
 #   $P = 2^{\,S\cdot s\log_2 e - L\log_2 e}$ (S unscaled here). D = rowsum(dO ∘ O) replaces rowsum(P ∘ dP) and
-#   costs one small preprocessing kernel.
+#   costs one small preprocessing kernel — or none: course_lib's dQ kernel, which holds the dO rows anyway,
+#   computes D itself and runs first, so its backward is two launches (notebook 08 says why launches count).
 # - dK and dV are sums over queries: one program per K/V block keeps K, V and the dK, dV accumulators on chip
 #   and loops over query blocks. dQ is a sum over keys: one program per query block, looping over K/V blocks.
 # - Two kernels: 7 tile products instead of 5, no atomics, deterministic. One kernel with atomic dQ: 5

@@ -251,7 +251,28 @@ hw = records.load_record("hardware")
 if hw is not None:
     print(f"bf16 matmul ceiling: {hw['data']['matmul_tflops'].get('bfloat16', float('nan')):.0f} TFLOP/s "
           f"({records.label(hw)})")
+
+# %% [markdown]
+# ### 1.8 When the CPU is the bottleneck
 #
+# `do_bench` reads two CUDA events, recorded just before and just after the call is *issued*. While the
+# CPU issues work faster than the GPU finishes it, kernels queue up and the events measure the GPU. When
+# issuing one call takes longer than running it, the GPU sits idle between kernels and the events measure
+# the CPU instead. Small shapes are where that happens: on a millisecond-sized forward+backward, every
+# Triton launch (tens of microseconds of Python: binding and checking each argument), every allocation,
+# the autograd bookkeeping, and the Python `autograd.Function.backward` — which PyTorch runs on its own
+# autograd thread for CUDA tensors, where it was measured to cost about twice as much — add up to a
+# large share of the GPU time.
+#
+# How to tell: time many calls back to back with one synchronisation at the end (wall time per call),
+# time how long the loop took to *issue* them, and compare both with the kernels' time from
+# `torch.profiler`. Issue time close to wall time means CPU-bound. `scripts/launch_overhead.py` does this
+# for course_lib and SDPA; `notes/performance.md` has what it measured on the H200. course_lib's answer:
+# its backward is two launches (the dQ kernel also computes D = rowsum(dO * O)), a tuned kernel
+# launches the autotuner's remembered choice directly, and `make bench` measures `torch.compile` last,
+# because after it had run, every Python launch in that process was measured to be slower.
+
+# %% [markdown]
 # ## 2. Profiling: where does the time go?
 #
 # A benchmark says *how long*; a profiler says *where*. `torch.profiler` records every operator (CPU
@@ -452,6 +473,16 @@ if att_rec is not None:
 # %%
 if att_rec is not None:
     print(bench.format_report(att_rec["data"]))
+
+# %% [markdown]
+# **Reading the comparison.** Against FlashAttention-2 (SDPA's FLASH_ATTENTION backend) course_lib's Triton
+# kernels are ahead in every cell of the recorded run. Against cuDNN, PyTorch's default on Hopper, the forward
+# trails, most at d = 128 and short sequences. cuDNN's Hopper kernel overlaps the softmax of one tile with
+# the matrix products of the next: warpgroups specialised as producers (the tensor memory accelerator's tile
+# copies) and consumers that take turns on the tensor cores. In our kernel every warp loads, multiplies and
+# exponentiates in turn, so at d = 128 the exponentials and the rescaling sit on the critical path; Triton
+# 3.6 offers the automatic warp specialisation that would split them only on Blackwell. Trying every launch
+# configuration, or TMA loads (`config={"tma": True}`), did not close that gap (`notes/performance.md`).
 
 # %% [markdown]
 # ### Live, on this machine
