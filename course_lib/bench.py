@@ -493,7 +493,7 @@ LADDER = (
     Step("autotuned (course_lib)", "fwd", None, 1.05,
          "the best of several configs for this shape; the hand-picked one is already close"),
     Step("straightforward backward (nb 07)", "bwd", BWD0, 1.0,
-         "the start: two kernels (dK, dV then dQ), natural exp, every tile, 64x64, no pipelining"),
+         "the start: two kernels (dQ with D, then dK, dV), natural exp, every tile, 64x64, no pipelining"),
     Step("base-2 exponentials", "bwd", BWD1, 1.03,
          "P = exp(S - L) once per tile against 2.5x the forward's matmuls: a smaller share than there"),
     Step("skip fully masked tiles", "bwd", BWD2, 1.9,
