@@ -104,17 +104,24 @@ def noop40(X0, X1, X2, X3, X4, X5, X6, X7, X8, a0, a1, a2, a3, a4, a5, a6, a7, a
     pass
 
 
-def issue_us(fn, calls=300):
-    """CPU microseconds to issue one fn() (small shapes: the GPU keeps up, nothing blocks)."""
+def per_call_us(fn, calls=300):
+    """CPU microseconds to issue one fn(), (median, mean, 95th percentile) over `calls` calls."""
     for _ in range(10):
         fn()
     torch.cuda.synchronize()
-    t0 = time.perf_counter()
+    ts = []
     for _ in range(calls):
+        t0 = time.perf_counter_ns()
         fn()
-    t = (time.perf_counter() - t0) / calls * 1e6
+        ts.append((time.perf_counter_ns() - t0) / 1e3)
     torch.cuda.synchronize()
-    return t
+    ts.sort()
+    return ts[len(ts) // 2], sum(ts) / len(ts), ts[int(len(ts) * 0.95)]
+
+
+def issue_us(fn):
+    """Mean CPU microseconds to issue one fn() (small shapes: the GPU keeps up, nothing blocks)."""
+    return per_call_us(fn)[1]
 
 
 def breakdown(d=128):
@@ -191,23 +198,10 @@ def breakdown(d=128):
     print(f"  autograd.grad {total:.1f} us, of which _backward {inside:.1f} us (in the engine's thread)")
 
 
-def stalls(calls=400):
+def stalls():
     """Per-call CPU time of course_lib's forward+backward at the full N = 1k cell: median vs mean (a mean
     far above the median means occasional long stalls), and with the launches or the backward removed."""
     from course_lib.flash_triton import api
-
-    def per_call_us(fn):
-        for _ in range(10):
-            fn()
-        torch.cuda.synchronize()
-        ts = []
-        for _ in range(calls):
-            t0 = time.perf_counter_ns()
-            fn()
-            ts.append((time.perf_counter_ns() - t0) / 1e3)
-        torch.cuda.synchronize()
-        ts.sort()
-        return ts[len(ts) // 2], sum(ts) / len(ts), ts[int(len(ts) * 0.95)]
 
     def show(name, fn):
         med, mean, p95 = per_call_us(fn)

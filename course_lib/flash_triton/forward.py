@@ -18,6 +18,9 @@ Public entry point for notebooks: `forward(q, k, v, causal, scale, config=None) 
 
 from __future__ import annotations
 
+import contextlib
+import functools
+
 import torch
 
 from .. import runtime
@@ -156,34 +159,21 @@ def cuda_device(t: torch.Tensor):
     return _NO_DEVICE
 
 
-class _NoDevice:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
-
-
-_NO_DEVICE = _NoDevice()
+_NO_DEVICE = contextlib.nullcontext()  # reusable: it holds no state
 
 
 # --------------------------------------------------------------------------------------------------
 # The tensor memory accelerator (TMA): Hopper's tile copy engine, used by the GPU forward when it can
 # --------------------------------------------------------------------------------------------------
-_TMA_AVAILABLE: bool | None = None
-
-
+@functools.cache
 def tma_available() -> bool:
     """True on a GPU of compute capability >= 9.0 (Hopper) with a Triton that has tensor descriptors."""
-    global _TMA_AVAILABLE
-    if _TMA_AVAILABLE is None:
-        _TMA_AVAILABLE = bool(
-            runtime.ON_GPU
-            and hasattr(tl, "make_tensor_descriptor")
-            and hasattr(triton, "set_allocator")
-            and torch.cuda.get_device_capability()[0] >= 9
-        )
-    return _TMA_AVAILABLE
+    return bool(
+        runtime.ON_GPU
+        and hasattr(tl, "make_tensor_descriptor")
+        and hasattr(triton, "set_allocator")
+        and torch.cuda.get_device_capability()[0] >= 9
+    )
 
 
 def use_tma(*tensors: torch.Tensor) -> bool:
