@@ -1,0 +1,326 @@
+"""An experiment: FlashAttention-3's intra-warpgroup overlap in Gluon, on a Hopper GPU (H100, H200).
+
+    COURSE_DEVICE=cuda python3 scripts/hopper_gluon_forward.py [--ns 1024,4096,16384]
+
+notes/performance.md ("Third round") says why it exists and what it measured: the course_lib forward
+(`course_lib/flash_triton/forward.py`) runs each K/V step's three stages one after the other
+(S = Q K^T on the tensor cores, the softmax on the ordinary cores, O += P V on the tensor cores).
+Gluon, Triton's lower-level dialect, lets a kernel schedule them itself:
+
+* K and V tiles arrive by TMA (the tensor memory accelerator) in a ring of NUM_STAGES shared-memory
+  slots, each with an mbarrier that the copy engine signals when the tile has landed.
+* `warpgroup_mma(..., is_async=True)` starts a product and returns; `warpgroup_mma_wait(n, deps)`
+  waits until at most n are still running. Step j starts S_j = Q K_j^T and O += P_{j-1} V_{j-1},
+  waits for S_j only, and computes the softmax of S_j while the tensor cores still work on
+  P_{j-1} V_{j-1} (FlashAttention-3, Shah et al. 2024, section 3.2).
+
+It is correct (the script checks it against a float32 reference on ragged, causal and Nq != Nk
+shapes before timing) but, as measured, no faster overall than the course_lib kernel, so it stays
+here and out of course_lib. Inputs: q (B, H, Nq, d), k, v (B, H, Nk, d), contiguous, bf16 or fp16,
+d in {64, 128}; BLOCK_M query rows per program, one warpgroup (4 warps) per 64 rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("COURSE_DEVICE", "cuda")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import torch.nn.functional as Fn  # noqa: E402
+import triton  # noqa: E402
+from triton.experimental import gluon  # noqa: E402
+from triton.experimental.gluon import language as gl  # noqa: E402
+from triton.experimental.gluon.language.nvidia.hopper import (  # noqa: E402
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # noqa: E402
+
+LOG2E = 1.4426950408889634
+# (BLOCK_M, BLOCK_N, NUM_STAGES) tried per head dim; the first is the best measured on an H200.
+# Shared memory per program: (BLOCK_M + 2 * NUM_STAGES * BLOCK_N) * d * 2 bytes; at most ~113 KB
+# lets two programs share an SM, which is what made BLOCK_M = 64 win.
+TILES = {
+    128: [(64, 64, 3), (128, 64, 4), (64, 64, 4), (64, 128, 2)],
+    64: [(64, 128, 3), (128, 64, 4), (128, 64, 6), (64, 64, 4)],
+}
+
+
+@gluon.jit
+def _online_softmax(s, m_i, l_i, qk_scale, DTYPE: gl.constexpr, p_layout: gl.constexpr):
+    """Online-softmax update for one (BLOCK_M, BLOCK_N) score tile s (fp32, MMA layout).
+
+    Returns P = exp2(s * qk_scale - m_new) in 16 bits, laid out as the A operand of the next
+    product; the new row max m_new and row sum l_new; alpha = exp2(m_i - m_new), the factor the
+    output accumulator must be rescaled by."""
+    m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+    p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
+    alpha = gl.exp2(m_i - m_new)
+    l_new = l_i * alpha + gl.sum(p, 1)
+    p_op = gl.convert_layout(p.to(DTYPE), p_layout)
+    return p_op, m_new, l_new, alpha
+
+
+@gluon.jit
+def _softmax_step(
+    s, m_i, l_i, cols, rows, n_k, qk_scale, masked,
+    CAUSAL: gl.constexpr, DTYPE: gl.constexpr, p_layout: gl.constexpr,
+):  # fmt: skip
+    """`_online_softmax` of s, with invisible scores (key past n_k; key after query when CAUSAL)
+    set to -inf first when `masked`. A run-time branch: only the last block and the causal
+    diagonal pay for masks. Each branch holds a whole softmax, which keeps the exponentials in
+    their own basic block, ahead of the wait that follows (the assembler does not move work
+    across blocks)."""
+    if masked:
+        visible = gl.expand_dims(cols, 0) < n_k
+        if CAUSAL:
+            visible = visible & (gl.expand_dims(rows, 1) >= gl.expand_dims(cols, 0))
+        s = gl.where(visible, s, float("-inf"))
+        p_op, m_new, l_new, alpha = _online_softmax(s, m_i, l_i, qk_scale, DTYPE, p_layout)
+    else:
+        p_op, m_new, l_new, alpha = _online_softmax(s, m_i, l_i, qk_scale, DTYPE, p_layout)
+    return p_op, m_new, l_new, alpha
+
+
+@gluon.jit
+def _issue_kv(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, kv_row, block, n_blocks,
+              BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):  # fmt: skip
+    """Start the TMA copies of K and V block `block` into ring slot block % NUM_STAGES (if the
+    block exists); each slot's mbarrier fires when its tile has arrived."""
+    slot = block % NUM_STAGES
+    pred = block < n_blocks
+    row = kv_row + block * BLOCK_N
+    mbarrier.expect(k_bar.index(slot), k_desc.block_type.nbytes, pred=pred)
+    tma.async_copy_global_to_shared(k_desc, [row, 0], k_bar.index(slot), k_smem.index(slot), pred=pred)
+    mbarrier.expect(v_bar.index(slot), v_desc.block_type.nbytes, pred=pred)
+    tma.async_copy_global_to_shared(v_desc, [row, 0], v_bar.index(slot), v_smem.index(slot), pred=pred)
+
+
+@gluon.jit
+def _fwd_hopper_kernel(
+    q_desc, k_desc, v_desc, O, L, qk_scale,
+    stride_ob, stride_oh, stride_om, stride_lb, stride_lh,
+    H, N_Q, N_K,
+    CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    NUM_STAGES: gl.constexpr,
+):  # fmt: skip
+    """O and L for BLOCK_M query rows of one (batch, head). Grid: (cdiv(N_Q, BLOCK_M) * B * H,).
+
+    q_desc, k_desc, v_desc: TMA descriptors of the (B*H*N, d) matrices, blocks (BLOCK_M, d) and
+    (BLOCK_N, d). A K/V block may run past this head's last key into the next head's rows (or
+    past the end of the tensor, where TMA fills zeros): those columns are masked to -inf.
+    qk_scale = softmax scale * log2(e)."""
+    dtype: gl.constexpr = q_desc.dtype
+    # Register layouts of the two products' results: wgmma tiles of 16 rows x N columns per
+    # warp, warps stacked along the rows (warps 0-3 = first warpgroup = rows 0-63).
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[BLOCK_M // 16, 1], instr_shape=[16, BLOCK_N, 16]
+    )
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[BLOCK_M // 16, 1], instr_shape=[16, HEAD_DIM, 16]
+    )
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
+
+    num_m = gl.cdiv(N_Q, BLOCK_M)
+    pid = gl.program_id(0)
+    off_hz = pid // num_m
+    start_m = pid % num_m
+    if CAUSAL:
+        start_m = num_m - 1 - start_m  # the longest rows start first
+    q_row = off_hz * N_Q + start_m * BLOCK_M
+    kv_row = off_hz * N_K
+
+    # K/V blocks this program visits; blocks from first_masked on need the mask.
+    n_blocks = gl.cdiv(N_K, BLOCK_N)
+    first_masked = N_K // BLOCK_N
+    if CAUSAL:
+        n_blocks = gl.minimum(n_blocks, gl.cdiv((start_m + 1) * BLOCK_M, BLOCK_N))
+        first_masked = gl.minimum(first_masked, (start_m * BLOCK_M) // BLOCK_N)
+
+    # Shared memory: Q (BLOCK_M, d) once; K and V rings (NUM_STAGES, BLOCK_N, d); mbarriers.
+    q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], q_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_bar = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    v_bar = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(k_bar.index(i), count=1)
+        mbarrier.init(v_bar.index(i), count=1)
+    fence_async_shared()
+
+    mbarrier.expect(q_bar, q_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [q_row, 0], q_bar, q_smem)
+    for i in gl.static_range(NUM_STAGES):
+        _issue_kv(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, kv_row, i, n_blocks, BLOCK_N, NUM_STAGES)
+
+    rows = start_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_layout)
+    offs_n = gl.arange(0, BLOCK_N, layout=col_layout)
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_layout)
+    l_i = gl.zeros([BLOCK_M], gl.float32, layout=row_layout)
+    acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)
+    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
+
+    # Block 0: S_0 = Q K_0^T, its softmax; P_0 waits in registers (as the A operand of the next
+    # product, bf16/fp16) for V_0.
+    mbarrier.wait(q_bar, 0)
+    mbarrier.wait(k_bar.index(0), 0)
+    s_tok = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    s = warpgroup_mma_wait(0, deps=[s_tok])
+    p_op, m_i, l_i, alpha = _softmax_step(
+        s, m_i, l_i, offs_n, rows, N_K, qk_scale, first_masked == 0, CAUSAL, dtype, p_layout
+    )
+
+    for j in range(1, n_blocks):
+        slot = j % NUM_STAGES
+        prev = (j - 1) % NUM_STAGES
+        # Issue S_j = Q K_j^T and O += P_{j-1} V_{j-1}; both run on the tensor cores.
+        mbarrier.wait(k_bar.index(slot), (j // NUM_STAGES) & 1)
+        s_tok = warpgroup_mma(
+            q_smem, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True
+        )
+        mbarrier.wait(v_bar.index(prev), ((j - 1) // NUM_STAGES) & 1)
+        acc_tok = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
+        # Wait for S_j only (the older of the two); the softmax below overlaps P_{j-1} V_{j-1}.
+        s = warpgroup_mma_wait(1, deps=[s_tok])
+        p_next, m_i, l_i, alpha = _softmax_step(
+            s, m_i, l_i, j * BLOCK_N + offs_n, rows, N_K, qk_scale, j >= first_masked, CAUSAL, dtype, p_layout
+        )
+        # Passing p_next through the wait makes the softmax finish before it: without that
+        # dependency the assembler may schedule the exponentials after the wait, and nothing
+        # overlaps. p_op: the registers the running product still reads.
+        acc, p_op, p_next = warpgroup_mma_wait(0, deps=[acc_tok, p_op, p_next])
+        p_op = p_next
+        # Slot prev is free once every warp of the program is past this point: refill it.
+        gl.thread_barrier()
+        _issue_kv(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, kv_row, j - 1 + NUM_STAGES, n_blocks,
+                  BLOCK_N, NUM_STAGES)  # fmt: skip
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+
+    # Last block: O += P_last V_last.
+    last = n_blocks - 1
+    mbarrier.wait(v_bar.index(last % NUM_STAGES), (last // NUM_STAGES) & 1)
+    acc_tok = warpgroup_mma(p_op, v_smem.index(last % NUM_STAGES), acc, is_async=True)
+    acc = warpgroup_mma_wait(0, deps=[acc_tok])
+
+    mbarrier.invalidate(q_bar)
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.invalidate(k_bar.index(i))
+        mbarrier.invalidate(v_bar.index(i))
+
+    # O = acc / l (registers -> HBM, masked rows), L = (m + log2 l) * ln 2.
+    l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
+    out = (acc / gl.expand_dims(l_o, 1)).to(dtype)
+    o_rows = start_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
+    o_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+    off_b = off_hz // H
+    off_h = off_hz % H
+    o_base = O + off_b.to(gl.int64) * stride_ob + off_h.to(gl.int64) * stride_oh
+    o_ptrs = o_base + gl.expand_dims(o_rows, 1) * stride_om + gl.expand_dims(o_cols, 0)
+    gl.store(o_ptrs, out, mask=gl.expand_dims(o_rows < N_Q, 1))
+    lse = (m_i + gl.log2(l_i)) * 0.6931471805599453
+    l_ptrs = L + off_b.to(gl.int64) * stride_lb + off_h.to(gl.int64) * stride_lh + rows
+    gl.store(l_ptrs, lse, mask=rows < N_Q)
+
+
+def _descriptor(t4: torch.Tensor, block_rows: int):
+    """A TMA descriptor of a contiguous t4 (B, H, N, d) viewed as one (B*H*N, d) matrix."""
+    B, H, N, d = t4.shape
+    mat = t4.reshape(B * H * N, d)
+    dtype = gl.bfloat16 if t4.dtype == torch.bfloat16 else gl.float16
+    layout = gl.NVMMASharedLayout.get_default_for([block_rows, d], dtype)
+    return TensorDescriptor(mat, list(mat.shape), list(mat.stride()), [block_rows, d], layout)
+
+
+def attention(q, k, v, causal: bool, tiles):
+    """(O, L) for contiguous q (B, H, Nq, d), k, v (B, H, Nk, d); tiles = (BLOCK_M, BLOCK_N, NUM_STAGES)."""
+    B, H, n_q, d = q.shape
+    n_k = k.shape[2]
+    block_m, block_n, stages = tiles
+    o = torch.empty_like(q)
+    lse = torch.empty(q.shape[:-1], device=q.device, dtype=torch.float32)
+    grid = (triton.cdiv(n_q, block_m) * B * H,)
+    _fwd_hopper_kernel[grid](
+        _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n),
+        o, lse, d**-0.5 * LOG2E,
+        o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1),
+        H, n_q, n_k,
+        CAUSAL=causal, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, NUM_STAGES=stages,
+        num_warps=block_m // 16,
+    )  # fmt: skip
+    return o, lse
+
+
+def check(variants) -> list[str]:
+    """Every variant against a float32 reference (O and L) on ragged, causal and Nq != Nk shapes."""
+    bad = []
+    for d in (64, 128):
+        for causal in (False, True):
+            for nq, nk in [(1000, 1531), (1024, 1024), (77, 300), (300, 77), (4096, 4096), (130, 130)]:
+                for dt in (torch.bfloat16, torch.float16):
+                    q = torch.randn(2, 3, nq, d, device="cuda", dtype=dt)
+                    k, v = (torch.randn(2, 3, nk, d, device="cuda", dtype=dt) for _ in range(2))
+                    s = (q.float() @ k.float().transpose(-1, -2)) * d**-0.5
+                    if causal:
+                        above = torch.ones(nq, nk, device="cuda", dtype=torch.bool).triu(1)
+                        s = s.masked_fill(above, float("-inf"))
+                    ref_l, ref = torch.logsumexp(s, -1), torch.softmax(s, -1) @ v.float()
+                    for tiles in variants[d]:
+                        o, lse = attention(q, k, v, causal, tiles)
+                        eo, el = float((o.float() - ref).abs().max()), float((lse - ref_l).abs().max())
+                        if not (eo < 2e-2 and el < 1e-3):
+                            bad.append(f"d={d} causal={causal} {nq}x{nk} {dt} {tiles}: O {eo:.3g} L {el:.3g}")
+    return bad
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ns", default="1024,2048,4096,8192,16384")
+    args = ap.parse_args()
+    from course_lib.flash_triton import forward as F
+
+    t0 = time.time()
+    bad = check(TILES)
+    print("correctness:", "ok" if not bad else bad, f"({time.time() - t0:.0f} s)", flush=True)
+    bench = lambda fn: triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")  # noqa: E731
+    rows = []
+    for d in (64, 128):
+        for causal in (False, True):
+            for n in map(int, args.ns.split(",")):
+                b, h = 16384 // n, 2048 // d
+                q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+                flops = 4.0 * b * h * n * n * d * (0.5 if causal else 1.0)
+                tf = lambda ms: flops / ms * 1e-9  # noqa: B023,E731
+                default = tf(bench(lambda: Fn.scaled_dot_product_attention(q, k, v, is_causal=causal)))  # noqa: B023
+                ours = tf(bench(lambda: F.forward(q, k, v, causal)))  # noqa: B023
+                res = {t: tf(bench(lambda t=t: attention(q, k, v, causal, t))) for t in TILES[d]}  # noqa: B023
+                rows.append((d, default, ours, res))
+                print(
+                    f"d={d:3d} causal={int(causal)} N={n:5d} | SDPA default {default:4.0f} | course_lib {ours:4.0f} "
+                    f"({ours / default:.2f}x) | Gluon " + " ".join(f"{t}:{x:4.0f}" for t, x in res.items()),
+                    flush=True,
+                )
+    gm = lambda xs: math.exp(sum(map(math.log, xs)) / len(xs))  # noqa: E731
+    print(f"geomean over SDPA default: course_lib {gm([r[2] / r[1] for r in rows]):.3f}, "
+          f"best Gluon per cell {gm([max(r[3].values()) / r[1] for r in rows]):.3f}")  # fmt: skip
+    for d in (64, 128):
+        for t in TILES[d]:
+            print(f"  d={d} {t}: {gm([r[3][t] / r[1] for r in rows if r[0] == d]):.3f} of SDPA default")
+    print(f"total {time.time() - t0:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
