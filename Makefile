@@ -8,7 +8,10 @@ PYTHON     ?= $(if $(wildcard $(VENV)/bin/python),$(VENV)/bin/python,python3)
 PINNED     ?= 1
 EXTRAS     := $(if $(filter 1,$(PINNED)),course$(,)pinned,course)
 JOBS       ?= 2
-GPU_JOBS   ?= 8
+# test-gpu's pytest workers: compiling kernels is CPU-bound, so all cores but two (at most 14).
+GPU_JOBS   ?= $(shell python3 -c "import os; print(max(2, min(14, (os.cpu_count() or 4) - 2)))" 2>/dev/null || echo 4)
+# test-gpu runs this many notebooks at a time (their timings are then contended, so not recorded).
+NB_JOBS    ?= 3
 LAB_ARGS   ?=
 STUDENT    := build/student
 NOTEBOOK_DIR ?= notebooks
@@ -60,11 +63,11 @@ test: student
 		tests notebooks $(STUDENT)
 
 test-gpu:
-	@echo "==> make test-gpu: course_lib tests on the GPU ($(GPU_JOBS) processes: compiling kernels is CPU-bound), then every notebook, one at a time"
+	@echo "==> make test-gpu: course_lib tests on the GPU ($(GPU_JOBS) processes: compiling kernels is CPU-bound), then every notebook ($(NB_JOBS) at a time, records in assets/ left as they are)"
 	@$(PYTHON) -m course_lib doctor
 	COURSE_DEVICE=cuda $(PYTHON) -m pytest -q -n $(GPU_JOBS) --durations=10 -m "not browser" tests
 	COURSE_DEVICE=cuda $(PYTHON) -m course_lib.flash_triton.precompile
-	COURSE_DEVICE=cuda $(PYTHON) -m course_lib.tools.run_notebooks
+	COURSE_DEVICE=cuda COURSE_RECORDS=off $(PYTHON) -m course_lib.tools.run_notebooks --jobs $(NB_JOBS)
 
 bench:
 	@echo "==> make bench: course_lib vs PyTorch attention backends; record written to assets/benchmarks/"

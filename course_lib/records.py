@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import os
 import re
 import subprocess
 from pathlib import Path
@@ -65,8 +66,14 @@ def _slug(name: str | None) -> str:
     return re.sub(r"[^a-z0-9]+", "-", (name or "cpu").lower()).strip("-")
 
 
-def save_record(kind: str, data: dict, folder: Path | str = ASSETS) -> Path:
-    """Write `data` as the record of `kind` for this machine's GPU; returns the path."""
+def save_record(kind: str, data: dict, folder: Path | str = ASSETS) -> Path | None:
+    """Write `data` as the record of `kind` for this machine's GPU; returns the path.
+
+    With COURSE_RECORDS=off in the environment (`make test-gpu` sets it: notebooks run there side by
+    side, so their timings are not clean) nothing is written and None is returned."""
+    if os.environ.get("COURSE_RECORDS", "").lower() == "off":
+        print(f"COURSE_RECORDS=off: the {kind!r} record was not written")
+        return None
     meta = machine_meta()
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)

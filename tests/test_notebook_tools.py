@@ -48,3 +48,21 @@ def test_every_notebook_with_exercises_checks_them():
         )
         has_check = any("check" in c.metadata.get("tags", []) for c in nb.cells)
         assert not has_solution or has_check, f"{py.name}: exercises without a `check` cell"
+
+
+def test_run_notebooks_side_by_side(tmp_path, monkeypatch, capsys):
+    """--jobs 2 runs every selected script, reports each failure with its log, and fails overall."""
+    from course_lib.tools import run_notebooks
+
+    good, bad, other = tmp_path / "01_good.py", tmp_path / "02_bad.py", tmp_path / "03_other.py"
+    good.write_text("print('good ran')\n")
+    bad.write_text("raise SystemExit('bad notebook failed here')\n")
+    other.write_text("print('other ran')\n")
+    monkeypatch.setattr(run_notebooks, "sources", lambda: [good, bad, other])
+    monkeypatch.setattr(run_notebooks, "NOTEBOOKS", tmp_path)
+    monkeypatch.setattr(run_notebooks, "ROOT", tmp_path)
+    assert run_notebooks.main(["--jobs", "2"]) == 1
+    out = capsys.readouterr().out
+    assert "2 passed, 1 failed" in out and "bad notebook failed here" in out
+    assert "good ran" in (tmp_path / "build" / "notebook-logs" / "01_good.log").read_text()
+    assert run_notebooks.main(["--jobs", "2", "good", "other"]) == 0

@@ -86,6 +86,12 @@ def test_records_round_trip(tmp_path):
     assert "recorded on" in records.label(rec)
 
 
+def test_records_off_writes_nothing(tmp_path, monkeypatch):
+    monkeypatch.setenv("COURSE_RECORDS", "off")
+    assert records.save_record("demo", {"x": [1]}, folder=tmp_path) is None
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_committed_records_are_stamped():
     for path in records.ASSETS.glob("*.json"):
         meta = json.loads(path.read_text())["meta"]

@@ -5,11 +5,17 @@ comments. On a GPU machine whose image has torch and triton but no Jupyter, this
 its own process, in the notebooks folder (as a Jupyter kernel would), and reports its wall time. The
 notebooks therefore use no IPython magics and show figures with `plt.show()`.
 
-    python -m course_lib.tools.run_notebooks [NAME_FILTER]
+    python -m course_lib.tools.run_notebooks [--jobs N] [NAME_FILTER ...]
+
+--jobs N runs N notebooks at a time (default 1). Side by side they share the GPU, so their timings
+are not clean: `make test-gpu` runs them that way with COURSE_RECORDS=off, so that no record in
+assets/ is overwritten by a contended measurement. Each notebook's output goes to a log file
+(build/notebook-logs/) when N > 1, and is printed if the notebook fails.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import subprocess
 import sys
@@ -19,16 +25,39 @@ from .notebooks import NOTEBOOKS, ROOT, sources
 
 
 def main(argv: list[str]) -> int:
-    selected = [p for p in sources() if not argv or any(a in p.name for a in argv)]
+    ap = argparse.ArgumentParser(prog="python -m course_lib.tools.run_notebooks")
+    ap.add_argument("--jobs", type=int, default=1, help="notebooks run at the same time")
+    ap.add_argument("names", nargs="*", help="run only notebooks whose file name contains one of these")
+    args = ap.parse_args(argv)
+    selected = [p for p in sources() if not args.names or any(a in p.name for a in args.names)]
     # The repository root goes first on the path, so course_lib imports even where it is not pip-installed.
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
     env = dict(os.environ, MPLBACKEND="Agg", PYTHONUNBUFFERED="1", PYTHONPATH=path)
-    results = []
-    for py in selected:
-        print(f"==> {py.name}", flush=True)
-        t0 = time.perf_counter()
-        rc = subprocess.call([sys.executable, py.name], cwd=NOTEBOOKS, env=env)
-        results.append((py.name, rc, time.perf_counter() - t0))
+    logs = ROOT / "build" / "notebook-logs"
+    if args.jobs > 1:
+        logs.mkdir(parents=True, exist_ok=True)
+    results, running, queue = [], [], list(selected)
+    while queue or running:
+        while queue and len(running) < max(1, args.jobs):
+            py = queue.pop(0)
+            print(f"==> {py.name}", flush=True)
+            out = open(logs / f"{py.stem}.log", "w") if args.jobs > 1 else None  # noqa: SIM115
+            proc = subprocess.Popen([sys.executable, py.name], cwd=NOTEBOOKS, env=env, stdout=out, stderr=out)
+            running.append((py, proc, out, time.perf_counter()))
+        time.sleep(0.2)
+        for item in [r for r in running if r[1].poll() is not None]:
+            py, proc, out, t0 = item
+            running.remove(item)
+            results.append((py.name, proc.returncode, time.perf_counter() - t0))
+            print(
+                f"<== {py.name}: {'ok' if proc.returncode == 0 else 'FAIL'} in {results[-1][2]:.1f} s",
+                flush=True,
+            )
+            if out is not None:
+                out.close()
+                if proc.returncode != 0:
+                    print((logs / f"{py.stem}.log").read_text()[-6000:], flush=True)
+    results.sort()
     print("\nnotebook                                  result   wall time")
     for name, rc, dt in results:
         print(f"{name:<40}  {'ok' if rc == 0 else f'FAIL({rc})':<7}  {dt:7.1f} s")
