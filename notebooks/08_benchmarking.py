@@ -480,9 +480,14 @@ if att_rec is not None:
 # trails, most at d = 128 and short sequences. cuDNN's Hopper kernel overlaps the softmax of one tile with
 # the matrix products of the next: warpgroups specialised as producers (the tensor memory accelerator's tile
 # copies) and consumers that take turns on the tensor cores. In our kernel every warp loads, multiplies and
-# exponentiates in turn, so at d = 128 the exponentials and the rescaling sit on the critical path; Triton
-# 3.6 offers the automatic warp specialisation that would split them only on Blackwell. Trying every launch
-# configuration, or TMA loads (`config={"tma": True}`), did not close that gap (`notes/performance.md`).
+# exponentiates in turn, so at d = 128 the exponentials and the rescaling sit on the critical path. Three
+# ways to change that were tried (`notes/performance.md` has each one, predicted and measured):
+# - Triton 3.6's automatic warp specialisation (`tl.range(..., warp_specialize=True)`). For this kernel it
+#   failed to compile with 4 warps and ran slower with 8.
+# - Writing the overlap by hand in Gluon, Triton's lower-level dialect: asynchronous `warpgroup_mma` with
+#   explicit waits, in `scripts/hopper_gluon_forward.py`. It matched the Triton kernel overall, but did
+#   not beat it.
+# - Every launch configuration, and TMA loads (`config={"tma": True}`). Neither closed the gap.
 
 # %% [markdown]
 # ### Live, on this machine
