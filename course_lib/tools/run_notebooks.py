@@ -16,10 +16,12 @@ assets/ is overwritten by a contended measurement. Each notebook's output goes t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 from .notebooks import NOTEBOOKS, ROOT, sources
 
@@ -33,31 +35,25 @@ def main(argv: list[str]) -> int:
     # The repository root goes first on the path, so course_lib imports even where it is not pip-installed.
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
     env = dict(os.environ, MPLBACKEND="Agg", PYTHONUNBUFFERED="1", PYTHONPATH=path)
-    logs = ROOT / "build" / "notebook-logs"
-    if args.jobs > 1:
+    logs = ROOT / "build" / "notebook-logs" if args.jobs > 1 else None
+    if logs:
         logs.mkdir(parents=True, exist_ok=True)
-    results, running, queue = [], [], list(selected)
-    while queue or running:
-        while queue and len(running) < max(1, args.jobs):
-            py = queue.pop(0)
-            print(f"==> {py.name}", flush=True)
-            out = open(logs / f"{py.stem}.log", "w") if args.jobs > 1 else None  # noqa: SIM115
-            proc = subprocess.Popen([sys.executable, py.name], cwd=NOTEBOOKS, env=env, stdout=out, stderr=out)
-            running.append((py, proc, out, time.perf_counter()))
-        time.sleep(0.2)
-        for item in [r for r in running if r[1].poll() is not None]:
-            py, proc, out, t0 = item
-            running.remove(item)
-            results.append((py.name, proc.returncode, time.perf_counter() - t0))
-            print(
-                f"<== {py.name}: {'ok' if proc.returncode == 0 else 'FAIL'} in {results[-1][2]:.1f} s",
-                flush=True,
-            )
-            if out is not None:
-                out.close()
-                if proc.returncode != 0:
-                    print((logs / f"{py.stem}.log").read_text()[-6000:], flush=True)
-    results.sort()
+
+    def run(py):
+        """Run one notebook; with a log folder its output goes to a file, printed if it fails."""
+        print(f"==> {py.name}", flush=True)
+        t0 = time.perf_counter()
+        log = logs / f"{py.stem}.log" if logs else None
+        with open(log, "w") if log else contextlib.nullcontext() as out:
+            rc = subprocess.call([sys.executable, py.name], cwd=NOTEBOOKS, env=env, stdout=out, stderr=out)
+        dt = time.perf_counter() - t0
+        print(f"<== {py.name}: {'ok' if rc == 0 else 'FAIL'} in {dt:.1f} s", flush=True)
+        if log and rc != 0:
+            print(log.read_text()[-6000:], flush=True)
+        return py.name, rc, dt
+
+    with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+        results = list(pool.map(run, selected))
     print("\nnotebook                                  result   wall time")
     for name, rc, dt in results:
         print(f"{name:<40}  {'ok' if rc == 0 else f'FAIL({rc})':<7}  {dt:7.1f} s")
