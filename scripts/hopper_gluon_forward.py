@@ -15,9 +15,12 @@ Gluon, Triton's lower-level dialect, lets a kernel schedule them itself:
   P_{j-1} V_{j-1} (FlashAttention-3, Shah et al. 2024, section 3.2).
 
 It is correct (the script checks it against a float32 reference on ragged, causal and Nq != Nk
-shapes before timing) but, as measured, no faster overall than the course_lib kernel, so it stays
-here and out of course_lib. Inputs: q (B, H, Nq, d), k, v (B, H, Nk, d), contiguous, bf16 or fp16,
-d in {64, 128}; BLOCK_M query rows per program, one warpgroup (4 warps) per 64 rows.
+shapes before timing) but, as measured, no faster overall than the Triton kernel. The step that
+made the difference, warp specialisation, is in course_lib (`course_lib/flash_triton/hopper.py`,
+which this script borrows its softmax step from).
+
+Inputs: q (B, H, Nq, d), k, v (B, H, Nk, d), contiguous, bf16 or fp16, d in {64, 128}; BLOCK_M
+query rows per program, one warpgroup (4 warps) per 64 rows.
 """
 
 from __future__ import annotations
@@ -44,9 +47,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (  # noqa: E402
     warpgroup_mma,
     warpgroup_mma_wait,
 )
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # noqa: E402
 
-LOG2E = 1.4426950408889634
+from course_lib.flash_triton.hopper import LOG2E, _descriptor, _softmax_step  # noqa: E402
+
 # (BLOCK_M, BLOCK_N, NUM_STAGES) tried per head dim; the first is the best measured on an H200.
 # Shared memory per program: (BLOCK_M + 2 * NUM_STAGES * BLOCK_N) * d * 2 bytes; at most ~113 KB
 # lets two programs share an SM, which is what made BLOCK_M = 64 win.
@@ -54,42 +57,6 @@ TILES = {
     128: [(64, 64, 3), (128, 64, 4), (64, 64, 4), (64, 128, 2)],
     64: [(64, 128, 3), (128, 64, 4), (128, 64, 6), (64, 64, 4)],
 }
-
-
-@gluon.jit
-def _online_softmax(s, m_i, l_i, qk_scale, DTYPE: gl.constexpr, p_layout: gl.constexpr):
-    """Online-softmax update for one (BLOCK_M, BLOCK_N) score tile s (fp32, MMA layout).
-
-    Returns P = exp2(s * qk_scale - m_new) in 16 bits, laid out as the A operand of the next
-    product; the new row max m_new and row sum l_new; alpha = exp2(m_i - m_new), the factor the
-    output accumulator must be rescaled by."""
-    m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
-    p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
-    alpha = gl.exp2(m_i - m_new)
-    l_new = l_i * alpha + gl.sum(p, 1)
-    p_op = gl.convert_layout(p.to(DTYPE), p_layout)
-    return p_op, m_new, l_new, alpha
-
-
-@gluon.jit
-def _softmax_step(
-    s, m_i, l_i, cols, rows, n_k, qk_scale, masked,
-    CAUSAL: gl.constexpr, DTYPE: gl.constexpr, p_layout: gl.constexpr,
-):  # fmt: skip
-    """`_online_softmax` of s, with invisible scores (key past n_k; key after query when CAUSAL)
-    set to -inf first when `masked`. A run-time branch: only the last block and the causal
-    diagonal pay for masks. Each branch holds a whole softmax, which keeps the exponentials in
-    their own basic block, ahead of the wait that follows (the assembler does not move work
-    across blocks)."""
-    if masked:
-        visible = gl.expand_dims(cols, 0) < n_k
-        if CAUSAL:
-            visible = visible & (gl.expand_dims(rows, 1) >= gl.expand_dims(cols, 0))
-        s = gl.where(visible, s, float("-inf"))
-        p_op, m_new, l_new, alpha = _online_softmax(s, m_i, l_i, qk_scale, DTYPE, p_layout)
-    else:
-        p_op, m_new, l_new, alpha = _online_softmax(s, m_i, l_i, qk_scale, DTYPE, p_layout)
-    return p_op, m_new, l_new, alpha
 
 
 @gluon.jit
@@ -234,15 +201,6 @@ def _fwd_hopper_kernel(
     lse = (m_i + gl.log2(l_i)) * 0.6931471805599453
     l_ptrs = L + off_b.to(gl.int64) * stride_lb + off_h.to(gl.int64) * stride_lh + rows
     gl.store(l_ptrs, lse, mask=rows < N_Q)
-
-
-def _descriptor(t4: torch.Tensor, block_rows: int):
-    """A TMA descriptor of a contiguous t4 (B, H, N, d) viewed as one (B*H*N, d) matrix."""
-    B, H, N, d = t4.shape
-    mat = t4.reshape(B * H * N, d)
-    dtype = gl.bfloat16 if t4.dtype == torch.bfloat16 else gl.float16
-    layout = gl.NVMMASharedLayout.get_default_for([block_rows, d], dtype)
-    return TensorDescriptor(mat, list(mat.shape), list(mat.stride()), [block_rows, d], layout)
 
 
 def attention(q, k, v, causal: bool, tiles):

@@ -42,7 +42,7 @@ class FlashAttentionTriton(torch.autograd.Function):
         return dq, dk, dv, None, None
 
 
-_FAST = {"EXP2": True, "SKIP_MASKED": True, "TMA": False}
+_FAST = {"EXP2": True, "SKIP_MASKED": True, "TMA": False, "HOPPER": True}
 
 
 def flash_attention(q, k, v, causal: bool = False, scale: float | None = None):

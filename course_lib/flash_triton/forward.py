@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import warnings
 
 import torch
 
@@ -41,7 +42,7 @@ SUPPORTED_HEAD_DIMS = tuple(range(16, MAX_HEAD_DIM + 1, 8))
 
 # Keys of the `config` dict that fix the launch (the rest are teaching switches).
 LAUNCH_KEYS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")
-SWITCH_KEYS = ("exp2", "skip_masked_blocks", "tma")
+SWITCH_KEYS = ("exp2", "skip_masked_blocks", "tma", "hopper")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -140,6 +141,7 @@ def split_config(config: dict | None, defaults: dict) -> tuple[dict | None, dict
         "EXP2": bool(config.pop("exp2", True)),
         "SKIP_MASKED": bool(config.pop("skip_masked_blocks", True)),
         "TMA": bool(config.pop("tma", False)),
+        "HOPPER": bool(config.pop("hopper", True)),  # forward only (`hopper_kernels`)
     }
     if not config:
         return None, switches
@@ -194,6 +196,51 @@ def use_tma(*tensors: torch.Tensor) -> bool:
 def _tma_scratch(size: int, alignment: int, stream):
     """Global memory where the programs write their tensor descriptors (128 bytes each)."""
     return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+# --------------------------------------------------------------------------------------------------
+# FlashAttention-3's warp-specialised forward (`hopper.py`, Gluon): taken on Hopper GPUs where faster
+# --------------------------------------------------------------------------------------------------
+_HOPPER_FAILED: list[str] = []  # why the Gluon kernel could not be used in this process, if it failed
+
+
+@functools.cache
+def hopper_kernels():
+    """The `hopper` module when this process can use it (a GPU run, not the interpreter, and a Triton
+    with Gluon), else None. Which tensors it takes is `hopper.supports`; which shapes, `hopper.choose`."""
+    if not runtime.ON_GPU or runtime.INTERPRET:
+        return None
+    try:
+        from . import hopper
+    except ImportError:
+        return None
+    return hopper
+
+
+def _try_hopper(q4, k4, v4, o4, l3, causal: bool, scale: float, switches: dict) -> bool:
+    """Run the warp-specialised Gluon forward if it applies (fast switches, a Hopper GPU, contiguous
+    16-bit inputs, a shape where `hopper.choose` found it faster); True if it ran. A Triton whose Gluon
+    cannot compile the kernel gets one warning, and the Triton kernel from then on."""
+    hopper = hopper_kernels()
+    if hopper is None or _HOPPER_FAILED or not switches["HOPPER"] or switches["TMA"]:
+        return False
+    if not (switches["EXP2"] and switches["SKIP_MASKED"] and hopper.supports(q4, k4, v4)):
+        return False
+    variant = hopper.choose(q4.shape[-1], causal, q4.shape[2], k4.shape[2])
+    if variant is None:
+        return False
+    try:
+        hopper.forward(q4, k4, v4, o4, l3, causal, scale, variant)
+    except Exception as exc:  # a compiler error: the Triton kernel below is always available
+        _HOPPER_FAILED.append(f"{type(exc).__name__}: {exc}")
+        warnings.warn(
+            f"course_lib: the warp-specialised Hopper forward failed ({_HOPPER_FAILED[0][:300]}); "
+            "using the Triton forward from now on",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return False
+    return True
 
 
 # --------------------------------------------------------------------------------------------------
@@ -491,6 +538,9 @@ def forward(q, k, v, causal: bool = False, scale: float | None = None, config: d
       tma (bool, default False)   True: on a Hopper GPU, fetch tiles with TMA descriptors when the
           layout allows it (`use_tma`); False: pointer arithmetic and masked loads. Measured on an
           H200 (notes/performance.md), TMA loads were no faster overall, so they are opt-in.
+      hopper (bool, default True)   on a Hopper GPU, with the tuned launch and the other switches at
+          their defaults, run FlashAttention-3's warp-specialised Gluon kernel (`hopper.py`) for
+          contiguous 16-bit inputs with d in {64, 128} where it is faster; False: always Triton.
     Giving any of the four launch keys fixes the launch (the others take defaults); config=None (or
     only switches) uses the tuned defaults: autotuned on a GPU, one fixed config on the CPU."""
     check_inputs(q, k, v, where="flash_triton.forward")
@@ -526,6 +576,8 @@ def _forward(q, k, v, causal, scale, launch, switches):
     if tma:
         triton.set_allocator(_tma_scratch)  # descriptors built on the GPU need a little scratch memory
     with cuda_device(q):
+        if launch is None and _try_hopper(q4, k4, v4, o4, l3, causal, scale, switches):
+            return o, lse
         if launch is None:
             grid = lambda META: (triton.cdiv(n_q, META["BLOCK_M"]) * B * H,)
             key = (args[-1], d, causal, tma, q.dtype, switches["EXP2"], switches["SKIP_MASKED"])

@@ -1,0 +1,446 @@
+"""FlashAttention-3's warp-specialised forward on Hopper GPUs (H100, H200), in Gluon (notebook 08).
+
+The Triton forward (`forward.py`) has every warp do everything, one step after the other: load a K/V
+tile, S = Q K^T on the tensor cores, the softmax on the ordinary cores, O += P V on the tensor cores.
+While the softmax runs, the tensor cores wait; at d = 128 that caps it near 500 of the H200's
+~800 TFLOP/s (notes/performance.md). This kernel gives the warps of one program different jobs
+(Shah et al. 2024, FlashAttention-3, sections 3.1-3.2), written in Gluon, Triton's lower-level
+dialect, which exposes what the hardware does asynchronously:
+
+* producer (1 warp, 24 registers per thread): issues every copy with TMA, Hopper's tile copy
+  engine. Per tile, the program's Q blocks once; then K_j and V_j into a ring of NUM_STAGES
+  shared-memory slots. A `ready` mbarrier per slot fires when the copy lands; an `empty` mbarrier
+  per slot counts the consumers that are done with it.
+* consumers (2 or 3 warpgroups of 4 warps, up to 240 registers per thread): each owns 64 query
+  rows of the tile and keeps its m, l and O accumulator (64 x d fp32) in registers. Step j starts
+  S_j = Q K_j^T and O += P_{j-1} V_{j-1} (asynchronous wgmma), waits for S_j only, and computes
+  S_j's softmax while P_{j-1} V_{j-1} is still on the tensor cores (intra-warpgroup overlap).
+* PINGPONG: consumers take turns to issue their products (a `turn` mbarrier each, passed round
+  the ring), so one warpgroup's softmax runs while another's products occupy the tensor cores.
+* PERSISTENT: one program per SM loops over tiles, so one tile's epilogue and the next tile's
+  first loads overlap; otherwise one program per tile.
+
+Shared memory per program: (64 * consumers + 2 * NUM_STAGES * BLOCK_N) * d * 2 bytes (224 KB for
+d = 128 with 3 stages: one program per SM). HBM traffic is the Triton forward's: Q, O once, K and
+V once per tile of 64 * consumers query rows (mostly from L2).
+
+Used by `forward.forward` (and so by `flash_attention`) on a Hopper GPU for contiguous
+(B, H, N, d) bfloat16 / float16 inputs with d in {64, 128}, where `choose` says it is faster than the
+Triton kernel; everything else takes the Triton kernel. No CPU path: Gluon has no interpreter.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+LOG2E = 1.4426950408889634
+HEAD_DIMS = (64, 128)
+DTYPES = (torch.bfloat16, torch.float16)
+QUERY_ROWS = 64  # query rows per consumer warpgroup: one wgmma's M
+ROWS = gl.constexpr(QUERY_ROWS)  # the same, for the kernels (which may only read constexpr globals)
+
+
+@gluon.jit
+def _online_softmax(s, m_i, l_i, qk_scale, DTYPE: gl.constexpr, p_layout: gl.constexpr):
+    """Online-softmax update for one (64, BLOCK_N) score tile s (fp32, registers, wgmma layout).
+
+    Returns P = exp2(s * qk_scale - m_new) in 16 bits, laid out as the A operand of the next
+    product (registers); the new row max m_new and row sum l_new; alpha = exp2(m_i - m_new), the
+    factor the output accumulator must be rescaled by."""
+    m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+    p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
+    alpha = gl.exp2(m_i - m_new)
+    l_new = l_i * alpha + gl.sum(p, 1)
+    p_op = gl.convert_layout(p.to(DTYPE), p_layout)
+    return p_op, m_new, l_new, alpha
+
+
+@gluon.jit
+def _softmax_step(
+    s, m_i, l_i, cols, rows, n_k, qk_scale, masked,
+    CAUSAL: gl.constexpr, DTYPE: gl.constexpr, p_layout: gl.constexpr,
+):  # fmt: skip
+    """`_online_softmax` of s, with invisible scores (key past n_k; key after query when CAUSAL)
+    set to -inf first when `masked`. A run-time branch: only the last block and the causal
+    diagonal pay for masks. Each branch holds a whole softmax, which keeps the exponentials in
+    their own basic block, ahead of the wgmma wait that follows: the assembler schedules within a
+    block, and a PTX wgmma wait names no registers, so it would otherwise be free to hoist the
+    wait above the exponentials and nothing would overlap (seen in the machine code)."""
+    if masked:
+        visible = gl.expand_dims(cols, 0) < n_k
+        if CAUSAL:
+            visible = visible & (gl.expand_dims(rows, 1) >= gl.expand_dims(cols, 0))
+        s = gl.where(visible, s, float("-inf"))
+        p_op, m_new, l_new, alpha = _online_softmax(s, m_i, l_i, qk_scale, DTYPE, p_layout)
+    else:
+        p_op, m_new, l_new, alpha = _online_softmax(s, m_i, l_i, qk_scale, DTYPE, p_layout)
+    return p_op, m_new, l_new, alpha
+
+
+@gluon.jit
+def _tile(k, BH, num_m, num_tiles, CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr):
+    """The tile of this program's round k: (valid, batch*head index, query-block index).
+
+    One program per tile (not PERSISTENT): round 0 only, tile = program id; tiles of one head are
+    adjacent (its K and V stay in L2) and, under CAUSAL, its longest query blocks come first.
+    PERSISTENT: round k covers tiles k*G ... k*G + G - 1 of the G programs, in snake order (program
+    G-1-pid on odd rounds). Under CAUSAL the tiles are then ordered longest first over all heads, so
+    that each program gets long and short ones: a static round-robin over head-major tiles gives
+    program pid the same query block of every head whenever G is a multiple of the blocks per head,
+    and 1.5-1.8x the average work at the standard shapes (a simulation)."""
+    G = gl.num_programs(0)
+    pid = gl.program_id(0)
+    t = k * G + gl.where(k % 2 == 0, pid, G - 1 - pid)
+    if CAUSAL and PERSISTENT:
+        off_hz = t % BH
+        start_m = num_m - 1 - t // BH
+    else:
+        off_hz = t // num_m
+        start_m = t % num_m
+        if CAUSAL:
+            start_m = num_m - 1 - start_m
+    return t < num_tiles, off_hz, start_m
+
+
+@gluon.jit
+def _n_blocks(start_m, N_K, CTA_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+    """How many K/V blocks the query block start_m visits (causal: none past its last row)."""
+    n = gl.cdiv(N_K, BLOCK_N)
+    if CAUSAL:
+        n = gl.minimum(n, gl.cdiv((start_m + 1) * CTA_M, BLOCK_N))
+    return n
+
+
+@gluon.jit
+def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_bar, v_bar, empty_bar,
+              BH, N_Q, N_K, num_m, num_tiles,
+              CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+              NUM_CONSUMERS: gl.constexpr, PERSISTENT: gl.constexpr):  # fmt: skip
+    """One warp issues every TMA copy (HBM -> shared memory) of the program. Per tile: the Q blocks,
+    once the consumers are done with the previous tile's; then K_j, V_j into ring slot
+    it % NUM_STAGES, once every consumer has released that slot. `it` counts K/V blocks over all
+    of the program's tiles. Rows past a head's end are the next head's (or zeros past the tensor):
+    the consumers mask those keys and never store those queries."""
+    CTA_M: gl.constexpr = ROWS * NUM_CONSUMERS
+    it = 0
+    tcount = 0
+    for k in range(gl.cdiv(num_tiles, gl.num_programs(0))):
+        valid, off_hz, start_m = _tile(k, BH, num_m, num_tiles, CAUSAL, PERSISTENT)
+        n_blocks = gl.where(valid, _n_blocks(start_m, N_K, CTA_M, BLOCK_N, CAUSAL), 0)
+        q_row = off_hz * N_Q + start_m * CTA_M
+        kv_row = off_hz * N_K
+        for c in gl.static_range(NUM_CONSUMERS):
+            # A fresh mbarrier counts as having completed the phase before phase 0, so the first
+            # wait on each `empty` barrier returns at once.
+            mbarrier.wait(q_empty.index(c), (tcount & 1) ^ 1, pred=valid)
+            mbarrier.expect(q_bar.index(c), q_desc.block_type.nbytes, pred=valid)
+            tma.async_copy_global_to_shared(
+                q_desc, [q_row + c * ROWS, 0], q_bar.index(c), q_smem.index(c), pred=valid
+            )
+        for j in range(n_blocks):
+            slot = it % NUM_STAGES
+            mbarrier.wait(empty_bar.index(slot), ((it // NUM_STAGES) & 1) ^ 1)
+            row = kv_row + j * BLOCK_N
+            mbarrier.expect(k_bar.index(slot), k_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(k_desc, [row, 0], k_bar.index(slot), k_smem.index(slot))
+            mbarrier.expect(v_bar.index(slot), v_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(v_desc, [row, 0], v_bar.index(slot), v_smem.index(slot))
+            it += 1
+        tcount += gl.where(valid, 1, 0)
+
+
+@gluon.jit
+def _consumer(q_smem, k_smem, v_smem, q_bar, q_empty, k_bar, v_bar, empty_bar, turn_bar,
+              O, L, qk_scale, stride_ob, stride_oh, stride_om, stride_lb, stride_lh,
+              BH, H, N_Q, N_K, num_m, num_tiles,
+              CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+              NUM_CONSUMERS: gl.constexpr, PINGPONG: gl.constexpr, PERSISTENT: gl.constexpr,
+              WG: gl.constexpr):  # fmt: skip
+    """Warpgroup WG: for each of the program's tiles, O and L of the tile's query rows
+    64 * WG ... 64 * WG + 63 (m, l: 64 floats, acc: 64 x HEAD_DIM fp32, all in registers)."""
+    dtype: gl.constexpr = q_smem.dtype
+    CTA_M: gl.constexpr = ROWS * NUM_CONSUMERS
+    # Register layouts of the two products' results: wgmma tiles of 16 rows x N columns per warp.
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
+    )
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16]
+    )
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
+    NEXT: gl.constexpr = (WG + 1) % NUM_CONSUMERS
+    q = q_smem.index(WG)
+    s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
+    offs_n = gl.arange(0, BLOCK_N, layout=col_layout)
+
+    it = 0  # K/V blocks consumed over all tiles: gives ring slot, ring phase and turn parity
+    tcount = 0
+    for k in range(gl.cdiv(num_tiles, gl.num_programs(0))):
+        valid, off_hz, start_m = _tile(k, BH, num_m, num_tiles, CAUSAL, PERSISTENT)
+        if valid:
+            n_blocks = _n_blocks(start_m, N_K, CTA_M, BLOCK_N, CAUSAL)
+            m_start = start_m * CTA_M + WG * ROWS
+            first_masked = N_K // BLOCK_N  # blocks from here on need the mask
+            if CAUSAL:
+                first_masked = gl.minimum(first_masked, m_start // BLOCK_N)
+            rows = m_start + gl.arange(0, ROWS, layout=row_layout)
+            m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=row_layout)
+            l_i = gl.zeros([ROWS], gl.float32, layout=row_layout)
+            acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
+
+            # Block 0: S_0 = Q K_0^T and its softmax; P_0 waits in registers for V_0.
+            slot = it % NUM_STAGES
+            mbarrier.wait(q_bar.index(WG), tcount & 1)
+            mbarrier.wait(k_bar.index(slot), (it // NUM_STAGES) & 1)
+            if PINGPONG:
+                mbarrier.wait(turn_bar.index(WG), it & 1)
+            s_tok = warpgroup_mma(q, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            if PINGPONG:
+                mbarrier.arrive(turn_bar.index(NEXT), count=1)
+            s = warpgroup_mma_wait(0, deps=[s_tok])
+            p_op, m_i, l_i, alpha = _softmax_step(
+                s, m_i, l_i, offs_n, rows, N_K, qk_scale, first_masked == 0, CAUSAL, dtype, p_layout
+            )
+
+            for j in range(1, n_blocks):
+                g = it + j
+                slot = g % NUM_STAGES
+                prev = (g - 1) % NUM_STAGES
+                # Issue S_j = Q K_j^T and O += P_{j-1} V_{j-1}; both run on the tensor cores.
+                mbarrier.wait(k_bar.index(slot), (g // NUM_STAGES) & 1)
+                if PINGPONG:
+                    mbarrier.wait(turn_bar.index(WG), g & 1)
+                s_tok = warpgroup_mma(
+                    q, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True
+                )
+                mbarrier.wait(v_bar.index(prev), ((g - 1) // NUM_STAGES) & 1)
+                acc_tok = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
+                if PINGPONG:
+                    mbarrier.arrive(turn_bar.index(NEXT), count=1)
+                # Wait for S_j only (the older of the two): its softmax overlaps P_{j-1} V_{j-1}.
+                s = warpgroup_mma_wait(1, deps=[s_tok])
+                p_next, m_i, l_i, alpha = _softmax_step(
+                    s, m_i, l_i, j * BLOCK_N + offs_n, rows, N_K, qk_scale, j >= first_masked, CAUSAL, dtype,
+                    p_layout,
+                )  # fmt: skip
+                # p_next through the wait: the softmax must finish before it (see _softmax_step).
+                acc, p_op, p_next = warpgroup_mma_wait(0, deps=[acc_tok, p_op, p_next])
+                mbarrier.arrive(empty_bar.index(prev), count=1)  # K, V of block j - 1: done here
+                p_op = p_next
+                acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+
+            # Every S of this tile is done: the producer may load the next tile's Q.
+            mbarrier.arrive(q_empty.index(WG), count=1)
+            it += n_blocks
+            last = (it - 1) % NUM_STAGES
+            mbarrier.wait(v_bar.index(last), ((it - 1) // NUM_STAGES) & 1)
+            acc_tok = warpgroup_mma(p_op, v_smem.index(last), acc, is_async=True)
+            acc = warpgroup_mma_wait(0, deps=[acc_tok])
+            mbarrier.arrive(empty_bar.index(last), count=1)
+            tcount += 1
+
+            # O = acc / l (registers -> HBM, rows past N_Q masked), L = (m + log2 l) * ln 2.
+            l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
+            out = (acc / gl.expand_dims(l_o, 1)).to(dtype)
+            o_rows = m_start + gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))
+            o_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+            off_b = off_hz // H
+            off_h = off_hz % H
+            o_base = O + off_b.to(gl.int64) * stride_ob + off_h.to(gl.int64) * stride_oh
+            o_ptrs = o_base + gl.expand_dims(o_rows, 1) * stride_om + gl.expand_dims(o_cols, 0)
+            gl.store(o_ptrs, out, mask=gl.expand_dims(o_rows < N_Q, 1))
+            lse = (m_i + gl.log2(l_i)) * 0.6931471805599453
+            l_ptrs = L + off_b.to(gl.int64) * stride_lb + off_h.to(gl.int64) * stride_lh + rows
+            gl.store(l_ptrs, lse, mask=rows < N_Q)
+
+
+@gluon.jit
+def _fwd_ws_kernel(
+    q_desc, k_desc, v_desc, O, L, qk_scale,
+    stride_ob, stride_oh, stride_om, stride_lb, stride_lh,
+    BH, H, N_Q, N_K,
+    CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+    NUM_CONSUMERS: gl.constexpr, PINGPONG: gl.constexpr, PERSISTENT: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr,
+):  # fmt: skip
+    """O and L for tiles of CTA_M = 64 * NUM_CONSUMERS query rows of one (batch, head).
+
+    q_desc, k_desc, v_desc: TMA descriptors of the (B*H*N, d) matrices with blocks (64, d) and
+    (BLOCK_N, d). O (B, H, N_Q, d) with strides stride_o*, unit last stride; L (B, H, N_Q) float32.
+    qk_scale = softmax scale * log2(e). Grid: one program per tile, or (PERSISTENT) one per SM.
+    Launched with num_warps=4: the kernel's own four warps are consumer 0; the other consumers and
+    the producer are worker partitions of `gl.warp_specialize`."""
+    dtype: gl.constexpr = q_desc.dtype
+    CTA_M: gl.constexpr = ROWS * NUM_CONSUMERS
+    num_m = gl.cdiv(N_Q, CTA_M)
+    num_tiles = num_m * BH
+
+    # Shared memory: Q (one 64 x d block per consumer), the K and V rings, and the mbarriers.
+    q_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, ROWS, HEAD_DIM], q_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
+    k_bar = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    v_bar = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    empty_bar = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    turn_bar = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
+    for c in gl.static_range(NUM_CONSUMERS):
+        mbarrier.init(q_bar.index(c), count=1)
+        mbarrier.init(q_empty.index(c), count=1)
+        mbarrier.init(turn_bar.index(c), count=1)
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(k_bar.index(i), count=1)
+        mbarrier.init(v_bar.index(i), count=1)
+        mbarrier.init(empty_bar.index(i), count=NUM_CONSUMERS)
+    fence_async_shared()
+    if PINGPONG:
+        mbarrier.arrive(turn_bar.index(0), count=1)  # consumer 0 issues first
+
+    # The partitions' arguments are spelled out in each call: a tuple built in a variable first
+    # turns its constexpr entries into run-time values.
+    if NUM_CONSUMERS == 2:
+        gl.warp_specialize(
+            [
+                (_consumer, (q_smem, k_smem, v_smem, q_bar, q_empty, k_bar, v_bar, empty_bar, turn_bar,
+                             O, L, qk_scale, stride_ob, stride_oh, stride_om, stride_lb, stride_lh,
+                             BH, H, N_Q, N_K, num_m, num_tiles, CAUSAL, HEAD_DIM, BLOCK_N, NUM_STAGES,
+                             NUM_CONSUMERS, PINGPONG, PERSISTENT, 0)),
+                (_consumer, (q_smem, k_smem, v_smem, q_bar, q_empty, k_bar, v_bar, empty_bar, turn_bar,
+                             O, L, qk_scale, stride_ob, stride_oh, stride_om, stride_lb, stride_lh,
+                             BH, H, N_Q, N_K, num_m, num_tiles, CAUSAL, HEAD_DIM, BLOCK_N, NUM_STAGES,
+                             NUM_CONSUMERS, PINGPONG, PERSISTENT, 1)),
+                (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_bar, v_bar,
+                             empty_bar, BH, N_Q, N_K, num_m, num_tiles,
+                             CAUSAL, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, PERSISTENT)),
+            ],
+            [4, 1], [CONSUMER_REGS, 24],
+        )  # fmt: skip
+    else:
+        gl.warp_specialize(
+            [
+                (_consumer, (q_smem, k_smem, v_smem, q_bar, q_empty, k_bar, v_bar, empty_bar, turn_bar,
+                             O, L, qk_scale, stride_ob, stride_oh, stride_om, stride_lb, stride_lh,
+                             BH, H, N_Q, N_K, num_m, num_tiles, CAUSAL, HEAD_DIM, BLOCK_N, NUM_STAGES,
+                             NUM_CONSUMERS, PINGPONG, PERSISTENT, 0)),
+                (_consumer, (q_smem, k_smem, v_smem, q_bar, q_empty, k_bar, v_bar, empty_bar, turn_bar,
+                             O, L, qk_scale, stride_ob, stride_oh, stride_om, stride_lb, stride_lh,
+                             BH, H, N_Q, N_K, num_m, num_tiles, CAUSAL, HEAD_DIM, BLOCK_N, NUM_STAGES,
+                             NUM_CONSUMERS, PINGPONG, PERSISTENT, 1)),
+                (_consumer, (q_smem, k_smem, v_smem, q_bar, q_empty, k_bar, v_bar, empty_bar, turn_bar,
+                             O, L, qk_scale, stride_ob, stride_oh, stride_om, stride_lb, stride_lh,
+                             BH, H, N_Q, N_K, num_m, num_tiles, CAUSAL, HEAD_DIM, BLOCK_N, NUM_STAGES,
+                             NUM_CONSUMERS, PINGPONG, PERSISTENT, 2)),
+                (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_bar, v_bar,
+                             empty_bar, BH, N_Q, N_K, num_m, num_tiles,
+                             CAUSAL, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, PERSISTENT)),
+            ],
+            [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24],
+        )  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------------------
+# Host side
+# --------------------------------------------------------------------------------------------------
+# A variant: (BLOCK_N, NUM_STAGES, NUM_CONSUMERS, PINGPONG, PERSISTENT).
+D128_SHORT = (128, 3, 2, True, True)  # d = 128, tiles of <= 16 K/V blocks on average
+D128_LONG = (128, 3, 2, True, False)
+D64 = (128, 3, 3, True, True)
+
+
+def choose(d: int, causal: bool, n_q: int, n_k: int) -> tuple | None:
+    """The variant to run for this shape, or None where the Triton kernel was faster.
+
+    From `scripts/hopper_ws_forward.py` on an H200 (notes/performance.md, "Fourth round"): at
+    d = 128 this kernel wins everywhere, one program per SM (persistent) while tiles are short (on
+    average <= 16 K/V blocks of 128: the epilogue of one overlaps the next one's loads) and one
+    program per tile beyond. At d = 64 the exponentials, not the tensor cores, set the pace; three
+    consumers win on long rows, the Triton kernel on short and causal ones."""
+    blocks = triton.cdiv(n_k, 128) / (2 if causal else 1)  # K/V blocks per tile, on average
+    if d == 128:
+        return D128_SHORT if blocks <= 16 else D128_LONG
+    if d == 64:
+        return D64 if n_k >= (8192 if causal else 2048) else None
+    return None
+
+
+def supports(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor) -> bool:
+    """Whether this kernel can take these (B, H, N, d) tensors: a Hopper GPU (compute capability
+    9.x), bfloat16 or float16, d in HEAD_DIMS, each tensor contiguous (the descriptors view it as a
+    (B*H*N, d) matrix) at a 16-byte aligned address (what TMA requires)."""
+    if not (q4.is_cuda and torch.cuda.get_device_capability(q4.device)[0] == 9):
+        return False
+    if q4.dtype not in DTYPES or q4.shape[-1] not in HEAD_DIMS:
+        return False
+    return all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (q4, k4, v4))
+
+
+def launch_options(num_consumers: int) -> dict:
+    """Warps and registers: 4 * num_consumers + 4 warps (the producer's warp is padded to a
+    warpgroup) share the SM's 64K registers. `setmaxnreg` drops the producer's warpgroup to 24 per
+    thread; the worker consumers get CONSUMER_REGS, consumer 0 (the default partition) the rest."""
+    warps = 4 * num_consumers + 4
+    maxnreg = (65536 // (warps * 32)) // 8 * 8
+    consumer_regs = min(240, ((maxnreg * (warps // 4) - 24) // num_consumers) // 8 * 8)
+    return {"num_warps": 4, "maxnreg": maxnreg, "CONSUMER_REGS": consumer_regs}
+
+
+@functools.cache
+def _smem_layout(rows: int, d: int, dtype: torch.dtype):
+    return gl.NVMMASharedLayout.get_default_for(
+        [rows, d], gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
+    )
+
+
+def _descriptor(t4: torch.Tensor, rows: int) -> TensorDescriptor:
+    """A TMA descriptor of a contiguous t4 (B, H, N, d) viewed as one (B*H*N, d) matrix, in blocks
+    of (rows, d)."""
+    B, H, N, d = t4.shape
+    mat = t4.view(B * H * N, d)
+    return TensorDescriptor(mat, [B * H * N, d], [d, 1], [rows, d], _smem_layout(rows, d, t4.dtype))
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def forward(q4, k4, v4, o4, lse3, causal: bool, scale: float, variant: tuple) -> None:
+    """Write O into o4 (B, H, Nq, d) and L into lse3 (B, H, Nq) float32, for q4 (B, H, Nq, d) and
+    k4, v4 (B, H, Nk, d) that pass `supports`; variant from `choose` (or any of VARIANTS, for tests).
+    The caller makes q4's GPU current."""
+    B, H, n_q, d = q4.shape
+    n_k = k4.shape[2]
+    block_n, stages, consumers, pingpong, persistent = variant
+    tiles = triton.cdiv(n_q, QUERY_ROWS * consumers) * B * H
+    grid = (min(tiles, _sm_count(q4.device.index)) if persistent else tiles,)
+    _fwd_ws_kernel[grid](
+        _descriptor(q4, QUERY_ROWS), _descriptor(k4, block_n), _descriptor(v4, block_n),
+        o4, lse3, scale * LOG2E,
+        o4.stride(0), o4.stride(1), o4.stride(2), lse3.stride(0), lse3.stride(1),
+        B * H, H, n_q, n_k,
+        CAUSAL=causal, HEAD_DIM=d, BLOCK_N=block_n, NUM_STAGES=stages, NUM_CONSUMERS=consumers,
+        PINGPONG=pingpong, PERSISTENT=persistent, **launch_options(consumers),
+    )  # fmt: skip
+
+
+# Every variant the tests check (each must fit in 227 KB of shared memory at its head dims).
+VARIANTS = {
+    128: (D128_SHORT, D128_LONG, (128, 3, 2, False, True)),
+    64: (D64, (128, 3, 3, False, False), (128, 4, 2, True, True)),
+}

@@ -1,0 +1,129 @@
+"""Tests of course_lib.flash_triton.hopper: FlashAttention-3's warp-specialised forward in Gluon.
+
+The kernel runs only on a Hopper GPU (Gluon has no interpreter): there every variant is compared with
+the float64 reference (ragged lengths, Nq != Nk, causal, bf16 and fp16, d = 64 and 128, one or several
+tiles per program), and `forward.forward` is checked to take it where `hopper.choose` says and to
+leave it otherwise. On any machine: the launch parameters fit the hardware, and the CPU never takes it.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import pytest
+import torch
+
+import course_lib
+from course_lib.flash_triton import forward as fwd_mod
+from course_lib.reference import attention as reference_attention
+from course_lib.testing import assert_close_to_reference, random_qkv, reference_outputs
+
+hopper = pytest.importorskip("course_lib.flash_triton.hopper", reason="needs a Triton with Gluon")
+
+ON_HOPPER = course_lib.ON_GPU and torch.cuda.get_device_capability()[0] == 9
+hopper_gpu = pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU (compute capability 9.x)")
+SMEM_BYTES = 227 * 1024  # shared memory one program may use on a Hopper SM
+
+
+def _smem(variant, d: int) -> int:
+    block_n, stages, consumers, _, _ = variant
+    return (hopper.QUERY_ROWS * consumers + 2 * stages * block_n) * d * 2
+
+
+def test_variants_fit_an_sm():
+    """Every variant (and every choice) fits in shared memory and the register file."""
+    for d, variants in hopper.VARIANTS.items():
+        for variant in variants:
+            assert _smem(variant, d) <= SMEM_BYTES, (
+                f"d={d} {variant}: {_smem(variant, d)} bytes of shared memory"
+            )
+            opts = hopper.launch_options(variant[2])
+            warps = 4 * variant[2] + 4
+            assert opts["maxnreg"] * warps * 32 <= 65536, f"{variant}: {opts} exceeds 64K registers"
+            assert opts["CONSUMER_REGS"] % 8 == 0 and 24 < opts["CONSUMER_REGS"] <= 240, f"{variant}: {opts}"
+    for d in (64, 128):
+        for causal in (False, True):
+            for n in (1, 100, 1024, 4096, 16384, 65536):
+                variant = hopper.choose(d, causal, n, n)
+                assert variant is None or variant in hopper.VARIANTS[d], f"d={d} N={n}: {variant}"
+    assert hopper.choose(32, False, 4096, 4096) is None and hopper.choose(256, True, 4096, 4096) is None
+
+
+def test_cpu_never_takes_it():
+    """Under the interpreter `forward.forward` has no Gluon path to take."""
+    if course_lib.ON_GPU:
+        pytest.skip("a GPU run")
+    assert fwd_mod.hopper_kernels() is None
+
+
+# (name, q shape (B, H, Nq, d), Nk, causal): a tile of 128 or 192 query rows, K/V blocks of 128.
+CASES = [
+    ("N=1000, Nk=1531", (2, 3, 1000, None), 1531, False),
+    ("N=1000, Nk=1531, causal", (2, 3, 1000, None), 1531, True),
+    ("Nq=77 < Nk=300, causal", (2, 3, 77, None), 300, True),
+    ("Nq=300 > Nk=77, causal", (2, 3, 300, None), 77, True),
+    ("N=130 ragged", (1, 5, 130, None), 130, False),
+    ("N=4096, causal, many tiles per SM", (1, 40, 4096, None), 4096, True),
+    ("N=1, one query", (3, 2, 1, None), 1, True),
+]
+
+
+@hopper_gpu
+@pytest.mark.parametrize("d", (64, 128))
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=("bf16", "fp16"))
+@pytest.mark.parametrize("name,shape,n_k,causal", CASES, ids=[c[0] for c in CASES])
+def test_every_variant_matches_reference(name, shape, n_k, causal, dtype, d):
+    torch.manual_seed(zlib.crc32(name.encode()) + d)
+    q, k, v = random_qkv(shape[:3] + (d,), n_k, dtype=dtype, device="cuda")
+    ref_o, ref_l = reference_attention(*(t.cpu().double() for t in (q, k, v)), causal, return_lse=True)
+    base_o, _ = reference_outputs(q, k, v, causal)
+    for variant in hopper.VARIANTS[d]:
+        o = torch.empty_like(q)
+        lse = torch.empty(q.shape[:-1], dtype=torch.float32, device="cuda")
+        hopper.forward(q, k, v, o, lse, causal, d**-0.5, variant)
+        what = f"{name}, d={d}, {dtype}, variant {variant}"
+        assert_close_to_reference(o, ref_o, base_o, what=f"O, {what}")
+        torch.testing.assert_close(lse.cpu().double(), ref_l, rtol=1e-4, atol=1e-4, msg=f"L, {what}")
+
+
+@hopper_gpu
+def test_forward_takes_it_where_chosen(monkeypatch):
+    """`forward.forward` runs the Gluon kernel for contiguous 16-bit inputs where `choose` picks it,
+    and the Triton kernel for strided inputs, other head dims, `hopper=False` and fixed launches."""
+    calls = []
+    real = hopper.forward
+    monkeypatch.setattr(hopper, "forward", lambda *a: calls.append(a[-1]) or real(*a))
+    torch.manual_seed(7)
+    q, k, v = random_qkv((2, 4, 700, 128), 900, dtype=torch.bfloat16, device="cuda")
+    o, lse = fwd_mod.forward(q, k, v, True)
+    assert calls == [hopper.choose(128, True, 700, 900)], f"Gluon kernel calls: {calls}"
+    o_triton, lse_triton = fwd_mod.forward(q, k, v, True, config={"hopper": False})
+    assert len(calls) == 1, "config={'hopper': False} still ran the Gluon kernel"
+    torch.testing.assert_close(o, o_triton, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(lse, lse_triton, rtol=1e-3, atol=1e-3)
+    # Not taken: a strided view (SDPA's (B, N, H, d) layout), d = 32, a fixed launch, d = 64 at N = 700.
+    fwd_mod.forward(q.transpose(1, 2).contiguous().transpose(1, 2), k, v, True)
+    fwd_mod.forward(q[..., :32], k[..., :32], v[..., :32], True)
+    fwd_mod.forward(q, k, v, True, config={"BLOCK_M": 64})
+    fwd_mod.forward(q[..., :64].contiguous(), k[..., :64].contiguous(), v[..., :64].contiguous(), True)
+    assert len(calls) == 1, f"the Gluon kernel ran where it should not: {calls}"
+    assert not fwd_mod._HOPPER_FAILED, fwd_mod._HOPPER_FAILED
+
+
+@hopper_gpu
+def test_training_step_through_it():
+    """flash_attention forward (Gluon kernel) + backward (Triton kernels, from the Gluon kernel's L)
+    against the float64 reference, at a size where `choose` picks a kernel for each head dim."""
+    for d, n in ((128, 1024), (64, 2048)):
+        assert hopper.choose(d, False, n, n) is not None
+        torch.manual_seed(d)
+        q, k, v = random_qkv((1, 2, n, d), n, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+        do = torch.randn_like(q)
+        o = course_lib.flash_attention(q, k, v)
+        o.backward(do)
+        q64, k64, v64, do64 = (t.detach().cpu().double() for t in (q, k, v, do))
+        ref_o, ref_g = reference_outputs(q64, k64, v64, False, None, do64)
+        base_o, base_g = reference_outputs(q, k, v, False, None, do)
+        assert_close_to_reference(o, ref_o, base_o, what=f"O, d={d}, N={n}")
+        for name, t, r, b in zip(("dq", "dk", "dv"), (q, k, v), ref_g, base_g):
+            assert_close_to_reference(t.grad, r, b, what=f"{name}, d={d}, N={n}")
