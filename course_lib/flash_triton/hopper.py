@@ -373,6 +373,8 @@ def choose(d: int, causal: bool, n_q: int, n_k: int) -> tuple | None:
     consumers win on long rows, the Triton kernel on short and causal ones."""
     blocks = triton.cdiv(n_k, 128) / (2 if causal else 1)  # K/V blocks per tile, on average
     if d == 128:
+        if blocks <= 4:  # causal N <= 1k: tiles of 1-8 blocks, no faster than Triton (3 runs)
+            return None
         return D128_SHORT if blocks <= 16 else D128_LONG
     if d == 64:
         return D64 if n_k >= (8192 if causal else 2048) else None
@@ -383,7 +385,7 @@ def supports(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor) -> bool:
     """Whether this kernel can take these (B, H, N, d) tensors: a Hopper GPU (compute capability
     9.x), bfloat16 or float16, d in HEAD_DIMS, each tensor contiguous (the descriptors view it as a
     (B*H*N, d) matrix) at a 16-byte aligned address (what TMA requires)."""
-    if not (q4.is_cuda and torch.cuda.get_device_capability(q4.device)[0] == 9):
+    if not (q4.is_cuda and _capability(q4.device.index)[0] == 9):
         return False
     if q4.dtype not in DTYPES or q4.shape[-1] not in HEAD_DIMS:
         return False
@@ -413,6 +415,11 @@ def _descriptor(t4: torch.Tensor, rows: int) -> TensorDescriptor:
     B, H, N, d = t4.shape
     mat = t4.view(B * H * N, d)
     return TensorDescriptor(mat, [B * H * N, d], [d, 1], [rows, d], _smem_layout(rows, d, t4.dtype))
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
 
 
 @functools.cache
