@@ -339,6 +339,9 @@ else:
 # notebooks 06 and 07 to the finished ones, one change at a time, through the `config=` switches of
 # `forward.forward` and `backward.backward` (`"exp2"`, `"skip_masked_blocks"`, `BLOCK_M`, `BLOCK_N`,
 # `num_warps`, `num_stages`; `config=None` is the tuned kernel) and the backward's work split `dq_mode`.
+# The forward's last rung leaves Triton's programming model: on a Hopper GPU, `config=None` runs a
+# warp-specialised kernel written in Gluon (`course_lib/flash_triton/hopper.py`), and `{"hopper": False}`
+# keeps the autotuned Triton kernel (on other GPUs and the CPU the two rungs are the same kernel).
 # Each rung carries a gain **predicted** from bytes and FLOPs, written next to it in `course_lib.bench`,
 # *before* it was measured. The shape: d = 128, N = 4096, causal, bf16, B·N = 16k tokens.
 
@@ -367,6 +370,12 @@ for step in bench.LADDER:
 #   the FLOPs per byte of K and V (64 → 128 FLOP/B, still under the H200's ridge of ~190 FLOP/B).
 # - **Pipeline stages.** With `num_stages` > 1 the loads of the next K/V tile are issued while the tensor
 #   cores work on the current one, hiding memory latency.
+# - **Warp specialisation (Hopper).** In the Triton kernel every warp loads, multiplies and exponentiates
+#   in turn, so the tensor cores idle during each softmax (about a third of a step at d = 128). In the
+#   Gluon kernel one warp only issues tile copies (TMA), and two consumer warpgroups, 64 query rows each,
+#   take turns on the tensor cores: one's softmax runs while the other's products do (FlashAttention-3's
+#   ping-pong), and each also starts its next S = Q K^T before it exponentiates the current one.
+#   Predicted ~1.2x: the softmax hidden, less the synchronisation and the causal diagonal's short tiles.
 # - **The backward's work split.** The two-kernel backward computes dK, dV in one kernel and dQ in
 #   another, which recomputes S and dP: 7 tile matmuls instead of 5. The atomic variant does one pass and
 #   adds dQ with fp32 atomics instead: fewer FLOPs, more (atomic) memory traffic.
@@ -475,19 +484,22 @@ if att_rec is not None:
     print(bench.format_report(att_rec["data"]))
 
 # %% [markdown]
-# **Reading the comparison.** Against FlashAttention-2 (SDPA's FLASH_ATTENTION backend) course_lib's Triton
-# kernels are ahead in every cell of the recorded run. Against cuDNN, PyTorch's default on Hopper, the forward
-# trails, most at d = 128 and short sequences. cuDNN's Hopper kernel overlaps the softmax of one tile with
-# the matrix products of the next: warpgroups specialised as producers (the tensor memory accelerator's tile
-# copies) and consumers that take turns on the tensor cores. In our kernel every warp loads, multiplies and
-# exponentiates in turn, so at d = 128 the exponentials and the rescaling sit on the critical path. Three
-# ways to change that were tried (`notes/performance.md` has each one, predicted and measured):
-# - Triton 3.6's automatic warp specialisation (`tl.range(..., warp_specialize=True)`). For this kernel it
+# **Reading the comparison.** Against FlashAttention-2 (SDPA's FLASH_ATTENTION backend) course_lib's
+# kernels are ahead in every cell of the recorded run. Against cuDNN, PyTorch's default on Hopper, the
+# forward is level or ahead on long sequences and trails on short causal ones, where each program's tile
+# has few K/V blocks to amortise its start and end. The forward+backward trails cuDNN: the backward is
+# still the Triton kernels of notebook 07, where every warp does everything in turn.
+#
+# cuDNN's lead over a Triton kernel comes from overlapping the softmax with the matrix products, which
+# needs warps with different jobs. `notes/performance.md` records each attempt at that, predicted and
+# measured:
+# - Triton 3.6's automatic warp specialisation (`tl.range(..., warp_specialize=True)`): for this kernel it
 #   failed to compile with 4 warps and ran slower with 8.
-# - Writing the overlap by hand in Gluon, Triton's lower-level dialect: asynchronous `warpgroup_mma` with
-#   explicit waits, in `scripts/hopper_gluon_forward.py`. It matched the Triton kernel overall, but did
-#   not beat it.
-# - Every launch configuration, and TMA loads (`config={"tma": True}`). Neither closed the gap.
+# - Gluon with asynchronous `warpgroup_mma` and explicit waits, but no specialised warps
+#   (`scripts/hopper_gluon_forward.py`): level with the Triton kernel, no better.
+# - Gluon with a producer warp, consumer warpgroups taking turns, and a persistent grid
+#   (`course_lib/flash_triton/hopper.py`, swept by `scripts/hopper_ws_forward.py`): the kernel course_lib
+#   now runs on Hopper wherever it measured faster (`hopper.choose`). The ladder's last forward rung is it.
 
 # %% [markdown]
 # ### Live, on this machine
@@ -612,6 +624,9 @@ check("predicted ladder total", lambda: predicted_total(fwd_steps), math.prod(s.
 # - `torch.profiler` shows where time goes per operator and kernel; Nsight Systems shows the timeline,
 #   Nsight Compute one kernel's hardware counters.
 # - Optimise one step at a time, predict each step from bytes and FLOPs, measure, and explain the gap.
+# - Past a point the limit is not bytes or FLOPs but overlap: on Hopper the forward's last step gives warps
+#   different jobs (a TMA producer, consumer warpgroups taking turns), which Triton cannot express and
+#   Gluon can.
 # - `make bench` records course_lib against every SDPA backend and standard attention, with plots and a
 #   ratio table; the notebooks show those records, labelled, wherever there is no GPU.
 #
@@ -622,3 +637,6 @@ check("predicted ladder total", lambda: predicted_total(fwd_steps), math.prod(s.
 #    compare the achieved occupancy and the "Compute (SM) Throughput".
 # 7. Add a rung to the ladder (for example BLOCK_N = 128 in the forward): write its predicted gain and
 #    the reason first, then measure it with `bench.ladder(steps=...)`.
+# 8. On a Hopper GPU, time `hopper.forward` with each of `hopper.VARIANTS` (ping-pong on and off, one
+#    program per tile or per SM) at d = 128, causal, N = 2k and 16k. Which wins where, and why would a
+#    persistent grid help short tiles most?
