@@ -94,14 +94,16 @@ def test_forward_takes_it_where_chosen(monkeypatch):
     real = hopper.forward
     monkeypatch.setattr(hopper, "forward", lambda *a: calls.append(a[-1]) or real(*a))
     torch.manual_seed(7)
-    q, k, v = random_qkv((2, 4, 700, 128), 900, dtype=torch.bfloat16, device="cuda")
+    q, k, v = random_qkv((2, 4, 700, 128), 1500, dtype=torch.bfloat16, device="cuda")
+    chosen = hopper.choose(128, True, 700, 1500)
+    assert chosen is not None, "the test needs a shape where the Gluon kernel is chosen"
     o, lse = fwd_mod.forward(q, k, v, True)
-    assert calls == [hopper.choose(128, True, 700, 900)], f"Gluon kernel calls: {calls}"
+    assert calls == [chosen], f"Gluon kernel calls: {calls}"
     o_triton, lse_triton = fwd_mod.forward(q, k, v, True, config={"hopper": False})
     assert len(calls) == 1, "config={'hopper': False} still ran the Gluon kernel"
     torch.testing.assert_close(o, o_triton, rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(lse, lse_triton, rtol=1e-3, atol=1e-3)
-    # Not taken: a strided view (SDPA's (B, N, H, d) layout), d = 32, a fixed launch, d = 64 at N = 700.
+    # Not taken: a strided view (SDPA's (B, N, H, d) layout), d = 32, a fixed launch, d = 64 at Nk = 1500.
     fwd_mod.forward(q.transpose(1, 2).contiguous().transpose(1, 2), k, v, True)
     fwd_mod.forward(q[..., :32], k[..., :32], v[..., :32], True)
     fwd_mod.forward(q, k, v, True, config={"BLOCK_M": 64})
