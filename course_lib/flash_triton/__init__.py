@@ -5,6 +5,8 @@
 - `forward.forward(q, k, v, causal, scale, config=None) -> (O, L)` and
   `backward.backward(do, q, k, v, o, L, causal, scale, config=None, dq_mode="two_kernel")
   -> (dq, dk, dv)`: the kernels with their launch exposed, for notebook 08's optimisation ladder.
+- `hopper`: FlashAttention-3's warp-specialised forward in Gluon, which `forward.forward` runs on
+  Hopper GPUs where it is faster (imported on first use there; notebook 08).
 """
 
 from __future__ import annotations
