@@ -4,7 +4,7 @@ For one shape, runs forward+backward back to back without synchronising and comp
 per call (what a training loop sees) with the GPU time of the kernels it launched (torch.profiler).
 Wall time well above kernel time means the CPU cannot launch work as fast as the GPU finishes it.
 
-    COURSE_DEVICE=cuda python3 scripts/launch_overhead.py [--profile] [--after-compile] [--breakdown]
+    COURSE_DEVICE=cuda python3 scripts/launch_overhead.py [--profile] [--after-compile] [--breakdown] [--hopper]
 """
 
 from __future__ import annotations
@@ -247,8 +247,65 @@ class _Identity(torch.autograd.Function):
         return g
 
 
+def hopper_breakdown(d=128, n=1024, calls=300):
+    """CPU cost of each layer of one forward with the warp-specialised Gluon kernel (Hopper only), on
+    (1, 16, n, d), non-causal, and the Python functions that take it (cProfile, own time)."""
+    import cProfile
+    import pstats
+
+    from course_lib.flash_triton import api, hopper
+    from course_lib.flash_triton import forward as Fw
+
+    q, k, v = (torch.randn(1, 16, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    o, lse = torch.empty_like(q), torch.empty(q.shape[:-1], device="cuda")
+    variant, scale = hopper.choose(d, False, n, n), d**-0.5
+    block_n, stages, consumers, pingpong, persistent = variant
+    descs = (
+        hopper._descriptor(q, hopper.QUERY_ROWS),
+        hopper._descriptor(k, block_n),
+        hopper._descriptor(v, block_n),
+    )
+    tiles = triton.cdiv(n, hopper.QUERY_ROWS * consumers) * 16
+    grid = (min(tiles, hopper._sm_count(0)) if persistent else tiles,)
+
+    def launch_only():
+        hopper._fwd_ws_kernel[grid](
+            *descs, o, lse, scale, o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1),
+            16, 16, n, n, CAUSAL=False, HEAD_DIM=d, BLOCK_N=block_n, NUM_STAGES=stages,
+            NUM_CONSUMERS=consumers, PINGPONG=pingpong, PERSISTENT=persistent, **hopper.launch_options(consumers),
+        )  # fmt: skip
+
+    rows = {
+        "three TMA descriptors (Python objects)": lambda: [hopper._descriptor(t, 128) for t in (q, k, v)],
+        "Gluon launch, descriptors built once": launch_only,
+        "hopper.forward (descriptors + launch)": lambda: hopper.forward(
+            q, k, v, o, lse, False, scale, variant
+        ),
+        "forward._forward, Gluon kernel": lambda: Fw._forward(q, k, v, False, scale, None, api._FAST),
+        "forward._forward, Triton kernel": lambda: Fw._forward(
+            q, k, v, False, scale, None, dict(api._FAST, HOPPER=False)
+        ),
+    }
+    print(
+        f"\nCPU time to issue (us per call: median, mean, 95th percentile), shape (1, 16, {n}, {d}), {variant}:"
+    )
+    for name, fn in rows.items():
+        print(f"  {name:<42} " + " ".join(f"{x:7.1f}" for x in per_call_us(fn)))
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        rows["hopper.forward (descriptors + launch)"]()
+    prof.disable()
+    torch.cuda.synchronize()
+    print(f"\ncProfile of {calls} hopper.forward calls, by own time:")
+    pstats.Stats(prof).sort_stats("tottime").print_stats(14)
+
+
 def main():
     assert course_lib.ON_GPU
+    if "--hopper" in sys.argv:
+        hopper_breakdown()
+        return
     if "--breakdown" in sys.argv:
         breakdown()
         return

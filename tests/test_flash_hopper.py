@@ -103,12 +103,16 @@ def test_forward_takes_it_where_chosen(monkeypatch):
     assert len(calls) == 1, "config={'hopper': False} still ran the Gluon kernel"
     torch.testing.assert_close(o, o_triton, rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(lse, lse_triton, rtol=1e-3, atol=1e-3)
+    # The homework's (batch, N, d) layout takes it too (viewed as (batch, 1, N, d)).
+    o3, _ = fwd_mod.forward(q.reshape(8, 700, 128), k.reshape(8, 1500, 128), v.reshape(8, 1500, 128), True)
+    assert len(calls) == 2, f"3-D inputs did not take the Gluon kernel: {calls}"
+    torch.testing.assert_close(o3, o.reshape(8, 700, 128), rtol=0, atol=0)
     # Not taken: a strided view (SDPA's (B, N, H, d) layout), d = 32, a fixed launch, d = 64 at Nk = 1500.
     fwd_mod.forward(q.transpose(1, 2).contiguous().transpose(1, 2), k, v, True)
     fwd_mod.forward(q[..., :32], k[..., :32], v[..., :32], True)
     fwd_mod.forward(q, k, v, True, config={"BLOCK_M": 64})
     fwd_mod.forward(q[..., :64].contiguous(), k[..., :64].contiguous(), v[..., :64].contiguous(), True)
-    assert len(calls) == 1, f"the Gluon kernel ran where it should not: {calls}"
+    assert len(calls) == 2, f"the Gluon kernel ran where it should not: {calls}"
     assert not fwd_mod._HOPPER_FAILED, fwd_mod._HOPPER_FAILED
 
 
