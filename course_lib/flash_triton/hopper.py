@@ -361,6 +361,11 @@ def _fwd_ws_kernel(
 D128_SHORT = (128, 3, 2, True, True)  # d = 128, tiles of <= 16 K/V blocks on average
 D128_LONG = (128, 3, 2, True, False)
 D64 = (128, 3, 3, True, True)
+# Every variant the tests check: the chosen ones and a few others (each fits in 227 KB of shared memory).
+VARIANTS = {
+    128: (D128_SHORT, D128_LONG, (128, 3, 2, False, True)),
+    64: (D64, (128, 3, 3, False, False), (128, 4, 2, True, True)),
+}
 
 
 def choose(d: int, causal: bool, n_q: int, n_k: int) -> tuple | None:
@@ -383,11 +388,11 @@ def choose(d: int, causal: bool, n_q: int, n_k: int) -> tuple | None:
 
 def supports(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor) -> bool:
     """Whether this kernel can take these (B, H, N, d) tensors: a Hopper GPU (compute capability
-    9.x), bfloat16 or float16, d in HEAD_DIMS, each tensor contiguous (the descriptors view it as a
-    (B*H*N, d) matrix) at a 16-byte aligned address (what TMA requires)."""
+    9.x), bfloat16 or float16, d in HEAD_DIMS, not empty, each tensor contiguous (the descriptors
+    view it as a (B*H*N, d) matrix) at a 16-byte aligned address (what TMA requires)."""
     if not (q4.is_cuda and _capability(q4.device.index)[0] == 9):
         return False
-    if q4.dtype not in DTYPES or q4.shape[-1] not in HEAD_DIMS:
+    if q4.dtype not in DTYPES or q4.shape[-1] not in HEAD_DIMS or q4.numel() == 0 or k4.numel() == 0:
         return False
     return all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (q4, k4, v4))
 
@@ -444,10 +449,3 @@ def forward(q4, k4, v4, o4, lse3, causal: bool, scale: float, variant: tuple) ->
         CAUSAL=causal, HEAD_DIM=d, BLOCK_N=block_n, NUM_STAGES=stages, NUM_CONSUMERS=consumers,
         PINGPONG=pingpong, PERSISTENT=persistent, **launch_options(consumers),
     )  # fmt: skip
-
-
-# Every variant the tests check (each must fit in 227 KB of shared memory at its head dims).
-VARIANTS = {
-    128: (D128_SHORT, D128_LONG, (128, 3, 2, False, True)),
-    64: (D64, (128, 3, 3, False, False), (128, 4, 2, True, True)),
-}
