@@ -40,7 +40,6 @@ from .forward import (
     kernel_flags,
     launch_tuned,
     n_bucket,
-    program_block,
     row_mask,
     split_config,
     strides4,
@@ -60,7 +59,12 @@ def _preprocess_kernel(
 ):  # fmt: skip
     """D[z, rows] = sum over d of dO * O for one block of BLOCK_M rows: reads 2 * BLOCK_M * d
     elements, writes BLOCK_M floats (D is contiguous, (B * H, N_Q))."""
-    off_hz, start_m, off_b, off_h = program_block(N_Q, H, BLOCK_M, False)
+    num_m = tl.cdiv(N_Q, BLOCK_M)
+    pid = tl.program_id(0)
+    off_hz = pid // num_m
+    start_m = pid % num_m
+    off_b = (off_hz // H).to(tl.int64)
+    off_h = (off_hz % H).to(tl.int64)
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     mask = row_mask(offs_m, N_Q, offs_d, HEAD_DIM, BLOCK_D)
@@ -153,9 +157,12 @@ def _dkdv_kernel(
     """dK, dV for one block of BLOCK_N key rows of one (batch, head); with ATOMIC also dQ (added).
 
     Grid: (cdiv(N_K, BLOCK_N) * B * H,)."""
-    # Causal: the first key blocks have the most work (every later query sees them); they start first.
-    off_hz, block_n, off_b, off_h = program_block(N_K, H, BLOCK_N, False)
-    start_n = block_n * BLOCK_N
+    num_n = tl.cdiv(N_K, BLOCK_N)
+    pid = tl.program_id(0)
+    off_hz = pid // num_n
+    start_n = (pid % num_n) * BLOCK_N  # causal: the first key blocks have the most work; they start first
+    off_b = (off_hz // H).to(tl.int64)
+    off_h = (off_hz % H).to(tl.int64)
     q_base = Q + off_b * stride_qb + off_h * stride_qh
     do_base = DO + off_b * stride_dob + off_h * stride_doh
     l_base = L + off_b * stride_lb + off_h * stride_lh
@@ -297,7 +304,14 @@ def _dq_kernel(
     FUSE_D=True: compute D = rowsum(dO * O) for these rows here (reading the O block once) and store
     it for the dK/dV kernel, which then runs second; FUSE_D=False: read D written by
     `_preprocess_kernel`."""
-    off_hz, start_m, off_b, off_h = program_block(N_Q, H, BLOCK_M, CAUSAL)
+    num_m = tl.cdiv(N_Q, BLOCK_M)
+    pid = tl.program_id(0)
+    off_hz = pid // num_m
+    start_m = pid % num_m
+    if CAUSAL:
+        start_m = num_m - 1 - start_m  # the longest rows start first
+    off_b = (off_hz // H).to(tl.int64)
+    off_h = (off_hz % H).to(tl.int64)
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)

@@ -272,22 +272,6 @@ def launch_tuned(tuner, grid, args: tuple, meta: dict, key: tuple) -> None:
 # Kernels
 # --------------------------------------------------------------------------------------------------
 @triton.jit
-def program_block(N_ROWS, H, BLOCK: tl.constexpr, LONGEST_FIRST: tl.constexpr):
-    """This program's (batch*head index, block index, batch, head) on a grid of
-    cdiv(N_ROWS, BLOCK) * B * H programs, where the blocks of one head are adjacent (that head's K and
-    V stay in L2 while its blocks run). LONGEST_FIRST: under a causal mask the last query blocks see
-    the most keys, so they start first and the short ones fill the last wave. Batch and head come
-    as int64: they multiply strides, and B * H * N * d can pass 2**31 elements."""
-    num_blocks = tl.cdiv(N_ROWS, BLOCK)
-    pid = tl.program_id(0)
-    off_hz = pid // num_blocks
-    block = pid % num_blocks
-    if LONGEST_FIRST:
-        block = num_blocks - 1 - block
-    return off_hz, block, (off_hz // H).to(tl.int64), (off_hz % H).to(tl.int64)
-
-
-@triton.jit
 def row_mask(rows, n_rows, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
     """Mask of a (rows, BLOCK_D) tile: rows past n_rows and padding columns past HEAD_DIM are off."""
     if BLOCK_D == HEAD_DIM:
@@ -379,7 +363,14 @@ def _fwd_kernel(
     fetched by the tensor memory accelerator, a copy engine that moves a whole tile HBM -> shared
     memory from a descriptor (base, shape, strides, tile shape), with no per-element addresses or
     masks computed by the program's threads. TMA=False: pointer arithmetic and masked loads."""
-    off_hz, start_m, off_b, off_h = program_block(N_Q, H, BLOCK_M, CAUSAL)
+    num_m = tl.cdiv(N_Q, BLOCK_M)
+    pid = tl.program_id(0)
+    off_hz = pid // num_m
+    start_m = pid % num_m
+    if CAUSAL:
+        start_m = num_m - 1 - start_m  # causal: the longest rows (last blocks) start first
+    off_b = (off_hz // H).to(tl.int64)
+    off_h = (off_hz % H).to(tl.int64)
     q_base = Q + off_b * stride_qb + off_h * stride_qh
     k_base = K + off_b * stride_kb + off_h * stride_kh
     v_base = V + off_b * stride_vb + off_h * stride_vh
