@@ -48,7 +48,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (  # noqa: E402
     warpgroup_mma_wait,
 )
 
-from course_lib.flash_triton.hopper import LOG2E, _descriptor, _softmax_step  # noqa: E402
+from course_lib.flash_triton.hopper import LOG2E, _descriptor, _softmax_step, _store_o_l  # noqa: E402
 
 # (BLOCK_M, BLOCK_N, NUM_STAGES) tried per head dim; the first is the best measured on an H200.
 # Shared memory per program: (BLOCK_M + 2 * NUM_STAGES * BLOCK_N) * d * 2 bytes; at most ~113 KB
@@ -188,19 +188,10 @@ def _fwd_hopper_kernel(
         mbarrier.invalidate(k_bar.index(i))
         mbarrier.invalidate(v_bar.index(i))
 
-    # O = acc / l (registers -> HBM, masked rows), L = (m + log2 l) * ln 2.
-    l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
-    out = (acc / gl.expand_dims(l_o, 1)).to(dtype)
-    o_rows = start_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
-    o_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-    off_b = off_hz // H
-    off_h = off_hz % H
-    o_base = O + off_b.to(gl.int64) * stride_ob + off_h.to(gl.int64) * stride_oh
-    o_ptrs = o_base + gl.expand_dims(o_rows, 1) * stride_om + gl.expand_dims(o_cols, 0)
-    gl.store(o_ptrs, out, mask=gl.expand_dims(o_rows < N_Q, 1))
-    lse = (m_i + gl.log2(l_i)) * 0.6931471805599453
-    l_ptrs = L + off_b.to(gl.int64) * stride_lb + off_h.to(gl.int64) * stride_lh + rows
-    gl.store(l_ptrs, lse, mask=rows < N_Q)
+    _store_o_l(
+        acc, m_i, l_i, rows, start_m * BLOCK_M, O, L, off_hz, H, N_Q,
+        stride_ob, stride_oh, stride_om, stride_lb, stride_lh, BLOCK_M, HEAD_DIM, dtype, o_layout,
+    )  # fmt: skip
 
 
 def attention(q, k, v, causal: bool, tiles):

@@ -91,6 +91,29 @@ def _softmax_step(
 
 
 @gluon.jit
+def _store_o_l(
+    acc, m_i, l_i, rows, row0, O, L, off_hz, H, N_Q,
+    stride_ob, stride_oh, stride_om, stride_lb, stride_lh,
+    BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, DTYPE: gl.constexpr, o_layout: gl.constexpr,
+):  # fmt: skip
+    """The epilogue of BLOCK_M query rows row0 ... of head off_hz (registers -> HBM, rows past N_Q
+    masked): O = acc / l in DTYPE, and L = (m + log2 l) * ln 2 (float32, natural-log units).
+    acc: (BLOCK_M, HEAD_DIM) fp32 in o_layout; m_i, l_i and their row indices `rows`: BLOCK_M each."""
+    l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
+    out = (acc / gl.expand_dims(l_o, 1)).to(DTYPE)
+    o_rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
+    o_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+    off_b = off_hz // H
+    off_h = off_hz % H
+    o_base = O + off_b.to(gl.int64) * stride_ob + off_h.to(gl.int64) * stride_oh
+    o_ptrs = o_base + gl.expand_dims(o_rows, 1) * stride_om + gl.expand_dims(o_cols, 0)
+    gl.store(o_ptrs, out, mask=gl.expand_dims(o_rows < N_Q, 1))
+    lse = (m_i + gl.log2(l_i)) * 0.6931471805599453
+    l_ptrs = L + off_b.to(gl.int64) * stride_lb + off_h.to(gl.int64) * stride_lh + rows
+    gl.store(l_ptrs, lse, mask=rows < N_Q)
+
+
+@gluon.jit
 def _tile(k, BH, num_m, num_tiles, CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr):
     """The tile of this program's round k: (valid, batch*head index, query-block index).
 
@@ -125,15 +148,15 @@ def _n_blocks(start_m, N_K, CTA_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: 
 
 
 @gluon.jit
-def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_bar, v_bar, empty_bar,
-              BH, N_Q, N_K, num_m, num_tiles,
-              CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+def _producer(args, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
               NUM_CONSUMERS: gl.constexpr, PERSISTENT: gl.constexpr):  # fmt: skip
     """One warp issues every TMA copy (HBM -> shared memory) of the program. Per tile: the Q blocks,
     once the consumers are done with the previous tile's; then K_j, V_j into ring slot
     it % NUM_STAGES, once every consumer has released that slot. `it` counts K/V blocks over all
     of the program's tiles. Rows past a head's end are the next head's (or zeros past the tensor):
     the consumers mask those keys and never store those queries."""
+    (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_bar, v_bar, empty_bar,
+     BH, N_Q, N_K, num_m, num_tiles) = args  # fmt: skip
     CTA_M: gl.constexpr = ROWS * NUM_CONSUMERS
     it = 0
     tcount = 0
@@ -163,14 +186,15 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_
 
 
 @gluon.jit
-def _consumer(q_smem, k_smem, v_smem, q_bar, q_empty, k_bar, v_bar, empty_bar, turn_bar,
-              O, L, qk_scale, stride_ob, stride_oh, stride_om, stride_lb, stride_lh,
-              BH, H, N_Q, N_K, num_m, num_tiles,
-              CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+def _consumer(args, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
               NUM_CONSUMERS: gl.constexpr, PINGPONG: gl.constexpr, PERSISTENT: gl.constexpr,
               WG: gl.constexpr):  # fmt: skip
     """Warpgroup WG: for each of the program's tiles, O and L of the tile's query rows
-    64 * WG ... 64 * WG + 63 (m, l: 64 floats, acc: 64 x HEAD_DIM fp32, all in registers)."""
+    64 * WG ... 64 * WG + 63 (m, l: 64 floats, acc: 64 x HEAD_DIM fp32, all in registers).
+    args: the run-time values every consumer shares (see `_fwd_ws_kernel`)."""
+    (q_smem, k_smem, v_smem, q_bar, q_empty, k_bar, v_bar, empty_bar, turn_bar,
+     O, L, qk_scale, stride_ob, stride_oh, stride_om, stride_lb, stride_lh,
+     BH, H, N_Q, N_K, num_m, num_tiles) = args  # fmt: skip
     dtype: gl.constexpr = q_smem.dtype
     CTA_M: gl.constexpr = ROWS * NUM_CONSUMERS
     # Register layouts of the two products' results: wgmma tiles of 16 rows x N columns per warp.
@@ -254,19 +278,10 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, q_empty, k_bar, v_bar, empty_bar, t
             mbarrier.arrive(empty_bar.index(last), count=1)
             tcount += 1
 
-            # O = acc / l (registers -> HBM, rows past N_Q masked), L = (m + log2 l) * ln 2.
-            l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
-            out = (acc / gl.expand_dims(l_o, 1)).to(dtype)
-            o_rows = m_start + gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))
-            o_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-            off_b = off_hz // H
-            off_h = off_hz % H
-            o_base = O + off_b.to(gl.int64) * stride_ob + off_h.to(gl.int64) * stride_oh
-            o_ptrs = o_base + gl.expand_dims(o_rows, 1) * stride_om + gl.expand_dims(o_cols, 0)
-            gl.store(o_ptrs, out, mask=gl.expand_dims(o_rows < N_Q, 1))
-            lse = (m_i + gl.log2(l_i)) * 0.6931471805599453
-            l_ptrs = L + off_b.to(gl.int64) * stride_lb + off_h.to(gl.int64) * stride_lh + rows
-            gl.store(l_ptrs, lse, mask=rows < N_Q)
+            _store_o_l(
+                acc, m_i, l_i, rows, m_start, O, L, off_hz, H, N_Q,
+                stride_ob, stride_oh, stride_om, stride_lb, stride_lh, ROWS, HEAD_DIM, dtype, o_layout,
+            )  # fmt: skip
 
 
 @gluon.jit
@@ -312,43 +327,29 @@ def _fwd_ws_kernel(
     if PINGPONG:
         mbarrier.arrive(turn_bar.index(0), count=1)  # consumer 0 issues first
 
-    # The partitions' arguments are spelled out in each call: a tuple built in a variable first
-    # turns its constexpr entries into run-time values.
+    # Run-time arguments go in a tuple; the compile-time ones are passed one by one (a tuple built
+    # in a variable turns its constexpr entries into run-time values).
+    shared = (q_smem, k_smem, v_smem, q_bar, q_empty, k_bar, v_bar, empty_bar, turn_bar,
+              O, L, qk_scale, stride_ob, stride_oh, stride_om, stride_lb, stride_lh,
+              BH, H, N_Q, N_K, num_m, num_tiles)  # fmt: skip
+    loads = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_bar, v_bar, empty_bar,
+             BH, N_Q, N_K, num_m, num_tiles)  # fmt: skip
     if NUM_CONSUMERS == 2:
         gl.warp_specialize(
             [
-                (_consumer, (q_smem, k_smem, v_smem, q_bar, q_empty, k_bar, v_bar, empty_bar, turn_bar,
-                             O, L, qk_scale, stride_ob, stride_oh, stride_om, stride_lb, stride_lh,
-                             BH, H, N_Q, N_K, num_m, num_tiles, CAUSAL, HEAD_DIM, BLOCK_N, NUM_STAGES,
-                             NUM_CONSUMERS, PINGPONG, PERSISTENT, 0)),
-                (_consumer, (q_smem, k_smem, v_smem, q_bar, q_empty, k_bar, v_bar, empty_bar, turn_bar,
-                             O, L, qk_scale, stride_ob, stride_oh, stride_om, stride_lb, stride_lh,
-                             BH, H, N_Q, N_K, num_m, num_tiles, CAUSAL, HEAD_DIM, BLOCK_N, NUM_STAGES,
-                             NUM_CONSUMERS, PINGPONG, PERSISTENT, 1)),
-                (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_bar, v_bar,
-                             empty_bar, BH, N_Q, N_K, num_m, num_tiles,
-                             CAUSAL, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, PERSISTENT)),
+                (_consumer, (shared, CAUSAL, HEAD_DIM, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, PINGPONG, PERSISTENT, 0)),
+                (_consumer, (shared, CAUSAL, HEAD_DIM, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, PINGPONG, PERSISTENT, 1)),
+                (_producer, (loads, CAUSAL, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, PERSISTENT)),
             ],
             [4, 1], [CONSUMER_REGS, 24],
         )  # fmt: skip
     else:
         gl.warp_specialize(
             [
-                (_consumer, (q_smem, k_smem, v_smem, q_bar, q_empty, k_bar, v_bar, empty_bar, turn_bar,
-                             O, L, qk_scale, stride_ob, stride_oh, stride_om, stride_lb, stride_lh,
-                             BH, H, N_Q, N_K, num_m, num_tiles, CAUSAL, HEAD_DIM, BLOCK_N, NUM_STAGES,
-                             NUM_CONSUMERS, PINGPONG, PERSISTENT, 0)),
-                (_consumer, (q_smem, k_smem, v_smem, q_bar, q_empty, k_bar, v_bar, empty_bar, turn_bar,
-                             O, L, qk_scale, stride_ob, stride_oh, stride_om, stride_lb, stride_lh,
-                             BH, H, N_Q, N_K, num_m, num_tiles, CAUSAL, HEAD_DIM, BLOCK_N, NUM_STAGES,
-                             NUM_CONSUMERS, PINGPONG, PERSISTENT, 1)),
-                (_consumer, (q_smem, k_smem, v_smem, q_bar, q_empty, k_bar, v_bar, empty_bar, turn_bar,
-                             O, L, qk_scale, stride_ob, stride_oh, stride_om, stride_lb, stride_lh,
-                             BH, H, N_Q, N_K, num_m, num_tiles, CAUSAL, HEAD_DIM, BLOCK_N, NUM_STAGES,
-                             NUM_CONSUMERS, PINGPONG, PERSISTENT, 2)),
-                (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_bar, v_bar,
-                             empty_bar, BH, N_Q, N_K, num_m, num_tiles,
-                             CAUSAL, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, PERSISTENT)),
+                (_consumer, (shared, CAUSAL, HEAD_DIM, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, PINGPONG, PERSISTENT, 0)),
+                (_consumer, (shared, CAUSAL, HEAD_DIM, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, PINGPONG, PERSISTENT, 1)),
+                (_consumer, (shared, CAUSAL, HEAD_DIM, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, PINGPONG, PERSISTENT, 2)),
+                (_producer, (loads, CAUSAL, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, PERSISTENT)),
             ],
             [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24],
         )  # fmt: skip
