@@ -213,8 +213,9 @@ def attention(q, k, v, causal: bool, tiles):
     return o, lse
 
 
-def check(variants) -> list[str]:
-    """Every variant against a float32 reference (O and L) on ragged, causal and Nq != Nk shapes."""
+def check(variants, attention_fn=attention) -> list[str]:
+    """Every variant of attention_fn(q, k, v, causal, variant) against a float32 reference (O and L)
+    on ragged, causal and Nq != Nk shapes, bf16 and fp16; returns what failed."""
     from course_lib import reference
 
     bad = []
@@ -225,47 +226,58 @@ def check(variants) -> list[str]:
                     q = torch.randn(2, 3, nq, d, device="cuda", dtype=dt)
                     k, v = (torch.randn(2, 3, nk, d, device="cuda", dtype=dt) for _ in range(2))
                     ref, ref_l = reference.attention(q.float(), k.float(), v.float(), causal, return_lse=True)
-                    for tiles in variants[d]:
-                        o, lse = attention(q, k, v, causal, tiles)
+                    for variant in variants[d]:
+                        o, lse = attention_fn(q, k, v, causal, variant)
                         eo, el = float((o.float() - ref).abs().max()), float((lse - ref_l).abs().max())
                         if not (eo < 2e-2 and el < 1e-3):
-                            bad.append(f"d={d} causal={causal} {nq}x{nk} {dt} {tiles}: O {eo:.3g} L {el:.3g}")
+                            bad.append(f"d={d} causal={causal} {nq}x{nk} {dt} {variant}: O {eo:.3g} L {el:.3g}")
     return bad
+
+
+def geomean(xs) -> float:
+    return math.exp(sum(map(math.log, xs)) / len(xs))
+
+
+def sweep(variants, attention_fn, ns) -> list[tuple]:
+    """Time SDPA's default backend, the Triton forward (`config={"hopper": False}`) and every variant
+    of attention_fn on the standard shapes (bf16, B*N = 16k, H*d = 2048), all in one run; print
+    each cell and return rows (d, causal, N, SDPA TFLOP/s, Triton TFLOP/s, {variant: TFLOP/s})."""
+    from course_lib.flash_triton import forward as F
+
+    bench = lambda fn: triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")  # noqa: E731
+    rows = []
+    for d in (64, 128):
+        for causal in (False, True):
+            for n in ns:
+                b, h = 16384 // n, 2048 // d
+                q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+                flops = 4.0 * b * h * n * n * d * (0.5 if causal else 1.0)
+                tf = lambda ms: flops / ms * 1e-9  # noqa: B023,E731
+                default = tf(bench(lambda: Fn.scaled_dot_product_attention(q, k, v, is_causal=causal)))  # noqa: B023
+                ours = tf(bench(lambda: F.forward(q, k, v, causal, config={"hopper": False})))  # noqa: B023
+                res = {t: tf(bench(lambda t=t: attention_fn(q, k, v, causal, t))) for t in variants[d]}  # noqa: B023
+                rows.append((d, causal, n, default, ours, res))
+                print(
+                    f"d={d:3d} causal={int(causal)} N={n:5d} | SDPA default {default:4.0f} | Triton {ours:4.0f} "
+                    f"({ours / default:.2f}x) | Gluon " + " ".join(f"{t}:{x:4.0f}" for t, x in res.items()),
+                    flush=True,
+                )
+    print(f"geomean over SDPA default: Triton {geomean([r[4] / r[3] for r in rows]):.3f}, "
+          f"best Gluon variant per cell {geomean([max(r[5].values()) / r[3] for r in rows]):.3f}")  # fmt: skip
+    for d in (64, 128):
+        for t in variants[d]:
+            print(f"  d={d} {t}: {geomean([r[5][t] / r[3] for r in rows if r[0] == d]):.3f} of SDPA default")
+    return rows
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--ns", default="1024,2048,4096,8192,16384")
     args = ap.parse_args()
-    from course_lib.flash_triton import forward as F
-
     t0 = time.time()
     bad = check(TILES)
     print("correctness:", "ok" if not bad else bad, f"({time.time() - t0:.0f} s)", flush=True)
-    bench = lambda fn: triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")  # noqa: E731
-    rows = []
-    for d in (64, 128):
-        for causal in (False, True):
-            for n in map(int, args.ns.split(",")):
-                b, h = 16384 // n, 2048 // d
-                q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-                flops = 4.0 * b * h * n * n * d * (0.5 if causal else 1.0)
-                tf = lambda ms: flops / ms * 1e-9  # noqa: B023,E731
-                default = tf(bench(lambda: Fn.scaled_dot_product_attention(q, k, v, is_causal=causal)))  # noqa: B023
-                ours = tf(bench(lambda: F.forward(q, k, v, causal)))  # noqa: B023
-                res = {t: tf(bench(lambda t=t: attention(q, k, v, causal, t))) for t in TILES[d]}  # noqa: B023
-                rows.append((d, default, ours, res))
-                print(
-                    f"d={d:3d} causal={int(causal)} N={n:5d} | SDPA default {default:4.0f} | course_lib {ours:4.0f} "
-                    f"({ours / default:.2f}x) | Gluon " + " ".join(f"{t}:{x:4.0f}" for t, x in res.items()),
-                    flush=True,
-                )
-    gm = lambda xs: math.exp(sum(map(math.log, xs)) / len(xs))  # noqa: E731
-    print(f"geomean over SDPA default: course_lib {gm([r[2] / r[1] for r in rows]):.3f}, "
-          f"best Gluon per cell {gm([max(r[3].values()) / r[1] for r in rows]):.3f}")  # fmt: skip
-    for d in (64, 128):
-        for t in TILES[d]:
-            print(f"  d={d} {t}: {gm([r[3][t] / r[1] for r in rows if r[0] == d]):.3f} of SDPA default")
+    sweep(TILES, attention, list(map(int, args.ns.split(","))))
     print(f"total {time.time() - t0:.0f} s")
 
 
