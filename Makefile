@@ -66,7 +66,7 @@ test-gpu:
 	@echo "==> make test-gpu: course_lib tests on the GPU ($(GPU_JOBS) processes: compiling kernels is CPU-bound), then every notebook ($(NB_JOBS) at a time, records in assets/ left as they are)"
 	@$(PYTHON) -m course_lib doctor
 	COURSE_DEVICE=cuda $(PYTHON) -m pytest -q -n $(GPU_JOBS) --durations=10 -m "not browser" tests
-	COURSE_DEVICE=cuda $(PYTHON) -m course_lib.flash_triton.precompile
+	COURSE_DEVICE=cuda $(PYTHON) -m course_lib.attention.precompile
 	COURSE_DEVICE=cuda COURSE_RECORDS=off $(PYTHON) -m course_lib.tools.run_notebooks --jobs $(NB_JOBS)
 
 bench:

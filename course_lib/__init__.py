@@ -26,10 +26,18 @@ __version__ = "0.1.0"
 
 # Heavier pieces load on first use, so `import course_lib` stays quick (notebooks 01-04 need no kernels).
 _LAZY = {
-    "FlashAttentionTorch": "flash_torch",
-    "FlashAttentionTriton": "flash_triton",
-    "flash_attention": "flash_triton",
-    "attention_reference": ("reference", "attention"),
+    "FlashAttentionTorch": "attention",
+    "FlashAttentionTriton": "attention",
+    "flash_attention": "attention",
+    "attention_reference": ("attention.reference", "attention"),
+}
+# Modules that moved into packages stay reachable as attributes under their old names
+# (`course_lib.reference.attention`); their import paths are the new ones.
+_MOVED = {
+    "reference": "attention.reference",
+    "flash_torch": "attention.tiled",
+    "flash_triton": "attention",
+    "tiles": "attention.tiles",
 }
 
 __all__ = [
@@ -48,6 +56,10 @@ def __getattr__(name: str):
         target = _LAZY[name]
         module, attr = target if isinstance(target, tuple) else (target, name)
         value = getattr(importlib.import_module(f".{module}", __name__), attr)
+        globals()[name] = value
+        return value
+    if name in _MOVED:
+        value = importlib.import_module(f".{_MOVED[name]}", __name__)
         globals()[name] = value
         return value
     try:

@@ -6,7 +6,7 @@ Taught in notebook 08. On a GPU, `main` measures the standard shapes of the Flas
 - course_lib's Triton FlashAttention-2 (`course_lib.flash_attention`);
 - `scaled_dot_product_attention` as PyTorch chooses, and with each backend forced through
   `torch.nn.attention.sdpa_kernel` (a backend that refuses a shape is recorded as unsupported);
-- standard attention (`course_lib.reference.attention`, notebook 02) in eager PyTorch and under
+- standard attention (`course_lib.attention.reference.attention`, notebook 02) in eager PyTorch and under
   `torch.compile`, skipped where its N x N score matrices would be too large;
 each for the forward, the backward and both, as TFLOP/s by the papers' convention
 (`timing.attention_flops`) and peak memory (`timing.peak_memory`). It then measures the optimisation
@@ -105,7 +105,7 @@ def attention_fns(on_gpu: bool | None = None) -> dict:
     """provider -> f(q, k, v, causal) -> O, for q, k, v of shape (B, H, N, d). `compiled` only on a GPU."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from .flash_triton import flash_attention
+    from .attention import flash_attention
 
     on_gpu = runtime.ON_GPU if on_gpu is None else on_gpu
 
@@ -523,7 +523,7 @@ def ladder(quick: bool = False, N: int = 4096, d: int = 128, causal: bool = True
     Returns the ladder record's data: the shape, and per step its configuration, predicted gain,
     measured time, TFLOP/s (backward: 2.5x the forward FLOPs), measured gain over the previous step
     of the same pass, and the largest difference of its output from the tuned kernel's."""
-    from .flash_triton import backward, forward
+    from .attention import backward, forward
 
     if runtime.ON_GPU:
         B, H, dtype = TOKENS // N, MODEL_DIM // d, torch.bfloat16
@@ -816,7 +816,7 @@ def main(quick: bool = False, out: str | Path = records.ASSETS) -> int:
     )
     failures, saved = [], {}
     if runtime.ON_GPU:  # compile every autotuning candidate in parallel first: minutes saved when cold
-        from .flash_triton.precompile import precompile
+        from .attention.precompile import precompile
 
         seconds, errors = precompile(head_dims=(64,) if quick else (64, 128))
         print(f"bench: precompiled the kernels' autotuning candidates in {seconds:.0f} s")

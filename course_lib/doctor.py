@@ -104,7 +104,7 @@ def _hopper_forward(major: int) -> str:
     """Whether `flash_attention`'s forward can use the warp-specialised Gluon kernel here."""
     if major != 9:
         return "no (not a Hopper GPU): the Triton kernel everywhere"
-    from .flash_triton import forward
+    from .attention import forward
 
     if forward.hopper_kernels() is None:
         return "no (this Triton has no Gluon): the Triton kernel everywhere"

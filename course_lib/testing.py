@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .reference import attention
+from .attention.reference import attention
 
 # Floors: absolute slack on top of 2x the same-dtype reference's error, per dtype.
 FLOOR = {torch.float64: 1e-10, torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}

@@ -64,7 +64,7 @@ HEAD_DIM = 64
 # %% [markdown]
 # ## 3. A first look: attention's cost grows with N²
 #
-# `course_lib.reference.attention` is standard attention written the obvious way: it builds the full
+# `course_lib.attention.reference.attention` is standard attention written the obvious way: it builds the full
 # N × N score matrix. Every kernel in the course is tested against it (in float64). Let us time it as the
 # sequence length N doubles. If its cost were dominated by the N × N matrices, each doubling should cost
 # about **4×**. We predict, then measure.
@@ -73,7 +73,7 @@ HEAD_DIM = 64
 import torch
 
 from course_lib.plotting import plot_series
-from course_lib.reference import attention
+from course_lib.attention.reference import attention
 from course_lib.timing import benchmark
 
 times_ms = []
@@ -127,7 +127,7 @@ else:
 # | --- | --- | --- |
 # | 00 setup | this tour | `course_lib.doctor`, `course_lib.runtime` |
 # | 01 roofline | the roofline model, the memory hierarchy, fusion | `course_lib.hardware`, `course_lib.plotting` |
-# | 02 standard attention | why attention is memory-bound | `course_lib.reference`, `course_lib.profiling` |
+# | 02 standard attention | why attention is memory-bound | `course_lib.attention.reference`, `course_lib.profiling` |
 # | 03 softmax | naive, safe and online softmax (NumPy) | `course_lib.softmax` |
 # | 04 tiled attention | FlashAttention in PyTorch, forward and backward | `course_lib.FlashAttentionTorch` |
 # | 05 Triton primer | vector add, weighted sum, fused softmax | `course_lib.primer` |

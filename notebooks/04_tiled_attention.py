@@ -46,11 +46,11 @@ import numpy as np
 import torch
 
 import course_lib
-from course_lib import tiles
+from course_lib.attention import tiles
 from course_lib.exercises import check
-from course_lib.flash_torch import FlashAttentionTorch, flash_backward, flash_forward
+from course_lib.attention.tiled import FlashAttentionTorch, flash_backward, flash_forward
 from course_lib.plotting import plot_series
-from course_lib.reference import attention, causal_mask_tile
+from course_lib.attention.reference import attention, causal_mask_tile
 from course_lib.testing import assert_close_to_reference, random_qkv, reference_outputs
 
 DEVICE = course_lib.DEVICE
@@ -65,7 +65,7 @@ print(f"device {DEVICE}; batch {BATCH}, heads {HEADS}, N {N}, d {D}; tiles {BLOC
 # ## 1. What standard attention stores
 #
 # For each (batch, head): S = Q Kᵀ / √d, P = softmax(S) row by row, O = P V. S and P are N × N.
-# `course_lib.reference.attention` computes exactly this; in float64 it is the reference everything below
+# `course_lib.attention.reference.attention` computes exactly this; in float64 it is the reference everything below
 # is checked against. The N × N matrices dominate memory long before the inputs do:
 
 # %%
@@ -106,7 +106,7 @@ for gpu, sram in SRAM_BYTES.items():
 # - matrix instructions (tensor cores) work on tiles whose sides are multiples of 16, and powers of two
 #   keep the index arithmetic cheap.
 #
-# In this notebook we use `BLOCK_M = BLOCK_N = 64` (`course_lib.flash_torch`'s default).
+# In this notebook we use `BLOCK_M = BLOCK_N = 64` (`course_lib.attention.tiled`'s default).
 
 # %% [markdown]
 # ## 3. The online softmax inside attention
@@ -290,7 +290,7 @@ def forward_fa1(q, k, v, causal=False, block_m=BLOCK_M, block_n=BLOCK_N, io=None
 # %% [markdown]
 # Both give the reference's O and L (the FA1 version keeps separate tile maxima, as the paper's
 # Algorithm 1 does; with equal block sizes no tile row is entirely masked, so `m_tile` is always finite),
-# and both match `course_lib.flash_torch.flash_forward`, the finished forward:
+# and both match `course_lib.attention.tiled.flash_forward`, the finished forward:
 
 # %%
 for causal in (False, True):
@@ -306,7 +306,7 @@ for causal in (False, True):
 print("FA1 order, FA2 order and course_lib.flash_forward all match the float64 reference, causal or not")
 
 # %% [markdown]
-# Now count. The counters must agree with the formulas in `course_lib.tiles.hbm_elements` (read its
+# Now count. The counters must agree with the formulas in `course_lib.attention.tiles.hbm_elements` (read its
 # docstring: it lists every load and store per tile), and they tell the two loop orders apart:
 
 # %%

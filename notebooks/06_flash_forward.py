@@ -28,7 +28,7 @@
 # 4. On a GPU: compare with notebook 04's PyTorch version and PyTorch's `scaled_dot_product_attention`, and
 #    sweep block sizes and warps.
 #
-# The finished kernel is `course_lib.flash_attention` (in `course_lib/flash_triton/forward.py`).
+# The finished kernel is `course_lib.flash_attention` (in `course_lib/attention/forward.py`).
 
 # %% [markdown]
 # ## 0. Setup and sizes
@@ -48,9 +48,9 @@ from matplotlib.colors import ListedColormap
 import course_lib
 from course_lib import records
 from course_lib.exercises import check
-from course_lib.flash_triton import forward as lib_forward
+from course_lib.attention import forward as lib_forward
 from course_lib.plotting import bar_chart, plot_series
-from course_lib.reference import attention, causal_mask
+from course_lib.attention.reference import attention, causal_mask
 from course_lib.runtime import tl, triton
 from course_lib.testing import assert_close_to_reference, random_qkv
 from course_lib.timing import attention_flops, benchmark

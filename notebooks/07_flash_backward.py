@@ -29,8 +29,8 @@
 # 5. Use `course_lib.FlashAttentionTriton` (forward + backward in one `autograd.Function`), check what it
 #    saves, and run `torch.autograd.gradcheck` on it in float64.
 #
-# The finished kernels are in `course_lib/flash_triton/backward.py`
-# (`course_lib.flash_triton.backward.backward(..., dq_mode="two_kernel" | "atomic")`).
+# The finished kernels are in `course_lib/attention/backward.py`
+# (`course_lib.attention.backward.backward(..., dq_mode="two_kernel" | "atomic")`).
 
 # %% [markdown]
 # ## 0. Setup and sizes
@@ -48,10 +48,10 @@ import torch
 import course_lib
 from course_lib import records
 from course_lib.exercises import check
-from course_lib.flash_triton import backward as lib_backward
-from course_lib.flash_triton import forward as lib_forward
+from course_lib.attention import backward as lib_backward
+from course_lib.attention import forward as lib_forward
 from course_lib.plotting import plot_series
-from course_lib.reference import attention
+from course_lib.attention.reference import attention
 from course_lib.runtime import tl, triton
 from course_lib.testing import assert_close_to_reference, random_qkv, reference_outputs
 from course_lib.timing import attention_flops, benchmark

@@ -48,7 +48,7 @@ import torch.nn.functional as F
 
 import course_lib
 from course_lib import bench, records, timing
-from course_lib.reference import attention
+from course_lib.attention.reference import attention
 
 DEVICE = course_lib.DEVICE
 DTYPE = course_lib.pick(cpu=torch.float32, gpu=torch.bfloat16)  # the interpreter has no bf16 arithmetic
@@ -214,7 +214,7 @@ print(f"course_lib.timing.benchmark: {t_course:.3f} ms   torch.utils.benchmark: 
 # the interpreter does not model (and can go either way).
 
 # %%
-from course_lib.flash_triton import backward, forward
+from course_lib.attention import backward, forward
 
 q3, k3, v3, do3 = (torch.randn(B * H, N_KERNEL, D, device=DEVICE, dtype=DTYPE) for _ in range(4))
 for bm in (32, 64):
@@ -340,7 +340,7 @@ else:
 # `forward.forward` and `backward.backward` (`"exp2"`, `"skip_masked_blocks"`, `BLOCK_M`, `BLOCK_N`,
 # `num_warps`, `num_stages`; `config=None` is the tuned kernel) and the backward's work split `dq_mode`.
 # The forward's last rung leaves Triton's programming model: on a Hopper GPU, `config=None` runs a
-# warp-specialised kernel written in Gluon (`course_lib/flash_triton/hopper.py`), and `{"hopper": False}`
+# warp-specialised kernel written in Gluon (`course_lib/attention/hopper.py`), and `{"hopper": False}`
 # keeps the autotuned Triton kernel (on other GPUs and the CPU the two rungs are the same kernel).
 # Each rung carries a gain **predicted** from bytes and FLOPs, written next to it in `course_lib.bench`,
 # *before* it was measured. The shape: d = 128, N = 4096, causal, bf16, B·N = 16k tokens.
@@ -498,7 +498,7 @@ if att_rec is not None:
 # - Gluon with asynchronous `warpgroup_mma` and explicit waits, but no specialised warps
 #   (`scripts/hopper_gluon_forward.py`): level with the Triton kernel, no better.
 # - Gluon with a producer warp, consumer warpgroups taking turns, and a persistent grid
-#   (`course_lib/flash_triton/hopper.py`, swept by `scripts/hopper_ws_forward.py`): the kernel course_lib
+#   (`course_lib/attention/hopper.py`, swept by `scripts/hopper_ws_forward.py`): the kernel course_lib
 #   now runs on Hopper wherever it measured faster (`hopper.choose`). The ladder's last forward rung is it.
 
 # %% [markdown]

@@ -58,7 +58,7 @@ def _config(cfg, tma):
 def _compile(job):
     import torch
 
-    from course_lib.flash_triton import forward as F
+    from course_lib.attention import forward as F
 
     d, causal, cfg, tma = job
     q, k, v = (torch.randn(1, HIDDEN // d, 1024, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
@@ -86,7 +86,7 @@ def main():
     import torch.nn.functional as Fn
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from course_lib.flash_triton import forward as F
+    from course_lib.attention import forward as F
     from course_lib.runtime import triton
 
     bench = lambda fn: triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")  # noqa: E731

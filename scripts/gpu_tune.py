@@ -58,8 +58,8 @@ def main():
         flush=True,
     )
 
-    # 1. parallel compilation of every candidate (course_lib.flash_triton.precompile)
-    from course_lib.flash_triton.precompile import precompile
+    # 1. parallel compilation of every candidate (course_lib.attention.precompile)
+    from course_lib.attention.precompile import precompile
 
     seconds, errors = precompile(workers=args.workers)
     print(f"precompiled every candidate in {seconds:.0f} s", flush=True)
@@ -103,9 +103,9 @@ def _bench_cell(d, causal, n, atomic):
     import torch.nn.functional as Fn
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from course_lib.flash_triton import backward as B
-    from course_lib.flash_triton import flash_attention
-    from course_lib.flash_triton import forward as F
+    from course_lib.attention import backward as B
+    from course_lib.attention import flash_attention
+    from course_lib.attention import forward as F
     from course_lib.runtime import triton
 
     do_bench = triton.testing.do_bench
@@ -162,8 +162,8 @@ def _memory(n, d):
     """Peak memory of one forward + backward (causal=False), step by step."""
     import torch
 
-    import course_lib.flash_triton.api as api
-    from course_lib.flash_triton import flash_attention
+    import course_lib.attention.api as api
+    from course_lib.attention import flash_attention
 
     q, k, v = (
         torch.randn(1, HIDDEN // d, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)

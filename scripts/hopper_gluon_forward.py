@@ -3,7 +3,7 @@
     COURSE_DEVICE=cuda python3 scripts/hopper_gluon_forward.py [--ns 1024,4096,16384]
 
 notes/performance.md ("Third round") says why it exists and what it measured: the course_lib forward
-(`course_lib/flash_triton/forward.py`) runs each K/V step's three stages one after the other
+(`course_lib/attention/forward.py`) runs each K/V step's three stages one after the other
 (S = Q K^T on the tensor cores, the softmax on the ordinary cores, O += P V on the tensor cores).
 Gluon, Triton's lower-level dialect, lets a kernel schedule them itself:
 
@@ -16,7 +16,7 @@ Gluon, Triton's lower-level dialect, lets a kernel schedule them itself:
 
 It is correct (the script checks it against a float32 reference on ragged, causal and Nq != Nk
 shapes before timing) but, as measured, no faster overall than the Triton kernel. The step that
-made the difference, warp specialisation, is in course_lib (`course_lib/flash_triton/hopper.py`,
+made the difference, warp specialisation, is in course_lib (`course_lib/attention/hopper.py`,
 which this script borrows its softmax step from).
 
 Inputs: q (B, H, Nq, d), k, v (B, H, Nk, d), contiguous, bf16 or fp16, d in {64, 128}; BLOCK_M
@@ -48,7 +48,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (  # noqa: E402
     warpgroup_mma_wait,
 )
 
-from course_lib.flash_triton.hopper import LOG2E, _descriptor, _softmax_step, _store_o_l  # noqa: E402
+from course_lib.attention.hopper import LOG2E, _descriptor, _softmax_step, _store_o_l  # noqa: E402
 
 # (BLOCK_M, BLOCK_N, NUM_STAGES) tried per head dim; the first is the best measured on an H200.
 # Shared memory per program: (BLOCK_M + 2 * NUM_STAGES * BLOCK_N) * d * 2 bytes; at most ~113 KB
@@ -216,7 +216,7 @@ def attention(q, k, v, causal: bool, tiles):
 def check(variants, attention_fn=attention) -> list[str]:
     """Every variant of attention_fn(q, k, v, causal, variant) against a float32 reference (O and L)
     on ragged, causal and Nq != Nk shapes, bf16 and fp16; returns what failed."""
-    from course_lib import reference
+    from course_lib.attention import reference
 
     bad = []
     for d in (64, 128):
@@ -242,7 +242,7 @@ def sweep(variants, attention_fn, ns) -> list[tuple]:
     """Time SDPA's default backend, the Triton forward (`config={"hopper": False}`) and every variant
     of attention_fn on the standard shapes (bf16, B*N = 16k, H*d = 2048), all in one run; print
     each cell and return rows (d, causal, N, SDPA TFLOP/s, Triton TFLOP/s, {variant: TFLOP/s})."""
-    from course_lib.flash_triton import forward as F
+    from course_lib.attention import forward as F
 
     bench = lambda fn: triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")  # noqa: E731
     rows = []

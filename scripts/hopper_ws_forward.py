@@ -1,4 +1,4 @@
-"""Sweep of course_lib's warp-specialised Hopper forward (`course_lib/flash_triton/hopper.py`).
+"""Sweep of course_lib's warp-specialised Hopper forward (`course_lib/attention/hopper.py`).
 
     COURSE_DEVICE=cuda python3 scripts/hopper_ws_forward.py [--ns 1024,4096,16384]
 
@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 from hopper_gluon_forward import check, geomean, sweep  # noqa: E402
 
-from course_lib.flash_triton import hopper  # noqa: E402
+from course_lib.attention import hopper  # noqa: E402
 
 # (BLOCK_N, NUM_STAGES, NUM_CONSUMERS, PINGPONG, PERSISTENT) per head dim.
 # Shared memory: (NUM_CONSUMERS * 64 + 2 * NUM_STAGES * BLOCK_N) * d * 2 bytes, at most ~227 KB.

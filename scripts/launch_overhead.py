@@ -126,9 +126,9 @@ def issue_us(fn):
 
 def breakdown(d=128):
     """CPU cost of each layer of one course_lib forward+backward, on a small (1, 16, 1024, d) shape."""
-    from course_lib.flash_triton import api
-    from course_lib.flash_triton import backward as B
-    from course_lib.flash_triton import forward as Fw
+    from course_lib.attention import api
+    from course_lib.attention import backward as B
+    from course_lib.attention import forward as Fw
 
     q, k, v = (
         torch.randn(1, 16, 1024, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3)
@@ -201,7 +201,7 @@ def breakdown(d=128):
 def stalls():
     """Per-call CPU time of course_lib's forward+backward at the full N = 1k cell: median vs mean (a mean
     far above the median means occasional long stalls), and with the launches or the backward removed."""
-    from course_lib.flash_triton import api
+    from course_lib.attention import api
 
     def show(name, fn):
         med, mean, p95 = per_call_us(fn)
@@ -253,8 +253,8 @@ def hopper_breakdown(d=128, n=1024, calls=300):
     import cProfile
     import pstats
 
-    from course_lib.flash_triton import api, hopper
-    from course_lib.flash_triton import forward as Fw
+    from course_lib.attention import api, hopper
+    from course_lib.attention import forward as Fw
 
     q, k, v = (torch.randn(1, 16, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     o, lse = torch.empty_like(q), torch.empty(q.shape[:-1], device="cuda")
@@ -317,7 +317,7 @@ def main():
         profile_issue()
     if "--after-compile" in sys.argv:
         # Does a process that has used torch.compile (as `make bench` has by then) issue calls slower?
-        compiled = torch.compile(course_lib.reference.attention, dynamic=True)
+        compiled = torch.compile(course_lib.attention.reference.attention, dynamic=True)
         for n in (256, 512):
             x = torch.randn(2, 4, n, 64, device="cuda", requires_grad=True)
             compiled(x, x, x, causal=True).sum().backward()

@@ -1,4 +1,4 @@
-"""Tests of course_lib.flash_triton.hopper: FlashAttention-3's warp-specialised forward in Gluon.
+"""Tests of course_lib.attention.hopper: FlashAttention-3's warp-specialised forward in Gluon.
 
 The kernel runs only on a Hopper GPU (Gluon has no interpreter): there every variant is compared with
 the float64 reference (ragged lengths, Nq != Nk, causal, bf16 and fp16, d = 64 and 128, one or several
@@ -14,11 +14,11 @@ import pytest
 import torch
 
 import course_lib
-from course_lib.flash_triton import forward as fwd_mod
-from course_lib.reference import attention as reference_attention
+from course_lib.attention import forward as fwd_mod
+from course_lib.attention.reference import attention as reference_attention
 from course_lib.testing import assert_close_to_reference, random_qkv, reference_outputs
 
-hopper = pytest.importorskip("course_lib.flash_triton.hopper", reason="needs a Triton with Gluon")
+hopper = pytest.importorskip("course_lib.attention.hopper", reason="needs a Triton with Gluon")
 
 ON_HOPPER = course_lib.ON_GPU and torch.cuda.get_device_capability()[0] == 9
 hopper_gpu = pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU (compute capability 9.x)")

@@ -1,4 +1,4 @@
-"""course_lib.flash_torch: tiled attention in pure PyTorch, forward and backward (notebook 04)."""
+"""course_lib.attention.tiled: tiled attention in pure PyTorch, forward and backward (notebook 04)."""
 
 import math
 
@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import course_lib
-from course_lib.flash_torch import FlashAttentionTorch, flash_attention_torch, flash_forward
-from course_lib.reference import attention
+from course_lib.attention.tiled import FlashAttentionTorch, flash_attention_torch, flash_forward
+from course_lib.attention.reference import attention
 from course_lib.testing import assert_close_to_reference, random_qkv, reference_outputs
 
 # (q shape, Nk, causal, block_m, block_n): odd lengths, Nq != Nk, ragged last tiles, unequal blocks.
@@ -127,7 +127,7 @@ def test_on_gpu(dtype, causal):
 
 
 def test_tile_counts_and_traffic_formulas():
-    from course_lib import tiles
+    from course_lib.attention import tiles
 
     assert tiles.paper_block_sizes(116736, 64) == (64, 456)
     counts = tiles.block_counts(1024, 1024, 64, 64, causal=True)

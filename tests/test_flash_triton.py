@@ -1,4 +1,4 @@
-"""Tests of course_lib.flash_triton: the Triton FlashAttention-2 forward and backward.
+"""Tests of course_lib.attention: the Triton FlashAttention-2 forward and backward.
 
 Every result is held to the course's accuracy rule (`course_lib.testing.assert_close_to_reference`):
 error against the float64 reference at most 2x plain PyTorch's error in the same dtype, plus a floor.
@@ -16,9 +16,9 @@ import torch
 
 import course_lib
 from course_lib import FlashAttentionTriton, flash_attention
-from course_lib.flash_triton import backward as bwd_mod
-from course_lib.flash_triton import forward as fwd_mod
-from course_lib.reference import attention as reference_attention
+from course_lib.attention import backward as bwd_mod
+from course_lib.attention import forward as fwd_mod
+from course_lib.attention.reference import attention as reference_attention
 from course_lib.testing import assert_close_to_reference, random_qkv, reference_outputs
 
 DEVICE = course_lib.DEVICE

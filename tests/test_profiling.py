@@ -10,7 +10,7 @@ import torch
 
 import course_lib
 from course_lib import profiling
-from course_lib.reference import attention as reference_attention
+from course_lib.attention.reference import attention as reference_attention
 
 
 @pytest.mark.parametrize("causal", [False, True])

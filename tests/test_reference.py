@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from course_lib.reference import attention, causal_mask
+from course_lib.attention.reference import attention, causal_mask
 from course_lib.testing import random_qkv
 
 

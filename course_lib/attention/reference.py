@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .checks import accumulator_dtype, check_attention_inputs, default_scale
+from ..checks import accumulator_dtype, check_attention_inputs, default_scale
 
 
 def causal_mask(n_queries: int, n_keys: int, device=None) -> torch.Tensor:

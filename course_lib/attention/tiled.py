@@ -9,7 +9,7 @@ notebooks 06 and 07 implement.
 
     O = FlashAttentionTorch.apply(q, k, v, is_causal)     # q (..., Nq, d), k and v (..., Nk, d)
 
-Causal: query i sees keys j <= i (top-left aligned, like `course_lib.reference.attention`).
+Causal: query i sees keys j <= i (top-left aligned, like `course_lib.attention.reference.attention`).
 Scale: 1/sqrt(d) unless given. Accumulators (m, l, O, dQ, dK, dV) are float32, or float64 for
 float64 inputs; O, dQ, dK, dV are returned in the inputs' dtype, L in the accumulator dtype.
 """
@@ -21,7 +21,7 @@ import math
 import torch
 from torch.autograd.function import once_differentiable
 
-from .checks import accumulator_dtype, check_attention_inputs, default_scale
+from ..checks import accumulator_dtype, check_attention_inputs, default_scale
 from .reference import causal_mask_tile
 
 BLOCK_M = 64  # rows of Q per tile (the paper's B_r)

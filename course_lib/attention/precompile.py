@@ -7,7 +7,7 @@ kernel by running it once on a small input shaped like the real ones (same dtype
 sizes and strides, so the same specialisation). Triton's on-disk cache then serves the autotuner in
 the main process, which only has to time the candidates.
 
-    python -m course_lib.flash_triton.precompile      # bf16, d in {64, 128}, causal and not
+    python -m course_lib.attention.precompile      # bf16, d in {64, 128}, causal and not
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ def _compile_candidate(job):
     """Worker: compile candidate i of each kernel for one (d, causal, dtype); return errors, if any."""
     import torch
 
-    from course_lib.flash_triton import backward as B
-    from course_lib.flash_triton import forward as F
+    from course_lib.attention import backward as B
+    from course_lib.attention import forward as F
 
     d, causal, i, dtype_name = job
     for tuner, candidates in (
@@ -52,8 +52,8 @@ def precompile(
 ):
     """Fill Triton's cache with every candidate for these shapes; returns (seconds, error messages)."""
     from course_lib import runtime
-    from course_lib.flash_triton import backward as B
-    from course_lib.flash_triton import forward as F
+    from course_lib.attention import backward as B
+    from course_lib.attention import forward as F
 
     if not runtime.ON_GPU:
         return 0.0, []  # the interpreter compiles nothing and tunes nothing

@@ -20,7 +20,7 @@ backward is two launches, not three (launches cost CPU time, notes/performance.m
 every dQ element), after the preprocessing kernel.
 
 Causal: blocks wholly above the diagonal are skipped; only diagonal blocks are masked (separate
-loop stages), as in the forward pass (`course_lib.flash_triton.forward`).
+loop stages), as in the forward pass (`course_lib.attention.forward`).
 """
 
 from __future__ import annotations
@@ -472,20 +472,20 @@ def backward(
     config (dict, optional): BLOCK_M, BLOCK_N (for both kernels; BLOCK_M1/BLOCK_N1 and
     BLOCK_M2/BLOCK_N2 override them for the dK/dV and dQ kernels), num_warps, num_stages, and the
     switches exp2 and skip_masked_blocks (see `forward.forward`). config=None: tuned defaults."""
-    check_inputs(q, k, v, where="flash_triton.backward")
+    check_inputs(q, k, v, where="attention.backward")
     for name, t, like in (("do", do, q), ("o", o, q)):
         if not isinstance(t, torch.Tensor) or t.shape != like.shape or t.dtype != like.dtype:
             raise ValueError(
-                f"flash_triton.backward: {name} must match q in shape and dtype; got "
+                f"attention.backward: {name} must match q in shape and dtype; got "
                 f"{getattr(t, 'shape', type(t))} {getattr(t, 'dtype', '')}, q {tuple(q.shape)} {q.dtype}"
             )
     if not isinstance(L, torch.Tensor) or L.shape != q.shape[:-1]:
         raise ValueError(
-            f"flash_triton.backward: L must have shape q.shape[:-1] = {tuple(q.shape[:-1])}; "
+            f"attention.backward: L must have shape q.shape[:-1] = {tuple(q.shape[:-1])}; "
             f"got {getattr(L, 'shape', type(L))}"
         )
     if dq_mode not in DQ_MODES:
-        raise ValueError(f"flash_triton.backward: dq_mode must be one of {DQ_MODES}, got {dq_mode!r}")
+        raise ValueError(f"attention.backward: dq_mode must be one of {DQ_MODES}, got {dq_mode!r}")
     scale = default_scale(q.shape[-1], scale)
     launch, switches = split_config(config, CPU_CONFIG if runtime.INTERPRET else GPU_DEFAULT)
     return _backward(do, q, k, v, o, L, bool(causal), scale, launch, switches, dq_mode)

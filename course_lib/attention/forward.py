@@ -64,7 +64,7 @@ def check_inputs(q, k, v, where: str) -> None:
         raise TypeError(
             f"{where}: float64 runs only under the Triton interpreter (CPU), where it serves gradcheck; "
             "the compiled GPU kernels take float16, bfloat16 or float32. For a float64 result use "
-            "course_lib.reference.attention."
+            "course_lib.attention.reference.attention."
         )
     check_attention_inputs(q, k, v, where=where, dtypes=dtypes)
     d = q.shape[-1]
@@ -546,7 +546,7 @@ def forward(q, k, v, causal: bool = False, scale: float | None = None, config: d
           contiguous 16-bit inputs with d in {64, 128} where it is faster; False: always Triton.
     Giving any of the four launch keys fixes the launch (the others take defaults); config=None (or
     only switches) uses the tuned defaults: autotuned on a GPU, one fixed config on the CPU."""
-    check_inputs(q, k, v, where="flash_triton.forward")
+    check_inputs(q, k, v, where="attention.forward")
     scale = default_scale(q.shape[-1], scale)
     launch, switches = split_config(config, CPU_CONFIG if runtime.INTERPRET else GPU_DEFAULT)
     return _forward(q, k, v, bool(causal), scale, launch, switches)
