@@ -72,8 +72,8 @@ HEAD_DIM = 64
 # %%
 import torch
 
-from course_lib.plotting import plot_series
 from course_lib.attention.reference import attention
+from course_lib.plotting import plot_series
 from course_lib.timing import benchmark
 
 times_ms = []

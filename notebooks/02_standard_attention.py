@@ -33,9 +33,9 @@ import torch
 
 import course_lib
 from course_lib import hardware, profiling, records
+from course_lib.attention.reference import attention as reference_attention
 from course_lib.exercises import check
 from course_lib.plotting import bar_chart, plot_series, print_table
-from course_lib.attention.reference import attention as reference_attention
 from course_lib.testing import assert_close_to_reference
 from course_lib.timing import benchmark
 

@@ -47,10 +47,10 @@ import torch
 
 import course_lib
 from course_lib.attention import tiles
-from course_lib.exercises import check
-from course_lib.attention.tiled import FlashAttentionTorch, flash_backward, flash_forward
-from course_lib.plotting import plot_series
 from course_lib.attention.reference import attention, causal_mask_tile
+from course_lib.attention.tiled import FlashAttentionTorch, flash_backward, flash_forward
+from course_lib.exercises import check
+from course_lib.plotting import plot_series
 from course_lib.testing import assert_close_to_reference, random_qkv, reference_outputs
 
 DEVICE = course_lib.DEVICE

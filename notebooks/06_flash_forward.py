@@ -47,10 +47,10 @@ from matplotlib.colors import ListedColormap
 
 import course_lib
 from course_lib import records
-from course_lib.exercises import check
 from course_lib.attention import forward as lib_forward
-from course_lib.plotting import bar_chart, plot_series
 from course_lib.attention.reference import attention, causal_mask
+from course_lib.exercises import check
+from course_lib.plotting import bar_chart, plot_series
 from course_lib.runtime import tl, triton
 from course_lib.testing import assert_close_to_reference, random_qkv
 from course_lib.timing import attention_flops, benchmark

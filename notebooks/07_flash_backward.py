@@ -47,11 +47,11 @@ import torch
 
 import course_lib
 from course_lib import records
-from course_lib.exercises import check
 from course_lib.attention import backward as lib_backward
 from course_lib.attention import forward as lib_forward
-from course_lib.plotting import plot_series
 from course_lib.attention.reference import attention
+from course_lib.exercises import check
+from course_lib.plotting import plot_series
 from course_lib.runtime import tl, triton
 from course_lib.testing import assert_close_to_reference, random_qkv, reference_outputs
 from course_lib.timing import attention_flops, benchmark

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import course_lib
-from course_lib.attention.tiled import FlashAttentionTorch, flash_attention_torch, flash_forward
 from course_lib.attention.reference import attention
+from course_lib.attention.tiled import FlashAttentionTorch, flash_attention_torch, flash_forward
 from course_lib.testing import assert_close_to_reference, random_qkv, reference_outputs
 
 # (q shape, Nk, causal, block_m, block_n): odd lengths, Nq != Nk, ragged last tiles, unequal blocks.

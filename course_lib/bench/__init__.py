@@ -33,7 +33,8 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from . import records, reference, runtime, timing
+from .. import records, runtime, timing
+from ..attention import reference
 
 TOKENS = 16384  # B * N: the batch shrinks as the sequence grows, so every cell has the same tokens
 MODEL_DIM = 2048  # H * d: 32 heads of 64 or 16 heads of 128
@@ -105,7 +106,7 @@ def attention_fns(on_gpu: bool | None = None) -> dict:
     """provider -> f(q, k, v, causal) -> O, for q, k, v of shape (B, H, N, d). `compiled` only on a GPU."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from .attention import flash_attention
+    from ..attention import flash_attention
 
     on_gpu = runtime.ON_GPU if on_gpu is None else on_gpu
 
@@ -523,7 +524,7 @@ def ladder(quick: bool = False, N: int = 4096, d: int = 128, causal: bool = True
     Returns the ladder record's data: the shape, and per step its configuration, predicted gain,
     measured time, TFLOP/s (backward: 2.5x the forward FLOPs), measured gain over the previous step
     of the same pass, and the largest difference of its output from the tuned kernel's."""
-    from .attention import backward, forward
+    from ..attention import backward, forward
 
     if runtime.ON_GPU:
         B, H, dtype = TOKENS // N, MODEL_DIM // d, torch.bfloat16
@@ -638,7 +639,7 @@ def plot_tflops(record: dict, mode: str = "fwd"):
     """TFLOP/s against N for every provider, one panel per (d, causal); returns the Figure."""
     import matplotlib.pyplot as plt
 
-    from .plotting import plot_series
+    from ..plotting import plot_series
 
     data = record["data"]
     heads = sorted({c["d"] for c in data["cells"]})
@@ -677,7 +678,7 @@ def plot_memory(record: dict, d: int | None = None, causal: bool = False):
     """Peak memory (GB) against N, forward and forward + backward, for one d; returns the Figure."""
     import matplotlib.pyplot as plt
 
-    from .plotting import plot_series
+    from ..plotting import plot_series
 
     data = record["data"]
     d = max(c["d"] for c in data["cells"]) if d is None else d
@@ -719,7 +720,7 @@ def plot_ladder(record: dict):
     """Predicted and measured gain of each ladder step (left: forward, right: backward); returns the Figure"""
     import matplotlib.pyplot as plt
 
-    from .plotting import bar_chart
+    from ..plotting import bar_chart
 
     data = record["data"]
     fig, axes = plt.subplots(1, 2, figsize=(15, 6.2), squeeze=False)
@@ -776,7 +777,7 @@ def save_plots(attention_path: Path | None, ladder_path: Path | None) -> list[Pa
 
 
 def _hardware_record(quick: bool) -> dict:
-    from . import hardware
+    from .. import hardware
 
     if not quick:
         return hardware.measure_record()
@@ -786,7 +787,7 @@ def _hardware_record(quick: bool) -> dict:
 
 
 def _standard_attention_record(quick: bool) -> dict:
-    from . import profiling
+    from .. import profiling
 
     if not quick:
         return profiling.standard_attention_record()
