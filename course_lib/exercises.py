@@ -1,44 +1,101 @@
-"""Checking a learner's exercise answers with a clear message.
+"""Checking a learner's exercise answers, and scoring a learner's predictions, with clear messages.
 
-Used by the cells tagged `check` in every notebook (marking rules: `course_lib.tools.notebooks`).
-A check that fails says which exercise, and whether it is unsolved or wrong and by how much.
+Used by the cells tagged `check` in every notebook (marking rules: `course_lib.tools.notebooks`), and by the
+predict-then-measure cells (first in notebook 01).
+
+- `check(name, compute, expected, hints=[...])` runs the learner's answer. A failure is shown in the notebook as a
+  short message (no traceback into course_lib) that says which part is off, e.g. "part 1 (computed tiles): 2016,
+  expected 2080", or for an array the first index that differs; each new wrong attempt shows the next hint.
+  The cell still counts as failed (it raises), so an automatic run of the notebook notices.
+- `predict(name, value, unit)` records a guess before a measurement; `.score(measured)` after it says how close the
+  guess was (within 2x counts as good).
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
+__all__ = ["ExerciseNotDone", "ExerciseWrong", "Prediction", "check", "predict", "score"]
 
-class ExerciseNotDone(AssertionError):
+
+class _Feedback(AssertionError):
+    """A failed check: IPython shows only the message (`_render_traceback_`), Python shows the usual traceback."""
+
+    def _render_traceback_(self) -> list[str]:
+        return [
+            f"\x1b[1;33m{line}\x1b[0m" if i == 0 else line for i, line in enumerate(str(self).splitlines())
+        ]
+
+
+class ExerciseNotDone(_Feedback):
     """The exercise's code still raises NotImplementedError (or was never defined)."""
 
 
-class ExerciseWrong(AssertionError):
+class ExerciseWrong(_Feedback):
     """The exercise runs but gives a wrong answer."""
 
 
-def check(name: str, compute, expected, rtol: float = 1e-5, atol: float = 1e-6) -> None:
+# Failed attempts per exercise in this kernel: the k-th wrong answer shows hint k.
+_failed_attempts: dict[str, int] = {}
+
+
+def check(
+    name: str,
+    compute,
+    expected,
+    rtol: float = 1e-5,
+    atol: float = 1e-6,
+    hints: Sequence[str] | None = None,
+    parts: Sequence[str] | None = None,
+) -> None:
     """Call `compute()` (a learner's answer, wrapped in a lambda) and compare it with `expected`.
 
-    Works for numbers, NumPy arrays and torch tensors (or tuples of them). Prints a line on success;
-    raises ExerciseNotDone or ExerciseWrong with a message naming the exercise otherwise."""
+    Works for numbers, NumPy arrays and torch tensors, or tuples/lists of them (`parts` names each element in
+    the message). Prints a line on success. Otherwise raises ExerciseNotDone (the exercise still raises
+    NotImplementedError) or ExerciseWrong (with what differs: the value, or an array's shape, dtype or first
+    mismatching index). `hints`, ordered from a nudge to the formula: each wrong attempt shows the next one;
+    an unsolved exercise shows the first. Taught in every notebook's exercises (first in 00_setup)."""
+    hints = list(hints or [])
     try:
         actual = compute()
     except NameError as exc:
-        raise ExerciseNotDone(f"Exercise '{name}': {exc}. Run the exercise's cell first.") from None
+        raise ExerciseNotDone(
+            _with_hint(f"Exercise '{name}': {exc}. Run the exercise's cell first, then this check.", hints, 1)
+        ) from None
     except Exception as exc:
         if not _unsolved(exc):
             raise
         raise ExerciseNotDone(
-            f"Exercise '{name}' is not done yet: replace the `raise NotImplementedError` in its cell "
-            "with your code, run that cell, then run this check again."
+            _with_hint(
+                f"Exercise '{name}' is not done yet: replace the `raise NotImplementedError` in its cell "
+                "with your code, run that cell, then run this check again.",
+                hints,
+                1,
+            )
         ) from None
     try:
-        _compare(actual, expected, rtol, atol)
+        _compare(actual, expected, rtol, atol, list(parts or []), ())
     except AssertionError as exc:
-        raise ExerciseWrong(f"Exercise '{name}' is not right yet:\n{exc}") from None
+        attempts = _failed_attempts.get(name, 0) + 1
+        _failed_attempts[name] = attempts
+        raise ExerciseWrong(
+            _with_hint(f"Exercise '{name}' is not right yet: {exc}", hints, attempts)
+        ) from None
+    _failed_attempts.pop(name, None)
     print(f"Exercise '{name}': correct.")
+
+
+def _with_hint(message: str, hints: list[str], k: int) -> str:
+    if not hints:
+        return message
+    k = min(k, len(hints))
+    more = " (another wrong attempt shows the next hint)" if k < len(hints) else ""
+    return f"{message}\nHint {k} of {len(hints)}: {hints[k - 1]}{more}"
 
 
 def _unsolved(exc: BaseException) -> bool:
@@ -52,21 +109,127 @@ def _unsolved(exc: BaseException) -> bool:
     return False
 
 
-def _compare(actual, expected, rtol, atol) -> None:
+def _where(parts: list[str], path: tuple[int, ...]) -> str:
+    """'part 2 (fraction)' for the element at `path` of a nested expected answer, '' at the top."""
+    if not path:
+        return ""
+    label = "part " + ".".join(str(i + 1) for i in path)
+    if len(path) == 1 and path[0] < len(parts):
+        label += f" ({parts[path[0]]})"
+    return label + ": "
+
+
+def _fmt(x) -> str:
+    if isinstance(x, (float, np.floating)):
+        return f"{float(x):.6g}"
+    return str(x.item() if isinstance(x, (np.generic, torch.Tensor)) else x)
+
+
+def _compare(actual, expected, rtol, atol, parts: list[str], path: tuple[int, ...]) -> None:
+    where = _where(parts, path)
     if isinstance(expected, (tuple, list)):
         if not isinstance(actual, (tuple, list)) or len(actual) != len(expected):
+            if isinstance(actual, (tuple, list)):
+                raise AssertionError(
+                    f"{where}got {len(actual)} results, expected {len(expected)} "
+                    f"(shape ({len(actual)},), expected ({len(expected)},))"
+                )
             raise AssertionError(
-                f"expected a sequence of {len(expected)} results, got {type(actual).__name__}"
+                f"{where}expected a sequence of {len(expected)} results, got {type(actual).__name__}"
             )
-        for a, e in zip(actual, expected):
-            _compare(a, e, rtol, atol)
+        for i, (a, e) in enumerate(zip(actual, expected)):
+            _compare(a, e, rtol, atol, parts, (*path, i))
         return
     if isinstance(expected, torch.Tensor):
         if not isinstance(actual, torch.Tensor):
-            raise AssertionError(f"expected a torch.Tensor, got {type(actual).__name__}")
-        torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol)
-        return
-    expected_arr, actual_arr = np.asarray(expected), np.asarray(actual)
+            raise AssertionError(f"{where}expected a torch.Tensor, got {type(actual).__name__}")
+        if actual.dtype != expected.dtype:
+            raise AssertionError(f"{where}dtype {actual.dtype}, expected {expected.dtype}")
+        actual_arr = (
+            actual.detach().cpu().double().numpy() if actual.is_floating_point() else actual.cpu().numpy()
+        )
+        expected_arr = (
+            expected.detach().cpu().double().numpy()
+            if expected.is_floating_point()
+            else expected.cpu().numpy()
+        )
+    else:
+        if isinstance(actual, torch.Tensor):
+            actual = actual.detach().cpu().numpy()
+        expected_arr, actual_arr = np.asarray(expected), np.asarray(actual)
     if expected_arr.shape != actual_arr.shape:
-        raise AssertionError(f"shape {actual_arr.shape}, expected {expected_arr.shape}")
-    np.testing.assert_allclose(actual_arr, expected_arr, rtol=rtol, atol=atol, equal_nan=True)
+        raise AssertionError(f"{where}shape {actual_arr.shape}, expected {expected_arr.shape}")
+    try:
+        close = np.isclose(actual_arr, expected_arr, rtol=rtol, atol=atol, equal_nan=True)
+    except TypeError:  # not numbers (strings, objects): compare for equality
+        close = np.asarray(actual_arr == expected_arr)
+    if close.all():
+        return
+    if expected_arr.ndim == 0:
+        raise AssertionError(f"{where}got {_fmt(actual_arr[()])}, expected {_fmt(expected_arr[()])}")
+    bad = np.argwhere(~close)
+    first = tuple(int(i) for i in bad[0])
+    raise AssertionError(
+        f"{where}{len(bad)} of {close.size} values differ; the first at index {first}: "
+        f"got {_fmt(actual_arr[first])}, expected {_fmt(expected_arr[first])}"
+    )
+
+
+@dataclass
+class Prediction:
+    """A learner's guess of a quantity, written down before it is measured (see `predict`)."""
+
+    name: str
+    value: float | None
+    unit: str = ""
+
+    def score(self, measured: float, factor: float = 2.0) -> float | None:
+        """Print how close the guess was to `measured` and return measured / guess (None if no guess).
+
+        Within `factor` either way counts as good. Both numbers must be positive. Taught in 01_roofline."""
+        measured = float(measured)
+        if self.value is None:
+            print(f"'{self.name}': measured {_fmt(measured)}{self.unit}. (No prediction was written down.)")
+            return None
+        guess = float(self.value)
+        if not (guess > 0 and measured > 0 and math.isfinite(guess) and math.isfinite(measured)):
+            raise ValueError(f"'{self.name}': prediction {guess} and measurement {measured} must be positive")
+        ratio = measured / guess
+        off = max(ratio, 1 / ratio)
+        direction = "low" if ratio > 1 else "high"
+        if off <= 1.25:
+            verdict = "spot on (within 25%)"
+        elif off <= factor:
+            verdict = f"good: within {factor:g}x (your guess was {off:.2g}x too {direction})"
+        else:
+            verdict = (
+                f"off by {off:.3g}x (your guess was too {direction}): find which assumption of your "
+                "estimate the measurement breaks"
+            )
+        print(
+            f"'{self.name}': you predicted {_fmt(guess)}{self.unit}, measured {_fmt(measured)}{self.unit}: {verdict}."
+        )
+        return ratio
+
+
+_predictions: dict[str, Prediction] = {}
+
+
+def predict(name: str, value: float | None, unit: str = "") -> Prediction:
+    """Write down a prediction before measuring; score it afterwards with `.score(measured)` or `score(name, ...)`.
+
+    `value` is a positive number in `unit` (e.g. `predict("fused speed-up", 3, "x")`); None means no guess yet.
+    Taught in 01_roofline; used before each measurement of the course."""
+    if value is not None and not isinstance(value, (int, float, np.number)):
+        raise TypeError(f"prediction '{name}': expected a number, got {type(value).__name__}")
+    prediction = Prediction(name, None if value is None else float(value), unit)
+    _predictions[name] = prediction
+    print(f"Prediction '{name}': {'(none)' if value is None else _fmt(float(value)) + unit}. Now measure.")
+    return prediction
+
+
+def score(name: str, measured: float, factor: float = 2.0) -> float | None:
+    """Score the prediction made with `predict(name, ...)` against `measured` (see Prediction.score)."""
+    if name not in _predictions:
+        raise ValueError(f"no prediction named '{name}': run the cell with predict('{name}', ...) first")
+    return _predictions[name].score(measured, factor)
