@@ -1,0 +1,389 @@
+"""Pictures that move: FlashAttention's loops step by step, as a slider and as a static strip of frames.
+
+Taught in notebooks 04 (the forward's tile loop, FlashAttention-1 against FlashAttention-2 loop order,
+causal skipping), 04b and 07 (the backward's K/V-outer loop, dQ accumulating) and 05 (which program of a
+Triton launch touches which elements).
+
+Each picture comes in two forms, built from the same recorded frames:
+- `*_strip(...)`: a matplotlib Figure with a few chosen steps side by side. It shows everywhere, in a
+  browser, in a PDF, and when a notebook runs without a front end (nbval, CI).
+- `*_widget(...)`: an `ipywidgets` slider over every step, redrawing the figure of one step. In
+  JupyterLab it moves; without a front end it displays as a line of text.
+
+Frames are recorded from a real computation in float64 (`forward_frames`, `backward_frames`), so what
+moves on the screen is what the algorithm does, not a drawing of it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from . import tiles
+
+ORDERS = {"fa1": "FlashAttention-1 order (K/V outer)", "fa2": "FlashAttention-2 order (Q outer)"}
+
+
+def _check_2d(name: str, t, n_cols: int | None = None) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"animate: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != 2 or (n_cols is not None and t.shape[1] != n_cols):
+        want = f"(N, {n_cols})" if n_cols is not None else "(N, d)"
+        raise ValueError(f"animate: {name} must have shape {want} (one head), got {tuple(t.shape)}")
+
+
+def _block_ranges(n: int, block: int) -> list[tuple[int, int]]:
+    return [(s, min(s + block, n)) for s in range(0, n, block)]
+
+
+def forward_frames(q, k, v, block_m: int, block_n: int, causal: bool = False, order: str = "fa2"):
+    """Run a tiled attention forward on one head and record its state after every tile.
+
+    q: (Nq, d), k and v: (Nk, d), any float dtype (computed in float64). `order` is "fa2" (outer loop
+    over Q blocks) or "fa1" (outer loop over K/V blocks); causal tiles above the diagonal are skipped.
+    Returns a list of frames, one per computed tile, each a dict:
+        tile: (i, j); done: tiles computed before this one; m, l: (Nq,) running max and sum of every
+        row after the step (-inf and 0 for rows not started); err: (Nq,) max |O/l - O_final| per row
+        (NaN for rows not started); order, causal, n_q, n_k, block_m, block_n: the setting.
+    The per-row arithmetic is the online softmax of notebook 03, the same in both orders; only the
+    order in which tiles arrive differs."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _check_2d(name, t)
+    if k.shape != v.shape or q.shape[1] != k.shape[1]:
+        raise ValueError(f"animate: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not fit")
+    if order not in ORDERS:
+        raise ValueError(f"animate: order must be 'fa1' or 'fa2', got {order!r}")
+    q, k, v = q.double().cpu(), k.double().cpu(), v.double().cpu()
+    n_q, n_k = q.shape[0], k.shape[0]
+    scale = q.shape[1] ** -0.5
+    S_full = q @ k.T * scale
+    if causal:
+        S_full = S_full.masked_fill(torch.ones(n_q, n_k, dtype=torch.bool).triu(1), -math.inf)
+    O_final = torch.softmax(S_full, dim=-1) @ v
+    m = torch.full((n_q,), -math.inf, dtype=torch.float64)
+    l = torch.zeros(n_q, dtype=torch.float64)
+    acc = torch.zeros(n_q, v.shape[1], dtype=torch.float64)
+    rows_q, rows_k = _block_ranges(n_q, block_m), _block_ranges(n_k, block_n)
+    frames, done = [], []
+    for i, j in tiles.tile_schedule(n_q, n_k, block_m, block_n, causal, order=order):
+        (i0, i1), (j0, j1) = rows_q[i], rows_k[j]
+        S = S_full[i0:i1, j0:j1]
+        m_new = torch.maximum(m[i0:i1], S.amax(dim=-1))
+        m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)  # a row seeing no key yet
+        P = torch.exp(S - m_safe[:, None])
+        alpha = torch.exp(m[i0:i1] - m_safe)
+        l[i0:i1] = alpha * l[i0:i1] + P.sum(dim=-1)
+        acc[i0:i1] = alpha[:, None] * acc[i0:i1] + P @ v[j0:j1]
+        m[i0:i1] = m_new
+        started = l > 0
+        err = torch.full((n_q,), math.nan, dtype=torch.float64)
+        err[started] = (acc[started] / l[started, None] - O_final[started]).abs().amax(dim=-1)
+        frames.append(
+            {
+                "tile": (i, j),
+                "done": list(done),
+                "m": m.numpy().copy(),
+                "l": l.numpy().copy(),
+                "err": err.numpy(),
+                "order": order,
+                "causal": causal,
+                "n_q": n_q,
+                "n_k": n_k,
+                "block_m": block_m,
+                "block_n": block_n,
+            }
+        )
+        done.append((i, j))
+    return frames
+
+
+def backward_frames(q, k, v, dO, block_m: int, block_n: int, causal: bool = False):
+    """Run FlashAttention-2's tiled backward (outer loop over K/V blocks) on one head, recording each tile.
+
+    q, dO: (Nq, d), k and v: (Nk, d), any float dtype (computed in float64). Returns one frame per
+    computed tile, a dict with tile, done, n_q, n_k, block_m, block_n, causal (as `forward_frames`) and
+        dq_left: (Nq,) max |dQ_final - dQ_so_far| per query row, relative to max |dQ_final|: a row's dQ
+                 is finished (0) only after every K/V block it sees has been visited;
+        dk_left: (Nk,) the same for dK: a K/V block's rows finish at the end of its own inner loop."""
+    for name, t in (("q", q), ("k", k), ("v", v), ("dO", dO)):
+        _check_2d(name, t)
+    if dO.shape != q.shape or k.shape != v.shape or q.shape[1] != k.shape[1]:
+        raise ValueError(
+            f"animate: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, dO {tuple(dO.shape)} do not fit"
+        )
+    q, k, v, dO = (t.double().cpu() for t in (q, k, v, dO))
+    n_q, n_k = q.shape[0], k.shape[0]
+    scale = q.shape[1] ** -0.5
+    S_full = q @ k.T * scale
+    if causal:
+        S_full = S_full.masked_fill(torch.ones(n_q, n_k, dtype=torch.bool).triu(1), -math.inf)
+    P_full = torch.softmax(S_full, dim=-1)
+    O = P_full @ v
+    L = torch.logsumexp(S_full, dim=-1)
+    D = (dO * O).sum(dim=-1)
+    dS_full = P_full * (dO @ v.T - D[:, None])
+    dq_final, dk_final = dS_full @ k * scale, dS_full.T @ q * scale
+    dq, dk = torch.zeros_like(q), torch.zeros_like(k)
+    rows_q, rows_k = _block_ranges(n_q, block_m), _block_ranges(n_k, block_n)
+    frames, done = [], []
+    for i, j in tiles.tile_schedule(n_q, n_k, block_m, block_n, causal, order="fa1"):
+        (i0, i1), (j0, j1) = rows_q[i], rows_k[j]
+        P = torch.exp(S_full[i0:i1, j0:j1] - L[i0:i1, None])  # rebuilt from L, as the kernels do
+        dS = P * (dO[i0:i1] @ v[j0:j1].T - D[i0:i1, None])
+        dq[i0:i1] += dS @ k[j0:j1] * scale
+        dk[j0:j1] += dS.T @ q[i0:i1] * scale
+        frames.append(
+            {
+                "tile": (i, j),
+                "done": list(done),
+                "dq_left": ((dq_final - dq).abs().amax(dim=-1) / dq_final.abs().max()).numpy(),
+                "dk_left": ((dk_final - dk).abs().amax(dim=-1) / dk_final.abs().max()).numpy(),
+                "causal": causal,
+                "n_q": n_q,
+                "n_k": n_k,
+                "block_m": block_m,
+                "block_n": block_n,
+            }
+        )
+        done.append((i, j))
+    return frames
+
+
+def _tile_map(ax, frame, title):
+    tiles.draw_block_map(
+        ax,
+        frame["n_q"],
+        frame["n_k"],
+        frame["block_m"],
+        frame["block_n"],
+        frame["causal"],
+        on_chip=frame["tile"],
+        done=frame["done"],
+        title=title,
+    )
+
+
+def _pick_steps(n_frames: int, n_shots: int) -> list[int]:
+    n_shots = max(1, min(n_shots, n_frames))
+    return sorted({round(s) for s in np.linspace(0, n_frames - 1, n_shots)})
+
+
+def _forward_panels(axes, frames, step, m_lim, l_max, err_max):
+    f = frames[step]
+    rows = np.arange(f["n_q"])
+    i, j = f["tile"]
+    _tile_map(axes[0], f, f"{f['order'].upper()} step {step + 1}/{len(frames)}: tile ({i}, {j})")
+    axes[1].plot(rows, np.where(np.isinf(f["m"]), np.nan, f["m"]), ".", color="#d94801", ms=3)
+    axes[1].set_ylim(*m_lim)
+    axes[1].set_title("running max m per row")
+    axes[2].plot(rows, f["l"], ".", color="#2171b5", ms=3)
+    axes[2].set_ylim(0, l_max)
+    axes[2].set_title("running sum l per row")
+    axes[3].bar(
+        rows, np.nan_to_num(f["err"], nan=err_max), color=np.where(np.isnan(f["err"]), "#dddddd", "#238b45")
+    )
+    axes[3].set_ylim(0, err_max)
+    axes[3].set_title("max |O/l − O_final| (grey: not started)")
+    for ax in axes[1:]:
+        ax.set_xlabel("query row")
+        ax.axvspan(i * f["block_m"], min((i + 1) * f["block_m"], f["n_q"]) - 0.5, color="#fd8d3c", alpha=0.15)
+
+
+def _forward_limits(frames_by_order):
+    ms = np.concatenate([f["m"] for frames in frames_by_order.values() for f in frames])
+    ms = ms[np.isfinite(ms)]
+    ls = np.concatenate([f["l"] for frames in frames_by_order.values() for f in frames])
+    errs = np.concatenate([f["err"] for frames in frames_by_order.values() for f in frames])
+    err_max = float(np.nanmax(errs)) * 1.05 if np.isfinite(errs).any() else 1.0
+    return (float(ms.min()) - 0.2, float(ms.max()) + 0.2), float(ls.max()) * 1.05, err_max or 1.0
+
+
+def forward_step_figure(frames_by_order: dict, step: int):
+    """One step of the forward, for each loop order: a row of four panels (tile map, m, l, distance of
+    the current estimate O/l from the final O, per query row). frames_by_order: {"fa1": frames, "fa2":
+    frames} from `forward_frames` (one order is fine too). Returns the matplotlib Figure."""
+    import matplotlib.pyplot as plt
+
+    limits = _forward_limits(frames_by_order)
+    fig, axes = plt.subplots(
+        len(frames_by_order), 4, figsize=(17, 3.9 * len(frames_by_order)), squeeze=False, layout="constrained"
+    )
+    for row, frames in zip(axes, frames_by_order.values()):
+        _forward_panels(row, frames, min(step, len(frames) - 1), *limits)
+    return fig
+
+
+def forward_strip(frames_by_order: dict, n_shots: int = 4):
+    """Static strip: `n_shots` evenly spaced steps side by side, two rows per loop order (the tile map, and
+    the distance of each query row's estimate O/l from its final value). Returns the Figure."""
+    import matplotlib.pyplot as plt
+
+    n_frames = min(len(frames) for frames in frames_by_order.values())
+    steps = _pick_steps(n_frames, n_shots)
+    _, _, err_max = _forward_limits(frames_by_order)
+    fig, axes = plt.subplots(
+        2 * len(frames_by_order),
+        len(steps),
+        figsize=(4.2 * len(steps), 6.8 * len(frames_by_order)),
+        squeeze=False,
+        layout="constrained",
+    )
+    for r, (order, frames) in enumerate(frames_by_order.items()):
+        for c, step in enumerate(steps):
+            f = frames[step]
+            _tile_map(axes[2 * r, c], f, f"{order.upper()}, step {step + 1}/{len(frames)}")
+            ax = axes[2 * r + 1, c]
+            ax.bar(
+                np.arange(f["n_q"]),
+                np.nan_to_num(f["err"], nan=err_max),
+                color=np.where(np.isnan(f["err"]), "#dddddd", "#238b45"),
+            )
+            ax.set_ylim(0, err_max)
+            ax.set_xlabel("query row")
+            finished = int((f["err"] < 1e-12).sum())
+            ax.set_title(f"{finished} of {f['n_q']} rows final")
+        axes[2 * r + 1, 0].set_ylabel("max |O/l − O_final|\n(grey: not started)")
+    return fig
+
+
+def _slider(draw, n_steps: int, description: str):
+    """An ipywidgets slider over steps 0..n_steps-1 that calls draw(step) (which shows a figure)."""
+    import ipywidgets as widgets
+    import matplotlib.pyplot as plt
+
+    def show(step):
+        draw(step)
+        plt.show()
+
+    slider = widgets.IntSlider(value=0, min=0, max=n_steps - 1, step=1, description=description)
+    return widgets.interactive(show, step=slider)
+
+
+def forward_widget(frames_by_order: dict):
+    """A slider over the forward's steps, redrawing `forward_step_figure` (JupyterLab); text elsewhere."""
+    n = max(len(frames) for frames in frames_by_order.values())
+    return _slider(lambda s: forward_step_figure(frames_by_order, s), n, "tile step")
+
+
+def _backward_panels(axes, frames, step):
+    f = frames[step]
+    i, j = f["tile"]
+    _tile_map(axes[0], f, f"backward step {step + 1}/{len(frames)}: tile ({i}, {j})")
+    for ax, key, n, blk, other, what in (
+        (axes[1], "dq_left", f["n_q"], f["block_m"], i, "query row: dQ still missing"),
+        (axes[2], "dk_left", f["n_k"], f["block_n"], j, "key row: dK still missing"),
+    ):
+        ax.bar(np.arange(n), f[key], color="#6a51a3")
+        ax.set_ylim(0, 1.05 * max(float(g[key].max()) for g in frames))
+        ax.axvspan(other * blk - 0.5, min((other + 1) * blk, n) - 0.5, color="#fd8d3c", alpha=0.2)
+        ax.set_xlabel(what.split(":")[0])
+        ax.set_title(what.split(": ")[1] + f" ({int((f[key] < 1e-12).sum())} of {n} rows done)")
+    axes[1].set_ylabel("max |final − so far|\n(relative)")
+
+
+def backward_step_figure(frames, step: int):
+    """One step of the tiled backward: tile map (K/V blocks outer, so the map fills column by column),
+    how much of dQ and of dK each row still misses. frames: from `backward_frames`. Returns the Figure."""
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(17, 4.2), layout="constrained")
+    _backward_panels(axes, frames, min(step, len(frames) - 1))
+    return fig
+
+
+def backward_strip(frames, n_shots: int = 4):
+    """Static strip of the backward: `n_shots` steps, each a tile map above the dQ still missing per row."""
+    import matplotlib.pyplot as plt
+
+    steps = _pick_steps(len(frames), n_shots)
+    fig, axes = plt.subplots(
+        2, len(steps), figsize=(4.2 * len(steps), 7), squeeze=False, layout="constrained"
+    )
+    top = 1.05 * max(float(f["dq_left"].max()) for f in frames)
+    for c, step in enumerate(steps):
+        f = frames[step]
+        _tile_map(axes[0, c], f, f"step {step + 1}/{len(frames)}: K/V block {f['tile'][1]}")
+        axes[1, c].bar(np.arange(f["n_q"]), f["dq_left"], color="#6a51a3")
+        axes[1, c].set_ylim(0, top)
+        axes[1, c].set_xlabel("query row")
+        axes[1, c].set_title(f"dQ: {int((f['dq_left'] < 1e-12).sum())} of {f['n_q']} rows done")
+    axes[1, 0].set_ylabel("dQ still missing\n(relative)")
+    return fig
+
+
+def backward_widget(frames):
+    """A slider over the backward's steps, redrawing `backward_step_figure`."""
+    return _slider(lambda s: backward_step_figure(frames, s), len(frames), "tile step")
+
+
+def program_map(shape: tuple[int, int], block: tuple[int, int]) -> np.ndarray:
+    """Which program of a 2-D launch touches each element: (M, N) int array of program ids.
+
+    shape: (M, N) elements; block: (BLOCK_M, BLOCK_N) per program; grid = (cdiv(M, BLOCK_M),
+    cdiv(N, BLOCK_N)), program (a, b) has id a * cdiv(N, BLOCK_N) + b (row-major, as the drawings
+    number them). A 1-D launch over n elements is shape (1, n), block (1, BLOCK_SIZE)."""
+    (m, n), (bm, bn) = shape, block
+    if min(m, n, bm, bn) < 1:
+        raise ValueError(f"program_map: shape {shape} and block {block} must be positive")
+    rows, cols = np.arange(m)[:, None] // bm, np.arange(n)[None, :] // bn
+    return rows * math.ceil(n / bn) + cols
+
+
+def _program_panel(ax, shape, block, pid):
+    from matplotlib.colors import ListedColormap
+
+    (m, n), (bm, bn) = shape, block
+    g_m, g_n = math.ceil(m / bm), math.ceil(n / bn)
+    padded = np.full((g_m * bm, g_n * bn), 0)  # 0: a lane past the end (masked)
+    owner = program_map((g_m * bm, g_n * bn), block)
+    padded[:m, :n] = np.where(owner[:m, :n] % 2 == 0, 1, 2)  # other programs, alternating shades
+    lanes = owner == pid
+    padded[lanes & (padded > 0)] = 3  # this program's elements
+    padded[lanes & (padded == 0)] = 4  # this program's masked lanes
+    ax.imshow(
+        padded,
+        cmap=ListedColormap(["#ffffff", "#c6dbef", "#9ecae1", "#fd8d3c", "#cb181d"]),
+        vmin=-0.5,
+        vmax=4.5,
+        aspect="auto",
+        interpolation="nearest",
+    )
+    ax.axhline(m - 0.5, color="black", linewidth=1)
+    ax.axvline(n - 0.5, color="black", linewidth=1)
+    masked = int(lanes.sum() - (lanes[:m, :n]).sum())
+    ax.set_title(
+        f"program {pid} = ({pid // g_n}, {pid % g_n})\n{int(lanes[:m, :n].sum())} elements, {masked} masked lanes"
+    )
+    ax.set_xlabel("column")
+    ax.set_ylabel("row")
+
+
+def program_strip(shape: tuple[int, int], block: tuple[int, int], n_shots: int = 4):
+    """Static strip: for `n_shots` program ids, the elements each one loads (orange) and its lanes past
+    the end of the array that the mask switches off (red); other programs' elements in blue, the array's
+    edge as a black line. Returns the Figure."""
+    import matplotlib.pyplot as plt
+
+    n_prog = int(program_map(shape, block).max()) + 1
+    pids = _pick_steps(n_prog, n_shots)
+    fig, axes = plt.subplots(
+        1, len(pids), figsize=(4.4 * len(pids), 3.6), squeeze=False, layout="constrained"
+    )
+    for ax, pid in zip(axes[0], pids):
+        _program_panel(ax, shape, block, pid)
+    return fig
+
+
+def program_widget(shape: tuple[int, int], block: tuple[int, int]):
+    """A slider over program ids showing which elements each one touches (see `program_strip`)."""
+    import matplotlib.pyplot as plt
+
+    n_prog = int(program_map(shape, block).max()) + 1
+
+    def draw(pid):
+        _, ax = plt.subplots(figsize=(8, 4), layout="constrained")
+        _program_panel(ax, shape, block, pid)
+
+    return _slider(draw, n_prog, "program id")
