@@ -1,0 +1,19 @@
+"""Decoding: split-KV attention over a KV cache (Flash-Decoding), paged caches and serving (notebooks 09, 10).
+
+- `split_kv`: `decode_attention(q, k_cache, v_cache, cache_seqlens, ...)` over a contiguous cache (09).
+- `combine`: the merge of the splits' partial (O, L) (09).
+- `heuristics`: how many splits, and the tile sizes per head dim (09).
+- `reference`: the float64 reference (`decode_reference`) every decode kernel is tested against (09).
+- `paged`: `paged_decode_attention(q, k_pages, v_pages, block_table, cache_seqlens, ...)` (10).
+- `cache`: the page pool and its allocator (free list, reference counts, copy-on-write) (10).
+- `batching`: the continuous-batching loop and the model interface it serves (10).
+- `bandwidth`: `measure_read_bandwidth`, the read ceiling decoding is judged against (09).
+"""
+
+from __future__ import annotations
+
+from .heuristics import choose_num_splits, num_splits_for
+from .reference import decode_reference
+from .split_kv import decode_attention
+
+__all__ = ["choose_num_splits", "decode_attention", "decode_reference", "num_splits_for"]

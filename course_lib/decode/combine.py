@@ -1,0 +1,88 @@
+"""The combine step of split-KV decoding: merge each row's partial (O, L) over the splits (notebook 09).
+
+Split s of row (b, t, h) left O_s (d floats) and L_s (its logsumexp over that split's keys, -inf when
+the split saw no key). The row's result is notebook 03's merge, over S parts at once:
+
+    L = log(sum_s exp(L_s)),   O = sum_s exp(L_s - L) O_s
+
+Bytes moved per row: S x (d + 1) floats read, d outputs and one float written; small next to the cache.
+`course_lib.attention.merge.merge_many` is the same rule in PyTorch (the tests compare the two).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import runtime
+from ..runtime import tl, triton
+
+runtime.require_triton()
+
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
+
+
+@triton.jit
+def combine_kernel(
+    O_PART, L_PART, O, L,
+    stride_ps, stride_pb, stride_pt, stride_ph, stride_pd,
+    stride_qs, stride_qb, stride_qt, stride_qh,
+    stride_ob, stride_ot, stride_oh, stride_od,
+    stride_lb, stride_lt, stride_lh,
+    T_Q, H_Q, NUM_SPLITS,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+):  # fmt: skip
+    """One program per row (b, t, h). Grid: (B * Tq * Hq,). Partials: O_PART (S, B, Tq, Hq, d) fp32,
+    L_PART (S, B, Tq, Hq) fp32; results O (B, Tq, Hq, d) in the output dtype, L (B, Tq, Hq) fp32."""
+    pid = tl.program_id(0)
+    h = pid % H_Q
+    t = (pid // H_Q) % T_Q
+    b = (pid // (H_Q * T_Q)).to(tl.int64)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_ok = offs_s < NUM_SPLITS
+    # The S logsumexps of this row: HBM -> registers.
+    lse_s = tl.load(
+        L_PART + offs_s * stride_qs + b * stride_qb + t * stride_qt + h * stride_qh,
+        mask=s_ok,
+        other=float("-inf"),
+    )
+    m = tl.max(lse_s, 0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)  # a row no split saw: all weights 0, no NaN
+    w = tl.math.exp2((lse_s - m_safe) * LOG2E)  # exp(L_s - max): 0 for empty splits
+    total = tl.sum(w, 0)
+    # The S partial outputs: (BLOCK_S, d) fp32, HBM -> registers.
+    o_s = tl.load(
+        O_PART
+        + offs_s[:, None] * stride_ps
+        + b * stride_pb
+        + t * stride_pt
+        + h * stride_ph
+        + offs_d[None, :] * stride_pd,
+        mask=s_ok[:, None] & (offs_d < HEAD_DIM)[None, :],
+        other=0.0,
+    )
+    empty = total == 0.0
+    safe_total = tl.where(empty, 1.0, total)
+    o = tl.sum(w[:, None] * o_s, 0) / safe_total
+    lse = tl.where(empty, float("-inf"), m_safe + tl.math.log2(safe_total) * LN2)
+    tl.store(
+        O + b * stride_ob + t * stride_ot + h * stride_oh + offs_d * stride_od,
+        o.to(O.dtype.element_ty),
+        mask=offs_d < HEAD_DIM,
+    )
+    tl.store(L + b * stride_lb + t * stride_lt + h * stride_lh, lse)
+
+
+def combine(o_part: torch.Tensor, lse_part: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
+    """Merge partials o_part (S, B, Tq, Hq, d) fp32 and lse_part (S, B, Tq, Hq) fp32 into out
+    (B, Tq, Hq, d) (any float dtype) and lse (B, Tq, Hq) fp32, in place. Taught in notebook 09."""
+    S, B, T, H, d = o_part.shape
+    if B * T * H == 0:
+        return
+    combine_kernel[(B * T * H,)](
+        o_part, lse_part, out, lse,
+        *o_part.stride(), *lse_part.stride(), *out.stride(), *lse.stride(),
+        T, H, S,
+        HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d), BLOCK_S=max(16, triton.next_power_of_2(S)),
+    )  # fmt: skip

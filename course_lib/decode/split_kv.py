@@ -1,0 +1,330 @@
+"""Flash-Decoding: attention of a few new query tokens over a long KV cache, split along the keys (notebook 09).
+
+Layouts (FlashAttention's `flash_attn_with_kvcache` layout: tokens before heads):
+  q              (B, Tq, Hq, d)   the new query tokens of each sequence; Tq = 1 for plain decoding, a few
+                                  for speculative verification or a chunked prefill
+  k_cache        (B, Nmax, Hkv, d), v_cache the same: key j of sequence b is valid for j < cache_seqlens[b]
+                                  (the new tokens' keys already written at the end)
+  cache_seqlens  (B,) int32       valid keys per sequence, 0 <= cache_seqlens[b] <= Nmax
+  out            (B, Tq, Hq, d)   q's dtype; lse (B, Tq, Hq) float32 (natural log, -inf for a row that
+                                  sees no key; its out row is 0)
+Hq must be a multiple of Hkv (GQA; MQA when Hkv = 1): query head h reads kv head h // (Hq / Hkv).
+Causal alignment is bottom-right: query t of Tq sees keys j <= cache_seqlens[b] - Tq + t (the new
+tokens are the last Tq of the sequence); causal=False lets every query see all cache_seqlens[b] keys.
+
+The kernel. One program per (split, sequence x kv head, query tile): grid (S, B * Hkv, M tiles), fixed
+by the shapes alone, so a step can be captured once as a CUDA graph and replayed for any lengths.
+- GQA packing: the G = Hq / Hkv query heads that share a kv head and the Tq tokens become the rows of
+  one tile (row r = t * G + g, padded to BLOCK_M >= 16), so the cache of a kv head is read once, not G times.
+- Split s of a sequence of n keys covers blocks [s * P, (s + 1) * P) of BLOCK_N keys, P = cdiv(cdiv(n,
+  BLOCK_N), S): computed in the kernel from the length it loads, so a ragged batch is balanced per
+  sequence with no host sync. A split with no key writes (O, L) = (0, -inf).
+- Each split writes its partial (O, L) in fp32; `combine` merges them (S = 1 writes the result directly).
+Bytes moved: every valid K and V row once (2 x n x Hkv x d x element size per sequence), Q and O once,
+plus the partials (S x B x Tq x Hq x (d + 1) x 4 bytes, twice).
+
+`paged.py` runs the same kernel with PAGED=True: K/V rows are found through a block table.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import runtime
+from ..runtime import tl, triton
+from .combine import combine
+from .heuristics import num_splits_for, tile_for
+
+runtime.require_triton()
+
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@triton.jit
+def split_kv_kernel(
+    Q, K, V, BLOCK_TABLE, SEQLENS, O_PART, L_PART, qk_scale,
+    stride_qb, stride_qt, stride_qh, stride_qd,
+    stride_kb, stride_kn, stride_kh, stride_kd,
+    stride_vb, stride_vn, stride_vh, stride_vd,
+    stride_tb, stride_tp,
+    stride_os, stride_ob, stride_ot, stride_oh, stride_od,
+    stride_ls, stride_lb, stride_lt, stride_lh,
+    H_KV, T_Q, CAPACITY, PAGE_SIZE, NUM_SPLITS,
+    GROUP: tl.constexpr, CAUSAL: tl.constexpr, PAGED: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Partial (O, L) of one split of one (sequence, kv head) for one tile of (token, head) rows.
+
+    PAGED=False: K, V are (B, Nmax, Hkv, d) caches; stride_kb steps sequences, stride_kn keys.
+    PAGED=True: K, V are (num_pages, PAGE_SIZE, Hkv, d) pools; key j of sequence b lives in page
+    BLOCK_TABLE[b, j // PAGE_SIZE] at slot j % PAGE_SIZE; stride_kb steps pages, stride_kn slots.
+    qk_scale = softmax scale x log2(e): scores go straight into base 2."""
+    split = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    b = (pid_bh // H_KV).to(tl.int64)
+    kvh = (pid_bh % H_KV).to(tl.int64)
+    seqlen = tl.minimum(tl.load(SEQLENS + b), CAPACITY)  # the wrappers check; the clamp keeps reads in bounds
+
+    # Rows of the tile: (token t, head g of the group), r = t * GROUP + g; query head kvh * GROUP + g.
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    t = rows // GROUP
+    h = kvh * GROUP + rows % GROUP
+    row_ok = rows < T_Q * GROUP
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    # Q tile: HBM -> registers once, BLOCK_M x d.
+    q = tl.load(
+        Q + b * stride_qb + t[:, None] * stride_qt + h[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+        mask=row_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    # This split's keys: whole BLOCK_N blocks [lo, hi), hi cut at the sequence's length.
+    per_split = tl.cdiv(tl.cdiv(seqlen, BLOCK_N), NUM_SPLITS)
+    lo = split * per_split * BLOCK_N
+    hi = tl.minimum(lo + per_split * BLOCK_N, seqlen)
+    # Bottom-right causal: row t sees keys j <= seqlen - T_Q + t.
+    last = seqlen - T_Q + t
+    if CAUSAL:
+        # the tile's last token sees the most keys: none past seqlen - T_Q + t_max is loaded
+        t_max = (tl.minimum((pid_m + 1) * BLOCK_M, T_Q * GROUP) - 1) // GROUP
+        hi = tl.minimum(hi, seqlen - T_Q + t_max + 1)
+
+    # Running state in registers: row max m (base 2), row sum l, unnormalised output acc.
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        cols = start + offs_n
+        col_ok = cols < hi
+        if PAGED:
+            # One page id per key (int32, mostly from L1/L2): the indirection a paged cache pays.
+            page = tl.load(
+                BLOCK_TABLE + b * stride_tb + (cols // PAGE_SIZE) * stride_tp, mask=col_ok, other=0
+            ).to(tl.int64)
+            k_rows = page * stride_kb + (cols % PAGE_SIZE) * stride_kn
+            v_rows = page * stride_vb + (cols % PAGE_SIZE) * stride_vn
+        else:
+            k_rows = b * stride_kb + cols.to(tl.int64) * stride_kn
+            v_rows = b * stride_vb + cols.to(tl.int64) * stride_vn
+        kv_mask = col_ok[:, None] & d_ok[None, :]
+        # K block: HBM -> on chip, BLOCK_N x d elements of this kv head.
+        k = tl.load(
+            K + k_rows[:, None] + kvh * stride_kh + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0
+        )
+        if UPCAST:
+            k = k.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N) fp32
+        visible = col_ok[None, :]
+        if CAUSAL:
+            visible = visible & (cols[None, :] <= last[:, None])
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no visible key yet: no NaN
+        p = tl.math.exp2(s - m_safe[:, None])
+        alpha = tl.math.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        m_i = m_new
+        # V block: HBM -> on chip; acc += P V in fp32.
+        v = tl.load(
+            V + v_rows[:, None] + kvh * stride_vh + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0
+        )
+        if UPCAST:
+            v = v.to(tl.float32)
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+
+    # Partial result of this split: O = acc / l and L = m + log l, or (0, -inf) if it saw no key.
+    empty = l_i == 0.0
+    o = acc / tl.where(empty, 1.0, l_i)[:, None]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * LN2)
+    tl.store(
+        O_PART + split * stride_os + b * stride_ob + t[:, None] * stride_ot + h[:, None] * stride_oh
+        + offs_d[None, :] * stride_od,
+        o.to(O_PART.dtype.element_ty),
+        mask=row_ok[:, None] & d_ok[None, :],
+    )  # fmt: skip
+    tl.store(L_PART + split * stride_ls + b * stride_lb + t * stride_lt + h * stride_lh, lse, mask=row_ok)
+
+
+# --------------------------------------------------------------------------------------------------
+# Checks and the launch, shared with paged.py
+# --------------------------------------------------------------------------------------------------
+def check_query_and_lengths(q, cache_seqlens, kv_heads: int, head_dim: int, dtype, device, where: str):
+    """Raise TypeError / ValueError naming the problem for q (B, Tq, Hq, d) and cache_seqlens (B,)."""
+    if not isinstance(q, torch.Tensor):
+        raise TypeError(f"{where}: q must be a torch.Tensor, got {type(q).__name__}")
+    if q.dim() != 4:
+        raise ValueError(
+            f"{where}: q must be (B, Tq, Hq, d) (tokens before heads); got shape {tuple(q.shape)}"
+        )
+    B, Tq, Hq, d = q.shape
+    if q.dtype not in DTYPES:
+        raise TypeError(f"{where}: q has dtype {q.dtype}; supported: float16, bfloat16, float32")
+    if q.dtype != dtype:
+        raise TypeError(f"{where}: q ({q.dtype}) and the K/V cache ({dtype}) must share one dtype")
+    if q.device != device:
+        raise ValueError(f"{where}: q is on {q.device} but the K/V cache is on {device}")
+    if d != head_dim:
+        raise ValueError(f"{where}: q has head dim {d}, the K/V cache {head_dim}")
+    if d % 8 or not 16 <= d <= 256:
+        raise ValueError(f"{where}: head dim d={d} unsupported; supported: multiples of 8 from 16 to 256")
+    if kv_heads == 0 or Hq % kv_heads:
+        raise ValueError(
+            f"{where}: Hq={Hq} query heads must be a multiple of Hkv={kv_heads} kv heads (GQA); q {tuple(q.shape)}"
+        )
+    if Tq == 0:
+        raise ValueError(f"{where}: q has no query token (Tq = 0); q {tuple(q.shape)}")
+    if runtime.INTERPRET and q.device.type != "cpu":
+        raise ValueError(
+            f"{where}: tensors are on {q.device}, but kernels run in the Triton interpreter on the CPU here "
+            "(course_lib.INTERPRET is True); move them to the CPU"
+        )
+    if runtime.ON_GPU and q.device.type != "cuda":
+        raise ValueError(
+            f"{where}: tensors are on {q.device}, but kernels are compiled for the GPU here; "
+            "move them with .to(course_lib.DEVICE)"
+        )
+    if not isinstance(cache_seqlens, torch.Tensor):
+        raise TypeError(
+            f"{where}: cache_seqlens must be a (B,) int32 tensor, got {type(cache_seqlens).__name__}"
+        )
+    if cache_seqlens.dtype != torch.int32:
+        raise TypeError(f"{where}: cache_seqlens must be int32, got {cache_seqlens.dtype}")
+    if cache_seqlens.shape != (B,):
+        raise ValueError(
+            f"{where}: cache_seqlens must have shape (B,) = ({B},); got {tuple(cache_seqlens.shape)}"
+        )
+    if cache_seqlens.device != q.device:
+        raise ValueError(f"{where}: cache_seqlens is on {cache_seqlens.device}, q on {q.device}")
+
+
+def should_validate(validate: bool, device: torch.device) -> bool:
+    """Checks that read tensor values run on the CPU always, on a GPU when `validate` (they sync), and
+    never during CUDA-graph capture (a sync there is illegal; capture with validate=False)."""
+    if device.type == "cpu":
+        return True
+    return bool(validate) and not torch.cuda.is_current_stream_capturing()
+
+
+def check_lengths(cache_seqlens: torch.Tensor, capacity: int, where: str) -> None:
+    """cache_seqlens must lie in [0, capacity] (values are read: syncs on a GPU)."""
+    bad = (cache_seqlens < 0) | (cache_seqlens > capacity)
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0, 0])
+        raise ValueError(
+            f"{where}: cache_seqlens[{i}] = {int(cache_seqlens[i])} is outside [0, {capacity}] "
+            "(the keys the cache or its block table covers)"
+        )
+
+
+def normalise_causal(causal, where: str) -> bool:
+    """causal: True or 'bottom_right' (the decoding alignment), or False. 'top_left' makes no sense for
+    new tokens at the end of a cache and is refused."""
+    if causal in (True, "bottom_right"):
+        return True
+    if causal is False or causal is None:
+        return False
+    raise ValueError(f"{where}: causal must be True / 'bottom_right' or False; got {causal!r}")
+
+
+def launch(q, k, v, block_table, cache_seqlens, *, page_size, capacity, causal, scale, num_splits):
+    """Run the split-KV kernel (and the combine if S > 1); returns (out, lse). Inputs already checked.
+
+    k, v: (B, Nmax, Hkv, d) caches (block_table None) or (num_pages, page_size, Hkv, d) pools."""
+    B, Tq, Hq, d = q.shape
+    Hkv = k.shape[2]
+    group = Hq // Hkv
+    tile = tile_for(d)
+    block_m = min(tile.BLOCK_M_MAX, max(16, triton.next_power_of_2(group * Tq)))
+    m_tiles = triton.cdiv(group * Tq, block_m)
+    if num_splits is None:
+        num_splits = num_splits_for(B, Hkv, m_tiles, capacity, d)
+    num_splits = int(num_splits)
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    out = torch.empty_like(q)
+    lse = torch.empty((B, Tq, Hq), dtype=torch.float32, device=q.device)
+    if B == 0:
+        return out, lse
+    if num_splits == 1:
+        o_part, l_part = out.unsqueeze(0), lse.unsqueeze(0)  # the one split writes the result itself
+    else:
+        o_part = torch.empty((num_splits, B, Tq, Hq, d), dtype=torch.float32, device=q.device)
+        l_part = torch.empty((num_splits, B, Tq, Hq), dtype=torch.float32, device=q.device)
+    paged = block_table is not None
+    table = block_table if paged else cache_seqlens  # any int32 tensor: never read when PAGED=False
+    table_strides = block_table.stride() if paged else (0, 0)
+    scale = d**-0.5 if scale is None else float(scale)
+    wide = q.dtype == torch.float32
+    grid = (num_splits, B * Hkv, m_tiles)
+    split_kv_kernel[grid](
+        q, k, v, table, cache_seqlens, o_part, l_part, scale * 1.4426950408889634,
+        *q.stride(), *k.stride(), *v.stride(), *table_strides, *o_part.stride(), *l_part.stride(),
+        Hkv, Tq, capacity, page_size if paged else 1, num_splits,
+        GROUP=group, CAUSAL=causal, PAGED=paged,
+        HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d), BLOCK_M=block_m, BLOCK_N=tile.BLOCK_N,
+        UPCAST=bool(runtime.INTERPRET and q.dtype == torch.bfloat16),
+        DOT_PRECISION="ieee" if wide else "tf32",
+        num_warps=tile.num_warps, num_stages=tile.num_stages,
+    )  # fmt: skip
+    if num_splits > 1:
+        combine(o_part, l_part, out, lse)
+    return out, lse
+
+
+def decode_attention(
+    q,
+    k_cache,
+    v_cache,
+    cache_seqlens,
+    causal=True,
+    scale=None,
+    num_splits=None,
+    *,
+    return_lse: bool = False,
+    validate: bool = True,
+):
+    """Split-KV attention of new query tokens over a contiguous KV cache (Flash-Decoding). Notebook 09.
+
+    q (B, Tq, Hq, d); k_cache, v_cache (B, Nmax, Hkv, d), Hq a multiple of Hkv; cache_seqlens (B,)
+    int32 in [0, Nmax]; float16, bfloat16 or float32; d a multiple of 8 in [16, 256]. causal=True
+    (= "bottom_right"): query t sees keys j <= cache_seqlens[b] - Tq + t; False: all valid keys.
+    scale defaults to 1/sqrt(d). num_splits: None chooses it from the SM count and the batch shape
+    (`heuristics.num_splits_for`), an int forces it. Returns out (B, Tq, Hq, d) in q's dtype, and with
+    return_lse=True also lse (B, Tq, Hq) float32. Rows that see no key give out 0 and lse -inf.
+    validate=True checks the lengths' values (on a GPU this syncs; it is skipped during CUDA-graph
+    capture); on the CPU the check always runs. Nothing here syncs when validate=False."""
+    where = "decode_attention"
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise ValueError(
+                f"{where}: {name} must be a (B, Nmax, Hkv, d) tensor; got "
+                f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}"
+            )
+    if k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype or k_cache.device != v_cache.device:
+        raise ValueError(
+            f"{where}: k_cache and v_cache must match; got k {tuple(k_cache.shape)} {k_cache.dtype} "
+            f"{k_cache.device}, v {tuple(v_cache.shape)} {v_cache.dtype} {v_cache.device}"
+        )
+    check_query_and_lengths(
+        q, cache_seqlens, k_cache.shape[2], k_cache.shape[3], k_cache.dtype, k_cache.device, where
+    )
+    if k_cache.shape[0] != q.shape[0]:
+        raise ValueError(f"{where}: q has batch {q.shape[0]}, k_cache {k_cache.shape[0]}")
+    capacity = k_cache.shape[1]
+    if should_validate(validate, q.device):
+        check_lengths(cache_seqlens, capacity, where)
+    out, lse = launch(
+        q, k_cache, v_cache, None, cache_seqlens,
+        page_size=1, capacity=capacity, causal=normalise_causal(causal, where), scale=scale,
+        num_splits=num_splits,
+    )  # fmt: skip
+    return (out, lse) if return_lse else out
