@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import course_lib
-from course_lib import bench, records, timing
+from course_lib import bench, records
+from course_lib.perf import timing
 
 
 def _synthetic(ours: dict, flash: dict, default: dict, peak_ratio: float = 1.02) -> dict:

@@ -1,5 +1,5 @@
-"""Tests for course_lib.hardware: the datasheet table, the roofline arithmetic, the measurements
-(tiny sizes on the CPU) and the GPU recorder's CPU-safe path."""
+"""Tests for course_lib.perf's hardware, roofline, ceilings and training_memory: the datasheet table, the
+roofline arithmetic, the measurements (tiny sizes on the CPU) and the GPU recorder's CPU-safe path."""
 
 from __future__ import annotations
 
@@ -11,18 +11,18 @@ import pytest
 import torch
 
 import course_lib
-from course_lib import hardware, records
+from course_lib import perf, records
 
 NUMERIC_FIELDS = [
     f.name
-    for f in dataclasses.fields(hardware.GPUSpec)
+    for f in dataclasses.fields(perf.GPUSpec)
     if f.name not in ("name", "hbm_kind", "host_link", "sources")
 ]
 
 
-@pytest.mark.parametrize("name", list(hardware.GPUS))
+@pytest.mark.parametrize("name", list(perf.GPUS))
 def test_every_datasheet_figure_has_a_source(name):
-    g = hardware.GPUS[name]
+    g = perf.GPUS[name]
     for field in NUMERIC_FIELDS:
         value = getattr(g, field)
         assert isinstance(value, (int, float)) and value > 0, f"{name}.{field} = {value!r}"
@@ -35,14 +35,14 @@ def test_every_datasheet_figure_has_a_source(name):
     [("A100", 1.41, 19.5), ("H100", 1.98, 33.5), ("H200", 1.98, 33.5), ("RTX 4090", 2.52, 41.3)],
 )
 def test_derived_clock_and_sram_bandwidth(name, clock_ghz, sram_tbps):
-    g = hardware.gpu(name)
+    g = perf.gpu(name)
     assert g.clock_ghz == pytest.approx(clock_ghz, rel=0.01), f"{name} clock {g.clock_ghz}"
     assert g.sram_gbps / 1e3 == pytest.approx(sram_tbps, rel=0.01), f"{name} SRAM {g.sram_gbps} GB/s"
     assert g.sram_gbps > g.hbm_gbps, f"{name}: SRAM must be faster than HBM"
 
 
 def test_balance_and_the_a100_non_matmul_ratio():
-    a100 = hardware.gpu("A100")
+    a100 = perf.gpu("A100")
     assert a100.matmul16_tflops / a100.fp32_tflops == 16
     assert a100.balance(True) == pytest.approx(312e12 / 2039e9)
     assert a100.balance(False) == pytest.approx(19.5e12 / 2039e9)
@@ -50,102 +50,154 @@ def test_balance_and_the_a100_non_matmul_ratio():
 
 def test_unknown_gpu_names_the_known_ones():
     with pytest.raises(KeyError, match="A100"):
-        hardware.gpu("V100")
+        perf.gpu("V100")
 
 
 def test_hierarchy_is_ordered_and_sourced():
-    levels = hardware.hierarchy("H200")
+    levels = perf.hierarchy("H200")
     assert [lv["level"].split()[0] for lv in levels] == ["registers", "SRAM", "L2", "HBM", "host"]
     sizes = [lv["bytes"] for lv in levels if lv["bytes"] is not None]
     assert sizes == sorted(sizes), f"capacities not increasing: {sizes}"
     assert all(lv["source"].startswith("https://") for lv in levels)
-    assert len(hardware.datasheet_rows()) == len(hardware.GPUS)
-    docs = hardware.sources_by_document("A100")
-    assert sorted(f for figs in docs.values() for f in figs) == sorted(hardware.gpu("A100").sources)
+    assert len(perf.datasheet_rows()) == len(perf.GPUS)
+    docs = perf.sources_by_document("A100")
+    assert sorted(f for figs in docs.values() for f in figs) == sorted(perf.gpu("A100").sources)
 
 
 def test_roofline_arithmetic():
-    assert hardware.machine_balance(100, 1000) == pytest.approx(100.0)
-    assert hardware.attainable_tflops(10, 100, 1000) == pytest.approx(10.0)  # memory-bound: 1000 GB/s x 10
-    assert hardware.attainable_tflops(1000, 100, 1000) == 100  # compute-bound: the peak
+    assert perf.machine_balance(100, 1000) == pytest.approx(100.0)
+    assert perf.attainable_tflops(10, 100, 1000) == pytest.approx(10.0)  # memory-bound: 1000 GB/s x 10
+    assert perf.attainable_tflops(1000, 100, 1000) == 100  # compute-bound: the peak
     # 1 GFLOP at 1 TFLOP/s = 1 ms; 1 GB at 100 GB/s = 10 ms: the memory time wins
-    assert hardware.roofline_ms(1e9, 1e9, 1.0, 100.0) == pytest.approx(10.0)
-    assert hardware.arithmetic_intensity(8.0, 4.0) == 2.0
+    assert perf.roofline_ms(1e9, 1e9, 1.0, 100.0) == pytest.approx(10.0)
+    assert perf.arithmetic_intensity(8.0, 4.0) == 2.0
 
 
 @pytest.mark.parametrize("bad", [0, -1.0, float("nan"), float("inf"), "fast"])
 def test_roofline_rejects_bad_ceilings(bad):
     with pytest.raises(ValueError, match="peak_tflops"):
-        hardware.machine_balance(bad, 100)
+        perf.machine_balance(bad, 100)
     with pytest.raises(ValueError, match="bandwidth_gbps"):
-        hardware.roofline_ms(1.0, 1.0, 1.0, bad)
+        perf.roofline_ms(1.0, 1.0, 1.0, bad)
     with pytest.raises(ValueError, match="nbytes"):
-        hardware.arithmetic_intensity(1.0, 0)
+        perf.arithmetic_intensity(1.0, 0)
 
 
 def test_operation_costs_and_matmul_cost():
-    costs = hardware.operation_costs(rows=4, cols=8, elem_bytes=2)
+    costs = perf.operation_costs(rows=4, cols=8, elem_bytes=2)
     n = 32
     assert costs["ReLU"] == (n, 2 * n * 2)
     assert costs["softmax"] == (5 * n, 2 * n * 2)
     assert costs["dropout"][1] == 2 * n * 2 + n  # output plus a 1-byte keep-mask
-    flops, nbytes = hardware.matmul_cost(64, 4)
+    flops, nbytes = perf.matmul_cost(64, 4)
     assert (flops, nbytes) == (2 * 64**3, 3 * 64 * 64 * 4)
     assert flops / nbytes == pytest.approx(2 * 64 / (3 * 4))
 
 
 def test_training_bytes_per_param():
-    mixed = hardware.training_bytes_per_param(mixed_precision=True)
-    fp32 = hardware.training_bytes_per_param(mixed_precision=False)
+    mixed = perf.training_bytes_per_param(mixed_precision=True)
+    fp32 = perf.training_bytes_per_param(mixed_precision=False)
     assert sum(mixed.values()) == sum(fp32.values()) == 16
     p = mixed["parameters"]
     assert (mixed["parameters"] / p, mixed["gradients"] / p, mixed["optimizer states"] / p) == (1, 1, 6)
 
 
 def test_measurements_on_tiny_sizes():
-    gbps = hardware.measure_copy_bandwidth(4096, device="cpu")
-    tflops = hardware.measure_matmul_tflops(32, torch.float32, device="cpu")
+    gbps = perf.measure_copy_bandwidth(4096, device="cpu")
+    tflops = perf.measure_matmul_tflops(32, torch.float32, device="cpu")
     assert math.isfinite(gbps) and gbps > 0, gbps
     assert math.isfinite(tflops) and tflops > 0, tflops
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("numel, block", [(1000, 256), (4096, 1024), (17, 16)])
+def test_block_sums_matches_float64_sums(dtype, numel, block):
+    x = torch.randn(numel, device=course_lib.DEVICE, dtype=dtype)
+    got = perf.block_sums(x, block=block)
+    padded = torch.nn.functional.pad(x.double().cpu(), (0, -numel % block))
+    want = padded.view(-1, block).sum(dim=1)
+    assert got.dtype == torch.float32 and got.shape == want.shape, (dtype, numel, block, got.shape)
+    torch.testing.assert_close(got.double().cpu(), want, rtol=1e-5, atol=1e-4 * block**0.5)
+
+
+def test_block_sums_rejects_bad_input():
+    with pytest.raises(TypeError, match="int32"):
+        perf.block_sums(torch.arange(64, dtype=torch.int32, device=course_lib.DEVICE))
+    with pytest.raises(ValueError, match=r"shape \(4, 16\)"):
+        perf.block_sums(torch.randn(4, 16, device=course_lib.DEVICE))
+    with pytest.raises(ValueError, match="power of two"):
+        perf.block_sums(torch.randn(64, device=course_lib.DEVICE), block=24)
+
+
+@pytest.mark.parametrize("reader", ["torch", "triton"])
+def test_read_bandwidth_on_tiny_sizes(reader):
+    gbps = perf.measure_read_bandwidth(4096, device=course_lib.DEVICE, reader=reader)
+    assert math.isfinite(gbps) and gbps > 0, (reader, gbps)
+    with pytest.raises(ValueError, match="reader"):
+        perf.measure_read_bandwidth(4096, reader="numpy")
+    with pytest.raises(ValueError, match="numel must be positive"):
+        perf.measure_read_bandwidth(0, reader=reader)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not course_lib.ON_GPU, reason="needs a CUDA GPU")
+def test_read_bandwidth_on_gpu_is_near_the_copy_bandwidth():
+    # 2 GiB read, 1 GiB copied (2 GiB moved): both far beyond the L2. A read-only kernel should move bytes
+    # at least about as fast as a copy does; a much lower figure means the kernel, not HBM, is the limit.
+    read = perf.measure_read_bandwidth()
+    triton_read = perf.measure_read_bandwidth(reader="triton")
+    torch_read = perf.measure_read_bandwidth(reader="torch")
+    copy = perf.measure_copy_bandwidth()
+    print(
+        f"read (triton) {triton_read:.0f} GB/s, read (torch sum) {torch_read:.0f} GB/s, copy {copy:.0f} GB/s"
+    )
+    assert read > 0.8 * copy, (read, torch_read, copy)
+
+
 def test_measurements_reject_bad_arguments():
     with pytest.raises(TypeError, match="floating-point"):
-        hardware.measure_copy_bandwidth(16, dtype=torch.int32, device="cpu")
+        perf.measure_copy_bandwidth(16, dtype=torch.int32, device="cpu")
     with pytest.raises(ValueError, match="n must be positive"):
-        hardware.measure_matmul_tflops(0, device="cpu")
+        perf.measure_matmul_tflops(0, device="cpu")
     with pytest.raises(ValueError, match="rows and cols"):
-        hardware.measure_operations(0, 8, device="cpu")
+        perf.measure_operations(0, 8, device="cpu")
 
 
 def test_measure_operations_returns_points():
-    points = hardware.measure_operations(8, 64, matmul_sizes=(16,), device="cpu")
+    points = perf.measure_operations(8, 64, matmul_sizes=(16,), device="cpu")
     names = [p["name"] for p in points]
-    assert names == list(hardware.operation_costs(8, 64, 4)) + ["matmul 16"]
+    assert names == list(perf.operation_costs(8, 64, 4)) + ["matmul 16"]
     for p in points:
         assert p["ms"] > 0 and p["flops"] > 0 and p["bytes"] > 0, p
-        assert hardware.achieved_tflops(p) > 0
+        assert perf.achieved_tflops(p) > 0
     assert {p["kind"] for p in points} == {"element-wise", "reduction", "matmul"}
 
 
 def test_measure_fusion_with_a_given_fuser_and_with_a_failing_one():
-    ok = hardware.measure_fusion(1024, device="cpu", compile_fn=lambda f: f)
+    ok = perf.measure_fusion(1024, device="cpu", compile_fn=lambda f: f)
     assert ok["predicted_speedup"] == 4.0 and ok["eager_ms"] > 0 and ok["fused_ms"] > 0, ok
 
     def broken(f):
         raise RuntimeError("no compiler here")
 
-    failed = hardware.measure_fusion(1024, device="cpu", compile_fn=broken)
+    failed = perf.measure_fusion(1024, device="cpu", compile_fn=broken)
     assert "no compiler here" in failed["error"], failed
 
 
 def test_measure_record_cpu_path_round_trips_through_records(tmp_path, monkeypatch):
     # the real recorder compiles with torch.compile; a quick stand-in keeps the test fast on the CPU
     monkeypatch.setattr(torch, "compile", lambda f: f)
-    data = hardware.measure_record(
-        copy_numel=4096, matmul_n=32, rows=8, cols=64, matmul_sizes=(16,), fusion_numel=1024, device="cpu"
+    data = perf.measure_record(
+        copy_numel=4096,
+        read_numel=4096,
+        matmul_n=32,
+        rows=8,
+        cols=64,
+        matmul_sizes=(16,),
+        fusion_numel=1024,
+        device="cpu",
     )
-    assert set(data) >= {"copy_gbps", "matmul_tflops", "operations", "fusion", "matmul_n"}
+    assert set(data) >= {"copy_gbps", "read_gbps", "matmul_tflops", "operations", "fusion", "matmul_n"}
     assert data["matmul_tflops"]["float32"] > 0
     json.dumps(data)  # a record must be plain JSON
     records.save_record("hardware", data, folder=tmp_path)
@@ -155,8 +207,14 @@ def test_measure_record_cpu_path_round_trips_through_records(tmp_path, monkeypat
 @pytest.mark.gpu
 @pytest.mark.skipif(not course_lib.ON_GPU, reason="needs a CUDA GPU")
 def test_measure_record_on_gpu_small():
-    data = hardware.measure_record(
-        copy_numel=2**20, matmul_n=512, rows=256, cols=256, matmul_sizes=(256,), fusion_numel=2**20
+    data = perf.measure_record(
+        copy_numel=2**20,
+        read_numel=2**20,
+        matmul_n=512,
+        rows=256,
+        cols=256,
+        matmul_sizes=(256,),
+        fusion_numel=2**20,
     )
     assert set(data["matmul_tflops"]) == {"bfloat16", "float16", "float32", "tf32"}
     assert data["operations_dtype"] == "bfloat16"

@@ -1,4 +1,4 @@
-"""Tests for course_lib.plotting: labels, scales, missing points and clear errors."""
+"""Tests for course_lib.perf.plotting: labels, scales, missing points and clear errors."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-from course_lib.plotting import bar_chart, plot_series, print_table, roofline  # noqa: E402
+from course_lib.perf.plotting import bar_chart, plot_series, print_table, roofline  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

@@ -1,4 +1,4 @@
-"""Tests for course_lib.profiling: the labelled standard attention, its cost model, the profiler
+"""Tests for course_lib.perf.profiling: the labelled standard attention, its cost model, the profiler
 breakdown, the out-of-memory-safe sweep, saved-for-backward accounting and the recorder's CPU path."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import course_lib
-from course_lib import profiling
 from course_lib.attention.reference import attention as reference_attention
+from course_lib.perf import profiling
 
 
 @pytest.mark.parametrize("causal", [False, True])

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import course_lib
-from course_lib import doctor, exercises, records, runtime, timing
+from course_lib import doctor, exercises, records, runtime
+from course_lib.perf import timing
 
 
 def run_python(code, **env):

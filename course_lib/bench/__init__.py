@@ -33,7 +33,8 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from .. import records, runtime, timing
+from .. import records, runtime
+from ..perf import timing
 from ..attention import reference
 
 TOKENS = 16384  # B * N: the batch shrinks as the sequence grows, so every cell has the same tokens
@@ -639,7 +640,7 @@ def plot_tflops(record: dict, mode: str = "fwd"):
     """TFLOP/s against N for every provider, one panel per (d, causal); returns the Figure."""
     import matplotlib.pyplot as plt
 
-    from ..plotting import plot_series
+    from ..perf.plotting import plot_series
 
     data = record["data"]
     heads = sorted({c["d"] for c in data["cells"]})
@@ -678,7 +679,7 @@ def plot_memory(record: dict, d: int | None = None, causal: bool = False):
     """Peak memory (GB) against N, forward and forward + backward, for one d; returns the Figure."""
     import matplotlib.pyplot as plt
 
-    from ..plotting import plot_series
+    from ..perf.plotting import plot_series
 
     data = record["data"]
     d = max(c["d"] for c in data["cells"]) if d is None else d
@@ -720,7 +721,7 @@ def plot_ladder(record: dict):
     """Predicted and measured gain of each ladder step (left: forward, right: backward); returns the Figure"""
     import matplotlib.pyplot as plt
 
-    from ..plotting import bar_chart
+    from ..perf.plotting import bar_chart
 
     data = record["data"]
     fig, axes = plt.subplots(1, 2, figsize=(15, 6.2), squeeze=False)
@@ -777,7 +778,7 @@ def save_plots(attention_path: Path | None, ladder_path: Path | None) -> list[Pa
 
 
 def _hardware_record(quick: bool) -> dict:
-    from .. import hardware
+    from ..perf import ceilings as hardware
 
     if not quick:
         return hardware.measure_record()
@@ -787,7 +788,7 @@ def _hardware_record(quick: bool) -> dict:
 
 
 def _standard_attention_record(quick: bool) -> dict:
-    from .. import profiling
+    from ..perf import profiling
 
     if not quick:
         return profiling.standard_attention_record()

@@ -9,12 +9,13 @@ is right for timing CPU PyTorch code and meaningless for interpreted Triton kern
 
 from __future__ import annotations
 
+import gc
 import statistics
 import time
 
 import torch
 
-from . import runtime
+from .. import runtime
 
 
 def benchmark(fn, *, warmup_ms: float = 25, rep_ms: float = 100, cpu_reps: int = 5) -> float:
@@ -41,6 +42,14 @@ def peak_memory(fn) -> int | None:
     fn()
     torch.cuda.synchronize()
     return torch.cuda.max_memory_allocated() - before
+
+
+def free_memory() -> None:
+    """Give memory back between measurements: collect Python garbage and, on a CUDA GPU, return PyTorch's
+    cached blocks to the driver, so that one measurement's leftovers do not crowd out the next."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def attention_flops(

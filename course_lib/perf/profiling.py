@@ -16,7 +16,6 @@ byte, so they take much of the time although they hold a tiny share of the FLOPs
 
 from __future__ import annotations
 
-import gc
 import math
 from contextlib import contextmanager, nullcontext
 
@@ -24,9 +23,9 @@ import torch
 import torch.nn.functional as F
 from torch.autograd import DeviceType
 
-from . import runtime
-from .checks import check_attention_inputs, default_scale
-from .timing import benchmark, peak_memory
+from .. import runtime
+from ..checks import check_attention_inputs, default_scale
+from .timing import benchmark, free_memory, peak_memory
 
 STEPS = ("S = QK^T", "mask", "softmax", "dropout", "O = PV")
 
@@ -130,7 +129,7 @@ def predict_step_ms(
 ) -> list[float]:
     """Roofline time (ms) of each step of `attention_step_costs`: matmuls against `matmul_tflops`, the
     other steps against `other_tflops` (the non-matmul units), all against `bandwidth_gbps`."""
-    from .hardware import roofline_ms
+    from .roofline import roofline_ms
 
     return [
         roofline_ms(
@@ -178,12 +177,6 @@ def profile_steps(fn, names=STEPS, repeats: int = 3) -> dict:
     }
 
 
-def _free() -> None:
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
 def sweep_sequence_length(make_fn, ns, measure_memory: bool = True) -> list[dict]:
     """Time (and, on a GPU, peak memory) of `make_fn(n)()` for each n in `ns`, smallest first.
 
@@ -201,7 +194,7 @@ def sweep_sequence_length(make_fn, ns, measure_memory: bool = True) -> list[dict
         except torch.OutOfMemoryError:
             oom = True  # handled below, after the exception (and the tensors its traceback holds) is gone
         fn = None
-        _free()
+        free_memory()
         if oom:
             rows.append({"N": int(n), "oom": True})
             break
@@ -291,7 +284,7 @@ def standard_attention_record(
                 compiled["error"] = f"{type(exc).__name__}: {exc}"[:500]
         rec["compiled"] = compiled
         fn = None
-    _free()
+    free_memory()
     return rec
 
 

@@ -1,0 +1,76 @@
+"""The roofline model: arithmetic intensity, machine balance, and the least time an operation can take.
+
+Taught in notebook 01 (used again in 02 and 08). An operation that does F FLOPs and moves B bytes to or
+from HBM cannot finish before max(F / peak FLOP/s, B / bandwidth); its arithmetic intensity F / B says
+which of the two bounds it.
+
+FLOP convention (for non-matmul operations): one FLOP per add, multiply, compare, max, exp or divide.
+Byte convention: the *minimum* traffic to and from HBM, each input read once, each output written once.
+"""
+
+from __future__ import annotations
+
+import math
+
+
+def machine_balance(peak_tflops: float, bandwidth_gbps: float) -> float:
+    """FLOP per byte at which an operation stops being memory-bound: peak FLOP/s / bandwidth."""
+    _positive(peak_tflops=peak_tflops, bandwidth_gbps=bandwidth_gbps)
+    return peak_tflops * 1e12 / (bandwidth_gbps * 1e9)
+
+
+def arithmetic_intensity(flops: float, nbytes: float) -> float:
+    """FLOP per byte moved to or from memory."""
+    _positive(nbytes=nbytes)
+    return flops / nbytes
+
+
+def attainable_tflops(intensity: float, peak_tflops: float, bandwidth_gbps: float) -> float:
+    """The roofline: min(peak, bandwidth x intensity), in TFLOP/s."""
+    return min(peak_tflops, bandwidth_gbps * intensity / 1e3)
+
+
+def roofline_ms(flops: float, nbytes: float, peak_tflops: float, bandwidth_gbps: float) -> float:
+    """The least time (ms) an operation can take: the larger of compute time and memory time."""
+    _positive(peak_tflops=peak_tflops, bandwidth_gbps=bandwidth_gbps)
+    return max(flops / (peak_tflops * 1e9), nbytes / (bandwidth_gbps * 1e6))
+
+
+def achieved_tflops(point: dict) -> float:
+    """TFLOP/s an operation reached: its FLOPs over its measured time (`point` has "flops" and "ms")."""
+    return point["flops"] / (point["ms"] * 1e9)
+
+
+def _positive(**values) -> None:
+    for name, value in values.items():
+        if not (isinstance(value, (int, float)) and value > 0 and math.isfinite(value)):
+            raise ValueError(f"{name} must be a positive finite number, got {value!r}")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# What operations cost: FLOPs and minimum bytes
+
+
+def operation_costs(rows: int, cols: int, elem_bytes: int) -> dict[str, tuple[float, float]]:
+    """(FLOPs, minimum HBM bytes) of common non-matmul operations on a (rows, cols) tensor.
+
+    Element-wise: ReLU (1 FLOP/element), dropout (compare + scale = 2; also writes a 1-byte keep-mask, as
+    PyTorch does), masking with a boolean (rows, cols) mask (1 select; reads 1 mask byte). Reductions over
+    the last dim: sum (1), softmax (max, subtract, exp, sum, divide = 5), layer norm (mean 1, variance 3,
+    normalise 2, affine 2 = 8). Each reads its input once and writes its output once."""
+    n = rows * cols
+    b = elem_bytes
+    return {
+        "ReLU": (1.0 * n, 2.0 * n * b),
+        "dropout": (2.0 * n, 2.0 * n * b + n),
+        "masking": (1.0 * n, 2.0 * n * b + n),
+        "sum": (1.0 * n, 1.0 * n * b + rows * b),
+        "softmax": (5.0 * n, 2.0 * n * b),
+        "layer norm": (8.0 * n, 2.0 * n * b + 2 * cols * b),
+    }
+
+
+def matmul_cost(n: int, elem_bytes: int) -> tuple[float, float]:
+    """(FLOPs, minimum bytes) of an (n, n) @ (n, n) matmul: 2 n^3 FLOPs; read A and B, write C: 3 n^2
+    elements. Intensity 2n / (3 * elem_bytes) grows with n: large matmuls are compute-bound."""
+    return 2.0 * n**3, 3.0 * n * n * elem_bytes
