@@ -13,7 +13,14 @@
 from __future__ import annotations
 
 from .heuristics import choose_num_splits, num_splits_for
+from .paged import paged_decode_attention
 from .reference import decode_reference
 from .split_kv import decode_attention
 
-__all__ = ["choose_num_splits", "decode_attention", "decode_reference", "num_splits_for"]
+__all__ = [
+    "choose_num_splits",
+    "decode_attention",
+    "decode_reference",
+    "num_splits_for",
+    "paged_decode_attention",
+]
