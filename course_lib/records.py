@@ -1,5 +1,6 @@
 """Recorded GPU figures: how measured numbers reach a learner who has no GPU.
 
+Taught in notebook 00; `measured_or_recorded` is the switch the GPU figures of notebooks 05-07 go through.
 `make bench` (on a GPU) measures and writes the benchmark records as JSON to `assets/benchmarks/`,
 stamped with the GPU, driver, versions and date; the GPU-only cells of notebooks 05-07 record their own
 live measurements the same way when they run on a GPU (`make test-gpu` runs them). Notebooks load the
@@ -99,3 +100,33 @@ def label(record: dict) -> str:
     """'recorded on NVIDIA H200, 2026-11-22 (torch 2.11.0, triton 3.6.0)': how a figure is credited."""
     m = record["meta"]
     return f"recorded on {m.get('gpu')}, {m['date']} (torch {m['torch']}, triton {m['triton']})"
+
+
+def measured_or_recorded(
+    kind: str, measure, missing: str, folder: Path | str = ASSETS
+) -> tuple[dict, str] | None:
+    """Measure on a GPU, else show the record: the one switch every GPU figure of the notebooks goes through.
+
+    On a GPU: `data = measure()` (a JSON-able dict), saved as the record of `kind`; returns
+    (data, "measured now on <GPU>"). On a CPU: the newest record of `kind` and its `label`; if there is
+    none, prints `missing` (what the figure would show, so the learner knows what to look for) and
+    returns None. Used from notebook 05 on; the records themselves are taught in notebook 00.
+
+        got = records.measured_or_recorded("primer_softmax", sweep, missing="No recorded GPU run yet ...")
+        if got:
+            plot(*got)   # plot(data, source)"""
+    if not isinstance(kind, str) or not kind:
+        raise ValueError(f"kind must be a non-empty string, got {kind!r}")
+    if not callable(measure):
+        raise TypeError(f"measure must be a function returning a dict, got {type(measure).__name__}")
+    if runtime.ON_GPU:
+        data = measure()
+        if not isinstance(data, dict):
+            raise TypeError(f"measure() must return a dict, got {type(data).__name__}")
+        save_record(kind, data, folder=folder)
+        return data, "measured now on " + torch.cuda.get_device_name(runtime.DEVICE)
+    rec = load_record(kind, folder=folder)
+    if rec is None:
+        print(missing)
+        return None
+    return rec["data"], label(rec)

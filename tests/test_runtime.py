@@ -93,6 +93,33 @@ def test_records_off_writes_nothing(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_measured_or_recorded_shows_the_record_on_the_cpu(tmp_path, capsys):
+    if course_lib.ON_GPU:
+        pytest.skip("the CPU path")
+
+    def measure():
+        raise AssertionError("measure() must not run on the CPU")
+
+    assert records.measured_or_recorded("demo", measure, "no record yet", folder=tmp_path) is None
+    assert "no record yet" in capsys.readouterr().out
+    records.save_record("demo", {"x": [1, 2]}, folder=tmp_path)
+    data, source = records.measured_or_recorded("demo", measure, "no record yet", folder=tmp_path)
+    assert data == {"x": [1, 2]} and source.startswith("recorded on"), (data, source)
+    with pytest.raises(TypeError, match="measure"):
+        records.measured_or_recorded("demo", {"x": 1}, "", folder=tmp_path)
+    with pytest.raises(ValueError, match="kind"):
+        records.measured_or_recorded("", measure, "", folder=tmp_path)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not course_lib.ON_GPU, reason="needs a CUDA GPU")
+def test_measured_or_recorded_measures_and_saves_on_a_gpu(tmp_path, monkeypatch):
+    monkeypatch.delenv("COURSE_RECORDS", raising=False)
+    data, source = records.measured_or_recorded("demo", lambda: {"x": [3]}, "unused", folder=tmp_path)
+    assert data == {"x": [3]} and source.startswith("measured now on"), source
+    assert records.load_record("demo", folder=tmp_path)["data"] == {"x": [3]}
+
+
 def test_committed_records_are_stamped():
     for path in records.ASSETS.glob("*.json"):
         meta = json.loads(path.read_text())["meta"]
