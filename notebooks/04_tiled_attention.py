@@ -24,8 +24,8 @@
 #    bounds the block sizes.
 # 2. Put the online softmax inside attention: an unnormalised O with a running max m and sum l per row,
 #    rescaled as blocks arrive, normalised once at the end; save the logsumexp L = m + log l.
-# 3. Compare FlashAttention-1's loop order with FlashAttention-2's: HBM traffic, non-matmul work,
-#    parallelism.
+# 3. Compare FlashAttention-1 with FlashAttention-2's three changes: non-matmul work, parallelism over the
+#    sequence (the loop order, and its HBM traffic), and split-Q work partitioning between warps.
 # 4. Count the HBM bytes of standard and tiled attention as functions of N, d and M; meet Θ(N²d²/M).
 # 5. Skip the tiles a causal mask hides, and count the work saved.
 # 6. Derive the backward pass and compute it tile by tile, recomputing P from Q, K and L.
@@ -186,8 +186,14 @@ plt.show()
 # %% [markdown]
 # ## 5. The whole forward pass: two loop orders
 #
-# The full forward wraps `attend_row_block` in a loop over the row blocks of Q. Which loop goes outside
-# is the main difference between FlashAttention-1 and FlashAttention-2.
+# The full forward wraps `attend_row_block` in a loop over the row blocks of Q. FlashAttention-2 (Dao,
+# 2023) changed three things relative to FlashAttention-1, and this section shows each:
+# 1. **Fewer non-matmul FLOPs**: O stays unnormalised until the very end (one division per element instead
+#    of one per tile), and only $L = m + \log l$ is stored for the backward instead of both m and l.
+# 2. **Parallelism over the sequence**, from the loop order: Q blocks outside, so every row block is an
+#    independent program (below).
+# 3. **Work partitioning between the warps** of one program: split-Q instead of split-K (the paper's §3.3;
+#    the end of this section).
 #
 # **FlashAttention-2**: outer loop over Q blocks, inner over K/V blocks. $Q_i$, m, l and $\tilde O_i$ stay
 # on chip for the whole inner loop; $O_i$ and $L_i$ are written once. Row blocks are independent, so
@@ -340,33 +346,104 @@ print(
 assert fa2_ops < fa1_ops
 
 # %% [markdown]
+# ### The third change: how one program splits a tile between its warps
+#
+# A GPU program (a thread block) runs as several **warps** of 32 threads, typically 4 or 8, that work on the
+# same tile at the same time (notebook 05). How they share the work of one tile $S_{ij} = Q_i K_j^T$,
+# $\tilde O_i \mathrel{+}= \tilde P_{ij} V_j$ matters:
+# - **split-K** (FlashAttention-1): every warp takes all $B_r$ rows of $Q_i$ and a slice of the columns of
+#   $K_j, V_j$. Each warp ends with a *partial* result for every row: its own max, sum and a $B_r \times d$
+#   partial output. The warps must write these to shared memory, wait for each other (a barrier), and
+#   merge them with the rule of notebook 03, on every tile.
+# - **split-Q** (FlashAttention-2): every warp takes a slice of the rows of $Q_i$ and all of $K_j, V_j$.
+#   A row's softmax lives in one warp, so each warp's rows are finished with no exchange at all; the warps
+#   only share the $K_j, V_j$ they read.
+#
+# Both give the same numbers; they differ in what moves through shared memory. We simulate 4 warps on one
+# tile in PyTorch and count the elements the split-K warps must exchange.
+
+# %%
+WARPS = 4
+
+
+def tile_split_k(q_i, k_j, v_j, warps=WARPS):
+    """softmax(q_i k_j^T) v_j for one tile, the columns split between warps; returns (O, exchanged elements)."""
+    parts = []
+    for cols in torch.arange(k_j.shape[0]).chunk(warps):
+        s = q_i @ k_j[cols].T
+        m_w = s.amax(dim=1, keepdim=True)
+        p = torch.exp(s - m_w)
+        parts.append((m_w, p.sum(dim=1, keepdim=True), p @ v_j[cols]))  # all rows, partial
+    exchanged = sum(m_w.numel() + l_w.numel() + o_w.numel() for m_w, l_w, o_w in parts)  # via shared memory
+    m = torch.stack([m_w for m_w, _, _ in parts]).amax(dim=0)
+    l = sum(l_w * torch.exp(m_w - m) for m_w, l_w, _ in parts)
+    o = sum(o_w * torch.exp(m_w - m) for m_w, _, o_w in parts)
+    return o / l, exchanged
+
+
+def tile_split_q(q_i, k_j, v_j, warps=WARPS):
+    """The same tile with the rows of q_i split between warps: each warp's rows are complete."""
+    rows = [torch.softmax(q_w @ k_j.T, dim=1) @ v_j for q_w in q_i.chunk(warps)]
+    return torch.cat(rows), 0
+
+
+q_t, k_t, v_t = q_fig[:BLOCK_FIG], k_fig[:BLOCK_FIG], v_fig[:BLOCK_FIG]
+expected_tile = torch.softmax(q_t @ k_t.T, dim=1) @ v_t
+for split in (tile_split_k, tile_split_q):
+    o_t, exchanged = split(q_t, k_t, v_t)
+    torch.testing.assert_close(o_t, expected_tile)
+    print(f"{split.__name__}: correct; elements exchanged between warps per tile: {exchanged}")
+
+# %% [markdown]
+# Split-K exchanges $W (B_r d + 2 B_r)$ elements through shared memory per tile, for W warps, plus a barrier;
+# with 4 warps and 128 × 64 tiles at d = 128 that is over 66 000 elements, more than the tile's own
+# $K_j$ and $V_j$. Split-Q exchanges none. Shared memory is fast but not free: its reads and writes compete
+# with the loads of $K_j, V_j$, and the barrier stalls every warp until the slowest arrives. In the Triton
+# kernels of notebook 06 we do not write this split ourselves: a program's tile is one block of rows, and
+# for the block shapes used there (64 or 128 rows, 4 or 8 warps) Triton's compiler typically gives each
+# warp its own rows of the `tl.dot`, which is the split-Q layout.
+
+# %% [markdown]
 # ## 6. IO complexity: Θ(N²d²/M)
 #
 # The formulas, for $N_q = N_k = N$ (elements, one head):
 # - standard: $4Nd + 4N^2$, i.e. Θ(N² + Nd);
 # - FA1 with the paper's blocks: $K, V$ once, and $(3d + 4)$ per row for each of $T_c = N/B_c$ outer steps:
 #   about $N^2 (3d+4) / B_c \approx 12 N^2 d^2 / M$;
-# - FA2: $K, V$ re-read once per row block, $2Nd \cdot T_r = 2N^2 d / B_r$. With blocks that fill the same
-#   SRAM ($B_r = B_c = M / 4d$) that is $8 N^2 d^2 / M$.
+# - FA2: $K, V$ re-read once per row block, $2Nd \cdot T_r = 2N^2 d / B_r$.
 #
-# Both tiled orders are Θ(N²d²/M), and Dao et al. prove that no exact attention algorithm can do
-# asymptotically better for every M between d and Nd. For d = 64 and M = 116 736 (228 KiB of bf16),
-# $d^2 / M \approx 1/28$: tiling moves an order of magnitude fewer bytes. The plot also shows FA2 with the
-# blocks a real kernel uses (128 × 64): with only 128 rows per block, K and V are re-read N/128 times.
-# In practice many of those re-reads are served by the GPU's L2 cache (50 MB on an H200) rather than HBM,
-# because programs that work on the same head tend to run at about the same time.
+# **The blocks must fit.** $Q_i$ and $O_i$ ($B_r \times d$), $K_j$ and $V_j$ ($B_c \times d$) and the tile
+# $S_{ij}$ ($B_r \times B_c$) are on chip at the same time. FlashAttention-1 takes $B_c = M/4d$ so that the
+# four $d$-wide blocks fit, and caps $B_r$ at $d$ so that the tile ($\le d \cdot M/4d = M/4$ elements) fits
+# too. Square blocks of $M/4d$ would not: at d = 64 and M = 116 736 elements (228 KiB of bf16) that is
+# 456 × 456, and the tile alone holds 207 936 elements, almost twice M. With feasible blocks the
+# Θ(N²d²/M) bound is what FA1's order reaches, and Dao et al. prove that no exact attention algorithm can
+# do asymptotically better for every M between d and Nd.
+#
+# Real FA2 kernels choose 128 × 64 blocks: registers, not SRAM, bound them (notebook 06). Then
+# $2N^2 d / B_r = N^2$ elements at d = 64, against standard attention's $4N^2$: **about 4x fewer bytes**,
+# and that ratio does not improve with a larger SRAM. FA1's paper blocks (64 × 456 here) reach about 9x.
+# The measured speed-ups of notebooks 06 and 08 are larger than this 4x, for two reasons the count
+# leaves out. Standard attention pays for S and P in more than bytes: each of its steps is a separate
+# kernel that must finish writing its N × N matrix before the next one reads it, so that traffic never
+# overlaps with the matmuls, while the fused kernel never writes S and P at all and overlaps its loads
+# with compute. And many of FA2's $K_j, V_j$ re-reads are served by the GPU's L2 cache (50 MB on an
+# H200) rather than HBM, because programs that work on the same head tend to run at about the same
+# time: the count charges every re-read to HBM, so it overstates FA2's bytes.
 
 # %%
 D_IO, M_IO, BYTES = 64, 228 * 1024 // 2, 2
 N_IO = [2**p for p in range(10, 17)]
 b_r, b_c = tiles.paper_block_sizes(M_IO, D_IO)
-b_sq = M_IO // (4 * D_IO)
+b_sq = M_IO // (4 * D_IO)  # square blocks of M/4d: the tile would not fit
+assert 2 * b_sq * D_IO + 2 * b_sq * D_IO + b_sq**2 > M_IO
+assert 2 * b_r * D_IO + 2 * b_c * D_IO + b_r * b_c <= M_IO  # FA1's blocks fit
+assert 2 * 128 * D_IO + 2 * 64 * D_IO + 128 * 64 <= M_IO  # and so do 128 x 64
 curves = {
     "standard": [tiles.hbm_elements("standard", n, n, D_IO) * BYTES for n in N_IO],
     f"FA1, paper blocks {b_r} x {b_c}": [
         tiles.hbm_elements("fa1", n, n, D_IO, b_r, b_c) * BYTES for n in N_IO
     ],
-    f"FA2, blocks {b_sq} x {b_sq}": [tiles.hbm_elements("fa2", n, n, D_IO, b_sq, b_sq) * BYTES for n in N_IO],
     "FA2, blocks 128 x 64": [tiles.hbm_elements("fa2", n, n, D_IO, 128, 64) * BYTES for n in N_IO],
 }
 M_RANGE = [2**p for p in range(13, 20)]
@@ -376,12 +453,10 @@ vs_m = {
         tiles.hbm_elements("fa1", 16384, 16384, D_IO, *tiles.paper_block_sizes(M, D_IO)) * BYTES
         for M in M_RANGE
     ],
-    "FA2, blocks M/4d": [
-        tiles.hbm_elements("fa2", 16384, 16384, D_IO, M // (4 * D_IO), M // (4 * D_IO)) * BYTES
-        for M in M_RANGE
-    ],
+    "FA2, blocks 128 x 64": [tiles.hbm_elements("fa2", 16384, 16384, D_IO, 128, 64) * BYTES for _ in M_RANGE],
 }
-ratio = curves["standard"][-1] / curves[f"FA2, blocks {b_sq} x {b_sq}"][-1]
+ratio_fa1 = curves["standard"][-1] / curves[f"FA1, paper blocks {b_r} x {b_c}"][-1]
+ratio_fa2 = curves["standard"][-1] / curves["FA2, blocks 128 x 64"][-1]
 
 GIB = 2**30
 fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(16, 6), layout="constrained")
@@ -402,14 +477,14 @@ plot_series(
     {name: [y / GIB for y in ys] for name, ys in vs_m.items()},
     xlabel="SRAM size M (KiB of bf16)",
     ylabel="HBM traffic per head (GiB)",
-    title="N = 16384: tiled traffic falls as 1/M",
+    title="N = 16384: FA1's traffic falls as 1/M, FA2's is set by its blocks",
     logx=True,
     logy=True,
     ax=ax2,
 )
 fig.suptitle(
-    f"Tiling moves {ratio:.0f}x fewer bytes than standard attention at N = {N_IO[-1]} "
-    f"(both grow as N², tiled ones with d²/M in front)",
+    f"At N = {N_IO[-1]}, tiling with blocks that fit moves {ratio_fa2:.0f}x (FA2, 128 x 64) to "
+    f"{ratio_fa1:.0f}x (FA1's paper blocks) fewer bytes than standard attention",
     fontsize=14,
 )
 plt.show()
@@ -419,12 +494,12 @@ for n, std, fa1, fa2 in zip(
     N_IO,
     curves["standard"],
     curves[f"FA1, paper blocks {b_r} x {b_c}"],
-    curves[f"FA2, blocks {b_sq} x {b_sq}"],
+    curves["FA2, blocks 128 x 64"],
 ):
-    print(f"N = {n:6}: standard / FA1 = {std / fa1:4.1f}, standard / FA2 = {std / fa2:4.1f}")
-    assert n < 4096 or (fa1 < std / 8 and fa2 < std / 10), n  # an order of magnitude at d = 64 and this M
-halved = vs_m["FA2, blocks M/4d"]
-assert all(0.45 < b / a < 0.6 for a, b in zip(halved, halved[1:]))  # doubling M about halves the traffic
+    print(f"N = {n:6}: standard / FA1 = {std / fa1:4.1f}, standard / FA2 (128 x 64) = {std / fa2:4.1f}")
+    assert n < 4096 or (8 < std / fa1 < 10 and 3.5 < std / fa2 <= 4), n  # about 9x and 4x at d = 64
+halved = vs_m["FA1, paper blocks"]
+assert all(0.45 < b / a < 0.6 for a, b in zip(halved, halved[1:]))  # doubling M about halves FA1's traffic
 
 # %% [markdown]
 # ## 7. Causal masking: skip what is hidden
@@ -713,9 +788,13 @@ check(
 #   powers of two such as 64 and 128, limited by registers.
 # - Inside attention, the online softmax keeps m, l and an unnormalised $\tilde O$ per row, rescales both l
 #   and $\tilde O$ by $e^{m_{old} - m_{new}}$, divides once at the end, and saves $L = m + \log l$.
-# - FlashAttention-2 puts the Q loop outside: $O_i$ stays on chip and is written once, rows are independent
-#   programs, and the output needs about half the element-wise work of FlashAttention-1's order.
-# - HBM traffic drops from Θ(N² + Nd) to Θ(N²d²/M): an order of magnitude at d = 64 on today's SRAM.
+# - FlashAttention-2 changed three things: fewer non-matmul FLOPs (O unnormalised until the end, only L
+#   stored: about half the element-wise work on O); parallelism over the sequence (the Q loop outside, so
+#   $O_i$ is written once and row blocks are independent programs); and split-Q work partitioning between
+#   a program's warps (no partial outputs exchanged through shared memory, unlike split-K).
+# - HBM traffic drops from Θ(N² + Nd) to Θ(N²d²/M) with blocks that fit in SRAM: about 9x with FA1's
+#   paper blocks and 4x with FA2's 128 × 64 blocks at d = 64. The rest of the measured win comes from
+#   never writing S and P (and their kernels) and from K/V re-reads that hit in L2.
 # - Causal masking skips the tiles above the diagonal, masks only the diagonal ones: about half the work.
 # - The backward rebuilds P tile by tile from Q, K and L: $dV = P^T dO$, $dP = dO V^T$,
 #   $dS = P \circ (dP - D)$ with $D = \mathrm{rowsum}(dO \circ O)$, $dQ = dS K$·scale, $dK = dS^T Q$·scale.

@@ -13,7 +13,7 @@ Exercise marking, used by every notebook:
   student edition it is tagged `raises-exception`, since it fails until the exercise is solved.
 Later cells never depend on a learner's answer: they call course_lib's finished functions.
 
-    python -m course_lib.tools.notebooks sync|check|student OUTDIR
+    python -m course_lib.tools.notebooks sync [NN ...]|check|student OUTDIR
 """
 
 from __future__ import annotations
@@ -28,8 +28,14 @@ BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
 KERNELSPEC = {"display_name": "Python 3 (ipykernel)", "language": "python", "name": "python3"}
 
 
-def sources() -> list[Path]:
-    return sorted(p for p in NOTEBOOKS.glob("[0-9][0-9]_*.py"))
+def sources(names: list[str] | None = None) -> list[Path]:
+    """The percent-format sources, all of them or those whose file name starts with one of `names` ("04")."""
+    found = sorted(p for p in NOTEBOOKS.glob("[0-9][0-9]_*.py"))
+    if names:
+        found = [p for p in found if any(p.name.startswith(n) for n in names)]
+        if not found:
+            raise ValueError(f"no notebook source in {NOTEBOOKS} starts with any of {names}")
+    return found
 
 
 def build(py: Path) -> str:
@@ -50,8 +56,8 @@ def build(py: Path) -> str:
     return nbformat.writes(nb) + "\n"
 
 
-def sync() -> None:
-    for py in sources():
+def sync(names: list[str] | None = None) -> None:
+    for py in sources(names):
         target = py.with_suffix(".ipynb")
         text = build(py)
         if not target.exists() or target.read_text() != text:
@@ -137,7 +143,7 @@ def main(argv: list[str]) -> int:
         print(__doc__)
         return 2
     if argv[0] == "sync":
-        sync()
+        sync(argv[1:])
     elif argv[0] == "check":
         errors = check()
         for e in errors:
