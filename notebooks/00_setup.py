@@ -67,23 +67,46 @@ HEAD_DIM = 64
 # `course_lib.attention.reference.attention` is standard attention written the obvious way: it builds the full
 # N × N score matrix. Every kernel in the course is tested against it (in float64). Let us time it as the
 # sequence length N doubles. If its cost were dominated by the N × N matrices, each doubling should cost
-# about **4×**. We predict, then measure.
+# about **4×**. We predict, then measure: write your prediction in the next cell before you run the one
+# after it. `course_lib.exercises.predict` notes it down; after the measurement, `.score(...)` says how close
+# it was (within 2x counts as good). Every measured notebook of the course works this way.
+
+# %%
+from course_lib.exercises import predict
+
+# Your prediction: how many times longer does one call take when N doubles?
+doubling = predict("time growth per doubling of N", 4, unit="x")
 
 # %%
 import torch
 
 from course_lib.attention.reference import attention
-from course_lib.plotting import plot_series
-from course_lib.timing import benchmark
+from course_lib.perf.plotting import plot_series
+from course_lib.perf.timing import benchmark
+
+
+def fastest_ms(fn, reps=1 if course_lib.ON_GPU else 9):
+    """The fastest of `reps` timings (each a median on a GPU): other programs only ever add time."""
+    return min(benchmark(fn, cpu_reps=1) for _ in range(reps))
+
 
 times_ms = []
 for n in N_TOUR:
     q, k, v = (torch.randn(1, 4, n, HEAD_DIM, device=course_lib.DEVICE) for _ in range(3))
-    times_ms.append(benchmark(lambda: attention(q, k, v)))
+    times_ms.append(fastest_ms(lambda: attention(q, k, v)))
 
 growth = [b / a for a, b in zip(times_ms, times_ms[1:])]
 print("time (ms):", [f"{t:.3f}" for t in times_ms])
-print("growth per doubling of N:", [f"{g:.1f}x" for g in growth], "(prediction: about 4x)")
+print("growth per doubling of N:", [f"{g:.2g}x" for g in growth])
+for n, g in zip(N_TOUR[1:], growth):
+    if 3 <= g <= 5:
+        why = "close to 4x: the N x N matrices dominate"
+    elif g < 3:
+        why = "less than 4x: fixed costs (Python, launching, allocating) still weigh at this size"
+    else:
+        why = "more than 4x: the matrices no longer fit a faster cache, or something else used the machine"
+    print(f"  N = {n:5}: {g:.2g}x, {why}")
+_ = doubling.score(sorted(growth)[len(growth) // 2])  # the median doubling: one disturbed timing does not decide
 
 # %%
 import matplotlib.pyplot as plt
@@ -100,8 +123,10 @@ ax = plot_series(
 plt.show()
 
 # %% [markdown]
-# On a CPU the small sizes are partly dominated by fixed overheads, so the first doublings may cost less
-# than 4×; the larger ones approach it. Notebook 02 explains *why* the N × N matrices, not the
+# Read the lines above against the prediction. Small sizes are partly dominated by fixed costs, so early
+# doublings often cost less than 4×; a doubling that costs much more than 4× usually means the matrices
+# just outgrew a cache, or another program took the processor for a moment (a shared machine's timings
+# scatter: run the cell again and compare). Notebook 02 explains *why* the N × N matrices, not the
 # arithmetic, are the real cost on a GPU.
 #
 # ## 4. Figures from a GPU, when you have none
@@ -157,7 +182,9 @@ else:
 #
 # Each notebook ends with exercises. An exercise cell holds a place for your code; the cell after it,
 # a **check**, calls `course_lib.exercises.check`, which says whether your answer is missing, wrong (and
-# by how much) or correct. In the student edition (`make student`) the answers are removed; in the
+# which part: a value, or the first array index that differs) or correct. A failed check shows a short
+# message, not a traceback, and some exercises carry hints: each new wrong attempt shows the next one,
+# from a nudge to the formula. In the student edition (`make student`) the answers are removed; in the
 # instructor edition (this one) they are filled in. Later cells never depend on your answers, so you can
 # always run a notebook to the end.
 #
