@@ -21,9 +21,11 @@
 # **Learning goals**
 # 1. Map FlashAttention-2 onto Triton programs: one program per (query block, batch·head); the K/V loop
 #    inside it; what lives in registers and what crosses HBM.
-# 2. Write the kernel in steps: the core loop; masks for any sequence lengths (Nq != Nk too); base-2
-#    exponentials with the softmax scale folded in; causal attention that skips the blocks above the
-#    diagonal and masks only the diagonal ones; float16 / bfloat16 / float32 inputs with float32 accumulators.
+# 2. Build the kernel in runnable, checked steps, writing its heart yourself: softmax · V with every key
+#    in one block (a bridge from notebook 05's fused softmax); the online rescale of m, l and the
+#    accumulator over K/V blocks, with -inf masks for any lengths (Nq != Nk too); base-2 exponentials with
+#    the softmax scale folded in; the loop bounds of causal attention, which skip the blocks above the
+#    diagonal and mask only the diagonal ones; float16 / bfloat16 / float32 inputs, float32 accumulators.
 # 3. Check it against the float64 reference and against course_lib's finished kernel.
 # 4. On a GPU: compare with notebook 04's PyTorch version and PyTorch's `scaled_dot_product_attention`, and
 #    sweep block sizes and warps.
@@ -50,10 +52,10 @@ from course_lib import records
 from course_lib.attention import forward as lib_forward
 from course_lib.attention.reference import attention, causal_mask
 from course_lib.exercises import check
-from course_lib.plotting import bar_chart, plot_series
+from course_lib.perf.plotting import bar_chart, plot_series
+from course_lib.perf.timing import attention_flops, benchmark
 from course_lib.runtime import tl, triton
 from course_lib.testing import assert_close_to_reference, random_qkv
-from course_lib.timing import attention_flops, benchmark
 
 DEVICE = course_lib.DEVICE
 print(course_lib.RUNTIME.describe())
@@ -95,6 +97,87 @@ torch.manual_seed(0)
 # **Bytes.** Per (batch, head): Q and O cross HBM once (2·N·d elements); K and V are read once per query block
 # (2·N·d·N/BLOCK_M), which is why larger BLOCK_M helps, and why those reads mostly come from the L2 cache.
 # The N x N matrices S and P never leave the chip.
+
+# %% [markdown]
+# ## 1b. A bridge from notebook 05: softmax · V in one program
+#
+# Notebook 05 ended with a fused row softmax: one program per row, the whole row in one block, max, exp,
+# sum and divide in registers. Attention is that softmax with a matrix product on each side. If all the keys
+# fit in **one** block (Nk <= BLOCK_N), a program can compute its tile of scores, apply 05's softmax to each
+# row and multiply by V, and nothing else is needed:
+#
+# ```
+# S = Q_i K^T * scale            (BLOCK_M x BLOCK_N, every key at once)
+# P = softmax(S) row by row      (notebook 05's kernel, on a tile)
+# O_i = P V
+# ```
+#
+# Padding keys (columns past Nk in the block) are loaded as 0 and their scores set to **-inf**, so that
+# exp gives them weight exactly 0. The padding query rows are computed and never stored.
+#
+# **Exercise 1 (bridge: the softmax of a tile).** Fill in the three lines that turn the scores `s` into
+# probabilities `p` (safe softmax: subtract each row's max first). The rest of the kernel is given.
+
+
+# %%
+@triton.jit
+def softmax_v_kernel(
+    Q, K, V, O, scale, N_Q, N_K, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr
+):
+    start_m = tl.program_id(0)
+    z = tl.program_id(1).to(tl.int64)
+    rows = start_m * BLOCK_M + tl.arange(0, BLOCK_M)  # this program's query rows
+    cols = tl.arange(0, BLOCK_N)  # every key: this kernel needs N_K <= BLOCK_N
+    offs_d = tl.arange(0, HEAD_DIM)
+    q_ptrs = z * N_Q * HEAD_DIM + rows[:, None] * HEAD_DIM + offs_d[None, :]
+    kv_ptrs = z * N_K * HEAD_DIM + cols[:, None] * HEAD_DIM + offs_d[None, :]
+    q = tl.load(Q + q_ptrs, mask=rows[:, None] < N_Q, other=0.0)  # (BLOCK_M, d), HBM -> registers
+    k = tl.load(K + kv_ptrs, mask=cols[:, None] < N_K, other=0.0)  # (BLOCK_N, d)
+    v = tl.load(V + kv_ptrs, mask=cols[:, None] < N_K, other=0.0)
+    s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # (BLOCK_M, BLOCK_N) scores, registers
+    s = tl.where(cols[None, :] < N_K, s, float("-inf"))  # padding keys: weight exactly 0 after exp
+    ### BEGIN SOLUTION
+    s_max = tl.max(s, axis=1)
+    p = tl.exp(s - s_max[:, None])
+    p = p / tl.sum(p, axis=1)[:, None]
+    ### END SOLUTION
+    o = tl.dot(p, v, input_precision="ieee")  # (BLOCK_M, d)
+    tl.store(O + q_ptrs, o, mask=rows[:, None] < N_Q)
+
+
+def softmax_v(q, k, v, block_m=BLOCK_M, block_n=64):
+    """q: (Z, Nq, d), k and v: (Z, Nk, d) float32 with Nk <= block_n. Returns O (Z, Nq, d)."""
+    Z, n_q, d = q.shape
+    n_k = k.shape[1]
+    assert n_k <= block_n, f"Nk = {n_k}: this kernel holds every key in one block of {block_n}"
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    o = torch.empty_like(q)
+    softmax_v_kernel[(triton.cdiv(n_q, block_m), Z)](
+        q, k, v, o, d**-0.5, n_q, n_k, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n
+    )
+    return o
+
+
+# %% tags=["check"]
+q, k, v = random_qkv((B * H, N_Q, D), 50, device=DEVICE)
+check(
+    "softmax_v_kernel",
+    lambda: softmax_v(q, k, v).double(),
+    attention(q.double(), k.double(), v.double()),
+    rtol=1e-4,
+    atol=1e-4,
+    hints=[
+        "A safe softmax of each row: subtract the row's max (tl.max(s, axis=1)), exponentiate, divide by "
+        "the row's sum. Broadcast a per-row vector over the tile with [:, None].",
+        "s_max = tl.max(s, axis=1); p = tl.exp(s - s_max[:, None]); p = p / tl.sum(p, axis=1)[:, None]",
+    ],
+)
+
+# %% [markdown]
+# This is correct, and it is how attention is computed for short sequences. It does not scale: a program
+# holds a BLOCK_M x Nk tile of scores in registers, and at Nk = 4096 that is 64 x 4096 floats = 1 MiB for
+# one program, four times a whole SM's register file. The keys must come in blocks, and the softmax must
+# work on a row it sees one block at a time: the **online softmax** of notebook 03, inside the kernel.
 
 # %% [markdown]
 # ## 2. Step 1: the core loop
@@ -180,11 +263,96 @@ print(f"step 1: O and L match the float64 reference for (Z, N, d) = {tuple(q.sha
 #   end of O (section 3 of notebook 05: never do that).
 # - **key columns** past Nk in the last K/V block: loading K and V as 0 is *not* enough — a score of 0 still
 #   gets weight exp(0 - m) in the softmax. Their scores must become **-inf** before the max and the exp,
-#   so that they get weight exactly 0.
+#   so that they get weight exactly 0 (the bridge kernel of section 1b did the same).
 #
-# Only the last K/V block can contain padding keys. So the loop splits into a stage without any mask for
-# the full blocks and a masked stage for the ragged last block: the masking costs one block, not all of them.
-# Section 5 reuses the same split for causal attention.
+# The kernel below is step 1's with both masks added. The heart of it, the online update of the running
+# max, the running sum and the accumulator, is yours.
+#
+# **Exercise 2 (the online rescale, in the kernel).** After the scores `s` of one K/V block are masked, write
+# the five lines of section 1's pseudocode: the new running max `m_new`, the tile's unnormalised
+# probabilities `p`, the rescaling factor `alpha`, and the updated `l_i` and `acc` (use `tl.dot(p, v)` for
+# P V; the inputs here are float32). `m_i = m_new` is already written after your lines.
+
+
+# %%
+@triton.jit
+def flash_fwd_v2(
+    Q, K, V, O, L, scale, N_Q, N_K, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr
+):
+    start_m = tl.program_id(0)
+    z = tl.program_id(1).to(tl.int64)
+    rows = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_ok = rows < N_Q  # padding query rows: computed, never stored
+    q_ptrs = z * N_Q * HEAD_DIM + rows[:, None] * HEAD_DIM + offs_d[None, :]
+    q = tl.load(Q + q_ptrs, mask=row_ok[:, None], other=0.0)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    for start_n in range(0, N_K, BLOCK_N):
+        cols = start_n + offs_n
+        kv_ptrs = z * N_K * HEAD_DIM + cols[:, None] * HEAD_DIM + offs_d[None, :]
+        k = tl.load(K + kv_ptrs, mask=cols[:, None] < N_K, other=0.0)
+        v = tl.load(V + kv_ptrs, mask=cols[:, None] < N_K, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+        s = tl.where(cols[None, :] < N_K, s, float("-inf"))  # padding keys
+        ### BEGIN SOLUTION
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        ### END SOLUTION
+        m_i = m_new
+    tl.store(O + q_ptrs, acc / l_i[:, None], mask=row_ok[:, None])
+    tl.store(L + z * N_Q + rows, m_i + tl.log(l_i), mask=row_ok)
+
+
+def flash_forward_v2(q, k, v, block_m=BLOCK_M, block_n=BLOCK_N):
+    """q: (Z, Nq, d), k and v: (Z, Nk, d), float32, any lengths. Returns O (Z, Nq, d), L (Z, Nq)."""
+    Z, n_q, d = q.shape
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    o = torch.empty_like(q)
+    lse = torch.empty(Z, n_q, device=q.device, dtype=torch.float32)
+    flash_fwd_v2[(triton.cdiv(n_q, block_m), Z)](
+        q, k, v, o, lse, d**-0.5, n_q, k.shape[1], HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n
+    )
+    return o, lse
+
+
+# %% tags=["check"]
+q, k, v = random_qkv((B * H, N_Q, D), N_K, device=DEVICE)
+check(
+    "flash_fwd_v2 (online rescale)",
+    lambda: tuple(t.double() for t in flash_forward_v2(q, k, v)),
+    attention(q.double(), k.double(), v.double(), return_lse=True),
+    rtol=1e-4,
+    atol=1e-4,
+    parts=["O", "L"],
+    hints=[
+        "The new max is the larger of the old one and this tile's row max. Everything summed so far (l_i and "
+        "acc) was weighted by exp(. - m_i): multiply both by alpha = exp(m_i - m_new) before adding this "
+        "tile's share.",
+        "m_new = tl.maximum(m_i, tl.max(s, axis=1)); p = tl.exp(s - m_new[:, None]); "
+        "alpha = tl.exp(m_i - m_new); l_i = l_i * alpha + tl.sum(p, axis=1); "
+        "acc = acc * alpha[:, None] + tl.dot(p, v, input_precision='ieee')",
+    ],
+)
+
+# %% [markdown]
+# Why -inf and not 0? Set the padding scores to 0 instead and the padding keys (whose V rows were loaded as
+# 0) still take a share exp(0 - m) of each row's probability mass: O shrinks towards 0 and L grows. In
+# PyTorch, on one row block with 75 real keys padded to 96:
+
+# %%
+s_pad = q[0, :32].double() @ torch.nn.functional.pad(k[0].double(), (0, 0, 0, 96 - N_K)).T * D**-0.5
+v_pad = torch.nn.functional.pad(v[0].double(), (0, 0, 0, 96 - N_K))
+real = torch.arange(96) < N_K
+for fill in (float("-inf"), 0.0):
+    o_pad = torch.softmax(s_pad.masked_fill(~real, fill), dim=-1) @ v_pad
+    err = (o_pad - attention(q[0, :32].double(), k[0].double(), v[0].double())).abs().max()
+    print(f"padding scores set to {fill}: max |O error| = {err:.1e}")
 
 # %% [markdown]
 # ## 4. Step 3: base-2 exponentials with the scale folded in
@@ -226,28 +394,18 @@ print("softmax and logsumexp in base 2 match the natural-log versions")
 # - stage 2, masked: from there up to min(m0 + BLOCK_M, Nk) — the diagonal blocks and the ragged last block.
 #
 # Without causal masking, stage 1 runs over all full blocks and stage 2 over the ragged last block (if any).
-# Here is the plan in Python, and a check, block by block, that it skips only fully masked blocks and leaves
-# unmasked only fully visible ones:
+#
+# First the truth, from the element-wise mask: what each pair of blocks must be at least. A block with
+# padding keys needs a mask even when every real key is visible; padding query rows need none (they are
+# never stored). Then `plan_from_bounds` turns a function `bounds(m0, block_m, block_n, n_k, causal) ->
+# (hi_full, hi)` into the plan a kernel with those two stages would follow.
 
 # %%
 SKIP, MASKED, FULL = 0, 1, 2
 
 
-def block_plan(n_q, n_k, block_m, block_n, causal):
-    """(query blocks, key blocks) array: how the kernel treats each pair of blocks (SKIP, MASKED or FULL)."""
-    num_m, num_n = math.ceil(n_q / block_m), math.ceil(n_k / block_n)
-    plan = np.full((num_m, num_n), SKIP)
-    for i in range(num_m):
-        m0 = i * block_m
-        hi = min(m0 + block_m, n_k) if causal else n_k
-        hi_full = (min(m0, n_k) if causal else n_k) // block_n * block_n
-        for j, n0 in enumerate(range(0, hi, block_n)):
-            plan[i, j] = FULL if n0 < hi_full else MASKED
-    return plan
-
-
 def block_truth(n_q, n_k, block_m, block_n, causal):
-    """The same classification from the element-wise mask: what each block *must* be at least."""
+    """(query blocks, key blocks) array of SKIP, MASKED or FULL, from the element-wise mask."""
     visible = causal_mask(n_q, n_k) if causal else torch.ones(n_q, n_k, dtype=torch.bool)
     num_m, num_n = math.ceil(n_q / block_m), math.ceil(n_k / block_n)
     truth = np.zeros((num_m, num_n), dtype=int)
@@ -259,20 +417,68 @@ def block_truth(n_q, n_k, block_m, block_n, causal):
     return truth
 
 
-for n_q, n_k, bm, bn in [(256, 256, 32, 32), (100, 75, 32, 32), (300, 200, 64, 32), (200, 300, 32, 64)]:
-    for causal in (False, True):
-        plan, truth = block_plan(n_q, n_k, bm, bn, causal), block_truth(n_q, n_k, bm, bn, causal)
-        assert ((plan == SKIP) <= (truth == SKIP)).all(), "a visible block would be skipped"
-        assert ((plan == FULL) <= (truth == FULL)).all(), "a partly masked block would go unmasked"
-        assert ((truth == SKIP) <= (plan == SKIP)).all(), "a fully masked block would be loaded"
-print("the plan skips exactly the fully masked blocks and masks only where needed")
+def plan_from_bounds(bounds, n_q, n_k, block_m, block_n, causal):
+    """The plan of a two-stage kernel: key blocks starting below hi_full unmasked, then up to hi masked."""
+    num_m, num_n = math.ceil(n_q / block_m), math.ceil(n_k / block_n)
+    plan = np.full((num_m, num_n), SKIP)
+    for i in range(num_m):
+        hi_full, hi = bounds(i * block_m, block_m, block_n, n_k, causal)
+        for j, n0 in enumerate(range(0, hi, block_n)):
+            plan[i, j] = FULL if n0 < hi_full else MASKED
+    return plan
+
+
+PLAN_CASES = [(256, 256, 32, 32), (100, 75, 32, 32), (300, 200, 64, 32), (200, 300, 32, 64)]
 
 # %% [markdown]
-# The plan for a causal 256 x 256 attention with 32 x 32 blocks: of 64 block pairs, 28 are skipped, 8 are
-# masked (the diagonal) and 28 need no mask.
+# **Exercise 3 (the loop bounds).** Write `kv_bounds`: for the query block starting at row `m0`, return
+# `(hi_full, hi)` such that stage 1 runs over the key blocks starting in `[0, hi_full)` without a mask and
+# stage 2 over those starting in `[hi_full, hi)` with one. `hi_full` must be a multiple of `block_n`. Skip
+# every block that is fully masked, and mask only the blocks that need it: the check compares your plan
+# with the truth for causal and non-causal, ragged, Nq != Nk, BLOCK_M != BLOCK_N.
+
 
 # %%
-plan = block_plan(256, 256, 32, 32, causal=True)
+def kv_bounds(m0, block_m, block_n, n_k, causal):
+    ### BEGIN SOLUTION
+    if causal:
+        return min(m0, n_k) // block_n * block_n, min(m0 + block_m, n_k)
+    return n_k // block_n * block_n, n_k
+    ### END SOLUTION
+
+
+# %% tags=["check"]
+check(
+    "kv_bounds",
+    lambda: [plan_from_bounds(kv_bounds, *case, c) for case in PLAN_CASES for c in (False, True)],
+    [block_truth(*case, c) for case in PLAN_CASES for c in (False, True)],
+    hints=[
+        "Not causal: every key block is visited; only a ragged last block needs the mask. Causal: the last "
+        "row of the block is m0 + block_m - 1, so no key at or after m0 + block_m is ever visible; a key block "
+        "needs no mask when its last key is <= m0, the block's first row. Clip both to n_k.",
+        "causal: (min(m0, n_k) // block_n * block_n, min(m0 + block_m, n_k)); "
+        "not causal: (n_k // block_n * block_n, n_k)",
+    ],
+)
+
+# %% [markdown]
+# The kernels below compute exactly these bounds (`tl.minimum` for `min`). The plan for a causal 256 x 256
+# attention with 32 x 32 blocks: of 64 block pairs, 28 are skipped, 8 are masked (the diagonal) and 28 need
+# no mask.
+
+
+# %%
+def kernel_kv_bounds(m0, block_m, block_n, n_k, causal):
+    """(hi_full, hi) as the kernels of this notebook compute them."""
+    if causal:
+        return min(m0, n_k) // block_n * block_n, min(m0 + block_m, n_k)
+    return n_k // block_n * block_n, n_k
+
+
+for case in PLAN_CASES:
+    for causal in (False, True):
+        assert (plan_from_bounds(kernel_kv_bounds, *case, causal) == block_truth(*case, causal)).all(), case
+plan = plan_from_bounds(kernel_kv_bounds, 256, 256, 32, 32, causal=True)
 fig, ax = plt.subplots(figsize=(5.5, 5))
 ax.imshow(plan, cmap=ListedColormap(["#eeeeee", "#fdae6b", "#3182bd"]), vmin=0, vmax=2)
 ax.set_xlabel("key block j (BLOCK_N = 32 keys)")
@@ -284,6 +490,76 @@ ax.set_title(
 )
 plt.show()
 assert counts == {"skipped": 28, "masked": 8, "full": 28}
+
+# %% [markdown]
+# ### A runnable step: base 2 and causal in one kernel
+#
+# Steps 3 and 4 together, before the last polish: `flash_fwd_v3` is step 2's kernel with the scale folded
+# into base 2 (section 4) and a `CAUSAL` switch. It stops its loop at `hi` (the blocks above the diagonal are
+# never loaded) but, to stay short, masks every block it visits. Section 6 then splits the loop at
+# `hi_full` so that only the diagonal blocks pay for the mask.
+
+
+# %%
+@triton.jit
+def flash_fwd_v3(
+    Q, K, V, O, L, qk_scale, N_Q, N_K,
+    CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    start_m = tl.program_id(0)
+    z = tl.program_id(1).to(tl.int64)
+    rows = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_ok = rows < N_Q
+    q_ptrs = z * N_Q * HEAD_DIM + rows[:, None] * HEAD_DIM + offs_d[None, :]
+    q = tl.load(Q + q_ptrs, mask=row_ok[:, None], other=0.0)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)  # base-2 units: max of s * qk_scale
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    hi = tl.minimum((start_m + 1) * BLOCK_M, N_K) if CAUSAL else N_K  # blocks past hi: never loaded
+    for start_n in range(0, hi, BLOCK_N):
+        cols = start_n + offs_n
+        kv_ptrs = z * N_K * HEAD_DIM + cols[:, None] * HEAD_DIM + offs_d[None, :]
+        k = tl.load(K + kv_ptrs, mask=cols[:, None] < N_K, other=0.0)
+        v = tl.load(V + kv_ptrs, mask=cols[:, None] < N_K, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")  # raw scores: the scale is in qk_scale
+        visible = cols[None, :] < N_K
+        if CAUSAL:
+            visible = visible & (rows[:, None] >= cols[None, :])
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)
+        p = tl.math.exp2(s * qk_scale - m_new[:, None])  # one FMA and one ex2 per score
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        m_i = m_new
+    tl.store(O + q_ptrs, acc / l_i[:, None], mask=row_ok[:, None])
+    tl.store(L + z * N_Q + rows, (m_i + tl.math.log2(l_i)) * 0.6931471805599453, mask=row_ok)  # ln units
+
+
+def flash_forward_v3(q, k, v, causal=False, block_m=BLOCK_M, block_n=BLOCK_N):
+    """q: (Z, Nq, d), k and v: (Z, Nk, d), float32. Returns O (Z, Nq, d), L (Z, Nq) in natural-log units."""
+    Z, n_q, d = q.shape
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    o = torch.empty_like(q)
+    lse = torch.empty(Z, n_q, device=q.device, dtype=torch.float32)
+    flash_fwd_v3[(triton.cdiv(n_q, block_m), Z)](
+        q, k, v, o, lse, d**-0.5 * math.log2(math.e), n_q, k.shape[1],
+        CAUSAL=causal, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n,
+    )  # fmt: skip
+    return o, lse
+
+
+for n_q, n_k in [(N_Q, N_K), (N_K, N_Q)]:
+    for causal in (False, True):
+        q, k, v = random_qkv((B * H, n_q, D), n_k, device=DEVICE)
+        o3, L3 = flash_forward_v3(q, k, v, causal)
+        o_ref, L_ref = attention(q.double(), k.double(), v.double(), causal=causal, return_lse=True)
+        what = f"v3, Nq={n_q}, Nk={n_k}, causal={causal}"
+        torch.testing.assert_close(o3.double(), o_ref, rtol=1e-4, atol=1e-4, msg=lambda m, w=what: f"{w}: {m}")
+        torch.testing.assert_close(L3.double(), L_ref, rtol=1e-4, atol=1e-4, msg=lambda m, w=what: f"{w}: {m}")
+print("step 3 + 4 (base 2, causal, ragged, Nq != Nk): O and L match the float64 reference")
 
 # %% [markdown]
 # ## 6. Step 5: the kernel, with every step
@@ -490,7 +766,7 @@ def plot_forward_comparison(data, source):
     plt.show()
 
 
-if course_lib.ON_GPU:
+def measure_forward_comparison():
     from torch.nn.functional import scaled_dot_product_attention
 
     providers = {
@@ -514,19 +790,19 @@ if course_lib.ON_GPU:
                     continue
                 ms = benchmark(lambda fn=fn, q=q, k=k, v=v, c=causal: fn(q, k, v, c))
                 data["tflops"][str(causal)][name].append(flops / ms * 1e-9)
-    records.save_record("flash_forward_compare", data)
-    plot_forward_comparison(data, "measured now on " + torch.cuda.get_device_name())
-else:
-    rec = records.load_record("flash_forward_compare")
-    if rec is None:
-        print(
-            "No recorded GPU run yet (it is written when this notebook runs on a GPU). What to look for\n"
-            "in it: how close the Triton kernels come to SDPA, how much the notebook's fixed launch loses\n"
-            "to course_lib's tuned one, and how far notebook 04's PyTorch loop falls behind (every tile\n"
-            "costs several kernel launches and round trips to HBM)."
-        )
-    else:
-        plot_forward_comparison(rec["data"], records.label(rec))
+    return data
+
+
+got = records.measured_or_recorded(
+    "flash_forward_compare",
+    measure_forward_comparison,
+    missing="No recorded GPU run yet (it is written when this notebook runs on a GPU). What to look for\n"
+    "in it: how close the Triton kernels come to SDPA, how much the notebook's fixed launch loses\n"
+    "to course_lib's tuned one, and how far notebook 04's PyTorch loop falls behind (every tile\n"
+    "costs several kernel launches and round trips to HBM).",
+)
+if got:
+    plot_forward_comparison(*got)
 
 # %% [markdown]
 # ## 9. Block sizes and warps (GPU only)
@@ -560,7 +836,7 @@ def show_sweep(data, source):
         print("did not fit (BLOCK_M, BLOCK_N, warps, stages):", failed)
 
 
-if course_lib.ON_GPU:
+def measure_block_sweep():
     n = 4096
     q, k, v = random_qkv(
         (BENCH_TOKENS // n, 2048 // BENCH_D, n, BENCH_D), dtype=torch.bfloat16, device=DEVICE
@@ -575,22 +851,22 @@ if course_lib.ON_GPU:
             data["tflops"].append(flops / benchmark(run) * 1e-9)
         except triton.runtime.errors.OutOfResources:
             data["tflops"].append(None)
-    records.save_record("flash_forward_blocks", data)
-    show_sweep(data, "measured now on " + torch.cuda.get_device_name())
-else:
-    rec = records.load_record("flash_forward_blocks")
-    if rec is None:
-        print(
-            "No recorded GPU run yet (it is written when this notebook runs on a GPU). What to look for\n"
-            "in it: the spread between the best and the worst configuration, and which way each knob pushes."
-        )
-    else:
-        show_sweep(rec["data"], records.label(rec))
+    return data
+
+
+got = records.measured_or_recorded(
+    "flash_forward_blocks",
+    measure_block_sweep,
+    missing="No recorded GPU run yet (it is written when this notebook runs on a GPU). What to look for\n"
+    "in it: the spread between the best and the worst configuration, and which way each knob pushes.",
+)
+if got:
+    show_sweep(*got)
 
 # %% [markdown]
-# ## 10. Exercises
+# ## 10. More exercises
 #
-# **Exercise 1 — back from base 2.** A program ends its loop with `m2` (the running max of the scores times
+# **Exercise 4 — back from base 2.** A program ends its loop with `m2` (the running max of the scores times
 # `qk_scale`, in base-2 units) and `l` (the sum of `2**(s * qk_scale - m2)`), for a block of rows. Return the
 # natural-log logsumexp L of the scaled scores `s * scale`, as the kernel stores it.
 
@@ -606,10 +882,19 @@ def lse_from_base2(m2, l):
 s_rows = torch.randn(4, 300, dtype=torch.float64) * 4
 m2_rows = (s_rows * qk_scale).amax(dim=1)
 l_rows = torch.exp2(s_rows * qk_scale - m2_rows[:, None]).sum(dim=1)
-check("lse_from_base2", lambda: lse_from_base2(m2_rows, l_rows), torch.logsumexp(s_rows * scale, dim=1))
+check(
+    "lse_from_base2",
+    lambda: lse_from_base2(m2_rows, l_rows),
+    torch.logsumexp(s_rows * scale, dim=1),
+    hints=[
+        "In base 2, m2 + log2(l) is log2 of the sum of 2**(s * qk_scale). Convert a base-2 log to a natural "
+        "log by multiplying by ln 2.",
+        "(m2 + torch.log2(l)) * math.log(2)",
+    ],
+)
 
 # %% [markdown]
-# **Exercise 2 — which blocks can a sliding window skip?** With a sliding window of W keys, query i sees keys
+# **Exercise 5 — which blocks can a sliding window skip?** With a sliding window of W keys, query i sees keys
 # j with i - W < j <= i. For the query block starting at row `m0` (BLOCK_M rows) and the key block starting at
 # `n0` (BLOCK_N keys), return `SKIP` if no pair is visible, `FULL` if every pair is, and `MASKED` otherwise.
 # (Assume Nq and Nk are multiples of the blocks.)
@@ -647,7 +932,7 @@ check(
 )
 
 # %% [markdown]
-# **Exercise 3 — a logsumexp-only kernel.** Some uses need only L (for example, to rebuild P later). Write
+# **Exercise 6 — a logsumexp-only kernel.** Some uses need only L (for example, to rebuild P later). Write
 # `lse_kernel`: one program per (query block, z), a loop over key blocks with the online max and sum in
 # base 2, no V and no accumulator. Nq and Nk may be ragged (mask the padding keys with -inf), no causal mask.
 # It stores L in natural-log units.
@@ -704,7 +989,7 @@ _, L_expected = attention(q.double(), k.double(), k.double(), return_lse=True)
 check("lse_kernel", lambda: logsumexp_only(q, k).double(), L_expected, rtol=1e-4, atol=1e-4)
 
 # %% [markdown]
-# **Exercise 4 (open).** In a causal forward, the programs of the last query blocks do the most work (they see
+# **Exercise 7 (open).** In a causal forward, the programs of the last query blocks do the most work (they see
 # the most keys). course_lib's kernel launches the query blocks in reverse order when causal. On a GPU with
 # 132 SMs and more programs than SMs, why does starting the longest programs first shorten the whole run?
 # Measure it with `flash_forward` by reversing `start_m` in `flash_fwd`.
