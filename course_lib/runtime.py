@@ -11,6 +11,12 @@ The decision, in order:
 3. Otherwise: a usable CUDA GPU and a Linux Triton build mean compiled kernels; anything else
    means the interpreter on the CPU.
 
+Import order: when `triton` was imported before `course_lib` (`import torch, triton` first, or a
+library that imports it, such as transformers), Triton's own helpers written with `@triton.jit`
+(`tl.cdiv`, `tl.sum`, ...) were made for compiled kernels. On a machine that interprets, importing
+course_lib re-creates them as interpreted functions (`_interpret_triton_helpers`), so either order
+works. A kernel of your own defined before `import course_lib` keeps the mode it was defined in.
+
 What the interpreter cannot do (autotuning over several configs, `triton.testing.do_bench`) is
 wrapped here and in `course_lib.timing`, so notebooks and kernels never branch on the mode themselves.
 """
@@ -18,6 +24,7 @@ wrapped here and in `course_lib.timing`, so notebooks and kernels never branch o
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -85,6 +92,59 @@ except ImportError as exc:  # macOS / Windows: Triton ships Linux wheels only.
 if INTERPRET and triton is not None and hasattr(triton, "knobs"):
     # Triton >= 3.4 also keeps the switch in its knobs; set both in case triton was imported earlier.
     triton.knobs.runtime.interpret = True
+
+
+def _interpret_triton_helpers() -> int:
+    """Turn triton.language's own `@triton.jit` helpers into interpreted functions; return how many.
+
+    When `triton` was imported before `course_lib` (`import torch, triton` first, or a library such as
+    transformers that imports it), its helpers written in Triton itself — `tl.cdiv`, `tl.max`,
+    `tl.sum`, `tl.sigmoid`, `tl.rand`, and the same names as tensor methods (`x.sum()`) — were decorated
+    while the switch was still off. They are then compiled-mode `JITFunction`s, and a kernel run by the
+    interpreter that calls one fails with "Cannot call @triton.jit'd outside of the scope of a kernel".
+    Each such helper is replaced where triton.language keeps it by what `@triton.jit` makes with the
+    switch on: in module globals, an `InterpretedFunction` of the same Python function; as a class
+    attribute (`tl.tensor.sum`), a plain function calling it, which binds `self` as a method (as
+    triton.language itself does for interpreted helpers). One replacement per helper, so a helper
+    reachable under two names (`tl.cdiv` and `tl.standard.cdiv`) stays one object."""
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    functions: dict[int, InterpretedFunction] = {}
+    methods: dict[int, object] = {}
+
+    def interpreted(fn: JITFunction) -> InterpretedFunction:
+        if id(fn) not in functions:
+            functions[id(fn)] = InterpretedFunction(fn.fn)
+        return functions[id(fn)]
+
+    def method(fn: JITFunction):
+        if id(fn) not in methods:
+            target = interpreted(fn)
+
+            def call(*args, **kwargs):
+                return target(*args, **kwargs)
+
+            call.__name__ = call.__qualname__ = fn.fn.__name__
+            call.__doc__ = fn.fn.__doc__
+            methods[id(fn)] = call
+        return methods[id(fn)]
+
+    for name, module in list(sys.modules.items()):
+        if module is None or not (name == "triton.language" or name.startswith("triton.language.")):
+            continue
+        for attr, value in list(vars(module).items()):
+            if isinstance(value, JITFunction):
+                setattr(module, attr, interpreted(value))
+            elif isinstance(value, type) and value.__module__ == name:
+                for member, inner in list(vars(value).items()):
+                    if isinstance(inner, JITFunction):
+                        setattr(value, member, method(inner))
+    return len(functions)
+
+
+# Helpers re-created when triton was imported before course_lib on a machine that interprets (0 otherwise).
+TRITON_HELPERS_REINTERPRETED = _interpret_triton_helpers() if INTERPRET and triton is not None else 0
 
 
 def require_triton() -> None:

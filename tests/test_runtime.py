@@ -160,3 +160,51 @@ def test_timing_and_flops():
     )
     with pytest.raises(ValueError, match="mode"):
         timing.attention_flops(1, 1, 8, 8, 8, mode="sideways")
+
+
+IMPORT_ORDERS = {
+    "course_lib first": "import course_lib, torch, triton",
+    "torch and triton first": "import torch, triton\nimport course_lib",
+    "triton.language first": "import triton.language as tl, torch\nimport course_lib",
+}
+
+KERNELS_RUN = """
+from course_lib import primer
+from course_lib.attention.reference import attention
+x, y = torch.randn(300), torch.randn(300)
+assert torch.equal(primer.add(x, y, block_size=128), x + y), "primer.add"
+torch.manual_seed(0)
+q, k, v = (torch.randn(1, 2, 32, 16, requires_grad=True) for _ in range(3))
+o = course_lib.flash_attention(q, k, v, causal=True)
+assert (o.double() - attention(q, k, v, causal=True)).abs().max() < 1e-5, "flash_attention"
+o.sum().backward()
+assert torch.isfinite(q.grad).all() and q.grad.abs().sum() > 0, "flash_attention backward"
+print("ok", course_lib.INTERPRET)
+"""
+
+
+@pytest.mark.parametrize("order", list(IMPORT_ORDERS))
+def test_kernels_run_whatever_the_import_order(order):
+    """Issue 14, point 1: triton imported before course_lib must not break the interpreted kernels."""
+    out = run_python(IMPORT_ORDERS[order] + KERNELS_RUN, COURSE_DEVICE="cpu")
+    assert out.returncode == 0, f"{order}: {out.stderr[-2000:]}"
+    assert out.stdout.split() == ["ok", "True"], out.stdout
+
+
+def test_kernels_run_after_importing_transformers_first():
+    pytest.importorskip("transformers")
+    out = run_python("import transformers, torch\nimport course_lib" + KERNELS_RUN, COURSE_DEVICE="cpu")
+    assert out.returncode == 0, f"transformers first: {out.stderr[-2000:]}"
+
+
+def test_triton_helpers_are_interpreted_after_a_late_import():
+    code = (
+        "import triton, triton.language as tl\n"
+        "import course_lib\n"
+        "from triton.runtime.interpreter import InterpretedFunction\n"
+        "print(course_lib.runtime.TRITON_HELPERS_REINTERPRETED > 0,"
+        " isinstance(tl.cdiv, InterpretedFunction), tl.cdiv is tl.standard.cdiv)"
+    )
+    out = run_python(code, COURSE_DEVICE="cpu")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["True", "True", "True"], out.stdout
