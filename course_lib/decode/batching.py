@@ -20,3 +20,170 @@ The model interface (what a model must offer to be served by `ContinuousBatcher`
 
 The model never sees pages, block tables or the batch layout: `PagedKV.attend` owns them.
 """
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .cache import OutOfPages, PagedKVCache
+from .paged import paged_decode_attention
+
+
+class PagedKV:
+    """One step's view of the paged cache, handed to `model.forward_step` (module docstring).
+
+    The step feeds new_lens[i] tokens of sequence seq_ids[i] (tokens laid out sequence after sequence,
+    T = sum(new_lens)). For the kernel the queries are padded to (B, Tq, Hq, d), Tq = max(new_lens), each
+    sequence's tokens in its last new_lens[i] rows: bottom-right causal then holds for every sequence,
+    and the padding rows' outputs are dropped."""
+
+    def __init__(self, cache: PagedKVCache, seq_ids: list[int], new_lens: list[int], slots: torch.Tensor):
+        self.cache = cache
+        device = cache.k_pages[0].device
+        self.block_table = cache.block_table(seq_ids)
+        self.cache_seqlens = cache.seqlens(seq_ids)
+        self.slots = slots.to(device)
+        self.tq = max(new_lens)
+        rows = [b * self.tq + self.tq - n + i for b, n in enumerate(new_lens) for i in range(n)]
+        self.rows = torch.tensor(rows, dtype=torch.int64, device=device)  # token -> padded row
+        self.batch = len(seq_ids)
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Write k, v (T, Hkv, d) into layer `layer`'s pages, then attend: q (T, Hq, d) -> o (T, Hq, d)."""
+        self.cache.write(layer, self.slots, k, v)
+        padded = q.new_zeros(self.batch * self.tq, *q.shape[1:])
+        padded[self.rows] = q
+        o = paged_decode_attention(
+            padded.view(self.batch, self.tq, *q.shape[1:]),
+            self.cache.k_pages[layer],
+            self.cache.v_pages[layer],
+            self.block_table,
+            self.cache_seqlens,
+            causal=True,
+            validate=False,  # the cache built the table; no sync per layer
+        )
+        return o.view(self.batch * self.tq, *q.shape[1:])[self.rows]
+
+
+@dataclass
+class Request:
+    """A prompt to continue greedily for up to max_new_tokens tokens (or until eos_id)."""
+
+    id: int
+    prompt: list[int]
+    max_new_tokens: int
+    eos_id: int | None = None
+    generated: list[int] = field(default_factory=list)
+    computed: int = 0  # tokens of prompt + generated already in the cache
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.generated
+
+    @property
+    def done(self) -> bool:
+        hit_eos = self.eos_id is not None and self.generated[-1:] == [self.eos_id]
+        return len(self.generated) >= self.max_new_tokens or hit_eos
+
+
+class ContinuousBatcher:
+    """Serve requests with a model that follows the interface above, over a paged KV cache. Notebook 10.
+
+    Each `step()`: admit waiting requests while there is room (max_batch sequences, free pages for the
+    prompt); give every running request its next tokens (one for a decoding request, a chunk of at
+    most max_step_tokens for one still in prefill, so prefill and decode share the step); run the model
+    once over all of them; append the greedy next token to each request that reached the end of its
+    tokens; retire finished requests and free their pages. When the pool runs out mid-step, the most
+    recently admitted request is preempted: its pages are freed and it waits to be recomputed."""
+
+    def __init__(
+        self, model, num_pages: int, page_size: int = 16, max_batch: int = 8, max_step_tokens: int = 512
+    ):
+        self.model = model
+        self.cache = PagedKVCache(
+            model.num_layers,
+            num_pages,
+            page_size,
+            model.num_kv_heads,
+            model.head_dim,
+            model.dtype,
+            model.device,
+        )
+        self.max_batch = max_batch
+        self.max_step_tokens = max_step_tokens
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.finished: dict[int, Request] = {}
+        self._next_id = 0
+        self.steps = 0
+
+    def submit(self, prompt, max_new_tokens: int, eos_id: int | None = None) -> int:
+        """Queue a request (prompt: a non-empty list of token ids); returns its id."""
+        if len(prompt) == 0 or max_new_tokens < 1:
+            raise ValueError("a request needs a non-empty prompt and max_new_tokens >= 1")
+        req = Request(self._next_id, list(prompt), max_new_tokens, eos_id)
+        self._next_id += 1
+        self.waiting.append(req)
+        return req.id
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.running) < self.max_batch:
+            req = self.waiting[0]
+            need = -(-(len(req.tokens) + 1) // self.cache.page_size)
+            if need > self.cache.allocator.num_free:
+                break
+            self.waiting.pop(0)
+            self.cache.add_sequence(req.id)
+            self.running.append(req)
+
+    def _preempt(self) -> None:
+        req = self.running.pop()
+        self.cache.free(req.id)
+        req.computed = 0
+        self.waiting.insert(0, req)
+
+    def step(self) -> dict[int, int]:
+        """Run one step; returns {request id: new token} for the requests that produced one."""
+        self._admit()
+        if not self.running:
+            if self.waiting:
+                raise OutOfPages("the page pool cannot hold even one waiting request's prompt")
+            return {}
+        while True:
+            budget, plan = self.max_step_tokens, []
+            for req in self.running:  # decoding requests take 1 token, prefills what the budget leaves
+                n = min(len(req.tokens) - req.computed, max(budget, 1))
+                budget -= n
+                plan.append((req, n))
+            need = sum(self.cache.pages_needed(r.id, n) for r, n in plan)
+            if need <= self.cache.allocator.num_free or len(self.running) == 1:
+                break
+            self._preempt()
+        slots = torch.cat([self.cache.append(r.id, n) for r, n in plan])
+        token_ids = torch.tensor([t for r, n in plan for t in r.tokens[r.computed : r.computed + n]])
+        positions = torch.tensor([p for r, n in plan for p in range(r.computed, r.computed + n)])
+        kv = PagedKV(self.cache, [r.id for r, _ in plan], [n for _, n in plan], slots)
+        device = self.model.device
+        logits = self.model.forward_step(token_ids.to(device), positions.to(device), kv)
+        last = torch.tensor([n for _, n in plan]).cumsum(0) - 1
+        next_tokens = logits[last.to(logits.device)].argmax(-1).tolist()
+        out = {}
+        for (req, n), tok in zip(plan, next_tokens):
+            req.computed += n
+            if req.computed == len(req.tokens):  # the last token's logits predict the next one
+                req.generated.append(int(tok))
+                out[req.id] = int(tok)
+        for req in [r for r in self.running if r.done]:
+            self.running.remove(req)
+            self.cache.free(req.id)
+            self.finished[req.id] = req
+        self.steps += 1
+        return out
+
+    def run(self) -> dict[int, list[int]]:
+        """Step until every submitted request is finished; returns {id: generated tokens}."""
+        while self.waiting or self.running:
+            self.step()
+        return {i: r.generated for i, r in sorted(self.finished.items())}

@@ -1,0 +1,321 @@
+"""course_lib.decode: split-KV and paged decoding against the float64 reference, the allocator, the
+split heuristic and the continuous-batching loop (CPU interpreter; `gpu` marks the compiled-kernel tests)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import course_lib
+from course_lib.attention.merge import merge_many
+from course_lib.decode import decode_attention, decode_reference, paged_decode_attention
+from course_lib.decode.batching import ContinuousBatcher
+from course_lib.decode.cache import OutOfPages, PageAllocator, PagedKVCache
+from course_lib.decode.combine import combine
+from course_lib.decode.heuristics import choose_num_splits
+from course_lib.decode.reference import gather_pages
+
+DEV = course_lib.DEVICE
+# Max error allowed against the float64 reference, per dtype (inputs are standard normal, d <= 128).
+TOL = {torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 2.5e-2}
+
+
+def make_cache(B, n_max, hq, hkv, d, tq, dtype, seed=0, device=DEV):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, tq, hq, d, generator=g).to(dtype=dtype, device=device)
+    k = torch.randn(B, n_max, hkv, d, generator=g).to(dtype=dtype, device=device)
+    v = torch.randn(B, n_max, hkv, d, generator=g).to(dtype=dtype, device=device)
+    return q, k, v
+
+
+def to_pages(k, v, page_size, seed=0):
+    """Scatter contiguous caches (B, Nmax, Hkv, d) into a shuffled page pool with a spare page."""
+    B, n_max, hkv, d = k.shape
+    max_pages = math.ceil(n_max / page_size)
+    num_pages = B * max_pages + 3
+    perm = torch.randperm(num_pages, generator=torch.Generator().manual_seed(seed))[: B * max_pages]
+    table = perm.reshape(B, max_pages).to(torch.int32)
+    pools = []
+    for x in (k, v):
+        pool = torch.randn(num_pages, page_size, hkv, d).to(dtype=x.dtype, device=x.device)  # junk elsewhere
+        padded = torch.zeros(B, max_pages * page_size, hkv, d, dtype=x.dtype, device=x.device)
+        padded[:, :n_max] = x
+        pool[table.long().to(x.device)] = padded.view(B, max_pages, page_size, hkv, d)
+        pools.append(pool)
+    return pools[0], pools[1], table.to(k.device)
+
+
+def assert_matches(out, lse, ref_out, ref_lse, dtype, case):
+    err = (out.double().cpu() - ref_out).abs().max().item() if out.numel() else 0.0
+    assert err <= TOL[dtype], f"{case}: max |out - ref| = {err:.3g} > {TOL[dtype]}"
+    assert torch.equal(torch.isneginf(lse.cpu()), torch.isneginf(ref_lse)), f"{case}: -inf rows differ"
+    finite = torch.isfinite(ref_lse)
+    if finite.any():
+        lerr = (lse.double().cpu()[finite] - ref_lse[finite]).abs().max().item()
+        assert lerr <= 1e-4 if dtype == torch.float32 else lerr <= 2e-2, f"{case}: lse error {lerr:.3g}"
+
+
+CONTIGUOUS_CASES = [
+    # (dtype, d, hq, hkv, tq, lengths, num_splits)
+    (torch.float32, 64, 4, 4, 1, [0, 1, 77, 200], None),
+    (torch.float16, 64, 4, 2, 1, [200, 13, 1, 0], 3),
+    (torch.bfloat16, 128, 8, 2, 1, [131, 64], 2),
+    (torch.float32, 64, 8, 1, 3, [3, 2, 0, 150], 4),
+    (torch.float16, 128, 4, 1, 4, [200, 1], 1),
+]
+
+
+@pytest.mark.parametrize("dtype,d,hq,hkv,tq,lengths,num_splits", CONTIGUOUS_CASES)
+def test_decode_attention_matches_reference(dtype, d, hq, hkv, tq, lengths, num_splits):
+    q, k, v = make_cache(len(lengths), 200, hq, hkv, d, tq, dtype)
+    seqlens = torch.tensor(lengths, dtype=torch.int32, device=DEV)
+    out, lse = decode_attention(q, k, v, seqlens, num_splits=num_splits, return_lse=True)
+    ref_out, ref_lse = decode_reference(q, k, v, seqlens)
+    case = f"{dtype} d={d} Hq={hq} Hkv={hkv} Tq={tq} lengths={lengths} splits={num_splits}"
+    assert out.dtype == dtype and out.shape == q.shape, case
+    assert_matches(out, lse, ref_out, ref_lse, dtype, case)
+
+
+def test_decode_attention_not_causal():
+    q, k, v = make_cache(2, 100, 4, 2, 64, 3, torch.float32, seed=1)
+    seqlens = torch.tensor([5, 99], dtype=torch.int32, device=DEV)
+    out, lse = decode_attention(q, k, v, seqlens, causal=False, num_splits=2, return_lse=True)
+    ref_out, ref_lse = decode_reference(q, k, v, seqlens, causal=False)
+    assert_matches(out, lse, ref_out, ref_lse, torch.float32, "causal=False")
+
+
+PAGED_CASES = [
+    # (page_size, dtype, hq, hkv, tq, lengths)
+    (1, torch.float32, 4, 4, 1, [0, 1, 37]),
+    (16, torch.float16, 8, 2, 2, [1, 47, 130]),
+    (64, torch.bfloat16, 8, 8, 1, [130, 0, 63]),
+    (16, torch.float32, 8, 1, 1, [17, 100, 2]),
+]
+
+
+@pytest.mark.parametrize("page_size,dtype,hq,hkv,tq,lengths", PAGED_CASES)
+def test_paged_matches_contiguous_and_reference(page_size, dtype, hq, hkv, tq, lengths):
+    q, k, v = make_cache(len(lengths), 130, hq, hkv, 64, tq, dtype, seed=page_size)
+    k_pages, v_pages, table = to_pages(k, v, page_size, seed=page_size)
+    seqlens = torch.tensor(lengths, dtype=torch.int32, device=DEV)
+    case = f"page {page_size} {dtype} Hq={hq} Hkv={hkv} Tq={tq} lengths={lengths}"
+    capacity = table.shape[1] * page_size
+    torch.testing.assert_close(gather_pages(k_pages, table, capacity)[:, :130], k, msg=case)
+    out, lse = paged_decode_attention(q, k_pages, v_pages, table, seqlens, num_splits=2, return_lse=True)
+    ref_out, ref_lse = decode_reference(q, k, v, seqlens)
+    assert_matches(out, lse, ref_out, ref_lse, dtype, case)
+
+
+def test_combine_kernel_equals_merge_many():
+    g = torch.Generator().manual_seed(3)
+    S, B, T, H, d = 5, 2, 1, 3, 64
+    o_part = torch.randn(S, B, T, H, d, generator=g)
+    l_part = torch.randn(S, B, T, H, generator=g)
+    l_part[1:3] = float("-inf")  # empty splits
+    l_part[:, 1, 0, 2] = float("-inf")  # a row no split saw
+    o_part[:, 1, 0, 2] = 0.0
+    out = torch.empty(B, T, H, d, device=DEV)
+    lse = torch.empty(B, T, H, device=DEV)
+    combine(o_part.to(DEV), l_part.to(DEV), out, lse)
+    ref_o, ref_l = merge_many(o_part.double(), l_part.double(), dim=0)
+    torch.testing.assert_close(out.double().cpu(), ref_o, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse.double().cpu(), ref_l, rtol=1e-5, atol=1e-5)
+    assert (out[1, 0, 2] == 0).all() and torch.isneginf(lse[1, 0, 2])
+
+
+def test_split_heuristic_follows_fa2_rule():
+    assert choose_num_splits(programs=128, n_key_blocks=512, num_sms=132) == 1  # >= 80 % of the SMs
+    assert choose_num_splits(programs=8, n_key_blocks=4, num_sms=132) == 1  # tiny cache: never split
+    s = choose_num_splits(programs=8, n_key_blocks=2048, num_sms=132)
+    assert 8 * s / (132 * math.ceil(8 * s / 132)) >= 0.85 and s == 15, s
+    assert choose_num_splits(programs=1, n_key_blocks=10, num_sms=132) <= 10
+
+
+def test_errors_name_the_problem():
+    q, k, v = make_cache(2, 32, 4, 2, 64, 1, torch.float32)
+    lens = torch.tensor([3, 4], dtype=torch.int32, device=DEV)
+    with pytest.raises(ValueError, match="cache_seqlens\\[1\\] = 40"):
+        decode_attention(q, k, v, torch.tensor([3, 40], dtype=torch.int32, device=DEV))
+    with pytest.raises(TypeError, match="int32"):
+        decode_attention(q, k, v, lens.long())
+    with pytest.raises(ValueError, match="multiple of Hkv"):
+        decode_attention(q[:, :, :3], k, v, lens)
+    with pytest.raises(ValueError, match="B, Tq, Hq, d"):
+        decode_attention(q[0], k, v, lens)
+    with pytest.raises(TypeError, match="share one dtype"):
+        decode_attention(q.half(), k, v, lens)
+    k_pages, v_pages, table = to_pages(k, v, 16)
+    bad = table.clone()
+    bad[1, 0] = k_pages.shape[0]
+    with pytest.raises(ValueError, match="block_table\\[1, 0\\]"):
+        paged_decode_attention(q, k_pages, v_pages, bad, lens)
+    with pytest.raises(ValueError, match="outside \\[0, 32\\]"):
+        paged_decode_attention(
+            q, k_pages, v_pages, table, torch.tensor([3, 33], dtype=torch.int32, device=DEV)
+        )
+    with pytest.raises(TypeError, match="block_table must be int32"):
+        paged_decode_attention(q, k_pages, v_pages, table.long(), lens)
+
+
+def test_allocator_shares_and_copies_on_write():
+    alloc = PageAllocator(3)
+    a = alloc.allocate()
+    alloc.share(a)
+    alloc.release(a)
+    assert alloc.refs[a] == 1 and alloc.num_free == 2
+    cache = PagedKVCache(1, 6, 4, 1, 16, torch.float32, "cpu")
+    cache.add_sequence(0)
+    slots = cache.append(0, 6)  # pages p0 (full) and p1 (2 of 4 slots)
+    cache.write(0, slots, torch.randn(6, 1, 16), torch.randn(6, 1, 16))
+    cache.fork(0, 1)
+    shared_last = cache.seqs[1].pages[-1]
+    assert cache.allocator.refs[shared_last] == 2
+    before = cache.k_pages[0][shared_last].clone()
+    new = cache.append(1, 1)  # writes into the shared, partly filled page: copy first
+    assert cache.seqs[1].pages[0] == cache.seqs[0].pages[0]  # the full page stays shared
+    assert cache.seqs[1].pages[-1] != shared_last
+    torch.testing.assert_close(cache.k_pages[0][cache.seqs[1].pages[-1]], before)
+    assert int(new[0]) == cache.seqs[1].pages[-1] * 4 + 2
+    cache.free(0)
+    cache.free(1)
+    assert cache.allocator.num_free == 6
+    cache.add_sequence(2)
+    with pytest.raises(OutOfPages):
+        cache.append(2, 25)
+
+
+# --------------------------------------------------------------------------------------------------
+# Continuous batching with a tiny model, against a reference that recomputes full attention each step
+# --------------------------------------------------------------------------------------------------
+class TinyModel:
+    """Two attention layers (4 query heads, 2 kv heads, d = 16) with random weights; positions enter as a
+    sinusoid added to the embedding. forward_step follows course_lib.decode.batching's interface."""
+
+    num_layers, num_kv_heads, head_dim, num_heads, vocab, width = 2, 2, 16, 4, 37, 64
+    dtype = torch.float32
+
+    def __init__(self, device):
+        g = torch.Generator().manual_seed(7)
+        self.device = device
+
+        def w(*shape):
+            return (torch.randn(*shape, generator=g) / math.sqrt(shape[0])).to(device)
+
+        D, H, Hkv, d = self.width, self.num_heads, self.num_kv_heads, self.head_dim
+        self.emb = w(self.vocab, D) * 3
+        self.layers = [
+            (w(D, H * d), w(D, Hkv * d), w(D, Hkv * d), w(H * d, D)) for _ in range(self.num_layers)
+        ]
+        self.head = w(D, self.vocab) * 4
+
+    def _embed(self, token_ids, positions):
+        freq = torch.arange(self.width, device=self.device) / self.width
+        return self.emb[token_ids] + torch.sin(positions[:, None].float() * (1 + freq)[None, :])
+
+    def _qkv(self, x, layer):
+        wq, wk, wv, _ = self.layers[layer]
+        T = x.shape[0]
+        return (
+            (x @ wq).view(T, self.num_heads, self.head_dim),
+            (x @ wk).view(T, self.num_kv_heads, self.head_dim),
+            (x @ wv).view(T, self.num_kv_heads, self.head_dim),
+        )
+
+    def forward_step(self, token_ids, positions, kv):
+        x = self._embed(token_ids, positions)
+        for layer in range(self.num_layers):
+            q, k, v = self._qkv(x, layer)
+            o = kv.attend(layer, q, k, v)
+            x = x + o.reshape(x.shape[0], -1) @ self.layers[layer][3]
+        return x @ self.head
+
+    def forward_full(self, tokens):
+        """Logits of every position of one sequence, with full causal attention (the reference)."""
+        ids = torch.tensor(tokens, device=self.device)
+        x = self._embed(ids, torch.arange(len(tokens), device=self.device))
+        for layer in range(self.num_layers):
+            q, k, v = self._qkv(x, layer)
+            g = self.num_heads // self.num_kv_heads
+            k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+            o = torch.nn.functional.scaled_dot_product_attention(
+                q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True
+            )
+            x = x + o.transpose(0, 1).reshape(x.shape[0], -1) @ self.layers[layer][3]
+        return x @ self.head
+
+
+def greedy_reference(model, prompt, n):
+    tokens = list(prompt)
+    for _ in range(n):
+        tokens.append(int(model.forward_full(tokens)[-1].argmax()))
+    return tokens[len(prompt) :]
+
+
+def test_continuous_batching_equals_step_by_step_reference():
+    model = TinyModel(DEV)
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(0, model.vocab, (n,), generator=g).tolist() for n in (5, 9, 3, 14)]
+    new = [3, 2, 4, 2]
+    # 9 pages of 4 tokens and at most 3 sequences: requests wait, join and leave; a budget of 8 tokens
+    # per step chunks the 14-token prompt's prefill, which then shares steps with decoding requests.
+    batcher = ContinuousBatcher(model, num_pages=9, page_size=4, max_batch=3, max_step_tokens=8)
+    ids = [batcher.submit(p, n) for p, n in zip(prompts, new)]
+    got = batcher.run()
+    for i, p, n in zip(ids, prompts, new):
+        assert got[i] == greedy_reference(model, p, n), f"request {i} (prompt {len(p)} tokens)"
+    assert batcher.cache.allocator.num_free == 9
+
+
+# --------------------------------------------------------------------------------------------------
+# GPU: compiled kernels, bf16 at real sizes, CUDA-graph capture and replay
+# --------------------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("B,n_max,hkv,d", [(1, 16384, 8, 128), (4, 4096, 8, 128), (8, 1000, 2, 64)])
+def test_gpu_bf16_real_sizes(B, n_max, hkv, d):
+    if not course_lib.ON_GPU:
+        pytest.skip("needs a GPU")
+    q, k, v = make_cache(B, n_max, 4 * hkv, hkv, d, 1, torch.bfloat16)
+    lengths = torch.randint(1, n_max + 1, (B,), generator=torch.Generator().manual_seed(0))
+    lengths[0] = n_max
+    seqlens = lengths.to(torch.int32).to(DEV)
+    ref_out, ref_lse = decode_reference(q, k, v, seqlens)
+    out, lse = decode_attention(q, k, v, seqlens, return_lse=True)
+    assert_matches(out, lse, ref_out, ref_lse, torch.bfloat16, f"contiguous B={B} N={n_max} d={d}")
+    k_pages, v_pages, table = to_pages(k, v, 16)
+    out, lse = paged_decode_attention(q, k_pages, v_pages, table, seqlens, return_lse=True)
+    assert_matches(out, lse, ref_out, ref_lse, torch.bfloat16, f"paged B={B} N={n_max} d={d}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("paged", [False, True])
+def test_gpu_cuda_graph_capture_and_replay(paged):
+    if not course_lib.ON_GPU:
+        pytest.skip("needs a GPU")
+    B, n_max, hkv, d = 4, 2048, 8, 128
+    q, k, v = make_cache(B, n_max, 32, hkv, d, 1, torch.bfloat16)
+    k_pages, v_pages, table = to_pages(k, v, 16)
+    seqlens = torch.tensor([1, 100, 1500, 2048], dtype=torch.int32, device=DEV)
+
+    def step():
+        if paged:
+            return paged_decode_attention(q, k_pages, v_pages, table, seqlens, validate=False)
+        return decode_attention(q, k, v, seqlens, validate=False)
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()  # compile outside the capture
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for lengths in ([7, 0, 2048, 33], [2048, 2048, 1, 999]):
+        seqlens.copy_(torch.tensor(lengths, dtype=torch.int32))
+        q.copy_(torch.randn_like(q))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref_out, _ = decode_reference(q, k, v, seqlens)
+        err = (out.double().cpu() - ref_out).abs().max().item()
+        assert err <= TOL[torch.bfloat16], f"graph replay paged={paged} lengths={lengths}: error {err:.3g}"
