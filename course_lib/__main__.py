@@ -1,4 +1,6 @@
-"""Command line: `python -m course_lib doctor` (environment check) and `python -m course_lib bench`."""
+"""Command line: `python -m course_lib doctor` (environment check) and
+`python -m course_lib bench [names...] [--quick] [--out DIR]` (every benchmark present, or the ones named:
+`course_lib.bench.registry`)."""
 
 from __future__ import annotations
 
@@ -10,7 +12,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m course_lib")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("doctor", help="report versions and device; fail on known-bad combinations")
-    bench = sub.add_parser("bench", help="benchmark course_lib's attention against PyTorch (GPU)")
+    bench = sub.add_parser("bench", help="run course_lib's benchmarks (GPU) and record them")
+    bench.add_argument("names", nargs="*", help="benchmarks to run (default: every one present)")
     bench.add_argument("--quick", action="store_true", help="a small grid, for a smoke test")
     bench.add_argument("--out", default="assets/benchmarks", help="folder for the record")
     args = parser.parse_args(argv)
@@ -19,9 +22,9 @@ def main(argv=None) -> int:
 
         return 0 if doctor() else 1
     if args.command == "bench":
-        from .bench import main as bench_main
+        from .bench.registry import main as bench_main
 
-        return bench_main(quick=args.quick, out=args.out)
+        return bench_main(args.names, quick=args.quick, out=args.out)
     return 2
 
 

@@ -11,6 +11,8 @@ import torch
 
 import course_lib
 from course_lib import bench, records
+from course_lib.bench import attention as attention_bench
+from course_lib.bench import registry
 from course_lib.perf import timing
 
 
@@ -146,7 +148,7 @@ def test_main_quick_writes_records(tmp_path, capsys, monkeypatch):
     # The hardware recorder's fusion measurement compiles with inductor (~7 s of C++ on a CPU); this
     # test is about the benchmark's plumbing, so the "compiled" chain runs eagerly here.
     monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: fn)
-    rc = bench.main(quick=True, out=tmp_path)
+    rc = attention_bench.main(quick=True, out=tmp_path)
     printed = capsys.readouterr().out
     assert rc == 0, printed
     rec = records.load_record("attention", folder=tmp_path)
@@ -183,19 +185,70 @@ def test_main_refuses_cpu_figures_in_assets(capsys):
         pytest.skip("on a GPU, assets/benchmarks/ is where the record belongs")
     assert bench.main(quick=True, out=records.ASSETS) == 2
     assert "--out" in capsys.readouterr().out
+    assert attention_bench.main(quick=True, out=records.ASSETS) == 2
+    assert "--out" in capsys.readouterr().out
 
 
 def test_a_failing_recorder_does_not_stop_the_rest(tmp_path, monkeypatch, capsys):
     def boom():
         raise RuntimeError("no ceiling today")
 
-    monkeypatch.setattr(bench, "_hardware_record", lambda quick: boom())
-    monkeypatch.setattr(bench, "run_attention", lambda quick: _synthetic({}, {}, {}))
-    monkeypatch.setattr(bench, "ladder", lambda quick: {"steps": []})
-    monkeypatch.setattr(bench, "_standard_attention_record", lambda quick: {"ok": True})
-    monkeypatch.setattr(bench, "save_plots", lambda *paths: [])
-    rc = bench.main(quick=True, out=tmp_path)
+    monkeypatch.setattr(attention_bench, "_hardware_record", lambda quick: boom())
+    monkeypatch.setattr(attention_bench, "run_attention", lambda quick: _synthetic({}, {}, {}))
+    monkeypatch.setattr(attention_bench, "ladder", lambda quick: {"steps": []})
+    monkeypatch.setattr(attention_bench, "_standard_attention_record", lambda quick: {"ok": True})
+    monkeypatch.setattr(attention_bench, "save_plots", lambda *paths: [])
+    rc = attention_bench.main(quick=True, out=tmp_path)
     printed = capsys.readouterr().out
     assert rc == 1 and "hardware FAILED" in printed and "no ceiling today" in printed, printed
     kinds = sorted(p.name.split("-")[0] for p in tmp_path.glob("*.json"))
     assert kinds == ["attention", "ladder", "standard_attention"], kinds
+
+
+def test_registry_finds_the_attention_benchmark_and_refuses_unknown_names(capsys):
+    assert registry.available()[0] == "attention", registry.available()
+    assert set(registry.available()) <= set(registry.BENCHMARKS)
+    with pytest.raises(ValueError, match="known: attention"):
+        registry.load("sideways")
+    if not course_lib.ON_GPU:
+        assert registry.main(["sideways"], quick=True, out="/tmp/unused-bench-out") == 2
+        assert "unknown benchmark 'sideways'" in capsys.readouterr().out
+
+
+def test_registry_runs_the_named_benchmarks_and_survives_a_failure(tmp_path, monkeypatch, capsys):
+    calls = []
+
+    class Fake:
+        def __init__(self, name, rc):
+            self.name, self.rc = name, rc
+
+        def run(self, quick):
+            return {}
+
+        def main(self, quick=False, out=None):
+            calls.append((self.name, quick, out))
+            if self.rc == "raise":
+                raise RuntimeError(f"{self.name} broke")
+            return self.rc
+
+    fakes = {"attention": Fake("attention", "raise"), "decode": Fake("decode", 0)}
+    monkeypatch.setattr(registry, "available", lambda: list(fakes))
+    monkeypatch.setattr(registry, "load", lambda name: fakes[name])
+    assert registry.main(["decode"], quick=True, out=tmp_path) == 0
+    assert calls == [("decode", True, tmp_path)], calls
+    calls.clear()
+    rc = registry.main(None, quick=True, out=tmp_path)
+    printed = capsys.readouterr().out
+    assert rc == 1 and [c[0] for c in calls] == ["attention", "decode"], (rc, calls)
+    assert "attention FAILED" in printed and "attention broke" in printed, printed
+
+
+def test_command_line_passes_the_names(monkeypatch):
+    from course_lib import __main__ as cli
+
+    seen = {}
+    monkeypatch.setattr(
+        registry, "main", lambda names, quick, out: seen.update(names=names, quick=quick) or 0
+    )
+    assert cli.main(["bench", "decode", "fused", "--quick", "--out", "/tmp/x"]) == 0
+    assert seen == {"names": ["decode", "fused"], "quick": True}, seen

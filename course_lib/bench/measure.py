@@ -1,0 +1,191 @@
+"""Measuring one provider on one cell (time and peak memory of the forward, the backward and both), and
+the whole grid: `run_attention`, the data of the attention record.
+
+Taught in notebook 08. A record's `data["results"]` is a flat list, one entry per (provider, cell, mode):
+    {"provider", "B", "H", "N", "d", "causal", "mode", "status": "ok" | "unsupported" | "skipped" |
+     "oom" | "error", "ms", "tflops", "peak_bytes", "ideal_bytes", "reason"}
+`peak_bytes` counts the inputs (q, k, v, and dO for a backward) plus the most allocated while the call
+ran; `ideal_bytes` is what the call cannot avoid: inputs + outputs (+ gradients).
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from .. import runtime
+from ..perf import timing
+from .providers import LABELS, PROVIDERS, SDPA_BACKENDS, attention_fns, skip_reason
+from .report import check_targets, ratio_rows, report_columns, summarise
+from .shapes import MAX_SCORE_BYTES, MODEL_DIM, MODES, TOKENS, standard_cells
+
+# do_bench's budget per measurement (ms of warm-up, ms of timed repetitions): about 400 measurements
+# make the grid, so this decides much of `make bench`'s run time. 50 ms is >= 40 repetitions of a
+# kernel of a millisecond or less, plenty for a stable median.
+TIMER_MS = {False: (10, 50), True: (5, 20)}
+
+
+def make_timer(quick: bool):
+    """fn -> median ms: `perf.timing.benchmark` with the budget of TIMER_MS (quick or full run)."""
+    warmup, rep = TIMER_MS[quick]
+    return lambda fn: timing.benchmark(fn, warmup_ms=warmup, rep_ms=rep, cpu_reps=1 if quick else 3)
+
+
+def timer_name(quick: bool) -> str:
+    """How `make_timer(quick)` times, in words, for the record."""
+    if not runtime.ON_GPU:
+        return "wall-clock median (CPU)"
+    return "triton.testing.do_bench median, L2 flushed (warm-up {} ms, {} ms of repetitions)".format(
+        *TIMER_MS[quick]
+    )
+
+
+def _nbytes(*tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _measure(call, resident: int, ideal: int, timer, provider: str) -> dict:
+    """One mode of one provider: {"status": "ok", "ms", "peak_bytes", "ideal_bytes"} or a failure.
+
+    `resident`: bytes already allocated that the call needs (its inputs); peak_memory adds what the
+    call allocates on top of everything allocated before it."""
+    try:
+        call()  # warm-up: compilation, autotuning, the backend's choice; never timed
+        if runtime.ON_GPU:
+            torch.cuda.synchronize()
+        peak = timing.peak_memory(call)
+        ms = timer(call)
+    except Exception as exc:  # a refused shape, an OOM: recorded, never a crash of the whole run
+        status, reason = _failure(exc, provider)
+        return dict(status=status, reason=reason)
+    finally:
+        if runtime.ON_GPU:
+            torch.cuda.empty_cache()
+    return dict(status="ok", ms=ms, peak_bytes=None if peak is None else resident + peak, ideal_bytes=ideal)
+
+
+def measure_provider(fn, q, k, v, do, causal: bool, timer, provider: str = "") -> dict:
+    """Time and peak memory of `fn` for the forward, the backward and both; mode -> `_measure`'s dict.
+
+    q, k, v: (B, H, N, d) with requires_grad; do: (B, H, N, d), the gradient of O. The forward runs
+    under no_grad; the backward alone backpropagates through one forward kept alive for it."""
+    size = _nbytes(q)  # one (B, H, N, d) tensor
+
+    def fwd():
+        with torch.no_grad():
+            return fn(q, k, v, causal)
+
+    def fwd_bwd():
+        return torch.autograd.grad(fn(q, k, v, causal), (q, k, v), do)
+
+    # What each mode cannot avoid holding: q, k, v, O (forward); also dO, dQ, dK, dV (with a backward).
+    out = {
+        "fwd": _measure(fwd, 3 * size, 4 * size, timer, provider),
+        "fwd_bwd": _measure(fwd_bwd, 4 * size, 8 * size, timer, provider),
+    }
+    try:
+        before = torch.cuda.memory_allocated() if runtime.ON_GPU else 0
+        o = fn(q, k, v, causal)  # O and what the forward saved for the backward stay resident
+        saved = torch.cuda.memory_allocated() - before if runtime.ON_GPU else 0
+    except Exception as exc:
+        status, reason = _failure(exc, provider)
+        out["bwd"] = dict(status=status, reason=reason)
+    else:
+        bwd = lambda: torch.autograd.grad(o, (q, k, v), do, retain_graph=True)
+        out["bwd"] = _measure(bwd, 4 * size + saved, 8 * size, timer, provider)
+        del o, bwd
+    return out
+
+
+def _failure(exc: BaseException, provider: str) -> tuple[str, str]:
+    """(status, reason) for an exception raised while measuring `provider`."""
+    message = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+    if isinstance(exc, torch.cuda.OutOfMemoryError):
+        return "oom", message
+    if provider in SDPA_BACKENDS and isinstance(exc, RuntimeError):
+        return "unsupported", message  # "No available kernel": the backend refused this shape or GPU
+    return "error", f"{type(exc).__name__}: {message}"
+
+
+def run_attention(quick: bool = False) -> dict:
+    """Measure every provider on every cell (see the module docstring); returns the record's data."""
+    on_gpu = runtime.ON_GPU
+    dtype = torch.bfloat16 if on_gpu else torch.float32  # the interpreter has no bf16 arithmetic
+    cells = standard_cells(quick)
+    fns = attention_fns()
+    timer = make_timer(quick)
+    results, seconds = [], dict.fromkeys(PROVIDERS, 0.0)
+    jobs = [(cell, p) for cell in cells for p in PROVIDERS]
+    bar = tqdm(total=len(jobs), desc="attention", unit="run")
+    # torch.compile leaves state behind in the process (dynamo, inductor's caches and graphs), and after it
+    # has run, the per-call CPU cost of Python-launched kernels rose 1.3-1.5x (notes/performance.md). So it
+    # is measured in a second pass, after every other provider has been measured on every cell.
+    passes = [[p for p in PROVIDERS if p != "compiled"], ["compiled"]]
+    for providers, cell in ((group, cell) for group in passes for cell in cells):
+        B, H, N, d, causal = (cell[key] for key in ("B", "H", "N", "d", "causal"))
+        # Fresh random inputs per cell: never zeros (zeros hide bugs, and some kernels run faster on them).
+        q, k, v, do = (torch.randn(B, H, N, d, device=runtime.DEVICE, dtype=dtype) for _ in range(4))
+        for t in (q, k, v):
+            t.requires_grad_(True)
+        try:  # the output every provider is compared with
+            with torch.no_grad():
+                o_ref = F.scaled_dot_product_attention(q, k, v, is_causal=causal).float()
+        except Exception:
+            o_ref = None
+        for provider in providers:
+            bar.set_postfix_str(f"{provider} N={N} d={d} causal={causal}")
+            t0 = time.perf_counter()
+            base = dict(provider=provider, **cell)
+            reason = skip_reason(provider, cell, fns)
+            if reason is not None:
+                results += [dict(base, mode=m, status="skipped", reason=reason) for m in MODES]
+            else:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # SDPA warns about every backend it cannot use
+                    try:
+                        with torch.no_grad():  # first call: also checks the output against SDPA's
+                            o = fns[provider](q, k, v, causal).float()
+                            err = None if o_ref is None else float((o - o_ref).abs().max())
+                            del o
+                    except Exception as exc:
+                        status, why = _failure(exc, provider)
+                        measured = dict.fromkeys(MODES, dict(status=status, reason=why))
+                    else:
+                        measured = measure_provider(fns[provider], q, k, v, do, causal, timer, provider)
+                for m in MODES:
+                    entry = dict(base, mode=m, **measured[m])
+                    if entry["status"] == "ok":
+                        flops = timing.attention_flops(B, H, N, N, d, causal=causal, mode=m)
+                        entry.update(tflops=flops / (entry["ms"] * 1e-3) / 1e12, max_abs_diff_vs_sdpa=err)
+                    results.append(entry)
+            if on_gpu:
+                torch.cuda.empty_cache()
+            seconds[provider] += time.perf_counter() - t0
+            bar.update()
+        del q, k, v, do, o_ref
+    bar.close()
+    data = dict(
+        dtype=str(dtype).replace("torch.", ""),
+        layout="(B, H, N, d)",
+        tokens=None if not on_gpu else TOKENS,
+        model_dim=None if not on_gpu else MODEL_DIM,
+        quick=quick,
+        timer=timer_name(quick),
+        seconds_per_provider={p: round(t, 1) for p, t in seconds.items()},
+        max_score_bytes=MAX_SCORE_BYTES,
+        providers=list(PROVIDERS),
+        labels=LABELS,
+        cells=cells,
+        results=results,
+    )
+    data["ratios"] = ratio_rows(data)
+    data["summary"] = {
+        col: dict(zip(("min", "geomean"), summarise(r[col] for r in data["ratios"])))
+        for col in report_columns()
+    }
+    data["targets"] = check_targets(data)
+    return data
