@@ -33,9 +33,9 @@ import matplotlib.pyplot as plt
 import torch
 
 import course_lib
-from course_lib import hardware, records
+from course_lib import perf, records
 from course_lib.exercises import check
-from course_lib.plotting import bar_chart, plot_series, print_table, roofline
+from course_lib.perf.plotting import bar_chart, plot_series, print_table, roofline
 
 DEVICE = course_lib.DEVICE
 print("running on:", course_lib.RUNTIME.describe())
@@ -71,11 +71,11 @@ if not course_lib.ON_GPU:
 # ([arXiv:2205.14135](https://arxiv.org/abs/2205.14135)).
 
 # %%
-print_table(hardware.datasheet_rows())
+print_table(perf.datasheet_rows())
 print()
-for name in hardware.GPUS:
+for name in perf.GPUS:
     print(f"Sources, {name}:")
-    for doc, figures in hardware.sources_by_document(name).items():
+    for doc, figures in perf.sources_by_document(name).items():
         print(f"  {doc}\n      -> {', '.join(figures)}")
 
 # %% [markdown]
@@ -83,7 +83,7 @@ for name in hardware.GPUS:
 
 # %%
 ratio_rows = []
-for name, g in hardware.GPUS.items():
+for name, g in perf.GPUS.items():
     ratio_rows.append(
         {
             "GPU": name,
@@ -104,7 +104,7 @@ assert all(r["HBM / SRAM capacity"] > 1000 and r["SRAM / HBM bandwidth"] > 5 for
 # of one GPU on a log scale (L2 and register bandwidths are not published, so those bars are missing):
 
 # %%
-levels = hardware.hierarchy("H200")
+levels = perf.hierarchy("H200")
 h200_ratios = next(r for r in ratio_rows if r["GPU"] == "H200")
 fig, (ax_size, ax_bw) = plt.subplots(1, 2, figsize=(15, 5.5), layout="constrained")
 short = ["registers", "SRAM", "L2", "HBM", "host link"]
@@ -161,10 +161,10 @@ balance_rows = [
         "balance, matmul (FLOP/B)": g.balance(matmul=True),
         "balance, non-matmul (FLOP/B)": g.balance(matmul=False),
     }
-    for name, g in hardware.GPUS.items()
+    for name, g in perf.GPUS.items()
 ]
 print_table(balance_rows)
-a100 = hardware.gpu("A100")
+a100 = perf.gpu("A100")
 assert a100.matmul16_tflops / a100.fp32_tflops == 16
 
 # %% [markdown]
@@ -181,24 +181,24 @@ assert a100.matmul16_tflops / a100.fp32_tflops == 16
 # (2n³ FLOPs, 3n² elements moved). Compare each intensity with the H200's balance:
 
 # %%
-h200 = hardware.gpu("H200")
+h200 = perf.gpu("H200")
 ELEM = 2  # bf16
 rows = []
-for name, (flops, nbytes) in hardware.operation_costs(16384, 8192, ELEM).items():
+for name, (flops, nbytes) in perf.operation_costs(16384, 8192, ELEM).items():
     rows.append(
         {
             "operation": name,
             "FLOP/element": flops / (16384 * 8192),
-            "intensity (FLOP/B)": hardware.arithmetic_intensity(flops, nbytes),
+            "intensity (FLOP/B)": perf.arithmetic_intensity(flops, nbytes),
         }
     )
 for n in (256, 1024, 4096, 16384):
-    flops, nbytes = hardware.matmul_cost(n, ELEM)
+    flops, nbytes = perf.matmul_cost(n, ELEM)
     rows.append(
         {
             "operation": f"matmul {n}",
             "FLOP/element": None,
-            "intensity (FLOP/B)": hardware.arithmetic_intensity(flops, nbytes),
+            "intensity (FLOP/B)": perf.arithmetic_intensity(flops, nbytes),
         }
     )
 for r in rows:
@@ -220,7 +220,7 @@ plot_series(
     ns,
     {
         "matmul n x n (bf16)": [
-            hardware.matmul_cost(n, ELEM)[0] / hardware.matmul_cost(n, ELEM)[1] for n in ns
+            perf.matmul_cost(n, ELEM)[0] / perf.matmul_cost(n, ELEM)[1] for n in ns
         ],
         "H200 balance (tensor cores)": [h200.balance(True)] * len(ns),
         "softmax (bf16)": [5 / 4] * len(ns),
@@ -244,17 +244,17 @@ plt.show()
 # the L2 cache flushed); on a CPU a wall-clock median.
 
 # %%
-copy_gbps = hardware.measure_copy_bandwidth(COPY_NUMEL)
+copy_gbps = perf.measure_copy_bandwidth(COPY_NUMEL)
 peak_dtype = course_lib.pick(cpu=torch.float32, gpu=torch.bfloat16)
-peak_tflops = hardware.measure_matmul_tflops(MATMUL_N, peak_dtype)
+peak_tflops = perf.measure_matmul_tflops(MATMUL_N, peak_dtype)
 fp32_tflops = (
-    peak_tflops if not course_lib.ON_GPU else hardware.measure_matmul_tflops(MATMUL_N, torch.float32)
+    peak_tflops if not course_lib.ON_GPU else perf.measure_matmul_tflops(MATMUL_N, torch.float32)
 )
 print(f"copy bandwidth          : {copy_gbps:8.1f} GB/s   ({COPY_NUMEL * 4 / 2**20:.0f} MB copied)")
 print(f"matmul {MATMUL_N} ({str(peak_dtype)[6:]}) : {peak_tflops:8.3f} TFLOP/s")
 if course_lib.ON_GPU:
     print(f"matmul {MATMUL_N} (fp32)    : {fp32_tflops:8.3f} TFLOP/s  (no tensor cores unless TF32 is on)")
-print(f"machine balance          : {hardware.machine_balance(peak_tflops, copy_gbps):8.1f} FLOP/byte")
+print(f"machine balance          : {perf.machine_balance(peak_tflops, copy_gbps):8.1f} FLOP/byte")
 assert copy_gbps > 0 and peak_tflops > 0
 
 # %% [markdown]
@@ -267,10 +267,10 @@ assert copy_gbps > 0 and peak_tflops > 0
 # system handing out fresh memory pages for every new output tensor).
 
 # %%
-points = hardware.measure_operations(ROWS, COLS, MATMUL_SIZES, dtype=OP_DTYPE)
+points = perf.measure_operations(ROWS, COLS, MATMUL_SIZES, dtype=OP_DTYPE)
 # A ceiling is the best rate the device showed. On a busy machine one measurement can come out low, so
 # raise each ceiling to the best that any operation reached (on a GPU this changes nothing).
-peak_tflops = max([peak_tflops] + [hardware.achieved_tflops(p) for p in points if p["kind"] == "matmul"])
+peak_tflops = max([peak_tflops] + [perf.achieved_tflops(p) for p in points if p["kind"] == "matmul"])
 copy_gbps = max([copy_gbps] + [p["bytes"] / (p["ms"] * 1e6) for p in points if p["kind"] != "matmul"])
 if not course_lib.ON_GPU:
     fp32_tflops = peak_tflops
@@ -279,11 +279,11 @@ if course_lib.ON_GPU:
     ceilings.append(("this GPU, fp32 (measured)", fp32_tflops, copy_gbps))
 table = []
 for p in points:
-    intensity = hardware.arithmetic_intensity(p["flops"], p["bytes"])
-    roof = hardware.attainable_tflops(
+    intensity = perf.arithmetic_intensity(p["flops"], p["bytes"])
+    roof = perf.attainable_tflops(
         intensity, peak_tflops if p["kind"] == "matmul" else fp32_tflops, copy_gbps
     )
-    achieved = hardware.achieved_tflops(p)
+    achieved = perf.achieved_tflops(p)
     table.append(
         {
             "operation": p["name"],
@@ -376,7 +376,7 @@ measured = {
     "gradients": tensor_bytes(p.grad for p in model.parameters()),
     "optimizer states": adam_state_bytes(optimizer),
 }
-budget = {k: v * n_params for k, v in hardware.training_bytes_per_param(mixed_precision=False).items()}
+budget = {k: v * n_params for k, v in perf.training_bytes_per_param(mixed_precision=False).items()}
 print(f"{n_params:,} parameters, fp32 + Adam")
 print_table(
     [{"what": k, "measured (MB)": measured[k] / 1e6, "predicted (MB)": budget[k] / 1e6} for k in budget]
@@ -413,7 +413,7 @@ measured16 = {
     "gradients": tensor_bytes(p.grad for p in model16.parameters()),
     "optimizer states": tensor_bytes(master) + adam_state_bytes(optimizer16),
 }
-budget16 = {k: v * n_params for k, v in hardware.training_bytes_per_param(mixed_precision=True).items()}
+budget16 = {k: v * n_params for k, v in perf.training_bytes_per_param(mixed_precision=True).items()}
 print_table(
     [{"what": k, "measured (MB)": measured16[k] / 1e6, "predicted (MB)": budget16[k] / 1e6} for k in budget16]
 )
@@ -457,7 +457,7 @@ def fuse_by_chunks(f, chunk=2**15):
     return fused
 
 
-fusion = hardware.measure_fusion(FUSION_NUMEL, compile_fn=None if course_lib.ON_GPU else fuse_by_chunks)
+fusion = perf.measure_fusion(FUSION_NUMEL, compile_fn=None if course_lib.ON_GPU else fuse_by_chunks)
 assert "error" not in fusion, fusion.get("error")
 how = "torch.compile" if course_lib.ON_GPU else "chunks in cache"
 print(f"{FUSION_NUMEL * 4 / 2**20:.0f} MB of fp32, on this {DEVICE.type}:")
@@ -522,7 +522,7 @@ check("silu_intensity", lambda: [silu_intensity(2), silu_intensity(4)], [1.0, 0.
 # %%
 def compute_bound_n(peak_tflops: float, bandwidth_gbps: float, elem_bytes: int) -> int:
     ### BEGIN SOLUTION
-    balance = hardware.machine_balance(peak_tflops, bandwidth_gbps)
+    balance = perf.machine_balance(peak_tflops, bandwidth_gbps)
     return math.ceil(3 * elem_bytes * balance / 2)
     ### END SOLUTION
 
@@ -539,7 +539,7 @@ check("compute_bound_n", lambda: [compute_bound_n(989, 4800, 2), compute_bound_n
 # %%
 def adam_training_gb(n_params: int, mixed_precision: bool = True) -> float:
     ### BEGIN SOLUTION
-    return n_params * sum(hardware.training_bytes_per_param(mixed_precision).values()) / 1e9
+    return n_params * sum(perf.training_bytes_per_param(mixed_precision).values()) / 1e9
     ### END SOLUTION
 
 

@@ -32,12 +32,13 @@ import matplotlib.pyplot as plt
 import torch
 
 import course_lib
-from course_lib import hardware, profiling, records
+from course_lib import perf, records
 from course_lib.attention.reference import attention as reference_attention
 from course_lib.exercises import check
-from course_lib.plotting import bar_chart, plot_series, print_table
+from course_lib.perf import profiling
+from course_lib.perf.plotting import bar_chart, plot_series, print_table
+from course_lib.perf.timing import benchmark
 from course_lib.testing import assert_close_to_reference
-from course_lib.timing import benchmark
 
 DEVICE = course_lib.DEVICE
 print("running on:", course_lib.RUNTIME.describe())
@@ -127,15 +128,15 @@ if hw is not None and "H200" in (hw["meta"].get("gpu") or ""):
     )
     ceiling_source = f"measured ceilings, {records.label(hw)}"
 else:
-    g = hardware.gpu("H200")
+    g = perf.gpu("H200")
     h200_ceilings = (g.matmul16_tflops, g.fp32_tflops, g.hbm_gbps)
     ceiling_source = "H200 datasheet ceilings (no recorded figures yet)"
 costs = profiling.attention_step_costs(GPU_BH, GPU_N, GPU_D, GPU_ELEM, causal=True, dropout=True)
 predicted = profiling.predict_step_ms(costs, *h200_ceilings)
 print(f"B*H={GPU_BH}, N={GPU_N}, d={GPU_D}, bf16; prediction from {ceiling_source}")
 balance = {
-    "matmul": hardware.machine_balance(h200_ceilings[0], h200_ceilings[2]),
-    "element-wise": hardware.machine_balance(h200_ceilings[1], h200_ceilings[2]),
+    "matmul": perf.machine_balance(h200_ceilings[0], h200_ceilings[2]),
+    "element-wise": perf.machine_balance(h200_ceilings[1], h200_ceilings[2]),
 }
 print_table(
     [
@@ -186,9 +187,9 @@ assert ew_time > 50 > ew_flops
 # the sweep stops at the first N that runs out of memory.
 
 # %%
-copy_gbps = hardware.measure_copy_bandwidth()
-matmul_tflops = hardware.measure_matmul_tflops(dtype=DTYPE)
-other_tflops = matmul_tflops if not course_lib.ON_GPU else hardware.measure_matmul_tflops(dtype=torch.float32)
+copy_gbps = perf.measure_copy_bandwidth()
+matmul_tflops = perf.measure_matmul_tflops(dtype=DTYPE)
+other_tflops = matmul_tflops if not course_lib.ON_GPU else perf.measure_matmul_tflops(dtype=torch.float32)
 print(f"this {DEVICE.type}: copy {copy_gbps:.1f} GB/s, {str(DTYPE)[6:]} matmul {matmul_tflops:.3f} TFLOP/s")
 
 

@@ -50,7 +50,7 @@ from course_lib.attention import tiles
 from course_lib.attention.reference import attention, causal_mask_tile
 from course_lib.attention.tiled import FlashAttentionTorch, flash_backward, flash_forward
 from course_lib.exercises import check
-from course_lib.plotting import plot_series
+from course_lib.perf.plotting import plot_series
 from course_lib.testing import assert_close_to_reference, random_qkv, reference_outputs
 
 DEVICE = course_lib.DEVICE
@@ -680,7 +680,7 @@ assert all(s[-2:] != (N, N + 32) for s in saved) and max(math.prod(s) for s in s
 # calls. Here is the price at this notebook's size, measured on this machine:
 
 # %%
-from course_lib.timing import benchmark
+from course_lib.perf.timing import benchmark
 
 q1, k1, v1 = random_qkv((BATCH, HEADS, N, D), device=DEVICE)
 t_std = benchmark(lambda: attention(q1, k1, v1, causal=True))

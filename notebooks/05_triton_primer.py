@@ -44,9 +44,9 @@ import torch
 import course_lib
 from course_lib import primer, records
 from course_lib.exercises import check
-from course_lib.plotting import plot_series
+from course_lib.perf.plotting import plot_series
+from course_lib.perf.timing import benchmark
 from course_lib.runtime import tl, triton
-from course_lib.timing import benchmark
 
 DEVICE = course_lib.DEVICE
 print(course_lib.RUNTIME.describe())
@@ -437,7 +437,7 @@ def plot_softmax_bandwidth(data, source):
     return ratio
 
 
-if course_lib.ON_GPU:
+def measure_softmax_bandwidth():
     M = SM_ROWS
     data = {"n_rows": M, "n_cols": SWEEP_COLS, "ms": {}, "gbps": {}}
     providers = {NAIVE: naive_softmax, FUSED: primer.softmax, "torch.softmax": lambda t: torch.softmax(t, -1)}
@@ -448,20 +448,19 @@ if course_lib.ON_GPU:
             ms = benchmark(lambda fn=fn, xs=xs: fn(xs))
             data["ms"][name].append(ms)
             data["gbps"][name].append(2 * M * n * xs.element_size() / ms * 1e-6)
-    records.save_record("primer_softmax", data)
-    ratio = plot_softmax_bandwidth(data, "measured now on " + torch.cuda.get_device_name())
-    print("measured naive / fused time ratio per N:", [round(r, 2) for r in ratio])
-else:
-    rec = records.load_record("primer_softmax")
-    if rec is None:
-        print(
-            "No recorded GPU run yet (it is written when this notebook runs on a GPU). The prediction\n"
-            "to check against it: the naive version about 4x slower than the fused kernel where its\n"
-            "intermediates go to HBM, less where they stay in L2; the fused kernel near the copy ceiling."
-        )
-    else:
-        ratio = plot_softmax_bandwidth(rec["data"], records.label(rec))
-        print(f"{records.label(rec)}: naive / fused time ratio between {min(ratio):.1f} and {max(ratio):.1f}")
+    return data
+
+
+got = records.measured_or_recorded(
+    "primer_softmax",
+    measure_softmax_bandwidth,
+    missing="No recorded GPU run yet (it is written when this notebook runs on a GPU). The prediction\n"
+    "to check against it: the naive version about 4x slower than the fused kernel where its\n"
+    "intermediates go to HBM, less where they stay in L2; the fused kernel near the copy ceiling.",
+)
+if got:
+    ratio = plot_softmax_bandwidth(*got)
+    print(f"{got[1]}: naive / fused time ratio between {min(ratio):.1f} and {max(ratio):.1f}")
 
 # %% [markdown]
 # Reading the figure: where the fused kernel and `torch.softmax` sit near the copy ceiling, they are as

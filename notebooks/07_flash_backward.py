@@ -51,10 +51,10 @@ from course_lib.attention import backward as lib_backward
 from course_lib.attention import forward as lib_forward
 from course_lib.attention.reference import attention
 from course_lib.exercises import check
-from course_lib.plotting import plot_series
+from course_lib.perf.plotting import plot_series
+from course_lib.perf.timing import attention_flops, benchmark
 from course_lib.runtime import tl, triton
 from course_lib.testing import assert_close_to_reference, random_qkv, reference_outputs
-from course_lib.timing import attention_flops, benchmark
 
 DEVICE = course_lib.DEVICE
 print(course_lib.RUNTIME.describe())
@@ -454,7 +454,7 @@ def plot_dq_modes(data, source):
     return ratios
 
 
-if course_lib.ON_GPU:
+def measure_dq_modes():
     data = {"N": BENCH_NS, "d": list(BENCH_DS), "tokens": BENCH_TOKENS, "tflops": {}}
     for d in BENCH_DS:
         for causal in (False, True):
@@ -467,23 +467,21 @@ if course_lib.ON_GPU:
                     o, lse = lib_forward.forward(q, k, v, causal, None)
                     run = lambda: lib_backward.backward(do, q, k, v, o, lse, causal, None, dq_mode=mode)  # noqa: B023
                     series.append(attention_flops(b, h, n, n, d, causal, mode="bwd") / benchmark(run) * 1e-9)
-    records.save_record("flash_backward_dq_mode", data)
-    ratios = plot_dq_modes(data, "measured now on " + torch.cuda.get_device_name())
-else:
-    rec = records.load_record("flash_backward_dq_mode")
-    if rec is None:
-        print(
-            "No recorded GPU run yet (it is written when this notebook runs on a GPU). The figure compares\n"
-            "course_lib's backward in its two dQ modes, bf16, d = 64 and 128, causal and not. Read it as:\n"
-            "the atomic mode saves 2 of 7 tile products but pays float32 atomics into dQ; above 1.0x it wins."
-        )
-    else:
-        ratios = plot_dq_modes(rec["data"], records.label(rec))
-        winner = (
-            "the atomic mode" if min(ratios) > 1 else ("two kernels" if max(ratios) < 1 else "neither always")
-        )
-        print(f"{records.label(rec)}:")
-        print(f"atomic / two-kernel speed between {min(ratios):.2f} and {max(ratios):.2f}x: {winner} wins.")
+    return data
+
+
+got = records.measured_or_recorded(
+    "flash_backward_dq_mode",
+    measure_dq_modes,
+    missing="No recorded GPU run yet (it is written when this notebook runs on a GPU). The figure compares\n"
+    "course_lib's backward in its two dQ modes, bf16, d = 64 and 128, causal and not. Read it as:\n"
+    "the atomic mode saves 2 of 7 tile products but pays float32 atomics into dQ; above 1.0x it wins.",
+)
+if got:
+    ratios = plot_dq_modes(*got)
+    winner = "the atomic mode" if min(ratios) > 1 else ("two kernels" if max(ratios) < 1 else "neither always")
+    print(f"{got[1]}:")
+    print(f"atomic / two-kernel speed between {min(ratios):.2f} and {max(ratios):.2f}x: {winner} wins.")
 
 # %% [markdown]
 # course_lib defaults to two kernels for deterministic gradients and no float32 dQ buffer; the figure shows

@@ -47,8 +47,9 @@ import torch
 import torch.nn.functional as F
 
 import course_lib
-from course_lib import bench, records, timing
+from course_lib import bench, records
 from course_lib.attention.reference import attention
+from course_lib.perf import timing
 
 DEVICE = course_lib.DEVICE
 DTYPE = course_lib.pick(cpu=torch.float32, gpu=torch.bfloat16)  # the interpreter has no bf16 arithmetic
