@@ -19,13 +19,15 @@
 #
 # **Learning goals**
 # 1. Derive the backward of attention in the tile form FlashAttention-2 uses: D = rowsum(dO ∘ O), P rebuilt
-#    from L, dS = P ∘ (dP − D).
+#    from L, dS = P ∘ (dP − D). Write one tile's backward yourself, and fix a backward that rebuilds P from
+#    the running max m instead of L.
 # 2. Write the three kernels of a backward that needs no atomics: a preprocessing kernel for D, a dK/dV kernel
 #    (one program per K/V block, looping over query blocks) and a dQ kernel (one program per query block,
 #    looping over K/V blocks).
 # 3. Write the single-pass variant that accumulates dQ with atomic adds, and weigh the two: what each costs,
 #    when each wins (measured on a GPU).
-# 4. Skip the fully masked blocks in the causal backward, as in the forward.
+# 4. Skip the fully masked blocks in the causal backward, as in the forward: write the dK/dV kernel's loop
+#    bounds, and watch its K/V-outer loop fill dK block by block while dQ accumulates from every block.
 # 5. Use `course_lib.FlashAttentionTriton` (forward + backward in one `autograd.Function`), check what it
 #    saves, and run `torch.autograd.gradcheck` on it in float64.
 #
@@ -43,6 +45,7 @@
 import math
 
 import matplotlib.pyplot as plt
+import numpy as np
 import torch
 
 import course_lib
@@ -109,6 +112,93 @@ print("rowsum(P * dP) == rowsum(dO * O)")
 # To keep the kernels short, this notebook's wrapper makes the (Z = B·H, N, d) tensors contiguous, so a row is
 # `HEAD_DIM` elements apart and a head `N * HEAD_DIM`; course_lib's kernels take any strides instead, as the
 # forward of notebook 06 did.
+
+# %% [markdown]
+# **Exercise 1 (the backward of one tile).** Before writing kernels, write the lines every backward kernel
+# below runs for one tile, in PyTorch. Given one block of query rows (`q_i`, `do_i`, their saved logsumexp
+# `L_i` and `D_i`) and one block of keys (`k_j`, `v_j`), return this tile's contributions
+# `(dQ_i, dK_j, dV_j)`. Rebuild P from L (no max, no normalisation), then dP, dS, and the three products.
+# Checked with the whole matrix as one tile, against autograd.
+
+
+# %%
+def tile_backward(q_i, k_j, v_j, do_i, L_i, D_i, scale):
+    S = q_i @ k_j.T * scale
+    ### BEGIN SOLUTION
+    P = torch.exp(S - L_i[:, None])
+    dP = do_i @ v_j.T
+    dS = P * (dP - D_i[:, None])
+    return dS @ k_j * scale, dS.T @ q_i * scale, P.T @ do_i
+    ### END SOLUTION
+
+
+# %% tags=["check"]
+q1, k1, v1 = random_qkv((N_Q, D), N_K, dtype=torch.float64)
+do1 = torch.randn(N_Q, D, dtype=torch.float64)
+o1, L1 = attention(q1, k1, v1, return_lse=True)
+_, grads1 = reference_outputs(q1, k1, v1, False, grad_out=do1)
+check(
+    "tile_backward",
+    lambda: tile_backward(q1, k1, v1, do1, L1, (do1 * o1).sum(-1), D**-0.5),
+    grads1,
+    parts=["dQ", "dK", "dV"],
+    hints=[
+        "P_ij = exp(S_ij - L_i) is already normalised: L is the log of each row's sum. dP = dO V^T; the "
+        "softmax's backward is dS = P * (dP - D) with D broadcast over each row; S = scale * Q K^T gives "
+        "dQ = scale * dS K and dK = scale * dS^T Q; O = P V gives dV = P^T dO.",
+        "P = torch.exp(S - L_i[:, None]); dP = do_i @ v_j.T; dS = P * (dP - D_i[:, None]); "
+        "return dS @ k_j * scale, dS.T @ q_i * scale, P.T @ do_i",
+    ],
+)
+
+# %% [markdown]
+# **Exercise 2 (find the bug: m instead of L).** A first attempt at the backward saved the running max `m` of
+# each row in the forward instead of L, and rebuilt P with it. The cell below runs that version: its
+# gradients are wrong. Explain why from the values it prints, then write `tile_backward_fixed`: the same
+# function with the bug fixed (it may call only what `tile_backward_from_m` calls).
+
+
+# %%
+def tile_backward_from_m(q_i, k_j, v_j, do_i, m_i, D_i, scale):
+    S = q_i @ k_j.T * scale
+    P = torch.exp(S - m_i[:, None])
+    dP = do_i @ v_j.T
+    dS = P * (dP - D_i[:, None])
+    return dS @ k_j * scale, dS.T @ q_i * scale, P.T @ do_i
+
+
+m1 = (q1 @ k1.T * D**-0.5).amax(dim=-1)  # what the forward knows as m at the end of its loop
+dq_bug, _, dv_bug = tile_backward_from_m(q1, k1, v1, do1, m1, (do1 * o1).sum(-1), D**-0.5)
+print(f"max |dV error| with m: {(dv_bug - grads1[2]).abs().max():.2f}")
+print(f"rows of exp(S - m) sum to {torch.exp(q1 @ k1.T * D**-0.5 - m1[:, None]).sum(-1)[:4].numpy().round(2)} ...")
+
+
+# %%
+def tile_backward_fixed(q_i, k_j, v_j, do_i, m_i, l_i, D_i, scale):
+    """The same inputs, plus l_i: the running sum the forward ended with (L = m + log l)."""
+    S = q_i @ k_j.T * scale
+    ### BEGIN SOLUTION
+    P = torch.exp(S - m_i[:, None]) / l_i[:, None]
+    ### END SOLUTION
+    dP = do_i @ v_j.T
+    dS = P * (dP - D_i[:, None])
+    return dS @ k_j * scale, dS.T @ q_i * scale, P.T @ do_i
+
+
+# %% tags=["check"]
+l1 = torch.exp(L1 - m1)
+check(
+    "tile_backward_fixed",
+    lambda: tile_backward_fixed(q1, k1, v1, do1, m1, l1, (do1 * o1).sum(-1), D**-0.5),
+    grads1,
+    parts=["dQ", "dK", "dV"],
+    hints=[
+        "exp(S - m) is the forward's *unnormalised* P: each of its rows sums to l, not 1 (the printed sums). "
+        "Every gradient built from it is off by a factor per row.",
+        "P = torch.exp(S - m_i[:, None]) / l_i[:, None], which is torch.exp(S - (m_i + torch.log(l_i))[:, None]):"
+        " the logsumexp L is m + log l, one number per row instead of two.",
+    ],
+)
 
 # %% [markdown]
 # ## 2. Kernel 1: D = rowsum(dO ∘ O)
@@ -217,6 +307,22 @@ def bwd_dkdv(
     tl.store(DK + kv_ptrs, (dk * scale).to(DK.dtype.element_ty), mask=col_ok)  # written once
     tl.store(DV + kv_ptrs, dv.to(DV.dtype.element_ty), mask=col_ok)
 
+
+# %% [markdown]
+# Watch the loop order on a small causal problem (N = 128, blocks of 32, computed in float64 by
+# `course_lib.attention.animate`): each K/V block's program walks down its column of tiles, so the map fills
+# column by column. A K/V block's dK is final at the end of its own column; a query row's dQ is final only
+# when the last column that reaches it is done, which is why dQ needs atomics or a kernel of its own. The
+# strip shows four steps; the slider below it (in JupyterLab) shows every step, with dK as well.
+
+# %%
+from course_lib.attention import animate
+
+q_fig, k_fig, v_fig = random_qkv((128, 16), dtype=torch.float64)
+bwd_frames = animate.backward_frames(q_fig, k_fig, v_fig, torch.randn(128, 16, dtype=torch.float64), 32, 32, True)
+animate.backward_strip(bwd_frames)
+plt.show()
+animate.backward_widget(bwd_frames)
 
 # %% [markdown]
 # ## 4. Kernel 3: dQ, one program per query block
@@ -383,6 +489,62 @@ print("dQ, dK, dV: within the accuracy rule in every case, both dQ modes, and eq
 # element-wise causal mask: a pair of blocks is skipped exactly when none of its (query, key) pairs is
 # visible, and it runs unmasked only when all of them are.
 
+
+# %% [markdown]
+# **Exercise 3 (the dK/dV kernel's causal loop bounds).** A dK/dV program owns the keys `n0 ... n0 +
+# block_n - 1` and loops over query blocks starting at multiples of `block_m`. Return `(lo, hi_masked)`:
+# the loop starts at query row `lo` (earlier query blocks see none of these keys) and masks the query blocks
+# starting in `[lo, hi_masked)`; the blocks from `hi_masked` to the end see every key of the block and run
+# unmasked. Both are multiples of `block_m`, or `n_q`. The check compares the blocks your bounds visit and
+# mask with the element-wise causal mask.
+
+
+# %%
+def dkdv_bounds(n0, block_m, block_n, n_q):
+    ### BEGIN SOLUTION
+    lo = n0 // block_m * block_m
+    hi_masked = min(math.ceil((n0 + block_n) / block_m) * block_m, n_q)
+    return lo, hi_masked
+    ### END SOLUTION
+
+
+# %% tags=["check"]
+def dkdv_plan(bounds, n_q, n_k, block_m, block_n):
+    """Sorted (query block, key block, masked) triples a dK/dV kernel with these bounds visits."""
+    out = []
+    for n0 in range(0, n_k, block_n):
+        lo, hi_masked = bounds(n0, block_m, block_n, n_q)
+        out += [(m0 // block_m, n0 // block_n, int(m0 < hi_masked)) for m0 in range(lo, n_q, block_m)]
+    return np.array(sorted(out))
+
+
+def dkdv_truth(n_q, n_k, block_m, block_n):
+    i, j = torch.arange(n_q)[:, None], torch.arange(n_k)[None, :]
+    visible = j <= i
+    out = []
+    for m0 in range(0, n_q, block_m):
+        for n0 in range(0, n_k, block_n):
+            tile = visible[m0 : m0 + block_m, n0 : n0 + block_n]
+            if tile.any():
+                out.append((m0 // block_m, n0 // block_n, int(not tile.all())))
+    return np.array(sorted(out))
+
+
+CASES = [(256, 256, 32, 32), (100, 75, 32, 32), (300, 200, 64, 32), (200, 300, 32, 64)]
+check(
+    "dkdv_bounds",
+    lambda: [dkdv_plan(dkdv_bounds, *c) for c in CASES],
+    [dkdv_truth(*c) for c in CASES],
+    hints=[
+        "Query row i sees key j when j <= i. The first row that sees key n0 is n0: start at the query block "
+        "that holds it. Rows from n0 + block_n - 1 on see every key of the block: the masked stage ends at "
+        "the first block boundary at or after that row (clip to n_q).",
+        "lo = n0 // block_m * block_m; hi_masked = min(math.ceil((n0 + block_n) / block_m) * block_m, n_q)",
+    ],
+)
+
+# %% [markdown]
+# The kernels' bounds, replayed for both kernels:
 
 # %%
 def visited(n_q, n_k, block_m, block_n):
@@ -567,9 +729,9 @@ else:
     )
 
 # %% [markdown]
-# ## 9. Exercises
+# ## 9. More exercises
 #
-# **Exercise 1 — the softmax backward of one row.** For one row, $P = \mathrm{softmax}(S)$ and $dP$ the
+# **Exercise 4 — the softmax backward of one row.** For one row, $P = \mathrm{softmax}(S)$ and $dP$ the
 # gradient with respect to $P$. Return $dS$. Check it against autograd through `torch.softmax`.
 
 
@@ -591,7 +753,7 @@ check(
 )
 
 # %% [markdown]
-# **Exercise 2 — count the work.** Return the tensor-core FLOPs (2 x m x n x k per m x k by k x n product) of
+# **Exercise 5 — count the work.** Return the tensor-core FLOPs (2 x m x n x k per m x k by k x n product) of
 # a non-causal backward for one (batch, head) with Nq queries, Nk keys and head dim d, for `dq_mode`
 # "two_kernel" or "atomic" (count whole products, ignore padding).
 
@@ -615,7 +777,7 @@ check(
 )
 
 # %% [markdown]
-# **Exercise 3 — a dV-only kernel.** Write `dv_kernel`: one program per K/V block (keys `cols`), looping over
+# **Exercise 6 — a dV-only kernel.** Write `dv_kernel`: one program per K/V block (keys `cols`), looping over
 # all query blocks (non-causal), rebuilding $P^\top$ from L and accumulating $dV = P^\top dO$. Tensors are
 # contiguous (Z, N, d) as in this notebook; Nq and Nk may be ragged.
 
@@ -664,7 +826,7 @@ _, (_, _, dv_expected) = reference_outputs(q.double(), k.double(), v.double(), F
 check("dv_kernel", lambda: dv_only(do, q, k, lse).double(), dv_expected, rtol=1e-4, atol=1e-4)
 
 # %% [markdown]
-# **Exercise 4 (open).** In atomic mode, every dK/dV program walks the query blocks in the same order, so at
+# **Exercise 7 (open).** In atomic mode, every dK/dV program walks the query blocks in the same order, so at
 # any moment many programs add into the *same* dQ rows. Make program `start_n` start its loop at a different
 # query block (walking around the end). Does the result change? On a GPU, does the atomic mode get faster?
 
