@@ -1,0 +1,392 @@
+"""A small decoder-only transformer of the Llama family, built from the course's pieces (notebook 12).
+
+    tokens (B, N) int64
+      -> embedding (vocab, dim)
+      -> n_layers x [ h = x + Attention(RMSNorm(x)); x = h + SwiGLU(RMSNorm(h)) ]
+      -> RMSNorm -> output projection (tied to the embedding or not) -> logits (B, N, vocab)
+
+Attention is grouped-query (n_heads query heads share n_kv_heads K/V heads) with rotary position
+embeddings (RoPE, the half-rotation layout of Llama in transformers) on Q and K; the MLP is SwiGLU,
+W2 (silu(W1 x) * W3 x). Module and parameter names follow Meta's Llama code (`wq`, `w1`,
+`attention_norm`, ...); `course_lib.models.convert` maps them to and from transformers' names.
+
+One argument, `backend`, chooses the kernels; the weights are the same on every path, and it can be
+changed on a built model (`model.backend = "sdpa"`):
+- "course_lib": `course_lib.flash_attention` (Triton FlashAttention-2, notebooks 06-07, with GQA and
+  bottom-right causal alignment for the KV cache), `course_lib.fused.rms_norm` and
+  `course_lib.fused.rope` (notebook 11);
+- "sdpa": `torch.nn.functional.scaled_dot_product_attention` and RMSNorm / RoPE in plain PyTorch;
+- "eager": attention written out (S = Q K^T, softmax, P V) as in notebook 02, the baseline whose
+  N x N matrices the benchmark measures; RMSNorm / RoPE as for "sdpa".
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+BACKENDS = ("course_lib", "sdpa", "eager")
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    """Sizes of a Llama-style model. `head_dim` = dim / n_heads; `hidden_dim` is the SwiGLU width."""
+
+    vocab_size: int = 256
+    dim: int = 128
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    hidden_dim: int = 352
+    max_seq_len: int = 512
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = True
+
+    def __post_init__(self):
+        for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "hidden_dim", "max_seq_len"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"LlamaConfig: {name} must be positive, got {getattr(self, name)}")
+        if self.dim % self.n_heads:
+            raise ValueError(f"LlamaConfig: dim={self.dim} is not a multiple of n_heads={self.n_heads}")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(
+                f"LlamaConfig: n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads} (GQA)"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"LlamaConfig: head_dim={self.head_dim} must be even for RoPE")
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def count_parameters(config: LlamaConfig) -> int:
+    """Number of parameters of `Llama(config)`, from the sizes alone (notebook 12, exercise 1).
+
+    Per layer: Wq and Wo (dim x dim each), Wk and Wv (dim x n_kv_heads*head_dim each), W1, W2, W3
+    (dim x hidden_dim each), two RMSNorm weights (dim each). Plus the embedding (vocab x dim), the
+    final norm (dim) and, when not tied, the output projection (vocab x dim)."""
+    c = config
+    kv = c.n_kv_heads * c.head_dim
+    per_layer = 2 * c.dim * c.dim + 2 * c.dim * kv + 3 * c.dim * c.hidden_dim + 2 * c.dim
+    head = 0 if c.tie_embeddings else c.vocab_size * c.dim
+    return c.n_layers * per_layer + c.vocab_size * c.dim + c.dim + head
+
+
+def kv_cache_bytes_per_token(config: LlamaConfig, bytes_per_element: int = 2) -> int:
+    """Bytes one token occupies in the KV cache: K and V, every layer, n_kv_heads heads of head_dim."""
+    return 2 * config.n_layers * config.n_kv_heads * config.head_dim * bytes_per_element
+
+
+# ------------------------------------------------------------------------------------------------
+# The three pieces that switch with the backend
+# ------------------------------------------------------------------------------------------------
+def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm in plain PyTorch, with Llama's casting rule: statistics in fp32, cast back to x's
+    dtype, then multiply by the weight. x: (..., dim), weight: (dim,). Taught in notebook 11."""
+    x32 = x.float()
+    y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * y.to(x.dtype)
+
+
+def rope_cache(config: LlamaConfig, n: int, device=None, dtype=torch.float32):
+    """cos, sin of shape (n, head_dim) for positions 0..n-1, half-rotation layout: angle
+    theta_i = pos * rope_theta^(-2i/head_dim) for i < head_dim/2, repeated for both halves."""
+    d = config.head_dim
+    inv_freq = config.rope_theta ** (-torch.arange(0, d, 2, dtype=torch.float64, device=device) / d)
+    angles = torch.arange(n, dtype=torch.float64, device=device)[:, None] * inv_freq[None, :]
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+def rope_torch(q, k, cos, sin):
+    """Rotate q (B, Hq, N, d) and k (B, Hkv, N, d) by cos, sin of shape (N, d) (half layout).
+    The rotation is computed in the dtype of cos/sin and cast back to q's dtype."""
+    qf, kf = q.to(cos.dtype), k.to(cos.dtype)
+    q_out = qf * cos + _rotate_half(qf) * sin
+    k_out = kf * cos + _rotate_half(kf) * sin
+    return q_out.to(q.dtype), k_out.to(k.dtype)
+
+
+def attention_torch(q, k, v, causal: bool, backend: str):
+    """Causal attention, bottom-right aligned (query i of Nq sees keys j <= i + Nk - Nq, as with a
+    KV cache), in PyTorch. q: (B, Hq, Nq, d); k, v: (B, Hkv, Nk, d) with Hq a multiple of Hkv."""
+    n_q, n_k = q.shape[-2], k.shape[-2]
+    group = q.shape[1] // k.shape[1]
+    mask = None
+    if causal and n_q != n_k:
+        i = torch.arange(n_q, device=q.device)[:, None]
+        j = torch.arange(n_k, device=q.device)[None, :]
+        mask = j <= i + (n_k - n_q)
+    if backend == "sdpa":
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=causal and mask is None, enable_gqa=group > 1
+        )
+    if group > 1:  # eager: K/V heads repeated for every query head of their group
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    s = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))
+    if causal:
+        if mask is None:
+            mask = torch.ones(n_q, n_k, dtype=torch.bool, device=q.device).tril()
+        s = s.masked_fill(~mask, float("-inf"))
+    p = torch.softmax(s.float(), dim=-1).to(q.dtype)
+    return p @ v
+
+
+def _course_lib_kernels():
+    """course_lib's kernels, imported on first use (the Triton modules load only when needed)."""
+    from .. import flash_attention
+    from ..fused import rms_norm, rope
+
+    return flash_attention, rms_norm, rope
+
+
+def _rope(backend: str, q, k, cos, sin):
+    """RoPE with the backend's implementation; cos/sin broadcast against q and k (..., d)."""
+    if backend == "course_lib":
+        return _course_lib_kernels()[2](q, k, cos, sin)
+    return rope_torch(q, k, cos, sin)
+
+
+# ------------------------------------------------------------------------------------------------
+# Modules
+# ------------------------------------------------------------------------------------------------
+class RMSNorm(nn.Module):
+    """y = x / sqrt(mean(x^2) + eps) * weight, over the last dim (notebook 11)."""
+
+    backend = "sdpa"  # set by `Llama.backend`
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        if self.backend == "course_lib":
+            return _course_lib_kernels()[1](x, self.weight, self.eps)
+        return rms_norm_torch(x, self.weight, self.eps)
+
+
+class Attention(nn.Module):
+    """Grouped-query self-attention with RoPE. x: (B, N, dim) -> (B, N, dim).
+
+    With a `cache` (a `KVCache`), the new K/V are appended at `start_pos` and the queries attend to
+    every cached key up to their own position (bottom-right causal alignment)."""
+
+    backend = "sdpa"  # set by `Llama.backend`
+
+    def __init__(self, c: LlamaConfig):
+        super().__init__()
+        self.c = c
+        self.wq = nn.Linear(c.dim, c.n_heads * c.head_dim, bias=False)
+        self.wk = nn.Linear(c.dim, c.n_kv_heads * c.head_dim, bias=False)
+        self.wv = nn.Linear(c.dim, c.n_kv_heads * c.head_dim, bias=False)
+        self.wo = nn.Linear(c.n_heads * c.head_dim, c.dim, bias=False)
+
+    def project(self, x, cos, sin):
+        """Q (B, Hq, N, d), K and V (B, Hkv, N, d) for x (B, N, dim), RoPE applied to Q and K."""
+        b, n, _ = x.shape
+        c, backend = self.c, self.backend
+        q = self.wq(x).view(b, n, c.n_heads, c.head_dim).transpose(1, 2)
+        k = self.wk(x).view(b, n, c.n_kv_heads, c.head_dim).transpose(1, 2)
+        v = self.wv(x).view(b, n, c.n_kv_heads, c.head_dim).transpose(1, 2)
+        q, k = _rope(backend, q, k, cos, sin)
+        return q, k, v
+
+    def attend(self, q, k, v):
+        """Causal (bottom-right) attention of q over k, v, with the backend's kernel."""
+        backend = self.backend
+        if backend == "course_lib":
+            flash = _course_lib_kernels()[0]
+            causal = True if q.shape[-2] == k.shape[-2] else "bottom_right"
+            return flash(q, k, v, causal=causal)
+        return attention_torch(q, k, v, True, backend)
+
+    def step(self, x, cos, sin, kv, layer: int):
+        """One serving step over T new tokens of several sequences: x (T, dim), cos/sin (T, d);
+        `kv` is the step's `course_lib.decode.batching.PagedKV`, which writes K/V into the paged cache
+        and runs the paged split-KV decode kernel (notebook 10). Returns (T, dim)."""
+        t, c = x.shape[0], self.c
+        q = self.wq(x).view(t, c.n_heads, c.head_dim)
+        k = self.wk(x).view(t, c.n_kv_heads, c.head_dim)
+        v = self.wv(x).view(t, c.n_kv_heads, c.head_dim)
+        q, k = _rope(self.backend, q, k, cos[:, None, :], sin[:, None, :])
+        return self.wo(kv.attend(layer, q, k, v).reshape(t, -1))
+
+    def forward(self, x, cos, sin, cache=None, layer=0, start_pos=0):
+        b, n, _ = x.shape
+        q, k, v = self.project(x, cos, sin)
+        if cache is not None:
+            k, v = cache.update(layer, start_pos, k, v)
+        o = self.attend(q, k, v)
+        return self.wo(o.transpose(1, 2).reshape(b, n, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU MLP: W2 (silu(W1 x) * W3 x). x: (..., dim) -> (..., dim)."""
+
+    def __init__(self, c: LlamaConfig):
+        super().__init__()
+        self.w1 = nn.Linear(c.dim, c.hidden_dim, bias=False)
+        self.w2 = nn.Linear(c.hidden_dim, c.dim, bias=False)
+        self.w3 = nn.Linear(c.dim, c.hidden_dim, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm residual block: h = x + attention(norm(x)); out = h + mlp(norm(h))."""
+
+    def __init__(self, c: LlamaConfig):
+        super().__init__()
+        self.attention_norm = RMSNorm(c.dim, c.norm_eps)
+        self.attention = Attention(c)
+        self.ffn_norm = RMSNorm(c.dim, c.norm_eps)
+        self.feed_forward = FeedForward(c)
+
+    def forward(self, x, cos, sin, cache=None, layer=0, start_pos=0):
+        h = x + self.attention(self.attention_norm(x), cos, sin, cache, layer, start_pos)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class KVCache:
+    """A contiguous KV cache: k, v of shape (n_layers, B, n_kv_heads, max_len, head_dim).
+
+    The plain reference for generation; `course_lib.models.generate` also serves from course_lib's
+    paged cache (notebook 10). `update` writes the new K/V at `start_pos` and returns the cached
+    K/V of positions 0 .. start_pos + n - 1."""
+
+    def __init__(self, config: LlamaConfig, batch: int, max_len: int, device=None, dtype=torch.float32):
+        shape = (config.n_layers, batch, config.n_kv_heads, max_len, config.head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+
+    def update(self, layer: int, start_pos: int, k, v):
+        end = start_pos + k.shape[-2]
+        if end > self.k.shape[-2]:
+            raise ValueError(
+                f"KVCache: positions up to {end} do not fit a cache of {self.k.shape[-2]} tokens"
+            )
+        self.k[layer, :, :, start_pos:end] = k
+        self.v[layer, :, :, start_pos:end] = v
+        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+
+
+class Llama(nn.Module):
+    """The capstone model (notebook 12). `Llama(config, backend)`; backend in BACKENDS.
+
+    forward(tokens (B, N) int64, targets=None, cache=None, start_pos=0) -> logits (B, N, vocab)
+    in the compute dtype, or (logits, loss) with targets (B, N) (mean cross-entropy in fp32)."""
+
+    def __init__(self, config: LlamaConfig, backend: str = "sdpa"):
+        super().__init__()
+        self.config = config
+        self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
+        self.layers = nn.ModuleList(TransformerBlock(config) for _ in range(config.n_layers))
+        self.norm = RMSNorm(config.dim, config.norm_eps)
+        self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        cos, sin = rope_cache(config, config.max_seq_len)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.backend = backend
+        self.reset_parameters()
+
+    @property
+    def backend(self) -> str:
+        return self._backend
+
+    @backend.setter
+    def backend(self, name: str) -> None:
+        if name not in BACKENDS:
+            raise ValueError(f"Llama: backend must be one of {BACKENDS}, got {name!r}")
+        self._backend = name
+        for m in self.modules():
+            if isinstance(m, (RMSNorm, Attention)):
+                m.backend = name
+
+    def reset_parameters(self, std: float = 0.02) -> None:
+        """Normal(0, std) weights as transformers' Llama uses; output projections of each block
+        scaled by 1/sqrt(2 n_layers) (GPT-2's rule) so the residual stream does not grow with depth."""
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                nn.init.ones_(p)
+            elif name.endswith(("wo.weight", "w2.weight")):
+                nn.init.normal_(p, std=std / math.sqrt(2 * self.config.n_layers))
+            else:
+                nn.init.normal_(p, std=std)
+
+    # The model interface of `course_lib.decode.batching.ContinuousBatcher` (notebook 10).
+    @property
+    def num_layers(self) -> int:
+        return self.config.n_layers
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.config.n_kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.config.head_dim
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.tok_embeddings.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.tok_embeddings.weight.device
+
+    @torch.no_grad()
+    def forward_step(self, token_ids, positions, kv):
+        """One continuous-batching step: token_ids and positions (T,) int64 (the new tokens of every
+        running sequence, one sequence after another), kv a `PagedKV`. Returns logits (T, vocab), fp32."""
+        x = self.tok_embeddings(token_ids)
+        cos, sin = self.rope_cos[positions].to(x.dtype), self.rope_sin[positions].to(x.dtype)
+        for i, layer in enumerate(self.layers):
+            h = x + layer.attention.step(layer.attention_norm(x), cos, sin, kv, i)
+            x = h + layer.feed_forward(layer.ffn_norm(h))
+        return self.output(self.norm(x)).float()
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def forward(self, tokens, targets=None, cache=None, start_pos: int = 0):
+        if tokens.dim() != 2 or tokens.dtype != torch.int64:
+            raise TypeError(
+                f"Llama: tokens must be an int64 tensor of shape (batch, seq_len); "
+                f"got shape {tuple(tokens.shape)}, dtype {tokens.dtype}"
+            )
+        n = tokens.shape[1]
+        if start_pos + n > self.config.max_seq_len:
+            raise ValueError(
+                f"Llama: positions {start_pos}..{start_pos + n - 1} exceed max_seq_len={self.config.max_seq_len}"
+            )
+        x = self.tok_embeddings(tokens)
+        dtype = (
+            torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+        )
+        cos = self.rope_cos[start_pos : start_pos + n].to(dtype)
+        sin = self.rope_sin[start_pos : start_pos + n].to(dtype)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, cache, i, start_pos)
+        logits = self.output(self.norm(x))
+        if targets is None:
+            return logits
+        loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+        return logits, loss
