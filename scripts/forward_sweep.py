@@ -16,12 +16,9 @@ import argparse
 import math
 import multiprocessing as mp
 import os
-import sys
 import time
-from pathlib import Path
 
 os.environ.setdefault("COURSE_DEVICE", "cuda")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 TOKENS, HIDDEN = 16384, 2048
 # (BLOCK_M, BLOCK_N, num_warps, num_stages)
@@ -87,6 +84,7 @@ def main():
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from course_lib.attention import forward as F
+    from course_lib.perf.timing import attention_flops
     from course_lib.runtime import triton
 
     bench = lambda fn: triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")  # noqa: E731
@@ -123,7 +121,7 @@ def main():
             for n in map(int, args.ns.split(",")):
                 b, h = TOKENS // n, HIDDEN // d
                 q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-                flops = 4.0 * b * h * n * n * d * (0.5 if causal else 1.0)
+                flops = attention_flops(b, h, n, n, d, causal)
                 tf = lambda ms: flops / ms * 1e-9  # noqa: B023,E731
                 ref = Fn.scaled_dot_product_attention(q, k, v, is_causal=causal).float()
                 with sdpa_kernel(SDPBackend.FLASH_ATTENTION):

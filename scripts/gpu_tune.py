@@ -19,20 +19,19 @@ import argparse
 import json
 import math
 import os
-import sys
 import time
 from pathlib import Path
 
 os.environ.setdefault("COURSE_DEVICE", "cuda")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from course_lib.perf.timing import attention_flops  # noqa: E402
 
 TOKENS, HIDDEN = 16384, 2048
 SEQ_LENS = (1024, 2048, 4096, 8192, 16384)
 
 
 def flops(b, h, n, d, causal, mode):
-    f = 4.0 * b * h * n * n * d * (0.5 if causal else 1.0)
-    return f * (3.5 if mode == "fwd_bwd" else 2.5 if mode == "bwd" else 1.0)
+    return attention_flops(b, h, n, n, d, causal, mode)
 
 
 def main():

@@ -28,12 +28,9 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import sys
 import time
-from pathlib import Path
 
 os.environ.setdefault("COURSE_DEVICE", "cuda")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 import torch.nn.functional as Fn  # noqa: E402
@@ -230,7 +227,9 @@ def check(variants, attention_fn=attention) -> list[str]:
                         o, lse = attention_fn(q, k, v, causal, variant)
                         eo, el = float((o.float() - ref).abs().max()), float((lse - ref_l).abs().max())
                         if not (eo < 2e-2 and el < 1e-3):
-                            bad.append(f"d={d} causal={causal} {nq}x{nk} {dt} {variant}: O {eo:.3g} L {el:.3g}")
+                            bad.append(
+                                f"d={d} causal={causal} {nq}x{nk} {dt} {variant}: O {eo:.3g} L {el:.3g}"
+                            )
     return bad
 
 
@@ -243,6 +242,7 @@ def sweep(variants, attention_fn, ns) -> list[tuple]:
     of attention_fn on the standard shapes (bf16, B*N = 16k, H*d = 2048), all in one run; print
     each cell and return rows (d, causal, N, SDPA TFLOP/s, Triton TFLOP/s, {variant: TFLOP/s})."""
     from course_lib.attention import forward as F
+    from course_lib.perf.timing import attention_flops
 
     bench = lambda fn: triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")  # noqa: E731
     rows = []
@@ -251,7 +251,7 @@ def sweep(variants, attention_fn, ns) -> list[tuple]:
             for n in ns:
                 b, h = 16384 // n, 2048 // d
                 q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-                flops = 4.0 * b * h * n * n * d * (0.5 if causal else 1.0)
+                flops = attention_flops(b, h, n, n, d, causal)
                 tf = lambda ms: flops / ms * 1e-9  # noqa: B023,E731
                 default = tf(bench(lambda: Fn.scaled_dot_product_attention(q, k, v, is_causal=causal)))  # noqa: B023
                 ours = tf(bench(lambda: F.forward(q, k, v, causal, config={"hopper": False})))  # noqa: B023

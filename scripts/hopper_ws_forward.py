@@ -13,13 +13,9 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
-from pathlib import Path
 
 os.environ.setdefault("COURSE_DEVICE", "cuda")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 from hopper_gluon_forward import check, geomean, sweep  # noqa: E402
@@ -29,8 +25,18 @@ from course_lib.attention import hopper  # noqa: E402
 # (BLOCK_N, NUM_STAGES, NUM_CONSUMERS, PINGPONG, PERSISTENT) per head dim.
 # Shared memory: (NUM_CONSUMERS * 64 + 2 * NUM_STAGES * BLOCK_N) * d * 2 bytes, at most ~227 KB.
 VARIANTS = {
-    128: [(128, 3, 2, True, False), (128, 3, 2, True, True), (128, 3, 2, False, False), (128, 3, 2, False, True)],
-    64: [(128, 3, 3, True, True), (128, 3, 3, False, True), (128, 3, 3, True, False), (128, 4, 2, True, True)],
+    128: [
+        (128, 3, 2, True, False),
+        (128, 3, 2, True, True),
+        (128, 3, 2, False, False),
+        (128, 3, 2, False, True),
+    ],
+    64: [
+        (128, 3, 3, True, True),
+        (128, 3, 3, False, True),
+        (128, 3, 3, True, False),
+        (128, 4, 2, True, True),
+    ],
 }
 
 

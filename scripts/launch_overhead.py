@@ -12,10 +12,8 @@ from __future__ import annotations
 import os
 import sys
 import time
-from pathlib import Path
 
 os.environ.setdefault("COURSE_DEVICE", "cuda")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
