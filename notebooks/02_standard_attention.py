@@ -415,7 +415,19 @@ print(
     f"({sum(predicted) / predicted_fused:.1f}x)"
 )
 
+# %% [markdown]
+# Before the measurement, your prediction: how much faster will `torch.compile`'s fused version of the whole
+# forward be than the eager one? The roofline figure above is one answer; the two matmuls, which fusion
+# does not touch, are another part of it.
+
 # %%
+from course_lib.exercises import predict
+
+# Your prediction (a speed-up, eager time over compiled time):
+fusion_guess = predict("torch.compile speed-up of standard attention", 2.0, unit="x")
+
+# %%
+fusion_measured = None
 if course_lib.ON_GPU:
     q, k, v = (torch.randn(1, BH, N_PROFILE, D, device=DEVICE, dtype=DTYPE) for _ in range(3))
     compiled = torch.compile(profiling.standard_attention)
@@ -428,8 +440,10 @@ if course_lib.ON_GPU:
         f"this GPU, N={N_PROFILE}: eager {eager_ms:.3f} ms, torch.compile {compiled_ms:.3f} ms "
         f"({eager_ms / compiled_ms:.1f}x)"
     )
+    fusion_measured = eager_ms / compiled_ms
 elif rec is not None and "compiled_ms" in rec["data"]["compiled"]:
     c = rec["data"]["compiled"]
+    fusion_measured = c["eager_ms"] / c["compiled_ms"]
     print(
         f"{rec['meta']['gpu']}, N={c['N']} (recorded): eager {c['eager_ms']:.3f} ms, torch.compile "
         f"{c['compiled_ms']:.3f} ms ({c['eager_ms'] / c['compiled_ms']:.1f}x); {records.label(rec)}"
@@ -438,8 +452,16 @@ else:
     print(
         "torch.compile is measured on a GPU only (compiling on a CPU takes too long); no recorded figure yet."
     )
+if fusion_measured is not None:
+    _ = fusion_guess.score(fusion_measured)
 
 # %% [markdown]
+# **Materialisation.** Writing an intermediate result in full to memory, so that the next operation can
+# read it back, is called *materialising* it. Standard attention materialises S and P (and, with dropout,
+# the keep-mask and the dropped-out P): each is an N × N tensor that exists only to be read once by the
+# next step. Fusion removes the materialisations *between* element-wise steps; the question of this
+# course is how to remove the last ones.
+#
 # What fusion **cannot** fix: the two matmuls are separate library calls, so S still has to be written to
 # HBM after the first and P read back for the second. The N × N matrices still exist in HBM, so memory
 # still grows as N², and at least 2·b·BH·N² bytes still move. To get rid of them we must never form S
@@ -492,8 +514,18 @@ print(
     "per layer "
     f"({per_layer / flash_saved:.0f}x less)"
 )
+no_dropout = GPU_ELEM * GPU_BH * 8192**2  # P alone: standard attention without dropout
+print(
+    f"Without dropout, standard attention would save P alone: {no_dropout / 1e9:.1f} GB, "
+    f"still {no_dropout / flash_saved:.0f}x more than O and L"
+)
 
 # %% [markdown]
+# The first comparison is not like for like: the standard figure includes dropout (its keep-mask and the
+# dropped-out P), and the FlashAttention kernels of this course have no dropout. The second line compares
+# like with like; the conclusion does not change. (FlashAttention with dropout regenerates the keep-mask
+# from the random seed in the backward pass instead of saving it.)
+#
 # FlashAttention's answer has two parts. **Tiling**: compute O block by block in SRAM, never writing S or
 # P to HBM. **Recomputation**: in the backward pass, recompute the blocks of S and P from Q, K and the
 # saved logsumexp L instead of storing them: more FLOPs, far fewer bytes, and memory that grows as N
@@ -558,7 +590,11 @@ check(
 # %% [markdown]
 # **Exercise 3: the intensity of S = QKᵀ.** Write `qk_intensity(n, d, elem_bytes)` (FLOPs over bytes of the
 # first step, as in the table of section 2). What does it tend to for large N? Is S = QKᵀ memory-bound on an
-# H200 (datasheet balance ≈ 206 FLOP/byte for bf16) at d = 64? At d = 256?
+# H200 at d = 64? At d = 256? Take the H200's datasheet balance, 989 TFLOP/s of dense bf16 over 4.8 TB/s
+# ≈ 206 FLOP/byte. (The table of section 2 used the *measured* ceilings of the hardware record when there
+# is one: a lower balance, about 169, because the measured matmul peak falls further below the datasheet
+# than the measured copy bandwidth does. A ridge from a datasheet says what the chip could do; a measured
+# one says what a real kernel reached. Notebook 08 uses the measured one.)
 
 
 # %%
@@ -606,6 +642,7 @@ check("middle_fusion_byte_ratio", middle_fusion_byte_ratio, unfused_bytes / fuse
 #
 # - Standard attention writes S and P, two N × N matrices per head, to HBM and reads them back; mask and
 #   dropout add more round trips. Bytes grow as B·H·N², FLOPs as B·H·N²·d.
+# - Standard attention **materialises** S and P: it writes them in full to HBM only to read them back.
 # - Every step is memory-bound at typical shapes, even S = QKᵀ (intensity at most 2d / b). The roofline
 #   predicts the time from bytes; the measurement follows N².
 # - `torch.profiler` (with labelled steps, and NVTX ranges for Nsight Systems) shows mask, softmax and
