@@ -26,14 +26,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(fn, rank: int, world: int, port: int, args: tuple, results) -> None:
+def _rank_main(fn, rank: int, world: int, port: int, args: tuple, results, backend: str) -> None:
     """One rank: join the group, run fn, report (rank, ok, value or traceback), leave the group."""
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)  # the ranks share the machine's cores
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
         value = fn(rank, world, *args)
         results.put((rank, True, value))
     except BaseException:  # report anything, so the parent can name the rank that failed
@@ -43,18 +45,24 @@ def _rank_main(fn, rank: int, world: int, port: int, args: tuple, results) -> No
             dist.destroy_process_group()
 
 
-def run_ranks(fn, world: int, args: tuple = (), timeout: float = 120.0) -> list:
+def run_ranks(fn, world: int, args: tuple = (), timeout: float = 120.0, backend: str = "gloo") -> list:
     """Run fn(rank, world, *args) in `world` new processes that form a gloo process group.
 
-    Returns [fn's result on rank 0, ..., on rank world - 1]. Raises RuntimeError with the failing
+    backend: "gloo" (CPU processes) or "nccl" (rank r on GPU r; for tests on a machine with several
+    GPUs). Returns [fn's result on rank 0, ..., on rank world - 1]. Raises RuntimeError with the failing
     rank's traceback if any rank fails, and TimeoutError (after stopping the processes) if they have
     not all finished within `timeout` seconds. Taught in notebook 13."""
     if isinstance(world, bool) or not isinstance(world, int) or world < 1:
         raise ValueError(f"run_ranks: world must be a positive integer, got {world!r}")
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"run_ranks: backend must be 'gloo' or 'nccl', got {backend!r}")
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(fn, r, world, port, args, results)) for r in range(world)]
+    procs = [
+        ctx.Process(target=_rank_main, args=(fn, r, world, port, args, results, backend))
+        for r in range(world)
+    ]
     for p in procs:
         p.start()
     out: dict[int, object] = {}

@@ -11,6 +11,7 @@ import time
 import torch
 
 from ..attention.reference import attention
+from ..testing import max_error
 from .ring import ring_attention, ring_forward
 from .sharding import gather, shard
 
@@ -30,29 +31,43 @@ def compare_with_reference(rank: int, world: int, cases: list[dict]) -> list[dic
     """Ring attention against single-device float64 attention on the gathered sequence.
 
     Each case: B, H, Hkv (optional), N (total, any length: padded when uneven), d, causal, sharding,
-    backend ("torch" or "triton"), seed. Returns per case the largest absolute error of O, dQ, dK, dV."""
+    backend ("torch" or "triton"), seed, and optionally dtype ("float64" default, or "float32",
+    "float16", "bfloat16") and device ("cpu" default, or "cuda": this rank's GPU). Returns per case
+    {"error": {...}, "baseline": {...}}: the largest absolute errors of O, dQ, dK, dV against the
+    float64 reference, for the ring and for plain PyTorch attention on the full sequence in the same
+    dtype (the accuracy rule of `course_lib.testing`)."""
     out = []
     for case in cases:
-        q, k, v, do = _full_inputs(case, torch.float64)
+        dtype = getattr(torch, case.get("dtype", "float64"))
+        device = torch.device("cuda", torch.cuda.current_device()) if case.get("device") == "cuda" else None
+        full = [t.to(dtype).double() for t in _full_inputs(case, torch.float64)]  # values exact in dtype
         N, causal, scheme = case["N"], case["causal"], case["sharding"]
-        # reference: GQA as a repeat of K/V over the query heads that share them (autograd sums dK, dV back)
-        ref = [t.clone().requires_grad_() for t in (q, k, v)]
-        groups = q.shape[1] // k.shape[1]
-        o_ref = attention(ref[0], *(t.repeat_interleave(groups, dim=1) for t in ref[1:]), causal=causal)
-        o_ref.backward(do)
+        groups = full[0].shape[1] // full[1].shape[1]
+        want = _reference(*full, causal, groups, torch.float64, device)
+        baseline = _reference(*full, causal, groups, dtype, device)
+        q, k, v, do = (t.to(device=device, dtype=dtype) for t in full)
         mine = [shard(t, rank, world, scheme).requires_grad_() for t in (q, k, v)]
         o = ring_attention(
             *mine, causal=causal, sharding=scheme, backend=case.get("backend", "torch"), seq_len=N
         )
         o.backward(shard(do, rank, world, scheme))
-        errors = {}
-        for name, got, want in zip(
-            ("O", "dQ", "dK", "dV"), (o.detach(), *(t.grad for t in mine)), (o_ref, *(t.grad for t in ref))
-        ):
-            full = gather(got, scheme, seq_len=N)
-            errors[name] = (full - want.detach()).abs().max().item()
-        out.append(errors)
+        got = [gather(t, scheme, seq_len=N) for t in (o.detach(), *(t.grad for t in mine))]
+        names = ("O", "dQ", "dK", "dV")
+        out.append(
+            {
+                "error": {n: max_error(a, b) for n, a, b in zip(names, got, want)},
+                "baseline": {n: max_error(a, b) for n, a, b in zip(names, baseline, want)},
+            }
+        )
     return out
+
+
+def _reference(q, k, v, do, causal: bool, groups: int, dtype, device):
+    """O, dQ, dK, dV of standard attention on the full sequence in `dtype` (K/V repeated for GQA)."""
+    leaves = [t.to(device=device, dtype=dtype, copy=True).requires_grad_() for t in (q, k, v)]
+    o = attention(leaves[0], *(t.repeat_interleave(groups, dim=1) for t in leaves[1:]), causal=causal)
+    o.backward(do.to(device=device, dtype=dtype))
+    return [o.detach(), *(t.grad for t in leaves)]
 
 
 def step_compute_times(rank: int, world: int, case: dict, repeats: int = 3) -> list[float]:

@@ -1,0 +1,156 @@
+"""Ring attention (course_lib.distributed, notebook 13): 2 and 4 CPU processes joined by gloo, against
+float64 attention on the gathered sequence; sharding helpers and the block plan in one process; a
+2-GPU run with NCCL (marked gpu)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from course_lib.attention.reference import attention
+from course_lib.distributed import (
+    chunk_ids,
+    padded_length,
+    plan_step,
+    ring_attention,
+    run_ranks,
+    shard,
+    unshard,
+    work_per_rank,
+)
+from course_lib.distributed.workers import compare_with_reference
+
+# One launch per world size runs every case of that size: starting processes is the slow part.
+CASES = {
+    2: [
+        dict(B=1, H=2, N=64, d=16, causal=True, sharding="zigzag"),
+        dict(B=2, H=2, N=64, d=16, causal=False, sharding="contiguous"),
+        dict(B=1, H=4, Hkv=2, N=61, d=16, causal=True, sharding="zigzag"),  # GQA, ragged
+        dict(B=1, H=2, Hkv=1, N=64, d=16, causal=True, sharding="zigzag", backend="triton"),  # MQA
+    ],
+    4: [
+        dict(B=1, H=2, N=64, d=16, causal=True, sharding="zigzag"),
+        dict(B=1, H=2, N=64, d=16, causal=True, sharding="contiguous"),
+        dict(B=1, H=2, N=64, d=16, causal=False, sharding="zigzag"),
+        dict(B=1, H=4, Hkv=1, N=50, d=16, causal=False, sharding="contiguous"),  # MQA, ragged
+        dict(B=1, H=2, N=3, d=16, causal=True, sharding="zigzag"),  # ranks 1-3 hold padding only
+    ],
+}
+TOL = {"torch": 1e-12, "triton": 1e-6}  # float64; the interpreted kernels use float32 constants
+
+
+def _name(case: dict) -> str:
+    return ",".join(f"{k}={v}" for k, v in case.items())
+
+
+@pytest.fixture(scope="module")
+def ring_results():
+    """{world: [rank 0's errors per case]} from one gloo run per world size."""
+    return {
+        world: run_ranks(compare_with_reference, world, (cases,), timeout=180)[0]
+        for world, cases in CASES.items()
+    }
+
+
+@pytest.mark.parametrize(
+    "world,index", [(w, i) for w, cases in CASES.items() for i in range(len(cases))], ids=lambda x: str(x)
+)
+def test_ring_matches_reference(ring_results, world, index):
+    case = CASES[world][index]
+    errors = ring_results[world][index]["error"]
+    tol = TOL[case.get("backend", "torch")]
+    bad = {k: e for k, e in errors.items() if not e <= tol}
+    assert not bad, f"world={world}, {_name(case)}: max abs error against float64 above {tol}: {bad}"
+
+
+@pytest.mark.parametrize("scheme", ["contiguous", "zigzag"])
+@pytest.mark.parametrize("world,n", [(1, 5), (2, 8), (3, 13), (4, 16)])
+def test_shard_unshard_round_trip(scheme, world, n):
+    x = torch.randn(2, 3, n, 4)
+    parts = [shard(x, r, world, scheme) for r in range(world)]
+    assert all(p.shape[-2] == padded_length(n, world, scheme) // world for p in parts)
+    torch.testing.assert_close(unshard(parts, scheme, seq_len=n), x, rtol=0, atol=0)
+
+
+def test_zigzag_assignment():
+    assert [chunk_ids(r, 4, "zigzag") for r in range(4)] == [(0, 7), (1, 6), (2, 5), (3, 4)]
+    assert [chunk_ids(r, 4, "contiguous") for r in range(4)] == [(0,), (1,), (2,), (3,)]
+    x = torch.arange(16).view(1, 16, 1)
+    assert shard(x, 1, 2, "zigzag").flatten().tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
+    assert shard(x, 0, 2, "zigzag").flatten().tolist() == [0, 1, 2, 3, 12, 13, 14, 15]
+
+
+def test_causal_work_balance():
+    n = 1024
+    total = n * (n + 1) // 2
+    zig = [sum(steps) for steps in work_per_rank(4, "zigzag", n)]
+    con = [sum(steps) for steps in work_per_rank(4, "contiguous", n)]
+    assert sum(zig) == sum(con) == total
+    assert max(zig) == min(zig), f"zigzag work per rank should be equal, got {zig}"
+    assert con == sorted(con) and con[-1] > 6 * con[0], f"contiguous work should grow with rank, got {con}"
+
+
+def test_plan_one_block_per_zigzag_step():
+    for world in (2, 3, 4, 8):
+        for rank in range(world):
+            for s in range(world):
+                blocks = plan_step(rank, (rank - s) % world, world, "zigzag", 32, causal=True)
+                assert len(blocks) == 1, f"world={world} rank={rank} step={s}: {blocks}"
+
+
+@pytest.fixture
+def one_rank_group(tmp_path):
+    """A gloo group of this process alone (world size 1)."""
+    if dist.is_initialized():
+        pytest.skip("a process group already exists in this process")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_one_rank_is_plain_attention(one_rank_group):
+    q, k, v = (torch.randn(1, 2, 24, 16, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    o = ring_attention(q, k, v, causal=True)
+    torch.testing.assert_close(o, attention(q, k, v, causal=True))
+    o.sum().backward()
+    assert q.grad is not None and torch.isfinite(q.grad).all()
+
+
+def test_clear_errors(one_rank_group):
+    q = torch.randn(1, 4, 8, 16)
+    with pytest.raises(ValueError, match="multiple of Hkv"):
+        ring_attention(q, torch.randn(1, 3, 8, 16), torch.randn(1, 3, 8, 16))
+    with pytest.raises(ValueError, match="sharding must be one of"):
+        ring_attention(q, q, q, sharding="striped")
+    with pytest.raises(ValueError, match="seq_len = 5"):
+        ring_attention(q, q, q, seq_len=5)
+    with pytest.raises(ValueError, match="positive multiple of 2"):
+        ring_attention(q[:, :, :7], q[:, :, :7], q[:, :, :7], sharding="zigzag")
+    with pytest.raises(TypeError, match="share dtype"):
+        ring_attention(q, q.double(), q)
+    with pytest.raises(ValueError, match=r"\(B, H, N_local, d\)"):
+        ring_attention(q[0], q[0], q[0])
+
+
+@pytest.mark.gpu
+def test_ring_on_two_gpus():
+    if torch.cuda.device_count() < 2:
+        pytest.skip(f"needs 2 GPUs, found {torch.cuda.device_count()}")
+    cases = [
+        dict(B=1, H=4, Hkv=2, N=2048, d=128, causal=c, sharding=s, dtype="bfloat16", backend="triton")
+        for c in (True, False)
+        for s in ("zigzag", "contiguous")
+    ]
+    cases.append(
+        dict(B=2, H=4, N=1000, d=64, causal=True, sharding="zigzag", dtype="float16", backend="triton")
+    )
+    results = run_ranks(compare_with_reference, 2, (cases,), timeout=300, backend="nccl")[0]
+    for case, r in zip(cases, results):
+        for name, err in r["error"].items():
+            floor = 1e-3 if case["dtype"] == "float16" else 8e-3
+            bound = 2 * r["baseline"][name] + floor
+            assert err <= bound, (
+                f"2 GPUs, {_name(case)}: {name} max error {err:.3g} above 2 x plain PyTorch "
+                f"({r['baseline'][name]:.3g}) + {floor}"
+            )
