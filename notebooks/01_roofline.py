@@ -131,6 +131,38 @@ bar_chart(
 plt.show()
 
 # %% [markdown]
+# ### Why FLOP/s grew faster than bandwidth
+#
+# Each GPU generation adds far more arithmetic than memory bandwidth. From the table, for the data-centre
+# GPUs in the order they came out:
+
+# %%
+generations = [("A100", 2020), ("H100", 2022), ("H200", 2024)]
+gen_rows = []
+for name, year in generations:
+    g = perf.GPUS[name]
+    gen_rows.append({"GPU": name, "year": year, "bf16 matmul TFLOP/s": g.matmul16_tflops, "HBM GB/s": g.hbm_gbps,
+                 "FLOPs per byte": g.matmul16_tflops * 1e12 / (g.hbm_gbps * 1e9)})  # fmt: skip
+print_table(gen_rows)
+first, last = perf.GPUS[generations[0][0]], perf.GPUS[generations[-1][0]]
+flops_growth = last.matmul16_tflops / first.matmul16_tflops
+bw_growth = last.hbm_gbps / first.hbm_gbps
+print(f"{generations[0][0]} -> {generations[-1][0]}: matmul FLOP/s x{flops_growth:.1f}, HBM bandwidth x{bw_growth:.1f}")
+assert flops_growth > bw_growth
+
+# %% [markdown]
+# The reasons are physical. Arithmetic lives *on* the chip: each new process node packs more transistors,
+# tensor cores do more multiply-adds per clock, and narrower formats (fp16, bf16, fp8) double the operations
+# per unit of silicon each time the bits halve. Bandwidth must cross the chip's *edge*: it is bounded by the
+# number of wires to memory and how fast each can signal, and moving a bit off-chip costs far more energy
+# than a multiply-add. HBM stacks memory next to the GPU on a shared substrate to get thousands of wires,
+# but the edge grows much more slowly than the area. Over two decades of server hardware, peak FLOP/s grew
+# about 3x every two years and DRAM bandwidth about 1.6x (Gholami et al., "AI and Memory Wall",
+# [arXiv:2403.14123](https://arxiv.org/abs/2403.14123)). The "FLOPs per byte" column is the consequence:
+# ever more arithmetic per byte is needed to keep the chip busy, and an algorithm that moves fewer bytes,
+# even at the price of more FLOPs, wins more with every generation. FlashAttention is such an algorithm.
+# (The H200 is the H100's chip with faster memory: its balance went *down*, a rare exception.)
+#
 # ## 2. Compute-bound or memory-bound: the roofline model
 #
 # For any operation count two things:
@@ -343,10 +375,16 @@ plt.show()
 # | optimizer states | 8 B (two fp32 moments) | 12 B (fp32 master + two fp32 moments) |
 # | total | 16 B | 16 B |
 #
-# Hence the rule of thumb **P : G : optimizer states ≈ 1 : 1 : 6** with fp32 Adam states, and 16 bytes
-# per parameter before a single activation is stored. Let us check it against what PyTorch allocates for
-# a small model. We count the bytes of the tensors themselves (this works on any device); on a GPU we also
-# compare with `torch.cuda.memory_allocated`.
+# The ratio P : G : optimizer states depends on the precision scheme, so always say which one:
+# - **fp32 training** (the table's first column): 4 : 4 : 8 = **1 : 1 : 2**;
+# - **mixed precision** as ZeRO counts it (16-bit parameters and gradients; fp32 master weights and two fp32
+#   moments in the optimizer, the table's second column): 2 : 2 : 12 = **1 : 1 : 6**;
+# - mixed precision that also keeps **fp32 master gradients** (some frameworks accumulate gradients in
+#   fp32): 2 : 4 : 12 = **1 : 2 : 6**, 18 bytes per parameter.
+#
+# The first two come to 16 bytes per parameter before a single activation is stored. Let us check both
+# against what PyTorch allocates for a small model. We count the bytes of the tensors themselves (this
+# works on any device); on a GPU we also compare with `torch.cuda.memory_allocated`.
 
 
 # %%
@@ -457,6 +495,12 @@ def fuse_by_chunks(f, chunk=2**15):
     return fused
 
 
+from course_lib.exercises import predict
+
+# Your prediction, before the measurement: the fused version's speed-up over eager.
+fusion_guess = predict("fusion speed-up (4 element-wise ops)", 4.0, unit="x")
+
+# %%
 fusion = perf.measure_fusion(FUSION_NUMEL, compile_fn=None if course_lib.ON_GPU else fuse_by_chunks)
 assert "error" not in fusion, fusion.get("error")
 how = "torch.compile" if course_lib.ON_GPU else "chunks in cache"
@@ -466,6 +510,7 @@ print(f"  fused ({how:<16}): {fusion['fused_ms']:8.3f} ms")
 print(
     f"  speed-up: measured {fusion['speedup']:.1f}x, predicted from bytes {fusion['predicted_speedup']:.0f}x"
 )
+_ = fusion_guess.score(fusion["speedup"])
 
 # %%
 labels, eager_ms, fused_ms = [f"this {DEVICE.type}"], [fusion["eager_ms"]], [fusion["fused_ms"]]
@@ -486,7 +531,9 @@ bar_chart(
     {"measured speed-up": speedups, "predicted from bytes": [4.0] * len(labels)},
     xlabel="device",
     ylabel="fused vs eager speed-up (x)",
-    title="Fusing 4 element-wise ops: the speed-up follows the bytes saved",
+    title="Fusing 4 element-wise ops: measured "
+    + ", ".join(f"{s:.1f}x" for s in speedups)
+    + " against 4x predicted from the bytes",
 )
 plt.show()
 

@@ -337,6 +337,29 @@ plt.show()
 # %% [markdown]
 # (The first factor is $e^{-\infty} = 0$: the empty sum starts from nothing.)
 #
+# That row was made up to rescale often. How often does the running max grow in a *random* row of N = 1024
+# entries, counting the first entry? Each rescale costs a multiply per element of the accumulator, so the
+# answer matters for the kernels of notebooks 04-06. Write down a guess, then count on random rows.
+
+# %%
+from course_lib.exercises import predict
+
+rescale_guess = predict("times the max grows in a random row of 1024", 30)  # your prediction
+
+# %%
+rows = rng.standard_normal((200, 1024))
+grows = (rows == np.maximum.accumulate(rows, axis=1)).sum(axis=1)  # entry j is a new running max
+print(f"the max grew {grows.mean():.1f} times per row on average (min {grows.min()}, max {grows.max()})")
+_ = rescale_guess.score(grows.mean())
+harmonic = sum(1 / j for j in range(1, 1025))
+print(f"1 + 1/2 + ... + 1/1024 = {harmonic:.2f}")
+
+# %% [markdown]
+# Entry j is a new maximum with probability 1/j (each of the first j entries is equally likely to be the
+# largest), so the expected count is $1 + 1/2 + \dots + 1/N \approx \ln N + 0.58$: about 7.5 for N = 1024,
+# and only about 12 for a million entries. Rescaling is rare after the first few entries; only a row
+# whose values keep rising (like the made-up one) rescales often.
+#
 # ## 7. Merging partial results
 #
 # The update above is a special case of something more useful. Cut a row into two disjoint parts A and B,
