@@ -11,25 +11,25 @@
 # ---
 
 # %% [markdown]
-# # 04 · Tiled attention in PyTorch
+# # 04 · Tiled attention in PyTorch: the forward pass
 #
 # Standard attention writes two N × N matrices, S and P, to GPU memory (HBM) and reads them back
 # (notebook 02). FlashAttention never forms them: it cuts Q, K and V into blocks, computes one
 # tile of S at a time on chip, and folds it into the output with the online softmax of notebook 03. Here
-# we build that algorithm in plain PyTorch, forward and backward, and count what it saves. The Triton
-# kernels of notebooks 06 and 07 run these same loops, one tile per step, inside a GPU program.
+# we build its forward pass in plain PyTorch and count what it saves; notebook 04b builds the backward.
+# The Triton kernel of notebook 06 runs these same loops, one tile per step, inside a GPU program.
 #
 # **Learning goals**
 # 1. Cut Q into row blocks and K, V into column blocks, and see how the on-chip memory (SRAM) of size M
 #    bounds the block sizes.
 # 2. Put the online softmax inside attention: an unnormalised O with a running max m and sum l per row,
-#    rescaled as blocks arrive, normalised once at the end; save the logsumexp L = m + log l.
+#    rescaled as blocks arrive, normalised once at the end; save the logsumexp L = m + log l. Write the
+#    rescale yourself, fix a loop that forgets it, and mask padding keys with -inf (not 0).
 # 3. Compare FlashAttention-1 with FlashAttention-2's three changes: non-matmul work, parallelism over the
-#    sequence (the loop order, and its HBM traffic), and split-Q work partitioning between warps.
+#    sequence (the loop order, and its HBM traffic; watch both orders step by step), and split-Q work
+#    partitioning between warps.
 # 4. Count the HBM bytes of standard and tiled attention as functions of N, d and M; meet Θ(N²d²/M).
-# 5. Skip the tiles a causal mask hides, and count the work saved.
-# 6. Derive the backward pass and compute it tile by tile, recomputing P from Q, K and L.
-# 7. Use `course_lib.FlashAttentionTorch`, a drop-in `torch.autograd.Function`.
+# 5. Skip the tiles a causal mask hides (write the loop bounds yourself), and count the work saved.
 
 # %% [markdown]
 # ## 0. Sizes
@@ -48,10 +48,10 @@ import torch
 import course_lib
 from course_lib.attention import tiles
 from course_lib.attention.reference import attention, causal_mask_tile
-from course_lib.attention.tiled import FlashAttentionTorch, flash_backward, flash_forward
+from course_lib.attention.tiled import flash_forward
 from course_lib.exercises import check
 from course_lib.perf.plotting import plot_series
-from course_lib.testing import assert_close_to_reference, random_qkv, reference_outputs
+from course_lib.testing import random_qkv
 
 DEVICE = course_lib.DEVICE
 BATCH, HEADS, N, D = course_lib.pick(cpu=(1, 2, 256, 64), gpu=(2, 4, 1024, 64))
@@ -157,6 +157,129 @@ torch.testing.assert_close(L_i.double(), L_ref[..., i0:i1], atol=1e-5, rtol=1e-5
 print(
     f"rows {i0}..{i1 - 1}: O and L match the float64 reference, "
     f"max |O error| = {(O_i.double() - O_ref[..., i0:i1, :]).abs().max():.1e}"
+)
+
+# %% [markdown]
+# **Exercise 1 (find the bug: the accumulator is not rescaled).** Here is a first attempt at
+# `attend_row_block`. It runs, its l is right, and its output is wrong. Run it, compare with the reference,
+# and find the line that is missing its factor.
+
+
+# %%
+def attend_row_block_buggy(Qi, K, V, block_n):
+    scale = Qi.shape[-1] ** -0.5
+    m = torch.full(Qi.shape[:-1], -math.inf, dtype=Qi.dtype, device=Qi.device)
+    l = torch.zeros(Qi.shape[:-1], dtype=Qi.dtype, device=Qi.device)
+    O = torch.zeros_like(Qi)
+    for j0 in range(0, K.shape[-2], block_n):
+        Kj, Vj = K[..., j0 : j0 + block_n, :], V[..., j0 : j0 + block_n, :]
+        S = Qi @ Kj.transpose(-1, -2) * scale
+        m_new = torch.maximum(m, S.amax(dim=-1))
+        P = torch.exp(S - m_new[..., None])
+        alpha = torch.exp(m - m_new)
+        l = alpha * l + P.sum(dim=-1)
+        O = O + P @ Vj
+        m = m_new
+    return O / l[..., None], m + torch.log(l)
+
+
+O_bug, L_bug = attend_row_block_buggy(q[..., i0:i1, :], k, v, BLOCK_N)
+print(f"L error: {(L_bug.double() - L_ref[..., i0:i1]).abs().max():.1e}")
+print(f"O error: {(O_bug.double() - O_ref[..., i0:i1, :]).abs().max():.1e}")
+
+# %% [markdown]
+# Now write the body of the loop yourself, correctly: given the state `(m, l, O)` of a block of rows and the
+# scores `S` and values `Vj` of one K/V block, return the new state. (Section 3's formulas; do not look at
+# `attend_row_block`.)
+
+
+# %%
+def online_step(m, l, O, S, Vj):
+    """m, l: (..., B_r); O: (..., B_r, d) unnormalised; S: (..., B_r, B_c); Vj: (..., B_c, d)."""
+    ### BEGIN SOLUTION
+    m_new = torch.maximum(m, S.amax(dim=-1))
+    P = torch.exp(S - m_new[..., None])
+    alpha = torch.exp(m - m_new)
+    return m_new, alpha * l + P.sum(dim=-1), alpha[..., None] * O + P @ Vj
+    ### END SOLUTION
+
+
+# %% tags=["check"]
+def _run_online(step, Qi, K, V, block_n):
+    m = torch.full(Qi.shape[:-1], -math.inf, dtype=Qi.dtype)
+    l, O = torch.zeros_like(m), torch.zeros_like(Qi)
+    for j0 in range(0, K.shape[-2], block_n):
+        S = Qi @ K[..., j0 : j0 + block_n, :].mT * Qi.shape[-1] ** -0.5
+        m, l, O = step(m, l, O, S, V[..., j0 : j0 + block_n, :])
+    return O / l[..., None], m + torch.log(l)
+
+
+_q, _k, _v = random_qkv((2, 24, 8), 70, dtype=torch.float64)
+check(
+    "online_step",
+    lambda: _run_online(online_step, _q, _k, _v, 16),
+    attention(_q, _k, _v, return_lse=True),
+    parts=["O", "L"],
+    hints=[
+        "l and O were both summed with weights exp(s - m_old). When the max grows to m_new, both must be "
+        "multiplied by the same alpha = exp(m_old - m_new) before this block's share is added.",
+        "m_new = max(m, rowmax(S)); P = exp(S - m_new); alpha = exp(m - m_new); "
+        "return m_new, alpha * l + rowsum(P), alpha[..., None] * O + P @ Vj",
+    ],
+)
+
+# %% [markdown]
+# **Exercise 2 (padding keys: -inf, not 0).** When N_k is not a multiple of B_c, a kernel loads a whole last
+# block anyway and fills the keys past the end with zeros. Their scores must then be set to **-inf** so that
+# exp gives them weight 0; setting them to 0 is a classic bug, because exp(0 - m) is not 0. Write
+# `mask_padding(S, j0, n_k)`: S is the score tile of the keys `j0 ... j0 + B_c - 1`; return S with the
+# columns of keys >= n_k set to -inf. The cell after the check shows what a 0 would have done.
+
+
+# %%
+def mask_padding(S, j0, n_k):
+    ### BEGIN SOLUTION
+    cols = j0 + torch.arange(S.shape[-1], device=S.device)
+    return S.masked_fill(cols >= n_k, -math.inf)
+    ### END SOLUTION
+
+
+# %% tags=["check"]
+def _padded_attention(mask_fn, Qi, K, V, block_n):
+    """attend_row_block with K and V zero-padded to whole blocks, and mask_fn applied to each score tile."""
+    n_k = K.shape[-2]
+    pad = -n_k % block_n
+    K, V = torch.nn.functional.pad(K, (0, 0, 0, pad)), torch.nn.functional.pad(V, (0, 0, 0, pad))
+    m = torch.full(Qi.shape[:-1], -math.inf, dtype=Qi.dtype)
+    l, O = torch.zeros_like(m), torch.zeros_like(Qi)
+    for j0 in range(0, K.shape[-2], block_n):
+        S = mask_fn(Qi @ K[..., j0 : j0 + block_n, :].mT * Qi.shape[-1] ** -0.5, j0, n_k)
+        m_new = torch.maximum(m, S.amax(dim=-1))
+        P = torch.exp(S - m_new[..., None])
+        alpha = torch.exp(m - m_new)
+        l, O, m = alpha * l + P.sum(-1), alpha[..., None] * O + P @ V[..., j0 : j0 + block_n, :], m_new
+    return O / l[..., None], m + torch.log(l)
+
+
+check(
+    "mask_padding",
+    lambda: _padded_attention(mask_padding, _q, _k, _v, 32),
+    attention(_q, _k, _v, return_lse=True),
+    parts=["O", "L"],
+    hints=[
+        "Build the key index of every column of the tile (j0 + 0, j0 + 1, ...) and compare it with n_k; "
+        "masked_fill takes a boolean mask that broadcasts over the rows.",
+        "cols = j0 + torch.arange(S.shape[-1]); return S.masked_fill(cols >= n_k, -math.inf)",
+    ],
+)
+
+# %%
+zero_fill = lambda S, j0, n_k: S.masked_fill(j0 + torch.arange(S.shape[-1]) >= n_k, 0.0)  # noqa: E731
+O_zero, L_zero = _padded_attention(zero_fill, _q, _k, _v, 32)
+O_true, L_true = attention(_q, _k, _v, return_lse=True)
+print(
+    f"70 keys padded to 96, padding scores set to 0: max |O error| {(O_zero - O_true).abs().max():.2f}, "
+    f"L too large by up to {(L_zero - L_true).max():.2f}"
 )
 
 # %% [markdown]
@@ -310,6 +433,27 @@ for causal in (False, True):
         torch.testing.assert_close(O_.double(), O_ref, atol=2e-5, rtol=1e-5, msg=f"{name}, causal={causal}")
         torch.testing.assert_close(L_.double(), L_ref, atol=2e-5, rtol=1e-5, msg=f"{name}, causal={causal}")
 print("FA1 order, FA2 order and course_lib.flash_forward all match the float64 reference, causal or not")
+
+# %% [markdown]
+# ### The two loop orders, step by step
+#
+# The same small causal problem (N = 128, d = 16, tiles of 32 × 32) run in both orders by
+# `course_lib.attention.animate`, which records m, l and the estimate $\tilde O / l$ of every query row after
+# each tile. The strip shows four steps: FA-1 (K/V outer) touches every row block at every step and finishes
+# all rows together at the end; FA-2 (Q outer) finishes one row block at a time, so a program can write its
+# rows and leave. Tiles above the diagonal are never visited, in either order. In JupyterLab, the slider
+# under the strip shows every step with m and l as well.
+
+# %%
+from course_lib.attention import animate
+
+fwd_frames = {
+    order: animate.forward_frames(q_fig, k_fig, v_fig, BLOCK_FIG, BLOCK_FIG, causal=True, order=order)
+    for order in ("fa1", "fa2")
+}
+animate.forward_strip(fwd_frames)
+plt.show()
+animate.forward_widget(fwd_frames)
 
 # %% [markdown]
 # Now count. The counters must agree with the formulas in `course_lib.attention.tiles.hbm_elements` (read its
@@ -525,6 +669,47 @@ for n in (1024, 4096, 16384):
         f"of which {c['diagonal'] / done_n:.1%} need a mask"
     )
 
+# %% [markdown]
+# **Exercise 3 (the causal loop bounds).** In the FA-2 order, the program of the query rows `i0 ... i1 - 1`
+# loops over K/V blocks starting at `0, B_c, 2 B_c, ...` and stops before `kv_stop`. Which tiles need the
+# mask? Write `causal_plan(i0, i1, n_k, block_n)` returning `(kv_stop, first_masked)`: the loop visits the
+# K/V blocks starting below `kv_stop` (every block after it is fully hidden and never loaded), and the tiles
+# starting at or after `first_masked` (a multiple of B_c) need the mask, the ones before do not. The check
+# compares your plan with `tiles.block_map` for ragged lengths and unequal block sizes.
+
+
+# %%
+def causal_plan(i0, i1, n_k, block_n):
+    ### BEGIN SOLUTION
+    kv_stop = min(i1, n_k)
+    first_masked = min((i0 + 1) // block_n * block_n, kv_stop)
+    return kv_stop, first_masked
+    ### END SOLUTION
+
+
+# %% tags=["check"]
+def _plan_map(plan_fn, n_q, n_k, block_m, block_n):
+    kinds = np.full((math.ceil(n_q / block_m), math.ceil(n_k / block_n)), tiles.SKIPPED)
+    for i, i0 in enumerate(range(0, n_q, block_m)):
+        kv_stop, first_masked = plan_fn(i0, min(i0 + block_m, n_q), n_k, block_n)
+        for j, j0 in enumerate(range(0, kv_stop, block_n)):
+            kinds[i, j] = tiles.DIAGONAL if j0 >= first_masked else tiles.FULL
+    return kinds
+
+
+_cases = [(256, 256, 64, 64), (100, 75, 32, 16), (90, 130, 16, 32)]
+check(
+    "causal_plan",
+    lambda: [_plan_map(causal_plan, *c) for c in _cases],
+    [tiles.block_map(*c, causal=True) for c in _cases],
+    hints=[
+        "Query row r sees keys 0..r. The block's last row is i1 - 1, so no key at or after i1 is ever seen. "
+        "A K/V block needs no mask when its last key is <= i0, the block's first row: it starts at or before "
+        "i0 + 1 - B_c. Clip both to n_k.",
+        "kv_stop = min(i1, n_k); first_masked = min((i0 + 1) // block_n * block_n, kv_stop)",
+    ],
+)
+
 # %%
 fig, ax = plt.subplots(figsize=(6.5, 5), constrained_layout=True)
 tiles.draw_block_map(
@@ -541,164 +726,11 @@ tiles.draw_block_map(
 plt.show()
 
 # %% [markdown]
-# ## 8. The backward pass, by recomputation
-#
-# Given the gradient dO of the loss with respect to O, we need dQ, dK, dV. Go backwards through
-# O = P V, P = softmax(S) row by row, S = scale · Q Kᵀ:
-#
-# - $O = PV$ gives $dV = P^T dO$ and $dP = dO\, V^T$.
-# - Softmax, row r: $P_{rc} = e^{S_{rc}} / \sum_{c'} e^{S_{rc'}}$, so
-#   $\partial P_{rc'} / \partial S_{rc} = P_{rc'} (\delta_{cc'} - P_{rc})$ and
-#   $dS_{rc} = \sum_{c'} dP_{rc'} P_{rc'} (\delta_{cc'} - P_{rc}) = P_{rc}\,(dP_{rc} - D_r)$ with
-#   $D_r = \sum_{c'} P_{rc'} dP_{rc'}$.
-# - $D_r$ does not need P:
-#   $D_r = \sum_{c'} P_{rc'} (dO_r \cdot V_{c'}) = dO_r \cdot \sum_{c'} P_{rc'} V_{c'} = dO_r \cdot O_r$.
-#   So $D = \mathrm{rowsum}(dO \circ O)$: one cheap pass over two N × d matrices.
-# - $S = \text{scale} \cdot Q K^T$ gives $dQ = \text{scale} \cdot dS\, K$ and
-#   $dK = \text{scale} \cdot dS^T Q$.
-#
-# In summary: $dV = P^T dO$, $dP = dO\,V^T$, $dS = P \circ (dP - D)$, $dQ = dS\,K \cdot$ scale,
-# $dK = dS^T Q \cdot$ scale. First we check these formulas with full matrices in float64 against autograd:
-
-# %%
-q64, k64, v64 = random_qkv((2, 48, 16), 40, dtype=torch.float64)
-dO64 = torch.randn(2, 48, 16, dtype=torch.float64)
-_, (dq_auto, dk_auto, dv_auto) = reference_outputs(q64, k64, v64, causal=False, grad_out=dO64)
-scale = 16**-0.5
-P64 = torch.softmax(q64 @ k64.mT * scale, dim=-1)
-O64 = P64 @ v64
-dV = P64.mT @ dO64
-dP = dO64 @ v64.mT
-D64 = (dO64 * O64).sum(-1)
-torch.testing.assert_close(D64, (P64 * dP).sum(-1))  # D = rowsum(dO * O) = rowsum(P * dP)
-dS = P64 * (dP - D64[..., None])
-for name, ours, auto in (
-    ("dQ", dS @ k64 * scale, dq_auto),
-    ("dK", dS.mT @ q64 * scale, dk_auto),
-    ("dV", dV, dv_auto),
-):
-    torch.testing.assert_close(ours, auto, msg=name)
-print("dQ, dK, dV from the formulas match autograd (float64)")
-
-# %% [markdown]
-# The backward must not store P either. It does not need to: with L saved by the forward,
-# $P_{rc} = e^{S_{rc} - L_r}$ can be rebuilt exactly, tile by tile, from $Q_i$, $K_j$ and $L_i$: a second
-# matmul per tile is cheaper than reading an N × N matrix from HBM. FlashAttention-2's backward loops
-# over K/V blocks outside (so $dK_j$ and $dV_j$ accumulate on chip and are written once) and over Q blocks
-# inside; $dQ_i$ receives a contribution from every K/V block, so it is accumulated in HBM (a GPU kernel
-# uses atomic adds, or a second pass; notebook 07).
-
-
-# %%
-def backward_tiled(dO, q, k, v, O, L, causal=False, block_m=BLOCK_M, block_n=BLOCK_N):
-    scale = q.shape[-1] ** -0.5
-    n_q, n_k = q.shape[-2], k.shape[-2]
-    D = (dO * O).sum(dim=-1)
-    dQ, dK, dV = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    for j0 in range(0, n_k, block_n):
-        j1 = min(j0 + block_n, n_k)
-        Kj, Vj = k[..., j0:j1, :], v[..., j0:j1, :]
-        dKj, dVj = torch.zeros_like(Kj), torch.zeros_like(Vj)
-        for i0 in range(0, n_q, block_m):
-            i1 = min(i0 + block_m, n_q)
-            kind = tiles.block_kind(i0, i1, j0, j1, causal)
-            if kind == tiles.SKIPPED:
-                continue
-            S = q[..., i0:i1, :] @ Kj.mT * scale
-            if kind == tiles.DIAGONAL:
-                S = S.masked_fill(~causal_mask_tile(i0, i1, j0, j1, q.device), -math.inf)
-            P = torch.exp(S - L[..., i0:i1, None])  # recomputed, exact
-            dVj += P.mT @ dO[..., i0:i1, :]
-            dP = dO[..., i0:i1, :] @ Vj.mT
-            dS = P * (dP - D[..., i0:i1, None])
-            dQ[..., i0:i1, :] += dS @ Kj * scale
-            dKj += dS.mT @ q[..., i0:i1, :] * scale
-        dK[..., j0:j1, :], dV[..., j0:j1, :] = dKj, dVj
-    return dQ, dK, dV
-
-
-for causal in (False, True):
-    O_, L_ = forward_fa2(q, k, v, causal)
-    dO = torch.randn_like(O_)
-    _, grads_ref = reference_outputs(q.double(), k.double(), v.double(), causal, grad_out=dO.double())
-    ours = backward_tiled(dO, q, k, v, O_, L_, causal)
-    lib = flash_backward(dO, q, k, v, O_, L_, causal, block_m=BLOCK_M, block_n=BLOCK_N)
-    for name, a, b, r in zip(("dQ", "dK", "dV"), ours, lib, grads_ref):
-        torch.testing.assert_close(a.double(), r, atol=1e-4, rtol=1e-4, msg=f"{name}, causal={causal}")
-        torch.testing.assert_close(b.double(), r, atol=1e-4, rtol=1e-4, msg=f"{name}, causal={causal}")
-print("tiled backward (ours and course_lib.flash_backward) matches the float64 reference, causal or not")
-
-# %% [markdown]
-# ## 9. `course_lib.FlashAttentionTorch`
-#
-# The finished piece wraps `flash_forward` and `flash_backward` in a `torch.autograd.Function`, with the
-# interface homework usually asks for: `FlashAttentionTorch.apply(q, k, v, is_causal)`, inputs
-# (batch, N, d) or (batch, heads, N, d) (any leading dims), scale 1/√d. The forward saves Q, K, V, O and L;
-# the backward recomputes P. We hold it to the course's accuracy rule (`course_lib.testing`): its error
-# against the float64 reference may be at most twice that of plain PyTorch in the same dtype.
-
-# %%
-for shape_q, n_k, causal in (((BATCH, N, D), N, True), ((BATCH, HEADS, N, D), N // 2 + 3, False)):
-    q1, k1, v1 = random_qkv(shape_q, n_k, dtype=torch.float32, device=DEVICE, requires_grad=True)
-    out = FlashAttentionTorch.apply(q1, k1, v1, causal)
-    dO = torch.randn_like(out)
-    out.backward(dO)
-    ref64, grads64 = reference_outputs(q1.double(), k1.double(), v1.double(), causal, grad_out=dO.double())
-    base, grads32 = reference_outputs(q1, k1, v1, causal, grad_out=dO)
-    what = f"q {tuple(shape_q)}, Nk {n_k}, causal={causal}, {DEVICE.type}"
-    assert_close_to_reference(out, ref64, base, f"O, {what}")
-    for name, g, r, b in zip(("dq", "dk", "dv"), (q1.grad, k1.grad, v1.grad), grads64, grads32):
-        assert_close_to_reference(g, r, b, f"{name}, {what}")
-    print(f"{what}: O, dq, dk, dv within the accuracy rule")
-
-# %% [markdown]
-# `torch.autograd.gradcheck` compares the backward with finite differences of the forward, in float64:
-
-# %%
-qg, kg, vg = random_qkv((2, 9, 4), 7, dtype=torch.float64, requires_grad=True)
-for causal in (False, True):
-    fn = lambda a, b, c, causal=causal: FlashAttentionTorch.apply(a, b, c, causal, None, 4, 3)
-    assert torch.autograd.gradcheck(fn, (qg, kg, vg))
-print("gradcheck passes (float64, blocks 4 x 3, odd lengths, causal and not)")
-
-# %% [markdown]
-# And the point of it all: nothing of size $N_q \times N_k$ is kept for the backward. PyTorch's
-# `saved_tensors_hooks` shows every tensor autograd saves:
-
-# %%
-saved = []
-with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(tuple(t.shape)) or t, lambda t: t):
-    q1, k1, v1 = random_qkv((BATCH, HEADS, N, D), N + 32, device=DEVICE, requires_grad=True)
-    out = FlashAttentionTorch.apply(q1, k1, v1, True)
-print("saved for backward:", saved)
-assert (BATCH, HEADS, N) in saved  # L, one number per query row
-assert all(s[-2:] != (N, N + 32) for s in saved) and max(math.prod(s) for s in saved) <= k1.numel()
-
-# %% [markdown]
-# What does the tiling cost in time, written in Python? Each tile costs several small PyTorch calls
-# (on a GPU, several kernel launches), and there are (N/64)² tiles, while standard attention is three big
-# calls. Here is the price at this notebook's size, measured on this machine:
-
-# %%
-from course_lib.perf.timing import benchmark
-
-q1, k1, v1 = random_qkv((BATCH, HEADS, N, D), device=DEVICE)
-t_std = benchmark(lambda: attention(q1, k1, v1, causal=True))
-t_tiled = benchmark(lambda: FlashAttentionTorch.apply(q1, k1, v1, True))
-print(f"{DEVICE.type}, N = {N}: standard {t_std:.2f} ms, tiled in PyTorch {t_tiled:.2f} ms", end=" ")
-print(f"({t_tiled / t_std:.1f}x the time)")
-
-# %% [markdown]
-# The algorithm is right and needs only O(N) memory beyond its inputs and output, but the Python loops
-# give nothing back in speed: that has to come from moving both loops into one GPU kernel, where a tile
-# really stays in SRAM and registers. Notebooks 05 to 07 do that in Triton.
-
-# %% [markdown]
-# ## Exercises
+# ## More exercises
 #
 # Each exercise has a cell to fill in and a check cell after it. Later cells never use your answers.
 #
-# **Exercise 1 (block sizes).** Write `paper_blocks(M, d)`, the block sizes $(B_r, B_c)$ of
+# **Exercise 4 (block sizes).** Write `paper_blocks(M, d)`, the block sizes $(B_r, B_c)$ of
 # FlashAttention-1's Algorithm 1 for an SRAM of M elements.
 
 
@@ -718,7 +750,7 @@ check(
 )
 
 # %% [markdown]
-# **Exercise 2 (causal tiles).** For a causal square problem of N rows and tiles of B × B (B divides N),
+# **Exercise 5 (causal tiles).** For a causal square problem of N rows and tiles of B × B (B divides N),
 # how many tiles does the forward compute, and what fraction of all tiles is that? Return
 # `(computed, fraction)`.
 
@@ -738,7 +770,7 @@ _computed = _c["full"] + _c["diagonal"]
 check("causal tiles", lambda: causal_tiles(8192, 128), (_computed, _computed / sum(_c.values())))
 
 # %% [markdown]
-# **Exercise 3 (merging two partial outputs: split-KV).** Split the keys and values into two parts A and B.
+# **Exercise 6 (merging two partial outputs: split-KV).** Split the keys and values into two parts A and B.
 # Attention over each part gives a normalised output and a logsumexp: $(O_A, L_A)$ and $(O_B, L_B)$.
 # Write `combine(O_a, L_a, O_b, L_b)` that returns $(O, L)$ of attention over all the keys. Hint: with
 # $L = \log(e^{L_A} + e^{L_B})$, part A's share of the probability mass of row r is $e^{L_A - L}$.
@@ -760,7 +792,7 @@ _Ob, _Lb = attention(_q, _k[:, 12:], _v[:, 12:], return_lse=True)
 check("split-KV combine", lambda: combine(_Oa, _La, _Ob, _Lb), attention(_q, _k, _v, return_lse=True))
 
 # %% [markdown]
-# **Exercise 4 (FA2 traffic).** For a non-causal square problem (N rows, head dim d, blocks $B_r \times B_c$
+# **Exercise 7 (FA2 traffic).** For a non-causal square problem (N rows, head dim d, blocks $B_r \times B_c$
 # that divide N), write the number of elements FlashAttention-2's forward moves to and from HBM, from the
 # loop structure of `forward_fa2` (do not call `tiles`).
 
@@ -796,7 +828,5 @@ check(
 #   paper blocks and 4x with FA2's 128 × 64 blocks at d = 64. The rest of the measured win comes from
 #   never writing S and P (and their kernels) and from K/V re-reads that hit in L2.
 # - Causal masking skips the tiles above the diagonal, masks only the diagonal ones: about half the work.
-# - The backward rebuilds P tile by tile from Q, K and L: $dV = P^T dO$, $dP = dO V^T$,
-#   $dS = P \circ (dP - D)$ with $D = \mathrm{rowsum}(dO \circ O)$, $dQ = dS K$·scale, $dK = dS^T Q$·scale.
-# - `course_lib.FlashAttentionTorch.apply(q, k, v, is_causal)` is the finished, tested piece. It is exact
-#   but slow in Python; notebooks 05 to 07 write the same loops as Triton kernels.
+# - Notebook 04b builds the backward pass the same way; `course_lib.FlashAttentionTorch` is the finished,
+#   differentiable piece, and notebook 06 writes this forward as one Triton kernel.
