@@ -103,7 +103,12 @@ print(f"  stopwatch with synchronising:    {with_wait:8.3f} ms  -> {flops / with
 if course_lib.ON_GPU:
     assert with_wait > 3 * no_wait, "on a GPU the unsynchronised stopwatch should see only the launch"
 else:
-    print("On the CPU both agree: PyTorch's CPU operations finish before they return.")
+    gap = max(no_wait, with_wait) / min(no_wait, with_wait)
+    print(
+        f"On the CPU both stopwatches time the same work (PyTorch's CPU operations finish before they return);"
+        f"\nhere they differ by {gap:.2f}x, which is "
+        + ("within the scatter of repeated timings." if gap < 1.3 else "the scatter of a busy machine: run it again.")
+    )
 
 # %% [markdown]
 # On a GPU the unsynchronised "TFLOP/s" is usually far above the hardware's peak — the telltale sign.
@@ -121,7 +126,21 @@ first = stopwatch_ms(lambda: course_lib.flash_attention(q, k, v), wait=True)
 later = statistics.median(
     stopwatch_ms(lambda: course_lib.flash_attention(q, k, v), wait=True) for _ in range(5)
 )
-print(f"first call {first:.1f} ms, later calls {later:.1f} ms (median): {first / later:.0f}x")
+print(f"first call {first:.1f} ms, later calls {later:.1f} ms (median): {first / later:.2g}x")
+
+# %% [markdown]
+# **The warm-up sweep.** How many warm-up calls are enough? Time the first eight calls on a shape this
+# process has not run yet, one by one, then see what a timing loop of five calls would report after 0, 1
+# or 2 warm-up calls (the mean of calls w+1 to w+5).
+
+# %%
+q, k, v = (torch.randn(B, H, N_KERNEL + 48, D, device=DEVICE, dtype=DTYPE) for _ in range(3))
+calls = [stopwatch_ms(lambda: course_lib.flash_attention(q, k, v), wait=True) for _ in range(8)]
+print("calls one by one (ms):", " ".join(f"{t:.2f}" for t in calls))
+steady = statistics.median(calls[3:])
+for w in (0, 1, 2):
+    reported = statistics.fmean(calls[w : w + 5])
+    print(f"  {w} warm-up calls: the loop reports {reported:8.2f} ms, {reported / steady:.2f}x the steady median")
 
 # %% [markdown]
 # ### 1.3 Medians, not means
@@ -137,13 +156,15 @@ print(f"first call {first:.1f} ms, later calls {later:.1f} ms (median): {first /
 q, k, v = (torch.randn(B, H, N, D, device=DEVICE, dtype=DTYPE) for _ in range(3))
 samples = [stopwatch_ms(lambda: attention(q, k, v), wait=True) for _ in range(60)]
 med, mean = statistics.median(samples), statistics.fmean(samples)
-fig, ax = plt.subplots(figsize=(8, 4))
-ax.hist(samples, bins=30, color="tab:blue")
+top = 3 * med  # one slow outlier must not squash the rest into a single bar: calls beyond 3x the median
+beyond = sum(t > top for t in samples)  # are counted, not drawn
+fig, ax = plt.subplots(figsize=(10, 4.5))
+ax.hist([min(t, top) for t in samples], bins=30, range=(min(samples), top), color="tab:blue")
 for value, name, style in ((med, "median", "-"), (mean, "mean", "--"), (min(samples), "min", ":")):
-    ax.axvline(value, color="black", linestyle=style, label=f"{name} {value:.3f} ms")
-ax.set_xlabel("time per call (ms)")
+    ax.axvline(min(value, top), color="black", linestyle=style, label=f"{name} {value:.3f} ms")
+ax.set_xlabel("time per call (ms)" + (f"; {beyond} slower calls piled up at the right edge" if beyond else ""))
 ax.set_ylabel("number of calls")
-ax.set_title(f"60 timings of one call ({DEVICE.type}): they scatter, the median is robust")
+ax.set_title(f"60 timings ({DEVICE.type}): the mean is {100 * (mean / med - 1):+.0f}% off the median")
 ax.legend()
 plt.show()
 
@@ -243,11 +264,15 @@ for causal in (False, True):
 assert timing.attention_flops(4, 16, 4096, 4096, 128) == 4 * 4 * 16 * 4096**2 * 128
 
 # %% [markdown]
-# So a causal forward at that shape that takes 1 ms runs at 2.2 TFLOP / 1 ms = 2200 TFLOP/s — more than
-# any GPU's dense bf16 matmul ceiling (the H200's measured ceiling is printed below from the recorded
-# hardware figures): a number like that means a timing bug.
+# So a causal forward at that shape, 0.275 TFLOP, that takes 1 ms runs at 275 TFLOP/s: plausible for a good
+# kernel on an H200. One that seemed to take 0.1 ms would claim 2750 TFLOP/s, more than any GPU's dense bf16
+# matmul ceiling (the H200's measured ceiling is printed below from the recorded hardware figures): a number
+# like that means a timing bug.
 
 # %%
+causal_fwd = timing.attention_flops(4, 16, 4096, 4096, 128, causal=True, mode="fwd")
+for ms in (1.0, 0.1):
+    print(f"causal forward, {causal_fwd / 1e12:.3f} TFLOP in {ms} ms: {causal_fwd / (ms * 1e-3) / 1e12:6.0f} TFLOP/s")
 hw = records.load_record("hardware")
 if hw is not None:
     print(f"bf16 matmul ceiling: {hw['data']['matmul_tflops'].get('bfloat16', float('nan')):.0f} TFLOP/s "
@@ -281,18 +306,48 @@ if hw is not None:
 # `chrome://tracing` or https://ui.perfetto.dev. `record_function` names a region of your own.
 
 # %%
+import contextlib
+import os
+import sys
+
 from torch.profiler import ProfilerActivity, profile, record_function
+
+
+@contextlib.contextmanager
+def quiet_stderr():
+    """Silence the profiler library's own start/stop log lines (written by C++ straight to stderr)."""
+    sys.stderr.flush()
+    saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+
+
+def top_table(prof, rows=12, width=46):
+    """The operators (CPU) or kernels (GPU) with the most self time: name, calls, self time, share."""
+    attr = "self_device_time_total" if course_lib.ON_GPU else "self_cpu_time_total"
+    events = sorted(prof.key_averages(), key=lambda e: getattr(e, attr), reverse=True)
+    total = sum(getattr(e, attr) for e in events)
+    print(f"{'operator or kernel':{width}} {'calls':>6} {'self ms':>9} {'share':>6}")
+    for e in events[:rows]:
+        name = e.key if len(e.key) <= width else e.key[: width - 1] + "…"
+        t = getattr(e, attr)
+        print(f"{name:{width}} {e.count:6d} {t / 1e3:9.3f} {100 * t / total:5.1f}%")
+
 
 activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if course_lib.ON_GPU else [])
 qg, kg, vg = (t.clone().requires_grad_(True) for t in (q, k, v))
-with profile(activities=activities) as prof:
+with quiet_stderr(), profile(activities=activities) as prof:
     with record_function("standard attention fwd+bwd"):
         attention(qg, kg, vg, causal=True).sum().backward()
     with record_function("SDPA fwd+bwd"):
         F.scaled_dot_product_attention(qg, kg, vg, is_causal=True).sum().backward()
     sync()
-sort_by = "self_device_time_total" if course_lib.ON_GPU else "self_cpu_time_total"
-print(prof.key_averages().table(sort_by=sort_by, row_limit=12, max_name_column_width=50))
+top_table(prof)  # prof.key_averages().table(...) prints every column, too wide for a notebook
 trace = Path(tempfile.gettempdir()) / "course_08_attention_trace.json"
 prof.export_chrome_trace(str(trace))
 print(f"trace written to {trace}: open it in https://ui.perfetto.dev (or chrome://tracing)")
@@ -347,6 +402,8 @@ else:
 # *before* it was measured. The shape: d = 128, N = 4096, causal, bf16, B·N = 16k tokens.
 
 # %%
+import textwrap
+
 previous = {}
 for step in bench.LADDER:
     before = previous.get(step.pass_)
@@ -356,19 +413,22 @@ for step in bench.LADDER:
         changed = {key: val for key, val in step.config.items() if before is None or before.get(key) != val}
         change = ", ".join(f"{key}={val}" for key, val in changed.items())
     previous[step.pass_] = step.config
-    print(f"[{step.pass_}] {step.name:34} predicted {step.predicted:4.2f}x   {change}")
-    print(f"      {'':34} why: {step.reason}")
+    print(f"[{step.pass_}] {step.name} — predicted {step.predicted:4.2f}x")
+    print(textwrap.fill(f"change: {change}", 100, initial_indent="      ", subsequent_indent="        "))
+    print(textwrap.fill(f"why: {step.reason}", 100, initial_indent="      ", subsequent_indent="        "))
 
 # %% [markdown]
 # Some predictions in words:
 # - **Base-2 exponentials.** The hardware computes `exp(x)` as `ex2(x · log2 e)`. Folding log2 e into the
 #   softmax scale saves one multiply per score. Small (~1.06x): exponentials and friends are about a third
-#   of the time at d = 128, and this removes one of about six operations there.
+#   of the time at d = 128 (derived in the next cell), and this removes one of about six operations there.
 # - **Skipping fully masked tiles.** With a causal mask, the tiles above the diagonal contribute nothing.
 #   The straightforward kernel loads and masks them anyway; skipping them halves the work (2080 of 4096
 #   tiles remain at N = 4096 with 64 x 64 tiles): ~1.9x.
 # - **Block shapes.** A K/V tile loaded from memory serves BLOCK_M queries. Going from 64 to 128 doubles
-#   the FLOPs per byte of K and V (64 → 128 FLOP/B, still under the H200's ridge of ~190 FLOP/B).
+#   the FLOPs per byte of K and V (64 → 128 FLOP/B, still under the H200's ridge: about 169 FLOP/B from
+#   the measured ceilings of the hardware record, 206 from the datasheet; notebook 02 says why they differ,
+#   and this notebook uses the measured one, since that is what a real kernel can reach).
 # - **Pipeline stages.** With `num_stages` > 1 the loads of the next K/V tile are issued while the tensor
 #   cores work on the current one, hiding memory latency.
 # - **Warp specialisation (Hopper).** In the Triton kernel every warp loads, multiplies and exponentiates
@@ -381,6 +441,22 @@ for step in bench.LADDER:
 #   another, which recomputes S and dP: 7 tile matmuls instead of 5. The atomic variant does one pass and
 #   adds dQ with fp32 atomics instead: fewer FLOPs, more (atomic) memory traffic.
 #
+# **Where "a third" comes from.** Per score $s_{ij}$ the two matmuls do $4d$ FLOPs ($2d$ for $Q K^T$, $2d$
+# for $P V$) on the tensor cores, and the softmax does one exponential on the special-function units
+# (`ex2`, 16 per clock per SM on Hopper, against about 4096 dense bf16 matmul FLOPs per clock per SM).
+# In time: the exponential costs as much as $4096 / 16 = 256$ matmul FLOPs. At d = 128 the matmuls of a
+# score cost 512 FLOPs, so the exponential adds half of that: a third of the total, if nothing overlaps.
+# At d = 64 it is half of the total. (The rescaling multiplies and the max run on the ordinary fp32
+# units and add a little more.)
+
+# %%
+SM_MATMUL_FLOPS_PER_CLOCK, SM_EX2_PER_CLOCK = 4096, 16  # H100/H200, dense bf16 tensor cores; MUFU ex2
+for d_head in (64, 128, 256):
+    matmul = 4 * d_head / SM_MATMUL_FLOPS_PER_CLOCK  # clocks per score on the tensor cores
+    exp = 1 / SM_EX2_PER_CLOCK  # clocks per score on the special-function units
+    print(f"d = {d_head:3}: exponentials are {exp / (matmul + exp):.0%} of the time when nothing overlaps")
+
+# %% [markdown]
 # Optimisation must not change the answer. Every rung computes the same attention:
 
 # %%
@@ -412,6 +488,15 @@ print(f"all {len(bench.LADDER)} rungs agree with the float64 reference")
 # backward; grey, the prediction; orange, the measurement. Where they disagree, the model behind the
 # prediction missed something — that is where to look with Nsight Compute.
 
+# %% [markdown]
+# Your prediction first: how many times faster than the straightforward forward (the first rung) is the
+# fastest forward rung, measured? The product of the predicted gains above is one estimate (Exercise 4).
+
+# %%
+from course_lib.exercises import predict
+
+ladder_guess = predict("fastest forward rung over the first", 3.0, unit="x")  # your prediction
+
 # %%
 ladder_rec = records.load_record("ladder")
 if ladder_rec is None:
@@ -427,6 +512,8 @@ else:
             print(f"[{s['pass_']}] {s['name']:34} not measured: {s.get('reason_failed')}")
     _ = bench.plot_ladder(ladder_rec)
     plt.show()
+    fwd_ok = [s for s in ladder_rec["data"]["steps"] if s["pass_"] == "fwd" and s.get("status") == "ok"]
+    _ = ladder_guess.score(max(s["tflops"] for s in fwd_ok) / fwd_ok[0]["tflops"])
 
 # %% [markdown]
 # **Reading the misses in the recorded H200 run.**
@@ -501,12 +588,29 @@ if att_rec is not None:
 # - Gluon with a producer warp, consumer warpgroups taking turns, and a persistent grid
 #   (`course_lib/attention/hopper.py`, swept by `scripts/hopper_ws_forward.py`): the kernel course_lib
 #   now runs on Hopper wherever it measured faster (`hopper.choose`). The ladder's last forward rung is it.
+#
+# **Why notebook 06's recorded comparison disagrees with this one.** Notebook 06's record (d = 64) has its
+# fixed-config kernel ahead of the tuned `course_lib.flash_attention` in most non-causal cells and SDPA ahead
+# of both; this record has course_lib ahead of SDPA at the same d. The two were not measured alike:
+# - *Different kernels.* Notebook 06's record was taken before the warp-specialised Gluon forward existed:
+#   its "course_lib.flash_attention" is the autotuned Triton kernel. This record's is the Gluon kernel
+#   wherever `hopper.choose` takes it.
+# - *Different processes.* Each figure is a median within one process. Between processes a GPU's clocks,
+#   temperature and the autotuner's choice (itself a timing, and a noisy one when the gap between configs
+#   is a few percent) move the figures by a few percent: the size of the gaps in notebook 06's record.
+# - *Different call paths.* Notebook 06 times `flash_attention`, an autograd Function with input checks, against
+#   its own direct launch; at N = 1k a forward takes about 0.3 ms, so tens of microseconds of Python per
+#   call are visible.
+# Compare figures only within one record, where one process measured every provider on the same inputs.
 
 # %% [markdown]
 # ### Live, on this machine
 #
 # On a GPU: one cell of the grid, now. On a CPU: the CPU's own attention kernels (standard attention and
 # SDPA's CPU kernel), timed at small sizes — CPU figures, not GPU ones, and labelled as such.
+
+# %%
+live_guess = predict("SDPA over standard attention, on this machine", 3.0, unit="x")  # your prediction
 
 # %%
 q, k, v = (torch.randn(B, H, N, D, device=DEVICE, dtype=DTYPE) for _ in range(3))
@@ -516,12 +620,104 @@ if course_lib.ON_GPU:
     live["course_lib"] = lambda: course_lib.flash_attention(q, k, v, causal=True)
 flop = timing.attention_flops(B, H, N, N, D, causal=True)
 print(f"live on {course_lib.RUNTIME.describe()}, (B, H, N, d) = {(B, H, N, D)}, causal, {DTYPE}:")
+live_ms = {}
 for name, fn in live.items():
-    ms = timing.benchmark(fn)
+    live_ms[name] = ms = timing.benchmark(fn)
     print(f"  {name:28} {ms:9.3f} ms  {flop / (ms * 1e-3) / 1e12:9.3g} TFLOP/s")
+_ = live_guess.score(live_ms["standard attention (eager)"] / live_ms["SDPA default"])
 
 # %% [markdown]
-# ## 5. Exercises
+# ## 5. Mixed precision and memory
+#
+# ### 5.1 What autocast runs in which dtype
+#
+# Training keeps weights in fp32 and runs most matmuls in bf16 (or fp16) through `torch.autocast`: inside
+# the context, each operation is cast according to a list, matmuls and convolutions to the low precision,
+# reductions and losses to fp32 where rounding would hurt. The lists differ between devices (CUDA keeps
+# softmax in fp32, for example; the CPU's list is shorter). The inputs here are fp32; the dtypes printed are
+# what autocast chose on this device:
+
+# %%
+amp_dtype = torch.bfloat16
+x32, w32 = torch.randn(64, 64, device=DEVICE), torch.randn(64, 64, device=DEVICE)
+with torch.autocast(device_type=DEVICE.type, dtype=amp_dtype):
+    ops = {
+        "x @ w": x32 @ w32,
+        "softmax(x @ w)": torch.softmax(x32 @ w32, dim=-1),
+        "layer_norm(x)": F.layer_norm(x32, (64,)),
+        "(x @ w).sum()": (x32 @ w32).sum(),
+        "x + w": x32 + w32,
+        "SDPA(x, x, x)": F.scaled_dot_product_attention(x32[None], x32[None], x32[None]),
+    }
+for name, out in ops.items():
+    print(f"  {name:16} -> {out.dtype}")
+assert ops["x @ w"].dtype == amp_dtype  # matmuls always go to the low precision
+
+# %% [markdown]
+# ### 5.2 Accumulating in fp16 or fp32
+#
+# A matmul's inputs can be bf16 or fp16 because each product is exact enough; the **sum** of thousands of
+# products is not. Tensor cores multiply in low precision and accumulate in fp32, and every kernel of the
+# course keeps its accumulators (`acc`, m, l) in fp32. Here is why: a dot product of length K computed
+# in chunks of 64 (as a kernel's K loop does), the running sum kept in fp16 or in fp32, against float64.
+
+# %%
+K_LEN = 16384
+a16, b16 = (torch.rand(K_LEN, dtype=torch.float64).to(torch.float16) for _ in range(2))
+exact = (a16.double() * b16.double()).sum().item()
+errors = {}
+for acc_dtype in (torch.float16, torch.float32):
+    acc = torch.zeros((), dtype=acc_dtype)
+    for c in range(0, K_LEN, 64):
+        acc = acc + (a16[c : c + 64].float() * b16[c : c + 64].float()).sum().to(acc_dtype)
+    errors[str(acc_dtype)] = abs(acc.item() - exact) / exact
+    print(f"accumulator {str(acc_dtype):14}: {acc.item():12.4f}, relative error {errors[str(acc_dtype)]:.1e}")
+print(f"exact (float64): {exact:.4f}; fp16 keeps 11 significant bits: near 4096 its spacing is 4, so every")
+print("chunk's contribution (about 16) is rounded to a multiple of 4 when it is added")
+assert errors["torch.float32"] < errors["torch.float16"]
+
+# %% [markdown]
+# On a GPU, cuBLAS may use reduced-precision accumulation for fp16 matmuls when
+# `torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction` is True; bf16 attention kernels
+# (SDPA's, course_lib's) always accumulate in fp32.
+#
+# ### 5.3 Where the memory goes: the allocator's history
+#
+# `torch.cuda.max_memory_allocated` gives one number; the allocator can also record *every* allocation with
+# the Python stack that made it: `torch.cuda.memory._record_memory_history()`, then
+# `torch.cuda.memory._dump_snapshot(path)`, and drag the file onto https://pytorch.org/memory_viz to see
+# each tensor's lifetime (an underscore API: its arguments may change between PyTorch versions). On a CPU
+# there is no such allocator; `torch.profiler`'s `profile_memory=True` gives the bytes each operator
+# allocated instead. Standard attention's forward and backward at this notebook's shape:
+
+# %%
+qm, km, vm = (torch.randn(B, H, N, D, device=DEVICE, dtype=DTYPE, requires_grad=True) for _ in range(3))
+if course_lib.ON_GPU:
+    torch.cuda.memory._record_memory_history(max_entries=100_000)
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    attention(qm, km, vm, causal=True).sum().backward()
+    torch.cuda.synchronize()
+    snapshot = Path(tempfile.gettempdir()) / "course_08_memory_snapshot.pickle"
+    torch.cuda.memory._dump_snapshot(str(snapshot))
+    torch.cuda.memory._record_memory_history(enabled=None)
+    peak_mb = (torch.cuda.max_memory_allocated() - before) / 1e6
+    print(f"peak above the inputs: {peak_mb:.0f} MB; snapshot in {snapshot} (open it at pytorch.org/memory_viz)")
+else:
+    with quiet_stderr(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as mprof:
+        attention(qm, km, vm, causal=True).sum().backward()
+    events = sorted(mprof.key_averages(), key=lambda e: e.self_cpu_memory_usage, reverse=True)
+    print(f"{'operator':40} {'calls':>6} {'MB allocated':>13}")
+    for e in events[:8]:
+        print(f"{e.key[:40]:40} {e.count:6d} {e.self_cpu_memory_usage / 1e6:13.2f}")
+nn_mb = B * H * N * N * torch.finfo(DTYPE).bits / 8 / 1e6
+print(f"one N x N matrix at this shape: {nn_mb:.1f} MB (B*H*N*N elements)")
+
+# %% [markdown]
+# Look for the operators whose allocations are multiples of the last line's figure: those are the N × N
+# matrices (scores, probabilities, their gradients). course_lib's kernels allocate none of them.
+#
+# ## 6. Exercises
 #
 # **Exercise 1 — TFLOP/s from a time.** Write `tflops(ms, b, h, n, d, causal, mode)`: the attention TFLOP/s
 # of a call that took `ms` milliseconds, by the papers' convention (do not call `attention_flops`).
@@ -566,8 +762,25 @@ check("bytes ratio", lambda: bytes_ratio(4096, 128), 1 + 4096 / 128)
 check("bytes ratio", lambda: bytes_ratio(1024, 64), 1 + 1024 / 64)
 
 # %% [markdown]
-# At N = 4096, d = 128 that is 33x fewer bytes. (The real gain is smaller: standard attention's matmuls
-# are compute-bound and cuBLAS is good at them; it is the softmax passes that the fusion removes.)
+# At N = 4096, d = 128 that is 33x fewer bytes. The real gain is smaller, because the fused kernel is not
+# memory-bound: it does $4N^2d$ FLOPs on $4Nd$ elements, an intensity of N/2 = 2048 FLOP/byte in bf16, far
+# right of the ridge, so its time is set by its FLOPs. Standard attention stays memory-bound, matmuls
+# included (Q Kᵀ at about 120 FLOP/byte at this shape, below the ridge: notebook 02). The speed-up to expect
+# is standard attention's bytes over the bandwidth against the fused kernel's FLOPs over the matmul peak:
+
+# %%
+hw_ceilings = (716.0, 4245.0)  # bf16 matmul TFLOP/s, copy GB/s: the H200 record at the time of writing
+if hw is not None:
+    hw_ceilings = (hw["data"]["matmul_tflops"]["bfloat16"], hw["data"]["copy_gbps"])
+n_, d_ = 4096, 128
+standard_us = (4 * n_ * d_ + 4 * n_ * n_) * 2 / (hw_ceilings[1] * 1e9) * 1e6
+fused_us = 4 * n_ * n_ * d_ / (hw_ceilings[0] * 1e12) * 1e6
+print(
+    f"per (batch, head): standard {standard_us:.1f} us (its bytes), fused {fused_us:.1f} us (its FLOPs): "
+    f"{standard_us / fused_us:.1f}x, not {(4 * n_ * d_ + 4 * n_ * n_) / (4 * n_ * d_):.0f}x"
+)
+
+# %% [markdown]
 #
 # **Exercise 3 — summarise ratios.** Write `min_and_geomean(ratios)`: the minimum and the geometric mean
 # of a list of ratios, skipping `None` (a cell without a figure). Why the geometric mean: the arithmetic
