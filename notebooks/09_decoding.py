@@ -1,0 +1,467 @@
+# ---
+# jupyter:
+#   jupytext:
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 09 · Decoding attention and Flash-Decoding
+#
+# Training and prefill push thousands of query rows through attention at once. Generating text does not:
+# each step adds **one** token per sequence, and that token's query must attend to every key the sequence
+# has produced so far, kept in a **KV cache**. This notebook is about that step.
+#
+# **Learning goals**
+# 1. Place decoding on the roofline: one query row against an N-token cache does about G FLOPs per byte
+#    (G = query heads per kv head), far below any GPU's ridge point, so the time is the bytes of the cache
+#    divided by the bandwidth. Predict it, then compare with a measurement.
+# 2. Keep a KV cache in PyTorch, tell prefill from decode, and align the causal mask **bottom-right** when a
+#    few new tokens (speculative verification, a chunk of a prompt) attend to a longer cache.
+# 3. Build **split-KV** decoding (Flash-Decoding) from notebook 03's merge: each program reduces one slice of
+#    the cache to a partial (O, L); a small second kernel merges the partials.
+# 4. Pack the query heads that share a kv head into the rows of one tile (**GQA packing**), so the cache is
+#    read once per kv head.
+# 5. Choose the number of splits from the SM count (FlashAttention-2's rule) and compare with a measured curve.
+#
+# The finished pieces live in `course_lib.decode`: `decode_attention`, `decode_reference`, `combine`,
+# `heuristics.choose_num_splits`; the benchmark is `course_lib.bench.decode`.
+
+# %% [markdown]
+# ## 0. Sizes
+#
+# One cell sets every size. On the CPU the kernels run in Triton's interpreter, so the cache is a few
+# hundred tokens; on a GPU it is the benchmark's shape (32 query heads over 8 kv heads, d = 128).
+
+# %%
+import math
+
+import matplotlib.pyplot as plt
+import numpy as np
+import torch
+
+import course_lib
+from course_lib import records
+from course_lib.attention.merge import merge_attention_states, merge_many
+from course_lib.decode import decode_attention, decode_reference
+from course_lib.decode.heuristics import choose_num_splits, sm_count, wave_efficiency
+from course_lib.exercises import check
+from course_lib.perf.hardware import gpu as gpu_spec
+
+B, N, HQ, HKV, D = course_lib.pick(cpu=(2, 256, 8, 2, 64), gpu=(8, 8192, 32, 8, 128))
+DTYPE = course_lib.pick(cpu=torch.float32, gpu=torch.bfloat16)
+DEV = course_lib.DEVICE
+G = HQ // HKV  # query heads per kv head
+torch.manual_seed(0)
+plt.rcParams["font.size"] = 12
+print(f"B={B} sequences, cache of N={N} tokens, {HQ} query heads over {HKV} kv heads, d={D}, {DTYPE}")
+
+# %% [markdown]
+# ## 1. Why decoding is different: a roofline reading
+#
+# One decoding step of one sequence, per layer: the new token's query, Hq heads of d numbers, meets the
+# cache's N keys and N values of Hkv heads. The work is two matrix-vector products per query head,
+# 2·N·d FLOPs each; the bytes are the whole cache, read once:
+#
+# $$\text{FLOPs} = 4\,N\,d\,H_q, \qquad \text{bytes} = 2\,N\,d\,H_{kv}\cdot 2 \;(\text{bf16}), \qquad
+# \frac{\text{FLOPs}}{\text{byte}} = \frac{H_q}{H_{kv}} = G.$$
+#
+# A GPU needs hundreds of FLOPs per byte to be compute-bound (its ridge point: peak FLOP/s ÷ bandwidth).
+
+# %%
+h200 = gpu_spec("H200")
+ridge = h200.matmul16_tflops * 1e12 / (h200.hbm_gbps * 1e9)
+for g in (1, 4, 8):
+    print(f"G = {g}: {g} FLOP/byte, {ridge / g:.0f}x below the H200's ridge point of {ridge:.0f} FLOP/byte")
+assert ridge > 8 * 8  # decoding at G <= 8 sits deep in the memory-bound region
+
+# %% [markdown]
+# So the time of a decoding step is the bytes over the bandwidth. For a model the size of Llama-3-8B
+# (32 layers, 8 kv heads, d = 128, bf16), every generated token reads the whole cache of its sequence:
+
+
+# %%
+def kv_bytes_per_token(n_tokens, layers=32, kv_heads=8, head_dim=128, bytes_per_element=2):
+    """Bytes of K and V one decoding step reads for one sequence of n_tokens."""
+    return 2 * n_tokens * layers * kv_heads * head_dim * bytes_per_element
+
+
+decode_rec = records.load_record("decode")
+hw_rec = records.load_record("hardware")
+if decode_rec:
+    read_gbps, source = decode_rec["data"]["ceilings"]["read_gbps"], "measured read ceiling"
+elif hw_rec:
+    read_gbps, source = hw_rec["data"]["copy_gbps"], "measured copy ceiling"
+else:
+    read_gbps, source = h200.hbm_gbps, "datasheet bandwidth"
+for n in (1024, 32768, 131072):
+    nbytes = kv_bytes_per_token(n)
+    print(f"context {n:>6}: {nbytes / 2**30:6.2f} GiB per token -> {nbytes / (read_gbps * 1e9) * 1e3:6.2f} ms "
+          f"at the H200's {source} of {read_gbps:.0f} GB/s")  # fmt: skip
+
+# %% [markdown]
+# FlashAttention-2's forward launches one program per (batch, head, block of 128 query rows). With one
+# query row per sequence, batch 1 and 32 heads give 32 programs — and a GPU of 132 SMs wants several
+# per SM to hide memory latency. Most of the chip would wait. The rest of this notebook fixes that.
+
+# %%
+sms = h200.sms
+for batch in (1, 8, 64):
+    programs = batch * 32
+    print(f"batch {batch:>2}: {programs:>4} programs of one query row each on {sms} SMs "
+          f"({min(programs, sms) / sms:.0%} of the SMs busy)")  # fmt: skip
+
+# %% [markdown]
+# ## 2. A KV cache in PyTorch: prefill, then decode
+#
+# A cache is two tensors (B, Nmax, Hkv, d) and the number of valid tokens per sequence. **Prefill** runs the
+# prompt's tokens through attention at once (causal over themselves) and stores their K and V; each
+# **decode** step appends one token's K and V and attends with its one query. The layout
+# (B, N, H, d) — tokens before heads — lets a step write its new row with one indexed store.
+
+
+# %%
+class KVCache:
+    """K and V of B sequences, (B, n_max, Hkv, d), and their lengths: append, then read."""
+
+    def __init__(self, batch, n_max, kv_heads, head_dim, dtype=DTYPE, device=DEV):
+        self.k = torch.zeros(batch, n_max, kv_heads, head_dim, dtype=dtype, device=device)
+        self.v = torch.zeros_like(self.k)
+        self.seqlens = torch.zeros(batch, dtype=torch.int32, device=device)
+
+    def append(self, k_new, v_new):
+        """Store k_new, v_new (B, T, Hkv, d) after each sequence's last token (same T for all here)."""
+        T = k_new.shape[1]
+        pos = self.seqlens[:, None].long() + torch.arange(T, device=k_new.device)[None, :]  # (B, T)
+        rows = torch.arange(k_new.shape[0], device=k_new.device)[:, None]
+        self.k[rows, pos] = k_new
+        self.v[rows, pos] = v_new
+        self.seqlens += T
+
+
+prompt = N // 2
+ks = torch.randn(B, N, HKV, D, device=DEV, dtype=DTYPE)  # the keys and values a model would produce
+vs = torch.randn(B, N, HKV, D, device=DEV, dtype=DTYPE)
+qs = torch.randn(B, N, HQ, D, device=DEV, dtype=DTYPE)
+cache = KVCache(B, N, HKV, D)
+cache.append(ks[:, :prompt], vs[:, :prompt])  # prefill: the prompt's K and V
+outs = []
+for t in range(prompt, prompt + 4):  # four decode steps
+    cache.append(ks[:, t : t + 1], vs[:, t : t + 1])
+    outs.append(decode_attention(qs[:, t : t + 1], cache.k, cache.v, cache.seqlens))
+print("after 4 decode steps the cache holds", cache.seqlens.tolist(), "tokens per sequence")
+
+# %% [markdown]
+# Each decode step must equal the last row of ordinary causal attention over the whole sequence so far.
+# The float64 reference from notebook 02 checks it, with each kv head repeated for its G query heads:
+
+# %%
+t = prompt + 3
+ref = course_lib.attention_reference(
+    qs[:, : t + 1].double().transpose(1, 2),
+    ks[:, : t + 1].double().repeat_interleave(G, 2).transpose(1, 2),
+    vs[:, : t + 1].double().repeat_interleave(G, 2).transpose(1, 2),
+    causal=True,
+)[:, :, -1]  # (B, Hq, d): the last row
+err = (outs[-1][:, 0].double().cpu() - ref.cpu()).abs().max().item()
+print(f"max |decode step - full causal attention| = {err:.2e}")
+assert err < course_lib.pick(cpu=1e-4, gpu=3e-2)
+
+# %% [markdown]
+# ### Bottom-right alignment
+#
+# With Tq > 1 new tokens (a speculative draft of a few tokens to verify, or a prompt fed in chunks), the new
+# queries are the **last** Tq positions of a sequence of n tokens. Query t may see keys j ≤ n − Tq + t:
+# the diagonal of the mask ends in the bottom-right corner. The top-left convention of notebook 02
+# (j ≤ t) would let the first new token see only the first key.
+
+
+# %%
+def draw_mask(ax, tq, n, bottom_right):
+    t = np.arange(tq)[:, None]
+    j = np.arange(n)[None, :]
+    visible = j <= (n - tq + t if bottom_right else t)
+    ax.imshow(visible, cmap="Greens", vmin=0, vmax=1.3)
+    ax.set_xlabel("key j")
+    ax.set_ylabel("new query t")
+    ax.set_title(("bottom-right: j ≤ n − Tq + t" if bottom_right else "top-left: j ≤ t"), fontsize=11)
+
+
+fig, axes = plt.subplots(1, 2, figsize=(10, 2.6))
+draw_mask(axes[0], 3, 10, False)
+draw_mask(axes[1], 3, 10, True)
+fig.suptitle("3 new tokens against a cache of 10: only bottom-right lets them see their past")
+plt.tight_layout()
+plt.show()
+
+# %% [markdown]
+# `decode_attention(..., causal=True)` uses the bottom-right alignment. Three new tokens at once give the
+# same rows as three single-token steps would:
+
+# %%
+seq3 = torch.full((B,), t + 1, dtype=torch.int32, device=DEV)
+three = decode_attention(qs[:, t - 2 : t + 1], cache.k, cache.v, seq3)  # (B, 3, Hq, d)
+one_by_one = torch.stack(outs[1:], 1)[:, :, 0]  # the decode steps t-2, t-1, t
+torch.testing.assert_close(three, one_by_one, atol=course_lib.pick(cpu=1e-5, gpu=2e-2), rtol=0)
+print("3 tokens in one call == 3 single-token steps")
+
+# %% [markdown]
+# ## 3. Split-KV, built from notebook 03's merge
+#
+# To give the GPU more programs, split the cache along the keys. Program s reduces slice s to a **partial
+# result**: O_s, attention normalised over the slice's keys only, and L_s, the logsumexp of its scores.
+# Notebook 03 merged softmax states (m, l); the same merge written on (O, L) is
+#
+# $$L = \log\big(e^{L_a} + e^{L_b}\big), \qquad O = e^{L_a - L}\,O_a + e^{L_b - L}\,O_b,$$
+#
+# exact in any order, with an empty slice as (0, −∞). First in float64 PyTorch, one sequence, one head:
+
+# %%
+n = int(cache.seqlens[0])
+q1 = qs[0, n - 1, 0].double().cpu()  # the last token's query, head 0
+k1, v1 = ks[0, :n, 0].double().cpu(), vs[0, :n, 0].double().cpu()
+
+
+def partial_attention(q, k, v):
+    """(O, L) of one query over the keys k, v (n_keys, d); (0, -inf) for no key."""
+    if k.shape[0] == 0:
+        return torch.zeros_like(q), torch.tensor(float("-inf"), dtype=q.dtype)
+    s = (k @ q) * q.shape[-1] ** -0.5
+    lse = torch.logsumexp(s, 0)
+    return torch.exp(s - lse) @ v, lse
+
+
+S = 4
+bounds = [round(i * n / S) for i in range(S + 1)]
+parts = [partial_attention(q1, k1[a:b], v1[a:b]) for a, b in zip(bounds, bounds[1:])]
+o_full, lse_full = partial_attention(q1, k1, v1)
+o_two, lse_two = merge_attention_states(parts[0][0][None], parts[0][1][None], parts[1][0][None], parts[1][1][None])
+o_all, lse_all = merge_many(torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts]), dim=0)
+torch.testing.assert_close(o_all, o_full)
+print(f"{S} slices of {[b - a for a, b in zip(bounds, bounds[1:])]} keys merge to the full result; "
+      f"L = {lse_all.item():.4f} (full: {lse_full.item():.4f})")  # fmt: skip
+
+# %% [markdown]
+# ### The splits as a picture
+#
+# The kernel does exactly this with one program per (sequence, kv head, split). Each program walks its own
+# slice one block of BLOCK_N keys at a time (online softmax inside the slice, as in notebook 06); all
+# splits run at once. Below, one sequence's cache in blocks, step by step: the blocks lit at each step are
+# the ones being read, and the last panel is the merge of the S partials.
+
+
+# %%
+def draw_split_step(ax, n_blocks, splits, step):
+    per = math.ceil(n_blocks / splits)
+    colors = plt.cm.tab10(np.arange(splits) % 10)
+    for blk in range(n_blocks):
+        s = blk // per
+        done = blk - s * per < step
+        ax.add_patch(plt.Rectangle((blk, 0), 0.9, 0.9, color=colors[s], alpha=0.95 if done else 0.12))
+    ax.set_xlim(0, n_blocks)
+    ax.set_ylim(0, 1)
+    ax.set_yticks([])
+    ax.set_xlabel("key block")
+
+
+n_blocks, splits = 16, 4
+fig, axes = plt.subplots(5, 1, figsize=(9, 5.5))
+for step in range(4):
+    draw_split_step(axes[step], n_blocks, splits, step + 1)
+    axes[step].set_title(f"step {step + 1}: each of the {splits} programs has read {step + 1} block(s)", fontsize=10)
+draw_split_step(axes[4], n_blocks, splits, 4)
+axes[4].set_title("merge: L = log Σ exp(L_s), O = Σ exp(L_s − L) O_s  (combine kernel)", fontsize=10)
+fig.suptitle("Split-KV: 4 programs read a 16-block cache in 4 steps instead of 16")
+plt.tight_layout()
+plt.show()
+
+# %% [markdown]
+# The kernel: `course_lib/decode/split_kv.py`. Its split s covers blocks [s·P, (s+1)·P), P = ⌈blocks / S⌉,
+# computed **inside** the kernel from the sequence's length, so a ragged batch is split per sequence and the
+# grid (S, B·Hkv, query tiles) depends on shapes only. `combine.py` holds the merge kernel. Against the
+# float64 reference, for a ragged batch (lengths 0 and 1 included) and several split counts:
+
+# %%
+lengths = torch.tensor([0, 1, N // 3, N][-B:] if B >= 4 else [1, N - 5][:B], dtype=torch.int32, device=DEV)
+q_new = torch.randn(B, 1, HQ, D, device=DEV, dtype=DTYPE)
+ref_out, ref_lse = decode_reference(q_new, ks, vs, lengths)
+for s in (1, 3, 8):
+    out, lse = decode_attention(q_new, ks, vs, lengths, num_splits=s, return_lse=True)
+    err = (out.double().cpu() - ref_out).abs().max().item()
+    print(f"num_splits={s}: max error vs float64 = {err:.1e}")
+    assert err < course_lib.pick(cpu=1e-4, gpu=3e-2)
+
+# %% [markdown]
+# ## 4. GQA packing: read each kv head once
+#
+# With G query heads per kv head, a kernel that gives each query head its own program reads every kv head's
+# cache G times. Packing puts the G heads (times Tq tokens) in the **rows of one tile**: row r = t·G + g,
+# padded to 16 rows (the smallest `tl.dot` tile). The K block is loaded once and multiplied by all G query
+# rows. The bytes differ by a factor G:
+
+# %%
+per_head = 2 * N * D * 2 * HQ  # K and V, bf16, once per query head
+packed = 2 * N * D * 2 * HKV  # once per kv head
+print(f"per query head: {per_head / 1e6:.1f} MB, packed: {packed / 1e6:.1f} MB per sequence and layer "
+      f"({per_head // packed}x)")  # fmt: skip
+rows = [f"t={r // G} g={r % G} -> head {r % G}" for r in range(min(G, 4))]
+print("tile rows of kv head 0:", rows, "... padded to", max(16, 1 << (G - 1).bit_length()))
+
+# %% [markdown]
+# ## 5. Choosing the number of splits
+#
+# Splitting more fills the SMs but writes more partials and leaves a tail when the programs do not divide
+# evenly into waves of one program per SM. FlashAttention-2's rule: no split when batch × kv heads already
+# fills 80 % of the SMs; otherwise the fewest splits whose **wave efficiency** (programs ÷ (SMs × waves))
+# is within 85 % of the best. `heuristics.choose_num_splits` is that rule; for the H200's 132 SMs:
+
+# %%
+for batch, n_ctx in ((1, 1024), (1, 32768), (8, 8192), (16, 32768), (64, 4096)):
+    s = choose_num_splits(batch * 8, math.ceil(n_ctx / 64), 132)
+    eff = wave_efficiency(batch * 8 * s, 132)
+    print(f"batch {batch:>2}, {n_ctx:>6} tokens: {s:>2} splits -> {batch * 8 * s:>4} programs, "
+          f"wave efficiency {eff:.2f}")  # fmt: skip
+assert choose_num_splits(64 * 8, 64, 132) == 1
+
+# %% [markdown]
+# The measured curve. On a GPU this cell measures a few split counts now; on the CPU it shows the
+# recorded run of `python -m course_lib.bench.decode` (the interpreter's timings would measure Python).
+
+# %%
+if course_lib.ON_GPU:
+    from course_lib.perf.timing import benchmark
+
+    n_ctx = 32768
+    qb = torch.randn(1, 1, 32, 128, device=DEV, dtype=torch.bfloat16)
+    kb = torch.randn(1, n_ctx, 8, 128, device=DEV, dtype=torch.bfloat16)
+    vb = torch.randn_like(kb)
+    lb = torch.full((1,), n_ctx, dtype=torch.int32, device=DEV)
+    curve = []
+    for s in (1, 2, 4, 8, 16, 32, 64):
+        ms = benchmark(lambda s=s: decode_attention(qb, kb, vb, lb, num_splits=s, validate=False))
+        curve.append({"num_splits": s, "graph_ms": ms})
+    source = "measured now on " + torch.cuda.get_device_name(DEV) + " (plain launches)"
+elif decode_rec and decode_rec["data"].get("split_curve"):
+    curve, source = decode_rec["data"]["split_curve"], records.label(decode_rec)
+else:
+    curve = None
+    print("No recorded GPU run of the decode benchmark yet: on a GPU this plot shows time per step falling "
+          "as splits fill the SMs, then flattening or rising once the partials cost more than they save.")  # fmt: skip
+if curve:
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot([r["num_splits"] for r in curve], [r["graph_ms"] * 1e3 for r in curve], "o-", label="measured")
+    if "predicted_ms" in curve[0]:
+        predicted = [r["predicted_ms"] * 1e3 for r in curve]
+        ax.plot([r["num_splits"] for r in curve], predicted, "--", label="predicted: bytes / read ceiling / SM fill")
+    chosen = choose_num_splits(8, math.ceil(32768 / 64), 132)
+    ax.axvline(chosen, color="g", lw=1, label=f"FA-2 rule: {chosen} splits")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("number of splits")
+    ax.set_ylabel("time per step (µs)")
+    ax.set_title(f"Batch 1, 32k tokens, 32/8 heads, d=128: time by split count\n{source}", fontsize=10)
+    ax.legend()
+    plt.show()
+
+# %% [markdown]
+# The whole benchmark (every cell against PyTorch's SDPA, plainly and as CUDA-graph replays, in GB/s and
+# as a fraction of the read ceiling) is in `notes/decoding.md` and the record `decode`:
+
+# %%
+if decode_rec:
+    from course_lib.bench.decode import format_table
+
+    print(records.label(decode_rec))
+    print(format_table(decode_rec["data"]))
+else:
+    print("No recorded GPU run of the decode benchmark yet (python -m course_lib.bench.decode on a GPU).")
+
+# %% [markdown]
+# ## Exercises
+#
+# Each exercise has a cell to fill in and a check cell after it. Later cells never use your answers.
+#
+# **Exercise 1 (merge).** Write `merge_two(o_a, lse_a, o_b, lse_b)` for partial results of shape (..., d)
+# and (...) over disjoint key sets. Handle a row that is empty in both parts: (0, −∞), no NaN.
+
+
+# %%
+def merge_two(o_a, lse_a, o_b, lse_b):
+    ### BEGIN SOLUTION
+    lse = torch.logaddexp(lse_a, lse_b)
+    safe = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
+    w_a, w_b = torch.exp(lse_a - safe), torch.exp(lse_b - safe)
+    return w_a[..., None] * o_a + w_b[..., None] * o_b, lse
+    ### END SOLUTION
+
+
+# %% tags=["check"]
+_oa, _ob = torch.randn(3, 8, dtype=torch.float64), torch.randn(3, 8, dtype=torch.float64)
+_la = torch.tensor([0.5, float("-inf"), float("-inf")], dtype=torch.float64)
+_lb = torch.tensor([2.0, 1.0, float("-inf")], dtype=torch.float64)
+_ob[2] = _oa[2] = 0
+check("merge of two partials", lambda: merge_two(_oa, _la, _ob, _lb), merge_attention_states(_oa, _la, _ob, _lb))
+
+# %% [markdown]
+# **Exercise 2 (bytes).** A model with 80 layers, 8 kv heads, d = 128, bf16 generates for a batch of 16
+# sequences of 8192 tokens each. How many bytes of KV cache does one decoding step read, and how many
+# milliseconds does it take at 4000 GB/s? Return `(bytes, ms)`.
+
+
+# %%
+def step_bytes_and_ms(layers, kv_heads, head_dim, batch, n_tokens, gbps, bytes_per_element=2):
+    ### BEGIN SOLUTION
+    nbytes = 2 * layers * kv_heads * head_dim * bytes_per_element * batch * n_tokens
+    return nbytes, nbytes / (gbps * 1e9) * 1e3
+    ### END SOLUTION
+
+
+# %% tags=["check"]
+check("bytes per decoding step", lambda: step_bytes_and_ms(80, 8, 128, 16, 8192, 4000), (42_949_672_960, 10.73741824))
+
+# %% [markdown]
+# **Exercise 3 (the split choice).** Write `my_num_splits(programs, n_key_blocks, num_sms)` following the rule
+# in section 5 (1 when programs ≥ 0.8 × SMs or n_key_blocks ≤ 4; otherwise the fewest splits up to
+# min(128, SMs, blocks) whose wave efficiency is ≥ 0.85 × the best, skipping a count whose blocks per split
+# equal the previous count's).
+
+
+# %%
+def my_num_splits(programs, n_key_blocks, num_sms):
+    ### BEGIN SOLUTION
+    if n_key_blocks <= 4 or programs >= 0.8 * num_sms:
+        return 1
+    limit = min(128, num_sms, n_key_blocks)
+    eff = [wave_efficiency(programs * s, num_sms) for s in range(1, limit + 1)]
+    for s in range(1, limit + 1):
+        if s > 1 and math.ceil(n_key_blocks / s) == math.ceil(n_key_blocks / (s - 1)):
+            continue
+        if eff[s - 1] >= 0.85 * max(eff):
+            return s
+    return 1
+    ### END SOLUTION
+
+
+# %% tags=["check"]
+_cases = [(8, 512, 132), (1, 2048, 132), (32, 64, 108), (16, 16, 132), (128, 512, 132), (4, 3, 132)]
+check("split choice", lambda: [my_num_splits(*c) for c in _cases], [choose_num_splits(*c) for c in _cases])
+
+# %% [markdown]
+# ## Summary
+#
+# - A decoding step does about G = Hq / Hkv FLOPs per byte of KV cache: memory-bound, so its time is the
+#   cache's bytes over the read bandwidth (a Llama-3-8B-sized model at 32k tokens reads 4 GiB per token).
+# - A KV cache is (B, Nmax, Hkv, d) plus lengths; prefill fills it with many tokens, decode appends one.
+#   New tokens at the end of a sequence use the **bottom-right** causal alignment j ≤ n − Tq + t.
+# - **Split-KV** gives each (sequence, kv head, split) a program that writes a partial (O, L); the merge of
+#   notebook 03, L = log Σ exp(L_s), O = Σ exp(L_s − L) O_s, combines them exactly.
+# - **GQA packing** puts the G query heads of a kv head in one tile's rows: the cache is read once, not G times.
+# - FlashAttention-2's split rule fills the SMs with the fewest splits of good wave efficiency; the grid
+#   depends on shapes only, so a decoding step can be captured once as a CUDA graph and replayed.
+#
+# Next, notebook 10 stores the cache in pages (PagedAttention) and serves many requests at once.
