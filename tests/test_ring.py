@@ -154,3 +154,22 @@ def test_ring_on_two_gpus():
                 f"2 GPUs, {_name(case)}: {name} max error {err:.3g} above 2 x plain PyTorch "
                 f"({r['baseline'][name]:.3g}) + {floor}"
             )
+
+
+def test_overlap_summary_of_a_small_trace():
+    from course_lib.distributed.trace import overlap_summary
+
+    def kernel(name, ts, dur):
+        return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur}
+
+    trace = {
+        "traceEvents": [
+            kernel("attn_fwd", 0, 1000),
+            kernel("attn_fwd", 1500, 1000),
+            kernel("ncclDevKernel_SendRecv", 200, 600),  # fully under compute
+            kernel("ncclDevKernel_SendRecv", 2300, 400),  # half under compute
+        ]
+    }
+    s = overlap_summary(trace)
+    got = [s[k] for k in ("compute_ms", "comm_ms", "overlapped_ms", "span_ms", "hidden_fraction")]
+    assert got == pytest.approx([2.0, 1.0, 0.8, 2.7, 0.8]), s
