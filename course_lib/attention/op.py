@@ -1,0 +1,125 @@
+"""The attention as a PyTorch custom operator, so `torch.compile` can take a model that calls it
+(notebook 08b).
+
+`torch.compile` first traces Python into a graph (Dynamo), running every op on *fake* tensors that
+carry only shape, dtype and device. An `autograd.Function` whose forward launches Triton kernels is
+traced *into*: the compiler then sees the launch, the autotuner and the kernel itself, and tries to
+compile the kernel its own way (on the H200 this failed with `InductorError: CompilationError`). A
+custom operator is a black box instead: the graph holds one node `course_lib.flash_attention_forward`,
+whose output shapes come from a small *fake* implementation (`_forward_fake`), and whose gradient is
+another black box, `course_lib.flash_attention_backward`. The kernels then run exactly as in eager
+mode, compiled or interpreted.
+
+Two operators, one per pass, both built on the plain kernel functions of `course_lib.attention`:
+
+    course_lib::flash_attention_forward(q, k, v, causal, scale) -> (O, L)
+    course_lib::flash_attention_backward(dO, q, k, v, O, L, causal, scale) -> (dQ, dK, dV)
+
+`causal` is a string in the schema ("none", "top_left" or "bottom_right"), `scale` a float: an
+operator's arguments have fixed types, so `flash_attention_op` turns False/True/None into these first.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..checks import causal_alignment, default_scale
+from .backward import backward as _attention_backward
+from .forward import check_inputs
+from .forward import forward as _attention_forward
+
+CAUSAL_CHOICES = ("none", "top_left", "bottom_right")
+
+
+def _check_causal(causal: str, where: str) -> None:
+    if causal not in CAUSAL_CHOICES:
+        raise ValueError(f"{where}: causal must be one of {CAUSAL_CHOICES}, got {causal!r}")
+
+
+def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
+    # L accumulates in float32 (float64 for float64 inputs, which run under the interpreter only).
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+@torch.library.custom_op("course_lib::flash_attention_forward", mutates_args=())
+def forward_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: str, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """O and L = logsumexp of attention, as one operator (`forward.forward` runs inside).
+
+    q: (..., Hq, Nq, d) or (B, Nq, d); k, v: (..., Hkv, Nk, d) with Hq a multiple of Hkv; float16,
+    bfloat16 or float32. causal: "none", "top_left" or "bottom_right". Returns O (q's shape and dtype,
+    contiguous) and L (q.shape[:-1], float32)."""
+    _check_causal(causal, "course_lib::flash_attention_forward")
+    return _attention_forward(q, k, v, None if causal == "none" else causal, scale)
+
+
+@forward_op.register_fake
+def _forward_fake(q, k, v, causal, scale):
+    # Shapes only: this runs on fake tensors while torch.compile traces, so bad input fails there too.
+    check_inputs(q, k, v, where="course_lib::flash_attention_forward")
+    _check_causal(causal, "course_lib::flash_attention_forward")
+    o = q.new_empty(q.shape)
+    lse = q.new_empty(q.shape[:-1], dtype=_lse_dtype(q.dtype))
+    return o, lse
+
+
+@torch.library.custom_op("course_lib::flash_attention_backward", mutates_args=())
+def backward_op(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    causal: str,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dQ, dK, dV of attention, as one operator (`backward.backward` runs inside).
+
+    do, o: q's shape; lse: q.shape[:-1], as returned by `forward_op`. Returns dq, dk, dv with the
+    shapes and dtypes of q, k, v (contiguous); with grouped-query attention dk, dv are summed over the
+    query heads that share each K/V head."""
+    _check_causal(causal, "course_lib::flash_attention_backward")
+    return _attention_backward(do, q, k, v, o, lse, None if causal == "none" else causal, scale)
+
+
+@backward_op.register_fake
+def _backward_fake(do, q, k, v, o, lse, causal, scale):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, causal, scale = inputs
+    o, lse = output
+    ctx.save_for_backward(q, k, v, o, lse)
+    ctx.causal = causal
+    ctx.scale = scale
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward(ctx, do, _dlse):
+    q, k, v, o, lse = ctx.saved_tensors
+    dq, dk, dv = backward_op(do, q, k, v, o, lse, ctx.causal, ctx.scale)
+    return dq, dk, dv, None, None
+
+
+forward_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def causal_name(causal) -> str:
+    """The schema's name for a `causal` argument: False/None/"none" -> "none", True/"top_left" ->
+    "top_left", "bottom_right" -> "bottom_right"."""
+    return causal_alignment(causal) or "none"
+
+
+def flash_attention_op(q, k, v, causal="none", scale: float | None = None) -> torch.Tensor:
+    """O = softmax(Q K^T * scale [+ causal mask]) V through the custom operator: differentiable, and
+    `torch.compile(fullgraph=True)` keeps it as one node (no graph break, kernels not re-compiled).
+
+    q: (B, Hq, Nq, d) or (B, Nq, d); k, v: (B, Hkv, Nk, d) or (B, Nk, d), Hq a multiple of Hkv
+    (grouped-query attention without repeating K/V); float16, bfloat16 or float32 (float64 under the
+    interpreter). causal: "none", "top_left" (query i sees keys j <= i, SDPA's is_causal) or
+    "bottom_right" (j <= i + Nk - Nq, a KV cache); False/True are accepted for "none"/"top_left".
+    scale: default 1/sqrt(d). Returns O with q's shape and dtype. Taught in notebook 08b."""
+    return forward_op(q, k, v, causal_name(causal), default_scale(q.shape[-1], scale))[0]

@@ -1,0 +1,190 @@
+"""The attention as a PyTorch custom operator (course_lib.attention.op) under eager mode and torch.compile.
+
+On the CPU the kernels run in Triton's interpreter, so every shape is tiny. `fullgraph=True` makes any
+graph break an error, so a passing compile test means the whole block, attention included, is one graph.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import course_lib
+from course_lib.attention import op
+from course_lib.attention.op import flash_attention_op
+from course_lib.attention.reference import attention as reference_attention
+
+DEVICE = course_lib.DEVICE
+gpu = pytest.mark.skipif(not course_lib.ON_GPU, reason="needs a CUDA GPU with compiled Triton kernels")
+
+
+def _qkv(b, hq, hkv, n_q, n_k, d, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, hq, n_q, d, generator=g).to(DEVICE, dtype)
+    k = torch.randn(b, hkv, n_k, d, generator=g).to(DEVICE, dtype)
+    v = torch.randn(b, hkv, n_k, d, generator=g).to(DEVICE, dtype)
+    return q, k, v
+
+
+def _grads(fn, q, k, v, do):
+    q, k, v = (t.detach().requires_grad_(True) for t in (q, k, v))
+    o = fn(q, k, v)
+    o.backward(do)
+    return o.detach(), q.grad, k.grad, v.grad
+
+
+CASES = [  # (hq, hkv, n_q, n_k, causal)
+    (2, 2, 48, 48, "none"),
+    (4, 2, 32, 48, "top_left"),
+    (4, 1, 32, 48, "bottom_right"),
+    (2, 2, 48, 32, "bottom_right"),  # Nq > Nk: the first 16 rows see no key
+]
+
+
+@pytest.mark.parametrize("hq,hkv,n_q,n_k,causal", CASES, ids=[str(c) for c in CASES])
+def test_op_matches_reference_forward_and_backward(hq, hkv, n_q, n_k, causal):
+    q, k, v = _qkv(1, hq, hkv, n_q, n_k, 16)
+    do = torch.randn_like(q)
+    what = f"op (1, {hq}/{hkv} heads, Nq={n_q}, Nk={n_k}, d=16), causal={causal}, float32, {DEVICE}"
+    got = _grads(lambda q, k, v: flash_attention_op(q, k, v, causal, 0.3), q, k, v, do)
+    ref = _grads(
+        lambda q, k, v: reference_attention(q, k, v, causal=causal if causal != "none" else False, scale=0.3),
+        q.double(),
+        k.double(),
+        v.double(),
+        do.double(),
+    )
+    for name, a, r in zip(("O", "dq", "dk", "dv"), got, ref):
+        assert a.dtype == torch.float32 and a.shape == r.shape, f"{what}: {name} {a.dtype} {tuple(a.shape)}"
+        err = (a.double() - r).abs().max().item()
+        assert err < 1e-4, f"{what}: {name} max error {err:.3g} against the float64 reference"
+
+
+def test_op_accepts_3d_inputs_and_booleans():
+    q, k, v = (t[0] for t in _qkv(1, 2, 2, 32, 32, 16))  # (B=2, N, d) as in homework
+    o = flash_attention_op(q, k, v, True)
+    ref = reference_attention(q.double(), k.double(), v.double(), causal=True)
+    assert o.shape == q.shape and (o.double() - ref).abs().max() < 1e-5
+    o_l = op.forward_op(q, k, v, "top_left", 16**-0.5)
+    assert o_l[1].shape == q.shape[:-1] and o_l[1].dtype == torch.float32
+
+
+def test_op_rejects_bad_input_clearly():
+    q, k, v = _qkv(1, 3, 2, 16, 16, 16)
+    with pytest.raises(ValueError, match="multiple"):
+        flash_attention_op(q, k, v, "none")
+    q, k, v = _qkv(1, 2, 2, 16, 16, 16)
+    with pytest.raises(ValueError, match="causal"):
+        flash_attention_op(q, k, v, "diagonal")
+    with pytest.raises(ValueError, match="causal must be one of"):
+        op.forward_op(q, k, v, "True", 0.25)
+
+
+def test_opcheck_forward_and_backward():
+    """torch.library.opcheck: schema, fake (meta) implementation, autograd registration, AOT dispatch."""
+    q, k, v = (t.requires_grad_(True) for t in _qkv(1, 4, 2, 32, 48, 16))
+    torch.library.opcheck(op.forward_op, (q, k, v, "bottom_right", 0.25))
+    o, lse = op.forward_op(q, k, v, "top_left", 0.25)
+    do = torch.randn_like(q)
+    args = (do, q.detach(), k.detach(), v.detach(), o.detach(), lse, "top_left", 0.25)
+    torch.library.opcheck(op.backward_op, args)
+
+
+def _block(x, wq, wk, wv, causal):
+    """A tiny attention block: projections, grouped-query attention (4 query heads, 2 K/V heads), a loss."""
+    b, n, _ = x.shape
+    q = (x @ wq).view(b, n, 4, 16).transpose(1, 2)
+    k = (x @ wk).view(b, n, 2, 16).transpose(1, 2)
+    v = (x @ wv).view(b, n, 2, 16).transpose(1, 2)
+    o = flash_attention_op(q, k, v, causal)
+    return o.transpose(1, 2).reshape(b, n, 64).square().mean()
+
+
+def _compare_compiled(backend, dtype=torch.float32, n=32, tol=1e-5):
+    torch.manual_seed(0)
+    x = torch.randn(2, n, 64, device=DEVICE, dtype=dtype)
+    weights = [(torch.randn(64, m, device=DEVICE) / 8).to(dtype).requires_grad_(True) for m in (64, 32, 32)]
+    for causal in ("top_left", "bottom_right"):
+        loss = _block(x, *weights, causal)
+        grads = torch.autograd.grad(loss, weights)
+        torch._dynamo.reset()
+        compiled = torch.compile(_block, fullgraph=True, backend=backend)
+        loss_c = compiled(x, *weights, causal)
+        grads_c = torch.autograd.grad(loss_c, weights)
+        what = f"torch.compile(backend={backend!r}, fullgraph=True), causal={causal}, {dtype}, {DEVICE}"
+        assert abs(loss.item() - loss_c.item()) <= tol * max(1.0, abs(loss.item())), f"{what}: loss"
+        for i, (g, gc) in enumerate(zip(grads, grads_c)):
+            err = (g.float() - gc.float()).abs().max().item()
+            assert err <= tol * max(1.0, g.float().abs().max().item()), (
+                f"{what}: grad {i} differs by {err:.3g}"
+            )
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_compile_fullgraph_forward_and_backward(backend):
+    _compare_compiled(backend)
+
+
+def test_compile_inductor_forward_and_backward():
+    """Inductor (the default backend) around the op alone: on the CPU it compiles C++ for the code around
+    the op, so the block is the op and nothing else (about 12 s on two CPU cores)."""
+    q, k, v = _qkv(1, 4, 2, 32, 48, 16)
+    do = torch.randn_like(q)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda q, k, v: flash_attention_op(q, k, v, "bottom_right"), fullgraph=True)
+    got = _grads(compiled, q, k, v, do)
+    want = _grads(lambda q, k, v: flash_attention_op(q, k, v, "bottom_right"), q, k, v, do)
+    for name, a, b in zip(("O", "dq", "dk", "dv"), got, want):
+        assert torch.allclose(a, b, atol=1e-6, rtol=1e-5), (
+            f"inductor, bottom_right, GQA 4/2, {DEVICE}: {name}"
+        )
+
+
+def test_compiled_graph_holds_the_op_as_one_node():
+    """Dynamo's graph holds course_lib::flash_attention_forward as a node: nothing of the kernel is traced."""
+    graphs = []
+
+    def spy(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    x = torch.randn(1, 32, 64, device=DEVICE)
+    weights = [torch.randn(64, m, device=DEVICE) / 8 for m in (64, 32, 32)]
+    torch._dynamo.reset()
+    torch.compile(_block, fullgraph=True, backend=spy)(x, *weights, "top_left")
+    assert len(graphs) == 1
+    targets = [n.target for n in graphs[0].graph.nodes if n.op == "call_function"]
+    assert torch.ops.course_lib.flash_attention_forward.default in targets or any(
+        "flash_attention_forward" in str(t) for t in targets
+    ), targets
+    assert not any("triton" in str(t).lower() for t in targets), targets
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_inductor_fullgraph_forward_and_backward(dtype):
+    """The failure of issue 14: inductor, bf16, forward and backward, on the GPU."""
+    _compare_compiled("inductor", dtype=dtype, n=256, tol=2e-2)
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_inductor_matches_reference_at_a_model_shape():
+    torch.manual_seed(1)
+    q, k, v = _qkv(2, 8, 2, 1024, 1024, 128, dtype=torch.bfloat16)
+    compiled = torch.compile(lambda q, k, v: flash_attention_op(q, k, v, "top_left"), fullgraph=True)
+    do = torch.randn_like(q)
+    got = _grads(compiled, q, k, v, do)
+    ref = _grads(
+        lambda q, k, v: reference_attention(q, k, v, causal=True),
+        q.double(),
+        k.double(),
+        v.double(),
+        do.double(),
+    )
+    for name, a, r in zip(("O", "dq", "dk", "dv"), got, ref):
+        err = (a.double() - r).abs().max().item()
+        assert err < 5e-2 * max(1.0, r.abs().max().item()), (
+            f"inductor bf16 (2, 8/2, 1024, 128): {name} {err:.3g}"
+        )
