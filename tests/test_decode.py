@@ -16,6 +16,7 @@ from course_lib.decode.cache import OutOfPages, PageAllocator, PagedKVCache
 from course_lib.decode.combine import combine
 from course_lib.decode.heuristics import choose_num_splits
 from course_lib.decode.reference import gather_pages
+from course_lib.decode.toy_model import ToyModel
 
 DEV = course_lib.DEVICE
 # Max error allowed against the float64 reference, per dtype (inputs are standard normal, d <= 128).
@@ -187,74 +188,10 @@ def test_allocator_shares_and_copies_on_write():
 
 
 # --------------------------------------------------------------------------------------------------
-# Continuous batching with a tiny model, against a reference that recomputes full attention each step
+# Continuous batching with a toy model, against a reference that recomputes full attention each step
 # --------------------------------------------------------------------------------------------------
-class TinyModel:
-    """Two attention layers (4 query heads, 2 kv heads, d = 16) with random weights; positions enter as a
-    sinusoid added to the embedding. forward_step follows course_lib.decode.batching's interface."""
-
-    num_layers, num_kv_heads, head_dim, num_heads, vocab, width = 2, 2, 16, 4, 37, 64
-    dtype = torch.float32
-
-    def __init__(self, device):
-        g = torch.Generator().manual_seed(7)
-        self.device = device
-
-        def w(*shape):
-            return (torch.randn(*shape, generator=g) / math.sqrt(shape[0])).to(device)
-
-        D, H, Hkv, d = self.width, self.num_heads, self.num_kv_heads, self.head_dim
-        self.emb = w(self.vocab, D) * 3
-        self.layers = [
-            (w(D, H * d), w(D, Hkv * d), w(D, Hkv * d), w(H * d, D)) for _ in range(self.num_layers)
-        ]
-        self.head = w(D, self.vocab) * 4
-
-    def _embed(self, token_ids, positions):
-        freq = torch.arange(self.width, device=self.device) / self.width
-        return self.emb[token_ids] + torch.sin(positions[:, None].float() * (1 + freq)[None, :])
-
-    def _qkv(self, x, layer):
-        wq, wk, wv, _ = self.layers[layer]
-        T = x.shape[0]
-        return (
-            (x @ wq).view(T, self.num_heads, self.head_dim),
-            (x @ wk).view(T, self.num_kv_heads, self.head_dim),
-            (x @ wv).view(T, self.num_kv_heads, self.head_dim),
-        )
-
-    def forward_step(self, token_ids, positions, kv):
-        x = self._embed(token_ids, positions)
-        for layer in range(self.num_layers):
-            q, k, v = self._qkv(x, layer)
-            o = kv.attend(layer, q, k, v)
-            x = x + o.reshape(x.shape[0], -1) @ self.layers[layer][3]
-        return x @ self.head
-
-    def forward_full(self, tokens):
-        """Logits of every position of one sequence, with full causal attention (the reference)."""
-        ids = torch.tensor(tokens, device=self.device)
-        x = self._embed(ids, torch.arange(len(tokens), device=self.device))
-        for layer in range(self.num_layers):
-            q, k, v = self._qkv(x, layer)
-            g = self.num_heads // self.num_kv_heads
-            k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
-            o = torch.nn.functional.scaled_dot_product_attention(
-                q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True
-            )
-            x = x + o.transpose(0, 1).reshape(x.shape[0], -1) @ self.layers[layer][3]
-        return x @ self.head
-
-
-def greedy_reference(model, prompt, n):
-    tokens = list(prompt)
-    for _ in range(n):
-        tokens.append(int(model.forward_full(tokens)[-1].argmax()))
-    return tokens[len(prompt) :]
-
-
 def test_continuous_batching_equals_step_by_step_reference():
-    model = TinyModel(DEV)
+    model = ToyModel(DEV)
     g = torch.Generator().manual_seed(11)
     prompts = [torch.randint(0, model.vocab, (n,), generator=g).tolist() for n in (5, 9, 3, 14)]
     new = [3, 2, 4, 2]
@@ -264,7 +201,7 @@ def test_continuous_batching_equals_step_by_step_reference():
     ids = [batcher.submit(p, n) for p, n in zip(prompts, new)]
     got = batcher.run()
     for i, p, n in zip(ids, prompts, new):
-        assert got[i] == greedy_reference(model, p, n), f"request {i} (prompt {len(p)} tokens)"
+        assert got[i] == model.generate_full(p, n), f"request {i} (prompt {len(p)} tokens)"
     assert batcher.cache.allocator.num_free == 9
 
 

@@ -118,6 +118,7 @@ class ContinuousBatcher:
         self.finished: dict[int, Request] = {}
         self._next_id = 0
         self.steps = 0
+        self.last_plan: list[tuple[int, int]] = []  # (request id, tokens fed) of the last step
 
     def submit(self, prompt, max_new_tokens: int, eos_id: int | None = None) -> int:
         """Queue a request (prompt: a non-empty list of token ids); returns its id."""
@@ -161,6 +162,7 @@ class ContinuousBatcher:
             if need <= self.cache.allocator.num_free or len(self.running) == 1:
                 break
             self._preempt()
+        self.last_plan = [(r.id, n) for r, n in plan]
         slots = torch.cat([self.cache.append(r.id, n) for r, n in plan])
         token_ids = torch.tensor([t for r, n in plan for t in r.tokens[r.computed : r.computed + n]])
         positions = torch.tensor([p for r, n in plan for p in range(r.computed, r.computed + n)])
