@@ -95,6 +95,38 @@ torch.manual_seed(0)
 # start: `kernel[(n_programs,)](args...)`; each asks `tl.program_id(0)` which one it is.
 
 # %% [markdown]
+# ### SIMT and warp divergence
+#
+# NVIDIA calls its model **SIMT**, single instruction, multiple threads: each thread has its own registers
+# and may take its own branch, but the 32 threads of a warp share one instruction stream. When the threads
+# of a warp disagree at an `if`, the warp **diverges**: it runs the `if` side with the other threads
+# switched off, then the `else` side with the first group switched off. The warp pays for both paths. When
+# all 32 threads agree, it pays for one. So *which* elements take a branch matters, not only how many.
+#
+# Triton hides this but does not remove it: a branch on a block's values is written `tl.where(cond, a, b)`
+# or as a `mask=`, and both sides are computed for every lane. A branch on a scalar that is the same for the
+# whole program (`if pid < n:`, a loop bound) costs nothing of the kind. That is why the causal kernels of
+# notebook 06 decide *per tile* (a loop bound) whether a tile is needed at all, and only apply an
+# element-wise mask on the diagonal tiles. A small model of a warp's cost, in units of one path's work:
+
+# %%
+def warp_cost(cond, warp=32):
+    """Paths executed, summed over warps: 2 where a warp's lanes disagree, 1 where they agree."""
+    per_warp = cond.reshape(-1, warp)
+    return int(sum(1 + bool(w.any() and not w.all()) for w in per_warp))
+
+
+lane = torch.arange(1024)
+layouts = {
+    "same branch everywhere": lane >= 0,
+    "branch on i // 32 (warps agree)": (lane // 32) % 2 == 0,
+    "branch on i % 2 (every warp splits)": lane % 2 == 0,
+}
+for name, cond in layouts.items():
+    print(f"{name:38}: {int(cond.sum()):4} of 1024 take the if, cost {warp_cost(cond)} warp-paths")
+assert warp_cost(layouts["branch on i % 2 (every warp splits)"]) == 2 * warp_cost(layouts["same branch everywhere"])
+
+# %% [markdown]
 # ## 2. The first kernel: vector add
 #
 # One program adds `BLOCK_SIZE` consecutive elements. Its offsets are `pid * BLOCK_SIZE + arange(BLOCK_SIZE)`.
@@ -374,7 +406,9 @@ def naive_softmax(x):
 # there, and writes the result once: **2MN**. A softmax does a handful of operations per element, far below
 # what an H200 can do per byte, so it is memory-bound and its time should follow the bytes:
 # **prediction: the fused kernel is about 4x faster than the naive one.** (The prediction assumes every
-# intermediate goes to HBM; the 50 MB L2 cache can hold small intermediates, which would shrink the gap.)
+# intermediate goes to HBM, and that every kernel, eager or fused, moves its bytes at the same rate; the
+# 50 MB L2 cache can hold small intermediates, which would shrink the gap. Section 6's measurement tests
+# both assumptions.)
 #
 # One row per program: `BLOCK_SIZE` is N rounded up to a power of two, the padding lanes read `-inf` (no
 # effect on the max; `exp(-inf) = 0` adds nothing to the sum). The arithmetic is float32 whatever the
@@ -408,6 +442,36 @@ torch.testing.assert_close(fused_softmax(x), primer.softmax(x))
 x16 = x.half()
 torch.testing.assert_close(fused_softmax(x16), torch.softmax(x16.float(), dim=1).half())
 print(f"({SM_ROWS}, {SM_COLS}), BLOCK_SIZE {triton.next_power_of_2(SM_COLS)}: matches torch.softmax")
+
+# %% [markdown]
+# **Exercise 3 — predict before you measure.** Return the bytes an (M, N) row softmax moves between HBM and
+# the chip, for elements of `bytes_per_element` bytes: the naive version of section 6 (count every read
+# and write in its comments, including the M-element vectors) if `fused` is False, the fused kernel if True.
+
+
+# %%
+def softmax_bytes(M, N, bytes_per_element, fused):
+    ### BEGIN SOLUTION
+    elements = 2 * M * N if fused else (5 * M * N + 2 * M) + (3 * M * N + 2 * M)
+    return elements * bytes_per_element
+    ### END SOLUTION
+
+
+# %% tags=["check"]
+check(
+    "softmax_bytes",
+    lambda: (softmax_bytes(4096, 1000, 4, fused=False), softmax_bytes(4096, 1000, 4, fused=True)),
+    (131_137_536, 32_768_000),
+)
+
+# %% [markdown]
+# Now write down your prediction for the measurement below: the naive version's time over the fused
+# kernel's, for long rows (N of several thousand, where launches no longer dominate).
+
+# %%
+from course_lib.exercises import predict
+
+softmax_guess = predict("naive over fused softmax time, long rows", 4.0, unit="x")  # your prediction
 
 # %% [markdown]
 # **Measure (GPU only).** We time the naive version, the fused kernel (`course_lib.primer.softmax`) and
@@ -461,12 +525,35 @@ got = records.measured_or_recorded(
 if got:
     ratio = plot_softmax_bandwidth(*got)
     print(f"{got[1]}: naive / fused time ratio between {min(ratio):.1f} and {max(ratio):.1f}")
+    data = got[0]
+    long_rows = [i for i, n in enumerate(data["n_cols"]) if n >= 4096] or list(range(len(data["n_cols"])))
+    long_ratio = sorted(ratio[i] for i in long_rows)[len(long_rows) // 2]
+    _ = softmax_guess.score(long_ratio)
+    naive_rate = sorted(4 * data["gbps"][NAIVE][i] for i in long_rows)[len(long_rows) // 2]
+    fused_rate = sorted(data["gbps"][FUSED][i] for i in long_rows)[len(long_rows) // 2]
+    shortest = data["n_cols"][0]
+    print(
+        f"long rows: the naive kernels move their 8MN elements at about {naive_rate:.0f} GB/s, the fused kernel\n"
+        f"its 2MN at about {fused_rate:.0f} GB/s: {fused_rate / naive_rate:.2f}x faster per byte, so "
+        f"4 x {fused_rate / naive_rate:.2f} = {4 * fused_rate / naive_rate:.1f}x in time.\n"
+        f"shortest rows (N = {shortest}): {ratio[0]:.1f}x; one naive call takes {1e3 * data['ms'][NAIVE][0]:.0f} us "
+        f"for 5 kernel launches."
+    )
 
 # %% [markdown]
 # Reading the figure: where the fused kernel and `torch.softmax` sit near the copy ceiling, they are as
-# fast as the bytes allow. The naive version's gap is the prediction's 4x when its intermediates must go
-# to HBM and smaller when they fit in L2. The same reasoning — count bytes moved between HBM and the chip,
-# then fuse to cut them — is what FlashAttention applies to attention.
+# fast as the bytes allow. The naive version's gap is not the prediction's 4x, and the lines above say why:
+# - *Long rows: more than 4x.* The byte count was right, but the second assumption was not: the eager
+#   kernels (a reduction, a broadcast subtract, an exp, another reduction, a divide) each move their bytes
+#   at well under the copy ceiling, while the fused kernel streams near it. Time is bytes over the rate
+#   *each kernel reaches*. `x.max(dim=1)` also computes and writes an int64 index per row that nobody
+#   uses: small (8M bytes) but not in the count.
+# - *Short rows: less than 4x.* Each naive call is five kernel launches of a few microseconds each; when a
+#   row is short, the launches, not the bytes, set the time, and both versions are **launch-bound**.
+# A prediction that misses by this much is not a confirmation: it points at the assumption to fix.
+#
+# The same reasoning — count bytes moved between HBM and the chip, then fuse to cut them — is what
+# FlashAttention applies to attention.
 
 # %% [markdown]
 # ## 7. What did Triton generate? (GPU only)
@@ -575,27 +662,8 @@ xb, bb = torch.randn(37, 70, device=DEVICE), torch.randn(70, device=DEVICE)
 check("add_bias", lambda: add_bias(xb, bb), xb + bb)
 
 # %% [markdown]
-# **Exercise 3 — predict before you measure.** Return the bytes an (M, N) row softmax moves between HBM and
-# the chip, for elements of `bytes_per_element` bytes: the naive version of section 6 (count every read
-# and write in its comments, including the M-element vectors) if `fused` is False, the fused kernel if True.
-
-
-# %%
-def softmax_bytes(M, N, bytes_per_element, fused):
-    ### BEGIN SOLUTION
-    elements = 2 * M * N if fused else (5 * M * N + 2 * M) + (3 * M * N + 2 * M)
-    return elements * bytes_per_element
-    ### END SOLUTION
-
-
-# %% tags=["check"]
-check(
-    "softmax_bytes",
-    lambda: (softmax_bytes(4096, 1000, 4, fused=False), softmax_bytes(4096, 1000, 4, fused=True)),
-    (131_137_536, 32_768_000),
-)
-
-# %% [markdown]
+# (Exercise 3, predicting the softmax's bytes, is in section 6, before the measurement it predicts.)
+#
 # **Exercise 4 (open).** In `WeightedSum`, try `BLOCK_D` = 16 and 128, and `ROWS` = 4 and 64. Which of these
 # change the number of programs, and which the number of loop iterations per program? On a GPU, time the
 # forward for a (8192, 1000) input for each choice and explain what you see in terms of parallelism (programs
@@ -612,7 +680,10 @@ check(
 # - A backward that sums over rows owned by different programs needs a **reduction across programs**:
 #   partial sums per program plus a final sum (deterministic), or atomics (fewer bytes, non-deterministic).
 # - **Fusion** cuts bytes moved: the row softmax drops from about 8MN to 2MN elements, a predicted 4x for a
-#   memory-bound operation — checked against a measurement on a GPU.
+#   memory-bound operation. The measurement differs both ways: more on long rows (eager kernels run below
+#   the copy ceiling), less on short ones (launch-bound).
+# - **SIMT**: a warp's 32 threads share one instruction stream; threads that branch apart make the warp
+#   run both paths. Branch per program (loop bounds), mask per element only where needed.
 # - Debug with assertions against a reference, the interpreter (print, breakpoints) and `tl.device_print`;
 #   read `.asm`, `.n_regs` and `.metadata.shared` to see what the compiler made of your kernel.
 #
