@@ -1,0 +1,27 @@
+"""Fused kernels for the rest of a transformer block: RMSNorm and rotary embeddings (notebook 11).
+
+Both are memory-bound: their cost is the bytes they move, so one kernel that reads its inputs once and
+writes its outputs once is the goal, reported as GB/s against the copy ceiling (`course_lib.bench.fused`).
+
+- `rms_norm`: `rms_norm(x, weight, eps)`, the module `RMSNorm(hidden, eps)`; forward and backward in
+  Triton, numerics of Hugging Face's LlamaRMSNorm; three ways to reduce dW (`dw_mode`).
+- `rope`: `rope(q, k, cos, sin, positions, layout)` rotates q and k in one launch; `rope_cache` builds
+  the cos/sin tables; both pair layouts ("half" as Llama, "interleaved" as GPT-J).
+- `launch`: the launch sizes both share (warps per row length, persistent programs per SM).
+"""
+
+from __future__ import annotations
+
+from .rms_norm import RMSNorm, RMSNormFunction, rms_norm, rms_norm_reference
+from .rope import RoPEFunction, rope, rope_cache, rope_reference
+
+__all__ = [
+    "RMSNorm",
+    "RMSNormFunction",
+    "RoPEFunction",
+    "rms_norm",
+    "rms_norm_reference",
+    "rope",
+    "rope_cache",
+    "rope_reference",
+]

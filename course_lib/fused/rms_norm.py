@@ -1,0 +1,274 @@
+"""RMSNorm as one fused Triton kernel forward and one backward (notebook 11).
+
+RMSNorm (Zhang & Sennrich, 2019) scales each row x (D elements) by the inverse of its root mean square,
+then by a learned weight w (D,):
+
+    rstd = 1 / sqrt(mean(x**2) + eps),    y = w * (x * rstd)
+
+The numerics follow Hugging Face's LlamaRMSNorm exactly: the mean of squares and the scaling are computed
+in float32, the normalised row x_hat = x * rstd is cast back to x's dtype, and only then multiplied by the
+weight (in the promoted dtype of x and w, which is also the output's dtype). float64 inputs are computed
+in float64 (for `torch.autograd.gradcheck`).
+
+Forward: one program per row. The row goes HBM -> registers once; the sum of squares, rstd and y are
+computed there; y goes back to HBM once, and rstd (one float32 per row) is saved for the backward.
+Bytes that must move: read x and w, write y and rstd.
+
+Backward, with g = dy * w and x_hat = x * rstd (float32):
+
+    dx = rstd * (g - x_hat * mean(g * x_hat))            one row at a time, in registers
+    dw = sum over all rows of dy * x_hat                  a reduction across every program
+
+dx is per row; dw needs every row. The backward is a persistent kernel: a few programs per SM, each
+looping over rows pid, pid + P, pid + 2P, ... and summing its rows' dy * x_hat in registers. What each
+program does with its sum at the end is the `dw_mode` (notebook 11 compares them):
+- "partials" (the default): program p writes its sum to row p of a (P, D) float32 buffer; a second
+  reduction (a column sum) adds the P rows. No two programs touch one address: deterministic.
+- "atomics": every program `tl.atomic_add`s its sum into one float32 row. One pass, but the order of
+  the additions depends on scheduling, so the last bits of dw change from run to run.
+- "locked": G < P buffers, each guarded by a spin lock (`tl.atomic_cas`), as in Triton's layer-norm
+  tutorial: program p adds into buffer p % G while holding its lock, then the G rows are summed. The
+  order within a buffer still depends on scheduling: not deterministic either.
+Bytes that must move: read x, dy, w and rstd; write dx and dw.
+
+Public: `rms_norm(x, weight, eps=1e-6, dw_mode="partials")`, the module `RMSNorm(hidden, eps)`, the
+autograd Function `RMSNormFunction`, and `rms_norm_reference` (float64, the ground truth).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .. import runtime
+from ..checks import accumulator_dtype
+from ..runtime import tl, triton
+from . import launch
+
+runtime.require_triton()
+
+DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+DW_MODES = ("partials", "atomics", "locked")
+_MODE_ID = {mode: i for i, mode in enumerate(DW_MODES)}
+LOCKED_BUFFERS = 16  # G, the number of lock-guarded dW buffers of the "locked" mode
+
+
+# --------------------------------------------------------------------------------------------------
+# Forward: one row per program
+# --------------------------------------------------------------------------------------------------
+@triton.jit
+def rms_norm_fwd_kernel(
+    x_ptr, w_ptr, y_ptr, rstd_ptr, n_cols, stride_x, stride_y, eps, BLOCK_D: tl.constexpr
+):
+    """y[row] = w * cast(x[row] * rstd), rstd[row] = 1 / sqrt(mean(x[row]**2) + eps).
+
+    The row (BLOCK_D >= n_cols elements, the padding masked) lives in registers; statistics in
+    rstd's dtype (float32, or float64 for float64 inputs)."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_D)
+    mask = cols < n_cols
+    acc_ty = rstd_ptr.dtype.element_ty
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(acc_ty)  # HBM -> registers
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(acc_ty)  # D elements, from the L2 for most rows
+    rstd = tl.rsqrt(tl.sum(x * x, axis=0) / n_cols + eps)
+    x_hat = (x * rstd).to(x_ptr.dtype.element_ty)  # LlamaRMSNorm: back to x's dtype before the weight
+    y = w * x_hat.to(acc_ty)
+    tl.store(y_ptr + row * stride_y + cols, y.to(y_ptr.dtype.element_ty), mask=mask)  # registers -> HBM
+    tl.store(rstd_ptr + row, rstd)  # 4 bytes per row, for the backward
+
+
+# --------------------------------------------------------------------------------------------------
+# Backward: persistent programs, dx per row, dw summed in registers then reduced across programs
+# --------------------------------------------------------------------------------------------------
+@triton.jit
+def _dw_to_buffer(dw_ptr, lock_ptr, dw, cols, mask, n_cols, n_buffers, DW_MODE: tl.constexpr):
+    """Hand this program's dW sum (registers, BLOCK_D floats) to HBM, in one of the three ways."""
+    pid = tl.program_id(0)
+    if DW_MODE == 0:  # partials: my own row of the (P, D) buffer; nobody else writes it
+        tl.store(dw_ptr + pid * n_cols + cols, dw, mask=mask)
+    elif DW_MODE == 1:  # atomics: everyone adds into the one row; the hardware orders the additions
+        tl.atomic_add(dw_ptr + cols, dw, mask=mask)
+    else:  # locked: buffer pid % G, read-add-write while holding its lock
+        buf = pid % n_buffers
+        lock = lock_ptr + buf
+        while tl.atomic_cas(lock, 0, 1) == 1:
+            pass
+        ptrs = dw_ptr + buf * n_cols + cols
+        tl.store(ptrs, tl.load(ptrs, mask=mask, other=0.0) + dw, mask=mask)
+        tl.debug_barrier()  # every thread's store is done before the lock is released
+        tl.atomic_xchg(lock, 0)
+
+
+@triton.jit
+def rms_norm_bwd_kernel(
+    dy_ptr,
+    x_ptr,
+    w_ptr,
+    rstd_ptr,
+    dx_ptr,
+    dw_ptr,
+    lock_ptr,
+    n_rows,
+    n_cols,
+    stride_dy,
+    stride_x,
+    stride_dx,
+    n_buffers,
+    BLOCK_D: tl.constexpr,
+    DW_MODE: tl.constexpr,
+):
+    """dx for rows pid, pid + P, ... (P programs), and this program's share of dw.
+
+    Per row: x and dy HBM -> registers (2 D elements), rstd (1 float), dx registers -> HBM (D elements).
+    w is loaded once per program; the dW sum stays in registers until the loop ends."""
+    pid = tl.program_id(0)
+    n_programs = tl.num_programs(0)
+    cols = tl.arange(0, BLOCK_D)
+    mask = cols < n_cols
+    acc_ty = dw_ptr.dtype.element_ty
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(acc_ty)
+    dw = tl.zeros([BLOCK_D], dtype=acc_ty)
+    for row in range(pid, n_rows, n_programs):
+        row64 = tl.cast(row, tl.int64)
+        x = tl.load(x_ptr + row64 * stride_x + cols, mask=mask, other=0.0).to(acc_ty)
+        dy = tl.load(dy_ptr + row64 * stride_dy + cols, mask=mask, other=0.0).to(acc_ty)
+        rstd = tl.load(rstd_ptr + row64)
+        x_hat = x * rstd
+        g = dy * w
+        dx = rstd * (g - x_hat * (tl.sum(g * x_hat, axis=0) / n_cols))
+        tl.store(dx_ptr + row64 * stride_dx + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+        dw += dy * x_hat.to(x_ptr.dtype.element_ty).to(acc_ty)  # the weight multiplied the cast x_hat
+    _dw_to_buffer(dw_ptr, lock_ptr, dw, cols, mask, n_cols, n_buffers, DW_MODE)
+
+
+# --------------------------------------------------------------------------------------------------
+# Host side
+# --------------------------------------------------------------------------------------------------
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """t (..., D) as a (rows, D) matrix whose last dim is contiguous (a view when it can be)."""
+    t2 = t.reshape(-1, t.shape[-1])
+    return t2 if t2.stride(-1) == 1 or t2.shape[0] == 0 else t2.contiguous()
+
+
+def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The forward kernel alone: returns (y (..., D) in promote(x, w) dtype, rstd (rows,) float32/64)."""
+    x2 = _rows(x)
+    n_rows, n_cols = x2.shape
+    out_dtype = torch.promote_types(x.dtype, weight.dtype)
+    y = torch.empty((n_rows, n_cols), device=x.device, dtype=out_dtype)
+    rstd = torch.empty(n_rows, device=x.device, dtype=accumulator_dtype(x.dtype))
+    if n_rows:
+        block = triton.next_power_of_2(n_cols)
+        rms_norm_fwd_kernel[(n_rows,)](
+            x2, weight, y, rstd, n_cols, x2.stride(0), y.stride(0), eps,
+            BLOCK_D=block, num_warps=launch.num_warps(block),
+        )  # fmt: skip
+    return y.reshape(x.shape), rstd
+
+
+def rms_norm_backward(
+    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, dw_mode: str = "partials"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The backward kernel and the dW reduction: returns (dx like x, dw like weight)."""
+    x2, dy2 = _rows(x), _rows(dy)
+    n_rows, n_cols = x2.shape
+    acc = accumulator_dtype(x.dtype)
+    dx = torch.empty((n_rows, n_cols), device=x.device, dtype=x.dtype)
+    if n_rows == 0:
+        return dx.reshape(x.shape), torch.zeros_like(weight)
+    block = triton.next_power_of_2(n_cols)
+    n_programs = launch.persistent_programs(n_rows, block, x.device)
+    n_buffers = {"partials": n_programs, "atomics": 1, "locked": min(LOCKED_BUFFERS, n_programs)}[dw_mode]
+    empty_or_zeros = torch.empty if dw_mode == "partials" else torch.zeros
+    dw_buffer = empty_or_zeros((n_buffers, n_cols), device=x.device, dtype=acc)
+    locks = torch.zeros(n_buffers, device=x.device, dtype=torch.int32)
+    rms_norm_bwd_kernel[(n_programs,)](
+        dy2, x2, weight, rstd, dx, dw_buffer, locks,
+        n_rows, n_cols, dy2.stride(0), x2.stride(0), dx.stride(0), n_buffers,
+        BLOCK_D=block, DW_MODE=_MODE_ID[dw_mode], num_warps=launch.num_warps(block),
+    )  # fmt: skip
+    dw = dw_buffer.sum(dim=0) if n_buffers > 1 else dw_buffer[0]  # the second reduction: P or G rows
+    return dx.reshape(x.shape), dw.to(weight.dtype)
+
+
+class RMSNormFunction(torch.autograd.Function):
+    """Differentiable fused RMSNorm: `RMSNormFunction.apply(x, weight, eps, dw_mode)`; see `rms_norm`."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps, dw_mode):
+        y, rstd = rms_norm_forward(x, weight, eps)
+        ctx.save_for_backward(x, weight, rstd)
+        ctx.dw_mode = dw_mode
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, rstd = ctx.saved_tensors
+        dx, dw = rms_norm_backward(dy, x, weight, rstd, ctx.dw_mode)
+        return dx, dw, None, None
+
+
+def _check(x, weight, eps, dw_mode) -> None:
+    where = "rms_norm"
+    launch.check_on_kernel_device(where, x=x, weight=weight)
+    for name, t in (("x", x), ("weight", weight)):
+        if t.dtype not in DTYPES:
+            raise TypeError(
+                f"{where}: {name} has dtype {t.dtype}; supported: {', '.join(map(launch.dtype_name, DTYPES))}"
+            )
+    if x.device != weight.device:
+        raise ValueError(f"{where}: x is on {x.device} but weight is on {weight.device}")
+    if x.dim() < 1 or x.shape[-1] == 0:
+        raise ValueError(f"{where}: x must be (..., D) with D >= 1; got shape {tuple(x.shape)}")
+    if weight.shape != (x.shape[-1],):
+        raise ValueError(
+            f"{where}: weight must have shape (D,) = ({x.shape[-1]},) to match x {tuple(x.shape)}; "
+            f"got {tuple(weight.shape)}"
+        )
+    if x.shape[-1] > launch.MAX_ROW:
+        raise ValueError(
+            f"{where}: hidden size {x.shape[-1]} is over {launch.MAX_ROW}, the longest row one program holds"
+        )
+    if not (isinstance(eps, (int, float)) and eps >= 0):
+        raise ValueError(f"{where}: eps must be a number >= 0, got {eps!r}")
+    if dw_mode not in DW_MODES:
+        raise ValueError(f"{where}: dw_mode must be one of {DW_MODES}, got {dw_mode!r}")
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, dw_mode: str = "partials"
+) -> torch.Tensor:
+    """Fused RMSNorm over the last dim, differentiable in x and weight (taught in notebook 11).
+
+    x: (..., D), any leading dims and strides; weight: (D,). dtypes float16, bfloat16, float32 (float64
+    for gradcheck); x and weight may differ (the output takes the promoted dtype, as in PyTorch).
+    Computes exactly what LlamaRMSNorm computes: float32 statistics, cast to x's dtype, then times w.
+    `dw_mode` picks the backward's dW reduction: "partials" (default, deterministic), "atomics" or
+    "locked" (see the module docstring). Returns y with x's shape."""
+    _check(x, weight, eps, dw_mode)
+    return RMSNormFunction.apply(x, weight, float(eps), dw_mode)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm layer with a learned weight (initialised to ones), computed by `rms_norm`.
+
+    `RMSNorm(hidden, eps=1e-6)(x)` for x (..., hidden); the drop-in counterpart of LlamaRMSNorm."""
+
+    def __init__(self, hidden: int, eps: float = 1e-6, device=None, dtype=None):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden, device=device, dtype=dtype))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}"
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """RMSNorm in float64 on the CPU, without intermediate casts: the ground truth tests compare with.
+
+    x: (..., D), weight: (D,), any float dtypes. Returns float64 (..., D)."""
+    x64, w64 = x.detach().double().cpu(), weight.detach().double().cpu()
+    return w64 * x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + eps)

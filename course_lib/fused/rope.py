@@ -1,0 +1,350 @@
+"""Rotary position embedding (RoPE) of q and k in one fused Triton kernel (notebook 11).
+
+RoPE (Su et al., 2021) splits a head vector of d elements into d/2 pairs (a, b) and turns pair i of the
+token at position p by the angle p * theta_i, theta_i = base ** (-2i / d). As complex numbers,
+(a + ib) * e^{i p theta_i}; as real numbers, with c = cos(p theta_i) and s = sin(p theta_i):
+
+    a' = a c - b s,    b' = b c + a s
+
+Two layouts say which elements form a pair:
+- "half" (Llama, GPT-NeoX, Hugging Face's `rotate_half`): element j pairs with element j + d/2;
+- "interleaved" (GPT-J, the original RoFormer): element 2i pairs with element 2i + 1.
+
+Layout convention (Hugging Face's `apply_rotary_pos_emb`): q (B, Hq, T, d) and k (B, Hk, T, d), any
+strides as long as d is contiguous, so a (B, T, H, d) tensor passed as `.transpose(1, 2)` works without
+a copy; 3-D (H, T, d) means B = 1. cos and sin are (T_cache, d) or (1 or B, T_cache, d), with one value
+per element in the pair layout of q and k (`rope_cache` builds them: for "half", the d/2 frequencies
+written twice, `cat(freqs, freqs)` as in Hugging Face; for "interleaved", each frequency twice in a row).
+Token t of batch b reads the row `positions[b, t]` of the cache: positions 0..T-1 by default, p..p+T-1
+for an integer offset p (new tokens appended to a KV cache), or any (T,) or (B, T) tensor.
+
+The kernel: one program per token (b, t). It loads the token's cos and sin row once (HBM -> registers,
+2 d elements) and rotates all Hq heads of q and all Hk heads of k with it (a heads x d/2 tile for each
+half of the pairs, in registers), writing q' and k' once. Bytes that must move: read q, k, cos, sin;
+write q', k'. Arithmetic in float32 (float64 for float64 inputs).
+
+The backward is the same kernel: the rotation matrix [[c, -s], [s, c]] is orthogonal, so its transpose
+(what the chain rule asks for) is the rotation by the negative angle: dq = rotate(dq', -angle).
+
+Public: `rope(q, k, cos, sin, positions=None, layout="half")`, `rope_cache(...)`, the autograd Function
+`RoPEFunction`, and `rope_reference` (float64, the ground truth).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import runtime
+from ..checks import accumulator_dtype
+from ..runtime import tl, triton
+from . import launch
+
+runtime.require_triton()
+
+DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+LAYOUTS = ("half", "interleaved")
+
+
+# --------------------------------------------------------------------------------------------------
+# The kernel
+# --------------------------------------------------------------------------------------------------
+@triton.jit
+def _rotate_heads(
+    x_ptr,
+    o_ptr,
+    stride_xh,
+    stride_oh,
+    n_heads,
+    idx_a,
+    idx_b,
+    pair_mask,
+    c_a,
+    c_b,
+    s_a,
+    s_b,
+    BLOCK_H: tl.constexpr,
+):
+    """Rotate every head of one token: x_ptr / o_ptr point at head 0 of the token's row in x / out.
+
+    A (BLOCK_H, BLOCK_PAIRS) tile of first elements a and one of second elements b: HBM -> registers,
+    a' = a c_a - b s_a and b' = b c_b + a s_b, registers -> HBM."""
+    heads = tl.arange(0, BLOCK_H)
+    mask = (heads < n_heads)[:, None] & pair_mask[None, :]
+    rows_x = heads[:, None] * stride_xh
+    rows_o = heads[:, None] * stride_oh
+    acc_ty = c_a.dtype
+    a = tl.load(x_ptr + rows_x + idx_a[None, :], mask=mask, other=0.0).to(acc_ty)
+    b = tl.load(x_ptr + rows_x + idx_b[None, :], mask=mask, other=0.0).to(acc_ty)
+    a_out = a * c_a[None, :] - b * s_a[None, :]
+    b_out = b * c_b[None, :] + a * s_b[None, :]
+    tl.store(o_ptr + rows_o + idx_a[None, :], a_out.to(o_ptr.dtype.element_ty), mask=mask)
+    tl.store(o_ptr + rows_o + idx_b[None, :], b_out.to(o_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def rope_kernel(
+    q_ptr, k_ptr, q_out_ptr, k_out_ptr, cos_ptr, sin_ptr, pos_ptr,
+    n_tokens, n_q_heads, n_k_heads, n_pairs,
+    stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
+    stride_qob, stride_qoh, stride_qot, stride_kob, stride_koh, stride_kot,
+    stride_cb, stride_ct, stride_pb,
+    INTERLEAVED: tl.constexpr, BACKWARD: tl.constexpr,
+    BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_PAIRS: tl.constexpr, ACC_64: tl.constexpr,
+):  # fmt: skip
+    """Program (b, t) = program_id(0) // T, % T: rotate q[b, :, t] and k[b, :, t] by the angles of
+    position positions[b, t] (forward), or by their negatives (BACKWARD: q, k are then gradients)."""
+    pid = tl.program_id(0)
+    b = (pid // n_tokens).to(tl.int64)
+    t = (pid % n_tokens).to(tl.int64)
+    pos = tl.load(pos_ptr + b * stride_pb + t).to(tl.int64)
+    i = tl.arange(0, BLOCK_PAIRS)
+    pair_mask = i < n_pairs
+    if INTERLEAVED:  # pairs (2i, 2i + 1)
+        idx_a = 2 * i
+        idx_b = 2 * i + 1
+    else:  # pairs (i, i + d/2)
+        idx_a = i
+        idx_b = i + n_pairs
+    acc_ty = tl.float64 if ACC_64 else tl.float32
+    cos_row = cos_ptr + b * stride_cb + pos * stride_ct  # 2 d values per token, shared by every head
+    sin_row = sin_ptr + b * stride_cb + pos * stride_ct
+    c_a = tl.load(cos_row + idx_a, mask=pair_mask, other=0.0).to(acc_ty)
+    c_b = tl.load(cos_row + idx_b, mask=pair_mask, other=0.0).to(acc_ty)
+    if BACKWARD:  # the transposed rotation: sin halves swapped and negated (= angle -> -angle)
+        s_a = -tl.load(sin_row + idx_b, mask=pair_mask, other=0.0).to(acc_ty)
+        s_b = -tl.load(sin_row + idx_a, mask=pair_mask, other=0.0).to(acc_ty)
+    else:
+        s_a = tl.load(sin_row + idx_a, mask=pair_mask, other=0.0).to(acc_ty)
+        s_b = tl.load(sin_row + idx_b, mask=pair_mask, other=0.0).to(acc_ty)
+    _rotate_heads(
+        q_ptr + b * stride_qb + t * stride_qt, q_out_ptr + b * stride_qob + t * stride_qot,
+        stride_qh, stride_qoh, n_q_heads, idx_a, idx_b, pair_mask, c_a, c_b, s_a, s_b, BLOCK_HQ,
+    )  # fmt: skip
+    _rotate_heads(
+        k_ptr + b * stride_kb + t * stride_kt, k_out_ptr + b * stride_kob + t * stride_kot,
+        stride_kh, stride_koh, n_k_heads, idx_a, idx_b, pair_mask, c_a, c_b, s_a, s_b, BLOCK_HK,
+    )  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------------------
+# Host side
+# --------------------------------------------------------------------------------------------------
+def _as_4d(t: torch.Tensor) -> torch.Tensor:
+    """(H, T, d) -> (1, H, T, d); the last dim made contiguous if it is not."""
+    t = t.unsqueeze(0) if t.dim() == 3 else t
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _cache_3d(t: torch.Tensor) -> torch.Tensor:
+    t = t.unsqueeze(0) if t.dim() == 2 else t
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def rotate(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor,
+    interleaved: bool,
+    backward: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel alone, on checked 4-D q, k, 3-D cos, sin and (1 or B, T) positions; outputs keep the
+    inputs' strides where they are dense. `backward=True` rotates by the negative angles."""
+    q_out, k_out = torch.empty_like(q), torch.empty_like(k)
+    n_batch, n_q_heads, n_tokens, d = q.shape
+    if q.numel() == 0 and k.numel() == 0:
+        return q_out, k_out
+    n_pairs = d // 2
+    stride_cb = cos.stride(0) if cos.shape[0] > 1 else 0
+    stride_pb = positions.stride(0) if positions.shape[0] > 1 else 0
+    block_pairs = triton.next_power_of_2(n_pairs)
+    block_hq, block_hk = triton.next_power_of_2(max(n_q_heads, 1)), triton.next_power_of_2(max(k.shape[1], 1))
+    rope_kernel[(n_batch * n_tokens,)](
+        q, k, q_out, k_out, cos, sin, positions,
+        n_tokens, n_q_heads, k.shape[1], n_pairs,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        q_out.stride(0), q_out.stride(1), q_out.stride(2), k_out.stride(0), k_out.stride(1), k_out.stride(2),
+        stride_cb, cos.stride(1), stride_pb,
+        INTERLEAVED=interleaved, BACKWARD=backward,
+        BLOCK_HQ=block_hq, BLOCK_HK=block_hk, BLOCK_PAIRS=block_pairs,
+        ACC_64=accumulator_dtype(q.dtype) == torch.float64,
+        num_warps=launch.num_warps(max(block_hq, block_hk) * block_pairs),
+    )  # fmt: skip
+    return q_out, k_out
+
+
+class RoPEFunction(torch.autograd.Function):
+    """Differentiable fused RoPE of q and k: `RoPEFunction.apply(q, k, cos, sin, positions, interleaved)`
+    with checked 4-D inputs (see `rope`); cos, sin and positions are constants (no gradient)."""
+
+    @staticmethod
+    def forward(ctx, q, k, cos, sin, positions, interleaved):
+        ctx.save_for_backward(cos, sin, positions)
+        ctx.interleaved = interleaved
+        return rotate(q, k, cos, sin, positions, interleaved)
+
+    @staticmethod
+    def backward(ctx, dq_out, dk_out):
+        cos, sin, positions = ctx.saved_tensors
+        dq, dk = rotate(_as_4d(dq_out), _as_4d(dk_out), cos, sin, positions, ctx.interleaved, backward=True)
+        return dq, dk, None, None, None, None
+
+
+def _positions(positions, n_batch: int, n_tokens: int, n_cache: int, device) -> torch.Tensor:
+    """positions as a (1 or B, T) integer tensor on `device`, every entry checked to be in [0, n_cache)."""
+    where = "rope"
+    if positions is None or isinstance(positions, int):
+        start = 0 if positions is None else positions
+        if start < 0 or start + n_tokens > n_cache:
+            raise ValueError(
+                f"{where}: positions {start}..{start + n_tokens - 1} need cos/sin rows up to {start + n_tokens - 1}, "
+                f"but cos and sin have {n_cache} rows (build the cache for more positions with rope_cache)"
+            )
+        return torch.arange(start, start + n_tokens, device=device, dtype=torch.int32)[None, :]
+    if not isinstance(positions, torch.Tensor):
+        raise TypeError(
+            f"{where}: positions must be None, an int offset or an integer tensor, got {type(positions).__name__}"
+        )
+    if positions.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{where}: positions must be int32 or int64, got {positions.dtype}")
+    if positions.device != device:
+        raise ValueError(f"{where}: positions is on {positions.device}, q and k on {device}")
+    pos = positions.unsqueeze(0) if positions.dim() == 1 else positions
+    if pos.dim() != 2 or pos.shape[1] != n_tokens or pos.shape[0] not in (1, n_batch):
+        raise ValueError(
+            f"{where}: positions must have shape (T,) or (B, T) = ({n_batch}, {n_tokens}); got {tuple(positions.shape)}"
+        )
+    if pos.numel() and (int(pos.min()) < 0 or int(pos.max()) >= n_cache):
+        raise ValueError(
+            f"{where}: positions run from {int(pos.min())} to {int(pos.max())}, but cos and sin have rows "
+            f"0..{n_cache - 1} only"
+        )
+    return pos.contiguous()
+
+
+def _check(q, k, cos, sin, layout) -> None:
+    where = "rope"
+    launch.check_on_kernel_device(where, q=q, k=k, cos=cos, sin=sin)
+    for name, t in (("q", q), ("k", k), ("cos", cos), ("sin", sin)):
+        if t.dtype not in DTYPES:
+            raise TypeError(
+                f"{where}: {name} has dtype {t.dtype}; supported: {', '.join(map(launch.dtype_name, DTYPES))}"
+            )
+    if q.dtype != k.dtype:
+        raise TypeError(f"{where}: q and k must share one dtype; got q {q.dtype}, k {k.dtype}")
+    if len({q.device, k.device, cos.device, sin.device}) != 1:
+        raise ValueError(
+            f"{where}: q, k, cos and sin must be on one device; got {q.device}, {k.device}, {cos.device}, {sin.device}"
+        )
+    if q.dim() not in (3, 4) or k.dim() != q.dim():
+        raise ValueError(
+            f"{where}: q and k must both be (B, H, T, d) or both (H, T, d); got q {tuple(q.shape)}, k {tuple(k.shape)}"
+        )
+    if q.shape[:-3] != k.shape[:-3] or q.shape[-2:] != k.shape[-2:]:
+        raise ValueError(
+            f"{where}: q and k must agree on batch, tokens and head dim (heads may differ); "
+            f"got q {tuple(q.shape)}, k {tuple(k.shape)}"
+        )
+    d = q.shape[-1]
+    if d % 2 or d == 0:
+        raise ValueError(f"{where}: the head dim must be even (RoPE rotates pairs of elements); got d={d}")
+    if cos.shape != sin.shape:
+        raise ValueError(
+            f"{where}: cos and sin must have one shape; got cos {tuple(cos.shape)}, sin {tuple(sin.shape)}"
+        )
+    if cos.dim() not in (2, 3) or cos.shape[-1] != d:
+        raise ValueError(
+            f"{where}: cos and sin must be (T_cache, d) or (B, T_cache, d) with d={d} (q's head dim); "
+            f"got {tuple(cos.shape)}"
+        )
+    n_batch = q.shape[0] if q.dim() == 4 else 1
+    if cos.dim() == 3 and cos.shape[0] not in (1, n_batch):
+        raise ValueError(f"{where}: cos and sin have batch {cos.shape[0]}, q and k have batch {n_batch}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"{where}: layout must be one of {LAYOUTS}, got {layout!r}")
+
+
+def rope(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: int | torch.Tensor | None = None,
+    layout: str = "half",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q and k by their positions' angles in one fused kernel; differentiable in q and k
+    (taught in notebook 11).
+
+    q: (B, Hq, T, d) and k: (B, Hk, T, d) (or (H, T, d)), same dtype (float16, bfloat16, float32;
+    float64 for gradcheck), any strides with d contiguous, d even. cos, sin: (T_cache, d) or
+    (1 or B, T_cache, d), from `rope_cache` or Hugging Face's rotary embedding, in the pair layout of
+    `layout` ("half": j with j + d/2, as Llama; "interleaved": 2i with 2i + 1, as GPT-J).
+    positions: None (0..T-1), an int p (p..p+T-1, for a KV cache) or an int tensor (T,) or (B, T).
+    Returns (q', k') with the shapes and dtype of q and k, computed in float32."""
+    _check(q, k, cos, sin, layout)
+    q4, k4 = _as_4d(q), _as_4d(k)
+    cos3, sin3 = _cache_3d(cos), _cache_3d(sin)
+    pos = _positions(positions, q4.shape[0], q4.shape[2], cos3.shape[1], q.device)
+    q_out, k_out = RoPEFunction.apply(q4, k4, cos3, sin3, pos, layout == "interleaved")
+    return q_out.reshape(q.shape), k_out.reshape(k.shape)
+
+
+def rope_cache(
+    n_positions: int,
+    head_dim: int,
+    base: float = 10000.0,
+    dtype: torch.dtype = torch.float32,
+    device=None,
+    layout: str = "half",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of shape (n_positions, head_dim): row p holds cos(p theta_i), sin(p theta_i) with
+    theta_i = base ** (-2i / head_dim), i < head_dim / 2, each written twice in `layout`'s pair order
+    ("half": [theta_0..theta_{d/2-1}, theta_0..theta_{d/2-1}] as Hugging Face's LlamaRotaryEmbedding;
+    "interleaved": [theta_0, theta_0, theta_1, theta_1, ...]). Angles in float32 as Hugging Face
+    computes them, then cast to `dtype`. Taught in notebook 11."""
+    if head_dim <= 0 or head_dim % 2:
+        raise ValueError(f"rope_cache: head_dim must be even and positive, got {head_dim}")
+    if n_positions < 0:
+        raise ValueError(f"rope_cache: n_positions must be >= 0, got {n_positions}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"rope_cache: layout must be one of {LAYOUTS}, got {layout!r}")
+    device = runtime.DEVICE if device is None else torch.device(device)
+    inv_freq = 1.0 / (
+        base ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim)
+    )
+    angles = torch.outer(torch.arange(n_positions, device=device).float(), inv_freq)  # (P, d/2), float32
+    if layout == "half":
+        angles = torch.cat((angles, angles), dim=-1)
+    else:
+        angles = angles.repeat_interleave(2, dim=-1)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def rope_reference(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions=None, layout: str = "half"
+) -> torch.Tensor:
+    """RoPE of one tensor x (B, H, T, d) in float64 on the CPU: the ground truth tests compare with.
+
+    cos, sin: (T_cache, d) or (1 or B, T_cache, d); positions as in `rope`. Returns float64."""
+    x64 = x.detach().double().cpu()
+    c64, s64 = cos.detach().double().cpu(), sin.detach().double().cpu()
+    n_tokens = x64.shape[-2]
+    if positions is None or isinstance(positions, int):
+        pos = torch.arange(n_tokens) + (positions or 0)
+    else:
+        pos = positions.detach().cpu().long()
+    if c64.dim() == 2:
+        c, s = c64[pos], s64[pos]  # (T, d) or (B, T, d)
+    else:
+        batch = torch.arange(c64.shape[0])[:, None]
+        c, s = c64[batch, pos], s64[batch, pos]
+    if c.dim() == 3:  # (B, T, d) -> (B, 1, T, d): the same angles for every head
+        c, s = c[:, None], s[:, None]
+    if layout == "half":
+        h = x64.shape[-1] // 2
+        rotated = torch.cat((-x64[..., h:], x64[..., :h]), dim=-1)
+    else:
+        pairs = x64.unflatten(-1, (-1, 2))
+        rotated = torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1).flatten(-2)
+    return x64 * c + rotated * s
