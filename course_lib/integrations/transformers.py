@@ -1,0 +1,154 @@
+"""course_lib's attention as an attention implementation of Hugging Face transformers (notebook 08b).
+
+transformers asks two questions of an attention implementation, each through its own registry:
+
+1. *Which mask?* (`AttentionMaskInterface`): before the layers run, the model turns its inputs (a 2-D
+   padding mask, the cache's length) into a mask for all layers. `attention_mask` below answers
+   `None` whenever the mask is plain causal with the queries at the end of the keys, which is
+   exactly what the kernels compute without any mask tensor: prefill (Nq = Nk), decoding and
+   chunked prefill with a growing cache (Nq < Nk, bottom-right). Anything else (padding, a static
+   cache's unused slots, sliding windows, packed sequences, a 4-D mask given by the caller) gets
+   transformers' own boolean mask.
+2. *Attention itself* (`AttentionInterface`): each layer calls `attention_forward(module, q, k, v,
+   mask, dropout=, scaling=, ...)` with q (B, Hq, Nq, d), k, v (B, Hkv, Nk, d) and expects
+   (O as (B, Nq, Hq, d), weights or None). With no mask, the kernels run through the custom
+   operator `course_lib.attention.op` (so `torch.compile` works), K/V heads not repeated (GQA) and the
+   causal mask bottom-right aligned. With a mask, the call falls back to transformers' SDPA
+   implementation, with a warning saying why: the kernels take no arbitrary masks.
+
+Dropout is not implemented by the kernels: a layer in training mode with attention dropout > 0
+raises a ValueError (set `config.attention_dropout = 0`). So do logit soft-capping and attention sinks.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+try:
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, sdpa_mask
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        "course_lib.integrations.transformers needs Hugging Face transformers "
+        f"({exc}); install it with `pip install transformers` or the course extra `pip install -e .[course]`."
+    ) from exc
+
+from ..attention.op import flash_attention_op
+
+NAME = "course_lib"
+
+
+def _no_padding(padding_mask: torch.Tensor | None) -> bool:
+    if padding_mask is None:
+        return True
+    if torch.compiler.is_compiling():  # looking at the values would break the graph: keep the mask
+        return False
+    return bool(padding_mask.all())
+
+
+def attention_mask(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset=0,
+    kv_offset=0,
+    mask_function=causal_mask_function,
+    attention_mask: torch.Tensor | None = None,
+    local_size: int | None = None,
+    allow_is_causal_skip: bool = True,
+    **kwargs,
+):
+    """transformers' mask hook for "course_lib": None when the kernels' causal mask is the right one,
+    else transformers' SDPA boolean mask (batch_size, 1, q_length, kv_length) (True = attend).
+
+    None means: causal, no padding, and the q_length queries are the last q_length of kv_length keys
+    (q_offset + q_length == kv_length, kv_offset == 0) — the bottom-right alignment."""
+    plain_causal = (
+        allow_is_causal_skip
+        and mask_function is causal_mask_function
+        and local_size is None
+        and isinstance(q_offset, int)
+        and kv_offset == 0
+        and q_offset + q_length == kv_length
+        and _no_padding(attention_mask)
+    )
+    if plain_causal:
+        return None
+    return sdpa_mask(
+        batch_size=batch_size,
+        q_length=q_length,
+        kv_length=kv_length,
+        q_offset=q_offset,
+        kv_offset=kv_offset,
+        mask_function=mask_function,
+        attention_mask=attention_mask,
+        local_size=local_size,
+        allow_is_causal_skip=False,  # a None from SDPA's rules would mean top-left: always a real mask
+        **kwargs,
+    )
+
+
+def attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention hook for "course_lib".
+
+    query: (B, Hq, Nq, d); key, value: (B, Hkv, Nk, d) with Hq a multiple of Hkv (grouped-query
+    attention, K/V not repeated); the model's dtype (float16/bfloat16/float32). attention_mask: None
+    (causal, bottom-right: query i sees keys j <= i + Nk - Nq; see `attention_mask`) or a mask tensor
+    (then SDPA runs, with a warning). scaling: the softmax scale (default 1/sqrt(d)). Returns
+    (O of shape (B, Nq, Hq, d), None): no attention weights are ever formed."""
+    if dropout:
+        raise ValueError(
+            f"course_lib attention has no dropout (got dropout={dropout} in {type(module).__name__}); set "
+            "config.attention_dropout = 0.0, or call model.eval() for inference"
+        )
+    for unsupported in ("softcap", "s_aux"):
+        if kwargs.get(unsupported) is not None:
+            raise ValueError(
+                f"course_lib attention does not implement {unsupported!r} ({type(module).__name__}); "
+                "use attn_implementation='sdpa' or 'eager' for this model"
+            )
+    if attention_mask is not None or kwargs.get("sliding_window") is not None:
+        warnings.warn(
+            "course_lib attention: transformers passed an explicit mask (padding, a static cache, a sliding "
+            "window or a custom 4-D mask); course_lib's kernels compute causal masks only, so this call runs "
+            "transformers' SDPA attention instead",
+            UserWarning,
+            stacklevel=2,
+        )
+        return sdpa_attention_forward(
+            module,
+            query,
+            key,
+            value,
+            attention_mask,
+            dropout=dropout,
+            scaling=scaling,
+            is_causal=is_causal,
+            **kwargs,
+        )
+    causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
+    o = flash_attention_op(query, key, value, "bottom_right" if causal else "none", scaling)
+    return o.transpose(1, 2).contiguous(), None
+
+
+def register(name: str = NAME) -> str:
+    """Register `attention_forward` and `attention_mask` with transformers under `name`; return it.
+
+    Afterwards: `model.set_attn_implementation(name)`, or `config._attn_implementation = name` before
+    building the model. Registering twice is harmless."""
+    AttentionInterface.register(name, attention_forward)
+    AttentionMaskInterface.register(name, attention_mask)
+    return name

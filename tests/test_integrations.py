@@ -1,0 +1,210 @@
+"""course_lib's attention inside Hugging Face transformers (course_lib.integrations).
+
+A tiny random-weight LlamaForCausalLM built from a config (no download) runs with SDPA and with
+"course_lib"; logits, gradients and greedy tokens must agree. Grouped-query attention throughout
+(4 query heads, 2 K/V heads; one case with a single K/V head). On the CPU the kernels run in Triton's
+interpreter: two layers, head dim 16, sequences of at most 24 tokens.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+
+import course_lib
+
+transformers = pytest.importorskip("transformers")
+
+from course_lib.integrations import transformers as hf  # noqa: E402
+from course_lib.integrations import use_in_transformers  # noqa: E402
+
+DEVICE = course_lib.DEVICE
+gpu = pytest.mark.skipif(not course_lib.ON_GPU, reason="needs a CUDA GPU with compiled Triton kernels")
+
+
+def tiny_llama(kv_heads=2, dtype=torch.float32, seed=0, layers=2, hidden=64, heads=4):
+    config = transformers.LlamaConfig(
+        vocab_size=97,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=256,
+        attention_dropout=0.0,
+    )
+    torch.manual_seed(seed)
+    return transformers.LlamaForCausalLM(config).to(DEVICE, dtype).eval()
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    """Counts the calls that reach course_lib's kernels (and not the SDPA fallback)."""
+    calls = []
+    real = hf.flash_attention_op
+
+    def counting(q, k, v, causal, scale):
+        calls.append((tuple(q.shape), tuple(k.shape), causal))
+        return real(q, k, v, causal, scale)
+
+    monkeypatch.setattr(hf, "flash_attention_op", counting)
+    return calls
+
+
+def _logits(model, impl, ids, **kwargs):
+    model.set_attn_implementation(impl)
+    with torch.no_grad():
+        return model(ids, **kwargs).logits
+
+
+def test_import_course_lib_does_not_import_transformers():
+    code = "import sys, course_lib, course_lib.integrations; print('transformers' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.split() == ["False"], out.stderr
+
+
+def test_register_and_names():
+    assert use_in_transformers() == "course_lib"
+    assert "course_lib" in transformers.AttentionInterface()
+    model = tiny_llama()
+    model.set_attn_implementation("course_lib")
+    assert model.config._attn_implementation == "course_lib"
+
+
+@pytest.mark.parametrize("kv_heads", [2, 1], ids=["GQA 4/2", "MQA 4/1"])
+def test_prefill_logits_match_sdpa(kv_heads, kernel_calls):
+    use_in_transformers()
+    model = tiny_llama(kv_heads=kv_heads)
+    ids = torch.randint(0, 97, (2, 24), device=DEVICE)
+    ref = _logits(model, "sdpa", ids)
+    got = _logits(model, "course_lib", ids)
+    assert len(kernel_calls) == 2, kernel_calls  # one per layer: no fallback
+    assert kernel_calls[0] == ((2, 4, 24, 16), (2, kv_heads, 24, 16), "bottom_right")
+    err = (got - ref).abs().max().item()
+    assert err < 1e-4, f"tiny Llama fp32, 4/{kv_heads} heads, N=24: logits differ from SDPA by {err:.3g}"
+
+
+def test_decode_with_cache_is_bottom_right(kernel_calls):
+    """Chunked prefill: 16 tokens, then 8 more against a 24-key cache (Nq < Nk), then one token."""
+    use_in_transformers()
+    model = tiny_llama()
+    ids = torch.randint(0, 97, (2, 25), device=DEVICE)
+    ref = _logits(model, "sdpa", ids)
+    model.set_attn_implementation("course_lib")
+    cache = transformers.DynamicCache(config=model.config)
+    with torch.no_grad():
+        first = model(ids[:, :16], past_key_values=cache, use_cache=True).logits
+        second = model(ids[:, 16:24], past_key_values=cache, use_cache=True).logits
+        third = model(ids[:, 24:], past_key_values=cache, use_cache=True).logits
+    got = torch.cat([first, second, third], dim=1)
+    assert [c[0][2] for c in kernel_calls] == [16, 16, 8, 8, 1, 1]
+    assert [c[1][2] for c in kernel_calls] == [16, 16, 24, 24, 25, 25]
+    err = (got - ref).abs().max().item()
+    assert err < 1e-4, f"tiny Llama fp32, cache 16+8+1 tokens: logits differ from one SDPA pass by {err:.3g}"
+
+
+def test_gradients_match_sdpa(kernel_calls):
+    use_in_transformers()
+    model = tiny_llama()
+    model.train()  # attention_dropout is 0: training mode is allowed
+    ids = torch.randint(0, 97, (2, 20), device=DEVICE)
+    grads = {}
+    for impl in ("sdpa", "course_lib"):
+        model.set_attn_implementation(impl)
+        model.zero_grad()
+        model(ids, labels=ids).loss.backward()
+        grads[impl] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    assert len(kernel_calls) == 2
+    assert grads["sdpa"].keys() == grads["course_lib"].keys()
+    for name, g in grads["sdpa"].items():
+        err = (grads["course_lib"][name] - g).abs().max().item()
+        assert err <= 1e-4 * max(1.0, g.abs().max().item()), (
+            f"tiny Llama fp32: grad of {name} differs by {err:.3g}"
+        )
+
+
+def test_greedy_generation_same_tokens(kernel_calls):
+    use_in_transformers()
+    model = tiny_llama()
+    prompt = torch.randint(0, 97, (1, 8), device=DEVICE)
+    tokens = {}
+    for impl in ("sdpa", "course_lib"):
+        model.set_attn_implementation(impl)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", UserWarning)  # no SDPA fallback on the way
+            tokens[impl] = model.generate(prompt, max_new_tokens=6, do_sample=False, attention_mask=None)
+    assert len(kernel_calls) == 2 * 6  # prefill + 5 decoding steps, two layers
+    assert torch.equal(tokens["sdpa"], tokens["course_lib"]), f"{tokens['sdpa']} != {tokens['course_lib']}"
+
+
+def test_padding_mask_falls_back_to_sdpa_with_a_warning(kernel_calls):
+    use_in_transformers()
+    model = tiny_llama()
+    ids = torch.randint(0, 97, (2, 12), device=DEVICE)
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0  # left padding in the second sequence
+    ref = _logits(model, "sdpa", ids, attention_mask=mask)
+    with pytest.warns(UserWarning, match="runs transformers' SDPA attention instead"):
+        got = _logits(model, "course_lib", ids, attention_mask=mask)
+    assert kernel_calls == []
+    assert torch.allclose(got, ref, atol=1e-6)
+
+
+def test_dropout_is_refused_clearly():
+    use_in_transformers()
+    model = tiny_llama()
+    model.config.attention_dropout = 0.1
+    for layer in model.model.layers:
+        layer.self_attn.attention_dropout = 0.1
+    model.train()
+    model.set_attn_implementation("course_lib")
+    with pytest.raises(ValueError, match="no dropout"):
+        model(torch.randint(0, 97, (1, 8), device=DEVICE))
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_bf16_llama_logits_gradients_and_generation():
+    use_in_transformers()
+    model = tiny_llama(dtype=torch.bfloat16, layers=2, hidden=512, heads=4)  # head dim 128, 4/2 heads
+    ids = torch.randint(0, 97, (2, 512), device=DEVICE)
+    ref = _logits(model, "sdpa", ids).float()
+    got = _logits(model, "course_lib", ids).float()
+    err = (got - ref).abs().max().item()
+    assert err < 5e-2 * max(1.0, ref.abs().max().item()), f"bf16 Llama N=512: logits differ by {err:.3g}"
+    model.train()
+    losses = {}
+    for impl in ("sdpa", "course_lib"):
+        model.set_attn_implementation(impl)
+        model.zero_grad()
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        losses[impl] = loss.item()
+    assert abs(losses["sdpa"] - losses["course_lib"]) < 1e-2 * abs(losses["sdpa"]), losses
+    model.eval()
+    model.float()
+    tokens = {}
+    for impl in ("sdpa", "course_lib"):
+        model.set_attn_implementation(impl)
+        tokens[impl] = model.generate(ids[:1, :32], max_new_tokens=16, do_sample=False)
+    assert torch.equal(tokens["sdpa"], tokens["course_lib"])
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_compiled_llama_forward_and_backward():
+    """torch.compile of a whole model with course_lib attention: the custom operator keeps it one graph."""
+    use_in_transformers()
+    model = tiny_llama(dtype=torch.bfloat16, hidden=512, heads=4)
+    model.set_attn_implementation("course_lib")
+    model.train()
+    ids = torch.randint(0, 97, (2, 256), device=DEVICE)
+    loss_eager = model(ids, labels=ids).loss
+    compiled = torch.compile(model)
+    loss = compiled(ids, labels=ids).loss
+    loss.backward()
+    assert abs(loss.item() - loss_eager.item()) < 1e-2 * abs(loss_eager.item())
