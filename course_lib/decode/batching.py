@@ -153,11 +153,15 @@ class ContinuousBatcher:
                 raise OutOfPages("the page pool cannot hold even one waiting request's prompt")
             return {}
         while True:
-            budget, plan = self.max_step_tokens, []
-            for req in self.running:  # decoding requests take 1 token, prefills what the budget leaves
-                n = min(len(req.tokens) - req.computed, max(budget, 1))
-                budget -= n
-                plan.append((req, n))
+            # Decoding requests (one token left) first, then prefill chunks from what the budget leaves.
+            decoding = [r for r in self.running if len(r.tokens) - r.computed == 1]
+            budget = self.max_step_tokens - len(decoding)
+            plan = [(r, 1) for r in decoding]
+            for req in self.running:
+                if len(req.tokens) - req.computed > 1 and budget > 0:
+                    n = min(len(req.tokens) - req.computed, budget)
+                    budget -= n
+                    plan.append((req, n))
             need = sum(self.cache.pages_needed(r.id, n) for r, n in plan)
             if need <= self.cache.allocator.num_free or len(self.running) == 1:
                 break
