@@ -17,11 +17,12 @@ STUDENT    := build/student
 NOTEBOOK_DIR ?= notebooks
 NBVAL      := --nbval-lax --nbval-current-env --nbval-cell-timeout=900 --nbval-sanitize-with tests/nbval_sanitize.cfg
 
-.PHONY: help setup lab test test-gpu bench lint format notebooks student doctor clean
+.PHONY: help setup lab lab-student test test-gpu bench lint format notebooks student doctor clean
 
 help:
 	@echo "make setup     create $(VENV) with the pinned course environment (PINNED=0 keeps your own torch/triton)"
-	@echo "make lab       open the course in JupyterLab"
+	@echo "make lab       open the course in JupyterLab (instructor edition: solutions filled in)"
+	@echo "make lab-student  build the student edition (exercises blank) and open it (= make lab EDITION=student)"
 	@echo "make doctor    report versions and device; fail on known-bad combinations"
 	@echo "make test      CPU: course_lib tests, every notebook and the student edition under nbval"
 	@echo "make test-gpu  CUDA GPU: the tests with compiled kernels and GPU sizes, then every notebook"
@@ -44,9 +45,19 @@ setup:
 	@$(VENV)/bin/python -m course_lib doctor
 	@echo "==> done. Next: make lab   (or: make test)"
 
-lab:
-	@echo "==> make lab: JupyterLab on notebooks/ (start with 00_setup.ipynb)"
-	$(PYTHON) -m jupyter lab --notebook-dir=$(NOTEBOOK_DIR) $(LAB_ARGS)
+# make lab: the instructor edition (notebooks/, solved, paired with the .py sources for authors);
+# make lab EDITION=student or make lab-student: the student edition, rebuilt into $(STUDENT)/ first.
+EDITION    ?= instructor
+LAB_DIR     = $(if $(filter student,$(EDITION)),$(STUDENT),$(NOTEBOOK_DIR))
+ALLOW_ROOT := $(if $(filter 0,$(shell id -u 2>/dev/null)),--allow-root,)
+
+lab: $(if $(filter student,$(EDITION)),student,)
+	@echo "==> make lab: JupyterLab on $(LAB_DIR)/, the $(EDITION) edition (start with 00_setup.ipynb)"
+	@$(if $(ALLOW_ROOT),echo "    running as root (a container?): passing --allow-root (JupyterLab refuses root without it)",true)
+	$(PYTHON) -m jupyter lab --notebook-dir=$(LAB_DIR) $(ALLOW_ROOT) $(LAB_ARGS)
+
+lab-student:
+	@$(MAKE) --no-print-directory lab EDITION=student
 
 doctor:
 	@$(PYTHON) -m course_lib doctor

@@ -5,6 +5,7 @@ course environment). Without Chromium the test is skipped with that hint, except
 where it must run. The server gets a copy of the notebooks, so nothing is saved into notebooks/.
 """
 
+import contextlib
 import json
 import os
 import shutil
@@ -49,6 +50,96 @@ def _lab_settings(folder: Path):
         path = folder / name
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(value))
+
+
+@contextlib.contextmanager
+def _make_lab(tmp_path, *make_args):
+    """Run `make lab` with `make_args` on a free port; yield the server's base URL, stop it afterwards."""
+    _lab_settings(tmp_path / "settings")
+    port = _free_port()
+    env = dict(
+        os.environ,
+        JUPYTERLAB_SETTINGS_DIR=str(tmp_path / "settings"),
+        JUPYTERLAB_WORKSPACES_DIR=str(tmp_path / "workspaces"),
+        JUPYTER_RUNTIME_DIR=str(tmp_path / "rt"),
+    )
+    lab_args = f"--no-browser --ip=127.0.0.1 --port={port} --IdentityProvider.token= --ServerApp.password="
+    server = subprocess.Popen(
+        ["make", "-s", "lab", f"PYTHON={sys.executable}", f"LAB_ARGS={lab_args}", *make_args],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    try:
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.time() + 120
+        while True:
+            try:
+                urllib.request.urlopen(f"{base}/api/status", timeout=2)
+                break
+            except OSError:
+                if time.time() > deadline or server.poll() is not None:
+                    pytest.fail(
+                        f"`make lab {' '.join(make_args)}` did not serve:\n{server.stdout.read1().decode()}"
+                    )
+                time.sleep(0.5)
+        yield base
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+
+
+def _open_notebook(sync_api, p, url):
+    """A headless Chromium page on `url`, the kernel idle and chosen; returns (browser, page)."""
+    browser = p.chromium.launch(
+        executable_path=CHROMIUM,
+        args=["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+              "--disable-background-networking", "--disable-component-update", "--disable-sync"],
+    )  # fmt: skip
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    page.goto(url)
+    page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=90_000)
+    select = page.get_by_role("button", name="Select", exact=True)
+    try:  # after ?reset JupyterLab may ask which kernel to use; the notebook names python3
+        select.wait_for(timeout=5_000)
+        select.click()
+    except sync_api.TimeoutError:
+        pass
+    return browser, page
+
+
+def test_make_lab_student_shows_a_friendly_check_message(tmp_path):
+    """`make lab EDITION=student` serves the student edition (only .ipynb files); an unsolved exercise's
+    check shows the short message of course_lib.exercises, with no traceback into course_lib."""
+    sync_api = _require_browser()
+    student = tmp_path / "student"
+    with _make_lab(tmp_path, "EDITION=student", f"STUDENT={student}") as base:
+        assert sorted(p.suffix for p in student.iterdir()) == [".ipynb"] * len(list(student.iterdir()))
+        listing = json.loads(urllib.request.urlopen(f"{base}/api/contents/").read())
+        names = [item["name"] for item in listing["content"]]
+        assert "00_setup.ipynb" in names and not any(n.endswith(".py") for n in names), names
+        shots = ROOT / "build" / "browser"
+        shots.mkdir(parents=True, exist_ok=True)
+        with sync_api.sync_playwright() as p:
+            browser, page = _open_notebook(sync_api, p, f"{base}/lab/tree/00_setup.ipynb?reset")
+            try:
+                page.get_by_role("menuitem", name="Run", exact=True).click()
+                page.get_by_text("Run All Cells", exact=True).click()
+                outputs = page.locator(".jp-OutputArea-output")
+                message = outputs.filter(has_text="Exercise 'score matrix bytes' is not done yet")
+                sync_api.expect(message).to_have_count(1, timeout=120_000)
+                text = message.inner_text()
+            finally:
+                page.screenshot(path=str(shots / "00_setup_student.png"), full_page=False)
+                browser.close()
+        assert "replace the `raise NotImplementedError`" in text, text
+        assert "Traceback" not in text and "course_lib/exercises.py" not in text, text
+        assert not list(student.glob("*.py")), "saving in the student edition wrote a paired .py file"
 
 
 def test_make_lab_runs_notebook_00_in_chromium(tmp_path):

@@ -66,3 +66,21 @@ def test_run_notebooks_side_by_side(tmp_path, monkeypatch, capsys):
     assert "2 passed, 1 failed" in out and "bad notebook failed here" in out
     assert "good ran" in (tmp_path / "build" / "notebook-logs" / "01_good.log").read_text()
     assert run_notebooks.main(["--jobs", "2", "good", "other"]) == 0
+
+
+def test_pairing_is_for_authors_only(tmp_path):
+    """notebooks/ pairs .ipynb with percent .py sources; the student edition (elsewhere) is not paired."""
+    from jupytext.config import find_jupytext_configuration_file, load_jupytext_configuration_file
+
+    config = find_jupytext_configuration_file(str(notebooks.NOTEBOOKS))
+    assert config is not None and config.startswith(str(notebooks.NOTEBOOKS)), config
+    assert load_jupytext_configuration_file(config).formats in ("ipynb,py:percent", ["ipynb,py:percent"])
+    student = notebooks.ROOT / "build" / "student"
+    found = find_jupytext_configuration_file(str(student if student.exists() else notebooks.ROOT / "build"))
+    assert found is None, f"the student edition would be paired by {found}"
+
+
+def test_sources_by_name():
+    assert [p.name[:2] for p in notebooks.sources(["00", "03"])] == ["00", "03"]
+    with pytest.raises(ValueError, match="no notebook source"):
+        notebooks.sources(["99"])
