@@ -269,6 +269,7 @@ class RMSNorm(nn.Module):
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """RMSNorm in float64 on the CPU, without intermediate casts: the ground truth tests compare with.
 
-    x: (..., D), weight: (D,), any float dtypes. Returns float64 (..., D)."""
-    x64, w64 = x.detach().double().cpu(), weight.detach().double().cpu()
+    x: (..., D), weight: (D,), any float dtypes. Returns float64 (..., D), differentiable in x and
+    weight (so reference gradients come from autograd)."""
+    x64, w64 = x.double().cpu(), weight.double().cpu()
     return w64 * x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + eps)

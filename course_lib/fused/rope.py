@@ -326,8 +326,9 @@ def rope_reference(
 ) -> torch.Tensor:
     """RoPE of one tensor x (B, H, T, d) in float64 on the CPU: the ground truth tests compare with.
 
-    cos, sin: (T_cache, d) or (1 or B, T_cache, d); positions as in `rope`. Returns float64."""
-    x64 = x.detach().double().cpu()
+    cos, sin: (T_cache, d) or (1 or B, T_cache, d); positions as in `rope`. Returns float64,
+    differentiable in x (so reference gradients come from autograd)."""
+    x64 = x.double().cpu()
     c64, s64 = cos.detach().double().cpu(), sin.detach().double().cpu()
     n_tokens = x64.shape[-2]
     if positions is None or isinstance(positions, int):

@@ -1,0 +1,414 @@
+"""Tests of course_lib.fused (notebook 11): fused RMSNorm and RoPE, forward and backward.
+
+Ground truth is float64 (`rms_norm_reference`, `rope_reference`, differentiated by autograd for the
+gradients). Hugging Face's LlamaRMSNorm and apply_rotary_pos_emb are compared with when transformers is
+installed; the casting rules of LlamaRMSNorm are also checked against the same formula written out here.
+On the CPU the kernels run in Triton's interpreter, so rows are few; GPU-sized bf16 cases are marked
+`gpu`. Note: the interpreter rounds float32 -> bfloat16 towards zero (a GPU rounds to nearest), so bf16
+tolerances here allow 2 units in the last place.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import course_lib
+from course_lib.fused import RMSNorm, rms_norm, rms_norm_reference, rope, rope_cache, rope_reference
+from course_lib.fused.rms_norm import DW_MODES
+
+DEVICE = course_lib.DEVICE
+ON_GPU = course_lib.ON_GPU
+gpu = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU with compiled Triton kernels")
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+# (rtol, atol) against float64: about 2 units in the last place of the dtype, relative and near 1.
+TOL = {
+    torch.float64: (1e-12, 1e-12),
+    torch.float32: (1e-5, 1e-5),
+    torch.float16: (2e-3, 2e-3),
+    torch.bfloat16: (1.6e-2, 1.6e-2),
+}
+
+
+def _name(dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def _close(actual, expected, dtype, what: str, scale: float = 1.0) -> None:
+    """actual (any dtype, any device) against a float64 expected, within TOL[dtype] x scale."""
+    rtol, atol = TOL[dtype]
+    torch.testing.assert_close(
+        actual.detach().double().cpu(),
+        expected.detach().double().cpu(),
+        rtol=rtol * scale,
+        atol=atol * scale,
+        msg=lambda m: f"{what}: {m}",
+    )
+
+
+def _randn(*shape, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g).to(dtype=dtype, device=DEVICE)
+
+
+def llama_rms_norm_formula(x, weight, eps):
+    """Hugging Face's LlamaRMSNorm.forward, written out: float32 statistics, cast, then the weight."""
+    x32 = x.to(torch.float32)
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+# ------------------------------------------------------------------------------------------ RMSNorm
+RMS_SHAPES = [(3, 5, 64), (3, 100), (2, 4544), (2, 5120)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=_name)
+@pytest.mark.parametrize("shape", RMS_SHAPES, ids=str)
+def test_rms_norm_forward_matches_float64(shape, dtype):
+    x, w = _randn(*shape, dtype=dtype), _randn(shape[-1], dtype=dtype, seed=1)
+    y = rms_norm(x, w, eps=1e-6)
+    assert y.shape == x.shape and y.dtype == dtype
+    _close(y, rms_norm_reference(x, w, 1e-6), dtype, f"rms_norm forward {shape} {_name(dtype)}", scale=2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=_name)
+@pytest.mark.parametrize("shape", [(3, 5, 64), (2, 4544)], ids=str)
+def test_rms_norm_follows_llama_casting_rules(shape, dtype):
+    """Same roundings as LlamaRMSNorm: cast to x's dtype before the weight, so the results agree to
+    one unit in the last place (the sums of squares are added in a different order)."""
+    x, w = _randn(*shape, dtype=dtype), _randn(shape[-1], dtype=dtype, seed=1)
+    _close(
+        rms_norm(x, w), llama_rms_norm_formula(x, w, 1e-6), dtype, f"vs Llama formula {shape} {_name(dtype)}"
+    )
+
+
+def test_rms_norm_weight_of_another_dtype_promotes_like_pytorch():
+    x, w = _randn(4, 48, dtype=torch.float16), _randn(48, dtype=torch.float32, seed=1)
+    y = rms_norm(x, w)
+    assert y.dtype == torch.float32
+    torch.testing.assert_close(y, llama_rms_norm_formula(x, w, 1e-6), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dw_mode", DW_MODES)
+@pytest.mark.parametrize("shape", [(3, 5, 64), (9, 4544)], ids=str)
+def test_rms_norm_backward_matches_float64(shape, dw_mode):
+    dtype = torch.float32
+    x = _randn(*shape, dtype=dtype).requires_grad_()
+    w = _randn(shape[-1], dtype=dtype, seed=1).requires_grad_()
+    dy = _randn(*shape, dtype=dtype, seed=2)
+    rms_norm(x, w, dw_mode=dw_mode).backward(dy)
+    x64 = x.detach().double().cpu().requires_grad_()
+    w64 = w.detach().double().cpu().requires_grad_()
+    rms_norm_reference(x64, w64).backward(dy.double().cpu())
+    what = f"rms_norm backward {shape} dw_mode={dw_mode}"
+    _close(x.grad, x64.grad, dtype, f"{what} dx", scale=2)
+    _close(w.grad, w64.grad, dtype, f"{what} dw", scale=10)  # a sum over rows: larger numbers
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=_name)
+def test_rms_norm_backward_half_precision(dtype):
+    shape = (6, 320)
+    x = _randn(*shape, dtype=dtype).requires_grad_()
+    w = _randn(shape[-1], dtype=dtype, seed=1).requires_grad_()
+    dy = _randn(*shape, dtype=dtype, seed=2)
+    rms_norm(x, w).backward(dy)
+    x64 = x.detach().double().requires_grad_()
+    w64 = w.detach().double().requires_grad_()
+    rms_norm_reference(x64, w64).backward(dy.double().cpu())
+    _close(x.grad, x64.grad, dtype, f"dx {_name(dtype)}", scale=2)
+    # dw sums 6 products each rounded by the cast x_hat: allow a few units of the largest term
+    _close(w.grad, w64.grad, dtype, f"dw {_name(dtype)}", scale=4)
+
+
+def test_rms_norm_non_contiguous_input_and_expanded_gradient():
+    base = _randn(64, 6, dtype=torch.float32)
+    x = base.t().requires_grad_()  # (6, 64), strides (1, 6)
+    w = _randn(64, dtype=torch.float32, seed=1).requires_grad_()
+    y = rms_norm(x, w)
+    _close(y, rms_norm_reference(x, w), torch.float32, "transposed x")
+    y.sum().backward()  # dy is a stride-0 expanded tensor of ones
+    x64 = x.detach().double().requires_grad_()
+    w64 = w.detach().double().requires_grad_()
+    rms_norm_reference(x64, w64).sum().backward()
+    _close(x.grad, x64.grad, torch.float32, "transposed x, dx", scale=2)
+    _close(w.grad, w64.grad, torch.float32, "transposed x, dw", scale=10)
+
+
+def test_rms_norm_dw_modes_agree_and_partials_is_deterministic():
+    shape = (13, 96)
+    x, w, dy = _randn(*shape), _randn(shape[-1], seed=1), _randn(*shape, seed=2)
+    grads = {}
+    for mode in DW_MODES:
+        for run in range(2):
+            xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
+            rms_norm(xi, wi, dw_mode=mode).backward(dy)
+            grads[mode, run] = (xi.grad, wi.grad)
+    assert torch.equal(grads["partials", 0][1], grads["partials", 1][1]), "partials: dw differs between runs"
+    for mode in DW_MODES:
+        torch.testing.assert_close(
+            grads[mode, 0][1], grads["partials", 0][1], msg=lambda m, mode=mode: f"dw {mode}: {m}"
+        )
+        assert torch.equal(grads[mode, 0][0], grads["partials", 0][0]), f"dx of {mode} differs"
+
+
+def test_rms_norm_gradcheck_float64():
+    x = _randn(3, 2, 24, dtype=torch.float64).requires_grad_()
+    w = _randn(24, dtype=torch.float64, seed=1).requires_grad_()
+    assert torch.autograd.gradcheck(lambda a, b: rms_norm(a, b, 1e-6), (x, w), fast_mode=True)
+
+
+def test_rms_norm_module_and_empty_input():
+    layer = RMSNorm(40, eps=1e-5).to(DEVICE)
+    x = _randn(2, 3, 40)
+    torch.testing.assert_close(layer(x), llama_rms_norm_formula(x, layer.weight, 1e-5))
+    assert "eps=1e-05" in repr(layer)
+    empty = torch.empty(0, 40, device=DEVICE, requires_grad=True)
+    out = rms_norm(empty, layer.weight)
+    out.sum().backward()
+    assert out.shape == (0, 40) and torch.equal(layer.weight.grad, torch.zeros(40, device=DEVICE))
+
+
+def test_rms_norm_matches_transformers_llama_rms_norm():
+    modeling = pytest.importorskip("transformers.models.llama.modeling_llama")
+    for dtype in DTYPES:
+        hf = modeling.LlamaRMSNorm(4544, eps=1e-6).to(device=DEVICE, dtype=dtype)
+        with torch.no_grad():
+            hf.weight.copy_(_randn(4544, dtype=dtype, seed=1))
+        x = _randn(3, 4544, dtype=dtype)
+        scale = 2 if dtype == torch.bfloat16 else 1
+        _close(
+            rms_norm(x, hf.weight, hf.variance_epsilon),
+            hf(x),
+            dtype,
+            f"vs LlamaRMSNorm {_name(dtype)}",
+            scale,
+        )
+
+
+@pytest.mark.parametrize(
+    "make, error, words",
+    [
+        (lambda: rms_norm(_randn(2, 8), _randn(7)), ValueError, "weight must have shape"),
+        (lambda: rms_norm(_randn(2, 8).int(), _randn(8)), TypeError, "dtype"),
+        (lambda: rms_norm(torch.randn(2, 8, device="meta"), _randn(8)), ValueError, "Triton kernels run on"),
+        (lambda: rms_norm(_randn(2, 8), _randn(8), dw_mode="fast"), ValueError, "dw_mode"),
+        (lambda: rms_norm(_randn(2, 8), _randn(8), eps=-1.0), ValueError, "eps"),
+        (lambda: rms_norm(_randn(2, 0), _randn(0)), ValueError, "D >= 1"),
+        (lambda: rms_norm([1.0, 2.0], _randn(2)), TypeError, "torch.Tensor"),
+    ],
+    ids=["weight shape", "int dtype", "device", "dw_mode", "eps", "empty D", "not a tensor"],
+)
+def test_rms_norm_clear_errors(make, error, words):
+    with pytest.raises(error, match=words):
+        make()
+
+
+# --------------------------------------------------------------------------------------------- RoPE
+POSITIONS = {
+    "none": lambda b, t: None,
+    "offset": lambda b, t: 5,
+    "per-batch": lambda b, t: torch.randint(0, 20, (b, t), generator=torch.Generator().manual_seed(3)).to(
+        DEVICE
+    ),
+}
+
+
+@pytest.mark.parametrize("positions", list(POSITIONS))
+@pytest.mark.parametrize("layout", ["half", "interleaved"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=_name)
+def test_rope_forward_matches_float64(dtype, layout, positions):
+    b, t, d = 2, 6, 32
+    q, k = _randn(b, 4, t, d, dtype=dtype), _randn(b, 2, t, d, dtype=dtype, seed=1)  # grouped: 4 q heads, 2 k
+    cos, sin = rope_cache(24, d, layout=layout, device=DEVICE)
+    pos = POSITIONS[positions](b, t)
+    q_rot, k_rot = rope(q, k, cos, sin, positions=pos, layout=layout)
+    what = f"rope {layout} positions={positions} {_name(dtype)}"
+    assert q_rot.dtype == dtype and q_rot.shape == q.shape and k_rot.shape == k.shape
+    _close(q_rot, rope_reference(q, cos, sin, pos, layout), dtype, f"{what} q")
+    _close(k_rot, rope_reference(k, cos, sin, pos, layout), dtype, f"{what} k")
+
+
+@pytest.mark.parametrize("layout", ["half", "interleaved"])
+def test_rope_backward_matches_float64_and_is_the_negative_rotation(layout):
+    b, t, d = 2, 5, 16
+    q = _randn(b, 3, t, d).requires_grad_()
+    k = _randn(b, 1, t, d, seed=1).requires_grad_()
+    cos, sin = rope_cache(16, d, layout=layout, device=DEVICE)
+    dq, dk = _randn(b, 3, t, d, seed=2), _randn(b, 1, t, d, seed=3)
+    q_rot, k_rot = rope(q, k, cos, sin, positions=4, layout=layout)
+    torch.autograd.backward((q_rot, k_rot), (dq, dk))
+    q64, k64 = (t_.detach().double().cpu().requires_grad_() for t_ in (q, k))
+    ref = rope_reference(q64, cos, sin, 4, layout), rope_reference(k64, cos, sin, 4, layout)
+    torch.autograd.backward(ref, (dq.double().cpu(), dk.double().cpu()))
+    _close(q.grad, q64.grad, torch.float32, f"rope {layout} dq")
+    _close(k.grad, k64.grad, torch.float32, f"rope {layout} dk")
+    # the same as rotating the incoming gradients by the negative angle (sin -> -sin)
+    back_q, back_k = rope(dq, dk, cos, -sin, positions=4, layout=layout)
+    torch.testing.assert_close(q.grad, back_q)
+    torch.testing.assert_close(k.grad, back_k)
+
+
+def test_rope_token_major_layout_without_copies_and_3d_inputs():
+    """(B, T, H, d) storage passed as .transpose(1, 2): the kernel follows the strides; outputs keep them."""
+    t, d = 7, 24
+    q = _randn(2, t, 4, d).transpose(1, 2)
+    k = _randn(2, t, 2, d, seed=1).transpose(1, 2)
+    cos, sin = rope_cache(t, d, device=DEVICE)
+    q_rot, k_rot = rope(q, k, cos, sin)
+    assert q_rot.stride() == q.stride()
+    _close(q_rot, rope_reference(q, cos, sin), torch.float32, "token-major q")
+    _close(k_rot, rope_reference(k, cos, sin), torch.float32, "token-major k")
+    q3, k3 = rope(q[0], k[0], cos, sin)
+    torch.testing.assert_close(q3, q_rot[0])
+    torch.testing.assert_close(k3, k_rot[0])
+
+
+def test_rope_batched_cache_and_positions_vector():
+    b, t, d = 2, 4, 16
+    q, k = _randn(b, 2, t, d), _randn(b, 2, t, d, seed=1)
+    cos, sin = rope_cache(10, d, device=DEVICE)
+    pos = torch.tensor([6, 2, 9, 0], device=DEVICE)
+    cos_b, sin_b = cos[pos][None].expand(b, t, d), sin[pos][None].expand(b, t, d)  # HF's gathered (B, T, d)
+    q1, k1 = rope(q, k, cos, sin, positions=pos)
+    q2, k2 = rope(q, k, cos_b, sin_b)
+    torch.testing.assert_close(q1, q2)
+    torch.testing.assert_close(k1, k2)
+
+
+def test_rope_kv_cache_offsets_agree_with_one_long_sequence():
+    """Rotating tokens 0..T-1 at once equals rotating 0..4 and then 5..T-1 with positions=5."""
+    t, d = 9, 32
+    q, k = _randn(1, 2, t, d), _randn(1, 1, t, d, seed=1)
+    cos, sin = rope_cache(16, d, device=DEVICE)
+    q_all, k_all = rope(q, k, cos, sin)
+    q_new, k_new = rope(q[:, :, 5:], k[:, :, 5:], cos, sin, positions=5)
+    torch.testing.assert_close(q_new, q_all[:, :, 5:])
+    torch.testing.assert_close(k_new, k_all[:, :, 5:])
+
+
+@pytest.mark.parametrize("layout", ["half", "interleaved"])
+def test_rope_gradcheck_float64(layout):
+    cos, sin = rope_cache(12, 8, dtype=torch.float64, device=DEVICE, layout=layout)
+    q = _randn(1, 2, 4, 8, dtype=torch.float64).requires_grad_()
+    k = _randn(1, 1, 4, 8, dtype=torch.float64, seed=1).requires_grad_()
+    assert torch.autograd.gradcheck(lambda a, b: rope(a, b, cos, sin, 3, layout), (q, k), fast_mode=True)
+
+
+def test_rope_cache_values():
+    cos, sin = rope_cache(5, 8, base=100.0, device="cpu")
+    theta = 100.0 ** (-torch.arange(0, 8, 2, dtype=torch.float64) / 8)
+    angles = torch.arange(5, dtype=torch.float64)[:, None] * theta
+    torch.testing.assert_close(cos.double(), torch.cat((angles, angles), -1).cos(), rtol=1e-6, atol=1e-6)
+    cos_i, sin_i = rope_cache(5, 8, base=100.0, device="cpu", layout="interleaved")
+    torch.testing.assert_close(sin_i.double(), angles.repeat_interleave(2, -1).sin(), rtol=1e-6, atol=1e-6)
+
+
+def test_rope_matches_transformers():
+    modeling = pytest.importorskip("transformers.models.llama.modeling_llama")
+    config = modeling.LlamaConfig(hidden_size=256, num_attention_heads=4, num_key_value_heads=2)
+    rotary = modeling.LlamaRotaryEmbedding(config=config).to(DEVICE)
+    b, t, d = 2, 6, 64
+    for dtype in DTYPES:
+        q, k = _randn(b, 4, t, d, dtype=dtype), _randn(b, 2, t, d, dtype=dtype, seed=1)
+        position_ids = torch.arange(3, 3 + t, device=DEVICE)[None].expand(b, t)
+        cos_hf, sin_hf = rotary(q, position_ids)  # (B, T, d) in q's dtype
+        q_hf, k_hf = modeling.apply_rotary_pos_emb(q, k, cos_hf, sin_hf)
+        cos, sin = rope_cache(16, d, device=DEVICE, dtype=dtype)
+        torch.testing.assert_close(
+            cos[3 : 3 + t], cos_hf[0], msg=lambda m, dtype=dtype: f"cos cache {_name(dtype)}: {m}"
+        )
+        q_rot, k_rot = rope(q, k, cos, sin, positions=3)
+        scale = 1 if dtype == torch.float32 else 2  # Hugging Face rounds three times in 16-bit
+        _close(q_rot, q_hf, dtype, f"vs apply_rotary_pos_emb q {_name(dtype)}", scale)
+        _close(k_rot, k_hf, dtype, f"vs apply_rotary_pos_emb k {_name(dtype)}", scale)
+
+
+def _qk(d=16, t=4, dtype=torch.float32):
+    return _randn(1, 2, t, d, dtype=dtype), _randn(1, 2, t, d, dtype=dtype, seed=1)
+
+
+@pytest.mark.parametrize(
+    "make, error, words",
+    [
+        (lambda: rope(*_qk(d=15), *rope_cache(8, 16, device=DEVICE)), ValueError, "must be even"),
+        (lambda: rope(*_qk(), *rope_cache(8, 32, device=DEVICE)), ValueError, "d=16"),
+        (lambda: rope(*_qk(t=9), *rope_cache(8, 16, device=DEVICE)), ValueError, "rows"),
+        (lambda: rope(*_qk(), *rope_cache(8, 16, device=DEVICE), positions=6), ValueError, "positions 6..9"),
+        (
+            lambda: rope(*_qk(), *rope_cache(8, 16, device=DEVICE), positions=torch.arange(3, device=DEVICE)),
+            ValueError,
+            "shape",
+        ),
+        (
+            lambda: rope(*_qk(), *rope_cache(8, 16, device=DEVICE), positions=torch.arange(4.0, device=DEVICE)),
+            TypeError,
+            "int32 or int64",
+        ),
+        (
+            lambda: rope(_qk()[0], _qk(dtype=torch.float16)[1], *rope_cache(8, 16, device=DEVICE)),
+            TypeError,
+            "one dtype",
+        ),
+        (lambda: rope(*_qk(), *rope_cache(8, 16, device=DEVICE), layout="neox"), ValueError, "layout"),
+        (
+            lambda: rope(torch.randn(1, 2, 4, 16, device="meta"), _qk()[1], *rope_cache(8, 16, device=DEVICE)),
+            ValueError,
+            "Triton kernels run on",
+        ),
+        (lambda: rope(_randn(2, 4, 16), _randn(1, 2, 4, 16), *rope_cache(8, 16, device=DEVICE)), ValueError, "both"),
+    ],
+    ids=["odd d", "cache d", "too few rows", "offset", "positions shape", "float positions", "dtypes", "layout",
+         "device", "dims"],
+)  # fmt: skip
+def test_rope_clear_errors(make, error, words):
+    with pytest.raises(error, match=words):
+        make()
+
+
+# ---------------------------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("hidden", [2048, 4544, 5120, 8192])
+def test_gpu_rms_norm_bf16_real_sizes(hidden):
+    rows = 4096
+    x = _randn(rows, hidden, dtype=torch.bfloat16).requires_grad_()
+    w = _randn(hidden, dtype=torch.bfloat16, seed=1).requires_grad_()
+    dy = _randn(rows, hidden, dtype=torch.bfloat16, seed=2)
+    y = rms_norm(x, w)
+    torch.testing.assert_close(y, llama_rms_norm_formula(x, w, 1e-6), rtol=8e-3, atol=8e-3)
+    _close(y, rms_norm_reference(x, w), torch.bfloat16, f"GPU forward D={hidden}")
+    y.backward(dy)
+    x64 = x.detach().double().cpu().requires_grad_()
+    w64 = w.detach().double().cpu().requires_grad_()
+    rms_norm_reference(x64, w64).backward(dy.double().cpu())
+    _close(x.grad, x64.grad, torch.bfloat16, f"GPU dx D={hidden}", scale=2)
+    # dw sums 4096 rows: compare relative to its size
+    err = (w.grad.double().cpu() - w64.grad).abs().max() / w64.grad.abs().max()
+    assert err < 2e-2, f"GPU dw D={hidden}: relative error {err:.3g}"
+    dws = {}
+    for mode in DW_MODES:
+        for run in range(2):
+            xi, wi = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+            rms_norm(xi, wi, dw_mode=mode).backward(dy)
+            dws[mode, run] = wi.grad
+    assert torch.equal(dws["partials", 0], dws["partials", 1]), f"partials not deterministic at D={hidden}"
+    for mode in DW_MODES:
+        torch.testing.assert_close(dws[mode, 0], dws["partials", 0], rtol=1.6e-2, atol=1.6e-2)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("layout", ["half", "interleaved"])
+def test_gpu_rope_bf16_real_sizes(layout):
+    t, d = 4096, 128
+    q = _randn(1, t, 32, d, dtype=torch.bfloat16).transpose(1, 2).requires_grad_()
+    k = _randn(1, t, 8, d, dtype=torch.bfloat16, seed=1).transpose(1, 2).requires_grad_()
+    cos, sin = rope_cache(2 * t, d, device=DEVICE, layout=layout)
+    q_rot, k_rot = rope(q, k, cos, sin, positions=t, layout=layout)
+    _close(q_rot, rope_reference(q, cos, sin, t, layout), torch.bfloat16, f"GPU rope {layout} q")
+    _close(k_rot, rope_reference(k, cos, sin, t, layout), torch.bfloat16, f"GPU rope {layout} k")
+    dq, dk = torch.randn_like(q_rot), torch.randn_like(k_rot)
+    torch.autograd.backward((q_rot, k_rot), (dq, dk))
+    back_q, back_k = rope(dq, dk, cos, -sin, positions=t, layout=layout)
+    torch.testing.assert_close(q.grad, back_q)
+    torch.testing.assert_close(k.grad, back_k)
