@@ -72,7 +72,7 @@ def check(
             raise
         raise ExerciseNotDone(
             _with_hint(
-                f"Exercise '{name}' is not done yet: replace the `raise NotImplementedError` in its cell "
+                f"Exercise '{name}' is not done yet:\nreplace the `raise NotImplementedError` in its cell "
                 "with your code, run that cell, then run this check again.",
                 hints,
                 1,
