@@ -40,6 +40,11 @@ class Block:
             return n_q * n_k
         return sum(min(i + 1, n_k) for i in range(n_q))
 
+    @property
+    def area(self) -> int:
+        """Scores computed by code that does not skip masked entries (the PyTorch path): n_q * n_k."""
+        return (self.q_hi - self.q_lo) * (self.k_hi - self.k_lo)
+
 
 def _join(blocks: list[Block]) -> list[Block]:
     """Join unmasked blocks that share a query range and touch in keys, or share keys and touch in queries."""
@@ -88,13 +93,18 @@ def plan_step(
     return _join(blocks)
 
 
-def work_per_rank(world: int, scheme: str, seq_len: int, causal: bool = True) -> list[list[int]]:
-    """(query, key) pairs each rank computes at each step: result[rank][step], for a total length
-    seq_len that the chunks divide. The prediction behind notebook 13's load-balance picture."""
+def work_per_rank(
+    world: int, scheme: str, seq_len: int, causal: bool = True, measure: str = "pairs"
+) -> list[list[int]]:
+    """Work of each rank at each step, result[rank][step], for a total length seq_len that the chunks
+    divide. measure: "pairs" (query-key pairs that count, what a kernel that skips masked tiles does)
+    or "area" (scores computed when masked ones are computed too). Notebook 13's load-balance picture."""
+    if measure not in ("pairs", "area"):
+        raise ValueError(f"work_per_rank: measure must be 'pairs' or 'area', got {measure!r}")
     n_local = seq_len // world
     return [
         [
-            sum(b.pairs for b in plan_step(r, (r - s) % world, world, scheme, n_local, causal))
+            sum(getattr(b, measure) for b in plan_step(r, (r - s) % world, world, scheme, n_local, causal))
             for s in range(world)
         ]
         for r in range(world)

@@ -6,8 +6,6 @@ same full inputs from one seed, keeps its own shard, and returns plain numbers.
 
 from __future__ import annotations
 
-import time
-
 import torch
 
 from ..attention.reference import attention
@@ -70,33 +68,22 @@ def _reference(q, k, v, do, causal: bool, groups: int, dtype, device):
     return [o.detach(), *(t.grad for t in leaves)]
 
 
-def step_compute_times(rank: int, world: int, case: dict, repeats: int = 3) -> list[float]:
-    """Seconds of compute at each forward ring step on this rank (fastest of `repeats` runs).
+def step_compute_times(rank: int, world: int, case: dict, schemes=("contiguous", "zigzag"), repeats: int = 3):
+    """Seconds of compute at each forward ring step on this rank, per sharding scheme: {scheme: [s0, s1, ...]}
+    (fastest of `repeats` runs; wall clock, so time spent waiting for a shared CPU core counts too).
 
-    case: B, H, N, d, causal, sharding, backend as in `compare_with_reference` (float32 inputs)."""
-    q, k, v, _ = _full_inputs(case, torch.float32)
-    q, k, v = (shard(t, rank, world, case["sharding"]) for t in (q, k, v))
-    best = None
-    for _ in range(repeats):
-        times: list[float] = []
-        torch.distributed.barrier()
-        ring_forward(
-            q, k, v, case["causal"], None, case["sharding"], None, case.get("backend", "torch"), None, times
-        )
-        best = times if best is None else [min(a, b) for a, b in zip(best, times)]
-    return best
-
-
-def wall_time(rank: int, world: int, case: dict, repeats: int = 3) -> float:
-    """Seconds for one forward + backward of ring attention over all ranks (fastest of `repeats`)."""
-    q, k, v, do = _full_inputs(case, torch.float32)
-    q, k, v, do = (shard(t, rank, world, case["sharding"]) for t in (q, k, v, do))
-    best = float("inf")
-    for _ in range(repeats):
-        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-        torch.distributed.barrier()
-        t0 = time.perf_counter()
-        ring_attention(*leaves, causal=case["causal"], sharding=case["sharding"]).backward(do)
-        torch.distributed.barrier()
-        best = min(best, time.perf_counter() - t0)
-    return best
+    case: B, H, N, d, causal, backend as in `compare_with_reference` (float32 inputs)."""
+    out = {}
+    for scheme in schemes:
+        q, k, v, _ = _full_inputs(case, torch.float32)
+        q, k, v = (shard(t, rank, world, scheme) for t in (q, k, v))
+        best = None
+        for _ in range(repeats):
+            times: list[float] = []
+            torch.distributed.barrier()
+            ring_forward(
+                q, k, v, case["causal"], None, scheme, None, case.get("backend", "torch"), None, times
+            )
+            best = times if best is None else [min(a, b) for a, b in zip(best, times)]
+        out[scheme] = best
+    return out

@@ -1,0 +1,492 @@
+# ---
+# jupyter:
+#   jupytext:
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 13 · Ring attention: one attention on several devices
+#
+# A sequence of a million tokens does not fit one GPU's attention: not its memory, not its hours. Cut the
+# sequence into slices, one per device; each device keeps the queries of its slice, and the keys and values
+# travel from device to device around a ring. Every device gets partial results over the keys it has seen,
+# and notebook 03's merge of partial softmax states puts them together exactly. The idea that made
+# FlashAttention possible on one chip (a softmax computed block by block) pays off a second time.
+#
+# **Learning goals**
+# 1. Estimate the memory and time of attention over 1M tokens against one device, and what the options
+#    (all-gather, head sharding / Ulysses, ring) send between devices.
+# 2. Shard a sequence contiguously and in zigzag order, and say which tokens each rank holds.
+# 3. Run ring attention's forward (K/V rotate, partial (O, L) merge) and backward (dK/dV travel home, dQ
+#    stays) on 2-4 CPU processes with `torch.distributed` (gloo), and check it against one-device
+#    attention in float64.
+# 4. Predict, then measure, the causal work per rank: contiguous slices overload the last rank, zigzag
+#    balances it.
+# 5. Read a two-GPU benchmark and a profiler trace (communication hidden behind compute), compare with
+#    PyTorch's `context_parallel`, and predict scaling to 8 GPUs and across hosts.
+#
+# The finished pieces live in `course_lib.distributed`: `shard`, `unshard`, `chunk_ids`, `plan_step`,
+# `work_per_rank`, `ring_attention`, `run_ranks`.
+
+# %% [markdown]
+# ## 0. Sizes
+#
+# The ranks here are CPU processes joined by gloo, so the sizes are small on any machine. A run over the
+# GPUs of one machine is a script (`torchrun --nproc_per_node 2 scripts/ring_bench.py`), whose record
+# this notebook reads in section 8.
+
+# %%
+import math
+
+import matplotlib.pyplot as plt
+import torch
+
+import course_lib
+from course_lib import records
+from course_lib.attention.merge import merge_attention_states
+from course_lib.attention.reference import attention
+from course_lib.distributed import (
+    chunk_ids,
+    figures,
+    plan_step,
+    run_ranks,
+    shard,
+    unshard,
+    work_per_rank,
+)
+from course_lib.distributed.workers import compare_with_reference, step_compute_times
+from course_lib.exercises import check
+
+WORLD = course_lib.pick(cpu=4, gpu=4)  # CPU processes in the gloo runs
+CHECK_N = course_lib.pick(cpu=64, gpu=64)  # total tokens of the correctness run
+TIMING = course_lib.pick(  # the measured load-balance run (float32, PyTorch blocks)
+    cpu=dict(B=1, H=4, N=2048, d=32, causal=True), gpu=dict(B=1, H=4, N=2048, d=32, causal=True)
+)
+torch.manual_seed(0)
+plt.rcParams["font.size"] = 12
+
+# %% [markdown]
+# ## 1. Why: a million tokens against one device
+#
+# Take a model with 32 layers, 32 query heads of d = 128 (hidden size 4096), trained or prefilled on
+# N = 2²⁰ tokens in bf16. Per layer, attention's inputs and output (Q, K, V, O) are 4 · N · 4096 · 2 bytes,
+# and FlashAttention keeps nothing of size N × N. Its work does grow as N²: a causal forward is
+# 2 · 2 · N² · H · d / 2 FLOPs (two matmuls, half the pairs), forward + backward about 3.5 times that.
+
+# %%
+N_1M, LAYERS, HEADS, D_HEAD, BYTES = 2**20, 32, 32, 128, 2
+qkvo_gib = 4 * N_1M * HEADS * D_HEAD * BYTES / 2**30
+scores_tib = N_1M * N_1M * BYTES / 2**40  # one head's S, if it were materialised
+flops_step = 3.5 * 2 * 2 * N_1M**2 * HEADS * D_HEAD / 2 * LAYERS
+H200_FLOPS = 989e12  # dense bf16 datasheet peak; FlashAttention reaches roughly half of it
+print(f"Q, K, V, O per layer:              {qkvo_gib:6.1f} GiB   (x {LAYERS} layers: {qkvo_gib * LAYERS:.0f} GiB)")
+print(f"one head's N x N score matrix:     {scores_tib:6.1f} TiB   (never stored by FlashAttention)")
+print(f"attention fwd+bwd, all layers:     {flops_step:.2e} FLOPs")
+print(f"  at half of an H200's peak:       {flops_step / (H200_FLOPS / 2) / 60:6.0f} minutes per training step")
+assert qkvo_gib * LAYERS > 141  # more than one H200's memory, for attention's own tensors alone
+
+# %% [markdown]
+# One device runs out of memory (the activations of all layers) and of time (tens of minutes per step).
+# Split the sequence over P devices and both divide by P, if the devices can exchange what they need
+# without waiting. Three ways to share one attention:
+#
+# - **all-gather K/V**: each device keeps the Q of its slice and gathers **all** of K and V. It sends its
+#   K, V slice to every other device, and its memory grows back to N.
+# - **head sharding (DeepSpeed-Ulysses)**: an all-to-all turns "N/P tokens of all H heads" into "all N
+#   tokens of H/P heads"; attention runs locally per head; a second all-to-all brings O back. Each device
+#   sends 4 · N/P · H · d · (P - 1)/P elements (Q, K, V before, O after).
+# - **ring**: each device keeps the Q of its slice and holds one K/V slice at a time. It sends its K, V
+#   slice to the next device, P - 1 times: 2 · N/P · H_kv · d elements per step.
+#
+# Ulysses needs H ≥ P (and H divisible by P, which GQA's few K/V heads make harder); its all-to-all is
+# fast inside a machine. The ring sends more in total but always to the same neighbour, and each transfer
+# can hide behind the attention on the slice in hand. Per device, per layer, at N = 1M and P = 8:
+
+
+# %%
+def bytes_sent_per_device(option: str, n: int, p: int, h: int, h_kv: int, d: int, elem: int = 2) -> float:
+    """Forward bytes one device sends for one attention layer (the table above)."""
+    if option == "all-gather":
+        return 2 * n / p * h_kv * d * elem * (p - 1)
+    if option == "ulysses":
+        return 4 * n / p * h * d * elem * (p - 1) / p
+    if option == "ring":
+        return 2 * n / p * h_kv * d * elem * (p - 1)
+    raise ValueError(option)
+
+
+for h_kv in (32, 8):
+    row = {o: bytes_sent_per_device(o, N_1M, 8, HEADS, h_kv, D_HEAD) / 2**30 for o in ("all-gather", "ulysses", "ring")}
+    print(f"H_kv = {h_kv:2d}: " + ", ".join(f"{o} {gib:.2f} GiB" for o, gib in row.items()))
+
+# %% [markdown]
+# The ring sends as many bytes as the all-gather, but a slice at a time (memory stays at N/P) and spread
+# over the P - 1 steps of compute. Whether that is hidden depends on compute per step against transfer
+# time per step: section 9 works it out.
+#
+# ## 2. Sharding: who holds which tokens
+#
+# **Contiguous**: rank r holds tokens [r · N/P, (r+1) · N/P). **Zigzag**: cut the sequence into 2P chunks;
+# rank r holds chunk r and chunk 2P - 1 - r. With P = 4 and 16 tokens:
+
+# %%
+tokens = torch.arange(16).view(1, 1, 16, 1)
+for scheme in ("contiguous", "zigzag"):
+    print(f"{scheme:>10}:", [shard(tokens, r, 4, scheme).flatten().tolist() for r in range(4)])
+parts = [shard(tokens, r, 4, "zigzag") for r in range(4)]
+assert torch.equal(unshard(parts, "zigzag"), tokens)
+assert chunk_ids(1, 4, "zigzag") == (1, 6)
+
+# %% [markdown]
+# A length that does not divide into the chunks is padded with zeros at the end (`shard` does it);
+# `ring_attention(..., seq_len=N)` then masks the padded keys, and `unshard(..., seq_len=N)` drops the
+# padded rows.
+
+# %%
+ragged = torch.arange(13).view(1, 1, 13, 1)
+parts = [shard(ragged, r, 4, "zigzag") for r in range(4)]
+print("13 tokens, zigzag over 4 ranks:", [p.flatten().tolist() for p in parts])
+assert torch.equal(unshard(parts, "zigzag", seq_len=13), ragged)
+
+# %% [markdown]
+# ## 3. Ring attention, forward
+#
+# Rank r starts with its own Q_r, K_r, V_r. At step s it holds the K/V of rank (r - s) mod P. It
+# computes attention of Q_r against them, a partial result (O_s, L_s): O normalised over these keys only,
+# L their logsumexp. Two partial results over disjoint keys merge exactly, as in notebook 03:
+#
+# $$L = \log(e^{L_a} + e^{L_b}), \qquad O = e^{L_a - L}\, O_a + e^{L_b - L}\, O_b .$$
+#
+# While it computes, it already sends the K/V it holds to rank r + 1 and receives the next from rank
+# r - 1 (`torch.distributed.batch_isend_irecv`); after P steps every key has visited every rank. Two
+# partial results of one row, merged, against attention over all keys at once:
+
+# %%
+q1 = torch.randn(1, 2, 8, 16, dtype=torch.float64)
+k1, v1 = torch.randn(2, 1, 2, 24, 16, dtype=torch.float64)
+o_a, l_a = attention(q1, k1[:, :, :10], v1[:, :, :10], return_lse=True)
+o_b, l_b = attention(q1, k1[:, :, 10:], v1[:, :, 10:], return_lse=True)
+o, l = merge_attention_states(o_a, l_a, o_b, l_b)
+o_all, l_all = attention(q1, k1, v1, return_lse=True)
+torch.testing.assert_close(o, o_all)
+torch.testing.assert_close(l, l_all)
+
+# %% [markdown]
+# Under a causal mask, not every block needs work. With chunks of equal size, a (query chunk, key chunk)
+# pair is either **full** (all keys before all queries), **diagonal** (the same chunk: top-left causal
+# mask) or **empty** (skipped). `plan_step` lists the blocks (local row ranges) a rank computes at each
+# step; neighbouring full pairs are joined, so zigzag needs one block per step:
+
+# %%
+for scheme in ("contiguous", "zigzag"):
+    print(scheme)
+    for s in range(4):
+        print(f"  rank 2, step {s} (keys of rank {(2 - s) % 4}):", plan_step(2, (2 - s) % 4, 4, scheme, 8, causal=True))
+
+# %% [markdown]
+# ## 4. Running it: CPU processes with gloo
+#
+# `torch.distributed` runs one process per rank. On GPUs that is `torchrun` with the NCCL backend; here
+# `run_ranks(fn, world)` starts `world` CPU processes joined by gloo and returns what `fn` returns on each.
+# A spawned process imports the function it runs, so it lives in a module:
+# `workers.compare_with_reference` builds the same random inputs on every rank from one seed, shards them,
+# runs `ring_attention` forward and backward (with the PyTorch block path: the Triton interpreter would be
+# slow here), gathers the slices and compares O, dQ, dK, dV with float64 attention on the whole sequence.
+# The cases: both shardings, causal or not, GQA (4 query heads sharing 2 K/V heads), and a ragged length.
+
+# %%
+cases = [
+    dict(B=1, H=2, N=CHECK_N, d=16, causal=True, sharding="zigzag"),
+    dict(B=1, H=2, N=CHECK_N, d=16, causal=True, sharding="contiguous"),
+    dict(B=1, H=4, Hkv=2, N=CHECK_N - 5, d=16, causal=False, sharding="zigzag"),
+]
+results = run_ranks(compare_with_reference, WORLD, (cases,), timeout=300)
+for case, r in zip(cases, results[0]):
+    gqa = case.get("Hkv", case["H"]) < case["H"]
+    errors = ", ".join(f"{k} {e:.1e}" for k, e in r["error"].items())
+    print(f"{case['sharding']:>10}, causal={case['causal']!s:5}, N={case['N']}, GQA={gqa!s:5}: {errors}")
+    assert max(r["error"].values()) < 1e-12
+
+# %% [markdown]
+# ## 5. The backward
+#
+# The same ring again. Rank r's dQ_r needs every key: it accumulates locally, as the K/V pass by. dK_s and
+# dV_s need every query: an accumulator **travels with K_s, V_s**; each rank adds the contribution of its
+# queries and passes it on, and after the last step the finished dK_s, dV_s arrive at their owner. Each
+# block's backward is the single-device backward (`attention_backward(dO, Q, K_s, V_s, O, L)`), given the
+# **merged** O and L: P = exp(S - L) with the final L is exactly the block's share of the whole softmax,
+# and D = rowsum(dO · O) uses the final O. Nothing is recomputed differently from one device.
+#
+# The gradients of the run above were checked too (dQ, dK, dV in the printout). What travels per step
+# and rank, backward: the K/V slice (input dtype) and the dK/dV accumulators (float32, for accuracy) —
+# three times the forward's bytes for bf16 inputs, against about 2.5 times the forward's compute.
+#
+# ## 6. Causal imbalance: predicted, then measured
+#
+# With contiguous slices, rank 0's queries see only its own keys; rank P - 1's see everyone's. Under
+# zigzag every rank holds one early and one late chunk. `work_per_rank` counts the (query, key) pairs
+# each rank computes at each step, from the same plan the ring follows:
+
+# %%
+N_PRED = 1024
+predicted = {s: work_per_rank(WORLD, s, N_PRED) for s in ("contiguous", "zigzag")}
+fig = figures.work_figure(predicted, "(query, key) pairs", f"Predicted causal work, N={N_PRED}, {WORLD} ranks")
+plt.show()
+busiest = {s: max(map(sum, w)) / (sum(map(sum, w)) / WORLD) for s, w in predicted.items()}
+print("busiest rank / mean, predicted:", {s: round(b, 2) for s, b in busiest.items()})
+
+# %% [markdown]
+# Every rank waits for the slowest at each step (the next K/V comes from a neighbour), so a step takes
+# as long as its busiest rank. Contiguous slices waste up to half of the machine: the ring then runs at
+# the speed of rank P - 1.
+#
+# Now measured. The PyTorch block path computes the masked scores of a diagonal block too (a kernel skips
+# the tiles above the diagonal), so its prediction is the **area** of each block rather than the pairs.
+# `workers.step_compute_times` times the compute of each forward step on each rank:
+
+# %%
+measured_raw = run_ranks(step_compute_times, WORLD, (TIMING,), timeout=300)
+measured = {s: [[t * 1e3 for t in measured_raw[r][s]] for r in range(WORLD)] for s in ("contiguous", "zigzag")}
+area = {s: work_per_rank(WORLD, s, TIMING["N"], measure="area") for s in ("contiguous", "zigzag")}
+fig = figures.work_figure(measured, "compute time (ms)", f"Measured: forward compute per rank, N={TIMING['N']}, gloo")
+plt.show()
+for s in ("contiguous", "zigzag"):
+    total = [sum(w) for w in measured[s]]
+    pred = [sum(w) for w in area[s]]
+    print(f"{s:>10}: busiest/mean measured {max(total) / (sum(total) / WORLD):.2f}, "
+          f"predicted from areas {max(pred) / (sum(pred) / WORLD):.2f}")  # fmt: skip
+
+# %% [markdown]
+# The processes share this machine's cores (and on a 2-core laptop, 4 ranks take turns), so measured
+# times are noisy; compare the shapes of the two pictures with the prediction rather than single bars.
+#
+# ## 7. PyTorch's own: `context_parallel`
+#
+# PyTorch ships context parallelism as a prototype: `torch.distributed.tensor.experimental.context_parallel`
+# shards the given buffers along the sequence (with a head-tail load balancer: zigzag by another name) and,
+# inside the `with` block, replaces `scaled_dot_product_attention` by a ring version built on the same
+# merge. It dispatches on the CUDA attention kernels (flash, memory-efficient, cuDNN), so it runs on GPUs
+# only. On two GPUs, as in `scripts/ring_bench.py`:
+#
+# ```python
+# mesh = init_device_mesh("cuda", (world,))
+# with context_parallel(mesh, buffers=[q, k, v], buffer_seq_dims=[2, 2, 2], no_restore_buffers={q, k, v}):
+#     out = F.scaled_dot_product_attention(q, k, v, is_causal=True)   # q, k, v now hold this rank's shard
+#     out.backward(do)
+# ```
+#
+# The benchmark below times it on the same inputs as course_lib's ring.
+#
+# ## 8. Two GPUs: the recorded run
+#
+# `torchrun --nproc_per_node 2 scripts/ring_bench.py` times causal forward + backward in bf16, d = 128,
+# 16 heads, for total N of 32k, 128k and 512k: the ring (zigzag and contiguous) on two GPUs, one GPU on the
+# whole sequence, and `context_parallel`. It also profiles one zigzag step. Its record:
+
+# %%
+record = records.load_record("ring")
+if record is None:
+    print(
+        "No recorded two-GPU run yet. `torchrun --nproc_per_node 2 scripts/ring_bench.py` on a machine with "
+        "two GPUs writes it. It would show, per N, the throughput of each method over one GPU (perfect: 2x) "
+        "and a timeline of one step with the NCCL transfers under the attention kernels."
+    )
+else:
+    data = record["data"]
+    print(records.label(record))
+    for r in data["rows"]:
+        one = r["one_gpu_s"]
+        cells = [f"N={r['N'] // 1024}k", f"one GPU {one * 1e3:.0f} ms" if one else "one GPU: did not fit"]
+        for key, name in (("zigzag_s", "zigzag"), ("contiguous_s", "contiguous"), ("context_parallel_s", "CP")):
+            if r.get(key):
+                cells.append(f"{name} {r[key] * 1e3:.0f} ms" + (f" ({one / r[key]:.2f}x)" if one else ""))
+        print(", ".join(cells))
+    figures.record_figures(data, records.label(record))  # the speed-up bars and the profiled step
+    plt.show()
+
+# %% [markdown]
+# ## 9. Past two GPUs, on paper
+#
+# With zigzag, every step of every rank does the same work: F / P² FLOPs, F the whole attention's
+# forward + backward. Every step also moves one K/V slice forward (2 tensors of 2 bytes per element in
+# bf16) and, backward, the slice again plus its float32 dK/dV (2 + 2 + 4 + 4 bytes): 16 · N/P · H_kv · d
+# bytes per step for forward + backward together. The transfer hides while it takes less time than the
+# compute of the step:
+#
+# $$\frac{F}{P^2 \cdot R} \;\ge\; \frac{16 \cdot N/P \cdot H_{kv} \cdot d}{B}
+# \quad\Longleftrightarrow\quad \frac{N}{P} \;\ge\; \frac{16 \cdot H_{kv} \cdot R}{7 \cdot H \cdot B}
+# $$
+#
+# (F = 3.5 · 2 · N² · H · d for the causal forward + backward), with R the attention FLOP/s one GPU
+# reaches and B the bandwidth one GPU sends at. The rates come from the record when there is one; else
+# from assumptions, printed as such.
+
+# %%
+if record is not None:
+    row = max((r for r in record["data"]["rows"] if r["one_gpu_s"]), key=lambda r: r["N"])
+    R, B_NV = row["flops"] / row["one_gpu_s"], record["data"]["bandwidth_GBps"] * 1e9
+    source = records.label(record)
+else:
+    R, B_NV = 400e12, 150e9
+    source = "assumed: 400 TFLOP/s attention, 150 GB/s GPU-to-GPU"
+B_IB = 50e9  # across hosts: one 400 Gb/s InfiniBand NIC per GPU (an assumption, not a measurement)
+H_Q, H_KV, D = 16, 16, 128
+
+
+def ring_step_times(n, p, rate, bandwidth):
+    compute = 3.5 * 2 * n * n * H_Q * D / p**2 / rate
+    comm = 16 * n / p * H_KV * D / bandwidth
+    return compute, comm
+
+
+print(f"rates: {R / 1e12:.0f} TFLOP/s per GPU, {B_NV / 1e9:.0f} GB/s inside a host ({source})")
+for where, bw in (("inside a host", B_NV), ("across hosts", B_IB)):
+    print(f"transfers hide {where} from N/P >= {16 * H_KV * R / (7 * H_Q * bw):,.0f} tokens per rank")
+print(f"{'N':>6} {'P':>2} | {'step compute':>12} {'NVLink comm':>11} {'IB comm':>8} | predicted speed-up over 1 GPU")
+for n in (128 * 1024, 512 * 1024, 1024 * 1024):
+    for p in (2, 4, 8):
+        c, m_nv = ring_step_times(n, p, R, B_NV)
+        _, m_ib = ring_step_times(n, p, R, B_IB)
+        speed_nv, speed_ib = p * c / max(c, m_nv), p * c / max(c, m_ib)
+        print(f"{n // 1024:>5}k {p:>2} | {c * 1e3:>9.1f} ms {m_nv * 1e3:>8.2f} ms {m_ib * 1e3:>5.1f} ms "
+              f"| {speed_nv:.1f}x in one host, {speed_ib:.1f}x across hosts")  # fmt: skip
+
+# %% [markdown]
+# Read the table column by column: where a step's transfer takes less time than its compute, the ring
+# can run at P times one GPU, less what the overlap does not hide (launch gaps, the last step's dK/dV going
+# home, the kernels' lower efficiency on shorter blocks). The threshold printed above is in tokens per
+# rank, so adding GPUs at a fixed N shrinks the slices towards it. Across hosts the bandwidth per GPU is
+# several times lower, and the threshold several times higher. In practice the two are combined: a ring
+# (or Ulysses) inside each host, where bandwidth is high, and across hosts either a second ring whose
+# steps carry a whole host's slice, or data and pipeline parallelism instead of context parallelism.
+#
+# ## Exercises
+
+# %% [markdown]
+# **Exercise 1 (bytes per step).** In the forward ring, how many bytes does one rank send at each step?
+# Inputs in bf16 (2 bytes), batch B, H_kv key/value heads, total length N over P ranks, head dim d.
+# Return the number for B = 1, H_kv = 8, N = 131072, P = 4, d = 128.
+
+
+# %%
+def ring_bytes_per_step(B, h_kv, n, p, d, elem=2):
+    ### BEGIN SOLUTION
+    return 2 * B * h_kv * (n // p) * d * elem  # its K slice and its V slice
+    ### END SOLUTION
+
+
+# %% tags=["check"]
+check(
+    "bytes one rank sends per ring step",
+    lambda: ring_bytes_per_step(1, 8, 131072, 4, 128),
+    2 * 8 * 32768 * 128 * 2,
+    hints=["Only K and V travel; Q stays.", "Each of K and V: B x H_kv x (N / P) x d elements of 2 bytes."],
+)
+
+# %% [markdown]
+# **Exercise 2 (the zigzag assignment).** Write `zigzag_tokens(rank, world, n)`: the list of token
+# positions (0 .. n - 1) that `rank` holds under zigzag sharding, in its local order. n is a multiple of
+# 2 · world.
+
+
+# %%
+def zigzag_tokens(rank, world, n):
+    ### BEGIN SOLUTION
+    c = n // (2 * world)
+    return list(range(rank * c, (rank + 1) * c)) + list(range((2 * world - 1 - rank) * c, (2 * world - rank) * c))
+    ### END SOLUTION
+
+
+# %% tags=["check"]
+check(
+    "zigzag assignment",
+    lambda: [zigzag_tokens(r, 3, 24) for r in range(3)],
+    [shard(torch.arange(24).view(24, 1), r, 3, "zigzag").flatten().tolist() for r in range(3)],
+    hints=[
+        "Cut n into 2 * world chunks of c = n / (2 * world) tokens.",
+        "Rank r holds chunks r and 2 * world - 1 - r, in that order.",
+    ],
+)
+
+# %% [markdown]
+# **Exercise 3 (the merge).** Rank r holds partial results over the keys of rank a and of rank b:
+# (O_a, L_a), (O_b, L_b) as tensors (..., N, d) and (..., N). Merge them with the logsumexp rule, without
+# `merge_attention_states`. Rows that saw no key in either part have L = -inf and O = 0: keep them at
+# (0, -inf), never NaN.
+
+
+# %%
+def merge(o_a, l_a, o_b, l_b):
+    ### BEGIN SOLUTION
+    l = torch.logaddexp(l_a, l_b)
+    safe = torch.where(torch.isneginf(l), torch.zeros_like(l), l)
+    w_a = torch.exp(l_a - safe).unsqueeze(-1)
+    w_b = torch.exp(l_b - safe).unsqueeze(-1)
+    return w_a * o_a + w_b * o_b, l
+    ### END SOLUTION
+
+
+# %% tags=["check"]
+_l_a = torch.tensor([[0.5, -math.inf, 2.0, -math.inf]], dtype=torch.float64)
+_l_b = torch.tensor([[1.5, 0.3, -math.inf, -math.inf]], dtype=torch.float64)
+_o_a = torch.randn(1, 4, 8, dtype=torch.float64) * torch.isfinite(_l_a).unsqueeze(-1)
+_o_b = torch.randn(1, 4, 8, dtype=torch.float64) * torch.isfinite(_l_b).unsqueeze(-1)
+check(
+    "merge of two partial results",
+    lambda: merge(_o_a, _l_a, _o_b, _l_b),
+    merge_attention_states(_o_a, _l_a, _o_b, _l_b),
+    parts=["O", "L"],
+    hints=["L = logaddexp(L_a, L_b); each O is weighted by exp(L_part - L).", "Where L is -inf, weight 0."],
+)
+
+# %% [markdown]
+# **Exercise 4 (work per rank).** With contiguous sharding over P ranks and a causal mask, how many
+# (query, key) pairs does the busiest rank compute, as a fraction of the whole causal attention? Return
+# it for N = 4096, P = 4 (exact, from the plan) and compare with your formula for large N.
+
+
+# %%
+def busiest_share(n, p):
+    ### BEGIN SOLUTION
+    work = [sum(w) for w in work_per_rank(p, "contiguous", n)]
+    return max(work) / sum(work)
+    ### END SOLUTION
+
+
+# %% tags=["check"]
+check(
+    "busiest rank's share, contiguous",
+    lambda: busiest_share(4096, 4),
+    (1024 * 1024 * 3 + 1024 * 1025 / 2) / (4096 * 4097 / 2),
+    hints=[
+        "work_per_rank(p, 'contiguous', n) gives the pairs per rank and step.",
+        "Rank P - 1: P - 1 full blocks and one diagonal block, out of N (N + 1) / 2 pairs.",
+    ],
+)
+
+# %% [markdown]
+# **More to try.** (a) Run `run_ranks(compare_with_reference, 3, (cases,))`: odd world sizes work too.
+# (b) Time the gloo run with 2 and with 4 ranks at a larger N: where does the CPU stop helping?
+# (c) In `course_lib/distributed/ring.py`, the backward sends the dK/dV accumulators in float32. Send
+# them in the input dtype instead, and measure the error growth on bf16 inputs with 8 ranks.
+#
+# ## Summary
+#
+# - Over a long sequence, attention's memory and time exceed one device; sharding the sequence divides
+#   both by P if the devices exchange K/V without waiting.
+# - **Ring attention**: each rank keeps its queries; K/V slices rotate around the ring, the transfer of
+#   the next slice overlapping the attention on the current one; partial (O, L) merge exactly with the
+#   logsumexp rule of notebook 03. **Backward**: dQ stays, dK/dV accumulators travel with their K/V back to
+#   the owner; every block's backward uses the merged O and L.
+# - Under a causal mask, **contiguous** slices overload the last rank (it does about (2P - 1)/P² of the
+#   work, against 1/P for each rank under **zigzag**, where rank r holds chunks r and 2P - 1 - r).
+# - What each option sends: ring and all-gather 2 · N/P · H_kv · d per step and rank (ring: one slice
+#   in memory), Ulysses an all-to-all of Q, K, V, O over heads.
+# - Inside one host the ring's transfers are small next to its compute at long N; across hosts the
+#   bandwidth drops and the slices must be longer (or the ring hierarchical) for them to stay hidden.
