@@ -155,7 +155,8 @@ def _course_lib_kernels():
 
 
 def _rope(backend: str, q, k, cos, sin):
-    """RoPE with the backend's implementation; cos/sin broadcast against q and k (..., d)."""
+    """RoPE with the backend's implementation: q (B, Hq, N, d), k (B, Hkv, N, d), cos/sin (N, d)
+    for positions 0..N-1 of q and k."""
     if backend == "course_lib":
         return _course_lib_kernels()[2](q, k, cos, sin)
     return rope_torch(q, k, cos, sin)
@@ -215,15 +216,20 @@ class Attention(nn.Module):
             return flash(q, k, v, causal=causal)
         return attention_torch(q, k, v, True, backend)
 
-    def step(self, x, cos, sin, kv, layer: int):
-        """One serving step over T new tokens of several sequences: x (T, dim), cos/sin (T, d);
-        `kv` is the step's `course_lib.decode.batching.PagedKV`, which writes K/V into the paged cache
-        and runs the paged split-KV decode kernel (notebook 10). Returns (T, dim)."""
+    def step(self, x, positions, cos, sin, kv, layer: int):
+        """One serving step over T new tokens of several sequences: x (T, dim), positions (T,) int64,
+        cos/sin the (max_seq_len, d) tables; `kv` is the step's `course_lib.decode.batching.PagedKV`,
+        which writes K/V into the paged cache and runs the paged split-KV decode kernel (notebook 10).
+        Returns (T, dim)."""
         t, c = x.shape[0], self.c
         q = self.wq(x).view(t, c.n_heads, c.head_dim)
         k = self.wk(x).view(t, c.n_kv_heads, c.head_dim)
         v = self.wv(x).view(t, c.n_kv_heads, c.head_dim)
-        q, k = _rope(self.backend, q, k, cos[:, None, :], sin[:, None, :])
+        if self.backend == "course_lib":  # heads first, (H, T, d) views; angles looked up per token
+            q, k = _course_lib_kernels()[2](q.transpose(0, 1), k.transpose(0, 1), cos, sin, positions)
+            q, k = q.transpose(0, 1), k.transpose(0, 1)
+        else:
+            q, k = rope_torch(q, k, cos[positions][:, None, :], sin[positions][:, None, :])
         return self.wo(kv.attend(layer, q, k, v).reshape(t, -1))
 
     def forward(self, x, cos, sin, cache=None, layer=0, start_pos=0):
@@ -357,9 +363,9 @@ class Llama(nn.Module):
         """One continuous-batching step: token_ids and positions (T,) int64 (the new tokens of every
         running sequence, one sequence after another), kv a `PagedKV`. Returns logits (T, vocab), fp32."""
         x = self.tok_embeddings(token_ids)
-        cos, sin = self.rope_cos[positions].to(x.dtype), self.rope_sin[positions].to(x.dtype)
+        cos, sin = self.rope_cos.to(x.dtype), self.rope_sin.to(x.dtype)
         for i, layer in enumerate(self.layers):
-            h = x + layer.attention.step(layer.attention_norm(x), cos, sin, kv, i)
+            h = x + layer.attention.step(layer.attention_norm(x), positions, cos, sin, kv, i)
             x = h + layer.feed_forward(layer.ffn_norm(h))
         return self.output(self.norm(x)).float()
 

@@ -1,0 +1,396 @@
+# ---
+# jupyter:
+#   jupytext:
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 12 · Capstone: a small Llama, built from the course's kernels, trained, then served
+#
+# Every earlier notebook built one piece. Here they carry a real model: a decoder-only transformer of the
+# Llama family whose attention is our FlashAttention-2, whose RMSNorm and RoPE are our fused kernels, and
+# whose serving path reads a paged KV cache with our split-KV decode kernel.
+#
+# **Learning goals**
+# 1. Assemble a Llama-style model (RMSNorm, RoPE, grouped-query attention, SwiGLU MLP, tied embeddings) and
+#    say which notebook built each piece.
+# 2. Check it: the course_lib kernels give the logits and gradients of plain PyTorch with the same weights,
+#    and of Hugging Face transformers' `LlamaForCausalLM` (when installed) through a state-dict mapping.
+# 3. Train it on a byte-level corpus with a progress bar, a live loss curve, gradient accumulation and (on a
+#    GPU) bf16 autocast; watch the samples turn into words.
+# 4. Serve it: several prompts of different lengths at once through the continuous-batching loop of
+#    notebook 10, tokens streamed as they come, and the same greedy tokens as the plain path.
+# 5. Read the H200 numbers: tokens/s and memory of training with our kernels vs SDPA vs eager attention, the
+#    memory of a step split as parameters : gradients : optimizer states : activations (notebook 01's
+#    1 : 1 : 6), and serving against transformers' `generate`.
+#
+# The finished pieces live in `course_lib.models` (`llama`, `convert`, `data`, `train`, `generate`) and the
+# benchmark in `course_lib.bench.train`.
+
+# %% [markdown]
+# ## 0. Sizes
+#
+# On a CPU the model is tiny and trains for about a minute with the plain PyTorch path (the Triton
+# interpreter runs our kernels one program at a time, far too slowly to train); our kernels are still run
+# and checked, on a very small model. On a GPU the same cells train a larger model with our kernels.
+
+# %%
+import time
+
+import matplotlib.pyplot as plt
+import torch
+
+import course_lib
+from course_lib import records
+from course_lib.exercises import check
+from course_lib.models import Llama, LlamaConfig, count_parameters, kv_cache_bytes_per_token
+from course_lib.models import convert, data, generate, train
+
+CONFIG = course_lib.pick(
+    cpu=LlamaConfig(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, hidden_dim=352, max_seq_len=256),
+    gpu=LlamaConfig(dim=384, n_layers=6, n_heads=6, n_kv_heads=2, hidden_dim=1024, max_seq_len=1024),
+)
+TRAIN_BACKEND = course_lib.pick(cpu="sdpa", gpu="course_lib")
+SEQ_LEN, BATCH, ACCUM = course_lib.pick(cpu=(128, 16, 1), gpu=(512, 16, 2))
+STEPS, MAX_SECONDS = course_lib.pick(cpu=(300, 70), gpu=(600, 90))
+CHECK_CONFIG = LlamaConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=96, max_seq_len=64)
+CHECK_LEN = course_lib.pick(cpu=32, gpu=64)  # tokens in the kernel-vs-PyTorch check
+NEW_TOKENS = course_lib.pick(cpu=24, gpu=200)  # tokens generated per prompt when serving
+DEVICE = course_lib.DEVICE
+plt.rcParams["font.size"] = 12
+torch.manual_seed(0)
+
+# %% [markdown]
+# ## 1. Assemble the model from the pieces
+#
+# A Llama block is two pre-norm residual branches:
+#
+# $$h = x + \mathrm{Attention}(\mathrm{RMSNorm}(x)),\qquad \mathrm{out} = h + \mathrm{SwiGLU}(\mathrm{RMSNorm}(h)).$$
+#
+# | piece | what it computes | built in |
+# | --- | --- | --- |
+# | RMSNorm | $x / \sqrt{\mathrm{mean}(x^2) + \epsilon} \cdot w$, statistics in fp32 | notebook 11 |
+# | RoPE | rotate each (q, k) pair of dims by the angle pos · θᵢ | notebook 11 |
+# | attention | softmax(QKᵀ/√d) V, causal, with the online softmax | notebooks 03, 04, 06, 07 |
+# | grouped-query attention | `n_heads` query heads share `n_kv_heads` K/V heads, no repeat | notebooks 07, 09 |
+# | KV cache, bottom-right causal | new queries see every cached key up to their own position | notebooks 09, 10 |
+# | SwiGLU | $W_2(\mathrm{silu}(W_1 x) \odot W_3 x)$ | plain matmuls (notebook 01's roofline) |
+#
+# One argument, `backend`, picks the kernels: `"course_lib"` (our Triton kernels), `"sdpa"` (PyTorch's
+# `scaled_dot_product_attention` and plain PyTorch norm and rotation), or `"eager"` (attention written out
+# as in notebook 02). The weights are the same on every path: the backend only changes which function runs.
+
+# %%
+model = Llama(CONFIG, backend=TRAIN_BACKEND).to(DEVICE)
+print(model.config)
+print(f"{model.num_parameters():,} parameters; head_dim {CONFIG.head_dim}; "
+      f"{CONFIG.n_heads} query heads share {CONFIG.n_kv_heads} K/V heads")
+print(model.layers[0])
+assert model.num_parameters() == count_parameters(CONFIG)
+
+# %% [markdown]
+# ## 2. Check it against the reference
+#
+# First our kernels against plain PyTorch, with the same weights: logits and every parameter's gradient.
+# On the CPU this runs through the Triton interpreter, so the model is very small.
+
+# %%
+check_model = Llama(CHECK_CONFIG, "sdpa").to(DEVICE)
+check_model.reset_parameters(std=0.1)
+tokens = torch.randint(0, 256, (2, CHECK_LEN + 1), device=DEVICE)
+
+
+def logits_and_grads(m, backend):
+    m.backend = backend
+    m.zero_grad(set_to_none=True)
+    logits, loss = m(tokens[:, :-1], tokens[:, 1:])
+    loss.backward()
+    return logits.detach(), {n: p.grad.clone() for n, p in m.named_parameters()}
+
+
+t0 = time.perf_counter()
+ref_logits, ref_grads = logits_and_grads(check_model, "sdpa")
+our_logits, our_grads = logits_and_grads(check_model, "course_lib")
+tol = dict(atol=2e-2, rtol=2e-2) if course_lib.ON_GPU else dict(atol=1e-4, rtol=1e-4)  # TF32 on a GPU
+torch.testing.assert_close(our_logits, ref_logits, **tol)
+for name, g in our_grads.items():
+    torch.testing.assert_close(g, ref_grads[name], **tol)
+worst = max((g - ref_grads[n]).abs().max().item() for n, g in our_grads.items())
+print(f"logits: max |course_lib - sdpa| = {(our_logits - ref_logits).abs().max():.2e}; "
+      f"largest gradient difference {worst:.2e} over {len(our_grads)} tensors "
+      f"({time.perf_counter() - t0:.1f} s)")
+
+# %% [markdown]
+# Then the reference implementation everyone uses: transformers' `LlamaForCausalLM` built from a config with
+# our sizes, loaded with our weights through a **state-dict mapping** (`course_lib.models.convert`). Both
+# use the half-rotation RoPE layout, so the mapping is a renaming:
+# `layers.0.attention.wq.weight` ↔ `model.layers.0.self_attn.q_proj.weight`,
+# `feed_forward.w1 / w3 / w2` ↔ `mlp.gate_proj / up_proj / down_proj`, and so on.
+
+# %%
+print(convert.hf_name("layers.0.attention.wq.weight"), "|", convert.hf_name("layers.1.feed_forward.w2.weight"))
+try:
+    import transformers
+except ImportError:
+    transformers = None
+    print("transformers is not installed here: `pip install transformers` to run this comparison.")
+if transformers is not None:
+    hf = convert.to_hf(check_model)
+    hf_logits = hf(input_ids=tokens[:, :-1]).logits.detach()
+    for backend in ("sdpa", "course_lib"):
+        check_model.backend = backend
+        ours = check_model(tokens[:, :-1]).detach()
+        torch.testing.assert_close(ours, hf_logits, **tol)
+        print(f"{backend:10} vs transformers {transformers.__version__}: "
+              f"max |difference| of logits {(ours - hf_logits).abs().max():.2e}")
+
+# %% [markdown]
+# ## 3. The corpus
+#
+# We need English text that is already on the machine: no download at run time. Python itself ships
+# plenty: the docstrings of its standard library. `course_lib.models.data.build_corpus()` gathered the prose
+# paragraphs of about 150 modules once (no code examples, no tables) into `corpus.txt`, shipped with
+# course_lib. The text is part of CPython, © Python Software Foundation, under the PSF License Agreement,
+# which allows redistribution with the notice kept.
+#
+# Tokens are bytes: a vocabulary of 256, nothing to train, and a sample is readable as soon as the model
+# has learnt to spell.
+
+# %%
+text = data.load_corpus()
+all_tokens = data.encode(text)
+train_tokens, val_tokens = data.split(all_tokens)
+print(f"{len(text):,} characters -> {len(all_tokens):,} byte tokens "
+      f"({len(train_tokens):,} for training, {len(val_tokens):,} held out)")
+print(text[:400])
+
+# %% [markdown]
+# ## 4. Train
+#
+# `course_lib.models.train.train`: AdamW (β = 0.9, 0.95; weight decay on the matrices), a linear warm-up then
+# a cosine learning rate, gradient clipping, and **gradient accumulation**: one optimizer step sees
+# `BATCH × ACCUM` sequences, run as `ACCUM` micro-batches whose losses are divided by `ACCUM`, so only one
+# micro-batch's activations are alive at a time. On a GPU the forward runs under bf16 autocast. Before
+# training, the model's guesses are uniform over 256 bytes: a loss of ln 256 ≈ 5.55 nats.
+
+
+# %%
+def sample(m, prompt: str, n: int = 120) -> str:
+    """Greedy continuation of `prompt` by `m` (contiguous KV cache, plain PyTorch path)."""
+    backend, m.backend = m.backend, "sdpa"
+    out = generate.greedy_cached(m, [data.encode(prompt).tolist()], n)[0]
+    m.backend = backend
+    return data.decode(out)
+
+
+PROMPT = "The function returns "
+before = sample(model, PROMPT)
+print("before training:", repr(before[:80]))
+
+history = train.train(
+    model, train_tokens, steps=STEPS, batch_size=BATCH, seq_len=SEQ_LEN, accum_steps=ACCUM, lr=3e-3,
+    val_tokens=val_tokens, eval_every=25, plot=train.LossPlot(every=10, title="loss falls as the model learns"),
+    max_seconds=MAX_SECONDS,
+)
+first, last = history["val_loss"][0], history["val_loss"][-1]
+print(f"{len(history['step'])} steps, {history['tokens']:,} tokens in {history['seconds']:.0f} s "
+      f"({history['tokens_per_s']:,.0f} tokens/s); validation loss {first:.2f} -> {last:.2f} nats/byte")
+assert last < first - 0.5
+
+# %% [markdown]
+# The sample after training: with a few tens of thousands of tokens on a CPU, expect spelling and common
+# words rather than sense; on a GPU, with a few million tokens, phrases of docstring English.
+
+# %%
+after = sample(model, PROMPT, 200)
+print("after training:", PROMPT + after)
+
+# %% [markdown]
+# ## 5. Serve
+#
+# Serving many users means many prompts of different lengths at once. `generate.stream` hands them to
+# notebook 10's `ContinuousBatcher`, which asks our model for one thing: `forward_step(token_ids, positions,
+# kv)` over the new tokens of every running sequence, laid one after another. Each attention layer calls
+# `kv.attend(layer, q, k, v)`: K and V go into the **paged** cache and the **split-KV decode kernel**
+# (notebooks 09, 10) attends over each sequence's pages. A prompt's first step is its prefill; after that
+# each sequence brings one token per step. Tokens are printed as they are streamed.
+
+# %%
+model.eval()
+prompts = [data.encode(p).tolist() for p in ("The ", "Return a new list of ", "If the file does not exist, ")]
+streamed = [[] for _ in prompts]
+t0 = time.perf_counter()
+for i, token in generate.stream(model, prompts, NEW_TOKENS, page_size=16):
+    streamed[i].append(token)
+    if i == 0:
+        print(data.decode([token]), end="", flush=True)
+seconds = time.perf_counter() - t0
+print()
+for p, s in zip(prompts, streamed):
+    print(repr(data.decode(p) + data.decode(s)))
+print(f"{len(prompts) * NEW_TOKENS} tokens in {seconds:.1f} s")
+
+# %% [markdown]
+# The paged, batched, split-KV path must produce exactly the greedy tokens of the plain path: one prompt at a
+# time, a contiguous cache, PyTorch attention.
+
+# %%
+model.backend = "sdpa"
+plain = generate.greedy_cached(model, prompts, NEW_TOKENS)
+model.backend = TRAIN_BACKEND
+same = [a == b for a, b in zip(streamed, plain)]
+print("same tokens as the plain path, per prompt:", same)
+assert all(same)
+
+# %% [markdown]
+# ## 6. Read the numbers (H200)
+#
+# `python -m course_lib.bench.train` trains a ~100M-parameter model of the same design (dim 768, 16 layers,
+# 6 query heads and 2 K/V heads of 128, SwiGLU 2048) at sequence 4096 for a few minutes. On a CPU we show
+# the recorded run; on a GPU this notebook also measures its own model live below.
+
+# %%
+rec = records.load_record("train")
+if rec is None:
+    print("No recorded training run yet: run `python -m course_lib.bench.train` on a GPU.")
+else:
+    print("Training,", records.label(rec))
+    print(f"{'provider':12} {'tokens/s':>10} {'peak GiB':>9}")
+    for r in rec["data"]["train"]:
+        if r["status"] == "ok":
+            print(f"{r['provider']:12} {r['tokens_per_s']:10,.0f} {r['peak_bytes'] / 2**30:9.1f}")
+        else:
+            print(f"{r['provider']:12} {r['status']}")
+    ok = {r["provider"]: r for r in rec["data"]["train"] if r["status"] == "ok"}
+    if "course_lib" in ok and "sdpa" in ok:
+        ratio = ok["course_lib"]["tokens_per_s"] / ok["sdpa"]["tokens_per_s"]
+        print(f"course_lib trains at {ratio:.2f}x the tokens/s of SDPA in this record.")
+
+# %% [markdown]
+# **Memory of a training step.** Notebook 01 counted 16 bytes per parameter for Adam in mixed precision,
+# P : G : optimizer states = 2 : 2 : 12 = **1 : 1 : 6**. That ratio holds for *bf16 weights and gradients
+# with fp32 master weights inside the optimizer*. The common `torch.autocast` recipe keeps fp32 weights and
+# gradients and casts to bf16 on the fly: 4 : 4 : 8 = **1 : 1 : 2**, still 16 bytes per parameter.
+# Activations come on top and grow with batch × sequence; the benchmark measures all four with
+# `torch.cuda.memory_allocated`.
+
+# %%
+if rec is not None:
+    for m in rec["data"]["memory"]:
+        bpp = m["bytes_per_param"]
+        ratio = " : ".join(f"{v / bpp['parameters']:.2f}" for v in bpp.values())
+        print(f"{m['scheme']:12} bytes/param P, G, OS = {', '.join(f'{v:.2f}' for v in bpp.values())}"
+              f"  -> P : G : OS = {ratio};  activations {m['activations'] / 2**30:.2f} GiB "
+              f"for {m['tokens']:,} tokens")
+
+srec = records.load_record("serve")
+if srec is not None:
+    d = srec["data"]
+    print("Serving,", records.label(srec))
+    print(f"{len(d['prompt_lengths'])} prompts of {d['prompt_lengths']} bytes, {d['new_tokens']} new tokens each")
+    print(f"course_lib paged + split-KV: {d['course_lib_paged']['tokens_per_s']:,.0f} tokens/s")
+    if d["transformers"]["status"] == "ok":
+        print(f"transformers generate + SDPA: {d['transformers']['tokens_per_s']:,.0f} tokens/s")
+    print("same greedy tokens as the plain path, per prompt:", d["same_per_prompt"])
+
+# %%
+if course_lib.ON_GPU:  # live: our model's training throughput with each attention
+    for backend in ("course_lib", "sdpa", "eager"):
+        model.backend = backend
+        h = train.train(model, train_tokens, steps=5, batch_size=BATCH, seq_len=SEQ_LEN, progress=False)
+        print(f"{backend:10} {h['tokens_per_s']:12,.0f} tokens/s (live, seq {SEQ_LEN}, this notebook's model)")
+    model.backend = TRAIN_BACKEND
+
+# %% [markdown]
+# ## Exercises
+#
+# **Exercise 1 (parameters).** Write `n_params(vocab, dim, n_layers, n_heads, n_kv_heads, hidden)` for a
+# Llama with tied embeddings: per layer Wq, Wk, Wv, Wo, the three SwiGLU matrices and two RMSNorm weights;
+# then the embedding and the final norm. Check it on the benchmark's model.
+
+
+# %%
+def n_params(vocab, dim, n_layers, n_heads, n_kv_heads, hidden):
+    ### BEGIN SOLUTION
+    head_dim = dim // n_heads
+    per_layer = 2 * dim * dim + 2 * dim * n_kv_heads * head_dim + 3 * dim * hidden + 2 * dim
+    return n_layers * per_layer + vocab * dim + dim
+    ### END SOLUTION
+
+
+# %% tags=["check"]
+check("parameter count", lambda: n_params(256, 768, 16, 6, 2, 2048),
+      count_parameters(LlamaConfig(dim=768, n_layers=16, n_heads=6, n_kv_heads=2, hidden_dim=2048)), rtol=0)
+
+# %% [markdown]
+# **Exercise 2 (KV cache).** How many bytes does one token take in the KV cache of the benchmark's model in
+# bf16? And how many would it take with as many K/V heads as query heads (no GQA)? Return both.
+
+
+# %%
+def kv_bytes_per_token():
+    ### BEGIN SOLUTION
+    n_layers, head_dim, bf16 = 16, 128, 2
+    return 2 * n_layers * 2 * head_dim * bf16, 2 * n_layers * 6 * head_dim * bf16
+    ### END SOLUTION
+
+
+# %% tags=["check"]
+_cfg = LlamaConfig(dim=768, n_layers=16, n_heads=6, n_kv_heads=2, hidden_dim=2048)
+check("KV-cache bytes per token", kv_bytes_per_token,
+      (kv_cache_bytes_per_token(_cfg), kv_cache_bytes_per_token(LlamaConfig(**{**_cfg.as_dict(), "n_kv_heads": 6}))),
+      rtol=0)
+
+# %% [markdown]
+# **Exercise 3 (memory of a training step).** Predict the bytes of parameters, gradients and AdamW states
+# (exp_avg and exp_avg_sq) for *this notebook's* model trained in fp32 (the CPU path) or under autocast with
+# fp32 weights (the GPU path). The check counts the tensors after one optimizer step.
+
+
+# %%
+def training_state_bytes(n):
+    ### BEGIN SOLUTION
+    return {"parameters": 4 * n, "gradients": 4 * n, "optimizer states": 8 * n}
+    ### END SOLUTION
+
+
+# %% tags=["check"]
+def _measured_state_bytes(m):
+    opt = train.make_optimizer(m, 1e-4)
+    x, y = data.get_batch(train_tokens, 2, 32, torch.Generator().manual_seed(0), DEVICE)
+    m.backend = "sdpa"
+    m(x, y)[1].backward()
+    opt.step()
+    size = lambda ts: sum(t.numel() * t.element_size() for t in ts)
+    states = [v for st in opt.state.values() for k, v in st.items() if k != "step"]
+    return {"parameters": size(m.parameters()), "gradients": size(p.grad for p in m.parameters()),
+            "optimizer states": size(states)}
+
+
+check("training-step memory", lambda: training_state_bytes(model.num_parameters()),
+      _measured_state_bytes(Llama(CONFIG).to(DEVICE)), rtol=0)
+
+# %% [markdown]
+# **Exercise 4 (open).** Train with `ACCUM = 4` and a quarter of the batch: is the loss curve the same? What
+# changes in the time per step and in the peak memory (on a GPU, `torch.cuda.max_memory_allocated`)?
+#
+# ## Summary
+#
+# - A Llama block is RMSNorm → grouped-query attention with RoPE → residual, RMSNorm → SwiGLU → residual.
+#   Each piece was built in an earlier notebook; `course_lib.models.Llama` puts them together, and one
+#   argument switches between our kernels, SDPA and eager attention over the same weights.
+# - A state-dict mapping (a renaming, since both use the half-rotation RoPE layout) loads the same weights into
+#   transformers' `LlamaForCausalLM`; logits and gradients agree within the dtype's tolerance.
+# - A byte-level model learns docstring English in a minute on a CPU; training uses AdamW, warm-up and cosine,
+#   gradient accumulation and, on a GPU, bf16 autocast.
+# - Serving batches prompts of different lengths over a paged KV cache with the split-KV decode kernel, and
+#   gives the plain path's greedy tokens exactly.
+# - Adam costs 16 bytes per parameter either way; P : G : OS is 1 : 1 : 6 with bf16 weights and fp32 master
+#   weights in the optimizer, 1 : 1 : 2 with autocast's fp32 weights. Activations come on top, and the
+#   attention's share of them is what FlashAttention keeps linear in the sequence length.
