@@ -1,0 +1,389 @@
+"""The fused-kernel benchmark: RMSNorm and RoPE in GB/s of the copy ceiling (notebook 11).
+
+`python -m course_lib.bench.fused [--quick] [--out DIR]` (also `python -m course_lib bench fused`).
+On a GPU, bf16, in one run:
+- RMSNorm, tokens T in `TOKENS` x hidden D in `HIDDEN`, forward and backward, for `eager` (Hugging Face's
+  LlamaRMSNorm written in PyTorch), `F.rms_norm` (`torch.nn.functional.rms_norm`), `compiled`
+  (`torch.compile` of the eager code) and `course_lib` (`course_lib.fused.rms_norm`);
+- the three dW reductions of course_lib's backward (`dw_mode`) at a few cells, with a determinism check
+  (two backward passes, dW compared bit for bit);
+- RoPE of q (T, 32, 128) and k (T, 8, 128) stored token-major, forward and backward, for `eager`
+  (apply_rotary_pos_emb's arithmetic), `compiled` and `course_lib` (`course_lib.fused.rope`).
+Every time becomes GB/s counting the bytes that must move (docstrings of `rms_norm_bytes`, `rope_bytes`)
+and a fraction of the copy ceiling (`perf.ceilings.measure_copy_bandwidth`) measured in the same run.
+Saves the record kind "fused" and its plots in assets/benchmarks/.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from .. import records, runtime
+from ..fused import rms_norm, rope, rope_cache
+from ..perf.ceilings import measure_copy_bandwidth
+from ..perf.timing import benchmark, free_memory
+
+TOKENS = (4096, 16384, 65536)
+HIDDEN = (2048, 4096, 8192)
+HQ, HK, HEAD_DIM = 32, 8, 128
+EPS = 1e-6
+DW_CELLS = ((16384, 4096), (65536, 8192), (4096, 2048))  # where the dW reductions are compared
+RMS_PROVIDERS = ("eager", "F.rms_norm", "compiled", "course_lib")
+ROPE_PROVIDERS = ("eager", "compiled", "course_lib")
+TARGETS = {"vs_compiled": 1.0, "copy_fraction": 0.85, "copy_fraction_min_tokens": 16384}
+
+
+def rms_norm_bytes(tokens: int, hidden: int, mode: str, elem: int = 2) -> int:
+    """Bytes an RMSNorm must move. Forward: read x (T D) and w (D), write y (T D) and rstd (T floats).
+    Backward: read x, dy (T D each), w (D) and rstd (T floats), write dx (T D) and dw (D)."""
+    if mode == "fwd":
+        return (2 * tokens * hidden + hidden) * elem + 4 * tokens
+    return (3 * tokens * hidden + 2 * hidden) * elem + 4 * tokens
+
+
+def rope_bytes(tokens: int, elem: int = 2) -> int:
+    """Bytes RoPE of q (T, 32, 128) and k (T, 8, 128) must move, forward or backward alike: read q and
+    k (or their gradients) and the T rows of cos and sin (d each), write the rotated q and k."""
+    qk = tokens * (HQ + HK) * HEAD_DIM
+    return (2 * qk + 2 * tokens * HEAD_DIM) * elem
+
+
+def llama_rms_norm(x, weight, eps: float = EPS):
+    """Eager RMSNorm as Hugging Face's LlamaRMSNorm computes it (float32 statistics, cast, weight)."""
+    x32 = x.to(torch.float32)
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def _rotate_half(x):
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def eager_rope(q, k, cos, sin):
+    """apply_rotary_pos_emb's arithmetic on token-major q (T, Hq, d), k (T, Hk, d) with cos, sin (T, d)."""
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _compiled(fn):
+    """A fresh `torch.compile` of fn for one shape (dynamo's caches reset, so no recompile limit bites)."""
+    torch._dynamo.reset()
+    return torch.compile(fn, dynamic=False)
+
+
+def _measure(call, nbytes: int, copy_gbps: float) -> dict:
+    """Time `call` (median ms); GB/s of `nbytes`; fraction of the copy ceiling. Failures are recorded."""
+    try:
+        ms = benchmark(call)
+    except torch.OutOfMemoryError:
+        free_memory()
+        return {"status": "oom"}
+    except Exception as exc:  # a benchmark must not die on one provider: record why instead
+        return {"status": "error", "reason": f"{type(exc).__name__}: {exc}"[:300]}
+    gbps = nbytes / (ms * 1e-3) / 1e9
+    return {"status": "ok", "ms": ms, "gbps": gbps, "copy_fraction": gbps / copy_gbps}
+
+
+def _rms_fns(provider: str):
+    if provider == "eager":
+        return llama_rms_norm
+    if provider == "F.rms_norm":
+        return lambda x, w: F.rms_norm(x, (x.shape[-1],), w, EPS)
+    if provider == "compiled":
+        return _compiled(llama_rms_norm)
+    return lambda x, w: rms_norm(x, w, EPS)
+
+
+def measure_rms_norm(tokens: int, hidden: int, provider: str, copy_gbps: float, dtype, device) -> list[dict]:
+    """Forward and backward of one provider at one (T, D) cell: two result dicts."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(tokens, hidden, device=device, dtype=dtype, generator=gen).requires_grad_()
+    w = (1 + 0.1 * torch.randn(hidden, device=device, dtype=dtype, generator=gen)).requires_grad_()
+    dy = torch.randn(tokens, hidden, device=device, dtype=dtype, generator=gen)
+    cell = {"kernel": "rms_norm", "T": tokens, "D": hidden, "provider": provider}
+    out = []
+    try:
+        fn = _rms_fns(provider)
+        with torch.no_grad():
+            fn(x, w)  # compile (if any) before timing
+        with torch.no_grad():
+            out.append(
+                {
+                    **cell,
+                    "mode": "fwd",
+                    **_measure(lambda: fn(x, w), rms_norm_bytes(tokens, hidden, "fwd"), copy_gbps),
+                }
+            )
+        y = fn(x, w)
+        bwd = lambda: torch.autograd.grad(y, (x, w), dy, retain_graph=True)
+        out.append({**cell, "mode": "bwd", **_measure(bwd, rms_norm_bytes(tokens, hidden, "bwd"), copy_gbps)})
+    except torch.OutOfMemoryError:
+        out = [{**cell, "mode": m, "status": "oom"} for m in ("fwd", "bwd")]
+    except Exception as exc:
+        reason = f"{type(exc).__name__}: {exc}"[:300]
+        out = [{**cell, "mode": m, "status": "error", "reason": reason} for m in ("fwd", "bwd")]
+    return out
+
+
+def measure_dw_modes(tokens: int, hidden: int, copy_gbps: float, dtype, device) -> list[dict]:
+    """course_lib's backward with each dW reduction at one cell: time, GB/s, and whether two backward
+    passes gave bit-identical dW."""
+    from ..fused.rms_norm import DW_MODES
+
+    gen = torch.Generator(device=device).manual_seed(1)
+    x = torch.randn(tokens, hidden, device=device, dtype=dtype, generator=gen).requires_grad_()
+    w = (1 + 0.1 * torch.randn(hidden, device=device, dtype=dtype, generator=gen)).requires_grad_()
+    dy = torch.randn(tokens, hidden, device=device, dtype=dtype, generator=gen)
+    rows = []
+    for mode in DW_MODES:
+        y = rms_norm(x, w, EPS, dw_mode=mode)
+        grad = lambda y=y: torch.autograd.grad(y, (x, w), dy, retain_graph=True)
+        dws = [grad()[1] for _ in range(3)]
+        deterministic = all(torch.equal(dws[0], other) for other in dws[1:])
+        m = _measure(grad, rms_norm_bytes(tokens, hidden, "bwd"), copy_gbps)
+        rows.append({"T": tokens, "D": hidden, "dw_mode": mode, "deterministic": deterministic, **m})
+    return rows
+
+
+def measure_rope(tokens: int, provider: str, copy_gbps: float, dtype, device) -> list[dict]:
+    """RoPE of q (T, 32, 128) and k (T, 8, 128), forward and backward, for one provider."""
+    gen = torch.Generator(device=device).manual_seed(2)
+    q = torch.randn(tokens, HQ, HEAD_DIM, device=device, dtype=dtype, generator=gen).requires_grad_()
+    k = torch.randn(tokens, HK, HEAD_DIM, device=device, dtype=dtype, generator=gen).requires_grad_()
+    dq, dk = torch.randn_like(q), torch.randn_like(k)
+    cos, sin = rope_cache(tokens, HEAD_DIM, dtype=dtype, device=device)
+    if provider == "course_lib":
+        # token-major storage seen as (1, H, T, d): no copies, the kernel follows the strides
+        def fn(q, k):
+            q_rot, k_rot = rope(q[None].transpose(1, 2), k[None].transpose(1, 2), cos, sin)
+            return q_rot[0].transpose(0, 1), k_rot[0].transpose(0, 1)
+
+    elif provider == "eager":
+        fn = lambda q, k: eager_rope(q, k, cos, sin)
+    else:
+        fn = _compiled(lambda q, k: eager_rope(q, k, cos, sin))
+    cell = {"kernel": "rope", "T": tokens, "provider": provider}
+    nbytes = rope_bytes(tokens)
+    out = []
+    try:
+        with torch.no_grad():
+            fn(q, k)
+            out.append({**cell, "mode": "fwd", **_measure(lambda: fn(q, k), nbytes, copy_gbps)})
+        q_rot, k_rot = fn(q, k)
+        bwd = lambda: torch.autograd.grad((q_rot, k_rot), (q, k), (dq, dk), retain_graph=True)
+        out.append({**cell, "mode": "bwd", **_measure(bwd, nbytes, copy_gbps)})
+    except Exception as exc:
+        reason = f"{type(exc).__name__}: {exc}"[:300]
+        out = [{**cell, "mode": m, "status": "error", "reason": reason} for m in ("fwd", "bwd")]
+    return out
+
+
+def _freed(rows: list[dict]) -> list[dict]:
+    free_memory()  # the cell's tensors are gone once its function returned
+    return rows
+
+
+def run(quick: bool = False) -> dict:
+    """Measure everything (see the module docstring); `quick` or a CPU keeps to the smallest cells.
+
+    Returns {"dtype", "copy_gbps", "rms_norm": [...], "dw_modes": [...], "rope": [...], "targets"}; each
+    result row has provider, T (and D), mode, status and, when ok, ms, gbps and copy_fraction."""
+    device = runtime.DEVICE
+    dtype = torch.bfloat16 if runtime.ON_GPU else torch.float32
+    if runtime.ON_GPU:
+        tokens, hidden, dw_cells = (
+            (TOKENS[:1], HIDDEN[:1], DW_CELLS[2:]) if quick else (TOKENS, HIDDEN, DW_CELLS)
+        )
+    else:  # the interpreter: a smoke test of the code path, the timings mean nothing
+        tokens, hidden, dw_cells = (32,), (256,), ((32, 256),)
+    copy_gbps = measure_copy_bandwidth()
+    free_memory()
+    data = {
+        "dtype": str(dtype).replace("torch.", ""),
+        "copy_gbps": copy_gbps,
+        "targets": TARGETS,
+        "quick": quick,
+    }
+    data["rms_norm"] = [
+        row for t in tokens for d in hidden for p in RMS_PROVIDERS
+        for row in _freed(measure_rms_norm(t, d, p, copy_gbps, dtype, device))
+    ]  # fmt: skip
+    data["dw_modes"] = [
+        row for t, d in dw_cells for row in _freed(measure_dw_modes(t, d, copy_gbps, dtype, device))
+    ]
+    data["rope"] = [
+        row for t in tokens for p in ROPE_PROVIDERS for row in measure_rope(t, p, copy_gbps, dtype, device)
+    ]
+    return data
+
+
+# --------------------------------------------------------------------------------------------------
+# Reading a record: tables, targets, plots
+# --------------------------------------------------------------------------------------------------
+def _ok(rows, **where) -> dict:
+    """The one ok row of `rows` matching every key of `where`, or {}."""
+    for r in rows:
+        if r.get("status") == "ok" and all(r.get(k) == v for k, v in where.items()):
+            return r
+    return {}
+
+
+def format_table(data: dict) -> str:
+    """Markdown tables: RMSNorm and RoPE GB/s per provider, course_lib / compiled, % of the copy ceiling."""
+    lines = [f"copy ceiling {data['copy_gbps']:.0f} GB/s; dtype {data['dtype']}", ""]
+    lines += [
+        "| RMSNorm | T | D | "
+        + " | ".join(f"{p} GB/s" for p in RMS_PROVIDERS)
+        + " | course_lib / compiled | % copy |",
+        "| --- " * (5 + len(RMS_PROVIDERS)) + "|",
+    ]
+    cells = sorted(
+        {(r["mode"], r["T"], r["D"]) for r in data["rms_norm"]}, key=lambda c: (c[0] != "fwd", *c[1:])
+    )
+    for mode, t, d in cells:
+        rows = {p: _ok(data["rms_norm"], mode=mode, T=t, D=d, provider=p) for p in RMS_PROVIDERS}
+        gb = " | ".join(f"{rows[p]['gbps']:.0f}" if rows[p] else "-" for p in RMS_PROVIDERS)
+        ours, comp = rows["course_lib"], rows["compiled"]
+        ratio = f"{ours['gbps'] / comp['gbps']:.2f}x" if ours and comp else "-"
+        frac = f"{ours['copy_fraction'] * 100:.0f} %" if ours else "-"
+        lines.append(f"| {mode} | {t} | {d} | {gb} | {ratio} | {frac} |")
+    lines += [
+        "",
+        "| dW reduction | T | D | GB/s | % copy | deterministic |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in data["dw_modes"]:
+        if r.get("status") == "ok":
+            lines.append(
+                f"| {r['dw_mode']} | {r['T']} | {r['D']} | {r['gbps']:.0f} | {r['copy_fraction'] * 100:.0f} % "
+                f"| {r['deterministic']} |"
+            )
+    lines += [
+        "",
+        "| RoPE q+k | T | "
+        + " | ".join(f"{p} GB/s" for p in ROPE_PROVIDERS)
+        + " | course_lib / compiled | % copy |",
+        "| --- " * (4 + len(ROPE_PROVIDERS)) + "|",
+    ]
+    for mode, t in sorted({(r["mode"], r["T"]) for r in data["rope"]}, key=lambda c: (c[0] != "fwd", c[1])):
+        rows = {p: _ok(data["rope"], mode=mode, T=t, provider=p) for p in ROPE_PROVIDERS}
+        gb = " | ".join(f"{rows[p]['gbps']:.0f}" if rows[p] else "-" for p in ROPE_PROVIDERS)
+        ours, comp = rows["course_lib"], rows["compiled"]
+        ratio = f"{ours['gbps'] / comp['gbps']:.2f}x" if ours and comp else "-"
+        frac = f"{ours['copy_fraction'] * 100:.0f} %" if ours else "-"
+        lines.append(f"| {mode} | {t} | {gb} | {ratio} | {frac} |")
+    return "\n".join(lines)
+
+
+def target_misses(data: dict) -> list[str]:
+    """The issue's targets, one line per miss (empty: all met): course_lib >= 1.0x torch.compile in every
+    RMSNorm and RoPE cell, and >= 85 % of the copy ceiling for RMSNorm at T >= 16k."""
+    misses = []
+    for kernel, key in (("rms_norm", ("mode", "T", "D")), ("rope", ("mode", "T"))):
+        for r in data[kernel]:
+            if r["provider"] != "course_lib":
+                continue
+            cell = {k: r[k] for k in key}
+            name = f"{kernel} " + " ".join(f"{k}={v}" for k, v in cell.items())
+            if r.get("status") != "ok":
+                misses.append(f"{name}: course_lib {r.get('status')} {r.get('reason', '')}")
+                continue
+            comp = _ok(data[kernel], provider="compiled", **cell)
+            if comp and r["gbps"] / comp["gbps"] < TARGETS["vs_compiled"]:
+                misses.append(f"{name}: {r['gbps'] / comp['gbps']:.2f}x torch.compile (target >= 1.0x)")
+            if (
+                kernel == "rms_norm"
+                and r["T"] >= TARGETS["copy_fraction_min_tokens"]
+                and r["copy_fraction"] < TARGETS["copy_fraction"]
+            ):
+                misses.append(f"{name}: {r['copy_fraction']:.0%} of the copy ceiling (target 85 %)")
+    return misses
+
+
+def save_plots(data: dict, out: Path, slug: str) -> list[Path]:
+    """Two PNGs next to the record: RMSNorm GB/s per cell and provider (forward and backward panels),
+    and RoPE GB/s per T and provider; the copy ceiling drawn on both."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    ceiling = data["copy_gbps"]
+    cells = sorted({(r["T"], r["D"]) for r in data["rms_norm"]})
+    fig, axes = plt.subplots(1, 2, figsize=(14, 5), sharey=True)
+    for ax, mode in zip(axes, ("fwd", "bwd")):
+        width = 0.8 / len(RMS_PROVIDERS)
+        for i, p in enumerate(RMS_PROVIDERS):
+            vals = [_ok(data["rms_norm"], mode=mode, T=t, D=d, provider=p).get("gbps", 0) for t, d in cells]
+            ax.bar([j + (i - 1.5) * width for j in range(len(cells))], vals, width=width, label=p)
+        ax.axhline(ceiling, color="k", ls="--", lw=1, label=f"copy ceiling {ceiling:.0f} GB/s")
+        ax.set_xticks(range(len(cells)), [f"T={t // 1024}k\nD={d}" for t, d in cells], fontsize=9)
+        ax.set_title(f"RMSNorm {'forward' if mode == 'fwd' else 'backward'}, {data['dtype']}")
+        ax.set_ylabel("bytes that must move / time (GB/s)")
+    axes[0].legend(loc="lower right", fontsize=9)
+    fig.suptitle("Fused RMSNorm: GB/s against the copy ceiling (higher is better)")
+    fig.tight_layout()
+    paths.append(out / f"fused-{slug}-rms_norm.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+
+    tokens = sorted({r["T"] for r in data["rope"]})
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    groups = [(m, t) for m in ("fwd", "bwd") for t in tokens]
+    width = 0.8 / len(ROPE_PROVIDERS)
+    for i, p in enumerate(ROPE_PROVIDERS):
+        vals = [_ok(data["rope"], mode=m, T=t, provider=p).get("gbps", 0) for m, t in groups]
+        ax.bar([j + (i - 1) * width for j in range(len(groups))], vals, width=width, label=p)
+    ax.axhline(ceiling, color="k", ls="--", lw=1, label=f"copy ceiling {ceiling:.0f} GB/s")
+    ax.set_xticks(
+        range(len(groups)), [f"{m}\nT={t // 1024}k" if t >= 1024 else f"{m}\nT={t}" for m, t in groups]
+    )
+    ax.set_ylabel("bytes that must move / time (GB/s)")
+    ax.set_title(f"RoPE of q (T, {HQ}, {HEAD_DIM}) and k (T, {HK}, {HEAD_DIM}), {data['dtype']}: one pass")
+    ax.legend(fontsize=9)
+    fig.tight_layout()
+    paths.append(out / f"fused-{slug}-rope.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+    return paths
+
+
+def main(quick: bool = False, out: str | Path = records.ASSETS) -> int:
+    """Measure (`run`), save the record "fused" and its plots in `out`, print the tables and the
+    targets. Returns 0 (2 when asked to put CPU timings into assets/benchmarks/)."""
+    out = Path(out)
+    if not runtime.ON_GPU and out.resolve() == Path(records.ASSETS).resolve():
+        print("bench fused: no GPU; CPU timings do not belong in assets/benchmarks/ (pass --out DIR)")
+        return 2
+    data = run(quick)
+    path = records.save_record("fused", data, out)
+    slug = path.stem.split("-", 1)[1] if path else "cpu"
+    out.mkdir(parents=True, exist_ok=True)
+    for p in save_plots(data, out, slug):
+        print(f"bench fused: wrote {p}")
+    print(format_table(data))
+    misses = target_misses(data)
+    print(
+        "bench fused: every target met"
+        if not misses
+        else "bench fused: targets missed:\n  " + "\n  ".join(misses)
+    )
+    return 0
+
+
+def _cli() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="the smallest cell only")
+    parser.add_argument("--out", default=str(records.ASSETS), help="folder for the record and plots")
+    args = parser.parse_args()
+    return main(quick=args.quick, out=args.out)
+
+
+if __name__ == "__main__":
+    raise SystemExit(_cli())
