@@ -38,6 +38,10 @@ _MOVED = {
     "flash_torch": "attention.tiled",
     "flash_triton": "attention",
     "tiles": "attention.tiles",
+    "hardware": "perf",
+    "timing": "perf.timing",
+    "profiling": "perf.profiling",
+    "plotting": "perf.plotting",
 }
 
 __all__ = [

@@ -24,11 +24,17 @@ def check_attention_inputs(
     dtypes: tuple[torch.dtype, ...] = FLOAT_DTYPES,
     head_dims: tuple[int, ...] | None = None,
     same_head_dim_v: bool = True,
+    allow_empty: bool = False,
+    allow_gqa: bool = False,
 ) -> None:
     """Validate q (..., Nq, d), k (..., Nk, d), v (..., Nk, d_v) for attention.
 
+    Grouped-query attention (`allow_gqa`): with 4 or more dims (..., heads, N, d), k and v may have
+    fewer heads than q, as long as q's heads are a multiple of theirs (query head h uses K/V head
+    h // (Hq / Hkv)).
     `where` names the caller in the message. `dtypes` lists accepted dtypes; `head_dims`, if given,
-    the accepted d. Raises TypeError (wrong kind or dtype) or ValueError (shapes, devices, d)."""
+    the accepted d; `allow_empty` accepts Nk = 0 (rows that see no key). Raises TypeError (wrong kind
+    or dtype) or ValueError (shapes, devices, d)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{where}: {name} must be a torch.Tensor, got {type(t).__name__}")
@@ -54,11 +60,30 @@ def check_attention_inputs(
         raise ValueError(
             f"{where}: q, k and v must be on one device; got q on {q.device}, k on {k.device}, v on {v.device}"
         )
-    if not (q.dim() == k.dim() == v.dim()) or not (q.shape[:-2] == k.shape[:-2] == v.shape[:-2]):
+    if not (q.dim() == k.dim() == v.dim()) or k.shape[:-2] != v.shape[:-2]:
         raise ValueError(
             f"{where}: q, k and v must have the same leading (batch, heads) dims; got "
             f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
         )
+    if q.shape[:-2] != k.shape[:-2]:
+        grouped = allow_gqa and q.dim() >= 4 and q.shape[:-3] == k.shape[:-3] and k.shape[-3] > 0
+        if not grouped:
+            raise ValueError(
+                f"{where}: q, k and v must have the same leading (batch, heads) dims"
+                + (
+                    " (k and v may have fewer heads, dim -3 of 4, for grouped-query attention)"
+                    if allow_gqa
+                    else ""
+                )
+                + f"; got q {tuple(q.shape)}, k {tuple(k.shape)}, "
+                f"v {tuple(v.shape)}"
+            )
+        if q.shape[-3] % k.shape[-3]:
+            raise ValueError(
+                f"{where}: grouped-query attention needs q's heads to be a multiple of k's and v's; got "
+                f"{q.shape[-3]} query heads and {k.shape[-3]} key/value heads (q {tuple(q.shape)}, "
+                f"k {tuple(k.shape)})"
+            )
     if q.shape[-1] != k.shape[-1]:
         raise ValueError(
             f"{where}: head dims differ: q has d={q.shape[-1]}, k has d={k.shape[-1]} "
@@ -70,7 +95,7 @@ def check_attention_inputs(
         )
     if same_head_dim_v and v.shape[-1] != q.shape[-1]:
         raise ValueError(f"{where}: v must have the head dim of q (d={q.shape[-1]}); got v {tuple(v.shape)}")
-    if q.shape[-2] == 0 or k.shape[-2] == 0 or q.shape[-1] == 0:
+    if q.shape[-2] == 0 or (k.shape[-2] == 0 and not allow_empty) or q.shape[-1] == 0:
         raise ValueError(
             f"{where}: empty sequence or head dim: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
         )
@@ -79,6 +104,11 @@ def check_attention_inputs(
             f"{where}: head dim d={q.shape[-1]} is not supported; supported head dims: "
             f"{', '.join(map(str, head_dims))}"
         )
+
+
+def kv_group(q: torch.Tensor, k: torch.Tensor) -> int:
+    """Query heads per K/V head (1 unless grouped-query attention; inputs checked already)."""
+    return q.shape[-3] // k.shape[-3] if q.dim() >= 4 else 1
 
 
 def accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -94,3 +124,27 @@ def default_scale(head_dim: int, scale: float | None) -> float:
     if not (scale > 0 and scale != float("inf")):
         raise ValueError(f"scale must be a positive finite number, got {scale}")
     return scale
+
+
+ALIGNMENTS = ("top_left", "bottom_right")
+
+
+def causal_alignment(causal) -> str | None:
+    """Normalise a `causal` argument: False/None/"none" -> None (no mask); True or "top_left" ->
+    "top_left"; "bottom_right" -> "bottom_right". Anything else is an error naming the choices."""
+    if isinstance(causal, str):
+        if causal in ALIGNMENTS:
+            return causal
+        if causal == "none":
+            return None
+    elif causal is None or isinstance(causal, (bool, int)) or type(causal).__name__ == "bool_":
+        return "top_left" if causal else None
+    raise ValueError(
+        f"causal must be False, True (= 'top_left': query i sees keys j <= i) or 'bottom_right' (query i "
+        f"sees keys j <= i + Nk - Nq, the KV-cache alignment); got {causal!r}"
+    )
+
+
+def causal_offset(alignment: str | None, n_q: int, n_k: int) -> int:
+    """The offset in `j <= i + offset`: 0 for top-left (and for no mask), Nk - Nq for bottom-right."""
+    return n_k - n_q if alignment == "bottom_right" else 0

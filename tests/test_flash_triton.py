@@ -18,6 +18,7 @@ import course_lib
 from course_lib import FlashAttentionTriton, flash_attention
 from course_lib.attention import backward as bwd_mod
 from course_lib.attention import forward as fwd_mod
+from course_lib.attention.inputs import as_4d
 from course_lib.attention.reference import attention as reference_attention
 from course_lib.testing import assert_close_to_reference, random_qkv, reference_outputs
 
@@ -99,7 +100,7 @@ def test_non_contiguous_views(dtype):
 
     bnhd = [torch.randn(2, n, 3, 16, device=DEVICE).to(dtype) for n in (37, 29, 29)]
     q, k, v = (t.transpose(1, 2) for t in bnhd)  # (2, 3, N, 16), heads interleaved in memory
-    assert fwd_mod.as_4d(q).data_ptr() == q.data_ptr()
+    assert as_4d(q).data_ptr() == q.data_ptr()
     do = torch.randn(1, 1, 1, 1, device=DEVICE).to(dtype).expand(2, 3, 37, 16)  # stride 0 everywhere
     _check_fwd_bwd(q, k, v, False, f"(B, N, H, d) viewed as (B, H, N, d), stride-0 dO, {_name(dtype)}", do=do)
 
@@ -196,30 +197,6 @@ class _ConfigAttention(torch.autograd.Function):
         return dq, dk, dv, None, None, None
 
 
-@pytest.mark.parametrize(
-    "config", [{"tma": True}, {"tma": True, "BLOCK_M": 64, "BLOCK_N": 32, "num_stages": 2}]
-)
-def test_tma_switch(config):
-    """The opt-in TMA forward (Hopper) computes what the pointer forward does, ragged and causal; where
-    TMA cannot be used (CPU, odd strides or alignment) the same call takes the pointer path."""
-    torch.manual_seed(6)
-    dtype = torch.bfloat16 if ON_GPU else torch.float32
-    for d in (32, 80, 128) if ON_GPU else (32,):
-        for causal, (n_q, n_k) in ((True, (100, 131)), (False, (77, 45))):
-            q, k, v = random_qkv((2, 3, n_q, d), n_k, dtype=dtype, device=DEVICE)
-            o, lse = fwd_mod.forward(q, k, v, causal, None, config=config)
-            o_ptr, lse_ptr = fwd_mod.forward(q, k, v, causal, None, config=dict(config, tma=False))
-            msg = f"d={d}, causal={causal}"
-            torch.testing.assert_close(o.float(), o_ptr.float(), rtol=2e-2, atol=2e-2, msg=msg)
-            torch.testing.assert_close(lse, lse_ptr, rtol=1e-3, atol=1e-3, msg=msg)
-            ref_o, _ = reference_outputs(*(t.cpu().double() for t in (q, k, v)), causal)
-            base_o, _ = reference_outputs(q, k, v, causal)
-            assert_close_to_reference(o, ref_o, base_o, what=f"O with config={config}, {msg}")
-    assert fwd_mod.use_tma(q, k, v) == (ON_GPU and torch.cuda.get_device_capability()[0] >= 9)
-    assert not fwd_mod.use_tma(q[..., 1:17])  # a base address that is not a multiple of 16 bytes
-    assert not fwd_mod.use_tma(q.transpose(-1, -2))  # columns not contiguous
-
-
 def test_saves_only_linear_size_tensors():
     """The autograd graph holds Q, K, V, O and L: nothing of size Nq x Nk."""
     n_q, n_k, d = 64, 48, 16
@@ -245,18 +222,32 @@ def test_gradcheck_float64():
     assert torch.autograd.gradcheck(lambda q, k, v: FlashAttentionTriton.apply(q, k, v, False), (q, k, v))
 
 
-def test_gpu_candidate_configs_build():
-    """The GPU autotuning candidates and their pruning, which the interpreter never uses, are well
-    formed: every block >= 16, the full list only for 16-bit inputs, d <= 128 and N >= 1024."""
-    for candidates in (fwd_mod.GPU_FWD_CANDIDATES, bwd_mod.GPU_DKDV_CANDIDATES, bwd_mod.GPU_DQ_CANDIDATES):
-        configs = fwd_mod._as_configs(candidates)
-        assert all(min(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]) >= 16 for c in configs)
-    prune = fwd_mod.make_prune((64, 64, 4, 2), (64, 32, 4, 2), (64, 32, 4, 2))
-    full = fwd_mod._as_configs(fwd_mod.GPU_FWD_CANDIDATES)
-    bf16 = torch.empty(1, dtype=torch.bfloat16)
-    assert prune(full, {"Q": bf16, "N_BUCKET": 4096}, BLOCK_D=128) == full
-    for q, n_bucket, block_d in ((bf16, 256, 64), (bf16.float(), 4096, 64), (bf16, 4096, 256)):
-        assert len(prune(full, {"Q": q, "N_BUCKET": n_bucket}, BLOCK_D=block_d)) == 1
+def test_launch_configs_well_formed():
+    """The named launch tables: every candidate and every default choice has blocks >= 16 and powers of
+    two; the choice without autotuning is the table's for each kind of input (the CPU's one config
+    under the interpreter)."""
+    from course_lib.attention import configs
+
+    for table in (configs.FORWARD, configs.DKDV, configs.DQ):
+        launches = list(table.candidates) + [table.cpu, table.fixed, table.fp32, table.wide_head, table.short]
+        launches += [
+            table.long(d, c, n) for d in (64, 128) for c in (False, True) for n in (1024, 4096, 16384)
+        ]
+        for c in launches:
+            assert min(c.block_m, c.block_n) >= 16 and not (
+                c.block_m & (c.block_m - 1) or c.block_n & (c.block_n - 1)
+            ), f"{table.name}: {c}"
+        assert table.choose(64, True, 4096, torch.bfloat16, interpret=True) == table.cpu
+        assert table.choose(64, True, 4096, torch.float32, interpret=False) == table.fp32
+        assert table.choose(256, True, 4096, torch.bfloat16, interpret=False) == table.wide_head
+        assert table.choose(64, True, 256, torch.bfloat16, interpret=False) == table.short
+        assert table.choose(128, False, 16384, torch.bfloat16, interpret=False) == table.long(
+            128, False, 16384
+        )
+    assert configs.split_config(None, configs.FORWARD.fixed) == (
+        None,
+        {"EXP2": True, "SKIP_MASKED": True, "HOPPER": True},
+    )
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -273,7 +264,9 @@ def test_bad_shapes_and_head_dims():
     with pytest.raises(ValueError, match="same number of keys"):
         flash_attention(q, k, v[..., :5, :])
     with pytest.raises(ValueError, match="leading"):
-        flash_attention(q, k[:, :1], v[:, :1])
+        flash_attention(q, torch.cat([k, k]), torch.cat([v, v]))  # batch 2 against q's 1
+    with pytest.raises(ValueError, match="multiple of k's and v's"):
+        flash_attention(torch.cat([q, q[:, :1]], dim=1), k, v)  # 3 query heads, 2 key/value heads
     with pytest.raises(ValueError, match="v must have the head dim"):
         flash_attention(q, k, torch.cat([v, v], dim=-1))
     with pytest.raises(ValueError, match="at least 2 dims"):

@@ -4,16 +4,21 @@ Function `FlashAttentionTriton` (notebooks 06 and 07).
 The forward kernel (`forward.py`) returns O and the logsumexp L; the Function saves Q, K, V, O and L
 (all O(N) per (batch, head): nothing of size Nq x Nk) and the backward kernels (`backward.py`)
 rebuild P from L. Inputs: (..., N, d) with any leading dims — (batch, N, d) as in homework, or
-(batch, heads, N, d) as for `torch.nn.functional.scaled_dot_product_attention` — and any strides.
+(batch, heads, N, d) as for `torch.nn.functional.scaled_dot_product_attention`, with fewer K/V heads
+for grouped-query attention — and any strides.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..checks import default_scale
+from ..checks import causal_alignment, default_scale
 from .backward import _backward
-from .forward import _forward, check_inputs
+from .configs import split_config
+from .forward import _forward
+from .inputs import check_inputs
+
+_DEFAULT_LAUNCH, _FAST = split_config(None, None)  # the default choice of launch and the fast switches
 
 
 class FlashAttentionTriton(torch.autograd.Function):
@@ -21,37 +26,41 @@ class FlashAttentionTriton(torch.autograd.Function):
 
     `FlashAttentionTriton.apply(q, k, v, is_causal)` (optionally a fifth argument, the softmax scale;
     default 1/sqrt(d)). q: (..., Nq, d), k and v: (..., Nk, d), float16, bfloat16 or float32
-    (float64 under the interpreter only). Returns O (..., Nq, d). The forward saves Q, K, V, O and
-    L = logsumexp (shape q.shape[:-1]); the backward returns dq, dk, dv and None for is_causal
+    (float64 under the interpreter only). is_causal: False, True / "top_left" (query i sees keys
+    j <= i) or "bottom_right" (j <= i + Nk - Nq). Returns O (..., Nq, d). The forward saves Q, K, V, O
+    and L = logsumexp (shape q.shape[:-1]); the backward returns dq, dk, dv and None for is_causal
     (and for scale)."""
 
     @staticmethod
     def forward(ctx, q, k, v, is_causal=False, scale=None):
         check_inputs(q, k, v, where="FlashAttentionTriton")
+        alignment = causal_alignment(is_causal)
         scale = default_scale(q.shape[-1], scale)
-        o, lse = _forward(q, k, v, bool(is_causal), scale, None, _FAST)
+        o, lse = _forward(q, k, v, alignment, scale, _DEFAULT_LAUNCH, _FAST)
         ctx.save_for_backward(q, k, v, o, lse)
-        ctx.is_causal = bool(is_causal)
+        ctx.alignment = alignment
         ctx.scale = scale
         return o
 
     @staticmethod
     def backward(ctx, do):
         q, k, v, o, lse = ctx.saved_tensors
-        dq, dk, dv = _backward(do, q, k, v, o, lse, ctx.is_causal, ctx.scale, None, _FAST, "two_kernel")
+        dq, dk, dv = _backward(
+            do, q, k, v, o, lse, ctx.alignment, ctx.scale, _DEFAULT_LAUNCH, _FAST, "two_kernel"
+        )
         return dq, dk, dv, None, None
 
 
-_FAST = {"EXP2": True, "SKIP_MASKED": True, "TMA": False, "HOPPER": True}
-
-
-def flash_attention(q, k, v, causal: bool = False, scale: float | None = None):
+def flash_attention(q, k, v, causal=False, scale: float | None = None):
     """O = softmax(Q K^T * scale [+ causal mask]) V with the Triton FlashAttention-2 kernels.
 
-    q: (..., Nq, d), k and v: (..., Nk, d) — same leading dims, dtype and device; any strides (no copy
-    is made when the leading dims can be viewed as (batch, heads)); float16, bfloat16 or float32
-    (float64 under the interpreter, for gradcheck). d: a multiple of 8 from 16 to 256.
-    causal: query i sees keys j <= i (top-left aligned, as SDPA's is_causal=True; Nq != Nk allowed).
-    scale: default 1/sqrt(d). Returns O with q's shape and dtype; differentiable in q, k and v.
-    Runs compiled on a GPU, through the Triton interpreter on the CPU (`course_lib.runtime`)."""
+    q: (..., Nq, d), k and v: (..., Nk, d) — same leading dims, or fewer heads (dim -3) in k and v for
+    grouped-query / multi-query attention (q's heads a multiple of theirs; K/V are never repeated);
+    same dtype and device; any strides; float16, bfloat16 or float32 (float64 under the interpreter,
+    for gradcheck). d: a multiple of 8 from 16 to 256.
+    causal: False; True or "top_left" (query i sees keys j <= i, as SDPA's is_causal=True);
+    "bottom_right" (query i sees keys j <= i + Nk - Nq: the queries are the last Nq positions, as with
+    a KV cache and FlashAttention's flash_attn_func). Rows that see no key give O = 0 (and zero
+    gradients). scale: default 1/sqrt(d). Returns O with q's shape and dtype; differentiable in q, k
+    and v. Runs compiled on a GPU, through the Triton interpreter on the CPU (`course_lib.runtime`)."""
     return FlashAttentionTriton.apply(q, k, v, causal, scale)

@@ -19,8 +19,11 @@ backward is two launches, not three (launches cost CPU time, notes/performance.m
 `tl.atomic_add` inside the dK/dV kernel (one pass, 5 products, but Nk / BLOCK_N read-modify-writes of
 every dQ element), after the preprocessing kernel.
 
-Causal: blocks wholly above the diagonal are skipped; only diagonal blocks are masked (separate
-loop stages), as in the forward pass (`course_lib.attention.forward`).
+Causal (top-left or bottom-right aligned): blocks wholly above the diagonal are skipped; only diagonal
+blocks are masked (separate loop stages), as in the forward pass; `blocks.q_block_range` and
+`blocks.kv_block_range` say which. Grouped-query attention: a dK/dV program owns one block of one K/V
+head and loops over the GROUP query heads that share it, so dK and dV are summed over those heads on
+chip, with no atomics and no repeated K/V. Rows that saw no key (L = -inf) contribute nothing.
 """
 
 from __future__ import annotations
@@ -28,24 +31,23 @@ from __future__ import annotations
 import torch
 
 from .. import runtime
-from ..checks import accumulator_dtype, default_scale
+from ..checks import accumulator_dtype, causal_alignment, causal_offset, default_scale, kv_group
 from ..runtime import tl, triton
-from .forward import (
-    CPU_CONFIG,
-    LOG2E,
-    _tuner,
-    as_4d,
-    check_inputs,
-    cuda_device,
-    kernel_flags,
-    launch_tuned,
-    n_bucket,
-    row_mask,
-    split_config,
-    strides4,
-)
+from .blocks import kv_block_range, program_block, q_block_range, row_mask
+from .configs import DKDV, DQ, PREPROCESS_BLOCK_M, split_config
+from .forward import LOG2E
+from .inputs import as_4d, check_inputs, kernel_flags, strides4
+from .launch import cuda_device, launch, make_tuner, n_bucket
 
 DQ_MODES = ("two_kernel", "atomic")
+
+
+@triton.jit
+def _load_lse(l_ptrs, mask):
+    """L of a block of query rows; a row that saw no key (L = -inf) reads +inf, so that its
+    P = exp(S - L) is exactly 0 (not exp(-inf + inf) = NaN) and it adds nothing to any gradient."""
+    lse = tl.load(l_ptrs, mask=mask, other=float("inf"))
+    return tl.where(lse == float("-inf"), float("inf"), lse)
 
 
 @triton.jit
@@ -59,31 +61,24 @@ def _preprocess_kernel(
 ):  # fmt: skip
     """D[z, rows] = sum over d of dO * O for one block of BLOCK_M rows: reads 2 * BLOCK_M * d
     elements, writes BLOCK_M floats (D is contiguous, (B * H, N_Q))."""
-    num_m = tl.cdiv(N_Q, BLOCK_M)
-    pid = tl.program_id(0)
-    off_hz = pid // num_m
-    start_m = pid % num_m
-    off_b = (off_hz // H).to(tl.int64)
-    off_h = (off_hz % H).to(tl.int64)
-    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    off_b, off_h, m_start = program_block(N_Q, H, BLOCK_M, False)
+    offs_m = m_start + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     mask = row_mask(offs_m, N_Q, offs_d, HEAD_DIM, BLOCK_D)
-    o = tl.load(
-        O + off_b * stride_ob + off_h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od,
-        mask=mask,
-        other=0.0,
+    o_ptrs = (
+        O + off_b * stride_ob + off_h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od
     )
-    do = tl.load(
+    do_ptrs = (
         DO
         + off_b * stride_dob
         + off_h * stride_doh
         + offs_m[:, None] * stride_dom
-        + offs_d[None, :] * stride_dod,
-        mask=mask,
-        other=0.0,
+        + offs_d[None, :] * stride_dod
     )
+    o = tl.load(o_ptrs, mask=mask, other=0.0)
+    do = tl.load(do_ptrs, mask=mask, other=0.0)
     delta = tl.sum(o.to(ACC_DTYPE) * do.to(ACC_DTYPE), axis=1)
-    tl.store(Dlt + off_hz.to(tl.int64) * N_Q + offs_m, delta, mask=offs_m < N_Q)
+    tl.store(Dlt + (off_b * H + off_h) * N_Q + offs_m, delta, mask=offs_m < N_Q)
 
 
 @triton.jit
@@ -91,7 +86,7 @@ def _dkdv_inner(
     dk, dv, k, v,  # accumulators and this program's K, V blocks (all on chip)
     q_base, do_base, l_base, d_base, dq_base,
     stride_qm, stride_qd, stride_dom, stride_dod, stride_lm, stride_dqm, stride_dqd,
-    offs_n, offs_m, offs_d, lo, hi, N_Q, N_K, qk_scale, sm_scale,
+    offs_n, offs_m, offs_d, lo, hi, N_Q, N_K, offset, qk_scale, sm_scale,
     MASK: tl.constexpr, CAUSAL: tl.constexpr, EXP2: tl.constexpr, ATOMIC: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, ACC_DTYPE: tl.constexpr,
@@ -111,12 +106,12 @@ def _dkdv_inner(
         q = tl.load(q_ptrs + start_m * stride_qm, mask=q_mask, other=0.0)
         if UPCAST:
             q = q.to(tl.float32)
-        lse = tl.load(l_base + rows * stride_lm, mask=rows < N_Q, other=float("inf"))  # L: BLOCK_M floats
+        lse = _load_lse(l_base + rows * stride_lm, rows < N_Q)  # L: BLOCK_M floats
         sT = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION, out_dtype=ACC_DTYPE)  # (BLOCK_N, BLOCK_M)
         if MASK:
             visible = offs_n[:, None] < N_K
             if CAUSAL:
-                visible = visible & (rows[None, :] >= offs_n[:, None])
+                visible = visible & (rows[None, :] + offset >= offs_n[:, None])
             sT = tl.where(visible, sT, float("-inf"))  # masked before exp: P^T = exactly 0 there
         if EXP2:
             pT = tl.math.exp2(sT * qk_scale - (lse * LOG2E)[None, :])
@@ -149,38 +144,35 @@ def _dkdv_kernel(
     stride_dqb, stride_dqh, stride_dqm, stride_dqd,
     stride_dkb, stride_dkh, stride_dkn, stride_dkd,
     stride_dvb, stride_dvh, stride_dvn, stride_dvd,
-    H, N_Q, N_K, N_BUCKET,
+    H, GROUP, N_Q, N_K, OFFSET, N_BUCKET,
     CAUSAL: tl.constexpr, EXP2: tl.constexpr, SKIP_MASKED: tl.constexpr, ATOMIC: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, ACC_DTYPE: tl.constexpr,
 ):  # fmt: skip
-    """dK, dV for one block of BLOCK_N key rows of one (batch, head); with ATOMIC also dQ (added).
-
-    Grid: (cdiv(N_K, BLOCK_N) * B * H,)."""
-    num_n = tl.cdiv(N_K, BLOCK_N)
-    pid = tl.program_id(0)
-    off_hz = pid // num_n
-    start_n = (pid % num_n) * BLOCK_N  # causal: the first key blocks have the most work; they start first
-    off_b = (off_hz // H).to(tl.int64)
-    off_h = (off_hz % H).to(tl.int64)
-    q_base = Q + off_b * stride_qb + off_h * stride_qh
-    do_base = DO + off_b * stride_dob + off_h * stride_doh
-    l_base = L + off_b * stride_lb + off_h * stride_lh
-    d_base = Dlt + off_hz.to(tl.int64) * N_Q
-    dq_base = DQ + off_b * stride_dqb + off_h * stride_dqh
-
-    offs_n = start_n + tl.arange(0, BLOCK_N)
+    """dK, dV for one block of BLOCK_N key rows of one (batch, K/V head), summed over the GROUP query
+    heads that share it; with ATOMIC also dQ (added). Grid: (cdiv(N_K, BLOCK_N) * B * H_KV,)."""
+    off_b, off_kh, n_start = program_block(N_K, H // GROUP, BLOCK_N, False)  # causal: early keys, most work
+    offs_n = n_start + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     kv_mask = row_mask(offs_n, N_K, offs_d, HEAD_DIM, BLOCK_D)
-    # K and V blocks: HBM -> on chip once, 2 * BLOCK_N * d elements, reused for every query block.
+    # K and V blocks: HBM -> on chip once, 2 * BLOCK_N * d elements, reused for every query block of
+    # every query head of the group.
     k = tl.load(
-        K + off_b * stride_kb + off_h * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
+        K
+        + off_b * stride_kb
+        + off_kh * stride_kh
+        + offs_n[:, None] * stride_kn
+        + offs_d[None, :] * stride_kd,
         mask=kv_mask,
         other=0.0,
     )
     v = tl.load(
-        V + off_b * stride_vb + off_h * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
+        V
+        + off_b * stride_vb
+        + off_kh * stride_vh
+        + offs_n[:, None] * stride_vn
+        + offs_d[None, :] * stride_vd,
         mask=kv_mask,
         other=0.0,
     )
@@ -194,36 +186,32 @@ def _dkdv_kernel(
     else:
         qk_scale = sm_scale
 
-    n_q_pad = tl.cdiv(N_Q, BLOCK_M) * BLOCK_M
     if SKIP_MASKED:
-        if CAUSAL:
-            # Query blocks wholly before start_n see none of these keys: skipped. Blocks that straddle
-            # the diagonal: masked stage. Blocks after it see every key of the block: unmasked stage.
-            lo = (start_n // BLOCK_M) * BLOCK_M
-            mid = tl.minimum(tl.cdiv(start_n + BLOCK_N - 1, BLOCK_M) * BLOCK_M, n_q_pad)
-            dk, dv = _dkdv_inner(
-                dk, dv, k, v, q_base, do_base, l_base, d_base, dq_base,
-                stride_qm, stride_qd, stride_dom, stride_dod, stride_lm, stride_dqm, stride_dqd,
-                offs_n, offs_m, offs_d, lo, mid, N_Q, N_K, qk_scale, sm_scale,
-                True, CAUSAL, EXP2, ATOMIC, HEAD_DIM, BLOCK_D, BLOCK_M, UPCAST, DOT_PRECISION, ACC_DTYPE,
-            )  # fmt: skip
-        else:
-            mid = 0
-        # Unmasked stage. In atomic mode it is masked too: the zero-filled keys past N_K of a ragged last
-        # block would otherwise add exp(-L) * (dP - D) * 0 terms, which overflow to NaN when L << 0.
-        dk, dv = _dkdv_inner(
-            dk, dv, k, v, q_base, do_base, l_base, d_base, dq_base,
-            stride_qm, stride_qd, stride_dom, stride_dod, stride_lm, stride_dqm, stride_dqd,
-            offs_n, offs_m, offs_d, mid, n_q_pad, N_Q, N_K, qk_scale, sm_scale,
-            ATOMIC, CAUSAL, EXP2, ATOMIC, HEAD_DIM, BLOCK_D, BLOCK_M, UPCAST, DOT_PRECISION, ACC_DTYPE,
-        )  # fmt: skip
+        # Query blocks [lo, mid) straddle the diagonal: masked stage. Blocks [mid, hi) see every key of
+        # the block: unmasked stage (masked in atomic mode too: the zero-filled keys past N_K of a ragged
+        # last block would otherwise add exp(-L) * (dP - D) * 0 terms to dQ, NaN when L << 0).
+        lo, mid, hi = q_block_range(n_start, N_Q, OFFSET, CAUSAL, BLOCK_M, BLOCK_N)
     else:
         # The naive loop: every query block, every tile masked.
+        lo, mid, hi = 0, tl.cdiv(N_Q, BLOCK_M) * BLOCK_M, tl.cdiv(N_Q, BLOCK_M) * BLOCK_M
+    for g in range(0, GROUP):
+        off_h = (off_kh * GROUP + g).to(tl.int64)
+        q_base = Q + off_b * stride_qb + off_h * stride_qh
+        do_base = DO + off_b * stride_dob + off_h * stride_doh
+        l_base = L + off_b * stride_lb + off_h * stride_lh
+        d_base = Dlt + (off_b * H + off_h) * N_Q
+        dq_base = DQ + off_b * stride_dqb + off_h * stride_dqh
         dk, dv = _dkdv_inner(
             dk, dv, k, v, q_base, do_base, l_base, d_base, dq_base,
             stride_qm, stride_qd, stride_dom, stride_dod, stride_lm, stride_dqm, stride_dqd,
-            offs_n, offs_m, offs_d, 0, n_q_pad, N_Q, N_K, qk_scale, sm_scale,
+            offs_n, offs_m, offs_d, lo, mid, N_Q, N_K, OFFSET, qk_scale, sm_scale,
             True, CAUSAL, EXP2, ATOMIC, HEAD_DIM, BLOCK_D, BLOCK_M, UPCAST, DOT_PRECISION, ACC_DTYPE,
+        )  # fmt: skip
+        dk, dv = _dkdv_inner(
+            dk, dv, k, v, q_base, do_base, l_base, d_base, dq_base,
+            stride_qm, stride_qd, stride_dom, stride_dod, stride_lm, stride_dqm, stride_dqd,
+            offs_n, offs_m, offs_d, mid, hi, N_Q, N_K, OFFSET, qk_scale, sm_scale,
+            ATOMIC, CAUSAL, EXP2, ATOMIC, HEAD_DIM, BLOCK_D, BLOCK_M, UPCAST, DOT_PRECISION, ACC_DTYPE,
         )  # fmt: skip
 
     # dK = dS^T Q * scale and dV: registers -> HBM once, 2 * BLOCK_N * d elements.
@@ -231,14 +219,14 @@ def _dkdv_kernel(
     dk_ptrs = (
         DK
         + off_b * stride_dkb
-        + off_h * stride_dkh
+        + off_kh * stride_dkh
         + offs_n[:, None] * stride_dkn
         + offs_d[None, :] * stride_dkd
     )
     dv_ptrs = (
         DV
         + off_b * stride_dvb
-        + off_h * stride_dvh
+        + off_kh * stride_dvh
         + offs_n[:, None] * stride_dvn
         + offs_d[None, :] * stride_dvd
     )
@@ -250,7 +238,7 @@ def _dkdv_kernel(
 def _dq_inner(
     dq, q, do, lse, delta,  # dQ accumulator and this program's Q, dO, L, D (all on chip)
     k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
-    offs_m, offs_n, offs_d, lo, hi, N_K, qk_scale,
+    offs_m, offs_n, offs_d, lo, hi, N_K, offset, qk_scale,
     MASK: tl.constexpr, CAUSAL: tl.constexpr, EXP2: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, ACC_DTYPE: tl.constexpr,
@@ -272,7 +260,7 @@ def _dq_inner(
         if MASK:
             visible = cols[None, :] < N_K
             if CAUSAL:
-                visible = visible & (offs_m[:, None] >= cols[None, :])
+                visible = visible & (offs_m[:, None] + offset >= cols[None, :])
             s = tl.where(visible, s, float("-inf"))  # masked before exp: P = exactly 0 there
         if EXP2:
             p = tl.math.exp2(s * qk_scale - lse[:, None])  # lse already in base-2 units here
@@ -294,7 +282,7 @@ def _dq_kernel(
     stride_dob, stride_doh, stride_dom, stride_dod,
     stride_lb, stride_lh, stride_lm,
     stride_dqb, stride_dqh, stride_dqm, stride_dqd,
-    H, N_Q, N_K, N_BUCKET,
+    H, GROUP, N_Q, N_K, OFFSET, N_BUCKET,
     CAUSAL: tl.constexpr, EXP2: tl.constexpr, SKIP_MASKED: tl.constexpr, FUSE_D: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, ACC_DTYPE: tl.constexpr,
@@ -304,51 +292,40 @@ def _dq_kernel(
     FUSE_D=True: compute D = rowsum(dO * O) for these rows here (reading the O block once) and store
     it for the dK/dV kernel, which then runs second; FUSE_D=False: read D written by
     `_preprocess_kernel`."""
-    num_m = tl.cdiv(N_Q, BLOCK_M)
-    pid = tl.program_id(0)
-    off_hz = pid // num_m
-    start_m = pid % num_m
-    if CAUSAL:
-        start_m = num_m - 1 - start_m  # the longest rows start first
-    off_b = (off_hz // H).to(tl.int64)
-    off_h = (off_hz % H).to(tl.int64)
-    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    off_b, off_h, m_start = program_block(N_Q, H, BLOCK_M, CAUSAL)  # causal: the longest rows first
+    off_kh = off_h // GROUP
+    offs_m = m_start + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     q_mask = row_mask(offs_m, N_Q, offs_d, HEAD_DIM, BLOCK_D)
     # Q, dO blocks: HBM -> on chip once (2 * BLOCK_M * d elements); L and D: BLOCK_M floats each.
-    q = tl.load(
-        Q + off_b * stride_qb + off_h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
-        mask=q_mask,
-        other=0.0,
+    q_ptrs = (
+        Q + off_b * stride_qb + off_h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd
     )
-    do = tl.load(
+    do_ptrs = (
         DO
         + off_b * stride_dob
         + off_h * stride_doh
         + offs_m[:, None] * stride_dom
-        + offs_d[None, :] * stride_dod,
-        mask=q_mask,
-        other=0.0,
+        + offs_d[None, :] * stride_dod
     )
+    q = tl.load(q_ptrs, mask=q_mask, other=0.0)
+    do = tl.load(do_ptrs, mask=q_mask, other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
         do = do.to(tl.float32)
-    lse = tl.load(
-        L + off_b * stride_lb + off_h * stride_lh + offs_m * stride_lm, mask=offs_m < N_Q, other=0.0
-    )
-    d_ptrs = Dlt + off_hz.to(tl.int64) * N_Q + offs_m
+    lse = _load_lse(L + off_b * stride_lb + off_h * stride_lh + offs_m * stride_lm, offs_m < N_Q)
+    d_ptrs = Dlt + (off_b * H + off_h) * N_Q + offs_m
     if FUSE_D:
         # D = rowsum(dO * O): the O block, HBM -> registers once (BLOCK_M * d elements); D to HBM.
-        o = tl.load(
+        o_ptrs = (
             O
             + off_b * stride_ob
             + off_h * stride_oh
             + offs_m[:, None] * stride_om
-            + offs_d[None, :] * stride_od,
-            mask=q_mask,
-            other=0.0,
+            + offs_d[None, :] * stride_od
         )
+        o = tl.load(o_ptrs, mask=q_mask, other=0.0)
         delta = tl.sum(o.to(ACC_DTYPE) * do.to(ACC_DTYPE), axis=1)
         tl.store(d_ptrs, delta, mask=offs_m < N_Q)
     else:
@@ -359,35 +336,25 @@ def _dq_kernel(
     else:
         qk_scale = sm_scale
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=ACC_DTYPE)  # fp32 accumulator, registers
-    k_base = K + off_b * stride_kb + off_h * stride_kh
-    v_base = V + off_b * stride_vb + off_h * stride_vh
+    k_base = K + off_b * stride_kb + off_kh * stride_kh
+    v_base = V + off_b * stride_vb + off_kh * stride_vh
 
-    n_k_pad = tl.cdiv(N_K, BLOCK_N) * BLOCK_N
     if SKIP_MASKED:
         # Stage 1, unmasked: K/V blocks every row sees. Stage 2, masked: causal diagonal blocks and the
         # ragged last block (whose zero-filled keys must not reach dQ). Blocks above the diagonal: skipped.
-        hi_full = (N_K // BLOCK_N) * BLOCK_N
-        if CAUSAL:
-            hi_full = tl.minimum(hi_full, (start_m * BLOCK_M // BLOCK_N) * BLOCK_N)
-            hi_masked = tl.minimum((start_m + 1) * BLOCK_M, N_K)
-        else:
-            hi_masked = N_K
-        dq = _dq_inner(
-            dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
-            offs_m, offs_n, offs_d, 0, hi_full, N_K, qk_scale,
-            False, CAUSAL, EXP2, HEAD_DIM, BLOCK_D, BLOCK_N, UPCAST, DOT_PRECISION, ACC_DTYPE,
-        )  # fmt: skip
-        dq = _dq_inner(
-            dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
-            offs_m, offs_n, offs_d, hi_full, hi_masked, N_K, qk_scale,
-            True, CAUSAL, EXP2, HEAD_DIM, BLOCK_D, BLOCK_N, UPCAST, DOT_PRECISION, ACC_DTYPE,
-        )  # fmt: skip
+        lo, mid, hi = kv_block_range(m_start, N_Q, N_K, OFFSET, 0, 1, CAUSAL, BLOCK_M, BLOCK_N)
     else:
-        dq = _dq_inner(
-            dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
-            offs_m, offs_n, offs_d, 0, n_k_pad, N_K, qk_scale,
-            True, CAUSAL, EXP2, HEAD_DIM, BLOCK_D, BLOCK_N, UPCAST, DOT_PRECISION, ACC_DTYPE,
-        )  # fmt: skip
+        lo, mid, hi = 0, 0, N_K
+    dq = _dq_inner(
+        dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+        offs_m, offs_n, offs_d, lo, mid, N_K, OFFSET, qk_scale,
+        False, CAUSAL, EXP2, HEAD_DIM, BLOCK_D, BLOCK_N, UPCAST, DOT_PRECISION, ACC_DTYPE,
+    )  # fmt: skip
+    dq = _dq_inner(
+        dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+        offs_m, offs_n, offs_d, mid, hi, N_K, OFFSET, qk_scale,
+        True, CAUSAL, EXP2, HEAD_DIM, BLOCK_D, BLOCK_N, UPCAST, DOT_PRECISION, ACC_DTYPE,
+    )  # fmt: skip
     # dQ = dS K * scale: registers -> HBM once, BLOCK_M * d elements.
     dq = dq * sm_scale
     dq_ptrs = (
@@ -400,53 +367,11 @@ def _dq_kernel(
     tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=q_mask)
 
 
-# --------------------------------------------------------------------------------------------------
-# Launch configurations
-# --------------------------------------------------------------------------------------------------
-PRE_BLOCK_M = 64 if not runtime.INTERPRET else 32
-# Fixed defaults on a GPU when a `config` dict names only some launch keys (BLOCK_M, BLOCK_N apply to
-# both kernels unless BLOCK_M1/BLOCK_N1 (dK/dV) or BLOCK_M2/BLOCK_N2 (dQ) are given).
-GPU_DEFAULT = dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)
-# Hopper candidates (BLOCK_M1, BLOCK_N1, num_warps, num_stages) for dK/dV, kept from a wider sweep on
-# an H200 (notes/performance.md): a tall K/V block (BLOCK_N1) amortises its stay on chip, short query
-# steps (BLOCK_M1) keep the transposed tiles small. 32 x 128 / 4 warps wins d = 64; 64 x 128 / 8 warps
-# wins d = 128 at long sequences; 64 x 64 / 4 warps wins causal at short ones. (64-row K/V blocks with
-# 8 warps ran 2-4x slower and were dropped.)
-GPU_DKDV_CANDIDATES = [
-    (32, 128, 4, 3),
-    (32, 64, 4, 3),
-    (64, 128, 8, 3),
-    (64, 128, 8, 2),
-    (64, 64, 4, 2),
-    (32, 128, 8, 3),
-]
-# (BLOCK_M2, BLOCK_N2, num_warps, num_stages) for dQ: a tall query block, short K/V steps;
-# 128 x 64 / 8 warps wins almost everywhere, 64 x 64 / 4 warps at d = 64 causal.
-GPU_DQ_CANDIDATES = [
-    (128, 64, 8, 3),
-    (128, 64, 8, 2),
-    (64, 64, 4, 3),
-    (64, 32, 4, 3),
-    (128, 32, 8, 3),
-    (128, 32, 4, 3),
-]
 _TUNE_KEY = ["N_BUCKET", "HEAD_DIM", "CAUSAL", "EXP2", "SKIP_MASKED"]
-_CPU = (CPU_CONFIG["BLOCK_M"], CPU_CONFIG["BLOCK_N"], 4, 1)
-_DKDV = dict(small=(32, 64, 4, 2), wide=(32, 32, 4, 2), huge=(32, 64, 8, 2), cpu=_CPU)
-_dkdv_tuned = _tuner(_dkdv_kernel, GPU_DKDV_CANDIDATES, key=_TUNE_KEY + ["ATOMIC"], **_DKDV)
+_dkdv_tuned = make_tuner(_dkdv_kernel, DKDV, key=_TUNE_KEY + ["ATOMIC"])
 # The atomic variant adds into DQ: the tuner must zero it before each timed run.
-_dkdv_atomic_tuned = _tuner(
-    _dkdv_kernel, GPU_DKDV_CANDIDATES, key=_TUNE_KEY + ["ATOMIC"], reset_to_zero=["DQ"], **_DKDV
-)
-_dq_tuned = _tuner(
-    _dq_kernel,
-    GPU_DQ_CANDIDATES,
-    key=_TUNE_KEY + ["FUSE_D"],
-    small=(64, 32, 4, 2),
-    wide=(32, 32, 4, 2),
-    huge=(64, 32, 8, 2),
-    cpu=_CPU,
-)
+_dkdv_atomic_tuned = make_tuner(_dkdv_kernel, DKDV, key=_TUNE_KEY + ["ATOMIC"], reset_to_zero=["DQ"])
+_dq_tuned = make_tuner(_dq_kernel, DQ, key=_TUNE_KEY + ["FUSE_D"])
 
 
 def backward(
@@ -456,22 +381,24 @@ def backward(
     v,
     o,
     L,
-    causal: bool = False,
+    causal=False,
     scale: float | None = None,
     config: dict | None = None,
     dq_mode: str = "two_kernel",
 ):
     """FlashAttention-2 backward: (dQ, dK, dV) from dO, the inputs and the forward's O and L.
 
-    do, q, o: (Z, Nq, d); k, v: (Z, Nk, d); L: (Z, Nq) logsumexp in natural-log units, as returned
-    by `forward.forward` (any number of leading dims also works; any strides). Returns dq, dk, dv with
-    the shapes and dtype of q, k, v (contiguous). Nothing of size Nq x Nk is allocated.
+    do, q, o: (..., Nq, d); k, v: (..., Nk, d) (fewer heads for grouped-query attention: dK and dV
+    are then summed over the query heads that share each K/V head); L: q.shape[:-1], logsumexp in
+    natural-log units, as returned by `forward.forward` — or the merged O and L of a longer sequence
+    of which k, v are a part (ring attention). Any strides. causal: as in `forward.forward`. Returns
+    dq, dk, dv with the shapes and dtype of q, k, v (contiguous). Nothing of size Nq x Nk is allocated.
 
     dq_mode: "two_kernel" (default) — a dK/dV kernel and a separate dQ kernel, no atomics;
              "atomic" — one dK/dV kernel that also adds dQ into an fp32 buffer with tl.atomic_add.
     config (dict, optional): BLOCK_M, BLOCK_N (for both kernels; BLOCK_M1/BLOCK_N1 and
     BLOCK_M2/BLOCK_N2 override them for the dK/dV and dQ kernels), num_warps, num_stages, and the
-    switches exp2 and skip_masked_blocks (see `forward.forward`). config=None: tuned defaults."""
+    switches exp2 and skip_masked_blocks (see `forward.forward`). config=None: the default choice."""
     check_inputs(q, k, v, where="attention.backward")
     for name, t, like in (("do", do, q), ("o", o, q)):
         if not isinstance(t, torch.Tensor) or t.shape != like.shape or t.dtype != like.dtype:
@@ -486,18 +413,22 @@ def backward(
         )
     if dq_mode not in DQ_MODES:
         raise ValueError(f"attention.backward: dq_mode must be one of {DQ_MODES}, got {dq_mode!r}")
+    alignment = causal_alignment(causal)
     scale = default_scale(q.shape[-1], scale)
-    launch, switches = split_config(config, CPU_CONFIG if runtime.INTERPRET else GPU_DEFAULT)
-    return _backward(do, q, k, v, o, L, bool(causal), scale, launch, switches, dq_mode)
+    launch_cfg, switches = split_config(config, DKDV.cpu if runtime.INTERPRET else DKDV.fixed)
+    return _backward(do, q, k, v, o, L, alignment, scale, launch_cfg, switches, dq_mode)
 
 
-def _backward(do, q, k, v, o, L, causal, scale, launch, switches, dq_mode):
+def _backward(do, q, k, v, o, L, alignment, scale, launch_cfg, switches, dq_mode):
     """Launch the kernels on validated inputs (no checks here): dQ (with D) then dK/dV, or, atomic,
     the preprocessing then dK/dV with dQ."""
     q4, k4, v4, o4, do4 = as_4d(q), as_4d(k), as_4d(v), as_4d(o), as_4d(do)
     l3 = L.reshape(q4.shape[:-1])
     B, H, n_q, d = q4.shape
-    n_k = k4.shape[2]
+    H_kv, n_k = k4.shape[1], k4.shape[2]
+    group = kv_group(q4, k4)
+    causal = alignment is not None
+    offset = causal_offset(alignment, n_q, n_k)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     dk4, dv4 = as_4d(dk), as_4d(dv)
@@ -514,13 +445,15 @@ def _backward(do, q, k, v, o, L, causal, scale, launch, switches, dq_mode):
     exp2, skip = switches["EXP2"], switches["SKIP_MASKED"]
     common = dict(CAUSAL=causal, HEAD_DIM=d, BLOCK_D=block_d, EXP2=exp2, SKIP_MASKED=skip, **flags)
     bucket = n_bucket(max(n_q, n_k))
-    key = (bucket, d, causal, q.dtype, exp2, skip)  # what the tuners' choices depend on
+    shape = (bucket, d, causal, q.dtype, exp2, skip)  # what the configuration choice depends on
+    fixed = launch_cfg or {}
 
     with cuda_device(q):
         if atomic:
-            _preprocess_kernel[(triton.cdiv(n_q, PRE_BLOCK_M) * B * H,)](
+            pre_m = PREPROCESS_BLOCK_M["cpu" if runtime.INTERPRET else "gpu"]
+            _preprocess_kernel[(triton.cdiv(n_q, pre_m) * B * H,)](
                 o4, do4, delta, *strides4(o4), *strides4(do4), H, n_q,
-                HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=PRE_BLOCK_M,
+                HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=pre_m,
                 UPCAST=flags["UPCAST"], ACC_DTYPE=flags["ACC_DTYPE"],
             )  # fmt: skip
         else:
@@ -528,31 +461,33 @@ def _backward(do, q, k, v, o, L, causal, scale, launch, switches, dq_mode):
             q_args = (
                 q4, k4, v4, o4, do4, l3, delta, dq_acc, scale,
                 *strides4(q4), *strides4(k4), *strides4(v4), *strides4(o4), *strides4(do4), *l3.stride(),
-                *strides4(dq_acc), H, n_q, n_k, bucket,
+                *strides4(dq_acc), H, group, n_q, n_k, offset, bucket,
             )  # fmt: skip
-            if launch is None:
-                grid = lambda META: (triton.cdiv(n_q, META["BLOCK_M"]) * B * H,)
-                launch_tuned(_dq_tuned, grid, q_args, dict(common, FUSE_D=True), key)
+            meta = dict(common, FUSE_D=True)
+            if launch_cfg is None:
+                grid = lambda c: (triton.cdiv(n_q, c.block_m) * B * H,)
+                launch(_dq_kernel, _dq_tuned, DQ, grid, q_args, meta, shape)
             else:
-                bm, bn = launch.get("BLOCK_M2", launch["BLOCK_M"]), launch.get("BLOCK_N2", launch["BLOCK_N"])
+                bm, bn = fixed.get("BLOCK_M2", fixed["BLOCK_M"]), fixed.get("BLOCK_N2", fixed["BLOCK_N"])
                 _dq_kernel[(triton.cdiv(n_q, bm) * B * H,)](
-                    *q_args, **common, FUSE_D=True, BLOCK_M=bm, BLOCK_N=bn,
-                    num_warps=launch["num_warps"], num_stages=launch["num_stages"],
+                    *q_args, **meta, BLOCK_M=bm, BLOCK_N=bn,
+                    num_warps=fixed["num_warps"], num_stages=fixed["num_stages"],
                 )  # fmt: skip
         kv_args = (
             q4, k4, v4, do4, l3, delta, dq_acc, dk4, dv4, scale,
             *strides4(q4), *strides4(k4), *strides4(v4), *strides4(do4), *l3.stride(),
-            *strides4(dq_acc), *strides4(dk4), *strides4(dv4), H, n_q, n_k, bucket,
+            *strides4(dq_acc), *strides4(dk4), *strides4(dv4), H, group, n_q, n_k, offset, bucket,
         )  # fmt: skip
-        if launch is None:
-            tuned = _dkdv_atomic_tuned if atomic else _dkdv_tuned
-            grid = lambda META: (triton.cdiv(n_k, META["BLOCK_N"]) * B * H,)
-            launch_tuned(tuned, grid, kv_args, dict(common, ATOMIC=atomic), key)
+        meta = dict(common, ATOMIC=atomic)
+        if launch_cfg is None:
+            tuner = _dkdv_atomic_tuned if atomic else _dkdv_tuned
+            grid = lambda c: (triton.cdiv(n_k, c.block_n) * B * H_kv,)
+            launch(_dkdv_kernel, tuner, DKDV, grid, kv_args, meta, shape + (atomic,))
         else:
-            bm, bn = launch.get("BLOCK_M1", launch["BLOCK_M"]), launch.get("BLOCK_N1", launch["BLOCK_N"])
-            _dkdv_kernel[(triton.cdiv(n_k, bn) * B * H,)](
-                *kv_args, ATOMIC=atomic, **common, BLOCK_M=bm, BLOCK_N=bn,
-                num_warps=launch["num_warps"], num_stages=launch["num_stages"],
+            bm, bn = fixed.get("BLOCK_M1", fixed["BLOCK_M"]), fixed.get("BLOCK_N1", fixed["BLOCK_N"])
+            _dkdv_kernel[(triton.cdiv(n_k, bn) * B * H_kv,)](
+                *kv_args, **meta, BLOCK_M=bm, BLOCK_N=bn,
+                num_warps=fixed["num_warps"], num_stages=fixed["num_stages"],
             )  # fmt: skip
     if atomic:
         return dq_acc.to(q.dtype).view(q.shape), dk, dv

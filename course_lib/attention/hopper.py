@@ -156,7 +156,7 @@ def _producer(args, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.
     of the program's tiles. Rows past a head's end are the next head's (or zeros past the tensor):
     the consumers mask those keys and never store those queries."""
     (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_bar, v_bar, empty_bar,
-     BH, N_Q, N_K, num_m, num_tiles) = args  # fmt: skip
+     BH, H, GROUP, N_Q, N_K, num_m, num_tiles) = args  # fmt: skip
     CTA_M: gl.constexpr = ROWS * NUM_CONSUMERS
     it = 0
     tcount = 0
@@ -164,7 +164,8 @@ def _producer(args, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.
         valid, off_hz, start_m = _tile(k, BH, num_m, num_tiles, CAUSAL, PERSISTENT)
         n_blocks = gl.where(valid, _n_blocks(start_m, N_K, CTA_M, BLOCK_N, CAUSAL), 0)
         q_row = off_hz * N_Q + start_m * CTA_M
-        kv_row = off_hz * N_K
+        # K/V head of query head h: h // GROUP (grouped-query attention), of the same batch
+        kv_row = ((off_hz // H) * (H // GROUP) + (off_hz % H) // GROUP) * N_K
         for c in gl.static_range(NUM_CONSUMERS):
             # A fresh mbarrier counts as having completed the phase before phase 0, so the first
             # wait on each `empty` barrier returns at once.
@@ -288,7 +289,7 @@ def _consumer(args, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.co
 def _fwd_ws_kernel(
     q_desc, k_desc, v_desc, O, L, qk_scale,
     stride_ob, stride_oh, stride_om, stride_lb, stride_lh,
-    BH, H, N_Q, N_K,
+    BH, H, GROUP, N_Q, N_K,
     CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
     NUM_CONSUMERS: gl.constexpr, PINGPONG: gl.constexpr, PERSISTENT: gl.constexpr,
     CONSUMER_REGS: gl.constexpr,
@@ -333,7 +334,7 @@ def _fwd_ws_kernel(
               O, L, qk_scale, stride_ob, stride_oh, stride_om, stride_lb, stride_lh,
               BH, H, N_Q, N_K, num_m, num_tiles)  # fmt: skip
     loads = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_bar, v_bar, empty_bar,
-             BH, N_Q, N_K, num_m, num_tiles)  # fmt: skip
+             BH, H, GROUP, N_Q, N_K, num_m, num_tiles)  # fmt: skip
     if NUM_CONSUMERS == 2:
         gl.warp_specialize(
             [
@@ -435,7 +436,7 @@ def _sm_count(index: int) -> int:
 
 def forward(q4, k4, v4, o4, lse3, causal: bool, scale: float, variant: tuple) -> None:
     """Write O into o4 (B, H, Nq, d) and L into lse3 (B, H, Nq) float32, for q4 (B, H, Nq, d) and
-    k4, v4 (B, H, Nk, d) that pass `supports`; variant from `choose` (or any of VARIANTS, for tests).
+    k4, v4 (B, Hkv, Nk, d) that pass `supports` (H a multiple of Hkv: grouped-query attention); variant from `choose` (or any of VARIANTS, for tests).
     The caller makes q4's GPU current."""
     B, H, n_q, d = q4.shape
     n_k = k4.shape[2]
@@ -446,7 +447,7 @@ def forward(q4, k4, v4, o4, lse3, causal: bool, scale: float, variant: tuple) ->
         _descriptor(q4, QUERY_ROWS), _descriptor(k4, block_n), _descriptor(v4, block_n),
         o4, lse3, scale * LOG2E,
         o4.stride(0), o4.stride(1), o4.stride(2), lse3.stride(0), lse3.stride(1),
-        B * H, H, n_q, n_k,
+        B * H, H, H // k4.shape[1], n_q, n_k,
         CAUSAL=causal, HEAD_DIM=d, BLOCK_N=block_n, NUM_STAGES=stages, NUM_CONSUMERS=consumers,
         PINGPONG=pingpong, PERSISTENT=persistent, **launch_options(consumers),
     )  # fmt: skip

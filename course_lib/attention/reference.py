@@ -10,40 +10,57 @@ from __future__ import annotations
 
 import torch
 
-from ..checks import accumulator_dtype, check_attention_inputs, default_scale
+from ..checks import (
+    accumulator_dtype,
+    causal_alignment,
+    causal_offset,
+    check_attention_inputs,
+    default_scale,
+    kv_group,
+)
 
 
-def causal_mask(n_queries: int, n_keys: int, device=None) -> torch.Tensor:
-    """Boolean (Nq, Nk) mask, True where query i may attend to key j, i.e. j <= i.
+def causal_mask(n_queries: int, n_keys: int, device=None, alignment: str = "top_left") -> torch.Tensor:
+    """Boolean (Nq, Nk) mask, True where query i may attend to key j.
 
-    Query i is aligned with key i (top-left), as in `scaled_dot_product_attention(is_causal=True)`;
-    every row keeps at least key 0, so no row is fully masked."""
-    return causal_mask_tile(0, n_queries, 0, n_keys, device)
+    "top_left": j <= i, query i aligned with key i, as `scaled_dot_product_attention(is_causal=True)`;
+    every row keeps key 0. "bottom_right": j <= i + Nk - Nq, the queries are the last Nq positions (a
+    KV cache); with Nq > Nk the first Nq - Nk rows see no key (`attention` gives them O = 0)."""
+    offset = causal_offset(causal_alignment(alignment), n_queries, n_keys)
+    return causal_mask_tile(0, n_queries, 0, n_keys, device, offset)
 
 
-def causal_mask_tile(i0: int, i1: int, j0: int, j1: int, device=None) -> torch.Tensor:
-    """The (i1 - i0, j1 - j0) tile of `causal_mask` for query rows [i0, i1) and keys [j0, j1)
-    (notebook 04: only tiles that cross the diagonal need it)."""
+def causal_mask_tile(i0: int, i1: int, j0: int, j1: int, device=None, offset: int = 0) -> torch.Tensor:
+    """The (i1 - i0, j1 - j0) tile of the causal mask j <= i + offset for query rows [i0, i1) and keys
+    [j0, j1) (notebook 04: only tiles that cross the diagonal need it; `blocks.py` for the offset)."""
     i = torch.arange(i0, i1, device=device)[:, None]
     j = torch.arange(j0, j1, device=device)[None, :]
-    return j <= i
+    return j <= i + offset
 
 
-def attention(q, k, v, causal: bool = False, scale: float | None = None, return_lse: bool = False):
+def attention(q, k, v, causal=False, scale: float | None = None, return_lse: bool = False):
     """O = softmax(Q K^T * scale [+ causal mask]) V, computed the standard (memory-hungry) way.
 
     q: (..., Nq, d), k: (..., Nk, d), v: (..., Nk, d_v), any floating dtype (float64 included), any
-    device, any strides. Returns O (..., Nq, d_v) in the input dtype; with `return_lse=True` also
-    L = logsumexp of the scaled, masked scores, (..., Nq), float32 for half inputs, else the input
-    dtype. Softmax and the logsumexp are computed in at least float32."""
-    check_attention_inputs(q, k, v, where="reference.attention", same_head_dim_v=False)
+    device, any strides; k and v may have fewer heads (dim -3) than q (grouped-query attention: they
+    are repeated here, which is what the kernels avoid). causal: False, True / "top_left" (j <= i) or
+    "bottom_right" (j <= i + Nk - Nq). Returns O (..., Nq, d_v) in the input dtype; with
+    `return_lse=True` also L = logsumexp of the scaled, masked scores, (..., Nq), float32 for half
+    inputs, else the input dtype. A row that sees no key gets O = 0 and L = -inf. Softmax and the
+    logsumexp are computed in at least float32."""
+    check_attention_inputs(q, k, v, where="reference.attention", same_head_dim_v=False, allow_gqa=True)
+    alignment = causal_alignment(causal)
     scale = default_scale(q.shape[-1], scale)
     acc_dtype = accumulator_dtype(q.dtype)
+    group = kv_group(q, k)
+    if group > 1:
+        k, v = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)
     S = torch.matmul(q, k.transpose(-2, -1)).to(acc_dtype) * scale  # (..., Nq, Nk)
-    if causal:
-        S = S.masked_fill(~causal_mask(q.shape[-2], k.shape[-2], q.device), float("-inf"))
+    if alignment is not None:
+        mask = causal_mask(q.shape[-2], k.shape[-2], q.device, alignment)
+        S = S.masked_fill(~mask, float("-inf"))
     L = torch.logsumexp(S, dim=-1)  # (..., Nq)
-    P = torch.exp(S - L[..., None])
+    P = torch.exp(S - L.masked_fill(torch.isneginf(L), 0.0)[..., None])  # rows with no key: P = 0
     O = torch.matmul(P.to(v.dtype), v)
     if return_lse:
         return O, L

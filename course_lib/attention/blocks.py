@@ -1,0 +1,137 @@
+"""Which blocks a program visits: the one answer every attention kernel asks for (notebooks 04, 06, 07).
+
+A forward program owns BLOCK_M query rows m_start ... m_start + BLOCK_M - 1 and loops over blocks of
+BLOCK_N keys; a dK/dV program owns BLOCK_N keys and loops over blocks of BLOCK_M query rows. Both loops
+have two stages: blocks that need no mask (every pair visible), then blocks that need one (the causal
+diagonal, the ragged last block). Blocks in which no pair is visible are never loaded.
+
+Causal masking, with an *offset*: query row i sees key j when
+
+    j <= i + causal_offset
+
+`causal_offset = 0` is the top-left alignment (query i sees keys 0..i, as SDPA's `is_causal=True`);
+`causal_offset = Nk - Nq` is the bottom-right alignment of a KV cache (the Nq queries are the last Nq
+positions of the sequence, as FlashAttention's `flash_attn_func`): `causal_offset` (below) gives it.
+With Nq > Nk bottom-right, the first Nq - Nk rows see no key at all.
+
+A *split* cuts one program's key range into `num_splits` nearly equal runs of whole blocks, one per
+program, as split-KV decoding does (notebook 09); split 0 of 1 is the whole range.
+
+Each function exists twice, with the same arguments and results: a `@triton.jit` helper that the
+kernels call, and a plain-Python twin (`*_py`) that the plots, the notebooks and the tests use.
+"""
+
+from __future__ import annotations
+
+from ..checks import causal_alignment, causal_offset  # noqa: F401  (re-exported: the alignment rules)
+from ..runtime import tl, triton
+
+
+# --------------------------------------------------------------------------------------------------
+# The kernels' helpers
+# --------------------------------------------------------------------------------------------------
+@triton.jit
+def program_block(N_ROWS, H, BLOCK: tl.constexpr, REVERSE: tl.constexpr):
+    """This program's (batch, head, first row) for a grid of cdiv(N_ROWS, BLOCK) * B * H programs,
+    head-major: the blocks of one (batch, head) are adjacent, so its K and V stay in the L2 cache.
+    REVERSE: the last block first (causal forward: the longest rows start first). Batch and head come
+    back as int64, ready to multiply by strides."""
+    num_blocks = tl.cdiv(N_ROWS, BLOCK)
+    pid = tl.program_id(0)
+    off_hz = pid // num_blocks
+    block = pid % num_blocks
+    if REVERSE:
+        block = num_blocks - 1 - block
+    return (off_hz // H).to(tl.int64), (off_hz % H).to(tl.int64), block * BLOCK
+
+
+@triton.jit
+def kv_block_range(
+    m_start, N_Q, N_K, offset, split, num_splits,
+    CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """Keys a query block visits: (lo, mid, hi). Keys [lo, mid) are visible to every row of the block
+    (no mask: whole blocks of BLOCK_N); keys [mid, hi) need a mask. lo and mid are multiples of
+    BLOCK_N; hi is not always (a ragged end). `split` of `num_splits` takes its share of the blocks."""
+    hi = N_K
+    mid = (N_K // BLOCK_N) * BLOCK_N
+    if CAUSAL:
+        # The block's last row, min(m_start + BLOCK_M, N_Q) - 1, sees keys up to that row + offset;
+        # its first row sees keys up to m_start + offset: blocks ending there need no mask.
+        hi = tl.minimum(N_K, tl.maximum(tl.minimum(m_start + BLOCK_M, N_Q) + offset, 0))
+        mid = tl.minimum(mid, (tl.maximum(m_start + offset + 1, 0) // BLOCK_N) * BLOCK_N)
+    per_split = tl.cdiv(tl.cdiv(hi, BLOCK_N), num_splits) * BLOCK_N
+    lo = tl.minimum(split * per_split, hi)
+    hi = tl.minimum(hi, lo + per_split)
+    mid = tl.minimum(tl.maximum(mid, lo), hi)
+    return lo, mid, hi
+
+
+@triton.jit
+def q_block_range(
+    n_start, N_Q, offset, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr
+):  # fmt: skip
+    """Query rows that see a block of keys n_start ... n_start + BLOCK_N - 1: (lo, mid, hi), multiples
+    of BLOCK_M. Rows [lo, mid) see part of the block (mask); rows [mid, hi) see all of it (no causal
+    mask). Rows before lo see none of it."""
+    hi = tl.cdiv(N_Q, BLOCK_M) * BLOCK_M
+    lo = 0
+    mid = 0
+    if CAUSAL:
+        # Row i sees key j when i >= j - offset: the first row that sees key n_start is n_start - offset;
+        # rows from n_start + BLOCK_N - 1 - offset on see every key of the block.
+        lo = tl.minimum((tl.maximum(n_start - offset, 0) // BLOCK_M) * BLOCK_M, hi)
+        mid = tl.minimum(tl.cdiv(tl.maximum(n_start + BLOCK_N - 1 - offset, 0), BLOCK_M) * BLOCK_M, hi)
+    return lo, mid, hi
+
+
+@triton.jit
+def row_mask(rows, n_rows, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Mask of a (rows, BLOCK_D) tile: rows past n_rows and padding columns past HEAD_DIM are off."""
+    if BLOCK_D == HEAD_DIM:
+        mask = (rows < n_rows)[:, None]
+    else:
+        mask = (rows < n_rows)[:, None] & (offs_d < HEAD_DIM)[None, :]
+    return mask
+
+
+# --------------------------------------------------------------------------------------------------
+# Their Python twins
+# --------------------------------------------------------------------------------------------------
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def kv_block_range_py(
+    m_start: int,
+    n_q: int,
+    n_k: int,
+    offset: int,
+    block_m: int,
+    block_n: int,
+    causal: bool,
+    split: int = 0,
+    num_splits: int = 1,
+) -> tuple[int, int, int]:
+    """`kv_block_range` in Python: (lo, mid, hi) for the query block starting at row m_start."""
+    hi, mid = n_k, (n_k // block_n) * block_n
+    if causal:
+        hi = min(n_k, max(min(m_start + block_m, n_q) + offset, 0))
+        mid = min(mid, (max(m_start + offset + 1, 0) // block_n) * block_n)
+    per_split = _cdiv(_cdiv(hi, block_n), num_splits) * block_n
+    lo = min(split * per_split, hi)
+    hi = min(hi, lo + per_split)
+    mid = min(max(mid, lo), hi)
+    return lo, mid, hi
+
+
+def q_block_range_py(
+    n_start: int, n_q: int, offset: int, block_m: int, block_n: int, causal: bool
+) -> tuple[int, int, int]:
+    """`q_block_range` in Python: (lo, mid, hi) for the key block starting at key n_start."""
+    hi = _cdiv(n_q, block_m) * block_m
+    if not causal:
+        return 0, 0, hi
+    lo = min((max(n_start - offset, 0) // block_m) * block_m, hi)
+    mid = min(_cdiv(max(n_start + block_n - 1 - offset, 0), block_m) * block_m, hi)
+    return lo, mid, hi

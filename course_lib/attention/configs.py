@@ -1,0 +1,183 @@
+"""Launch configurations of the Triton attention kernels, as named data in one place (notebook 08).
+
+A `Launch` is what a kernel launch needs beyond its arguments: BLOCK_M query rows and BLOCK_N key
+rows per tile (the paper's B_r and B_c), warps per program and the software-pipelining depth of the
+loads. Each kernel has a `KernelConfigs` table:
+
+- `candidates`: what the autotuner times on a GPU (kept from sweeps on an H200, notes/performance.md);
+- `choose(d, causal, n, dtype)`: the configuration used without autotuning, from those sweeps;
+- `cpu`: the one configuration of the interpreter (it cannot time several; small tiles keep its
+  Python loop short).
+
+Which configuration a call uses (`course_lib.attention.launch`): a choice recorded for this GPU in
+`tuned/<gpu>.json` (written by `make bench`, which autotunes), else `choose`; with
+`COURSE_AUTOTUNE=1` the autotuner times the candidates itself and records its choice.
+A `config` dict given to `forward`/`backward` (notebook 08's ladder) fixes the launch instead:
+`split_config` reads it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One launch configuration: tile shape (block_m x block_n), warps, pipeline stages."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+    def kwargs(self) -> dict:
+        """The keyword arguments of a kernel launch."""
+        return dict(
+            BLOCK_M=self.block_m, BLOCK_N=self.block_n, num_warps=self.num_warps, num_stages=self.num_stages
+        )
+
+    def as_list(self) -> list[int]:
+        return [self.block_m, self.block_n, self.num_warps, self.num_stages]
+
+
+@dataclass(frozen=True)
+class KernelConfigs:
+    """A kernel's configurations. `fp32`: fp32/fp64 inputs (exact "ieee" products, no 16-bit tensor-core
+    tiles: small tiles); `wide_head`: d > 128 (BLOCK_D = 256: small tiles fit on chip); `short`:
+    sequences under 1024 (few tiles: small ones keep every SM busy); `long`: a function of (d, causal, n)
+    for 16-bit inputs, d <= 128, n >= 1024 (the benchmarked cells)."""
+
+    name: str
+    candidates: tuple[Launch, ...]
+    cpu: Launch
+    fixed: Launch  # the defaults of a `config` dict that names only some launch keys
+    fp32: Launch
+    wide_head: Launch
+    short: Launch
+    long: object = field(repr=False)
+
+    def choose(self, d: int, causal: bool, n: int, dtype: torch.dtype, interpret: bool) -> Launch:
+        """The configuration to use without autotuning."""
+        if interpret:
+            return self.cpu
+        if dtype in (torch.float32, torch.float64):
+            return self.fp32
+        if d > 128:
+            return self.wide_head
+        if n < 1024:
+            return self.short
+        return self.long(d, causal, n)
+
+
+L = Launch
+
+# Forward (one program per query block). 128 x 64 with 8 warps (a warpgroup per 64 query rows) wins most
+# shapes; 64 x 64 with 4 warps wins d = 128 at N <= 2k and causal up to 8k (two programs share an SM);
+# 128 x 128 wins long causal d = 128. 128 x 64 with 4 warps spills registers at d = 128.
+FORWARD = KernelConfigs(
+    name="forward",
+    candidates=(
+        L(128, 64, 8, 3),
+        L(128, 64, 8, 4),
+        L(128, 128, 8, 3),
+        L(64, 64, 4, 3),
+        L(64, 64, 4, 2),
+        L(128, 64, 4, 3),
+    ),
+    cpu=L(32, 32, 4, 1),
+    fixed=L(64, 64, 4, 3),
+    fp32=L(64, 32, 4, 2),
+    wide_head=L(64, 32, 4, 2),
+    short=L(64, 64, 4, 2),
+    long=lambda d, causal, n: (
+        L(64, 64, 4, 3) if d == 128 and (n <= 2048 or (causal and n <= 8192)) else L(128, 64, 8, 3)
+    ),
+)
+
+# dK/dV (one program per key block): a tall K/V block amortises its stay on chip, short query steps keep
+# the transposed tiles small. 32 x 128 / 4 warps wins d = 64; 64 x 128 / 8 warps wins d = 128 at long
+# sequences; 64 x 64 / 4 warps wins causal at short ones.
+DKDV = KernelConfigs(
+    name="dkdv",
+    candidates=(
+        L(32, 128, 4, 3),
+        L(32, 64, 4, 3),
+        L(64, 128, 8, 3),
+        L(64, 128, 8, 2),
+        L(64, 64, 4, 2),
+        L(32, 128, 8, 3),
+    ),
+    cpu=L(32, 32, 4, 1),
+    fixed=L(64, 64, 4, 2),
+    fp32=L(32, 32, 4, 2),
+    wide_head=L(32, 64, 8, 2),
+    short=L(32, 64, 4, 2),
+    long=lambda d, causal, n: (
+        L(32, 128, 4, 3) if d <= 64 else L(64, 64, 4, 2) if causal and n <= 2048 else L(64, 128, 8, 3)
+    ),
+)
+
+# dQ (one program per query block): a tall query block, short K/V steps; 128 x 64 / 8 warps wins almost
+# everywhere, 64 x 64 / 4 warps at d = 64 causal.
+DQ = KernelConfigs(
+    name="dq",
+    candidates=(
+        L(128, 64, 8, 3),
+        L(128, 64, 8, 2),
+        L(64, 64, 4, 3),
+        L(64, 32, 4, 3),
+        L(128, 32, 8, 3),
+        L(128, 32, 4, 3),
+    ),
+    cpu=L(32, 32, 4, 1),
+    fixed=L(64, 64, 4, 2),
+    fp32=L(32, 32, 4, 2),
+    wide_head=L(64, 32, 8, 2),
+    short=L(64, 32, 4, 2),
+    long=lambda d, causal, n: L(64, 64, 4, 3) if d <= 64 and causal else L(128, 64, 8, 3),
+)
+
+# The preprocessing kernel of the atomic backward (D = rowsum(dO * O)): rows per program.
+PREPROCESS_BLOCK_M = {"gpu": 64, "cpu": 32}
+
+# --------------------------------------------------------------------------------------------------
+# A `config` dict (notebook 08's ladder): launch keys fix the launch, switches choose teaching variants
+# --------------------------------------------------------------------------------------------------
+LAUNCH_KEYS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")
+BACKWARD_LAUNCH_KEYS = ("BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2")
+# The one set of switch defaults: the fast choice. exp2=False and skip_masked_blocks=False are the
+# ladder's first rungs; hopper=False keeps the Triton forward on a Hopper GPU.
+SWITCHES = {"exp2": True, "skip_masked_blocks": True, "hopper": True}
+
+
+def split_config(config: dict | None, fixed: Launch | None) -> tuple[dict | None, dict]:
+    """Split a user `config` into (launch parameters or None for the default choice, switches).
+
+    If any launch key is given the launch is fixed (missing keys take `fixed`); otherwise the default
+    choice is used. Switches come back upper-case (EXP2, SKIP_MASKED, HOPPER), defaults from SWITCHES.
+    BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2 (the backward's two kernels) are launch keys too."""
+    config = dict(config or {})
+    unknown = set(config) - set(LAUNCH_KEYS) - set(SWITCHES) - set(BACKWARD_LAUNCH_KEYS)
+    if unknown:
+        known = LAUNCH_KEYS + tuple(SWITCHES) + BACKWARD_LAUNCH_KEYS
+        raise ValueError(
+            f"unknown config keys {sorted(unknown)}; known: {', '.join(known)} (BLOCK_*1/2: backward)"
+        )
+    switches = {
+        "EXP2": bool(config.pop("exp2", SWITCHES["exp2"])),
+        "SKIP_MASKED": bool(config.pop("skip_masked_blocks", SWITCHES["skip_masked_blocks"])),
+        "HOPPER": bool(config.pop("hopper", SWITCHES["hopper"])),  # forward only
+    }
+    if not config:
+        return None, switches
+    launch = {
+        "BLOCK_M": fixed.block_m, "BLOCK_N": fixed.block_n,
+        "num_warps": fixed.num_warps, "num_stages": fixed.num_stages,
+    }  # fmt: skip
+    launch.update(config)
+    for key, value in launch.items():
+        if key.startswith("BLOCK") and (value < 16 or value & (value - 1)):
+            raise ValueError(f"config {key}={value}: block sizes must be powers of two >= 16")
+    return launch, switches

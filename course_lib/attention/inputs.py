@@ -1,0 +1,92 @@
+"""Inputs of the Triton attention kernels: what they accept, and how tensors reach them (notebook 06).
+
+The kernels index (batch, head, row, column) with four strides, so any tensor (..., N, d) is viewed
+as (B, H, N, d) without a copy where its strides allow (`as_4d`); the checks give a clear error for
+anything the kernels cannot take.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import runtime
+from ..checks import check_attention_inputs
+from ..runtime import tl
+
+MAX_HEAD_DIM = 256
+# Head dims the kernels accept: multiples of 8 from 16 to 256. The head dim is padded to a power of
+# two inside the kernels (BLOCK_D), so 16, 32, 64, 128 and 256 waste nothing; the rest (e.g. 40, 80,
+# 96) compute on zero padding. 16, 32, 64 and 128 are the tuned ones.
+SUPPORTED_HEAD_DIMS = tuple(range(16, MAX_HEAD_DIM + 1, 8))
+
+
+def check_inputs(q, k, v, where: str) -> None:
+    """Raise a clear error for anything the kernels cannot take (see `course_lib.checks`).
+
+    Accepted: q (..., Nq, d), k and v (..., Nk, d), same leading dims (k and v may have fewer heads,
+    dim -3, dividing q's: grouped-query attention), dtype and device; float16, bfloat16 or float32
+    (float64 only under the interpreter, for gradcheck); d a multiple of 8 in [16, 256]; Nk = 0
+    allowed (every row then sees no key); tensors on the device where the kernels run
+    (`course_lib.DEVICE`)."""
+    dtypes = (torch.float16, torch.bfloat16, torch.float32)
+    if runtime.INTERPRET:
+        dtypes = dtypes + (torch.float64,)
+    elif isinstance(q, torch.Tensor) and q.dtype == torch.float64:
+        raise TypeError(
+            f"{where}: float64 runs only under the Triton interpreter (CPU), where it serves gradcheck; "
+            "the compiled GPU kernels take float16, bfloat16 or float32. For a float64 result use "
+            "course_lib.attention.reference.attention."
+        )
+    check_attention_inputs(q, k, v, where=where, dtypes=dtypes, allow_empty=True, allow_gqa=True)
+    d = q.shape[-1]
+    if d not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(
+            f"{where}: head dim d={d} is not supported by the Triton kernels; supported: multiples of 8 "
+            f"from 16 to {MAX_HEAD_DIM} (tuned: 16, 32, 64, 128); q {tuple(q.shape)}"
+        )
+    if runtime.INTERPRET and q.device.type != "cpu":
+        raise ValueError(
+            f"{where}: q, k, v are on {q.device}, but the Triton kernels run in the interpreter on the CPU "
+            "here (course_lib.INTERPRET is True: no GPU build, or COURSE_DEVICE=cpu). Move the tensors "
+            "to the CPU, or start Python on a GPU machine without COURSE_DEVICE=cpu."
+        )
+    if runtime.ON_GPU and q.device.type != "cuda":
+        raise ValueError(
+            f"{where}: q, k, v are on {q.device}, but the Triton kernels are compiled for the GPU here "
+            "(course_lib.ON_GPU is True). Move the tensors to the GPU with .to(course_lib.DEVICE), or "
+            "set COURSE_DEVICE=cpu before importing course_lib to use the interpreter."
+        )
+
+
+def as_4d(t: torch.Tensor) -> torch.Tensor:
+    """View t (..., N, d) as (B, H, N, d) without copying when the strides allow it.
+
+    0 or 1 leading dims become (1, 1, ...) or (B, 1, ...); 2 stay; more are merged into the first of
+    two by `reshape`, which copies only when the merged dims cannot share one stride."""
+    lead = t.shape[:-2]
+    if len(lead) == 0:
+        return t[None, None]
+    if len(lead) == 1:
+        return t[:, None]
+    if len(lead) == 2:
+        return t
+    return t.reshape(-1, lead[-1], *t.shape[-2:])
+
+
+def strides4(t: torch.Tensor) -> tuple[int, int, int, int]:
+    """(batch, head, row, column) strides of a 4-D view, in elements (what the kernels index with)."""
+    return tuple(t.stride())
+
+
+def kernel_flags(dtype: torch.dtype) -> dict:
+    """Compile-time flags that depend on the input dtype.
+
+    UPCAST: bf16 under the interpreter (its bf16 `tl.dot` is wrong), so tiles go to fp32 after loading.
+    DOT_PRECISION: "ieee" for fp32/fp64 inputs (a GPU would otherwise use tf32, ~1e-3 relative error);
+    for fp16/bf16 it changes nothing. ACC_DTYPE: fp32 accumulators, fp64 for fp64 inputs (gradcheck)."""
+    wide = dtype in (torch.float32, torch.float64)
+    return dict(
+        UPCAST=bool(runtime.INTERPRET and dtype == torch.bfloat16),
+        DOT_PRECISION="ieee" if wide else "tf32",
+        ACC_DTYPE=tl.float64 if dtype == torch.float64 else tl.float32,
+    )

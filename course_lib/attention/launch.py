@@ -1,0 +1,136 @@
+"""Launching the Triton attention kernels: which configuration, and remembering it (notebook 08).
+
+Without autotuning (the default), a launch compiles exactly one configuration per kernel and shape
+class, so the first call of a new shape costs one compilation per kernel, not one per candidate:
+
+1. a choice recorded for this GPU in `tuned/<gpu>.json` (`make bench` autotunes the benchmark grid and
+   records what the autotuner picked, so later processes on that GPU launch the same kernels);
+2. otherwise `configs.<KERNEL>.choose(...)`, the rule the sweeps on an H200 found.
+
+With `COURSE_AUTOTUNE=1` in the environment, a shape class seen for the first time is autotuned over
+the kernel's candidates (each compiled and timed: seconds per kernel) and the choice is added to the
+GPU's record. Either way a process remembers its choice per shape class, and later calls launch the
+kernel directly: the autotuner's own dispatch costs tens of microseconds of Python per call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import os
+import re
+from pathlib import Path
+
+import torch
+
+from .. import runtime
+from ..runtime import triton
+from .configs import KernelConfigs, Launch
+
+TUNED_DIR = Path(__file__).resolve().parent / "tuned"
+
+
+def autotune_enabled() -> bool:
+    """True when COURSE_AUTOTUNE=1 asks for autotuning on a GPU (never under the interpreter)."""
+    return runtime.ON_GPU and os.environ.get("COURSE_AUTOTUNE", "0") not in ("", "0")
+
+
+def n_bucket(n: int) -> int:
+    """A coarse size class: the power of two >= n, capped at 16384, so that a configuration is chosen
+    once per class instead of on every new sequence length."""
+    return min(triton.next_power_of_2(max(int(n), 16)), 16384)
+
+
+def cuda_device(t: torch.Tensor):
+    """Context that makes t's GPU current during a launch (Triton launches on the current device);
+    a no-op when it already is (switching costs microseconds that a small call can feel)."""
+    if t.is_cuda and t.device.index != torch.cuda.current_device():
+        return torch.cuda.device(t.device)
+    return _NO_DEVICE
+
+
+_NO_DEVICE = contextlib.nullcontext()  # reusable: it holds no state
+
+
+# --------------------------------------------------------------------------------------------------
+# The GPU's record of autotuned choices
+# --------------------------------------------------------------------------------------------------
+def gpu_slug() -> str:
+    """This GPU's name as a file name ("nvidia-h200"); "cpu" under the interpreter."""
+    if not runtime.ON_GPU:
+        return "cpu"
+    return re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name(runtime.DEVICE).lower()).strip("-")
+
+
+@functools.cache
+def tuned_record() -> dict:
+    """{kernel name: {shape-class key: [block_m, block_n, num_warps, num_stages]}} for this GPU."""
+    path = TUNED_DIR / f"{gpu_slug()}.json"
+    if not runtime.ON_GPU or not path.exists():
+        return {}
+    return json.loads(path.read_text())
+
+
+def record_choice(kernel: str, key: str, launch: Launch) -> None:
+    """Add an autotuned choice to this GPU's record (the file is rewritten, keys sorted)."""
+    record = tuned_record()
+    record.setdefault(kernel, {})[key] = launch.as_list()
+    TUNED_DIR.mkdir(exist_ok=True)
+    path = TUNED_DIR / f"{gpu_slug()}.json"
+    ordered = {name: dict(sorted(choices.items())) for name, choices in sorted(record.items())}
+    path.write_text(json.dumps(ordered, indent=1) + "\n")
+
+
+# --------------------------------------------------------------------------------------------------
+# Autotuners (COURSE_AUTOTUNE=1) and the launch itself
+# --------------------------------------------------------------------------------------------------
+def _as_configs(candidates) -> list:
+    return [
+        triton.Config(
+            {"BLOCK_M": c.block_m, "BLOCK_N": c.block_n}, num_warps=c.num_warps, num_stages=c.num_stages
+        )
+        for c in candidates
+    ]
+
+
+def make_tuner(kernel, table: KernelConfigs, key: list[str], **kwargs):
+    """`runtime.autotune` of `kernel` over `table.candidates` (GPU only; on the CPU its one config)."""
+    if runtime.INTERPRET:
+        return runtime.autotune(_as_configs([table.cpu]), key=key, **kwargs)(kernel)
+    return runtime.autotune(
+        _as_configs(table.candidates),
+        key=key,
+        do_bench=lambda fn, quantiles: triton.testing.do_bench(fn, warmup=10, rep=40, quantiles=quantiles),
+        **kwargs,
+    )(kernel)
+
+
+_CHOSEN: dict = {}
+
+
+def launch(kernel, tuner, table: KernelConfigs, grid, args: tuple, meta: dict, shape: tuple) -> None:
+    """Launch `kernel` on `grid(launch)` with the configuration chosen for this shape class.
+
+    shape = (n_bucket, d, causal, dtype, *switches): what the choice may depend on. Fixed launches
+    (a `config` dict) do not come here; they call the kernel directly."""
+    n, d, causal, dtype = shape[:4]
+    key = "/".join(map(str, shape)).replace("torch.", "")
+    config = _CHOSEN.get((table.name, key))
+    if config is None:
+        recorded = tuned_record().get(table.name, {}).get(key)
+        if (
+            recorded is None
+            and autotune_enabled()
+            and dtype not in (torch.float32, torch.float64)
+            and d <= 128
+        ):
+            tuner[lambda META: grid(Launch(META["BLOCK_M"], META["BLOCK_N"], 0, 0))](*args, **meta)
+            best = tuner.best_config
+            config = Launch(best.kwargs["BLOCK_M"], best.kwargs["BLOCK_N"], best.num_warps, best.num_stages)
+            record_choice(table.name, key, config)
+            _CHOSEN[(table.name, key)] = config
+            return
+        config = Launch(*recorded) if recorded else table.choose(d, causal, n, dtype, runtime.INTERPRET)
+        _CHOSEN[(table.name, key)] = config
+    kernel[grid(config)](*args, **meta, **config.kwargs())
