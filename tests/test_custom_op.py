@@ -188,3 +188,12 @@ def test_gpu_inductor_matches_reference_at_a_model_shape():
         assert err < 5e-2 * max(1.0, r.abs().max().item()), (
             f"inductor bf16 (2, 8/2, 1024, 128): {name} {err:.3g}"
         )
+
+
+def test_fake_implementation_on_meta_tensors():
+    """The fake implementation needs no data: meta tensors give O like q and L as q.shape[:-1] in float32."""
+    q = torch.empty(2, 8, 33, 64, device="meta", dtype=torch.bfloat16)
+    kv = torch.empty(2, 2, 50, 64, device="meta", dtype=torch.bfloat16)
+    o, lse = torch.ops.course_lib.flash_attention_forward(q, kv, kv, "bottom_right", 0.125)
+    assert (o.shape, o.dtype, o.device.type) == (q.shape, torch.bfloat16, "meta")
+    assert (lse.shape, lse.dtype) == (q.shape[:-1], torch.float32)

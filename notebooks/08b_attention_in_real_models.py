@@ -1,0 +1,401 @@
+# ---
+# jupyter:
+#   jupytext:
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 08b · Your kernel in a real model
+#
+# Notebooks 06–08 built a FlashAttention that is correct and fast on (B, H, N, d) tensors. A real model
+# asks more of it: it is compiled with `torch.compile`, its K and V have fewer heads than Q, it decodes
+# token by token against a KV cache, and it lives inside a library (Hugging Face transformers) that
+# chooses its attention by name. This short notebook makes the kernel a drop-in.
+#
+# **Learning goals**
+# 1. Explain why `torch.compile` needs the attention registered as a **custom operator**, with a *fake*
+#    implementation (shapes only) and its autograd, and check that a compiled block holds it as one node.
+# 2. Run **grouped-query attention** (GQA: Hq query heads share Hkv K/V heads) without repeating K and V,
+#    and count the memory it saves.
+# 3. Tell the two **causal alignments** apart, top-left (query i sees keys j ≤ i) and bottom-right
+#    (j ≤ i + Nk − Nq, a KV cache), from a picture of both masks, and predict which rows see no key.
+# 4. Plug the kernel into transformers' `LlamaForCausalLM` and check logits and greedy tokens against SDPA.
+#
+# The finished pieces: `course_lib.attention.op` (`flash_attention_op`, the operators
+# `course_lib::flash_attention_forward` / `_backward`) and `course_lib.integrations.use_in_transformers`.
+
+# %% [markdown]
+# ## 0. Sizes, and an import order that used to break
+#
+# The setup cell imports `torch`, `triton` and `transformers` **before** `course_lib`, as most scripts do.
+# On a machine without a GPU that order matters: Triton decides whether a `@triton.jit` function is
+# compiled or interpreted when it is *decorated*, and Triton's own helpers (`tl.cdiv`, `tl.sum`, ...) are
+# decorated when `triton` is imported. `import course_lib` decides to interpret and then re-creates those
+# helpers in interpreted form (`course_lib.runtime`), so either order works.
+
+# %%
+import matplotlib.pyplot as plt
+import torch
+import transformers
+import triton
+
+import course_lib
+from course_lib.attention import op
+from course_lib.attention.op import flash_attention_op
+from course_lib.attention.reference import attention as reference_attention
+from course_lib.exercises import check
+from course_lib.integrations import use_in_transformers
+
+B, HQ, HKV, N, D = course_lib.pick(cpu=(1, 4, 2, 64, 16), gpu=(2, 32, 8, 2048, 128))
+DTYPE = course_lib.pick(cpu=torch.float32, gpu=torch.bfloat16)
+LLAMA = course_lib.pick(
+    cpu=dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2),
+    gpu=dict(hidden_size=1024, num_attention_heads=8, num_key_value_heads=2, num_hidden_layers=4),
+)
+PROMPT, NEW_TOKENS = course_lib.pick(cpu=(8, 6), gpu=(64, 32))
+DEV = course_lib.DEVICE
+TOL = 1e-4 if DTYPE == torch.float32 else 3e-2
+torch.manual_seed(0)
+plt.rcParams["font.size"] = 12
+print(f"triton {triton.__version__}, transformers {transformers.__version__}; {course_lib.RUNTIME.describe()}")
+print(f"B={B}, {HQ} query heads over {HKV} K/V heads, N={N}, d={D}, {DTYPE}")
+
+# %% [markdown]
+# ## 1. Why `torch.compile` needs a custom operator
+#
+# `torch.compile` first *traces* your Python into a graph (its front end is called Dynamo). It does not run
+# the real computation while tracing: every tensor is a **fake tensor**, which has a shape, a dtype and a
+# device but no data. Then a back end (by default Inductor) generates code for the graph.
+#
+# Our `flash_attention` (notebook 07) is a `torch.autograd.Function` whose forward launches Triton kernels.
+# Dynamo traces *into* such a Function: it sees the autotuner, the launch and the kernel, and hands the
+# kernel to Inductor to compile its own way. With our kernels (autotuned, with a launch cache and a
+# Hopper-only Gluon variant) that path failed on a GPU with an `InductorError`.
+#
+# A **custom operator** is a black box for the compiler. We tell PyTorch three things about it:
+# - the operator itself, `course_lib::flash_attention_forward(q, k, v, causal, scale) -> (O, L)`, whose body
+#   calls the kernels (`torch.library.custom_op`); its arguments have fixed types, so `causal` is a string
+#   ("none", "top_left", "bottom_right") and `scale` a float;
+# - a **fake implementation** (`register_fake`): given fake q, k, v, return fake outputs of the right shape
+#   and dtype, O like q and L of shape q.shape[:-1] in float32. This is all Dynamo needs to trace past it;
+# - its **autograd** (`register_autograd`): which tensors to save, and a backward that calls a second
+#   operator, `course_lib::flash_attention_backward`, also a black box with its own fake implementation.
+#
+# The fake implementation runs on tensors with no data at all (device "meta"):
+
+# %%
+q_meta = torch.empty(B, HQ, N, D, device="meta", dtype=DTYPE)
+kv_meta = torch.empty(B, HKV, N, D, device="meta", dtype=DTYPE)
+o_meta, lse_meta = op._forward_fake(q_meta, kv_meta, kv_meta, "top_left", D**-0.5)
+print("O:", tuple(o_meta.shape), o_meta.dtype, "  L:", tuple(lse_meta.shape), lse_meta.dtype)
+assert o_meta.shape == q_meta.shape and lse_meta.shape == q_meta.shape[:-1] and lse_meta.dtype == torch.float32
+
+# %% [markdown]
+# A small attention block: projections, grouped-query attention, a loss. We compile it with
+# `fullgraph=True`, which turns any graph break into an error, and with a back end of our own that only
+# records the graph Dynamo produced, so we can read it.
+
+
+# %%
+def block(x, wq, wk, wv):
+    b, n, _ = x.shape
+    q = (x @ wq).view(b, n, HQ, D).transpose(1, 2)  # (B, Hq, N, d)
+    k = (x @ wk).view(b, n, HKV, D).transpose(1, 2)  # (B, Hkv, N, d)
+    v = (x @ wv).view(b, n, HKV, D).transpose(1, 2)
+    o = flash_attention_op(q, k, v, "top_left")
+    return o.transpose(1, 2).reshape(b, n, HQ * D).float().square().mean()
+
+
+graphs = []
+
+
+def recording_backend(gm, example_inputs):
+    graphs.append(gm)
+    return gm.forward
+
+
+x = torch.randn(B, N, HQ * D, device=DEV, dtype=DTYPE)
+weights = [
+    (torch.randn(HQ * D, h * D, device=DEV) / (HQ * D) ** 0.5).to(DTYPE).requires_grad_(True) for h in (HQ, HKV, HKV)
+]
+torch._dynamo.reset()
+loss_traced = torch.compile(block, fullgraph=True, backend=recording_backend)(x, *weights)
+calls = [str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"]
+print(f"{len(graphs)} graph, {len(calls)} calls:")
+print("\n".join("  " + c for c in calls))
+assert len(graphs) == 1 and any("course_lib.flash_attention_forward" in c for c in calls)
+
+# %% [markdown]
+# One graph, and the attention is one node in it: nothing of the kernel was traced. Now the real thing,
+# forward and backward, compiled with the `aot_eager` back end (which also traces the backward into a
+# graph; on a GPU we use Inductor), compared with eager mode:
+
+# %%
+backend = course_lib.pick(cpu="aot_eager", gpu="inductor")
+torch._dynamo.reset()
+compiled_block = torch.compile(block, fullgraph=True, backend=backend)
+loss_eager = block(x, *weights)
+grads_eager = torch.autograd.grad(loss_eager, weights)
+loss_compiled = compiled_block(x, *weights)
+grads_compiled = torch.autograd.grad(loss_compiled, weights)
+print(f"loss eager {loss_eager.item():.6f}, compiled ({backend}) {loss_compiled.item():.6f}")
+torch.testing.assert_close(loss_compiled, loss_eager, rtol=TOL, atol=TOL)
+for g_c, g_e in zip(grads_compiled, grads_eager):
+    torch.testing.assert_close(g_c.float(), g_e.float(), rtol=TOL, atol=TOL)
+
+# %% [markdown]
+# ## 2. Grouped-query attention
+#
+# Llama 3, Mistral and Qwen give K and V fewer heads than Q: Hq query heads are split into Hkv groups of
+# G = Hq / Hkv, and the heads of a group share one K/V head. Query head h reads K/V head ⌊h / G⌋. With
+# G = 1 this is ordinary multi-head attention; with Hkv = 1, multi-query attention.
+#
+# The easy way to run it is to repeat K and V G times and call ordinary attention. The kernels instead
+# compute each query head's K/V head index and read the shared tiles directly: nothing is copied, and in
+# the backward dK and dV add up the contributions of the G query heads that share them.
+
+# %%
+q, k, v = (torch.randn(B, h, N, D, device=DEV, dtype=DTYPE) for h in (HQ, HKV, HKV))
+o_gqa = flash_attention_op(q, k, v, "top_left")
+group = HQ // HKV
+k_rep, v_rep = (t.repeat_interleave(group, dim=1) for t in (k, v))  # (B, Hq, N, d): the copy we avoid
+o_rep = reference_attention(q.double(), k_rep.double(), v_rep.double(), causal=True)
+print(f"G = {group}: max |O_gqa - O_repeated| = {(o_gqa.double() - o_rep).abs().max().item():.2e}")
+torch.testing.assert_close(o_gqa.double(), o_rep, rtol=TOL, atol=TOL)
+
+# %% [markdown]
+# What the repetition would cost: during decoding, K and V of every past token stay in memory (the KV
+# cache), 2 · Hkv · d numbers per token per layer. For a model of 32 layers with 32 query heads of d = 128,
+# 8 K/V heads instead of 32 means a cache 4 times smaller, and a decoding step reading 4 times fewer bytes.
+
+# %%
+layers, hq_model, d_model, bytes_per = 32, 32, 128, 2  # bf16
+for hkv_model in (32, 8, 1):
+    per_token = 2 * hkv_model * d_model * bytes_per * layers
+    print(f"Hkv = {hkv_model:2}: {per_token / 2**10:6.0f} KiB of KV cache per token, "
+          f"{per_token * 8192 / 2**30:5.2f} GiB for 8192 tokens")  # fmt: skip
+
+# %% [markdown]
+# ## 3. Two causal alignments
+#
+# Causal attention hides the future: query i sees key j only if j comes no later than i. When Nq = Nk
+# there is one way to line queries and keys up. When they differ, there are two:
+#
+# - **top-left** (`"top_left"`, PyTorch SDPA's `is_causal=True`): query i sees keys j ≤ i. The queries are
+#   the *first* Nq positions.
+# - **bottom-right** (`"bottom_right"`, FlashAttention's `flash_attn_func`): query i sees keys
+#   j ≤ i + Nk − Nq. The queries are the *last* Nq positions: this is a KV cache, where Nk − Nq tokens were
+#   processed earlier and Nq new ones arrive (a prompt in chunks, a speculative draft, one decoding step).
+#
+# With Nq > Nk bottom-right, the first Nq − Nk queries see no key at all; the kernels define their output
+# as O = 0 and L = −∞ (and zero gradients), never NaN.
+
+
+# %%
+def causal_mask(n_q, n_k, alignment):
+    """(n_q, n_k) booleans: True where query i may see key j."""
+    i = torch.arange(n_q)[:, None]
+    j = torch.arange(n_k)[None, :]
+    return j <= i + (n_k - n_q if alignment == "bottom_right" else 0)
+
+
+panels = [(4, 10, "top_left"), (4, 10, "bottom_right"), (10, 4, "bottom_right")]
+fig, axes = plt.subplots(1, 3, figsize=(13, 4.2), gridspec_kw={"width_ratios": [10, 10, 4]})
+for ax, (n_q, n_k, alignment) in zip(axes, panels):
+    ax.imshow(causal_mask(n_q, n_k, alignment), cmap="Blues", vmin=0, vmax=1.4)
+    ax.set_title(f"{alignment.replace('_', '-')}\nNq={n_q}, Nk={n_k}")
+    ax.set_xlabel("key j")
+    ax.set_ylabel("query i")
+    ax.set_xticks(range(n_k))
+    ax.set_yticks(range(n_q))
+fig.suptitle("A KV cache needs bottom-right: the new queries see every earlier key (blue = visible)")
+fig.tight_layout()
+plt.show()
+
+# %% [markdown]
+# With 4 queries against 10 keys, top-left lets the last query see only 4 keys; bottom-right lets it see
+# all 10, as a token appended after a 6-token cache should. The kernels agree with the float64 reference
+# in both alignments, and the rows that see nothing come out as zeros:
+
+# %%
+n_new = min(16, N // 2)
+q_new = torch.randn(B, HQ, n_new, D, device=DEV, dtype=DTYPE)
+for alignment in ("top_left", "bottom_right"):
+    o = flash_attention_op(q_new, k, v, alignment)
+    ref = reference_attention(q_new.double(), k.double(), v.double(), causal=alignment)
+    err = (o.double() - ref).abs().max().item()
+    print(f"{alignment:12}: Nq={n_new}, Nk={N}, max error against float64 {err:.1e}")
+    torch.testing.assert_close(o.double(), ref, rtol=TOL, atol=TOL)
+
+k_short, v_short = k[:, :, :n_new], v[:, :, :n_new]  # Nq = N > Nk = n_new
+o_tall = flash_attention_op(q, k_short, v_short, "bottom_right")
+empty_rows = N - n_new
+print(f"Nq={N} > Nk={n_new}: the first {empty_rows} rows see no key; their largest |O| is "
+      f"{o_tall[:, :, :empty_rows].abs().max().item()}")  # fmt: skip
+assert torch.all(o_tall[:, :, :empty_rows] == 0) and torch.isfinite(o_tall).all()
+
+# %% [markdown]
+# ## 4. Inside transformers
+#
+# transformers chooses a model's attention by name (`attn_implementation`: "eager", "sdpa",
+# "flash_attention_2", ...) through two registries:
+#
+# - `AttentionMaskInterface` turns the model's inputs (a padding mask, the cache length) into a mask.
+#   Ours answers `None` whenever the mask is plain causal with the queries at the end of the keys — prefill,
+#   and decoding or chunked prefill with a growing cache — because that is exactly what the kernels compute
+#   with `"bottom_right"`, without any mask tensor. For anything else (padding, a static cache's empty
+#   slots, sliding windows) it builds transformers' boolean mask.
+# - `AttentionInterface` maps the name to a function `(module, q, k, v, mask, dropout, scaling, ...)`. Ours
+#   calls `flash_attention_op` with K and V as they come (GQA, no repeat) when the mask is `None`, and hands
+#   the call to SDPA, with a warning, when there is a mask the kernels cannot apply.
+#
+# `use_in_transformers()` registers both under the name "course_lib". A tiny Llama with random weights,
+# built from a config (nothing is downloaded):
+
+# %%
+name = use_in_transformers()
+config = transformers.LlamaConfig(
+    vocab_size=128, intermediate_size=2 * LLAMA["hidden_size"], max_position_embeddings=512, **LLAMA
+)
+model = transformers.LlamaForCausalLM(config).to(DEV, DTYPE).eval()
+ids = torch.randint(0, config.vocab_size, (2, 3 * PROMPT), device=DEV)
+logits = {}
+for impl in ("sdpa", name):
+    model.set_attn_implementation(impl)
+    with torch.no_grad():
+        logits[impl] = model(ids).logits.float()
+err = (logits[name] - logits["sdpa"]).abs().max().item()
+print(f"{config.num_attention_heads} query heads over {config.num_key_value_heads} K/V heads, "
+      f"{config.num_hidden_layers} layers: max |logits difference| course_lib vs SDPA = {err:.1e}")  # fmt: skip
+assert err < 10 * TOL * max(1.0, logits["sdpa"].abs().max().item())
+
+# %% [markdown]
+# Greedy generation runs a prefill (Nq = Nk = the prompt) and then one query at a time against the cache
+# (Nq = 1, Nk growing). In float32 both implementations must pick the same tokens:
+
+# %%
+model.float()
+prompt = ids[:1, :PROMPT]
+tokens = {}
+for impl in ("sdpa", name):
+    model.set_attn_implementation(impl)
+    tokens[impl] = model.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=False)
+print("sdpa:      ", tokens["sdpa"][0, PROMPT:].tolist())
+print("course_lib:", tokens[name][0, PROMPT:].tolist())
+assert torch.equal(tokens["sdpa"], tokens[name])
+
+# %% [markdown]
+# ## Exercises
+#
+# Each exercise has a cell to fill in and a check cell after it. Later cells never use your answers.
+#
+# **Exercise 1 (alignment).** Write `visible_keys(n_q, n_k, alignment)`: a list with, for each query row i,
+# how many keys it sees under `"top_left"` or `"bottom_right"` (never negative, never more than n_k).
+# Don't build the mask: use the rule j ≤ i + offset.
+
+
+# %%
+def visible_keys(n_q, n_k, alignment):
+    ### BEGIN SOLUTION
+    offset = n_k - n_q if alignment == "bottom_right" else 0
+    return [min(n_k, max(0, i + offset + 1)) for i in range(n_q)]
+    ### END SOLUTION
+
+
+# %% tags=["check"]
+_cases = [(4, 10, "top_left"), (4, 10, "bottom_right"), (10, 4, "bottom_right")]
+check(
+    "visible keys per query row",
+    lambda: [visible_keys(*case) for case in _cases],
+    [causal_mask(*case).sum(dim=1).tolist() for case in _cases],
+    hints=[
+        "The offset is 0 for top-left and Nk − Nq for bottom-right.",
+        "Row i sees i + offset + 1 keys, clipped to [0, Nk].",
+    ],
+)
+
+# %% [markdown]
+# **Exercise 2 (the fake implementation).** Write `fake_attention(q, k, v)` as `register_fake` would need
+# it for a forward that returns (O, L): tensors on q's device with the right shapes and dtypes, O like q
+# and L of shape q.shape[:-1] in float32. It will be called with meta tensors: it must not look at values.
+
+
+# %%
+def fake_attention(q, k, v):
+    ### BEGIN SOLUTION
+    return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=torch.float32)
+    ### END SOLUTION
+
+
+# %% tags=["check"]
+_q = torch.empty(2, 8, 33, 64, device="meta", dtype=torch.bfloat16)
+_kv = torch.empty(2, 2, 50, 64, device="meta", dtype=torch.bfloat16)
+check(
+    "fake attention shapes and dtypes",
+    lambda: [(tuple(t.shape), str(t.dtype), t.device.type) for t in fake_attention(_q, _kv, _kv)],
+    [(tuple(t.shape), str(t.dtype), t.device.type) for t in op._forward_fake(_q, _kv, _kv, "none", 0.125)],
+)
+
+# %% [markdown]
+# **Exercise 3 (GQA by hand).** Write `gqa_attention(q, k, v)` for q (B, Hq, N, d) and k, v (B, Hkv, N, d)
+# with the non-causal float64 reference `reference_attention` (which needs as many K/V heads as Q heads):
+# give query head h the K/V head h // G. The check compares with the kernel.
+
+
+# %%
+def gqa_attention(q, k, v):
+    ### BEGIN SOLUTION
+    group = q.shape[1] // k.shape[1]
+    heads = torch.arange(q.shape[1], device=q.device) // group
+    return reference_attention(q.double(), k[:, heads].double(), v[:, heads].double())
+    ### END SOLUTION
+
+
+# %% tags=["check"]
+check(
+    "grouped-query attention from the reference",
+    lambda: gqa_attention(q, k, v).float(),
+    flash_attention_op(q, k, v, "none").float(),
+    rtol=TOL,
+    atol=TOL,
+)
+
+# %% [markdown]
+# **Exercise 4 (cache bytes).** A model has 40 layers, 40 query heads of d = 128 and 8 K/V heads, stored
+# in bf16. Return `(per_token_bytes, ratio)`: the bytes of KV cache one token adds, and how many times
+# more a model with 40 K/V heads (no GQA) would need.
+
+
+# %%
+def kv_cache_bytes():
+    ### BEGIN SOLUTION
+    per_token = 2 * 8 * 128 * 2 * 40
+    return per_token, (2 * 40 * 128 * 2 * 40) / per_token
+    ### END SOLUTION
+
+
+# %% tags=["check"]
+check("KV cache bytes per token", kv_cache_bytes, (163_840, 5.0))
+
+# %% [markdown]
+# ## Summary
+#
+# - `torch.compile` traces with **fake tensors**. A Triton launch inside an `autograd.Function` is traced
+#   into and handed to the compiler; a **custom operator** (`torch.library.custom_op`) with a fake
+#   implementation and a registered autograd is one opaque node instead, forward and backward, and the
+#   kernels run as in eager mode. `course_lib.attention.op.flash_attention_op` is that operator.
+# - **Grouped-query attention**: query head h uses K/V head ⌊h / G⌋. The kernels read shared K/V tiles
+#   instead of repeating them and sum dK, dV over each group; the KV cache shrinks by G.
+# - **Causal alignment**: top-left (j ≤ i, SDPA's `is_causal`) for a sequence from its start; bottom-right
+#   (j ≤ i + Nk − Nq) for new queries after a cache. Rows that see no key give O = 0, L = −∞.
+# - **transformers**: `use_in_transformers()` registers a mask hook (no mask for plain causal attention) and
+#   an attention function ("course_lib"); `model.set_attn_implementation("course_lib")` then runs prefill,
+#   cached decoding and training on the kernels, and calls with masks they cannot apply go to SDPA.
+#
+# Next, notebook 09 looks inside the decoding step itself: one query row against a long cache.
