@@ -1,0 +1,70 @@
+"""First-call time of course_lib's attention on a GPU: what a learner waits for the first time a shape runs.
+
+Each measurement runs in a fresh Python process whose Triton cache is an empty folder, so every kernel
+is compiled from scratch, as on a new machine. Times the first forward and the first backward of a
+shape, then the first forward+backward of a second shape in the same process (new shape class, kernels
+already compiled for the first), and SDPA's first call for comparison.
+
+    COURSE_DEVICE=cuda python3 scripts/first_call.py [--out file.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+CHILD = r"""
+import json, sys, time
+import torch
+import course_lib
+from course_lib import flash_attention
+provider = sys.argv[1]
+
+def one(shape, causal):
+    B, H, N, d = shape
+    q, k, v = (torch.randn(B, H, N, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    fn = (lambda: flash_attention(q, k, v, causal=causal)) if provider == "course_lib" else (
+        lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal))
+    torch.cuda.synchronize(); t0 = time.perf_counter()
+    o = fn(); torch.cuda.synchronize(); t1 = time.perf_counter()
+    o.backward(torch.randn_like(o)); torch.cuda.synchronize(); t2 = time.perf_counter()
+    return t1 - t0, t2 - t1
+
+fwd, bwd = one((4, 16, 4096, 128), True)
+fwd2, bwd2 = one((2, 16, 2048, 64), False)
+print(json.dumps({"provider": provider, "first_fwd_s": fwd, "first_bwd_s": bwd, "second_shape_fwd_bwd_s": fwd2 + bwd2}))
+"""
+
+
+def measure(provider: str, env_extra: dict) -> dict:
+    with tempfile.TemporaryDirectory() as cache:
+        env = dict(os.environ, TRITON_CACHE_DIR=cache, COURSE_DEVICE="cuda", **env_extra)
+        out = subprocess.run([sys.executable, "-c", CHILD, provider], env=env, capture_output=True, text=True)
+        if out.returncode:
+            return {"provider": provider, "error": out.stderr[-2000:]}
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    rows = [
+        measure("sdpa", {}),
+        dict(measure("course_lib", {}), mode="default (recorded or rule-chosen config)"),
+        dict(measure("course_lib", {"COURSE_AUTOTUNE": "1"}), mode="COURSE_AUTOTUNE=1 (no precompile)"),
+    ]
+    for r in rows:
+        print(json.dumps(r))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
