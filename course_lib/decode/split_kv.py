@@ -51,8 +51,8 @@ def split_kv_kernel(
     stride_tb, stride_tp,
     stride_os, stride_ob, stride_ot, stride_oh, stride_od,
     stride_ls, stride_lb, stride_lt, stride_lh,
-    H_KV, T_Q, CAPACITY, PAGE_SIZE, NUM_SPLITS,
-    GROUP: tl.constexpr, CAUSAL: tl.constexpr, PAGED: tl.constexpr,
+    H_KV, T_Q, CAPACITY, NUM_SPLITS,
+    PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, CAUSAL: tl.constexpr, PAGED: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
@@ -61,7 +61,8 @@ def split_kv_kernel(
     PAGED=False: K, V are (B, Nmax, Hkv, d) caches; stride_kb steps sequences, stride_kn keys.
     PAGED=True: K, V are (num_pages, PAGE_SIZE, Hkv, d) pools; key j of sequence b lives in page
     BLOCK_TABLE[b, j // PAGE_SIZE] at slot j % PAGE_SIZE; stride_kb steps pages, stride_kn slots.
-    qk_scale = softmax scale x log2(e): scores go straight into base 2."""
+    qk_scale = softmax scale x log2(e): scores go straight into base 2. PAGE_SIZE is a compile-time
+    constant: a power of two makes the page lookup a shift and a mask."""
     split = tl.program_id(0)
     pid_bh = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -268,8 +269,8 @@ def launch(q, k, v, block_table, cache_seqlens, *, page_size, capacity, causal, 
     split_kv_kernel[grid](
         q, k, v, table, cache_seqlens, o_part, l_part, scale * 1.4426950408889634,
         *q.stride(), *k.stride(), *v.stride(), *table_strides, *o_part.stride(), *l_part.stride(),
-        Hkv, Tq, capacity, page_size if paged else 1, num_splits,
-        GROUP=group, CAUSAL=causal, PAGED=paged,
+        Hkv, Tq, capacity, num_splits,
+        PAGE_SIZE=page_size if paged else 1, GROUP=group, CAUSAL=causal, PAGED=paged,
         HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d), BLOCK_M=block_m, BLOCK_N=tile.BLOCK_N,
         UPCAST=bool(runtime.INTERPRET and q.dtype == torch.bfloat16),
         DOT_PRECISION="ieee" if wide else "tf32",
