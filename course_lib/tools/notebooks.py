@@ -29,8 +29,12 @@ KERNELSPEC = {"display_name": "Python 3 (ipykernel)", "language": "python", "nam
 
 
 def sources(names: list[str] | None = None) -> list[Path]:
-    """The percent-format sources, all of them or those whose file name starts with one of `names` ("04")."""
-    found = sorted(p for p in NOTEBOOKS.glob("[0-9][0-9]_*.py"))
+    """The percent-format sources, all of them or those whose file name starts with one of `names` ("04").
+
+    A source is `NN_name.py` or `NNx_name.py` (04b_tiled_backward.py, 08c_hopper_appendix.py): two digits,
+    an optional letter, an underscore. Sorted by file name, so 04 < 04b < 05.
+    """
+    found = sorted(p for p in NOTEBOOKS.glob("[0-9][0-9]*_*.py"))
     if names:
         found = [p for p in found if any(p.name.startswith(n) for n in names)]
         if not found:
