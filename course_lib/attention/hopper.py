@@ -69,7 +69,7 @@ def _online_softmax(s, m_i, l_i, qk_scale, DTYPE: gl.constexpr, p_layout: gl.con
 
 
 @gluon.jit
-def _softmax_step(
+def softmax_step(
     s, m_i, l_i, cols, rows, n_k, qk_scale, masked,
     CAUSAL: gl.constexpr, DTYPE: gl.constexpr, p_layout: gl.constexpr,
 ):  # fmt: skip
@@ -91,7 +91,7 @@ def _softmax_step(
 
 
 @gluon.jit
-def _store_o_l(
+def store_o_l(
     acc, m_i, l_i, rows, row0, O, L, off_hz, H, N_Q,
     stride_ob, stride_oh, stride_om, stride_lb, stride_lh,
     BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, DTYPE: gl.constexpr, o_layout: gl.constexpr,
@@ -192,7 +192,7 @@ def _consumer(args, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.co
               WG: gl.constexpr):  # fmt: skip
     """Warpgroup WG: for each of the program's tiles, O and L of the tile's query rows
     64 * WG ... 64 * WG + 63 (m, l: 64 floats, acc: 64 x HEAD_DIM fp32, all in registers).
-    args: the run-time values every consumer shares (see `_fwd_ws_kernel`)."""
+    args: the run-time values every consumer shares (see `fwd_ws_kernel`)."""
     (q_smem, k_smem, v_smem, q_bar, q_empty, k_bar, v_bar, empty_bar, turn_bar,
      O, L, qk_scale, stride_ob, stride_oh, stride_om, stride_lb, stride_lh,
      BH, H, N_Q, N_K, num_m, num_tiles) = args  # fmt: skip
@@ -238,7 +238,7 @@ def _consumer(args, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.co
             if PINGPONG:
                 mbarrier.arrive(turn_bar.index(NEXT), count=1)
             s = warpgroup_mma_wait(0, deps=[s_tok])
-            p_op, m_i, l_i, alpha = _softmax_step(
+            p_op, m_i, l_i, alpha = softmax_step(
                 s, m_i, l_i, offs_n, rows, N_K, qk_scale, first_masked == 0, CAUSAL, dtype, p_layout
             )
 
@@ -259,11 +259,11 @@ def _consumer(args, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.co
                     mbarrier.arrive(turn_bar.index(NEXT), count=1)
                 # Wait for S_j only (the older of the two): its softmax overlaps P_{j-1} V_{j-1}.
                 s = warpgroup_mma_wait(1, deps=[s_tok])
-                p_next, m_i, l_i, alpha = _softmax_step(
+                p_next, m_i, l_i, alpha = softmax_step(
                     s, m_i, l_i, j * BLOCK_N + offs_n, rows, N_K, qk_scale, j >= first_masked, CAUSAL, dtype,
                     p_layout,
                 )  # fmt: skip
-                # p_next through the wait: the softmax must finish before it (see _softmax_step).
+                # p_next through the wait: the softmax must finish before it (see softmax_step).
                 acc, p_op, p_next = warpgroup_mma_wait(0, deps=[acc_tok, p_op, p_next])
                 mbarrier.arrive(empty_bar.index(prev), count=1)  # K, V of block j - 1: done here
                 p_op = p_next
@@ -279,14 +279,14 @@ def _consumer(args, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.co
             mbarrier.arrive(empty_bar.index(last), count=1)
             tcount += 1
 
-            _store_o_l(
+            store_o_l(
                 acc, m_i, l_i, rows, m_start, O, L, off_hz, H, N_Q,
                 stride_ob, stride_oh, stride_om, stride_lb, stride_lh, ROWS, HEAD_DIM, dtype, o_layout,
             )  # fmt: skip
 
 
 @gluon.jit
-def _fwd_ws_kernel(
+def fwd_ws_kernel(
     q_desc, k_desc, v_desc, O, L, qk_scale,
     stride_ob, stride_oh, stride_om, stride_lb, stride_lh,
     BH, H, GROUP, N_Q, N_K,
@@ -392,7 +392,7 @@ def supports(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor) -> bool:
     """Whether this kernel can take these (B, H, N, d) tensors: a Hopper GPU (compute capability
     9.x), bfloat16 or float16, d in HEAD_DIMS, not empty, each tensor contiguous (the descriptors
     view it as a (B*H*N, d) matrix) at a 16-byte aligned address (what TMA requires)."""
-    if not (q4.is_cuda and _capability(q4.device.index)[0] == 9):
+    if not (q4.is_cuda and capability(q4.device.index)[0] == 9):
         return False
     if q4.dtype not in DTYPES or q4.shape[-1] not in HEAD_DIMS or q4.numel() == 0 or k4.numel() == 0:
         return False
@@ -416,35 +416,38 @@ def _smem_layout(rows: int, d: int, dtype: torch.dtype):
     )
 
 
-def _descriptor(t4: torch.Tensor, rows: int) -> TensorDescriptor:
+def descriptor(t4: torch.Tensor, rows: int) -> TensorDescriptor:
     """A TMA descriptor of a contiguous t4 (B, H, N, d) viewed as one (B*H*N, d) matrix, in blocks
-    of (rows, d)."""
+    of (rows, d); bfloat16 or float16. Also used by scripts/hopper_gluon_forward.py."""
     B, H, N, d = t4.shape
     mat = t4.view(B * H * N, d)
     return TensorDescriptor(mat, [B * H * N, d], [d, 1], [rows, d], _smem_layout(rows, d, t4.dtype))
 
 
 @functools.cache
-def _capability(index: int) -> tuple[int, int]:
+def capability(index: int) -> tuple[int, int]:
+    """Compute capability (major, minor) of CUDA device `index` (9.x: Hopper), cached."""
     return torch.cuda.get_device_capability(index)
 
 
 @functools.cache
-def _sm_count(index: int) -> int:
+def sm_count(index: int) -> int:
+    """Number of SMs of CUDA device `index` (the persistent grid's size), cached."""
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def forward(q4, k4, v4, o4, lse3, causal: bool, scale: float, variant: tuple) -> None:
     """Write O into o4 (B, H, Nq, d) and L into lse3 (B, H, Nq) float32, for q4 (B, H, Nq, d) and
-    k4, v4 (B, Hkv, Nk, d) that pass `supports` (H a multiple of Hkv: grouped-query attention); variant from `choose` (or any of VARIANTS, for tests).
+    k4, v4 (B, Hkv, Nk, d) that pass `supports` (H a multiple of Hkv: grouped-query attention);
+    variant from `choose` (or any of VARIANTS, for tests).
     The caller makes q4's GPU current."""
     B, H, n_q, d = q4.shape
     n_k = k4.shape[2]
     block_n, stages, consumers, pingpong, persistent = variant
     tiles = triton.cdiv(n_q, QUERY_ROWS * consumers) * B * H
-    grid = (min(tiles, _sm_count(q4.device.index)) if persistent else tiles,)
-    _fwd_ws_kernel[grid](
-        _descriptor(q4, QUERY_ROWS), _descriptor(k4, block_n), _descriptor(v4, block_n),
+    grid = (min(tiles, sm_count(q4.device.index)) if persistent else tiles,)
+    fwd_ws_kernel[grid](
+        descriptor(q4, QUERY_ROWS), descriptor(k4, block_n), descriptor(v4, block_n),
         o4, lse3, scale * LOG2E,
         o4.stride(0), o4.stride(1), o4.stride(2), lse3.stride(0), lse3.stride(1),
         B * H, H, H // k4.shape[1], n_q, n_k,
