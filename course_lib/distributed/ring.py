@@ -19,8 +19,6 @@ backward: the same K/V plus dK/dV accumulators in float32 (float64 for float64 i
 
 from __future__ import annotations
 
-import time
-
 import torch
 import torch.distributed as dist
 
@@ -102,13 +100,11 @@ def ring_forward(
     scale=None,
     backend="auto",
     seq_len=None,
-    step_times=None,
 ):
     """Forward ring: (O, L) for this rank's queries against the whole sequence.
 
     q: (B, H, N_local, d), k, v: (B, Hkv, N_local, d), sharded with `sharding.shard`; O like q, L
-    (B, H, N_local) float32 (float64 for float64 inputs). step_times: a list that receives the seconds
-    of compute at each step (wall clock; on a GPU only the launch time unless synchronised). Notebook 13."""
+    (B, H, N_local) float32 (float64 for float64 inputs). Notebook 13."""
     ring = _Ring(group)
     _check(q, k, v, causal, sharding, ring.world, seq_len)
     scale = default_scale(q.shape[-1], scale)
@@ -122,7 +118,6 @@ def ring_forward(
         last = s == ring.world - 1
         kv_next = None if last else torch.empty_like(kv)
         requests = [] if last else ring.pass_on([(kv, kv_next, _KV)])  # step s + 1's K/V, in flight
-        t0 = time.perf_counter()
         for b in plan_step(ring.rank, src, ring.world, sharding, q.shape[2], causal, seq_len):
             rows = slice(b.q_lo, b.q_hi)
             o_b, l_b = block_forward(
@@ -136,8 +131,6 @@ def ring_forward(
             O[:, :, rows], L[:, :, rows] = merge_attention_states(
                 O[:, :, rows], L[:, :, rows], o_b, l_b.to(acc)
             )
-        if step_times is not None:
-            step_times.append(time.perf_counter() - t0)
         for r in requests:
             r.wait()
         if not last:

@@ -6,11 +6,17 @@ same full inputs from one seed, keeps its own shard, and returns plain numbers.
 
 from __future__ import annotations
 
-import torch
+import time
 
+import torch
+import torch.distributed as dist
+
+from ..attention.merge import merge_attention_states
 from ..attention.reference import attention
 from ..testing import max_error
-from .ring import ring_attention, ring_forward
+from .local import block_forward
+from .plan import plan_step
+from .ring import ring_attention
 from .sharding import gather, shard
 
 
@@ -69,21 +75,40 @@ def _reference(q, k, v, do, causal: bool, groups: int, dtype, device):
 
 
 def step_compute_times(rank: int, world: int, case: dict, schemes=("contiguous", "zigzag"), repeats: int = 3):
-    """Seconds of compute at each forward ring step on this rank, per sharding scheme: {scheme: [s0, s1, ...]}
-    (fastest of `repeats` runs; wall clock, so time spent waiting for a shared CPU core counts too).
+    """CPU seconds of the blocks this rank computes at each forward ring step, per sharding scheme:
+    {scheme: [s0, s1, ...]}, the fastest of `repeats` runs.
 
-    case: B, H, N, d, causal, backend as in `compare_with_reference` (float32 inputs)."""
+    The blocks are those of `plan.plan_step`, computed with `local.block_forward` and merged as in
+    `ring_forward`, but the ranks take turns (a barrier between them) and no K/V travel: on a CPU the
+    ranks share cores, and timing them all at once would measure who got a core. case: B, H, N, d,
+    causal, backend as in `compare_with_reference` (float32 inputs)."""
     out = {}
     for scheme in schemes:
         q, k, v, _ = _full_inputs(case, torch.float32)
         q, k, v = (shard(t, rank, world, scheme) for t in (q, k, v))
-        best = None
-        for _ in range(repeats):
-            times: list[float] = []
-            torch.distributed.barrier()
-            ring_forward(
-                q, k, v, case["causal"], None, scheme, None, case.get("backend", "torch"), None, times
-            )
-            best = times if best is None else [min(a, b) for a, b in zip(best, times)]
-        out[scheme] = best
+        backend, scale = case.get("backend", "torch"), q.shape[-1] ** -0.5
+        block_forward(q, k, v, case["causal"], scale, backend)  # warm-up: first-call costs stay out
+        times = []
+        for s in range(world):
+            blocks = plan_step(rank, (rank - s) % world, world, scheme, q.shape[2], case["causal"])
+            best = float("inf")
+            for turn in range(world):
+                dist.barrier()
+                if turn != rank:
+                    continue
+                for _ in range(repeats):
+                    o = torch.zeros_like(q)
+                    lse = torch.full(q.shape[:-1], float("-inf"))
+                    t0 = time.process_time()
+                    for b in blocks:
+                        rows, keys = slice(b.q_lo, b.q_hi), slice(b.k_lo, b.k_hi)
+                        o_b, l_b = block_forward(
+                            q[:, :, rows], k[:, :, keys], v[:, :, keys], b.causal, scale, backend
+                        )
+                        o[:, :, rows], lse[:, :, rows] = merge_attention_states(
+                            o[:, :, rows], lse[:, :, rows], o_b, l_b
+                        )
+                    best = min(best, time.process_time() - t0)
+            times.append(best)
+        out[scheme] = times
     return out
