@@ -73,7 +73,9 @@ def plot_tflops(record: dict, mode: str = "fwd"):
 
     data = record["data"]
     heads = sorted({c["d"] for c in data["cells"]})
-    fig, axes = plt.subplots(len(heads), 2, figsize=(14, 4.8 * len(heads) + 1.2), squeeze=False, sharex=True)
+    fig, axes = plt.subplots(
+        len(heads), 2, figsize=(12.5, 4.8 * len(heads) + 1.2), squeeze=False, sharex=True
+    )
     for i, d in enumerate(heads):
         for j, causal in enumerate((False, True)):
             ns = sorted({c["N"] for c in data["cells"] if c["d"] == d and c["causal"] == causal})
@@ -113,7 +115,7 @@ def plot_memory(record: dict, d: int | None = None, causal: bool = False):
     data = record["data"]
     d = max(c["d"] for c in data["cells"]) if d is None else d
     ns = sorted({c["N"] for c in data["cells"] if c["d"] == d and c["causal"] == causal})
-    fig, axes = plt.subplots(1, 2, figsize=(14, 6.2), squeeze=False)
+    fig, axes = plt.subplots(1, 2, figsize=(12.5, 6.2), squeeze=False)
     for ax, mode in zip(axes[0], ("fwd", "fwd_bwd")):
         series = {}
         for p in data["providers"]:
@@ -134,9 +136,10 @@ def plot_memory(record: dict, d: int | None = None, causal: bool = False):
         ax.set_xticks(ns, [_n_label(n) for n in ns])
         ax.minorticks_off()
         _style(ax, data)
+        # Two different floors, so two different black lines in the shared legend: dashed, dotted.
         for line in ax.get_lines():
             if line.get_label() == unavoidable:
-                line.set(color="black", linestyle="--", marker="")
+                line.set(color="black", linestyle="--" if mode == "fwd" else ":", linewidth=2.5, marker="")
     shape = f"{data['dtype']}, d = {d}, {'causal' if causal else 'not causal'}, B·N fixed"
     fig.suptitle(
         f"Peak memory: standard attention grows with N (N² per sequence), fused kernels stay at what\n"
@@ -153,7 +156,7 @@ def plot_ladder(record: dict):
     from ..perf.plotting import bar_chart
 
     data = record["data"]
-    fig, axes = plt.subplots(1, 2, figsize=(15, 6.2), squeeze=False)
+    fig, axes = plt.subplots(1, 2, figsize=(12.5, 6.5), squeeze=False)
     for ax, pass_ in zip(axes[0], ("fwd", "bwd")):
         steps = [s for s in data["steps"] if s["pass_"] == pass_][1:]  # the first rung has nothing below it
         ok = [s for s in data["steps"] if s["pass_"] == pass_ and s.get("status") == "ok"]

@@ -4,6 +4,11 @@ and `print_table` for the same results as text.
 Taught in notebook 01 (the roofline), used from notebook 00 on. Every plotting function draws on `ax`
 (or a new figure), sets axis labels (give the units: "time (ms)"), a title (state the finding, not the
 topic) and large fonts, and returns the Axes. Call `plt.show()` after it.
+
+Importing this module sets matplotlib's defaults to `READABLE` (fonts that stay legible when a notebook
+is projected), so figures drawn with plain `plt` after it read the same; `use_readable_defaults()`
+applies them again (after `plt.rcdefaults()`, say). Keep a notebook figure at most 12.5 inches wide:
+JupyterLab shrinks a wider one to the cell's width, and its labels with it.
 """
 
 from __future__ import annotations
@@ -15,6 +20,25 @@ import numpy as np
 
 FONT = {"title": 15, "label": 14, "ticks": 12, "legend": 12, "note": 11}
 FIGSIZE = (9.5, 5.5)
+MAX_WIDTH = 12.5  # inches: wider figures are scaled down in JupyterLab, and so are their fonts
+READABLE = {
+    "font.size": 14,
+    "axes.titlesize": FONT["title"],
+    "axes.labelsize": FONT["label"],
+    "xtick.labelsize": FONT["ticks"],
+    "ytick.labelsize": FONT["ticks"],
+    "legend.fontsize": FONT["legend"],
+    "figure.titlesize": FONT["title"],
+}
+
+
+def use_readable_defaults() -> None:
+    """Set matplotlib's rcParams to `READABLE` (font sizes 14 / 15 / 14 / 12 / 12 / 12 for text, titles,
+    axis labels, tick labels and legends). Called when this module is imported (notebook 00 on)."""
+    plt.rcParams.update(READABLE)
+
+
+use_readable_defaults()
 
 
 def _axes(ax, figsize=FIGSIZE):
