@@ -1,0 +1,521 @@
+# ---
+# jupyter:
+#   jupytext:
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 11 · Fused RMSNorm and RoPE
+#
+# Attention is not the only kernel of a transformer block. Before attention, every token's hidden vector is
+# normalised (RMSNorm) and its queries and keys are rotated by their position (rotary embeddings, RoPE).
+# Neither does much arithmetic: both are limited by the bytes they move, like the fused softmax of the
+# Triton primer (notebook 05). This notebook writes them as fused Triton kernels, forward and backward.
+#
+# **Learning goals**
+# 1. Say what RMSNorm computes, why models use it instead of LayerNorm, and count the bytes of the eager
+#    PyTorch version; predict the speed-up of one fused kernel from bytes alone, then compare with a
+#    measurement.
+# 2. Write the fused forward (one row per program, float32 statistics, the inverse RMS saved) and derive the
+#    backward: dX row by row, dW as a reduction across all rows, and three ways to do that reduction
+#    (atomics, per-program partial sums, locked buffers) with their cost in determinism.
+# 3. See RoPE as multiplication by a complex number of modulus 1, in its two layouts (half-rotation as in
+#    Llama, interleaved pairs as in GPT-J), build the cos/sin cache, and rotate q and k in one kernel.
+# 4. Show that the backward of a rotation is the rotation by the negative angle, and use position offsets
+#    for tokens appended to a KV cache.
+# 5. Know where fusion goes further: the residual add inside the norm, RoPE inside attention.
+#
+# The finished pieces live in `course_lib.fused`: `rms_norm`, `RMSNorm`, `rope`, `rope_cache`, and the
+# float64 references `rms_norm_reference`, `rope_reference`. The benchmark is `course_lib.bench.fused`.
+
+# %% [markdown]
+# ## 0. Sizes
+#
+# On the CPU the kernels run in Triton's interpreter, one program after another in Python, so the tensors
+# are small. On a GPU the same cells run at a real size (16k tokens of hidden size 4096).
+
+# %%
+import math
+
+import matplotlib.pyplot as plt
+import torch
+
+import course_lib
+from course_lib import records
+from course_lib.bench import fused as fused_bench
+from course_lib.exercises import check, predict
+from course_lib.fused import rms_norm, rms_norm_reference, rope, rope_cache, rope_reference
+from course_lib.perf.ceilings import measure_copy_bandwidth
+from course_lib.runtime import tl, triton
+
+DEVICE = course_lib.DEVICE
+T, D = course_lib.pick(cpu=(48, 320), gpu=(16384, 4096))  # RMSNorm: tokens x hidden size
+B, HQ, HK, N, HEAD_DIM = course_lib.pick(cpu=(2, 4, 2, 12, 32), gpu=(2, 32, 8, 4096, 128))  # RoPE
+DTYPE = course_lib.pick(cpu=torch.float32, gpu=torch.bfloat16)
+torch.manual_seed(0)
+plt.rcParams["font.size"] = 12
+print(f"{course_lib.RUNTIME.describe()}; RMSNorm on ({T}, {D}), RoPE on q ({B}, {HQ}, {N}, {HEAD_DIM})")
+
+# %% [markdown]
+# ## 1. RMSNorm
+#
+# LayerNorm subtracts a row's mean, divides by its standard deviation, then scales and shifts:
+# $y = \gamma \odot (x - \mu)/\sigma + \beta$. RMSNorm (Zhang & Sennrich, 2019) drops the mean and the
+# shift:
+#
+# $$\mathrm{rstd} = \Big(\tfrac{1}{D}\textstyle\sum_j x_j^2 + \varepsilon\Big)^{-1/2}, \qquad
+# y = w \odot (x \cdot \mathrm{rstd}).$$
+#
+# Re-centring turned out not to matter for training; dropping it saves a reduction and a parameter vector,
+# and makes the backward simpler. Llama, Mistral, Qwen and most models since use it.
+#
+# Hugging Face's `LlamaRMSNorm` fixes the casting rules we must follow to give the same numbers: compute
+# the mean of squares and the scaling in float32, cast the normalised row back to the input dtype, and only
+# then multiply by the weight.
+
+
+# %%
+def llama_rms_norm(x, weight, eps=1e-6):
+    x32 = x.to(torch.float32)
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+x = torch.randn(T, D, device=DEVICE, dtype=DTYPE)
+w = 1 + 0.1 * torch.randn(D, device=DEVICE, dtype=DTYPE)
+y = llama_rms_norm(x, w)
+rms = y.float().div(w.float()).pow(2).mean(-1).sqrt()
+print(f"RMS of each normalised row (should be 1): min {rms.min():.4f}, max {rms.max():.4f}")
+assert torch.allclose(rms, torch.ones_like(rms), atol=2e-2)
+
+# %% [markdown]
+# ### The bytes of the eager version
+#
+# Each PyTorch operation is its own kernel: it reads its inputs from HBM and writes its result back. For a
+# 16-bit x of T × D elements (2 bytes each), float32 intermediates (4 bytes):
+#
+# | operation | reads | writes |
+# | --- | --- | --- |
+# | `x.to(float32)` | 2 TD | 4 TD |
+# | `.pow(2)` | 4 TD | 4 TD |
+# | `.mean(-1)` | 4 TD | 4 T |
+# | `+ eps`, `rsqrt` | 4 T | 4 T |
+# | `x32 * rstd` | 4 TD | 4 TD |
+# | `.to(x.dtype)` | 4 TD | 2 TD |
+# | `weight * ...` | 2 TD | 2 TD |
+# | **total** | **20 TD** | **16 TD** |
+#
+# About 36 TD bytes. A fused kernel reads x once and writes y once: 4 TD bytes (plus the weight, D
+# elements, and rstd, T floats). When both run at the same fraction of the memory bandwidth, the bytes
+# predict a speed-up of about 9x.
+
+# %%
+eager_bytes, fused_bytes = 36 * T * D, fused_bench.rms_norm_bytes(T, D, "fwd")
+print(f"16-bit x of T={T}, D={D}: eager moves {eager_bytes / 1e6:.1f} MB, a fused kernel {fused_bytes / 1e6:.1f} MB")
+guess = predict("fused RMSNorm forward speed-up over eager", round(eager_bytes / fused_bytes, 1), "x")
+
+# %% [markdown]
+# ## 2. The fused forward
+#
+# One program per row. The row (D elements, padded to a power of two `BLOCK_D` and masked) goes from HBM
+# into registers once; the sum of squares, rstd and y are computed there; y goes back once. rstd, one
+# float32 per row, is written too: the backward needs it, and recomputing it would cost another read of x.
+
+
+# %%
+@triton.jit
+def simple_rms_norm_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, n_cols, eps, BLOCK_D: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_D)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)  # HBM -> registers
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n_cols + eps)  # float32 statistics
+    x_hat = (x * rstd).to(x_ptr.dtype.element_ty)  # cast back before the weight, as LlamaRMSNorm
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + row * n_cols + cols, (w * x_hat.to(tl.float32)).to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(rstd_ptr + row, rstd)
+
+
+def simple_rms_norm(x, w, eps=1e-6):
+    y = torch.empty_like(x)
+    rstd = torch.empty(x.shape[0], device=x.device, dtype=torch.float32)
+    simple_rms_norm_kernel[(x.shape[0],)](x, w, y, rstd, x.shape[1], eps, BLOCK_D=triton.next_power_of_2(x.shape[1]))
+    return y, rstd
+
+
+y_simple, rstd_simple = simple_rms_norm(x, w)
+ref = rms_norm_reference(x, w)
+err = (y_simple.double().cpu() - ref).abs().max().item()
+print(f"simple kernel vs float64: max error {err:.2e}; vs course_lib: max difference "
+      f"{(y_simple.float() - rms_norm(x, w).float()).abs().max().item():.2e}")  # fmt: skip
+torch.testing.assert_close(y_simple, llama_rms_norm(x, w), rtol=2e-2, atol=2e-2)
+
+# %% [markdown]
+# `course_lib.fused.rms_norm` is this kernel plus what a library needs: any leading dims and strides, a
+# weight of another dtype (the output takes the promoted dtype, as in PyTorch), float64 for `gradcheck`,
+# warps scaled with the row length, clear errors, and the autograd Function that calls the backward.
+#
+# ## 3. The backward: dX per row, dW across rows
+#
+# With $\hat x = x \cdot \mathrm{rstd}$ and $g = dy \odot w$, differentiating $y = w \odot \hat x$ gives
+#
+# $$dx = \mathrm{rstd}\,\Big(g - \hat x \cdot \tfrac{1}{D}\textstyle\sum_j g_j \hat x_j\Big), \qquad
+# dw = \sum_{\text{rows}} dy \odot \hat x .$$
+#
+# dx needs only its own row (one more row reduction, in registers). dw sums over **all** rows, which live in
+# different programs. course_lib's backward is a *persistent* kernel: a few programs per SM, each looping
+# over rows p, p + P, p + 2P, … and adding up its rows' dy ⊙ x̂ in registers. At the end each program holds
+# a partial dW; three ways to add those up:
+#
+# - **atomics**: every program `atomic_add`s its partial into one float32 row. One pass, but the order of
+#   the additions depends on which program finishes first, and float addition is not associative: the last
+#   bits of dW change from run to run.
+# - **partials** (Liger-Kernel's choice, course_lib's default): program p writes its partial to row p of a
+#   (P, D) buffer; a second, small reduction adds the P rows in a fixed order. Deterministic.
+# - **locked buffers** (Triton's layer-norm tutorial): G < P buffers, each behind a spin lock; program p
+#   adds into buffer p mod G while holding its lock, then the G rows are summed. Less memory than P rows,
+#   but the order inside a buffer still depends on scheduling.
+#
+# All three give the same gradient up to float32 rounding:
+
+# %%
+xg = x.float().requires_grad_()
+wg = w.float().requires_grad_()
+dy = torch.randn(T, D, device=DEVICE)
+x64, w64 = xg.detach().double().cpu().requires_grad_(), wg.detach().double().cpu().requires_grad_()
+rms_norm_reference(x64, w64).backward(dy.double().cpu())
+dw_by_mode = {}
+for mode in ("atomics", "partials", "locked"):
+    dx, dw = torch.autograd.grad(rms_norm(xg, wg, dw_mode=mode), (xg, wg), dy)
+    dw_by_mode[mode] = dw
+    print(f"{mode:9s} max |dx - float64| {(dx.double().cpu() - x64.grad).abs().max():.1e}, "
+          f"max |dw - float64| {(dw.double().cpu() - w64.grad).abs().max():.1e}")  # fmt: skip
+    torch.testing.assert_close(dw.double().cpu(), w64.grad, rtol=1e-4, atol=1e-5 * w64.grad.abs().max().item())
+
+# %% [markdown]
+# Determinism is a property of the schedule, so it only shows on a GPU: under the interpreter programs run
+# one after another in a fixed order and all three modes repeat themselves exactly. Here is the check; on a
+# GPU, expect "partials" to repeat bit for bit and the other two usually not (it depends on timing).
+
+# %%
+for mode in ("atomics", "partials", "locked"):
+    again = torch.autograd.grad(rms_norm(xg, wg, dw_mode=mode), (xg, wg), dy)[1]
+    print(f"{mode:9s} two runs bit-identical: {torch.equal(again, dw_by_mode[mode])}")
+assert torch.equal(torch.autograd.grad(rms_norm(xg, wg), (xg, wg), dy)[1], dw_by_mode["partials"])
+
+# %% [markdown]
+# What they cost on an H200, from the benchmark's record (the backward's bytes over its time, as a share of
+# the copy ceiling). Each program adds its partial only once, after its loop, so the reduction is a small
+# part of the time in every mode: the deciding difference is determinism.
+
+# %%
+rec = records.load_record("fused")
+if rec and rec["data"].get("dw_modes"):
+    print(records.label(rec))
+    for r in rec["data"]["dw_modes"]:
+        if r.get("status") == "ok":
+            print(f"T={r['T']:6d} D={r['D']:5d} {r['dw_mode']:9s} {r['gbps']:6.0f} GB/s "
+                  f"({r['copy_fraction']:.0%} of copy), deterministic: {r['deterministic']}")  # fmt: skip
+else:
+    print("No recorded GPU run of the fused benchmark yet (python -m course_lib.bench.fused on a GPU): it "
+          "times the backward with each dW reduction and checks whether two runs give the same bits.")  # fmt: skip
+
+# %% [markdown]
+# ### Measured: eager, `F.rms_norm`, `torch.compile`, course_lib
+#
+# Now the prediction of section 1. On a GPU this cell measures one cell live; on the CPU it shows the
+# recorded run (CPU timings of interpreted kernels measure Python, not the kernel).
+
+# %%
+if course_lib.ON_GPU:
+    copy_gbps = measure_copy_bandwidth()
+    rows = [r for p in fused_bench.RMS_PROVIDERS
+            for r in fused_bench.measure_rms_norm(T, D, p, copy_gbps, DTYPE, DEVICE)]  # fmt: skip
+    source = f"measured now, T={T}, D={D}"
+else:
+    rows, copy_gbps, source = [], None, None
+    if rec:
+        copy_gbps, source = rec["data"]["copy_gbps"], records.label(rec)
+        cell = max((r["T"], r["D"]) for r in rec["data"]["rms_norm"])
+        rows = [r for r in rec["data"]["rms_norm"] if (r["T"], r["D"]) == cell]
+        source += f", T={cell[0]}, D={cell[1]}"
+ok = {(r["provider"], r["mode"]): r for r in rows if r.get("status") == "ok"}
+if ok:
+    fig, ax = plt.subplots(figsize=(8, 4))
+    names = [p for p in fused_bench.RMS_PROVIDERS if (p, "fwd") in ok]
+    for i, mode in enumerate(("fwd", "bwd")):
+        vals = [ok[p, mode]["gbps"] if (p, mode) in ok else 0 for p in names]
+        ax.bar([j + 0.4 * i for j in range(len(names))], vals, width=0.4, label=mode)
+    ax.axhline(copy_gbps, color="k", ls="--", lw=1, label=f"copy ceiling {copy_gbps:.0f} GB/s")
+    ax.set_xticks([j + 0.2 for j in range(len(names))], names)
+    ax.set_ylabel("bytes that must move / time (GB/s)")
+    ax.set_title(f"RMSNorm, {source}", fontsize=10)
+    ax.legend()
+    plt.show()
+    if ("eager", "fwd") in ok and ("course_lib", "fwd") in ok:
+        guess.score(ok["eager", "fwd"]["ms"] / ok["course_lib", "fwd"]["ms"])
+else:
+    print("No recorded GPU run of the fused benchmark yet: nothing to compare the prediction with.")
+
+# %% [markdown]
+# ## 4. RoPE: a rotation per pair of dimensions
+#
+# Attention scores are dot products $q_m \cdot k_n$. Rotary embeddings (Su et al., 2021) make them depend on
+# the positions m and n only through m − n: split each head vector into d/2 pairs, read pair i as a complex
+# number $z_i$, and multiply it by $e^{\mathrm{i}\, p\, \theta_i}$ at position p, with
+# $\theta_i = \text{base}^{-2i/d}$. Then
+# $\mathrm{Re}\big(z^q_i e^{\mathrm{i} m\theta_i}\,\overline{z^k_i e^{\mathrm{i} n\theta_i}}\big) =
+# \mathrm{Re}\big(z^q_i \overline{z^k_i} e^{\mathrm{i}(m-n)\theta_i}\big)$. In real numbers, with
+# $c = \cos p\theta_i$, $s = \sin p\theta_i$, the pair $(a, b)$ becomes $(a c - b s,\; b c + a s)$.
+#
+# Complex multiplication in PyTorch, pairs of neighbours (2i, 2i+1):
+
+# %%
+angles = torch.arange(N, dtype=torch.float64)[:, None] * 10000.0 ** (-torch.arange(0, HEAD_DIM, 2) / HEAD_DIM)
+q = torch.randn(B, HQ, N, HEAD_DIM, dtype=torch.float64)
+k = torch.randn(B, HK, N, HEAD_DIM, dtype=torch.float64)
+
+
+def rope_by_complex(x, angles):
+    z = torch.view_as_complex(x.unflatten(-1, (-1, 2)).contiguous())  # (..., N, d/2) complex
+    return torch.view_as_real(z * torch.polar(torch.ones_like(angles), angles)).flatten(-2)
+
+
+q_rot, k_rot = rope_by_complex(q, angles), rope_by_complex(k, angles)
+P = min(N, 64)  # the scores of the first P positions are enough to see it
+scores = q_rot[:, :HK, :P] @ k_rot[:, :, :P].transpose(-1, -2)
+# Shift every position by 5: the scores do not change, only differences of positions matter.
+later = angles + 5 * angles[1]  # angles[1] holds the angles of position 1: theta_i
+shifted = rope_by_complex(q, later)[:, :HK, :P] @ rope_by_complex(k, later)[:, :, :P].transpose(-1, -2)
+print(f"largest change of a score when every position moves by 5: {(scores - shifted).abs().max():.1e}")
+assert torch.allclose(scores, shifted, atol=1e-9)
+
+# %% [markdown]
+# ### Two layouts and the cos/sin cache
+#
+# Which elements form a pair is a convention. GPT-J pairs neighbours (2i, 2i+1): **interleaved**. Llama and
+# GPT-NeoX pair element j with element j + d/2: **half**, written in Hugging Face as
+# `q * cos + rotate_half(q) * sin` with `rotate_half(x) = cat(-x[d/2:], x[:d/2])`. The two are the same
+# rotation of a permuted vector; a checkpoint trained with one must be run with the same one.
+#
+# The angles depend only on position and dimension, so they are computed once: the cache holds cos and sin
+# of shape (positions, d), each frequency written twice in the layout's pair order. `rope_cache` builds
+# it as Hugging Face's `LlamaRotaryEmbedding` does (angles in float32).
+
+# %%
+cos, sin = rope_cache(N, HEAD_DIM, dtype=torch.float64, device="cpu")
+fig, ax = plt.subplots(figsize=(8, 3.2))
+image = ax.imshow(cos.T, aspect="auto", cmap="RdBu", vmin=-1, vmax=1)
+ax.set_xlabel("position p")
+ax.set_ylabel("element j of the head")
+ax.set_title("cos(p θ) in the half layout: fast pairs on top, slow below, repeated at j = d/2")
+fig.colorbar(image, ax=ax)
+plt.show()
+cos_i, sin_i = rope_cache(N, HEAD_DIM, dtype=torch.float64, device="cpu", layout="interleaved")
+# the cache's angles are float32 (as Hugging Face computes them), the complex version's float64
+torch.testing.assert_close(rope_reference(q, cos_i, sin_i, layout="interleaved"), q_rot, rtol=1e-5, atol=1e-5)
+
+# %% [markdown]
+# ## 5. The fused kernel: q and k in one pass
+#
+# `course_lib.fused.rope` launches one program per token. The program loads the token's row of cos and sin
+# once and rotates every head of q **and** every head of k with it, each as a (heads × d/2) tile for the first
+# elements of the pairs and one for the second. Bytes that must move: read q, k and one cos and sin row per
+# token, write q' and k'; eager PyTorch moves each of q and k about five times (multiply, rotate_half's
+# slices and concatenation, multiply, add).
+#
+# The layout is Hugging Face's, q (B, Hq, T, d) and k (B, Hk, T, d), with any strides: a (B, T, H, d) tensor
+# passed as `.transpose(1, 2)` is read where it lies. Grouped-query attention (fewer k heads) is just
+# another head count.
+
+# %%
+qd, kd = q.to(DEVICE, DTYPE), k.to(DEVICE, DTYPE)
+cos_d, sin_d = rope_cache(N, HEAD_DIM, dtype=DTYPE, device=DEVICE)
+q_out, k_out = rope(qd, kd, cos_d, sin_d)
+for name, out, src in (("q", q_out, qd), ("k", k_out, kd)):
+    err = (out.double().cpu() - rope_reference(src, cos_d, sin_d)).abs().max().item()
+    print(f"{name}' vs float64: max error {err:.1e} ({DTYPE})")
+    torch.testing.assert_close(out.double().cpu(), rope_reference(src, cos_d, sin_d), rtol=2e-2, atol=2e-2)
+
+# %% [markdown]
+# ### The backward is the rotation by −θ
+#
+# Per pair, the forward multiplies by the matrix $R(\varphi) = \begin{pmatrix} c & -s \\ s & c \end{pmatrix}$.
+# The chain rule needs $R^\top$, and a rotation's transpose is its inverse: $R(\varphi)^\top = R(-\varphi)$.
+# So the backward is the same kernel with sin negated; no tensor from the forward has to be saved except the
+# cache.
+
+# %%
+qg, kg = qd.float().requires_grad_(), kd.float().requires_grad_()
+dq_out, dk_out = torch.randn_like(qg), torch.randn_like(kg)
+torch.autograd.backward(rope(qg, kg, cos_d, sin_d), (dq_out, dk_out))
+back_q, back_k = rope(dq_out, dk_out, cos_d, -sin_d)
+torch.testing.assert_close(qg.grad, back_q)
+torch.testing.assert_close(kg.grad, back_k)
+print("dq = rope(dq', -angle) and dk = rope(dk', -angle): checked")
+
+# %% [markdown]
+# ### Positions for a KV cache
+#
+# When a model generates, the keys of earlier tokens are already rotated and stored in the cache; only the
+# new tokens are rotated, at positions p, p+1, … `rope(..., positions=p)` reads cache rows p..p+T-1 (a
+# tensor of positions per batch row works too, for batches whose sequences have different lengths).
+
+# %%
+cos_long, sin_long = rope_cache(2 * N, HEAD_DIM, dtype=DTYPE, device=DEVICE)
+q_all, k_all = rope(qd, kd, cos_long, sin_long)
+split = N // 2
+q_new, k_new = rope(qd[:, :, split:], kd[:, :, split:], cos_long, sin_long, positions=split)
+torch.testing.assert_close(q_new, q_all[:, :, split:])
+torch.testing.assert_close(k_new, k_all[:, :, split:])
+print(f"rotating tokens {split}..{N - 1} with positions={split} equals rotating the whole sequence")
+
+# %% [markdown]
+# The recorded speed of RoPE on q (T, 32, 128) and k (T, 8, 128), token-major as a model stores them:
+
+# %%
+if rec and rec["data"].get("rope"):
+    print(records.label(rec))
+    for r in rec["data"]["rope"]:
+        if r.get("status") == "ok":
+            share = f"{r['copy_fraction']:.0%} of copy"
+            print(f"{r['mode']} T={r['T']:6d} {r['provider']:10s} {r['gbps']:6.0f} GB/s ({share})")
+else:
+    print("No recorded GPU run of the fused benchmark yet (python -m course_lib.bench.fused on a GPU).")
+
+# %% [markdown]
+# ## 6. Where fusion goes further
+#
+# - **Residual add + RMSNorm.** A block computes h = x + attn(x), then RMSNorm(h). Apart, the add reads two
+#   tensors and writes one, the norm reads h and writes y: 5 TD elements. Fused, one kernel reads x and
+#   attn(x), writes h (still needed for the next residual) and y: 4 TD, a fifth less, and one launch fewer.
+# - **RoPE inside attention.** The attention kernel loads each Q block once and each K block once per query
+#   block anyway; rotating them right after the load (the cos/sin rows are small) removes the write of q', k'
+#   and their read back: for RoPE alone that is all of its traffic. FlashAttention-3 offers a rotary
+#   variant for decoding (rotating the new k as it is appended to the cache). The price: every attention
+#   kernel variant has to know about RoPE, and the backward must rotate dQ and dK back.
+# - **Norm into the next matmul.** rstd is one number per row: a matmul's epilogue or prologue can apply it,
+#   and the weight w can be folded into the matmul's weights at load time.
+#
+# ## Summary
+#
+# - RMSNorm and RoPE do a handful of FLOPs per byte: their speed is bytes over bandwidth, so the unit is
+#   GB/s against the copy ceiling, and fusion is the whole optimisation (eager RMSNorm moves about 9x the
+#   bytes of a fused kernel).
+# - The fused RMSNorm forward keeps a row in registers, computes float32 statistics, follows LlamaRMSNorm's
+#   casts and saves rstd. The backward is dX per row plus dW, a reduction across rows: per-program partials
+#   then a second reduction are deterministic; atomics and locked buffers are not.
+# - RoPE multiplies pairs by $e^{\mathrm{i}p\theta}$; the layouts differ only in which elements pair up. One
+#   kernel rotates q and k using each cos/sin row once; the backward is the same kernel at −θ; positions
+#   offset the cache for a KV cache.
+#
+# ## Exercises
+#
+# Each exercise has a cell to fill in and a check cell after it. Later cells never use your answers.
+#
+# **Exercise 1 (bytes of the backward).** Write `rms_norm_backward_bytes(T, D, elem)`: the bytes the fused
+# backward must move for a T × D input of `elem` bytes per element. It reads x, dy, w (D) and rstd (T
+# float32), and writes dx and dw (D).
+
+
+# %%
+def rms_norm_backward_bytes(T, D, elem=2):
+    ### BEGIN SOLUTION
+    return (3 * T * D + 2 * D) * elem + 4 * T
+    ### END SOLUTION
+
+
+# %% tags=["check"]
+check(
+    "bytes of the backward",
+    lambda: rms_norm_backward_bytes(16384, 4096),
+    fused_bench.rms_norm_bytes(16384, 4096, "bwd"),
+)
+
+# %% [markdown]
+# **Exercise 2 (the backward by hand).** Write `rms_norm_grads(x, w, dy, eps)` returning `(dx, dw)` in
+# float64 PyTorch from the formulas of section 3 (no autograd). The check compares with autograd.
+
+
+# %%
+def rms_norm_grads(x, w, dy, eps=1e-6):
+    ### BEGIN SOLUTION
+    rstd = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    x_hat = x * rstd
+    g = dy * w
+    dx = rstd * (g - x_hat * (g * x_hat).mean(-1, keepdim=True))
+    dw = (dy * x_hat).sum(0)
+    return dx, dw
+    ### END SOLUTION
+
+
+_x = torch.randn(6, 40, dtype=torch.float64, requires_grad=True)
+_w = torch.randn(40, dtype=torch.float64, requires_grad=True)
+_dy = torch.randn(6, 40, dtype=torch.float64)
+_expected = torch.autograd.grad(rms_norm_reference(_x, _w), (_x, _w), _dy)
+
+# %% tags=["check"]
+check("RMSNorm gradients", lambda: rms_norm_grads(_x.detach(), _w.detach(), _dy), _expected, rtol=1e-9, atol=1e-9)
+
+# %% [markdown]
+# **Exercise 3 (from half to interleaved).** The half layout pairs j with j + d/2; the interleaved layout
+# pairs 2i with 2i + 1. Write `half_to_interleaved(d)`: the index list `perm` such that `x[..., perm]`
+# moves each half-layout pair (i, i + d/2) to positions (2i, 2i + 1). Then rotating `x[..., perm]` in the
+# interleaved layout equals rotating `x` in the half layout and permuting the result the same way.
+
+
+# %%
+def half_to_interleaved(d):
+    ### BEGIN SOLUTION
+    half = d // 2
+    return [j for i in range(half) for j in (i, i + half)]
+    ### END SOLUTION
+
+
+# %% tags=["check"]
+_perm = list(range(0, HEAD_DIM, 2)) + list(range(1, HEAD_DIM, 2))  # the inverse permutation, for the check
+check(
+    "half to interleaved",
+    lambda: rope_reference(q[..., half_to_interleaved(HEAD_DIM)], cos_i, sin_i, layout="interleaved")[..., _perm],
+    rope_reference(q, cos, sin, layout="half"),
+    rtol=1e-12,
+    atol=1e-12,
+)
+
+# %% [markdown]
+# **Exercise 4 (residual add fused with the norm).** Write `add_rms_norm(x, residual, w, eps)` in PyTorch
+# returning `(h, y)` with h = x + residual and y = RMSNorm(h) (LlamaRMSNorm's casts), and count in
+# `fused_add_norm_bytes(T, D, elem)` what one fused kernel must move: read x and residual, write h and y
+# (ignore w). The check compares both with course_lib.
+
+
+# %%
+def add_rms_norm(x, residual, w, eps=1e-6):
+    ### BEGIN SOLUTION
+    h = x + residual
+    return h, llama_rms_norm(h, w, eps)
+    ### END SOLUTION
+
+
+def fused_add_norm_bytes(T, D, elem=2):
+    ### BEGIN SOLUTION
+    return 4 * T * D * elem
+    ### END SOLUTION
+
+
+_r = torch.randn(T, D, device=DEVICE, dtype=DTYPE)
+
+# %% tags=["check"]
+check(
+    "fused residual add and norm",
+    lambda: (add_rms_norm(x, _r, w)[1].float(), fused_add_norm_bytes(1024, 4096)),
+    (rms_norm(x + _r, w).float(), 4 * 1024 * 4096 * 2),
+    rtol=2e-2,
+    atol=2e-2,
+)
