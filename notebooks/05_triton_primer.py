@@ -183,6 +183,18 @@ assert owner.tolist() == [0, 0, 0, 0, 1, 1, 1, 1, 2, 2]
 
 # %% [markdown]
 # Three programs of 4 lanes cover 10 elements; the last program has two lanes masked off.
+#
+# The same question for a two-dimensional launch (Exercise 2 writes one): a (5, 100) array in blocks of
+# 2 rows x 32 columns needs a grid of 3 x 4 = 12 programs. Below, a few of them: in orange the elements a
+# program loads, in red its lanes past the array's edge (the black lines) that the mask switches off. In
+# JupyterLab the slider under the strip steps through all 12 programs.
+
+# %%
+from course_lib.attention import animate
+
+animate.program_strip((5, 100), (2, 32), n_shots=3)
+plt.show()
+animate.program_widget((5, 100), (2, 32))  # a slider over the 12 programs (JupyterLab); text under nbval
 
 # %% [markdown]
 # ## 3. What goes wrong without a mask
