@@ -17,7 +17,8 @@ Gluon, Triton's lower-level dialect, lets a kernel schedule them itself:
 It is correct (the script checks it against a float32 reference on ragged, causal and Nq != Nk
 shapes before timing) but, as measured, no faster overall than the Triton kernel. The step that
 made the difference, warp specialisation, is in course_lib (`course_lib/attention/hopper.py`,
-which this script borrows its softmax step from).
+which this script borrows its softmax step, its epilogue and its TMA descriptors from:
+`hopper.softmax_step`, `hopper.store_o_l`, `hopper.descriptor`).
 
 Inputs: q (B, H, Nq, d), k, v (B, H, Nk, d), contiguous, bf16 or fp16, d in {64, 128}; BLOCK_M
 query rows per program, one warpgroup (4 warps) per 64 rows.
@@ -45,7 +46,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (  # noqa: E402
     warpgroup_mma_wait,
 )
 
-from course_lib.attention.hopper import LOG2E, _descriptor, _softmax_step, _store_o_l  # noqa: E402
+from course_lib.attention import attention_forward, reference  # noqa: E402
+from course_lib.attention.hopper import LOG2E, descriptor, softmax_step, store_o_l  # noqa: E402
+from course_lib.perf.timing import attention_flops  # noqa: E402
 
 # (BLOCK_M, BLOCK_N, NUM_STAGES) tried per head dim; the first is the best measured on an H200.
 # Shared memory per program: (BLOCK_M + 2 * NUM_STAGES * BLOCK_N) * d * 2 bytes; at most ~113 KB
@@ -144,7 +147,7 @@ def _fwd_hopper_kernel(
     mbarrier.wait(k_bar.index(0), 0)
     s_tok = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
     s = warpgroup_mma_wait(0, deps=[s_tok])
-    p_op, m_i, l_i, alpha = _softmax_step(
+    p_op, m_i, l_i, alpha = softmax_step(
         s, m_i, l_i, offs_n, rows, N_K, qk_scale, first_masked == 0, CAUSAL, dtype, p_layout
     )
 
@@ -160,7 +163,7 @@ def _fwd_hopper_kernel(
         acc_tok = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
         # Wait for S_j only (the older of the two); the softmax below overlaps P_{j-1} V_{j-1}.
         s = warpgroup_mma_wait(1, deps=[s_tok])
-        p_next, m_i, l_i, alpha = _softmax_step(
+        p_next, m_i, l_i, alpha = softmax_step(
             s, m_i, l_i, j * BLOCK_N + offs_n, rows, N_K, qk_scale, j >= first_masked, CAUSAL, dtype, p_layout
         )
         # Passing p_next through the wait makes the softmax finish before it: without that
@@ -185,7 +188,7 @@ def _fwd_hopper_kernel(
         mbarrier.invalidate(k_bar.index(i))
         mbarrier.invalidate(v_bar.index(i))
 
-    _store_o_l(
+    store_o_l(
         acc, m_i, l_i, rows, start_m * BLOCK_M, O, L, off_hz, H, N_Q,
         stride_ob, stride_oh, stride_om, stride_lb, stride_lh, BLOCK_M, HEAD_DIM, dtype, o_layout,
     )  # fmt: skip
@@ -200,7 +203,7 @@ def attention(q, k, v, causal: bool, tiles):
     lse = torch.empty(q.shape[:-1], device=q.device, dtype=torch.float32)
     grid = (triton.cdiv(n_q, block_m) * B * H,)
     _fwd_hopper_kernel[grid](
-        _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n),
+        descriptor(q, block_m), descriptor(k, block_n), descriptor(v, block_n),
         o, lse, d**-0.5 * LOG2E,
         o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1),
         H, n_q, n_k,
@@ -210,40 +213,39 @@ def attention(q, k, v, causal: bool, tiles):
     return o, lse
 
 
-def check(variants, attention_fn=attention) -> list[str]:
+def check(variants, attention_fn=attention, kv_heads=(3,)) -> list[str]:
     """Every variant of attention_fn(q, k, v, causal, variant) against a float32 reference (O and L)
-    on ragged, causal and Nq != Nk shapes, bf16 and fp16; returns what failed."""
-    from course_lib.attention import reference
-
+    on ragged, causal and Nq != Nk shapes, bf16 and fp16, q with 3 heads and k, v with each of
+    `kv_heads` heads (1: multi-query attention; this script's kernel needs 3); returns what failed."""
     bad = []
     for d in (64, 128):
         for causal in (False, True):
             for nq, nk in [(1000, 1531), (1024, 1024), (77, 300), (300, 77), (4096, 4096), (130, 130)]:
-                for dt in (torch.bfloat16, torch.float16):
+                for dt, h_kv in ((dt, h_kv) for dt in (torch.bfloat16, torch.float16) for h_kv in kv_heads):
                     q = torch.randn(2, 3, nq, d, device="cuda", dtype=dt)
-                    k, v = (torch.randn(2, 3, nk, d, device="cuda", dtype=dt) for _ in range(2))
+                    k, v = (torch.randn(2, h_kv, nk, d, device="cuda", dtype=dt) for _ in range(2))
                     ref, ref_l = reference.attention(q.float(), k.float(), v.float(), causal, return_lse=True)
                     for variant in variants[d]:
                         o, lse = attention_fn(q, k, v, causal, variant)
                         eo, el = float((o.float() - ref).abs().max()), float((lse - ref_l).abs().max())
                         if not (eo < 2e-2 and el < 1e-3):
                             bad.append(
-                                f"d={d} causal={causal} {nq}x{nk} {dt} {variant}: O {eo:.3g} L {el:.3g}"
+                                f"d={d} causal={causal} {nq}x{nk} Hkv={h_kv} {dt} {variant}: "
+                                f"O {eo:.3g} L {el:.3g}"
                             )
     return bad
 
 
 def geomean(xs) -> float:
+    """Geometric mean of positive numbers (the sweeps' summary of ratios)."""
     return math.exp(sum(map(math.log, xs)) / len(xs))
 
 
 def sweep(variants, attention_fn, ns) -> list[tuple]:
-    """Time SDPA's default backend, the Triton forward (`config={"hopper": False}`) and every variant
-    of attention_fn on the standard shapes (bf16, B*N = 16k, H*d = 2048), all in one run; print
-    each cell and return rows (d, causal, N, SDPA TFLOP/s, Triton TFLOP/s, {variant: TFLOP/s})."""
-    from course_lib.attention import forward as F
-    from course_lib.perf.timing import attention_flops
-
+    """Time SDPA's default backend, the Triton forward (`attention_forward` with
+    config={"hopper": False}) and every variant of attention_fn on the standard shapes (bf16,
+    B*N = 16k, H*d = 2048), all in one run; print each cell and return rows
+    (d, causal, N, SDPA TFLOP/s, Triton TFLOP/s, {variant: TFLOP/s})."""
     bench = lambda fn: triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")  # noqa: E731
     rows = []
     for d in (64, 128):
@@ -254,7 +256,7 @@ def sweep(variants, attention_fn, ns) -> list[tuple]:
                 flops = attention_flops(b, h, n, n, d, causal)
                 tf = lambda ms: flops / ms * 1e-9  # noqa: B023,E731
                 default = tf(bench(lambda: Fn.scaled_dot_product_attention(q, k, v, is_causal=causal)))  # noqa: B023
-                ours = tf(bench(lambda: F.forward(q, k, v, causal, config={"hopper": False})))  # noqa: B023
+                ours = tf(bench(lambda: attention_forward(q, k, v, causal, config={"hopper": False})))  # noqa: B023
                 res = {t: tf(bench(lambda t=t: attention_fn(q, k, v, causal, t))) for t in variants[d]}  # noqa: B023
                 rows.append((d, causal, n, default, ours, res))
                 print(

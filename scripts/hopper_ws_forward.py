@@ -2,9 +2,10 @@
 
     COURSE_DEVICE=cuda python3 scripts/hopper_ws_forward.py [--ns 1024,4096,16384]
 
-Checks every variant below against a float32 reference (ragged, causal, Nq != Nk, bf16 and fp16),
-then times each on the standard shapes next to SDPA's default backend (cuDNN on an H200) and the
-Triton forward (`forward.forward(..., config={"hopper": False})`), all in the same run; the check and
+Checks every variant below against a float32 reference (ragged, causal, Nq != Nk, bf16 and fp16,
+K/V with as many heads as Q and with one: grouped-query attention), then times each on the standard
+shapes next to SDPA's default backend (cuDNN on an H200) and the Triton forward
+(`course_lib.attention.attention_forward(..., config={"hopper": False})`), all in the same run; the check and
 the timing loop are `scripts/hopper_gluon_forward.py`'s. What it measured, and how `hopper.choose`
 follows from it: notes/performance.md, "Fourth round".
 """
@@ -18,7 +19,7 @@ import time
 os.environ.setdefault("COURSE_DEVICE", "cuda")
 
 import torch  # noqa: E402
-from hopper_gluon_forward import check, geomean, sweep  # noqa: E402
+from hopper_gluon_forward import check, geomean, sweep  # noqa: E402  (this script's folder)
 
 from course_lib.attention import hopper  # noqa: E402
 
@@ -41,7 +42,7 @@ VARIANTS = {
 
 
 def attention(q, k, v, causal: bool, variant):
-    """(O, L) of contiguous q (B, H, Nq, d), k, v (B, H, Nk, d) with one variant of the kernel."""
+    """(O, L) of contiguous q (B, H, Nq, d), k, v (B, Hkv, Nk, d) with one variant of the kernel."""
     o = torch.empty_like(q)
     lse = torch.empty(q.shape[:-1], device=q.device, dtype=torch.float32)
     hopper.forward(q, k, v, o, lse, causal, q.shape[-1] ** -0.5, variant)
@@ -53,7 +54,7 @@ def main():
     ap.add_argument("--ns", default="1024,2048,4096,8192,16384")
     args = ap.parse_args()
     t0 = time.time()
-    bad = check(VARIANTS, attention)
+    bad = check(VARIANTS, attention, kv_heads=(3, 1))
     print("correctness:", "ok" if not bad else bad[:12], f"({time.time() - t0:.0f} s)", flush=True)
     rows = sweep(VARIANTS, attention, list(map(int, args.ns.split(","))))
     chosen = [r[5].get(hopper.choose(r[0], r[1], r[2], r[2]), r[4]) / r[3] for r in rows]

@@ -20,6 +20,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 import course_lib  # noqa: E402
+from course_lib.attention import FlashAttentionTriton, attention_backward, attention_forward  # noqa: E402
 from course_lib.runtime import tl, triton  # noqa: E402
 
 
@@ -122,18 +123,37 @@ def issue_us(fn):
     return per_call_us(fn)[1]
 
 
+class TimedBackward(FlashAttentionTriton):
+    """course_lib's autograd Function, with the wall time of each backward call appended to `spent`
+    (seconds): what the backward costs inside the autograd engine's thread."""
+
+    spent: list[float] = []
+
+    @staticmethod
+    def backward(ctx, do):
+        t0 = time.perf_counter()
+        grads = FlashAttentionTriton.backward(ctx, do)
+        TimedBackward.spent.append(time.perf_counter() - t0)
+        return grads
+
+
+class EmptyBackward(FlashAttentionTriton):
+    """course_lib's forward with a backward that launches nothing (returns dO three times: q, k and v
+    must have one shape), to see what the autograd machinery alone costs."""
+
+    @staticmethod
+    def backward(ctx, do):
+        return do, do, do, None, None
+
+
 def breakdown(d=128):
     """CPU cost of each layer of one course_lib forward+backward, on a small (1, 16, 1024, d) shape."""
-    from course_lib.attention import api
-    from course_lib.attention import backward as B
-    from course_lib.attention import forward as Fw
-
     q, k, v = (
         torch.randn(1, 16, 1024, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3)
     )
     do = torch.randn_like(q)
     qd, kd, vd = q.detach(), k.detach(), v.detach()
-    o, lse = Fw._forward(qd, kd, vd, True, d**-0.5, None, api._FAST)
+    o, lse = attention_forward(qd, kd, vd, True)
     ints = list(range(16, 16 * 31, 16))
     rows = {
         "torch.empty (1, 16, 1024, d) bf16": lambda: torch.empty(q.shape, dtype=q.dtype, device=q.device),
@@ -141,11 +161,9 @@ def breakdown(d=128):
         "triton launch, 9 tensors + 30 ints": lambda: noop40[(64,)](
             qd, kd, vd, o, do, qd, kd, vd, o, *ints, BLOCK=64
         ),
-        "forward._forward (allocs + 1 launch)": lambda: Fw._forward(
-            qd, kd, vd, True, d**-0.5, None, api._FAST
-        ),
-        "backward._backward (allocs + 2 launches)": lambda: B._backward(
-            do, qd, kd, vd, o, lse, True, d**-0.5, None, api._FAST, "two_kernel"
+        "attention_forward (checks, allocs, 1 launch)": lambda: attention_forward(qd, kd, vd, True),
+        "attention_backward (checks, allocs, 2 launches)": lambda: attention_backward(
+            do, qd, kd, vd, o, lse, True
         ),
         "flash_attention forward, no_grad": lambda: _no_grad(course_lib.flash_attention, q, k, v),
         "flash_attention forward + autograd.grad": providers(q, k, v, do)["course_lib"],
@@ -177,29 +195,16 @@ def breakdown(d=128):
     print(f"  {'the same, again':<48} {issue_us(fwd_bwd):7.1f}")
     sdpa = rows["SDPA FLASH forward + autograd.grad"]
     print(f"  {'SDPA FLASH forward + autograd.grad, again':<48} {issue_us(sdpa):7.1f}")
-    # The same _backward, timed inside the autograd engine's thread.
-    spent = []
-    original = api._backward
-
-    def timed(*a, **kw):
-        t0 = time.perf_counter()
-        out = original(*a, **kw)
-        spent.append(time.perf_counter() - t0)
-        return out
-
-    api._backward = timed
-    try:
-        total = issue_us(rows["autograd.grad of a kept forward"])
-    finally:
-        api._backward = original
-    inside = sum(spent[-300:]) / 300 * 1e6
-    print(f"  autograd.grad {total:.1f} us, of which _backward {inside:.1f} us (in the engine's thread)")
+    # The same backward, timed inside the autograd engine's thread.
+    o_timed = TimedBackward.apply(q, k, v, True)
+    total = issue_us(lambda: torch.autograd.grad(o_timed, (q, k, v), do, retain_graph=True))
+    inside = sum(TimedBackward.spent[-300:]) / 300 * 1e6
+    print(f"  autograd.grad {total:.1f} us, of which the backward {inside:.1f} us (in the engine's thread)")
 
 
 def stalls():
     """Per-call CPU time of course_lib's forward+backward at the full N = 1k cell: median vs mean (a mean
     far above the median means occasional long stalls), and with the launches or the backward removed."""
-    from course_lib.attention import api
 
     def show(name, fn):
         med, mean, p95 = per_call_us(fn)
@@ -219,10 +224,13 @@ def stalls():
         ):  # the backward on this thread, not the engine's
             show("course_lib, backward on the calling thread", fns["course_lib"])
             show("sdpa_flash, backward on the calling thread", fns["sdpa_flash"])
-        saved = api._backward
-        api._backward = lambda do, q, k, v, *rest: (do, do, do)
-        show("course_lib, backward launches nothing", fns["course_lib"])
-        api._backward = saved
+        do = torch.randn_like(q)
+        show(
+            "course_lib, backward launches nothing",
+            lambda q=q, k=k, v=v, do=do: torch.autograd.grad(
+                EmptyBackward.apply(q, k, v, True), (q, k, v), do
+            ),
+        )
         with torch.no_grad():
             show(
                 "course_lib forward only, no_grad",
@@ -251,37 +259,37 @@ def hopper_breakdown(d=128, n=1024, calls=300):
     import cProfile
     import pstats
 
-    from course_lib.attention import api, hopper
-    from course_lib.attention import forward as Fw
+    from course_lib.attention import hopper
 
     q, k, v = (torch.randn(1, 16, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     o, lse = torch.empty_like(q), torch.empty(q.shape[:-1], device="cuda")
     variant, scale = hopper.choose(d, False, n, n), d**-0.5
     block_n, stages, consumers, pingpong, persistent = variant
     descs = (
-        hopper._descriptor(q, hopper.QUERY_ROWS),
-        hopper._descriptor(k, block_n),
-        hopper._descriptor(v, block_n),
+        hopper.descriptor(q, hopper.QUERY_ROWS),
+        hopper.descriptor(k, block_n),
+        hopper.descriptor(v, block_n),
     )
     tiles = triton.cdiv(n, hopper.QUERY_ROWS * consumers) * 16
-    grid = (min(tiles, hopper._sm_count(0)) if persistent else tiles,)
+    grid = (min(tiles, hopper.sm_count(q.device.index)) if persistent else tiles,)
 
-    def launch_only():
-        hopper._fwd_ws_kernel[grid](
-            *descs, o, lse, scale, o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1),
-            16, 16, n, n, CAUSAL=False, HEAD_DIM=d, BLOCK_N=block_n, NUM_STAGES=stages,
+    def launch_only():  # B * H = 16 programs' heads, H = 16, GROUP = 1 (as many K/V heads as query heads)
+        hopper.fwd_ws_kernel[grid](
+            *descs, o, lse, scale * hopper.LOG2E,
+            o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1),
+            16, 16, 1, n, n, CAUSAL=False, HEAD_DIM=d, BLOCK_N=block_n, NUM_STAGES=stages,
             NUM_CONSUMERS=consumers, PINGPONG=pingpong, PERSISTENT=persistent, **hopper.launch_options(consumers),
         )  # fmt: skip
 
     rows = {
-        "three TMA descriptors (Python objects)": lambda: [hopper._descriptor(t, 128) for t in (q, k, v)],
+        "three TMA descriptors (Python objects)": lambda: [hopper.descriptor(t, 128) for t in (q, k, v)],
         "Gluon launch, descriptors built once": launch_only,
         "hopper.forward (descriptors + launch)": lambda: hopper.forward(
             q, k, v, o, lse, False, scale, variant
         ),
-        "forward._forward, Gluon kernel": lambda: Fw._forward(q, k, v, False, scale, None, api._FAST),
-        "forward._forward, Triton kernel": lambda: Fw._forward(
-            q, k, v, False, scale, None, dict(api._FAST, HOPPER=False)
+        "attention_forward, Gluon kernel": lambda: attention_forward(q, k, v, False, scale),
+        "attention_forward, Triton kernel": lambda: attention_forward(
+            q, k, v, False, scale, config={"hopper": False}
         ),
     }
     print(
