@@ -412,3 +412,36 @@ def test_gpu_rope_bf16_real_sizes(layout):
     back_q, back_k = rope(dq, dk, cos, -sin, positions=t, layout=layout)
     torch.testing.assert_close(q.grad, back_q)
     torch.testing.assert_close(k.grad, back_k)
+
+
+# ------------------------------------------------------------------------------------------ benchmark
+def test_bench_tables_and_targets_read_a_record(tmp_path):
+    """format_table, target_misses and save_plots on a made-up record (the measuring needs a GPU)."""
+    from course_lib.bench import fused as bench
+
+    def row(kernel, provider, mode, gbps, **cell):
+        return {"kernel": kernel, "provider": provider, "mode": mode, "status": "ok", "ms": 1.0, "gbps": gbps,
+                "copy_fraction": gbps / 4000, **cell}  # fmt: skip
+
+    data = {"dtype": "bfloat16", "copy_gbps": 4000.0, "targets": bench.TARGETS, "quick": True, "dw_modes": []}
+    data["rms_norm"] = [
+        row("rms_norm", p, m, g, T=16384, D=4096)
+        for m in ("fwd", "bwd")
+        for p, g in zip(bench.RMS_PROVIDERS, (500, 2000, 3000, 3600 if m == "fwd" else 2900))
+    ]
+    data["rope"] = [
+        row("rope", p, m, g, T=16384)
+        for m in ("fwd", "bwd")
+        for p, g in zip(bench.ROPE_PROVIDERS, (900, 3000, 3300))
+    ]
+    table = bench.format_table(data)
+    assert "| fwd | 16384 | 4096 | 500 | 2000 | 3000 | 3600 | 1.20x | 90 % |" in table, table
+    misses = bench.target_misses(data)
+    assert misses == [
+        "rms_norm mode=bwd T=16384 D=4096: 0.97x torch.compile (target >= 1.0x)",
+        "rms_norm mode=bwd T=16384 D=4096: 72% of the copy ceiling (target 85 %)",
+    ], misses
+    paths = bench.save_plots(data, tmp_path, "test")
+    assert all(p.exists() and p.stat().st_size > 0 for p in paths)
+    assert bench.rms_norm_bytes(4, 8, "fwd") == (2 * 32 + 8) * 2 + 16
+    assert bench.rope_bytes(1) == (2 * 40 * 128 + 2 * 128) * 2
