@@ -19,7 +19,8 @@ import os
 import tempfile
 import time
 
-# NVLink multicast (NVLS) stays off on the machines this runs on; set before NCCL starts.
+# NVLink multicast (NVLS) stays off (point-to-point transfers only; multicast can disturb a shared host);
+# set before NCCL starts.
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
 os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")

@@ -13,10 +13,15 @@ On a GPU machine the same code runs under `torchrun` with the NCCL backend inste
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import queue as queue_module
 import socket
 import time
 import traceback
+
+# NVLink multicast (NVLS) stays off: the ring needs point-to-point transfers only, and multicast can
+# disturb other jobs on a shared host. Set before NCCL starts.
+NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
 def free_port() -> int:
@@ -34,6 +39,8 @@ def _rank_main(fn, rank: int, world: int, port: int, args: tuple, results, backe
     torch.set_num_threads(1)  # the ranks share the machine's cores
     try:
         if backend == "nccl":
+            for name, value in NCCL_ENV.items():
+                os.environ.setdefault(name, value)
             torch.cuda.set_device(rank)
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
         value = fn(rank, world, *args)
