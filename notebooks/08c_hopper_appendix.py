@@ -1,0 +1,441 @@
+# ---
+# jupyter:
+#   jupytext:
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 08c · Appendix (optional): warp specialisation on Hopper, in Gluon
+#
+# Notebook 08's optimisation ladder ends with a forward that is not written in Triton's usual programming
+# model. This appendix explains that last rung: why a Triton kernel in which every warp does everything
+# leaves the tensor cores idle, how FlashAttention-3 (Shah et al. 2024, sections 3.1-3.2) gives warps
+# different jobs, and how course_lib's version (`course_lib/attention/hopper.py`, written in Gluon, Triton's
+# lower-level dialect) compares with the Triton kernel. Nothing later in the course depends on it; the
+# kernel itself runs only on Hopper GPUs (H100, H200), but everything here except the live measurement
+# runs on a CPU.
+#
+# **Learning goals**
+# 1. Explain why the tensor cores wait while the softmax runs, and how long, from the throughput of the
+#    matrix units and of the exponential units.
+# 2. Describe FlashAttention-3's warp specialisation: a producer warp issuing tile copies (TMA), consumer
+#    warpgroups taking turns on the tensor cores (ping-pong), and a persistent grid; and what Gluon
+#    exposes that Triton does not.
+# 3. Read `hopper.VARIANTS` and `hopper.choose`: what each field of a variant costs in shared memory and
+#    registers, and which variant runs for which shape.
+# 4. Compare the Gluon kernel with the Triton kernel from the recorded H200 run (measured live on a
+#    Hopper GPU), and explain where one wins.
+
+# %% [markdown]
+# ## 0. Sizes
+#
+# The live comparison (section 4) needs a Hopper GPU. Its cells keep the papers' B·N = 16k tokens and
+# H·d = 2048, causal, bf16; on a CPU there is nothing to measure, and the cells list is empty.
+
+# %%
+import math
+
+import matplotlib.pyplot as plt
+import torch
+import torch.nn.functional as F
+
+import course_lib
+from course_lib import records
+from course_lib.attention import forward, hopper
+from course_lib.exercises import check, predict
+from course_lib.perf import timing
+from course_lib.perf.plotting import bar_chart
+
+DEVICE = course_lib.DEVICE
+# (d, N) of the live comparison, all causal; B = 16384 // N, H = 2048 // d.
+CELLS = course_lib.pick(cpu=[], gpu=[(128, 2048), (128, 16384), (64, 2048), (64, 16384)])
+SM_MATMUL_FLOPS_PER_CLOCK, SM_EX2_PER_CLOCK = 4096, 16  # H100/H200: dense bf16 tensor cores; MUFU ex2
+SMEM_PER_PROGRAM = 227 * 1024  # bytes of shared memory one Hopper program (CTA) may use
+print(f"{course_lib.RUNTIME.describe()}; live cells (d, N): {CELLS or 'none (no GPU)'}")
+
+# %% [markdown]
+# ## 1. Why the tensor cores wait
+#
+# In the Triton forward of notebook 06, each program runs its inner loop step after step: load a K/V tile,
+# S = Q Kᵀ on the tensor cores, the online softmax on the ordinary and special-function units, then
+# O += P V on the tensor cores. The compiler can overlap a *load* with work (that is what `num_stages`
+# buys), but the softmax needs S and the next P V needs the softmax: within one warp the three happen one
+# after the other, and while the softmax runs, the tensor cores have nothing to do.
+#
+# How long is that? Per score, the two products cost 4d FLOPs on the tensor cores (about 4096 dense bf16
+# FLOPs per clock per SM on Hopper), and the softmax one exponential on the special-function units (`ex2`,
+# 16 per clock per SM). Measure both in clocks per score, and call the products' time **M** and the
+# softmax's **S** (notebook 08 derives the same "third" for the ladder):
+
+# %%
+def step_clocks(d: int) -> tuple[float, float]:
+    """Clocks per score on one SM: (M, S) = (the two products on the tensor cores, one exp2)."""
+    return 4 * d / SM_MATMUL_FLOPS_PER_CLOCK, 1 / SM_EX2_PER_CLOCK
+
+
+for d_head in (64, 128, 256):
+    M, S = step_clocks(d_head)
+    print(f"d = {d_head:3}: S / M = {S / M:.2f}; the tensor cores idle {S / (M + S):.0%} of a step")
+assert step_clocks(128)[1] / step_clocks(128)[0] == 0.5
+
+# %% [markdown]
+# So at d = 128 the tensor cores idle for a third of each step, at d = 64 for half, if nothing overlaps;
+# the rescaling multiplies, the running max and the conversions to bf16 add a little more. It is one reason
+# why the autotuned Triton forward of notebook 08's recorded ladder stays near 430 TFLOP/s, while a plain
+# bf16 matmul on the same H200 reaches about 716 (the hardware record of notebook 01).
+#
+# ## 2. Warps with different jobs
+#
+# The fix is to let *another* group of warps use the tensor cores while one group runs its softmax. On
+# Hopper the unit of matrix work is a **warpgroup** (4 warps, 128 threads): one `wgmma` instruction
+# multiplies a 64-row tile, asynchronously — the warpgroup issues it, carries on, and waits for the result
+# only when it needs it. FlashAttention-3 builds the forward from three ideas:
+#
+# - **A producer.** One warp does nothing but issue copies with TMA (Hopper's tile-copy engine): the
+#   program's Q block once, then K_j and V_j into a ring of `NUM_STAGES` shared-memory slots. Each slot
+#   has a `ready` barrier (the copy engine signals it when the data has landed) and an `empty` barrier
+#   (each consumer signals it when done with the slot). The producer needs few registers: `setmaxnreg`
+#   gives it 24 per thread and hands the rest to the consumers.
+# - **Consumers taking turns (ping-pong).** Two or three consumer warpgroups each own 64 query rows of the
+#   tile and keep their m, l and O accumulator (64 x d, fp32) in registers. A `turn` barrier passed round
+#   the consumers makes them issue their products one after the other, so one consumer's softmax runs
+#   while another's products keep the tensor cores busy.
+# - **Overlap inside a consumer.** Step j issues S_j = Q K_jᵀ *and* the previous step's O += P_{j-1}
+#   V_{j-1}, waits only for S_j, and computes S_j's softmax while P_{j-1} V_{j-1} is still running.
+#
+# A **persistent grid** is optional on top: one program per SM loops over tiles, so one tile's epilogue
+# (normalising and storing O) overlaps the next tile's first loads.
+#
+# Triton's language has no way to say "these warps run this function, those warps that one" (Triton 3.6's
+# automatic `warp_specialize=True` failed to compile for this kernel with 4 warps and ran slower with 8,
+# `notes/performance.md`). Gluon keeps Triton's Python syntax but exposes the layout of every tensor,
+# shared-memory allocation, mbarriers, TMA copies, `warpgroup_mma` with explicit waits and
+# `gl.warp_specialize` (a function per role). course_lib's kernel is about 450 lines of it.
+#
+# A simple model of the schedule shows what ping-pong buys. Each step of a consumer is M on the tensor
+# cores followed by S of softmax; the tensor cores run one product at a time. Below, the same amount of
+# work (eight tiles of 64 rows) done by one warpgroup that does everything in turn, and by two consumers
+# that take turns:
+
+# %%
+def schedule(n_tiles: int, m: float, s: float, consumers: int) -> tuple[list, float]:
+    """Greedy schedule of n_tiles steps (each: m on the tensor cores, then s of softmax), dealt round-robin
+    to `consumers` warpgroups that share the tensor cores. Returns ([(consumer, kind, start, length)],
+    end time)."""
+    tc_free, ready, bars = 0.0, [0.0] * consumers, []
+    for t in range(n_tiles):
+        c = t % consumers
+        start = max(tc_free, ready[c])  # the tensor cores are free and this consumer's softmax is done
+        tc_free = start + m
+        ready[c] = tc_free + s
+        bars += [(c, "products (tensor cores)", start, m), (c, "softmax", tc_free, s)]
+    return bars, max(ready)
+
+
+M, S = step_clocks(128)
+fig, axes = plt.subplots(2, 1, figsize=(11, 4.8), sharex=True, layout="constrained")
+for ax, consumers in zip(axes, (1, 2)):
+    bars, end = schedule(8, M, S, consumers)
+    for c, kind, start, length in bars:
+        color = "tab:blue" if kind.startswith("products") else "tab:orange"
+        ax.barh(c, length, left=start, color=color, edgecolor="white", label=kind)
+    ax.set_yticks(range(consumers), [f"warpgroup {c}" for c in range(consumers)])
+    ax.set_title(f"{consumers} warpgroup{'s' if consumers > 1 else ''}: the 8 steps end at {end:.2f}")
+handles, labels = axes[0].get_legend_handles_labels()
+axes[1].legend(handles[:2], labels[:2], loc="lower right")
+axes[1].set_xlabel("time (clocks per score of a tile, d = 128)")
+plt.show()
+
+# %% [markdown]
+# **Exercise 1 — the ping-pong ceiling.** Two consumers, each doing steps of M on the tensor cores then S
+# of softmax, the tensor cores shared. In the long run, how many times faster than one warpgroup doing
+# everything in turn can they be? Write `pingpong_speedup(m, s)`. (Think of a pair of steps, one from each
+# consumer: what must the tensor cores do in it, and what must each consumer do in it?)
+
+# %%
+def pingpong_speedup(m: float, s: float) -> float:
+    ### BEGIN SOLUTION
+    return 2 * (m + s) / max(2 * m, m + s)
+    ### END SOLUTION
+
+
+# %% tags=["check"]
+check(
+    "ping-pong speed-up",
+    lambda: [pingpong_speedup(*step_clocks(d)) for d in (64, 128, 256)],
+    [2.0, 1.5, 1.25],
+    hints=[
+        "One warpgroup alone takes 2 (M + S) for two steps. With two, in a pair of steps the tensor cores "
+        "must run 2 M, and each consumer must run its own M + S: the pair takes the longer of the two.",
+        "pingpong_speedup = 2 * (m + s) / max(2 * m, m + s)",
+    ],
+)
+
+# %% [markdown]
+# At d = 128 the ceiling is 1.5x over a kernel that overlaps nothing. The prediction written next to the
+# ladder's rung (before it was measured) was lower, ~1.2x: the Triton kernel already overlaps loads, every
+# hand-over costs a barrier, and the tiles on the causal diagonal are short. The last cell of section 4
+# shows what was measured.
+#
+# ## 3. The variants, and which one runs
+#
+# A variant is a tuple `(BLOCK_N, NUM_STAGES, NUM_CONSUMERS, PINGPONG, PERSISTENT)`. `hopper.VARIANTS`
+# lists the ones the tests check for each head dimension; `hopper.choose(d, causal, n_q, n_k)` returns the
+# one to run for a shape, or None where the Triton kernel measured faster.
+
+# %%
+FIELDS = ("BLOCK_N", "NUM_STAGES", "NUM_CONSUMERS", "PINGPONG", "PERSISTENT")
+for d_head, variants in hopper.VARIANTS.items():
+    for v in variants:
+        opts = hopper.launch_options(v[2])
+        warps = 4 * v[2] + 4
+        fields = ", ".join(f"{name}={val}" for name, val in zip(FIELDS, v))
+        print(f"d = {d_head:3}: {fields}")
+        print(f"         {v[2] * hopper.QUERY_ROWS} query rows per program, {warps} warps, "
+              f"{opts['CONSUMER_REGS']} registers per consumer thread")  # fmt: skip
+
+# %% [markdown]
+# Shared memory limits the variants. A program holds its Q block (64 rows per consumer) and `NUM_STAGES`
+# slots of K_j and V_j (BLOCK_N rows each), all d wide, in bf16; one Hopper program may use at most
+# 227 KB.
+#
+# **Exercise 2 — the shared-memory budget.** Write `smem_bytes(variant, d)`: the bytes of shared memory a
+# variant's tiles take at head dimension d (2 bytes per element).
+
+# %%
+def smem_bytes(variant: tuple, d: int) -> int:
+    block_n, stages, consumers, _pingpong, _persistent = variant
+    ### BEGIN SOLUTION
+    return (hopper.QUERY_ROWS * consumers + 2 * stages * block_n) * d * 2
+    ### END SOLUTION
+
+
+# %% tags=["check"]
+check(
+    "shared memory of a variant",
+    lambda: [smem_bytes(hopper.D128_SHORT, 128), smem_bytes(hopper.D64, 64), smem_bytes((64, 4, 2, True, False), 128)],
+    [229376, 122880, 163840],
+    parts=["D128_SHORT at d = 128", "D64 at d = 64", "BLOCK_N 64, 4 stages, 2 consumers, d = 128"],
+    hints=[
+        "Count rows of d elements: the Q block has 64 rows per consumer; each stage holds one K and one V "
+        "tile of BLOCK_N rows. Each element is 2 bytes.",
+        "smem_bytes = (64 * consumers + 2 * stages * block_n) * d * 2",
+    ],
+)
+
+# %% [markdown]
+# Every variant fits, and the d = 128 ones use nearly all of it: a fourth stage would not fit, which is
+# why stages, not consumers, were the knob that mattered most in the sweeps (2 stages measured 0.68-0.71x
+# SDPA, 3 stages 0.89x; `notes/performance.md`).
+
+# %%
+for d_head, variants in hopper.VARIANTS.items():
+    for v in variants:
+        used = (hopper.QUERY_ROWS * v[2] + 2 * v[1] * v[0]) * d_head * 2
+        assert used <= SMEM_PER_PROGRAM, (d_head, v, used)
+        print(f"d = {d_head:3}, {v}: {used / 1024:5.0f} KB of {SMEM_PER_PROGRAM // 1024} KB")
+
+print("\nhopper.choose for causal attention (None: the Triton kernel runs):")
+for d_head in (64, 128):
+    for n in (1024, 2048, 4096, 8192, 16384):
+        print(f"  d = {d_head:3}, N = {n:5}: {hopper.choose(d_head, True, n, n)}")
+
+# %% [markdown]
+# The rule behind `choose` came from sweeps on an H200: at d = 128 the Gluon kernel wins except on short
+# causal rows (N <= 1k), persistent while a tile has few K/V blocks; at d = 64 the exponentials, not the
+# tensor cores, set the pace (S = M in section 1: ping-pong cannot hide a softmax as long as the products),
+# so it wins only on long rows.
+#
+# ### The persistent grid's schedule
+#
+# With one program per SM (132 on an H200), program `pid` must be given its tiles. The first attempt dealt
+# them round-robin in head-major order (tiles pid, pid + 132, pid + 264, ...). With a causal mask, tiles
+# differ in length: query block i visits about i + 1 K/V blocks. Count each tile's work as its K/V blocks
+# plus one (for its epilogue).
+#
+# **Exercise 3 — round-robin loads.** Write `round_robin_loads(work, programs)`: given the work of each
+# tile in launch order, the total work of each program when program p takes tiles p, p + programs,
+# p + 2·programs, ... (a list of `programs` numbers).
+
+# %%
+def round_robin_loads(work: list[int], programs: int) -> list[int]:
+    ### BEGIN SOLUTION
+    return [sum(work[p::programs]) for p in range(programs)]
+    ### END SOLUTION
+
+
+# %% tags=["check"]
+check(
+    "round-robin loads",
+    lambda: (round_robin_loads([5, 1, 4, 2, 3], 2), round_robin_loads(list(range(10)), 4)),
+    ([12, 3], [12, 15, 8, 10]),
+    parts=["5 tiles on 2 programs", "10 tiles on 4 programs"],
+    hints=[
+        "Program p takes every `programs`-th tile, starting at tile p. Python's slicing does exactly that.",
+        "return [sum(work[p::programs]) for p in range(programs)]",
+    ],
+)
+
+# %% [markdown]
+# Apply it to a cell of the benchmark: d = 64, causal, N = 4096, B = 4, H = 32, three consumers (192 query
+# rows per tile), K/V blocks of 128, 132 programs. Then deal the same tiles longest first, in "snake"
+# order (left to right, then right to left), which is what course_lib's persistent kernel does:
+
+# %%
+def causal_tile_work(n: int, rows: int, block_n: int, heads: int) -> list[int]:
+    """Work of each tile (K/V blocks visited + 1), head-major order, for a causal forward."""
+    per_head = [math.ceil(min(n, (i + 1) * rows) / block_n) + 1 for i in range(math.ceil(n / rows))]
+    return per_head * heads
+
+
+def program_loads(work: list[int], programs: int, snake: bool = False) -> list[int]:
+    """Total work per program when tile i goes to program i % programs, in reverse on odd rounds if `snake`
+    (course_lib's stand-in for Exercise 3, so that this cell runs whatever your answer)."""
+    loads = [0] * programs
+    for i, w in enumerate(work):
+        rnd, k = divmod(i, programs)
+        loads[programs - 1 - k if snake and rnd % 2 else k] += w
+    return loads
+
+
+work = causal_tile_work(4096, 3 * hopper.QUERY_ROWS, 128, heads=4 * 32)
+schedules = {
+    "round-robin": program_loads(work, 132),
+    "longest first, snake": program_loads(sorted(work, reverse=True), 132, snake=True),
+}
+for name, loads in schedules.items():
+    mean = sum(loads) / len(loads)
+    print(f"{name:22}: busiest program {max(loads)}, mean {mean:.1f}: the grid takes {max(loads) / mean:.2f}x "
+          "the balanced time")  # fmt: skip
+assert max(schedules["longest first, snake"]) < max(schedules["round-robin"])
+
+# %% [markdown]
+# 132 is a multiple of the 22 query blocks per head, so round-robin gives each program the *same* query
+# block of every head it visits: the program holding the last (longest) blocks does far more than the
+# mean, and the whole grid waits for it. The longest-first snake order is nearly balanced. (On the H200 the
+# round-robin schedule measured 226 TFLOP/s at this cell against 360 for one program per tile;
+# `notes/performance.md`, fourth round.)
+#
+# ## 4. The Gluon kernel against the Triton kernel
+#
+# Before you look: at d = 128, causal, N = 4096, how many times faster is the Gluon forward than the
+# autotuned Triton forward? Section 2's ceiling and the prediction next to the ladder's rung are two
+# estimates.
+
+# %%
+gluon_guess = predict("Gluon forward over the Triton forward (d = 128, causal, N = 4096)", 1.3, unit="x")
+
+# %% [markdown]
+# Notebook 08's ladder measured exactly that cell as its last two forward rungs:
+
+# %%
+ladder_rec = records.load_record("ladder")
+if ladder_rec is None:
+    print("No recorded ladder in assets/benchmarks/ yet: run `make bench` on a GPU to record one.")
+else:
+    rungs = {s["name"]: s for s in ladder_rec["data"]["steps"] if s["pass_"] == "fwd" and s.get("status") == "ok"}
+    triton_rung = rungs.get("autotuned (Triton)")
+    gluon_rung = next((s for name, s in rungs.items() if name.startswith("warp-specialised")), None)
+    if triton_rung and gluon_rung:
+        print(f"Triton, autotuned:       {triton_rung['tflops']:5.0f} TFLOP/s ({triton_rung['ms']:.3f} ms)")
+        print(f"Gluon, warp-specialised: {gluon_rung['tflops']:5.0f} TFLOP/s ({gluon_rung['ms']:.3f} ms)")
+        print(records.label(ladder_rec))
+        _ = gluon_guess.score(triton_rung["ms"] / gluon_rung["ms"])
+
+# %% [markdown]
+# Across shapes: on a Hopper GPU the next cell times the Triton forward, every variant of `hopper.VARIANTS`
+# and SDPA's default backend at the cells of section 0, and records them (`hopper_forward`); elsewhere it
+# shows the newest record.
+
+# %%
+HOPPER_GPU = course_lib.ON_GPU and torch.cuda.get_device_capability(DEVICE)[0] == 9
+
+
+def measure_hopper_forward() -> dict:
+    """TFLOP/s of the Triton forward, each Gluon variant and SDPA's default, causal bf16, per cell."""
+    results = []
+    for d_head, n in CELLS:
+        b, h = 16384 // n, 2048 // d_head
+        q, k, v = (torch.randn(b, h, n, d_head, device=DEVICE, dtype=torch.bfloat16) for _ in range(3))
+        scale, flop = d_head**-0.5, timing.attention_flops(b, h, n, n, d_head, causal=True)
+        o_ref, _ = forward.forward(q, k, v, True, scale, config={"hopper": False})
+        o, lse = torch.empty_like(q), torch.empty(b, h, n, device=DEVICE, dtype=torch.float32)
+        runs = {"Triton": lambda: forward.forward(q, k, v, True, scale, config={"hopper": False})}
+        for variant in hopper.VARIANTS[d_head]:
+            runs[str(variant)] = lambda variant=variant: hopper.forward(q, k, v, o, lse, True, scale, variant)
+        runs["SDPA default"] = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        for name, fn in runs.items():
+            fn()
+            diff = (o - o_ref).abs().max().item() if name.startswith("(") else None
+            assert diff is None or diff < 2e-2, f"Gluon variant {name}, d={d_head}, N={n}: max |diff| {diff}"
+            ms = timing.benchmark(fn, warmup_ms=10, rep_ms=50)
+            results.append({"d": d_head, "N": n, "B": b, "H": h, "kernel": name, "ms": ms,
+                            "tflops": flop / (ms * 1e-3) / 1e12, "max_abs_diff_vs_triton": diff})  # fmt: skip
+    chosen = {f"{d_head},{n}": str(hopper.choose(d_head, True, n, n)) for d_head, n in CELLS}
+    return {"causal": True, "dtype": "bfloat16", "results": results, "chosen": chosen}
+
+
+missing = (
+    "No recorded `hopper_forward` run in assets/benchmarks/ yet. On a Hopper GPU this cell measures it: per "
+    "cell (d, N), the Triton forward, each Gluon variant and SDPA's default in TFLOP/s, with the variant "
+    "`hopper.choose` picks."
+)
+if HOPPER_GPU:
+    got = records.measured_or_recorded("hopper_forward", measure_hopper_forward, missing=missing)
+else:
+    rec = records.load_record("hopper_forward")
+    got = None if rec is None else (rec["data"], records.label(rec))
+    if rec is None:
+        print(missing)
+if got is not None:
+    data, source = got
+    cells = sorted({(r["d"], r["N"]) for r in data["results"]})
+    kernels = list(dict.fromkeys(r["kernel"] for r in data["results"]))
+    tf = {(r["d"], r["N"], r["kernel"]): r["tflops"] for r in data["results"]}
+    _, ax = plt.subplots(figsize=(12.5, 5.5), layout="constrained")
+    series = {kname: [tf.get((d, n, kname)) for d, n in cells] for kname in kernels}
+    bar_chart([f"d={d}, N={n}" for d, n in cells], series, xlabel="cell (causal, bf16, B·N = 16k)",
+              ylabel="TFLOP/s (higher is better)", title=f"Causal forward: Triton, Gluon variants, SDPA\n{source}",
+              ax=ax, fmt="{:.0f}")  # fmt: skip
+    plt.show()
+    for d, n in cells:
+        pick = data["chosen"][f"{d},{n}"]
+        best = max(kernels, key=lambda kname: tf.get((d, n, kname), 0.0))
+        runs = "the Triton kernel" if pick == "None" else f"variant {pick}"
+        print(f"d = {d:3}, N = {n:5}: choose runs {runs}; fastest here: {best}")
+
+# %% [markdown]
+# Read the figure against section 3: where `choose` runs the Triton kernel, no Gluon variant should be far
+# ahead, and where it runs a variant, that variant should be at or near the top. A cell where the printed
+# "fastest" differs from `choose`'s pick by more than a few percent is worth a second run: between runs,
+# clocks and temperature move figures by a few percent.
+#
+# ## Summary
+# - In the Triton forward every warp loads, multiplies and exponentiates in turn, so the tensor cores idle
+#   during each softmax: from the units' throughputs, S / M = 64 / d of a step's products (a third of a
+#   step at d = 128, half at d = 64).
+# - FlashAttention-3 gives warps different jobs: a producer warp issues TMA copies into a ring of
+#   shared-memory stages, consumer warpgroups (64 query rows each) take turns on the tensor cores
+#   (ping-pong) and overlap their own softmax with their previous P V. The ceiling for two consumers is
+#   2(M + S) / max(2M, M + S): 1.5x at d = 128.
+# - Triton cannot express roles for warps; Gluon, Triton's lower-level dialect, exposes layouts, shared
+#   memory, mbarriers, TMA, asynchronous `warpgroup_mma` and `warp_specialize`.
+# - Shared memory (227 KB per program) bounds the variants; stages mattered most. A persistent grid needs a
+#   balanced schedule: round-robin over causal tiles can leave one program with far more than its share.
+# - course_lib runs the Gluon kernel where `hopper.choose` says it measured faster (d = 128 except short
+#   causal rows; d = 64 on long rows) and the Triton kernel elsewhere.
+#
+# ## Exercises
+# 4. On a Hopper GPU, time `hopper.forward` with each of `hopper.VARIANTS` at d = 128, causal, N = 2k and
+#    16k (section 4 does it for you: change `CELLS`). Which wins where, and why would a persistent grid
+#    help short tiles most?
+# 5. Change `schedule` so that each consumer also overlaps its own softmax with its previous P V (split M
+#    into the two products, S = Q Kᵀ first). How much does one consumer gain on its own?
+# 6. Three consumers at d = 64: extend Exercise 1's reasoning to k consumers. Why did three beat two at
+#    d = 64 in the sweeps, but not at d = 128?
