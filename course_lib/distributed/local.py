@@ -5,8 +5,9 @@ Ring attention splits one attention into blocks: the queries a rank holds agains
 hand. Each block gives a partial result (O, L) over its keys, merged across steps with the logsumexp
 rule (`course_lib.attention.merge`). Two ways to compute a block:
 
-- backend "triton": course_lib's FlashAttention-2 kernels (`attention_forward`, `attention_backward`),
-  compiled on a GPU, through Triton's interpreter on the CPU (exact, but slow there);
+- backend "triton": course_lib's FlashAttention-2 kernels (`attention_forward`, `attention_backward`,
+  grouped-query attention without repeating K/V), compiled on a GPU, through Triton's interpreter on
+  the CPU (exact, but slow there);
 - backend "torch": the same maths in plain PyTorch, S = Q K^T materialised per block (fine for the
   small CPU runs of the notebook and the tests; any dtype including float64).
 "auto" takes "triton" for CUDA tensors and "torch" for CPU tensors.
@@ -82,17 +83,6 @@ def torch_block_backward(do, q, k, v, o, lse, causal: bool, scale: float):
     return dq.reshape(q.shape).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
-def _expand(kv: torch.Tensor, heads: int) -> torch.Tensor:
-    """k or v (B, Hkv, N, d) repeated to (B, heads, N, d) for kernels that need one K/V per query head."""
-    return kv if kv.shape[1] == heads else kv.repeat_interleave(heads // kv.shape[1], dim=1)
-
-
-def _fold(dkv: torch.Tensor, heads_kv: int) -> torch.Tensor:
-    """Sum a (B, H, N, d) gradient over the query heads that share each of the heads_kv K/V heads."""
-    B, H, N, d = dkv.shape
-    return dkv if H == heads_kv else dkv.reshape(B, heads_kv, H // heads_kv, N, d).sum(2)
-
-
 def block_forward(q, k, v, causal: bool, scale: float, backend: str):
     """(O, L) of attention of q against the keys k, v (shapes in the module docstring).
 
@@ -101,8 +91,8 @@ def block_forward(q, k, v, causal: bool, scale: float, backend: str):
         return torch_block_forward(q, k, v, causal, scale)
     from ..attention import attention_forward
 
-    H = q.shape[1]
-    return attention_forward(q, _expand(k, H), _expand(v, H), causal, scale)
+    # Contiguous blocks: the Hopper forward takes only those, and the copy is O(N d) against O(N^2 d) work.
+    return attention_forward(q.contiguous(), k.contiguous(), v.contiguous(), causal, scale)
 
 
 def block_backward(do, q, k, v, o, lse, causal: bool, scale: float, backend: str):
@@ -111,6 +101,4 @@ def block_backward(do, q, k, v, o, lse, causal: bool, scale: float, backend: str
         return torch_block_backward(do, q, k, v, o, lse, causal, scale)
     from ..attention import attention_backward
 
-    H, Hkv = q.shape[1], k.shape[1]
-    dq, dk, dv = attention_backward(do, q, _expand(k, H), _expand(v, H), o, lse, causal, scale)
-    return dq, _fold(dk, Hkv), _fold(dv, Hkv)
+    return attention_backward(do, q, k, v, o, lse, causal, scale)  # GQA: dK, dV summed over each group
