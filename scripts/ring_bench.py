@@ -30,6 +30,9 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+# Each process uses its own GPU from the start (course_lib looks at the current device when imported).
+torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+
 import course_lib  # noqa: E402
 from course_lib import records  # noqa: E402
 from course_lib.distributed import figures, ring_attention, shard  # noqa: E402
@@ -92,9 +95,13 @@ def measure_one_gpu(n: int) -> float | None:
     t = torch.zeros((), device="cuda")
     if dist.get_rank() == 0:
         try:
-            q, k, v, do = (x.requires_grad_() for x in full_inputs(n))
+            q, k, v, do = full_inputs(n)
+            for x in (q, k, v):
+                x.requires_grad_()
 
             def step():
+                for x in (q, k, v):
+                    x.grad = None
                 course_lib.flash_attention(q, k, v, causal=True).backward(do)
 
             step()
@@ -240,9 +247,7 @@ def run(quick: bool) -> dict:
 
 
 def main(quick: bool = False) -> None:
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    torch.cuda.set_device(local_rank)
-    dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+    dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
     try:
         data = run(quick)
         if dist.get_rank() == 0:
