@@ -272,9 +272,11 @@ for s in ("contiguous", "zigzag"):
 #
 # PyTorch ships context parallelism as a prototype: `torch.distributed.tensor.experimental.context_parallel`
 # shards the given buffers along the sequence (with a head-tail load balancer: zigzag by another name) and,
-# inside the `with` block, replaces `scaled_dot_product_attention` by a ring version built on the same
-# merge. It dispatches on the CUDA attention kernels (flash, memory-efficient, cuDNN), so it runs on GPUs
-# only. On two GPUs, as in `scripts/ring_bench.py`:
+# inside the `with` block, replaces `scaled_dot_product_attention` by a version built on the same merge of
+# partial results. By default it collects the other ranks' K/V with an all-gather rather than passing them
+# around a ring (`set_rotate_method("alltoall")` exchanges them step by step instead). It dispatches on
+# the CUDA attention kernels (flash, memory-efficient, cuDNN), so it runs on GPUs only. On two GPUs, as in
+# `scripts/ring_bench.py`:
 #
 # ```python
 # mesh = init_device_mesh("cuda", (world,))
