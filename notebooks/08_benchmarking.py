@@ -396,8 +396,9 @@ else:
 # `forward.forward` and `backward.backward` (`"exp2"`, `"skip_masked_blocks"`, `BLOCK_M`, `BLOCK_N`,
 # `num_warps`, `num_stages`; `config=None` is the tuned kernel) and the backward's work split `dq_mode`.
 # The forward's last rung leaves Triton's programming model: on a Hopper GPU, `config=None` runs a
-# warp-specialised kernel written in Gluon (`course_lib/attention/hopper.py`), and `{"hopper": False}`
-# keeps the autotuned Triton kernel (on other GPUs and the CPU the two rungs are the same kernel).
+# warp-specialised kernel written in Gluon (`course_lib/attention/hopper.py`; the optional appendix
+# notebook 08c explains it), and `{"hopper": False}` keeps the autotuned Triton kernel (on other GPUs and
+# the CPU the two rungs are the same kernel).
 # Each rung carries a gain **predicted** from bytes and FLOPs, written next to it in `course_lib.bench`,
 # *before* it was measured. The shape: d = 128, N = 4096, causal, bf16, B·N = 16k tokens.
 
@@ -432,11 +433,11 @@ for step in bench.LADDER:
 # - **Pipeline stages.** With `num_stages` > 1 the loads of the next K/V tile are issued while the tensor
 #   cores work on the current one, hiding memory latency.
 # - **Warp specialisation (Hopper).** In the Triton kernel every warp loads, multiplies and exponentiates
-#   in turn, so the tensor cores idle during each softmax (about a third of a step at d = 128). In the
-#   Gluon kernel one warp only issues tile copies (TMA), and two consumer warpgroups, 64 query rows each,
-#   take turns on the tensor cores: one's softmax runs while the other's products do (FlashAttention-3's
-#   ping-pong), and each also starts its next S = Q K^T before it exponentiates the current one.
-#   Predicted ~1.2x: the softmax hidden, less the synchronisation and the causal diagonal's short tiles.
+#   in turn, so the tensor cores idle during each softmax (about a third of a step at d = 128). The Gluon
+#   kernel gives warps different jobs so that one group's softmax runs while another's products do
+#   (FlashAttention-3). Predicted ~1.2x: the softmax hidden, less the synchronisation and the causal
+#   diagonal's short tiles. How it works, its variants and its comparison with the Triton kernel across
+#   shapes: the optional appendix, notebook 08c.
 # - **The backward's work split.** The two-kernel backward computes dK, dV in one kernel and dQ in
 #   another, which recomputes S and dP: 7 tile matmuls instead of 5. The atomic variant does one pass and
 #   adds dQ with fp32 atomics instead: fewer FLOPs, more (atomic) memory traffic.
@@ -579,15 +580,9 @@ if att_rec is not None:
 # still the Triton kernels of notebook 07, where every warp does everything in turn.
 #
 # cuDNN's lead over a Triton kernel comes from overlapping the softmax with the matrix products, which
-# needs warps with different jobs. `notes/performance.md` records each attempt at that, predicted and
-# measured:
-# - Triton 3.6's automatic warp specialisation (`tl.range(..., warp_specialize=True)`): for this kernel it
-#   failed to compile with 4 warps and ran slower with 8.
-# - Gluon with asynchronous `warpgroup_mma` and explicit waits, but no specialised warps
-#   (`scripts/hopper_gluon_forward.py`): level with the Triton kernel, no better.
-# - Gluon with a producer warp, consumer warpgroups taking turns, and a persistent grid
-#   (`course_lib/attention/hopper.py`, swept by `scripts/hopper_ws_forward.py`): the kernel course_lib
-#   now runs on Hopper wherever it measured faster (`hopper.choose`). The ladder's last forward rung is it.
+# needs warps with different jobs: course_lib's forward does that on Hopper with a Gluon kernel wherever
+# it measured faster (`hopper.choose`). Notebook 08c (optional) explains that kernel and compares it with
+# the Triton one; `notes/performance.md` records each attempt, predicted and measured.
 #
 # **Why notebook 06's recorded comparison disagrees with this one.** Notebook 06's record (d = 64) has its
 # fixed-config kernel ahead of the tuned `course_lib.flash_attention` in most non-causal cells and SDPA ahead
@@ -839,8 +834,7 @@ check("predicted ladder total", lambda: predicted_total(fwd_steps), math.prod(s.
 #   Nsight Compute one kernel's hardware counters.
 # - Optimise one step at a time, predict each step from bytes and FLOPs, measure, and explain the gap.
 # - Past a point the limit is not bytes or FLOPs but overlap: on Hopper the forward's last step gives warps
-#   different jobs (a TMA producer, consumer warpgroups taking turns), which Triton cannot express and
-#   Gluon can.
+#   different jobs, which Triton cannot express and Gluon can (the optional appendix, notebook 08c).
 # - `make bench` records course_lib against every SDPA backend and standard attention, with plots and a
 #   ratio table; the notebooks show those records, labelled, wherever there is no GPU.
 #
@@ -851,6 +845,5 @@ check("predicted ladder total", lambda: predicted_total(fwd_steps), math.prod(s.
 #    compare the achieved occupancy and the "Compute (SM) Throughput".
 # 7. Add a rung to the ladder (for example BLOCK_N = 128 in the forward): write its predicted gain and
 #    the reason first, then measure it with `bench.ladder(steps=...)`.
-# 8. On a Hopper GPU, time `hopper.forward` with each of `hopper.VARIANTS` (ping-pong on and off, one
-#    program per tile or per SM) at d = 128, causal, N = 2k and 16k. Which wins where, and why would a
-#    persistent grid help short tiles most?
+# 8. Notebook 08c (optional) takes the ladder's last forward rung apart: the Gluon kernel's variants
+#    against the Triton kernel, and three exercises on why and where it wins.
