@@ -197,3 +197,23 @@ def test_fake_implementation_on_meta_tensors():
     o, lse = torch.ops.course_lib.flash_attention_forward(q, kv, kv, "bottom_right", 0.125)
     assert (o.shape, o.dtype, o.device.type) == (q.shape, torch.bfloat16, "meta")
     assert (lse.shape, lse.dtype) == (q.shape[:-1], torch.float32)
+
+
+def test_compiled_flash_attention_is_the_operator():
+    """course_lib.flash_attention itself goes through the custom operator: torch.compile(fullgraph=True)
+    of a function calling it matches eager forward and backward, with no graph break."""
+    torch.manual_seed(11)
+    q, k, v = (torch.randn(1, 4, 40, 16, device=course_lib.DEVICE, requires_grad=True) for _ in range(3))
+    kk, vv = (t.detach()[:, :2].clone().requires_grad_(True) for t in (k, v))  # GQA: 4 query heads, 2 K/V heads
+    fn = lambda q, k, v: course_lib.flash_attention(q, k, v, causal="bottom_right")  # noqa: E731
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    o = compiled(q, kk, vv)
+    o.backward(torch.ones_like(o))
+    grads = [t.grad.clone() for t in (q, kk, vv)]
+    for t in (q, kk, vv):
+        t.grad = None
+    o_eager = fn(q, kk, vv)
+    o_eager.backward(torch.ones_like(o_eager))
+    torch.testing.assert_close(o, o_eager)
+    for g, t in zip(grads, (q, kk, vv)):
+        torch.testing.assert_close(g, t.grad)

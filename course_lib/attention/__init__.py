@@ -8,6 +8,11 @@
 - `hopper`: FlashAttention-3's warp-specialised forward in Gluon, which `forward.forward` runs on
   Hopper GPUs where it is faster (imported on first use there; 08).
 - `api`: `flash_attention(q, k, v, causal=...)` and the autograd Function `FlashAttentionTriton`.
+- `op`: the kernels as PyTorch custom operators, so `torch.compile` keeps them whole (08b).
+- `blocks`: which K/V blocks a query block visits (causal alignment, splits) and its Python twin.
+- `configs`, `launch`: named launch configurations and how a call picks one; `inputs`: input checks.
+- `merge`: merging partial (O, L) results, for split-KV decoding (09) and ring attention (13).
+- `animate`: the loops step by step, as strips and sliders (04, 04b, 05, 07).
 
 `attention_forward` and `attention_backward` are the kernels as plain functions, for code that
 combines partial results itself (split-KV decoding, ring attention): the forward returns (O, L), the
@@ -21,6 +26,7 @@ from .api import FlashAttentionTriton, flash_attention
 from .backward import backward as attention_backward
 from .forward import SUPPORTED_HEAD_DIMS
 from .forward import forward as attention_forward
+from .op import flash_attention_op
 from .tiled import FlashAttentionTorch
 
 __all__ = [
@@ -31,5 +37,6 @@ __all__ = [
     "attention_forward",
     "backward",
     "flash_attention",
+    "flash_attention_op",
     "forward",
 ]

@@ -17,6 +17,7 @@ from .backward import _backward
 from .configs import split_config
 from .forward import _forward
 from .inputs import check_inputs
+from .op import flash_attention_op
 
 _DEFAULT_LAUNCH, _FAST = split_config(None, None)  # the default choice of launch and the fast switches
 
@@ -62,5 +63,7 @@ def flash_attention(q, k, v, causal=False, scale: float | None = None):
     "bottom_right" (query i sees keys j <= i + Nk - Nq: the queries are the last Nq positions, as with
     a KV cache and FlashAttention's flash_attn_func). Rows that see no key give O = 0 (and zero
     gradients). scale: default 1/sqrt(d). Returns O with q's shape and dtype; differentiable in q, k
-    and v. Runs compiled on a GPU, through the Triton interpreter on the CPU (`course_lib.runtime`)."""
-    return FlashAttentionTriton.apply(q, k, v, causal, scale)
+    and v. Runs compiled on a GPU, through the Triton interpreter on the CPU (`course_lib.runtime`).
+    A PyTorch custom operator (`op.py`), so `torch.compile(fullgraph=True)` of a model that calls it
+    keeps it as one node, forward and backward (notebook 08b)."""
+    return flash_attention_op(q, k, v, causal, scale)

@@ -23,10 +23,10 @@ from __future__ import annotations
 
 import torch
 
-from ..checks import causal_alignment, default_scale
+from ..checks import accumulator_dtype, causal_alignment, default_scale
 from .backward import backward as _attention_backward
-from .forward import check_inputs
 from .forward import forward as _attention_forward
+from .inputs import check_inputs
 
 CAUSAL_CHOICES = ("none", "top_left", "bottom_right")
 
@@ -34,11 +34,6 @@ CAUSAL_CHOICES = ("none", "top_left", "bottom_right")
 def _check_causal(causal: str, where: str) -> None:
     if causal not in CAUSAL_CHOICES:
         raise ValueError(f"{where}: causal must be one of {CAUSAL_CHOICES}, got {causal!r}")
-
-
-def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
-    # L accumulates in float32 (float64 for float64 inputs, which run under the interpreter only).
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 @torch.library.custom_op("course_lib::flash_attention_forward", mutates_args=())
@@ -62,7 +57,7 @@ def _forward_fake(q, k, v, causal, scale):
         check_inputs(q, k, v, where="course_lib::flash_attention_forward")
     _check_causal(causal, "course_lib::flash_attention_forward")
     o = q.new_empty(q.shape)
-    lse = q.new_empty(q.shape[:-1], dtype=_lse_dtype(q.dtype))
+    lse = q.new_empty(q.shape[:-1], dtype=accumulator_dtype(q.dtype))
     return o, lse
 
 
@@ -124,4 +119,5 @@ def flash_attention_op(q, k, v, causal="none", scale: float | None = None) -> to
     interpreter). causal: "none", "top_left" (query i sees keys j <= i, SDPA's is_causal) or
     "bottom_right" (j <= i + Nk - Nq, a KV cache); False/True are accepted for "none"/"top_left".
     scale: default 1/sqrt(d). Returns O with q's shape and dtype. Taught in notebook 08b."""
+    check_inputs(q, k, v, where="flash_attention")  # clear errors before dispatch (meta tensors too)
     return forward_op(q, k, v, causal_name(causal), default_scale(q.shape[-1], scale))[0]
