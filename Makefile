@@ -17,7 +17,7 @@ STUDENT    := build/student
 NOTEBOOK_DIR ?= notebooks
 NBVAL      := --nbval-lax --nbval-current-env --nbval-cell-timeout=900 --nbval-sanitize-with tests/nbval_sanitize.cfg
 
-.PHONY: help setup lab lab-student test test-gpu bench lint format notebooks student doctor clean
+.PHONY: help setup lab lab-student test test-gpu bench bench-decode lint format notebooks student doctor clean
 
 help:
 	@echo "make setup     create $(VENV) with the pinned course environment (PINNED=0 keeps your own torch/triton)"
@@ -26,7 +26,8 @@ help:
 	@echo "make doctor    report versions and device; fail on known-bad combinations"
 	@echo "make test      CPU: course_lib tests, every notebook and the student edition under nbval"
 	@echo "make test-gpu  CUDA GPU: the tests with compiled kernels and GPU sizes, then every notebook"
-	@echo "make bench     benchmark course_lib's attention against PyTorch; record to assets/benchmarks/"
+	@echo "make bench     benchmark course_lib against PyTorch (BENCH=attention|decode|fused|train for one); records to assets/benchmarks/"
+	@echo "make bench-decode  the decoding benchmark alone (split-KV and paged vs SDPA)"
 	@echo "make lint      ruff, and notebooks in sync with their sources and free of outputs"
 	@echo "make notebooks regenerate notebooks/*.ipynb from their sources notebooks/*.py"
 	@echo "make student   write the student edition (solutions removed) to $(STUDENT)/"
@@ -80,9 +81,15 @@ test-gpu:
 	COURSE_DEVICE=cuda $(PYTHON) -m course_lib.attention.precompile
 	COURSE_DEVICE=cuda COURSE_RECORDS=off $(PYTHON) -m course_lib.tools.run_notebooks --jobs $(NB_JOBS)
 
+# make bench autotunes (COURSE_AUTOTUNE=1) and records the chosen launches in course_lib/attention/tuned/,
+# so that later processes on that GPU launch the measured kernels without tuning. BENCH=decode (etc.) runs one.
+BENCH ?=
 bench:
-	@echo "==> make bench: course_lib vs PyTorch attention backends; record written to assets/benchmarks/"
-	COURSE_DEVICE=cuda $(PYTHON) -m course_lib bench
+	@echo "==> make bench: course_lib vs PyTorch (attention, decode, fused, train); records written to assets/benchmarks/"
+	COURSE_AUTOTUNE=1 COURSE_DEVICE=cuda $(PYTHON) -m course_lib bench $(BENCH)
+
+bench-decode:
+	@$(MAKE) --no-print-directory bench BENCH=decode
 
 lint:
 	@echo "==> make lint: ruff check, ruff format --check, notebooks in sync and stripped"

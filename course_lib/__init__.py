@@ -5,14 +5,19 @@ or through Triton's interpreter on the CPU. Every kernel module imports `runtime
 decision always comes before a kernel is defined.
 
 Where each piece is taught:
-- runtime, doctor ............ notebook 00
-- hardware, plotting, timing . notebooks 01, 02, 08
-- reference .................. notebook 02 (standard attention: the float64 reference)
-- softmax .................... notebook 03 (naive, safe, online softmax in NumPy)
-- FlashAttentionTorch ........ notebook 04 (tiled attention in PyTorch, forward and backward)
-- primer ..................... notebook 05 (Triton primer kernels)
-- flash_attention, FlashAttentionTriton ... notebooks 06 and 07 (Triton FlashAttention-2)
-- bench ...................... notebook 08 and `make bench`
+- runtime, doctor ................. notebook 00
+- perf (hardware ceilings, roofline, timing, profiling, plotting) ... notebooks 01, 02, 08
+- attention.reference ............. notebook 02 (standard attention: the float64 reference)
+- softmax ......................... notebook 03 (naive, safe, online softmax in NumPy)
+- FlashAttentionTorch, attention.tiles, attention.animate ... notebooks 04 and 04b (tiled attention in PyTorch)
+- primer .......................... notebook 05 (Triton primer kernels)
+- flash_attention, FlashAttentionTriton, attention.blocks ... notebooks 06 and 07 (Triton FlashAttention-2)
+- bench, attention.configs, attention.hopper ... notebooks 08, 08c and `make bench`
+- attention.op, integrations ...... notebook 08b (torch.compile, GQA, causal alignments, transformers)
+- decode .......................... notebooks 09 and 10 (split-KV decoding, paged KV cache, continuous batching)
+- fused ........................... notebook 11 (RMSNorm and RoPE)
+- models .......................... notebook 12 (the capstone Llama: trained and served on course_lib)
+- distributed ..................... notebook 13 (ring attention over several devices)
 """
 
 from __future__ import annotations
