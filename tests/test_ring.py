@@ -35,6 +35,7 @@ CASES = {
         dict(B=1, H=2, N=64, d=16, causal=False, sharding="zigzag"),
         dict(B=1, H=4, Hkv=1, N=50, d=16, causal=False, sharding="contiguous"),  # MQA, ragged
         dict(B=1, H=2, N=3, d=16, causal=True, sharding="zigzag"),  # ranks 1-3 hold padding only
+        dict(B=1, H=2, N=40, d=16, causal=True, sharding="zigzag", subgroups=2),  # two rings of 2
     ],
 }
 TOL = {"torch": 1e-12, "triton": 1e-6}  # float64; the interpreted kernels use float32 constants

@@ -36,7 +36,8 @@ def compare_with_reference(rank: int, world: int, cases: list[dict]) -> list[dic
 
     Each case: B, H, Hkv (optional), N (total, any length: padded when uneven), d, causal, sharding,
     backend ("torch" or "triton"), seed, and optionally dtype ("float64" default, or "float32",
-    "float16", "bfloat16") and device ("cpu" default, or "cuda": this rank's GPU). Returns per case
+    "float16", "bfloat16"), device ("cpu" default, or "cuda": this rank's GPU) and subgroups (default 1:
+    split the ranks into that many process groups, each running the case on its own). Returns per case
     {"error": {...}, "baseline": {...}}: the largest absolute errors of O, dQ, dK, dV against the
     float64 reference, for the ring and for plain PyTorch attention on the full sequence in the same
     dtype (the accuracy rule of `course_lib.testing`)."""
@@ -49,13 +50,19 @@ def compare_with_reference(rank: int, world: int, cases: list[dict]) -> list[dic
         groups = full[0].shape[1] // full[1].shape[1]
         want = _reference(*full, causal, groups, torch.float64, device)
         baseline = _reference(*full, causal, groups, dtype, device)
+        group, g_rank, g_world = _subgroup(rank, world, case.get("subgroups", 1))
         q, k, v, do = (t.to(device=device, dtype=dtype) for t in full)
-        mine = [shard(t, rank, world, scheme).requires_grad_() for t in (q, k, v)]
+        mine = [shard(t, g_rank, g_world, scheme).requires_grad_() for t in (q, k, v)]
         o = ring_attention(
-            *mine, causal=causal, sharding=scheme, backend=case.get("backend", "torch"), seq_len=N
+            *mine,
+            causal=causal,
+            group=group,
+            sharding=scheme,
+            backend=case.get("backend", "torch"),
+            seq_len=N,
         )
-        o.backward(shard(do, rank, world, scheme))
-        got = [gather(t, scheme, seq_len=N) for t in (o.detach(), *(t.grad for t in mine))]
+        o.backward(shard(do, g_rank, g_world, scheme))
+        got = [gather(t, scheme, group=group, seq_len=N) for t in (o.detach(), *(t.grad for t in mine))]
         names = ("O", "dQ", "dK", "dV")
         out.append(
             {
@@ -64,6 +71,19 @@ def compare_with_reference(rank: int, world: int, cases: list[dict]) -> list[dic
             }
         )
     return out
+
+
+def _subgroup(rank: int, world: int, n_groups: int):
+    """(group, rank in it, its size): the ranks split into n_groups consecutive process groups
+    (every rank creates every group, as torch.distributed.new_group requires); (None, rank, world) for 1."""
+    if n_groups == 1:
+        return None, rank, world
+    if world % n_groups:
+        raise ValueError(f"subgroups={n_groups} does not divide world={world}")
+    per = world // n_groups
+    groups = [dist.new_group(list(range(i * per, (i + 1) * per))) for i in range(n_groups)]
+    group = groups[rank // per]
+    return group, dist.get_rank(group), per
 
 
 def _reference(q, k, v, do, causal: bool, groups: int, dtype, device):
