@@ -46,7 +46,9 @@ def _compile_candidate(job):
     return errors
 
 
-def precompile(head_dims=(64, 128), causal=(False, True), dtype: str = "bfloat16", workers: int | None = None):
+def precompile(
+    head_dims=(64, 128), causal=(False, True), dtype: str = "bfloat16", workers: int | None = None
+):
     """Fill Triton's cache with every candidate for these shapes; returns (seconds, error messages)."""
     from course_lib import runtime
     from course_lib.attention import configs
