@@ -485,9 +485,12 @@ print("dQ, dK, dV: within the accuracy rule in every case, both dQ modes, and eq
 # %% [markdown]
 # ## 6. Causal: which blocks each kernel visits
 #
-# The loop bounds above, replayed in Python for both kernels, and compared block by block with the
-# element-wise causal mask: a pair of blocks is skipped exactly when none of its (query, key) pairs is
-# visible, and it runs unmasked only when all of them are.
+# Which blocks does a program visit, and which of them need the mask? course_lib's kernels ask one helper,
+# `course_lib.attention.blocks`: `kv_block_range` gives a query block's keys (the forward and the dQ kernel),
+# `q_block_range` a key block's queries (the dK/dV kernel), each as `(lo, mid, hi)`, the skipped, masked and
+# unmasked stages as offsets. Their Python twins, `kv_block_range_py` and `q_block_range_py`, run here.
+# Below they are compared block by block with the element-wise causal mask: a pair of blocks must be skipped
+# exactly when none of its (query, key) pairs is visible, and may run unmasked only when all of them are.
 
 
 # %% [markdown]
@@ -509,6 +512,9 @@ def dkdv_bounds(n0, block_m, block_n, n_q):
 
 
 # %% tags=["check"]
+from course_lib.attention.blocks import kv_block_range_py, q_block_range_py
+
+
 def dkdv_plan(bounds, n_q, n_k, block_m, block_n):
     """Sorted (query block, key block, masked) triples a dK/dV kernel with these bounds visits."""
     out = []
@@ -518,23 +524,17 @@ def dkdv_plan(bounds, n_q, n_k, block_m, block_n):
     return np.array(sorted(out))
 
 
-def dkdv_truth(n_q, n_k, block_m, block_n):
-    i, j = torch.arange(n_q)[:, None], torch.arange(n_k)[None, :]
-    visible = j <= i
-    out = []
-    for m0 in range(0, n_q, block_m):
-        for n0 in range(0, n_k, block_n):
-            tile = visible[m0 : m0 + block_m, n0 : n0 + block_n]
-            if tile.any():
-                out.append((m0 // block_m, n0 // block_n, int(not tile.all())))
-    return np.array(sorted(out))
+def course_lib_dkdv_bounds(n0, block_m, block_n, n_q):
+    """The same two bounds from course_lib's helper (top-left causal: offset 0): lo and mid."""
+    lo, mid, _hi = q_block_range_py(n0, n_q, 0, block_m, block_n, causal=True)
+    return lo, mid
 
 
 CASES = [(256, 256, 32, 32), (100, 75, 32, 32), (300, 200, 64, 32), (200, 300, 32, 64)]
 check(
     "dkdv_bounds",
     lambda: [dkdv_plan(dkdv_bounds, *c) for c in CASES],
-    [dkdv_truth(*c) for c in CASES],
+    [dkdv_plan(course_lib_dkdv_bounds, *c) for c in CASES],
     hints=[
         "Query row i sees key j when j <= i. The first row that sees key n0 is n0: start at the query block "
         "that holds it. Rows from n0 + block_n - 1 on see every key of the block: the masked stage ends at "
@@ -544,38 +544,41 @@ check(
 )
 
 # %% [markdown]
-# The kernels' bounds, replayed for both kernels:
+# Both kernels' plans from the helpers, for both causal alignments: top-left (query i sees keys j <= i,
+# offset 0) and bottom-right (j <= i + Nk - Nq, offset Nk - Nq: the queries are the last Nq positions, as
+# with a KV cache), on ragged and unequal shapes:
+
 
 # %%
-def visited(n_q, n_k, block_m, block_n):
-    """{(query block, key block): masked?} for each kernel's loops, causal."""
+def visited(n_q, n_k, block_m, block_n, offset=0):
+    """{(query block, key block): masked?} for each backward kernel's causal loops, from course_lib's helpers."""
     dkdv, dq = {}, {}
-    for n0 in range(0, n_k, block_n):  # one dK/dV program per key block
-        lo = n0 // block_m * block_m
-        hi_masked = min(math.ceil((n0 + block_n) / block_m) * block_m, n_q)
-        for m0 in range(lo, n_q, block_m):
-            dkdv[m0 // block_m, n0 // block_n] = m0 < hi_masked
-    for m0 in range(0, n_q, block_m):  # one dQ program per query block
-        hi, hi_full = min(m0 + block_m, n_k), min(m0, n_k) // block_n * block_n
-        for n0 in range(0, hi, block_n):
-            dq[m0 // block_m, n0 // block_n] = n0 >= hi_full
+    for n0 in range(0, n_k, block_n):  # one dK/dV program per key block: query rows [lo, hi), masked below mid
+        lo, mid, hi = q_block_range_py(n0, n_q, offset, block_m, block_n, causal=True)
+        for m0 in range(lo, min(hi, n_q), block_m):
+            dkdv[m0 // block_m, n0 // block_n] = m0 < mid
+    for m0 in range(0, n_q, block_m):  # one dQ program per query block: keys [lo, hi), masked from mid
+        lo, mid, hi = kv_block_range_py(m0, n_q, n_k, offset, block_m, block_n, causal=True)
+        for n0 in range(lo, hi, block_n):
+            dq[m0 // block_m, n0 // block_n] = n0 >= mid
     return dkdv, dq
 
 
-for n_q, n_k, bm, bn in [(256, 256, 32, 32), (100, 75, 32, 32), (300, 200, 64, 32), (200, 300, 32, 64)]:
-    i, j = torch.arange(n_q)[:, None], torch.arange(n_k)[None, :]
-    mask = j <= i
-    dkdv, dq = visited(n_q, n_k, bm, bn)
-    blocks = [(mb, nb) for mb in range(math.ceil(n_q / bm)) for nb in range(math.ceil(n_k / bn))]
-    for mb, nb in blocks:
-        tile = mask[mb * bm : (mb + 1) * bm, nb * bn : (nb + 1) * bn]
-        for plan in (dkdv, dq):
-            assert ((mb, nb) in plan) == bool(tile.any()), (
-                f"block ({mb}, {nb}) of {n_q} x {n_k}: skip is wrong"
-            )
-            if (mb, nb) in plan and not tile.all():
-                assert plan[mb, nb], f"block ({mb}, {nb}) of {n_q} x {n_k} needs a mask"
-    print(f"{n_q} x {n_k}, blocks {bm} x {bn}: each kernel visits {len(dq)} of {len(blocks)} block pairs")
+for n_q, n_k, bm, bn in CASES:
+    for alignment, offset in (("top-left", 0), ("bottom-right", n_k - n_q)):
+        i, j = torch.arange(n_q)[:, None], torch.arange(n_k)[None, :]
+        mask = j <= i + offset
+        dkdv, dq = visited(n_q, n_k, bm, bn, offset)
+        blocks = [(mb, nb) for mb in range(math.ceil(n_q / bm)) for nb in range(math.ceil(n_k / bn))]
+        for mb, nb in blocks:
+            tile = mask[mb * bm : (mb + 1) * bm, nb * bn : (nb + 1) * bn]
+            where = f"block ({mb}, {nb}) of {n_q} x {n_k}, {alignment}"
+            for kernel, plan in (("dK/dV", dkdv), ("dQ", dq)):
+                assert ((mb, nb) in plan) == bool(tile.any()), f"{kernel} {where}: skip is wrong"
+                if (mb, nb) in plan and not tile.all():
+                    assert plan[mb, nb], f"{kernel} {where}: needs a mask"
+        print(f"{n_q} x {n_k}, blocks {bm} x {bn}, {alignment:12}: each kernel visits {len(dq)} of "
+              f"{len(blocks)} block pairs")  # fmt: skip
 
 # %% [markdown]
 # ## 7. Two kernels or atomics: the trade-off
@@ -708,6 +711,79 @@ print("FlashAttentionTriton saves:", flash_saved)
 print("standard attention saves  :", standard_saved)
 assert not any(N_Q in s and N_K in s for s in flash_saved), "FlashAttention must not save an Nq x Nk tensor"
 assert any(N_Q in s and N_K in s for s in standard_saved)
+
+# %% [markdown]
+# ### Recomputation is gradient checkpointing, one kernel deep
+#
+# FlashAttention's backward recomputes S = Q Kᵀ and P = exp(S − L) instead of reading them back. That is the
+# trade `torch.utils.checkpoint` makes for any piece of a network: keep less between the forward and the
+# backward, compute part of the forward again in the backward. The two differ in depth:
+# - `checkpoint(attention, q, k, v)` keeps only the inputs, and in the backward runs the whole forward again,
+#   **materialising** S and P (Nq x Nk each) once more, then runs the usual backward over them. Less is kept
+#   between the passes, but the backward's peak still holds N x N matrices.
+# - FlashAttention keeps the inputs plus O and L (Nq numbers per row: the logsumexp). With L, one tile of P
+#   is recomputed from one tile of Q and K, exactly, without the rest of its row; so the backward never holds
+#   more than a tile of S and P, on chip. The price is 2·Nq·Nk·d extra FLOPs (one more Q Kᵀ), against
+#   4·Nq·Nk·d for checkpoint's full second forward.
+#
+# What each keeps for the backward, in bytes (tensors that share memory, such as a view of q, counted once):
+
+
+# %%
+from torch.utils.checkpoint import checkpoint
+
+
+def saved_bytes(fn):
+    """Bytes of distinct storage that autograd keeps for the backward of fn() (saved-tensor hooks)."""
+    storages = {}
+
+    def pack(t):
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(storages.values())
+
+
+kept = {
+    "standard attention": saved_bytes(lambda: attention(q, k, v, causal=True)),
+    "checkpoint(standard attention)": saved_bytes(
+        lambda: checkpoint(attention, q, k, v, True, use_reentrant=False)
+    ),
+    "FlashAttention (Q, K, V, O, L)": saved_bytes(lambda: course_lib.FlashAttentionTriton.apply(q, k, v, True)),
+}
+inputs_bytes = sum(t.numel() * t.element_size() for t in (q, k, v))
+for name, nbytes in kept.items():
+    print(f"{name:32} keeps {nbytes / 1e3:9.1f} kB ({nbytes / inputs_bytes:.2f}x the inputs)")
+o_l_bytes = q.numel() * q.element_size() + q[..., 0].numel() * 4  # O (like q), L (one float32 per row)
+assert kept["checkpoint(standard attention)"] == inputs_bytes
+assert kept["FlashAttention (Q, K, V, O, L)"] == inputs_bytes + o_l_bytes
+assert kept["standard attention"] > kept["FlashAttention (Q, K, V, O, L)"]
+
+# %% [markdown]
+# checkpoint keeps the least, FlashAttention O and L more; standard attention keeps its Nq x Nk matrices.
+# What the table cannot show is the backward's peak: checkpoint's recomputed forward allocates S and P
+# again. On a GPU, the next cell measures the peak memory of a forward and backward of each:
+
+# %%
+if course_lib.ON_GPU:
+    from course_lib.perf.timing import peak_memory
+
+    def fwd_bwd(fn):
+        return lambda: torch.autograd.grad(fn(), (q, k, v), do)
+
+    peaks = {
+        "standard attention": peak_memory(fwd_bwd(lambda: attention(q, k, v, causal=True))),
+        "checkpoint(standard attention)": peak_memory(
+            fwd_bwd(lambda: checkpoint(attention, q, k, v, True, use_reentrant=False))
+        ),
+        "FlashAttention": peak_memory(fwd_bwd(lambda: course_lib.FlashAttentionTriton.apply(q, k, v, True))),
+    }
+    for name, peak in peaks.items():
+        print(f"{name:32} peak above the inputs, forward + backward: {peak / 1e6:8.2f} MB")
+else:
+    print("Peak memory needs a GPU's allocator statistics: run this notebook on a GPU to see it.")
 
 # %% [markdown]
 # Finally, `torch.autograd.gradcheck` compares the backward with finite differences of the forward. It needs
