@@ -601,7 +601,7 @@ for n_q, n_k, bm, bn in CASES:
 
 # %%
 def plot_dq_modes(data, source):
-    fig, axes = plt.subplots(1, len(data["d"]), figsize=(16, 6), sharey=True, layout="constrained")
+    fig, axes = plt.subplots(1, len(data["d"]), figsize=(12.5, 5.5), sharey=True, layout="constrained")
     ratios = []
     for ax, d in zip(axes, data["d"]):
         modes = [(c, m) for c in (False, True) for m in ("two_kernel", "atomic")]
