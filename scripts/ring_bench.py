@@ -1,6 +1,7 @@
 """Ring attention on two GPUs against one GPU and against PyTorch's context_parallel (notebook 13).
 
     torchrun --nproc_per_node 2 scripts/ring_bench.py [--quick]
+    COURSE_DEVICE=cpu torchrun --nproc_per_node 2 scripts/ring_bench.py   # CPU smoke run of the same steps
 
 bf16, d = 128, 16 heads, batch 1, causal, total N in {32k, 128k, 512k} (--quick: {8k, 32k}). For each N:
 forward + backward time of `course_lib.distributed.ring_attention` (zigzag and contiguous sharding) on the
@@ -10,6 +11,8 @@ installed torch has it. Also: the GPU-to-GPU bandwidth of the ring's transfers, 
 trace of one zigzag step at the middle N, summarised as compute time, communication time and the
 share of the communication that ran while compute ran.
 Writes the record `ring` (course_lib.records.save_record) and assets/benchmarks/ring-*.png from rank 0.
+With COURSE_DEVICE=cpu the same steps run on CPU processes (gloo, tiny sizes, float32, no profile, no
+record): a check of the script on a machine without GPUs, not a measurement.
 """
 
 from __future__ import annotations
@@ -30,17 +33,23 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-# Each process uses its own GPU from the start (course_lib looks at the current device when imported).
-torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+GPU = os.environ["COURSE_DEVICE"] != "cpu"
+DEVICE = "cuda" if GPU else "cpu"
+if GPU:  # each process on its own GPU from the start (course_lib looks at the current device on import)
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
 
 import course_lib  # noqa: E402
 from course_lib import records  # noqa: E402
 from course_lib.distributed import figures, ring_attention, shard  # noqa: E402
 from course_lib.distributed.trace import overlap_summary  # noqa: E402
 
-B, H, D = 1, 16, 128
-DTYPE = torch.bfloat16
+B, H, D = (1, 16, 128) if GPU else (1, 2, 32)
+DTYPE = torch.bfloat16 if GPU else torch.float32
 SINGLE_GPU_LIMIT_S = 30.0  # one GPU at 512k takes seconds per step: measured once, not more
+
+
+def ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.1f} ms"
 
 
 def log(*args) -> None:
@@ -48,25 +57,40 @@ def log(*args) -> None:
         print(*args, flush=True)
 
 
-def timed(fn, reps: int) -> float:
-    """Seconds per call of fn (after one warm-up call), the slowest rank's, with both GPUs in step."""
-    fn()
-    torch.cuda.synchronize()
-    dist.barrier()
+def sync() -> None:
+    if GPU:
+        torch.cuda.synchronize()
+
+
+def seconds(fn, reps: int) -> float:
+    """Seconds per call of fn over reps calls on this rank (CUDA events on a GPU, else wall clock)."""
+    if not GPU:
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        return (time.perf_counter() - t0) / reps
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(reps):
         fn()
     end.record()
     torch.cuda.synchronize()
-    t = torch.tensor(start.elapsed_time(end) / 1e3 / reps, device="cuda")
+    return start.elapsed_time(end) / 1e3 / reps
+
+
+def timed(fn, reps: int) -> float:
+    """Seconds per call of fn (after one warm-up call), the slowest rank's, with both GPUs in step."""
+    fn()
+    sync()
+    dist.barrier()
+    t = torch.tensor(seconds(fn, reps), device=DEVICE)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t)
 
 
 def full_inputs(n: int, seed: int = 0):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    return [torch.randn(B, H, n, D, device="cuda", dtype=DTYPE, generator=g) for _ in range(4)]  # q, k, v, dO
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    return [torch.randn(B, H, n, D, device=DEVICE, dtype=DTYPE, generator=g) for _ in range(4)]  # q, k, v, dO
 
 
 def reps_for(n: int) -> int:
@@ -92,7 +116,7 @@ def measure_ring(n: int, scheme: str) -> float:
 
 def measure_one_gpu(n: int) -> float | None:
     """fwd + bwd of course_lib.flash_attention on the whole sequence on rank 0's GPU (None: no memory)."""
-    t = torch.zeros((), device="cuda")
+    t = torch.zeros((), device=DEVICE)
     if dist.get_rank() == 0:
         try:
             q, k, v, do = full_inputs(n)
@@ -105,22 +129,17 @@ def measure_one_gpu(n: int) -> float | None:
                 course_lib.flash_attention(q, k, v, causal=True).backward(do)
 
             step()
-            torch.cuda.synchronize()
+            sync()
             t0 = time.perf_counter()
             step()
-            torch.cuda.synchronize()
+            sync()
             once = time.perf_counter() - t0
             reps = max(1, min(reps_for(n), int(SINGLE_GPU_LIMIT_S / max(once, 1e-3)) - 1))
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(reps):
-                step()
-            end.record()
-            torch.cuda.synchronize()
-            t.fill_(start.elapsed_time(end) / 1e3 / reps)
+            t.fill_(seconds(step, reps))
         except torch.OutOfMemoryError:
             t.fill_(-1.0)
-        torch.cuda.empty_cache()
+        if GPU:
+            torch.cuda.empty_cache()
     dist.broadcast(t, 0)  # the other rank waits here
     return None if float(t) < 0 else float(t)
 
@@ -138,7 +157,7 @@ def measure_context_parallel(n: int) -> tuple[float | None, str]:
     try:
         global _MESH
         if _MESH is None:
-            _MESH = init_device_mesh("cuda", (dist.get_world_size(),))
+            _MESH = init_device_mesh(DEVICE, (dist.get_world_size(),))
         mesh = _MESH
         q, k, v, _ = full_inputs(n)
         with context_parallel(
@@ -162,7 +181,7 @@ def measure_context_parallel(n: int) -> tuple[float | None, str]:
 def measure_bandwidth(n_bytes: int = 256 * 2**20) -> float:
     """GB/s of one rank's send to the next while receiving from the previous (the ring's transfer)."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    send = torch.empty(n_bytes // 2, dtype=DTYPE, device="cuda").normal_()
+    send = torch.empty(n_bytes // DTYPE.itemsize, dtype=DTYPE, device=DEVICE).normal_()
     recv = torch.empty_like(send)
 
     def exchange():
@@ -206,17 +225,21 @@ def check_once(n: int) -> float:
 
 
 def run(quick: bool) -> dict:
-    ns = [8 * 1024, 32 * 1024] if quick else [32 * 1024, 128 * 1024, 512 * 1024]
+    if not GPU:
+        ns = [128, 256]
+    else:
+        ns = [8 * 1024, 32 * 1024] if quick else [32 * 1024, 128 * 1024, 512 * 1024]
     t_start = time.perf_counter()
     data = {
-        "shape": {"B": B, "H": H, "d": D, "dtype": "bfloat16", "causal": True},
+        "shape": {"B": B, "H": H, "d": D, "dtype": str(DTYPE).removeprefix("torch."), "causal": True},
         "world": dist.get_world_size(),
         "ns": ns,
-        "max_error_vs_one_gpu": check_once(4096),
-        "bandwidth_GBps": measure_bandwidth(),
+        "check_n": 4096 if GPU else 128,
+        "max_error_vs_one_gpu": check_once(4096 if GPU else 128),
+        "bandwidth_GBps": measure_bandwidth(256 * 2**20 if GPU else 4 * 2**20),
         "rows": [],
     }
-    log(f"check vs one GPU (N=4096): max error {data['max_error_vs_one_gpu']:.3g}")
+    log(f"check vs one GPU (N={data['check_n']}): max error {data['max_error_vs_one_gpu']:.3g}")
     log(f"ring transfer bandwidth: {data['bandwidth_GBps']:.0f} GB/s")
     for n in ns:
         row = {"N": n}
@@ -229,11 +252,15 @@ def run(quick: bool) -> dict:
         data["rows"].append(row)
         log(
             f"N={n}: zigzag {row['zigzag_s'] * 1e3:.1f} ms, contiguous {row['contiguous_s'] * 1e3:.1f} ms, "
-            f"one GPU {row['one_gpu_s'] and row['one_gpu_s'] * 1e3}, context_parallel "
-            f"{row['context_parallel_s'] and row['context_parallel_s'] * 1e3} ({row['context_parallel_note']}); "
+            f"one GPU {ms(row['one_gpu_s'])}, context_parallel {ms(row['context_parallel_s'])} "
+            f"({row['context_parallel_note']}); "
             f"{time.perf_counter() - t_start:.0f} s so far"
         )
-        torch.cuda.empty_cache()
+        if GPU:
+            torch.cuda.empty_cache()
+    data["seconds"] = time.perf_counter() - t_start
+    if not GPU:
+        return data  # no GPU kernels to profile
     n_prof = ns[len(ns) // 2]
     summaries = [None] * dist.get_world_size()
     dist.all_gather_object(summaries, profile_zigzag(n_prof))
@@ -247,10 +274,15 @@ def run(quick: bool) -> dict:
 
 
 def main(quick: bool = False) -> None:
-    dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
+    if GPU:
+        dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
+    else:
+        dist.init_process_group("gloo")
     try:
         data = run(quick)
-        if dist.get_rank() == 0:
+        if dist.get_rank() == 0 and not GPU:
+            print("CPU smoke run finished (no record):", {k: v for k, v in data.items() if k != "rows"})
+        elif dist.get_rank() == 0:
             kind = "ring_quick" if quick else "ring"
             path = records.save_record(kind, data)
             print(f"record: {path}")
