@@ -49,7 +49,9 @@ import torch.nn.functional as F
 import course_lib
 from course_lib import bench, records
 from course_lib.attention.reference import attention
-from course_lib.perf import timing
+from course_lib.perf import plotting, timing
+
+plotting.use_readable_defaults()  # projector-sized fonts for every figure below, plt's own included
 
 DEVICE = course_lib.DEVICE
 DTYPE = course_lib.pick(cpu=torch.float32, gpu=torch.bfloat16)  # the interpreter has no bf16 arithmetic
