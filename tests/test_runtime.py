@@ -183,6 +183,14 @@ print("ok", course_lib.INTERPRET)
 """
 
 
+# These run the interpreted (CPU) kernels in a fresh process: what a laptop learner does. On a GPU machine
+# its Triton may not interpret them at all (triton 3.6 with numpy >= 2.4: triton#9171).
+cpu_only = pytest.mark.skipif(
+    course_lib.ON_GPU, reason="the CPU interpreter's import order; GPU runs compile"
+)
+
+
+@cpu_only
 @pytest.mark.parametrize("order", list(IMPORT_ORDERS))
 def test_kernels_run_whatever_the_import_order(order):
     """Issue 14, point 1: triton imported before course_lib must not break the interpreted kernels."""
@@ -191,6 +199,7 @@ def test_kernels_run_whatever_the_import_order(order):
     assert out.stdout.split() == ["ok", "True"], out.stdout
 
 
+@cpu_only
 def test_kernels_run_after_importing_transformers_first():
     pytest.importorskip("transformers")
     out = run_python("import transformers, torch\nimport course_lib" + KERNELS_RUN, COURSE_DEVICE="cpu")

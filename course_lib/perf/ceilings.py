@@ -92,16 +92,17 @@ def measure_read_bandwidth(
     The ceiling of memory-bound kernels that mostly read, like decoding (reads the KV cache, writes one
     row per head); a copy's figure counts a write per read and can sit a little lower or higher.
     reader: "triton" times `block_sums` (one fp32 written per 8192 elements read: under 0.05% extra
-    traffic); "torch" times `x.sum()`. Default: "triton" on a GPU, "torch" on a CPU (the interpreter
-    would time Python, not memory). Default size: 64 MB on a CPU, 2 GiB on a GPU (far beyond the L2)."""
+    traffic); "torch" times `x.sum()`. Default: "triton" for a tensor on the GPU, "torch" on the CPU (the
+    interpreter would time Python, not memory). Default size: 64 MB on a CPU, 2 GiB on a GPU (far beyond the L2)."""
     _check_dtype(dtype)
     numel = runtime.pick(cpu=2**24, gpu=2**29) if numel is None else int(numel)
     if numel < 1:
         raise ValueError(f"numel must be positive, got {numel}")
-    reader = runtime.pick(cpu="torch", gpu="triton") if reader is None else reader
+    dev = _device(device)
+    reader = ("triton" if dev.type == "cuda" else "torch") if reader is None else reader
     if reader not in ("triton", "torch"):
         raise ValueError(f"reader must be 'triton' or 'torch', got {reader!r}")
-    x = torch.randn(numel, device=_device(device), dtype=dtype)
+    x = torch.randn(numel, device=dev, dtype=dtype)
     fn = partial(block_sums, x) if reader == "triton" else x.sum
     ms = benchmark(fn)
     return x.nbytes / (ms * 1e-3) / 1e9
