@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-import course_lib
 import torch.distributed as dist
 
+import course_lib
 from course_lib.attention.reference import attention
 from course_lib.distributed import (
     chunk_ids,
