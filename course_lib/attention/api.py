@@ -64,6 +64,10 @@ def flash_attention(q, k, v, causal=False, scale: float | None = None):
     a KV cache and FlashAttention's flash_attn_func). Rows that see no key give O = 0 (and zero
     gradients). scale: default 1/sqrt(d). Returns O with q's shape and dtype; differentiable in q, k
     and v. Runs compiled on a GPU, through the Triton interpreter on the CPU (`course_lib.runtime`).
-    A PyTorch custom operator (`op.py`), so `torch.compile(fullgraph=True)` of a model that calls it
-    keeps it as one node, forward and backward (notebook 08b)."""
-    return flash_attention_op(q, k, v, causal, scale)
+    Under `torch.compile` it is a PyTorch custom operator (`op.py`): the compiled graph keeps it as one
+    node, forward and backward (notebook 08b). Run eagerly it calls the autograd Function directly,
+    which computes the same and skips the operator's dispatch (tens of microseconds per call, which a
+    short sequence feels)."""
+    if torch.compiler.is_compiling():
+        return flash_attention_op(q, k, v, causal, scale)
+    return FlashAttentionTriton.apply(q, k, v, causal, scale)

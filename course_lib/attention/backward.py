@@ -144,8 +144,9 @@ def _dkdv_kernel(
     stride_dqb, stride_dqh, stride_dqm, stride_dqd,
     stride_dkb, stride_dkh, stride_dkn, stride_dkd,
     stride_dvb, stride_dvh, stride_dvn, stride_dvd,
-    H, GROUP, N_Q, N_K, OFFSET, N_BUCKET,
-    CAUSAL: tl.constexpr, EXP2: tl.constexpr, SKIP_MASKED: tl.constexpr, ATOMIC: tl.constexpr,
+    H, N_Q, N_K, OFFSET, N_BUCKET,
+    GROUP: tl.constexpr, CAUSAL: tl.constexpr, EXP2: tl.constexpr, SKIP_MASKED: tl.constexpr,
+    ATOMIC: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, ACC_DTYPE: tl.constexpr,
 ):  # fmt: skip
@@ -194,8 +195,8 @@ def _dkdv_kernel(
     else:
         # The naive loop: every query block, every tile masked.
         lo, mid, hi = 0, tl.cdiv(N_Q, BLOCK_M) * BLOCK_M, tl.cdiv(N_Q, BLOCK_M) * BLOCK_M
-    for g in range(0, GROUP):
-        off_h = (off_kh * GROUP + g).to(tl.int64)
+    for g in tl.static_range(GROUP):  # unrolled: with GROUP = 1 this is the multi-head kernel as it was
+        off_h = off_kh * GROUP + g
         q_base = Q + off_b * stride_qb + off_h * stride_qh
         do_base = DO + off_b * stride_dob + off_h * stride_doh
         l_base = L + off_b * stride_lb + off_h * stride_lh
@@ -368,9 +369,9 @@ def _dq_kernel(
 
 
 _TUNE_KEY = ["N_BUCKET", "HEAD_DIM", "CAUSAL", "EXP2", "SKIP_MASKED"]
-_dkdv_tuned = make_tuner(_dkdv_kernel, DKDV, key=_TUNE_KEY + ["ATOMIC"])
+_dkdv_tuned = make_tuner(_dkdv_kernel, DKDV, key=_TUNE_KEY + ["ATOMIC", "GROUP"])
 # The atomic variant adds into DQ: the tuner must zero it before each timed run.
-_dkdv_atomic_tuned = make_tuner(_dkdv_kernel, DKDV, key=_TUNE_KEY + ["ATOMIC"], reset_to_zero=["DQ"])
+_dkdv_atomic_tuned = make_tuner(_dkdv_kernel, DKDV, key=_TUNE_KEY + ["ATOMIC", "GROUP"], reset_to_zero=["DQ"])
 _dq_tuned = make_tuner(_dq_kernel, DQ, key=_TUNE_KEY + ["FUSE_D"])
 
 
@@ -476,13 +477,13 @@ def _backward(do, q, k, v, o, L, alignment, scale, launch_cfg, switches, dq_mode
         kv_args = (
             q4, k4, v4, do4, l3, delta, dq_acc, dk4, dv4, scale,
             *strides4(q4), *strides4(k4), *strides4(v4), *strides4(do4), *l3.stride(),
-            *strides4(dq_acc), *strides4(dk4), *strides4(dv4), H, group, n_q, n_k, offset, bucket,
+            *strides4(dq_acc), *strides4(dk4), *strides4(dv4), H, n_q, n_k, offset, bucket,
         )  # fmt: skip
-        meta = dict(common, ATOMIC=atomic)
+        meta = dict(common, ATOMIC=atomic, GROUP=group)
         if launch_cfg is None:
             tuner = _dkdv_atomic_tuned if atomic else _dkdv_tuned
             grid = lambda c: (triton.cdiv(n_k, c.block_n) * B * H_kv,)
-            launch(_dkdv_kernel, tuner, DKDV, grid, kv_args, meta, shape + (atomic,))
+            launch(_dkdv_kernel, tuner, DKDV, grid, kv_args, meta, shape + (atomic, group))
         else:
             bm, bn = fixed.get("BLOCK_M1", fixed["BLOCK_M"]), fixed.get("BLOCK_N1", fixed["BLOCK_N"])
             _dkdv_kernel[(triton.cdiv(n_k, bn) * B * H_kv,)](
