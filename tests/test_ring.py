@@ -144,13 +144,32 @@ def test_ring_on_two_gpus():
     if torch.cuda.device_count() < 2:
         pytest.skip(f"needs 2 GPUs, found {torch.cuda.device_count()}")
     cases = [
-        dict(B=1, H=4, Hkv=2, N=2048, d=128, causal=c, sharding=s, dtype="bfloat16", backend="triton")
+        dict(
+            B=1,
+            H=4,
+            Hkv=2,
+            N=2048,
+            d=128,
+            causal=c,
+            sharding=s,
+            dtype="bfloat16",
+            backend="triton",
+            device="cuda",
+        )
         for c in (True, False)
         for s in ("zigzag", "contiguous")
     ]
     cases.append(
         dict(
-            B=2, H=4, N=1001, d=64, causal=True, sharding="zigzag", dtype="float16", backend="triton"
+            B=2,
+            H=4,
+            N=1001,
+            d=64,
+            causal=True,
+            sharding="zigzag",
+            dtype="float16",
+            backend="triton",
+            device="cuda",
         )  # ragged
     )
     results = run_ranks(compare_with_reference, 2, (cases,), timeout=300, backend="nccl")[0]
