@@ -49,7 +49,7 @@ import course_lib
 from course_lib.attention import tiles
 from course_lib.attention.reference import attention, causal_mask_tile
 from course_lib.attention.tiled import flash_forward
-from course_lib.exercises import check
+from course_lib.exercises import check, predict
 from course_lib.perf.plotting import plot_series
 from course_lib.testing import random_qkv
 
@@ -564,6 +564,16 @@ for split in (tile_split_k, tile_split_q):
 # Θ(N²d²/M) bound is what FA1's order reaches, and Dao et al. prove that no exact attention algorithm can
 # do asymptotically better for every M between d and Nd.
 #
+# **Predict before you read on.** Real FA2 kernels use blocks of $B_r \times B_c$ = 128 × 64. From the
+# formulas above, how many times fewer HBM bytes than standard attention does FA2 move at d = 64 and
+# N = 16384? Replace the number in the next cell with yours (the default is only a placeholder guess); the
+# cell after it counts the bytes and scores your guess.
+
+# %%
+# Your prediction: standard attention's HBM bytes / FA2's (blocks 128 x 64), d = 64, N = 16384.
+traffic_guess = predict("standard / FA2 HBM bytes (128 x 64 blocks)", 10, unit="x")
+
+# %% [markdown]
 # Real FA2 kernels choose 128 × 64 blocks: registers, not SRAM, bound them (notebook 06). Then
 # $2N^2 d / B_r = N^2$ elements at d = 64, against standard attention's $4N^2$: **about 4x fewer bytes**,
 # and that ratio does not improve with a larger SRAM. FA1's paper blocks (64 × 456 here) reach about 9x.
@@ -632,6 +642,7 @@ fig.suptitle(
     fontsize=14,
 )
 plt.show()
+_ = traffic_guess.score(ratio_fa2)
 
 # %%
 for n, std, fa1, fa2 in zip(
