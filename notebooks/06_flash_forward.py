@@ -51,7 +51,7 @@ import course_lib
 from course_lib import records
 from course_lib.attention import forward as lib_forward
 from course_lib.attention.reference import attention, causal_mask
-from course_lib.exercises import check
+from course_lib.exercises import check, predict
 from course_lib.perf.plotting import bar_chart, plot_series
 from course_lib.perf.timing import attention_flops, benchmark
 from course_lib.runtime import tl, triton
@@ -748,6 +748,16 @@ print("non-contiguous inputs: same result")
 # loop over tiles: only up to N = 2048, it is slow) and `scaled_dot_product_attention` (PyTorch picks its
 # fastest backend).
 # On a CPU we show the recorded run.
+#
+# **Predict first.** Section 5's causal kernel skips every fully masked block. At the smallest N of the
+# benchmark (1024 tokens, blocks of 128 × 64), how many times faster is this notebook's causal forward than
+# its non-causal one? Count the blocks it visits, then think about what the count leaves out (the diagonal
+# blocks are masked, and each program's work is shorter). Write your number in the next cell; the cell
+# after it scores it against the figure.
+
+# %%
+# Your prediction: time of the non-causal forward / time of the causal forward, N = 1024, d = 64.
+causal_guess = predict("causal skip speed-up of the forward at N = 1024", 2.0, unit="x")
 
 
 # %%
@@ -803,6 +813,14 @@ got = records.measured_or_recorded(
 )
 if got:
     plot_forward_comparison(*got)
+    fwd, n0 = got[0], got[0]["N"][0]
+    fwd_ms = {  # time of each mode at the smallest N, from its TFLOP/s and its useful FLOPs
+        c: attention_flops(fwd["tokens"] // n0, fwd["heads"], n0, n0, fwd["d"], causal=c)
+        / (fwd["tflops"][str(c)]["this notebook"][0] * 1e9)
+        for c in (False, True)
+    }
+    print(f"N = {n0}: the causal forward takes {fwd_ms[True] / fwd_ms[False]:.2f} of the non-causal one's time")
+    _ = causal_guess.score(fwd_ms[False] / fwd_ms[True])
 
 # %% [markdown]
 # ## 9. Block sizes and warps (GPU only)
