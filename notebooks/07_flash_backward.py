@@ -53,7 +53,7 @@ from course_lib import records
 from course_lib.attention import backward as lib_backward
 from course_lib.attention import forward as lib_forward
 from course_lib.attention.reference import attention
-from course_lib.exercises import check
+from course_lib.exercises import check, predict
 from course_lib.perf.plotting import plot_series
 from course_lib.perf.timing import attention_flops, benchmark
 from course_lib.runtime import tl, triton
@@ -653,6 +653,51 @@ if got:
 # what that choice costs or saves on the GPU it was measured on. The balance can tip the other way on a GPU
 # whose atomics are fast relative to its tensor cores, or at shapes where few programs collide on the same dQ
 # rows: the atomic variant is one flag away (`dq_mode="atomic"`).
+#
+# ### Predict: how much longer than the forward is the backward?
+#
+# The table above gives the ingredients: the forward does 2 tile products per block pair, the two-kernel
+# backward 7 (one of them recomputing S), plus the small D = rowsum(dO ∘ O) pass, and it reads and writes
+# more tensors (dO, O, L, D in; dQ, dK, dV out). For course_lib's kernels in bf16 at N = 4096, d = 64,
+# not causal, what is backward time ÷ forward time? Write your number in the next cell before running the
+# one after it (a GPU measures it now; a CPU shows the recorded run of `make bench`).
+
+# %%
+# Your prediction: backward time / forward time, bf16, N = 4096, d = 64, not causal.
+bwd_fwd_guess = predict("backward time / forward time", 2.5, unit="x")
+
+
+# %%
+def time_fwd_bwd(n=4096, d=64):
+    """(forward ms, backward ms, source): course_lib's kernels timed now on the GPU, else the record."""
+    if course_lib.ON_GPU:
+        b, h = BENCH_TOKENS // n, 2048 // d
+        q, k, v = random_qkv((b * h, n, d), dtype=torch.bfloat16, device=DEVICE)
+        do = torch.randn_like(q)
+        o, lse = lib_forward.forward(q, k, v, False, None)
+        fwd_ms = benchmark(lambda: lib_forward.forward(q, k, v, False, None))
+        bwd_ms = benchmark(lambda: lib_backward.backward(do, q, k, v, o, lse, False, None))
+        return fwd_ms, bwd_ms, "measured now on " + torch.cuda.get_device_name(DEVICE)
+    rec = records.load_record("attention")
+    if rec is None:
+        return None
+    ms = {
+        r["mode"]: r["ms"]
+        for r in rec["data"]["results"]
+        if r["provider"] == "course_lib" and (r["N"], r["d"], r["causal"]) == (n, d, False) and r["status"] == "ok"
+    }
+    if "fwd" not in ms or "bwd" not in ms:
+        return None
+    return ms["fwd"], ms["bwd"], records.label(rec)
+
+
+timed = time_fwd_bwd()
+if timed is None:
+    print("No recorded GPU run of the attention benchmark yet (make bench on a GPU writes it).")
+else:
+    fwd_ms, bwd_ms, source = timed
+    print(f"{source}:\nforward {fwd_ms:.3f} ms, backward {bwd_ms:.3f} ms: backward / forward = {bwd_ms / fwd_ms:.2f}")
+    _ = bwd_fwd_guess.score(bwd_ms / fwd_ms)
 
 # %% [markdown]
 # ## 8. `FlashAttentionTriton`: forward and backward as one autograd Function
