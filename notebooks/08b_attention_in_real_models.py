@@ -49,7 +49,7 @@ import course_lib
 from course_lib.attention import op
 from course_lib.attention.op import flash_attention_op
 from course_lib.attention.reference import attention as reference_attention
-from course_lib.exercises import check
+from course_lib.exercises import check, predict
 from course_lib.integrations import use_in_transformers
 
 B, HQ, HKV, N, D = course_lib.pick(cpu=(1, 4, 2, 64, 16), gpu=(2, 32, 8, 2048, 128))
@@ -173,13 +173,23 @@ torch.testing.assert_close(o_gqa.double(), o_rep, rtol=TOL, atol=TOL)
 # What the repetition would cost: during decoding, K and V of every past token stay in memory (the KV
 # cache), 2 · Hkv · d numbers per token per layer. For a model of 32 layers with 32 query heads of d = 128,
 # 8 K/V heads instead of 32 means a cache 4 times smaller, and a decoding step reading 4 times fewer bytes.
+#
+# **Predict first.** One sequence of 8192 tokens, bf16: how many GiB of KV cache do 8 K/V heads save over
+# 32? Write your number in the next cell; the cell after it counts the bytes and scores it.
+
+# %%
+# Your prediction: GiB of KV cache saved by 8 K/V heads instead of 32, 8192 tokens, 32 layers, d = 128, bf16.
+gqa_guess = predict("KV cache saved by GQA (8 of 32 heads), 8192 tokens", 2.0, unit=" GiB")
 
 # %%
 layers, hq_model, d_model, bytes_per = 32, 32, 128, 2  # bf16
+cache_gib = {}
 for hkv_model in (32, 8, 1):
     per_token = 2 * hkv_model * d_model * bytes_per * layers
+    cache_gib[hkv_model] = per_token * 8192 / 2**30
     print(f"Hkv = {hkv_model:2}: {per_token / 2**10:6.0f} KiB of KV cache per token, "
-          f"{per_token * 8192 / 2**30:5.2f} GiB for 8192 tokens")  # fmt: skip
+          f"{cache_gib[hkv_model]:5.2f} GiB for 8192 tokens")  # fmt: skip
+_ = gqa_guess.score(cache_gib[32] - cache_gib[8])
 
 # %% [markdown]
 # ## 3. Two causal alignments
