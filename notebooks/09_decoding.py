@@ -50,7 +50,7 @@ from course_lib import records
 from course_lib.attention.merge import merge_attention_states, merge_many
 from course_lib.decode import decode_attention, decode_reference
 from course_lib.decode.heuristics import choose_num_splits, sm_count, wave_efficiency
-from course_lib.exercises import check
+from course_lib.exercises import check, predict
 from course_lib.perf.hardware import gpu as gpu_spec
 
 B, N, HQ, HKV, D = course_lib.pick(cpu=(3, 256, 8, 2, 64), gpu=(8, 8192, 32, 8, 128))
@@ -331,6 +331,15 @@ assert choose_num_splits(64 * 8, 64, 132) == 1
 # %% [markdown]
 # The measured curve. On a GPU this cell measures a few split counts now; on the CPU it shows the
 # recorded run of `python -m course_lib.bench.decode` (the interpreter's timings would measure Python).
+#
+# **Predict first.** One sequence with 32768 tokens in its cache, one layer of 32 query heads over 8 K/V
+# heads, d = 128, bf16: with the best number of splits, how many microseconds does a decoding step take?
+# Count the bytes the step must read (section 1) and divide by the read ceiling printed there. Write your
+# number in the next cell; the cell after it scores it against the fastest point of the curve.
+
+# %%
+# Your prediction: µs per decoding step (batch 1, 32k tokens, 32/8 heads, d = 128, bf16), best split count.
+decode_guess = predict("decode step, 32k tokens, one layer", 40.0, unit=" µs")
 
 # %%
 if course_lib.ON_GPU:
@@ -367,6 +376,11 @@ if curve:
     ax.set_title(f"Batch 1, 32k tokens, 32/8 heads, d=128: time by split count\n{source}", fontsize=10)
     ax.legend()
     plt.show()
+    best = min(curve, key=lambda r: r["graph_ms"])
+    at_ceiling_us = 2 * 32768 * 8 * 128 * 2 / (read_gbps * 1e9) * 1e6
+    print(f"fastest: {best['graph_ms'] * 1e3:.1f} µs with {best['num_splits']} splits; the bytes at "
+          f"section 1's {read_gbps:.0f} GB/s would take {at_ceiling_us:.1f} µs")  # fmt: skip
+    _ = decode_guess.score(best["graph_ms"] * 1e3)
 
 # %% [markdown]
 # The whole benchmark (every cell against PyTorch's SDPA, plainly and as CUDA-graph replays, in GB/s and
