@@ -50,7 +50,7 @@ from course_lib.decode.batching import ContinuousBatcher
 from course_lib.decode.cache import PageAllocator, PagedKVCache
 from course_lib.decode.reference import gather_pages
 from course_lib.decode.toy_model import ToyModel
-from course_lib.exercises import check
+from course_lib.exercises import check, predict
 
 N_REQUESTS, MAX_LEN = 1000, 4096  # simulated requests and the longest a request may grow
 B, N, HQ, HKV, D = course_lib.pick(cpu=(3, 200, 8, 2, 64), gpu=(16, 8192, 32, 8, 128))
@@ -67,7 +67,15 @@ plt.rcParams["font.size"] = 12
 # A simple server gives each request a contiguous slab of KV cache when it starts. It does not know how many
 # tokens the request will generate, so it reserves room for the maximum, `MAX_LEN`. Simulate requests whose
 # prompts and outputs have a spread of lengths (log-normal, as chat traffic roughly has) and compare the
-# tokens actually stored with the tokens reserved:
+# tokens actually stored with the tokens reserved.
+#
+# **Predict first.** The prompts have a median of about e^5.5 ≈ 245 tokens, the outputs about e^5 ≈ 150,
+# both with a long tail, and each slab reserves `MAX_LEN` = 4096 tokens. What percentage of the reserved
+# memory never holds a token? Write your number in the next cell; the simulation after it scores it.
+
+# %%
+# Your prediction: % of the contiguous reservations (MAX_LEN tokens each) that never hold a token.
+waste_guess = predict("memory wasted by reserving MAX_LEN", 50.0, unit=" %")
 
 # %%
 prompt_len = np.clip(rng.lognormal(5.5, 1.0, N_REQUESTS), 8, MAX_LEN // 2).astype(int)
@@ -80,6 +88,7 @@ print(f"mean final length {final_len.mean():.0f} tokens of {MAX_LEN} reserved")
 print(f"contiguous, reserved for MAX_LEN: {1 - used / reserved_max:.1%} of the reserved memory never holds a token")
 print(f"pages of {PAGE_SIZE} tokens:        {1 - used / pages.sum():.1%} of the pages' slots stay empty")
 assert used / pages.sum() > used / reserved_max
+_ = waste_guess.score(100 * (1 - used / reserved_max))
 
 # %% [markdown]
 # Even a server that knew each final length in advance would waste memory over time: requests leave holes
