@@ -348,7 +348,7 @@ check(
 # %%
 s_pad = q[0, :32].double() @ torch.nn.functional.pad(k[0].double(), (0, 0, 0, 96 - N_K)).T * D**-0.5
 v_pad = torch.nn.functional.pad(v[0].double(), (0, 0, 0, 96 - N_K))
-real = torch.arange(96) < N_K
+real = torch.arange(96, device=s_pad.device) < N_K
 for fill in (float("-inf"), 0.0):
     o_pad = torch.softmax(s_pad.masked_fill(~real, fill), dim=-1) @ v_pad
     err = (o_pad - attention(q[0, :32].double(), k[0].double(), v[0].double())).abs().max()

@@ -249,8 +249,16 @@ def forward_strip(frames_by_order: dict, n_shots: int = 4):
 
 
 def _slider(draw, n_steps: int, description: str):
-    """An ipywidgets slider over steps 0..n_steps-1 that calls draw(step) (which shows a figure)."""
-    import ipywidgets as widgets
+    """An ipywidgets slider over steps 0..n_steps-1 that calls draw(step) (which shows a figure).
+    Without ipywidgets (a notebook run as a plain script on a machine without it) there is no slider:
+    a line says so and None is returned; the static strips show the same steps."""
+    try:
+        import ipywidgets as widgets
+    except ImportError:
+        print(
+            f"(no slider over the {n_steps} steps here: ipywidgets is not installed; the strip above shows them)"
+        )
+        return None
     import matplotlib.pyplot as plt
 
     def show(step):

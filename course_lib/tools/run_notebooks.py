@@ -25,6 +25,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 from .notebooks import NOTEBOOKS, ROOT, sources
 
+RUN_AS_NOTEBOOK = "import runpy, sys; runpy.run_path(sys.argv[1], run_name='__notebook__')"
+
 
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="python -m course_lib.tools.run_notebooks")
@@ -45,7 +47,10 @@ def main(argv: list[str]) -> int:
         t0 = time.perf_counter()
         log = logs / f"{py.stem}.log" if logs else None
         with open(log, "w") if log else contextlib.nullcontext() as out:
-            rc = subprocess.call([sys.executable, py.name], cwd=NOTEBOOKS, env=env, stdout=out, stderr=out)
+            # run_path under another name than __main__: processes a notebook spawns (notebook 13's ranks)
+            # then do not re-run the whole notebook when they start, as they would for a __main__ script
+            cmd = [sys.executable, "-c", RUN_AS_NOTEBOOK, py.name]
+            rc = subprocess.call(cmd, cwd=NOTEBOOKS, env=env, stdout=out, stderr=out)
         dt = time.perf_counter() - t0
         print(f"<== {py.name}: {'ok' if rc == 0 else 'FAIL'} in {dt:.1f} s", flush=True)
         if log and rc != 0:
