@@ -204,7 +204,9 @@ def test_compiled_flash_attention_is_the_operator():
     of a function calling it matches eager forward and backward, with no graph break."""
     torch.manual_seed(11)
     q, k, v = (torch.randn(1, 4, 40, 16, device=course_lib.DEVICE, requires_grad=True) for _ in range(3))
-    kk, vv = (t.detach()[:, :2].clone().requires_grad_(True) for t in (k, v))  # GQA: 4 query heads, 2 K/V heads
+    kk, vv = (
+        t.detach()[:, :2].clone().requires_grad_(True) for t in (k, v)
+    )  # GQA: 4 query heads, 2 K/V heads
     fn = lambda q, k, v: course_lib.flash_attention(q, k, v, causal="bottom_right")  # noqa: E731
     compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
     o = compiled(q, kk, vv)
