@@ -33,7 +33,7 @@ import torch
 from .. import runtime
 from ..checks import accumulator_dtype, causal_alignment, causal_offset, default_scale, kv_group
 from ..runtime import tl, triton
-from .blocks import kv_block_range, program_block, q_block_range, row_mask
+from .blocks import kv_block_range, load_rows, program_block, q_block_range, row_mask
 from .configs import DKDV, DQ, PREPROCESS_BLOCK_M, split_config
 from .forward import LOG2E
 from .inputs import as_4d, check_inputs, kernel_flags, strides4
@@ -101,11 +101,8 @@ def _dkdv_inner(
     for start_m in range(lo, hi, BLOCK_M):
         start_m = tl.multiple_of(start_m, BLOCK_M)
         rows = start_m + offs_m
-        q_mask = row_mask(rows, N_Q, offs_d, HEAD_DIM, BLOCK_D)
         # Q and dO blocks: HBM -> shared memory, 2 * BLOCK_M * d elements per step (coalesced rows).
-        q = tl.load(q_ptrs + start_m * stride_qm, mask=q_mask, other=0.0)
-        if UPCAST:
-            q = q.to(tl.float32)
+        q = load_rows(q_ptrs + start_m * stride_qm, rows, N_Q, offs_d, HEAD_DIM, BLOCK_D, UPCAST)
         lse = _load_lse(l_base + rows * stride_lm, rows < N_Q)  # L: BLOCK_M floats
         sT = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION, out_dtype=ACC_DTYPE)  # (BLOCK_N, BLOCK_M)
         if MASK:
@@ -117,9 +114,7 @@ def _dkdv_inner(
             pT = tl.math.exp2(sT * qk_scale - (lse * LOG2E)[None, :])
         else:
             pT = tl.exp(sT * qk_scale - lse[None, :])
-        do = tl.load(do_ptrs + start_m * stride_dom, mask=q_mask, other=0.0)
-        if UPCAST:
-            do = do.to(tl.float32)
+        do = load_rows(do_ptrs + start_m * stride_dom, rows, N_Q, offs_d, HEAD_DIM, BLOCK_D, UPCAST)
         dv += tl.dot(pT.to(do.dtype), do, input_precision=DOT_PRECISION, out_dtype=ACC_DTYPE)
         delta = tl.load(d_base + rows, mask=rows < N_Q, other=0.0)  # D: BLOCK_M floats
         dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION, out_dtype=ACC_DTYPE)  # (dO V^T)^T
@@ -129,7 +124,7 @@ def _dkdv_inner(
             # this K/V block's share of dQ = dS K * scale, added into the fp32 dQ buffer in HBM
             dq = tl.dot(tl.trans(dsT.to(k.dtype)), k, input_precision=DOT_PRECISION, out_dtype=ACC_DTYPE)
             dq_ptrs = dq_base + rows[:, None] * stride_dqm + offs_d[None, :] * stride_dqd
-            tl.atomic_add(dq_ptrs, dq * sm_scale, mask=q_mask)
+            tl.atomic_add(dq_ptrs, dq * sm_scale, mask=row_mask(rows, N_Q, offs_d, HEAD_DIM, BLOCK_D))
     return dk, dv
 
 
@@ -250,13 +245,9 @@ def _dq_inner(
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         cols = start_n + offs_n
-        kv_mask = row_mask(cols, N_K, offs_d, HEAD_DIM, BLOCK_D)
         # K and V blocks: HBM -> shared memory, 2 * BLOCK_N * d elements per step (coalesced rows).
-        k = tl.load(k_ptrs + start_n * stride_kn, mask=kv_mask, other=0.0)
-        v = tl.load(v_ptrs + start_n * stride_vn, mask=kv_mask, other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
+        k = load_rows(k_ptrs + start_n * stride_kn, cols, N_K, offs_d, HEAD_DIM, BLOCK_D, UPCAST)
+        v = load_rows(v_ptrs + start_n * stride_vn, cols, N_K, offs_d, HEAD_DIM, BLOCK_D, UPCAST)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION, out_dtype=ACC_DTYPE)  # (BLOCK_M, BLOCK_N)
         if MASK:
             visible = cols[None, :] < N_K

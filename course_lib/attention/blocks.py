@@ -95,6 +95,18 @@ def row_mask(rows, n_rows, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr
     return mask
 
 
+@triton.jit
+def load_rows(
+    ptrs, rows, n_rows, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr
+):
+    """A (rows, BLOCK_D) tile from HBM at `ptrs`: rows past n_rows and padding columns read as 0, and
+    UPCAST (bf16 under the interpreter) turns it to fp32 right after the load."""
+    tile = tl.load(ptrs, mask=row_mask(rows, n_rows, offs_d, HEAD_DIM, BLOCK_D), other=0.0)
+    if UPCAST:
+        tile = tile.to(tl.float32)
+    return tile
+
+
 # --------------------------------------------------------------------------------------------------
 # Their Python twins
 # --------------------------------------------------------------------------------------------------

@@ -31,7 +31,7 @@ import torch
 from .. import runtime
 from ..checks import accumulator_dtype, causal_alignment, causal_offset, default_scale, kv_group
 from ..runtime import tl, triton
-from .blocks import kv_block_range, program_block, row_mask
+from .blocks import kv_block_range, load_rows, program_block, row_mask
 from .configs import FORWARD, split_config
 from .inputs import SUPPORTED_HEAD_DIMS, as_4d, check_inputs, kernel_flags, strides4
 from .launch import cuda_device, launch, make_tuner, n_bucket
@@ -117,10 +117,7 @@ def _fwd_inner(
         cols = start_n + offs_n
         # K block: HBM -> shared memory, BLOCK_N * d elements, rows read contiguously (coalesced);
         # the transpose for Q K^T is a change of shared-memory layout, not a second read.
-        kv_mask = row_mask(cols, N_K, offs_d, HEAD_DIM, BLOCK_D)
-        k = tl.load(k_ptrs + start_n * stride_kn, mask=kv_mask, other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
+        k = load_rows(k_ptrs + start_n * stride_kn, cols, N_K, offs_d, HEAD_DIM, BLOCK_D, UPCAST)
         # S = Q K^T: a (BLOCK_M, BLOCK_N) tile in registers, fp32
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION, out_dtype=ACC_DTYPE)
         if MASK:
@@ -147,9 +144,9 @@ def _fwd_inner(
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]  # rescale the accumulator to the new max: BLOCK_M x d multiplies
         m_i = m_new
-        v = tl.load(v_ptrs + start_n * stride_vn, mask=kv_mask, other=0.0)  # V block: HBM -> shared
-        if UPCAST:
-            v = v.to(tl.float32)
+        v = load_rows(
+            v_ptrs + start_n * stride_vn, cols, N_K, offs_d, HEAD_DIM, BLOCK_D, UPCAST
+        )  # V block: HBM -> shared
         # acc += P V: P from registers, V from shared memory, fp32 accumulator in registers
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION, out_dtype=ACC_DTYPE)
     return acc, l_i, m_i
