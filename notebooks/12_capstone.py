@@ -38,7 +38,8 @@
 #
 # On a CPU the model is tiny and trains for about a minute with the plain PyTorch path (the Triton
 # interpreter runs our kernels one program at a time, far too slowly to train); our kernels are still run
-# and checked, on a very small model. On a GPU the same cells train a larger model with our kernels.
+# and checked, on a very small model. On a GPU the same cells train a larger model with our kernels, for
+# about 25 seconds.
 
 # %%
 import time
@@ -48,7 +49,7 @@ import torch
 
 import course_lib
 from course_lib import records
-from course_lib.exercises import check
+from course_lib.exercises import check, predict
 from course_lib.models import (
     Llama,
     LlamaConfig,
@@ -66,7 +67,7 @@ CONFIG = course_lib.pick(
 )
 TRAIN_BACKEND = course_lib.pick(cpu="sdpa", gpu="course_lib")
 SEQ_LEN, BATCH, ACCUM = course_lib.pick(cpu=(128, 16, 1), gpu=(512, 16, 2))
-STEPS, MAX_SECONDS = course_lib.pick(cpu=(300, 60), gpu=(600, 90))
+STEPS, MAX_SECONDS = course_lib.pick(cpu=(300, 60), gpu=(400, 25))  # optimizer steps, wall-time cap (s)
 CHECK_CONFIG = LlamaConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=96, max_seq_len=64)
 CHECK_LEN = course_lib.pick(cpu=32, gpu=64)  # tokens in the kernel-vs-PyTorch check
 NEW_TOKENS = course_lib.pick(cpu=24, gpu=200)  # tokens generated per prompt when serving
@@ -186,6 +187,18 @@ print(text[:400])
 # `BATCH × ACCUM` sequences, run as `ACCUM` micro-batches whose losses are divided by `ACCUM`, so only one
 # micro-batch's activations are alive at a time. On a GPU the forward runs under bf16 autocast. Before
 # training, the model's guesses are uniform over 256 bytes: a loss of ln 256 ≈ 5.55 nats.
+#
+# **Predict first: how many tokens per second will training process here?** A training step costs about
+# 6 FLOPs per parameter per token (2 in the forward, 4 in the backward), plus attention's share, small at
+# this sequence length. Divide a FLOP rate you believe this device sustains on matrices this small by the
+# FLOPs per token. The measured rate counts the whole wall time of the training cell, evaluations and
+# loss-plot redraws included. The default below is only a rough guess per device: replace it with yours.
+
+# %%
+print(f"{model.num_parameters():,} parameters -> about {6 * model.num_parameters() / 1e6:.0f} MFLOP per token "
+      f"for the matmuls of forward and backward")  # fmt: skip
+# Your prediction: training throughput in tokens per second on this device.
+throughput_guess = predict("training throughput", course_lib.pick(cpu=2_000, gpu=500_000), unit=" tokens/s")
 
 
 # %%
@@ -216,11 +229,12 @@ first, last = history["val_loss"][0], history["val_loss"][-1]
 print(f"{len(history['step'])} steps, {history['tokens']:,} tokens in {history['seconds']:.0f} s "
       f"({history['tokens_per_s']:,.0f} tokens/s); validation loss {first:.2f} -> {last:.2f} nats/byte")
 assert last < first - 0.5
+_ = throughput_guess.score(history["tokens_per_s"])
 
 # %% [markdown]
 # The sample after training (drawn at temperature 0.8): with a few tens of thousands of tokens on a CPU,
-# expect common short words and spaces rather than sense; on a GPU, with millions of tokens, phrases of
-# docstring English. The served continuations below are greedy, so they repeat the likeliest words.
+# expect common short words and spaces rather than sense; on a GPU, with many times more tokens, longer
+# runs of docstring English. The served continuations below are greedy, so they repeat the likeliest words.
 
 # %%
 after = sample(model, PROMPT, 200)
@@ -315,11 +329,12 @@ if srec is not None:
     print("same greedy tokens as the plain path, per prompt:", d["same_per_prompt"])
 
 # %%
-if course_lib.ON_GPU:  # live: our model's training throughput with each attention
+if course_lib.ON_GPU:  # live, kept short: 4 optimizer steps of our model with each attention
     for backend in ("course_lib", "sdpa", "eager"):
         model.backend = backend
-        h = train.train(model, train_tokens, steps=5, batch_size=BATCH, seq_len=SEQ_LEN, progress=False)
-        print(f"{backend:10} {h['tokens_per_s']:12,.0f} tokens/s (live, seq {SEQ_LEN}, this notebook's model)")
+        h = train.train(model, train_tokens, steps=4, batch_size=BATCH, seq_len=SEQ_LEN, progress=False)
+        print(f"{backend:10} {h['tokens_per_s']:12,.0f} tokens/s (live, 4 steps incl. the first, seq {SEQ_LEN}, "
+              f"this notebook's model)")  # fmt: skip
     model.backend = TRAIN_BACKEND
 
 # %% [markdown]
