@@ -17,7 +17,14 @@ from __future__ import annotations
 
 import torch
 
-from .split_kv import check_lengths, check_query_and_lengths, launch, normalise_causal, should_validate
+from .split_kv import (
+    check_kv_pair,
+    check_lengths,
+    check_query_and_lengths,
+    launch,
+    normalise_causal,
+    should_validate,
+)
 
 
 def check_block_table(block_table, cache_seqlens, num_pages: int, page_size: int, where: str) -> None:
@@ -57,17 +64,7 @@ def paged_decode_attention(
     validate=True checks the lengths and the page ids a sequence uses (on a GPU this syncs and is
     skipped during CUDA-graph capture; on the CPU it always runs)."""
     where = "paged_decode_attention"
-    for name, t in (("k_pages", k_pages), ("v_pages", v_pages)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 4:
-            raise ValueError(
-                f"{where}: {name} must be a (num_pages, page_size, Hkv, d) tensor; got "
-                f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}"
-            )
-    if k_pages.shape != v_pages.shape or k_pages.dtype != v_pages.dtype or k_pages.device != v_pages.device:
-        raise ValueError(
-            f"{where}: k_pages and v_pages must match; got k {tuple(k_pages.shape)} {k_pages.dtype} "
-            f"{k_pages.device}, v {tuple(v_pages.shape)} {v_pages.dtype} {v_pages.device}"
-        )
+    check_kv_pair(k_pages, v_pages, ("k_pages", "v_pages"), "(num_pages, page_size, Hkv, d)", where)
     num_pages, page_size, hkv, d = k_pages.shape
     check_query_and_lengths(q, cache_seqlens, hkv, d, k_pages.dtype, k_pages.device, where)
     if not isinstance(block_table, torch.Tensor) or block_table.dim() != 2:

@@ -207,6 +207,21 @@ def check_query_and_lengths(q, cache_seqlens, kv_heads: int, head_dim: int, dtyp
         raise ValueError(f"{where}: cache_seqlens is on {cache_seqlens.device}, q on {q.device}")
 
 
+def check_kv_pair(k, v, names: tuple[str, str], layout: str, where: str) -> None:
+    """k and v: 4-D tensors of one shape, dtype and device (a contiguous cache or a page pool)."""
+    for name, t in zip(names, (k, v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise ValueError(
+                f"{where}: {name} must be a {layout} tensor; got "
+                f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}"
+            )
+    if k.shape != v.shape or k.dtype != v.dtype or k.device != v.device:
+        raise ValueError(
+            f"{where}: {names[0]} and {names[1]} must match; got k {tuple(k.shape)} {k.dtype} "
+            f"{k.device}, v {tuple(v.shape)} {v.dtype} {v.device}"
+        )
+
+
 def should_validate(validate: bool, device: torch.device) -> bool:
     """Checks that read tensor values run on the CPU always, on a GPU when `validate` (they sync), and
     never during CUDA-graph capture (a sync there is illegal; capture with validate=False)."""
@@ -304,17 +319,7 @@ def decode_attention(
     validate=True checks the lengths' values (on a GPU this syncs; it is skipped during CUDA-graph
     capture); on the CPU the check always runs. Nothing here syncs when validate=False."""
     where = "decode_attention"
-    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 4:
-            raise ValueError(
-                f"{where}: {name} must be a (B, Nmax, Hkv, d) tensor; got "
-                f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}"
-            )
-    if k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype or k_cache.device != v_cache.device:
-        raise ValueError(
-            f"{where}: k_cache and v_cache must match; got k {tuple(k_cache.shape)} {k_cache.dtype} "
-            f"{k_cache.device}, v {tuple(v_cache.shape)} {v_cache.dtype} {v_cache.device}"
-        )
+    check_kv_pair(k_cache, v_cache, ("k_cache", "v_cache"), "(B, Nmax, Hkv, d)", where)
     check_query_and_lengths(
         q, cache_seqlens, k_cache.shape[2], k_cache.shape[3], k_cache.dtype, k_cache.device, where
     )
