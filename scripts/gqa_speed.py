@@ -42,16 +42,21 @@ def main() -> int:
     for cell in standard_cells():
         B, H, N, d, causal = cell["B"], cell["H"], cell["N"], cell["d"], cell["causal"]
         hkv = H // args.group
-        make = lambda h: torch.randn(B, h, N, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)  # noqa: E731
-        q, k, v = make(H), make(hkv), make(hkv)
+        q, k, v = (
+            torch.randn(B, h, N, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            for h in (H, hkv, hkv)
+        )
         k_rep, v_rep = (t.detach().repeat_interleave(args.group, 1).requires_grad_(True) for t in (k, v))
         do_cache[q.shape] = torch.randn_like(q)
         gqa = benchmark(fwd_bwd(q, k, v, causal))
         rep = benchmark(fwd_bwd(q, k_rep, v_rep, causal))
         rows.append(dict(cell, hkv=hkv, gqa_ms=gqa, repeated_ms=rep, ratio=rep / gqa))
-        print(f"d={d} causal={causal!s:5} N={N:5}: GQA {gqa:.3f} ms, repeated K/V {rep:.3f} ms, {rep / gqa:.2f}x")
+        print(
+            f"d={d} causal={causal!s:5} N={N:5}: GQA {gqa:.3f} ms, repeated K/V {rep:.3f} ms, {rep / gqa:.2f}x"
+        )
     ratios = [r["ratio"] for r in rows]
-    print(f"repeated / GQA time: min {min(ratios):.2f}x, geomean {math.exp(sum(map(math.log, ratios)) / len(ratios)):.2f}x")
+    geomean = math.exp(sum(map(math.log, ratios)) / len(ratios))
+    print(f"repeated / GQA time: min {min(ratios):.2f}x, geomean {geomean:.2f}x")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)
