@@ -61,7 +61,7 @@ from course_lib.distributed import (
     work_per_rank,
 )
 from course_lib.distributed.workers import compare_with_reference, step_compute_times
-from course_lib.exercises import check
+from course_lib.exercises import check, predict
 
 WORLD = course_lib.pick(cpu=4, gpu=4)  # CPU processes in the gloo runs
 CHECK_N = course_lib.pick(cpu=64, gpu=64)  # total tokens of the correctness run
@@ -230,8 +230,20 @@ for case, r in zip(cases, results[0]):
 # ## 6. Causal imbalance: predicted, then measured
 #
 # With contiguous slices, rank 0's queries see only its own keys; rank P - 1's see everyone's. Under
-# zigzag every rank holds one early and one late chunk. `work_per_rank` counts the (query, key) pairs
-# each rank computes at each step, from the same plan the ring follows:
+# zigzag every rank holds one early and one late chunk.
+#
+# **Predict first.** With contiguous slices on the notebook's `WORLD` ranks, the busiest rank does how many
+# times the mean rank's causal work? (Count the (query, key) pairs under the diagonal that each slice of
+# queries sees.) Write your number in the next cell; it is scored against the *measured* compute times
+# further down.
+
+# %%
+# Your prediction: busiest rank's work / mean rank's work, contiguous slices, causal, WORLD ranks.
+imbalance_guess = predict(f"busiest / mean rank, contiguous, {WORLD} ranks", 1.5, unit="x")
+
+# %% [markdown]
+# `work_per_rank` counts the (query, key) pairs each rank computes at each step, from the same plan the
+# ring follows:
 
 # %%
 N_PRED = 1024
@@ -262,6 +274,8 @@ for s in ("contiguous", "zigzag"):
     pred = [sum(w) for w in area[s]]
     print(f"{s:>10}: busiest/mean measured {max(total) / (sum(total) / WORLD):.2f}, "
           f"predicted from areas {max(pred) / (sum(pred) / WORLD):.2f}")  # fmt: skip
+contiguous_total = [sum(w) for w in measured["contiguous"]]
+_ = imbalance_guess.score(max(contiguous_total) / (sum(contiguous_total) / WORLD))
 
 # %% [markdown]
 # Blocks on a CPU carry costs that the area model leaves out (a diagonal block also builds and applies its mask,
