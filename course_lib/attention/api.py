@@ -20,6 +20,7 @@ from .inputs import check_inputs
 from .op import flash_attention_op
 
 _DEFAULT_LAUNCH, _FAST = split_config(None, None)  # the default choice of launch and the fast switches
+_PREPARED: set = set()  # shapes whose backward kernels this process has started compiling
 
 
 class FlashAttentionTriton(torch.autograd.Function):
@@ -37,6 +38,22 @@ class FlashAttentionTriton(torch.autograd.Function):
         check_inputs(q, k, v, where="FlashAttentionTriton")
         alignment = causal_alignment(is_causal)
         scale = default_scale(q.shape[-1], scale)
+        if any(ctx.needs_input_grad[:3]):
+            # a new shape's backward kernels start compiling now, alongside the forward's (GPU only)
+            _backward(
+                None,
+                q,
+                k,
+                v,
+                None,
+                None,
+                alignment,
+                scale,
+                _DEFAULT_LAUNCH,
+                _FAST,
+                "two_kernel",
+                compile_only=True,
+            )
         o, lse = _forward(q, k, v, alignment, scale, _DEFAULT_LAUNCH, _FAST)
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.alignment = alignment

@@ -37,7 +37,7 @@ from .blocks import kv_block_range, load_rows, program_block, q_block_range, row
 from .configs import DKDV, DQ, PREPROCESS_BLOCK_M, split_config
 from .forward import LOG2E
 from .inputs import as_4d, check_inputs, kernel_flags, strides4
-from .launch import cuda_device, launch, make_tuner, n_bucket
+from .launch import compile_ahead, cuda_device, launch, make_tuner, n_bucket
 
 DQ_MODES = ("two_kernel", "atomic")
 
@@ -411,9 +411,19 @@ def backward(
     return _backward(do, q, k, v, o, L, alignment, scale, launch_cfg, switches, dq_mode)
 
 
-def _backward(do, q, k, v, o, L, alignment, scale, launch_cfg, switches, dq_mode):
+def _backward(do, q, k, v, o, L, alignment, scale, launch_cfg, switches, dq_mode, compile_only=False):
     """Launch the kernels on validated inputs (no checks here): dQ (with D) then dK/dV, or, atomic,
-    the preprocessing then dK/dV with dQ."""
+    the preprocessing then dK/dV with dQ.
+
+    compile_only=True (the autograd forward, before its own launch): launch nothing; start compiling
+    the default backward's two kernels for this shape (`launch.compile_ahead`). do, o and L may then be
+    None: their stand-ins, and every buffer, live on the meta device (shapes and strides, no memory)."""
+    where = "meta" if compile_only else q.device
+    if compile_only:
+        if launch_cfg is not None or dq_mode != "two_kernel":
+            return None
+        do = o = torch.empty(q.shape, dtype=q.dtype, device=where)  # as the forward allocates O
+        L = torch.empty(q.shape[:-1], dtype=accumulator_dtype(q.dtype), device=where)
     q4, k4, v4, o4, do4 = as_4d(q), as_4d(k), as_4d(v), as_4d(o), as_4d(do)
     l3 = L.reshape(q4.shape[:-1])
     B, H, n_q, d = q4.shape
@@ -421,16 +431,16 @@ def _backward(do, q, k, v, o, L, alignment, scale, launch_cfg, switches, dq_mode
     group = kv_group(q4, k4)
     causal = alignment is not None
     offset = causal_offset(alignment, n_q, n_k)
-    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    dk = torch.empty(k.shape, dtype=k.dtype, device=where)
+    dv = torch.empty(v.shape, dtype=v.dtype, device=where)
     dk4, dv4 = as_4d(dk), as_4d(dv)
     acc_dtype = accumulator_dtype(q.dtype)
-    delta = torch.empty((B * H, n_q), dtype=acc_dtype, device=q.device)  # D, contiguous
+    delta = torch.empty((B * H, n_q), dtype=acc_dtype, device=where)  # D, contiguous
     atomic = dq_mode == "atomic"
     if atomic:
-        dq_acc = torch.zeros(q4.shape, dtype=acc_dtype, device=q.device)  # fp32 dQ, added to atomically
+        dq_acc = torch.zeros(q4.shape, dtype=acc_dtype, device=where)  # fp32 dQ, added to atomically
     else:
-        dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        dq = torch.empty(q.shape, dtype=q.dtype, device=where)
         dq_acc = as_4d(dq)
     flags = kernel_flags(q.dtype)
     block_d = max(16, triton.next_power_of_2(d))
@@ -439,8 +449,30 @@ def _backward(do, q, k, v, o, L, alignment, scale, launch_cfg, switches, dq_mode
     bucket = n_bucket(max(n_q, n_k))
     shape = (bucket, d, causal, q.dtype, exp2, skip)  # what the configuration choice depends on
     fixed = launch_cfg or {}
+    q_args = (
+        q4, k4, v4, o4, do4, l3, delta, dq_acc, scale,
+        *strides4(q4), *strides4(k4), *strides4(v4), *strides4(o4), *strides4(do4), *l3.stride(),
+        *strides4(dq_acc), H, group, n_q, n_k, offset, bucket,
+    )  # fmt: skip
+    q_meta = dict(common, FUSE_D=True)
+    q_grid = lambda c: (triton.cdiv(n_q, c.block_m) * B * H,)
+    kv_args = (
+        q4, k4, v4, do4, l3, delta, dq_acc, dk4, dv4, scale,
+        *strides4(q4), *strides4(k4), *strides4(v4), *strides4(do4), *l3.stride(),
+        *strides4(dq_acc), *strides4(dk4), *strides4(dv4), H, n_q, n_k, offset, bucket,
+    )  # fmt: skip
+    kv_meta = dict(common, ATOMIC=atomic, GROUP=group)
+    kv_grid = lambda c: (triton.cdiv(n_k, c.block_n) * B * H_kv,)
+    kv_shape = shape + (atomic, group)
+    kv_tuner = _dkdv_atomic_tuned if atomic else _dkdv_tuned
 
     with cuda_device(q):
+        if launch_cfg is None and not atomic:
+            # The dK/dV kernel compiles (first use of this shape) while the dQ kernel compiles and runs.
+            compile_ahead(_dkdv_kernel, kv_tuner, DKDV, kv_grid, kv_args, kv_meta, kv_shape)
+            if compile_only:
+                compile_ahead(_dq_kernel, _dq_tuned, DQ, q_grid, q_args, q_meta, shape)
+                return None
         if atomic:
             pre_m = PREPROCESS_BLOCK_M["cpu" if runtime.INTERPRET else "gpu"]
             _preprocess_kernel[(triton.cdiv(n_q, pre_m) * B * H,)](
@@ -448,37 +480,21 @@ def _backward(do, q, k, v, o, L, alignment, scale, launch_cfg, switches, dq_mode
                 HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=pre_m,
                 UPCAST=flags["UPCAST"], ACC_DTYPE=flags["ACC_DTYPE"],
             )  # fmt: skip
-        else:
+        elif launch_cfg is None:
             # dQ first: it also computes D, which the dK/dV kernel needs (stream order keeps them apart).
-            q_args = (
-                q4, k4, v4, o4, do4, l3, delta, dq_acc, scale,
-                *strides4(q4), *strides4(k4), *strides4(v4), *strides4(o4), *strides4(do4), *l3.stride(),
-                *strides4(dq_acc), H, group, n_q, n_k, offset, bucket,
+            launch(_dq_kernel, _dq_tuned, DQ, q_grid, q_args, q_meta, shape)
+        else:
+            bm, bn = fixed.get("BLOCK_M2", fixed["BLOCK_M"]), fixed.get("BLOCK_N2", fixed["BLOCK_N"])
+            _dq_kernel[(triton.cdiv(n_q, bm) * B * H,)](
+                *q_args, **q_meta, BLOCK_M=bm, BLOCK_N=bn,
+                num_warps=fixed["num_warps"], num_stages=fixed["num_stages"],
             )  # fmt: skip
-            meta = dict(common, FUSE_D=True)
-            if launch_cfg is None:
-                grid = lambda c: (triton.cdiv(n_q, c.block_m) * B * H,)
-                launch(_dq_kernel, _dq_tuned, DQ, grid, q_args, meta, shape)
-            else:
-                bm, bn = fixed.get("BLOCK_M2", fixed["BLOCK_M"]), fixed.get("BLOCK_N2", fixed["BLOCK_N"])
-                _dq_kernel[(triton.cdiv(n_q, bm) * B * H,)](
-                    *q_args, **meta, BLOCK_M=bm, BLOCK_N=bn,
-                    num_warps=fixed["num_warps"], num_stages=fixed["num_stages"],
-                )  # fmt: skip
-        kv_args = (
-            q4, k4, v4, do4, l3, delta, dq_acc, dk4, dv4, scale,
-            *strides4(q4), *strides4(k4), *strides4(v4), *strides4(do4), *l3.stride(),
-            *strides4(dq_acc), *strides4(dk4), *strides4(dv4), H, n_q, n_k, offset, bucket,
-        )  # fmt: skip
-        meta = dict(common, ATOMIC=atomic, GROUP=group)
         if launch_cfg is None:
-            tuner = _dkdv_atomic_tuned if atomic else _dkdv_tuned
-            grid = lambda c: (triton.cdiv(n_k, c.block_n) * B * H_kv,)
-            launch(_dkdv_kernel, tuner, DKDV, grid, kv_args, meta, shape + (atomic, group))
+            launch(_dkdv_kernel, kv_tuner, DKDV, kv_grid, kv_args, kv_meta, kv_shape)
         else:
             bm, bn = fixed.get("BLOCK_M1", fixed["BLOCK_M"]), fixed.get("BLOCK_N1", fixed["BLOCK_N"])
             _dkdv_kernel[(triton.cdiv(n_k, bn) * B * H_kv,)](
-                *kv_args, **meta, BLOCK_M=bm, BLOCK_N=bn,
+                *kv_args, **kv_meta, BLOCK_M=bm, BLOCK_N=bn,
                 num_warps=fixed["num_warps"], num_stages=fixed["num_stages"],
             )  # fmt: skip
     if atomic:

@@ -20,6 +20,7 @@ import functools
 import json
 import os
 import re
+import threading
 from pathlib import Path
 
 import torch
@@ -106,31 +107,83 @@ def make_tuner(kernel, table: KernelConfigs, key: list[str], **kwargs):
     )(kernel)
 
 
-_CHOSEN: dict = {}
+_CHOSEN: dict = {}  # (kernel table, shape class) -> the Launch this process uses
+_COMPILING: dict = {}  # (kernel table, shape class) -> a thread compiling that launch ahead of its first use
+_SEEN: set = set()  # (kernel table, shape class) compiled, compiling or launched in this process
 
 
-def launch(kernel, tuner, table: KernelConfigs, grid, args: tuple, meta: dict, shape: tuple) -> None:
-    """Launch `kernel` on `grid(launch)` with the configuration chosen for this shape class.
-
-    shape = (n_bucket, d, causal, dtype, *switches): what the choice may depend on. Fixed launches
-    (a `config` dict) do not come here; they call the kernel directly."""
-    n, d, causal, dtype = shape[:4]
-    key = "/".join(map(str, shape)).replace("torch.", "")
-    config = _CHOSEN.get((table.name, key))
+def chosen(table: KernelConfigs, shape: tuple) -> Launch | None:
+    """The launch this process uses for a shape class: the one it chose before, else the one recorded for
+    this GPU, else the table's rule; None when COURSE_AUTOTUNE=1 is to choose it (first use only).
+    shape = (n_bucket, d, causal, dtype, *switches): what the choice may depend on."""
+    config = _CHOSEN.get((table.name, shape))
     if config is None:
-        recorded = tuned_record().get(table.name, {}).get(key)
+        n, d, causal, dtype = shape[:4]
+        recorded = tuned_record().get(table.name, {}).get(shape_key(shape))
         if (
             recorded is None
             and autotune_enabled()
             and dtype not in (torch.float32, torch.float64)
             and d <= 128
         ):
-            tuner[lambda META: grid(Launch(META["BLOCK_M"], META["BLOCK_N"], 0, 0))](*args, **meta)
-            best = tuner.best_config
-            config = Launch(best.kwargs["BLOCK_M"], best.kwargs["BLOCK_N"], best.num_warps, best.num_stages)
-            record_choice(table.name, key, config)
-            _CHOSEN[(table.name, key)] = config
-            return
+            return None
         config = Launch(*recorded) if recorded else table.choose(d, causal, n, dtype, runtime.INTERPRET)
-        _CHOSEN[(table.name, key)] = config
+        _CHOSEN[(table.name, shape)] = config
+    return config
+
+
+def shape_key(shape: tuple) -> str:
+    """A shape class as the text key of the GPU's record: "4096/128/True/bfloat16/True/True"."""
+    return "/".join(map(str, shape)).replace("torch.", "")
+
+
+def launch(kernel, tuner, table: KernelConfigs, grid, args: tuple, meta: dict, shape: tuple) -> None:
+    """Launch `kernel` on `grid(launch)` with the configuration chosen for this shape class (`chosen`).
+
+    Fixed launches (a `config` dict) do not come here; they call the kernel directly."""
+    name = (table.name, shape)
+    config = chosen(table, shape)
+    if config is None:  # COURSE_AUTOTUNE=1 and a shape class seen for the first time
+        tuner[lambda META: grid(Launch(META["BLOCK_M"], META["BLOCK_N"], 0, 0))](*args, **meta)
+        best = tuner.best_config
+        config = Launch(best.kwargs["BLOCK_M"], best.kwargs["BLOCK_N"], best.num_warps, best.num_stages)
+        record_choice(table.name, shape_key(shape), config)
+        _CHOSEN[name] = config
+        _SEEN.add(name)
+        return
+    pending = _COMPILING.pop(name, None)
+    if pending is not None:
+        pending.join()  # its compilation is in Triton's cache now: this launch finds it there
+    _SEEN.add(name)
     kernel[grid(config)](*args, **meta, **config.kwargs())
+
+
+def compile_ahead(kernel, tuner, table: KernelConfigs, grid, args: tuple, meta: dict, shape: tuple) -> None:
+    """Compile the launch `launch` would use, in a background thread, without running it.
+
+    A new shape's first call compiles one kernel per pass (seconds each): started ahead, the backward's
+    kernels compile while the forward compiles and runs, and the first forward + backward waits for the
+    slowest compilation rather than their sum. Compiling hands most of its work to MLIR, LLVM and ptxas,
+    which run outside Python's lock. Only the argument types and the integers' values matter to what is
+    compiled, so tensors may be stand-ins (on the meta device). GPU only, never when autotuning; once
+    per shape class and process. Same arguments as `launch`."""
+    name = (table.name, shape)
+    if not runtime.ON_GPU or name in _SEEN:
+        return
+    config = chosen(table, shape)
+    if config is None:
+        return
+    _SEEN.add(name)
+    stand_ins = tuple(a.dtype if isinstance(a, torch.Tensor) else a for a in args)  # a pointer's dtype only
+    device = torch.cuda.current_device()
+
+    def work():
+        try:
+            with torch.cuda.device(device):
+                kernel.warmup(*stand_ins, grid=grid(config), **meta, **config.kwargs())
+        except Exception:  # the launch itself will compile again and report the error where it belongs
+            pass
+
+    thread = threading.Thread(target=work, name=f"compile {table.name}", daemon=True)
+    thread.start()
+    _COMPILING[name] = thread
