@@ -198,7 +198,7 @@ print(text[:400])
 print(f"{model.num_parameters():,} parameters -> about {6 * model.num_parameters() / 1e6:.0f} MFLOP per token "
       f"for the matmuls of forward and backward")  # fmt: skip
 # Your prediction: training throughput in tokens per second on this device.
-throughput_guess = predict("training throughput", course_lib.pick(cpu=2_000, gpu=500_000), unit=" tokens/s")
+throughput_guess = predict("training throughput", course_lib.pick(cpu=3_000, gpu=500_000), unit=" tokens/s")
 
 
 # %%
