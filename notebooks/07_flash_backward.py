@@ -66,10 +66,12 @@ print(course_lib.RUNTIME.describe())
 B, H, D = course_lib.pick(cpu=(1, 2, 32), gpu=(2, 4, 64))  # batch, heads, head dim
 N_Q, N_K = course_lib.pick(cpu=(100, 75), gpu=(1000, 1531))  # ragged and unequal on purpose
 BLOCK_M, BLOCK_N = course_lib.pick(cpu=(32, 32), gpu=(64, 64))  # the teaching launches
-DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+DTYPES = course_lib.pick(  # dtypes the kernels below are checked in (the GPU's float16 is left to the tests)
+    cpu=[torch.float32, torch.float16, torch.bfloat16], gpu=[torch.float32, torch.bfloat16]
+)
 GRADCHECK_SHAPE, GRADCHECK_NK = (1, 2, 24, 16), 20  # float64 gradcheck, CPU only (the interpreter)
 BENCH_NS = course_lib.pick(cpu=[], gpu=[1024, 4096])  # GPU timing of the two dQ strategies
-BENCH_DS, BENCH_TOKENS = (64, 128), 16384  # head dims; B*N tokens (H*d = 2048, as in the papers)
+BENCH_DS, BENCH_TOKENS = (128,), 16384  # head dims timed live; B*N tokens (H*d = 2048, as in the papers)
 LOG2E = math.log2(math.e)
 torch.manual_seed(0)
 
@@ -601,9 +603,11 @@ for n_q, n_k, bm, bn in CASES:
 
 # %%
 def plot_dq_modes(data, source):
-    fig, axes = plt.subplots(1, len(data["d"]), figsize=(12.5, 5.5), sharey=True, layout="constrained")
+    fig, axes = plt.subplots(
+        1, len(data["d"]), figsize=(12.5, 5.5), sharey=True, layout="constrained", squeeze=False
+    )
     ratios = []
-    for ax, d in zip(axes, data["d"]):
+    for ax, d in zip(axes[0], data["d"]):
         modes = [(c, m) for c in (False, True) for m in ("two_kernel", "atomic")]
         tf = {(c, m): data["tflops"][f"d={d}, causal={c}, {m}"] for c, m in modes}
         r = [a / t for c in (False, True) for a, t in zip(tf[c, "atomic"], tf[c, "two_kernel"])]
