@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from .. import records, runtime
 from ..decode import decode_attention, paged_decode_attention
 from ..decode.heuristics import num_splits_for, sm_count, wave_efficiency
+from .report import record_and_report
 
 HQ, HKV, D = 32, 8, 128
 CELLS = [(1, 1024), (1, 8192), (1, 32768), (1, 131072), (8, 8192), (16, 32768), (64, 4096), (256, 1024)]
@@ -422,24 +423,7 @@ def target_misses(data: dict) -> list[str]:
 
 def main(quick: bool = False, out: str | Path = records.ASSETS) -> int:
     """Measure (`run`), save the record "decode" and its plots in `out`, print the table. Returns 0."""
-    out = Path(out)
-    if not runtime.ON_GPU and out.resolve() == Path(records.ASSETS).resolve():
-        print("bench decode: no GPU; CPU timings do not belong in assets/benchmarks/ (pass --out DIR)")
-        return 2
-    data = run(quick)
-    path = records.save_record("decode", data, out)
-    slug = path.stem.split("-", 1)[1] if path else "cpu"
-    out.mkdir(parents=True, exist_ok=True)
-    for p in save_plots(data, out, slug):
-        print(f"bench decode: wrote {p}")
-    print(format_table(data))
-    misses = target_misses(data)
-    print(
-        "bench decode: every target met"
-        if not misses
-        else "bench decode: targets missed:\n  " + "\n  ".join(misses)
-    )
-    return 0
+    return record_and_report("decode", run, save_plots, format_table, target_misses, quick, out)
 
 
 if __name__ == "__main__":

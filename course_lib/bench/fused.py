@@ -26,6 +26,7 @@ from .. import records, runtime
 from ..fused import rms_norm, rope, rope_cache
 from ..perf.ceilings import measure_copy_bandwidth
 from ..perf.timing import benchmark, free_memory
+from .report import record_and_report
 
 TOKENS = (4096, 16384, 65536)
 HIDDEN = (2048, 4096, 8192)
@@ -357,24 +358,7 @@ def save_plots(data: dict, out: Path, slug: str) -> list[Path]:
 def main(quick: bool = False, out: str | Path = records.ASSETS) -> int:
     """Measure (`run`), save the record "fused" and its plots in `out`, print the tables and the
     targets. Returns 0 (2 when asked to put CPU timings into assets/benchmarks/)."""
-    out = Path(out)
-    if not runtime.ON_GPU and out.resolve() == Path(records.ASSETS).resolve():
-        print("bench fused: no GPU; CPU timings do not belong in assets/benchmarks/ (pass --out DIR)")
-        return 2
-    data = run(quick)
-    path = records.save_record("fused", data, out)
-    slug = path.stem.split("-", 1)[1] if path else "cpu"
-    out.mkdir(parents=True, exist_ok=True)
-    for p in save_plots(data, out, slug):
-        print(f"bench fused: wrote {p}")
-    print(format_table(data))
-    misses = target_misses(data)
-    print(
-        "bench fused: every target met"
-        if not misses
-        else "bench fused: targets missed:\n  " + "\n  ".join(misses)
-    )
-    return 0
+    return record_and_report("fused", run, save_plots, format_table, target_misses, quick, out)
 
 
 def _cli() -> int:

@@ -139,3 +139,31 @@ def format_report(data: dict) -> str:
         mark = {True: "met   ", False: "MISSED", None: "n/a   "}[t["met"]]
         lines.append(f"  [{mark}] {t['target']}: {t['detail']}")
     return "\n".join(lines)
+
+
+def record_and_report(kind: str, run, save_plots, format_table, target_misses, quick: bool, out) -> int:
+    """What a benchmark module's `main` does: measure (`run(quick)`), save the record `kind` and its plots
+    in `out`, print the table and the targets missed. Returns 0, or 2 (nothing measured) when asked to put
+    CPU timings into assets/benchmarks/, where only GPU records belong."""
+    from pathlib import Path
+
+    from .. import records, runtime
+
+    out = Path(out)
+    if not runtime.ON_GPU and out.resolve() == Path(records.ASSETS).resolve():
+        print(f"bench {kind}: no GPU; CPU timings do not belong in assets/benchmarks/ (pass --out DIR)")
+        return 2
+    data = run(quick)
+    path = records.save_record(kind, data, out)
+    slug = path.stem.split("-", 1)[1] if path else "cpu"
+    out.mkdir(parents=True, exist_ok=True)
+    for p in save_plots(data, out, slug):
+        print(f"bench {kind}: wrote {p}")
+    print(format_table(data))
+    misses = target_misses(data)
+    print(
+        f"bench {kind}: every target met"
+        if not misses
+        else f"bench {kind}: targets missed:\n  " + "\n  ".join(misses)
+    )
+    return 0
