@@ -44,7 +44,7 @@ import course_lib
 from course_lib.attention import animate, tiles
 from course_lib.attention.reference import attention, causal_mask_tile
 from course_lib.attention.tiled import FlashAttentionTorch, flash_backward, flash_forward
-from course_lib.exercises import check
+from course_lib.exercises import check, predict
 from course_lib.testing import assert_close_to_reference, random_qkv, reference_outputs
 
 DEVICE = course_lib.DEVICE
@@ -317,7 +317,14 @@ assert all(s[-2:] != (N, N + 32) for s in saved) and max(math.prod(s) for s in s
 # %% [markdown]
 # What does the tiling cost in time, written in Python? Each tile costs several small PyTorch calls
 # (on a GPU, several kernel launches), and there are (N/64)² tiles, while standard attention is three big
-# calls. Here is the price at this notebook's size, measured on this machine:
+# calls. Predict first: how many times the time of standard attention does the tiled version take here?
+
+# %%
+# Your prediction: time of FlashAttentionTorch / time of standard attention, this notebook's size, this device.
+tiled_guess = predict("tiled PyTorch / standard attention time", 5.0, unit="x")
+
+# %% [markdown]
+# Here is the price at this notebook's size, measured on this machine:
 
 # %%
 from course_lib.perf.timing import benchmark
@@ -327,6 +334,7 @@ t_std = benchmark(lambda: attention(q1, k1, v1, causal=True))
 t_tiled = benchmark(lambda: FlashAttentionTorch.apply(q1, k1, v1, True))
 print(f"{DEVICE.type}, N = {N}: standard {t_std:.2f} ms, tiled in PyTorch {t_tiled:.2f} ms", end=" ")
 print(f"({t_tiled / t_std:.1f}x the time)")
+_ = tiled_guess.score(t_tiled / t_std)
 
 # %% [markdown]
 # The algorithm is right and needs only O(N) memory beyond its inputs and output, but the Python loops
