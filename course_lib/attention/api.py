@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import runtime
 from ..checks import causal_alignment, default_scale
 from .backward import _backward
 from .configs import split_config
@@ -38,22 +39,11 @@ class FlashAttentionTriton(torch.autograd.Function):
         check_inputs(q, k, v, where="FlashAttentionTriton")
         alignment = causal_alignment(is_causal)
         scale = default_scale(q.shape[-1], scale)
-        if any(ctx.needs_input_grad[:3]):
-            # a new shape's backward kernels start compiling now, alongside the forward's (GPU only)
-            _backward(
-                None,
-                q,
-                k,
-                v,
-                None,
-                None,
-                alignment,
-                scale,
-                _DEFAULT_LAUNCH,
-                _FAST,
-                "two_kernel",
-                compile_only=True,
-            )
+        shape = (q.shape, k.shape, q.dtype, alignment)
+        if runtime.ON_GPU and any(ctx.needs_input_grad[:3]) and shape not in _PREPARED:
+            # a new shape's backward kernels start compiling now, alongside the forward's
+            _PREPARED.add(shape)
+            _backward(None, q, k, v, None, None, alignment, scale, _DEFAULT_LAUNCH, _FAST, "two_kernel", True)
         o, lse = _forward(q, k, v, alignment, scale, _DEFAULT_LAUNCH, _FAST)
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.alignment = alignment
