@@ -146,86 +146,24 @@ def test_make_lab_runs_notebook_00_in_chromium(tmp_path):
     sync_api = _require_browser()
     nb_dir = tmp_path / "notebooks"
     shutil.copytree(ROOT / "notebooks", nb_dir, ignore=shutil.ignore_patterns("*.py", ".ipynb_checkpoints"))
-    _lab_settings(tmp_path / "settings")
-    port = _free_port()
-    env = dict(
-        os.environ,
-        JUPYTERLAB_SETTINGS_DIR=str(tmp_path / "settings"),
-        JUPYTERLAB_WORKSPACES_DIR=str(tmp_path / "workspaces"),
-        JUPYTER_RUNTIME_DIR=str(tmp_path / "rt"),
-    )
-    lab_args = (
-        f"--no-browser --allow-root --ip=127.0.0.1 --port={port} "
-        "--IdentityProvider.token= --ServerApp.password="
-    )
-    server = subprocess.Popen(
-        ["make", "-s", "lab", f"PYTHON={sys.executable}", f"NOTEBOOK_DIR={nb_dir}", f"LAB_ARGS={lab_args}"],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    try:
-        base = f"http://127.0.0.1:{port}"
-        deadline = time.time() + 90
-        while True:
-            try:
-                urllib.request.urlopen(f"{base}/api/status", timeout=2)
-                break
-            except OSError:
-                if time.time() > deadline or server.poll() is not None:
-                    pytest.fail(f"`make lab` did not serve within 90 s:\n{server.stdout.read1().decode()}")
-                time.sleep(0.5)
-
-        with sync_api.sync_playwright() as p:
-            browser = p.chromium.launch(
-                executable_path=CHROMIUM,
-                args=[
-                    "--no-sandbox",
-                    "--disable-gpu",
-                    "--disable-quic",
-                    "--no-first-run",
-                    "--disable-background-networking",
-                    "--disable-component-update",
-                    "--disable-sync",
-                ],
-            )
-            page = browser.new_page(viewport={"width": 1400, "height": 1000})
-            page.goto(f"{base}/lab/tree/00_setup.ipynb?reset")
-            page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=90_000)
-            shots = ROOT / "build" / "browser"
-            shots.mkdir(parents=True, exist_ok=True)
-            try:
-                select = page.get_by_role("button", name="Select", exact=True)
-                try:  # after ?reset JupyterLab may ask which kernel to use; the notebook names python3
-                    select.wait_for(timeout=5_000)
-                    select.click()
-                except sync_api.TimeoutError:
-                    pass
-                page.get_by_role("menuitem", name="Run", exact=True).click()
-                page.get_by_text("Run All Cells", exact=True).click()
-                outputs = page.locator(".jp-OutputArea-output")
-                sync_api.expect(outputs.filter(has_text="All good: the course runs here.")).to_have_count(
-                    1, timeout=120_000
-                )
-                sync_api.expect(
-                    outputs.filter(has_text="Exercise 'score matrix bytes': correct.")
-                ).to_have_count(1, timeout=120_000)
-                sync_api.expect(page.locator(".jp-OutputArea-output img").first).to_be_visible(timeout=60_000)
-                page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=60_000)
-                text = page.locator(".jp-Notebook").inner_text()
-            finally:
-                page.screenshot(
-                    path=str(shots / "00_setup.png"), full_page=False
-                )  # kept for a human to look at
-                browser.close()
-        assert "Traceback" not in text, (
-            "a cell raised in the browser: " + text[text.find("Traceback") :][:800]
-        )
-    finally:
-        os.killpg(server.pid, signal.SIGTERM)
+    shots = ROOT / "build" / "browser"
+    shots.mkdir(parents=True, exist_ok=True)
+    with _make_lab(tmp_path, f"NOTEBOOK_DIR={nb_dir}") as base, sync_api.sync_playwright() as p:
+        browser, page = _open_notebook(sync_api, p, f"{base}/lab/tree/00_setup.ipynb?reset")
         try:
-            server.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
+            page.get_by_role("menuitem", name="Run", exact=True).click()
+            page.get_by_text("Run All Cells", exact=True).click()
+            outputs = page.locator(".jp-OutputArea-output")
+            sync_api.expect(outputs.filter(has_text="All good: the course runs here.")).to_have_count(
+                1, timeout=120_000
+            )
+            sync_api.expect(outputs.filter(has_text="Exercise 'score matrix bytes': correct.")).to_have_count(
+                1, timeout=120_000
+            )
+            sync_api.expect(page.locator(".jp-OutputArea-output img").first).to_be_visible(timeout=60_000)
+            page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=60_000)
+            text = page.locator(".jp-Notebook").inner_text()
+        finally:
+            page.screenshot(path=str(shots / "00_setup.png"), full_page=False)  # kept for a human to look at
+            browser.close()
+    assert "Traceback" not in text, "a cell raised in the browser: " + text[text.find("Traceback") :][:800]
