@@ -26,15 +26,18 @@ def random_qkv(
     scale: float = 1.0,
     requires_grad: bool = False,
     generator: torch.Generator | None = None,
+    kv_heads: int | None = None,
 ):
     """Fresh standard-normal q (shape_q), k and v (shape_q with n_keys rows) times `scale`.
 
     `transposed=True` returns non-contiguous views: the tensors are stored as (..., d, N) and
-    transposed, so kernels must honour strides. Never zeros: zeros hide indexing bugs."""
+    transposed, so kernels must honour strides. `kv_heads` gives k and v that many heads (dim -3 of
+    shape_q (..., H, N, d)): grouped-query attention. Never zeros: zeros hide indexing bugs."""
     *lead, n_q, d = shape_q
     n_k = n_q if n_keys is None else n_keys
+    lead_kv = lead if kv_heads is None else [*lead[:-1], kv_heads]
 
-    def make(n):
+    def make(n, lead):
         if transposed:
             t = torch.randn(*lead, d, n, generator=generator, dtype=torch.float32).transpose(-1, -2)
         else:
@@ -44,7 +47,7 @@ def random_qkv(
             t.requires_grad_(True)
         return t
 
-    return make(n_q), make(n_k), make(n_k)
+    return make(n_q, lead), make(n_k, lead_kv), make(n_k, lead_kv)
 
 
 def max_error(actual: torch.Tensor, expected: torch.Tensor) -> float:

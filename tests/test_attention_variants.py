@@ -17,7 +17,7 @@ from course_lib.attention import attention_backward, attention_forward
 from course_lib.attention.blocks import kv_block_range_py, q_block_range_py
 from course_lib.attention.reference import attention as reference_attention
 from course_lib.attention.reference import causal_mask
-from course_lib.testing import assert_close_to_reference, reference_outputs
+from course_lib.testing import assert_close_to_reference, random_qkv, reference_outputs
 
 DEVICE = course_lib.DEVICE
 ON_GPU = course_lib.ON_GPU
@@ -25,11 +25,9 @@ DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if ON_GPU else [])
 
 
 def _qkv(b, hq, hkv, n_q, n_k, d, dtype, seed):
+    """q of hq heads, k and v of hkv heads (grouped-query attention when hkv < hq), drawn from `seed`."""
     g = torch.Generator().manual_seed(seed)
-    q = torch.randn(b, hq, n_q, d, generator=g).to(DEVICE, dtype)
-    k = torch.randn(b, hkv, n_k, d, generator=g).to(DEVICE, dtype)
-    v = torch.randn(b, hkv, n_k, d, generator=g).to(DEVICE, dtype)
-    return q, k, v
+    return random_qkv((b, hq, n_q, d), n_k, kv_heads=hkv, dtype=dtype, device=DEVICE, generator=g)
 
 
 def _check(q, k, v, causal, what):

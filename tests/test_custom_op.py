@@ -13,17 +13,16 @@ import course_lib
 from course_lib.attention import op
 from course_lib.attention.op import flash_attention_op
 from course_lib.attention.reference import attention as reference_attention
+from course_lib.testing import random_qkv
 
 DEVICE = course_lib.DEVICE
 gpu = pytest.mark.skipif(not course_lib.ON_GPU, reason="needs a CUDA GPU with compiled Triton kernels")
 
 
 def _qkv(b, hq, hkv, n_q, n_k, d, dtype=torch.float32, seed=0):
+    """q of hq heads, k and v of hkv heads (grouped-query attention when hkv < hq), drawn from `seed`."""
     g = torch.Generator().manual_seed(seed)
-    q = torch.randn(b, hq, n_q, d, generator=g).to(DEVICE, dtype)
-    k = torch.randn(b, hkv, n_k, d, generator=g).to(DEVICE, dtype)
-    v = torch.randn(b, hkv, n_k, d, generator=g).to(DEVICE, dtype)
-    return q, k, v
+    return random_qkv((b, hq, n_q, d), n_k, kv_heads=hkv, dtype=dtype, device=DEVICE, generator=g)
 
 
 def _grads(fn, q, k, v, do):
