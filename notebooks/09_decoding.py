@@ -49,7 +49,7 @@ import course_lib
 from course_lib import records
 from course_lib.attention.merge import merge_attention_states, merge_many
 from course_lib.decode import decode_attention, decode_reference
-from course_lib.decode.heuristics import choose_num_splits, sm_count, wave_efficiency
+from course_lib.decode.heuristics import choose_num_splits, sm_count, tile_for, wave_efficiency
 from course_lib.exercises import check, predict
 from course_lib.perf.hardware import gpu as gpu_spec
 
@@ -318,11 +318,13 @@ print("tile rows of kv head 0:", rows, "... padded to", max(16, 1 << (G - 1).bit
 # Splitting more fills the SMs but writes more partials and leaves a tail when the programs do not divide
 # evenly into waves of one program per SM. FlashAttention-2's rule: no split when batch × kv heads already
 # fills 80 % of the SMs; otherwise the fewest splits whose **wave efficiency** (programs ÷ (SMs × waves))
-# is within 85 % of the best. `heuristics.choose_num_splits` is that rule; for the H200's 132 SMs:
+# is within 85 % of the best. `heuristics.choose_num_splits` is that rule; for the H200's 132 SMs, with the
+# contiguous kernel's blocks of `BLOCK_N` keys (`heuristics.TILES`, 128 keys at d = 128):
 
 # %%
+BLOCK_N = tile_for(128).BLOCK_N  # keys per block of the contiguous kernel at d = 128
 for batch, n_ctx in ((1, 1024), (1, 32768), (8, 8192), (16, 32768), (64, 4096)):
-    s = choose_num_splits(batch * 8, math.ceil(n_ctx / 64), 132)
+    s = choose_num_splits(batch * 8, math.ceil(n_ctx / BLOCK_N), 132)
     eff = wave_efficiency(batch * 8 * s, 132)
     print(f"batch {batch:>2}, {n_ctx:>6} tokens: {s:>2} splits -> {batch * 8 * s:>4} programs, "
           f"wave efficiency {eff:.2f}")  # fmt: skip
@@ -367,7 +369,7 @@ if curve:
     if "predicted_ms" in curve[0]:
         predicted = [r["predicted_ms"] * 1e3 for r in curve]
         ax.plot([r["num_splits"] for r in curve], predicted, "--", label="predicted: bytes / read ceiling / SM fill")
-    chosen = choose_num_splits(8, math.ceil(32768 / 64), 132)
+    chosen = choose_num_splits(8, math.ceil(32768 / BLOCK_N), 132)
     ax.axvline(chosen, color="g", lw=1, label=f"FA-2 rule: {chosen} splits")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")

@@ -234,6 +234,21 @@ except ValueError as exc:
 # Each block of keys now needs its page ids first (BLOCK_N int32 reads, mostly from cache), and with small
 # pages a block's rows are scattered over many places in memory. The decode benchmark measures the paged
 # kernel against the contiguous one for page sizes 1 to 256 (CUDA-graph replay, bf16, 32/8 heads, d = 128).
+#
+# The lookup also changes how the kernel is best launched. A contiguous program knows where its next K/V
+# blocks are, so its software pipeline loads several blocks ahead. A paged program must first read the page
+# ids, and only then can it issue the K/V loads that depend on them. Latency it cannot hide inside one
+# program it hides across programs: the paged tiles (`heuristics.PAGED_TILES`) use a shorter pipeline and
+# ask for 4 programs per SM, and the split rule of notebook 09 fills those slots. At batch 1 the paged
+# kernel therefore cuts the cache into about 4x more splits than the contiguous one:
+
+# %%
+from course_lib.decode.heuristics import num_splits_for, sm_count
+
+for batch, n_ctx in ((1, 32768), (8, 8192), (16, 32768), (64, 4096)):
+    contiguous, paged = (num_splits_for(batch, 8, 1, n_ctx, 128, paged=p) for p in (False, True))
+    print(f"batch {batch:>2}, {n_ctx:>5} tokens: {contiguous:>2} splits contiguous, {paged:>2} paged "
+          f"({sm_count()} SMs{' stand-in for the interpreter' if not course_lib.ON_GPU else ''})")  # fmt: skip
 
 # %%
 rec = records.load_record("decode")

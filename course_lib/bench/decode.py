@@ -143,6 +143,7 @@ def measure_cell(B, lengths, n_max, read_gbps, dtype, device, graphs, gen, with_
     k_pages, v_pages, table = _pages(k, v, lengths, 16, gen)
     row = {"batch": B, "n_max": n_max, "kv_bytes": nbytes, "lengths_sum": int(sum(int(n) for n in lengths))}
     row["num_splits"] = num_splits_for(B, HKV, 1, n_max, D)
+    row["paged_num_splits"] = num_splits_for(B, HKV, 1, -(-n_max // 16) * 16, D, paged=True)
     row["split_kv"] = _measure(
         lambda: decode_attention(q, k, v, seqlens, validate=False), nbytes, read_gbps, graphs
     )
@@ -371,8 +372,8 @@ def format_table(data: dict) -> str:
     """The decode table: per cell, graph-replayed time, ratio to SDPA, % of the read ceiling, paged/split."""
     lines = [
         f"read ceiling {data['ceilings']['read_gbps']:.0f} GB/s, copy ceiling {data['ceilings']['copy_gbps']:.0f} GB/s",
-        "| cell | KV MB | splits | split-KV us (plain) | split-KV / SDPA | split-KV % read | paged / split-KV "
-        "| SDPA backend |",
+        "| cell | KV MB | splits (split-KV / paged) | split-KV us (plain) | split-KV / SDPA | split-KV % read "
+        "| paged / split-KV | SDPA backend |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     key = "graph_ms" if any("graph_ms" in c["split_kv"] for c in data["cells"]) else "plain_ms"
@@ -382,7 +383,7 @@ def format_table(data: dict) -> str:
         sdpa = c.get("sdpa")
         vs = f"{sdpa[key] / s[key]:.2f}x" if sdpa else "-"
         lines.append(
-            f"| {c['name']} | {c['kv_bytes'] / 1e6:.0f} | {c['num_splits']} "
+            f"| {c['name']} | {c['kv_bytes'] / 1e6:.0f} | {c['num_splits']} / {c.get('paged_num_splits', '-')} "
             f"| {s[key] * 1e3:.1f} ({s['plain_ms'] * 1e3:.1f}) "
             f"| {vs} | {s[frac] * 100:.0f} % | {s[key] / p[key]:.2f}x | {sdpa['backend'] if sdpa else '-'} |"
         )

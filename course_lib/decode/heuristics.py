@@ -8,12 +8,21 @@ for a GPU of 132 SMs unless the cache is split. FlashAttention-2's rule, written
   leaves the blocks per split unchanged from the count before it (more programs, same work each).
 FlashAttention-3 also never splits a cache of <= 4 key blocks; so do we.
 
+"The SMs" here are slots: SMs x the programs per SM that the kernel needs resident to keep enough loads in
+flight. A contiguous program streams its K/V rows with software pipelining and fills its SM alone (one
+slot per SM). A paged program must load a block-table entry before each K/V load, a dependent load the
+pipeline cannot run far ahead of, so it needs more programs per SM to cover that wait: the paged tiles
+ask for 4 slots per SM, and at batch 1 the paged path splits about 4x finer than the contiguous one.
+Measured on an H200 (bf16, d = 128, 32/8 heads, CUDA-graph replays): with the contiguous kernel's own
+tile and splits the paged kernel ran at 0.55-0.7x its speed; with these it runs at 0.9-1.0x.
+
 Every input is a shape (batch, heads, cache capacity), never a length's value: the choice, and so the
 grid, stays fixed for a batch shape, which CUDA-graph replay needs.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -21,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import runtime
+from ..runtime import triton
 
 # Stand-in SM count under the interpreter, so that the CPU path splits as a mid-size GPU would.
 CPU_SM_COUNT = 16
@@ -35,22 +45,57 @@ class DecodeTile:
     BLOCK_M_MAX: int
     num_warps: int
     num_stages: int
+    programs_per_sm: int = 1  # slots per SM for the split rule (module docstring)
+
+    def shared_bytes(self, head_dim: int, elem_bytes: int) -> int:
+        """Shared memory the pipelined K and V blocks take: stages x 2 x BLOCK_N x d x element size."""
+        return self.num_stages * 2 * self.BLOCK_N * head_dim * elem_bytes
 
 
-# Named per head dim (padded to a power of two). Decoding is bandwidth-bound: BLOCK_N sets how many
-# bytes one iteration has in flight (BLOCK_N x d x 2 bytes for K, the same for V).
+# Named per head dim (padded to a power of two). Decoding is bandwidth-bound: BLOCK_N x num_stages sets how
+# many bytes a program has in flight (stages x BLOCK_N x d x 2 bytes for K, the same for V). The d = 128
+# entries are the fastest of a sweep on an H200 (BLOCK_N 64/128, stages 2-4, 4/8 warps, 1-4x the splits),
+# measured as CUDA-graph replays at batch 1-64 and 4k-128k tokens.
 TILES = {
     16: DecodeTile(BLOCK_N=128, BLOCK_M_MAX=64, num_warps=4, num_stages=3),
     32: DecodeTile(BLOCK_N=128, BLOCK_M_MAX=64, num_warps=4, num_stages=3),
     64: DecodeTile(BLOCK_N=128, BLOCK_M_MAX=64, num_warps=4, num_stages=3),
-    128: DecodeTile(BLOCK_N=64, BLOCK_M_MAX=64, num_warps=4, num_stages=3),
+    128: DecodeTile(BLOCK_N=128, BLOCK_M_MAX=64, num_warps=8, num_stages=3),
     256: DecodeTile(BLOCK_N=32, BLOCK_M_MAX=32, num_warps=4, num_stages=2),
+}
+# The paged kernel: shorter pipelines (its loads wait on the block table anyway) and 4 programs per SM.
+PAGED_TILES = {
+    16: DecodeTile(BLOCK_N=64, BLOCK_M_MAX=64, num_warps=4, num_stages=2, programs_per_sm=4),
+    32: DecodeTile(BLOCK_N=64, BLOCK_M_MAX=64, num_warps=4, num_stages=2, programs_per_sm=4),
+    64: DecodeTile(BLOCK_N=64, BLOCK_M_MAX=64, num_warps=4, num_stages=2, programs_per_sm=4),
+    128: DecodeTile(BLOCK_N=64, BLOCK_M_MAX=64, num_warps=4, num_stages=2, programs_per_sm=4),
+    256: DecodeTile(BLOCK_N=32, BLOCK_M_MAX=32, num_warps=4, num_stages=2, programs_per_sm=4),
 }
 
 
-def tile_for(head_dim: int) -> DecodeTile:
-    """The DecodeTile for head dim `head_dim` (a multiple of 8 in [16, 256])."""
-    return TILES[max(16, 1 << (int(head_dim) - 1).bit_length())]
+def tile_for(head_dim: int, paged: bool = False, elem_bytes: int = 2) -> DecodeTile:
+    """The DecodeTile for head dim `head_dim` (a multiple of 8 in [16, 256]), contiguous or paged.
+
+    On a GPU with less shared memory than the tile's pipeline needs (the d = 128 contiguous tile takes
+    192 KB; an A100 has 164 KB, many desktop GPUs about 100 KB), stages are dropped, then BLOCK_N is
+    halved, until it fits."""
+    tile = (PAGED_TILES if paged else TILES)[max(16, 1 << (int(head_dim) - 1).bit_length())]
+    limit = shared_memory_bytes()
+    while tile.shared_bytes(head_dim, elem_bytes) > limit and (tile.num_stages > 2 or tile.BLOCK_N > 16):
+        if tile.num_stages > 2:
+            tile = dataclasses.replace(tile, num_stages=tile.num_stages - 1)
+        else:
+            tile = dataclasses.replace(tile, BLOCK_N=tile.BLOCK_N // 2)
+    return tile
+
+
+@functools.cache
+def shared_memory_bytes(device_index: int | None = None) -> int:
+    """Shared memory one program may use on this GPU (opt-in maximum); unlimited under the interpreter."""
+    if not runtime.ON_GPU:
+        return 1 << 30
+    index = torch.cuda.current_device() if device_index is None else device_index
+    return int(triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"])
 
 
 @functools.cache
@@ -72,7 +117,8 @@ def choose_num_splits(programs: int, n_key_blocks: int, num_sms: int, max_splits
     """FlashAttention-2's split rule (module docstring).
 
     programs: programs without splitting (batch x kv heads x query tiles); n_key_blocks: BLOCK_N-key
-    blocks of the cache capacity; num_sms: SMs. Returns a split count in [1, max_splits]."""
+    blocks of the cache capacity; num_sms: SMs, or slots (SMs x programs per SM) for a kernel that needs
+    several programs per SM. Returns a split count in [1, max_splits]."""
     if programs <= 0 or n_key_blocks <= 4 or programs >= 0.8 * num_sms:
         return 1
     limit = max(1, min(max_splits, num_sms, n_key_blocks))
@@ -86,8 +132,12 @@ def choose_num_splits(programs: int, n_key_blocks: int, num_sms: int, max_splits
     return 1
 
 
-def num_splits_for(batch: int, kv_heads: int, m_tiles: int, capacity: int, head_dim: int) -> int:
-    """The split count `decode_attention` uses for a batch shape: batch, kv heads, query tiles per
-    (sequence, kv head), cache capacity in keys (Nmax, or max_pages x page_size), head dim."""
-    block_n = tile_for(head_dim).BLOCK_N
-    return choose_num_splits(batch * kv_heads * m_tiles, math.ceil(capacity / block_n), sm_count())
+def num_splits_for(
+    batch: int, kv_heads: int, m_tiles: int, capacity: int, head_dim: int, paged: bool = False
+) -> int:
+    """The split count `decode_attention` (paged=False) or `paged_decode_attention` (paged=True) uses for
+    a batch shape: batch, kv heads, query tiles per (sequence, kv head), cache capacity in keys (Nmax, or
+    max_pages x page_size), head dim. The rule runs over SMs x the tile's programs per SM."""
+    tile = tile_for(head_dim, paged)
+    slots = sm_count() * tile.programs_per_sm
+    return choose_num_splits(batch * kv_heads * m_tiles, math.ceil(capacity / tile.BLOCK_N), slots)

@@ -258,11 +258,12 @@ def launch(q, k, v, block_table, cache_seqlens, *, page_size, capacity, causal, 
     B, Tq, Hq, d = q.shape
     Hkv = k.shape[2]
     group = Hq // Hkv
-    tile = tile_for(d)
+    paged = block_table is not None
+    tile = tile_for(d, paged, q.element_size())
     block_m = min(tile.BLOCK_M_MAX, max(16, triton.next_power_of_2(group * Tq)))
     m_tiles = triton.cdiv(group * Tq, block_m)
     if num_splits is None:
-        num_splits = num_splits_for(B, Hkv, m_tiles, capacity, d)
+        num_splits = num_splits_for(B, Hkv, m_tiles, capacity, d, paged)
     num_splits = int(num_splits)
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
@@ -275,7 +276,6 @@ def launch(q, k, v, block_table, cache_seqlens, *, page_size, capacity, causal, 
     else:
         o_part = torch.empty((num_splits, B, Tq, Hq, d), dtype=torch.float32, device=q.device)
         l_part = torch.empty((num_splits, B, Tq, Hq), dtype=torch.float32, device=q.device)
-    paged = block_table is not None
     table = block_table if paged else cache_seqlens  # any int32 tensor: never read when PAGED=False
     table_strides = block_table.stride() if paged else (0, 0)
     scale = d**-0.5 if scale is None else float(scale)
