@@ -10,8 +10,9 @@ in float32, the normalised row x_hat = x * rstd is cast back to x's dtype, and o
 weight (in the promoted dtype of x and w, which is also the output's dtype). float64 inputs are computed
 in float64 (for `torch.autograd.gradcheck`).
 
-Forward: one program per row. The row goes HBM -> registers once; the sum of squares, rstd and y are
-computed there; y goes back to HBM once, and rstd (one float32 per row) is saved for the backward.
+Forward: one program per ROWS rows (`launch.FWD_ROWS`: several short rows per program, one long one).
+The (ROWS, D) tile goes HBM -> registers once; the sums of squares, rstd and y are computed there; y goes
+back to HBM once, and rstd (one float32 per row) is saved for the backward.
 Bytes that must move: read x and w, write y and rstd.
 
 Backward, with g = dy * w and x_hat = x * rstd (float32):
@@ -19,16 +20,20 @@ Backward, with g = dy * w and x_hat = x * rstd (float32):
     dx = rstd * (g - x_hat * mean(g * x_hat))            one row at a time, in registers
     dw = sum over all rows of dy * x_hat                  a reduction across every program
 
-dx is per row; dw needs every row. The backward is a persistent kernel: a few programs per SM, each
-looping over rows pid, pid + P, pid + 2P, ... and summing its rows' dy * x_hat in registers. What each
-program does with its sum at the end is the `dw_mode` (notebook 11 compares them):
+dx is per row; dw needs every row. The backward is a persistent kernel: a few programs per SM
+(`launch.PROGRAMS_PER_SM`), each looping over tiles of ROWS rows (`launch.BWD_ROWS`; row tiles pid,
+pid + P, pid + 2P, ...; x and dy of a whole tile are loaded at once, so more bytes are in flight) and
+summing its rows' dy * x_hat in registers. What each program does with its sum at the end is the
+`dw_mode` (notebook 11 compares them):
 - "partials" (the default): program p writes its sum to row p of a (P, D) float32 buffer; a second
-  reduction (a column sum) adds the P rows. No two programs touch one address: deterministic.
+  reduction, `column_sum_kernel` (one program per strip of columns, walking down the P rows in a fixed
+  order), adds the P rows and casts to w's dtype. No two programs touch one address: deterministic.
 - "atomics": every program `tl.atomic_add`s its sum into one float32 row. One pass, but the order of
   the additions depends on scheduling, so the last bits of dw change from run to run.
 - "locked": G < P buffers, each guarded by a spin lock (`tl.atomic_cas`), as in Triton's layer-norm
   tutorial: program p adds into buffer p % G while holding its lock, then the G rows are summed. The
-  order within a buffer still depends on scheduling: not deterministic either.
+  order within a buffer still depends on scheduling: not deterministic either. (The G rows are then
+  added by the same column-sum kernel.)
 Bytes that must move: read x, dy, w and rstd; write dx and dw.
 
 Public: `rms_norm(x, weight, eps=1e-6, dw_mode="partials")`, the module `RMSNorm(hidden, eps)`, the
@@ -54,27 +59,33 @@ LOCKED_BUFFERS = 16  # G, the number of lock-guarded dW buffers of the "locked" 
 
 
 # --------------------------------------------------------------------------------------------------
-# Forward: one row per program
+# Forward: ROWS rows per program
 # --------------------------------------------------------------------------------------------------
 @triton.jit
 def rms_norm_fwd_kernel(
-    x_ptr, w_ptr, y_ptr, rstd_ptr, n_cols, stride_x, stride_y, eps, BLOCK_D: tl.constexpr
-):
-    """y[row] = w * cast(x[row] * rstd), rstd[row] = 1 / sqrt(mean(x[row]**2) + eps).
+    x_ptr, w_ptr, y_ptr, rstd_ptr, n_rows, n_cols, stride_x, stride_y, eps,
+    BLOCK_D: tl.constexpr, ROWS: tl.constexpr,
+):  # fmt: skip
+    """y[row] = w * cast(x[row] * rstd), rstd[row] = 1 / sqrt(mean(x[row]**2) + eps), for the ROWS rows
+    pid * ROWS, ... of this program.
 
-    The row (BLOCK_D >= n_cols elements, the padding masked) lives in registers; statistics in
-    rstd's dtype (float32, or float64 for float64 inputs)."""
-    row = tl.program_id(0).to(tl.int64)
+    The (ROWS, BLOCK_D) tile (BLOCK_D >= n_cols, padding and rows past the end masked) lives in registers;
+    statistics in rstd's dtype (float32, or float64 for float64 inputs)."""
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_D)
-    mask = cols < n_cols
+    row_mask = rows < n_rows
+    col_mask = cols < n_cols
+    mask = row_mask[:, None] & col_mask[None, :]
     acc_ty = rstd_ptr.dtype.element_ty
-    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(acc_ty)  # HBM -> registers
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(acc_ty)  # D elements, from the L2 for most rows
-    rstd = tl.rsqrt(tl.sum(x * x, axis=0) / n_cols + eps)
-    x_hat = (x * rstd).to(x_ptr.dtype.element_ty)  # LlamaRMSNorm: back to x's dtype before the weight
-    y = w * x_hat.to(acc_ty)
-    tl.store(y_ptr + row * stride_y + cols, y.to(y_ptr.dtype.element_ty), mask=mask)  # registers -> HBM
-    tl.store(rstd_ptr + row, rstd)  # 4 bytes per row, for the backward
+    x_ptrs = x_ptr + rows[:, None] * stride_x + cols[None, :]
+    x = tl.load(x_ptrs, mask=mask, other=0.0).to(acc_ty)  # HBM -> registers, ROWS x D elements
+    w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(acc_ty)  # D elements, from the L2 for most rows
+    rstd = tl.rsqrt(tl.sum(x * x, axis=1) / n_cols + eps)  # (ROWS,)
+    x_hat = (x * rstd[:, None]).to(x_ptr.dtype.element_ty)  # LlamaRMSNorm: x's dtype before the weight
+    y = w[None, :] * x_hat.to(acc_ty)
+    y_ptrs = y_ptr + rows[:, None] * stride_y + cols[None, :]
+    tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=mask)  # registers -> HBM
+    tl.store(rstd_ptr + rows, rstd, mask=row_mask)  # 4 bytes per row, for the backward
 
 
 # --------------------------------------------------------------------------------------------------
@@ -115,30 +126,53 @@ def rms_norm_bwd_kernel(
     stride_dx,
     n_buffers,
     BLOCK_D: tl.constexpr,
+    ROWS: tl.constexpr,
     DW_MODE: tl.constexpr,
 ):
-    """dx for rows pid, pid + P, ... (P programs), and this program's share of dw.
+    """dx for the row tiles starting at pid * ROWS, (pid + P) * ROWS, ... (P programs), and this program's
+    share of dw.
 
-    Per row: x and dy HBM -> registers (2 D elements), rstd (1 float), dx registers -> HBM (D elements).
-    w is loaded once per program; the dW sum stays in registers until the loop ends."""
+    Per loop step: a (ROWS, BLOCK_D) tile of x and of dy HBM -> registers (loaded together: ROWS times the
+    bytes in flight of a row-at-a-time loop), ROWS floats of rstd, the dx tile registers -> HBM. w is loaded
+    once per program; the dW sum stays in registers, (ROWS, BLOCK_D), until the loop ends."""
     pid = tl.program_id(0)
     n_programs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_D)
-    mask = cols < n_cols
+    col_mask = cols < n_cols
     acc_ty = dw_ptr.dtype.element_ty
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(acc_ty)
-    dw = tl.zeros([BLOCK_D], dtype=acc_ty)
-    for row in range(pid, n_rows, n_programs):
-        row64 = tl.cast(row, tl.int64)
-        x = tl.load(x_ptr + row64 * stride_x + cols, mask=mask, other=0.0).to(acc_ty)
-        dy = tl.load(dy_ptr + row64 * stride_dy + cols, mask=mask, other=0.0).to(acc_ty)
-        rstd = tl.load(rstd_ptr + row64)
+    w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(acc_ty)
+    dw = tl.zeros([ROWS, BLOCK_D], dtype=acc_ty)
+    for first in range(pid * ROWS, n_rows, n_programs * ROWS):
+        rows = tl.cast(first, tl.int64) + tl.arange(0, ROWS)
+        row_mask = rows < n_rows
+        mask = row_mask[:, None] & col_mask[None, :]
+        x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(acc_ty)
+        dy = tl.load(dy_ptr + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(acc_ty)
+        rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)[:, None]
         x_hat = x * rstd
-        g = dy * w
-        dx = rstd * (g - x_hat * (tl.sum(g * x_hat, axis=0) / n_cols))
-        tl.store(dx_ptr + row64 * stride_dx + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+        g = dy * w[None, :]
+        dx = rstd * (g - x_hat * (tl.sum(g * x_hat, axis=1) / n_cols)[:, None])
+        dx_ptrs = dx_ptr + rows[:, None] * stride_dx + cols[None, :]
+        tl.store(dx_ptrs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
         dw += dy * x_hat.to(x_ptr.dtype.element_ty).to(acc_ty)  # the weight multiplied the cast x_hat
-    _dw_to_buffer(dw_ptr, lock_ptr, dw, cols, mask, n_cols, n_buffers, DW_MODE)
+    _dw_to_buffer(dw_ptr, lock_ptr, tl.sum(dw, axis=0), cols, col_mask, n_cols, n_buffers, DW_MODE)
+
+
+@triton.jit
+def column_sum_kernel(buf_ptr, out_ptr, n_rows, n_cols, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """out[c] = sum over r of buf[r, c] for this program's BLOCK_C columns, cast to out's dtype.
+
+    The second reduction of dW: buf is the (P, D) float32 partial sums (in the L2 cache, just written).
+    Each program walks down its column strip a (BLOCK_R, BLOCK_C) tile at a time, adding in a fixed order:
+    deterministic."""
+    cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    col_mask = cols < n_cols
+    acc = tl.zeros([BLOCK_R, BLOCK_C], dtype=buf_ptr.dtype.element_ty)
+    for first in range(0, n_rows, BLOCK_R):
+        rows = first + tl.arange(0, BLOCK_R)
+        mask = (rows < n_rows)[:, None] & col_mask[None, :]
+        acc += tl.load(buf_ptr + rows[:, None] * n_cols + cols[None, :], mask=mask, other=0.0)
+    tl.store(out_ptr + cols, tl.sum(acc, axis=0).to(out_ptr.dtype.element_ty), mask=col_mask)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -150,8 +184,19 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t2 if t2.stride(-1) == 1 or t2.shape[0] == 0 else t2.contiguous()
 
 
-def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The forward kernel alone: returns (y (..., D) in promote(x, w) dtype, rstd (rows,) float32/64)."""
+def _power_of_two(name: str, value: int) -> int:
+    if value < 1 or value & (value - 1):
+        raise ValueError(f"{name} must be a power of two >= 1, got {value}")
+    return value
+
+
+def rms_norm_forward(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, *, rows: int | None = None, warps: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The forward kernel alone: returns (y (..., D) in promote(x, w) dtype, rstd (rows,) float32/64).
+
+    `rows` (rows per program, a power of two) and `warps` default to `launch.fwd_rows` and
+    `launch.num_warps` of the tile; pass them to try other launch settings."""
     x2 = _rows(x)
     n_rows, n_cols = x2.shape
     out_dtype = torch.promote_types(x.dtype, weight.dtype)
@@ -159,17 +204,53 @@ def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple
     rstd = torch.empty(n_rows, device=x.device, dtype=accumulator_dtype(x.dtype))
     if n_rows:
         block = triton.next_power_of_2(n_cols)
-        rms_norm_fwd_kernel[(n_rows,)](
-            x2, weight, y, rstd, n_cols, x2.stride(0), y.stride(0), eps,
-            BLOCK_D=block, num_warps=launch.num_warps(block),
+        rows = _power_of_two("rows", rows or launch.fwd_rows(block))
+        rms_norm_fwd_kernel[(triton.cdiv(n_rows, rows),)](
+            x2, weight, y, rstd, n_rows, n_cols, x2.stride(0), y.stride(0), eps,
+            BLOCK_D=block, ROWS=rows, num_warps=warps or launch.num_warps(rows * block),
         )  # fmt: skip
     return y.reshape(x.shape), rstd
 
 
+def column_sum(
+    buffer: torch.Tensor, dtype: torch.dtype, tile: launch.ColumnSumTile | None = None
+) -> torch.Tensor:
+    """Sum a (P, D) buffer over its rows with `column_sum_kernel`: returns (D,) in `dtype`; deterministic.
+
+    `tile` defaults to `launch.COLUMN_SUM`."""
+    tile = tile or launch.COLUMN_SUM
+    n_rows, n_cols = buffer.shape
+    out = torch.empty(n_cols, device=buffer.device, dtype=dtype)
+    column_sum_kernel[(triton.cdiv(n_cols, tile.block_c),)](
+        buffer, out, n_rows, n_cols, BLOCK_R=tile.block_r, BLOCK_C=tile.block_c, num_warps=tile.warps
+    )
+    return out
+
+
+DW_SUMS = ("triton", "torch")  # how the dW partial rows are added: column_sum_kernel, or torch.sum(dim=0)
+
+
 def rms_norm_backward(
-    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, dw_mode: str = "partials"
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    rstd: torch.Tensor,
+    dw_mode: str = "partials",
+    *,
+    rows: int | None = None,
+    programs_per_sm: int | None = None,
+    warps: int | None = None,
+    dw_sum: str = "triton",
+    column_tile: launch.ColumnSumTile | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The backward kernel and the dW reduction: returns (dx like x, dw like weight)."""
+    """The backward kernel and the dW reduction: returns (dx like x, dw like weight).
+
+    Launch settings, defaults from the tables of `launch`: `rows` per loop step (`launch.bwd_rows`),
+    `programs_per_sm` (`launch.PROGRAMS_PER_SM`), `warps` (`launch.num_warps` of the tile); `dw_sum`
+    picks the second reduction of the partial rows ("triton": `column_sum`, tile `column_tile`; "torch":
+    `sum(dim=0)`)."""
+    if dw_sum not in DW_SUMS:
+        raise ValueError(f"rms_norm_backward: dw_sum must be one of {DW_SUMS}, got {dw_sum!r}")
     x2, dy2 = _rows(x), _rows(dy)
     n_rows, n_cols = x2.shape
     acc = accumulator_dtype(x.dtype)
@@ -177,7 +258,8 @@ def rms_norm_backward(
     if n_rows == 0:
         return dx.reshape(x.shape), torch.zeros_like(weight)
     block = triton.next_power_of_2(n_cols)
-    n_programs = launch.persistent_programs(n_rows, block, x.device)
+    rows = _power_of_two("rows", rows or launch.bwd_rows(block))
+    n_programs = launch.persistent_programs(triton.cdiv(n_rows, rows), block, x.device, programs_per_sm)
     n_buffers = {"partials": n_programs, "atomics": 1, "locked": min(LOCKED_BUFFERS, n_programs)}[dw_mode]
     empty_or_zeros = torch.empty if dw_mode == "partials" else torch.zeros
     dw_buffer = empty_or_zeros((n_buffers, n_cols), device=x.device, dtype=acc)
@@ -185,10 +267,13 @@ def rms_norm_backward(
     rms_norm_bwd_kernel[(n_programs,)](
         dy2, x2, weight, rstd, dx, dw_buffer, locks,
         n_rows, n_cols, dy2.stride(0), x2.stride(0), dx.stride(0), n_buffers,
-        BLOCK_D=block, DW_MODE=_MODE_ID[dw_mode], num_warps=launch.num_warps(block),
+        BLOCK_D=block, ROWS=rows, DW_MODE=_MODE_ID[dw_mode], num_warps=warps or launch.num_warps(rows * block),
     )  # fmt: skip
-    dw = dw_buffer.sum(dim=0) if n_buffers > 1 else dw_buffer[0]  # the second reduction: P or G rows
-    return dx.reshape(x.shape), dw.to(weight.dtype)
+    if dw_sum == "triton":  # the second reduction (P or G rows), and the cast to w's dtype, in one kernel
+        dw = column_sum(dw_buffer, weight.dtype, column_tile)
+    else:
+        dw = (dw_buffer.sum(dim=0) if n_buffers > 1 else dw_buffer[0]).to(weight.dtype)
+    return dx.reshape(x.shape), dw
 
 
 class RMSNormFunction(torch.autograd.Function):

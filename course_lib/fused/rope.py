@@ -18,9 +18,10 @@ written twice, `cat(freqs, freqs)` as in Hugging Face; for "interleaved", each f
 Token t of batch b reads the row `positions[b, t]` of the cache: positions 0..T-1 by default, p..p+T-1
 for an integer offset p (new tokens appended to a KV cache), or any (T,) or (B, T) tensor.
 
-The kernel: one program per token (b, t). It loads the token's cos and sin row once (HBM -> registers,
-2 d elements) and rotates all Hq heads of q and all Hk heads of k with it (a heads x d/2 tile for each
-half of the pairs, in registers), writing q' and k' once. Bytes that must move: read q, k, cos, sin;
+The kernel: one program per TOKENS tokens of one batch row (`launch.ROPE_TOKENS`). It loads the tokens'
+cos and sin rows once (HBM -> registers, 2 d elements per token) and rotates all Hq heads of q and all Hk
+heads of k with them (a tokens x heads x d/2 tile for each half of the pairs, in registers), writing q'
+and k' once. Bytes that must move: read q, k, cos, sin;
 write q', k'. Arithmetic in float32 (float64 for float64 inputs).
 
 The backward is the same kernel: the rotation matrix [[c, -s], [s, c]] is orthogonal, so its transpose
@@ -52,9 +53,12 @@ LAYOUTS = ("half", "interleaved")
 def _rotate_heads(
     x_ptr,
     o_ptr,
+    tok_x,
+    tok_o,
     stride_xh,
     stride_oh,
     n_heads,
+    tok_mask,
     idx_a,
     idx_b,
     pair_mask,
@@ -64,39 +68,42 @@ def _rotate_heads(
     s_b,
     BLOCK_H: tl.constexpr,
 ):
-    """Rotate every head of one token: x_ptr / o_ptr point at head 0 of the token's row in x / out.
+    """Rotate every head of the program's tokens: x_ptr / o_ptr point at batch b of x / out, tok_x /
+    tok_o (TOKENS,) are the tokens' offsets, c_a ... s_b (TOKENS, BLOCK_PAIRS) their cos and sin.
 
-    A (BLOCK_H, BLOCK_PAIRS) tile of first elements a and one of second elements b: HBM -> registers,
-    a' = a c_a - b s_a and b' = b c_b + a s_b, registers -> HBM."""
+    A (TOKENS, BLOCK_H, BLOCK_PAIRS) tile of first elements a and one of second elements b: HBM ->
+    registers (all loads issued together), a' = a c_a - b s_a and b' = b c_b + a s_b, registers -> HBM."""
     heads = tl.arange(0, BLOCK_H)
-    mask = (heads < n_heads)[:, None] & pair_mask[None, :]
-    rows_x = heads[:, None] * stride_xh
-    rows_o = heads[:, None] * stride_oh
+    mask = tok_mask[:, None, None] & (heads < n_heads)[None, :, None] & pair_mask[None, None, :]
+    rows_x = tok_x[:, None, None] + heads[None, :, None] * stride_xh
+    rows_o = tok_o[:, None, None] + heads[None, :, None] * stride_oh
     acc_ty = c_a.dtype
-    a = tl.load(x_ptr + rows_x + idx_a[None, :], mask=mask, other=0.0).to(acc_ty)
-    b = tl.load(x_ptr + rows_x + idx_b[None, :], mask=mask, other=0.0).to(acc_ty)
-    a_out = a * c_a[None, :] - b * s_a[None, :]
-    b_out = b * c_b[None, :] + a * s_b[None, :]
-    tl.store(o_ptr + rows_o + idx_a[None, :], a_out.to(o_ptr.dtype.element_ty), mask=mask)
-    tl.store(o_ptr + rows_o + idx_b[None, :], b_out.to(o_ptr.dtype.element_ty), mask=mask)
+    a = tl.load(x_ptr + rows_x + idx_a[None, None, :], mask=mask, other=0.0).to(acc_ty)
+    b = tl.load(x_ptr + rows_x + idx_b[None, None, :], mask=mask, other=0.0).to(acc_ty)
+    a_out = a * c_a[:, None, :] - b * s_a[:, None, :]
+    b_out = b * c_b[:, None, :] + a * s_b[:, None, :]
+    tl.store(o_ptr + rows_o + idx_a[None, None, :], a_out.to(o_ptr.dtype.element_ty), mask=mask)
+    tl.store(o_ptr + rows_o + idx_b[None, None, :], b_out.to(o_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def rope_kernel(
     q_ptr, k_ptr, q_out_ptr, k_out_ptr, cos_ptr, sin_ptr, pos_ptr,
-    n_tokens, n_q_heads, n_k_heads, n_pairs,
+    n_tokens, n_token_tiles, n_q_heads, n_k_heads, n_pairs,
     stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
     stride_qob, stride_qoh, stride_qot, stride_kob, stride_koh, stride_kot,
     stride_cb, stride_ct, stride_pb,
-    INTERLEAVED: tl.constexpr, BACKWARD: tl.constexpr,
+    INTERLEAVED: tl.constexpr, BACKWARD: tl.constexpr, TOKENS: tl.constexpr,
     BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_PAIRS: tl.constexpr, ACC_64: tl.constexpr,
 ):  # fmt: skip
-    """Program (b, t) = program_id(0) // T, % T: rotate q[b, :, t] and k[b, :, t] by the angles of
-    position positions[b, t] (forward), or by their negatives (BACKWARD: q, k are then gradients)."""
+    """Program (b, j) = program_id(0) // n_token_tiles, % n_token_tiles: rotate q[b, :, t] and k[b, :, t]
+    for the TOKENS tokens t = j * TOKENS, ... by the angles of positions[b, t] (forward), or by their
+    negatives (BACKWARD: q, k are then gradients)."""
     pid = tl.program_id(0)
-    b = (pid // n_tokens).to(tl.int64)
-    t = (pid % n_tokens).to(tl.int64)
-    pos = tl.load(pos_ptr + b * stride_pb + t).to(tl.int64)
+    b = (pid // n_token_tiles).to(tl.int64)
+    t = (pid % n_token_tiles).to(tl.int64) * TOKENS + tl.arange(0, TOKENS)
+    tok_mask = t < n_tokens
+    pos = tl.load(pos_ptr + b * stride_pb + t, mask=tok_mask, other=0).to(tl.int64)
     i = tl.arange(0, BLOCK_PAIRS)
     pair_mask = i < n_pairs
     if INTERLEAVED:  # pairs (2i, 2i + 1)
@@ -106,23 +113,26 @@ def rope_kernel(
         idx_a = i
         idx_b = i + n_pairs
     acc_ty = tl.float64 if ACC_64 else tl.float32
-    cos_row = cos_ptr + b * stride_cb + pos * stride_ct  # 2 d values per token, shared by every head
-    sin_row = sin_ptr + b * stride_cb + pos * stride_ct
-    c_a = tl.load(cos_row + idx_a, mask=pair_mask, other=0.0).to(acc_ty)
-    c_b = tl.load(cos_row + idx_b, mask=pair_mask, other=0.0).to(acc_ty)
+    cache_mask = tok_mask[:, None] & pair_mask[None, :]
+    cos_rows = (
+        cos_ptr + b * stride_cb + pos[:, None] * stride_ct
+    )  # 2 d values per token, shared by every head
+    sin_rows = sin_ptr + b * stride_cb + pos[:, None] * stride_ct
+    c_a = tl.load(cos_rows + idx_a[None, :], mask=cache_mask, other=0.0).to(acc_ty)
+    c_b = tl.load(cos_rows + idx_b[None, :], mask=cache_mask, other=0.0).to(acc_ty)
     if BACKWARD:  # the transposed rotation: sin halves swapped and negated (= angle -> -angle)
-        s_a = -tl.load(sin_row + idx_b, mask=pair_mask, other=0.0).to(acc_ty)
-        s_b = -tl.load(sin_row + idx_a, mask=pair_mask, other=0.0).to(acc_ty)
+        s_a = -tl.load(sin_rows + idx_b[None, :], mask=cache_mask, other=0.0).to(acc_ty)
+        s_b = -tl.load(sin_rows + idx_a[None, :], mask=cache_mask, other=0.0).to(acc_ty)
     else:
-        s_a = tl.load(sin_row + idx_a, mask=pair_mask, other=0.0).to(acc_ty)
-        s_b = tl.load(sin_row + idx_b, mask=pair_mask, other=0.0).to(acc_ty)
+        s_a = tl.load(sin_rows + idx_a[None, :], mask=cache_mask, other=0.0).to(acc_ty)
+        s_b = tl.load(sin_rows + idx_b[None, :], mask=cache_mask, other=0.0).to(acc_ty)
     _rotate_heads(
-        q_ptr + b * stride_qb + t * stride_qt, q_out_ptr + b * stride_qob + t * stride_qot,
-        stride_qh, stride_qoh, n_q_heads, idx_a, idx_b, pair_mask, c_a, c_b, s_a, s_b, BLOCK_HQ,
+        q_ptr + b * stride_qb, q_out_ptr + b * stride_qob, t * stride_qt, t * stride_qot,
+        stride_qh, stride_qoh, n_q_heads, tok_mask, idx_a, idx_b, pair_mask, c_a, c_b, s_a, s_b, BLOCK_HQ,
     )  # fmt: skip
     _rotate_heads(
-        k_ptr + b * stride_kb + t * stride_kt, k_out_ptr + b * stride_kob + t * stride_kot,
-        stride_kh, stride_koh, n_k_heads, idx_a, idx_b, pair_mask, c_a, c_b, s_a, s_b, BLOCK_HK,
+        k_ptr + b * stride_kb, k_out_ptr + b * stride_kob, t * stride_kt, t * stride_kot,
+        stride_kh, stride_koh, n_k_heads, tok_mask, idx_a, idx_b, pair_mask, c_a, c_b, s_a, s_b, BLOCK_HK,
     )  # fmt: skip
 
 
@@ -148,9 +158,15 @@ def rotate(
     positions: torch.Tensor,
     interleaved: bool,
     backward: bool = False,
+    *,
+    tokens: int | None = None,
+    warps: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel alone, on checked 4-D q, k, 3-D cos, sin and (1 or B, T) positions; outputs keep the
-    inputs' strides where they are dense. `backward=True` rotates by the negative angles."""
+    inputs' strides where they are dense. `backward=True` rotates by the negative angles.
+
+    Launch settings: `tokens` per program (a power of two, default `launch.rope_tokens`) and `warps`
+    (default `launch.num_warps` of the tile); pass them to try other settings."""
     q_out, k_out = torch.empty_like(q), torch.empty_like(k)
     n_batch, n_q_heads, n_tokens, d = q.shape
     if q.numel() == 0 and k.numel() == 0:
@@ -160,16 +176,20 @@ def rotate(
     stride_pb = positions.stride(0) if positions.shape[0] > 1 else 0
     block_pairs = triton.next_power_of_2(n_pairs)
     block_hq, block_hk = triton.next_power_of_2(max(n_q_heads, 1)), triton.next_power_of_2(max(k.shape[1], 1))
-    rope_kernel[(n_batch * n_tokens,)](
+    tokens = tokens or launch.rope_tokens(block_hq * block_pairs)
+    if tokens < 1 or tokens & (tokens - 1):
+        raise ValueError(f"rope: tokens per program must be a power of two >= 1, got {tokens}")
+    n_token_tiles = triton.cdiv(n_tokens, tokens)
+    rope_kernel[(n_batch * n_token_tiles,)](
         q, k, q_out, k_out, cos, sin, positions,
-        n_tokens, n_q_heads, k.shape[1], n_pairs,
+        n_tokens, n_token_tiles, n_q_heads, k.shape[1], n_pairs,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         q_out.stride(0), q_out.stride(1), q_out.stride(2), k_out.stride(0), k_out.stride(1), k_out.stride(2),
         stride_cb, cos.stride(1), stride_pb,
-        INTERLEAVED=interleaved, BACKWARD=backward,
+        INTERLEAVED=interleaved, BACKWARD=backward, TOKENS=tokens,
         BLOCK_HQ=block_hq, BLOCK_HK=block_hk, BLOCK_PAIRS=block_pairs,
         ACC_64=accumulator_dtype(q.dtype) == torch.float64,
-        num_warps=launch.num_warps(max(block_hq, block_hk) * block_pairs),
+        num_warps=warps or launch.num_warps(tokens * max(block_hq, block_hk) * block_pairs),
     )  # fmt: skip
     return q_out, k_out
 
