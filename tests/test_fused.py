@@ -421,7 +421,8 @@ def test_bench_tables_and_targets_read_a_record(tmp_path):
 
     def row(kernel, provider, mode, gbps, **cell):
         return {"kernel": kernel, "provider": provider, "mode": mode, "status": "ok", "ms": 1.0, "gbps": gbps,
-                "copy_fraction": gbps / 4000, **cell}  # fmt: skip
+                "copy_fraction": gbps / 4000, "timing": "graph", "graph_gbps": gbps, "plain_gbps": gbps / 2,
+                **cell}  # fmt: skip
 
     data = {"dtype": "bfloat16", "copy_gbps": 4000.0, "targets": bench.TARGETS, "quick": True, "dw_modes": []}
     data["rms_norm"] = [
@@ -435,12 +436,19 @@ def test_bench_tables_and_targets_read_a_record(tmp_path):
         for p, g in zip(bench.ROPE_PROVIDERS, (900, 3000, 3300))
     ]
     table = bench.format_table(data)
-    assert "| fwd | 16384 | 4096 | 500 | 2000 | 3000 | 3600 | 1.20x | 90 % |" in table, table
+    assert (
+        "| fwd | 16384 | 4096 | 500 (250) | 2000 (1000) | 3000 (1500) | 3600 (1800) | 1.20x | 90 % |" in table
+    )
+    assert "CUDA-graph replay" in table.splitlines()[0], table
     misses = bench.target_misses(data)
     assert misses == [
-        "rms_norm mode=bwd T=16384 D=4096: 0.97x torch.compile (target >= 1.0x)",
-        "rms_norm mode=bwd T=16384 D=4096: 72% of the copy ceiling (target 85 %)",
+        "rms_norm mode=bwd T=16384 D=4096: 0.97x torch.compile (target >= 1.0x; CUDA-graph replay)",
+        "rms_norm mode=bwd T=16384 D=4096: 72% of the copy ceiling (target 85 %; CUDA-graph replay)",
     ], misses
+    for r in data["rms_norm"] + data["rope"]:  # a record without graph figures: plain numbers, said so
+        r.pop("timing"), r.pop("plain_gbps")
+    assert "| fwd | 16384 | 4096 | 500 | 2000 | 3000 | 3600 | 1.20x | 90 % |" in bench.format_table(data)
+    assert bench.target_misses(data)[0].endswith("(target >= 1.0x; plain launches)")
     paths = bench.save_plots(data, tmp_path, "test")
     assert all(p.exists() and p.stat().st_size > 0 for p in paths)
     assert bench.rms_norm_bytes(4, 8, "fwd") == (2 * 32 + 8) * 2 + 16

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from .. import records, runtime
 from ..decode import decode_attention, paged_decode_attention
 from ..decode.heuristics import num_splits_for, sm_count, wave_efficiency
+from ..perf.timing import graphed as _graphed
 from .report import record_and_report
 
 HQ, HKV, D = 32, 8, 128
@@ -51,22 +52,6 @@ def _time(fn) -> float:
     from ..perf.timing import benchmark
 
     return benchmark(fn)
-
-
-def _graphed(fn):
-    """fn captured once as a CUDA graph; returns a function that replays it (None off the GPU)."""
-    if not runtime.ON_GPU:
-        return None
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
 
 
 def _pages(k, v, lengths, page_size, gen):

@@ -31,6 +31,28 @@ def benchmark(fn, *, warmup_ms: float = 25, rep_ms: float = 100, cpu_reps: int =
     return statistics.median(samples)
 
 
+def graphed(fn):
+    """fn captured once as a CUDA graph; returns a function that replays it (None off the GPU).
+
+    Timing the replay measures the GPU's work without the CPU's launch cost (Python, argument checks,
+    one launch per kernel). fn runs twice on a side stream first (warm-up: compilation, allocator), then
+    once under capture; the graph keeps fn's tensors (its memory pool) alive while the replay function
+    lives. Everything fn reads must exist before the capture, and no autograd node may cross the capture
+    boundary: to time a backward, capture a function that runs forward and backward together."""
+    if not runtime.ON_GPU:
+        return None
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
 def peak_memory(fn) -> int | None:
     """Peak bytes allocated on the GPU while `fn()` runs, above what was allocated before;
     None on the CPU (PyTorch does not track CPU allocations)."""
