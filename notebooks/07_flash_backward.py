@@ -69,8 +69,9 @@ BLOCK_M, BLOCK_N = course_lib.pick(cpu=(32, 32), gpu=(64, 64))  # the teaching l
 DTYPES = course_lib.pick(  # dtypes the kernels below are checked in (the GPU's float16 is left to the tests)
     cpu=[torch.float32, torch.float16, torch.bfloat16], gpu=[torch.float32, torch.bfloat16]
 )
+ATOMIC_DTYPES = course_lib.pick(cpu=DTYPES, gpu=[torch.bfloat16])  # dtypes the atomic dQ mode is checked in
 GRADCHECK_SHAPE, GRADCHECK_NK = (1, 2, 24, 16), 20  # float64 gradcheck, CPU only (the interpreter)
-BENCH_NS = course_lib.pick(cpu=[], gpu=[1024, 4096])  # GPU timing of the two dQ strategies
+BENCH_NS = course_lib.pick(cpu=[], gpu=[4096])  # GPU timing of the two dQ strategies (each length compiles anew)
 BENCH_DS, BENCH_TOKENS = (128,), 16384  # head dims timed live; B*N tokens (H*d = 2048, as in the papers)
 LOG2E = math.log2(math.e)
 torch.manual_seed(0)
@@ -451,38 +452,30 @@ def flash_backward(do, q, k, v, o, L, causal=False, scale=None, dq_mode="two_ker
 
 
 # %% [markdown]
-# The check: for ragged Nq != Nk in both orders, causal and not, three dtypes, both dQ modes, each gradient is
+# The check: for ragged Nq != Nk in both orders, causal and not, in each dtype of `DTYPES`, each gradient is
 # held to the course's accuracy rule against the float64 reference (at most twice the error of PyTorch's own
-# backward in the same dtype, plus a floor), and compared with course_lib's backward. O and L come from
-# course_lib's forward.
+# backward in the same dtype, plus a floor). O and L come from the float64 reference too, so this checks the
+# backward alone. The two-kernel mode runs in every dtype; the atomic mode in `ATOMIC_DTYPES` (each dtype and
+# mode is one more kernel to compile; the test suite covers the rest). The comparison with course_lib's own
+# backward comes at the end of the section.
 
 # %%
-TOL = {torch.float32: 1e-4, torch.float16: 3e-3, torch.bfloat16: 3e-2}  # kernel vs kernel
 for n_q, n_k in [(N_Q, N_K), (N_K, N_Q)]:
     for causal in (False, True):
         for dtype in DTYPES:
             q, k, v = random_qkv((B, H, n_q, D), n_k, dtype=dtype, device=DEVICE)
             do = torch.randn_like(q)
-            o, lse = lib_forward.forward(q, k, v, causal, None)
+            o64, lse64 = attention(q.double(), k.double(), v.double(), causal=causal, return_lse=True)
+            o, lse = o64.to(dtype), lse64.float()
             _, grads64 = reference_outputs(q.double(), k.double(), v.double(), causal, grad_out=do.double())
             _, grads_same = reference_outputs(q, k, v, causal, grad_out=do)
-            lib_grads = lib_backward.backward(do, q, k, v, o, lse, causal, None)
-            for dq_mode in ("two_kernel", "atomic"):
+            for dq_mode in ("two_kernel", "atomic") if dtype in ATOMIC_DTYPES else ("two_kernel",):
                 what = f"(B, H, Nq, Nk, d)=({B}, {H}, {n_q}, {n_k}, {D}), {dtype}, causal={causal}, {dq_mode}"
                 grads = flash_backward(do, q, k, v, o, lse, causal, dq_mode=dq_mode)
-                for name, g, g64, g_same, g_lib in zip(
-                    ("dQ", "dK", "dV"), grads, grads64, grads_same, lib_grads
-                ):
+                for name, g, g64, g_same in zip(("dQ", "dK", "dV"), grads, grads64, grads_same):
                     assert g.dtype == dtype and g.shape == g64.shape, f"{name} {what}"
                     assert_close_to_reference(g, g64, g_same, f"{name} {what}")
-                    torch.testing.assert_close(
-                        g,
-                        g_lib,
-                        rtol=TOL[dtype],
-                        atol=TOL[dtype],
-                        msg=lambda m, w=f"{name} {what}": f"{w}: {m}",
-                    )
-print("dQ, dK, dV: within the accuracy rule in every case, both dQ modes, and equal to course_lib's backward")
+print(f"dQ, dK, dV: within the accuracy rule in every case ({len(DTYPES)} dtypes, causal and not, Nq < Nk and Nq > Nk)")
 
 # %% [markdown]
 # ## 6. Causal: which blocks each kernel visits
