@@ -203,6 +203,77 @@ def test_rms_norm_clear_errors(make, error, words):
         make()
 
 
+# Launch settings (course_lib/fused/launch.py tables, overridden by keyword): every value on small sizes.
+ROWS = [1, 2, 4, 8]
+
+
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("shape", [(5, 4544), (3, 3, 5120), (7, 40)], ids=str)
+def test_rms_norm_forward_rows_per_program(shape, rows):
+    """ROWS rows per program, including ROWS that do not divide the rows and D not a power of two."""
+    from course_lib.fused.rms_norm import rms_norm_forward
+
+    x, w = _randn(*shape, dtype=torch.float32), _randn(shape[-1], seed=1)
+    y, rstd = rms_norm_forward(x, w, 1e-6, rows=rows, warps=4)
+    what = f"rms_norm forward {shape} rows={rows}"
+    _close(y, rms_norm_reference(x, w), torch.float32, what, scale=2)
+    expected_rstd = torch.rsqrt(x.double().cpu().pow(2).mean(-1) + 1e-6).reshape(-1)
+    _close(rstd, expected_rstd, torch.float32, f"{what} rstd")
+
+
+@pytest.mark.parametrize("dw_sum", ["triton", "torch"])
+@pytest.mark.parametrize("dw_mode", DW_MODES)
+@pytest.mark.parametrize("rows, programs", [(1, 1), (2, 3), (4, 2), (8, 1), (2, 8)], ids=str)
+def test_rms_norm_backward_launch_settings(rows, programs, dw_mode, dw_sum):
+    """The backward with ROWS rows per loop step (7 rows: ROWS does not divide them), any number of
+    programs (under the interpreter `programs_per_sm` is the program count), each dW mode and both second
+    reductions, on a non-contiguous input with D not a power of two."""
+    from course_lib.fused.rms_norm import rms_norm_backward, rms_norm_forward
+
+    hidden = 4544
+    x = _randn(hidden, 7).t()  # (7, D), strides (1, 7): made contiguous by the host code
+    w, dy = _randn(hidden, seed=1), _randn(7, hidden, seed=2)
+    _, rstd = rms_norm_forward(x, w, 1e-6)
+    dx, dw = rms_norm_backward(dy, x, w, rstd, dw_mode, rows=rows, programs_per_sm=programs, dw_sum=dw_sum)
+    x64, w64 = x.double().cpu().requires_grad_(), w.double().cpu().requires_grad_()
+    rms_norm_reference(x64, w64).backward(dy.double().cpu())
+    what = f"rms_norm backward rows={rows} programs={programs} {dw_mode} dw_sum={dw_sum}"
+    _close(dx, x64.grad, torch.float32, f"{what} dx", scale=2)
+    _close(dw, w64.grad, torch.float32, f"{what} dw", scale=10)
+    if dw_mode == "partials":
+        again = rms_norm_backward(dy, x, w, rstd, dw_mode, rows=rows, programs_per_sm=programs, dw_sum=dw_sum)
+        assert torch.equal(again[1], dw), f"{what}: dw differs between runs"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=_name)
+@pytest.mark.parametrize("tile", [(16, 32, 1), (32, 64, 4), (64, 16, 2)], ids=str)
+def test_column_sum_kernel(tile, dtype):
+    """The dW second reduction: the column sums of a (P, D) buffer, P and D not multiples of the tile,
+    cast to the output dtype; the same bits every run."""
+    from course_lib.fused.launch import ColumnSumTile
+    from course_lib.fused.rms_norm import column_sum
+
+    buf = _randn(37, 300, dtype=dtype, seed=4)
+    out = column_sum(buf, torch.float16, ColumnSumTile(*tile))
+    assert out.dtype == torch.float16 and out.shape == (300,)
+    _close(out, buf.double().cpu().sum(0), torch.float16, f"column_sum {tile} {_name(dtype)}")
+    assert torch.equal(column_sum(buf, torch.float16, ColumnSumTile(*tile)), out)
+
+
+def test_launch_tables_and_overrides():
+    from course_lib.fused import launch
+    from course_lib.fused.rms_norm import rms_norm_forward
+
+    for table in (launch.WARPS, launch.FWD_ROWS, launch.BWD_ROWS, launch.PROGRAMS_PER_SM, launch.ROPE_TOKENS):
+        bounds = [bound for bound, _ in table]
+        assert bounds == sorted(bounds) and bounds[-1] == launch.MAX_ROW, table
+        assert all(v >= 1 and v & (v - 1) == 0 for _, v in table), table
+    assert launch.persistent_programs(100, 1024, torch.device("cpu"), per_sm=3) == 3
+    assert launch.persistent_programs(2, 1024, torch.device("cpu")) == 2
+    with pytest.raises(ValueError, match="power of two"):
+        rms_norm_forward(_randn(4, 8), _randn(8), 1e-6, rows=3)
+
+
 # --------------------------------------------------------------------------------------------- RoPE
 POSITIONS = {
     "none": lambda b, t: None,
@@ -246,6 +317,33 @@ def test_rope_backward_matches_float64_and_is_the_negative_rotation(layout):
     back_q, back_k = rope(dq, dk, cos, -sin, positions=4, layout=layout)
     torch.testing.assert_close(q.grad, back_q)
     torch.testing.assert_close(k.grad, back_k)
+
+
+@pytest.mark.parametrize("tokens", [1, 2, 4, 8])
+@pytest.mark.parametrize("layout", ["half", "interleaved"])
+@pytest.mark.parametrize("dims", [3, 4])
+def test_rope_tokens_per_program(dims, layout, tokens):
+    """TOKENS tokens per program (T = 5: TOKENS does not divide it), token-major (non-contiguous) inputs,
+    per-batch positions for 4-D and an offset for 3-D, forward and backward (the negative rotation)."""
+    from course_lib.fused.rope import _as_4d, _cache_3d, _positions, rotate
+
+    b, t, d = (2 if dims == 4 else 1), 5, 24
+    q = _randn(b, t, 3, d).transpose(1, 2)  # (B, H, T, d) views of (B, T, H, d) storage
+    k = _randn(b, t, 1, d, seed=1).transpose(1, 2)
+    if dims == 3:
+        q, k = q[0], k[0]
+    cos, sin = rope_cache(12, d, layout=layout, device=DEVICE)
+    pos = POSITIONS["per-batch" if dims == 4 else "offset"](b, t)
+    pos = pos.clamp(max=11) if isinstance(pos, torch.Tensor) else pos
+    q4, k4, cos3, sin3 = _as_4d(q), _as_4d(k), _cache_3d(cos), _cache_3d(sin)
+    pos2 = _positions(pos, q4.shape[0], t, 12, q.device)
+    what = f"rope {dims}-D {layout} tokens={tokens}"
+    q_rot, k_rot = rotate(q4, k4, cos3, sin3, pos2, layout == "interleaved", tokens=tokens, warps=2)
+    _close(q_rot.reshape(q.shape), rope_reference(q, cos, sin, pos, layout), torch.float32, f"{what} q")
+    _close(k_rot.reshape(k.shape), rope_reference(k, cos, sin, pos, layout), torch.float32, f"{what} k")
+    dq, dk = rotate(q_rot, k_rot, cos3, sin3, pos2, layout == "interleaved", backward=True, tokens=tokens)
+    _close(dq.reshape(q.shape), q.double().cpu(), torch.float32, f"{what} backward undoes forward, q")
+    _close(dk.reshape(k.shape), k.double().cpu(), torch.float32, f"{what} backward undoes forward, k")
 
 
 def test_rope_token_major_layout_without_copies_and_3d_inputs():
