@@ -512,6 +512,37 @@ def test_gpu_rope_bf16_real_sizes(layout):
     torch.testing.assert_close(k.grad, back_k)
 
 
+@pytest.mark.gpu
+@gpu
+def test_gpu_forward_and_backward_capture_in_one_cuda_graph():
+    """What the benchmark's graph timing does: forward + backward of rms_norm and rope captured together,
+    replayed, and equal to the plain call (the dW reduction is deterministic, so bit for bit)."""
+    from course_lib.perf.timing import graphed
+
+    x = _randn(4096, 4544, dtype=torch.bfloat16).requires_grad_()
+    w = _randn(4544, dtype=torch.bfloat16, seed=1).requires_grad_()
+    dy = _randn(4096, 4544, dtype=torch.bfloat16, seed=2)
+    q = _randn(1024, 32, 128, dtype=torch.bfloat16, seed=3).requires_grad_()
+    k = _randn(1024, 8, 128, dtype=torch.bfloat16, seed=4).requires_grad_()
+    dq, dk = torch.randn_like(q), torch.randn_like(k)
+    cos, sin = rope_cache(1024, 128, dtype=torch.bfloat16, device=DEVICE)
+    out = {}
+
+    def step():
+        out["rms"] = torch.autograd.grad(rms_norm(x, w), (x, w), dy)
+        qr, kr = rope(q.transpose(0, 1), k.transpose(0, 1), cos, sin)
+        out["rope"] = torch.autograd.grad((qr, kr), (q, k), (dq.transpose(0, 1), dk.transpose(0, 1)))
+
+    replay = graphed(step)
+    replay()
+    torch.cuda.synchronize()
+    got = {key: [t.clone() for t in val] for key, val in out.items()}
+    step()
+    for key in got:
+        for a, b in zip(got[key], out[key]):
+            assert torch.equal(a, b), f"{key}: the graph replay differs from the plain call"
+
+
 # ------------------------------------------------------------------------------------------ benchmark
 def test_bench_tables_and_targets_read_a_record(tmp_path):
     """format_table, target_misses and save_plots on a made-up record (the measuring needs a GPU)."""
