@@ -24,6 +24,11 @@ blocks are masked (separate loop stages), as in the forward pass; `blocks.q_bloc
 `blocks.kv_block_range` say which. Grouped-query attention: a dK/dV program owns one block of one K/V
 head and loops over the GROUP query heads that share it, so dK and dV are summed over those heads on
 chip, with no atomics and no repeated K/V. Rows that saw no key (L = -inf) contribute nothing.
+
+How P is rebuilt (`probabilities`) and which blocks a program visits (`blocks.q_block_range`,
+`blocks.kv_block_range`) are `tl.constexpr` function arguments of the kernels, defaulting to these
+production helpers; notebook 08's optimisation ladder swaps in its first rungs' variants (natural
+exponentials, every block masked) from `teaching.py` through `config=`.
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ from .. import runtime
 from ..checks import accumulator_dtype, causal_alignment, causal_offset, default_scale, kv_group
 from ..runtime import tl, triton
 from .blocks import kv_block_range, load_rows, program_block, q_block_range, row_mask
-from .configs import DKDV, DQ, PREPROCESS_BLOCK_M, split_config
+from .configs import DKDV, DQ, PREPROCESS_BLOCK_M, split_config, teaching_hooks
 from .forward import LOG2E
 from .inputs import as_4d, check_inputs, kernel_flags, strides4
 from .launch import compile_ahead, cuda_device, launch, make_tuner, n_bucket
@@ -48,6 +53,14 @@ def _load_lse(l_ptrs, mask):
     P = exp(S - L) is exactly 0 (not exp(-inf + inf) = NaN) and it adds nothing to any gradient."""
     lse = tl.load(l_ptrs, mask=mask, other=float("inf"))
     return tl.where(lse == float("-inf"), float("inf"), lse)
+
+
+@triton.jit
+def probabilities(s, lse, sm_scale):
+    """P = exp(S * scale - L) for a tile of raw scores S = Q K^T and the forward's L (natural-log
+    units, shaped to broadcast against S), in base 2: exp2(S * scale * log2 e - L * log2 e), one
+    multiply-add and one ex2 per score. A masked score (-inf) gives P = 0."""
+    return tl.math.exp2(s * (sm_scale * LOG2E) - lse * LOG2E)
 
 
 @triton.jit
@@ -86,8 +99,8 @@ def _dkdv_inner(
     dk, dv, k, v,  # accumulators and this program's K, V blocks (all on chip)
     q_base, do_base, l_base, d_base, dq_base,
     stride_qm, stride_qd, stride_dom, stride_dod, stride_lm, stride_dqm, stride_dqd,
-    offs_n, offs_m, offs_d, lo, hi, N_Q, N_K, offset, qk_scale, sm_scale,
-    MASK: tl.constexpr, CAUSAL: tl.constexpr, EXP2: tl.constexpr, ATOMIC: tl.constexpr,
+    offs_n, offs_m, offs_d, lo, hi, N_Q, N_K, offset, sm_scale,
+    MASK: tl.constexpr, CAUSAL: tl.constexpr, PROBABILITIES: tl.constexpr, ATOMIC: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, ACC_DTYPE: tl.constexpr,
 ):  # fmt: skip
@@ -110,10 +123,7 @@ def _dkdv_inner(
             if CAUSAL:
                 visible = visible & (rows[None, :] + offset >= offs_n[:, None])
             sT = tl.where(visible, sT, float("-inf"))  # masked before exp: P^T = exactly 0 there
-        if EXP2:
-            pT = tl.math.exp2(sT * qk_scale - (lse * LOG2E)[None, :])
-        else:
-            pT = tl.exp(sT * qk_scale - lse[None, :])
+        pT = PROBABILITIES(sT, lse[None, :], sm_scale)
         do = load_rows(do_ptrs + start_m * stride_dom, rows, N_Q, offs_d, HEAD_DIM, BLOCK_D, UPCAST)
         dv += tl.dot(pT.to(do.dtype), do, input_precision=DOT_PRECISION, out_dtype=ACC_DTYPE)
         delta = tl.load(d_base + rows, mask=rows < N_Q, other=0.0)  # D: BLOCK_M floats
@@ -140,13 +150,15 @@ def _dkdv_kernel(
     stride_dkb, stride_dkh, stride_dkn, stride_dkd,
     stride_dvb, stride_dvh, stride_dvn, stride_dvd,
     H, N_Q, N_K, OFFSET, N_BUCKET,
-    GROUP: tl.constexpr, CAUSAL: tl.constexpr, EXP2: tl.constexpr, SKIP_MASKED: tl.constexpr,
-    ATOMIC: tl.constexpr,
+    GROUP: tl.constexpr, CAUSAL: tl.constexpr, ATOMIC: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, ACC_DTYPE: tl.constexpr,
+    PROBABILITIES: tl.constexpr = probabilities, Q_RANGE: tl.constexpr = q_block_range,
 ):  # fmt: skip
     """dK, dV for one block of BLOCK_N key rows of one (batch, K/V head), summed over the GROUP query
-    heads that share it; with ATOMIC also dQ (added). Grid: (cdiv(N_K, BLOCK_N) * B * H_KV,)."""
+    heads that share it; with ATOMIC also dQ (added). Grid: (cdiv(N_K, BLOCK_N) * B * H_KV,).
+    PROBABILITIES, Q_RANGE: how P is rebuilt, which query blocks are visited (`teaching.py` has the
+    ladder's variants)."""
     off_b, off_kh, n_start = program_block(N_K, H // GROUP, BLOCK_N, False)  # causal: early keys, most work
     offs_n = n_start + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
@@ -177,19 +189,11 @@ def _dkdv_kernel(
         v = v.to(tl.float32)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=ACC_DTYPE)  # fp32 accumulators, registers
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=ACC_DTYPE)
-    if EXP2:
-        qk_scale = sm_scale * LOG2E
-    else:
-        qk_scale = sm_scale
 
-    if SKIP_MASKED:
-        # Query blocks [lo, mid) straddle the diagonal: masked stage. Blocks [mid, hi) see every key of
-        # the block: unmasked stage (masked in atomic mode too: the zero-filled keys past N_K of a ragged
-        # last block would otherwise add exp(-L) * (dP - D) * 0 terms to dQ, NaN when L << 0).
-        lo, mid, hi = q_block_range(n_start, N_Q, OFFSET, CAUSAL, BLOCK_M, BLOCK_N)
-    else:
-        # The naive loop: every query block, every tile masked.
-        lo, mid, hi = 0, tl.cdiv(N_Q, BLOCK_M) * BLOCK_M, tl.cdiv(N_Q, BLOCK_M) * BLOCK_M
+    # Query blocks [lo, mid) straddle the diagonal: masked stage. Blocks [mid, hi) see every key of
+    # the block: unmasked stage (masked in atomic mode too: the zero-filled keys past N_K of a ragged
+    # last block would otherwise add exp(-L) * (dP - D) * 0 terms to dQ, NaN when L << 0).
+    lo, mid, hi = Q_RANGE(n_start, N_Q, OFFSET, CAUSAL, BLOCK_M, BLOCK_N)
     for g in tl.static_range(GROUP):  # unrolled: with GROUP = 1 this is the multi-head kernel as it was
         off_h = off_kh * GROUP + g
         q_base = Q + off_b * stride_qb + off_h * stride_qh
@@ -200,14 +204,14 @@ def _dkdv_kernel(
         dk, dv = _dkdv_inner(
             dk, dv, k, v, q_base, do_base, l_base, d_base, dq_base,
             stride_qm, stride_qd, stride_dom, stride_dod, stride_lm, stride_dqm, stride_dqd,
-            offs_n, offs_m, offs_d, lo, mid, N_Q, N_K, OFFSET, qk_scale, sm_scale,
-            True, CAUSAL, EXP2, ATOMIC, HEAD_DIM, BLOCK_D, BLOCK_M, UPCAST, DOT_PRECISION, ACC_DTYPE,
+            offs_n, offs_m, offs_d, lo, mid, N_Q, N_K, OFFSET, sm_scale,
+            True, CAUSAL, PROBABILITIES, ATOMIC, HEAD_DIM, BLOCK_D, BLOCK_M, UPCAST, DOT_PRECISION, ACC_DTYPE,
         )  # fmt: skip
         dk, dv = _dkdv_inner(
             dk, dv, k, v, q_base, do_base, l_base, d_base, dq_base,
             stride_qm, stride_qd, stride_dom, stride_dod, stride_lm, stride_dqm, stride_dqd,
-            offs_n, offs_m, offs_d, mid, hi, N_Q, N_K, OFFSET, qk_scale, sm_scale,
-            ATOMIC, CAUSAL, EXP2, ATOMIC, HEAD_DIM, BLOCK_D, BLOCK_M, UPCAST, DOT_PRECISION, ACC_DTYPE,
+            offs_n, offs_m, offs_d, mid, hi, N_Q, N_K, OFFSET, sm_scale,
+            ATOMIC, CAUSAL, PROBABILITIES, ATOMIC, HEAD_DIM, BLOCK_D, BLOCK_M, UPCAST, DOT_PRECISION, ACC_DTYPE,
         )  # fmt: skip
 
     # dK = dS^T Q * scale and dV: registers -> HBM once, 2 * BLOCK_N * d elements.
@@ -234,8 +238,8 @@ def _dkdv_kernel(
 def _dq_inner(
     dq, q, do, lse, delta,  # dQ accumulator and this program's Q, dO, L, D (all on chip)
     k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
-    offs_m, offs_n, offs_d, lo, hi, N_K, offset, qk_scale,
-    MASK: tl.constexpr, CAUSAL: tl.constexpr, EXP2: tl.constexpr,
+    offs_m, offs_n, offs_d, lo, hi, N_K, offset, sm_scale,
+    MASK: tl.constexpr, CAUSAL: tl.constexpr, PROBABILITIES: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, ACC_DTYPE: tl.constexpr,
 ):  # fmt: skip
@@ -254,10 +258,7 @@ def _dq_inner(
             if CAUSAL:
                 visible = visible & (offs_m[:, None] + offset >= cols[None, :])
             s = tl.where(visible, s, float("-inf"))  # masked before exp: P = exactly 0 there
-        if EXP2:
-            p = tl.math.exp2(s * qk_scale - lse[:, None])  # lse already in base-2 units here
-        else:
-            p = tl.exp(s * qk_scale - lse[:, None])
+        p = PROBABILITIES(s, lse[:, None], sm_scale)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION, out_dtype=ACC_DTYPE)
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION, out_dtype=ACC_DTYPE)
@@ -275,15 +276,16 @@ def _dq_kernel(
     stride_lb, stride_lh, stride_lm,
     stride_dqb, stride_dqh, stride_dqm, stride_dqd,
     H, GROUP, N_Q, N_K, OFFSET, N_BUCKET,
-    CAUSAL: tl.constexpr, EXP2: tl.constexpr, SKIP_MASKED: tl.constexpr, FUSE_D: tl.constexpr,
+    CAUSAL: tl.constexpr, FUSE_D: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, ACC_DTYPE: tl.constexpr,
+    PROBABILITIES: tl.constexpr = probabilities, KV_RANGE: tl.constexpr = kv_block_range,
 ):  # fmt: skip
     """dQ for one block of BLOCK_M query rows of one (batch, head). Grid: (cdiv(N_Q, BLOCK_M) * B * H,).
 
     FUSE_D=True: compute D = rowsum(dO * O) for these rows here (reading the O block once) and store
     it for the dK/dV kernel, which then runs second; FUSE_D=False: read D written by
-    `_preprocess_kernel`."""
+    `_preprocess_kernel`. PROBABILITIES, KV_RANGE: as in `_dkdv_kernel` and `forward._fwd_kernel`."""
     off_b, off_h, m_start = program_block(N_Q, H, BLOCK_M, CAUSAL)  # causal: the longest rows first
     off_kh = off_h // GROUP
     offs_m = m_start + tl.arange(0, BLOCK_M)
@@ -322,30 +324,22 @@ def _dq_kernel(
         tl.store(d_ptrs, delta, mask=offs_m < N_Q)
     else:
         delta = tl.load(d_ptrs, mask=offs_m < N_Q, other=0.0)
-    if EXP2:
-        qk_scale = sm_scale * LOG2E
-        lse = lse * LOG2E
-    else:
-        qk_scale = sm_scale
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=ACC_DTYPE)  # fp32 accumulator, registers
     k_base = K + off_b * stride_kb + off_kh * stride_kh
     v_base = V + off_b * stride_vb + off_kh * stride_vh
 
-    if SKIP_MASKED:
-        # Stage 1, unmasked: K/V blocks every row sees. Stage 2, masked: causal diagonal blocks and the
-        # ragged last block (whose zero-filled keys must not reach dQ). Blocks above the diagonal: skipped.
-        lo, mid, hi = kv_block_range(m_start, N_Q, N_K, OFFSET, 0, 1, CAUSAL, BLOCK_M, BLOCK_N)
-    else:
-        lo, mid, hi = 0, 0, N_K
+    # Stage 1, unmasked: K/V blocks every row sees. Stage 2, masked: causal diagonal blocks and the
+    # ragged last block (whose zero-filled keys must not reach dQ). Blocks above the diagonal: skipped.
+    lo, mid, hi = KV_RANGE(m_start, N_Q, N_K, OFFSET, 0, 1, CAUSAL, BLOCK_M, BLOCK_N)
     dq = _dq_inner(
         dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
-        offs_m, offs_n, offs_d, lo, mid, N_K, OFFSET, qk_scale,
-        False, CAUSAL, EXP2, HEAD_DIM, BLOCK_D, BLOCK_N, UPCAST, DOT_PRECISION, ACC_DTYPE,
+        offs_m, offs_n, offs_d, lo, mid, N_K, OFFSET, sm_scale,
+        False, CAUSAL, PROBABILITIES, HEAD_DIM, BLOCK_D, BLOCK_N, UPCAST, DOT_PRECISION, ACC_DTYPE,
     )  # fmt: skip
     dq = _dq_inner(
         dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
-        offs_m, offs_n, offs_d, mid, hi, N_K, OFFSET, qk_scale,
-        True, CAUSAL, EXP2, HEAD_DIM, BLOCK_D, BLOCK_N, UPCAST, DOT_PRECISION, ACC_DTYPE,
+        offs_m, offs_n, offs_d, mid, hi, N_K, OFFSET, sm_scale,
+        True, CAUSAL, PROBABILITIES, HEAD_DIM, BLOCK_D, BLOCK_N, UPCAST, DOT_PRECISION, ACC_DTYPE,
     )  # fmt: skip
     # dQ = dS K * scale: registers -> HBM once, BLOCK_M * d elements.
     dq = dq * sm_scale
@@ -359,11 +353,13 @@ def _dq_kernel(
     tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=q_mask)
 
 
-_TUNE_KEY = ["N_BUCKET", "HEAD_DIM", "CAUSAL", "EXP2", "SKIP_MASKED"]
+_TUNE_KEY = ["N_BUCKET", "HEAD_DIM", "CAUSAL"]
 _dkdv_tuned = make_tuner(_dkdv_kernel, DKDV, key=_TUNE_KEY + ["ATOMIC", "GROUP"])
 # The atomic variant adds into DQ: the tuner must zero it before each timed run.
 _dkdv_atomic_tuned = make_tuner(_dkdv_kernel, DKDV, key=_TUNE_KEY + ["ATOMIC", "GROUP"], reset_to_zero=["DQ"])
 _dq_tuned = make_tuner(_dq_kernel, DQ, key=_TUNE_KEY + ["FUSE_D"])
+_DKDV_HOOKS = ("PROBABILITIES", "Q_RANGE")  # the kernels' function arguments (teaching variants)
+_DQ_HOOKS = ("PROBABILITIES", "KV_RANGE")
 
 
 def backward(
@@ -390,7 +386,9 @@ def backward(
              "atomic" — one dK/dV kernel that also adds dQ into an fp32 buffer with tl.atomic_add.
     config (dict, optional): BLOCK_M, BLOCK_N (for both kernels; BLOCK_M1/BLOCK_N1 and
     BLOCK_M2/BLOCK_N2 override them for the dK/dV and dQ kernels), num_warps, num_stages, and the
-    switches exp2 and skip_masked_blocks (see `forward.forward`). config=None: the default choice."""
+    switches exp2 and skip_masked_blocks (see `forward.forward`; their teaching variants are
+    `teaching.probabilities_natural` and `teaching.every_q_block` / `every_kv_block`, always with a
+    fixed launch). config=None: the default choice."""
     check_inputs(q, k, v, where="attention.backward")
     for name, t, like in (("do", do, q), ("o", o, q)):
         if not isinstance(t, torch.Tensor) or t.shape != like.shape or t.dtype != like.dtype:
@@ -444,10 +442,9 @@ def _backward(do, q, k, v, o, L, alignment, scale, launch_cfg, switches, dq_mode
         dq_acc = as_4d(dq)
     flags = kernel_flags(q.dtype)
     block_d = max(16, triton.next_power_of_2(d))
-    exp2, skip = switches["EXP2"], switches["SKIP_MASKED"]
-    common = dict(CAUSAL=causal, HEAD_DIM=d, BLOCK_D=block_d, EXP2=exp2, SKIP_MASKED=skip, **flags)
+    common = dict(CAUSAL=causal, HEAD_DIM=d, BLOCK_D=block_d, **flags)
     bucket = n_bucket(max(n_q, n_k))
-    shape = (bucket, d, causal, q.dtype, exp2, skip)  # what the configuration choice depends on
+    shape = (bucket, d, causal, q.dtype)  # what the configuration choice depends on
     fixed = launch_cfg or {}
     q_args = (
         q4, k4, v4, o4, do4, l3, delta, dq_acc, scale,
@@ -486,7 +483,7 @@ def _backward(do, q, k, v, o, L, alignment, scale, launch_cfg, switches, dq_mode
         else:
             bm, bn = fixed.get("BLOCK_M2", fixed["BLOCK_M"]), fixed.get("BLOCK_N2", fixed["BLOCK_N"])
             _dq_kernel[(triton.cdiv(n_q, bm) * B * H,)](
-                *q_args, **q_meta, BLOCK_M=bm, BLOCK_N=bn,
+                *q_args, **q_meta, **teaching_hooks(switches, _DQ_HOOKS), BLOCK_M=bm, BLOCK_N=bn,
                 num_warps=fixed["num_warps"], num_stages=fixed["num_stages"],
             )  # fmt: skip
         if launch_cfg is None:
@@ -494,7 +491,7 @@ def _backward(do, q, k, v, o, L, alignment, scale, launch_cfg, switches, dq_mode
         else:
             bm, bn = fixed.get("BLOCK_M1", fixed["BLOCK_M"]), fixed.get("BLOCK_N1", fixed["BLOCK_N"])
             _dkdv_kernel[(triton.cdiv(n_k, bn) * B * H_kv,)](
-                *kv_args, **kv_meta, BLOCK_M=bm, BLOCK_N=bn,
+                *kv_args, **kv_meta, **teaching_hooks(switches, _DKDV_HOOKS), BLOCK_M=bm, BLOCK_N=bn,
                 num_warps=fixed["num_warps"], num_stages=fixed["num_stages"],
             )  # fmt: skip
     if atomic:

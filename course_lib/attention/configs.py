@@ -13,7 +13,8 @@ Which configuration a call uses (`course_lib.attention.launch`): a choice record
 `tuned/<gpu>.json` (written by `make bench`, which autotunes), else `choose`; with
 `COURSE_AUTOTUNE=1` the autotuner times the candidates itself and records its choice.
 A `config` dict given to `forward`/`backward` (notebook 08's ladder) fixes the launch instead:
-`split_config` reads it.
+`split_config` reads it, and `teaching_hooks` turns its switches into the teaching variants of
+`teaching.py` that the kernels take as function arguments.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+
+from . import teaching
 
 
 @dataclass(frozen=True)
@@ -144,6 +147,7 @@ PREPROCESS_BLOCK_M = {"gpu": 64, "cpu": 32}
 
 # --------------------------------------------------------------------------------------------------
 # A `config` dict (notebook 08's ladder): launch keys fix the launch, switches choose teaching variants
+# (which always run with a fixed launch: the default choice and the GPU's record are the fast kernels')
 # --------------------------------------------------------------------------------------------------
 LAUNCH_KEYS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")
 BACKWARD_LAUNCH_KEYS = ("BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2")
@@ -155,7 +159,8 @@ SWITCHES = {"exp2": True, "skip_masked_blocks": True, "hopper": True}
 def split_config(config: dict | None, fixed: Launch | None) -> tuple[dict | None, dict]:
     """Split a user `config` into (launch parameters or None for the default choice, switches).
 
-    If any launch key is given the launch is fixed (missing keys take `fixed`); otherwise the default
+    If any launch key is given, or a switch that asks for a teaching variant (exp2=False,
+    skip_masked_blocks=False), the launch is fixed (missing keys take `fixed`); otherwise the default
     choice is used. Switches come back upper-case (EXP2, SKIP_MASKED, HOPPER), defaults from SWITCHES.
     BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2 (the backward's two kernels) are launch keys too."""
     config = dict(config or {})
@@ -170,7 +175,7 @@ def split_config(config: dict | None, fixed: Launch | None) -> tuple[dict | None
         "SKIP_MASKED": bool(config.pop("skip_masked_blocks", SWITCHES["skip_masked_blocks"])),
         "HOPPER": bool(config.pop("hopper", SWITCHES["hopper"])),  # forward only
     }
-    if not config:
+    if not config and switches["EXP2"] and switches["SKIP_MASKED"]:
         return None, switches
     launch = {
         "BLOCK_M": fixed.block_m, "BLOCK_N": fixed.block_n,
@@ -181,3 +186,24 @@ def split_config(config: dict | None, fixed: Launch | None) -> tuple[dict | None
         if key.startswith("BLOCK") and (value < 16 or value & (value - 1)):
             raise ValueError(f"config {key}={value}: block sizes must be powers of two >= 16")
     return launch, switches
+
+
+def teaching_hooks(switches: dict, names: tuple[str, ...]) -> dict:
+    """The kernel function arguments that `split_config`'s switches ask for: {name: @triton.jit
+    function} for those of `names` (the hooks one kernel takes) that a teaching variant replaces.
+
+    {} for the fast switches: each kernel's defaults are the production helpers (`forward.softmax_step`,
+    `forward.logsumexp`, `backward.probabilities`, `blocks.kv_block_range`, `blocks.q_block_range`).
+    EXP2=False swaps in the natural-exponential softmax, SKIP_MASKED=False the every-block range."""
+    if switches["EXP2"] and switches["SKIP_MASKED"]:
+        return {}
+    hooks = {}
+    if not switches["EXP2"]:
+        hooks.update(
+            SOFTMAX_STEP=teaching.softmax_step_natural,
+            LOGSUMEXP=teaching.logsumexp_natural,
+            PROBABILITIES=teaching.probabilities_natural,
+        )
+    if not switches["SKIP_MASKED"]:
+        hooks.update(KV_RANGE=teaching.every_kv_block, Q_RANGE=teaching.every_q_block)
+    return {name: fn for name, fn in hooks.items() if name in names}

@@ -15,6 +15,11 @@ blocks a query block visits (causal, top-left or bottom-right aligned) is `block
 Everything runs compiled on a GPU and through Triton's interpreter on the CPU (`course_lib.runtime`):
 plain pointer arithmetic, a mask on every load and store, block dimensions >= 16.
 
+The online-softmax step (`softmax_step`), the logsumexp that finishes it (`logsumexp`) and the block
+range (`blocks.kv_block_range`) are `tl.constexpr` function arguments of the kernel, defaulting to
+these production helpers; notebook 08's optimisation ladder swaps in its first rungs' variants
+(natural exponentials, every block masked) from `teaching.py` through `config=`.
+
 On a Hopper GPU the tuned forward hands contiguous 16-bit inputs to `hopper.py` (a warp-specialised
 Gluon kernel) where that measured faster; `config={"hopper": False}` keeps this one.
 
@@ -32,7 +37,7 @@ from .. import runtime
 from ..checks import accumulator_dtype, causal_alignment, causal_offset, default_scale, kv_group
 from ..runtime import tl, triton
 from .blocks import kv_block_range, load_rows, program_block, row_mask
-from .configs import FORWARD, split_config
+from .configs import FORWARD, split_config, teaching_hooks
 from .inputs import SUPPORTED_HEAD_DIMS, as_4d, check_inputs, kernel_flags, strides4
 from .launch import cuda_device, launch, make_tuner, n_bucket
 
@@ -64,14 +69,16 @@ def hopper_kernels():
     return hopper
 
 
-def _try_hopper(q4, k4, v4, o4, l3, causal: bool, offset: int, scale: float, switches: dict) -> bool:
-    """Run the warp-specialised Gluon forward if it applies (fast switches, a Hopper GPU, contiguous
-    16-bit inputs, a shape where `hopper.choose` found it faster); True if it ran. A Triton whose Gluon
-    cannot compile the kernel gets one warning, and the Triton kernel from then on."""
+def _try_hopper(
+    q4, k4, v4, o4, l3, causal: bool, offset: int, scale: float, switches: dict, hooks: dict
+) -> bool:
+    """Run the warp-specialised Gluon forward if it applies (the production hooks, hopper switch on, a
+    Hopper GPU, contiguous 16-bit inputs, a shape where `hopper.choose` found it faster); True if it ran.
+    A Triton whose Gluon cannot compile the kernel gets one warning, and the Triton kernel from then on."""
     hopper = hopper_kernels()
     if hopper is None or _HOPPER_FAILED or not switches["HOPPER"]:
         return False
-    if not (switches["EXP2"] and switches["SKIP_MASKED"] and hopper.supports(q4, k4, v4)):
+    if hooks or not hopper.supports(q4, k4, v4):  # a teaching variant runs in the Triton kernel only
         return False
     if causal and offset != 0:  # the Gluon kernel masks top-left only (bottom-right with Nq = Nk is that)
         return False
@@ -96,11 +103,36 @@ def _try_hopper(q4, k4, v4, o4, l3, causal: bool, offset: int, scale: float, swi
 # Kernels
 # --------------------------------------------------------------------------------------------------
 @triton.jit
+def softmax_step(s, m_i, l_i, sm_scale, MASK: tl.constexpr):
+    """One online-softmax step over a (BLOCK_M, BLOCK_N) tile of raw scores S = Q K^T (notebook 06).
+
+    Base-2 exponentials with the scale folded in: exp(x * scale) = exp2(x * qk_scale), one multiply-add
+    and one ex2 per score; the running max m is kept in those base-2 units (`logsumexp` converts).
+    MASK: the tile may hold masked (-inf) scores, so a row may have seen no key yet (m = -inf); its
+    exponentials are then taken against 0 instead of -inf. Returns (P, alpha, l, m): the tile's
+    unnormalised probabilities, the factor that rescales the old l and accumulator, the new l and m."""
+    qk_scale = sm_scale * LOG2E
+    m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+    m_ref = m_new
+    if MASK:
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key seen yet: exp(-inf) = 0, not NaN
+    p = tl.math.exp2(s * qk_scale - m_ref[:, None])
+    alpha = tl.math.exp2(m_i - m_ref)
+    return p, alpha, l_i * alpha + tl.sum(p, 1), m_new
+
+
+@triton.jit
+def logsumexp(m_i, l_i):
+    """L = logsumexp of a row's scaled scores, natural-log units, from `softmax_step`'s base-2 m and l."""
+    return (m_i + tl.math.log2(l_i)) * LN2
+
+
+@triton.jit
 def _fwd_inner(
     acc, l_i, m_i, q,  # running state (registers) and the Q block (registers)
     k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
-    offs_m, offs_n, offs_d, lo, hi, N_K, offset, qk_scale,
-    MASK: tl.constexpr, CAUSAL: tl.constexpr, EXP2: tl.constexpr,
+    offs_m, offs_n, offs_d, lo, hi, N_K, offset, sm_scale,
+    MASK: tl.constexpr, CAUSAL: tl.constexpr, SOFTMAX_STEP: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, ACC_DTYPE: tl.constexpr,
 ):  # fmt: skip
@@ -108,8 +140,7 @@ def _fwd_inner(
 
     MASK=False is the fast stage: every key of every block is visible to every query row, so no
     score is masked. MASK=True (causal diagonal blocks, the ragged last block) sets the scores of
-    invisible keys (past N_K, or j > i + offset when CAUSAL) to -inf before the softmax; a row can
-    then have seen no key yet (m = -inf), and its exponentials are taken against 0 instead of -inf."""
+    invisible keys (past N_K, or j > i + offset when CAUSAL) to -inf before the softmax step."""
     k_ptrs = k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd  # K block (BLOCK_N, d)
     v_ptrs = v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd  # V block (BLOCK_N, d)
     for start_n in range(lo, hi, BLOCK_N):
@@ -125,25 +156,8 @@ def _fwd_inner(
             if CAUSAL:
                 visible = visible & (offs_m[:, None] + offset >= cols[None, :])
             s = tl.where(visible, s, float("-inf"))
-        if EXP2:
-            # base-2 exponentials with the scale folded in: one multiply-add and one ex2 per score
-            m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-        else:
-            # the textbook form: scale, then exp (which the hardware computes as ex2(x * log2 e))
-            s = s * qk_scale
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_ref = m_new
-        if MASK:
-            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key seen yet: exp(-inf) = 0, not NaN
-        if EXP2:
-            p = tl.math.exp2(s * qk_scale - m_ref[:, None])
-            alpha = tl.math.exp2(m_i - m_ref)
-        else:
-            p = tl.exp(s - m_ref[:, None])
-            alpha = tl.exp(m_i - m_ref)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        p, alpha, l_i, m_i = SOFTMAX_STEP(s, m_i, l_i, sm_scale, MASK)  # P: registers, fp32
         acc = acc * alpha[:, None]  # rescale the accumulator to the new max: BLOCK_M x d multiplies
-        m_i = m_new
         v = load_rows(
             v_ptrs + start_n * stride_vn, cols, N_K, offs_d, HEAD_DIM, BLOCK_D, UPCAST
         )  # V block: HBM -> shared
@@ -161,15 +175,19 @@ def _fwd_kernel(
     stride_ob, stride_oh, stride_om, stride_od,
     stride_lb, stride_lh, stride_lm,
     H, GROUP, N_Q, N_K, OFFSET, N_BUCKET,
-    CAUSAL: tl.constexpr, EXP2: tl.constexpr, SKIP_MASKED: tl.constexpr,
+    CAUSAL: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, ACC_DTYPE: tl.constexpr,
+    SOFTMAX_STEP: tl.constexpr = softmax_step, LOGSUMEXP: tl.constexpr = logsumexp,
+    KV_RANGE: tl.constexpr = kv_block_range,
 ):  # fmt: skip
     """O[b, h, rows] and L[b, h, rows] for one block of BLOCK_M query rows of one (batch, head).
 
     Grid: (cdiv(N_Q, BLOCK_M) * B * H,). Query head h reads K/V head h // GROUP (grouped-query
     attention: GROUP query heads share one K/V head; GROUP = 1 is multi-head attention). Causal:
-    row i sees keys j <= i + OFFSET (`blocks.py`). N_BUCKET only keys the autotuner."""
+    row i sees keys j <= i + OFFSET (`blocks.py`). N_BUCKET only keys the autotuner.
+    SOFTMAX_STEP, LOGSUMEXP, KV_RANGE: the online-softmax step, its finish and the block range;
+    notebook 08's ladder passes the variants of `teaching.py`."""
     off_b, off_h, m_start = program_block(N_Q, H, BLOCK_M, CAUSAL)  # causal: longest rows first
     off_kh = off_h // GROUP
     q_base = Q + off_b * stride_qb + off_h * stride_qh
@@ -189,28 +207,20 @@ def _fwd_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=ACC_DTYPE)
     l_i = tl.zeros([BLOCK_M], dtype=ACC_DTYPE)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=ACC_DTYPE)
-    if EXP2:
-        qk_scale = sm_scale * LOG2E  # scores go straight into base 2: exp(x * scale) = exp2(x * qk_scale)
-    else:
-        qk_scale = sm_scale
 
-    if SKIP_MASKED:
-        # Stage 1, unmasked: K/V blocks that every row of this Q block sees entirely.
-        # Stage 2, masked: the causal diagonal blocks and the ragged last block; blocks wholly above
-        # the diagonal (j > i + OFFSET for every pair) are never loaded.
-        lo, mid, hi = kv_block_range(m_start, N_Q, N_K, OFFSET, 0, 1, CAUSAL, BLOCK_M, BLOCK_N)
-    else:
-        # The naive loop: every K/V block, every score masked (causal blocks above the diagonal too).
-        lo, mid, hi = 0, 0, N_K
+    # Stage 1, unmasked: K/V blocks that every row of this Q block sees entirely.
+    # Stage 2, masked: the causal diagonal blocks and the ragged last block; blocks wholly above
+    # the diagonal (j > i + OFFSET for every pair) are never loaded.
+    lo, mid, hi = KV_RANGE(m_start, N_Q, N_K, OFFSET, 0, 1, CAUSAL, BLOCK_M, BLOCK_N)
     acc, l_i, m_i = _fwd_inner(
         acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
-        offs_m, offs_n, offs_d, lo, mid, N_K, OFFSET, qk_scale,
-        False, CAUSAL, EXP2, HEAD_DIM, BLOCK_D, BLOCK_N, UPCAST, DOT_PRECISION, ACC_DTYPE,
+        offs_m, offs_n, offs_d, lo, mid, N_K, OFFSET, sm_scale,
+        False, CAUSAL, SOFTMAX_STEP, HEAD_DIM, BLOCK_D, BLOCK_N, UPCAST, DOT_PRECISION, ACC_DTYPE,
     )  # fmt: skip
     acc, l_i, m_i = _fwd_inner(
         acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
-        offs_m, offs_n, offs_d, mid, hi, N_K, OFFSET, qk_scale,
-        True, CAUSAL, EXP2, HEAD_DIM, BLOCK_D, BLOCK_N, UPCAST, DOT_PRECISION, ACC_DTYPE,
+        offs_m, offs_n, offs_d, mid, hi, N_K, OFFSET, sm_scale,
+        True, CAUSAL, SOFTMAX_STEP, HEAD_DIM, BLOCK_D, BLOCK_N, UPCAST, DOT_PRECISION, ACC_DTYPE,
     )  # fmt: skip
 
     # O = acc / l: registers -> HBM, BLOCK_M * d elements. A row that saw no key (l = 0: possible with
@@ -222,16 +232,13 @@ def _fwd_kernel(
     o_ptrs = o_base + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od
     tl.store(o_ptrs, acc.to(O.dtype.element_ty), mask=q_mask)
     # L = logsumexp of the scaled scores, natural-log units: BLOCK_M floats to HBM.
-    if EXP2:
-        lse = (m_i + tl.math.log2(l_safe)) * LN2
-    else:
-        lse = m_i + tl.log(l_safe)
-    lse = tl.where(seen, lse, float("-inf"))
+    lse = tl.where(seen, LOGSUMEXP(m_i, l_safe), float("-inf"))
     l_ptrs = L + off_b * stride_lb + off_h * stride_lh + offs_m * stride_lm
     tl.store(l_ptrs, lse.to(L.dtype.element_ty), mask=offs_m < N_Q)
 
 
-_fwd_tuned = make_tuner(_fwd_kernel, FORWARD, key=["N_BUCKET", "HEAD_DIM", "CAUSAL", "EXP2", "SKIP_MASKED"])
+_fwd_tuned = make_tuner(_fwd_kernel, FORWARD, key=["N_BUCKET", "HEAD_DIM", "CAUSAL"])
+_HOOKS = ("SOFTMAX_STEP", "LOGSUMEXP", "KV_RANGE")  # the kernel's function arguments (teaching variants)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -252,14 +259,16 @@ def forward(q, k, v, causal=False, scale: float | None = None, config: dict | No
       BLOCK_M, BLOCK_N   query rows per program, key rows per loop step (powers of two >= 16)
       num_warps, num_stages   warps per program, software-pipelining depth of the K/V loads
       exp2 (bool, default True)   False: tl.exp on scores multiplied by the scale separately
+          (`teaching.softmax_step_natural` in place of `softmax_step`)
       skip_masked_blocks (bool, default True)   False: every K/V block is loaded and masked, as a
-          naive kernel would; True: causal blocks above the diagonal are skipped and only the
-          diagonal (and ragged last) blocks pay for masking.
+          naive kernel would (`teaching.every_kv_block`); True: causal blocks above the diagonal
+          are skipped and only the diagonal (and ragged last) blocks pay for masking.
       hopper (bool, default True)   on a Hopper GPU, with the default launch and the other switches
           at their defaults, run FlashAttention-3's warp-specialised Gluon kernel (`hopper.py`) for
           contiguous 16-bit inputs with d in {64, 128} where it is faster; False: always Triton.
-    Giving any of the four launch keys fixes the launch (the others take defaults); config=None (or
-    only switches) uses the default choice (`launch.py`)."""
+    Giving any of the four launch keys, or exp2=False or skip_masked_blocks=False, fixes the launch
+    (the other launch keys take defaults); config=None (or only hopper) uses the default choice
+    (`launch.py`)."""
     check_inputs(q, k, v, where="attention.forward")
     alignment = causal_alignment(causal)
     scale = default_scale(q.shape[-1], scale)
@@ -285,21 +294,16 @@ def _forward(q, k, v, alignment, scale, launch_cfg, switches):
         H, kv_group(q4, k4), n_q, n_k, offset, bucket,
     )  # fmt: skip
     meta = dict(
-        CAUSAL=causal,
-        HEAD_DIM=d,
-        BLOCK_D=max(16, triton.next_power_of_2(d)),
-        EXP2=switches["EXP2"],
-        SKIP_MASKED=switches["SKIP_MASKED"],
-        **kernel_flags(q.dtype),
+        CAUSAL=causal, HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)), **kernel_flags(q.dtype)
     )
+    hooks = teaching_hooks(switches, _HOOKS)  # {} unless a ladder rung asks for a teaching variant
     with cuda_device(q):
-        if launch_cfg is None and _try_hopper(q4, k4, v4, o4, l3, causal, offset, scale, switches):
+        if launch_cfg is None and _try_hopper(q4, k4, v4, o4, l3, causal, offset, scale, switches, hooks):
             return o, lse
-        if launch_cfg is None:
-            shape = (bucket, d, causal, q.dtype, switches["EXP2"], switches["SKIP_MASKED"])
+        if launch_cfg is None:  # the production kernel (teaching variants always come with a fixed launch)
             grid = lambda c: (triton.cdiv(n_q, c.block_m) * B * H,)
-            launch(_fwd_kernel, _fwd_tuned, FORWARD, grid, args, meta, shape)
+            launch(_fwd_kernel, _fwd_tuned, FORWARD, grid, args, meta, (bucket, d, causal, q.dtype))
         else:
             grid = (triton.cdiv(n_q, launch_cfg["BLOCK_M"]) * B * H,)
-            _fwd_kernel[grid](*args, **meta, **launch_cfg)
+            _fwd_kernel[grid](*args, **meta, **hooks, **launch_cfg)
     return o, lse
