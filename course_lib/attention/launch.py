@@ -5,7 +5,12 @@ class, so the first call of a new shape costs one compilation per kernel, not on
 
 1. a choice recorded for this GPU in `tuned/<gpu>.json` (`make bench` autotunes the benchmark grid and
    records what the autotuner picked, so later processes on that GPU launch the same kernels);
-2. otherwise `configs.<KERNEL>.choose(...)`, the rule the sweeps on an H200 found.
+2. for a grouped-query shape of the dK/dV kernel with no choice of its own, the one recorded for the
+   same shape with one query head per K/V head (group 1);
+3. otherwise `configs.<KERNEL>.choose(...)`, the rule the sweeps on an H200 found.
+
+Only the production kernels come here: the ladder's teaching variants (`teaching.py`) always run with
+a fixed launch, so neither a shape class nor the record knows of them.
 
 With `COURSE_AUTOTUNE=1` in the environment, a shape class seen for the first time is autotuned over
 the kernel's candidates (each compiled and timed: seconds per kernel) and the choice is added to the
@@ -114,12 +119,14 @@ _SEEN: set = set()  # (kernel table, shape class) compiled, compiling or launche
 
 def chosen(table: KernelConfigs, shape: tuple) -> Launch | None:
     """The launch this process uses for a shape class: the one it chose before, else the one recorded for
-    this GPU, else the table's rule; None when COURSE_AUTOTUNE=1 is to choose it (first use only).
-    shape = (n_bucket, d, causal, dtype, *switches): what the choice may depend on."""
+    this GPU, else (dK/dV, grouped-query) the one recorded for group 1, else the table's rule; None when
+    COURSE_AUTOTUNE=1 is to choose it (first use only). shape = (n_bucket, d, causal, dtype), and for
+    the dK/dV kernel (n_bucket, d, causal, dtype, atomic, group): what the choice may depend on."""
     config = _CHOSEN.get((table.name, shape))
     if config is None:
         n, d, causal, dtype = shape[:4]
-        recorded = tuned_record().get(table.name, {}).get(shape_key(shape))
+        record = tuned_record().get(table.name, {})
+        recorded = record.get(shape_key(shape))
         if (
             recorded is None
             and autotune_enabled()
@@ -127,13 +134,17 @@ def chosen(table: KernelConfigs, shape: tuple) -> Launch | None:
             and d <= 128
         ):
             return None
+        if recorded is None and table.name == "dkdv" and shape[-1] != 1:
+            # grouped-query: the multi-head choice of the same shape is a better start than the rule
+            recorded = record.get(shape_key(shape[:-1] + (1,)))
         config = Launch(*recorded) if recorded else table.choose(d, causal, n, dtype, runtime.INTERPRET)
         _CHOSEN[(table.name, shape)] = config
     return config
 
 
 def shape_key(shape: tuple) -> str:
-    """A shape class as the text key of the GPU's record: "4096/128/True/bfloat16/True/True"."""
+    """A shape class as the text key of the GPU's record: "4096/128/True/bfloat16" (dK/dV kernel:
+    "4096/128/True/bfloat16/False/1", atomic dQ and group size appended)."""
     return "/".join(map(str, shape)).replace("torch.", "")
 
 
