@@ -5,6 +5,11 @@ is compiled from scratch, as on a new machine. Times the first forward and the f
 shape, then the first forward+backward of a second shape in the same process (new shape class, kernels
 already compiled for the first), and SDPA's first call for comparison.
 
+PyTorch's own one-time costs are measured apart, before the timed calls, and reported as
+`pytorch_first_backward_s`: the first autograd backward of a process imports sympy (through
+torch.fx.experimental.symbolic_shapes), which takes seconds where the installed packages have no bytecode
+cache. Every provider pays it once per process, whatever its kernels; it is not a cost of a new shape.
+
     COURSE_DEVICE=cuda python3 scripts/first_call.py [--out file.json]
 """
 
@@ -23,6 +28,10 @@ import torch
 import course_lib
 from course_lib import flash_attention
 provider = sys.argv[1]
+t0 = time.perf_counter()
+x = torch.ones(2, requires_grad=True)
+(x * 2).sum().backward()  # PyTorch's first backward of the process: its lazy imports, no kernel of ours
+first_backward = time.perf_counter() - t0
 
 def one(shape, causal):
     B, H, N, d = shape
@@ -36,7 +45,8 @@ def one(shape, causal):
 
 fwd, bwd = one((4, 16, 4096, 128), True)
 fwd2, bwd2 = one((2, 16, 2048, 64), False)
-print(json.dumps({"provider": provider, "first_fwd_s": fwd, "first_bwd_s": bwd, "second_shape_fwd_bwd_s": fwd2 + bwd2}))
+print(json.dumps({"provider": provider, "pytorch_first_backward_s": first_backward, "first_fwd_s": fwd,
+                  "first_bwd_s": bwd, "first_fwd_bwd_s": fwd + bwd, "second_shape_fwd_bwd_s": fwd2 + bwd2}))
 """
 
 
