@@ -397,6 +397,10 @@ else:
 # notebooks 06 and 07 to the finished ones, one change at a time, through the `config=` switches of
 # `forward.forward` and `backward.backward` (`"exp2"`, `"skip_masked_blocks"`, `BLOCK_M`, `BLOCK_N`,
 # `num_warps`, `num_stages`; `config=None` is the tuned kernel) and the backward's work split `dq_mode`.
+# Every rung runs the same production kernels: `"exp2": False` and `"skip_masked_blocks": False` hand them
+# the teaching variants of `course_lib/attention/teaching.py` (a softmax step with natural exponentials, a
+# block range that visits and masks every tile) in place of the fast pieces, which the kernels take as
+# function arguments, so two neighbouring rungs differ by that one piece.
 # The forward's last rung leaves Triton's programming model: on a Hopper GPU, `config=None` runs a
 # warp-specialised kernel written in Gluon (`course_lib/attention/hopper.py`; the optional appendix
 # notebook 08c explains it), and `{"hopper": False}` keeps the autotuned Triton kernel (on other GPUs and

@@ -1,7 +1,10 @@
 """The optimisation ladder: from notebook 06/07's straightforward kernels to course_lib's tuned ones, one
 change per rung, each with the gain predicted from bytes and FLOPs before it is measured.
 
-Taught in notebook 08 (measured by `make bench`).
+Taught in notebook 08 (measured by `make bench`). Every rung runs course_lib's production kernels
+through `config=`; the first rungs' `exp2=False` and `skip_masked_blocks=False` swap in the teaching
+variants of `course_lib/attention/teaching.py` (natural exponentials; every block visited and masked),
+which the kernels take as function arguments, so a rung differs from the next by that piece alone.
 """
 
 from __future__ import annotations
