@@ -159,7 +159,8 @@ torch.testing.assert_close(y_simple, llama_rms_norm(x, w), rtol=2e-2, atol=2e-2)
 # %% [markdown]
 # `course_lib.fused.rms_norm` is this kernel plus what a library needs: any leading dims and strides, a
 # weight of another dtype (the output takes the promoted dtype, as in PyTorch), float64 for `gradcheck`,
-# warps scaled with the row length, clear errors, and the autograd Function that calls the backward.
+# launch sizes measured per row length (several short rows per program, warps: `course_lib.fused.launch`),
+# clear errors, and the autograd Function that calls the backward.
 #
 # ## 3. The backward: dX per row, dW across rows
 #
@@ -327,8 +328,8 @@ torch.testing.assert_close(q_complex, q_rot, rtol=1e-5, atol=max(1e-5, angle_err
 # %% [markdown]
 # ## 5. The fused kernel: q and k in one pass
 #
-# `course_lib.fused.rope` launches one program per token. The program loads the token's row of cos and sin
-# once and rotates every head of q **and** every head of k with it, each as a (heads × d/2) tile for the first
+# `course_lib.fused.rope` launches one program per token (or a few tokens, `launch.ROPE`). The program loads
+# each token's row of cos and sin once and rotates every head of q **and** every head of k with it, each as a (heads × d/2) tile for the first
 # elements of the pairs and one for the second. Bytes that must move: read q, k and one cos and sin row per
 # token, write q' and k'; eager PyTorch moves each of q and k about five times (multiply, rotate_half's
 # slices and concatenation, multiply, add).

@@ -264,10 +264,13 @@ def test_launch_tables_and_overrides():
     from course_lib.fused import launch
     from course_lib.fused.rms_norm import rms_norm_forward
 
-    for table in (launch.WARPS, launch.FWD_ROWS, launch.BWD_ROWS, launch.PROGRAMS_PER_SM, launch.ROPE_TOKENS):
+    for table in (launch.WARPS, launch.RMS_FORWARD, launch.RMS_BACKWARD, launch.ROPE):
         bounds = [bound for bound, _ in table]
         assert bounds == sorted(bounds) and bounds[-1] == launch.MAX_ROW, table
-        assert all(v >= 1 and v & (v - 1) == 0 for _, v in table), table
+        values = [v for _, entry in table for v in (entry if isinstance(entry, tuple) else (entry,))]
+        assert all(v >= 1 and v & (v - 1) == 0 for v in values), table
+    assert launch.rms_forward(2048) == launch.RowLaunch(rows=1, warps=4)
+    assert launch.rms_backward(3000).programs_per_sm == 2  # rows of 3000 elements: BLOCK_D 4096's entry
     assert launch.persistent_programs(100, 1024, torch.device("cpu"), per_sm=3) == 3
     assert launch.persistent_programs(2, 1024, torch.device("cpu")) == 2
     with pytest.raises(ValueError, match="power of two"):

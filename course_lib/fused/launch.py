@@ -5,17 +5,16 @@ registers than it needs. The named tables below are the one place where launch s
 kernel's host function reads them through the helpers and also takes the value as a keyword argument,
 so a sweep (`exp/fused_sweep.py` style) can try other settings without editing the tables.
 
-- `WARPS`: threads per program for a tile of `block` elements (more warps for bigger tiles, so that each
-  thread holds a few 16-byte vectors, not dozens);
-- `FWD_ROWS`: rows per program of the RMSNorm forward, by row length: short rows are grouped into one
-  (ROWS, BLOCK_D) tile, so that a program still moves a few kilobytes;
-- `BWD_ROWS`: rows per loop iteration of the RMSNorm backward, a (ROWS, BLOCK_D) tile of x and dy loaded
-  together: more bytes in flight per program than one row at a time;
-- `PROGRAMS_PER_SM`: how many programs the persistent RMSNorm backward launches per streaming
-  multiprocessor (SM); each program writes one row of dW partial sums;
+- `WARPS`: threads per program for a tile of `block` elements where no measured setting applies (more
+  warps for bigger tiles, so that each thread holds a few 16-byte vectors, not dozens);
+- `RMS_FORWARD`: rows per program and warps of the RMSNorm forward, by row length (BLOCK_D);
+- `RMS_BACKWARD`: rows per loop iteration, programs per streaming multiprocessor (SM) and warps of the
+  persistent RMSNorm backward, by row length; each program writes one row of dW partial sums;
 - `COLUMN_SUM`: the tile of the Triton column-sum kernel that adds the (P, D) dW partial sums;
-- `ROPE_TOKENS`: tokens per RoPE program, by the size of one token's q tile.
-The values are first guesses from the sizes involved, to be replaced by the measured best settings.
+- `ROPE`: tokens per RoPE program and warps, by the size of one token's q tile.
+The entries for rows of 2048-8192 elements and the RoPE tile of 32 heads x 64 pairs are the fastest of a
+sweep on an H200 (bf16, T = 4k-64k tokens, every setting timed as a CUDA-graph replay); the others are
+first guesses from the sizes involved.
 """
 
 from __future__ import annotations
@@ -33,12 +32,46 @@ MAX_ROW = 1 << 16
 # tile (elements, a power of two) -> warps per program; the first entry whose bound is >= tile wins.
 WARPS = ((1024, 4), (4096, 8), (16384, 16), (MAX_ROW, 32))
 
-# BLOCK_D -> rows per program (forward) / rows per loop iteration (backward); tiles of >= 4k elements.
-FWD_ROWS = ((1024, 4), (2048, 2), (MAX_ROW, 1))
-BWD_ROWS = ((1024, 8), (2048, 4), (4096, 2), (MAX_ROW, 1))
 
-# BLOCK_D -> programs per SM for the persistent backward: short rows leave room for more programs per SM.
-PROGRAMS_PER_SM = ((2048, 4), (8192, 2), (MAX_ROW, 1))
+class RowLaunch(NamedTuple):
+    """RMSNorm forward: rows per program (a (rows, BLOCK_D) tile) and warps."""
+
+    rows: int
+    warps: int
+
+
+class BackwardLaunch(NamedTuple):
+    """RMSNorm backward: rows per loop iteration, programs per SM, warps."""
+
+    rows: int
+    programs_per_sm: int
+    warps: int
+
+
+class RopeLaunch(NamedTuple):
+    """RoPE: tokens per program and warps."""
+
+    tokens: int
+    warps: int
+
+
+# BLOCK_D -> launch; the first entry whose bound is >= BLOCK_D wins.
+RMS_FORWARD = (
+    (1024, RowLaunch(rows=4, warps=8)),
+    (2048, RowLaunch(rows=1, warps=4)),  # measured
+    (4096, RowLaunch(rows=4, warps=16)),  # measured
+    (8192, RowLaunch(rows=2, warps=4)),  # measured
+    (16384, RowLaunch(rows=1, warps=16)),
+    (MAX_ROW, RowLaunch(rows=1, warps=32)),
+)
+RMS_BACKWARD = (
+    (1024, BackwardLaunch(rows=8, programs_per_sm=4, warps=16)),
+    (2048, BackwardLaunch(rows=1, programs_per_sm=4, warps=8)),  # measured
+    (4096, BackwardLaunch(rows=1, programs_per_sm=2, warps=8)),  # measured
+    (8192, BackwardLaunch(rows=1, programs_per_sm=1, warps=16)),  # measured
+    (16384, BackwardLaunch(rows=1, programs_per_sm=1, warps=16)),
+    (MAX_ROW, BackwardLaunch(rows=1, programs_per_sm=1, warps=32)),
+)
 
 
 class ColumnSumTile(NamedTuple):
@@ -49,16 +82,20 @@ class ColumnSumTile(NamedTuple):
     warps: int
 
 
-COLUMN_SUM = ColumnSumTile(block_r=32, block_c=64, warps=4)
+COLUMN_SUM = ColumnSumTile(block_r=64, block_c=32, warps=4)  # measured
 
-# BLOCK_HQ * BLOCK_PAIRS (one token's q tile, pairs) -> tokens per RoPE program.
-ROPE_TOKENS = ((512, 8), (2048, 2), (MAX_ROW, 1))
+# BLOCK_HQ * BLOCK_PAIRS (one token's q tile, pairs) -> RoPE launch.
+ROPE = (
+    (512, RopeLaunch(tokens=4, warps=4)),
+    (2048, RopeLaunch(tokens=1, warps=4)),  # measured: 32 heads x 64 pairs
+    (MAX_ROW, RopeLaunch(tokens=1, warps=8)),
+)
 
 # Under the interpreter programs run one after another: few programs keep the loop visible and cheap.
 INTERPRETER_PROGRAMS = 4
 
 
-def _lookup(table: tuple[tuple[int, int], ...], block: int) -> int:
+def _lookup(table: tuple, block: int):
     for bound, value in table:
         if block <= bound:
             return value
@@ -70,19 +107,19 @@ def num_warps(block: int) -> int:
     return _lookup(WARPS, block)
 
 
-def fwd_rows(block: int) -> int:
-    """Rows per program of the RMSNorm forward for rows of BLOCK_D = `block` (see `FWD_ROWS`)."""
-    return _lookup(FWD_ROWS, block)
+def rms_forward(block: int) -> RowLaunch:
+    """The RMSNorm forward's launch for rows of BLOCK_D = `block` (see `RMS_FORWARD`)."""
+    return _lookup(RMS_FORWARD, block)
 
 
-def bwd_rows(block: int) -> int:
-    """Rows per loop iteration of the RMSNorm backward for BLOCK_D = `block` (see `BWD_ROWS`)."""
-    return _lookup(BWD_ROWS, block)
+def rms_backward(block: int) -> BackwardLaunch:
+    """The RMSNorm backward's launch for rows of BLOCK_D = `block` (see `RMS_BACKWARD`)."""
+    return _lookup(RMS_BACKWARD, block)
 
 
-def rope_tokens(token_tile: int) -> int:
-    """Tokens per RoPE program when one token's q tile has `token_tile` pairs (see `ROPE_TOKENS`)."""
-    return _lookup(ROPE_TOKENS, token_tile)
+def rope(token_tile: int) -> RopeLaunch:
+    """The RoPE launch when one token's q tile has `token_tile` pairs (see `ROPE`)."""
+    return _lookup(ROPE, token_tile)
 
 
 @functools.lru_cache(maxsize=8)
@@ -93,12 +130,12 @@ def sm_count(device: torch.device) -> int:
 
 def persistent_programs(n_rows: int, block: int, device: torch.device, per_sm: int | None = None) -> int:
     """Programs for a kernel that loops over `n_rows` rows of `block` elements: `per_sm` per SM on a
-    GPU (default from `PROGRAMS_PER_SM`); under the interpreter the CPU counts as one SM, with
+    GPU (default from `RMS_BACKWARD`); under the interpreter the CPU counts as one SM, with
     `INTERPRETER_PROGRAMS` programs by default. Never more than the rows."""
     if runtime.INTERPRET or device.type != "cuda":
         wanted = per_sm or INTERPRETER_PROGRAMS
     else:
-        wanted = sm_count(device) * (per_sm or _lookup(PROGRAMS_PER_SM, block))
+        wanted = sm_count(device) * (per_sm or rms_backward(block).programs_per_sm)
     return max(1, min(n_rows, wanted))
 
 

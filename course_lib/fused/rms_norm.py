@@ -10,7 +10,7 @@ in float32, the normalised row x_hat = x * rstd is cast back to x's dtype, and o
 weight (in the promoted dtype of x and w, which is also the output's dtype). float64 inputs are computed
 in float64 (for `torch.autograd.gradcheck`).
 
-Forward: one program per ROWS rows (`launch.FWD_ROWS`: several short rows per program, one long one).
+Forward: one program per ROWS rows (`launch.RMS_FORWARD`: several short rows per program, one long one).
 The (ROWS, D) tile goes HBM -> registers once; the sums of squares, rstd and y are computed there; y goes
 back to HBM once, and rstd (one float32 per row) is saved for the backward.
 Bytes that must move: read x and w, write y and rstd.
@@ -21,7 +21,7 @@ Backward, with g = dy * w and x_hat = x * rstd (float32):
     dw = sum over all rows of dy * x_hat                  a reduction across every program
 
 dx is per row; dw needs every row. The backward is a persistent kernel: a few programs per SM
-(`launch.PROGRAMS_PER_SM`), each looping over tiles of ROWS rows (`launch.BWD_ROWS`; row tiles pid,
+(`launch.RMS_BACKWARD`), each looping over tiles of ROWS rows (same table; row tiles pid,
 pid + P, pid + 2P, ...; x and dy of a whole tile are loaded at once, so more bytes are in flight) and
 summing its rows' dy * x_hat in registers. What each program does with its sum at the end is the
 `dw_mode` (notebook 11 compares them):
@@ -195,8 +195,8 @@ def rms_norm_forward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The forward kernel alone: returns (y (..., D) in promote(x, w) dtype, rstd (rows,) float32/64).
 
-    `rows` (rows per program, a power of two) and `warps` default to `launch.fwd_rows` and
-    `launch.num_warps` of the tile; pass them to try other launch settings."""
+    `rows` (rows per program, a power of two) and `warps` default to `launch.rms_forward`; pass them to
+    try other launch settings."""
     x2 = _rows(x)
     n_rows, n_cols = x2.shape
     out_dtype = torch.promote_types(x.dtype, weight.dtype)
@@ -204,10 +204,11 @@ def rms_norm_forward(
     rstd = torch.empty(n_rows, device=x.device, dtype=accumulator_dtype(x.dtype))
     if n_rows:
         block = triton.next_power_of_2(n_cols)
-        rows = _power_of_two("rows", rows or launch.fwd_rows(block))
+        setting = launch.rms_forward(block)
+        rows = _power_of_two("rows", rows or setting.rows)
         rms_norm_fwd_kernel[(triton.cdiv(n_rows, rows),)](
             x2, weight, y, rstd, n_rows, n_cols, x2.stride(0), y.stride(0), eps,
-            BLOCK_D=block, ROWS=rows, num_warps=warps or launch.num_warps(rows * block),
+            BLOCK_D=block, ROWS=rows, num_warps=warps or setting.warps,
         )  # fmt: skip
     return y.reshape(x.shape), rstd
 
@@ -245,8 +246,8 @@ def rms_norm_backward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The backward kernel and the dW reduction: returns (dx like x, dw like weight).
 
-    Launch settings, defaults from the tables of `launch`: `rows` per loop step (`launch.bwd_rows`),
-    `programs_per_sm` (`launch.PROGRAMS_PER_SM`), `warps` (`launch.num_warps` of the tile); `dw_sum`
+    Launch settings, defaults from `launch.rms_backward`: `rows` per loop step, `programs_per_sm`,
+    `warps`; `dw_sum`
     picks the second reduction of the partial rows ("triton": `column_sum`, tile `column_tile`; "torch":
     `sum(dim=0)`)."""
     if dw_sum not in DW_SUMS:
@@ -258,7 +259,8 @@ def rms_norm_backward(
     if n_rows == 0:
         return dx.reshape(x.shape), torch.zeros_like(weight)
     block = triton.next_power_of_2(n_cols)
-    rows = _power_of_two("rows", rows or launch.bwd_rows(block))
+    setting = launch.rms_backward(block)
+    rows = _power_of_two("rows", rows or setting.rows)
     n_programs = launch.persistent_programs(triton.cdiv(n_rows, rows), block, x.device, programs_per_sm)
     n_buffers = {"partials": n_programs, "atomics": 1, "locked": min(LOCKED_BUFFERS, n_programs)}[dw_mode]
     empty_or_zeros = torch.empty if dw_mode == "partials" else torch.zeros
@@ -267,7 +269,7 @@ def rms_norm_backward(
     rms_norm_bwd_kernel[(n_programs,)](
         dy2, x2, weight, rstd, dx, dw_buffer, locks,
         n_rows, n_cols, dy2.stride(0), x2.stride(0), dx.stride(0), n_buffers,
-        BLOCK_D=block, ROWS=rows, DW_MODE=_MODE_ID[dw_mode], num_warps=warps or launch.num_warps(rows * block),
+        BLOCK_D=block, ROWS=rows, DW_MODE=_MODE_ID[dw_mode], num_warps=warps or setting.warps,
     )  # fmt: skip
     if dw_sum == "triton":  # the second reduction (P or G rows), and the cast to w's dtype, in one kernel
         dw = column_sum(dw_buffer, weight.dtype, column_tile)

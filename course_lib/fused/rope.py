@@ -18,7 +18,7 @@ written twice, `cat(freqs, freqs)` as in Hugging Face; for "interleaved", each f
 Token t of batch b reads the row `positions[b, t]` of the cache: positions 0..T-1 by default, p..p+T-1
 for an integer offset p (new tokens appended to a KV cache), or any (T,) or (B, T) tensor.
 
-The kernel: one program per TOKENS tokens of one batch row (`launch.ROPE_TOKENS`). It loads the tokens'
+The kernel: one program per TOKENS tokens of one batch row (`launch.ROPE`). It loads the tokens'
 cos and sin rows once (HBM -> registers, 2 d elements per token) and rotates all Hq heads of q and all Hk
 heads of k with them (a tokens x heads x d/2 tile for each half of the pairs, in registers), writing q'
 and k' once. Bytes that must move: read q, k, cos, sin;
@@ -165,8 +165,8 @@ def rotate(
     """The kernel alone, on checked 4-D q, k, 3-D cos, sin and (1 or B, T) positions; outputs keep the
     inputs' strides where they are dense. `backward=True` rotates by the negative angles.
 
-    Launch settings: `tokens` per program (a power of two, default `launch.rope_tokens`) and `warps`
-    (default `launch.num_warps` of the tile); pass them to try other settings."""
+    Launch settings: `tokens` per program (a power of two) and `warps`, defaults from `launch.rope`;
+    pass them to try other settings."""
     q_out, k_out = torch.empty_like(q), torch.empty_like(k)
     n_batch, n_q_heads, n_tokens, d = q.shape
     if q.numel() == 0 and k.numel() == 0:
@@ -176,7 +176,8 @@ def rotate(
     stride_pb = positions.stride(0) if positions.shape[0] > 1 else 0
     block_pairs = triton.next_power_of_2(n_pairs)
     block_hq, block_hk = triton.next_power_of_2(max(n_q_heads, 1)), triton.next_power_of_2(max(k.shape[1], 1))
-    tokens = tokens or launch.rope_tokens(block_hq * block_pairs)
+    setting = launch.rope(block_hq * block_pairs)
+    tokens = tokens or setting.tokens
     if tokens < 1 or tokens & (tokens - 1):
         raise ValueError(f"rope: tokens per program must be a power of two >= 1, got {tokens}")
     n_token_tiles = triton.cdiv(n_tokens, tokens)
@@ -189,7 +190,7 @@ def rotate(
         INTERLEAVED=interleaved, BACKWARD=backward, TOKENS=tokens,
         BLOCK_HQ=block_hq, BLOCK_HK=block_hk, BLOCK_PAIRS=block_pairs,
         ACC_64=accumulator_dtype(q.dtype) == torch.float64,
-        num_warps=warps or launch.num_warps(tokens * max(block_hq, block_hk) * block_pairs),
+        num_warps=warps or setting.warps,
     )  # fmt: skip
     return q_out, k_out
 
