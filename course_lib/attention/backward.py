@@ -150,16 +150,20 @@ def _dkdv_kernel(
     stride_dkb, stride_dkh, stride_dkn, stride_dkd,
     stride_dvb, stride_dvh, stride_dvn, stride_dvd,
     H, N_Q, N_K, OFFSET, N_BUCKET,
-    GROUP: tl.constexpr, CAUSAL: tl.constexpr, ATOMIC: tl.constexpr,
+    GROUP: tl.constexpr, SHARE: tl.constexpr, CAUSAL: tl.constexpr, ATOMIC: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, ACC_DTYPE: tl.constexpr,
     PROBABILITIES: tl.constexpr = probabilities, Q_RANGE: tl.constexpr = q_block_range,
 ):  # fmt: skip
-    """dK, dV for one block of BLOCK_N key rows of one (batch, K/V head), summed over the GROUP query
-    heads that share it; with ATOMIC also dQ (added). Grid: (cdiv(N_K, BLOCK_N) * B * H_KV,).
-    PROBABILITIES, Q_RANGE: how P is rebuilt, which query blocks are visited (`teaching.py` has the
-    ladder's variants)."""
-    off_b, off_kh, n_start = program_block(N_K, H // GROUP, BLOCK_N, False)  # causal: early keys, most work
+    """dK, dV for one block of BLOCK_N key rows, summed over GROUP query heads; with ATOMIC also dQ
+    (added). Grid: (cdiv(N_K, BLOCK_N) * B * H // GROUP,): program head ph covers query heads
+    ph * GROUP ... ph * GROUP + GROUP - 1, reads K/V head ph // SHARE and writes DK, DV head ph.
+    SHARE = 1: DK, DV are dK, dV (a program sums every query head of its K/V head). SHARE > 1 (grouped-
+    query attention split over SHARE programs per K/V head): DK, DV hold H // GROUP partial sums, which
+    the caller adds up. PROBABILITIES, Q_RANGE: how P is rebuilt, which query blocks are visited
+    (`teaching.py` has the ladder's variants)."""
+    off_b, off_ph, n_start = program_block(N_K, H // GROUP, BLOCK_N, False)  # causal: early keys, most work
+    off_kh = off_ph // SHARE
     offs_n = n_start + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -195,7 +199,7 @@ def _dkdv_kernel(
     # last block would otherwise add exp(-L) * (dP - D) * 0 terms to dQ, NaN when L << 0).
     lo, mid, hi = Q_RANGE(n_start, N_Q, OFFSET, CAUSAL, BLOCK_M, BLOCK_N)
     for g in tl.static_range(GROUP):  # unrolled: with GROUP = 1 this is the multi-head kernel as it was
-        off_h = off_kh * GROUP + g
+        off_h = off_ph * GROUP + g
         q_base = Q + off_b * stride_qb + off_h * stride_qh
         do_base = DO + off_b * stride_dob + off_h * stride_doh
         l_base = L + off_b * stride_lb + off_h * stride_lh
@@ -219,14 +223,14 @@ def _dkdv_kernel(
     dk_ptrs = (
         DK
         + off_b * stride_dkb
-        + off_kh * stride_dkh
+        + off_ph * stride_dkh
         + offs_n[:, None] * stride_dkn
         + offs_d[None, :] * stride_dkd
     )
     dv_ptrs = (
         DV
         + off_b * stride_dvb
-        + off_kh * stride_dvh
+        + off_ph * stride_dvh
         + offs_n[:, None] * stride_dvn
         + offs_d[None, :] * stride_dvd
     )
@@ -409,6 +413,17 @@ def backward(
     return _backward(do, q, k, v, o, L, alignment, scale, launch_cfg, switches, dq_mode)
 
 
+def dkdv_heads_per_program(group: int, causal: bool) -> int:
+    """How many of the `group` query heads that share a K/V head one dK/dV program sums on chip.
+
+    All of them (one program per K/V head and key block) without a causal mask. With one, a program's
+    work shrinks with its key block's position, and the programs of grouped-query attention, each `group`
+    times longer, then balance worse over the SMs (measured on an H200: 0.88-0.96x the speed of the same
+    call on repeated K/V at d = 128). So causal attention gives each query head its own program, as on
+    repeated K/V, and adds the `group` partial dK, dV (fp32) afterwards: K/V are still read, not copied."""
+    return 1 if causal else group
+
+
 def _backward(do, q, k, v, o, L, alignment, scale, launch_cfg, switches, dq_mode, compile_only=False):
     """Launch the kernels on validated inputs (no checks here): dQ (with D) then dK/dV, or, atomic,
     the preprocessing then dK/dV with dQ.
@@ -432,6 +447,8 @@ def _backward(do, q, k, v, o, L, alignment, scale, launch_cfg, switches, dq_mode
     dk = torch.empty(k.shape, dtype=k.dtype, device=where)
     dv = torch.empty(v.shape, dtype=v.dtype, device=where)
     dk4, dv4 = as_4d(dk), as_4d(dv)
+    on_chip = dkdv_heads_per_program(group, alignment is not None)
+    share = group // on_chip  # dK/dV programs per K/V head
     acc_dtype = accumulator_dtype(q.dtype)
     delta = torch.empty((B * H, n_q), dtype=acc_dtype, device=where)  # D, contiguous
     atomic = dq_mode == "atomic"
@@ -453,14 +470,18 @@ def _backward(do, q, k, v, o, L, alignment, scale, launch_cfg, switches, dq_mode
     )  # fmt: skip
     q_meta = dict(common, FUSE_D=True)
     q_grid = lambda c: (triton.cdiv(n_q, c.block_m) * B * H,)
+    if share > 1:  # one partial dK, dV per program head (fp32), added up below
+        dk_out, dv_out = (torch.empty((B, H // on_chip, n_k, d), dtype=acc_dtype, device=where) for _ in "kv")
+    else:
+        dk_out, dv_out = dk4, dv4
     kv_args = (
-        q4, k4, v4, do4, l3, delta, dq_acc, dk4, dv4, scale,
+        q4, k4, v4, do4, l3, delta, dq_acc, dk_out, dv_out, scale,
         *strides4(q4), *strides4(k4), *strides4(v4), *strides4(do4), *l3.stride(),
-        *strides4(dq_acc), *strides4(dk4), *strides4(dv4), H, n_q, n_k, offset, bucket,
+        *strides4(dq_acc), *strides4(dk_out), *strides4(dv_out), H, n_q, n_k, offset, bucket,
     )  # fmt: skip
-    kv_meta = dict(common, ATOMIC=atomic, GROUP=group)
-    kv_grid = lambda c: (triton.cdiv(n_k, c.block_n) * B * H_kv,)
-    kv_shape = shape + (atomic, group)
+    kv_meta = dict(common, ATOMIC=atomic, GROUP=on_chip, SHARE=share)
+    kv_grid = lambda c: (triton.cdiv(n_k, c.block_n) * B * (H // on_chip),)
+    kv_shape = shape + (atomic, on_chip)
     kv_tuner = _dkdv_atomic_tuned if atomic else _dkdv_tuned
 
     with cuda_device(q):
@@ -490,10 +511,13 @@ def _backward(do, q, k, v, o, L, alignment, scale, launch_cfg, switches, dq_mode
             launch(_dkdv_kernel, kv_tuner, DKDV, kv_grid, kv_args, kv_meta, kv_shape)
         else:
             bm, bn = fixed.get("BLOCK_M1", fixed["BLOCK_M"]), fixed.get("BLOCK_N1", fixed["BLOCK_N"])
-            _dkdv_kernel[(triton.cdiv(n_k, bn) * B * H_kv,)](
+            _dkdv_kernel[(triton.cdiv(n_k, bn) * B * (H // on_chip),)](
                 *kv_args, **kv_meta, **teaching_hooks(switches, _DKDV_HOOKS), BLOCK_M=bm, BLOCK_N=bn,
                 num_warps=fixed["num_warps"], num_stages=fixed["num_stages"],
             )  # fmt: skip
+    if share > 1:  # grouped-query attention: each K/V head's dK, dV is the sum of its `share` partials
+        dk4.copy_(dk_out.view(B, H_kv, share, n_k, d).sum(2))
+        dv4.copy_(dv_out.view(B, H_kv, share, n_k, d).sum(2))
     if atomic:
         return dq_acc.to(q.dtype).view(q.shape), dk, dv
     return dq, dk, dv
