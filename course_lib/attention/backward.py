@@ -418,9 +418,11 @@ def dkdv_heads_per_program(group: int, causal: bool) -> int:
 
     All of them (one program per K/V head and key block) without a causal mask. With one, a program's
     work shrinks with its key block's position, and the programs of grouped-query attention, each `group`
-    times longer, then balance worse over the SMs (measured on an H200: 0.88-0.96x the speed of the same
-    call on repeated K/V at d = 128). So causal attention gives each query head its own program, as on
-    repeated K/V, and adds the `group` partial dK, dV (fp32) afterwards: K/V are still read, not copied."""
+    times longer, then balance worse over the SMs. So causal attention gives each query head its own
+    program, as on repeated K/V, and adds the `group` partial dK, dV (fp32) afterwards: K/V are still
+    read, not copied. Measured on an H200 (bf16, 4 query heads per K/V head, B x N = 16k tokens,
+    forward + backward against the same call on repeated K/V): causal d = 128 went from 0.90-0.95x to
+    1.01-1.02x for N = 2k-8k; at N = 1k both ways run at about 0.9x (adding the partials costs ~7 %)."""
     return 1 if causal else group
 
 
