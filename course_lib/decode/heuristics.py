@@ -14,7 +14,8 @@ slot per SM). A paged program must load a block-table entry before each K/V load
 pipeline cannot run far ahead of, so it needs more programs per SM to cover that wait: the paged tiles
 ask for 4 slots per SM, and at batch 1 the paged path splits about 4x finer than the contiguous one.
 Measured on an H200 (bf16, d = 128, 32/8 heads, CUDA-graph replays): with the contiguous kernel's own
-tile and splits the paged kernel ran at 0.55-0.7x its speed; with these it runs at 0.9-1.0x.
+tile and splits the paged kernel ran at 0.55-0.7x its speed; with these, 0.91-1.09x in the benchmark's
+cells except batch 1 at 8k tokens (0.84x: 64 splits of two blocks each).
 
 Every input is a shape (batch, heads, cache capacity), never a length's value: the choice, and so the
 grid, stays fixed for a batch shape, which CUDA-graph replay needs.
