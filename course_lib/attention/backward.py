@@ -38,9 +38,8 @@ import torch
 from .. import runtime
 from ..checks import accumulator_dtype, causal_alignment, causal_offset, default_scale, kv_group
 from ..runtime import tl, triton
-from .blocks import kv_block_range, load_rows, program_block, q_block_range, row_mask
+from .blocks import LOG2E, kv_block_range, load_rows, program_block, q_block_range, row_mask
 from .configs import DKDV, DQ, PREPROCESS_BLOCK_M, split_config, teaching_hooks
-from .forward import LOG2E
 from .inputs import as_4d, check_inputs, kernel_flags, strides4
 from .launch import compile_ahead, cuda_device, launch, make_tuner, n_bucket
 
@@ -56,11 +55,12 @@ def _load_lse(l_ptrs, mask):
 
 
 @triton.jit
-def probabilities(s, lse, sm_scale):
-    """P = exp(S * scale - L) for a tile of raw scores S = Q K^T and the forward's L (natural-log
-    units, shaped to broadcast against S), in base 2: exp2(S * scale * log2 e - L * log2 e), one
-    multiply-add and one ex2 per score. A masked score (-inf) gives P = 0."""
-    return tl.math.exp2(s * (sm_scale * LOG2E) - lse * LOG2E)
+def probabilities(s, lse2, qk_scale):
+    """P = exp(S * scale - L) for a tile of raw scores S = Q K^T, in base 2: exp2(S * qk_scale - L2)
+    with qk_scale = scale * log2 e and L2 = L * log2 e (the forward's L in base-2 units, shaped to
+    broadcast against S). The kernels convert L once per row, before it is broadcast: one multiply-add
+    and one ex2 per score. A masked score (-inf) gives P = 0."""
+    return tl.math.exp2(s * qk_scale - lse2)
 
 
 @triton.jit
@@ -99,7 +99,7 @@ def _dkdv_inner(
     dk, dv, k, v,  # accumulators and this program's K, V blocks (all on chip)
     q_base, do_base, l_base, d_base, dq_base,
     stride_qm, stride_qd, stride_dom, stride_dod, stride_lm, stride_dqm, stride_dqd,
-    offs_n, offs_m, offs_d, lo, hi, N_Q, N_K, offset, sm_scale,
+    offs_n, offs_m, offs_d, lo, hi, N_Q, N_K, offset, sm_scale, qk_scale,
     MASK: tl.constexpr, CAUSAL: tl.constexpr, PROBABILITIES: tl.constexpr, ATOMIC: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, ACC_DTYPE: tl.constexpr,
@@ -116,14 +116,14 @@ def _dkdv_inner(
         rows = start_m + offs_m
         # Q and dO blocks: HBM -> shared memory, 2 * BLOCK_M * d elements per step (coalesced rows).
         q = load_rows(q_ptrs + start_m * stride_qm, rows, N_Q, offs_d, HEAD_DIM, BLOCK_D, UPCAST)
-        lse = _load_lse(l_base + rows * stride_lm, rows < N_Q)  # L: BLOCK_M floats
+        lse2 = _load_lse(l_base + rows * stride_lm, rows < N_Q) * LOG2E  # L: BLOCK_M floats, base 2
         sT = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION, out_dtype=ACC_DTYPE)  # (BLOCK_N, BLOCK_M)
         if MASK:
             visible = offs_n[:, None] < N_K
             if CAUSAL:
                 visible = visible & (rows[None, :] + offset >= offs_n[:, None])
             sT = tl.where(visible, sT, float("-inf"))  # masked before exp: P^T = exactly 0 there
-        pT = PROBABILITIES(sT, lse[None, :], sm_scale)
+        pT = PROBABILITIES(sT, lse2[None, :], qk_scale)
         do = load_rows(do_ptrs + start_m * stride_dom, rows, N_Q, offs_d, HEAD_DIM, BLOCK_D, UPCAST)
         dv += tl.dot(pT.to(do.dtype), do, input_precision=DOT_PRECISION, out_dtype=ACC_DTYPE)
         delta = tl.load(d_base + rows, mask=rows < N_Q, other=0.0)  # D: BLOCK_M floats
@@ -198,6 +198,7 @@ def _dkdv_kernel(
     # the block: unmasked stage (masked in atomic mode too: the zero-filled keys past N_K of a ragged
     # last block would otherwise add exp(-L) * (dP - D) * 0 terms to dQ, NaN when L << 0).
     lo, mid, hi = Q_RANGE(n_start, N_Q, OFFSET, CAUSAL, BLOCK_M, BLOCK_N)
+    qk_scale = sm_scale * LOG2E  # P in base 2 (`probabilities`)
     for g in tl.static_range(GROUP):  # unrolled: with GROUP = 1 this is the multi-head kernel as it was
         off_h = off_ph * GROUP + g
         q_base = Q + off_b * stride_qb + off_h * stride_qh
@@ -208,13 +209,13 @@ def _dkdv_kernel(
         dk, dv = _dkdv_inner(
             dk, dv, k, v, q_base, do_base, l_base, d_base, dq_base,
             stride_qm, stride_qd, stride_dom, stride_dod, stride_lm, stride_dqm, stride_dqd,
-            offs_n, offs_m, offs_d, lo, mid, N_Q, N_K, OFFSET, sm_scale,
+            offs_n, offs_m, offs_d, lo, mid, N_Q, N_K, OFFSET, sm_scale, qk_scale,
             True, CAUSAL, PROBABILITIES, ATOMIC, HEAD_DIM, BLOCK_D, BLOCK_M, UPCAST, DOT_PRECISION, ACC_DTYPE,
         )  # fmt: skip
         dk, dv = _dkdv_inner(
             dk, dv, k, v, q_base, do_base, l_base, d_base, dq_base,
             stride_qm, stride_qd, stride_dom, stride_dod, stride_lm, stride_dqm, stride_dqd,
-            offs_n, offs_m, offs_d, mid, hi, N_Q, N_K, OFFSET, sm_scale,
+            offs_n, offs_m, offs_d, mid, hi, N_Q, N_K, OFFSET, sm_scale, qk_scale,
             ATOMIC, CAUSAL, PROBABILITIES, ATOMIC, HEAD_DIM, BLOCK_D, BLOCK_M, UPCAST, DOT_PRECISION, ACC_DTYPE,
         )  # fmt: skip
 
@@ -240,9 +241,9 @@ def _dkdv_kernel(
 
 @triton.jit
 def _dq_inner(
-    dq, q, do, lse, delta,  # dQ accumulator and this program's Q, dO, L, D (all on chip)
+    dq, q, do, lse2, delta,  # dQ accumulator and this program's Q, dO, L (base 2), D (all on chip)
     k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
-    offs_m, offs_n, offs_d, lo, hi, N_K, offset, sm_scale,
+    offs_m, offs_n, offs_d, lo, hi, N_K, offset, qk_scale,
     MASK: tl.constexpr, CAUSAL: tl.constexpr, PROBABILITIES: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, ACC_DTYPE: tl.constexpr,
@@ -262,7 +263,7 @@ def _dq_inner(
             if CAUSAL:
                 visible = visible & (offs_m[:, None] + offset >= cols[None, :])
             s = tl.where(visible, s, float("-inf"))  # masked before exp: P = exactly 0 there
-        p = PROBABILITIES(s, lse[:, None], sm_scale)
+        p = PROBABILITIES(s, lse2[:, None], qk_scale)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION, out_dtype=ACC_DTYPE)
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION, out_dtype=ACC_DTYPE)
@@ -335,14 +336,16 @@ def _dq_kernel(
     # Stage 1, unmasked: K/V blocks every row sees. Stage 2, masked: causal diagonal blocks and the
     # ragged last block (whose zero-filled keys must not reach dQ). Blocks above the diagonal: skipped.
     lo, mid, hi = KV_RANGE(m_start, N_Q, N_K, OFFSET, 0, 1, CAUSAL, BLOCK_M, BLOCK_N)
+    qk_scale = sm_scale * LOG2E  # P in base 2 (`probabilities`): scale and L converted once, not per tile
+    lse2 = lse * LOG2E
     dq = _dq_inner(
-        dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
-        offs_m, offs_n, offs_d, lo, mid, N_K, OFFSET, sm_scale,
+        dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+        offs_m, offs_n, offs_d, lo, mid, N_K, OFFSET, qk_scale,
         False, CAUSAL, PROBABILITIES, HEAD_DIM, BLOCK_D, BLOCK_N, UPCAST, DOT_PRECISION, ACC_DTYPE,
     )  # fmt: skip
     dq = _dq_inner(
-        dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
-        offs_m, offs_n, offs_d, mid, hi, N_K, OFFSET, sm_scale,
+        dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+        offs_m, offs_n, offs_d, mid, hi, N_K, OFFSET, qk_scale,
         True, CAUSAL, PROBABILITIES, HEAD_DIM, BLOCK_D, BLOCK_N, UPCAST, DOT_PRECISION, ACC_DTYPE,
     )  # fmt: skip
     # dQ = dS K * scale: registers -> HBM once, BLOCK_M * d elements.

@@ -26,6 +26,10 @@ from __future__ import annotations
 from ..checks import causal_alignment, causal_offset  # noqa: F401  (re-exported: the alignment rules)
 from ..runtime import tl, triton
 
+# The base-2 constants of the kernels' softmax: exp(x) = exp2(x * LOG2E), log(x) = log2(x) * LN2.
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
+
 
 # --------------------------------------------------------------------------------------------------
 # The kernels' helpers

@@ -36,7 +36,7 @@ import torch
 from .. import runtime
 from ..checks import accumulator_dtype, causal_alignment, causal_offset, default_scale, kv_group
 from ..runtime import tl, triton
-from .blocks import kv_block_range, load_rows, program_block, row_mask
+from .blocks import LN2, LOG2E, kv_block_range, load_rows, program_block, row_mask
 from .configs import FORWARD, split_config, teaching_hooks
 from .inputs import SUPPORTED_HEAD_DIMS, as_4d, check_inputs, kernel_flags, strides4
 from .launch import cuda_device, launch, make_tuner, n_bucket
@@ -46,8 +46,6 @@ runtime.require_triton()
 __all__ = ["SUPPORTED_HEAD_DIMS", "forward"]
 
 # Constants the kernels read (Triton kernels may only read globals declared tl.constexpr).
-LOG2E = tl.constexpr(1.4426950408889634)  # log2(e): exp(x) = exp2(x * LOG2E)
-LN2 = tl.constexpr(0.6931471805599453)  # ln(2):    log(x) = log2(x) * LN2
 
 
 # --------------------------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ Each variant has the production helper's arguments and results, so the two are i
 from __future__ import annotations
 
 from ..runtime import tl, triton
+from .blocks import LN2
 
 __all__ = [
     "every_kv_block",
@@ -55,9 +56,11 @@ def logsumexp_natural(m_i, l_i):
 
 
 @triton.jit
-def probabilities_natural(s, lse, sm_scale):
-    """`backward.probabilities` with the natural exponential: P = exp(S * scale - L)."""
-    return tl.exp(s * sm_scale - lse)
+def probabilities_natural(s, lse2, qk_scale):
+    """`backward.probabilities` with the natural exponential: P = exp(S * scale - L), scale and L taken
+    back to natural units from the base-2 arguments the kernels pass (qk_scale = scale * log2 e,
+    L2 = L * log2 e)."""
+    return tl.exp(s * (qk_scale * LN2) - lse2 * LN2)
 
 
 # --------------------------------------------------------------------------------------------------
