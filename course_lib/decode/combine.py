@@ -14,12 +14,10 @@ from __future__ import annotations
 import torch
 
 from .. import runtime
+from ..attention.blocks import LN2, LOG2E
 from ..runtime import tl, triton
 
 runtime.require_triton()
-
-LOG2E = tl.constexpr(1.4426950408889634)
-LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit

@@ -31,14 +31,13 @@ from __future__ import annotations
 import torch
 
 from .. import runtime
+from ..attention.blocks import LN2
 from ..runtime import tl, triton
 from .combine import combine
 from .heuristics import num_splits_for, tile_for
 
 runtime.require_triton()
 
-LOG2E = tl.constexpr(1.4426950408889634)
-LN2 = tl.constexpr(0.6931471805599453)
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
