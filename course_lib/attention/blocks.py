@@ -51,12 +51,14 @@ def program_block(N_ROWS, H, BLOCK: tl.constexpr, REVERSE: tl.constexpr):
 
 @triton.jit
 def kv_block_range(
-    m_start, N_Q, N_K, offset, split, num_splits,
+    m_start, N_Q, N_K, offset, split, NUM_SPLITS: tl.constexpr,
     CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """Keys a query block visits: (lo, mid, hi). Keys [lo, mid) are visible to every row of the block
     (no mask: whole blocks of BLOCK_N); keys [mid, hi) need a mask. lo and mid are multiples of
-    BLOCK_N; hi is not always (a ragged end). `split` of `num_splits` takes its share of the blocks."""
+    BLOCK_N; hi is not always (a ragged end). `split` of `NUM_SPLITS` takes its share of the blocks.
+    With NUM_SPLITS = 1 the loop starts at the constant 0: a dQ loop whose start the compiler cannot
+    see ran 20-30 % slower on an H200."""
     hi = N_K
     mid = (N_K // BLOCK_N) * BLOCK_N
     if CAUSAL:
@@ -64,10 +66,14 @@ def kv_block_range(
         # its first row sees keys up to m_start + offset: blocks ending there need no mask.
         hi = tl.minimum(N_K, tl.maximum(tl.minimum(m_start + BLOCK_M, N_Q) + offset, 0))
         mid = tl.minimum(mid, (tl.maximum(m_start + offset + 1, 0) // BLOCK_N) * BLOCK_N)
-    per_split = tl.cdiv(tl.cdiv(hi, BLOCK_N), num_splits) * BLOCK_N
-    lo = tl.minimum(split * per_split, hi)
-    hi = tl.minimum(hi, lo + per_split)
-    mid = tl.minimum(tl.maximum(mid, lo), hi)
+    if NUM_SPLITS == 1:
+        lo = 0
+        mid = tl.minimum(mid, hi)
+    else:
+        per_split = tl.cdiv(tl.cdiv(hi, BLOCK_N), NUM_SPLITS) * BLOCK_N
+        lo = tl.minimum(split * per_split, hi)
+        hi = tl.minimum(hi, lo + per_split)
+        mid = tl.minimum(tl.maximum(mid, lo), hi)
     return lo, mid, hi
 
 

@@ -68,7 +68,7 @@ def probabilities_natural(s, lse2, qk_scale):
 # --------------------------------------------------------------------------------------------------
 @triton.jit
 def every_kv_block(
-    m_start, N_Q, N_K, offset, split, num_splits,
+    m_start, N_Q, N_K, offset, split, NUM_SPLITS: tl.constexpr,
     CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """`blocks.kv_block_range` of a naive kernel: (lo, mid, hi) = (0, 0, N_K), all keys in the masked
