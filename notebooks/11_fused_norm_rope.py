@@ -329,10 +329,10 @@ torch.testing.assert_close(q_complex, q_rot, rtol=1e-5, atol=max(1e-5, angle_err
 # ## 5. The fused kernel: q and k in one pass
 #
 # `course_lib.fused.rope` launches one program per token (or a few tokens, `launch.ROPE`). The program loads
-# each token's row of cos and sin once and rotates every head of q **and** every head of k with it, each as
-# a (heads × d/2) tile for the first elements of the pairs and one for the second. Bytes that must move: read q, k and one cos and sin row per
-# token, write q' and k'; eager PyTorch moves each of q and k about five times (multiply, rotate_half's
-# slices and concatenation, multiply, add).
+# each token's row of cos and sin once and rotates every head of q **and** every head of k with it, each as a
+# (heads × d/2) tile for the first elements of the pairs and one for the second. Bytes that must move: read q, k
+# and one cos and sin row per token, write q' and k'; eager PyTorch moves each of q and k about five times
+# (multiply, rotate_half's slices and concatenation, multiply, add).
 #
 # The layout is Hugging Face's, q (B, Hq, T, d) and k (B, Hk, T, d), with any strides: a (B, T, H, d) tensor
 # passed as `.transpose(1, 2)` is read where it lies. Grouped-query attention (fewer k heads) is just
