@@ -457,7 +457,7 @@ def flash_backward(do, q, k, v, o, L, causal=False, scale=None, dq_mode="two_ker
 # backward in the same dtype, plus a floor). O and L come from the float64 reference too, so this checks the
 # backward alone. The two-kernel mode runs in every dtype; the atomic mode in `ATOMIC_DTYPES` (each dtype and
 # mode is one more kernel to compile; the test suite covers the rest). The comparison with course_lib's own
-# backward comes at the end of the section.
+# backward comes in section 8, through the autograd Function.
 
 # %%
 for n_q, n_k in [(N_Q, N_K), (N_K, N_Q)]:
