@@ -23,6 +23,7 @@ wrapped here and in `course_lib.timing`, so notebooks and kernels never branch o
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from dataclasses import dataclass
@@ -155,6 +156,17 @@ def require_triton() -> None:
             f"({TRITON_IMPORT_ERROR}). Triton ships Linux wheels only: on macOS or Windows use Linux, "
             "WSL 2 or a hosted notebook. The pure-PyTorch parts of course_lib still work."
         )
+
+
+@functools.cache
+def _multiprocessors(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(index: int | None = None) -> int:
+    """Streaming multiprocessors of CUDA device `index` (default: the current device), cached per
+    device: 132 on an H100 or H200. The size of persistent grids and of decoding's split rule."""
+    return _multiprocessors(torch.cuda.current_device() if index is None else int(index))
 
 
 def pick(cpu, gpu):

@@ -21,7 +21,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 import course_lib  # noqa: E402
 from course_lib.attention import FlashAttentionTriton, attention_backward, attention_forward  # noqa: E402
-from course_lib.runtime import tl, triton  # noqa: E402
+from course_lib.runtime import sm_count, tl, triton  # noqa: E402
 
 
 def per_call(fn, iters=50):
@@ -271,7 +271,7 @@ def hopper_breakdown(d=128, n=1024, calls=300):
         hopper.descriptor(v, block_n),
     )
     tiles = triton.cdiv(n, hopper.QUERY_ROWS * consumers) * 16
-    grid = (min(tiles, hopper.sm_count(q.device.index)) if persistent else tiles,)
+    grid = (min(tiles, sm_count(q.device.index)) if persistent else tiles,)
 
     def launch_only():  # B * H = 16 programs' heads, H = 16, GROUP = 1 (as many K/V heads as query heads)
         hopper.fwd_ws_kernel[grid](

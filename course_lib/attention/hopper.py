@@ -46,6 +46,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from ..runtime import sm_count  # the persistent grid's size
+
 LOG2E = 1.4426950408889634
 HEAD_DIMS = (64, 128)
 DTYPES = (torch.bfloat16, torch.float16)
@@ -428,12 +430,6 @@ def descriptor(t4: torch.Tensor, rows: int) -> TensorDescriptor:
 def capability(index: int) -> tuple[int, int]:
     """Compute capability (major, minor) of CUDA device `index` (9.x: Hopper), cached."""
     return torch.cuda.get_device_capability(index)
-
-
-@functools.cache
-def sm_count(index: int) -> int:
-    """Number of SMs of CUDA device `index` (the persistent grid's size), cached."""
-    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def forward(q4, k4, v4, o4, lse3, causal: bool, scale: float, variant: tuple) -> None:

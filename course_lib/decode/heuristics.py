@@ -99,13 +99,9 @@ def shared_memory_bytes(device_index: int | None = None) -> int:
     return int(triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"])
 
 
-@functools.cache
 def sm_count(device_index: int | None = None) -> int:
-    """Streaming multiprocessors of the GPU (CPU_SM_COUNT under the interpreter)."""
-    if not runtime.ON_GPU:
-        return CPU_SM_COUNT
-    index = torch.cuda.current_device() if device_index is None else device_index
-    return torch.cuda.get_device_properties(index).multi_processor_count
+    """Streaming multiprocessors of the GPU (`runtime.sm_count`); CPU_SM_COUNT under the interpreter."""
+    return runtime.sm_count(device_index) if runtime.ON_GPU else CPU_SM_COUNT
 
 
 def wave_efficiency(programs: int, num_sms: int) -> float:

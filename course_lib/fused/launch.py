@@ -19,7 +19,6 @@ first guesses from the sizes involved.
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import torch
@@ -122,12 +121,6 @@ def rope(token_tile: int) -> RopeLaunch:
     return _lookup(ROPE, token_tile)
 
 
-@functools.lru_cache(maxsize=8)
-def sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of a CUDA device (132 on an H200)."""
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def persistent_programs(n_rows: int, block: int, device: torch.device, per_sm: int | None = None) -> int:
     """Programs for a kernel that loops over `n_rows` rows of `block` elements: `per_sm` per SM on a
     GPU (default from `RMS_BACKWARD`); under the interpreter the CPU counts as one SM, with
@@ -135,7 +128,7 @@ def persistent_programs(n_rows: int, block: int, device: torch.device, per_sm: i
     if runtime.INTERPRET or device.type != "cuda":
         wanted = per_sm or INTERPRETER_PROGRAMS
     else:
-        wanted = sm_count(device) * (per_sm or rms_backward(block).programs_per_sm)
+        wanted = runtime.sm_count(device.index) * (per_sm or rms_backward(block).programs_per_sm)
     return max(1, min(n_rows, wanted))
 
 
