@@ -30,6 +30,7 @@ from .. import records, runtime
 from ..decode import decode_attention, paged_decode_attention
 from ..decode.heuristics import num_splits_for, sm_count, wave_efficiency
 from ..perf.timing import graphed as _graphed
+from .plots import save_figure
 from .report import record_and_report
 
 HQ, HKV, D = 32, 8, 128
@@ -304,10 +305,7 @@ def save_plots(data: dict, out: Path, slug: str) -> list[Path]:
             f"(read ceiling {data['ceilings']['read_gbps']:.0f} GB/s)"
         )
         ax.legend()
-        fig.tight_layout()
-        paths.append(out / f"decode-{slug}-cells.png")
-        fig.savefig(paths[-1], dpi=110)
-        plt.close(fig)
+        paths.append(save_figure(fig, out / f"decode-{slug}-cells.png"))
     if data.get("page_sweep"):
         fig, ax = plt.subplots(figsize=(7, 4.5))
         for B, n in {(r["batch"], r["n"]) for r in data["page_sweep"]}:
@@ -324,10 +322,7 @@ def save_plots(data: dict, out: Path, slug: str) -> list[Path]:
         ax.set_ylabel("speed vs contiguous cache (x)")
         ax.set_title("Paged decoding: the cost of the block-table indirection by page size")
         ax.legend()
-        fig.tight_layout()
-        paths.append(out / f"decode-{slug}-pages.png")
-        fig.savefig(paths[-1], dpi=110)
-        plt.close(fig)
+        paths.append(save_figure(fig, out / f"decode-{slug}-pages.png"))
     if data.get("split_curve"):
         rows = data["split_curve"]
         fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -346,10 +341,7 @@ def save_plots(data: dict, out: Path, slug: str) -> list[Path]:
             f"Split-KV at batch {rows[0]['batch']}, {rows[0]['n'] // 1024}k context: splits fill the SMs"
         )
         ax.legend()
-        fig.tight_layout()
-        paths.append(out / f"decode-{slug}-splits.png")
-        fig.savefig(paths[-1], dpi=110)
-        plt.close(fig)
+        paths.append(save_figure(fig, out / f"decode-{slug}-splits.png"))
     return paths
 
 

@@ -33,6 +33,7 @@ from .. import records, runtime
 from ..fused import rms_norm, rope, rope_cache
 from ..perf.ceilings import measure_copy_bandwidth
 from ..perf.timing import benchmark, free_memory, graphed
+from .plots import save_figure
 from .report import record_and_report
 
 TOKENS = (4096, 16384, 65536)
@@ -394,10 +395,7 @@ def save_plots(data: dict, out: Path, slug: str) -> list[Path]:
         ax.set_ylabel("bytes that must move / time (GB/s)")
     axes[0].legend(loc="lower right", fontsize=9)
     fig.suptitle("Fused RMSNorm: GB/s against the copy ceiling (higher is better)")
-    fig.tight_layout()
-    paths.append(out / f"fused-{slug}-rms_norm.png")
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
+    paths.append(save_figure(fig, out / f"fused-{slug}-rms_norm.png"))
 
     tokens = sorted({r["T"] for r in data["rope"]})
     fig, ax = plt.subplots(figsize=(8, 4.5))
@@ -416,10 +414,7 @@ def save_plots(data: dict, out: Path, slug: str) -> list[Path]:
         fontsize=10,
     )
     ax.legend(fontsize=9)
-    fig.tight_layout()
-    paths.append(out / f"fused-{slug}-rope.png")
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
+    paths.append(save_figure(fig, out / f"fused-{slug}-rope.png"))
     return paths
 
 

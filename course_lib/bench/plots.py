@@ -184,16 +184,25 @@ def plot_ladder(record: dict):
     return fig
 
 
+def save_figure(fig, path: Path, tight: bool = True) -> Path:
+    """Write `fig` as a PNG at `path` (110 dpi; laid out with `tight_layout` first unless tight=False),
+    close it, and return the path: how every benchmark module saves its plots."""
+    import matplotlib.pyplot as plt
+
+    if tight:
+        fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def save_plots(attention_path: Path | None, ladder_path: Path | None) -> list[Path]:
     """Draw the plots of the saved records and write them as PNGs next to them; returns the paths."""
-    import matplotlib.pyplot as plt
 
     written = []
 
     def save(fig, path):
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        written.append(path)
+        written.append(save_figure(fig, path, tight=False))  # the plots lay themselves out
 
     if attention_path is not None:
         rec = json.loads(Path(attention_path).read_text())

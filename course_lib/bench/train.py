@@ -29,6 +29,7 @@ import torch
 from .. import records, runtime
 from ..models import Llama, LlamaConfig, convert, count_parameters, data, generate
 from ..models import train as training
+from .plots import save_figure
 
 CONFIG = LlamaConfig(
     vocab_size=256, dim=768, n_layers=16, n_heads=6, n_kv_heads=2, hidden_dim=2048, max_seq_len=4096
@@ -319,10 +320,7 @@ def plot(result: dict, out: Path, slug: str) -> list[Path]:
     a.set(ylabel="thousand tokens / s", title="training throughput, seq 4096, bf16")
     b.bar([r["provider"] for r in ok], [(r["peak_bytes"] or 0) / 2**30 for r in ok], color="tab:orange")
     b.set(ylabel="peak memory (GiB)", title="peak memory of a training step")
-    fig.tight_layout()
-    paths.append(out / f"train-{slug}-throughput.png")
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
+    paths.append(save_figure(fig, out / f"train-{slug}-throughput.png"))
 
     fig, ax = plt.subplots(figsize=(7, 4))
     parts = ("parameters", "gradients", "optimizer_states", "activations")
@@ -333,10 +331,7 @@ def plot(result: dict, out: Path, slug: str) -> list[Path]:
         bottom = [x + y for x, y in zip(bottom, vals)]
     ax.set(ylabel="GiB", title="memory of a training step: P, G, optimizer states, activations")
     ax.legend()
-    fig.tight_layout()
-    paths.append(out / f"train-{slug}-memory.png")
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
+    paths.append(save_figure(fig, out / f"train-{slug}-memory.png"))
 
     run_ = result["training_run"]
     fig, ax = plt.subplots(figsize=(7, 4))
@@ -348,10 +343,7 @@ def plot(result: dict, out: Path, slug: str) -> list[Path]:
         title="training with course_lib's kernels",
     )
     ax.legend()
-    fig.tight_layout()
-    paths.append(out / f"train-{slug}-loss.png")
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
+    paths.append(save_figure(fig, out / f"train-{slug}-loss.png"))
     return paths
 
 
