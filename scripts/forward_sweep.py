@@ -21,7 +21,6 @@ kernel (config hopper=False); the Gluon forward of Hopper GPUs is swept by scrip
 from __future__ import annotations
 
 import argparse
-import math
 import multiprocessing as mp
 import os
 import time
@@ -65,11 +64,6 @@ def _compile(job):
     except Exception as exc:
         return f"d={d} causal={causal} {name(launch)}: {type(exc).__name__}: {str(exc)[:200]}"
     return None
-
-
-def geomean(xs) -> float:
-    """Geometric mean of positive numbers."""
-    return math.exp(sum(map(math.log, xs)) / len(xs))
 
 
 def check(sweep) -> list[str]:
@@ -155,6 +149,7 @@ def main():
     args = ap.parse_args()
 
     import course_lib
+    from course_lib.bench import summarise
 
     if not course_lib.ON_GPU:
         raise SystemExit("forward_sweep.py needs a CUDA GPU (COURSE_DEVICE=cuda)")
@@ -178,8 +173,8 @@ def main():
                 if row is not None:
                     rows.append(row)
     if rows:
-        print(f"geomean best / SDPA default: {geomean([r[5][r[6]] / r[4] for r in rows]):.3f}")
-        print(f"geomean choose / SDPA default: {geomean([r[5][r[7]] / r[4] for r in rows]):.3f}")
+        print(f"geomean best / SDPA default: {summarise([r[5][r[6]] / r[4] for r in rows])[1]:.3f}")
+        print(f"geomean choose / SDPA default: {summarise([r[5][r[7]] / r[4] for r in rows])[1]:.3f}")
         print(f"min best / SDPA FLASH: {min(r[5][r[6]] / r[3] for r in rows):.3f}")
         # How good is each configuration alone? Its share of each cell's best.
         for launch in sweep:

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 
 import torch
 
 import course_lib
+from course_lib.bench import summarise
 from course_lib.bench.shapes import standard_cells
 from course_lib.perf.timing import benchmark
 
@@ -54,9 +54,8 @@ def main() -> int:
         print(
             f"d={d} causal={causal!s:5} N={N:5}: GQA {gqa:.3f} ms, repeated K/V {rep:.3f} ms, {rep / gqa:.2f}x"
         )
-    ratios = [r["ratio"] for r in rows]
-    geomean = math.exp(sum(map(math.log, ratios)) / len(ratios))
-    print(f"repeated / GQA time: min {min(ratios):.2f}x, geomean {geomean:.2f}x")
+    low, geomean = summarise(r["ratio"] for r in rows)
+    print(f"repeated / GQA time: min {low:.2f}x, geomean {geomean:.2f}x")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)

@@ -27,7 +27,6 @@ query rows per program, one warpgroup (4 warps) per 64 rows.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import time
 
@@ -48,6 +47,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (  # noqa: E402
 
 from course_lib.attention import attention_forward, reference  # noqa: E402
 from course_lib.attention.hopper import LOG2E, descriptor, softmax_step, store_o_l  # noqa: E402
+from course_lib.bench import summarise  # noqa: E402
 from course_lib.perf.timing import attention_flops  # noqa: E402
 
 # (BLOCK_M, BLOCK_N, NUM_STAGES) tried per head dim; the first is the best measured on an H200.
@@ -236,11 +236,6 @@ def check(variants, attention_fn=attention, kv_heads=(3,)) -> list[str]:
     return bad
 
 
-def geomean(xs) -> float:
-    """Geometric mean of positive numbers (the sweeps' summary of ratios)."""
-    return math.exp(sum(map(math.log, xs)) / len(xs))
-
-
 def sweep(variants, attention_fn, ns) -> list[tuple]:
     """Time SDPA's default backend, the Triton forward (`attention_forward` with
     config={"hopper": False}) and every variant of attention_fn on the standard shapes (bf16,
@@ -264,11 +259,13 @@ def sweep(variants, attention_fn, ns) -> list[tuple]:
                     f"({ours / default:.2f}x) | Gluon " + " ".join(f"{t}:{x:4.0f}" for t, x in res.items()),
                     flush=True,
                 )
-    print(f"geomean over SDPA default: Triton {geomean([r[4] / r[3] for r in rows]):.3f}, "
-          f"best Gluon variant per cell {geomean([max(r[5].values()) / r[3] for r in rows]):.3f}")  # fmt: skip
+    print(f"geomean over SDPA default: Triton {summarise([r[4] / r[3] for r in rows])[1]:.3f}, "
+          f"best Gluon variant per cell {summarise([max(r[5].values()) / r[3] for r in rows])[1]:.3f}")  # fmt: skip
     for d in (64, 128):
         for t in variants[d]:
-            print(f"  d={d} {t}: {geomean([r[5][t] / r[3] for r in rows if r[0] == d]):.3f} of SDPA default")
+            print(
+                f"  d={d} {t}: {summarise([r[5][t] / r[3] for r in rows if r[0] == d])[1]:.3f} of SDPA default"
+            )
     return rows
 
 

@@ -19,9 +19,10 @@ import time
 os.environ.setdefault("COURSE_DEVICE", "cuda")
 
 import torch  # noqa: E402
-from hopper_gluon_forward import check, geomean, sweep  # noqa: E402  (this script's folder)
+from hopper_gluon_forward import check, sweep  # noqa: E402  (this script's folder)
 
 from course_lib.attention import hopper  # noqa: E402
+from course_lib.bench import summarise  # noqa: E402
 
 # (BLOCK_N, NUM_STAGES, NUM_CONSUMERS, PINGPONG, PERSISTENT) per head dim.
 # Shared memory: (NUM_CONSUMERS * 64 + 2 * NUM_STAGES * BLOCK_N) * d * 2 bytes, at most ~227 KB.
@@ -58,7 +59,7 @@ def main():
     print("correctness:", "ok" if not bad else bad[:12], f"({time.time() - t0:.0f} s)", flush=True)
     rows = sweep(VARIANTS, attention, list(map(int, args.ns.split(","))))
     chosen = [r[5].get(hopper.choose(r[0], r[1], r[2], r[2]), r[4]) / r[3] for r in rows]
-    print(f"hopper.choose's pick (the Triton kernel where None): {geomean(chosen):.3f} of SDPA default")
+    print(f"hopper.choose's pick (the Triton kernel where None): {summarise(chosen)[1]:.3f} of SDPA default")
     print(f"total {time.time() - t0:.0f} s")
 
 
