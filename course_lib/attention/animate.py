@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from . import tiles
+from .reference import causal_mask
 
 ORDERS = {"fa1": "FlashAttention-1 order (K/V outer)", "fa2": "FlashAttention-2 order (Q outer)"}
 
@@ -32,6 +33,14 @@ def _check_2d(name: str, t, n_cols: int | None = None) -> None:
     if t.dim() != 2 or (n_cols is not None and t.shape[1] != n_cols):
         want = f"(N, {n_cols})" if n_cols is not None else "(N, d)"
         raise ValueError(f"animate: {name} must have shape {want} (one head), got {tuple(t.shape)}")
+
+
+def _scores(q, k, scale: float, causal: bool) -> torch.Tensor:
+    """S = Q K^T * scale (Nq, Nk), with -inf where the causal mask (`reference.causal_mask`) hides a key."""
+    S = q @ k.T * scale
+    if causal:
+        S = S.masked_fill(~causal_mask(q.shape[0], k.shape[0]), -math.inf)
+    return S
 
 
 def _block_ranges(n: int, block: int) -> list[tuple[int, int]]:
@@ -58,9 +67,7 @@ def forward_frames(q, k, v, block_m: int, block_n: int, causal: bool = False, or
     q, k, v = q.double().cpu(), k.double().cpu(), v.double().cpu()
     n_q, n_k = q.shape[0], k.shape[0]
     scale = q.shape[1] ** -0.5
-    S_full = q @ k.T * scale
-    if causal:
-        S_full = S_full.masked_fill(torch.ones(n_q, n_k, dtype=torch.bool).triu(1), -math.inf)
+    S_full = _scores(q, k, scale, causal)
     O_final = torch.softmax(S_full, dim=-1) @ v
     m = torch.full((n_q,), -math.inf, dtype=torch.float64)
     l = torch.zeros(n_q, dtype=torch.float64)
@@ -116,9 +123,7 @@ def backward_frames(q, k, v, dO, block_m: int, block_n: int, causal: bool = Fals
     q, k, v, dO = (t.double().cpu() for t in (q, k, v, dO))
     n_q, n_k = q.shape[0], k.shape[0]
     scale = q.shape[1] ** -0.5
-    S_full = q @ k.T * scale
-    if causal:
-        S_full = S_full.masked_fill(torch.ones(n_q, n_k, dtype=torch.bool).triu(1), -math.inf)
+    S_full = _scores(q, k, scale, causal)
     P_full = torch.softmax(S_full, dim=-1)
     O = P_full @ v
     L = torch.logsumexp(S_full, dim=-1)
