@@ -43,11 +43,12 @@ import numpy as np
 import course_lib
 from course_lib import softmax
 from course_lib.exercises import check
+from course_lib.perf import plotting
 
 ROWS, N = course_lib.pick(cpu=(8, 1024), gpu=(8, 1024))
 N_TRACE = 24
 rng = np.random.default_rng(3)
-plt.rcParams["font.size"] = 12
+plotting.use_readable_defaults()  # projector-sized fonts for every figure, plt's own included
 
 # %% [markdown]
 # ## 1. The textbook softmax

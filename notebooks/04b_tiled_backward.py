@@ -45,13 +45,14 @@ from course_lib.attention import animate, tiles
 from course_lib.attention.reference import attention, causal_mask_tile
 from course_lib.attention.tiled import FlashAttentionTorch, flash_backward, flash_forward
 from course_lib.exercises import check, predict
+from course_lib.perf import plotting
 from course_lib.testing import assert_close_to_reference, random_qkv, reference_outputs
 
 DEVICE = course_lib.DEVICE
 BATCH, HEADS, N, D = course_lib.pick(cpu=(1, 2, 256, 64), gpu=(2, 4, 1024, 64))
 BLOCK_M, BLOCK_N = 64, 64  # the paper's B_r (rows of Q per tile) and B_c (rows of K and V per tile)
 N_FIG, D_FIG, BLOCK_FIG = 128, 16, 32
-plt.rcParams["font.size"] = 12
+plotting.use_readable_defaults()  # projector-sized fonts for every figure, plt's own included
 torch.manual_seed(0)
 q, k, v = random_qkv((BATCH, HEADS, N, D), dtype=torch.float32, device=DEVICE)
 print(f"device {DEVICE}; batch {BATCH}, heads {HEADS}, N {N}, d {D}; tiles {BLOCK_M} x {BLOCK_N}")

@@ -51,6 +51,7 @@ from course_lib.attention.op import flash_attention_op
 from course_lib.attention.reference import attention as reference_attention
 from course_lib.exercises import check, predict
 from course_lib.integrations import use_in_transformers
+from course_lib.perf import plotting
 
 B, HQ, HKV, N, D = course_lib.pick(cpu=(1, 4, 2, 64, 16), gpu=(2, 32, 8, 2048, 128))
 DTYPE = course_lib.pick(cpu=torch.float32, gpu=torch.bfloat16)
@@ -62,7 +63,7 @@ PROMPT, NEW_TOKENS = course_lib.pick(cpu=(8, 6), gpu=(64, 32))
 DEV = course_lib.DEVICE
 TOL = 1e-4 if DTYPE == torch.float32 else 3e-2
 torch.manual_seed(0)
-plt.rcParams["font.size"] = 12
+plotting.use_readable_defaults()  # projector-sized fonts for every figure, plt's own included
 print(f"triton {triton.__version__}, transformers {transformers.__version__}; {course_lib.RUNTIME.describe()}")
 print(f"B={B}, {HQ} query heads over {HKV} K/V heads, N={N}, d={D}, {DTYPE}")
 

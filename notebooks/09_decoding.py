@@ -51,6 +51,7 @@ from course_lib.attention.merge import merge_attention_states, merge_many
 from course_lib.decode import decode_attention, decode_reference
 from course_lib.decode.heuristics import choose_num_splits, sm_count, tile_for, wave_efficiency
 from course_lib.exercises import check, predict
+from course_lib.perf import plotting
 from course_lib.perf.hardware import gpu as gpu_spec
 
 B, N, HQ, HKV, D = course_lib.pick(cpu=(3, 256, 8, 2, 64), gpu=(8, 8192, 32, 8, 128))
@@ -58,7 +59,7 @@ DTYPE = course_lib.pick(cpu=torch.float32, gpu=torch.bfloat16)
 DEV = course_lib.DEVICE
 G = HQ // HKV  # query heads per kv head
 torch.manual_seed(0)
-plt.rcParams["font.size"] = 12
+plotting.use_readable_defaults()  # projector-sized fonts for every figure, plt's own included
 print(f"B={B} sequences, cache of N={N} tokens, {HQ} query heads over {HKV} kv heads, d={D}, {DTYPE}")
 
 # %% [markdown]

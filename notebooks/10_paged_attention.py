@@ -51,6 +51,7 @@ from course_lib.decode.cache import PageAllocator, PagedKVCache
 from course_lib.decode.reference import gather_pages
 from course_lib.decode.toy_model import ToyModel
 from course_lib.exercises import check, predict
+from course_lib.perf import plotting
 
 N_REQUESTS, MAX_LEN = 1000, 4096  # simulated requests and the longest a request may grow
 B, N, HQ, HKV, D = course_lib.pick(cpu=(3, 200, 8, 2, 64), gpu=(16, 8192, 32, 8, 128))
@@ -59,7 +60,7 @@ DTYPE = course_lib.pick(cpu=torch.float32, gpu=torch.bfloat16)
 DEV = course_lib.DEVICE
 rng = np.random.default_rng(0)
 torch.manual_seed(0)
-plt.rcParams["font.size"] = 12
+plotting.use_readable_defaults()  # projector-sized fonts for every figure, plt's own included
 
 # %% [markdown]
 # ## 1. What contiguous caches waste

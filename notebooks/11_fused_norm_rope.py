@@ -51,6 +51,7 @@ from course_lib import records
 from course_lib.bench import fused as fused_bench
 from course_lib.exercises import check, predict
 from course_lib.fused import rms_norm, rms_norm_reference, rope, rope_cache, rope_reference
+from course_lib.perf import plotting
 from course_lib.perf.ceilings import measure_copy_bandwidth
 from course_lib.runtime import tl, triton
 
@@ -59,7 +60,7 @@ T, D = course_lib.pick(cpu=(48, 320), gpu=(16384, 4096))  # RMSNorm: tokens x hi
 B, HQ, HK, N, HEAD_DIM = course_lib.pick(cpu=(2, 4, 2, 12, 32), gpu=(2, 32, 8, 4096, 128))  # RoPE
 DTYPE = course_lib.pick(cpu=torch.float32, gpu=torch.bfloat16)
 torch.manual_seed(0)
-plt.rcParams["font.size"] = 12
+plotting.use_readable_defaults()  # projector-sized fonts for every figure, plt's own included
 print(f"{course_lib.RUNTIME.describe()}; RMSNorm on ({T}, {D}), RoPE on q ({B}, {HQ}, {N}, {HEAD_DIM})")
 
 # %% [markdown]

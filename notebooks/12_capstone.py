@@ -60,6 +60,7 @@ from course_lib.models import (
     kv_cache_bytes_per_token,
     train,
 )
+from course_lib.perf import plotting
 
 CONFIG = course_lib.pick(
     cpu=LlamaConfig(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, hidden_dim=352, max_seq_len=256),
@@ -72,7 +73,7 @@ CHECK_CONFIG = LlamaConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, hidden_d
 CHECK_LEN = course_lib.pick(cpu=32, gpu=64)  # tokens in the kernel-vs-PyTorch check
 NEW_TOKENS = course_lib.pick(cpu=24, gpu=200)  # tokens generated per prompt when serving
 DEVICE = course_lib.DEVICE
-plt.rcParams["font.size"] = 12
+plotting.use_readable_defaults()  # projector-sized fonts for every figure, plt's own included
 _ = torch.manual_seed(0)
 
 # %% [markdown]

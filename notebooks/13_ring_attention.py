@@ -62,6 +62,7 @@ from course_lib.distributed import (
 )
 from course_lib.distributed.workers import compare_with_reference, step_compute_times
 from course_lib.exercises import check, predict
+from course_lib.perf import plotting
 
 WORLD = course_lib.pick(cpu=4, gpu=4)  # CPU processes in the gloo runs
 CHECK_N = course_lib.pick(cpu=64, gpu=64)  # total tokens of the correctness run
@@ -69,7 +70,7 @@ TIMING = course_lib.pick(  # the measured load-balance run (float32, PyTorch blo
     cpu=dict(B=1, H=2, N=2048, d=128, causal=True), gpu=dict(B=1, H=2, N=2048, d=128, causal=True)
 )
 torch.manual_seed(0)
-plt.rcParams["font.size"] = 12
+plotting.use_readable_defaults()  # projector-sized fonts for every figure, plt's own included
 
 # %% [markdown]
 # ## 1. Why: a million tokens against one device
