@@ -3,7 +3,7 @@
 Both are memory-bound: a program should own enough bytes to keep many loads in flight, and no more
 registers than it needs. The named tables below are the one place where launch sizes are chosen; each
 kernel's host function reads them through the helpers and also takes the value as a keyword argument,
-so a sweep (`exp/fused_sweep.py` style) can try other settings without editing the tables.
+so a sweep can try other settings without editing the tables.
 
 - `WARPS`: threads per program for a tile of `block` elements where no measured setting applies (more
   warps for bigger tiles, so that each thread holds a few 16-byte vectors, not dozens);
