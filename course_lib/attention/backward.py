@@ -74,7 +74,7 @@ def _preprocess_kernel(
 ):  # fmt: skip
     """D[z, rows] = sum over d of dO * O for one block of BLOCK_M rows: reads 2 * BLOCK_M * d
     elements, writes BLOCK_M floats (D is contiguous, (B * H, N_Q))."""
-    off_b, off_h, m_start = program_block(N_Q, H, BLOCK_M, False)
+    off_b, off_h, m_start = program_block(N_Q, H, BLOCK_M, False, False)
     offs_m = m_start + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     mask = row_mask(offs_m, N_Q, offs_d, HEAD_DIM, BLOCK_D)
@@ -152,7 +152,7 @@ def _dkdv_kernel(
     H, N_Q, N_K, OFFSET, N_BUCKET,
     GROUP: tl.constexpr, SHARE: tl.constexpr, CAUSAL: tl.constexpr, ATOMIC: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, ACC_DTYPE: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, ACC_DTYPE: tl.constexpr, BLOCK_MAJOR: tl.constexpr,
     PROBABILITIES: tl.constexpr = probabilities, Q_RANGE: tl.constexpr = q_block_range,
 ):  # fmt: skip
     """dK, dV for one block of BLOCK_N key rows, summed over GROUP query heads; with ATOMIC also dQ
@@ -162,7 +162,7 @@ def _dkdv_kernel(
     query attention split over SHARE programs per K/V head): DK, DV hold H // GROUP partial sums, which
     the caller adds up. PROBABILITIES, Q_RANGE: how P is rebuilt, which query blocks are visited
     (`teaching.py` has the ladder's variants)."""
-    off_b, off_ph, n_start = program_block(N_K, H // GROUP, BLOCK_N, False)  # causal: early keys, most work
+    off_b, off_ph, n_start = program_block(N_K, H // GROUP, BLOCK_N, False, BLOCK_MAJOR)  # causal: early keys, most work
     off_kh = off_ph // SHARE
     offs_n = n_start + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
@@ -291,7 +291,7 @@ def _dq_kernel(
     FUSE_D=True: compute D = rowsum(dO * O) for these rows here (reading the O block once) and store
     it for the dK/dV kernel, which then runs second; FUSE_D=False: read D written by
     `_preprocess_kernel`. PROBABILITIES, KV_RANGE: as in `_dkdv_kernel` and `forward._fwd_kernel`."""
-    off_b, off_h, m_start = program_block(N_Q, H, BLOCK_M, CAUSAL)  # causal: the longest rows first
+    off_b, off_h, m_start = program_block(N_Q, H, BLOCK_M, CAUSAL, False)  # causal: the longest rows first
     off_kh = off_h // GROUP
     offs_m = m_start + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
@@ -429,6 +429,11 @@ def dkdv_heads_per_program(group: int, causal: bool) -> int:
     return 1 if causal else group
 
 
+def dkdv_block_major(on_chip: int, causal: bool) -> bool:
+    """Whether the dK/dV programs run block-major (`blocks.program_block`)."""
+    return causal and on_chip > 1
+
+
 def _backward(do, q, k, v, o, L, alignment, scale, launch_cfg, switches, dq_mode, compile_only=False):
     """Launch the kernels on validated inputs (no checks here): dQ (with D) then dK/dV, or, atomic,
     the preprocessing then dK/dV with dQ.
@@ -484,7 +489,7 @@ def _backward(do, q, k, v, o, L, alignment, scale, launch_cfg, switches, dq_mode
         *strides4(q4), *strides4(k4), *strides4(v4), *strides4(do4), *l3.stride(),
         *strides4(dq_acc), *strides4(dk_out), *strides4(dv_out), H, n_q, n_k, offset, bucket,
     )  # fmt: skip
-    kv_meta = dict(common, ATOMIC=atomic, GROUP=on_chip, SHARE=share)
+    kv_meta = dict(common, ATOMIC=atomic, GROUP=on_chip, SHARE=share, BLOCK_MAJOR=dkdv_block_major(on_chip, causal))
     kv_grid = lambda c: (triton.cdiv(n_k, c.block_n) * B * (H // on_chip),)
     kv_shape = shape + (atomic, on_chip)
     kv_tuner = _dkdv_atomic_tuned if atomic else _dkdv_tuned

@@ -35,15 +35,22 @@ LN2 = tl.constexpr(0.6931471805599453)
 # The kernels' helpers
 # --------------------------------------------------------------------------------------------------
 @triton.jit
-def program_block(N_ROWS, H, BLOCK: tl.constexpr, REVERSE: tl.constexpr):
-    """This program's (batch, head, first row) for a grid of cdiv(N_ROWS, BLOCK) * B * H programs,
-    head-major: the blocks of one (batch, head) are adjacent, so its K and V stay in the L2 cache.
+def program_block(N_ROWS, H, BLOCK: tl.constexpr, REVERSE: tl.constexpr, BLOCK_MAJOR: tl.constexpr):
+    """This program's (batch, head, first row) for a grid of cdiv(N_ROWS, BLOCK) * B * H programs.
+    Head-major by default: the blocks of one (batch, head) are adjacent, so its K and V stay in the L2
+    cache. BLOCK_MAJOR: block index first, then (batch, head): the programs of block 0 of every head
+    start before any of block 1 (with work that falls with the block index, the longest first).
     REVERSE: the last block first (causal forward: the longest rows start first). Batch and head come
     back as int64, ready to multiply by strides."""
     num_blocks = tl.cdiv(N_ROWS, BLOCK)
     pid = tl.program_id(0)
-    off_hz = pid // num_blocks
-    block = pid % num_blocks
+    if BLOCK_MAJOR:
+        n_hz = tl.num_programs(0) // num_blocks
+        off_hz = pid % n_hz
+        block = pid // n_hz
+    else:
+        off_hz = pid // num_blocks
+        block = pid % num_blocks
     if REVERSE:
         block = num_blocks - 1 - block
     return (off_hz // H).to(tl.int64), (off_hz % H).to(tl.int64), block * BLOCK

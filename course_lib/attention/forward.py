@@ -186,7 +186,7 @@ def _fwd_kernel(
     row i sees keys j <= i + OFFSET (`blocks.py`). N_BUCKET only keys the autotuner.
     SOFTMAX_STEP, LOGSUMEXP, KV_RANGE: the online-softmax step, its finish and the block range;
     notebook 08's ladder passes the variants of `teaching.py`."""
-    off_b, off_h, m_start = program_block(N_Q, H, BLOCK_M, CAUSAL)  # causal: longest rows first
+    off_b, off_h, m_start = program_block(N_Q, H, BLOCK_M, CAUSAL, False)  # causal: longest rows first
     off_kh = off_h // GROUP
     q_base = Q + off_b * stride_qb + off_h * stride_qh
     k_base = K + off_b * stride_kb + off_kh * stride_kh

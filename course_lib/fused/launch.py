@@ -65,9 +65,9 @@ RMS_FORWARD = (
 )
 RMS_BACKWARD = (
     (1024, BackwardLaunch(rows=8, programs_per_sm=4, warps=16)),
-    (2048, BackwardLaunch(rows=1, programs_per_sm=4, warps=8)),  # measured
+    (2048, BackwardLaunch(rows=2, programs_per_sm=2, warps=8)),  # measured
     (4096, BackwardLaunch(rows=1, programs_per_sm=2, warps=8)),  # measured
-    (8192, BackwardLaunch(rows=1, programs_per_sm=1, warps=16)),  # measured
+    (8192, BackwardLaunch(rows=1, programs_per_sm=2, warps=16)),  # measured
     (16384, BackwardLaunch(rows=1, programs_per_sm=1, warps=16)),
     (MAX_ROW, BackwardLaunch(rows=1, programs_per_sm=1, warps=32)),
 )

@@ -21,9 +21,9 @@ Backward, with g = dy * w and x_hat = x * rstd (float32):
     dw = sum over all rows of dy * x_hat                  a reduction across every program
 
 dx is per row; dw needs every row. The backward is a persistent kernel: a few programs per SM
-(`launch.RMS_BACKWARD`), each looping over tiles of ROWS rows (same table; row tiles pid,
-pid + P, pid + 2P, ...; x and dy of a whole tile are loaded at once, so more bytes are in flight) and
-summing its rows' dy * x_hat in registers. What each program does with its sum at the end is the
+(`launch.RMS_BACKWARD`), each looping over tiles of ROWS rows (same table; row tiles pid, pid + P,
+pid + 2P, ...; x and dy of a whole tile are loaded at once, and the next tile's are requested before
+this one's arithmetic, so more bytes are in flight) and summing its rows' dy * x_hat in registers. What each program does with its sum at the end is the
 `dw_mode` (notebook 11 compares them):
 - "partials" (the default): program p writes its sum to row p of a (P, D) float32 buffer; a second
   reduction, `column_sum_kernel` (one program per strip of columns, walking down the P rows in a fixed
@@ -111,6 +111,17 @@ def _dw_to_buffer(dw_ptr, lock_ptr, dw, cols, mask, n_cols, n_buffers, DW_MODE: 
 
 
 @triton.jit
+def _load_tile(x_ptr, dy_ptr, first, n_rows, cols, col_mask, stride_x, stride_dy, ROWS: tl.constexpr):
+    """The (ROWS, BLOCK_D) tiles of x and dy whose first row is `first`, in their own dtype (rows past
+    n_rows read as zeros)."""
+    rows = first + tl.arange(0, ROWS)
+    mask = (rows < n_rows)[:, None] & col_mask[None, :]
+    x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+    dy = tl.load(dy_ptr + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0)
+    return x, dy
+
+
+@triton.jit
 def rms_norm_bwd_kernel(
     dy_ptr,
     x_ptr,
@@ -133,28 +144,33 @@ def rms_norm_bwd_kernel(
     share of dw.
 
     Per loop step: a (ROWS, BLOCK_D) tile of x and of dy HBM -> registers (loaded together: ROWS times the
-    bytes in flight of a row-at-a-time loop), ROWS floats of rstd, the dx tile registers -> HBM. w is loaded
-    once per program; the dW sum stays in registers, (ROWS, BLOCK_D), until the loop ends."""
+    bytes in flight of a row-at-a-time loop), ROWS floats of rstd, the dx tile registers -> HBM. The
+    loads run one tile ahead (software pipelining by hand): the next tile's x and dy are requested before
+    this tile's arithmetic and store, so the memory system always has a tile in flight. w is loaded once
+    per program; the dW sum stays in registers, (ROWS, BLOCK_D), until the loop ends."""
     pid = tl.program_id(0)
-    n_programs = tl.num_programs(0)
+    step = tl.num_programs(0) * ROWS
     cols = tl.arange(0, BLOCK_D)
     col_mask = cols < n_cols
     acc_ty = dw_ptr.dtype.element_ty
     w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(acc_ty)
     dw = tl.zeros([ROWS, BLOCK_D], dtype=acc_ty)
-    for first in range(pid * ROWS, n_rows, n_programs * ROWS):
+    x, dy = _load_tile(x_ptr, dy_ptr, tl.cast(pid * ROWS, tl.int64), n_rows, cols, col_mask, stride_x, stride_dy, ROWS)
+    for first in range(pid * ROWS, n_rows, step):
         rows = tl.cast(first, tl.int64) + tl.arange(0, ROWS)
         row_mask = rows < n_rows
-        mask = row_mask[:, None] & col_mask[None, :]
-        x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(acc_ty)
-        dy = tl.load(dy_ptr + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(acc_ty)
+        x_next, dy_next = _load_tile(
+            x_ptr, dy_ptr, tl.cast(first + step, tl.int64), n_rows, cols, col_mask, stride_x, stride_dy, ROWS
+        )  # in flight while this tile is computed and stored (masked off past the end)
         rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)[:, None]
-        x_hat = x * rstd
-        g = dy * w[None, :]
+        x_hat = x.to(acc_ty) * rstd
+        dy32 = dy.to(acc_ty)
+        g = dy32 * w[None, :]
         dx = rstd * (g - x_hat * (tl.sum(g * x_hat, axis=1) / n_cols)[:, None])
         dx_ptrs = dx_ptr + rows[:, None] * stride_dx + cols[None, :]
-        tl.store(dx_ptrs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
-        dw += dy * x_hat.to(x_ptr.dtype.element_ty).to(acc_ty)  # the weight multiplied the cast x_hat
+        tl.store(dx_ptrs, dx.to(dx_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+        dw += dy32 * x_hat.to(x_ptr.dtype.element_ty).to(acc_ty)  # the weight multiplied the cast x_hat
+        x, dy = x_next, dy_next
     _dw_to_buffer(dw_ptr, lock_ptr, tl.sum(dw, axis=0), cols, col_mask, n_cols, n_buffers, DW_MODE)
 
 

@@ -92,18 +92,22 @@ def rope_kernel(
     n_tokens, n_token_tiles, n_q_heads, n_k_heads, n_pairs,
     stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
     stride_qob, stride_qoh, stride_qot, stride_kob, stride_koh, stride_kot,
-    stride_cb, stride_ct, stride_pb,
-    INTERLEAVED: tl.constexpr, BACKWARD: tl.constexpr, TOKENS: tl.constexpr,
+    stride_cb, stride_ct, stride_pb, pos_start,
+    HAS_POSITIONS: tl.constexpr, INTERLEAVED: tl.constexpr, BACKWARD: tl.constexpr, TOKENS: tl.constexpr,
     BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_PAIRS: tl.constexpr, ACC_64: tl.constexpr,
 ):  # fmt: skip
     """Program (b, j) = program_id(0) // n_token_tiles, % n_token_tiles: rotate q[b, :, t] and k[b, :, t]
     for the TOKENS tokens t = j * TOKENS, ... by the angles of positions[b, t] (forward), or by their
-    negatives (BACKWARD: q, k are then gradients)."""
+    negatives (BACKWARD: q, k are then gradients). Without HAS_POSITIONS the positions are
+    pos_start + t, computed here (no positions tensor to build or read)."""
     pid = tl.program_id(0)
     b = (pid // n_token_tiles).to(tl.int64)
     t = (pid % n_token_tiles).to(tl.int64) * TOKENS + tl.arange(0, TOKENS)
     tok_mask = t < n_tokens
-    pos = tl.load(pos_ptr + b * stride_pb + t, mask=tok_mask, other=0).to(tl.int64)
+    if HAS_POSITIONS:
+        pos = tl.load(pos_ptr + b * stride_pb + t, mask=tok_mask, other=0).to(tl.int64)
+    else:
+        pos = pos_start + t
     i = tl.arange(0, BLOCK_PAIRS)
     pair_mask = i < n_pairs
     if INTERLEAVED:  # pairs (2i, 2i + 1)
@@ -155,15 +159,16 @@ def rotate(
     k: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
-    positions: torch.Tensor,
+    positions: int | torch.Tensor,
     interleaved: bool,
     backward: bool = False,
     *,
     tokens: int | None = None,
     warps: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The kernel alone, on checked 4-D q, k, 3-D cos, sin and (1 or B, T) positions; outputs keep the
-    inputs' strides where they are dense. `backward=True` rotates by the negative angles.
+    """The kernel alone, on checked 4-D q, k, 3-D cos, sin and positions: a (1 or B, T) tensor, or an
+    int p for the positions p..p+T-1 (computed in the kernel); outputs keep the inputs' strides where
+    they are dense. `backward=True` rotates by the negative angles.
 
     Launch settings: `tokens` per program (a power of two) and `warps`, defaults from `launch.rope`;
     pass them to try other settings."""
@@ -173,7 +178,8 @@ def rotate(
         return q_out, k_out
     n_pairs = d // 2
     stride_cb = cos.stride(0) if cos.shape[0] > 1 else 0
-    stride_pb = positions.stride(0) if positions.shape[0] > 1 else 0
+    has_positions = isinstance(positions, torch.Tensor)
+    stride_pb = positions.stride(0) if has_positions and positions.shape[0] > 1 else 0
     block_pairs = triton.next_power_of_2(n_pairs)
     block_hq, block_hk = triton.next_power_of_2(max(n_q_heads, 1)), triton.next_power_of_2(max(k.shape[1], 1))
     setting = launch.rope(block_hq * block_pairs)
@@ -182,12 +188,12 @@ def rotate(
         raise ValueError(f"rope: tokens per program must be a power of two >= 1, got {tokens}")
     n_token_tiles = triton.cdiv(n_tokens, tokens)
     rope_kernel[(n_batch * n_token_tiles,)](
-        q, k, q_out, k_out, cos, sin, positions,
+        q, k, q_out, k_out, cos, sin, positions if has_positions else cos,
         n_tokens, n_token_tiles, n_q_heads, k.shape[1], n_pairs,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         q_out.stride(0), q_out.stride(1), q_out.stride(2), k_out.stride(0), k_out.stride(1), k_out.stride(2),
-        stride_cb, cos.stride(1), stride_pb,
-        INTERLEAVED=interleaved, BACKWARD=backward, TOKENS=tokens,
+        stride_cb, cos.stride(1), stride_pb, 0 if has_positions else positions,
+        HAS_POSITIONS=has_positions, INTERLEAVED=interleaved, BACKWARD=backward, TOKENS=tokens,
         BLOCK_HQ=block_hq, BLOCK_HK=block_hk, BLOCK_PAIRS=block_pairs,
         ACC_64=accumulator_dtype(q.dtype) == torch.float64,
         num_warps=warps or setting.warps,
@@ -197,23 +203,30 @@ def rotate(
 
 class RoPEFunction(torch.autograd.Function):
     """Differentiable fused RoPE of q and k: `RoPEFunction.apply(q, k, cos, sin, positions, interleaved)`
-    with checked 4-D inputs (see `rope`); cos, sin and positions are constants (no gradient)."""
+    with checked 4-D inputs (see `rope`); positions is a (1 or B, T) tensor or an int start (`rotate`);
+    cos, sin and positions are constants (no gradient)."""
 
     @staticmethod
     def forward(ctx, q, k, cos, sin, positions, interleaved):
-        ctx.save_for_backward(cos, sin, positions)
+        if isinstance(positions, torch.Tensor):
+            ctx.save_for_backward(cos, sin, positions)
+        else:
+            ctx.save_for_backward(cos, sin)
+            ctx.start = positions
         ctx.interleaved = interleaved
         return rotate(q, k, cos, sin, positions, interleaved)
 
     @staticmethod
     def backward(ctx, dq_out, dk_out):
-        cos, sin, positions = ctx.saved_tensors
+        cos, sin, *saved = ctx.saved_tensors
+        positions = saved[0] if saved else ctx.start
         dq, dk = rotate(_as_4d(dq_out), _as_4d(dk_out), cos, sin, positions, ctx.interleaved, backward=True)
         return dq, dk, None, None, None, None
 
 
-def _positions(positions, n_batch: int, n_tokens: int, n_cache: int, device) -> torch.Tensor:
-    """positions as a (1 or B, T) integer tensor on `device`, every entry checked to be in [0, n_cache)."""
+def _positions(positions, n_batch: int, n_tokens: int, n_cache: int, device) -> int | torch.Tensor:
+    """positions checked to lie in [0, n_cache): None or an int p becomes the int start (0 or p) of
+    the positions start..start+T-1; a tensor becomes a (1 or B, T) integer tensor on `device`."""
     where = "rope"
     if positions is None or isinstance(positions, int):
         start = 0 if positions is None else positions
@@ -222,7 +235,7 @@ def _positions(positions, n_batch: int, n_tokens: int, n_cache: int, device) -> 
                 f"{where}: positions {start}..{start + n_tokens - 1} need cos/sin rows up to {start + n_tokens - 1}, "
                 f"but cos and sin have {n_cache} rows (build the cache for more positions with rope_cache)"
             )
-        return torch.arange(start, start + n_tokens, device=device, dtype=torch.int32)[None, :]
+        return start
     if not isinstance(positions, torch.Tensor):
         raise TypeError(
             f"{where}: positions must be None, an int offset or an integer tensor, got {type(positions).__name__}"
