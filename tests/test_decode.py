@@ -14,7 +14,7 @@ from course_lib.decode import decode_attention, decode_reference, paged_decode_a
 from course_lib.decode.batching import ContinuousBatcher
 from course_lib.decode.cache import OutOfPages, PageAllocator, PagedKVCache
 from course_lib.decode.combine import combine
-from course_lib.decode.heuristics import choose_num_splits
+from course_lib.decode.heuristics import SHORT_TILES, SHORT_WAVES, choose_num_splits, sm_count, tile_for
 from course_lib.decode.reference import gather_pages
 from course_lib.decode.toy_model import ToyModel
 
@@ -132,6 +132,22 @@ def test_split_heuristic_follows_fa2_rule():
     s = choose_num_splits(programs=8, n_key_blocks=2048, num_sms=132)
     assert 8 * s / (132 * math.ceil(8 * s / 132)) >= 0.85 and s == 15, s
     assert choose_num_splits(programs=1, n_key_blocks=10, num_sms=132) <= 10
+
+
+def test_many_short_programs_take_the_short_tile():
+    """Many short programs read through the two-per-SM tile, and give the same result."""
+    waves = SHORT_WAVES * sm_count()
+    assert tile_for(128, programs=waves, capacity=1024) == SHORT_TILES[128]
+    assert tile_for(128, programs=waves - 1, capacity=1024) == tile_for(128)  # too few programs
+    assert tile_for(128, programs=waves, capacity=4096) == tile_for(128)  # programs too long
+    assert tile_for(128, paged=True, programs=waves, capacity=1024) == tile_for(128, paged=True)
+    hkv, B = 2, -(-waves // 2)
+    q, k, v = make_cache(B, 96, 4, hkv, 128, 1, torch.float32, seed=3)
+    lens = torch.randint(0, 97, (B,), generator=torch.Generator().manual_seed(3)).to(torch.int32)
+    lens[0] = 0
+    out, lse = decode_attention(q, k, v, lens.to(DEV), return_lse=True)
+    ref_out, ref_lse = decode_reference(q, k, v, lens)
+    assert_matches(out, lse, ref_out, ref_lse, torch.float32, "short tile")
 
 
 def test_errors_name_the_problem():

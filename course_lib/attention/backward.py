@@ -162,7 +162,8 @@ def _dkdv_kernel(
     query attention split over SHARE programs per K/V head): DK, DV hold H // GROUP partial sums, which
     the caller adds up. PROBABILITIES, Q_RANGE: how P is rebuilt, which query blocks are visited
     (`teaching.py` has the ladder's variants)."""
-    off_b, off_ph, n_start = program_block(N_K, H // GROUP, BLOCK_N, False, BLOCK_MAJOR)  # causal: early keys, most work
+    # causal: the early keys have the most work
+    off_b, off_ph, n_start = program_block(N_K, H // GROUP, BLOCK_N, False, BLOCK_MAJOR)
     off_kh = off_ph // SHARE
     offs_n = n_start + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
@@ -416,21 +417,28 @@ def backward(
     return _backward(do, q, k, v, o, L, alignment, scale, launch_cfg, switches, dq_mode)
 
 
-def dkdv_heads_per_program(group: int, causal: bool) -> int:
+def dkdv_heads_per_program(group: int, causal: bool, n_k: int) -> int:
     """How many of the `group` query heads that share a K/V head one dK/dV program sums on chip.
 
     All of them (one program per K/V head and key block) without a causal mask. With one, a program's
     work shrinks with its key block's position, and the programs of grouped-query attention, each `group`
-    times longer, then balance worse over the SMs. So causal attention gives each query head its own
-    program, as on repeated K/V, and adds the `group` partial dK, dV (fp32) afterwards: K/V are still
-    read, not copied. Measured on an H200 (bf16, 4 query heads per K/V head, B x N = 16k tokens,
-    forward + backward against the same call on repeated K/V): causal d = 128 went from 0.90-0.95x to
-    1.01-1.02x for N = 2k-8k; at N = 1k both ways run at about 0.9x (adding the partials costs ~7 %)."""
-    return 1 if causal else group
+    times longer, balance worse over the SMs. Up to 2k keys they still sum on chip, block-major
+    (`dkdv_block_major`: every head's first, longest, key block starts first). Beyond, each query head
+    gets its own program, as on repeated K/V, and the `group` partial dK, dV (fp32) are added
+    afterwards: K/V are still read, not copied, but the partials cost a write and a read of 4 bytes per
+    element and query head. Measured on an H200 (bf16, 4 query heads per K/V head, B x N = 16k tokens,
+    causal forward + backward against the same call on repeated K/V): N = 1k 0.89x with partials, 0.94x
+    on chip; N = 2k 0.95-0.96x with partials, 0.97-0.98x on chip; N = 4k 0.98-1.01x with partials,
+    0.96x on chip."""
+    if not causal or n_k <= 2048:
+        return group
+    return 1
 
 
 def dkdv_block_major(on_chip: int, causal: bool) -> bool:
-    """Whether the dK/dV programs run block-major (`blocks.program_block`)."""
+    """Whether the dK/dV programs run block-major (`blocks.program_block`): causal programs that sum
+    several query heads on chip, whose work falls steeply with the key block (on repeated K/V, or one
+    head per program, head-major keeps a head's Q and dO in the L2 cache and was faster)."""
     return causal and on_chip > 1
 
 
@@ -457,7 +465,7 @@ def _backward(do, q, k, v, o, L, alignment, scale, launch_cfg, switches, dq_mode
     dk = torch.empty(k.shape, dtype=k.dtype, device=where)
     dv = torch.empty(v.shape, dtype=v.dtype, device=where)
     dk4, dv4 = as_4d(dk), as_4d(dv)
-    on_chip = dkdv_heads_per_program(group, alignment is not None)
+    on_chip = dkdv_heads_per_program(group, causal, n_k)
     share = group // on_chip  # dK/dV programs per K/V head
     acc_dtype = accumulator_dtype(q.dtype)
     delta = torch.empty((B * H, n_q), dtype=acc_dtype, device=where)  # D, contiguous
@@ -489,7 +497,9 @@ def _backward(do, q, k, v, o, L, alignment, scale, launch_cfg, switches, dq_mode
         *strides4(q4), *strides4(k4), *strides4(v4), *strides4(do4), *l3.stride(),
         *strides4(dq_acc), *strides4(dk_out), *strides4(dv_out), H, n_q, n_k, offset, bucket,
     )  # fmt: skip
-    kv_meta = dict(common, ATOMIC=atomic, GROUP=on_chip, SHARE=share, BLOCK_MAJOR=dkdv_block_major(on_chip, causal))
+    kv_meta = dict(
+        common, ATOMIC=atomic, GROUP=on_chip, SHARE=share, BLOCK_MAJOR=dkdv_block_major(on_chip, causal)
+    )
     kv_grid = lambda c: (triton.cdiv(n_k, c.block_n) * B * (H // on_chip),)
     kv_shape = shape + (atomic, on_chip)
     kv_tuner = _dkdv_atomic_tuned if atomic else _dkdv_tuned

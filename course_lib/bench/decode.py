@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from .. import records, runtime
 from ..decode import decode_attention, paged_decode_attention
 from ..decode.heuristics import num_splits_for, sm_count, wave_efficiency
+from ..perf.ceilings import measure_read_time
 from ..perf.timing import graphed as _graphed
 from .plots import save_figure
 from .report import record_and_report
@@ -128,6 +129,8 @@ def measure_cell(B, lengths, n_max, read_gbps, dtype, device, graphs, gen, with_
     nbytes = kv_bytes(lengths, elem=k.element_size())
     k_pages, v_pages, table = _pages(k, v, lengths, 16, gen)
     row = {"batch": B, "n_max": n_max, "kv_bytes": nbytes, "lengths_sum": int(sum(int(n) for n in lengths))}
+    if graphs:  # the floor for these bytes: a plain read of the same size (graph-replayed)
+        row["read_same_size_ms"] = measure_read_time(nbytes, dtype, device)
     row["num_splits"] = num_splits_for(B, HKV, 1, n_max, D)
     row["paged_num_splits"] = num_splits_for(B, HKV, 1, -(-n_max // 16) * 16, D, paged=True)
     row["split_kv"] = _measure(
@@ -350,8 +353,8 @@ def format_table(data: dict) -> str:
     lines = [
         f"read ceiling {data['ceilings']['read_gbps']:.0f} GB/s, copy ceiling {data['ceilings']['copy_gbps']:.0f} GB/s",
         "| cell | KV MB | splits (split-KV / paged) | split-KV us (plain) | split-KV / SDPA | split-KV % read "
-        "| paged / split-KV | SDPA backend |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| same-size read us (% of ceiling) | split-KV / same-size read | paged / split-KV | SDPA backend |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     key = "graph_ms" if any("graph_ms" in c["split_kv"] for c in data["cells"]) else "plain_ms"
     frac = "graph_read_fraction" if key == "graph_ms" else "plain_read_fraction"
@@ -362,9 +365,20 @@ def format_table(data: dict) -> str:
         lines.append(
             f"| {c['name']} | {c['kv_bytes'] / 1e6:.0f} | {c['num_splits']} / {c.get('paged_num_splits', '-')} "
             f"| {s[key] * 1e3:.1f} ({s['plain_ms'] * 1e3:.1f}) "
-            f"| {vs} | {s[frac] * 100:.0f} % | {s[key] / p[key]:.2f}x | {sdpa['backend'] if sdpa else '-'} |"
+            f"| {vs} | {s[frac] * 100:.0f} % | {_same_size(c, key, data['ceilings']['read_gbps'])} "
+            f"| {s[key] / p[key]:.2f}x | {sdpa['backend'] if sdpa else '-'} |"
         )
     return "\n".join(lines)
+
+
+def _same_size(cell: dict, key: str, read_gbps: float) -> str:
+    """'read us (% of the read ceiling) | read time / split-KV time' for a cell, or '- | -' where the
+    record has no same-size read (older records, plain timings)."""
+    read_ms = cell.get("read_same_size_ms")
+    if read_ms is None or key != "graph_ms":
+        return "- | -"
+    fraction = cell["kv_bytes"] / (read_ms * 1e-3) / 1e9 / read_gbps
+    return f"{read_ms * 1e3:.1f} ({fraction * 100:.0f} %) | {read_ms / cell['split_kv'][key]:.2f}x"
 
 
 def target_misses(data: dict) -> list[str]:

@@ -74,13 +74,36 @@ PAGED_TILES = {
 }
 
 
-def tile_for(head_dim: int, paged: bool = False, elem_bytes: int = 2) -> DecodeTile:
+# Many short programs (at least SHORT_WAVES waves of them, each over at most SHORT_BLOCKS of the usual
+# tile's key blocks): a 96 KB pipeline lets two programs share an SM, so one fills its pipeline while the
+# other streams. Measured on an H200 (bf16, d = 128, CUDA-graph replays): batch 256 at 1k tokens went
+# from 0.98x to 1.00x cuDNN; with fewer or longer programs the usual tile stays as fast or faster.
+SHORT_TILES = {128: DecodeTile(BLOCK_N=64, BLOCK_M_MAX=64, num_warps=4, num_stages=3, programs_per_sm=2)}
+SHORT_WAVES = 4
+SHORT_BLOCKS = 8
+
+
+def tile_for(
+    head_dim: int, paged: bool = False, elem_bytes: int = 2, programs: int = 0, capacity: int | None = None
+) -> DecodeTile:
     """The DecodeTile for head dim `head_dim` (a multiple of 8 in [16, 256]), contiguous or paged.
+
+    programs (batch x kv heads x query tiles) and capacity (keys per sequence) pick `SHORT_TILES` for a
+    contiguous cache read by many short programs; left out, the usual tile.
 
     On a GPU with less shared memory than the tile's pipeline needs (the d = 128 contiguous tile takes
     192 KB; an A100 has 164 KB, many desktop GPUs about 100 KB), stages are dropped, then BLOCK_N is
     halved, until it fits."""
-    tile = (PAGED_TILES if paged else TILES)[max(16, 1 << (int(head_dim) - 1).bit_length())]
+    padded = max(16, 1 << (int(head_dim) - 1).bit_length())
+    tile = (PAGED_TILES if paged else TILES)[padded]
+    if (
+        not paged
+        and padded in SHORT_TILES
+        and capacity is not None
+        and programs >= SHORT_WAVES * sm_count()
+        and capacity <= SHORT_BLOCKS * tile.BLOCK_N
+    ):
+        tile = SHORT_TILES[padded]
     limit = shared_memory_bytes()
     while tile.shared_bytes(head_dim, elem_bytes) > limit and (tile.num_stages > 2 or tile.BLOCK_N > 16):
         if tile.num_stages > 2:

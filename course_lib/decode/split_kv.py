@@ -258,9 +258,9 @@ def launch(q, k, v, block_table, cache_seqlens, *, page_size, capacity, causal, 
     Hkv = k.shape[2]
     group = Hq // Hkv
     paged = block_table is not None
-    tile = tile_for(d, paged, q.element_size())
-    block_m = min(tile.BLOCK_M_MAX, max(16, triton.next_power_of_2(group * Tq)))
+    block_m = min(tile_for(d, paged).BLOCK_M_MAX, max(16, triton.next_power_of_2(group * Tq)))
     m_tiles = triton.cdiv(group * Tq, block_m)
+    tile = tile_for(d, paged, q.element_size(), programs=B * Hkv * m_tiles, capacity=capacity)
     if num_splits is None:
         num_splits = num_splits_for(B, Hkv, m_tiles, capacity, d, paged)
     num_splits = int(num_splits)

@@ -23,8 +23,8 @@ Backward, with g = dy * w and x_hat = x * rstd (float32):
 dx is per row; dw needs every row. The backward is a persistent kernel: a few programs per SM
 (`launch.RMS_BACKWARD`), each looping over tiles of ROWS rows (same table; row tiles pid, pid + P,
 pid + 2P, ...; x and dy of a whole tile are loaded at once, and the next tile's are requested before
-this one's arithmetic, so more bytes are in flight) and summing its rows' dy * x_hat in registers. What each program does with its sum at the end is the
-`dw_mode` (notebook 11 compares them):
+this one's arithmetic, so more bytes are in flight) and summing its rows' dy * x_hat in registers.
+What each program does with its sum at the end is the `dw_mode` (notebook 11 compares them):
 - "partials" (the default): program p writes its sum to row p of a (P, D) float32 buffer; a second
   reduction, `column_sum_kernel` (one program per strip of columns, walking down the P rows in a fixed
   order), adds the P rows and casts to w's dtype. No two programs touch one address: deterministic.
@@ -155,7 +155,9 @@ def rms_norm_bwd_kernel(
     acc_ty = dw_ptr.dtype.element_ty
     w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(acc_ty)
     dw = tl.zeros([ROWS, BLOCK_D], dtype=acc_ty)
-    x, dy = _load_tile(x_ptr, dy_ptr, tl.cast(pid * ROWS, tl.int64), n_rows, cols, col_mask, stride_x, stride_dy, ROWS)
+    x, dy = _load_tile(
+        x_ptr, dy_ptr, tl.cast(pid * ROWS, tl.int64), n_rows, cols, col_mask, stride_x, stride_dy, ROWS
+    )
     for first in range(pid * ROWS, n_rows, step):
         rows = tl.cast(first, tl.int64) + tl.arange(0, ROWS)
         row_mask = rows < n_rows

@@ -25,6 +25,7 @@ from .ceilings import (
     measure_matmul_tflops,
     measure_operations,
     measure_read_bandwidth,
+    measure_read_time,
     measure_record,
 )
 from .hardware import GPUS, GPUSpec, datasheet_rows, gpu, hierarchy, sources_by_document
@@ -65,6 +66,7 @@ __all__ = [
     "measure_matmul_tflops",
     "measure_operations",
     "measure_read_bandwidth",
+    "measure_read_time",
     "measure_record",
     "operation_costs",
     "peak_memory",

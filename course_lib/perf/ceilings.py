@@ -108,6 +108,27 @@ def measure_read_bandwidth(
     return x.nbytes / (ms * 1e-3) / 1e9
 
 
+def measure_read_time(nbytes: int, dtype=torch.bfloat16, device=None) -> float:
+    """Milliseconds `block_sums` takes to read `nbytes` once (a CUDA-graph replay on a GPU, so no launch
+    cost): the floor for a kernel that must read that many bytes. Below about 1 GB a read does not
+    reach `measure_read_bandwidth`'s figure (the first loads' latency and the last wave do not shrink
+    with the size): decoding's tables compare each cell with a read of its own size too."""
+    from .timing import graphed
+
+    _check_dtype(dtype)
+    elem = torch.empty((), dtype=dtype).element_size()
+    if nbytes < elem:
+        raise ValueError(f"nbytes must be at least one element ({elem} bytes), got {nbytes}")
+    x = torch.randn(int(nbytes) // elem, device=_device(device), dtype=dtype)
+    fn = partial(block_sums, x)
+    replay = graphed(fn)
+    try:
+        return benchmark(replay or fn)
+    finally:
+        del replay, x
+        free_memory()
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Compute: matmul TFLOP/s and the cost of common operations
 
