@@ -214,11 +214,29 @@ def test_rms_norm_forward_rows_per_program(shape, rows):
     from course_lib.fused.rms_norm import rms_norm_forward
 
     x, w = _randn(*shape, dtype=torch.float32), _randn(shape[-1], seed=1)
-    y, rstd = rms_norm_forward(x, w, 1e-6, rows=rows, warps=4)
+    y, rstd = rms_norm_forward(x, w, 1e-6, rows=rows, warps=4, chunk=0)
     what = f"rms_norm forward {shape} rows={rows}"
     _close(y, rms_norm_reference(x, w), torch.float32, what, scale=2)
     expected_rstd = torch.rsqrt(x.double().cpu().pow(2).mean(-1) + 1e-6).reshape(-1)
     _close(rstd, expected_rstd, torch.float32, f"{what} rstd")
+
+
+@pytest.mark.parametrize("chunk", [16, 256, 4096])
+@pytest.mark.parametrize("shape", [(5, 4544), (3, 2, 8192), (7, 40)], ids=str)
+def test_rms_norm_forward_chunked(shape, chunk):
+    """The chunked kernel (one row per program, read in pieces): pieces that divide D, that do not, and
+    one larger than the row; LlamaRMSNorm's casts in bf16 too."""
+    from course_lib.fused.rms_norm import rms_norm_forward
+
+    for dtype in (torch.float32, torch.bfloat16):
+        x, w = _randn(*shape, dtype=dtype), _randn(shape[-1], seed=1, dtype=dtype)
+        y, rstd = rms_norm_forward(x, w, 1e-6, warps=4, chunk=chunk)
+        y_rows, rstd_rows = rms_norm_forward(x, w, 1e-6, rows=1, warps=4, chunk=0)
+        what = f"rms_norm chunked forward {shape} {dtype} chunk={chunk}"
+        _close(y, rms_norm_reference(x, w), dtype, what, scale=2)
+        assert torch.equal(rstd, rstd_rows) or torch.allclose(rstd, rstd_rows, rtol=1e-6), what
+        if dtype == torch.float32:
+            assert torch.allclose(y, y_rows, rtol=1e-5, atol=1e-6), what
 
 
 @pytest.mark.parametrize("dw_sum", ["triton", "torch"])
@@ -268,6 +286,8 @@ def test_launch_tables_and_overrides():
         bounds = [bound for bound, _ in table]
         assert bounds == sorted(bounds) and bounds[-1] == launch.MAX_ROW, table
         values = [v for _, entry in table for v in (entry if isinstance(entry, tuple) else (entry,))]
+        chunks = [entry.chunk for _, entry in table if isinstance(entry, launch.RowLaunch)]
+        values = [v for v in values if v not in chunks] + [c for c in chunks if c]  # chunk 0: no chunking
         assert all(v >= 1 and v & (v - 1) == 0 for v in values), table
     assert launch.rms_forward(2048) == launch.RowLaunch(rows=1, warps=4)
     assert launch.rms_backward(3000).programs_per_sm == 2  # rows of 3000 elements: BLOCK_D 4096's entry

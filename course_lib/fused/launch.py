@@ -7,7 +7,8 @@ so a sweep can try other settings without editing the tables.
 
 - `WARPS`: threads per program for a tile of `block` elements where no measured setting applies (more
   warps for bigger tiles, so that each thread holds a few 16-byte vectors, not dozens);
-- `RMS_FORWARD`: rows per program and warps of the RMSNorm forward, by row length (BLOCK_D);
+- `RMS_FORWARD`: rows per program and warps of the RMSNorm forward, by row length (BLOCK_D), and the
+  chunk of the chunked kernel that long rows use;
 - `RMS_BACKWARD`: rows per loop iteration, programs per streaming multiprocessor (SM) and warps of the
   persistent RMSNorm backward, by row length; each program writes one row of dW partial sums;
 - `COLUMN_SUM`: the tile of the Triton column-sum kernel that adds the (P, D) dW partial sums;
@@ -33,10 +34,12 @@ WARPS = ((1024, 4), (4096, 8), (16384, 16), (MAX_ROW, 32))
 
 
 class RowLaunch(NamedTuple):
-    """RMSNorm forward: rows per program (a (rows, BLOCK_D) tile) and warps."""
+    """RMSNorm forward: rows per program (a (rows, BLOCK_D) tile) and warps; chunk > 0: the chunked
+    kernel instead, one row per program in pieces of `chunk` elements."""
 
     rows: int
     warps: int
+    chunk: int = 0
 
 
 class BackwardLaunch(NamedTuple):
@@ -59,15 +62,15 @@ RMS_FORWARD = (
     (1024, RowLaunch(rows=4, warps=8)),
     (2048, RowLaunch(rows=1, warps=4)),  # measured
     (4096, RowLaunch(rows=4, warps=16)),  # measured
-    (8192, RowLaunch(rows=2, warps=4)),  # measured
-    (16384, RowLaunch(rows=1, warps=16)),
-    (MAX_ROW, RowLaunch(rows=1, warps=32)),
+    (8192, RowLaunch(rows=1, warps=16, chunk=4096)),  # measured
+    (16384, RowLaunch(rows=1, warps=16, chunk=4096)),
+    (MAX_ROW, RowLaunch(rows=1, warps=16, chunk=4096)),
 )
 RMS_BACKWARD = (
     (1024, BackwardLaunch(rows=8, programs_per_sm=4, warps=16)),
-    (2048, BackwardLaunch(rows=2, programs_per_sm=2, warps=8)),  # measured
-    (4096, BackwardLaunch(rows=1, programs_per_sm=2, warps=8)),  # measured
-    (8192, BackwardLaunch(rows=1, programs_per_sm=2, warps=16)),  # measured
+    (2048, BackwardLaunch(rows=1, programs_per_sm=4, warps=8)),  # measured
+    (4096, BackwardLaunch(rows=1, programs_per_sm=2, warps=16)),  # measured
+    (8192, BackwardLaunch(rows=1, programs_per_sm=2, warps=8)),  # measured
     (16384, BackwardLaunch(rows=1, programs_per_sm=1, warps=16)),
     (MAX_ROW, BackwardLaunch(rows=1, programs_per_sm=1, warps=32)),
 )

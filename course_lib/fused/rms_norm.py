@@ -12,7 +12,9 @@ in float64 (for `torch.autograd.gradcheck`).
 
 Forward: one program per ROWS rows (`launch.RMS_FORWARD`: several short rows per program, one long one).
 The (ROWS, D) tile goes HBM -> registers once; the sums of squares, rstd and y are computed there; y goes
-back to HBM once, and rstd (one float32 per row) is saved for the backward.
+back to HBM once, and rstd (one float32 per row) is saved for the backward. Rows of 8192 elements and
+more go through the chunked kernel instead: one row per program in pieces, read twice, the second time
+from the L2 cache (fewer registers per program, so more programs share an SM).
 Bytes that must move: read x and w, write y and rstd.
 
 Backward, with g = dy * w and x_hat = x * rstd (float32):
@@ -86,6 +88,34 @@ def rms_norm_fwd_kernel(
     y_ptrs = y_ptr + rows[:, None] * stride_y + cols[None, :]
     tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=mask)  # registers -> HBM
     tl.store(rstd_ptr + rows, rstd, mask=row_mask)  # 4 bytes per row, for the backward
+
+
+@triton.jit
+def rms_norm_fwd_chunked_kernel(
+    x_ptr, w_ptr, y_ptr, rstd_ptr, n_cols, stride_x, stride_y, eps, CHUNK: tl.constexpr,
+):  # fmt: skip
+    """The same result for one row per program, read in CHUNK-element pieces: for rows too long to keep
+    in registers without starving the SM of programs. A first pass sums the squares (loads marked
+    evict_last: the row stays in the L2 cache); a second reads the row again, from the L2 (evict_first:
+    done with it), and writes y. HBM traffic is still one read of x and one write of y."""
+    row = tl.program_id(0).to(tl.int64)
+    acc_ty = rstd_ptr.dtype.element_ty
+    x_row = x_ptr + row * stride_x
+    y_row = y_ptr + row * stride_y
+    sum_sq = tl.zeros([CHUNK], dtype=acc_ty)
+    for start in range(0, n_cols, CHUNK):
+        cols = start + tl.arange(0, CHUNK)
+        x = tl.load(x_row + cols, mask=cols < n_cols, other=0.0, eviction_policy="evict_last").to(acc_ty)
+        sum_sq += x * x
+    rstd = tl.rsqrt(tl.sum(sum_sq, axis=0) / n_cols + eps)
+    for start in range(0, n_cols, CHUNK):
+        cols = start + tl.arange(0, CHUNK)
+        mask = cols < n_cols
+        x = tl.load(x_row + cols, mask=mask, other=0.0, eviction_policy="evict_first").to(acc_ty)
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(acc_ty)
+        x_hat = (x * rstd).to(x_ptr.dtype.element_ty)  # LlamaRMSNorm: x's dtype before the weight
+        tl.store(y_row + cols, (w * x_hat.to(acc_ty)).to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(rstd_ptr + row, rstd)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -209,12 +239,20 @@ def _power_of_two(name: str, value: int) -> int:
 
 
 def rms_norm_forward(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, *, rows: int | None = None, warps: int | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    *,
+    rows: int | None = None,
+    warps: int | None = None,
+    chunk: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The forward kernel alone: returns (y (..., D) in promote(x, w) dtype, rstd (rows,) float32/64).
 
-    `rows` (rows per program, a power of two) and `warps` default to `launch.rms_forward`; pass them to
-    try other launch settings."""
+    `rows` (rows per program, a power of two), `warps` and `chunk` default to `launch.rms_forward`; pass
+    them to try other launch settings. chunk = 0: `rms_norm_fwd_kernel` (whole rows in registers);
+    chunk > 0 (a power of two): `rms_norm_fwd_chunked_kernel`, one row per program in pieces of that
+    many elements (`rows` does not apply)."""
     x2 = _rows(x)
     n_rows, n_cols = x2.shape
     out_dtype = torch.promote_types(x.dtype, weight.dtype)
@@ -223,11 +261,18 @@ def rms_norm_forward(
     if n_rows:
         block = triton.next_power_of_2(n_cols)
         setting = launch.rms_forward(block)
-        rows = _power_of_two("rows", rows or setting.rows)
-        rms_norm_fwd_kernel[(triton.cdiv(n_rows, rows),)](
-            x2, weight, y, rstd, n_rows, n_cols, x2.stride(0), y.stride(0), eps,
-            BLOCK_D=block, ROWS=rows, num_warps=warps or setting.warps,
-        )  # fmt: skip
+        chunk = setting.chunk if chunk is None else chunk
+        if chunk:
+            rms_norm_fwd_chunked_kernel[(n_rows,)](
+                x2, weight, y, rstd, n_cols, x2.stride(0), y.stride(0), eps,
+                CHUNK=_power_of_two("chunk", chunk), num_warps=warps or setting.warps,
+            )  # fmt: skip
+        else:
+            rows = _power_of_two("rows", rows or setting.rows)
+            rms_norm_fwd_kernel[(triton.cdiv(n_rows, rows),)](
+                x2, weight, y, rstd, n_rows, n_cols, x2.stride(0), y.stride(0), eps,
+                BLOCK_D=block, ROWS=rows, num_warps=warps or setting.warps,
+            )  # fmt: skip
     return y.reshape(x.shape), rstd
 
 
