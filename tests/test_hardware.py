@@ -139,6 +139,13 @@ def test_read_bandwidth_on_tiny_sizes(reader):
         perf.measure_read_bandwidth(0, reader=reader)
 
 
+def test_copy_time_of_a_size():
+    ms = perf.measure_copy_time(1 << 16, torch.float32, device=course_lib.DEVICE)
+    assert math.isfinite(ms) and ms > 0
+    with pytest.raises(ValueError, match="at least two elements"):
+        perf.measure_copy_time(4, torch.float32)
+
+
 def test_read_time_of_a_size():
     ms = perf.measure_read_time(1 << 16, torch.float32, device=course_lib.DEVICE)
     assert math.isfinite(ms) and ms > 0

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from .. import records, runtime
 from ..fused import rms_norm, rope, rope_cache
-from ..perf.ceilings import measure_copy_bandwidth
+from ..perf.ceilings import measure_copy_bandwidth, measure_copy_time
 from ..perf.timing import benchmark, free_memory, graphed
 from .plots import save_figure
 from .report import record_and_report
@@ -246,6 +246,11 @@ def run(quick: bool = False) -> dict:
         "targets": TARGETS,
         "quick": quick,
     }
+    # The floor at each size: a plain copy moving the same bytes (graph-replayed), "rms_norm fwd T D".
+    data["copy_same_size_ms"] = {
+        f"rms_norm {m} {t} {d}": measure_copy_time(rms_norm_bytes(t, d, m), dtype, device)
+        for t in tokens for d in hidden for m in ("fwd", "bwd")
+    } if runtime.ON_GPU else {}  # fmt: skip
     data["rms_norm"] = [
         row for t in tokens for d in hidden for p in RMS_PROVIDERS
         for row in _freed(measure_rms_norm(t, d, p, copy_gbps, dtype, device))
@@ -296,9 +301,10 @@ def format_table(data: dict) -> str:
     lines += [
         "| RMSNorm | T | D | "
         + " | ".join(f"{p} GB/s" for p in RMS_PROVIDERS)
-        + " | course_lib / compiled | % copy |",
-        "| --- " * (5 + len(RMS_PROVIDERS)) + "|",
+        + " | course_lib / compiled | % copy | same-size copy us (% copy) | course_lib % of it |",
+        "| --- " * (7 + len(RMS_PROVIDERS)) + "|",
     ]
+    same = data.get("copy_same_size_ms", {})
     cells = sorted(
         {(r["mode"], r["T"], r["D"]) for r in data["rms_norm"]}, key=lambda c: (c[0] != "fwd", *c[1:])
     )
@@ -308,7 +314,14 @@ def format_table(data: dict) -> str:
         ours, comp = rows["course_lib"], rows["compiled"]
         ratio = f"{ours['gbps'] / comp['gbps']:.2f}x" if ours and comp else "-"
         frac = f"{ours['copy_fraction'] * 100:.0f} %" if ours else "-"
-        lines.append(f"| {mode} | {t} | {d} | {gb} | {ratio} | {frac} |")
+        copy_ms = same.get(f"rms_norm {mode} {t} {d}")
+        if copy_ms and ours:
+            nbytes = rms_norm_bytes(t, d, mode)
+            floor = f"{copy_ms * 1e3:.1f} ({nbytes / copy_ms / 1e6 / data['copy_gbps'] * 100:.0f} %)"
+            floor += f" | {copy_ms / ours['ms'] * 100:.0f} %"
+        else:
+            floor = "- | -"
+        lines.append(f"| {mode} | {t} | {d} | {gb} | {ratio} | {frac} | {floor} |")
     lines += [
         "",
         "| dW reduction | T | D | GB/s | % copy | deterministic |",

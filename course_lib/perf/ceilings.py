@@ -108,6 +108,27 @@ def measure_read_bandwidth(
     return x.nbytes / (ms * 1e-3) / 1e9
 
 
+def measure_copy_time(nbytes: int, dtype=torch.bfloat16, device=None) -> float:
+    """Milliseconds a copy that moves `nbytes` in all (reads nbytes / 2, writes nbytes / 2) takes, as a
+    CUDA-graph replay on a GPU: the floor for a kernel that must move that many bytes, read and write
+    about evenly. Like a read, a copy below about 1 GB does not reach `measure_copy_bandwidth`'s figure."""
+    from .timing import graphed
+
+    _check_dtype(dtype)
+    elem = torch.empty((), dtype=dtype).element_size()
+    if nbytes < 2 * elem:
+        raise ValueError(f"nbytes must be at least two elements ({2 * elem} bytes), got {nbytes}")
+    src = torch.randn(int(nbytes) // (2 * elem), device=_device(device), dtype=dtype)
+    dst = torch.empty_like(src)
+    fn = partial(dst.copy_, src)
+    replay = graphed(fn)
+    try:
+        return benchmark(replay or fn)
+    finally:
+        del replay, src, dst
+        free_memory()
+
+
 def measure_read_time(nbytes: int, dtype=torch.bfloat16, device=None) -> float:
     """Milliseconds `block_sums` takes to read `nbytes` once (a CUDA-graph replay on a GPU, so no launch
     cost): the floor for a kernel that must read that many bytes. Below about 1 GB a read does not
