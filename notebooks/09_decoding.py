@@ -386,8 +386,43 @@ if curve:
     _ = decode_guess.score(best["graph_ms"] * 1e3)
 
 # %% [markdown]
-# The whole benchmark (every cell against PyTorch's SDPA, plainly and as CUDA-graph replays, in GB/s and
-# as a fraction of the read ceiling) is in `notes/decoding.md` and the record `decode`:
+# ### The floor at each size
+#
+# The read ceiling is measured on a read of 1 GiB. A smaller read need not reach it: its first loads wait
+# a whole memory latency before any byte arrives, and at its end the last programs run while other SMs
+# already idle; neither cost shrinks with the size. A decode step over a cache of a few hundred MB cannot
+# beat a plain read of the same bytes, so the benchmark times one next to every cell
+# (`perf.measure_read_time`, a CUDA-graph replay of the read kernel). Predict: what fraction of the
+# ceiling does a read of 268 MB reach (the KV cache of batch 8 at 8k tokens)?
+
+# %%
+size_guess = predict("fraction of the read ceiling a 268 MB read reaches", 0.9, "")
+if course_lib.ON_GPU:
+    from course_lib import perf
+
+    live_ceiling = perf.measure_read_bandwidth(dtype=torch.bfloat16)
+    read_by_size = [(mb, perf.measure_read_time(mb * 10**6)) for mb in (4, 34, 134, 268, 537, 1074, 2147)]
+    floor_source = f"measured now, against the read ceiling measured now ({live_ceiling:.0f} GB/s)"
+elif decode_rec and any("read_same_size_ms" in c for c in decode_rec["data"]["cells"]):
+    live_ceiling = read_gbps
+    read_by_size = sorted(
+        {(c["kv_bytes"] / 1e6, c["read_same_size_ms"]) for c in decode_rec["data"]["cells"] if "read_same_size_ms" in c}
+    )
+    floor_source = f"from the recorded run ({records.label(decode_rec)})"
+else:
+    live_ceiling, read_by_size, floor_source = read_gbps, [], "no GPU here and no recorded same-size reads yet"
+print(f"reads of each size, {floor_source}:")
+for mb, ms in read_by_size:
+    fraction = mb * 1e6 / (ms * 1e-3) / 1e9 / live_ceiling
+    print(f"  {mb:7.0f} MB: {ms * 1e3:8.1f} µs = {fraction:5.0%} of the read ceiling")
+near_268 = [mb * 1e6 / (ms * 1e-3) / 1e9 / live_ceiling for mb, ms in read_by_size if 200 <= mb <= 300]
+if near_268:
+    _ = size_guess.score(near_268[0])
+
+# %% [markdown]
+# The whole benchmark (every cell against PyTorch's SDPA, plainly and as CUDA-graph replays, in GB/s, as a
+# fraction of the read ceiling and against a read of the same size) is in `notes/decoding.md` and the
+# record `decode`:
 
 # %%
 if decode_rec:

@@ -161,7 +161,12 @@ torch.testing.assert_close(y_simple, llama_rms_norm(x, w), rtol=2e-2, atol=2e-2)
 # `course_lib.fused.rms_norm` is this kernel plus what a library needs: any leading dims and strides, a
 # weight of another dtype (the output takes the promoted dtype, as in PyTorch), float64 for `gradcheck`,
 # launch sizes measured per row length (several short rows per program, warps: `course_lib.fused.launch`),
-# clear errors, and the autograd Function that calls the backward.
+# clear errors, and the autograd Function that calls the backward. Rows of 8192 elements and more take a
+# second kernel, `rms_norm_fwd_chunked_kernel`: one row per program, read in pieces, twice. The first pass
+# sums the squares and asks the L2 cache to keep the row (`eviction_policy="evict_last"`); the second reads
+# it back from the L2 and writes y. HBM still sees one read and one write, and a program needs far fewer
+# registers than one that holds a whole long row, so more programs share an SM and more loads are in
+# flight. (`torch.compile` generates the same two-pass loop for such rows.)
 #
 # ## 3. The backward: dX per row, dW across rows
 #
@@ -172,8 +177,11 @@ torch.testing.assert_close(y_simple, llama_rms_norm(x, w), rtol=2e-2, atol=2e-2)
 #
 # dx needs only its own row (one more row reduction, in registers). dw sums over **all** rows, which live in
 # different programs. course_lib's backward is a *persistent* kernel: a few programs per SM, each looping
-# over rows p, p + P, p + 2P, … and adding up its rows' dy ⊙ x̂ in registers. At the end each program holds
-# a partial dW; three ways to add those up:
+# over rows p, p + P, p + 2P, … and adding up its rows' dy ⊙ x̂ in registers. Each iteration first asks
+# for the *next* row's x and dy, then computes and stores this row's dx: software pipelining by hand, so
+# the loads of one row are in flight while the arithmetic and the store of the previous one run (without
+# it, each program waits for its loads at the top of every iteration). At the end each program holds a
+# partial dW; three ways to add those up:
 #
 # - **atomics**: every program `atomic_add`s its partial into one float32 row. One pass, but the order of
 #   the additions depends on which program finishes first, and float addition is not associative: the last
