@@ -5,16 +5,24 @@ than query heads: course_lib.flash_attention(q, k, v) with k, v of H/4 heads, ag
 k, v repeated to H heads beforehand (the repeat itself not timed). Prints the time of each and their ratio.
 
     COURSE_DEVICE=cuda python3 scripts/gqa_speed.py [--out file.json]
+
+--backward-modes: for the causal cells, the backward alone of the three ways the dK/dV kernel can sum
+a group (`attention.backward.dkdv_heads_per_program`, `dkdv_block_major`): one query head per program
+plus fp32 partial sums, the whole group on chip head-major, and the whole group on chip block-major;
+and the same backward on repeated K/V.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+from functools import partial
 
 import torch
 
 import course_lib
+from course_lib.attention import backward as attention_backward
+from course_lib.attention.forward import forward as attention_forward
 from course_lib.bench import summarise
 from course_lib.bench.shapes import standard_cells
 from course_lib.perf.timing import benchmark
@@ -33,10 +41,52 @@ def fwd_bwd(q, k, v, causal):
 do_cache: dict = {}
 
 
+BACKWARD_MODES = {  # name -> (query heads summed on chip: all or one, block-major)
+    "partials": (False, False),
+    "on chip, head-major": (True, False),
+    "on chip, block-major": (True, True),
+}
+
+
+def backward_modes(group: int) -> None:
+    """Time the backward alone for each way of summing a group (module docstring), causal cells."""
+    heads_rule, order_rule = attention_backward.dkdv_heads_per_program, attention_backward.dkdv_block_major
+    try:
+        for cell in standard_cells():
+            B, H, N, d = cell["B"], cell["H"], cell["N"], cell["d"]
+            if not cell["causal"]:
+                continue
+            q = torch.randn(B, H, N, d, device="cuda", dtype=torch.bfloat16)
+            k, v = (torch.randn(B, H // group, N, d, device="cuda", dtype=torch.bfloat16) for _ in "kv")
+            do = torch.randn_like(q)
+            k_rep, v_rep = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+            o, lse = attention_forward(q, k_rep, v_rep, causal=True)
+            times = {
+                "repeated K/V": benchmark(
+                    partial(attention_backward.backward, do, q, k_rep, v_rep, o, lse, True)
+                )
+            }
+            o, lse = attention_forward(q, k, v, causal=True)
+            grouped = partial(attention_backward.backward, do, q, k, v, o, lse, True)
+            for name, (on_chip, block_major) in BACKWARD_MODES.items():
+                attention_backward.dkdv_heads_per_program = lambda g, c, n, on_chip=on_chip: (
+                    g if on_chip else 1
+                )
+                attention_backward.dkdv_block_major = lambda heads, c, block_major=block_major: block_major
+                times[name] = benchmark(grouped)
+            print(f"backward d={d} N={N:5}: " + ", ".join(f"{n} {t * 1e3:.0f} us" for n, t in times.items()))
+    finally:
+        attention_backward.dkdv_heads_per_program, attention_backward.dkdv_block_major = (
+            heads_rule,
+            order_rule,
+        )
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None)
     parser.add_argument("--group", type=int, default=4, help="query heads per K/V head")
+    parser.add_argument("--backward-modes", action="store_true", help="also compare the group-summing modes")
     args = parser.parse_args()
     rows = []
     for cell in standard_cells():
@@ -56,6 +106,8 @@ def main() -> int:
         )
     low, geomean = summarise(r["ratio"] for r in rows)
     print(f"repeated / GQA time: min {low:.2f}x, geomean {geomean:.2f}x")
+    if args.backward_modes:
+        backward_modes(args.group)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)

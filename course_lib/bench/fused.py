@@ -79,13 +79,13 @@ def eager_rope(q, k, cos, sin):
     return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
-def _compiled(fn):
+def compiled_for_shape(fn):
     """A fresh `torch.compile` of fn for one shape (dynamo's caches reset, so no recompile limit bites)."""
     torch._dynamo.reset()
     return torch.compile(fn, dynamic=False)
 
 
-def _graph_ms(call) -> float | None:
+def graph_ms(call) -> float | None:
     """Median ms of a CUDA-graph replay of `call` (None off the GPU); the graph is freed afterwards."""
     replay = graphed(call)
     if replay is None:
@@ -129,11 +129,11 @@ def _measure_fwd_bwd(fn, inputs, grads, nbytes: dict, copy_gbps: float) -> list[
         with torch.no_grad():
             fn(*inputs)  # compile (if any) before timing
             fwd_plain = benchmark(lambda: fn(*inputs))
-            fwd_graph = _graph_ms(lambda: fn(*inputs))
+            fwd_graph = graph_ms(lambda: fn(*inputs))
         out = fn(*inputs)
         bwd_plain = benchmark(lambda: torch.autograd.grad(out, inputs, grads, retain_graph=True))
         out = None  # frees the plain backward's graph before the capture
-        both_graph = _graph_ms(lambda: torch.autograd.grad(fn(*inputs), inputs, grads))
+        both_graph = graph_ms(lambda: torch.autograd.grad(fn(*inputs), inputs, grads))
     except Exception as exc:
         return [{"mode": m, **_failed(exc)} for m in ("fwd", "bwd")]
     fwd = {"mode": "fwd", **_figures(fwd_plain, fwd_graph, nbytes["fwd"], copy_gbps)}
@@ -150,7 +150,7 @@ def _rms_fns(provider: str):
     if provider == "F.rms_norm":
         return lambda x, w: F.rms_norm(x, (x.shape[-1],), w, EPS)
     if provider == "compiled":
-        return _compiled(llama_rms_norm)
+        return compiled_for_shape(llama_rms_norm)
     return lambda x, w: rms_norm(x, w, EPS)
 
 
@@ -190,7 +190,7 @@ def measure_dw_modes(tokens: int, hidden: int, copy_gbps: float, dtype, device) 
         deterministic = all(torch.equal(dws[0], other) for other in dws[1:])
         try:  # plain: through autograd; graph: the backward kernel and its dW reduction alone
             plain = benchmark(grad)
-            graph = _graph_ms(lambda mode=mode: rms_norm_backward(dy, x.detach(), w.detach(), rstd, mode))
+            graph = graph_ms(lambda mode=mode: rms_norm_backward(dy, x.detach(), w.detach(), rstd, mode))
             m = _figures(plain, graph, nbytes, copy_gbps)
         except Exception as exc:
             m = _failed(exc)
@@ -214,7 +214,7 @@ def measure_rope(tokens: int, provider: str, copy_gbps: float, dtype, device) ->
     elif provider == "eager":
         fn = lambda q, k: eager_rope(q, k, cos, sin)
     else:
-        fn = _compiled(lambda q, k: eager_rope(q, k, cos, sin))
+        fn = compiled_for_shape(lambda q, k: eager_rope(q, k, cos, sin))
     cell = {"kernel": "rope", "T": tokens, "provider": provider}
     nbytes = {m: rope_bytes(tokens) for m in ("fwd", "bwd")}
     return [{**cell, **r} for r in _measure_fwd_bwd(fn, (q, k), (dq, dk), nbytes, copy_gbps)]
