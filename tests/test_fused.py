@@ -540,8 +540,9 @@ def test_gpu_rope_bf16_real_sizes(layout):
 @pytest.mark.gpu
 @gpu
 def test_gpu_forward_and_backward_capture_in_one_cuda_graph():
-    """What the benchmark's graph timing does: forward + backward of rms_norm and rope captured together,
-    replayed, and equal to the plain call (the dW reduction is deterministic, so bit for bit)."""
+    """What the benchmark's graph timing does: forward + backward of rms_norm and rope (positions implicit
+    and as a tensor) captured together, replayed, and equal to the plain call (the dW reduction is
+    deterministic, so bit for bit)."""
     from course_lib.perf.timing import graphed
 
     x = _randn(4096, 4544, dtype=torch.bfloat16).requires_grad_()
@@ -551,12 +552,17 @@ def test_gpu_forward_and_backward_capture_in_one_cuda_graph():
     k = _randn(1024, 8, 128, dtype=torch.bfloat16, seed=4).requires_grad_()
     dq, dk = torch.randn_like(q), torch.randn_like(k)
     cos, sin = rope_cache(1024, 128, dtype=torch.bfloat16, device=DEVICE)
+    positions = torch.randperm(1024, generator=torch.Generator().manual_seed(5)).to(DEVICE)  # a tensor
     out = {}
 
     def step():
         out["rms"] = torch.autograd.grad(rms_norm(x, w), (x, w), dy)
         qr, kr = rope(q.transpose(0, 1), k.transpose(0, 1), cos, sin)
         out["rope"] = torch.autograd.grad((qr, kr), (q, k), (dq.transpose(0, 1), dk.transpose(0, 1)))
+        qr, kr = rope(q.transpose(0, 1), k.transpose(0, 1), cos, sin, positions=positions)  # no sync inside
+        out["rope_positions"] = torch.autograd.grad(
+            (qr, kr), (q, k), (dq.transpose(0, 1), dk.transpose(0, 1))
+        )
 
     replay = graphed(step)
     replay()

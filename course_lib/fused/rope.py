@@ -92,7 +92,7 @@ def rope_kernel(
     n_tokens, n_token_tiles, n_q_heads, n_k_heads, n_pairs,
     stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
     stride_qob, stride_qoh, stride_qot, stride_kob, stride_koh, stride_kot,
-    stride_cb, stride_ct, stride_pb, pos_start,
+    stride_cb, stride_ct, stride_pb, pos_start, n_cache,
     HAS_POSITIONS: tl.constexpr, INTERLEAVED: tl.constexpr, BACKWARD: tl.constexpr, TOKENS: tl.constexpr,
     BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_PAIRS: tl.constexpr, ACC_64: tl.constexpr,
 ):  # fmt: skip
@@ -104,8 +104,9 @@ def rope_kernel(
     b = (pid // n_token_tiles).to(tl.int64)
     t = (pid % n_token_tiles).to(tl.int64) * TOKENS + tl.arange(0, TOKENS)
     tok_mask = t < n_tokens
-    if HAS_POSITIONS:
+    if HAS_POSITIONS:  # checked on the host, except under CUDA-graph capture: clamped into the cache
         pos = tl.load(pos_ptr + b * stride_pb + t, mask=tok_mask, other=0).to(tl.int64)
+        pos = tl.minimum(tl.maximum(pos, 0), n_cache - 1)
     else:
         pos = pos_start + t
     i = tl.arange(0, BLOCK_PAIRS)
@@ -192,7 +193,7 @@ def rotate(
         n_tokens, n_token_tiles, n_q_heads, k.shape[1], n_pairs,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         q_out.stride(0), q_out.stride(1), q_out.stride(2), k_out.stride(0), k_out.stride(1), k_out.stride(2),
-        stride_cb, cos.stride(1), stride_pb, 0 if has_positions else positions,
+        stride_cb, cos.stride(1), stride_pb, 0 if has_positions else positions, cos.shape[1],
         HAS_POSITIONS=has_positions, INTERLEAVED=interleaved, BACKWARD=backward, TOKENS=tokens,
         BLOCK_HQ=block_hq, BLOCK_HK=block_hk, BLOCK_PAIRS=block_pairs,
         ACC_64=accumulator_dtype(q.dtype) == torch.float64,
@@ -249,7 +250,10 @@ def _positions(positions, n_batch: int, n_tokens: int, n_cache: int, device) -> 
         raise ValueError(
             f"{where}: positions must have shape (T,) or (B, T) = ({n_batch}, {n_tokens}); got {tuple(positions.shape)}"
         )
-    if pos.numel() and (int(pos.min()) < 0 or int(pos.max()) >= n_cache):
+    # The value check reads the tensor back (a sync): skipped while a CUDA graph is being captured, where
+    # a sync is not allowed; the kernel clamps positions into the cache instead of reading past it.
+    capturing = pos.is_cuda and torch.cuda.is_current_stream_capturing()
+    if pos.numel() and not capturing and (int(pos.min()) < 0 or int(pos.max()) >= n_cache):
         raise ValueError(
             f"{where}: positions run from {int(pos.min())} to {int(pos.max())}, but cos and sin have rows "
             f"0..{n_cache - 1} only"
