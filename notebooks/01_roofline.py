@@ -272,8 +272,8 @@ plt.show()
 # - **bandwidth**: a large copy `dst.copy_(src)`, counting bytes read plus bytes written;
 # - **compute**: a large matmul (2n³ FLOPs), bf16 on a GPU, fp32 on a CPU.
 #
-# Timing uses `course_lib.timing.benchmark`: on a GPU, Triton's `do_bench` (median, after warm-up, with
-# the L2 cache flushed); on a CPU a wall-clock median.
+# Timing uses `course_lib.timing.benchmark`: on a GPU, the median of CUDA-event timings after warm-up,
+# with the L2 cache flushed before each call (notebook 08 says how); on a CPU a wall-clock median.
 
 # %%
 copy_gbps = perf.measure_copy_bandwidth(COPY_NUMEL)

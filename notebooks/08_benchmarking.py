@@ -177,10 +177,11 @@ plt.show()
 # call; every later call reads from the cache instead of from memory. For data that fits (the H200's L2
 # holds 50 MB; a CPU core's L2 a few MB), the loop measures a bandwidth the real workload, which
 # streams fresh data, never sees. `triton.testing.do_bench` therefore **clears the L2** (by writing a
-# 256 MB buffer) before every call; `torch.utils.benchmark` does not.
+# 256 MB buffer) before every call, and so does `course_lib.timing.benchmark` (by reading one, for the
+# reason at the end of this section); `torch.utils.benchmark` does not.
 #
 # Below: the bandwidth of `x.sum()` as the array grows, timed hot (repeated calls, `torch.utils.benchmark`)
-# and, on a GPU, with the L2 flushed (`do_bench`). Hot small arrays look much faster than memory is.
+# and, on a GPU, with the L2 flushed (`timing.benchmark`). Hot small arrays look much faster than memory is.
 
 # %%
 from torch.utils import benchmark as tbench
@@ -194,7 +195,7 @@ for nbytes in SWEEP_BYTES:
         flushed.append(nbytes / (timing.benchmark(lambda x=x: x.sum()) * 1e-3) / 1e9)
 series = {"hot: repeated calls (torch.utils.benchmark)": hot}
 if flushed:
-    series["L2 flushed before each call (do_bench)"] = flushed
+    series["L2 flushed before each call (timing.benchmark)"] = flushed
 fig, ax = plt.subplots(figsize=(8, 4.5))
 for name, ys in series.items():
     ax.plot([n / 2**20 for n in SWEEP_BYTES], ys, marker="o", label=name)
@@ -206,6 +207,29 @@ ax.legend()
 plt.show()
 
 # %% [markdown]
+# **How to flush matters too.** Writing a 256 MB buffer leaves the L2 full of *dirty* lines: data that
+# exists only in the cache. The next kernel's first loads must evict them, and an evicted dirty line is
+# written back to memory first. So under `do_bench` every kernel starts by writing back tens of MB that
+# belong to the timer, a fixed cost of several microseconds that looks like a slow start of the kernel.
+# `timing.benchmark` flushes by reading a 256 MB buffer instead: the lines it leaves are clean and cost
+# nothing to evict, which is what a profiler's cache flush gives a kernel too. On a GPU, one read of
+# 256 MB timed both ways (on the CPU there is no L2 flush to compare):
+
+# %%
+if course_lib.ON_GPU:
+    big = torch.randn(2**26, device=DEVICE)  # 256 MiB of float32: five times an H200's L2
+    read_big = lambda: big.sum()  # noqa: E731
+    t_write_flush = course_lib.runtime.triton.testing.do_bench(read_big, return_mode="median") * 1e3
+    t_read_flush = timing.benchmark(read_big) * 1e3
+    print(f"flushed by a write (do_bench): {t_write_flush:.1f} us")
+    print(f"flushed by a read (timing.benchmark): {t_read_flush:.1f} us")
+    print(f"the timer's own write-back costs this read {t_write_flush - t_read_flush:.1f} us, "
+          f"{(t_write_flush - t_read_flush) / t_read_flush:.0%} of its time")
+    del big
+else:
+    print("CPU: no GPU L2 to flush; this comparison runs on a GPU")
+
+# %% [markdown]
 # ### 1.5 `do_bench` against `torch.utils.benchmark`
 #
 # | | `triton.testing.do_bench` | `torch.utils.benchmark.Timer` |
@@ -213,11 +237,11 @@ plt.show()
 # | devices | CUDA only (not the interpreter) | CPU and CUDA |
 # | synchronises | yes (CUDA events) | yes |
 # | warm-up | yes (`warmup` ms) | `blocked_autorange` runs until `min_run_time` |
-# | L2 cache | flushed before every call | not flushed (hot) |
+# | L2 cache | flushed before every call (by a write) | not flushed (hot) |
 # | summary | median (or mean, min, quantiles) in ms | median and IQR, seconds; compares runs in tables |
 #
-# `course_lib.timing.benchmark(fn)` is `do_bench`'s median on a GPU and a wall-clock median of a few calls
-# on the CPU. Both ways on standard attention:
+# `course_lib.timing.benchmark(fn)` is `do_bench`'s procedure and median on a GPU, with the L2 flushed by a
+# read, and a wall-clock median of a few calls on the CPU. Both ways on standard attention:
 
 # %%
 t_course = timing.benchmark(lambda: attention(q, k, v))
@@ -833,8 +857,9 @@ check("predicted ladder total", lambda: predicted_total(fwd_steps), math.prod(s.
 #
 # ## Summary
 # - A GPU runs asynchronously: synchronise (or use events) before reading a clock; warm up first; report
-#   medians; flush the L2 or you time the cache. `do_bench` does all of it; `course_lib.timing.benchmark`
-#   wraps it, and falls back to a wall clock on the CPU, where interpreted kernels' times mean nothing.
+#   medians; flush the L2 or you time the cache, and flush it with a read, or every kernel pays for writing
+#   the flush's dirty lines back. `course_lib.timing.benchmark` does all of it (`do_bench` all but the
+#   last), and falls back to a wall clock on the CPU, where interpreted kernels' times mean nothing.
 # - TFLOP/s by the papers' convention: 4·B·H·N²·d for a forward, halved when causal, x2.5 for the backward.
 # - `torch.profiler` shows where time goes per operator and kernel; Nsight Systems shows the timeline,
 #   Nsight Compute one kernel's hardware counters.

@@ -390,10 +390,11 @@ if curve:
 #
 # The read ceiling is measured on a read of 1 GiB. A smaller read need not reach it: its first loads wait
 # a whole memory latency before any byte arrives, and at its end the last programs run while other SMs
-# already idle; neither cost shrinks with the size. A decode step over a cache of a few hundred MB cannot
-# beat a plain read of the same bytes, so the benchmark times one next to every cell
-# (`perf.measure_read_time`, a CUDA-graph replay of the read kernel). Predict: what fraction of the
-# ceiling does a read of 268 MB reach (the KV cache of batch 8 at 8k tokens)?
+# already idle; neither cost shrinks with the size. (Nor would the write-back of a timer's dirty L2 lines,
+# which is why `timing.benchmark` flushes the L2 with a read: notebook 08, section 1.4.) A decode step
+# over a cache of a few hundred MB cannot beat a plain read of the same bytes, so the benchmark times one
+# next to every cell (`perf.measure_read_time`, a CUDA-graph replay of the read kernel). Predict: what
+# fraction of the ceiling does a read of 268 MB reach (the KV cache of batch 8 at 8k tokens)?
 
 # %%
 size_guess = predict("fraction of the read ceiling a 268 MB read reaches", 0.9, "")

@@ -168,6 +168,32 @@ def test_read_bandwidth_on_gpu_is_near_the_copy_bandwidth():
     assert read > 0.8 * copy, (read, torch_read, copy)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not course_lib.ON_GPU, reason="needs a CUDA GPU")
+def test_benchmark_flushes_the_l2_with_a_read():
+    """benchmark flushes (a small read is slower flushed than hot) and its flush leaves no dirty lines
+    behind: a 128 MiB read times several microseconds less than under do_bench's write-flush."""
+    from course_lib.runtime import triton
+
+    small = torch.randn(2**22, device="cuda")  # 16 MiB: fits the L2 of an A100 or H100 / H200
+    read_small = lambda: perf.block_sums(small)  # noqa: E731
+    read_small()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(50):
+        read_small()
+    end.record()
+    torch.cuda.synchronize()
+    hot = start.elapsed_time(end) / 50
+    flushed = perf.benchmark(read_small)
+    assert flushed > 1.3 * hot, (flushed, hot)
+    big = torch.randn(2**25, device="cuda")  # 128 MiB
+    read_big = lambda: perf.block_sums(big)  # noqa: E731
+    clean = perf.benchmark(read_big)
+    dirty = triton.testing.do_bench(read_big, return_mode="median")
+    assert clean < dirty - 0.003, (clean, dirty)
+
+
 def test_measurements_reject_bad_arguments():
     with pytest.raises(TypeError, match="floating-point"):
         perf.measure_copy_bandwidth(16, dtype=torch.int32, device="cpu")

@@ -23,7 +23,7 @@ from .providers import LABELS, PROVIDERS, SDPA_BACKENDS, attention_fns, skip_rea
 from .report import check_targets, ratio_rows, report_columns, summarise
 from .shapes import MAX_SCORE_BYTES, MODEL_DIM, MODES, TOKENS, standard_cells
 
-# do_bench's budget per measurement (ms of warm-up, ms of timed repetitions): about 400 measurements
+# The timer's budget per measurement (ms of warm-up, ms of timed repetitions): about 400 measurements
 # make the grid, so this decides much of `make bench`'s run time. 50 ms is >= 40 repetitions of a
 # kernel of a millisecond or less, plenty for a stable median.
 TIMER_MS = {False: (10, 50), True: (5, 20)}
@@ -39,9 +39,7 @@ def timer_name(quick: bool) -> str:
     """How `make_timer(quick)` times, in words, for the record."""
     if not runtime.ON_GPU:
         return "wall-clock median (CPU)"
-    return "triton.testing.do_bench median, L2 flushed (warm-up {} ms, {} ms of repetitions)".format(
-        *TIMER_MS[quick]
-    )
+    return "{} (warm-up {} ms, {} ms of repetitions)".format(timing.GPU_TIMER, *TIMER_MS[quick])
 
 
 def _nbytes(*tensors) -> int:

@@ -131,8 +131,8 @@ def measure_copy_time(nbytes: int, dtype=torch.bfloat16, device=None) -> float:
 
 def measure_read_time(nbytes: int, dtype=torch.bfloat16, device=None) -> float:
     """Milliseconds `block_sums` takes to read `nbytes` once (a CUDA-graph replay on a GPU, so no launch
-    cost): the floor for a kernel that must read that many bytes. Below about 1 GB a read does not
-    reach `measure_read_bandwidth`'s figure (the first loads' latency and the last wave do not shrink
+    cost): the floor for a kernel that must read that many bytes. A read of a few hundred MB or less
+    does not reach `measure_read_bandwidth`'s figure (the first loads' latency and the last wave do not shrink
     with the size): decoding's tables compare each cell with a read of its own size too."""
     from .timing import graphed
 

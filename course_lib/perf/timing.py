@@ -1,10 +1,15 @@
 """Timing that is honest on a GPU and still runs on a CPU.
 
-Taught in notebook 08 (used from notebook 01 on). On a GPU, `benchmark` is
-`triton.testing.do_bench`: it synchronises, flushes the L2 cache between runs, warms up, and returns
-the median in milliseconds. The interpreter cannot run `do_bench`, and interpreter timings measure
-Python, not a kernel; on the CPU `benchmark` falls back to a wall-clock median of a few calls, which
-is right for timing CPU PyTorch code and meaningless for interpreted Triton kernels.
+Taught in notebook 08 (used from notebook 01 on). On a GPU, `benchmark` does what
+`triton.testing.do_bench` does (synchronise, warm up, flush the L2 cache before every call, time each
+call between two CUDA events, return the median in milliseconds) with one difference: it flushes the
+L2 by *reading* a 256 MB buffer, where `do_bench` writes one. A write leaves the L2 full of dirty
+lines, and the timed kernel pays for writing them back to memory (about 9 us on an H200, the time to
+read 40 MB): every kernel looked that much slower, which is most of the gap between a few-hundred-MB
+read and the bandwidth ceiling. A read leaves clean lines that cost nothing to evict, as a profiler's
+cache flush does. The interpreter cannot run CUDA events, and interpreter timings measure Python, not
+a kernel; on the CPU `benchmark` falls back to a wall-clock median of a few calls, which is right for
+timing CPU PyTorch code and meaningless for interpreted Triton kernels.
 """
 
 from __future__ import annotations
@@ -17,11 +22,56 @@ import torch
 
 from .. import runtime
 
+GPU_TIMER = "median of CUDA-event timings, L2 flushed by a read before each call"  # for the records
+FLUSH_BYTES = 256 * 2**20  # the buffer read between timed calls: five times an H200's 50 MB L2
+_flush_buffers: dict = {}
+
+
+def flush_l2() -> None:
+    """Evict the L2 cache of the current CUDA device by reading FLUSH_BYTES (a row sum into a small
+    buffer): the lines it leaves are clean, and whatever the last call wrote is written back now, before
+    the next timed call starts. Taught in notebook 08 (section 1.4)."""
+    device = torch.cuda.current_device()
+    if device not in _flush_buffers:
+        x = torch.zeros(FLUSH_BYTES // 4, device=device, dtype=torch.float32).view(-1, 1024)
+        _flush_buffers[device] = (x, torch.empty(x.shape[0], device=device, dtype=torch.float32))
+    x, sums = _flush_buffers[device]
+    torch.sum(x, dim=1, out=sums)
+
+
+def _gpu_median(fn, warmup_ms: float, rep_ms: float) -> float:
+    """do_bench's procedure (estimate, warm up, then a flushed and event-timed call per repetition),
+    with `flush_l2` as the flush."""
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(5):
+        flush_l2()
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    estimate = max(start.elapsed_time(end) / 5, 1e-3)
+    for _ in range(max(1, int(warmup_ms / estimate))):
+        fn()
+    n = max(1, int(rep_ms / estimate))
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+    for i in range(n):
+        flush_l2()
+        starts[i].record()
+        fn()
+        ends[i].record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
+
 
 def benchmark(fn, *, warmup_ms: float = 25, rep_ms: float = 100, cpu_reps: int = 5) -> float:
-    """Median time of `fn()` in milliseconds, on the device course_lib runs on."""
+    """Median time of `fn()` in milliseconds, on the device course_lib runs on: on a GPU, each call
+    timed by CUDA events after a clean L2 flush (`flush_l2`), after `warmup_ms` of warm-up calls and
+    for about `rep_ms` of calls; on the CPU, the wall-clock median of `cpu_reps` calls after one."""
     if runtime.ON_GPU:
-        return float(runtime.triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+        return float(_gpu_median(fn, warmup_ms, rep_ms))
     fn()  # warm-up: first-call costs (allocation, caches, kernel decoration) stay out
     samples = []
     for _ in range(cpu_reps):
