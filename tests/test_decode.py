@@ -10,20 +10,11 @@ import torch
 
 import course_lib
 from course_lib.attention.merge import merge_many
-from course_lib.decode import decode_attention, decode_reference, paged_decode_attention, split_kv
+from course_lib.decode import decode_attention, decode_reference, paged_decode_attention
 from course_lib.decode.batching import ContinuousBatcher
 from course_lib.decode.cache import OutOfPages, PageAllocator, PagedKVCache
 from course_lib.decode.combine import combine
-from course_lib.decode.heuristics import (
-    FUSED_COMBINE_MAX_SPLITS,
-    SHORT_TILES,
-    SHORT_WAVES,
-    choose_num_splits,
-    fuse_combine,
-    sm_count,
-    split_chunk,
-    tile_for,
-)
+from course_lib.decode.heuristics import SHORT_TILES, SHORT_WAVES, choose_num_splits, sm_count, tile_for
 from course_lib.decode.reference import gather_pages
 from course_lib.decode.toy_model import ToyModel
 
@@ -116,43 +107,6 @@ def test_paged_matches_contiguous_and_reference(page_size, dtype, hq, hkv, tq, l
     out, lse = paged_decode_attention(q, k_pages, v_pages, table, seqlens, num_splits=2, return_lse=True)
     ref_out, ref_lse = decode_reference(q, k, v, seqlens)
     assert_matches(out, lse, ref_out, ref_lse, dtype, case)
-
-
-@pytest.mark.parametrize("paged", [False, True])
-@pytest.mark.parametrize("num_splits", [2, 3, 7, 16])
-def test_fused_combine_equals_the_combine_kernel(paged, num_splits):
-    """The last split of each tile merges the partials (fuse_combine=True) as the combine kernel does:
-    every row, empty splits and rows with no key included, launch after launch (the arrival counters
-    must be back at 0 after each)."""
-    lengths = [0, 1, 150, 333]
-    tq, hq, hkv, d = 2, 8, 2, 64
-    q, k, v = make_cache(len(lengths), 333, hq, hkv, d, tq, torch.float32, seed=num_splits)
-    seqlens = torch.tensor(lengths, dtype=torch.int32, device=DEV)
-    ref_out, ref_lse = decode_reference(q, k, v, seqlens)
-    if paged:
-        k_pages, v_pages, table = to_pages(k, v, 16, seed=num_splits)
-        run = lambda fuse: paged_decode_attention(  # noqa: E731
-            q, k_pages, v_pages, table, seqlens, num_splits=num_splits, return_lse=True, fuse_combine=fuse
-        )
-    else:
-        run = lambda fuse: decode_attention(  # noqa: E731
-            q, k, v, seqlens, num_splits=num_splits, return_lse=True, fuse_combine=fuse
-        )
-    separate = run(False)
-    for launch_no in range(2):
-        fused = run(True)
-        case = f"paged={paged} splits={num_splits} launch {launch_no}"
-        assert_matches(*fused, ref_out, ref_lse, torch.float32, case)
-        torch.testing.assert_close(fused[0], separate[0], rtol=1e-5, atol=1e-6, msg=case)
-    assert int(split_kv.arrival_counters(1, q.device).abs().sum()) == 0, "counters left non-zero"
-
-
-def test_fused_combine_rule_and_chunk():
-    assert not fuse_combine(1) and fuse_combine(2) and fuse_combine(FUSED_COMBINE_MAX_SPLITS)
-    assert not fuse_combine(FUSED_COMBINE_MAX_SPLITS + 1)
-    assert split_chunk(3, 16, 128) == 4  # the split count rounded up to a power of two
-    assert split_chunk(16, 16, 128) == 8  # capped: 8 x 16 x 128 fp32 elements per step
-    assert split_chunk(16, 64, 256) == 1
 
 
 def test_combine_kernel_equals_merge_many():

@@ -21,46 +21,6 @@ runtime.require_triton()
 
 
 @triton.jit
-def merge_step(m, l, acc, lse_s, o_s):
-    """One step of the merge over a chunk of C splits, for R rows at once (the online form of the rule
-    above): running state m (R,) (the largest L so far, natural log), l (R,) (sum of exp(L_s - m)),
-    acc (R, D) (sum of exp(L_s - m) O_s); chunk lse_s (C, R) and o_s (C, R, D), fp32. Empty splits
-    (L_s = -inf) weigh 0, and rows that no split saw keep m = -inf, l = 0 without a NaN."""
-    m_new = tl.maximum(m, tl.max(lse_s, 0))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.math.exp2((m - m_safe) * LOG2E)  # rescales what was summed against the old max
-    w = tl.math.exp2((lse_s - m_safe[None, :]) * LOG2E)  # (C, R)
-    l = l * alpha + tl.sum(w, 0)
-    acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * o_s, 0)
-    return m_new, l, acc
-
-
-@triton.jit
-def merge_finish(m, l, acc):
-    """(O, L) of the merged rows: O = acc / l and L = m + log l, or (0, -inf) for a row no split saw."""
-    empty = l == 0.0
-    safe_l = tl.where(empty, 1.0, l)
-    o = acc / safe_l[:, None]
-    lse = tl.where(empty, float("-inf"), m + tl.math.log2(safe_l) * LN2)
-    return o, lse
-
-
-@triton.jit
-def last_to_arrive(counter, arrivals):
-    """True in the one program that increments `counter` (int32, 0 before the first arrival) to
-    `arrivals`: the last of the programs that share it, which may then read what all of them stored.
-
-    The barrier makes every thread's stores precede the atomic; the atomic (acquire-release, GPU
-    scope) publishes them and, in the last program, makes the others' visible. The last program sets
-    the counter back to 0, so the next launch (or CUDA-graph replay) finds it ready."""
-    tl.debug_barrier()
-    ticket = tl.atomic_add(counter, 1, sem="acq_rel")
-    last = ticket == arrivals - 1
-    tl.atomic_xchg(counter, 0, mask=last, sem="relaxed")
-    return last
-
-
-@triton.jit
 def combine_kernel(
     O_PART, L_PART, O, L,
     stride_ps, stride_pb, stride_pt, stride_ph, stride_pd,
@@ -79,29 +39,37 @@ def combine_kernel(
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
     s_ok = offs_s < NUM_SPLITS
-    d_ok = offs_d < HEAD_DIM
-    # All S partials of this row at once, HBM -> registers: L_s (S, 1) and O_s (S, 1, d).
+    # The S logsumexps of this row: HBM -> registers.
     lse_s = tl.load(
         L_PART + offs_s * stride_qs + b * stride_qb + t * stride_qt + h * stride_qh,
         mask=s_ok,
         other=float("-inf"),
     )
+    m = tl.max(lse_s, 0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)  # a row no split saw: all weights 0, no NaN
+    w = tl.math.exp2((lse_s - m_safe) * LOG2E)  # exp(L_s - max): 0 for empty splits
+    total = tl.sum(w, 0)
+    # The S partial outputs: (BLOCK_S, d) fp32, HBM -> registers.
     o_s = tl.load(
-        O_PART + offs_s[:, None] * stride_ps + b * stride_pb + t * stride_pt + h * stride_ph
+        O_PART
+        + offs_s[:, None] * stride_ps
+        + b * stride_pb
+        + t * stride_pt
+        + h * stride_ph
         + offs_d[None, :] * stride_pd,
-        mask=s_ok[:, None] & d_ok[None, :],
+        mask=s_ok[:, None] & (offs_d < HEAD_DIM)[None, :],
         other=0.0,
-    )  # fmt: skip
-    m = tl.full([1], float("-inf"), dtype=tl.float32)
-    m, l, acc = merge_step(m, tl.zeros([1], dtype=tl.float32), tl.zeros([1, BLOCK_D], dtype=tl.float32),
-                           lse_s[:, None], o_s[:, None, :])  # fmt: skip
-    o, lse = merge_finish(m, l, acc)
-    tl.store(
-        O + b * stride_ob + t * stride_ot + h * stride_oh + offs_d[None, :] * stride_od,
-        o.to(O.dtype.element_ty),
-        mask=d_ok[None, :],
     )
-    tl.store(L + b * stride_lb + t * stride_lt + h * stride_lh + tl.arange(0, 1), lse)
+    empty = total == 0.0
+    safe_total = tl.where(empty, 1.0, total)
+    o = tl.sum(w[:, None] * o_s, 0) / safe_total
+    lse = tl.where(empty, float("-inf"), m_safe + tl.math.log2(safe_total) * LN2)
+    tl.store(
+        O + b * stride_ob + t * stride_ot + h * stride_oh + offs_d * stride_od,
+        o.to(O.dtype.element_ty),
+        mask=offs_d < HEAD_DIM,
+    )
+    tl.store(L + b * stride_lb + t * stride_lt + h * stride_lh, lse)
 
 
 def combine(o_part: torch.Tensor, lse_part: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:

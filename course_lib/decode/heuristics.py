@@ -161,24 +161,3 @@ def num_splits_for(
     tile = tile_for(head_dim, paged)
     slots = sm_count() * tile.programs_per_sm
     return choose_num_splits(batch * kv_heads * m_tiles, math.ceil(capacity / tile.BLOCK_N), slots)
-
-
-# The combine fused into the split kernel (its last split per tile merges the partials) up to this many
-# splits; more splits go to the separate combine kernel, whose one program per row reads all S at once.
-FUSED_COMBINE_MAX_SPLITS = 16
-FUSED_MERGE_ELEMENTS = 16384  # fp32 partial elements one merge step loads: SPLIT_CHUNK x BLOCK_M x BLOCK_D
-
-
-def fuse_combine(num_splits: int) -> bool:
-    """Whether `split_kv.launch` merges the partials inside the split kernel (S in [2, 16])."""
-    return 1 < num_splits <= FUSED_COMBINE_MAX_SPLITS
-
-
-def split_chunk(num_splits: int, block_m: int, block_d: int) -> int:
-    """Splits the fused merge loads per step: a power of two, at most the split count (rounded up) and
-    at most FUSED_MERGE_ELEMENTS / (BLOCK_M x BLOCK_D), so the step's registers stay bounded."""
-    cap = max(1, FUSED_MERGE_ELEMENTS // (block_m * block_d))
-    chunk = 1
-    while chunk * 2 <= cap and chunk < num_splits:
-        chunk *= 2
-    return chunk

@@ -53,7 +53,6 @@ def paged_decode_attention(
     *,
     return_lse: bool = False,
     validate: bool = True,
-    fuse_combine: bool | None = None,
 ):
     """Split-KV attention of new query tokens over a paged KV cache (PagedAttention). Notebook 10.
 
@@ -63,7 +62,7 @@ def paged_decode_attention(
     (the split count follows the table's capacity max_pages * page_size, a shape). Returns out
     (B, Tq, Hq, d) in q's dtype (and lse (B, Tq, Hq) float32 with return_lse=True).
     validate=True checks the lengths and the page ids a sequence uses (on a GPU this syncs and is
-    skipped during CUDA-graph capture; on the CPU it always runs). fuse_combine: as `decode_attention`."""
+    skipped during CUDA-graph capture; on the CPU it always runs)."""
     where = "paged_decode_attention"
     check_kv_pair(k_pages, v_pages, ("k_pages", "v_pages"), "(num_pages, page_size, Hkv, d)", where)
     num_pages, page_size, hkv, d = k_pages.shape
@@ -85,6 +84,6 @@ def paged_decode_attention(
     out, lse = launch(
         q, k_pages, v_pages, block_table, cache_seqlens,
         page_size=page_size, capacity=capacity, causal=normalise_causal(causal, where), scale=scale,
-        num_splits=num_splits, fuse_combine=fuse_combine,
+        num_splits=num_splits,
     )  # fmt: skip
     return (out, lse) if return_lse else out

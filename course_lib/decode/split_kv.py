@@ -33,9 +33,8 @@ import torch
 from .. import runtime
 from ..attention.blocks import LN2
 from ..runtime import tl, triton
-from .combine import combine, last_to_arrive, merge_finish, merge_step
-from .heuristics import fuse_combine as fuse_rule
-from .heuristics import num_splits_for, split_chunk, tile_for
+from .combine import combine
+from .heuristics import num_splits_for, tile_for
 
 runtime.require_triton()
 
@@ -44,19 +43,17 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 @triton.jit
 def split_kv_kernel(
-    Q, K, V, BLOCK_TABLE, SEQLENS, O_PART, L_PART, OUT, LSE, COUNTERS, qk_scale,
+    Q, K, V, BLOCK_TABLE, SEQLENS, O_PART, L_PART, qk_scale,
     stride_qb, stride_qt, stride_qh, stride_qd,
     stride_kb, stride_kn, stride_kh, stride_kd,
     stride_vb, stride_vn, stride_vh, stride_vd,
     stride_tb, stride_tp,
     stride_os, stride_ob, stride_ot, stride_oh, stride_od,
     stride_ls, stride_lb, stride_lt, stride_lh,
-    stride_yb, stride_yt, stride_yh, stride_yd,
-    stride_zb, stride_zt, stride_zh,
     H_KV, T_Q, CAPACITY, NUM_SPLITS,
     PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, CAUSAL: tl.constexpr, PAGED: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, FUSE_COMBINE: tl.constexpr, SPLIT_CHUNK: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     """Partial (O, L) of one split of one (sequence, kv head) for one tile of (token, head) rows.
 
@@ -64,10 +61,7 @@ def split_kv_kernel(
     PAGED=True: K, V are (num_pages, PAGE_SIZE, Hkv, d) pools; key j of sequence b lives in page
     BLOCK_TABLE[b, j // PAGE_SIZE] at slot j % PAGE_SIZE; stride_kb steps pages, stride_kn slots.
     qk_scale = softmax scale x log2(e): scores go straight into base 2. PAGE_SIZE is a compile-time
-    constant: a power of two makes the page lookup a shift and a mask.
-    FUSE_COMBINE: the last split of a tile to finish (`combine.last_to_arrive` on COUNTERS, one int32
-    per (sequence x kv head, query tile), zero between launches) merges the tile's S partials, SPLIT_CHUNK
-    splits per step, into OUT (B, Tq, Hq, d) and LSE (B, Tq, Hq): no combine kernel to launch."""
+    constant: a power of two makes the page lookup a shift and a mask."""
     split = tl.program_id(0)
     pid_bh = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -158,36 +152,6 @@ def split_kv_kernel(
         mask=row_ok[:, None] & d_ok[None, :],
     )  # fmt: skip
     tl.store(L_PART + split * stride_ls + b * stride_lb + t * stride_lt + h * stride_lh, lse, mask=row_ok)
-
-    if FUSE_COMBINE:
-        if last_to_arrive(COUNTERS + pid_bh * tl.num_programs(2) + pid_m, NUM_SPLITS):
-            # Every split of this tile has stored its partial: merge them (L2 -> registers, .cg: not
-            # from this SM's L1, which may hold none of them but must not serve a stale line).
-            m_r = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-            l_r = tl.zeros([BLOCK_M], dtype=tl.float32)
-            acc_r = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-            offs_c = tl.arange(0, SPLIT_CHUNK)
-            for s0 in range(0, NUM_SPLITS, SPLIT_CHUNK):
-                ok = ((s0 + offs_c) < NUM_SPLITS)[:, None] & row_ok[None, :]
-                lse_s = tl.load(
-                    L_PART + (s0 + offs_c)[:, None] * stride_ls + b * stride_lb + t[None, :] * stride_lt
-                    + h[None, :] * stride_lh,
-                    mask=ok, other=float("-inf"), cache_modifier=".cg",
-                )  # fmt: skip
-                o_s = tl.load(
-                    O_PART + (s0 + offs_c)[:, None, None] * stride_os + b * stride_ob
-                    + t[None, :, None] * stride_ot + h[None, :, None] * stride_oh
-                    + offs_d[None, None, :] * stride_od,
-                    mask=ok[:, :, None] & d_ok[None, None, :], other=0.0, cache_modifier=".cg",
-                )  # fmt: skip
-                m_r, l_r, acc_r = merge_step(m_r, l_r, acc_r, lse_s, o_s)
-            o_r, lse_r = merge_finish(m_r, l_r, acc_r)
-            tl.store(
-                OUT + b * stride_yb + t[:, None] * stride_yt + h[:, None] * stride_yh + offs_d[None, :] * stride_yd,
-                o_r.to(OUT.dtype.element_ty),
-                mask=row_ok[:, None] & d_ok[None, :],
-            )  # fmt: skip
-            tl.store(LSE + b * stride_zb + t * stride_zt + h * stride_zh, lse_r, mask=row_ok)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -286,29 +250,10 @@ def normalise_causal(causal, where: str) -> bool:
     raise ValueError(f"{where}: causal must be True / 'bottom_right' or False; got {causal!r}")
 
 
-_counters: dict = {}
-
-
-def arrival_counters(n: int, device: torch.device) -> torch.Tensor:
-    """At least n int32 counters, all 0, for the fused combine's `last_to_arrive`: one buffer per device
-    and stream (launches on one stream run one after another; each leaves its counters at 0 again)."""
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (str(device), stream)
-    counters = _counters.get(key)
-    if counters is None or counters.numel() < n:
-        counters = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
-        _counters[key] = counters
-    return counters
-
-
-def launch(
-    q, k, v, block_table, cache_seqlens, *, page_size, capacity, causal, scale, num_splits, fuse_combine=None
-):
+def launch(q, k, v, block_table, cache_seqlens, *, page_size, capacity, causal, scale, num_splits):
     """Run the split-KV kernel (and the combine if S > 1); returns (out, lse). Inputs already checked.
 
-    k, v: (B, Nmax, Hkv, d) caches (block_table None) or (num_pages, page_size, Hkv, d) pools.
-    fuse_combine: None follows `heuristics.fuse_combine`; True merges in the split kernel's last split
-    per tile, False launches the combine kernel (both only when S > 1)."""
+    k, v: (B, Nmax, Hkv, d) caches (block_table None) or (num_pages, page_size, Hkv, d) pools."""
     B, Tq, Hq, d = q.shape
     Hkv = k.shape[2]
     group = Hq // Hkv
@@ -330,27 +275,22 @@ def launch(
     else:
         o_part = torch.empty((num_splits, B, Tq, Hq, d), dtype=torch.float32, device=q.device)
         l_part = torch.empty((num_splits, B, Tq, Hq), dtype=torch.float32, device=q.device)
-    fused = num_splits > 1 and (fuse_rule(num_splits) if fuse_combine is None else bool(fuse_combine))
-    counters = (
-        arrival_counters(B * Hkv * m_tiles, q.device) if fused else cache_seqlens
-    )  # unread if not fused
     table = block_table if paged else cache_seqlens  # any int32 tensor: never read when PAGED=False
     table_strides = block_table.stride() if paged else (0, 0)
     scale = d**-0.5 if scale is None else float(scale)
     wide = q.dtype == torch.float32
     grid = (num_splits, B * Hkv, m_tiles)
     split_kv_kernel[grid](
-        q, k, v, table, cache_seqlens, o_part, l_part, out, lse, counters, scale * 1.4426950408889634,
+        q, k, v, table, cache_seqlens, o_part, l_part, scale * 1.4426950408889634,
         *q.stride(), *k.stride(), *v.stride(), *table_strides, *o_part.stride(), *l_part.stride(),
-        *out.stride(), *lse.stride(), Hkv, Tq, capacity, num_splits,
+        Hkv, Tq, capacity, num_splits,
         PAGE_SIZE=page_size if paged else 1, GROUP=group, CAUSAL=causal, PAGED=paged,
         HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d), BLOCK_M=block_m, BLOCK_N=tile.BLOCK_N,
         UPCAST=bool(runtime.INTERPRET and q.dtype == torch.bfloat16),
-        DOT_PRECISION="ieee" if wide else "tf32", FUSE_COMBINE=fused,
-        SPLIT_CHUNK=split_chunk(num_splits, block_m, triton.next_power_of_2(d)) if fused else 1,
+        DOT_PRECISION="ieee" if wide else "tf32",
         num_warps=tile.num_warps, num_stages=tile.num_stages,
     )  # fmt: skip
-    if num_splits > 1 and not fused:
+    if num_splits > 1:
         combine(o_part, l_part, out, lse)
     return out, lse
 
@@ -366,7 +306,6 @@ def decode_attention(
     *,
     return_lse: bool = False,
     validate: bool = True,
-    fuse_combine: bool | None = None,
 ):
     """Split-KV attention of new query tokens over a contiguous KV cache (Flash-Decoding). Notebook 09.
 
@@ -377,9 +316,7 @@ def decode_attention(
     (`heuristics.num_splits_for`), an int forces it. Returns out (B, Tq, Hq, d) in q's dtype, and with
     return_lse=True also lse (B, Tq, Hq) float32. Rows that see no key give out 0 and lse -inf.
     validate=True checks the lengths' values (on a GPU this syncs; it is skipped during CUDA-graph
-    capture); on the CPU the check always runs. Nothing here syncs when validate=False.
-    fuse_combine: with S > 1, None lets `heuristics.fuse_combine` choose; True merges the partials in
-    the split kernel (its last split per tile), False in the separate combine kernel."""
+    capture); on the CPU the check always runs. Nothing here syncs when validate=False."""
     where = "decode_attention"
     check_kv_pair(k_cache, v_cache, ("k_cache", "v_cache"), "(B, Nmax, Hkv, d)", where)
     check_query_and_lengths(
@@ -393,6 +330,6 @@ def decode_attention(
     out, lse = launch(
         q, k_cache, v_cache, None, cache_seqlens,
         page_size=1, capacity=capacity, causal=normalise_causal(causal, where), scale=scale,
-        num_splits=num_splits, fuse_combine=fuse_combine,
+        num_splits=num_splits,
     )  # fmt: skip
     return (out, lse) if return_lse else out
