@@ -177,20 +177,20 @@ def test_benchmark_flushes_the_l2_with_a_read():
 
     small = torch.randn(2**22, device="cuda")  # 16 MiB: fits the L2 of an A100 or H100 / H200
     read_small = lambda: perf.block_sums(small)  # noqa: E731
-    read_small()
+    reads = perf.timing.graphed(lambda: [read_small() for _ in range(20)])  # GPU time, no launch cost
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
-    for _ in range(50):
-        read_small()
+    reads()  # back to back: every read after the first finds the tensor in the L2
     end.record()
     torch.cuda.synchronize()
-    hot = start.elapsed_time(end) / 50
-    flushed = perf.benchmark(read_small)
+    hot = start.elapsed_time(end) / 20
+    flushed = perf.benchmark(perf.timing.graphed(read_small))
     assert flushed > 1.3 * hot, (flushed, hot)
     big = torch.randn(2**25, device="cuda")  # 128 MiB
     read_big = lambda: perf.block_sums(big)  # noqa: E731
-    clean = perf.benchmark(read_big)
-    dirty = triton.testing.do_bench(read_big, return_mode="median")
+    replay = perf.timing.graphed(read_big)
+    clean = perf.benchmark(replay)
+    dirty = triton.testing.do_bench(replay, return_mode="median")
     assert clean < dirty - 0.003, (clean, dirty)
 
 
