@@ -8,8 +8,9 @@ k, v repeated to H heads beforehand (the repeat itself not timed). Prints the ti
 
 --backward-modes: for the causal cells, the backward alone of the three ways the dK/dV kernel can sum
 a group (`attention.backward.dkdv_heads_per_program`, `dkdv_block_major`): one query head per program
-plus fp32 partial sums, the whole group on chip head-major, and the whole group on chip block-major;
-and the same backward on repeated K/V.
+plus fp32 partial sums; two heads per program on chip plus partials of the pairs, head-major and
+block-major; the whole group on chip, head-major and block-major; and the same backward on repeated K/V.
+--modes-only skips the forward + backward comparison.
 """
 
 from __future__ import annotations
@@ -41,10 +42,12 @@ def fwd_bwd(q, k, v, causal):
 do_cache: dict = {}
 
 
-BACKWARD_MODES = {  # name -> (query heads summed on chip: all or one, block-major)
-    "partials": (False, False),
-    "on chip, head-major": (True, False),
-    "on chip, block-major": (True, True),
+BACKWARD_MODES = {  # name -> (query heads summed on chip: None = the whole group, block-major)
+    "partials": (1, False),
+    "pairs + partials, head-major": (2, False),
+    "pairs + partials, block-major": (2, True),
+    "on chip, head-major": (None, False),
+    "on chip, block-major": (None, True),
 }
 
 
@@ -69,8 +72,10 @@ def backward_modes(group: int) -> None:
             o, lse = attention_forward(q, k, v, causal=True)
             grouped = partial(attention_backward.backward, do, q, k, v, o, lse, True)
             for name, (on_chip, block_major) in BACKWARD_MODES.items():
+                if on_chip is not None and group % on_chip:
+                    continue
                 attention_backward.dkdv_heads_per_program = lambda g, c, n, on_chip=on_chip: (
-                    g if on_chip else 1
+                    g if on_chip is None else on_chip
                 )
                 attention_backward.dkdv_block_major = lambda heads, c, block_major=block_major: block_major
                 times[name] = benchmark(grouped)
@@ -87,7 +92,11 @@ def main() -> int:
     parser.add_argument("--out", default=None)
     parser.add_argument("--group", type=int, default=4, help="query heads per K/V head")
     parser.add_argument("--backward-modes", action="store_true", help="also compare the group-summing modes")
+    parser.add_argument("--modes-only", action="store_true", help="only the group-summing modes")
     args = parser.parse_args()
+    if args.modes_only:
+        backward_modes(args.group)
+        return 0
     rows = []
     for cell in standard_cells():
         B, H, N, d, causal = cell["B"], cell["H"], cell["N"], cell["d"], cell["causal"]
