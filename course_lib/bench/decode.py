@@ -29,8 +29,8 @@ import torch.nn.functional as F
 from .. import records, runtime
 from ..decode import decode_attention, paged_decode_attention
 from ..decode.heuristics import num_splits_for, sm_count, wave_efficiency
-from ..perf import timing
 from ..perf.ceilings import measure_read_time
+from ..perf.timing import describe
 from ..perf.timing import graphed as _graphed
 from .plots import save_figure
 from .report import record_and_report
@@ -199,7 +199,7 @@ def run(quick: bool = False) -> dict:
             "sm_count": sm_count(),
         },
         "ceilings": {"read_gbps": read_gbps, "copy_gbps": copy_gbps},
-        "timer": timing.GPU_TIMER if gpu else "wall-clock median (CPU)",
+        "timer": describe(),
         "targets": TARGETS,
         "cells": [],
     }

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from .. import records, runtime
 from ..fused import rms_norm, rope, rope_cache
 from ..perf.ceilings import measure_copy_bandwidth, measure_copy_time
-from ..perf.timing import GPU_TIMER, benchmark, free_memory, graphed
+from ..perf.timing import benchmark, describe, free_memory, graphed
 from .plots import save_figure
 from .report import record_and_report
 
@@ -243,7 +243,7 @@ def run(quick: bool = False) -> dict:
     data = {
         "dtype": str(dtype).replace("torch.", ""),
         "copy_gbps": copy_gbps,
-        "timer": GPU_TIMER if runtime.ON_GPU else "wall-clock median (CPU)",
+        "timer": describe(),
         "targets": TARGETS,
         "quick": quick,
     }

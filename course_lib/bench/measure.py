@@ -38,8 +38,8 @@ def make_timer(quick: bool):
 def timer_name(quick: bool) -> str:
     """How `make_timer(quick)` times, in words, for the record."""
     if not runtime.ON_GPU:
-        return "wall-clock median (CPU)"
-    return "{} (warm-up {} ms, {} ms of repetitions)".format(timing.GPU_TIMER, *TIMER_MS[quick])
+        return timing.describe()
+    return "{} (warm-up {} ms, {} ms of repetitions)".format(timing.describe(), *TIMER_MS[quick])
 
 
 def _nbytes(*tensors) -> int:

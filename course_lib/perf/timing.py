@@ -22,7 +22,6 @@ import torch
 
 from .. import runtime
 
-GPU_TIMER = "median of CUDA-event timings, L2 flushed by a read before each call"  # for the records
 FLUSH_BYTES = 256 * 2**20  # the buffer read between timed calls: five times an H200's 50 MB L2
 _flush_buffers: dict = {}
 
@@ -64,6 +63,13 @@ def _gpu_median(fn, warmup_ms: float, rep_ms: float) -> float:
         ends[i].record()
     torch.cuda.synchronize()
     return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
+
+
+def describe() -> str:
+    """How `benchmark` times on this device, in words, for the records."""
+    if runtime.ON_GPU:
+        return "median of CUDA-event timings, L2 flushed by a read before each call"
+    return "wall-clock median (CPU)"
 
 
 def benchmark(fn, *, warmup_ms: float = 25, rep_ms: float = 100, cpu_reps: int = 5) -> float:
