@@ -10,13 +10,21 @@ import torch
 
 import course_lib
 from course_lib.attention.merge import merge_many
-from course_lib.decode import decode_attention, decode_reference, paged_decode_attention
+from course_lib.decode import decode_attention, decode_reference, heuristics, paged_decode_attention
 from course_lib.decode.batching import ContinuousBatcher
 from course_lib.decode.cache import OutOfPages, PageAllocator, PagedKVCache
 from course_lib.decode.combine import combine
-from course_lib.decode.heuristics import SHORT_TILES, SHORT_WAVES, choose_num_splits, sm_count, tile_for
+from course_lib.decode.heuristics import (
+    SHORT_TILES,
+    SHORT_WAVES,
+    balanced_splits,
+    choose_num_splits,
+    sm_count,
+    tile_for,
+)
 from course_lib.decode.reference import gather_pages
 from course_lib.decode.toy_model import ToyModel
+from course_lib.runtime import tl, triton
 
 DEV = course_lib.DEVICE
 # Max error allowed against the float64 reference, per dtype (inputs are standard normal, d <= 128).
@@ -134,6 +142,68 @@ def test_split_heuristic_follows_fa2_rule():
     assert choose_num_splits(programs=1, n_key_blocks=10, num_sms=132) <= 10
 
 
+def test_a_full_batch_gets_a_grid_of_splits_balanced_at_run_time():
+    """Programs that fill the slots under the rule: a long cache still gets a grid of `ragged_splits`
+    splits, used only if the lengths are uneven; few programs or a short cache keep the rule's count."""
+    slots = heuristics.slots(tile_for(128))
+    full, few = -(-slots // 8), 1  # batch with 8 kv heads: >= all the slots, and far fewer
+    assert heuristics.split_grid(full, 8, 1, 32768, 128) == (heuristics.ragged_splits(32768), 1)
+    assert heuristics.ragged_splits(32768) == 32768 // heuristics.RAGGED_SPLIT_KEYS
+    assert heuristics.split_grid(full, 8, 1, heuristics.RAGGED_SPLIT_KEYS, 128) == (1, 1)
+    rule = heuristics.num_splits_for(few, 8, 1, 32768, 128)
+    assert rule > 1 and heuristics.split_grid(few, 8, 1, 32768, 128) == (rule, rule)
+
+
+@triton.jit
+def balanced_splits_probe(SEQLENS, OUT, BATCH, ITEMS, CAPACITY, SLOTS, NUM_SPLITS, EVEN_SPLITS):
+    """Stores the kernels' run-time split choice (BLOCK_B = 4: several loop steps for 8 lengths)."""
+    tl.store(OUT, balanced_splits(SEQLENS, BATCH, ITEMS, CAPACITY, SLOTS, NUM_SPLITS, EVEN_SPLITS, 11, 4))
+
+
+def test_balanced_splits_reads_the_lengths():
+    """The kernels' run-time choice: all the grid's splits for uneven lengths, the even count otherwise."""
+
+    def choice(lengths, even=1, items=2, slots=16):
+        out = torch.zeros(1, dtype=torch.int32, device=DEV)
+        lens = torch.tensor(lengths, dtype=torch.int32, device=DEV)
+        balanced_splits_probe[(1,)](lens, out, len(lengths), items, 1000, slots, 8, even)
+        return int(out)
+
+    assert choice([1000] * 8) == 1  # 16 programs on 16 slots, all equally long
+    assert choice([1000] * 7 + [900]) == 1  # within 10 % of the fair share
+    assert choice([1000] + [100] * 7) == 8  # the longest would stream alone
+    assert choice([5000] + [100] * 7) == 8  # lengths past the capacity count as the capacity
+    assert choice([0] * 8) == 1
+    # 2 even splits, 64 slots: 32 programs of 500 keys against a fair share of 250 per slot
+    assert choice([1000] * 8, even=2, slots=64) == 8
+    assert choice([1000] * 8, even=2, slots=32) == 2  # 32 programs of 500 keys, 500 per slot
+
+
+@pytest.mark.parametrize("uneven,paged", [(True, False), (False, False), (True, True)])
+def test_run_time_balance_matches_reference(monkeypatch, uneven, paged):
+    """A batch that fills the (CPU's stand-in) SMs, with slices of at most 64 keys: the grid has 5 splits
+    and the kernel uses them (uneven lengths, 0 and 1 among them) or not (even lengths)."""
+    monkeypatch.setattr(heuristics, "RAGGED_SPLIT_KEYS", 64)
+    B, hkv, n_max = -(-heuristics.slots(tile_for(64, paged)) // 2), 2, 320
+    grid, even = heuristics.split_grid(B, hkv, 1, n_max, 64, paged)
+    assert grid == 5 and even < grid
+    q, k, v = make_cache(B, n_max, 4, hkv, 64, 1, torch.float32, seed=5)
+    g = torch.Generator().manual_seed(5)
+    lens = torch.randint(0, n_max + 1, (B,), generator=g) if uneven else torch.full((B,), n_max)
+    if uneven:
+        lens[:3] = torch.tensor([0, 1, n_max])
+    seqlens = lens.to(torch.int32).to(DEV)
+    if paged:
+        k_pages, v_pages, table = to_pages(k, v, 16, seed=5)
+        out, lse = paged_decode_attention(q, k_pages, v_pages, table, seqlens, return_lse=True)
+    else:
+        out, lse = decode_attention(q, k, v, seqlens, return_lse=True)
+    ref_out, ref_lse = decode_reference(q, k, v, seqlens)
+    assert_matches(
+        out, lse, ref_out, ref_lse, torch.float32, f"run-time balance, uneven={uneven} paged={paged}"
+    )
+
+
 def test_many_short_programs_take_the_short_tile():
     """Many short programs read through the two-per-SM tile, and give the same result."""
     waves = SHORT_WAVES * sm_count()
@@ -225,7 +295,9 @@ def test_continuous_batching_equals_step_by_step_reference():
 # GPU: compiled kernels, bf16 at real sizes, CUDA-graph capture and replay
 # --------------------------------------------------------------------------------------------------
 @pytest.mark.gpu
-@pytest.mark.parametrize("B,n_max,hkv,d", [(1, 16384, 8, 128), (4, 4096, 8, 128), (8, 1000, 2, 64)])
+@pytest.mark.parametrize(
+    "B,n_max,hkv,d", [(1, 16384, 8, 128), (4, 4096, 8, 128), (8, 1000, 2, 64), (16, 12000, 8, 128)]
+)
 def test_gpu_bf16_real_sizes(B, n_max, hkv, d):
     if not course_lib.ON_GPU:
         pytest.skip("needs a GPU")
@@ -246,10 +318,11 @@ def test_gpu_bf16_real_sizes(B, n_max, hkv, d):
 def test_gpu_cuda_graph_capture_and_replay(paged):
     if not course_lib.ON_GPU:
         pytest.skip("needs a GPU")
-    B, n_max, hkv, d = 4, 2048, 8, 128
+    # 16 sequences of up to 8192 keys: the contiguous grid has 2 splits, used only for uneven lengths
+    B, n_max, hkv, d = 16, 8192, 8, 128
     q, k, v = make_cache(B, n_max, 32, hkv, d, 1, torch.bfloat16)
     k_pages, v_pages, table = to_pages(k, v, 16)
-    seqlens = torch.tensor([1, 100, 1500, 2048], dtype=torch.int32, device=DEV)
+    seqlens = torch.tensor([1, 100, 1500, 2048] * 4, dtype=torch.int32, device=DEV)
 
     def step():
         if paged:
@@ -264,7 +337,7 @@ def test_gpu_cuda_graph_capture_and_replay(paged):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = step()
-    for lengths in ([7, 0, 2048, 33], [2048, 2048, 1, 999]):
+    for lengths in ([7, 0, 8192, 33] * 4, [8192] * 16, [2048, 2048, 1, 999] * 4):
         seqlens.copy_(torch.tensor(lengths, dtype=torch.int32))
         q.copy_(torch.randn_like(q))
         graph.replay()

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from .. import records, runtime
 from ..decode import decode_attention, paged_decode_attention
-from ..decode.heuristics import num_splits_for, sm_count, wave_efficiency
+from ..decode.heuristics import num_splits_for, sm_count, split_grid, wave_efficiency
 from ..perf.ceilings import measure_read_time
 from ..perf.timing import describe
 from ..perf.timing import graphed as _graphed
@@ -132,8 +132,11 @@ def measure_cell(B, lengths, n_max, read_gbps, dtype, device, graphs, gen, with_
     row = {"batch": B, "n_max": n_max, "kv_bytes": nbytes, "lengths_sum": int(sum(int(n) for n in lengths))}
     if graphs:  # the floor for these bytes: a plain read of the same size (graph-replayed)
         row["read_same_size_ms"] = measure_read_time(nbytes, dtype, device)
-    row["num_splits"] = num_splits_for(B, HKV, 1, n_max, D)
-    row["paged_num_splits"] = num_splits_for(B, HKV, 1, -(-n_max // 16) * 16, D, paged=True)
+    # the grid's splits, and the count the kernel uses for even lengths (the same unless it balances)
+    row["num_splits"], row["even_splits"] = split_grid(B, HKV, 1, n_max, D)
+    row["paged_num_splits"], row["paged_even_splits"] = split_grid(
+        B, HKV, 1, -(-n_max // 16) * 16, D, paged=True
+    )
     row["split_kv"] = _measure(
         lambda: decode_attention(q, k, v, seqlens, validate=False), nbytes, read_gbps, graphs
     )
@@ -350,6 +353,13 @@ def save_plots(data: dict, out: Path, slug: str) -> list[Path]:
     return paths
 
 
+def _splits(cell: dict, prefix: str) -> str:
+    """The grid's split count, with the count for even lengths in parentheses where the kernel balances."""
+    grid = cell.get(prefix + "num_splits", "-")
+    even = cell.get(prefix + "even_splits", grid)
+    return f"{grid}" if even == grid else f"{grid} ({even} if even)"
+
+
 def format_table(data: dict) -> str:
     """The decode table: per cell, graph-replayed time, ratio to SDPA, % of the read ceiling, paged/split."""
     lines = [
@@ -365,7 +375,7 @@ def format_table(data: dict) -> str:
         sdpa = c.get("sdpa")
         vs = f"{sdpa[key] / s[key]:.2f}x" if sdpa else "-"
         lines.append(
-            f"| {c['name']} | {c['kv_bytes'] / 1e6:.0f} | {c['num_splits']} / {c.get('paged_num_splits', '-')} "
+            f"| {c['name']} | {c['kv_bytes'] / 1e6:.0f} | {_splits(c, '')} / {_splits(c, 'paged_')} "
             f"| {s[key] * 1e3:.1f} ({s['plain_ms'] * 1e3:.1f}) "
             f"| {vs} | {s[frac] * 100:.0f} % | {_same_size(c, key, data['ceilings']['read_gbps'])} "
             f"| {s[key] / p[key]:.2f}x | {sdpa['backend'] if sdpa else '-'} |"

@@ -19,6 +19,9 @@ by the shapes alone, so a step can be captured once as a CUDA graph and replayed
 - Split s of a sequence of n keys covers blocks [s * P, (s + 1) * P) of BLOCK_N keys, P = cdiv(cdiv(n,
   BLOCK_N), S): computed in the kernel from the length it loads, so a ragged batch is balanced per
   sequence with no host sync. A split with no key writes (O, L) = (0, -inf).
+- A batch whose programs already fill the SMs is launched with a few splits anyway when its cache is
+  long, and the kernel decides from the lengths whether to use them (`balanced_splits`): a ragged batch
+  is split so that its longest sequence does not stream alone at the end; an even one is not.
 - Each split writes its partial (O, L) in fp32; `combine` merges them (S = 1 writes the result directly).
 Bytes moved: every valid K and V row once (2 x n x Hkv x d x element size per sequence), Q and O once,
 plus the partials (S x B x Tq x Hq x (d + 1) x 4 bytes, twice).
@@ -33,8 +36,8 @@ import torch
 from .. import runtime
 from ..attention.blocks import LN2
 from ..runtime import tl, triton
-from .combine import combine
-from .heuristics import num_splits_for, tile_for
+from .combine import RunTimeSplits, combine
+from .heuristics import RAGGED_TOLERANCE, balanced_splits, slots, split_grid, tile_for
 
 runtime.require_triton()
 
@@ -50,10 +53,10 @@ def split_kv_kernel(
     stride_tb, stride_tp,
     stride_os, stride_ob, stride_ot, stride_oh, stride_od,
     stride_ls, stride_lb, stride_lt, stride_lh,
-    H_KV, T_Q, CAPACITY, NUM_SPLITS,
+    H_KV, T_Q, CAPACITY, NUM_SPLITS, EVEN_SPLITS, SLOTS,
     PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, CAUSAL: tl.constexpr, PAGED: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, BALANCE: tl.constexpr, TOLERANCE_X10: tl.constexpr,
 ):  # fmt: skip
     """Partial (O, L) of one split of one (sequence, kv head) for one tile of (token, head) rows.
 
@@ -61,10 +64,22 @@ def split_kv_kernel(
     PAGED=True: K, V are (num_pages, PAGE_SIZE, Hkv, d) pools; key j of sequence b lives in page
     BLOCK_TABLE[b, j // PAGE_SIZE] at slot j % PAGE_SIZE; stride_kb steps pages, stride_kn slots.
     qk_scale = softmax scale x log2(e): scores go straight into base 2. PAGE_SIZE is a compile-time
-    constant: a power of two makes the page lookup a shift and a mask."""
-    split = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    constant: a power of two makes the page lookup a shift and a mask. BALANCE: `balanced_splits` picks
+    NUM_SPLITS or EVEN_SPLITS from the lengths, and the programs of the splits past it return at once.
+    Grid (B * Hkv, NUM_SPLITS, M tiles): the first splits of every sequence are launched first."""
+    pid_bh = tl.program_id(0)
+    split = tl.program_id(1)
     pid_m = tl.program_id(2)
+    # First of all (a split this step does not use has nothing else to do):
+    if BALANCE:
+        splits = balanced_splits(
+            SEQLENS, tl.num_programs(0) // H_KV, H_KV * tl.num_programs(2), CAPACITY, SLOTS,
+            NUM_SPLITS, EVEN_SPLITS, TOLERANCE_X10, 128,
+        )  # fmt: skip
+        if split >= splits:
+            return  # a split this step does not use: the combine reads only the first `splits`
+    else:
+        splits = NUM_SPLITS
     b = (pid_bh // H_KV).to(tl.int64)
     kvh = (pid_bh % H_KV).to(tl.int64)
     seqlen = tl.minimum(tl.load(SEQLENS + b), CAPACITY)  # the wrappers check; the clamp keeps reads in bounds
@@ -87,7 +102,7 @@ def split_kv_kernel(
         q = q.to(tl.float32)
 
     # This split's keys: whole BLOCK_N blocks [lo, hi), hi cut at the sequence's length.
-    per_split = tl.cdiv(tl.cdiv(seqlen, BLOCK_N), NUM_SPLITS)
+    per_split = tl.cdiv(tl.cdiv(seqlen, BLOCK_N), splits)
     lo = split * per_split * BLOCK_N
     hi = tl.minimum(lo + per_split * BLOCK_N, seqlen)
     # Bottom-right causal: row t sees keys j <= seqlen - T_Q + t.
@@ -262,8 +277,10 @@ def launch(q, k, v, block_table, cache_seqlens, *, page_size, capacity, causal, 
     m_tiles = triton.cdiv(group * Tq, block_m)
     tile = tile_for(d, paged, q.element_size(), programs=B * Hkv * m_tiles, capacity=capacity)
     if num_splits is None:
-        num_splits = num_splits_for(B, Hkv, m_tiles, capacity, d, paged)
-    num_splits = int(num_splits)
+        num_splits, even_splits = split_grid(B, Hkv, m_tiles, capacity, d, paged)
+    else:
+        even_splits = num_splits = int(num_splits)
+    balance = num_splits != even_splits
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     out = torch.empty_like(q)
@@ -279,19 +296,25 @@ def launch(q, k, v, block_table, cache_seqlens, *, page_size, capacity, causal, 
     table_strides = block_table.stride() if paged else (0, 0)
     scale = d**-0.5 if scale is None else float(scale)
     wide = q.dtype == torch.float32
-    grid = (num_splits, B * Hkv, m_tiles)
+    grid = (B * Hkv, num_splits, m_tiles)
     split_kv_kernel[grid](
         q, k, v, table, cache_seqlens, o_part, l_part, scale * 1.4426950408889634,
         *q.stride(), *k.stride(), *v.stride(), *table_strides, *o_part.stride(), *l_part.stride(),
-        Hkv, Tq, capacity, num_splits,
+        Hkv, Tq, capacity, num_splits, even_splits, slots(tile),
         PAGE_SIZE=page_size if paged else 1, GROUP=group, CAUSAL=causal, PAGED=paged,
         HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d), BLOCK_M=block_m, BLOCK_N=tile.BLOCK_N,
         UPCAST=bool(runtime.INTERPRET and q.dtype == torch.bfloat16),
-        DOT_PRECISION="ieee" if wide else "tf32",
+        DOT_PRECISION="ieee" if wide else "tf32", BALANCE=balance, TOLERANCE_X10=round(RAGGED_TOLERANCE * 10),
         num_warps=tile.num_warps, num_stages=tile.num_stages,
     )  # fmt: skip
     if num_splits > 1:
-        combine(o_part, l_part, out, lse)
+        # With balance, the combine reads the splits the kernel used: it asks `balanced_splits` too.
+        used = (
+            RunTimeSplits(cache_seqlens, capacity, Hkv * m_tiles, slots(tile), even_splits)
+            if balance
+            else None
+        )
+        combine(o_part, l_part, out, lse, used)
     return out, lse
 
 
@@ -313,8 +336,9 @@ def decode_attention(
     int32 in [0, Nmax]; float16, bfloat16 or float32; d a multiple of 8 in [16, 256]. causal=True
     (= "bottom_right"): query t sees keys j <= cache_seqlens[b] - Tq + t; False: all valid keys.
     scale defaults to 1/sqrt(d). num_splits: None chooses it from the SM count and the batch shape
-    (`heuristics.num_splits_for`), an int forces it. Returns out (B, Tq, Hq, d) in q's dtype, and with
-    return_lse=True also lse (B, Tq, Hq) float32. Rows that see no key give out 0 and lse -inf.
+    (`heuristics.split_grid`: FlashAttention-2's rule, or for a batch that fills the SMs a grid of splits
+    that the kernel uses only if the lengths are uneven), an int forces it. Returns out (B, Tq, Hq, d) in
+    q's dtype, and with return_lse=True also lse (B, Tq, Hq) float32. Rows that see no key give out 0 and lse -inf.
     validate=True checks the lengths' values (on a GPU this syncs; it is skipped during CUDA-graph
     capture); on the CPU the check always runs. Nothing here syncs when validate=False."""
     where = "decode_attention"
