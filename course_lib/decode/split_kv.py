@@ -66,9 +66,11 @@ def split_kv_kernel(
     qk_scale = softmax scale x log2(e): scores go straight into base 2. PAGE_SIZE is a compile-time
     constant: a power of two makes the page lookup a shift and a mask. BALANCE: `balanced_splits` picks
     NUM_SPLITS or EVEN_SPLITS from the lengths, and the programs of the splits past it return at once.
-    Grid (B * Hkv, NUM_SPLITS, M tiles): the first splits of every sequence are launched first."""
+    Grid (B * Hkv, NUM_SPLITS, M tiles), the splits in reverse: the programs that may find nothing to do
+    start first, on every SM, while the memory system is idle; launched last, they waited for the few SMs
+    the long programs left free and delayed the step's end (B = 16, 32k keys, even: +15 us in 476)."""
     pid_bh = tl.program_id(0)
-    split = tl.program_id(1)
+    split = tl.num_programs(1) - 1 - tl.program_id(1)  # the last splits launch first (see below)
     pid_m = tl.program_id(2)
     # First of all (a split this step does not use has nothing else to do):
     if BALANCE:
