@@ -152,6 +152,8 @@ def test_a_full_batch_gets_a_grid_of_splits_balanced_at_run_time():
     assert heuristics.split_grid(full, 8, 1, heuristics.RAGGED_SPLIT_KEYS, 128) == (1, 1)
     rule = heuristics.num_splits_for(few, 8, 1, 32768, 128)
     assert rule > 1 and heuristics.split_grid(few, 8, 1, 32768, 128) == (rule, rule)
+    paged = heuristics.num_splits_for(4 * full, 8, 1, 32768, 128, paged=True)
+    assert heuristics.split_grid(4 * full, 8, 1, 32768, 128, paged=True) == (paged, paged)  # never balances
 
 
 @triton.jit
@@ -179,29 +181,22 @@ def test_balanced_splits_reads_the_lengths():
     assert choice([1000] * 8, even=2, slots=32) == 2  # 32 programs of 500 keys, 500 per slot
 
 
-@pytest.mark.parametrize("uneven,paged", [(True, False), (False, False), (True, True)])
-def test_run_time_balance_matches_reference(monkeypatch, uneven, paged):
+@pytest.mark.parametrize("uneven", [True, False])
+def test_run_time_balance_matches_reference(monkeypatch, uneven):
     """A batch that fills the (CPU's stand-in) SMs, with slices of at most 64 keys: the grid has 5 splits
     and the kernel uses them (uneven lengths, 0 and 1 among them) or not (even lengths)."""
     monkeypatch.setattr(heuristics, "RAGGED_SPLIT_KEYS", 64)
-    B, hkv, n_max = -(-heuristics.slots(tile_for(64, paged)) // 2), 2, 320
-    grid, even = heuristics.split_grid(B, hkv, 1, n_max, 64, paged)
-    assert grid == 5 and even < grid
+    B, hkv, n_max = -(-heuristics.slots(tile_for(64)) // 2), 2, 320
+    assert heuristics.split_grid(B, hkv, 1, n_max, 64) == (5, 1)
     q, k, v = make_cache(B, n_max, 4, hkv, 64, 1, torch.float32, seed=5)
     g = torch.Generator().manual_seed(5)
     lens = torch.randint(0, n_max + 1, (B,), generator=g) if uneven else torch.full((B,), n_max)
     if uneven:
         lens[:3] = torch.tensor([0, 1, n_max])
     seqlens = lens.to(torch.int32).to(DEV)
-    if paged:
-        k_pages, v_pages, table = to_pages(k, v, 16, seed=5)
-        out, lse = paged_decode_attention(q, k_pages, v_pages, table, seqlens, return_lse=True)
-    else:
-        out, lse = decode_attention(q, k, v, seqlens, return_lse=True)
+    out, lse = decode_attention(q, k, v, seqlens, return_lse=True)
     ref_out, ref_lse = decode_reference(q, k, v, seqlens)
-    assert_matches(
-        out, lse, ref_out, ref_lse, torch.float32, f"run-time balance, uneven={uneven} paged={paged}"
-    )
+    assert_matches(out, lse, ref_out, ref_lse, torch.float32, f"run-time balance, uneven={uneven}")
 
 
 def test_many_short_programs_take_the_short_tile():
