@@ -48,7 +48,7 @@ import torch
 import course_lib
 from course_lib import records
 from course_lib.attention.merge import merge_attention_states, merge_many
-from course_lib.decode import decode_attention, decode_reference
+from course_lib.decode import decode_attention, decode_reference, heuristics
 from course_lib.decode.heuristics import choose_num_splits, sm_count, tile_for, wave_efficiency
 from course_lib.exercises import check, predict
 from course_lib.perf import plotting
@@ -330,6 +330,23 @@ for batch, n_ctx in ((1, 1024), (1, 32768), (8, 8192), (16, 32768), (64, 4096)):
     print(f"batch {batch:>2}, {n_ctx:>6} tokens: {s:>2} splits -> {batch * 8 * s:>4} programs, "
           f"wave efficiency {eff:.2f}")  # fmt: skip
 assert choose_num_splits(64 * 8, 64, 132) == 1
+
+# %% [markdown]
+# The rule looks only at shapes, and a **ragged** batch breaks it. Sixteen sequences of 880 to 31 280 keys
+# give 128 programs, enough for the rule's one split; but each program's work is its sequence's length,
+# and at the end the longest ones stream alone on a few SMs while the rest idle. The lengths live on the
+# GPU, and reading them on the host would cost a sync and break CUDA-graph capture. So `decode_attention`
+# launches such a batch with a few more splits (`heuristics.split_grid`: slices of at most
+# `RAGGED_SPLIT_KEYS` keys), and the kernel itself loads the lengths and decides
+# (`heuristics.balanced_splits`): all the splits when the longest sequence would take more than 1.1x its
+# fair share of an SM, otherwise the rule's count, and the unused programs return at once. The recorded
+# run's "ragged B=16" cell shows the gain; its "B=16 N=32k" cell, an even batch at the same capacity, shows
+# what the unused programs cost.
+
+# %%
+grid, even = heuristics.split_grid(16, 8, 1, 32768, 128)
+print(f"16 sequences of up to 32k keys: a grid of {grid} splits, {even} used if the lengths are even")
+assert grid > even == choose_num_splits(16 * 8, math.ceil(32768 / BLOCK_N), heuristics.slots(tile_for(128)))
 
 # %% [markdown]
 # The measured curve. On a GPU this cell measures a few split counts now; on the CPU it shows the
