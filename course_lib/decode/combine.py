@@ -18,7 +18,7 @@ import torch
 from .. import runtime
 from ..attention.blocks import LN2, LOG2E
 from ..runtime import tl, triton
-from .heuristics import RAGGED_TOLERANCE, balanced_splits
+from .heuristics import RAGGED_TOLERANCE_X10, balanced_splits
 
 runtime.require_triton()
 
@@ -120,5 +120,5 @@ def combine(
         *o_part.stride(), *lse_part.stride(), *out.stride(), *lse.stride(),
         T, H, S, seqlens, capacity, items, slots, even,
         HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d), BLOCK_S=max(16, triton.next_power_of_2(S)),
-        BALANCE=used is not None, TOLERANCE_X10=round(RAGGED_TOLERANCE * 10),
+        BALANCE=used is not None, TOLERANCE_X10=RAGGED_TOLERANCE_X10,
     )  # fmt: skip

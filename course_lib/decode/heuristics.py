@@ -27,8 +27,8 @@ rule's one split, 62 % of the read ceiling; 272 us with 8 splits. On a batch of 
 splits cost 4 % (B = 16 at 32k keys: 476 -> 495 us), and which case a step is cannot be read from the
 shapes. So `split_grid` launches such a batch with `ragged_splits` splits (slices of at most
 RAGGED_SPLIT_KEYS keys), and the kernel chooses from the lengths it loads (`balanced_splits`):
-all of them when the longest sequence's slice under the rule would exceed RAGGED_TOLERANCE x the fair
-share of one slot (total work / slots), else the rule's count; the grid's other programs return at once.
+all of them when the longest sequence's slice under the rule would exceed RAGGED_TOLERANCE_X10 / 10 x the
+fair share of one slot (total work / slots), else the rule's count; the grid's other programs return at once.
 Those programs are not free: with even lengths the step takes 2 % longer (B = 16 at 32k keys: 478 -> 486
 us, measured). The paged kernel does not balance: its grid already holds 4 programs per SM, and the
 extra ones cost it 11 % (488 -> 543 us).
@@ -181,10 +181,10 @@ def slots(tile: DecodeTile) -> int:
 
 
 # A ragged batch (module docstring): slices of at most this many keys, at most RAGGED_MAX_SPLITS of them;
-# all of them at run time when the longest sequence's slice exceeds RAGGED_TOLERANCE x a slot's fair share.
+# all of them at run time when the longest sequence's slice exceeds 1.1x a slot's fair share.
 RAGGED_SPLIT_KEYS = 4096
 RAGGED_MAX_SPLITS = 16
-RAGGED_TOLERANCE = 1.1
+RAGGED_TOLERANCE_X10 = 11  # 1.1, in tenths: the kernels compare integers
 
 
 def ragged_splits(capacity: int) -> int:

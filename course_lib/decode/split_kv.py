@@ -12,7 +12,7 @@ Hq must be a multiple of Hkv (GQA; MQA when Hkv = 1): query head h reads kv head
 Causal alignment is bottom-right: query t of Tq sees keys j <= cache_seqlens[b] - Tq + t (the new
 tokens are the last Tq of the sequence); causal=False lets every query see all cache_seqlens[b] keys.
 
-The kernel. One program per (split, sequence x kv head, query tile): grid (S, B * Hkv, M tiles), fixed
+The kernel. One program per (sequence x kv head, split, query tile): grid (B * Hkv, S, M tiles), fixed
 by the shapes alone, so a step can be captured once as a CUDA graph and replayed for any lengths.
 - GQA packing: the G = Hq / Hkv query heads that share a kv head and the Tq tokens become the rows of
   one tile (row r = t * G + g, padded to BLOCK_M >= 16), so the cache of a kv head is read once, not G times.
@@ -37,7 +37,7 @@ from .. import runtime
 from ..attention.blocks import LN2
 from ..runtime import tl, triton
 from .combine import RunTimeSplits, combine
-from .heuristics import RAGGED_TOLERANCE, balanced_splits, slots, split_grid, tile_for
+from .heuristics import RAGGED_TOLERANCE_X10, balanced_splits, slots, split_grid, tile_for
 
 runtime.require_triton()
 
@@ -70,7 +70,7 @@ def split_kv_kernel(
     start first, on every SM, while the memory system is idle; launched last, they waited for the few SMs
     the long programs left free and delayed the step's end (B = 16, 32k keys, even: +15 us in 476)."""
     pid_bh = tl.program_id(0)
-    split = tl.num_programs(1) - 1 - tl.program_id(1)  # the last splits launch first (see below)
+    split = tl.num_programs(1) - 1 - tl.program_id(1)  # the last splits launch first (docstring)
     pid_m = tl.program_id(2)
     # First of all (a split this step does not use has nothing else to do):
     if BALANCE:
@@ -283,6 +283,7 @@ def launch(q, k, v, block_table, cache_seqlens, *, page_size, capacity, causal, 
     else:
         even_splits = num_splits = int(num_splits)
     balance = num_splits != even_splits
+    slot_count = slots(tile)
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     out = torch.empty_like(q)
@@ -302,17 +303,17 @@ def launch(q, k, v, block_table, cache_seqlens, *, page_size, capacity, causal, 
     split_kv_kernel[grid](
         q, k, v, table, cache_seqlens, o_part, l_part, scale * 1.4426950408889634,
         *q.stride(), *k.stride(), *v.stride(), *table_strides, *o_part.stride(), *l_part.stride(),
-        Hkv, Tq, capacity, num_splits, even_splits, slots(tile),
+        Hkv, Tq, capacity, num_splits, even_splits, slot_count,
         PAGE_SIZE=page_size if paged else 1, GROUP=group, CAUSAL=causal, PAGED=paged,
         HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d), BLOCK_M=block_m, BLOCK_N=tile.BLOCK_N,
         UPCAST=bool(runtime.INTERPRET and q.dtype == torch.bfloat16),
-        DOT_PRECISION="ieee" if wide else "tf32", BALANCE=balance, TOLERANCE_X10=round(RAGGED_TOLERANCE * 10),
+        DOT_PRECISION="ieee" if wide else "tf32", BALANCE=balance, TOLERANCE_X10=RAGGED_TOLERANCE_X10,
         num_warps=tile.num_warps, num_stages=tile.num_stages,
     )  # fmt: skip
     if num_splits > 1:
         # With balance, the combine reads the splits the kernel used: it asks `balanced_splits` too.
         used = (
-            RunTimeSplits(cache_seqlens, capacity, Hkv * m_tiles, slots(tile), even_splits)
+            RunTimeSplits(cache_seqlens, capacity, Hkv * m_tiles, slot_count, even_splits)
             if balance
             else None
         )
