@@ -46,7 +46,7 @@ import numpy as np
 import torch
 
 import course_lib
-from course_lib import records
+from course_lib import pdl, records
 from course_lib.attention.merge import merge_attention_states, merge_many
 from course_lib.decode import decode_attention, decode_reference, heuristics
 from course_lib.decode.heuristics import choose_num_splits, sm_count, tile_for, wave_efficiency
@@ -436,6 +436,42 @@ for mb, ms in read_by_size:
 near_268 = [mb * 1e6 / (ms * 1e-3) / 1e9 / live_ceiling for mb, ms in read_by_size if 200 <= mb <= 300]
 if near_268:
     _ = size_guess.score(near_268[0])
+
+# %% [markdown]
+# ### Two kernels, one gap: programmatic dependent launch
+#
+# A split step is two kernels, the splits and then the combine. On one stream the second normally starts
+# only once the first has finished and its writes are visible, so between them the GPU idles for the
+# time it takes to launch the combine's programs: a few microseconds, even from a CUDA graph, and at
+# batch 1 a step takes 10-40 µs. Hopper GPUs (compute capability 9.0) can launch a kernel *early*
+# (programmatic dependent launch, `course_lib.pdl`): the split kernel lets its dependents be scheduled as
+# soon as all its programs have started (`griddepcontrol.launch_dependents`), and every combine program
+# waits (`griddepcontrol.wait`) until the splits have completed and their partials are visible before it
+# reads one. The results are the same bits; only the gap changes. `decode_attention` does this wherever
+# the GPU supports it, and `COURSE_PDL=0` turns it off. Measured as CUDA-graph replays, batch 1:
+
+# %%
+if course_lib.ON_GPU and pdl.enabled():
+    import os
+
+    from course_lib.perf.timing import benchmark, graphed
+
+    for n_ctx in (1024, 8192):
+        qp = torch.randn(1, 1, 32, 128, device=DEV, dtype=torch.bfloat16)
+        kp, vp = (torch.randn(1, n_ctx, 8, 128, device=DEV, dtype=torch.bfloat16) for _ in range(2))
+        lp = torch.full((1,), n_ctx, dtype=torch.int32, device=DEV)
+        times = {}
+        for flag in ("0", "1"):
+            os.environ["COURSE_PDL"] = flag
+            replay = graphed(lambda: decode_attention(qp, kp, vp, lp, validate=False))
+            times[flag] = benchmark(replay) * 1e3
+        os.environ.pop("COURSE_PDL")
+        change = times["1"] - times["0"]
+        print(f"N={n_ctx:5d}: plain launches {times['0']:.1f} µs, combine launched early {times['1']:.1f} µs "
+              f"({'saves' if change < 0 else 'costs'} {abs(change):.1f} µs)")  # fmt: skip
+else:
+    print(f"Programmatic dependent launch is off here ({course_lib.RUNTIME.describe()}): it needs compiled "
+          "kernels on a GPU of compute capability 9.0 or later.")  # fmt: skip
 
 # %% [markdown]
 # The whole benchmark (every cell against PyTorch's SDPA, plainly and as CUDA-graph replays, in GB/s, as a

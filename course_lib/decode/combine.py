@@ -17,6 +17,7 @@ import torch
 
 from .. import runtime
 from ..attention.blocks import LN2, LOG2E
+from ..pdl import launch_options, wait_for_prior_grid
 from ..runtime import tl, triton
 from .heuristics import RAGGED_TOLERANCE_X10, balanced_splits
 
@@ -45,12 +46,16 @@ def combine_kernel(
     T_Q, H_Q, NUM_SPLITS,
     SEQLENS, CAPACITY, ITEMS, SLOTS, EVEN_SPLITS,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-    BALANCE: tl.constexpr, TOLERANCE_X10: tl.constexpr,
+    BALANCE: tl.constexpr, TOLERANCE_X10: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """One program per row (b, t, h). Grid: (B * Tq * Hq,). Partials: O_PART (S, B, Tq, Hq, d) fp32,
     L_PART (S, B, Tq, Hq) fp32; results O (B, Tq, Hq, d) in the output dtype, L (B, Tq, Hq) fp32.
     BALANCE: only the first `balanced_splits` of the S partials were written (SEQLENS ... EVEN_SPLITS
-    as the split kernel's); otherwise all S."""
+    as the split kernel's); otherwise all S. PDL: launched while the split kernel still runs; every
+    program waits for it before reading anything (`course_lib.pdl`)."""
+    zero = 0
+    if PDL:
+        zero = wait_for_prior_grid()  # the masks below, and so the loads, depend on the wait
     pid = tl.program_id(0)
     h = pid % H_Q
     t = (pid // H_Q) % T_Q
@@ -64,7 +69,7 @@ def combine_kernel(
         )
     else:
         splits = NUM_SPLITS
-    s_ok = offs_s < splits
+    s_ok = offs_s < splits + zero
     # The S logsumexps of this row: HBM -> registers.
     lse_s = tl.load(
         L_PART + offs_s * stride_qs + b * stride_qb + t * stride_qt + h * stride_qh,
@@ -104,10 +109,13 @@ def combine(
     out: torch.Tensor,
     lse: torch.Tensor,
     used: RunTimeSplits | None = None,
+    *,
+    pdl: bool = False,
 ) -> None:
     """Merge partials o_part (S, B, Tq, Hq, d) fp32 and lse_part (S, B, Tq, Hq) fp32 into out
     (B, Tq, Hq, d) (any float dtype) and lse (B, Tq, Hq) fp32, in place. Taught in notebook 09.
-    used: the split kernel chose at run time how many of the S it wrote (`RunTimeSplits`)."""
+    used: the split kernel chose at run time how many of the S it wrote (`RunTimeSplits`).
+    pdl: launch with programmatic dependent launch (`course_lib.pdl`; GPUs that support it only)."""
     S, B, T, H, d = o_part.shape
     if B * T * H == 0:
         return
@@ -120,5 +128,5 @@ def combine(
         *o_part.stride(), *lse_part.stride(), *out.stride(), *lse.stride(),
         T, H, S, seqlens, capacity, items, slots, even,
         HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d), BLOCK_S=max(16, triton.next_power_of_2(S)),
-        BALANCE=used is not None, TOLERANCE_X10=RAGGED_TOLERANCE_X10,
+        BALANCE=used is not None, TOLERANCE_X10=RAGGED_TOLERANCE_X10, PDL=pdl, **launch_options(pdl),
     )  # fmt: skip

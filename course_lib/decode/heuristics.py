@@ -171,8 +171,9 @@ def num_splits_for(
     """The split count `decode_attention` (paged=False) or `paged_decode_attention` (paged=True) uses for
     a batch shape: batch, kv heads, query tiles per (sequence, kv head), cache capacity in keys (Nmax, or
     max_pages x page_size), head dim. The rule runs over SMs x the tile's programs per SM."""
-    tile = tile_for(head_dim, paged)
-    return choose_num_splits(batch * kv_heads * m_tiles, math.ceil(capacity / tile.BLOCK_N), slots(tile))
+    programs = batch * kv_heads * m_tiles
+    tile = tile_for(head_dim, paged, programs=programs, capacity=capacity)
+    return choose_num_splits(programs, math.ceil(capacity / tile.BLOCK_N), slots(tile))
 
 
 def slots(tile: DecodeTile) -> int:
@@ -203,7 +204,8 @@ def split_grid(
     the rule's count for even ones (module docstring)."""
     rule = num_splits_for(batch, kv_heads, m_tiles, capacity, head_dim, paged)
     grid = ragged_splits(capacity)
-    fills = batch * kv_heads * m_tiles * rule >= 0.8 * slots(tile_for(head_dim, paged))
+    programs = batch * kv_heads * m_tiles
+    fills = programs * rule >= 0.8 * slots(tile_for(head_dim, paged, programs=programs, capacity=capacity))
     # one sequence is never uneven; the paged kernel's grid already holds 4 programs per SM, and its
     # extra programs cost more than they save (B = 16 at 32k keys, even: 488 -> 543 us)
     if paged or batch < 2 or grid <= rule or not fills:

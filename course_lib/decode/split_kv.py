@@ -33,8 +33,9 @@ from __future__ import annotations
 
 import torch
 
-from .. import runtime
+from .. import pdl, runtime
 from ..attention.blocks import LN2
+from ..pdl import allow_dependents
 from ..runtime import tl, triton
 from .combine import RunTimeSplits, combine
 from .heuristics import RAGGED_TOLERANCE_X10, balanced_splits, slots, split_grid, tile_for
@@ -57,6 +58,7 @@ def split_kv_kernel(
     PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, CAUSAL: tl.constexpr, PAGED: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, BALANCE: tl.constexpr, TOLERANCE_X10: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     """Partial (O, L) of one split of one (sequence, kv head) for one tile of (token, head) rows.
 
@@ -68,7 +70,10 @@ def split_kv_kernel(
     NUM_SPLITS or EVEN_SPLITS from the lengths, and the programs of the splits past it return at once.
     Grid (B * Hkv, NUM_SPLITS, M tiles), the splits in reverse: the programs that may find nothing to do
     start first, on every SM, while the memory system is idle; launched last, they waited for the few SMs
-    the long programs left free and delayed the step's end (B = 16, 32k keys, even: +15 us in 476)."""
+    the long programs left free and delayed the step's end (B = 16, 32k keys, even: +15 us in 476).
+    PDL: the combine may be scheduled as soon as every program here has started (`course_lib.pdl`)."""
+    if PDL:
+        allow_dependents()
     pid_bh = tl.program_id(0)
     split = tl.num_programs(1) - 1 - tl.program_id(1)  # the last splits launch first (docstring)
     pid_m = tl.program_id(2)
@@ -299,6 +304,7 @@ def launch(q, k, v, block_table, cache_seqlens, *, page_size, capacity, causal, 
     table_strides = block_table.stride() if paged else (0, 0)
     scale = d**-0.5 if scale is None else float(scale)
     wide = q.dtype == torch.float32
+    use_pdl = num_splits > 1 and pdl.enabled(q.device)  # the combine starts while the splits finish
     grid = (B * Hkv, num_splits, m_tiles)
     split_kv_kernel[grid](
         q, k, v, table, cache_seqlens, o_part, l_part, scale * 1.4426950408889634,
@@ -308,7 +314,7 @@ def launch(q, k, v, block_table, cache_seqlens, *, page_size, capacity, causal, 
         HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d), BLOCK_M=block_m, BLOCK_N=tile.BLOCK_N,
         UPCAST=bool(runtime.INTERPRET and q.dtype == torch.bfloat16),
         DOT_PRECISION="ieee" if wide else "tf32", BALANCE=balance, TOLERANCE_X10=RAGGED_TOLERANCE_X10,
-        num_warps=tile.num_warps, num_stages=tile.num_stages,
+        PDL=use_pdl, num_warps=tile.num_warps, num_stages=tile.num_stages,
     )  # fmt: skip
     if num_splits > 1:
         # With balance, the combine reads the splits the kernel used: it asks `balanced_splits` too.
@@ -317,7 +323,7 @@ def launch(q, k, v, block_table, cache_seqlens, *, page_size, capacity, causal, 
             if balance
             else None
         )
-        combine(o_part, l_part, out, lse, used)
+        combine(o_part, l_part, out, lse, used, pdl=use_pdl)
     return out, lse
 
 

@@ -310,9 +310,8 @@ def rms_norm_backward(
     """The backward kernel and the dW reduction: returns (dx like x, dw like weight).
 
     Launch settings, defaults from `launch.rms_backward`: `rows` per loop step, `programs_per_sm`,
-    `warps`; `dw_sum`
-    picks the second reduction of the partial rows ("triton": `column_sum`, tile `column_tile`; "torch":
-    `sum(dim=0)`)."""
+    `warps`; `dw_sum` picks the second reduction of the partial rows ("triton": `column_sum`, tile
+    `column_tile`; "torch": `sum(dim=0)`)."""
     if dw_sum not in DW_SUMS:
         raise ValueError(f"rms_norm_backward: dw_sum must be one of {DW_SUMS}, got {dw_sum!r}")
     x2, dy2 = _rows(x), _rows(dy)
@@ -328,7 +327,8 @@ def rms_norm_backward(
     n_buffers = {"partials": n_programs, "atomics": 1, "locked": min(LOCKED_BUFFERS, n_programs)}[dw_mode]
     empty_or_zeros = torch.empty if dw_mode == "partials" else torch.zeros
     dw_buffer = empty_or_zeros((n_buffers, n_cols), device=x.device, dtype=acc)
-    locks = torch.zeros(n_buffers, device=x.device, dtype=torch.int32)
+    # the locks only where they are taken: zeroing them is one more kernel launch
+    locks = torch.zeros(n_buffers, device=x.device, dtype=torch.int32) if dw_mode == "locked" else dw_buffer
     rms_norm_bwd_kernel[(n_programs,)](
         dy2, x2, weight, rstd, dx, dw_buffer, locks,
         n_rows, n_cols, dy2.stride(0), x2.stride(0), dx.stride(0), n_buffers,
