@@ -241,14 +241,19 @@ except ValueError as exc:
 # ids, and only then can it issue the K/V loads that depend on them. Latency it cannot hide inside one
 # program it hides across programs: the paged tiles (`heuristics.PAGED_TILES`) use a shorter pipeline and
 # ask for 4 programs per SM, and the split rule of notebook 09 fills those slots. At batch 1 the paged
-# kernel therefore cuts the cache into about 4x more splits than the contiguous one:
+# kernel therefore cuts the cache into about 4x more splits than the contiguous one. A batch that fills
+# the slots with a long cache is the other case: there the contiguous kernel launches a few extra splits
+# that it uses only when the lengths are uneven (notebook 09, section 5), while the paged kernel simply
+# never lets a slice exceed `heuristics.PAGED_SPLIT_KEYS` keys, so that a ragged batch's longest sequence
+# does not stream alone at the end. The counts each kernel launches (`heuristics.split_grid`):
 
 # %%
-from course_lib.decode.heuristics import num_splits_for, sm_count
+from course_lib.decode.heuristics import sm_count, split_grid
 
 for batch, n_ctx in ((1, 32768), (8, 8192), (16, 32768), (64, 4096)):
-    contiguous, paged = (num_splits_for(batch, 8, 1, n_ctx, 128, paged=p) for p in (False, True))
-    print(f"batch {batch:>2}, {n_ctx:>5} tokens: {contiguous:>2} splits contiguous, {paged:>2} paged "
+    (contiguous, even), (paged, _) = (split_grid(batch, 8, 1, n_ctx, 128, paged=p) for p in (False, True))
+    used = f" ({even} if the lengths are even)" if even != contiguous else ""
+    print(f"batch {batch:>2}, {n_ctx:>5} tokens: {contiguous:>2} splits contiguous{used}, {paged:>2} paged "
           f"({sm_count()} SMs{' stand-in for the interpreter' if not course_lib.ON_GPU else ''})")  # fmt: skip
 
 # %%

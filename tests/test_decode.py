@@ -152,8 +152,20 @@ def test_a_full_batch_gets_a_grid_of_splits_balanced_at_run_time():
     assert heuristics.split_grid(full, 8, 1, heuristics.RAGGED_SPLIT_KEYS, 128) == (1, 1)
     rule = heuristics.num_splits_for(few, 8, 1, 32768, 128)
     assert rule > 1 and heuristics.split_grid(few, 8, 1, 32768, 128) == (rule, rule)
-    paged = heuristics.num_splits_for(4 * full, 8, 1, 32768, 128, paged=True)
-    assert heuristics.split_grid(4 * full, 8, 1, 32768, 128, paged=True) == (paged, paged)  # never balances
+    paged = max(
+        heuristics.num_splits_for(4 * full, 8, 1, 32768, 128, paged=True), heuristics.paged_splits(32768)
+    )
+    assert heuristics.paged_splits(32768) == 32768 // heuristics.PAGED_SPLIT_KEYS
+    # paged: never balanced at run time, but long slices are cut
+    assert heuristics.split_grid(4 * full, 8, 1, 32768, 128, paged=True) == (paged, paged)
+    short = heuristics.num_splits_for(4 * full, 8, 1, heuristics.RAGGED_SPLIT_KEYS, 128, paged=True)
+    assert heuristics.split_grid(4 * full, 8, 1, heuristics.RAGGED_SPLIT_KEYS, 128, paged=True) == (
+        short,
+        short,
+    )
+    assert heuristics.split_grid(1, 8, 1, 32768, 128, paged=True)[0] == heuristics.num_splits_for(
+        1, 8, 1, 32768, 128, paged=True
+    )  # one sequence: the rule
 
 
 @triton.jit

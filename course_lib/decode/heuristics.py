@@ -29,9 +29,10 @@ shapes. So `split_grid` launches such a batch with `ragged_splits` splits (slice
 RAGGED_SPLIT_KEYS keys), and the kernel chooses from the lengths it loads (`balanced_splits`):
 all of them when the longest sequence's slice under the rule would exceed RAGGED_TOLERANCE_X10 / 10 x the
 fair share of one slot (total work / slots), else the rule's count; the grid's other programs return at once.
-Those programs are not free: with even lengths the step takes 2 % longer (B = 16 at 32k keys: 478 -> 486
-us, measured). The paged kernel does not balance: its grid already holds 4 programs per SM, and the
-extra ones cost it 11 % (488 -> 543 us).
+Those programs are not free: with even lengths the step takes 2-5 % longer (B = 16 at 32k keys: 467-478
+-> 486-498 us, measured in four processes). The paged kernel does not balance (its unused programs cost
+it 8-11 %); its slices are capped at PAGED_SPLIT_KEYS keys instead, which costs an even batch nothing
+(`split_grid`).
 """
 
 from __future__ import annotations
@@ -193,12 +194,25 @@ def ragged_splits(capacity: int) -> int:
     return max(1, min(RAGGED_MAX_SPLITS, math.ceil(capacity / RAGGED_SPLIT_KEYS)))
 
 
+# A paged batch that fills the slots with a long cache: slices of at most this many keys, always (no
+# run-time balance): on an H200 (bf16, d = 128, 32/8 heads, B = 16, page 16) 16 splits took the ragged
+# batch of the benchmark from 382 us (the rule's 4) to 296 us, and an even batch at 32k keys stayed at
+# 490 us (4, 8 and 16 splits alike).
+PAGED_SPLIT_KEYS = 2048
+
+
+def paged_splits(capacity: int) -> int:
+    """Split count that keeps every slice of a paged sequence of `capacity` keys within PAGED_SPLIT_KEYS."""
+    return max(1, min(RAGGED_MAX_SPLITS, math.ceil(capacity / PAGED_SPLIT_KEYS)))
+
+
 def split_grid(
     batch: int, kv_heads: int, m_tiles: int, capacity: int, head_dim: int, paged: bool = False
 ) -> tuple[int, int]:
     """(splits in the grid, splits for even lengths) for a batch shape (arguments as `num_splits_for`).
 
-    Equal numbers: the rule's split count, used whatever the lengths. Otherwise (a contiguous cache, two
+    Equal numbers: the rule's split count, used whatever the lengths (for a paged cache with two
+    sequences or more that fill the slots, at least `paged_splits`). Otherwise (a contiguous cache, two
     sequences or more, the rule's programs fill the slots, and a cache longer than the rule's slices
     should be) the grid has `ragged_splits` splits and the kernel uses them all only for uneven lengths,
     the rule's count for even ones (module docstring)."""
@@ -206,9 +220,15 @@ def split_grid(
     grid = ragged_splits(capacity)
     programs = batch * kv_heads * m_tiles
     fills = programs * rule >= 0.8 * slots(tile_for(head_dim, paged, programs=programs, capacity=capacity))
-    # one sequence is never uneven; the paged kernel's grid already holds 4 programs per SM, and its
-    # extra programs cost more than they save (B = 16 at 32k keys, even: 488 -> 543 us)
-    if paged or batch < 2 or grid <= rule or not fills:
+    long_cache = capacity > RAGGED_SPLIT_KEYS
+    if paged:
+        # no run-time balance (its unused programs cost the paged kernel 8 %: B = 16 at 32k keys, even,
+        # 489 -> 528 us), but slices capped at PAGED_SPLIT_KEYS, which cost an even batch nothing
+        if batch >= 2 and fills and long_cache:
+            rule = max(rule, paged_splits(capacity))
+        return rule, rule
+    # one sequence is never uneven
+    if batch < 2 or grid <= rule or not fills:
         return rule, rule
     return grid, rule
 
