@@ -68,6 +68,20 @@ def test_gqa_and_alignments_match_reference(group, n_q, n_k, causal, dtype):
     _check(q, k, v, causal, f"GQA {group}:1, Nq={n_q}, Nk={n_k}, causal={causal}, {dtype}")
 
 
+@pytest.mark.parametrize("on_chip", [1, 2])
+@pytest.mark.parametrize("causal", [True, "bottom_right", False])
+def test_gqa_partial_sums_match_reference(on_chip, causal, monkeypatch):
+    """The backward's other way to sum a group of 4 query heads into dK, dV (`backward.
+    dkdv_heads_per_program` < group, as for long causal sequences): 1 or 2 heads per program, their fp32
+    partial sums added afterwards."""
+    import importlib
+
+    bwd = importlib.import_module("course_lib.attention.backward")
+    monkeypatch.setattr(bwd, "dkdv_heads_per_program", lambda group, causal, n_k: on_chip)
+    q, k, v = _qkv(2, 8, 2, 37, 70, 32, torch.float32, seed=11)
+    _check(q, k, v, causal, f"GQA 4:1 summed {on_chip} per program, causal={causal}")
+
+
 def test_gqa_equals_repeated_kv():
     """GQA gives what multi-head attention gives on K/V repeated per query head (without repeating)."""
     q, k, v = _qkv(2, 8, 2, 40, 40, 16, torch.float32, seed=3)
@@ -155,6 +169,7 @@ def test_block_ranges_cover_exactly_the_visible_pairs(causal):
         (8, 1000, 3000, "bottom_right", 64),
         (2, 3000, 1000, "bottom_right", 128),
         (1, 1, 4096, "bottom_right", 128),
+        (4, 4096, 4096, True, 64),  # one program per query head, the last of a group adds the partials
     ],
 )
 def test_gpu_gqa_and_alignments(group, n_q, n_k, causal, d):
