@@ -11,9 +11,9 @@ and its memory operations are visible. Both instructions do nothing in a kernel 
 
 Use: the consuming kernel takes `PDL: tl.constexpr` and calls `wait_for_prior_grid()` under
 `if PDL:` before its first read of the producer's output, adding the zero it returns to a loop bound
-or a mask of those reads; the producer calls `allow_dependents()`
-under its own `PDL` flag; the host launches the consumer with `**launch_options(pdl)`, where
-`pdl = enabled(device)`. The interpreter never takes these branches (enabled() is False on the CPU).
+or a mask of those reads; the producer calls `allow_dependents()` under its own `PDL` flag; the host
+launches the consumer with `**launch_options(pdl)`, where `pdl = enabled(device)`. The interpreter
+never takes these branches (enabled() is False on the CPU).
 """
 
 from __future__ import annotations

@@ -378,6 +378,7 @@ def test_gpu_dependent_launch_gives_the_same_bits(paged, monkeypatch):
     """The combine launched early (PDL) reads the partials only once the split kernel has written them:
     the same bits as with plain launches, called directly and in 20 replays of a CUDA graph."""
     from course_lib import pdl
+    from course_lib.perf.timing import graphed
 
     if not course_lib.ON_GPU or not pdl.enabled():
         pytest.skip("needs a GPU with programmatic dependent launch (compute capability >= 9)")
@@ -394,23 +395,12 @@ def test_gpu_dependent_launch_gives_the_same_bits(paged, monkeypatch):
     plain = step().clone()
     monkeypatch.setenv("COURSE_PDL", "1")
     assert torch.equal(step(), plain)
-    replay, out = graphed_outputs(step)
+    out = {}
+    replay = graphed(lambda: out.update(value=step()))
     for i in range(20):
         replay()
         torch.cuda.synchronize()
         assert torch.equal(out["value"], plain), f"replay {i} paged={paged}: differs from plain launches"
-
-
-def graphed_outputs(fn):
-    """fn captured as a CUDA graph: (replay, {"value": fn's output tensor in the graph's memory})."""
-    from course_lib.perf.timing import graphed
-
-    out = {}
-
-    def capture():
-        out["value"] = fn()
-
-    return graphed(capture), out
 
 
 def test_bench_report_and_plots_on_a_synthetic_record(tmp_path):

@@ -217,20 +217,15 @@ def split_grid(
     should be) the grid has `ragged_splits` splits and the kernel uses them all only for uneven lengths,
     the rule's count for even ones (module docstring)."""
     rule = num_splits_for(batch, kv_heads, m_tiles, capacity, head_dim, paged)
-    grid = ragged_splits(capacity)
     programs = batch * kv_heads * m_tiles
     fills = programs * rule >= 0.8 * slots(tile_for(head_dim, paged, programs=programs, capacity=capacity))
-    long_cache = capacity > RAGGED_SPLIT_KEYS
-    if paged:
-        # no run-time balance (its unused programs cost the paged kernel 8 %: B = 16 at 32k keys, even,
-        # 489 -> 528 us), but slices capped at PAGED_SPLIT_KEYS, which cost an even batch nothing
-        if batch >= 2 and fills and long_cache:
-            rule = max(rule, paged_splits(capacity))
+    if batch < 2 or not fills or capacity <= RAGGED_SPLIT_KEYS:  # one sequence is never uneven
         return rule, rule
-    # one sequence is never uneven
-    if batch < 2 or grid <= rule or not fills:
-        return rule, rule
-    return grid, rule
+    if paged:  # no run-time balance (module docstring): the slices are capped instead
+        capped = max(rule, paged_splits(capacity))
+        return capped, capped
+    grid = ragged_splits(capacity)
+    return (grid, rule) if grid > rule else (rule, rule)
 
 
 @triton.jit
