@@ -194,21 +194,26 @@ def test_balanced_splits_reads_the_lengths():
 
 
 @pytest.mark.parametrize("uneven", [True, False])
-def test_run_time_balance_matches_reference(monkeypatch, uneven):
+@pytest.mark.parametrize("hq, hkv, tq", [(4, 2, 1), (8, 1, 9)], ids=["one-tile", "two-query-tiles"])
+def test_run_time_balance_matches_reference(monkeypatch, uneven, hq, hkv, tq):
     """A batch that fills the (CPU's stand-in) SMs, with slices of at most 64 keys: the grid has 5 splits
-    and the kernel uses them (uneven lengths, 0 and 1 among them) or not (even lengths)."""
+    and the kernel uses them (uneven lengths, 0 and 1 among them) or not (even lengths). With 9 tokens
+    of 8 query heads per kv head each (sequence x kv head, split) has 2 query tiles, and the bottom-right
+    causal mask applies."""
     monkeypatch.setattr(heuristics, "RAGGED_SPLIT_KEYS", 64)
-    B, hkv, n_max = -(-heuristics.slots(tile_for(64)) // 2), 2, 320
-    assert heuristics.split_grid(B, hkv, 1, n_max, 64) == (5, 1)
-    q, k, v = make_cache(B, n_max, 4, hkv, 64, 1, torch.float32, seed=5)
+    rows = hq // hkv * tq  # (token, query head) rows per kv head
+    m_tiles = -(-rows // tile_for(64).BLOCK_M_MAX)
+    B, n_max = -(-heuristics.slots(tile_for(64)) // (hkv * m_tiles)), 320
+    assert heuristics.split_grid(B, hkv, m_tiles, n_max, 64) == (5, 1)
+    q, k, v = make_cache(B, n_max, hq, hkv, 64, tq, torch.float32, seed=5)
     g = torch.Generator().manual_seed(5)
-    lens = torch.randint(0, n_max + 1, (B,), generator=g) if uneven else torch.full((B,), n_max)
+    lens = torch.randint(tq, n_max + 1, (B,), generator=g) if uneven else torch.full((B,), n_max)
     if uneven:
-        lens[:3] = torch.tensor([0, 1, n_max])
+        lens[:3] = torch.tensor([0, 1, n_max]) if tq == 1 else torch.tensor([tq, tq + 1, n_max])
     seqlens = lens.to(torch.int32).to(DEV)
     out, lse = decode_attention(q, k, v, seqlens, return_lse=True)
     ref_out, ref_lse = decode_reference(q, k, v, seqlens)
-    assert_matches(out, lse, ref_out, ref_lse, torch.float32, f"run-time balance, uneven={uneven}")
+    assert_matches(out, lse, ref_out, ref_lse, torch.float32, f"run-time balance, uneven={uneven}, tq={tq}")
 
 
 def test_many_short_programs_take_the_short_tile():
