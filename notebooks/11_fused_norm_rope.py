@@ -166,7 +166,10 @@ torch.testing.assert_close(y_simple, llama_rms_norm(x, w), rtol=2e-2, atol=2e-2)
 # sums the squares and asks the L2 cache to keep the row (`eviction_policy="evict_last"`); the second reads
 # it back from the L2 and writes y. HBM still sees one read and one write, and a program needs far fewer
 # registers than one that holds a whole long row, so more programs share an SM and more loads are in
-# flight. (`torch.compile` generates the same two-pass loop for such rows.)
+# flight. (`torch.compile` generates the same two-pass loop for such rows.) Its row length is a
+# compile-time constant (`N_COLS: tl.constexpr`), again as torch.compile does: one compilation per hidden
+# size buys loops of a known length and, when the piece divides the row, loads and stores without masks,
+# which took 3-4 % off the forward of 4k rows of 8192 elements on an H200.
 #
 # ## 3. The backward: dX per row, dW across rows
 #

@@ -92,29 +92,46 @@ def rms_norm_fwd_kernel(
 
 @triton.jit
 def rms_norm_fwd_chunked_kernel(
-    x_ptr, w_ptr, y_ptr, rstd_ptr, n_cols, stride_x, stride_y, eps, CHUNK: tl.constexpr,
+    x_ptr, w_ptr, y_ptr, rstd_ptr, stride_x, stride_y, eps, N_COLS: tl.constexpr, CHUNK: tl.constexpr,
 ):  # fmt: skip
     """The same result for one row per program, read in CHUNK-element pieces: for rows too long to keep
     in registers without starving the SM of programs. A first pass sums the squares (loads marked
     evict_last: the row stays in the L2 cache); a second reads the row again, from the L2 (evict_first:
-    done with it), and writes y. HBM traffic is still one read of x and one write of y."""
+    done with it), and writes y. HBM traffic is still one read of x and one write of y.
+
+    The row length N_COLS is a compile-time constant (one compilation per hidden size, as torch.compile
+    does): the loops' trip counts are known, and when CHUNK divides N_COLS no load or store needs a
+    mask. Measured on an H200 (bf16, D = 8192, T = 4k): 35.0 us with the length as a run-time argument
+    and masks, 33.7-34.0 us as a constant; 126.9 -> 126.3-126.6 us at T = 16k."""
     row = tl.program_id(0).to(tl.int64)
     acc_ty = rstd_ptr.dtype.element_ty
     x_row = x_ptr + row * stride_x
     y_row = y_ptr + row * stride_y
     sum_sq = tl.zeros([CHUNK], dtype=acc_ty)
-    for start in range(0, n_cols, CHUNK):
+    for start in range(0, N_COLS, CHUNK):
         cols = start + tl.arange(0, CHUNK)
-        x = tl.load(x_row + cols, mask=cols < n_cols, other=0.0, eviction_policy="evict_last").to(acc_ty)
+        if N_COLS % CHUNK == 0:
+            x = tl.load(x_row + cols, eviction_policy="evict_last")
+        else:
+            x = tl.load(x_row + cols, mask=cols < N_COLS, other=0.0, eviction_policy="evict_last")
+        x = x.to(acc_ty)
         sum_sq += x * x
-    rstd = tl.rsqrt(tl.sum(sum_sq, axis=0) / n_cols + eps)
-    for start in range(0, n_cols, CHUNK):
+    rstd = tl.rsqrt(tl.sum(sum_sq, axis=0) / N_COLS + eps)
+    for start in range(0, N_COLS, CHUNK):
         cols = start + tl.arange(0, CHUNK)
-        mask = cols < n_cols
-        x = tl.load(x_row + cols, mask=mask, other=0.0, eviction_policy="evict_first").to(acc_ty)
-        w = tl.load(w_ptr + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(acc_ty)
-        x_hat = (x * rstd).to(x_ptr.dtype.element_ty)  # LlamaRMSNorm: x's dtype before the weight
-        tl.store(y_row + cols, (w * x_hat.to(acc_ty)).to(y_ptr.dtype.element_ty), mask=mask)
+        mask = cols < N_COLS
+        if N_COLS % CHUNK == 0:
+            x = tl.load(x_row + cols, eviction_policy="evict_first")
+            w = tl.load(w_ptr + cols, eviction_policy="evict_last")
+        else:
+            x = tl.load(x_row + cols, mask=mask, other=0.0, eviction_policy="evict_first")
+            w = tl.load(w_ptr + cols, mask=mask, other=0.0, eviction_policy="evict_last")
+        x_hat = (x.to(acc_ty) * rstd).to(x_ptr.dtype.element_ty)  # LlamaRMSNorm: x's dtype before the weight
+        y = (w.to(acc_ty) * x_hat.to(acc_ty)).to(y_ptr.dtype.element_ty)
+        if N_COLS % CHUNK == 0:
+            tl.store(y_row + cols, y)
+        else:
+            tl.store(y_row + cols, y, mask=mask)
     tl.store(rstd_ptr + row, rstd)
 
 
@@ -264,8 +281,8 @@ def rms_norm_forward(
         chunk = setting.chunk if chunk is None else chunk
         if chunk:
             rms_norm_fwd_chunked_kernel[(n_rows,)](
-                x2, weight, y, rstd, n_cols, x2.stride(0), y.stride(0), eps,
-                CHUNK=_power_of_two("chunk", chunk), num_warps=warps or setting.warps,
+                x2, weight, y, rstd, x2.stride(0), y.stride(0), eps,
+                N_COLS=n_cols, CHUNK=_power_of_two("chunk", chunk), num_warps=warps or setting.warps,
             )  # fmt: skip
         else:
             rows = _power_of_two("rows", rows or setting.rows)
