@@ -13,9 +13,10 @@ So this tool:
    `triton.language` for good), compiles each distinct launch for a Hopper GPU (`GPUTarget("cuda",
    90, 32)`, to PTX and a cubin with the ptxas that Triton ships), and reports the failures.
 
-What it cannot see: launch settings the interpreter never takes (the CPU's tile sizes are used, and
-bf16 kernels are compiled with the interpreter's upcast switch), and anything that only fails when a
-kernel runs. `make test-gpu` covers those.
+The bf16 launches are compiled twice: as the interpreter ran them (UPCAST=True: its dot products want
+fp32 operands) and as the GPU runs them (UPCAST=False: bf16 tensor-core products). What it cannot see:
+launch settings the interpreter never takes (the CPU's tile sizes are used), and anything that only
+fails when a kernel runs. `make test-gpu` covers those.
 
     python -m course_lib.tools.compile_check            # exit status 1 if a launch does not compile
 """
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import importlib
 import inspect
 import os
@@ -220,10 +222,17 @@ def workload() -> None:
 
 
 def record() -> list[Launch]:
-    """Run `workload` through the interpreter; the distinct launches, in first-seen order."""
+    """Run `workload` through the interpreter; the distinct launches, in first-seen order, each launch
+    with UPCAST=True (bf16 upcast to fp32: an interpreter-only switch) followed by its GPU form."""
     with recorded_launches() as launches:
         workload()
-    return list(dict.fromkeys(launches))
+    distinct = []
+    for launch in dict.fromkeys(launches):
+        distinct.append(launch)
+        if ("UPCAST", True) in launch.constants:
+            gpu = tuple((k, False if k == "UPCAST" else v) for k, v in launch.constants)
+            distinct.append(dataclasses.replace(launch, constants=gpu))
+    return list(dict.fromkeys(distinct))
 
 
 def _compilable(modules: set[str]) -> None:
