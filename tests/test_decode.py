@@ -19,6 +19,8 @@ from course_lib.decode.heuristics import (
     SHORT_WAVES,
     balanced_splits,
     choose_num_splits,
+    longest_first,
+    longest_first_block,
     sm_count,
     tile_for,
 )
@@ -191,6 +193,32 @@ def test_balanced_splits_reads_the_lengths():
     # 2 even splits, 64 slots: 32 programs of 500 keys against a fair share of 250 per slot
     assert choice([1000] * 8, even=2, slots=64) == 8
     assert choice([1000] * 8, even=2, slots=32) == 2  # 32 programs of 500 keys, 500 per slot
+
+
+@triton.jit
+def longest_first_probe(SEQLENS, OUT, BATCH, CAPACITY, H_KV, NUM_SPLITS, SORT_B: tl.constexpr):
+    """Program p stores the (sequence, kv head, split) that `longest_first` gives launch position p."""
+    p = tl.program_id(0)
+    b, kvh, split = longest_first(SEQLENS, BATCH, CAPACITY, H_KV, NUM_SPLITS, p, SORT_B)
+    tl.store(OUT + 3 * p, b.to(tl.int32))
+    tl.store(OUT + 3 * p + 1, kvh.to(tl.int32))
+    tl.store(OUT + 3 * p + 2, split)
+
+
+@pytest.mark.parametrize("lengths", [[5, 900, 0, 900, 40, 1200, 7], [64] * 4, [3, 2]], ids=str)
+def test_longest_first_orders_every_program_once(lengths):
+    """Every (sequence, kv head, split) exactly once; sequences by length, longest first (ties: lower
+    index first; lengths past the capacity count as the capacity), each one's programs together."""
+    hkv, splits, capacity = 2, 3, 1000
+    B = len(lengths)
+    assert longest_first_block(B) == 1 << (B - 1).bit_length() and longest_first_block(1) == 0
+    out = torch.full((B * hkv * splits, 3), -1, dtype=torch.int32, device=DEV)
+    lens = torch.tensor(lengths, dtype=torch.int32, device=DEV)
+    longest_first_probe[(B * hkv * splits,)](lens, out, B, capacity, hkv, splits, longest_first_block(B))
+    got = [tuple(row) for row in out.cpu().tolist()]
+    assert sorted(got) == [(b, h, s) for b in range(B) for h in range(hkv) for s in range(splits)]
+    order = sorted(range(B), key=lambda b: (-min(lengths[b], capacity), b))
+    assert [row[0] for row in got] == [b for b in order for _ in range(hkv * splits)]
 
 
 @pytest.mark.parametrize("uneven", [True, False])

@@ -21,7 +21,8 @@ by the shapes alone, so a step can be captured once as a CUDA graph and replayed
   sequence with no host sync. A split with no key writes (O, L) = (0, -inf).
 - A batch whose programs already fill the SMs is launched with a few splits anyway when its cache is
   long, and the kernel decides from the lengths whether to use them (`balanced_splits`): a ragged batch
-  is split so that its longest sequence does not stream alone at the end; an even one is not.
+  is split so that its longest sequence does not stream alone at the end, its programs reordered
+  longest sequence first; an even one is not split.
 - Each split writes its partial (O, L) in fp32; `combine` merges them (S = 1 writes the result directly).
 Bytes moved: every valid K and V row once (2 x n x Hkv x d x element size per sequence), Q and O once,
 plus the partials (S x B x Tq x Hq x (d + 1) x 4 bytes, twice).
@@ -38,11 +39,20 @@ from ..attention.blocks import LN2
 from ..pdl import allow_dependents
 from ..runtime import tl, triton
 from .combine import RunTimeSplits, combine
-from .heuristics import RAGGED_TOLERANCE_X10, balanced_splits, slots, split_grid, tile_for
+from .heuristics import (
+    RAGGED_TOLERANCE_X10,
+    balanced_splits,
+    longest_first,
+    longest_first_block,
+    slots,
+    split_grid,
+    tile_for,
+)
 
 runtime.require_triton()
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+LONGEST_FIRST = True  # a ragged batch's programs longest sequence first (`heuristics.longest_first`)
 
 
 @triton.jit
@@ -58,7 +68,7 @@ def split_kv_kernel(
     PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, CAUSAL: tl.constexpr, PAGED: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, BALANCE: tl.constexpr, TOLERANCE_X10: tl.constexpr,
-    PDL: tl.constexpr,
+    SORT_B: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Partial (O, L) of one split of one (sequence, kv head) for one tile of (token, head) rows.
 
@@ -71,24 +81,32 @@ def split_kv_kernel(
     Grid (B * Hkv, NUM_SPLITS, M tiles), the splits in reverse: the programs that may find nothing to do
     start first, on every SM, while the memory system is idle; launched last, they waited for the few SMs
     the long programs left free and delayed the step's end (B = 16, 32k keys, even: +15 us in 476).
+    When the lengths are uneven and every split runs, SORT_B > 0 reorders the programs longest sequence
+    first (`longest_first`).
     PDL: the combine may be scheduled as soon as every program here has started (`course_lib.pdl`)."""
     if PDL:
         allow_dependents()
     pid_bh = tl.program_id(0)
     split = tl.num_programs(1) - 1 - tl.program_id(1)  # the last splits launch first (docstring)
     pid_m = tl.program_id(2)
+    b = (pid_bh // H_KV).to(tl.int64)
+    kvh = (pid_bh % H_KV).to(tl.int64)
     # First of all (a split this step does not use has nothing else to do):
     if BALANCE:
         splits = balanced_splits(
             SEQLENS, tl.num_programs(0) // H_KV, H_KV * tl.num_programs(2), CAPACITY, SLOTS,
             NUM_SPLITS, EVEN_SPLITS, TOLERANCE_X10, 128,
         )  # fmt: skip
+        if SORT_B > 0:
+            if splits == NUM_SPLITS:  # uneven lengths, every program works: the longest sequences first
+                b, kvh, split = longest_first(
+                    SEQLENS, tl.num_programs(0) // H_KV, CAPACITY, H_KV, NUM_SPLITS,
+                    tl.program_id(0) + tl.program_id(1) * tl.num_programs(0), SORT_B,
+                )  # fmt: skip
         if split >= splits:
             return  # a split this step does not use: the combine reads only the first `splits`
     else:
         splits = NUM_SPLITS
-    b = (pid_bh // H_KV).to(tl.int64)
-    kvh = (pid_bh % H_KV).to(tl.int64)
     seqlen = tl.minimum(tl.load(SEQLENS + b), CAPACITY)  # the wrappers check; the clamp keeps reads in bounds
 
     # Rows of the tile: (token t, head g of the group), r = t * GROUP + g; query head kvh * GROUP + g.
@@ -314,7 +332,8 @@ def launch(q, k, v, block_table, cache_seqlens, *, page_size, capacity, causal, 
         HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d), BLOCK_M=block_m, BLOCK_N=tile.BLOCK_N,
         UPCAST=bool(runtime.INTERPRET and q.dtype == torch.bfloat16),
         DOT_PRECISION="ieee" if wide else "tf32", BALANCE=balance, TOLERANCE_X10=RAGGED_TOLERANCE_X10,
-        PDL=use_pdl, num_warps=tile.num_warps, num_stages=tile.num_stages,
+        SORT_B=longest_first_block(B) if balance and LONGEST_FIRST else 0, PDL=use_pdl,
+        num_warps=tile.num_warps, num_stages=tile.num_stages,
     )  # fmt: skip
     if num_splits > 1:
         # With balance, the combine reads the splits the kernel used: it asks `balanced_splits` too.
