@@ -19,7 +19,6 @@ from course_lib.decode.heuristics import (
     SHORT_WAVES,
     balanced_splits,
     choose_num_splits,
-    lengths_differ,
     longest_first,
     longest_first_block,
     sm_count,
@@ -204,24 +203,6 @@ def longest_first_probe(SEQLENS, OUT, BATCH, CAPACITY, H_KV, NUM_SPLITS, SORT_B:
     tl.store(OUT + 3 * p, b.to(tl.int32))
     tl.store(OUT + 3 * p + 1, kvh.to(tl.int32))
     tl.store(OUT + 3 * p + 2, split)
-
-
-@triton.jit
-def lengths_differ_probe(SEQLENS, OUT, BATCH, CAPACITY, SORT_B: tl.constexpr):
-    tl.store(OUT, lengths_differ(SEQLENS, BATCH, CAPACITY, 11, SORT_B).to(tl.int32))
-
-
-def test_lengths_differ():
-    """The paged kernel's test for reordering: the longest length over 1.1x the mean (capacity 1000)."""
-
-    def differ(lengths):
-        out = torch.zeros(1, dtype=torch.int32, device=DEV)
-        lens = torch.tensor(lengths, dtype=torch.int32, device=DEV)
-        lengths_differ_probe[(1,)](lens, out, len(lengths), 1000, longest_first_block(len(lengths)))
-        return bool(out)
-
-    assert not differ([64] * 4) and not differ([0, 0]) and not differ([1000, 990, 1000])
-    assert differ([5, 900, 0]) and differ([100, 150]) and not differ([1000, 5000, 1000])  # capacity
 
 
 @pytest.mark.parametrize("lengths", [[5, 900, 0, 900, 40, 1200, 7], [64] * 4, [3, 2]], ids=str)

@@ -42,8 +42,10 @@ longest-processing-time rule). A model of 132 SMs taking the benchmark's 1024 sl
 old order 16 % above a perfect balance and this one 2 %; measured on an H200 (bf16, d = 128, 32/8 heads,
 CUDA-graph replays): B = 16 of 880-31280 keys 286 -> 265 us, another draw of B = 16 248 -> 241 us, B = 32
 of 64-16k keys (4 splits) 317 -> 321 us, an even batch unchanged (498 us). The paged kernel, whose
-capped splits always all run, reorders when the lengths differ (`lengths_differ`): the same B = 16
-296 -> 269 us and 266 -> 241 us, B = 32 289 -> 266 us.
+capped splits always all run, reorders whenever it has several splits and sequences: the same B = 16
+296 -> 269 us and 266 -> 241 us, B = 32 289 -> 266 us; an even batch pays for the sort and the
+dependent load of the lengths (B = 8 at 8k keys 73.0 -> 76.5 us, B = 16 at 32k 490 -> 498 us; testing
+the lengths for evenness first cost as much), and serving batches are rarely even.
 """
 
 from __future__ import annotations
@@ -272,17 +274,6 @@ def longest_first_block(batch: int) -> int:
     if batch < 2 or batch > LONGEST_FIRST_MAX_BATCH:
         return 0
     return 1 << (batch - 1).bit_length()
-
-
-@triton.jit
-def lengths_differ(SEQLENS, BATCH, CAPACITY, TOLERANCE_X10: tl.constexpr, SORT_B: tl.constexpr):
-    """Whether the longest of the BATCH lengths exceeds TOLERANCE_X10 / 10 x their mean (then the paged
-    kernel's programs run longest first; an even batch keeps the grid's order, which measured faster
-    for it: B = 8 at 8k keys 73.0 against 76.5 us, B = 16 at 32k 490 against 498 us, H200)."""
-    offs = tl.arange(0, SORT_B)
-    n = tl.load(SEQLENS + offs, mask=offs < BATCH, other=0)
-    n = tl.minimum(tl.maximum(n, 0), CAPACITY).to(tl.int64)
-    return tl.max(n, 0) * BATCH * 10 > TOLERANCE_X10 * tl.sum(n, 0)
 
 
 @triton.jit

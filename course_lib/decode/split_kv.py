@@ -42,7 +42,6 @@ from .combine import RunTimeSplits, combine
 from .heuristics import (
     RAGGED_TOLERANCE_X10,
     balanced_splits,
-    lengths_differ,
     longest_first,
     longest_first_block,
     slots,
@@ -59,8 +58,7 @@ PAGED_LONGEST_FIRST = True
 
 def longest_first_order(balance: bool, paged: bool, num_splits: int) -> bool:
     """Whether the programs may run longest sequence first: a contiguous cache's run-time balance when
-    it uses every split; a paged batch split into several slices whose lengths differ (its splits always
-    all run)."""
+    it uses every split; a paged batch split into several slices (its splits always all run)."""
     return LONGEST_FIRST and balance or PAGED_LONGEST_FIRST and paged and num_splits > 1
 
 
@@ -91,7 +89,7 @@ def split_kv_kernel(
     start first, on every SM, while the memory system is idle; launched last, they waited for the few SMs
     the long programs left free and delayed the step's end (B = 16, 32k keys, even: +15 us in 476).
     When the lengths are uneven and every split runs, SORT_B > 0 reorders the programs longest sequence
-    first (`longest_first`; paged: when `lengths_differ`).
+    first (`longest_first`).
     PDL: the combine may be scheduled as soon as every program here has started (`course_lib.pdl`)."""
     if PDL:
         allow_dependents()
@@ -116,12 +114,11 @@ def split_kv_kernel(
             return  # a split this step does not use: the combine reads only the first `splits`
     else:
         splits = NUM_SPLITS
-        if SORT_B > 0:  # every split runs: the longest sequences first, if the lengths differ
-            if lengths_differ(SEQLENS, tl.num_programs(0) // H_KV, CAPACITY, TOLERANCE_X10, SORT_B):
-                b, kvh, split = longest_first(
-                    SEQLENS, tl.num_programs(0) // H_KV, CAPACITY, H_KV, NUM_SPLITS,
-                    tl.program_id(0) + tl.program_id(1) * tl.num_programs(0), SORT_B,
-                )  # fmt: skip
+        if SORT_B > 0:  # every split runs: the longest sequences first
+            b, kvh, split = longest_first(
+                SEQLENS, tl.num_programs(0) // H_KV, CAPACITY, H_KV, NUM_SPLITS,
+                tl.program_id(0) + tl.program_id(1) * tl.num_programs(0), SORT_B,
+            )  # fmt: skip
     seqlen = tl.minimum(tl.load(SEQLENS + b), CAPACITY)  # the wrappers check; the clamp keeps reads in bounds
 
     # Rows of the tile: (token t, head g of the group), r = t * GROUP + g; query head kvh * GROUP + g.
