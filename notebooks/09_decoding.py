@@ -349,6 +349,55 @@ print(f"16 sequences of up to 32k keys: a grid of {grid} splits, {even} used if 
 assert grid > even == choose_num_splits(16 * 8, math.ceil(32768 / BLOCK_N), heuristics.slots(tile_for(128)))
 
 # %% [markdown]
+# How many splits is half of the answer; **in what order** the programs start is the other half. The GPU
+# hands programs to free SMs roughly in launch order. In the grid's order (split by split, all sequences
+# at a time) some slices of the longest sequence start when nearly everything else is done, and stream
+# alone at the end. Scheduling theory has a classic rule for this, *longest processing time first*: start
+# the longest jobs first, so the short ones fill the gaps at the end. When every split runs, the kernel
+# sorts the lengths it loads and hands out its programs longest sequence first
+# (`heuristics.longest_first`). A model predicts the effect before any GPU is involved: 132 SMs, each
+# taking the next slice when it finishes one, a slice's time proportional to its keys.
+
+# %%
+import heapq
+
+
+def step_time(slices, sms=132):
+    """Time (in keys streamed) until the last SM is done, slices taken in order by the first free SM."""
+    free_at = [0] * sms
+    for keys in slices:
+        heapq.heappush(free_at, heapq.heappop(free_at) + keys)
+    return max(free_at)
+
+
+ragged_cell = next((c for c in decode_rec["data"]["cells"] if "lengths" in c), None) if decode_rec else None
+if ragged_cell:  # the lengths the recorded run measured
+    ragged_lengths = ragged_cell["lengths"]
+else:  # a draw like the benchmark's: 16 lengths from 64 to 32k
+    ragged_lengths = torch.randint(64, 32769, (16,), generator=torch.Generator().manual_seed(0)).tolist()
+blocks_per_split = [math.ceil(math.ceil(n / BLOCK_N) / grid) for n in ragged_lengths]
+slice_keys = [  # keys of split s of sequence b, as the kernel cuts them
+    [max(0, min(n, (s + 1) * p * BLOCK_N) - s * p * BLOCK_N) for s in range(grid)]
+    for n, p in zip(ragged_lengths, blocks_per_split)
+]
+grid_order = [slice_keys[b][s] for s in reversed(range(grid)) for b in range(16) for _ in range(8)]
+longest = sorted(range(16), key=lambda b: -ragged_lengths[b])
+longest_order = [slice_keys[b][s] for b in longest for s in range(grid) for _ in range(8)]
+perfect = sum(grid_order) / 132
+for name, order in (("grid order", grid_order), ("longest first", longest_order)):
+    print(f"{name:>13}: {step_time(order) / perfect:.2f}x a perfect balance")
+assert step_time(longest_order) < step_time(grid_order)
+
+if ragged_cell:
+    measured = ragged_cell["split_kv"]["graph_ms"] / ragged_cell["read_same_size_ms"]
+    print(f"measured, these lengths: {measured:.2f}x the time of a same-size read ({records.label(decode_rec)})")
+
+# %% [markdown]
+# The model ignores what the real kernel adds (the combine, each program's start, the SMs sharing the
+# memory system), so read the last line against the model's longest-first figure: how much of the gap
+# to a perfect balance is left for those?
+
+# %% [markdown]
 # The measured curve. On a GPU this cell measures a few split counts now; on the CPU it shows the
 # recorded run of `python -m course_lib.bench.decode` (the interpreter's timings would measure Python).
 #
@@ -569,5 +618,7 @@ check("split choice", lambda: [my_num_splits(*c) for c in _cases], [choose_num_s
 # - **GQA packing** puts the G query heads of a kv head in one tile's rows: the cache is read once, not G times.
 # - FlashAttention-2's split rule fills the SMs with the fewest splits of good wave efficiency; the grid
 #   depends on shapes only, so a decoding step can be captured once as a CUDA graph and replayed.
+# - A ragged batch needs more splits than the rule gives, chosen in the kernel from the lengths, and its
+#   programs started longest sequence first, so that the short slices fill the SMs at the end.
 #
 # Next, notebook 10 stores the cache in pages (PagedAttention) and serves many requests at once.

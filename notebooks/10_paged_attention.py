@@ -245,7 +245,8 @@ except ValueError as exc:
 # the slots with a long cache is the other case: there the contiguous kernel launches a few extra splits
 # that it uses only when the lengths are uneven (notebook 09, section 5), while the paged kernel simply
 # never lets a slice exceed `heuristics.PAGED_SPLIT_KEYS` keys, so that a ragged batch's longest sequence
-# does not stream alone at the end. The counts each kernel launches (`heuristics.split_grid`):
+# does not stream alone at the end; both start their programs longest sequence first (notebook 09).
+# The counts each kernel launches (`heuristics.split_grid`):
 
 # %%
 from course_lib.decode.heuristics import sm_count, split_grid
