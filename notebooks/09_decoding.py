@@ -335,39 +335,41 @@ assert choose_num_splits(64 * 8, 64, 132) == 1
 # The rule looks only at shapes, and a **ragged** batch breaks it. Sixteen sequences of 880 to 31 280 keys
 # give 128 programs, enough for the rule's one split; but each program's work is its sequence's length,
 # and at the end the longest ones stream alone on a few SMs while the rest idle. The lengths live on the
-# GPU, and reading them on the host would cost a sync and break CUDA-graph capture. So `decode_attention`
-# launches such a batch with a few more splits (`heuristics.split_grid`: slices of at most
-# `RAGGED_SPLIT_KEYS` keys), and the kernel itself loads the lengths and decides
-# (`heuristics.balanced_splits`): all the splits when the longest sequence would take more than 1.1x its
-# fair share of an SM, otherwise the rule's count, and the unused programs return at once. The recorded
-# run's "ragged B=16" cell shows the gain; its "B=16 N=32k" cell, an even batch at the same capacity, shows
-# what the unused programs cost.
-
-# %%
-grid, even = heuristics.split_grid(16, 8, 1, 32768, 128)
-print(f"16 sequences of up to 32k keys: a grid of {grid} splits, {even} used if the lengths are even")
-assert grid > even == choose_num_splits(16 * 8, math.ceil(32768 / BLOCK_N), heuristics.slots(tile_for(128)))
-
-# %% [markdown]
-# How many splits is half of the answer; **in what order** the programs start is the other half. The GPU
-# hands programs to free SMs roughly in launch order. In the grid's order (split by split, all sequences
-# at a time) some slices of the longest sequence start when nearly everything else is done, and stream
-# alone at the end. Scheduling theory has a classic rule for this, *longest processing time first*: start
-# the longest jobs first, so the short ones fill the gaps at the end. When every split runs, the kernel
-# sorts the lengths it loads and hands out its programs longest sequence first
-# (`heuristics.longest_first`). A model predicts the effect before any GPU is involved: 132 SMs, each
-# taking the next slice when it finishes one, a slice's time proportional to its keys.
+# GPU, and reading them on the host would cost a sync and break CUDA-graph capture, so the plan must work
+# for any lengths. A batch of two sequences or more with a long cache (`heuristics.sliced`) is therefore
+# cut into short slices whatever its lengths: at most `heuristics.SLICE_KEYS` keys each, read with the
+# paged kernel's tile (64-key blocks, 4 programs per SM: short programs that share an SM keep its loads
+# in flight). Then **the order** in which the programs start matters. The GPU hands programs to free SMs
+# roughly in launch order; in the grid's order (split by split, all sequences at a time) some slices of
+# the longest sequence start when nearly everything else is done. Scheduling theory has a classic rule
+# for this, *longest processing time first*: start the longest jobs first, so the short ones fill the
+# gaps at the end. The kernel sorts the lengths it loads and hands out its programs longest sequence
+# first (`heuristics.longest_first`).
+#
+# A model predicts the effect before any GPU is involved: 132 SMs, each taking the next program when it
+# finishes one, a program's time proportional to its keys.
 
 # %%
 import heapq
 
+splits = heuristics.split_grid(16, 8, 1, 32768, 128)
+sliced_block_n = tile_for(128, paged=True).BLOCK_N
+print(f"16 sequences of up to 32k keys: sliced plan {heuristics.sliced(16, 8, 1, 32768, 128)}, {splits} splits")
+assert heuristics.sliced(16, 8, 1, 32768, 128) and splits * heuristics.SLICE_KEYS >= 32768
 
-def step_time(slices, sms=132):
-    """Time (in keys streamed) until the last SM is done, slices taken in order by the first free SM."""
+
+def step_time(programs, sms=132):
+    """Time (in keys streamed) until the last SM is done, programs taken in order by the first free SM."""
     free_at = [0] * sms
-    for keys in slices:
+    for keys in programs:
         heapq.heappush(free_at, heapq.heappop(free_at) + keys)
     return max(free_at)
+
+
+def slice_keys(n, n_splits, block_n):
+    """Keys of each split of a sequence of n keys, cut as the kernel cuts them (whole blocks)."""
+    per = math.ceil(math.ceil(n / block_n) / n_splits)
+    return [max(0, min(n, (s + 1) * per * block_n) - s * per * block_n) for s in range(n_splits)]
 
 
 ragged_cell = next((c for c in decode_rec["data"]["cells"] if "lengths" in c), None) if decode_rec else None
@@ -375,18 +377,16 @@ if ragged_cell:  # the lengths the recorded run measured
     ragged_lengths = ragged_cell["lengths"]
 else:  # a draw like the benchmark's: 16 lengths from 64 to 32k
     ragged_lengths = torch.randint(64, 32769, (16,), generator=torch.Generator().manual_seed(0)).tolist()
-blocks_per_split = [math.ceil(math.ceil(n / BLOCK_N) / grid) for n in ragged_lengths]
-slice_keys = [  # keys of split s of sequence b, as the kernel cuts them
-    [max(0, min(n, (s + 1) * p * BLOCK_N) - s * p * BLOCK_N) for s in range(grid)]
-    for n, p in zip(ragged_lengths, blocks_per_split)
-]
-grid_order = [slice_keys[b][s] for s in reversed(range(grid)) for b in range(16) for _ in range(8)]
+perfect = sum(ragged_lengths) * 8 / 132  # 8 kv heads: every SM busy to the end
+one_split = [n for n in ragged_lengths for _ in range(8)]
+cut = [slice_keys(n, splits, sliced_block_n) for n in ragged_lengths]
+grid_order = [cut[b][s] for s in reversed(range(splits)) for b in range(16) for _ in range(8)]
 longest = sorted(range(16), key=lambda b: -ragged_lengths[b])
-longest_order = [slice_keys[b][s] for b in longest for s in range(grid) for _ in range(8)]
-perfect = sum(grid_order) / 132
-for name, order in (("grid order", grid_order), ("longest first", longest_order)):
-    print(f"{name:>13}: {step_time(order) / perfect:.2f}x a perfect balance")
-assert step_time(longest_order) < step_time(grid_order)
+longest_order = [cut[b][s] for b in longest for s in range(splits) for _ in range(8)]
+times = {"the rule's one split": one_split, "slices, grid order": grid_order, "slices, longest first": longest_order}
+for name, programs in times.items():
+    print(f"{name:>22}: {step_time(programs) / perfect:.2f}x a perfect balance")
+assert step_time(longest_order) <= step_time(grid_order) < step_time(one_split)
 
 if ragged_cell:
     measured = ragged_cell["split_kv"]["graph_ms"] / ragged_cell["read_same_size_ms"]
@@ -618,7 +618,7 @@ check("split choice", lambda: [my_num_splits(*c) for c in _cases], [choose_num_s
 # - **GQA packing** puts the G query heads of a kv head in one tile's rows: the cache is read once, not G times.
 # - FlashAttention-2's split rule fills the SMs with the fewest splits of good wave efficiency; the grid
 #   depends on shapes only, so a decoding step can be captured once as a CUDA graph and replayed.
-# - A ragged batch needs more splits than the rule gives, chosen in the kernel from the lengths, and its
-#   programs started longest sequence first, so that the short slices fill the SMs at the end.
+# - A long batch is cut in short slices whatever its lengths (they are on the GPU), and its programs
+#   start longest sequence first, so that a ragged batch's short slices fill the SMs at the end.
 #
 # Next, notebook 10 stores the cache in pages (PagedAttention) and serves many requests at once.

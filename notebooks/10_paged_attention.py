@@ -242,19 +242,17 @@ except ValueError as exc:
 # program it hides across programs: the paged tiles (`heuristics.PAGED_TILES`) use a shorter pipeline and
 # ask for 4 programs per SM, and the split rule of notebook 09 fills those slots. At batch 1 the paged
 # kernel therefore cuts the cache into about 4x more splits than the contiguous one. A batch that fills
-# the slots with a long cache is the other case: there the contiguous kernel launches a few extra splits
-# that it uses only when the lengths are uneven (notebook 09, section 5), while the paged kernel simply
-# never lets a slice exceed `heuristics.PAGED_SPLIT_KEYS` keys, so that a ragged batch's longest sequence
-# does not stream alone at the end; both start their programs longest sequence first (notebook 09).
-# The counts each kernel launches (`heuristics.split_grid`):
+# the slots with a long cache is the other case (notebook 09, section 5): both kernels then run the same
+# plan, slices of at most `heuristics.SLICE_KEYS` keys on the paged tile, longest sequence first, and
+# differ only in how they find a key. The counts each kernel launches (`heuristics.split_grid`):
 
 # %%
-from course_lib.decode.heuristics import sm_count, split_grid
+from course_lib.decode.heuristics import sliced, sm_count, split_grid
 
 for batch, n_ctx in ((1, 32768), (8, 8192), (16, 32768), (64, 4096)):
-    (contiguous, even), (paged, _) = (split_grid(batch, 8, 1, n_ctx, 128, paged=p) for p in (False, True))
-    used = f" ({even} if the lengths are even)" if even != contiguous else ""
-    print(f"batch {batch:>2}, {n_ctx:>5} tokens: {contiguous:>2} splits contiguous{used}, {paged:>2} paged "
+    contiguous, paged = (split_grid(batch, 8, 1, n_ctx, 128, paged=p) for p in (False, True))
+    plan = " (sliced)" if sliced(batch, 8, 1, n_ctx, 128) else ""
+    print(f"batch {batch:>2}, {n_ctx:>5} tokens: {contiguous:>2} splits contiguous, {paged:>2} paged{plan} "
           f"({sm_count()} SMs{' stand-in for the interpreter' if not course_lib.ON_GPU else ''})")  # fmt: skip
 
 # %%

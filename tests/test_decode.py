@@ -17,7 +17,6 @@ from course_lib.decode.combine import combine
 from course_lib.decode.heuristics import (
     SHORT_TILES,
     SHORT_WAVES,
-    balanced_splits,
     choose_num_splits,
     longest_first,
     longest_first_block,
@@ -144,55 +143,23 @@ def test_split_heuristic_follows_fa2_rule():
     assert choose_num_splits(programs=1, n_key_blocks=10, num_sms=132) <= 10
 
 
-def test_a_full_batch_gets_a_grid_of_splits_balanced_at_run_time():
-    """Programs that fill the slots under the rule: a long cache still gets a grid of `ragged_splits`
-    splits, used only if the lengths are uneven; few programs or a short cache keep the rule's count."""
-    slots = heuristics.slots(tile_for(128))
-    full, few = -(-slots // 8), 1  # batch with 8 kv heads: >= all the slots, and far fewer
-    assert heuristics.split_grid(full, 8, 1, 32768, 128) == (heuristics.ragged_splits(32768), 1)
-    assert heuristics.ragged_splits(32768) == 32768 // heuristics.RAGGED_SPLIT_KEYS
-    assert heuristics.split_grid(full, 8, 1, heuristics.RAGGED_SPLIT_KEYS, 128) == (1, 1)
-    rule = heuristics.num_splits_for(few, 8, 1, 32768, 128)
-    assert rule > 1 and heuristics.split_grid(few, 8, 1, 32768, 128) == (rule, rule)
-    paged = max(
-        heuristics.num_splits_for(4 * full, 8, 1, 32768, 128, paged=True), heuristics.paged_splits(32768)
-    )
-    assert heuristics.paged_splits(32768) == 32768 // heuristics.PAGED_SPLIT_KEYS
-    # paged: never balanced at run time, but long slices are cut
-    assert heuristics.split_grid(4 * full, 8, 1, 32768, 128, paged=True) == (paged, paged)
-    short = heuristics.num_splits_for(4 * full, 8, 1, heuristics.RAGGED_SPLIT_KEYS, 128, paged=True)
-    assert heuristics.split_grid(4 * full, 8, 1, heuristics.RAGGED_SPLIT_KEYS, 128, paged=True) == (
-        short,
-        short,
-    )
-    assert heuristics.split_grid(1, 8, 1, 32768, 128, paged=True)[0] == heuristics.num_splits_for(
-        1, 8, 1, 32768, 128, paged=True
-    )  # one sequence: the rule
-
-
-@triton.jit
-def balanced_splits_probe(SEQLENS, OUT, BATCH, ITEMS, CAPACITY, SLOTS, NUM_SPLITS, EVEN_SPLITS):
-    """Stores the kernels' run-time split choice (BLOCK_B = 4: several loop steps for 8 lengths)."""
-    tl.store(OUT, balanced_splits(SEQLENS, BATCH, ITEMS, CAPACITY, SLOTS, NUM_SPLITS, EVEN_SPLITS, 11, 4))
-
-
-def test_balanced_splits_reads_the_lengths():
-    """The kernels' run-time choice: all the grid's splits for uneven lengths, the even count otherwise."""
-
-    def choice(lengths, even=1, items=2, slots=16):
-        out = torch.zeros(1, dtype=torch.int32, device=DEV)
-        lens = torch.tensor(lengths, dtype=torch.int32, device=DEV)
-        balanced_splits_probe[(1,)](lens, out, len(lengths), items, 1000, slots, 8, even)
-        return int(out)
-
-    assert choice([1000] * 8) == 1  # 16 programs on 16 slots, all equally long
-    assert choice([1000] * 7 + [900]) == 1  # within 10 % of the fair share
-    assert choice([1000] + [100] * 7) == 8  # the longest would stream alone
-    assert choice([5000] + [100] * 7) == 8  # lengths past the capacity count as the capacity
-    assert choice([0] * 8) == 1
-    # 2 even splits, 64 slots: 32 programs of 500 keys against a fair share of 250 per slot
-    assert choice([1000] * 8, even=2, slots=64) == 8
-    assert choice([1000] * 8, even=2, slots=32) == 2  # 32 programs of 500 keys, 500 per slot
+def test_a_long_full_batch_is_sliced():
+    """Two sequences or more, a cache longer than SLICED_MIN_KEYS, and slices that fill the paged tile's
+    slots: slices of at most SLICE_KEYS keys (or the paged rule's count, if larger), contiguous or paged;
+    one sequence, a short cache or too few programs keep the rule's count."""
+    slots = heuristics.slots(tile_for(128, paged=True))
+    slices = heuristics.slice_splits(32768)
+    assert slices == 32768 // heuristics.SLICE_KEYS
+    full = max(2, -(-slots // (8 * slices)))  # batch with 8 kv heads whose slices fill the slots
+    for paged in (False, True):
+        assert heuristics.sliced(full, 8, 1, 32768, 128)
+        expected = max(slices, heuristics.num_splits_for(full, 8, 1, 32768, 128, paged=True))
+        assert heuristics.split_grid(full, 8, 1, 32768, 128, paged) == expected
+        # one sequence; a cache of SLICED_MIN_KEYS; two sequences of one kv head (4 slices each: too few)
+        for batch, heads, capacity in ((1, 8, 32768), (full, 8, heuristics.SLICED_MIN_KEYS), (2, 1, 8192)):
+            assert not heuristics.sliced(batch, heads, 1, capacity, 128), (batch, heads, capacity)
+            rule = heuristics.num_splits_for(batch, heads, 1, capacity, 128, paged)
+            assert heuristics.split_grid(batch, heads, 1, capacity, 128, paged) == rule
 
 
 @triton.jit
@@ -223,25 +190,34 @@ def test_longest_first_orders_every_program_once(lengths):
 
 @pytest.mark.parametrize("uneven", [True, False])
 @pytest.mark.parametrize("hq, hkv, tq", [(4, 2, 1), (8, 1, 9)], ids=["one-tile", "two-query-tiles"])
-def test_run_time_balance_matches_reference(monkeypatch, uneven, hq, hkv, tq):
-    """A batch that fills the (CPU's stand-in) SMs, with slices of at most 64 keys: the grid has 5 splits
-    and the kernel uses them (uneven lengths, 0 and 1 among them) or not (even lengths). With 9 tokens
-    of 8 query heads per kv head each (sequence x kv head, split) has 2 query tiles, and the bottom-right
-    causal mask applies."""
-    monkeypatch.setattr(heuristics, "RAGGED_SPLIT_KEYS", 64)
+def test_sliced_batch_matches_reference(monkeypatch, uneven, hq, hkv, tq):
+    """A long batch at the interpreter's sizes (SLICED_MIN_KEYS and SLICE_KEYS set to 64): 5 slices of
+    at most 64 keys, the paged tile, the programs longest sequence first, for a contiguous and a paged
+    cache, lengths uneven (0 and 1 among them) or even. With 9 tokens of 8 query heads per kv head each
+    (sequence x kv head, split) has 2 query tiles, and the bottom-right causal mask applies."""
+    monkeypatch.setattr(heuristics, "SLICED_MIN_KEYS", 64)
+    monkeypatch.setattr(heuristics, "SLICE_KEYS", 64)
     rows = hq // hkv * tq  # (token, query head) rows per kv head
-    m_tiles = -(-rows // tile_for(64).BLOCK_M_MAX)
-    B, n_max = -(-heuristics.slots(tile_for(64)) // (hkv * m_tiles)), 320
-    assert heuristics.split_grid(B, hkv, m_tiles, n_max, 64) == (5, 1)
+    m_tiles = -(-rows // tile_for(64, paged=True).BLOCK_M_MAX)
+    n_max = 320
+    B = -(-heuristics.slots(tile_for(64, paged=True)) // (hkv * m_tiles * 5))
+    assert (
+        heuristics.sliced(B, hkv, m_tiles, n_max, 64)
+        and heuristics.split_grid(B, hkv, m_tiles, n_max, 64) == 5
+    )
     q, k, v = make_cache(B, n_max, hq, hkv, 64, tq, torch.float32, seed=5)
     g = torch.Generator().manual_seed(5)
     lens = torch.randint(tq, n_max + 1, (B,), generator=g) if uneven else torch.full((B,), n_max)
     if uneven:
         lens[:3] = torch.tensor([0, 1, n_max]) if tq == 1 else torch.tensor([tq, tq + 1, n_max])
     seqlens = lens.to(torch.int32).to(DEV)
-    out, lse = decode_attention(q, k, v, seqlens, return_lse=True)
     ref_out, ref_lse = decode_reference(q, k, v, seqlens)
-    assert_matches(out, lse, ref_out, ref_lse, torch.float32, f"run-time balance, uneven={uneven}, tq={tq}")
+    what = f"sliced batch, uneven={uneven}, tq={tq}"
+    out, lse = decode_attention(q, k, v, seqlens, return_lse=True)
+    assert_matches(out, lse, ref_out, ref_lse, torch.float32, what)
+    k_pages, v_pages, table = to_pages(k, v, 16, seed=5)
+    out, lse = paged_decode_attention(q, k_pages, v_pages, table, seqlens, return_lse=True)
+    assert_matches(out, lse, ref_out, ref_lse, torch.float32, f"paged {what}")
 
 
 def test_many_short_programs_take_the_short_tile():

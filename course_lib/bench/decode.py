@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from .. import records, runtime
 from ..decode import decode_attention, paged_decode_attention
-from ..decode.heuristics import num_splits_for, sm_count, split_grid, wave_efficiency
+from ..decode.heuristics import num_splits_for, sliced, sm_count, split_grid, wave_efficiency
 from ..perf.ceilings import measure_read_time
 from ..perf.timing import describe
 from ..perf.timing import graphed as _graphed
@@ -132,11 +132,9 @@ def measure_cell(B, lengths, n_max, read_gbps, dtype, device, graphs, gen, with_
     row = {"batch": B, "n_max": n_max, "kv_bytes": nbytes, "lengths_sum": int(sum(int(n) for n in lengths))}
     if graphs:  # the floor for these bytes: a plain read of the same size (graph-replayed)
         row["read_same_size_ms"] = measure_read_time(nbytes, dtype, device)
-    # the grid's splits, and the count the kernel uses for even lengths (the same unless it balances)
-    row["num_splits"], row["even_splits"] = split_grid(B, HKV, 1, n_max, D)
-    row["paged_num_splits"], row["paged_even_splits"] = split_grid(
-        B, HKV, 1, -(-n_max // 16) * 16, D, paged=True
-    )
+    row["num_splits"] = split_grid(B, HKV, 1, n_max, D)
+    row["paged_num_splits"] = split_grid(B, HKV, 1, -(-n_max // 16) * 16, D, paged=True)
+    row["sliced"] = sliced(B, HKV, 1, n_max, D)  # short slices, the paged tile, longest first
     row["split_kv"] = _measure(
         lambda: decode_attention(q, k, v, seqlens, validate=False), nbytes, read_gbps, graphs
     )
@@ -354,10 +352,8 @@ def save_plots(data: dict, out: Path, slug: str) -> list[Path]:
 
 
 def _splits(cell: dict, prefix: str) -> str:
-    """The grid's split count, with the count for even lengths in parentheses where the kernel balances."""
-    grid = cell.get(prefix + "num_splits", "-")
-    even = cell.get(prefix + "even_splits", grid)
-    return f"{grid}" if even == grid else f"{grid} ({even} if even)"
+    """The grid's split count, marked "sliced" for a batch on the sliced plan (`heuristics.sliced`)."""
+    return f"{cell.get(prefix + 'num_splits', '-')}{' sliced' if cell.get('sliced') else ''}"
 
 
 def format_table(data: dict) -> str:

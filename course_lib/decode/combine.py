@@ -11,29 +11,14 @@ Bytes moved per row: S x (d + 1) floats read, d outputs and one float written; s
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 
 from .. import runtime
 from ..attention.blocks import LN2, LOG2E
 from ..pdl import launch_options, wait_for_prior_grid
 from ..runtime import tl, triton
-from .heuristics import RAGGED_TOLERANCE_X10, balanced_splits
 
 runtime.require_triton()
-
-
-class RunTimeSplits(NamedTuple):
-    """What the combine needs to ask `heuristics.balanced_splits` how many splits the kernel used:
-    cache_seqlens (B,) int32, the cache capacity, programs per sequence without splitting (kv heads x
-    query tiles), SM slots, and the split count for even lengths."""
-
-    seqlens: torch.Tensor
-    capacity: int
-    items: int
-    slots: int
-    even_splits: int
 
 
 @triton.jit
@@ -44,15 +29,12 @@ def combine_kernel(
     stride_ob, stride_ot, stride_oh, stride_od,
     stride_lb, stride_lt, stride_lh,
     T_Q, H_Q, NUM_SPLITS,
-    SEQLENS, CAPACITY, ITEMS, SLOTS, EVEN_SPLITS,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-    BALANCE: tl.constexpr, TOLERANCE_X10: tl.constexpr, PDL: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """One program per row (b, t, h). Grid: (B * Tq * Hq,). Partials: O_PART (S, B, Tq, Hq, d) fp32,
     L_PART (S, B, Tq, Hq) fp32; results O (B, Tq, Hq, d) in the output dtype, L (B, Tq, Hq) fp32.
-    BALANCE: only the first `balanced_splits` of the S partials were written (SEQLENS ... EVEN_SPLITS
-    as the split kernel's); otherwise all S. PDL: launched while the split kernel still runs; every
-    program waits for it before reading anything (`course_lib.pdl`)."""
+    PDL: launched while the split kernel still runs; every program waits for it before reading anything
+    (`course_lib.pdl`)."""
     zero = 0
     if PDL:
         zero = wait_for_prior_grid()  # the masks below, and so the loads, depend on the wait
@@ -62,14 +44,7 @@ def combine_kernel(
     b = (pid // (H_Q * T_Q)).to(tl.int64)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
-    if BALANCE:
-        batch = tl.num_programs(0) // (H_Q * T_Q)
-        splits = balanced_splits(
-            SEQLENS, batch, ITEMS, CAPACITY, SLOTS, NUM_SPLITS, EVEN_SPLITS, TOLERANCE_X10, 128
-        )
-    else:
-        splits = NUM_SPLITS
-    s_ok = offs_s < splits + zero
+    s_ok = offs_s < NUM_SPLITS + zero
     # The S logsumexps of this row: HBM -> registers.
     lse_s = tl.load(
         L_PART + offs_s * stride_qs + b * stride_qb + t * stride_qt + h * stride_qh,
@@ -108,25 +83,19 @@ def combine(
     lse_part: torch.Tensor,
     out: torch.Tensor,
     lse: torch.Tensor,
-    used: RunTimeSplits | None = None,
     *,
     pdl: bool = False,
 ) -> None:
     """Merge partials o_part (S, B, Tq, Hq, d) fp32 and lse_part (S, B, Tq, Hq) fp32 into out
     (B, Tq, Hq, d) (any float dtype) and lse (B, Tq, Hq) fp32, in place. Taught in notebook 09.
-    used: the split kernel chose at run time how many of the S it wrote (`RunTimeSplits`).
     pdl: launch with programmatic dependent launch (`course_lib.pdl`; GPUs that support it only)."""
     S, B, T, H, d = o_part.shape
     if B * T * H == 0:
         return
-    seqlens = used.seqlens if used else lse  # never read without `used`
-    capacity, items, slots, even = (
-        (used.capacity, used.items, used.slots, used.even_splits) if used else (0, 1, 1, S)
-    )
     combine_kernel[(B * T * H,)](
         o_part, lse_part, out, lse,
         *o_part.stride(), *lse_part.stride(), *out.stride(), *lse.stride(),
-        T, H, S, seqlens, capacity, items, slots, even,
+        T, H, S,
         HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d), BLOCK_S=max(16, triton.next_power_of_2(S)),
-        BALANCE=used is not None, TOLERANCE_X10=RAGGED_TOLERANCE_X10, PDL=pdl, **launch_options(pdl),
+        PDL=pdl, **launch_options(pdl),
     )  # fmt: skip

@@ -20,32 +20,26 @@ cells except batch 1 at 8k tokens (0.84x: 64 splits of two blocks each).
 Every input is a shape (batch, heads, cache capacity), never a length's value: the choice, and so the
 grid, stays fixed for a batch shape, which CUDA-graph replay needs.
 
-A ragged batch. When the rule's programs already fill the SM slots, a batch whose lengths differ is
-still unbalanced: the longest sequence's programs stream alone long after the short ones have finished.
-Measured on an H200 (bf16, d = 128, 32/8 heads, 16 sequences of 880-31280 keys, 1080 MB): 385 us with the
-rule's one split, 62 % of the read ceiling; 272 us with 8 splits. On a batch of equal lengths the same 8
-splits cost 4 % (B = 16 at 32k keys: 476 -> 495 us), and which case a step is cannot be read from the
-shapes. So `split_grid` launches such a batch with `ragged_splits` splits (slices of at most
-RAGGED_SPLIT_KEYS keys), and the kernel chooses from the lengths it loads (`balanced_splits`):
-all of them when the longest sequence's slice under the rule would exceed RAGGED_TOLERANCE_X10 / 10 x the
-fair share of one slot (total work / slots), else the rule's count; the grid's other programs return at once.
-Those programs are not free: with even lengths the step takes 2-5 % longer (B = 16 at 32k keys: 467-478
--> 486-498 us, measured in four processes). The paged kernel does not balance (its unused programs cost
-it 8-11 %); its slices are capped at PAGED_SPLIT_KEYS keys instead, which costs an even batch nothing
-(`split_grid`).
-
-The order of a ragged batch's programs matters as much as their number. The GPU starts programs
-roughly in launch order; in the grid's own order some of the longest sequence's slices started after
-nearly all others had finished and streamed alone at the end. With all splits in use, `longest_first`
-hands the programs out longest sequence first, so the shortest slices fill the SMs at the end (the
-longest-processing-time rule). A model of 132 SMs taking the benchmark's 1024 slices in order put the
-old order 16 % above a perfect balance and this one 2 %; measured on an H200 (bf16, d = 128, 32/8 heads,
-CUDA-graph replays): B = 16 of 880-31280 keys 286 -> 265 us, another draw of B = 16 248 -> 241 us, B = 32
-of 64-16k keys (4 splits) 317 -> 321 us, an even batch unchanged (498 us). The paged kernel, whose
-capped splits always all run, reorders whenever it has several splits and sequences: the same B = 16
-296 -> 269 us and 266 -> 241 us, B = 32 289 -> 266 us; an even batch pays for the sort and the
-dependent load of the lengths (B = 8 at 8k keys 73.0 -> 76.5 us, B = 16 at 32k 490 -> 498 us; testing
-the lengths for evenness first cost as much), and serving batches are rarely even.
+A long batch. When the rule's programs already fill the SMs, a batch whose lengths differ is still
+unbalanced: each (sequence, kv head) is one program, and the longest sequence's programs stream alone long
+after the short ones have finished. Measured on an H200 (bf16, d = 128, 32/8 heads, 16 sequences of
+880-31280 keys, 1080 MB): 385 us with the rule's one split, 62 % of the read ceiling. Which lengths a step
+has cannot be read from the shapes, so a batch of two sequences or more whose cache is longer than
+SLICED_MIN_KEYS, and whose slices fill the slots, takes the *sliced* plan (`sliced`) whatever its lengths:
+- slices of at most SLICE_KEYS keys (`slice_splits`), so that a long sequence is spread over many SMs;
+- the paged tile (`PAGED_TILES`: 64-key blocks, 4 programs per SM), contiguous cache or not: many short
+  programs share each SM, and one that starts late does not stream alone;
+- the programs started longest sequence first (`longest_first`): the GPU starts programs roughly in
+  launch order, and in the grid's own order some of the longest sequence's slices started when nearly
+  everything else had finished (the longest-processing-time rule of scheduling). A model of 132 SMs
+  taking the benchmark's slices in order put the grid's order 16 % above a perfect balance and this
+  one 2 % (notebook 09).
+Measured on an H200 (bf16, d = 128, 32/8 heads, CUDA-graph replays, us), the contiguous kernel before
+(8 slices of at most 4096 keys with the usual tile, used only when the lengths it loaded were uneven,
+longest first) and with this plan: ragged B = 16 of 880-31280 keys 264.6 -> 259.6; B = 32 of 64-32k
+716 -> 540; B = 64 of 64-32k 1036 -> 900; even B = 16 at 32k 499 -> 494; even B = 64 at 16k 966 -> 975.
+The longest-first order alone (paged, grid order -> longest first): ragged B = 16 296 -> 269, B = 32 of
+64-32k 590 -> 563; an even batch pays for the sort (B = 16 at 32k 490 -> 498).
 """
 
 from __future__ import annotations
@@ -191,79 +185,44 @@ def num_splits_for(
 
 
 def slots(tile: DecodeTile) -> int:
-    """SM slots for the split rule and the run-time balance: SMs x the tile's programs per SM."""
+    """SM slots for the split rule and the sliced plan: SMs x the tile's programs per SM."""
     return sm_count() * tile.programs_per_sm
 
 
-# A ragged batch (module docstring): slices of at most this many keys, at most RAGGED_MAX_SPLITS of them;
-# all of them at run time when the longest sequence's slice exceeds 1.1x a slot's fair share.
-RAGGED_SPLIT_KEYS = 4096
-RAGGED_MAX_SPLITS = 16
-RAGGED_TOLERANCE_X10 = 11  # 1.1, in tenths: the kernels compare integers
+# A long batch (module docstring): a cache longer than SLICED_MIN_KEYS in a batch of two sequences or more
+# is cut in slices of at most SLICE_KEYS keys, at most MAX_SLICES of them, when those slices fill the slots.
+SLICED_MIN_KEYS = 4096
+SLICE_KEYS = 2048
+MAX_SLICES = 16
 
 
-def ragged_splits(capacity: int) -> int:
-    """Split count that keeps every slice of a sequence of `capacity` keys within RAGGED_SPLIT_KEYS."""
-    return max(1, min(RAGGED_MAX_SPLITS, math.ceil(capacity / RAGGED_SPLIT_KEYS)))
+def slice_splits(capacity: int) -> int:
+    """Split count that keeps every slice of a sequence of `capacity` keys within SLICE_KEYS."""
+    return max(1, min(MAX_SLICES, math.ceil(capacity / SLICE_KEYS)))
 
 
-# A paged batch that fills the slots with a long cache: slices of at most this many keys, always (no
-# run-time balance): on an H200 (bf16, d = 128, 32/8 heads, B = 16, page 16) 16 splits took the ragged
-# batch of the benchmark from 382 us (the rule's 4) to 296 us, and an even batch at 32k keys stayed at
-# 490 us (4, 8 and 16 splits alike).
-PAGED_SPLIT_KEYS = 2048
-
-
-def paged_splits(capacity: int) -> int:
-    """Split count that keeps every slice of a paged sequence of `capacity` keys within PAGED_SPLIT_KEYS."""
-    return max(1, min(RAGGED_MAX_SPLITS, math.ceil(capacity / PAGED_SPLIT_KEYS)))
+def sliced(batch: int, kv_heads: int, m_tiles: int, capacity: int, head_dim: int) -> bool:
+    """Whether a batch shape takes the sliced plan (module docstring): two sequences or more, a cache
+    longer than SLICED_MIN_KEYS, and slices that fill 80 % of the paged tile's slots. Contiguous and
+    paged caches alike."""
+    programs = batch * kv_heads * m_tiles
+    if batch < 2 or capacity <= SLICED_MIN_KEYS:  # one sequence is never uneven
+        return False
+    tile = tile_for(head_dim, paged=True)
+    return programs * slice_splits(capacity) >= 0.8 * slots(tile)
 
 
 def split_grid(
     batch: int, kv_heads: int, m_tiles: int, capacity: int, head_dim: int, paged: bool = False
-) -> tuple[int, int]:
-    """(splits in the grid, splits for even lengths) for a batch shape (arguments as `num_splits_for`).
-
-    Equal numbers: the rule's split count, used whatever the lengths (for a paged cache with two
-    sequences or more that fill the slots, at least `paged_splits`). Otherwise (a contiguous cache, two
-    sequences or more, the rule's programs fill the slots, and a cache longer than the rule's slices
-    should be) the grid has `ragged_splits` splits and the kernel uses them all only for uneven lengths,
-    the rule's count for even ones (module docstring)."""
-    rule = num_splits_for(batch, kv_heads, m_tiles, capacity, head_dim, paged)
-    programs = batch * kv_heads * m_tiles
-    fills = programs * rule >= 0.8 * slots(tile_for(head_dim, paged, programs=programs, capacity=capacity))
-    if batch < 2 or not fills or capacity <= RAGGED_SPLIT_KEYS:  # one sequence is never uneven
-        return rule, rule
-    if paged:  # no run-time balance (module docstring): the slices are capped instead
-        capped = max(rule, paged_splits(capacity))
-        return capped, capped
-    grid = ragged_splits(capacity)
-    return (grid, rule) if grid > rule else (rule, rule)
+) -> int:
+    """Splits in the grid for a batch shape (arguments as `num_splits_for`): for a `sliced` batch, the
+    rule's count for the paged tile but at least `slice_splits`; otherwise the rule's count."""
+    if sliced(batch, kv_heads, m_tiles, capacity, head_dim):
+        return max(num_splits_for(batch, kv_heads, m_tiles, capacity, head_dim, True), slice_splits(capacity))
+    return num_splits_for(batch, kv_heads, m_tiles, capacity, head_dim, paged)
 
 
-@triton.jit
-def balanced_splits(
-    SEQLENS, BATCH, ITEMS, CAPACITY, SLOTS, NUM_SPLITS, EVEN_SPLITS,
-    TOLERANCE_X10: tl.constexpr, BLOCK_B: tl.constexpr,
-):  # fmt: skip
-    """Splits this step uses (`heuristics`, "A ragged batch"): NUM_SPLITS (the grid's) if the longest of
-    the BATCH lengths, cut in EVEN_SPLITS slices, exceeds TOLERANCE_X10 / 10 x the fair share of one of
-    SLOTS slots (the sum of lengths x ITEMS programs per sequence / SLOTS); else EVEN_SPLITS. The split
-    kernel and the combine both call it and get the same answer."""
-    total = tl.zeros([], dtype=tl.int64)
-    longest = tl.zeros([], dtype=tl.int32)
-    for first in range(0, BATCH, BLOCK_B):
-        offs = first + tl.arange(0, BLOCK_B)
-        n = tl.load(SEQLENS + offs, mask=offs < BATCH, other=0)
-        n = tl.minimum(tl.maximum(n, 0), CAPACITY)
-        total += tl.sum(n.to(tl.int64), 0)
-        longest = tl.maximum(longest, tl.max(n, 0))
-    # longest / EVEN_SPLITS > tolerance x total x ITEMS / SLOTS, in integers
-    uneven = longest.to(tl.int64) * SLOTS * 10 > TOLERANCE_X10 * total * ITEMS * EVEN_SPLITS
-    return tl.where(uneven, NUM_SPLITS, EVEN_SPLITS)
-
-
-# Longest first: the ragged batch's programs in order of their sequence's length (`longest_first`), for
+# Longest first: a sliced batch's programs in order of their sequence's length (`longest_first`), for
 # batches of at most this many sequences (the kernel sorts the lengths in registers).
 LONGEST_FIRST_MAX_BATCH = 256
 
@@ -278,11 +237,11 @@ def longest_first_block(batch: int) -> int:
 
 @triton.jit
 def longest_first(SEQLENS, BATCH, CAPACITY, H_KV, NUM_SPLITS, position, SORT_B: tl.constexpr):
-    """(sequence, kv head, split) of the program at `position` of the launch order, when every split runs:
-    the sequences sorted by length, longest first (ties: lower index first), each one's NUM_SPLITS x H_KV
-    programs together. The GPU starts programs roughly in that order, so the longest pieces start first
-    and the shortest fill the SMs at the end (the longest-processing-time rule of scheduling): in the
-    grid's own order a long sequence's last slices could start after nearly everything else had finished.
+    """(sequence, kv head, split) of the program at `position` of the launch order: the sequences sorted
+    by length, longest first (ties: lower index first), each one's NUM_SPLITS x H_KV programs together.
+    The GPU starts programs roughly in that order, so the longest pieces start first and the shortest
+    fill the SMs at the end (the longest-processing-time rule of scheduling): in the grid's own order a
+    long sequence's last slices could start after nearly everything else had finished.
     Sorting packs (length, index) into one int64 key per sequence."""
     offs = tl.arange(0, SORT_B)
     n = tl.load(SEQLENS + offs, mask=offs < BATCH, other=0)

@@ -17,12 +17,11 @@ by the shapes alone, so a step can be captured once as a CUDA graph and replayed
 - GQA packing: the G = Hq / Hkv query heads that share a kv head and the Tq tokens become the rows of
   one tile (row r = t * G + g, padded to BLOCK_M >= 16), so the cache of a kv head is read once, not G times.
 - Split s of a sequence of n keys covers blocks [s * P, (s + 1) * P) of BLOCK_N keys, P = cdiv(cdiv(n,
-  BLOCK_N), S): computed in the kernel from the length it loads, so a ragged batch is balanced per
+  BLOCK_N), S): computed in the kernel from the length it loads, so a ragged batch is split per
   sequence with no host sync. A split with no key writes (O, L) = (0, -inf).
-- A batch whose programs already fill the SMs is launched with a few splits anyway when its cache is
-  long, and the kernel decides from the lengths whether to use them (`balanced_splits`): a ragged batch
-  is split so that its longest sequence does not stream alone at the end, its programs reordered
-  longest sequence first; an even one is not split.
+- A batch whose programs already fill the SMs is still cut in short slices when its cache is long
+  (`heuristics.sliced`), read with the paged kernel's tile, its programs started longest sequence first
+  (`heuristics.longest_first`): whatever its lengths, its longest sequence does not stream alone at the end.
 - Each split writes its partial (O, L) in fp32; `combine` merges them (S = 1 writes the result directly).
 Bytes moved: every valid K and V row once (2 x n x Hkv x d x element size per sequence), Q and O once,
 plus the partials (S x B x Tq x Hq x (d + 1) x 4 bytes, twice).
@@ -38,28 +37,12 @@ from .. import pdl, runtime
 from ..attention.blocks import LN2
 from ..pdl import allow_dependents
 from ..runtime import tl, triton
-from .combine import RunTimeSplits, combine
-from .heuristics import (
-    RAGGED_TOLERANCE_X10,
-    balanced_splits,
-    longest_first,
-    longest_first_block,
-    slots,
-    split_grid,
-    tile_for,
-)
+from .combine import combine
+from .heuristics import longest_first, longest_first_block, sliced, split_grid, tile_for
 
 runtime.require_triton()
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-LONGEST_FIRST = True  # a ragged batch's programs longest sequence first (`heuristics.longest_first`)
-PAGED_LONGEST_FIRST = True
-
-
-def longest_first_order(balance: bool, paged: bool, num_splits: int) -> bool:
-    """Whether the programs may run longest sequence first: a contiguous cache's run-time balance when
-    it uses every split; a paged batch split into several slices (its splits always all run)."""
-    return LONGEST_FIRST and balance or PAGED_LONGEST_FIRST and paged and num_splits > 1
 
 
 @triton.jit
@@ -71,11 +54,10 @@ def split_kv_kernel(
     stride_tb, stride_tp,
     stride_os, stride_ob, stride_ot, stride_oh, stride_od,
     stride_ls, stride_lb, stride_lt, stride_lh,
-    H_KV, T_Q, CAPACITY, NUM_SPLITS, EVEN_SPLITS, SLOTS,
+    H_KV, T_Q, CAPACITY, NUM_SPLITS,
     PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, CAUSAL: tl.constexpr, PAGED: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, BALANCE: tl.constexpr, TOLERANCE_X10: tl.constexpr,
-    SORT_B: tl.constexpr, PDL: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, SORT_B: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Partial (O, L) of one split of one (sequence, kv head) for one tile of (token, head) rows.
 
@@ -83,13 +65,11 @@ def split_kv_kernel(
     PAGED=True: K, V are (num_pages, PAGE_SIZE, Hkv, d) pools; key j of sequence b lives in page
     BLOCK_TABLE[b, j // PAGE_SIZE] at slot j % PAGE_SIZE; stride_kb steps pages, stride_kn slots.
     qk_scale = softmax scale x log2(e): scores go straight into base 2. PAGE_SIZE is a compile-time
-    constant: a power of two makes the page lookup a shift and a mask. BALANCE: `balanced_splits` picks
-    NUM_SPLITS or EVEN_SPLITS from the lengths, and the programs of the splits past it return at once.
-    Grid (B * Hkv, NUM_SPLITS, M tiles), the splits in reverse: the programs that may find nothing to do
-    start first, on every SM, while the memory system is idle; launched last, they waited for the few SMs
-    the long programs left free and delayed the step's end (B = 16, 32k keys, even: +15 us in 476).
-    When the lengths are uneven and every split runs, SORT_B > 0 reorders the programs longest sequence
-    first (`longest_first`).
+    constant: a power of two makes the page lookup a shift and a mask.
+    Grid (B * Hkv, NUM_SPLITS, M tiles), the last split of every (sequence, kv head) first (against the
+    first split first: within +-5 us on an H200, the sign changing between machines). SORT_B > 0 (a
+    sliced batch): the programs take their (sequence, kv head, split) longest sequence first instead
+    (`longest_first`; SORT_B is the batch padded to a power of two).
     PDL: the combine may be scheduled as soon as every program here has started (`course_lib.pdl`)."""
     if PDL:
         allow_dependents()
@@ -98,27 +78,11 @@ def split_kv_kernel(
     pid_m = tl.program_id(2)
     b = (pid_bh // H_KV).to(tl.int64)
     kvh = (pid_bh % H_KV).to(tl.int64)
-    # First of all (a split this step does not use has nothing else to do):
-    if BALANCE:
-        splits = balanced_splits(
-            SEQLENS, tl.num_programs(0) // H_KV, H_KV * tl.num_programs(2), CAPACITY, SLOTS,
-            NUM_SPLITS, EVEN_SPLITS, TOLERANCE_X10, 128,
+    if SORT_B > 0:  # a sliced batch: the longest sequences first
+        b, kvh, split = longest_first(
+            SEQLENS, tl.num_programs(0) // H_KV, CAPACITY, H_KV, NUM_SPLITS,
+            tl.program_id(0) + tl.program_id(1) * tl.num_programs(0), SORT_B,
         )  # fmt: skip
-        if SORT_B > 0:
-            if splits == NUM_SPLITS:  # uneven lengths, every program works: the longest sequences first
-                b, kvh, split = longest_first(
-                    SEQLENS, tl.num_programs(0) // H_KV, CAPACITY, H_KV, NUM_SPLITS,
-                    tl.program_id(0) + tl.program_id(1) * tl.num_programs(0), SORT_B,
-                )  # fmt: skip
-        if split >= splits:
-            return  # a split this step does not use: the combine reads only the first `splits`
-    else:
-        splits = NUM_SPLITS
-        if SORT_B > 0:  # every split runs: the longest sequences first
-            b, kvh, split = longest_first(
-                SEQLENS, tl.num_programs(0) // H_KV, CAPACITY, H_KV, NUM_SPLITS,
-                tl.program_id(0) + tl.program_id(1) * tl.num_programs(0), SORT_B,
-            )  # fmt: skip
     seqlen = tl.minimum(tl.load(SEQLENS + b), CAPACITY)  # the wrappers check; the clamp keeps reads in bounds
 
     # Rows of the tile: (token t, head g of the group), r = t * GROUP + g; query head kvh * GROUP + g.
@@ -139,7 +103,7 @@ def split_kv_kernel(
         q = q.to(tl.float32)
 
     # This split's keys: whole BLOCK_N blocks [lo, hi), hi cut at the sequence's length.
-    per_split = tl.cdiv(tl.cdiv(seqlen, BLOCK_N), splits)
+    per_split = tl.cdiv(tl.cdiv(seqlen, BLOCK_N), NUM_SPLITS)
     lo = split * per_split * BLOCK_N
     hi = tl.minimum(lo + per_split * BLOCK_N, seqlen)
     # Bottom-right causal: row t sees keys j <= seqlen - T_Q + t.
@@ -312,13 +276,9 @@ def launch(q, k, v, block_table, cache_seqlens, *, page_size, capacity, causal, 
     paged = block_table is not None
     block_m = min(tile_for(d, paged).BLOCK_M_MAX, max(16, triton.next_power_of_2(group * Tq)))
     m_tiles = triton.cdiv(group * Tq, block_m)
-    tile = tile_for(d, paged, q.element_size(), programs=B * Hkv * m_tiles, capacity=capacity)
-    if num_splits is None:
-        num_splits, even_splits = split_grid(B, Hkv, m_tiles, capacity, d, paged)
-    else:
-        even_splits = num_splits = int(num_splits)
-    balance = num_splits != even_splits
-    slot_count = slots(tile)
+    long_batch = sliced(B, Hkv, m_tiles, capacity, d)  # short slices, the paged tile, longest first
+    tile = tile_for(d, paged or long_batch, q.element_size(), programs=B * Hkv * m_tiles, capacity=capacity)
+    num_splits = split_grid(B, Hkv, m_tiles, capacity, d, paged) if num_splits is None else int(num_splits)
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     out = torch.empty_like(q)
@@ -339,22 +299,16 @@ def launch(q, k, v, block_table, cache_seqlens, *, page_size, capacity, causal, 
     split_kv_kernel[grid](
         q, k, v, table, cache_seqlens, o_part, l_part, scale * 1.4426950408889634,
         *q.stride(), *k.stride(), *v.stride(), *table_strides, *o_part.stride(), *l_part.stride(),
-        Hkv, Tq, capacity, num_splits, even_splits, slot_count,
+        Hkv, Tq, capacity, num_splits,
         PAGE_SIZE=page_size if paged else 1, GROUP=group, CAUSAL=causal, PAGED=paged,
         HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d), BLOCK_M=block_m, BLOCK_N=tile.BLOCK_N,
         UPCAST=bool(runtime.INTERPRET and q.dtype == torch.bfloat16),
-        DOT_PRECISION="ieee" if wide else "tf32", BALANCE=balance, TOLERANCE_X10=RAGGED_TOLERANCE_X10,
-        SORT_B=longest_first_block(B) if longest_first_order(balance, paged, num_splits) else 0, PDL=use_pdl,
+        DOT_PRECISION="ieee" if wide else "tf32",
+        SORT_B=longest_first_block(B) if long_batch and num_splits > 1 else 0, PDL=use_pdl,
         num_warps=tile.num_warps, num_stages=tile.num_stages,
     )  # fmt: skip
     if num_splits > 1:
-        # With balance, the combine reads the splits the kernel used: it asks `balanced_splits` too.
-        used = (
-            RunTimeSplits(cache_seqlens, capacity, Hkv * m_tiles, slot_count, even_splits)
-            if balance
-            else None
-        )
-        combine(o_part, l_part, out, lse, used, pdl=use_pdl)
+        combine(o_part, l_part, out, lse, pdl=use_pdl)
     return out, lse
 
 
@@ -376,8 +330,8 @@ def decode_attention(
     int32 in [0, Nmax]; float16, bfloat16 or float32; d a multiple of 8 in [16, 256]. causal=True
     (= "bottom_right"): query t sees keys j <= cache_seqlens[b] - Tq + t; False: all valid keys.
     scale defaults to 1/sqrt(d). num_splits: None chooses it from the SM count and the batch shape
-    (`heuristics.split_grid`: FlashAttention-2's rule, or for a batch that fills the SMs a grid of splits
-    that the kernel uses only if the lengths are uneven), an int forces it. Returns out (B, Tq, Hq, d) in
+    (`heuristics.split_grid`: FlashAttention-2's rule, or short slices for a long batch that fills the
+    SMs), an int forces it. Returns out (B, Tq, Hq, d) in
     q's dtype, and with return_lse=True also lse (B, Tq, Hq) float32. Rows that see no key give out 0 and lse -inf.
     validate=True checks the lengths' values (on a GPU this syncs; it is skipped during CUDA-graph
     capture); on the CPU the check always runs. Nothing here syncs when validate=False."""

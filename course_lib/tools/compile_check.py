@@ -175,7 +175,7 @@ def workload() -> None:
     finally:
         attention_backward_module.dkdv_heads_per_program = rule
 
-    # decoding: one split and several (the combine), a few query tokens, paged, the run-time balance
+    # decoding: one split and several (the combine), a few query tokens, paged, a sliced batch
     q = randn(2, 2, 4, 32)
     k, v = randn(2, 70, 2, 32), randn(2, 70, 2, 32)
     lengths = torch.tensor([70, 33], dtype=torch.int32)
@@ -184,14 +184,15 @@ def workload() -> None:
     pages = torch.randperm(10, generator=gen)[:10].to(torch.int32).view(2, 5)
     k_pages, v_pages = randn(10, 16, 2, 32), randn(10, 16, 2, 32)
     paged_decode_attention(q, k_pages, v_pages, pages, lengths, num_splits=2)
-    keys = heuristics.RAGGED_SPLIT_KEYS
-    heuristics.RAGGED_SPLIT_KEYS = 16
+    limits = heuristics.SLICED_MIN_KEYS, heuristics.SLICE_KEYS
+    heuristics.SLICED_MIN_KEYS, heuristics.SLICE_KEYS = 16, 16  # a long batch at the interpreter's sizes
     try:
-        batch = -(-heuristics.slots(heuristics.tile_for(32)) // 2)
+        batch = -(-heuristics.slots(heuristics.tile_for(32, paged=True)) // (2 * 3))
+        assert heuristics.sliced(batch, 2, 1, 48, 32)
         k, v = randn(batch, 48, 2, 32), randn(batch, 48, 2, 32)
         decode_attention(randn(batch, 1, 4, 32), k, v, torch.randint(0, 49, (batch,), generator=gen).int())
     finally:
-        heuristics.RAGGED_SPLIT_KEYS = keys
+        heuristics.SLICED_MIN_KEYS, heuristics.SLICE_KEYS = limits
 
     # fused: RMSNorm (whole rows; pieces that divide the row and pieces that do not; the three dW
     # reductions), RoPE (both layouts, an offset and a positions tensor, the backward)
