@@ -215,32 +215,16 @@ def rms_norm_bwd_kernel(
     w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(acc_ty)
     dw = tl.zeros([ROWS, BLOCK_D], dtype=acc_ty)
     x, dy = _load_tile(
-        x_ptr,
-        dy_ptr,
-        tl.cast(pid * ROWS, tl.int64),
-        n_rows,
-        cols,
-        col_mask,
-        stride_x,
-        stride_dy,
-        ROWS,
-        STREAM,
-    )
+        x_ptr, dy_ptr, tl.cast(pid * ROWS, tl.int64), n_rows, cols, col_mask, stride_x, stride_dy, ROWS, STREAM
+    )  # fmt: skip
     for first in range(pid * ROWS, n_rows, step):
         rows = tl.cast(first, tl.int64) + tl.arange(0, ROWS)
         row_mask = rows < n_rows
         x_next, dy_next = _load_tile(
-            x_ptr,
-            dy_ptr,
-            tl.cast(first + step, tl.int64),
-            n_rows,
-            cols,
-            col_mask,
-            stride_x,
-            stride_dy,
-            ROWS,
+            x_ptr, dy_ptr, tl.cast(first + step, tl.int64), n_rows, cols, col_mask, stride_x, stride_dy, ROWS,
             STREAM,
-        )  # in flight while this tile is computed and stored (masked off past the end)
+        )  # fmt: skip
+        # (the next tile: in flight while this one is computed and stored; masked off past the end)
         rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)[:, None]
         x_hat = x.to(acc_ty) * rstd
         dy32 = dy.to(acc_ty)
