@@ -166,24 +166,32 @@ def test_a_long_full_batch_is_sliced():
 def longest_first_probe(SEQLENS, OUT, BATCH, CAPACITY, H_KV, NUM_SPLITS, SORT_B: tl.constexpr):
     """Program p stores the (sequence, kv head, split) that `longest_first` gives launch position p."""
     p = tl.program_id(0)
-    b, kvh, split = longest_first(SEQLENS, BATCH, CAPACITY, H_KV, NUM_SPLITS, p, SORT_B)
-    tl.store(OUT + 3 * p, b.to(tl.int32))
-    tl.store(OUT + 3 * p + 1, kvh.to(tl.int32))
-    tl.store(OUT + 3 * p + 2, split)
+    b, kvh, split, n = longest_first(SEQLENS, BATCH, CAPACITY, H_KV, NUM_SPLITS, p, SORT_B)
+    tl.store(OUT + 4 * p, b.to(tl.int32))
+    tl.store(OUT + 4 * p + 1, kvh.to(tl.int32))
+    tl.store(OUT + 4 * p + 2, split)
+    tl.store(OUT + 4 * p + 3, n)
 
 
-@pytest.mark.parametrize("lengths", [[5, 900, 0, 900, 40, 1200, 7], [64] * 4, [3, 2]], ids=str)
+LONGEST_FIRST_CASES = [[5, 900, 0, 900, 40, 1200, 7], [64] * 4, [3, 2], [(37 * i) % 101 for i in range(70)]]
+
+
+@pytest.mark.parametrize("lengths", LONGEST_FIRST_CASES, ids=lambda c: f"B={len(c)}")
 def test_longest_first_orders_every_program_once(lengths):
-    """Every (sequence, kv head, split) exactly once; sequences by length, longest first (ties: lower
-    index first; lengths past the capacity count as the capacity), each one's programs together."""
-    hkv, splits, capacity = 2, 3, 1000
+    """Every (sequence, kv head, split) exactly once, with its length; sequences by length, longest first
+    (ties: lower index first; lengths past the capacity count as the capacity), each one's programs
+    together. 70 sequences: the ranks are counted over three column blocks."""
+    hkv, splits, capacity = 2, 3, 1000 if len(lengths) < 10 else 90
     B = len(lengths)
     assert longest_first_block(B) == 1 << (B - 1).bit_length() and longest_first_block(1) == 0
-    out = torch.full((B * hkv * splits, 3), -1, dtype=torch.int32, device=DEV)
+    out = torch.full((B * hkv * splits, 4), -1, dtype=torch.int32, device=DEV)
     lens = torch.tensor(lengths, dtype=torch.int32, device=DEV)
     longest_first_probe[(B * hkv * splits,)](lens, out, B, capacity, hkv, splits, longest_first_block(B))
     got = [tuple(row) for row in out.cpu().tolist()]
-    assert sorted(got) == [(b, h, s) for b in range(B) for h in range(hkv) for s in range(splits)]
+    assert sorted(row[:3] for row in got) == [
+        (b, h, s) for b in range(B) for h in range(hkv) for s in range(splits)
+    ]
+    assert all(n == min(lengths[b], capacity) for b, _, _, n in got)
     order = sorted(range(B), key=lambda b: (-min(lengths[b], capacity), b))
     assert [row[0] for row in got] == [b for b in order for _ in range(hkv * splits)]
 

@@ -237,20 +237,20 @@ def longest_first_block(batch: int) -> int:
 
 @triton.jit
 def longest_first(SEQLENS, BATCH, CAPACITY, H_KV, NUM_SPLITS, position, SORT_B: tl.constexpr):
-    """(sequence, kv head, split) of the program at `position` of the launch order: the sequences sorted
-    by length, longest first (ties: lower index first), each one's NUM_SPLITS x H_KV programs together.
-    The GPU starts programs roughly in that order, so the longest pieces start first and the shortest
-    fill the SMs at the end (the longest-processing-time rule of scheduling): in the grid's own order a
-    long sequence's last slices could start after nearly everything else had finished.
-    Sorting packs (length, index) into one int64 key per sequence."""
+    """(sequence, kv head, split, its length) of the program at `position` of the launch order: the
+    sequences by length, longest first (ties: lower index first), each one's NUM_SPLITS x H_KV programs
+    together. The GPU starts programs roughly in that order, so the longest pieces start first and the
+    shortest fill the SMs at the end (the longest-processing-time rule of scheduling): in the grid's own
+    order a long sequence's last slices could start after nearly everything else had finished.
+    Sorting packs (length, index) into one int64 key per sequence, so the length comes with the answer
+    (no second load)."""
     offs = tl.arange(0, SORT_B)
     n = tl.load(SEQLENS + offs, mask=offs < BATCH, other=0)
     n = tl.minimum(tl.maximum(n, 0), CAPACITY).to(tl.int64)
     key = tl.where(offs < BATCH, n * SORT_B + (SORT_B - 1 - offs), -1)
     key = tl.sort(key, descending=True)
     per_sequence = H_KV * NUM_SPLITS
-    rank = position // per_sequence
-    chosen = tl.sum(tl.where(offs == rank, key, 0), 0)
+    chosen = tl.sum(tl.where(offs == position // per_sequence, key, 0), 0)
     b = SORT_B - 1 - chosen % SORT_B
     within = position % per_sequence
-    return b.to(tl.int64), (within % H_KV).to(tl.int64), within // H_KV
+    return b.to(tl.int64), (within % H_KV).to(tl.int64), within // H_KV, (chosen // SORT_B).to(tl.int32)

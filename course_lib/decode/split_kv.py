@@ -78,12 +78,15 @@ def split_kv_kernel(
     pid_m = tl.program_id(2)
     b = (pid_bh // H_KV).to(tl.int64)
     kvh = (pid_bh % H_KV).to(tl.int64)
-    if SORT_B > 0:  # a sliced batch: the longest sequences first
-        b, kvh, split = longest_first(
+    if SORT_B > 0:  # a sliced batch: the longest sequences first (the length comes with the order)
+        b, kvh, split, seqlen = longest_first(
             SEQLENS, tl.num_programs(0) // H_KV, CAPACITY, H_KV, NUM_SPLITS,
             tl.program_id(0) + tl.program_id(1) * tl.num_programs(0), SORT_B,
         )  # fmt: skip
-    seqlen = tl.minimum(tl.load(SEQLENS + b), CAPACITY)  # the wrappers check; the clamp keeps reads in bounds
+    else:
+        seqlen = tl.minimum(
+            tl.load(SEQLENS + b), CAPACITY
+        )  # the wrappers check; the clamp keeps reads in bounds
 
     # Rows of the tile: (token t, head g of the group), r = t * GROUP + g; query head kvh * GROUP + g.
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
