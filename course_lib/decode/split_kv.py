@@ -84,9 +84,8 @@ def split_kv_kernel(
             tl.program_id(0) + tl.program_id(1) * tl.num_programs(0), SORT_B,
         )  # fmt: skip
     else:
-        seqlen = tl.minimum(
-            tl.load(SEQLENS + b), CAPACITY
-        )  # the wrappers check; the clamp keeps reads in bounds
+        # the wrappers check the lengths; the clamp keeps reads in bounds
+        seqlen = tl.minimum(tl.load(SEQLENS + b), CAPACITY)
 
     # Rows of the tile: (token t, head g of the group), r = t * GROUP + g; query head kvh * GROUP + g.
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
