@@ -164,7 +164,7 @@ def test_a_long_full_batch_is_sliced():
 
 @triton.jit
 def longest_first_probe(SEQLENS, OUT, BATCH, CAPACITY, H_KV, NUM_SPLITS, SORT_B: tl.constexpr):
-    """Program p stores the (sequence, kv head, split) that `longest_first` gives launch position p."""
+    """Program p stores the (sequence, kv head, split, length) that `longest_first` gives position p."""
     p = tl.program_id(0)
     b, kvh, split, n = longest_first(SEQLENS, BATCH, CAPACITY, H_KV, NUM_SPLITS, p, SORT_B)
     tl.store(OUT + 4 * p, b.to(tl.int32))
@@ -180,7 +180,7 @@ LONGEST_FIRST_CASES = [[5, 900, 0, 900, 40, 1200, 7], [64] * 4, [3, 2], [(37 * i
 def test_longest_first_orders_every_program_once(lengths):
     """Every (sequence, kv head, split) exactly once, with its length; sequences by length, longest first
     (ties: lower index first; lengths past the capacity count as the capacity), each one's programs
-    together. 70 sequences: the ranks are counted over three column blocks."""
+    together. 70 sequences: a sort over 128 entries, 58 of them padding; capacity 90, so ties at it."""
     hkv, splits, capacity = 2, 3, 1000 if len(lengths) < 10 else 90
     B = len(lengths)
     assert longest_first_block(B) == 1 << (B - 1).bit_length() and longest_first_block(1) == 0

@@ -195,7 +195,7 @@ def workload() -> None:
         heuristics.SLICED_MIN_KEYS, heuristics.SLICE_KEYS = limits
 
     # fused: RMSNorm (whole rows; pieces that divide the row and pieces that do not; the three dW
-    # reductions), RoPE (both layouts, an offset and a positions tensor, the backward)
+    # reductions; the streaming hints), RoPE (both layouts, an offset and a positions tensor, the backward)
     for dtype in (torch.float32, torch.bfloat16):
         x, w = randn(3, 96, dtype=dtype, grad=True), randn(96, dtype=dtype, grad=True)
         rms_norm(x, w, 1e-6).float().sum().backward()
@@ -204,6 +204,7 @@ def workload() -> None:
         y, rstd = rms_norm_forward(x, w, 1e-6, chunk=chunk)
     for mode in ("partials", "atomics", "locked"):
         rms_norm_backward(randn(3, 96), x, w, rstd, mode)
+    rms_norm_backward(randn(3, 96), x, w, rstd, stream=True)  # the long rows' cache hints
     for layout in ("half", "interleaved"):
         q, k = randn(2, 3, 5, 16, grad=True), randn(2, 1, 5, 16, grad=True)
         cos, sin = rope_cache(12, 16, layout=layout)
