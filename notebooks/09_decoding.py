@@ -344,7 +344,9 @@ assert choose_num_splits(64 * 8, 64, 132) == 1
 # the longest sequence start when nearly everything else is done. Scheduling theory has a classic rule
 # for this, *longest processing time first*: start the longest jobs first, so the short ones fill the
 # gaps at the end. The kernel sorts the lengths it loads and hands out its programs longest sequence
-# first (`heuristics.longest_first`).
+# first (`heuristics.longest_first`). The sort costs each program a few microseconds before its first
+# load, so a grid whose programs all fit on the GPU at once (`heuristics.one_wave`), which start together
+# whatever their order, skips it.
 #
 # A model predicts the effect before any GPU is involved: 132 SMs, each taking the next program when it
 # finishes one, a program's time proportional to its keys.

@@ -241,10 +241,14 @@ except ValueError as exc:
 # ids, and only then can it issue the K/V loads that depend on them. Latency it cannot hide inside one
 # program it hides across programs: the paged tiles (`heuristics.PAGED_TILES`) use a shorter pipeline and
 # ask for 4 programs per SM, and the split rule of notebook 09 fills those slots. At batch 1 the paged
-# kernel therefore cuts the cache into about 4x more splits than the contiguous one. A batch that fills
-# the slots with a long cache is the other case (notebook 09, section 5): both kernels then run the same
-# plan, slices of at most `heuristics.SLICE_KEYS` keys on the paged tile, longest sequence first, and
-# differ only in how they find a key. The counts each kernel launches (`heuristics.split_grid`):
+# kernel therefore cuts the cache into about 4x more splits than the contiguous one. A short grid can do
+# one thing more: when all its programs run at once and the sequence's row of the block table is short
+# (at most `split_kv.TABLE_ROW_MAX` entries), each program loads the whole row at its start, beside the
+# sequence's length, and picks each block's page ids out of it in registers, so its first K/V load waits
+# for one round trip to memory instead of two. A batch of two sequences or more with a long cache is the
+# other case (notebook 09, section 5): both kernels then run the same plan, slices on the paged tile,
+# longest sequence first when the programs do not all fit at once, and differ only in how they find a
+# key. The counts each kernel launches (`heuristics.split_grid`):
 
 # %%
 from course_lib.decode.heuristics import sliced, sm_count, split_grid

@@ -10,7 +10,7 @@ import torch
 
 import course_lib
 from course_lib.attention.merge import merge_many
-from course_lib.decode import decode_attention, decode_reference, heuristics, paged_decode_attention
+from course_lib.decode import decode_attention, decode_reference, heuristics, paged_decode_attention, split_kv
 from course_lib.decode.batching import ContinuousBatcher
 from course_lib.decode.cache import OutOfPages, PageAllocator, PagedKVCache
 from course_lib.decode.combine import combine
@@ -143,23 +143,32 @@ def test_split_heuristic_follows_fa2_rule():
     assert choose_num_splits(programs=1, n_key_blocks=10, num_sms=132) <= 10
 
 
-def test_a_long_full_batch_is_sliced():
-    """Two sequences or more, a cache longer than SLICED_MIN_KEYS, and slices that fill the paged tile's
-    slots: slices of at most SLICE_KEYS keys (or the paged rule's count, if larger), contiguous or paged;
-    one sequence, a short cache or too few programs keep the rule's count."""
-    slots = heuristics.slots(tile_for(128, paged=True))
+def test_a_long_batch_is_sliced():
+    """Two sequences or more and a cache longer than SLICED_MIN_KEYS: slices of at most SLICE_KEYS keys,
+    or the paged rule's count if larger, contiguous or paged; one sequence or a short cache keeps the
+    rule's count."""
     slices = heuristics.slice_splits(32768)
     assert slices == 32768 // heuristics.SLICE_KEYS
-    full = max(2, -(-slots // (8 * slices)))  # batch with 8 kv heads whose slices fill the slots
     for paged in (False, True):
-        assert heuristics.sliced(full, 8, 1, 32768, 128)
-        expected = max(slices, heuristics.num_splits_for(full, 8, 1, 32768, 128, paged=True))
-        assert heuristics.split_grid(full, 8, 1, 32768, 128, paged) == expected
-        # one sequence; a cache of SLICED_MIN_KEYS; two sequences of one kv head (4 slices each: too few)
-        for batch, heads, capacity in ((1, 8, 32768), (full, 8, heuristics.SLICED_MIN_KEYS), (2, 1, 8192)):
+        for batch, heads in ((2, 1), (2, 8), (64, 8)):
+            assert heuristics.sliced(batch, heads, 1, 32768, 128)
+            expected = max(slices, heuristics.num_splits_for(batch, heads, 1, 32768, 128, paged=True))
+            assert heuristics.split_grid(batch, heads, 1, 32768, 128, paged) == expected
+        for batch, heads, capacity in ((1, 8, 32768), (64, 8, heuristics.SLICED_MIN_KEYS)):
             assert not heuristics.sliced(batch, heads, 1, capacity, 128), (batch, heads, capacity)
             rule = heuristics.num_splits_for(batch, heads, 1, capacity, 128, paged)
             assert heuristics.split_grid(batch, heads, 1, capacity, 128, paged) == rule
+
+
+def test_longest_first_only_when_programs_wait_for_a_slot():
+    """The sort runs for a batch of 2..LONGEST_FIRST_MAX_BATCH sequences whose programs do not all fit
+    in the slots at once."""
+    slots = heuristics.slots(tile_for(128, paged=True))
+    assert heuristics.one_wave(slots) and not heuristics.one_wave(slots + 1)
+    assert longest_first_block(16, slots + 1) == 16 and longest_first_block(9, slots + 1) == 16
+    assert longest_first_block(16, slots) == 0  # one wave: every program starts at once
+    assert longest_first_block(1, 10 * slots) == 0
+    assert longest_first_block(heuristics.LONGEST_FIRST_MAX_BATCH + 1, 10 * slots) == 0
 
 
 @triton.jit
@@ -183,10 +192,10 @@ def test_longest_first_orders_every_program_once(lengths):
     together. 70 sequences: a sort over 128 entries, 58 of them padding; capacity 90, so ties at it."""
     hkv, splits, capacity = 2, 3, 1000 if len(lengths) < 10 else 90
     B = len(lengths)
-    assert longest_first_block(B) == 1 << (B - 1).bit_length() and longest_first_block(1) == 0
+    sort_b = 1 << (B - 1).bit_length()
     out = torch.full((B * hkv * splits, 4), -1, dtype=torch.int32, device=DEV)
     lens = torch.tensor(lengths, dtype=torch.int32, device=DEV)
-    longest_first_probe[(B * hkv * splits,)](lens, out, B, capacity, hkv, splits, longest_first_block(B))
+    longest_first_probe[(B * hkv * splits,)](lens, out, B, capacity, hkv, splits, sort_b)
     got = [tuple(row) for row in out.cpu().tolist()]
     assert sorted(row[:3] for row in got) == [
         (b, h, s) for b in range(B) for h in range(hkv) for s in range(splits)
@@ -208,10 +217,11 @@ def test_sliced_batch_matches_reference(monkeypatch, uneven, hq, hkv, tq):
     rows = hq // hkv * tq  # (token, query head) rows per kv head
     m_tiles = -(-rows // tile_for(64, paged=True).BLOCK_M_MAX)
     n_max = 320
-    B = -(-heuristics.slots(tile_for(64, paged=True)) // (hkv * m_tiles * 5))
+    B = heuristics.slots(tile_for(64, paged=True)) // (hkv * m_tiles * 5) + 1  # more programs than slots
     assert (
         heuristics.sliced(B, hkv, m_tiles, n_max, 64)
         and heuristics.split_grid(B, hkv, m_tiles, n_max, 64) == 5
+        and longest_first_block(B, B * hkv * m_tiles * 5) > 0
     )
     q, k, v = make_cache(B, n_max, hq, hkv, 64, tq, torch.float32, seed=5)
     g = torch.Generator().manual_seed(5)
@@ -226,6 +236,34 @@ def test_sliced_batch_matches_reference(monkeypatch, uneven, hq, hkv, tq):
     k_pages, v_pages, table = to_pages(k, v, 16, seed=5)
     out, lse = paged_decode_attention(q, k_pages, v_pages, table, seqlens, return_lse=True)
     assert_matches(out, lse, ref_out, ref_lse, torch.float32, f"paged {what}")
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_table_row_gives_the_same_bits_as_page_id_loads(monkeypatch, page_size, dtype):
+    """A grid of one wave reads its block-table row whole, beside the length, and finds each block's
+    pages in it (TABLE_ROW); the result has the same bits as one page-id load per block, for ragged
+    lengths (0 and 1 among them), GQA, a few query tokens and a shuffled page pool."""
+    B, n_max, hq, hkv, d, tq = 3, 83, 8, 2, 64, 2
+    q, k, v = make_cache(B, n_max, hq, hkv, d, tq, dtype, seed=11)
+    k_pages, v_pages, table = to_pages(k, v, page_size, seed=11)
+    assert split_kv.table_row_block(table, 8) == triton.next_power_of_2(table.shape[1])
+    assert split_kv.table_row_block(table, 10**6) == 0  # many waves: one page-id load per block
+    for lengths in ([0, 1, 83], [5, 17, 40]):
+        lens = torch.tensor(lengths, dtype=torch.int32, device=DEV)
+        outs = []
+        for row_max in (split_kv.TABLE_ROW_MAX, 0):
+            monkeypatch.setattr(split_kv, "TABLE_ROW_MAX", row_max)
+            for splits in (1, 3):
+                outs.append(
+                    paged_decode_attention(
+                        q, k_pages, v_pages, table, lens, num_splits=splits, return_lse=True
+                    )
+                )
+        for (o1, l1), (o2, l2) in zip(outs[:2], outs[2:]):
+            assert torch.equal(o1, o2) and torch.equal(l1, l2)
+        ref_out, ref_lse = decode_reference(q, k, v, lens)
+        assert_matches(*outs[0], ref_out, ref_lse, dtype, f"table row, page size {page_size}")
 
 
 def test_many_short_programs_take_the_short_tile():

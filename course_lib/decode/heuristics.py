@@ -25,21 +25,28 @@ unbalanced: each (sequence, kv head) is one program, and the longest sequence's 
 after the short ones have finished. Measured on an H200 (bf16, d = 128, 32/8 heads, 16 sequences of
 880-31280 keys, 1080 MB): 385 us with the rule's one split, 62 % of the read ceiling. Which lengths a step
 has cannot be read from the shapes, so a batch of two sequences or more whose cache is longer than
-SLICED_MIN_KEYS, and whose slices fill the slots, takes the *sliced* plan (`sliced`) whatever its lengths:
-- slices of at most SLICE_KEYS keys (`slice_splits`), so that a long sequence is spread over many SMs;
+SLICED_MIN_KEYS takes the *sliced* plan (`sliced`) whatever its lengths:
+- slices of at most SLICE_KEYS keys (`slice_splits`), or more if the rule for the paged tile's slots asks
+  for more, so that a long sequence is spread over many SMs;
 - the paged tile (`PAGED_TILES`: 64-key blocks, 4 programs per SM), contiguous cache or not: many short
   programs share each SM, and one that starts late does not stream alone;
-- the programs started longest sequence first (`longest_first`): the GPU starts programs roughly in
-  launch order, and in the grid's own order some of the longest sequence's slices started when nearly
-  everything else had finished (the longest-processing-time rule of scheduling). A model of 132 SMs
-  taking the programs in launch order (notebook 09) puts the benchmark's ragged batch, in these slices,
-  8 % above a perfect balance in the grid's order and within 1 % longest first.
+- when its programs do not all fit in the slots at once (`one_wave`), the programs started longest
+  sequence first (`longest_first`): the GPU starts programs roughly in launch order, and in the grid's
+  own order some of the longest sequence's slices started when nearly everything else had finished (the
+  longest-processing-time rule of scheduling). A model of 132 SMs taking the programs in launch order
+  (notebook 09) puts the benchmark's ragged batch, in these slices, 8 % above a perfect balance in the
+  grid's order and within 1 % longest first. The sort costs every program a few microseconds before its
+  first load, and a grid of one wave starts all its programs at once anyway, so such a grid skips it.
 Measured on an H200 (bf16, d = 128, 32/8 heads, CUDA-graph replays, us), the contiguous kernel before
 (8 slices of at most 4096 keys with the usual tile, used only when the lengths it loaded were uneven,
 longest first) and with this plan: ragged B = 16 of 880-31280 keys 264.6 -> 259.6; B = 32 of 64-32k
 716 -> 540; B = 64 of 64-32k 1036 -> 900; even B = 16 at 32k 499 -> 494; even B = 64 at 16k 966 -> 975.
 The longest-first order alone (paged, grid order -> longest first): ragged B = 16 296 -> 269, B = 32 of
 64-32k 590 -> 563; an even batch pays for the sort (B = 16 at 32k 490 -> 498).
+Small batches (2-8 sequences of 8k-16k keys), the rule against this plan (contiguous / paged): ragged
+batches 5-18 % faster (B = 8 of 64-8k: 41.7 -> 36.0 / 41.5 -> 38.7; B = 4 of 64-16k: 50.1 -> 43.8 /
+51.5 -> 49.0), even ones within -1 % to +4 % (B = 8 at 8k 70.1 -> 69.6 / 73.0 -> 71.0; B = 4 at 16k
+69.9 -> 70.6 / 74.5 -> 72.4; B = 8 at 16k, longest first before, 132.0 -> 127.2 / 136.2 -> 130.2).
 """
 
 from __future__ import annotations
@@ -202,14 +209,9 @@ def slice_splits(capacity: int) -> int:
 
 
 def sliced(batch: int, kv_heads: int, m_tiles: int, capacity: int, head_dim: int) -> bool:
-    """Whether a batch shape takes the sliced plan (module docstring): two sequences or more, a cache
-    longer than SLICED_MIN_KEYS, and slices that fill 80 % of the paged tile's slots. Contiguous and
-    paged caches alike."""
-    programs = batch * kv_heads * m_tiles
-    if batch < 2 or capacity <= SLICED_MIN_KEYS:  # one sequence is never uneven
-        return False
-    tile = tile_for(head_dim, paged=True)
-    return programs * slice_splits(capacity) >= 0.8 * slots(tile)
+    """Whether a batch shape takes the sliced plan (module docstring): two sequences or more and a cache
+    longer than SLICED_MIN_KEYS. Contiguous and paged caches alike."""
+    return batch >= 2 and capacity > SLICED_MIN_KEYS  # one sequence is never uneven
 
 
 def split_grid(
@@ -227,10 +229,17 @@ def split_grid(
 LONGEST_FIRST_MAX_BATCH = 256
 
 
-def longest_first_block(batch: int) -> int:
+def one_wave(programs: int) -> bool:
+    """Whether `programs` programs of the paged tile all fit in the SMs' slots at once."""
+    return programs <= slots(tile_for(128, paged=True))
+
+
+def longest_first_block(batch: int, programs: int) -> int:
     """SORT_B for `longest_first`: the batch padded to a power of two, or 0 (the grid's own order) for a
-    batch of one or more than LONGEST_FIRST_MAX_BATCH sequences."""
-    if batch < 2 or batch > LONGEST_FIRST_MAX_BATCH:
+    batch of one or more than LONGEST_FIRST_MAX_BATCH sequences, and for a grid of `programs` that fits
+    in `one_wave`: the order in which programs start matters only when some must wait for a slot, and
+    the sort costs every program a few microseconds before its first load."""
+    if batch < 2 or batch > LONGEST_FIRST_MAX_BATCH or one_wave(programs):
         return 0
     return 1 << (batch - 1).bit_length()
 

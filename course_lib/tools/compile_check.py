@@ -187,10 +187,15 @@ def workload() -> None:
     limits = heuristics.SLICED_MIN_KEYS, heuristics.SLICE_KEYS
     heuristics.SLICED_MIN_KEYS, heuristics.SLICE_KEYS = 16, 16  # a long batch at the interpreter's sizes
     try:
-        batch = -(-heuristics.slots(heuristics.tile_for(32, paged=True)) // (2 * 3))
-        assert heuristics.sliced(batch, 2, 1, 48, 32)
+        batch = heuristics.slots(heuristics.tile_for(32, paged=True)) // (2 * 3) + 1
+        assert heuristics.sliced(batch, 2, 1, 48, 32) and not heuristics.one_wave(batch * 2 * 3)
         k, v = randn(batch, 48, 2, 32), randn(batch, 48, 2, 32)
-        decode_attention(randn(batch, 1, 4, 32), k, v, torch.randint(0, 49, (batch,), generator=gen).int())
+        lengths = torch.randint(0, 49, (batch,), generator=gen).int()
+        decode_attention(randn(batch, 1, 4, 32), k, v, lengths)
+        # more programs than slots: longest first, and one page-id load per block (no table row)
+        table = torch.randperm(batch * 3, generator=gen).to(torch.int32).view(batch, 3)
+        k_pages, v_pages = randn(batch * 3, 16, 2, 32), randn(batch * 3, 16, 2, 32)
+        paged_decode_attention(randn(batch, 1, 4, 32), k_pages, v_pages, table, lengths)
     finally:
         heuristics.SLICED_MIN_KEYS, heuristics.SLICE_KEYS = limits
 
