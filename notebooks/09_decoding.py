@@ -499,7 +499,9 @@ if near_268:
 # soon as all its programs have started (`griddepcontrol.launch_dependents`), and every combine program
 # waits (`griddepcontrol.wait`) until the splits have completed and their partials are visible before it
 # reads one. The results are the same bits; only the gap changes. `decode_attention` does this wherever
-# the GPU supports it, and `COURSE_PDL=0` turns it off. Measured as CUDA-graph replays, batch 1:
+# the GPU supports it and the split grid fits on the GPU at once (a grid of several waves, such as a
+# batch of 16 sequences of 32k keys in slices, measured 3-4 µs slower with it), and `COURSE_PDL=0` turns
+# it off. Measured as CUDA-graph replays, batch 1:
 
 # %%
 if course_lib.ON_GPU and pdl.enabled():

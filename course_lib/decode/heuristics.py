@@ -229,9 +229,9 @@ def split_grid(
 LONGEST_FIRST_MAX_BATCH = 256
 
 
-def one_wave(programs: int) -> bool:
-    """Whether `programs` programs of the paged tile all fit in the SMs' slots at once."""
-    return programs <= slots(tile_for(128, paged=True))
+def one_wave(programs: int, tile: DecodeTile | None = None) -> bool:
+    """Whether `programs` programs of `tile` (default: the paged tile) all fit in the SMs' slots at once."""
+    return programs <= slots(tile or tile_for(128, paged=True))
 
 
 def longest_first_block(batch: int, programs: int) -> int:
