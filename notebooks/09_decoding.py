@@ -495,13 +495,14 @@ if near_268:
 # only once the first has finished and its writes are visible, so between them the GPU idles for the
 # time it takes to launch the combine's programs: a few microseconds, even from a CUDA graph, and at
 # batch 1 a step takes 10-40 µs. Hopper GPUs (compute capability 9.0) can launch a kernel *early*
-# (programmatic dependent launch, `course_lib.pdl`): the split kernel lets its dependents be scheduled as
-# soon as all its programs have started (`griddepcontrol.launch_dependents`), and every combine program
-# waits (`griddepcontrol.wait`) until the splits have completed and their partials are visible before it
-# reads one. The results are the same bits; only the gap changes. `decode_attention` does this wherever
-# the GPU supports it and the split grid fits on the GPU at once (a grid of several waves, such as a
-# batch of 16 sequences of 32k keys in slices, measured 3-4 µs slower with it), and `COURSE_PDL=0` turns
-# it off. Measured as CUDA-graph replays, batch 1:
+# (programmatic dependent launch, `course_lib.pdl`): each split program, once it has stored its partial,
+# lets the dependents be scheduled (`griddepcontrol.launch_dependents`), so the combine's programs are
+# placed on the SMs while the last splits finish, and each waits (`griddepcontrol.wait`) until the splits
+# have completed and their partials are visible before it reads one. The results are the same bits; only
+# the gap changes. (Letting the combine in as soon as every split program has *started* measured slower,
+# by 1-4 µs, at batch 1 with 4k-8k keys and at batch 16.)
+# `decode_attention` does this wherever the GPU supports it, and `COURSE_PDL=0` turns it off. Measured as
+# CUDA-graph replays, batch 1:
 
 # %%
 if course_lib.ON_GPU and pdl.enabled():

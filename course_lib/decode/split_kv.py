@@ -24,11 +24,13 @@ by the shapes alone, so a step can be captured once as a CUDA graph and replayed
   fit on the GPU at once (`heuristics.longest_first`): whatever its lengths, its longest sequence does
   not stream alone at the end.
 - Each split writes its partial (O, L) in fp32; `combine` merges them (S = 1 writes the result directly).
-  On Hopper the combine is launched early (`course_lib.pdl`) when the split grid fits on the GPU at once.
-  Measured on an H200 (bf16, d = 128, 32/8 heads, graph replays, us, plain launches / early combine):
-  batch 1 at 1k 11.0-11.3 / 9.6-10.5, at 8k 17.6-17.8 / 18.7-18.9 (the one cell of one wave where it
-  cost time), at 32k-128k within 0.3 us; paged batch 1 0.2-0.6 us faster with it; B = 16 at 32k keys
-  (2048 programs, four waves) 479.2-479.5 / 483.5-483.7, the ragged B = 16 252.0-252.2 / 254.9-255.1.
+  On Hopper the combine is launched early (`course_lib.pdl`): the split programs let it be scheduled
+  once each has stored its partial. Measured on an H200 (bf16, d = 128, 32/8 heads, graph replays, us;
+  plain launches / trigger at each program's start / at its end): batch 1 at 4k 14.2 (trigger at the end)
+  against 15.5-15.7 at the start, 8k 17.6-17.9 / 18.9 / 17.5-17.8, 32k 41.2 / 41.2-41.4 / 40.9-41.3;
+  B = 8 at 8k 70.6 / 70.4-70.6 / 70.1-70.3; B = 16 at 32k (four waves) 490.2-491.1 / 494.3-494.7 /
+  489.8-490.4; the ragged B = 16 256.5 / 259.6 / 256.3. (Why the trigger at the start costs time was
+  not found.)
 Bytes moved: every valid K and V row once (2 x n x Hkv x d x element size per sequence), Q and O once,
 plus the partials (S x B x Tq x Hq x (d + 1) x 4 bytes, twice).
 
@@ -86,9 +88,8 @@ def split_kv_kernel(
     first split first: within +-5 us on an H200, the sign changing between machines). SORT_B > 0 (a
     sliced batch): the programs take their (sequence, kv head, split) longest sequence first instead
     (`longest_first`; SORT_B is the batch padded to a power of two).
-    PDL: the combine may be scheduled as soon as every program here has started (`course_lib.pdl`)."""
-    if PDL:
-        allow_dependents()
+    PDL: the combine may be scheduled as soon as every program here has stored its partial
+    (`course_lib.pdl`)."""
     pid_bh = tl.program_id(0)
     split = tl.num_programs(1) - 1 - tl.program_id(1)  # the last splits launch first (docstring)
     pid_m = tl.program_id(2)
@@ -197,6 +198,8 @@ def split_kv_kernel(
         mask=row_ok[:, None] & d_ok[None, :],
     )  # fmt: skip
     tl.store(L_PART + split * stride_ls + b * stride_lb + t * stride_lt + h * stride_lh, lse, mask=row_ok)
+    if PDL:  # this program's partial is stored: the combine may be scheduled once every program is here
+        allow_dependents()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -335,8 +338,7 @@ def launch(q, k, v, block_table, cache_seqlens, *, page_size, capacity, causal, 
     wide = q.dtype == torch.float32
     grid = (B * Hkv, num_splits, m_tiles)
     programs = B * Hkv * num_splits * m_tiles
-    # the combine starts while the splits finish: for a grid of one wave (many waves ran slower with it)
-    use_pdl = num_splits > 1 and one_wave(programs, tile) and pdl.enabled(q.device)
+    use_pdl = num_splits > 1 and pdl.enabled(q.device)  # the combine is launched while the splits end
     split_kv_kernel[grid](
         q, k, v, table, cache_seqlens, o_part, l_part, scale * 1.4426950408889634,
         *q.stride(), *k.stride(), *v.stride(), *table_strides, *o_part.stride(), *l_part.stride(),
