@@ -243,18 +243,20 @@ except ValueError as exc:
 # ask for 4 programs per SM, and the split rule of notebook 09 fills those slots. At batch 1 the paged
 # kernel therefore cuts the cache into about 4x more splits than the contiguous one. A short grid can do
 # one thing more: when all its programs run at once and the sequence's row of the block table is short
-# (at most `split_kv.TABLE_ROW_MAX` entries), each program loads the whole row at its start, beside the
+# (at most `heuristics.TABLE_ROW_MAX` entries), each program loads the whole row at its start, beside the
 # sequence's length, and picks each block's page ids out of it in registers, so its first K/V load waits
-# for one round trip to memory instead of two. A batch of two sequences or more with a long cache is the
-# other case (notebook 09, section 5): both kernels then run the same plan, slices on the paged tile,
-# longest sequence first when the programs do not all fit at once, and differ only in how they find a
-# key. The counts each kernel launches (`heuristics.split_grid`):
+# for one round trip to memory instead of two, and its pipeline can run ahead as the contiguous kernel's
+# does (`heuristics.table_row_plan`, on the tiles `heuristics.ROW_TILES`). A batch of two sequences or
+# more with a long cache is the other case (notebook 09, section 5): both kernels then run the same plan,
+# slices on the paged tile, longest sequence first when the programs do not all fit at once, and differ
+# only in how they find a key. The counts each kernel launches (`heuristics.split_grid`):
 
 # %%
 from course_lib.decode.heuristics import sliced, sm_count, split_grid
 
-for batch, n_ctx in ((1, 32768), (8, 8192), (16, 32768), (64, 4096)):
-    contiguous, paged = (split_grid(batch, 8, 1, n_ctx, 128, paged=p) for p in (False, True))
+for batch, n_ctx in ((1, 8192), (1, 32768), (8, 8192), (16, 32768), (64, 4096)):
+    contiguous = split_grid(batch, 8, 1, n_ctx, 128)
+    paged = split_grid(batch, 8, 1, n_ctx, 128, paged=True, table_width=n_ctx // 16)  # pages of 16
     plan = " (sliced)" if sliced(batch, 8, 1, n_ctx, 128) else ""
     print(f"batch {batch:>2}, {n_ctx:>5} tokens: {contiguous:>2} splits contiguous, {paged:>2} paged{plan} "
           f"({sm_count()} SMs{' stand-in for the interpreter' if not course_lib.ON_GPU else ''})")  # fmt: skip

@@ -10,7 +10,7 @@ import torch
 
 import course_lib
 from course_lib.attention.merge import merge_many
-from course_lib.decode import decode_attention, decode_reference, heuristics, paged_decode_attention, split_kv
+from course_lib.decode import decode_attention, decode_reference, heuristics, paged_decode_attention
 from course_lib.decode.batching import ContinuousBatcher
 from course_lib.decode.cache import OutOfPages, PageAllocator, PagedKVCache
 from course_lib.decode.combine import combine
@@ -242,18 +242,24 @@ def test_sliced_batch_matches_reference(monkeypatch, uneven, hq, hkv, tq):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_table_row_gives_the_same_bits_as_page_id_loads(monkeypatch, page_size, dtype):
     """A grid of one wave reads its block-table row whole, beside the length, and finds each block's
-    pages in it (TABLE_ROW); the result has the same bits as one page-id load per block, for ragged
-    lengths (0 and 1 among them), GQA, a few query tokens and a shuffled page pool."""
+    pages in it (`heuristics.table_row_plan`); the result has the same bits as one page-id load per
+    block (both tiles take blocks of the same size), for ragged lengths (0 and 1 among them), GQA, a few
+    query tokens and a shuffled page pool."""
     B, n_max, hq, hkv, d, tq = 3, 83, 8, 2, 64, 2
     q, k, v = make_cache(B, n_max, hq, hkv, d, tq, dtype, seed=11)
     k_pages, v_pages, table = to_pages(k, v, page_size, seed=11)
-    assert split_kv.table_row_block(table, 8) == triton.next_power_of_2(table.shape[1])
-    assert split_kv.table_row_block(table, 10**6) == 0  # many waves: one page-id load per block
+    width = table.shape[1]
+    assert tile_for(d, paged=True, table_row=True).BLOCK_N == tile_for(d, paged=True).BLOCK_N
+    assert heuristics.table_row_plan(B, hkv, 1, width * page_size, d, width, 3) == 3
+    row_slots = heuristics.slots(tile_for(d, paged=True, table_row=True))
+    assert heuristics.table_row_plan(B, hkv, 1, width * page_size, d, width, row_slots) == 0  # 2+ waves
+    wide = heuristics.TABLE_ROW_MAX + 1
+    assert heuristics.table_row_plan(1, 1, 1, wide * page_size, d, wide) == 0  # too long a row
     for lengths in ([0, 1, 83], [5, 17, 40]):
         lens = torch.tensor(lengths, dtype=torch.int32, device=DEV)
         outs = []
-        for row_max in (split_kv.TABLE_ROW_MAX, 0):
-            monkeypatch.setattr(split_kv, "TABLE_ROW_MAX", row_max)
+        for row_max in (heuristics.TABLE_ROW_MAX, 0):
+            monkeypatch.setattr(heuristics, "TABLE_ROW_MAX", row_max)
             for splits in (1, 3):
                 outs.append(
                     paged_decode_attention(

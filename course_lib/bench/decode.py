@@ -133,7 +133,8 @@ def measure_cell(B, lengths, n_max, read_gbps, dtype, device, graphs, gen, with_
     if graphs:  # the floor for these bytes: a plain read of the same size (graph-replayed)
         row["read_same_size_ms"] = measure_read_time(nbytes, dtype, device)
     row["num_splits"] = split_grid(B, HKV, 1, n_max, D)
-    row["paged_num_splits"] = split_grid(B, HKV, 1, -(-n_max // 16) * 16, D, paged=True)
+    pages = -(-n_max // 16)
+    row["paged_num_splits"] = split_grid(B, HKV, 1, pages * 16, D, paged=True, table_width=pages)
     row["sliced"] = sliced(B, HKV, 1, n_max, D)  # short slices, the paged tile, longest first
     row["split_kv"] = _measure(
         lambda: decode_attention(q, k, v, seqlens, validate=False), nbytes, read_gbps, graphs

@@ -102,6 +102,25 @@ PAGED_TILES = {
 }
 
 
+# The paged kernel when it reads each sequence's block-table row whole (`table_row_plan`): its page ids
+# come from registers, so its pipeline can run ahead as the contiguous kernel's does, and a third stage
+# pays more than a third and fourth program per SM. Measured on an H200 (bf16, d = 128, 32/8 heads, page
+# size 16, batch 1, CUDA-graph replays, us, the paged tile with the table row / this one, each with the
+# rule's splits for its slots): 1k keys 10.2 / 10.0-10.2, 4k 16.0-16.1 / 14.8-14.9, 8k 19.7-19.8 /
+# 18.7-19.0, 16k 27.6 / 26.8; B = 8 at 8k 71.6-71.8 / 70.8. Without the table row (batch 1 at 32k) this
+# tile ran 56.2 us against the paged tile's 45.1.
+ROW_TILES = {
+    16: DecodeTile(BLOCK_N=64, BLOCK_M_MAX=64, num_warps=4, num_stages=3, programs_per_sm=2),
+    32: DecodeTile(BLOCK_N=64, BLOCK_M_MAX=64, num_warps=4, num_stages=3, programs_per_sm=2),
+    64: DecodeTile(BLOCK_N=64, BLOCK_M_MAX=64, num_warps=4, num_stages=3, programs_per_sm=2),
+    128: DecodeTile(BLOCK_N=64, BLOCK_M_MAX=64, num_warps=4, num_stages=3, programs_per_sm=2),
+    256: DecodeTile(BLOCK_N=32, BLOCK_M_MAX=32, num_warps=4, num_stages=3, programs_per_sm=2),
+}
+# The longest block-table row (entries) a program keeps in registers: 16k keys in pages of 16. A row of
+# 2048 entries (batch 1 at 32k keys) made the paged tile 45.0 -> 55.5 us.
+TABLE_ROW_MAX = 1024
+
+
 # Many short programs (at least SHORT_WAVES waves of them, each over at most SHORT_BLOCKS of the usual
 # tile's key blocks): a 96 KB pipeline lets two programs share an SM, so one fills its pipeline while the
 # other streams. Measured on an H200 (bf16, d = 128, CUDA-graph replays): batch 256 at 1k tokens went
@@ -112,9 +131,15 @@ SHORT_BLOCKS = 8
 
 
 def tile_for(
-    head_dim: int, paged: bool = False, elem_bytes: int = 2, programs: int = 0, capacity: int | None = None
+    head_dim: int,
+    paged: bool = False,
+    elem_bytes: int = 2,
+    programs: int = 0,
+    capacity: int | None = None,
+    table_row: bool = False,
 ) -> DecodeTile:
-    """The DecodeTile for head dim `head_dim` (a multiple of 8 in [16, 256]), contiguous or paged.
+    """The DecodeTile for head dim `head_dim` (a multiple of 8 in [16, 256]), contiguous or paged
+    (`table_row`: the paged kernel reading its block-table rows whole, `ROW_TILES`).
 
     programs (batch x kv heads x query tiles) and capacity (keys per sequence) pick `SHORT_TILES` for a
     contiguous cache read by many short programs; left out, the usual tile.
@@ -123,7 +148,7 @@ def tile_for(
     192 KB; an A100 has 164 KB, many desktop GPUs about 100 KB), stages are dropped, then BLOCK_N is
     halved, until it fits."""
     padded = max(16, 1 << (int(head_dim) - 1).bit_length())
-    tile = (PAGED_TILES if paged else TILES)[padded]
+    tile = (ROW_TILES if table_row else PAGED_TILES if paged else TILES)[padded]
     if (
         not paged
         and padded in SHORT_TILES
@@ -215,13 +240,55 @@ def sliced(batch: int, kv_heads: int, m_tiles: int, capacity: int, head_dim: int
 
 
 def split_grid(
-    batch: int, kv_heads: int, m_tiles: int, capacity: int, head_dim: int, paged: bool = False
+    batch: int,
+    kv_heads: int,
+    m_tiles: int,
+    capacity: int,
+    head_dim: int,
+    paged: bool = False,
+    table_width: int = 0,
 ) -> int:
-    """Splits in the grid for a batch shape (arguments as `num_splits_for`): for a `sliced` batch, the
-    rule's count for the paged tile but at least `slice_splits`; otherwise the rule's count."""
-    if sliced(batch, kv_heads, m_tiles, capacity, head_dim):
-        return max(num_splits_for(batch, kv_heads, m_tiles, capacity, head_dim, True), slice_splits(capacity))
-    return num_splits_for(batch, kv_heads, m_tiles, capacity, head_dim, paged)
+    """Splits in the grid for a batch shape (arguments as `num_splits_for`; table_width: entries per
+    block-table row of a paged cache): a paged launch that reads its table rows whole
+    (`table_row_plan`) takes that plan's count; a `sliced` batch, the rule's count for the paged tile
+    but at least `slice_splits`; otherwise the rule's count."""
+    if paged and table_width:
+        row_splits = table_row_plan(batch, kv_heads, m_tiles, capacity, head_dim, table_width)
+        if row_splits:
+            return row_splits
+    return _splits(batch, kv_heads, m_tiles, capacity, head_dim, paged)
+
+
+def _splits(batch, kv_heads, m_tiles, capacity, head_dim, paged, table_row=False) -> int:
+    """The rule's count for the launch's tile, and at least `slice_splits` for a sliced batch (whose
+    tile is the paged one, or the row tile for a paged launch that reads its table rows whole)."""
+    programs = batch * kv_heads * m_tiles
+    long_batch = sliced(batch, kv_heads, m_tiles, capacity, head_dim)
+    if not (long_batch or table_row):
+        return num_splits_for(batch, kv_heads, m_tiles, capacity, head_dim, paged)
+    tile = tile_for(head_dim, paged=True, table_row=table_row)
+    rule = choose_num_splits(programs, math.ceil(capacity / tile.BLOCK_N), slots(tile))
+    return max(rule, slice_splits(capacity)) if long_batch else rule
+
+
+def table_row_plan(
+    batch: int,
+    kv_heads: int,
+    m_tiles: int,
+    capacity: int,
+    head_dim: int,
+    table_width: int,
+    num_splits: int | None = None,
+) -> int:
+    """Splits for a paged launch whose programs read their sequence's block-table row whole (rows of at
+    most TABLE_ROW_MAX entries; `ROW_TILES`), or 0 when it should look up page ids block by block: the
+    rule's count for the row tile's slots (`num_splits` if given), kept only if the grid fits in one
+    wave of them (measured: many waves of short programs ran slower with the row)."""
+    if not 0 < table_width <= TABLE_ROW_MAX:
+        return 0
+    tile = tile_for(head_dim, paged=True, table_row=True)
+    splits = num_splits or _splits(batch, kv_heads, m_tiles, capacity, head_dim, True, table_row=True)
+    return splits if one_wave(batch * kv_heads * m_tiles * splits, tile) else 0
 
 
 # Longest first: a sliced batch's programs in order of their sequence's length (`longest_first`), for

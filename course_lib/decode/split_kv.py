@@ -35,15 +35,16 @@ Bytes moved: every valid K and V row once (2 x n x Hkv x d x element size per se
 plus the partials (S x B x Tq x Hq x (d + 1) x 4 bytes, twice).
 
 `paged.py` runs the same kernel with PAGED=True: K/V rows are found through a block table. Each block
-of keys first needs its page ids, a load its K/V loads wait on. A program of a short grid (one wave,
-`heuristics.one_wave`) whose table row has at most TABLE_ROW_MAX entries loads the whole row at its
-start, beside the sequence's length, and finds each block's page ids in registers (`tl.gather`): its
-first K/V load then waits for one memory round trip, not two. Measured on an H200 (bf16, d = 128, 32/8
-heads, page size 16, CUDA-graph replays, us, page-id loads -> table row; the contiguous kernel): batch 1
-at 1k keys 11.4 -> 10.5 (9.1-10.5), 4k 17.2 -> 15.9 (15.4), 8k 21.2 -> 19.6 (18.7), 16k 29.0 -> 27.9
-(25.5); B = 64 at 4k 250.8 -> 248.6 (248.3). A row of 2048 entries (batch 1 at 32k keys) made it
-slower (45.0 -> 55.5 us), and so did many waves of short programs (B = 256 at 1k: 254 -> 264.5), where
-the pipeline's own look-ahead at the page ids already hides them.
+of keys first needs its page ids, a load its K/V loads wait on. A grid of one wave whose table rows have
+at most `heuristics.TABLE_ROW_MAX` entries (`heuristics.table_row_plan`) instead loads the sequence's
+whole row at each program's start, beside its length, and finds each block's page ids in registers
+(`tl.gather`): the first K/V load waits for one memory round trip, not two, and the pipeline runs
+ahead as the contiguous kernel's does (`heuristics.ROW_TILES`). Measured on an H200 (bf16, d = 128, 32/8
+heads, page size 16, CUDA-graph replays, us, page-id loads -> table row, both on the paged tile; the
+contiguous kernel): batch 1 at 1k keys 11.4 -> 10.5 (9.1-10.5), 4k 17.2 -> 15.9 (15.4), 8k 21.2 ->
+19.6 (18.7), 16k 29.0 -> 27.9 (25.5); B = 64 at 4k 250.8 -> 248.6 (248.3). Many waves of short
+programs ran slower with the row (B = 256 at 1k: 254 -> 264.5), where the pipeline's own look-ahead at
+the page ids already hides them.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ from ..attention.blocks import LN2
 from ..pdl import allow_dependents
 from ..runtime import tl, triton
 from .combine import combine
-from .heuristics import longest_first, longest_first_block, one_wave, sliced, split_grid, tile_for
+from .heuristics import longest_first, longest_first_block, sliced, split_grid, table_row_plan, tile_for
 
 runtime.require_triton()
 
@@ -298,16 +299,6 @@ def normalise_causal(causal, where: str) -> bool:
     raise ValueError(f"{where}: causal must be True / 'bottom_right' or False; got {causal!r}")
 
 
-TABLE_ROW_MAX = 1024  # entries (16k keys in pages of 16): the module docstring's measurements
-
-
-def table_row_block(block_table, programs: int) -> int:
-    """TABLE_ROW: the table row padded to a power of two when it has at most TABLE_ROW_MAX entries and
-    the grid's `programs` fit in one wave, else 0."""
-    width = block_table.shape[1]
-    return triton.next_power_of_2(width) if 0 < width <= TABLE_ROW_MAX and one_wave(programs) else 0
-
-
 def launch(q, k, v, block_table, cache_seqlens, *, page_size, capacity, causal, scale, num_splits):
     """Run the split-KV kernel (and the combine if S > 1); returns (out, lse). Inputs already checked.
 
@@ -318,11 +309,21 @@ def launch(q, k, v, block_table, cache_seqlens, *, page_size, capacity, causal, 
     paged = block_table is not None
     block_m = min(tile_for(d, paged).BLOCK_M_MAX, max(16, triton.next_power_of_2(group * Tq)))
     m_tiles = triton.cdiv(group * Tq, block_m)
-    long_batch = sliced(B, Hkv, m_tiles, capacity, d)  # short slices, the paged tile, longest first
-    tile = tile_for(d, paged or long_batch, q.element_size(), programs=B * Hkv * m_tiles, capacity=capacity)
-    num_splits = split_grid(B, Hkv, m_tiles, capacity, d, paged) if num_splits is None else int(num_splits)
-    if num_splits < 1:
+    if num_splits is not None and int(num_splits) < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    long_batch = sliced(B, Hkv, m_tiles, capacity, d)  # short slices, the paged tile, longest first
+    width = block_table.shape[1] if paged else 0
+    row_splits = table_row_plan(B, Hkv, m_tiles, capacity, d, width, num_splits) if paged else 0
+    if row_splits:  # the block-table rows read whole, on the row tile
+        tile = tile_for(d, True, q.element_size(), table_row=True)
+        num_splits = row_splits
+    else:
+        tile = tile_for(
+            d, paged or long_batch, q.element_size(), programs=B * Hkv * m_tiles, capacity=capacity
+        )
+        num_splits = (
+            split_grid(B, Hkv, m_tiles, capacity, d, paged) if num_splits is None else int(num_splits)
+        )
     out = torch.empty_like(q)
     lse = torch.empty((B, Tq, Hq), dtype=torch.float32, device=q.device)
     if B == 0:
@@ -348,7 +349,7 @@ def launch(q, k, v, block_table, cache_seqlens, *, page_size, capacity, causal, 
         UPCAST=bool(runtime.INTERPRET and q.dtype == torch.bfloat16),
         DOT_PRECISION="ieee" if wide else "tf32",
         SORT_B=longest_first_block(B, programs) if long_batch and num_splits > 1 else 0, PDL=use_pdl,
-        TABLE_ROW=table_row_block(block_table, programs) if paged else 0,
+        TABLE_ROW=triton.next_power_of_2(width) if row_splits else 0,
         num_warps=tile.num_warps, num_stages=tile.num_stages,
     )  # fmt: skip
     if num_splits > 1:
