@@ -116,9 +116,11 @@ ROW_TILES = {
     128: DecodeTile(BLOCK_N=64, BLOCK_M_MAX=64, num_warps=4, num_stages=3, programs_per_sm=2),
     256: DecodeTile(BLOCK_N=32, BLOCK_M_MAX=32, num_warps=4, num_stages=3, programs_per_sm=2),
 }
-# The longest block-table row (entries) a program keeps in registers: 16k keys in pages of 16. A row of
-# 2048 entries (batch 1 at 32k keys) made the paged tile 45.0 -> 55.5 us.
-TABLE_ROW_MAX = 1024
+# The longest block-table row (entries) a program keeps in registers: 64k keys in pages of 16. Measured on
+# an H200 (as above, us, page-id loads on the paged tile / the row on the row tile; contiguous): batch 1
+# at 32k 44.8 / 42.1 (40.2), 64k 75.0 / 72.6 (68.8), 32k in pages of 8 (4096 entries) 44.9 / 43.4 (40.3);
+# B = 2 at 32k 74.8 / 69.5 (70.8); rows of 8192 entries (128k keys) 136.2 / 137.9 (126.4).
+TABLE_ROW_MAX = 4096
 
 
 # Many short programs (at least SHORT_WAVES waves of them, each over at most SHORT_BLOCKS of the usual

@@ -42,9 +42,9 @@ whole row at each program's start, beside its length, and finds each block's pag
 ahead as the contiguous kernel's does (`heuristics.ROW_TILES`). Measured on an H200 (bf16, d = 128, 32/8
 heads, page size 16, CUDA-graph replays, us, page-id loads -> table row, both on the paged tile; the
 contiguous kernel): batch 1 at 1k keys 11.4 -> 10.5 (9.1-10.5), 4k 17.2 -> 15.9 (15.4), 8k 21.2 ->
-19.6 (18.7), 16k 29.0 -> 27.9 (25.5); B = 64 at 4k 250.8 -> 248.6 (248.3). Many waves of short
-programs ran slower with the row (B = 256 at 1k: 254 -> 264.5), where the pipeline's own look-ahead at
-the page ids already hides them.
+19.6 (18.7), 16k 29.0 -> 27.9 (25.5); B = 64 at 4k 250.8 -> 248.6 (248.3); on the row tile, batch 1
+at 32k 44.8 -> 42.1 (40.2). Many waves of short programs ran slower with the row (B = 256 at 1k: 254 ->
+264.5), where the pipeline's own look-ahead at the page ids already hides them.
 """
 
 from __future__ import annotations
