@@ -240,13 +240,14 @@ except ValueError as exc:
 # blocks are, so its software pipeline loads several blocks ahead. A paged program must first read the page
 # ids, and only then can it issue the K/V loads that depend on them. Latency it cannot hide inside one
 # program it hides across programs: the paged tiles (`heuristics.PAGED_TILES`) use a shorter pipeline and
-# ask for 4 programs per SM, and the split rule of notebook 09 fills those slots. At batch 1 the paged
-# kernel therefore cuts the cache into about 4x more splits than the contiguous one. A short grid can do
-# one thing more: when all its programs run at once and the sequence's row of the block table is short
-# (at most `heuristics.TABLE_ROW_MAX` entries), each program loads the whole row at its start, beside the
-# sequence's length, and picks each block's page ids out of it in registers, so its first K/V load waits
-# for one round trip to memory instead of two, and its pipeline can run ahead as the contiguous kernel's
-# does (`heuristics.table_row_plan`, on the tiles `heuristics.ROW_TILES`). A batch of two sequences or
+# ask for 4 programs per SM, and the split rule of notebook 09 fills those slots, so the paged kernel cuts
+# the cache into about 4x more splits than the contiguous one. A short grid can do better: when all its
+# programs run at once and the sequence's row of the block table is not too long (at most
+# `heuristics.TABLE_ROW_MAX` entries), each program loads the whole row at its start, beside the
+# sequence's length, and picks each block's page ids out of it in registers. Its first K/V load then
+# waits for one round trip to memory instead of two, and its pipeline can run ahead as the contiguous
+# kernel's does, so it takes a deeper pipeline and 2 programs per SM (`heuristics.table_row_plan`, on
+# the tiles `heuristics.ROW_TILES`): 2x the contiguous kernel's splits at batch 1. A batch of two sequences or
 # more with a long cache is the other case (notebook 09, section 5): both kernels then run the same plan,
 # slices on the paged tile, longest sequence first when the programs do not all fit at once, and differ
 # only in how they find a key. The counts each kernel launches (`heuristics.split_grid`):
