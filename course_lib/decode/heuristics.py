@@ -109,13 +109,8 @@ PAGED_TILES = {
 # rule's splits for its slots): 1k keys 10.2 / 10.0-10.2, 4k 16.0-16.1 / 14.8-14.9, 8k 19.7-19.8 /
 # 18.7-19.0, 16k 27.6 / 26.8; B = 8 at 8k 71.6-71.8 / 70.8. Without the table row (batch 1 at 32k) this
 # tile ran 56.2 us against the paged tile's 45.1.
-ROW_TILES = {
-    16: DecodeTile(BLOCK_N=64, BLOCK_M_MAX=64, num_warps=4, num_stages=3, programs_per_sm=2),
-    32: DecodeTile(BLOCK_N=64, BLOCK_M_MAX=64, num_warps=4, num_stages=3, programs_per_sm=2),
-    64: DecodeTile(BLOCK_N=64, BLOCK_M_MAX=64, num_warps=4, num_stages=3, programs_per_sm=2),
-    128: DecodeTile(BLOCK_N=64, BLOCK_M_MAX=64, num_warps=4, num_stages=3, programs_per_sm=2),
-    256: DecodeTile(BLOCK_N=32, BLOCK_M_MAX=32, num_warps=4, num_stages=3, programs_per_sm=2),
-}
+# The paged tiles' blocks and warps, with the third stage and 2 programs per SM.
+ROW_TILES = {d: dataclasses.replace(tile, num_stages=3, programs_per_sm=2) for d, tile in PAGED_TILES.items()}
 # The longest block-table row (entries) a program keeps in registers: 64k keys in pages of 16. Measured on
 # an H200 (as above, us, page-id loads on the paged tile / the row on the row tile; contiguous): batch 1
 # at 32k 44.8 / 42.1 (40.2), 64k 75.0 / 72.6 (68.8), 32k in pages of 8 (4096 entries) 44.9 / 43.4 (40.3);
