@@ -12,7 +12,9 @@ FlashAttention-3 also never splits a cache of <= 4 key blocks; so do we.
 flight. A contiguous program streams its K/V rows with software pipelining and fills its SM alone (one
 slot per SM). A paged program must load a block-table entry before each K/V load, a dependent load the
 pipeline cannot run far ahead of, so it needs more programs per SM to cover that wait: the paged tiles
-ask for 4 slots per SM, and at batch 1 the paged path splits about 4x finer than the contiguous one.
+ask for 4 slots per SM, and at batch 1 the paged path splits about 4x finer than the contiguous one;
+a paged grid that reads its block-table rows whole (`table_row_plan`) waits on no such load, and its
+tile (`ROW_TILES`) asks for 2 slots per SM.
 Measured on an H200 (bf16, d = 128, 32/8 heads, CUDA-graph replays): with the contiguous kernel's own
 tile and splits the paged kernel ran at 0.55-0.7x its speed; with these, 0.91-1.09x in the benchmark's
 cells except batch 1 at 8k tokens (0.84x: 64 splits of two blocks each).
@@ -35,8 +37,8 @@ SLICED_MIN_KEYS takes the *sliced* plan (`sliced`) whatever its lengths:
   own order some of the longest sequence's slices started when nearly everything else had finished (the
   longest-processing-time rule of scheduling). A model of 132 SMs taking the programs in launch order
   (notebook 09) puts the benchmark's ragged batch, in these slices, 8 % above a perfect balance in the
-  grid's order and within 1 % longest first. The sort costs every program a few microseconds before its
-  first load, and a grid of one wave starts all its programs at once anyway, so such a grid skips it.
+  grid's order and within 1 % longest first. The sort delays every program's first load (measured: 1-4
+  us a step), and a grid of one wave starts all its programs at once anyway, so such a grid skips it.
 Measured on an H200 (bf16, d = 128, 32/8 heads, CUDA-graph replays, us), the contiguous kernel before
 (8 slices of at most 4096 keys with the usual tile, used only when the lengths it loaded were uneven,
 longest first) and with this plan: ragged B = 16 of 880-31280 keys 264.6 -> 259.6; B = 32 of 64-32k
@@ -108,8 +110,8 @@ PAGED_TILES = {
 # size 16, batch 1, CUDA-graph replays, us, the paged tile with the table row / this one, each with the
 # rule's splits for its slots): 1k keys 10.2 / 10.0-10.2, 4k 16.0-16.1 / 14.8-14.9, 8k 19.7-19.8 /
 # 18.7-19.0, 16k 27.6 / 26.8; B = 8 at 8k 71.6-71.8 / 70.8. Without the table row (batch 1 at 32k) this
-# tile ran 56.2 us against the paged tile's 45.1.
-# The paged tiles' blocks and warps, with the third stage and 2 programs per SM.
+# tile ran 56.2 us against the paged tile's 45.1. The paged tiles' blocks and warps, a third stage, 2
+# programs per SM:
 ROW_TILES = {d: dataclasses.replace(tile, num_stages=3, programs_per_sm=2) for d, tile in PAGED_TILES.items()}
 # The longest block-table row (entries) a program keeps in registers: 64k keys in pages of 16. Measured on
 # an H200 (as above, us, page-id loads on the paged tile / the row on the row tile; contiguous): batch 1
@@ -302,7 +304,7 @@ def longest_first_block(batch: int, programs: int) -> int:
     """SORT_B for `longest_first`: the batch padded to a power of two, or 0 (the grid's own order) for a
     batch of one or more than LONGEST_FIRST_MAX_BATCH sequences, and for a grid of `programs` that fits
     in `one_wave`: the order in which programs start matters only when some must wait for a slot, and
-    the sort costs every program a few microseconds before its first load."""
+    the sort delays every program's first load."""
     if batch < 2 or batch > LONGEST_FIRST_MAX_BATCH or one_wave(programs):
         return 0
     return 1 << (batch - 1).bit_length()
