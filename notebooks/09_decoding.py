@@ -356,8 +356,8 @@ import heapq
 
 splits = heuristics.split_grid(16, 8, 1, 32768, 128)
 sliced_block_n = tile_for(128, paged=True).BLOCK_N
-print(f"16 sequences of up to 32k keys: sliced plan {heuristics.sliced(16, 8, 1, 32768, 128)}, {splits} splits")
-assert heuristics.sliced(16, 8, 1, 32768, 128) and splits * heuristics.SLICE_KEYS >= 32768
+print(f"16 sequences of up to 32k keys: sliced plan {heuristics.sliced(16, 32768)}, {splits} splits")
+assert heuristics.sliced(16, 32768) and splits * heuristics.SLICE_KEYS >= 32768
 
 
 def step_time(programs, sms=132):

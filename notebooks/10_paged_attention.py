@@ -258,7 +258,7 @@ from course_lib.decode.heuristics import sliced, sm_count, split_grid
 for batch, n_ctx in ((1, 8192), (1, 32768), (8, 8192), (16, 32768), (64, 4096)):
     contiguous = split_grid(batch, 8, 1, n_ctx, 128)
     paged = split_grid(batch, 8, 1, n_ctx, 128, paged=True, table_width=n_ctx // 16)  # pages of 16
-    plan = " (sliced)" if sliced(batch, 8, 1, n_ctx, 128) else ""
+    plan = " (sliced)" if sliced(batch, n_ctx) else ""
     print(f"batch {batch:>2}, {n_ctx:>5} tokens: {contiguous:>2} splits contiguous, {paged:>2} paged{plan} "
           f"({sm_count()} SMs{' stand-in for the interpreter' if not course_lib.ON_GPU else ''})")  # fmt: skip
 

@@ -151,11 +151,11 @@ def test_a_long_batch_is_sliced():
     assert slices == 32768 // heuristics.SLICE_KEYS
     for paged in (False, True):
         for batch, heads in ((2, 1), (2, 8), (64, 8)):
-            assert heuristics.sliced(batch, heads, 1, 32768, 128)
+            assert heuristics.sliced(batch, 32768)
             expected = max(slices, heuristics.num_splits_for(batch, heads, 1, 32768, 128, paged=True))
             assert heuristics.split_grid(batch, heads, 1, 32768, 128, paged) == expected
         for batch, heads, capacity in ((1, 8, 32768), (64, 8, heuristics.SLICED_MIN_KEYS)):
-            assert not heuristics.sliced(batch, heads, 1, capacity, 128), (batch, heads, capacity)
+            assert not heuristics.sliced(batch, capacity), (batch, heads, capacity)
             rule = heuristics.num_splits_for(batch, heads, 1, capacity, 128, paged)
             assert heuristics.split_grid(batch, heads, 1, capacity, 128, paged) == rule
 
@@ -163,12 +163,13 @@ def test_a_long_batch_is_sliced():
 def test_longest_first_only_when_programs_wait_for_a_slot():
     """The sort runs for a batch of 2..LONGEST_FIRST_MAX_BATCH sequences whose programs do not all fit
     in the slots at once."""
-    slots = heuristics.slots(tile_for(128, paged=True))
-    assert heuristics.one_wave(slots) and not heuristics.one_wave(slots + 1)
-    assert longest_first_block(16, slots + 1) == 16 and longest_first_block(9, slots + 1) == 16
-    assert longest_first_block(16, slots) == 0  # one wave: every program starts at once
-    assert longest_first_block(1, 10 * slots) == 0
-    assert longest_first_block(heuristics.LONGEST_FIRST_MAX_BATCH + 1, 10 * slots) == 0
+    tile = tile_for(128, paged=True)
+    slots = heuristics.slots(tile)
+    assert heuristics.one_wave(slots, tile) and not heuristics.one_wave(slots + 1, tile)
+    assert longest_first_block(16, slots + 1, tile) == 16 and longest_first_block(9, slots + 1, tile) == 16
+    assert longest_first_block(16, slots, tile) == 0  # one wave: every program starts at once
+    assert longest_first_block(1, 10 * slots, tile) == 0
+    assert longest_first_block(heuristics.LONGEST_FIRST_MAX_BATCH + 1, 10 * slots, tile) == 0
 
 
 @triton.jit
@@ -219,9 +220,9 @@ def test_sliced_batch_matches_reference(monkeypatch, uneven, hq, hkv, tq):
     n_max = 320
     B = heuristics.slots(tile_for(64, paged=True)) // (hkv * m_tiles * 5) + 1  # more programs than slots
     assert (
-        heuristics.sliced(B, hkv, m_tiles, n_max, 64)
+        heuristics.sliced(B, n_max)
         and heuristics.split_grid(B, hkv, m_tiles, n_max, 64) == 5
-        and longest_first_block(B, B * hkv * m_tiles * 5) > 0
+        and longest_first_block(B, B * hkv * m_tiles * 5, tile_for(64, paged=True)) > 0
     )
     q, k, v = make_cache(B, n_max, hq, hkv, 64, tq, torch.float32, seed=5)
     g = torch.Generator().manual_seed(5)

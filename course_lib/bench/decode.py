@@ -135,7 +135,7 @@ def measure_cell(B, lengths, n_max, read_gbps, dtype, device, graphs, gen, with_
     row["num_splits"] = split_grid(B, HKV, 1, n_max, D)
     pages = -(-n_max // 16)
     row["paged_num_splits"] = split_grid(B, HKV, 1, pages * 16, D, paged=True, table_width=pages)
-    row["sliced"] = sliced(B, HKV, 1, n_max, D)  # short slices, the paged tile, longest first
+    row["sliced"] = sliced(B, n_max)  # short slices, the paged tile, longest first
     row["split_kv"] = _measure(
         lambda: decode_attention(q, k, v, seqlens, validate=False), nbytes, read_gbps, graphs
     )

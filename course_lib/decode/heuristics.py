@@ -57,6 +57,7 @@ import dataclasses
 import functools
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -221,7 +222,7 @@ def slots(tile: DecodeTile) -> int:
 
 
 # A long batch (module docstring): a cache longer than SLICED_MIN_KEYS in a batch of two sequences or more
-# is cut in slices of at most SLICE_KEYS keys, at most MAX_SLICES of them, when those slices fill the slots.
+# is cut in slices of at most SLICE_KEYS keys, at most MAX_SLICES of them.
 SLICED_MIN_KEYS = 4096
 SLICE_KEYS = 2048
 MAX_SLICES = 16
@@ -232,10 +233,48 @@ def slice_splits(capacity: int) -> int:
     return max(1, min(MAX_SLICES, math.ceil(capacity / SLICE_KEYS)))
 
 
-def sliced(batch: int, kv_heads: int, m_tiles: int, capacity: int, head_dim: int) -> bool:
+def sliced(batch: int, capacity: int) -> bool:
     """Whether a batch shape takes the sliced plan (module docstring): two sequences or more and a cache
-    longer than SLICED_MIN_KEYS. Contiguous and paged caches alike."""
+    of `capacity` keys longer than SLICED_MIN_KEYS. Contiguous and paged caches alike."""
     return batch >= 2 and capacity > SLICED_MIN_KEYS  # one sequence is never uneven
+
+
+class DecodePlan(NamedTuple):
+    """How a decoding step is launched: its tile, its split count, whether it is a `sliced` batch, and
+    whether its paged programs read their block-table rows whole (`table_row_plan`)."""
+
+    tile: DecodeTile
+    num_splits: int
+    sliced: bool
+    table_row: bool
+
+
+def decode_plan(
+    batch: int,
+    kv_heads: int,
+    m_tiles: int,
+    capacity: int,
+    head_dim: int,
+    paged: bool = False,
+    table_width: int = 0,
+    elem_bytes: int = 2,
+    num_splits: int | None = None,
+) -> DecodePlan:
+    """The launch of a batch shape: batch, kv heads, query tiles per (sequence, kv head), cache capacity
+    in keys (Nmax, or max_pages x page_size), head dim; paged with table_width entries per block-table
+    row; element size; num_splits to force a count. A paged launch that reads its table rows whole
+    (`table_row_plan`) runs on the row tile; a `sliced` batch on the paged tile, with the rule's count
+    for its slots but at least `slice_splits`; any other on its own tile with the rule's count."""
+    long_batch = sliced(batch, capacity)
+    row_splits = (
+        table_row_plan(batch, kv_heads, m_tiles, capacity, head_dim, table_width, num_splits) if paged else 0
+    )
+    if row_splits:
+        return DecodePlan(tile_for(head_dim, True, elem_bytes, table_row=True), row_splits, long_batch, True)
+    programs = batch * kv_heads * m_tiles
+    tile = tile_for(head_dim, paged or long_batch, elem_bytes, programs=programs, capacity=capacity)
+    splits = num_splits or _splits(batch, kv_heads, m_tiles, capacity, head_dim, paged)
+    return DecodePlan(tile, splits, long_batch, False)
 
 
 def split_grid(
@@ -247,22 +286,16 @@ def split_grid(
     paged: bool = False,
     table_width: int = 0,
 ) -> int:
-    """Splits in the grid for a batch shape (arguments as `num_splits_for`; table_width: entries per
-    block-table row of a paged cache): a paged launch that reads its table rows whole
-    (`table_row_plan`) takes that plan's count; a `sliced` batch, the rule's count for the paged tile
-    but at least `slice_splits`; otherwise the rule's count."""
-    if paged and table_width:
-        row_splits = table_row_plan(batch, kv_heads, m_tiles, capacity, head_dim, table_width)
-        if row_splits:
-            return row_splits
-    return _splits(batch, kv_heads, m_tiles, capacity, head_dim, paged)
+    """Splits in the grid for a batch shape (`decode_plan`; table_width: entries per block-table row of a
+    paged cache)."""
+    return decode_plan(batch, kv_heads, m_tiles, capacity, head_dim, paged, table_width).num_splits
 
 
 def _splits(batch, kv_heads, m_tiles, capacity, head_dim, paged, table_row=False) -> int:
     """The rule's count for the launch's tile, and at least `slice_splits` for a sliced batch (whose
     tile is the paged one, or the row tile for a paged launch that reads its table rows whole)."""
     programs = batch * kv_heads * m_tiles
-    long_batch = sliced(batch, kv_heads, m_tiles, capacity, head_dim)
+    long_batch = sliced(batch, capacity)
     if not (long_batch or table_row):
         return num_splits_for(batch, kv_heads, m_tiles, capacity, head_dim, paged)
     tile = tile_for(head_dim, paged=True, table_row=table_row)
@@ -295,17 +328,17 @@ def table_row_plan(
 LONGEST_FIRST_MAX_BATCH = 256
 
 
-def one_wave(programs: int, tile: DecodeTile | None = None) -> bool:
-    """Whether `programs` programs of `tile` (default: the paged tile) all fit in the SMs' slots at once."""
-    return programs <= slots(tile or tile_for(128, paged=True))
+def one_wave(programs: int, tile: DecodeTile) -> bool:
+    """Whether `programs` programs of `tile` all fit in the SMs' slots at once."""
+    return programs <= slots(tile)
 
 
-def longest_first_block(batch: int, programs: int) -> int:
+def longest_first_block(batch: int, programs: int, tile: DecodeTile) -> int:
     """SORT_B for `longest_first`: the batch padded to a power of two, or 0 (the grid's own order) for a
-    batch of one or more than LONGEST_FIRST_MAX_BATCH sequences, and for a grid of `programs` that fits
-    in `one_wave`: the order in which programs start matters only when some must wait for a slot, and
-    the sort delays every program's first load."""
-    if batch < 2 or batch > LONGEST_FIRST_MAX_BATCH or one_wave(programs):
+    batch of one or more than LONGEST_FIRST_MAX_BATCH sequences, and for a grid of `programs` of `tile`
+    that fits in `one_wave`: the order in which programs start matters only when some must wait for a
+    slot, and the sort delays every program's first load."""
+    if batch < 2 or batch > LONGEST_FIRST_MAX_BATCH or one_wave(programs, tile):
         return 0
     return 1 << (batch - 1).bit_length()
 

@@ -56,7 +56,7 @@ from ..attention.blocks import LN2
 from ..pdl import allow_dependents
 from ..runtime import tl, triton
 from .combine import combine
-from .heuristics import longest_first, longest_first_block, sliced, split_grid, table_row_plan, tile_for
+from .heuristics import decode_plan, longest_first, longest_first_block, tile_for
 
 runtime.require_triton()
 
@@ -311,19 +311,12 @@ def launch(q, k, v, block_table, cache_seqlens, *, page_size, capacity, causal, 
     m_tiles = triton.cdiv(group * Tq, block_m)
     if num_splits is not None and int(num_splits) < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
-    long_batch = sliced(B, Hkv, m_tiles, capacity, d)  # short slices, the paged tile, longest first
     width = block_table.shape[1] if paged else 0
-    row_splits = table_row_plan(B, Hkv, m_tiles, capacity, d, width, num_splits) if paged else 0
-    if row_splits:  # the block-table rows read whole, on the row tile
-        tile = tile_for(d, True, q.element_size(), table_row=True)
-        num_splits = row_splits
-    else:
-        tile = tile_for(
-            d, paged or long_batch, q.element_size(), programs=B * Hkv * m_tiles, capacity=capacity
-        )
-        num_splits = (
-            split_grid(B, Hkv, m_tiles, capacity, d, paged) if num_splits is None else int(num_splits)
-        )
+    plan = decode_plan(
+        B, Hkv, m_tiles, capacity, d, paged, width, q.element_size(),
+        None if num_splits is None else int(num_splits),
+    )  # fmt: skip
+    tile, num_splits = plan.tile, plan.num_splits
     out = torch.empty_like(q)
     lse = torch.empty((B, Tq, Hq), dtype=torch.float32, device=q.device)
     if B == 0:
@@ -339,6 +332,7 @@ def launch(q, k, v, block_table, cache_seqlens, *, page_size, capacity, causal, 
     wide = q.dtype == torch.float32
     grid = (B * Hkv, num_splits, m_tiles)
     programs = B * Hkv * num_splits * m_tiles
+    sort_b = longest_first_block(B, programs, tile) if plan.sliced and num_splits > 1 else 0
     use_pdl = num_splits > 1 and pdl.enabled(q.device)  # the combine is launched while the splits end
     split_kv_kernel[grid](
         q, k, v, table, cache_seqlens, o_part, l_part, scale * 1.4426950408889634,
@@ -348,8 +342,7 @@ def launch(q, k, v, block_table, cache_seqlens, *, page_size, capacity, causal, 
         HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d), BLOCK_M=block_m, BLOCK_N=tile.BLOCK_N,
         UPCAST=bool(runtime.INTERPRET and q.dtype == torch.bfloat16),
         DOT_PRECISION="ieee" if wide else "tf32",
-        SORT_B=longest_first_block(B, programs) if long_batch and num_splits > 1 else 0, PDL=use_pdl,
-        TABLE_ROW=triton.next_power_of_2(width) if row_splits else 0,
+        SORT_B=sort_b, PDL=use_pdl, TABLE_ROW=triton.next_power_of_2(width) if plan.table_row else 0,
         num_warps=tile.num_warps, num_stages=tile.num_stages,
     )  # fmt: skip
     if num_splits > 1:
@@ -375,8 +368,8 @@ def decode_attention(
     int32 in [0, Nmax]; float16, bfloat16 or float32; d a multiple of 8 in [16, 256]. causal=True
     (= "bottom_right"): query t sees keys j <= cache_seqlens[b] - Tq + t; False: all valid keys.
     scale defaults to 1/sqrt(d). num_splits: None chooses it from the SM count and the batch shape
-    (`heuristics.split_grid`: FlashAttention-2's rule, or short slices for a long batch that fills the
-    SMs), an int forces it. Returns out (B, Tq, Hq, d) in
+    (`heuristics.decode_plan`: FlashAttention-2's rule, or short slices for a long batch of two
+    sequences or more), an int forces it. Returns out (B, Tq, Hq, d) in
     q's dtype, and with return_lse=True also lse (B, Tq, Hq) float32. Rows that see no key give out 0 and lse -inf.
     validate=True checks the lengths' values (on a GPU this syncs; it is skipped during CUDA-graph
     capture); on the CPU the check always runs. Nothing here syncs when validate=False."""

@@ -188,7 +188,8 @@ def workload() -> None:
     heuristics.SLICED_MIN_KEYS, heuristics.SLICE_KEYS = 16, 16  # a long batch at the interpreter's sizes
     try:
         batch = heuristics.slots(heuristics.tile_for(32, paged=True)) // (2 * 3) + 1
-        assert heuristics.sliced(batch, 2, 1, 48, 32) and not heuristics.one_wave(batch * 2 * 3)
+        assert heuristics.sliced(batch, 48)
+        assert not heuristics.one_wave(batch * 2 * 3, heuristics.tile_for(32, paged=True))
         k, v = randn(batch, 48, 2, 32), randn(batch, 48, 2, 32)
         lengths = torch.randint(0, 49, (batch,), generator=gen).int()
         decode_attention(randn(batch, 1, 4, 32), k, v, lengths)
