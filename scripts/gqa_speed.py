@@ -74,7 +74,7 @@ def backward_modes(group: int) -> None:
             for name, (on_chip, block_major) in BACKWARD_MODES.items():
                 if on_chip is not None and group % on_chip:
                     continue
-                attention_backward.dkdv_heads_per_program = lambda g, c, n, on_chip=on_chip: (
+                attention_backward.dkdv_heads_per_program = lambda g, c, n, d, on_chip=on_chip: (
                     g if on_chip is None else on_chip
                 )
                 attention_backward.dkdv_block_major = lambda heads, c, block_major=block_major: block_major

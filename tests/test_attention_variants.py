@@ -72,12 +72,12 @@ def test_gqa_and_alignments_match_reference(group, n_q, n_k, causal, dtype):
 @pytest.mark.parametrize("causal", [True, "bottom_right", False])
 def test_gqa_partial_sums_match_reference(on_chip, causal, monkeypatch):
     """The backward's other way to sum a group of 4 query heads into dK, dV (`backward.
-    dkdv_heads_per_program` < group, as for long causal sequences): 1 or 2 heads per program, their fp32
+    dkdv_heads_per_program` < group, as for head dims <= 64 beyond 4096 keys): 1 or 2 heads per program, their fp32
     partial sums added afterwards."""
     import importlib
 
     bwd = importlib.import_module("course_lib.attention.backward")
-    monkeypatch.setattr(bwd, "dkdv_heads_per_program", lambda group, causal, n_k: on_chip)
+    monkeypatch.setattr(bwd, "dkdv_heads_per_program", lambda group, causal, n_k, d: on_chip)
     q, k, v = _qkv(2, 8, 2, 37, 70, 32, torch.float32, seed=11)
     _check(q, k, v, causal, f"GQA 4:1 summed {on_chip} per program, causal={causal}")
 

@@ -23,7 +23,8 @@ Causal (top-left or bottom-right aligned): blocks wholly above the diagonal are 
 blocks are masked (separate loop stages), as in the forward pass; `blocks.q_block_range` and
 `blocks.kv_block_range` say which. Grouped-query attention: a dK/dV program owns one block of one K/V
 head and loops over the GROUP query heads that share it, so dK and dV are summed over those heads on
-chip, with no atomics and no repeated K/V. Rows that saw no key (L = -inf) contribute nothing.
+chip, with no atomics and no repeated K/V (causal programs walk all the heads' query blocks in one
+loop, `dkdv_one_loop`). Rows that saw no key (L = -inf) contribute nothing.
 
 How P is rebuilt (`probabilities`) and which blocks a program visits (`blocks.q_block_range`,
 `blocks.kv_block_range`) are `tl.constexpr` function arguments of the kernels, defaulting to these
@@ -95,46 +96,83 @@ def _preprocess_kernel(
 
 
 @triton.jit
-def _dkdv_inner(
-    dk, dv, k, v,  # accumulators and this program's K, V blocks (all on chip)
-    q_base, do_base, l_base, d_base, dq_base,
-    stride_qm, stride_qd, stride_dom, stride_dod, stride_lm, stride_dqm, stride_dqd,
-    offs_n, offs_m, offs_d, lo, hi, N_Q, N_K, offset, sm_scale, qk_scale,
+def _dkdv_block(
+    dk, dv, k, v, q_ptrs, do_ptrs, l_base, d_base, dq_base, start_m,
+    stride_qm, stride_dom, stride_lm, stride_dqm, stride_dqd,
+    offs_n, offs_m, offs_d, N_Q, N_K, offset, sm_scale, qk_scale,
     MASK: tl.constexpr, CAUSAL: tl.constexpr, PROBABILITIES: tl.constexpr, ATOMIC: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, ACC_DTYPE: tl.constexpr,
 ):  # fmt: skip
-    """Accumulate dK, dV of one K/V block over the query blocks lo, lo + BLOCK_M, ... < hi.
+    """Add one query block's share (rows start_m ... start_m + BLOCK_M - 1 of one head) to dK, dV."""
+    start_m = tl.multiple_of(start_m, BLOCK_M)
+    rows = start_m + offs_m
+    # Q and dO blocks: HBM -> shared memory, 2 * BLOCK_M * d elements per step (coalesced rows).
+    q = load_rows(q_ptrs + start_m * stride_qm, rows, N_Q, offs_d, HEAD_DIM, BLOCK_D, UPCAST)
+    lse2 = _load_lse(l_base + rows * stride_lm, rows < N_Q) * LOG2E  # L: BLOCK_M floats, base 2
+    sT = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION, out_dtype=ACC_DTYPE)  # (BLOCK_N, BLOCK_M)
+    if MASK:
+        visible = offs_n[:, None] < N_K
+        if CAUSAL:
+            visible = visible & (rows[None, :] + offset >= offs_n[:, None])
+        sT = tl.where(visible, sT, float("-inf"))  # masked before exp: P^T = exactly 0 there
+    pT = PROBABILITIES(sT, lse2[None, :], qk_scale)
+    do = load_rows(do_ptrs + start_m * stride_dom, rows, N_Q, offs_d, HEAD_DIM, BLOCK_D, UPCAST)
+    dv += tl.dot(pT.to(do.dtype), do, input_precision=DOT_PRECISION, out_dtype=ACC_DTYPE)
+    delta = tl.load(d_base + rows, mask=rows < N_Q, other=0.0)  # D: BLOCK_M floats
+    dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION, out_dtype=ACC_DTYPE)  # (dO V^T)^T
+    dsT = pT * (dpT - delta[None, :])
+    dk += tl.dot(dsT.to(q.dtype), q, input_precision=DOT_PRECISION, out_dtype=ACC_DTYPE)
+    if ATOMIC:
+        # this K/V block's share of dQ = dS K * scale, added into the fp32 dQ buffer in HBM
+        dq = tl.dot(tl.trans(dsT.to(k.dtype)), k, input_precision=DOT_PRECISION, out_dtype=ACC_DTYPE)
+        dq_ptrs = dq_base + rows[:, None] * stride_dqm + offs_d[None, :] * stride_dqd
+        tl.atomic_add(dq_ptrs, dq * sm_scale, mask=row_mask(rows, N_Q, offs_d, HEAD_DIM, BLOCK_D))
+    return dk, dv
 
-    The tiles are computed transposed, (BLOCK_N, BLOCK_M): S^T = K Q^T, so P^T and dS^T come out
-    ready for dV += P^T dO and dK += dS^T Q without moving a tile between layouts. Query rows past
-    N_Q load L = +inf, so their P is exactly 0 and they add nothing even in an unmasked stage."""
+
+@triton.jit
+def _dkdv_inner(
+    dk, dv, k, v,  # accumulators and this program's K, V blocks (all on chip)
+    q_base, do_base, l_base, d_base, dq_base,
+    stride_qm, stride_qd, stride_dom, stride_dod, stride_lm, stride_dqm, stride_dqd,
+    stride_qh, stride_doh, stride_lh, stride_dh, stride_dqh,
+    offs_n, offs_m, offs_d, lo, hi, N_Q, N_K, offset, sm_scale, qk_scale,
+    MASK: tl.constexpr, CAUSAL: tl.constexpr, PROBABILITIES: tl.constexpr, ATOMIC: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, ACC_DTYPE: tl.constexpr,
+    GROUP: tl.constexpr, ONE_LOOP: tl.constexpr,
+):  # fmt: skip
+    """Accumulate dK, dV of one K/V block over the query blocks lo, lo + BLOCK_M, ... < hi of each of
+    GROUP query heads (the bases point at the first; stride_*h step from one head to the next).
+
+    ONE_LOOP=False: a loop per head (unrolled over the heads). ONE_LOOP=True: one loop over the
+    (head, query block) pairs, head by head, so the heads share one software pipeline: the next head's
+    first Q, dO blocks load while the last head's last block is in use, instead of each head's loop
+    filling and draining its own (`dkdv_one_loop` says when that pays)."""
     q_ptrs = q_base + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd
     do_ptrs = do_base + offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod
-    for start_m in range(lo, hi, BLOCK_M):
-        start_m = tl.multiple_of(start_m, BLOCK_M)
-        rows = start_m + offs_m
-        # Q and dO blocks: HBM -> shared memory, 2 * BLOCK_M * d elements per step (coalesced rows).
-        q = load_rows(q_ptrs + start_m * stride_qm, rows, N_Q, offs_d, HEAD_DIM, BLOCK_D, UPCAST)
-        lse2 = _load_lse(l_base + rows * stride_lm, rows < N_Q) * LOG2E  # L: BLOCK_M floats, base 2
-        sT = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION, out_dtype=ACC_DTYPE)  # (BLOCK_N, BLOCK_M)
-        if MASK:
-            visible = offs_n[:, None] < N_K
-            if CAUSAL:
-                visible = visible & (rows[None, :] + offset >= offs_n[:, None])
-            sT = tl.where(visible, sT, float("-inf"))  # masked before exp: P^T = exactly 0 there
-        pT = PROBABILITIES(sT, lse2[None, :], qk_scale)
-        do = load_rows(do_ptrs + start_m * stride_dom, rows, N_Q, offs_d, HEAD_DIM, BLOCK_D, UPCAST)
-        dv += tl.dot(pT.to(do.dtype), do, input_precision=DOT_PRECISION, out_dtype=ACC_DTYPE)
-        delta = tl.load(d_base + rows, mask=rows < N_Q, other=0.0)  # D: BLOCK_M floats
-        dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION, out_dtype=ACC_DTYPE)  # (dO V^T)^T
-        dsT = pT * (dpT - delta[None, :])
-        dk += tl.dot(dsT.to(q.dtype), q, input_precision=DOT_PRECISION, out_dtype=ACC_DTYPE)
-        if ATOMIC:
-            # this K/V block's share of dQ = dS K * scale, added into the fp32 dQ buffer in HBM
-            dq = tl.dot(tl.trans(dsT.to(k.dtype)), k, input_precision=DOT_PRECISION, out_dtype=ACC_DTYPE)
-            dq_ptrs = dq_base + rows[:, None] * stride_dqm + offs_d[None, :] * stride_dqd
-            tl.atomic_add(dq_ptrs, dq * sm_scale, mask=row_mask(rows, N_Q, offs_d, HEAD_DIM, BLOCK_D))
+    if ONE_LOOP:
+        n_blocks = (hi - lo) // BLOCK_M  # lo and hi are multiples of BLOCK_M
+        for step in range(0, GROUP * n_blocks):
+            g = step // n_blocks  # never evaluated when n_blocks = 0 (no step)
+            dk, dv = _dkdv_block(
+                dk, dv, k, v, q_ptrs + g * stride_qh, do_ptrs + g * stride_doh, l_base + g * stride_lh,
+                d_base + g * stride_dh, dq_base + g * stride_dqh, lo + (step - g * n_blocks) * BLOCK_M,
+                stride_qm, stride_dom, stride_lm, stride_dqm, stride_dqd,
+                offs_n, offs_m, offs_d, N_Q, N_K, offset, sm_scale, qk_scale,
+                MASK, CAUSAL, PROBABILITIES, ATOMIC, HEAD_DIM, BLOCK_D, BLOCK_M, UPCAST, DOT_PRECISION, ACC_DTYPE,
+            )  # fmt: skip
+    else:
+        for g in tl.static_range(GROUP):  # with GROUP = 1, the multi-head kernel's loop
+            for start_m in range(lo, hi, BLOCK_M):
+                dk, dv = _dkdv_block(
+                    dk, dv, k, v, q_ptrs + g * stride_qh, do_ptrs + g * stride_doh, l_base + g * stride_lh,
+                    d_base + g * stride_dh, dq_base + g * stride_dqh, start_m,
+                    stride_qm, stride_dom, stride_lm, stride_dqm, stride_dqd,
+                    offs_n, offs_m, offs_d, N_Q, N_K, offset, sm_scale, qk_scale,
+                    MASK, CAUSAL, PROBABILITIES, ATOMIC, HEAD_DIM, BLOCK_D, BLOCK_M, UPCAST, DOT_PRECISION, ACC_DTYPE,
+                )  # fmt: skip
     return dk, dv
 
 
@@ -154,6 +192,7 @@ def _dkdv_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, ACC_DTYPE: tl.constexpr, BLOCK_MAJOR: tl.constexpr,
     PROBABILITIES: tl.constexpr = probabilities, Q_RANGE: tl.constexpr = q_block_range,
+    ONE_LOOP: tl.constexpr = False,
 ):  # fmt: skip
     """dK, dV for one block of BLOCK_N key rows, summed over GROUP query heads; with ATOMIC also dQ
     (added). Grid: (cdiv(N_K, BLOCK_N) * B * H // GROUP,): program head ph covers query heads
@@ -200,25 +239,28 @@ def _dkdv_kernel(
     # last block would otherwise add exp(-L) * (dP - D) * 0 terms to dQ, NaN when L << 0).
     lo, mid, hi = Q_RANGE(n_start, N_Q, OFFSET, CAUSAL, BLOCK_M, BLOCK_N)
     qk_scale = sm_scale * LOG2E  # P in base 2 (`probabilities`)
-    for g in tl.static_range(GROUP):  # unrolled: with GROUP = 1 this is the multi-head kernel as it was
-        off_h = off_ph * GROUP + g
-        q_base = Q + off_b * stride_qb + off_h * stride_qh
-        do_base = DO + off_b * stride_dob + off_h * stride_doh
-        l_base = L + off_b * stride_lb + off_h * stride_lh
-        d_base = Dlt + (off_b * H + off_h) * N_Q
-        dq_base = DQ + off_b * stride_dqb + off_h * stride_dqh
-        dk, dv = _dkdv_inner(
-            dk, dv, k, v, q_base, do_base, l_base, d_base, dq_base,
-            stride_qm, stride_qd, stride_dom, stride_dod, stride_lm, stride_dqm, stride_dqd,
-            offs_n, offs_m, offs_d, lo, mid, N_Q, N_K, OFFSET, sm_scale, qk_scale,
-            True, CAUSAL, PROBABILITIES, ATOMIC, HEAD_DIM, BLOCK_D, BLOCK_M, UPCAST, DOT_PRECISION, ACC_DTYPE,
-        )  # fmt: skip
-        dk, dv = _dkdv_inner(
-            dk, dv, k, v, q_base, do_base, l_base, d_base, dq_base,
-            stride_qm, stride_qd, stride_dom, stride_dod, stride_lm, stride_dqm, stride_dqd,
-            offs_n, offs_m, offs_d, mid, hi, N_Q, N_K, OFFSET, sm_scale, qk_scale,
-            ATOMIC, CAUSAL, PROBABILITIES, ATOMIC, HEAD_DIM, BLOCK_D, BLOCK_M, UPCAST, DOT_PRECISION, ACC_DTYPE,
-        )  # fmt: skip
+    off_h = off_ph * GROUP  # the group's first query head
+    q_base = Q + off_b * stride_qb + off_h * stride_qh
+    do_base = DO + off_b * stride_dob + off_h * stride_doh
+    l_base = L + off_b * stride_lb + off_h * stride_lh
+    d_base = Dlt + (off_b * H + off_h) * N_Q
+    dq_base = DQ + off_b * stride_dqb + off_h * stride_dqh
+    dk, dv = _dkdv_inner(
+        dk, dv, k, v, q_base, do_base, l_base, d_base, dq_base,
+        stride_qm, stride_qd, stride_dom, stride_dod, stride_lm, stride_dqm, stride_dqd,
+        stride_qh, stride_doh, stride_lh, N_Q, stride_dqh,
+        offs_n, offs_m, offs_d, lo, mid, N_Q, N_K, OFFSET, sm_scale, qk_scale,
+        True, CAUSAL, PROBABILITIES, ATOMIC, HEAD_DIM, BLOCK_D, BLOCK_M, UPCAST, DOT_PRECISION, ACC_DTYPE,
+        GROUP, ONE_LOOP,
+    )  # fmt: skip
+    dk, dv = _dkdv_inner(
+        dk, dv, k, v, q_base, do_base, l_base, d_base, dq_base,
+        stride_qm, stride_qd, stride_dom, stride_dod, stride_lm, stride_dqm, stride_dqd,
+        stride_qh, stride_doh, stride_lh, N_Q, stride_dqh,
+        offs_n, offs_m, offs_d, mid, hi, N_Q, N_K, OFFSET, sm_scale, qk_scale,
+        ATOMIC, CAUSAL, PROBABILITIES, ATOMIC, HEAD_DIM, BLOCK_D, BLOCK_M, UPCAST, DOT_PRECISION, ACC_DTYPE,
+        GROUP, ONE_LOOP,
+    )  # fmt: skip
 
     # dK = dS^T Q * scale and dV: registers -> HBM once, 2 * BLOCK_N * d elements.
     dk = dk * sm_scale
@@ -417,23 +459,35 @@ def backward(
     return _backward(do, q, k, v, o, L, alignment, scale, launch_cfg, switches, dq_mode)
 
 
-def dkdv_heads_per_program(group: int, causal: bool, n_k: int) -> int:
+def dkdv_heads_per_program(group: int, causal: bool, n_k: int, head_dim: int) -> int:
     """How many of the `group` query heads that share a K/V head one dK/dV program sums on chip.
 
-    All of them (one program per K/V head and key block) without a causal mask. With one, a program's
-    work shrinks with its key block's position, and the programs of grouped-query attention, each `group`
-    times longer, balance worse over the SMs. Up to 2k keys they still sum on chip, block-major
-    (`dkdv_block_major`: every head's first, longest, key block starts first). Beyond, each query head
-    gets its own program, as on repeated K/V, and the `group` partial dK, dV (fp32) are added
-    afterwards: K/V are still read, not copied, but the partials cost a write and a read of 4 bytes per
-    element and query head. Measured on an H200 (bf16, 4 query heads per K/V head, B x N = 16k tokens,
-    causal forward + backward against the same call on repeated K/V): N = 1k 0.89x with partials, 0.94x
-    on chip; N = 2k 0.95-0.96x with partials, 0.97-0.98x on chip; N = 4k 0.98-1.01x with partials,
-    0.96x on chip. With a launch of their own for the on-chip programs (`configs.DKDV`; the GPU's
-    record), N = 1k and 2k went to 0.98-1.03x."""
-    if not causal or n_k <= 2048:
-        return group
-    return 1
+    All of them (one program per K/V head and key block; causal ones block-major, `dkdv_block_major`,
+    and walking the heads in one loop, `dkdv_one_loop`), except for head dims of 64 and less beyond
+    4096 keys: there each query head gets its own program, as on repeated K/V, and the `group` partial
+    dK, dV (fp32) are added afterwards. K/V are still read, not copied, but the partials cost a write
+    and a read of 4 bytes per element and query head; in exchange there are `group` times more, shorter
+    programs, which balance better over the SMs. Measured on an H200 (bf16, 4 query heads per K/V head,
+    B x N = 16k tokens, backward alone, three passes, best us, on chip / partials; repeated K/V):
+    causal d = 64: 4k 2387 / 2458 (2310), 8k 4638 / 4539 (4551), 16k 9074 / 8598 (8795); causal
+    d = 128: 4k 1997 / 2209 (2102), 8k 3585 / 3809 (3789), 16k 6900 / 7048 (7196); non-causal d = 64,
+    16k: 15480 / 15045 (14935), d = 128, 4k: 3702 / 3853 (3557). Up to 2k keys on chip won every cell
+    (notes/performance.md)."""
+    if head_dim <= 64 and n_k > 4096:
+        return 1
+    return group
+
+
+def dkdv_one_loop(on_chip: int, causal: bool) -> bool:
+    """Whether a dK/dV program that sums several query heads on chip walks them in one loop
+    (`_dkdv_inner`'s ONE_LOOP): causal programs, whose per-head loops are short (a program's two
+    stages, the diagonal and the rest, each once per head), so filling and draining each loop's
+    pipeline costs a visible share. Measured on an H200 (bf16, 4 query heads per K/V head, B x N =
+    16k tokens, backward alone, us, a loop per head / one loop; repeated K/V): causal d = 64, 1k: 755
+    / 686 (731); d = 128, 1k: 689 / 641 (688); d = 64, 2k: 1319 / 1203 (1269); d = 128, 2k: 1168 /
+    1092 (1140). Non-causal loops are long, and one loop was 1-4 % slower there (d = 64, 16k: 15478
+    / 16088; d = 128, 16k: 13816 / 14439), as it was for a single head."""
+    return causal and on_chip > 1
 
 
 def dkdv_block_major(on_chip: int, causal: bool) -> bool:
@@ -466,7 +520,7 @@ def _backward(do, q, k, v, o, L, alignment, scale, launch_cfg, switches, dq_mode
     dk = torch.empty(k.shape, dtype=k.dtype, device=where)
     dv = torch.empty(v.shape, dtype=v.dtype, device=where)
     dk4, dv4 = as_4d(dk), as_4d(dv)
-    on_chip = dkdv_heads_per_program(group, causal, n_k)
+    on_chip = dkdv_heads_per_program(group, causal, n_k, d)
     share = group // on_chip  # dK/dV programs per K/V head
     acc_dtype = accumulator_dtype(q.dtype)
     delta = torch.empty((B * H, n_q), dtype=acc_dtype, device=where)  # D, contiguous
@@ -499,7 +553,12 @@ def _backward(do, q, k, v, o, L, alignment, scale, launch_cfg, switches, dq_mode
         *strides4(dq_acc), *strides4(dk_out), *strides4(dv_out), H, n_q, n_k, offset, bucket,
     )  # fmt: skip
     kv_meta = dict(
-        common, ATOMIC=atomic, GROUP=on_chip, SHARE=share, BLOCK_MAJOR=dkdv_block_major(on_chip, causal)
+        common,
+        ATOMIC=atomic,
+        GROUP=on_chip,
+        SHARE=share,
+        BLOCK_MAJOR=dkdv_block_major(on_chip, causal),
+        ONE_LOOP=dkdv_one_loop(on_chip, causal),
     )
     kv_grid = lambda c: (triton.cdiv(n_k, c.block_n) * B * (H // on_chip),)
     kv_shape = shape + (atomic, on_chip)

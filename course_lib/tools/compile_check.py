@@ -166,7 +166,7 @@ def workload() -> None:
     attention_forward(q, k, v, True, config={"exp2": False, "skip_masked_blocks": False})
     attention_backward(do, q, k, v, o, lse, True, config={"exp2": False, "skip_masked_blocks": False})
     rule = attention_backward_module.dkdv_heads_per_program
-    attention_backward_module.dkdv_heads_per_program = lambda group, causal, n: 1
+    attention_backward_module.dkdv_heads_per_program = lambda group, causal, n, d: 1
     try:
         q = randn(1, 4, 40, 32)
         k, v = randn(1, 2, 40, 32), randn(1, 2, 40, 32)
