@@ -245,22 +245,15 @@ def _dkdv_kernel(
     l_base = L + off_b * stride_lb + off_h * stride_lh
     d_base = Dlt + (off_b * H + off_h) * N_Q
     dq_base = DQ + off_b * stride_dqb + off_h * stride_dqh
-    dk, dv = _dkdv_inner(
-        dk, dv, k, v, q_base, do_base, l_base, d_base, dq_base,
-        stride_qm, stride_qd, stride_dom, stride_dod, stride_lm, stride_dqm, stride_dqd,
-        stride_qh, stride_doh, stride_lh, N_Q, stride_dqh,
-        offs_n, offs_m, offs_d, lo, mid, N_Q, N_K, OFFSET, sm_scale, qk_scale,
-        True, CAUSAL, PROBABILITIES, ATOMIC, HEAD_DIM, BLOCK_D, BLOCK_M, UPCAST, DOT_PRECISION, ACC_DTYPE,
-        GROUP, ONE_LOOP,
-    )  # fmt: skip
-    dk, dv = _dkdv_inner(
-        dk, dv, k, v, q_base, do_base, l_base, d_base, dq_base,
-        stride_qm, stride_qd, stride_dom, stride_dod, stride_lm, stride_dqm, stride_dqd,
-        stride_qh, stride_doh, stride_lh, N_Q, stride_dqh,
-        offs_n, offs_m, offs_d, mid, hi, N_Q, N_K, OFFSET, sm_scale, qk_scale,
-        ATOMIC, CAUSAL, PROBABILITIES, ATOMIC, HEAD_DIM, BLOCK_D, BLOCK_M, UPCAST, DOT_PRECISION, ACC_DTYPE,
-        GROUP, ONE_LOOP,
-    )  # fmt: skip
+    for stage in tl.static_range(2):  # [lo, mid) masked (the diagonal), then [mid, hi)
+        dk, dv = _dkdv_inner(
+            dk, dv, k, v, q_base, do_base, l_base, d_base, dq_base,
+            stride_qm, stride_qd, stride_dom, stride_dod, stride_lm, stride_dqm, stride_dqd,
+            stride_qh, stride_doh, stride_lh, N_Q, stride_dqh,
+            offs_n, offs_m, offs_d, lo if stage == 0 else mid, mid if stage == 0 else hi,
+            N_Q, N_K, OFFSET, sm_scale, qk_scale, stage == 0 or ATOMIC, CAUSAL, PROBABILITIES, ATOMIC,
+            HEAD_DIM, BLOCK_D, BLOCK_M, UPCAST, DOT_PRECISION, ACC_DTYPE, GROUP, ONE_LOOP,
+        )  # fmt: skip
 
     # dK = dS^T Q * scale and dV: registers -> HBM once, 2 * BLOCK_N * d elements.
     dk = dk * sm_scale
