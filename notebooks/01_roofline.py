@@ -269,11 +269,14 @@ plt.show()
 # ## 4. The ceilings of *your* device
 #
 # Datasheet peaks are upper bounds. We measure two ceilings here:
-# - **bandwidth**: a large copy `dst.copy_(src)`, counting bytes read plus bytes written;
+# - **bandwidth**: a large copy (`dst = src * 1`, one read and one write per element), counting bytes
+#   read plus bytes written;
 # - **compute**: a large matmul (2n³ FLOPs), bf16 on a GPU, fp32 on a CPU.
 #
 # Timing uses `course_lib.timing.benchmark`: on a GPU, the median of CUDA-event timings after warm-up,
-# with the L2 cache flushed before each call (notebook 08 says how); on a CPU a wall-clock median.
+# with the L2 cache flushed before each call (notebook 08 says how); on a CPU a wall-clock median. The
+# copy is timed as a replay of a CUDA graph, as the benchmarks time the kernels they compare with it
+# (notebook 08): no CPU launch cost in the figure.
 
 # %%
 copy_gbps = perf.measure_copy_bandwidth(COPY_NUMEL)

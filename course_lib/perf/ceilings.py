@@ -36,17 +36,37 @@ def _check_dtype(dtype) -> None:
 # Bandwidth: copy (read + write) and read only
 
 
+def _replay_ms(fn) -> float:
+    """Median ms of `fn` as a CUDA-graph replay on a GPU (the way the benchmarks time the kernels a
+    ceiling is compared with: no launch cost), of plain calls on the CPU. The graph is freed after."""
+    from .timing import graphed
+
+    replay = graphed(fn)
+    try:
+        return benchmark(replay or fn)
+    finally:
+        del replay
+        free_memory()
+
+
+def _copy_fn(src: torch.Tensor, dst: torch.Tensor):
+    # An elementwise kernel, not `dst.copy_(src)`: captured in a CUDA graph, a same-dtype copy becomes a
+    # memcpy node, which the driver may hand to a copy engine, slower than the SMs.
+    return partial(torch.mul, src, 1, out=dst)
+
+
 def measure_copy_bandwidth(numel: int | None = None, dtype=torch.float32, device=None) -> float:
-    """Bandwidth of a large device-to-device copy `dst.copy_(src)`, in GB/s, counting bytes read plus
-    bytes written (as bandwidth is quoted). Default size: 64 MB on a CPU (beyond its caches), 1 GiB on a
-    GPU (far beyond the L2)."""
+    """Bandwidth of a large device-to-device copy (an elementwise kernel, `_copy_fn`), in GB/s,
+    counting bytes read plus bytes written (as bandwidth is quoted), timed as a CUDA-graph replay on a
+    GPU like the kernels it is compared with (plain launches read about 1 % lower on an H200). Default
+    size: 64 MB on a CPU (beyond its caches), 1 GiB on a GPU (far beyond the L2)."""
     _check_dtype(dtype)
     numel = runtime.pick(cpu=2**24, gpu=2**28) if numel is None else int(numel)
     if numel < 1:
         raise ValueError(f"numel must be positive, got {numel}")
     src = torch.randn(numel, device=_device(device), dtype=dtype)
     dst = torch.empty_like(src)
-    ms = benchmark(lambda: dst.copy_(src))
+    ms = _replay_ms(_copy_fn(src, dst))
     return 2 * src.nbytes / (ms * 1e-3) / 1e9
 
 
@@ -93,7 +113,9 @@ def measure_read_bandwidth(
     row per head); a copy's figure counts a write per read and can sit a little lower or higher.
     reader: "triton" times `block_sums` (one fp32 written per 8192 elements read: under 0.05% extra
     traffic); "torch" times `x.sum()`. Default: "triton" for a tensor on the GPU, "torch" on the CPU (the
-    interpreter would time Python, not memory). Default size: 64 MB on a CPU, 2 GiB on a GPU (far beyond the L2)."""
+    interpreter would time Python, not memory). Timed as a CUDA-graph replay on a GPU, like the kernels it
+    is compared with (plain launches read about 1 % lower on an H200). Default size: 64 MB on a CPU,
+    2 GiB on a GPU (far beyond the L2)."""
     _check_dtype(dtype)
     numel = runtime.pick(cpu=2**24, gpu=2**29) if numel is None else int(numel)
     if numel < 1:
@@ -104,7 +126,7 @@ def measure_read_bandwidth(
         raise ValueError(f"reader must be 'triton' or 'torch', got {reader!r}")
     x = torch.randn(numel, device=dev, dtype=dtype)
     fn = partial(block_sums, x) if reader == "triton" else x.sum
-    ms = benchmark(fn)
+    ms = _replay_ms(fn)
     return x.nbytes / (ms * 1e-3) / 1e9
 
 
@@ -112,23 +134,12 @@ def measure_copy_time(nbytes: int, dtype=torch.bfloat16, device=None) -> float:
     """Milliseconds a copy that moves `nbytes` in all (reads nbytes / 2, writes nbytes / 2) takes, as a
     CUDA-graph replay on a GPU: the floor for a kernel that must move that many bytes, read and write
     about evenly. Like a read, a copy below about 1 GB does not reach `measure_copy_bandwidth`'s figure."""
-    from .timing import graphed
-
     _check_dtype(dtype)
     elem = torch.empty((), dtype=dtype).element_size()
     if nbytes < 2 * elem:
         raise ValueError(f"nbytes must be at least two elements ({2 * elem} bytes), got {nbytes}")
     src = torch.randn(int(nbytes) // (2 * elem), device=_device(device), dtype=dtype)
-    dst = torch.empty_like(src)
-    # An elementwise kernel, not `dst.copy_(src)`: captured in a CUDA graph, a same-dtype copy becomes a
-    # memcpy node, which the driver may hand to a copy engine, slower than the SMs.
-    fn = partial(torch.mul, src, 1, out=dst)
-    replay = graphed(fn)
-    try:
-        return benchmark(replay or fn)
-    finally:
-        del replay, src, dst
-        free_memory()
+    return _replay_ms(_copy_fn(src, torch.empty_like(src)))
 
 
 def measure_read_time(nbytes: int, dtype=torch.bfloat16, device=None) -> float:
@@ -136,20 +147,12 @@ def measure_read_time(nbytes: int, dtype=torch.bfloat16, device=None) -> float:
     cost): the floor for a kernel that must read that many bytes. A read of a few hundred MB or less
     does not reach `measure_read_bandwidth`'s figure (the first loads' latency and the last wave do not shrink
     with the size): decoding's tables compare each cell with a read of its own size too."""
-    from .timing import graphed
-
     _check_dtype(dtype)
     elem = torch.empty((), dtype=dtype).element_size()
     if nbytes < elem:
         raise ValueError(f"nbytes must be at least one element ({elem} bytes), got {nbytes}")
     x = torch.randn(int(nbytes) // elem, device=_device(device), dtype=dtype)
-    fn = partial(block_sums, x)
-    replay = graphed(fn)
-    try:
-        return benchmark(replay or fn)
-    finally:
-        del replay, x
-        free_memory()
+    return _replay_ms(partial(block_sums, x))
 
 
 # ---------------------------------------------------------------------------------------------------------
