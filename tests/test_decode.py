@@ -143,6 +143,30 @@ def test_split_heuristic_follows_fa2_rule():
     assert choose_num_splits(programs=1, n_key_blocks=10, num_sms=132) <= 10
 
 
+def test_fill_wave_takes_every_slot_of_one_wave_and_leaves_no_split_empty():
+    fill = heuristics.fill_wave
+    assert fill(15, programs=8, n_key_blocks=512, num_sms=132) == 16  # batch 1, 64k keys, contiguous
+    assert fill(29, programs=8, n_key_blocks=1024, num_sms=264) == 32  # 33 would leave a split empty
+    assert fill(57, programs=8, n_key_blocks=2048, num_sms=528) == 64
+    assert fill(4, programs=96, n_key_blocks=32, num_sms=132) == 4  # the rule's grid is several waves
+    assert fill(1, programs=128, n_key_blocks=512, num_sms=132) == 1  # no room for a second split
+    assert fill(8, programs=8, n_key_blocks=8, num_sms=132) == 8  # one key block per split already
+    for programs in (1, 3, 8, 16, 40):
+        for n_blocks in (5, 17, 64, 333, 2048):
+            for slots in (16, 132, 264, 528):
+                rule = choose_num_splits(programs, n_blocks, slots)
+                s = fill(rule, programs, n_blocks, slots)
+                assert s >= rule
+                if programs * rule <= slots:
+                    per_split = math.ceil(n_blocks / s)
+                    assert programs * s <= slots and math.ceil(n_blocks / per_split) == s, (
+                        programs,
+                        n_blocks,
+                    )
+                else:
+                    assert s == rule
+
+
 def test_a_long_batch_is_sliced():
     """Two sequences or more and a cache longer than SLICED_MIN_KEYS: slices of at most SLICE_KEYS keys,
     or the paged rule's count if larger, contiguous or paged; one sequence or a short cache keeps the

@@ -7,48 +7,15 @@ for a GPU of 132 SMs unless the cache is split. FlashAttention-2's rule, written
   (programs / (SMs x waves), waves rounded up) is within 85 % of the best one, skipping a count that
   leaves the blocks per split unchanged from the count before it (more programs, same work each).
 FlashAttention-3 also never splits a cache of <= 4 key blocks; so do we.
-
-"The SMs" here are slots: SMs x the programs per SM that the kernel needs resident to keep enough loads in
-flight. A contiguous program streams its K/V rows with software pipelining and fills its SM alone (one
-slot per SM). A paged program must load a block-table entry before each K/V load, a dependent load the
-pipeline cannot run far ahead of, so it needs more programs per SM to cover that wait: the paged tiles
-ask for 4 slots per SM, and at batch 1 the paged path splits about 4x finer than the contiguous one;
-a paged grid that reads its block-table rows whole (`table_row_plan`) waits on no such load, and its
-tile (`ROW_TILES`) asks for 2 slots per SM.
-Measured on an H200 (bf16, d = 128, 32/8 heads, CUDA-graph replays): with the contiguous kernel's own
-tile and splits the paged kernel ran at 0.55-0.7x its speed; with these, 0.91-1.09x in the benchmark's
-cells except batch 1 at 8k tokens (0.84x: 64 splits of two blocks each).
-
-Every input is a shape (batch, heads, cache capacity), never a length's value: the choice, and so the
-grid, stays fixed for a batch shape, which CUDA-graph replay needs.
-
-A long batch. When the rule's programs already fill the SMs, a batch whose lengths differ is still
-unbalanced: each (sequence, kv head) is one program, and the longest sequence's programs stream alone long
-after the short ones have finished. Measured on an H200 (bf16, d = 128, 32/8 heads, 16 sequences of
-880-31280 keys, 1080 MB): 385 us with the rule's one split, 62 % of the read ceiling. Which lengths a step
-has cannot be read from the shapes, so a batch of two sequences or more whose cache is longer than
-SLICED_MIN_KEYS takes the *sliced* plan (`sliced`) whatever its lengths:
-- slices of at most SLICE_KEYS keys (`slice_splits`), or more if the rule for the paged tile's slots asks
-  for more, so that a long sequence is spread over many SMs;
-- the paged tile (`PAGED_TILES`: 64-key blocks, 4 programs per SM), contiguous cache or not: many short
-  programs share each SM, and one that starts late does not stream alone;
-- when its programs do not all fit in the slots at once (`one_wave`), the programs started longest
-  sequence first (`longest_first`): the GPU starts programs roughly in launch order, and in the grid's
-  own order some of the longest sequence's slices started when nearly everything else had finished (the
-  longest-processing-time rule of scheduling). A model of 132 SMs taking the programs in launch order
-  (notebook 09) puts the benchmark's ragged batch, in these slices, 8 % above a perfect balance in the
-  grid's order and within 1 % longest first. The sort delays every program's first load (measured: 1-4
-  us a step), and a grid of one wave starts all its programs at once anyway, so such a grid skips it.
-Measured on an H200 (bf16, d = 128, 32/8 heads, CUDA-graph replays, us), the contiguous kernel before
-(8 slices of at most 4096 keys with the usual tile, used only when the lengths it loaded were uneven,
-longest first) and with this plan: ragged B = 16 of 880-31280 keys 264.6 -> 259.6; B = 32 of 64-32k
-716 -> 540; B = 64 of 64-32k 1036 -> 900; even B = 16 at 32k 499 -> 494; even B = 64 at 16k 966 -> 975.
-The longest-first order alone (paged, grid order -> longest first): ragged B = 16 296 -> 269, B = 32 of
-64-32k 590 -> 563; an even batch pays for the sort (B = 16 at 32k 490 -> 498).
-Small batches (2-8 sequences of 8k-16k keys), the rule against this plan (contiguous / paged): ragged
-batches 5-18 % faster (B = 8 of 64-8k: 41.7 -> 36.0 / 41.5 -> 38.7; B = 4 of 64-16k: 50.1 -> 43.8 /
-51.5 -> 49.0), even ones within -1 % to +4 % (B = 8 at 8k 70.1 -> 69.6 / 73.0 -> 71.0; B = 4 at 16k
-69.9 -> 70.6 / 74.5 -> 72.4; B = 8 at 16k, longest first before, 132.0 -> 127.2 / 136.2 -> 130.2).
+Then one step of our own (`fill_wave`): when the rule's grid fits in one wave of the slots, the launch
+takes as many splits as still fit in that wave (never a count whose last splits would be empty). The
+rule stops at the first count within 85 % of the best, leaving slots idle: at batch 1 with 8 kv heads,
+15 splits use 120 of 132 SMs. One wave of more, shorter programs ends sooner. Measured on an H200
+(bf16, d = 128, 32/8 heads, CUDA-graph replays, one process, best of four, us, the rule's count ->
+filled; contiguous, then paged in pages of 16): batch 1 at 16k 25.4 -> 24.6 (15 -> 16 splits), 26.5 ->
+26.3 (29 -> 32); 32k 40.1 -> 39.4, 41.8 -> 41.0; 64k 69.2 -> 69.2, 72.8 -> 70.6; 128k 127.2 -> 127.2,
+136.2 -> 132.4 (57 -> 64); B = 2 at 4k 18.2 -> 17.3 (7 -> 8); B = 2 at 16k 41.1 -> 39.9 both; ragged
+B = 4 of 64-16k keys 52.8 -> 47.1; other cells (batch 1 at 1k and 8k, B = 2 and 8 at 8k) within 0.4 us.
 """
 
 from __future__ import annotations
@@ -205,15 +172,31 @@ def choose_num_splits(programs: int, n_key_blocks: int, num_sms: int, max_splits
     return 1
 
 
+def fill_wave(splits: int, programs: int, n_key_blocks: int, num_sms: int, max_splits: int = 128) -> int:
+    """The split count after `choose_num_splits`' `splits`: if its grid fits in one wave of `num_sms`
+    slots, the most splits that still fit there (at most max_splits and one key block each), counted as
+    the splits that get keys (blocks per split rounded up, so no split is left empty); otherwise (or if
+    that is fewer) `splits` unchanged."""
+    if splits < 1 or programs < 1 or programs * splits > num_sms:
+        return splits
+    most = min(max_splits, num_sms // programs, n_key_blocks)
+    if most <= splits:
+        return splits
+    per_split = math.ceil(n_key_blocks / most)
+    return max(splits, math.ceil(n_key_blocks / per_split))
+
+
 def num_splits_for(
     batch: int, kv_heads: int, m_tiles: int, capacity: int, head_dim: int, paged: bool = False
 ) -> int:
     """The split count `decode_attention` (paged=False) or `paged_decode_attention` (paged=True) uses for
     a batch shape: batch, kv heads, query tiles per (sequence, kv head), cache capacity in keys (Nmax, or
-    max_pages x page_size), head dim. The rule runs over SMs x the tile's programs per SM."""
+    max_pages x page_size), head dim. The rule, then `fill_wave`, over SMs x the tile's programs per SM."""
     programs = batch * kv_heads * m_tiles
     tile = tile_for(head_dim, paged, programs=programs, capacity=capacity)
-    return choose_num_splits(programs, math.ceil(capacity / tile.BLOCK_N), slots(tile))
+    n_key_blocks = math.ceil(capacity / tile.BLOCK_N)
+    rule = choose_num_splits(programs, n_key_blocks, slots(tile))
+    return fill_wave(rule, programs, n_key_blocks, slots(tile))
 
 
 def slots(tile: DecodeTile) -> int:
@@ -292,14 +275,17 @@ def split_grid(
 
 
 def _splits(batch, kv_heads, m_tiles, capacity, head_dim, paged, table_row=False) -> int:
-    """The rule's count for the launch's tile, and at least `slice_splits` for a sliced batch (whose
-    tile is the paged one, or the row tile for a paged launch that reads its table rows whole)."""
+    """The rule's count (then `fill_wave`) for the launch's tile, and at least `slice_splits` for a
+    sliced batch (whose tile is the paged one, or the row tile for a paged launch that reads its table
+    rows whole)."""
     programs = batch * kv_heads * m_tiles
     long_batch = sliced(batch, capacity)
     if not (long_batch or table_row):
         return num_splits_for(batch, kv_heads, m_tiles, capacity, head_dim, paged)
     tile = tile_for(head_dim, paged=True, table_row=table_row)
-    rule = choose_num_splits(programs, math.ceil(capacity / tile.BLOCK_N), slots(tile))
+    n_key_blocks = math.ceil(capacity / tile.BLOCK_N)
+    rule = choose_num_splits(programs, n_key_blocks, slots(tile))
+    rule = fill_wave(rule, programs, n_key_blocks, slots(tile))
     return max(rule, slice_splits(capacity)) if long_batch else rule
 
 
