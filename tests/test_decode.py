@@ -167,6 +167,26 @@ def test_fill_wave_takes_every_slot_of_one_wave_and_leaves_no_split_empty():
                     assert s == rule
 
 
+def test_a_grid_with_a_mostly_empty_last_wave_takes_the_paged_tile(monkeypatch):
+    """Contiguous, more than one wave of the contiguous tile, at most one of the paged tile, and a last
+    wave less than LAST_WAVE_MIN full: the paged tile (all programs at once); otherwise the usual one."""
+    monkeypatch.setattr(heuristics, "sm_count", lambda *a: 132)
+    usual, paged = heuristics.TILES[128], heuristics.PAGED_TILES[128]
+    for programs, expected in (
+        (120, usual),
+        (192, paged),
+        (256, usual),
+        (320, paged),
+        (384, usual),
+        (512, paged),
+    ):
+        assert heuristics.tile_for(128, programs=programs, capacity=4096) == expected, programs
+    assert heuristics.tile_for(128, programs=528, capacity=4096) == usual  # four full waves
+    assert heuristics.tile_for(128, programs=600, capacity=4096) == usual  # more than a paged wave
+    assert heuristics.tile_for(128, paged=True, programs=192, capacity=4096) == paged
+    assert heuristics.decode_plan(24, 8, 1, 4096, 128).tile == paged
+
+
 def test_a_long_batch_is_sliced():
     """Two sequences or more and a cache longer than SLICED_MIN_KEYS: slices of at most SLICE_KEYS keys,
     or the paged rule's count if larger, contiguous or paged; one sequence or a short cache keeps the
