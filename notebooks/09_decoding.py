@@ -339,6 +339,12 @@ assert choose_num_splits(64 * 8, 64, 132) == 1
 # blocks leave the 33rd empty, so 32). Measured on an H200, the filled count was as fast or faster in
 # every cell where it differs from the rule's (the figures are in the docstring of
 # `course_lib/decode/heuristics.py`); the recorded curve below marks both counts.
+#
+# The same arithmetic picks the tile when the programs are many and unsplit. Batch 64 with 8 kv heads is
+# 512 programs: 3.88 waves of the contiguous tile (one program per SM), so the fourth wave streams on 88 %
+# of the SMs after the others are done. On the paged kernel's tile (four programs per SM, 528 slots) the
+# same 512 programs are a single wave that starts at once. `heuristics.tile_for` takes that tile for a
+# contiguous grid of a few waves whose last wave is less than `LAST_WAVE_MIN` (90 %) full.
 
 # %%
 for batch, n_ctx in ((1, 1024), (1, 32768), (2, 4096), (8, 8192)):
@@ -348,6 +354,10 @@ for batch, n_ctx in ((1, 1024), (1, 32768), (2, 4096), (8, 8192)):
     print(f"batch {batch}, {n_ctx:>6} tokens: the rule {rule:>2} splits, filled {filled:>2} "
           f"({batch * 8 * filled} of 132 SMs)")  # fmt: skip
 assert heuristics.fill_wave(choose_num_splits(8, 256, 132), 8, 256, 132) == 16
+for programs in (192, 256, 512):
+    waves = programs / 132
+    last = waves - math.ceil(waves) + 1
+    print(f"{programs} programs: {waves:.2f} waves of the contiguous tile, the last {last:.0%} full")
 
 # %% [markdown]
 # The rule looks only at shapes, and a **ragged** batch breaks it. Sixteen sequences of 880 to 31 280 keys
