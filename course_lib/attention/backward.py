@@ -104,7 +104,11 @@ def _dkdv_block(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, ACC_DTYPE: tl.constexpr,
 ):  # fmt: skip
-    """Add one query block's share (rows start_m ... start_m + BLOCK_M - 1 of one head) to dK, dV."""
+    """Add one query block's share (rows start_m ... start_m + BLOCK_M - 1 of one head) to dK, dV.
+
+    The tiles are computed transposed, (BLOCK_N, BLOCK_M): S^T = K Q^T, so P^T and dS^T come out
+    ready for dV += P^T dO and dK += dS^T Q without moving a tile between layouts. Query rows past
+    N_Q load L = +inf, so their P is exactly 0 and they add nothing even in an unmasked stage."""
     start_m = tl.multiple_of(start_m, BLOCK_M)
     rows = start_m + offs_m
     # Q and dO blocks: HBM -> shared memory, 2 * BLOCK_M * d elements per step (coalesced rows).

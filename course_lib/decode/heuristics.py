@@ -16,6 +16,48 @@ filled; contiguous, then paged in pages of 16): batch 1 at 16k 25.4 -> 24.6 (15 
 26.3 (29 -> 32); 32k 40.1 -> 39.4, 41.8 -> 41.0; 64k 69.2 -> 69.2, 72.8 -> 70.6; 128k 127.2 -> 127.2,
 136.2 -> 132.4 (57 -> 64); B = 2 at 4k 18.2 -> 17.3 (7 -> 8); B = 2 at 16k 41.1 -> 39.9 both; ragged
 B = 4 of 64-16k keys 52.8 -> 47.1; other cells (batch 1 at 1k and 8k, B = 2 and 8 at 8k) within 0.4 us.
+
+"The SMs" here are slots: SMs x the programs per SM that the kernel needs resident to keep enough loads in
+flight. A contiguous program streams its K/V rows with software pipelining and fills its SM alone (one
+slot per SM). A paged program must load a block-table entry before each K/V load, a dependent load the
+pipeline cannot run far ahead of, so it needs more programs per SM to cover that wait: the paged tiles
+ask for 4 slots per SM, and at batch 1 the paged path splits about 4x finer than the contiguous one;
+a paged grid that reads its block-table rows whole (`table_row_plan`) waits on no such load, and its
+tile (`ROW_TILES`) asks for 2 slots per SM.
+Measured on an H200 (bf16, d = 128, 32/8 heads, CUDA-graph replays): with the contiguous kernel's own
+tile and splits the paged kernel ran at 0.55-0.7x its speed; with these, 0.91-1.09x in the benchmark's
+cells except batch 1 at 8k tokens (0.84x: 64 splits of two blocks each).
+
+Every input is a shape (batch, heads, cache capacity), never a length's value: the choice, and so the
+grid, stays fixed for a batch shape, which CUDA-graph replay needs.
+
+A long batch. When the rule's programs already fill the SMs, a batch whose lengths differ is still
+unbalanced: each (sequence, kv head) is one program, and the longest sequence's programs stream alone long
+after the short ones have finished. Measured on an H200 (bf16, d = 128, 32/8 heads, 16 sequences of
+880-31280 keys, 1080 MB): 385 us with the rule's one split, 62 % of the read ceiling. Which lengths a step
+has cannot be read from the shapes, so a batch of two sequences or more whose cache is longer than
+SLICED_MIN_KEYS takes the *sliced* plan (`sliced`) whatever its lengths:
+- slices of at most SLICE_KEYS keys (`slice_splits`), or more if the rule for the paged tile's slots asks
+  for more, so that a long sequence is spread over many SMs;
+- the paged tile (`PAGED_TILES`: 64-key blocks, 4 programs per SM), contiguous cache or not: many short
+  programs share each SM, and one that starts late does not stream alone;
+- when its programs do not all fit in the slots at once (`one_wave`), the programs started longest
+  sequence first (`longest_first`): the GPU starts programs roughly in launch order, and in the grid's
+  own order some of the longest sequence's slices started when nearly everything else had finished (the
+  longest-processing-time rule of scheduling). A model of 132 SMs taking the programs in launch order
+  (notebook 09) puts the benchmark's ragged batch, in these slices, 8 % above a perfect balance in the
+  grid's order and within 1 % longest first. The sort delays every program's first load (measured: 1-4
+  us a step), and a grid of one wave starts all its programs at once anyway, so such a grid skips it.
+Measured on an H200 (bf16, d = 128, 32/8 heads, CUDA-graph replays, us), the contiguous kernel before
+(8 slices of at most 4096 keys with the usual tile, used only when the lengths it loaded were uneven,
+longest first) and with this plan: ragged B = 16 of 880-31280 keys 264.6 -> 259.6; B = 32 of 64-32k
+716 -> 540; B = 64 of 64-32k 1036 -> 900; even B = 16 at 32k 499 -> 494; even B = 64 at 16k 966 -> 975.
+The longest-first order alone (paged, grid order -> longest first): ragged B = 16 296 -> 269, B = 32 of
+64-32k 590 -> 563; an even batch pays for the sort (B = 16 at 32k 490 -> 498).
+Small batches (2-8 sequences of 8k-16k keys), the rule against this plan (contiguous / paged): ragged
+batches 5-18 % faster (B = 8 of 64-8k: 41.7 -> 36.0 / 41.5 -> 38.7; B = 4 of 64-16k: 50.1 -> 43.8 /
+51.5 -> 49.0), even ones within -1 % to +4 % (B = 8 at 8k 70.1 -> 69.6 / 73.0 -> 71.0; B = 4 at 16k
+69.9 -> 70.6 / 74.5 -> 72.4; B = 8 at 16k, longest first before, 132.0 -> 127.2 / 136.2 -> 130.2).
 """
 
 from __future__ import annotations
