@@ -358,6 +358,11 @@ for programs in (192, 256, 512):
     waves = programs / 132
     last = waves - math.ceil(waves) + 1
     print(f"{programs} programs: {waves:.2f} waves of the contiguous tile, the last {last:.0%} full")
+# course_lib's choice on this device: 1.5 waves (the last half full) -> the paged tile; 2 full waves -> not
+sms = sm_count()
+for programs, paged_tile in ((sms * 3 // 2, True), (2 * sms, False)):
+    chosen = tile_for(128, programs=programs, capacity=4096)
+    assert (chosen.programs_per_sm == heuristics.PAGED_TILES[128].programs_per_sm) == paged_tile, programs
 
 # %% [markdown]
 # The rule looks only at shapes, and a **ragged** batch breaks it. Sixteen sequences of 880 to 31 280 keys

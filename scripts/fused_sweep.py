@@ -24,7 +24,6 @@ from course_lib.bench.fused import (
     HQ,
     compiled_for_shape,
     eager_rope,
-    graph_ms,
     llama_rms_norm,
     rms_norm_bytes,
     rope_bytes,
@@ -32,6 +31,7 @@ from course_lib.bench.fused import (
 from course_lib.fused.rms_norm import rms_norm_backward, rms_norm_forward
 from course_lib.fused.rope import rope_cache, rotate
 from course_lib.perf.ceilings import measure_copy_bandwidth, measure_copy_time
+from course_lib.perf.timing import graph_ms
 from course_lib.runtime import triton
 
 

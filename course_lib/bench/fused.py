@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from .. import records, runtime
 from ..fused import rms_norm, rope, rope_cache
 from ..perf.ceilings import measure_copy_bandwidth, measure_copy_time
-from ..perf.timing import benchmark, describe, free_memory, graphed
+from ..perf.timing import benchmark, describe, free_memory, graph_ms
 from .plots import save_figure
 from .report import record_and_report
 
@@ -83,18 +83,6 @@ def compiled_for_shape(fn):
     """A fresh `torch.compile` of fn for one shape (dynamo's caches reset, so no recompile limit bites)."""
     torch._dynamo.reset()
     return torch.compile(fn, dynamic=False)
-
-
-def graph_ms(call) -> float | None:
-    """Median ms of a CUDA-graph replay of `call` (None off the GPU); the graph is freed afterwards."""
-    replay = graphed(call)
-    if replay is None:
-        return None
-    try:
-        return benchmark(replay)
-    finally:
-        del replay
-        free_memory()
 
 
 def _figures(plain_ms: float, graph_ms: float | None, nbytes: int, copy_gbps: float) -> dict:

@@ -255,7 +255,12 @@ def num_splits_for(
     a batch shape: batch, kv heads, query tiles per (sequence, kv head), cache capacity in keys (Nmax, or
     max_pages x page_size), head dim. The rule, then `fill_wave`, over SMs x the tile's programs per SM."""
     programs = batch * kv_heads * m_tiles
-    tile = tile_for(head_dim, paged, programs=programs, capacity=capacity)
+    return _rule_splits(programs, capacity, tile_for(head_dim, paged, programs=programs, capacity=capacity))
+
+
+def _rule_splits(programs: int, capacity: int, tile: DecodeTile) -> int:
+    """`choose_num_splits`, then `fill_wave`, for `programs` unsplit programs of `tile` over a cache of
+    `capacity` keys."""
     n_key_blocks = math.ceil(capacity / tile.BLOCK_N)
     rule = choose_num_splits(programs, n_key_blocks, slots(tile))
     return fill_wave(rule, programs, n_key_blocks, slots(tile))
@@ -344,10 +349,7 @@ def _splits(batch, kv_heads, m_tiles, capacity, head_dim, paged, table_row=False
     long_batch = sliced(batch, capacity)
     if not (long_batch or table_row):
         return num_splits_for(batch, kv_heads, m_tiles, capacity, head_dim, paged)
-    tile = tile_for(head_dim, paged=True, table_row=table_row)
-    n_key_blocks = math.ceil(capacity / tile.BLOCK_N)
-    rule = choose_num_splits(programs, n_key_blocks, slots(tile))
-    rule = fill_wave(rule, programs, n_key_blocks, slots(tile))
+    rule = _rule_splits(programs, capacity, tile_for(head_dim, paged=True, table_row=table_row))
     return max(rule, slice_splits(capacity)) if long_batch else rule
 
 

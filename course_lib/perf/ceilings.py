@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from .. import runtime
 from ..runtime import tl, triton
 from .roofline import matmul_cost, operation_costs
-from .timing import benchmark, free_memory
+from .timing import benchmark, free_memory, graph_ms
 
 # Elements each program of the read kernel sums. On a GPU, 8192 fp32 elements over 8 warps are 32 per
 # thread: eight 16-byte loads in flight per thread, enough to keep HBM busy.
@@ -37,16 +37,10 @@ def _check_dtype(dtype) -> None:
 
 
 def _replay_ms(fn) -> float:
-    """Median ms of `fn` as a CUDA-graph replay on a GPU (the way the benchmarks time the kernels a
-    ceiling is compared with: no launch cost), of plain calls on the CPU. The graph is freed after."""
-    from .timing import graphed
-
-    replay = graphed(fn)
-    try:
-        return benchmark(replay or fn)
-    finally:
-        del replay
-        free_memory()
+    """Median ms of `fn` as a CUDA-graph replay on a GPU (`timing.graph_ms`: the way the benchmarks time
+    the kernels a ceiling is compared with, no launch cost), of plain calls on the CPU."""
+    ms = graph_ms(fn)
+    return benchmark(fn) if ms is None else ms
 
 
 def _copy_fn(src: torch.Tensor, dst: torch.Tensor):

@@ -109,6 +109,19 @@ def graphed(fn):
     return graph.replay
 
 
+def graph_ms(fn) -> float | None:
+    """Median ms (`benchmark`) of a CUDA-graph replay of `fn` (`graphed`), None off the GPU; the graph
+    and its memory are freed afterwards."""
+    replay = graphed(fn)
+    if replay is None:
+        return None
+    try:
+        return benchmark(replay)
+    finally:
+        del replay
+        free_memory()
+
+
 def peak_memory(fn) -> int | None:
     """Peak bytes allocated on the GPU while `fn()` runs, above what was allocated before;
     None on the CPU (PyTorch does not track CPU allocations)."""
