@@ -11,6 +11,12 @@ a group (`attention.backward.dkdv_heads_per_program`, `dkdv_block_major`): one q
 plus fp32 partial sums; two heads per program on chip plus partials of the pairs, head-major and
 block-major; the whole group on chip, head-major and block-major; and the same backward on repeated K/V.
 --modes-only skips the forward + backward comparison.
+
+--tune: for every cell whose dK/dV programs sum several query heads on chip, time the backward alone
+with each of the dK/dV kernel's candidates (`configs.DKDV.candidates`; three interleaved passes, best
+time) and record the fastest as this GPU's choice for that grouped-query shape class
+(`launch.record_choice`, course_lib/attention/tuned/<gpu>.json); the forward + backward comparison then
+runs with the recorded choices.
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ import torch
 
 import course_lib
 from course_lib.attention import backward as attention_backward
+from course_lib.attention import launch as attention_launch
+from course_lib.attention.configs import DKDV
 from course_lib.attention.forward import forward as attention_forward
 from course_lib.bench import summarise
 from course_lib.bench.shapes import standard_cells
@@ -87,13 +95,47 @@ def backward_modes(group: int) -> None:
         )
 
 
+def tune(group: int, passes: int = 3) -> None:
+    """Record the fastest dK/dV launch of each grouped-query shape class of the grid (module docstring)."""
+    for cell in standard_cells():
+        B, H, N, d, causal = cell["B"], cell["H"], cell["N"], cell["d"], cell["causal"]
+        on_chip = attention_backward.dkdv_heads_per_program(group, causal, N, d)
+        if on_chip == 1:  # one query head per program: the multi-head kernel's own choice
+            continue
+        q = torch.randn(B, H, N, d, device="cuda", dtype=torch.bfloat16)
+        k, v = (torch.randn(B, H // group, N, d, device="cuda", dtype=torch.bfloat16) for _ in "kv")
+        do = torch.randn_like(q)
+        o, lse = attention_forward(q, k, v, causal=causal)
+        run = partial(attention_backward.backward, do, q, k, v, o, lse, causal)
+        shape = (attention_launch.n_bucket(N), d, causal, q.dtype, False, on_chip)
+        best: dict = {}
+        for _ in range(passes):
+            for config in DKDV.candidates:
+                with attention_launch.trying(DKDV, shape, config):
+                    try:
+                        ms = benchmark(run, warmup_ms=10, rep_ms=60)
+                    except Exception:  # a launch this GPU cannot run (shared memory): not a candidate
+                        continue
+                best[config] = min(ms, best.get(config, float("inf")))
+        fastest = min(best, key=best.get)
+        attention_launch.record_choice(DKDV.name, attention_launch.shape_key(shape), fastest)
+        ranked = sorted(best, key=best.get)[:3]
+        print(
+            f"d={d} causal={causal!s:5} N={N:5}: recorded {fastest.as_list()}; "
+            + ", ".join(f"{c.as_list()} {best[c] * 1e3:.0f} us" for c in ranked)
+        )
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None)
     parser.add_argument("--group", type=int, default=4, help="query heads per K/V head")
     parser.add_argument("--backward-modes", action="store_true", help="also compare the group-summing modes")
     parser.add_argument("--modes-only", action="store_true", help="only the group-summing modes")
+    parser.add_argument("--tune", action="store_true", help="record the fastest grouped dK/dV launches first")
     args = parser.parse_args()
+    if args.tune:
+        tune(args.group)
     if args.modes_only:
         backward_modes(args.group)
         return 0

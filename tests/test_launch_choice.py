@@ -62,6 +62,19 @@ def test_own_record_beats_group_one_and_rule_is_last(record):
     assert launch.chosen(configs.DQ, other) == _rule(configs.DQ, other)
 
 
+def test_trying_a_candidate_then_restoring(record):
+    """`launch.trying` (a sweep's candidate) holds for its block only: before it, and after it, the
+    process launches what it chose (or would choose) without it."""
+    shape = (4096, 128, True, torch.bfloat16, False, 1)
+    candidate = Launch(64, 64, 4, 3)
+    with launch.trying(configs.DKDV, shape, candidate):
+        assert launch.chosen(configs.DKDV, shape) == candidate
+    assert launch.chosen(configs.DKDV, shape) == Launch(32, 128, 4, 2), "the record again"
+    with launch.trying(configs.DKDV, shape, candidate):
+        assert launch.chosen(configs.DKDV, shape) == candidate
+    assert launch.chosen(configs.DKDV, shape) == Launch(32, 128, 4, 2), "the process's own choice again"
+
+
 def test_h200_record_keys():
     """Every recorded key names a shape class of today's kernels: (bucket, d, causal, dtype) and, for
     dK/dV, (atomic, group); every choice is a well-formed launch."""

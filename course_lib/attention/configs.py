@@ -103,7 +103,8 @@ FORWARD = KernelConfigs(
 # the transposed tiles small. 32 x 128 / 4 warps wins d = 64; 64 x 128 / 8 warps wins d = 128 at long
 # sequences; 64 x 64 / 4 warps wins causal at short ones. 32 x 64 / 4 warps / 2 stages wins causal
 # grouped-query programs that sum 4 query heads on chip at d = 128 (H200, N = 1k-4k: 5-9 % faster than
-# the multi-head choice; notes/performance.md).
+# the multi-head choice; notes/performance.md), and 64 x 64 / 4 warps / 3 stages the causal ones at d = 64
+# once they walk the group's heads in one loop (`scripts/gqa_speed.py --tune` records them).
 DKDV = KernelConfigs(
     name="dkdv",
     candidates=(
@@ -114,6 +115,7 @@ DKDV = KernelConfigs(
         L(64, 64, 4, 2),
         L(32, 128, 8, 3),
         L(32, 64, 4, 2),
+        L(64, 64, 4, 3),
     ),
     cpu=L(32, 32, 4, 1),
     fixed=L(64, 64, 4, 2),

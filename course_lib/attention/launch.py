@@ -142,6 +142,23 @@ def chosen(table: KernelConfigs, shape: tuple) -> Launch | None:
     return config
 
 
+@contextlib.contextmanager
+def trying(table: KernelConfigs, shape: tuple, config: Launch):
+    """Within the block, this process launches `config` for the shape class (a sweep timing its
+    candidates, e.g. `scripts/gqa_speed.py --tune`); afterwards, what it chose before."""
+    name = (table.name, shape)
+    before = _CHOSEN.get(name)
+    _CHOSEN[name] = config
+    _SEEN.add(name)  # nothing to compile ahead: the launch compiles it
+    try:
+        yield
+    finally:
+        if before is None:
+            _CHOSEN.pop(name, None)
+        else:
+            _CHOSEN[name] = before
+
+
 def shape_key(shape: tuple) -> str:
     """A shape class as the text key of the GPU's record: "4096/128/True/bfloat16" (dK/dV kernel:
     "4096/128/True/bfloat16/False/1", atomic dQ and group size appended)."""
