@@ -103,8 +103,9 @@ FORWARD = KernelConfigs(
 # the transposed tiles small. 32 x 128 / 4 warps wins d = 64; 64 x 128 / 8 warps wins d = 128 at long
 # sequences; 64 x 64 / 4 warps wins causal at short ones. 32 x 64 / 4 warps / 2 stages wins causal
 # grouped-query programs that sum 4 query heads on chip at d = 128 (H200, N = 1k-4k: 5-9 % faster than
-# the multi-head choice; notes/performance.md), and 64 x 64 / 4 warps / 3 stages the causal ones at d = 64
-# once they walk the group's heads in one loop (`scripts/gqa_speed.py --tune` records them).
+# the multi-head choice; notes/performance.md); 64 x 64 / 4 warps / 3 stages won two grouped cells at
+# d = 64 (causal 1k, non-causal 4k) once causal programs walk the group's heads in one loop
+# (`scripts/gqa_speed.py --tune` records the grouped choices).
 DKDV = KernelConfigs(
     name="dkdv",
     candidates=(
