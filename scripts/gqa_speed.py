@@ -26,6 +26,7 @@ import json
 from functools import partial
 
 import torch
+from triton.runtime.errors import OutOfResources
 
 import course_lib
 from course_lib.attention import backward as attention_backward
@@ -107,14 +108,14 @@ def tune(group: int, passes: int = 3) -> None:
         do = torch.randn_like(q)
         o, lse = attention_forward(q, k, v, causal=causal)
         run = partial(attention_backward.backward, do, q, k, v, o, lse, causal)
-        shape = (attention_launch.n_bucket(N), d, causal, q.dtype, False, on_chip)
+        shape = attention_backward.dkdv_shape_class(N, N, d, causal, q.dtype, False, on_chip)
         best: dict = {}
         for _ in range(passes):
             for config in DKDV.candidates:
                 with attention_launch.trying(DKDV, shape, config):
                     try:
                         ms = benchmark(run, warmup_ms=10, rep_ms=60)
-                    except Exception:  # a launch this GPU cannot run (shared memory): not a candidate
+                    except OutOfResources:  # a launch this GPU cannot run (shared memory): not a candidate
                         continue
                 best[config] = min(ms, best.get(config, float("inf")))
         fastest = min(best, key=best.get)

@@ -475,6 +475,14 @@ def dkdv_heads_per_program(group: int, causal: bool, n_k: int, head_dim: int) ->
     return group
 
 
+def dkdv_shape_class(
+    n_q: int, n_k: int, head_dim: int, causal: bool, dtype, atomic: bool, on_chip: int
+) -> tuple:
+    """The dK/dV kernel's shape class (`launch.chosen`): what its launch choice depends on, the query
+    heads a program sums on chip (`dkdv_heads_per_program`) included."""
+    return (n_bucket(max(n_q, n_k)), head_dim, causal, dtype, atomic, on_chip)
+
+
 def dkdv_one_loop(on_chip: int, causal: bool) -> bool:
     """Whether a dK/dV program that sums several query heads on chip walks them in one loop
     (`_dkdv_inner`'s ONE_LOOP): causal programs, whose per-head loops are short (a program's two
@@ -558,7 +566,7 @@ def _backward(do, q, k, v, o, L, alignment, scale, launch_cfg, switches, dq_mode
         ONE_LOOP=dkdv_one_loop(on_chip, causal),
     )
     kv_grid = lambda c: (triton.cdiv(n_k, c.block_n) * B * (H // on_chip),)
-    kv_shape = shape + (atomic, on_chip)
+    kv_shape = dkdv_shape_class(n_q, n_k, d, causal, q.dtype, atomic, on_chip)
     kv_tuner = _dkdv_atomic_tuned if atomic else _dkdv_tuned
 
     with cuda_device(q):
