@@ -93,7 +93,7 @@ def report() -> list[tuple[str, str]]:
                 f"allow_tf32={torch.backends.cuda.matmul.allow_tf32}, "
                 f"float32_matmul_precision={torch.get_float32_matmul_precision()!r}",
             ),
-            ("Hopper forward", _hopper_forward(p.major)),
+            ("Hopper kernels", _hopper_forward(p.major)),
         ]
     else:
         rows.append(("GPU", "none — CPU, Triton interpreter; GPU figures in the notebooks are recorded runs"))
@@ -101,14 +101,14 @@ def report() -> list[tuple[str, str]]:
 
 
 def _hopper_forward(major: int) -> str:
-    """Whether `flash_attention`'s forward can use the warp-specialised Gluon kernel here."""
+    """Whether `flash_attention` can use the warp-specialised Gluon kernels (forward, dK/dV) here."""
     if major != 9:
         return "no (not a Hopper GPU): the Triton kernel everywhere"
     from .attention import forward
 
     if forward.hopper_kernels() is None:
         return "no (this Triton has no Gluon): the Triton kernel everywhere"
-    return "yes: the warp-specialised Gluon kernel where faster (notebook 08)"
+    return "yes: the warp-specialised Gluon forward and dK/dV kernels where faster (notebook 08)"
 
 
 def smoke_test() -> str:

@@ -31,6 +31,8 @@
 #    registers, and which variant runs for which shape.
 # 4. Compare the Gluon kernel with the Triton kernel from the recorded H200 run (measured live on a
 #    Hopper GPU), and explain where one wins.
+# 5. Count the registers a dK/dV program needs in two layouts, and explain why FlashAttention-3's
+#    backward routes P and dS through shared memory.
 
 # %% [markdown]
 # ## 0. Sizes
@@ -47,7 +49,7 @@ import torch.nn.functional as F
 
 import course_lib
 from course_lib import records
-from course_lib.attention import forward, hopper
+from course_lib.attention import backward, forward, hopper, hopper_backward
 from course_lib.exercises import check, predict
 from course_lib.perf import timing
 from course_lib.perf.plotting import bar_chart
@@ -431,6 +433,144 @@ if got is not None:
 # fastest kernel differs from `choose`'s pick by more than a few percent is worth a second run: between runs,
 # clocks and temperature move figures by a few percent.
 #
+# ## 5. The backward: dK and dV without spilling
+#
+# Notebook 07's dK/dV kernel gives each program a block of 128 keys and keeps their dK and dV (fp32) in
+# registers while it streams the query blocks past them. It computes the *transposed* tiles Sᵀ = K Qᵀ
+# and dPᵀ = V dOᵀ (128 keys x 64 queries), so that Pᵀ and dSᵀ come out ready to be the left operand of
+# dV += Pᵀ dO and dK += dSᵀ Q. Count what one thread of its 8 warps must hold at once, at d = 128:
+#
+# - the accumulators: 2 x 128 x 128 fp32 values over 256 threads, 128 registers;
+# - the two score tiles Sᵀ and dPᵀ: 2 x 128 x 64 / 256 = 64;
+# - L and D, one value per *query*, and the queries are the tiles' columns. A `wgmma` result gives each
+#   thread 2 rows but a quarter of the columns, so each thread needs 16 values of L and 16 of D: 32;
+# - Pᵀ and dSᵀ converted to 16 bits to feed the next products from registers: 2 x 128 x 64 / 256 / 2
+#   (two 16-bit values per register) = 32.
+#
+# That is 256, one more than a thread may have (255), before a single address or loop counter: the
+# compiler spills to local memory (an H200's hardware counters show millions of spill requests per
+# backward, `notes/performance.md`). FlashAttention-3's backward (`course_lib/attention/hopper_backward.py`) keeps
+# the same 128 keys per program but arranges the work differently:
+#
+# - two consumer warpgroups each own 64 of the keys, so each thread holds the same 128 accumulator
+#   registers, but with `setmaxnreg` the consumers get 240 each while the producer warp (TMA copies of Q
+#   and dO into a ring of stages, as in the forward) gets 24;
+# - the tiles are computed untransposed, S = Q Kᵀ (64 queries x 64 keys): L and D are now per *row*,
+#   two values each per thread;
+# - P and dS go to shared memory in 16 bits, and the tensor cores read them back transposed for
+#   dV += Pᵀ dO and dK += dSᵀ Q (a `wgmma` reads a 16-bit shared-memory tile in either orientation).
+
+# %% [markdown]
+# **Exercise 7 — registers of a dK/dV program.** Write `dkdv_registers(keys, d, q_rows, threads,
+# transposed, operands_in_registers)`: the registers per thread for the accumulators, the two score
+# tiles, L and D, and (if `operands_in_registers`) the two 16-bit operand tiles, for `keys` keys of head
+# dim d shared by `threads` threads and query blocks of `q_rows` rows, counted as above.
+
+
+# %%
+def dkdv_registers(keys: int, d: int, q_rows: int, threads: int, transposed: bool, operands_in_registers: bool) -> int:
+    ### BEGIN SOLUTION
+    accumulators = 2 * keys * d // threads
+    tiles = 2 * keys * q_rows // threads
+    l_and_d = 2 * (q_rows // 4 if transposed else 2)
+    operands = tiles // 2 if operands_in_registers else 0
+    return accumulators + tiles + l_and_d + operands
+    ### END SOLUTION
+
+
+# %% tags=["check"]
+check(
+    "registers per thread of a dK/dV program",
+    lambda: [
+        dkdv_registers(128, 128, 64, 256, transposed=True, operands_in_registers=True),  # Triton, d = 128
+        dkdv_registers(64, 128, 64, 128, transposed=False, operands_in_registers=False),  # Gluon, d = 128
+        dkdv_registers(128, 64, 64, 256, transposed=True, operands_in_registers=True),  # Triton, d = 64
+        dkdv_registers(64, 64, 64, 128, transposed=False, operands_in_registers=False),  # Gluon, d = 64
+    ],
+    [256, 196, 192, 132],
+    hints=[
+        "Four terms: 2 * keys * d / threads accumulator values; 2 * keys * q_rows / threads score values; "
+        "L and D, 2 * (q_rows / 4) values if the queries are columns (transposed), else 2 * 2; and, in "
+        "registers, half the score count again (16-bit operands, two per register).",
+        "accumulators = 2*keys*d//threads; tiles = 2*keys*q_rows//threads; "
+        "l_and_d = 2*(q_rows//4 if transposed else 2); operands = tiles//2 if operands_in_registers else 0",
+    ],
+)
+
+# %% [markdown]
+# At d = 64 the Triton layout fits (192), and there the small products (K = 64) favour Triton: course_lib
+# runs the Gluon dK/dV kernel where `hopper_backward.choose` measured it faster (d = 128 except short causal
+# rows; d = 64 only on long causal rows with grouped K/V heads), with the Triton dQ kernel before it.
+# Its shared memory, at d = 128: the ring of Q and dO blocks, the K and V block, and a P and a dS tile per
+# consumer:
+
+# %%
+stages = hopper_backward.STAGES[128]
+smem_bwd = (stages * 2 * 64 * 128 + 2 * 128 * 128 + 2 * 2 * 64 * 64) * 2
+print(f"dK/dV program at d = 128: {smem_bwd // 1024} KB of shared memory ({stages} stages); "
+      f"one program per SM ({SMEM_PER_PROGRAM // 1024} KB available)")  # fmt: skip
+assert smem_bwd <= SMEM_PER_PROGRAM
+
+# %% [markdown]
+# On a Hopper GPU the next cell times the backward alone (the dQ kernel and the dK/dV kernel) with the
+# Triton dK/dV kernel (`config={"hopper": False}`) and with the one `hopper_backward.choose` picks, at the
+# cells of section 0, causal and not, and records them (`hopper_backward`); elsewhere it shows the newest
+# record.
+
+
+# %%
+def measure_hopper_backward() -> dict:
+    """Backward-alone time (dQ + dK/dV), bf16, per cell: with the Triton dK/dV kernel, and with the one
+    `hopper_backward.choose` picks (the Gluon kernel where it measured faster)."""
+    results = []
+    for d_head, n in CELLS:
+        b, h = 16384 // n, 2048 // d_head
+        for causal in (False, True):
+            q, k, v, do = (torch.randn(b, h, n, d_head, device=DEVICE, dtype=torch.bfloat16) for _ in range(4))
+            o, lse = forward.forward(q, k, v, causal)
+            chosen = "Gluon" if hopper_backward.choose(d_head, causal, n, n, 1) else "Triton"
+            grads = {}
+            for name, config in (("Triton dK/dV", {"hopper": False}), ("as chosen", None)):
+                fn = lambda config=config: backward.backward(do, q, k, v, o, lse, causal, config=config)
+                grads[name] = fn()
+                ms = timing.benchmark(fn, warmup_ms=10, rep_ms=50)
+                results.append({"d": d_head, "N": n, "causal": causal, "kernel": name, "ms": ms, "chosen": chosen})
+            for g_triton, g_chosen in zip(grads["Triton dK/dV"], grads["as chosen"]):
+                assert (g_triton - g_chosen).abs().max().item() < 5e-2, f"d={d_head}, N={n}: gradients differ"
+    return {"dtype": "bfloat16", "results": results}
+
+
+def show_hopper_backward(data: dict, source: str) -> None:
+    """Per cell: the backward's time with the Triton dK/dV kernel and with the chosen one, and the ratio."""
+    rows = {(r["d"], r["N"], r["causal"], r["kernel"]): r for r in data["results"]}
+    print(f"backward alone (dQ + dK/dV), bf16 — {source}")
+    for d_head, n, causal in sorted({key[:3] for key in rows}):
+        tri, cho = rows[(d_head, n, causal, "Triton dK/dV")], rows[(d_head, n, causal, "as chosen")]
+        kind = "causal    " if causal else "non-causal"
+        print(f"d = {d_head:3}, N = {n:5}, {kind}: Triton dK/dV {tri['ms']:6.3f} ms; "
+              f"{cho['chosen']} dK/dV (chosen) {cho['ms']:6.3f} ms: {tri['ms'] / cho['ms']:.2f}x")  # fmt: skip
+
+
+missing_bwd = (
+    "No recorded `hopper_backward` run in assets/benchmarks/ yet. On a Hopper GPU this cell measures it: the "
+    "backward's time per cell with the Triton dK/dV kernel and with the one `hopper_backward.choose` picks."
+)
+if HOPPER_GPU:
+    got_bwd = records.measured_or_recorded("hopper_backward", measure_hopper_backward, missing=missing_bwd)
+else:
+    rec_bwd = records.load_record("hopper_backward")
+    got_bwd = None if rec_bwd is None else (rec_bwd["data"], records.label(rec_bwd))
+    if rec_bwd is None:
+        print(missing_bwd)
+if got_bwd is not None:
+    show_hopper_backward(*got_bwd)
+
+# %% [markdown]
+# The gain is largest at d = 128 and long rows, where the Triton kernel spills most and the dK/dV kernel is
+# most of the backward; at d = 64 the Triton kernel does not spill, and `choose` leaves most cells to it.
+# What remains is the dQ kernel (Triton, a third to a half of the backward), which FlashAttention-3 folds
+# into the same program with atomic additions.
+#
 # ## Summary
 # - In the Triton forward every warp loads, multiplies and exponentiates in turn, so the tensor cores idle
 #   during each softmax: from the units' throughputs, S / M = 64 / d of a step's products (a third of a
@@ -445,6 +585,10 @@ if got is not None:
 #   balanced schedule: round-robin over causal tiles can leave one program with far more than its share.
 # - course_lib runs the Gluon kernel where `hopper.choose` says it measured faster (d = 128 except short
 #   causal rows; d = 64 on long rows) and the Triton kernel elsewhere.
+# - The Triton dK/dV kernel needs about 256 registers per thread at d = 128 (transposed tiles, L and D per
+#   column, 16-bit operands in registers) and spills; FlashAttention-3's layout (untransposed tiles, P and
+#   dS through shared memory, 240 registers for each consumer) needs about 196, and runs the backward
+#   faster there.
 #
 # ## Exercises
 # 4. On a Hopper GPU, time `hopper.forward` with each of `hopper.VARIANTS` at d = 128, causal, N = 2k and

@@ -7,6 +7,8 @@
 - `forward`, `backward`: the Triton FlashAttention-2 kernels with their launch exposed (06, 07).
 - `hopper`: FlashAttention-3's warp-specialised forward in Gluon, which `forward.forward` runs on
   Hopper GPUs where it is faster (imported on first use there; 08).
+- `hopper_backward`: FlashAttention-3's dK/dV kernel in Gluon, which `backward.backward` runs on
+  Hopper GPUs where it is faster (08).
 - `api`: `flash_attention(q, k, v, causal=...)` and the autograd Function `FlashAttentionTriton`.
 - `op`: the kernels as PyTorch custom operators, so `torch.compile` keeps them whole (08b).
 - `blocks`: which K/V blocks a query block visits (causal alignment, splits) and its Python twin.

@@ -41,6 +41,7 @@ from ..checks import accumulator_dtype, causal_alignment, causal_offset, default
 from ..runtime import tl, triton
 from .blocks import LOG2E, kv_block_range, load_rows, program_block, q_block_range, row_mask
 from .configs import DKDV, DQ, PREPROCESS_BLOCK_M, split_config, teaching_hooks
+from .forward import hopper_kernels, run_gluon
 from .inputs import as_4d, check_inputs, kernel_flags, strides4
 from .launch import compile_ahead, cuda_device, launch, make_tuner, n_bucket
 
@@ -502,6 +503,23 @@ def dkdv_block_major(on_chip: int, causal: bool) -> bool:
     return causal and on_chip > 1
 
 
+_HOPPER_FAILED: list[str] = []  # why the Gluon dK/dV kernel could not be used in this process, if it failed
+
+
+def _hopper_dkdv(q4, k4, v4, do4, causal: bool, n_q: int, n_k: int, switches: dict):
+    """The `hopper_backward` module if its warp-specialised dK/dV kernel should run here (hopper switch
+    on, a GPU run with Gluon, a Hopper GPU, contiguous 16-bit inputs, a shape where
+    `hopper_backward.choose` found it faster than the Triton kernel), else None."""
+    if not switches["HOPPER"] or _HOPPER_FAILED or hopper_kernels() is None:
+        return None
+    from . import hopper_backward
+
+    if not hopper_backward.supports(q4, k4, v4, do4):
+        return None
+    chosen = hopper_backward.choose(q4.shape[-1], causal, n_q, n_k, kv_group(q4, k4))
+    return hopper_backward if chosen else None
+
+
 def _backward(do, q, k, v, o, L, alignment, scale, launch_cfg, switches, dq_mode, compile_only=False):
     """Launch the kernels on validated inputs (no checks here): dQ (with D) then dK/dV, or, atomic,
     the preprocessing then dK/dV with dQ.
@@ -525,11 +543,14 @@ def _backward(do, q, k, v, o, L, alignment, scale, launch_cfg, switches, dq_mode
     dk = torch.empty(k.shape, dtype=k.dtype, device=where)
     dv = torch.empty(v.shape, dtype=v.dtype, device=where)
     dk4, dv4 = as_4d(dk), as_4d(dv)
-    on_chip = dkdv_heads_per_program(group, causal, n_k, d)
+    atomic = dq_mode == "atomic"
+    # the warp-specialised dK/dV kernel (Hopper), which sums every group on chip, or None
+    fixed_launch = launch_cfg is not None
+    gluon = None if fixed_launch or atomic else _hopper_dkdv(q4, k4, v4, do4, causal, n_q, n_k, switches)
+    on_chip = group if gluon is not None else dkdv_heads_per_program(group, causal, n_k, d)
     share = group // on_chip  # dK/dV programs per K/V head
     acc_dtype = accumulator_dtype(q.dtype)
     delta = torch.empty((B * H, n_q), dtype=acc_dtype, device=where)  # D, contiguous
-    atomic = dq_mode == "atomic"
     if atomic:
         dq_acc = torch.zeros(q4.shape, dtype=acc_dtype, device=where)  # fp32 dQ, added to atomically
     else:
@@ -572,7 +593,10 @@ def _backward(do, q, k, v, o, L, alignment, scale, launch_cfg, switches, dq_mode
     with cuda_device(q):
         if launch_cfg is None and not atomic:
             # The dK/dV kernel compiles (first use of this shape) while the dQ kernel compiles and runs.
-            compile_ahead(_dkdv_kernel, kv_tuner, DKDV, kv_grid, kv_args, kv_meta, kv_shape)
+            if gluon is None:
+                compile_ahead(_dkdv_kernel, kv_tuner, DKDV, kv_grid, kv_args, kv_meta, kv_shape)
+            elif runtime.ON_GPU:
+                gluon.compile_ahead(q4, k4, v4, l3, delta, dk4, offset, causal, scale)
             if compile_only:
                 compile_ahead(_dq_kernel, _dq_tuned, DQ, q_grid, q_args, q_meta, shape)
                 return None
@@ -592,14 +616,16 @@ def _backward(do, q, k, v, o, L, alignment, scale, launch_cfg, switches, dq_mode
                 *q_args, **q_meta, **teaching_hooks(switches, _DQ_HOOKS), BLOCK_M=bm, BLOCK_N=bn,
                 num_warps=fixed["num_warps"], num_stages=fixed["num_stages"],
             )  # fmt: skip
-        if launch_cfg is None:
-            launch(_dkdv_kernel, kv_tuner, DKDV, kv_grid, kv_args, kv_meta, kv_shape)
-        else:
-            bm, bn = fixed.get("BLOCK_M1", fixed["BLOCK_M"]), fixed.get("BLOCK_N1", fixed["BLOCK_N"])
-            _dkdv_kernel[(triton.cdiv(n_k, bn) * B * (H // on_chip),)](
-                *kv_args, **kv_meta, **teaching_hooks(switches, _DKDV_HOOKS), BLOCK_M=bm, BLOCK_N=bn,
-                num_warps=fixed["num_warps"], num_stages=fixed["num_stages"],
-            )  # fmt: skip
+        gluon_args = (q4, k4, v4, do4, l3, delta, dk4, dv4, offset, causal, scale)
+        if gluon is None or not run_gluon("dK/dV kernel", _HOPPER_FAILED, gluon.dkdv, *gluon_args):
+            if launch_cfg is None:
+                launch(_dkdv_kernel, kv_tuner, DKDV, kv_grid, kv_args, kv_meta, kv_shape)
+            else:
+                bm, bn = fixed.get("BLOCK_M1", fixed["BLOCK_M"]), fixed.get("BLOCK_N1", fixed["BLOCK_N"])
+                _dkdv_kernel[(triton.cdiv(n_k, bn) * B * (H // on_chip),)](
+                    *kv_args, **kv_meta, **teaching_hooks(switches, _DKDV_HOOKS), BLOCK_M=bm, BLOCK_N=bn,
+                    num_warps=fixed["num_warps"], num_stages=fixed["num_stages"],
+                )  # fmt: skip
     if share > 1:  # grouped-query attention: each K/V head's dK, dV is the sum of its `share` partials
         dk4.copy_(dk_out.view(B, H_kv, share, n_k, d).sum(2))
         dv4.copy_(dv_out.view(B, H_kv, share, n_k, d).sum(2))

@@ -158,7 +158,7 @@ PREPROCESS_BLOCK_M = {"gpu": 64, "cpu": 32}
 LAUNCH_KEYS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")
 BACKWARD_LAUNCH_KEYS = ("BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2")
 # The one set of switch defaults: the fast choice. exp2=False and skip_masked_blocks=False are the
-# ladder's first rungs; hopper=False keeps the Triton forward on a Hopper GPU.
+# ladder's first rungs; hopper=False keeps the Triton forward and dK/dV kernels on a Hopper GPU.
 SWITCHES = {"exp2": True, "skip_masked_blocks": True, "hopper": True}
 
 
@@ -179,7 +179,7 @@ def split_config(config: dict | None, fixed: Launch | None) -> tuple[dict | None
     switches = {
         "EXP2": bool(config.pop("exp2", SWITCHES["exp2"])),
         "SKIP_MASKED": bool(config.pop("skip_masked_blocks", SWITCHES["skip_masked_blocks"])),
-        "HOPPER": bool(config.pop("hopper", SWITCHES["hopper"])),  # forward only
+        "HOPPER": bool(config.pop("hopper", SWITCHES["hopper"])),  # the Gluon forward and dK/dV
     }
     if not config and switches["EXP2"] and switches["SKIP_MASKED"]:
         return None, switches

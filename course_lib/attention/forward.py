@@ -83,15 +83,22 @@ def _try_hopper(
     variant = hopper.choose(q4.shape[-1], causal, q4.shape[2], k4.shape[2])
     if variant is None:
         return False
+    return run_gluon("forward", _HOPPER_FAILED, hopper.forward, q4, k4, v4, o4, l3, causal, scale, variant)
+
+
+def run_gluon(what: str, failed: list[str], kernel, *args) -> bool:
+    """Run a Gluon kernel launch `kernel(*args)`; True if it ran. If it raises (a Triton whose Gluon
+    cannot compile it), record why in `failed`, which makes the caller stop trying (the Triton kernel
+    runs from then on), warn once, and return False."""
     try:
-        hopper.forward(q4, k4, v4, o4, l3, causal, scale, variant)
-    except Exception as exc:  # a compiler error: the Triton kernel below is always available
-        _HOPPER_FAILED.append(f"{type(exc).__name__}: {exc}")
+        kernel(*args)
+    except Exception as exc:  # a compiler error: the Triton kernel is always available
+        failed.append(f"{type(exc).__name__}: {exc}")
         warnings.warn(
-            f"course_lib: the warp-specialised Hopper forward failed ({_HOPPER_FAILED[0][:300]}); "
-            "using the Triton forward from now on",
+            f"course_lib: the warp-specialised Hopper {what} failed ({failed[0][:300]}); "
+            f"using the Triton {what} from now on",
             RuntimeWarning,
-            stacklevel=3,
+            stacklevel=4,
         )
         return False
     return True

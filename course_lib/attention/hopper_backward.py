@@ -1,0 +1,338 @@
+"""FlashAttention-3's dK/dV kernel on Hopper GPUs (H100, H200), in Gluon (notebook 08).
+
+The Triton dK/dV kernel (`backward._dkdv_kernel`) keeps a block of 128 keys' dK and dV (fp32) in the
+registers of 8 warps and computes the transposed tiles S^T = K Q^T and dP^T = V dO^T, so that P^T and
+dS^T come out ready to be the left operand of dV += P^T dO and dK += dS^T Q. At d = 128 that is
+128 accumulator registers per thread, another 64 for the two score tiles, and one value of L and of D
+per *column* of the tiles (16 each per thread): more than the 255 registers a thread may have, so the
+kernel spills to local memory (notes/performance.md, "Ninth round"). This kernel arranges the same work
+as FlashAttention-3's backward does (Shah et al. 2024, section 3 and its code):
+
+* producer (1 warp, 24 registers per thread): loads the program's K and V block once with TMA, then,
+  for every query block that sees them, the Q and dO blocks (64 rows each) into a ring of NUM_STAGES
+  shared-memory slots (a `ready` mbarrier per slot; an `empty` one counts the consumers done with it).
+* consumers (2 warpgroups of 4 warps, up to 240 registers per thread): warpgroup w owns keys
+  64 w ... 64 w + 63 of the block and their dK, dV (64 x d fp32 each, registers). Per query block it
+  computes S = Q K_w^T and dP = dO V_w^T untransposed (64 query rows x 64 keys), so L and D are one
+  value per *row*: two registers per thread each. P = exp2(S * scale log2 e - L log2 e) and
+  dS = P (dP - D) go to shared memory in 16 bits, and the tensor cores read them back transposed for
+  dV += P^T dO and dK += dS^T Q (wgmma reads either orientation of a 16-bit shared-memory tile).
+
+Grouped-query attention: a program owns a block of one K/V head and walks the query blocks of every
+query head of its group in one loop, so dK and dV are summed over the group on chip. Causal (either
+alignment): query blocks wholly before the keys are skipped, and only the diagonal ones are masked.
+
+dQ stays with the Triton dQ kernel, which runs first and also writes D = rowsum(dO * O)
+(`backward._backward`). No CPU path: Gluon has no interpreter.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_init,
+    warpgroup_mma_wait,
+)
+
+from .hopper import capability, descriptor, launch_options
+
+LOG2E = 1.4426950408889634
+HEAD_DIMS = (64, 128)
+DTYPES = (torch.bfloat16, torch.float16)
+KEY_ROWS = 64  # keys per consumer warpgroup: one wgmma's M
+QUERY_ROWS = 64  # query rows per step
+KROWS = gl.constexpr(KEY_ROWS)
+QROWS = gl.constexpr(QUERY_ROWS)
+# A barrier among the warps of one partition (the name changed between Triton releases).
+_partition_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
+
+
+@gluon.jit
+def _program(num_n, BHKV, CAUSAL: gl.constexpr):
+    """This program's (batch * K/V head index, key block index). Non-causal: head-major (the
+    programs of one head share its Q and dO in the L2 cache). Causal: block-major, so that the
+    first key blocks of every head, which the most query blocks see, start first."""
+    pid = gl.program_id(0)
+    if CAUSAL:
+        return pid % BHKV, pid // BHKV
+    return pid // num_n, pid % num_n
+
+
+@gluon.jit
+def _q_range(n_start, N_Q, OFFSET, CAUSAL: gl.constexpr, CTA_N: gl.constexpr):
+    """Query blocks (of QROWS rows) that see keys n_start ... n_start + CTA_N - 1: (lo, mid, hi),
+    block indices; blocks [lo, mid) see part of the keys (masked), [mid, hi) all of them.
+    Row i sees key j when i + OFFSET >= j (`blocks.q_block_range`, in blocks)."""
+    hi = gl.cdiv(N_Q, QROWS)
+    lo = 0
+    mid = 0
+    if CAUSAL:
+        lo = gl.minimum(gl.maximum(n_start - OFFSET, 0) // QROWS, hi)
+        mid = gl.minimum(gl.cdiv(gl.maximum(n_start + CTA_N - 1 - OFFSET, 0), QROWS), hi)
+    return lo, mid, hi
+
+
+@gluon.jit
+def _producer(args, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr):
+    """One warp issues every TMA copy: the K and V blocks of the program once (one 64-row half per
+    consumer), then Q and dO of each (query head, query block) step into ring slot step % NUM_STAGES,
+    once both consumers have released it. Rows past a head's end are the next head's (or zeros past
+    the tensor): P is 0 for query rows past N_Q, and keys past N_K are never stored."""
+    (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, ready_bar, empty_bar,
+     H, GROUP, N_Q, N_K, OFFSET, num_n, BHKV) = args  # fmt: skip
+    CTA_N: gl.constexpr = KROWS * NUM_CONSUMERS
+    bhk, n_blk = _program(num_n, BHKV, CAUSAL)
+    n_start = n_blk * CTA_N
+    mbarrier.expect(kv_bar, 2 * NUM_CONSUMERS * k_desc.block_type.nbytes)
+    for c in gl.static_range(NUM_CONSUMERS):
+        tma.async_copy_global_to_shared(k_desc, [bhk * N_K + n_start + c * KROWS, 0], kv_bar, k_smem.index(c))
+        tma.async_copy_global_to_shared(v_desc, [bhk * N_K + n_start + c * KROWS, 0], kv_bar, v_smem.index(c))
+    lo, mid, hi = _q_range(n_start, N_Q, OFFSET, CAUSAL, CTA_N)
+    n_m = hi - lo
+    first_head = (bhk // (H // GROUP)) * H + (bhk % (H // GROUP)) * GROUP  # batch * H + query head
+    for step in range(GROUP * n_m):
+        g = step // n_m
+        row = (first_head + g) * N_Q + (lo + step - g * n_m) * QROWS
+        slot = step % NUM_STAGES
+        mbarrier.wait(empty_bar.index(slot), ((step // NUM_STAGES) & 1) ^ 1)
+        mbarrier.expect(ready_bar.index(slot), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [row, 0], ready_bar.index(slot), q_smem.index(slot))
+        tma.async_copy_global_to_shared(do_desc, [row, 0], ready_bar.index(slot), do_smem.index(slot))
+
+
+@gluon.jit
+def _consumer(args, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr,
+              NUM_CONSUMERS: gl.constexpr, WG: gl.constexpr):  # fmt: skip
+    """Warpgroup WG: dK and dV of keys n_start + 64 WG ... + 63 (registers), summed over every query
+    block of every query head of the group, then stored (rows past N_K masked)."""
+    (q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, kv_bar, ready_bar, empty_bar,
+     L, Dlt, DK, DV, qk_scale, sm_scale, stride_lb, stride_lh, stride_lm,
+     stride_kb, stride_kh, stride_kn, H, GROUP, N_Q, N_K, OFFSET, num_n, BHKV) = args  # fmt: skip
+    dtype: gl.constexpr = q_smem.dtype
+    CTA_N: gl.constexpr = KROWS * NUM_CONSUMERS
+    # Register layouts: the score tiles (64 query rows x 64 keys) and the accumulators (64 keys x d).
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, KROWS, 16]
+    )
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16]
+    )
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
+
+    bhk, n_blk = _program(num_n, BHKV, CAUSAL)
+    n_start = n_blk * CTA_N
+    lo, mid, hi = _q_range(n_start, N_Q, OFFSET, CAUSAL, CTA_N)
+    n_m = hi - lo
+    H_KV = H // GROUP
+    off_b = bhk // H_KV
+    first_head = off_b * H + (bhk % H_KV) * GROUP
+    k_w = k_smem.index(WG)
+    v_w = v_smem.index(WG)
+    p_w = p_smem.index(WG)
+    ds_w = ds_smem.index(WG)
+    s_zero = gl.zeros([QROWS, KROWS], gl.float32, layout=s_layout)
+    dk = gl.zeros([KROWS, HEAD_DIM], gl.float32, layout=acc_layout)
+    dv = gl.zeros([KROWS, HEAD_DIM], gl.float32, layout=acc_layout)
+    offs_m = gl.arange(0, QROWS, layout=row_layout)
+    cols = n_start + WG * KROWS + gl.arange(0, KROWS, layout=col_layout)
+
+    mbarrier.wait(kv_bar, 0)
+    dk_tok = warpgroup_mma_init(dk)  # the accumulators as in-flight products (none issued yet)
+    dv_tok = warpgroup_mma_init(dv)
+    for step in range(GROUP * n_m):
+        g = step // n_m
+        m_blk = lo + step - g * n_m
+        head = first_head + g  # batch * H + query head
+        slot = step % NUM_STAGES
+        rows = m_blk * QROWS + offs_m
+        mbarrier.wait(ready_bar.index(slot), (step // NUM_STAGES) & 1)
+        q = q_smem.index(slot)
+        do = do_smem.index(slot)
+        # S and dP go to the tensor cores right behind the previous step's dV and dK products.
+        s_tok = warpgroup_mma(q, k_w.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        dp_tok = warpgroup_mma(do, v_w.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        # L (base 2; a row that saw no key, L = -inf, reads +inf: P = 0) and D of the step's rows,
+        # loaded while the products run. Rows past N_Q: L = +inf, so they add nothing.
+        l_row = L + (head // H).to(gl.int64) * stride_lb + (head % H).to(gl.int64) * stride_lh
+        lse = gl.load(l_row + rows * stride_lm, mask=rows < N_Q, other=float("inf"))
+        lse2 = gl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634
+        delta = gl.load(Dlt + head.to(gl.int64) * N_Q + rows, mask=rows < N_Q, other=0.0)
+        # Products complete in issue order: S done means the previous step's dV and dK are too, so
+        # its Q, dO slot, P and dS tiles are free again.
+        s, dk, dv = warpgroup_mma_wait(1, deps=[s_tok, dk_tok, dv_tok])
+        if step > 0:
+            mbarrier.arrive(empty_bar.index((step - 1) % NUM_STAGES), count=1)
+        if CAUSAL:
+            if m_blk < mid:  # the diagonal: key j is visible to row i when i + OFFSET >= j
+                visible = gl.expand_dims(rows + OFFSET, 1) >= gl.expand_dims(cols, 0)
+                s = gl.where(visible, s, float("-inf"))
+        p = gl.exp2(s * qk_scale - gl.expand_dims(lse2, 1))
+        p_w.store(p.to(dtype))
+        fence_async_shared()
+        _partition_barrier()
+        dv_tok = warpgroup_mma(p_w.permute((1, 0)), do, dv, is_async=True)
+        dp = warpgroup_mma_wait(1, deps=[dp_tok])
+        ds = p * (dp - gl.expand_dims(delta, 1))
+        ds_w.store(ds.to(dtype))
+        fence_async_shared()
+        _partition_barrier()
+        dk_tok = warpgroup_mma(ds_w.permute((1, 0)), q, dk, is_async=True)
+    dk, dv = warpgroup_mma_wait(0, deps=[dk_tok, dv_tok])
+
+    # dK = dS^T Q * scale and dV: registers -> HBM once (keys past N_K masked).
+    key_rows = n_start + WG * KROWS + gl.arange(0, KROWS, layout=gl.SliceLayout(1, acc_layout))
+    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
+    off_kh = bhk % H_KV
+    base = off_b.to(gl.int64) * stride_kb + off_kh.to(gl.int64) * stride_kh
+    ptrs = base + gl.expand_dims(key_rows, 1) * stride_kn + gl.expand_dims(offs_d, 0)
+    mask = gl.expand_dims(key_rows < N_K, 1)
+    gl.store(DK + ptrs, (dk * sm_scale).to(dtype), mask=mask)
+    gl.store(DV + ptrs, dv.to(dtype), mask=mask)
+
+
+@gluon.jit
+def dkdv_ws_kernel(
+    q_desc, do_desc, k_desc, v_desc, L, Dlt, DK, DV, qk_scale, sm_scale,
+    stride_lb, stride_lh, stride_lm, stride_kb, stride_kh, stride_kn,
+    H, GROUP, N_Q, N_K, OFFSET, BHKV,
+    CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr,
+):  # fmt: skip
+    """dK, dV of one block of 64 * NUM_CONSUMERS keys of one (batch, K/V head), summed over the GROUP
+    query heads that share it.
+
+    q_desc, do_desc: TMA descriptors of Q, dO as (B*H*N_Q, d) matrices in blocks of (64, d); k_desc,
+    v_desc: K, V as (B*H_kv*N_K, d) in blocks of (64, d). L (B, H, N_Q) float32 (natural log, strides
+    stride_l*); Dlt (B*H, N_Q) float32, contiguous. DK, DV (B, H_kv, N_K, d) with strides stride_k*
+    (unit last). qk_scale = scale * log2(e). Grid: cdiv(N_K, 64 * NUM_CONSUMERS) * BHKV programs,
+    launched with num_warps=4 (the kernel's own warps are consumer 0)."""
+    dtype: gl.constexpr = q_desc.dtype
+    CTA_N: gl.constexpr = KROWS * NUM_CONSUMERS
+    num_n = gl.cdiv(N_K, CTA_N)
+    q_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, QROWS, HEAD_DIM], q_desc.layout)
+    do_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, QROWS, HEAD_DIM], do_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, KROWS, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, KROWS, HEAD_DIM], v_desc.layout)
+    pds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([QROWS, KROWS], dtype)
+    p_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, QROWS, KROWS], pds_layout)
+    ds_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, QROWS, KROWS], pds_layout)
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ready_bar = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    empty_bar = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar, count=1)
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(ready_bar.index(i), count=1)
+        mbarrier.init(empty_bar.index(i), count=NUM_CONSUMERS)
+    fence_async_shared()
+
+    shared = (q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, kv_bar, ready_bar, empty_bar,
+              L, Dlt, DK, DV, qk_scale, sm_scale, stride_lb, stride_lh, stride_lm,
+              stride_kb, stride_kh, stride_kn, H, GROUP, N_Q, N_K, OFFSET, num_n, BHKV)  # fmt: skip
+    loads = (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, ready_bar, empty_bar,
+             H, GROUP, N_Q, N_K, OFFSET, num_n, BHKV)  # fmt: skip
+    gl.warp_specialize(
+        [
+            (_consumer, (shared, CAUSAL, HEAD_DIM, NUM_STAGES, NUM_CONSUMERS, 0)),
+            (_consumer, (shared, CAUSAL, HEAD_DIM, NUM_STAGES, NUM_CONSUMERS, 1)),
+            (_producer, (loads, CAUSAL, NUM_STAGES, NUM_CONSUMERS)),
+        ],
+        [4, 1], [CONSUMER_REGS, 24],
+    )  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------------------
+# Host side
+# --------------------------------------------------------------------------------------------------
+NUM_CONSUMERS = 2
+STAGES = {64: 2, 128: 2}  # Q, dO ring slots by head dim
+
+
+def supports(q4, k4, v4, do4) -> bool:
+    """Whether this kernel can take these (B, H, N, d) tensors: a Hopper GPU, bfloat16 or float16,
+    d in HEAD_DIMS, not empty, q, k, v, do contiguous at 16-byte aligned addresses (TMA)."""
+    if not (q4.is_cuda and capability(q4.device.index)[0] == 9):
+        return False
+    if q4.dtype not in DTYPES or q4.shape[-1] not in HEAD_DIMS or q4.numel() == 0 or k4.numel() == 0:
+        return False
+    return all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (q4, k4, v4, do4))
+
+
+_COMPILING: dict = {}  # launch key -> the thread compiling it ahead (`compile_ahead`)
+_SEEN: set = set()  # launch keys compiled ahead once in this process
+
+
+def _launch(q4, k4, v4, do4, l3, delta, dk4, dv4, offset: int, causal: bool, scale: float, warmup: bool):
+    B, H, n_q, d = q4.shape
+    h_kv, n_k = k4.shape[1], k4.shape[2]
+    grid = (triton.cdiv(n_k, KEY_ROWS * NUM_CONSUMERS) * B * h_kv,)
+    kernel = dkdv_ws_kernel.warmup if warmup else dkdv_ws_kernel[grid]
+    extra = {"grid": grid} if warmup else {}
+    kernel(
+        descriptor(q4, QUERY_ROWS), descriptor(do4, QUERY_ROWS),
+        descriptor(k4, KEY_ROWS), descriptor(v4, KEY_ROWS),
+        l3, delta, dk4, dv4, scale * LOG2E, scale,
+        l3.stride(0), l3.stride(1), l3.stride(2), dk4.stride(0), dk4.stride(1), dk4.stride(2),
+        H, H // h_kv, n_q, n_k, offset, B * h_kv,
+        CAUSAL=causal, HEAD_DIM=d, NUM_STAGES=STAGES[d], NUM_CONSUMERS=NUM_CONSUMERS,
+        **launch_options(NUM_CONSUMERS), **extra,
+    )  # fmt: skip
+
+
+def _key(q4, k4, offset: int, causal: bool) -> tuple:
+    return (tuple(q4.shape), tuple(k4.shape), q4.dtype, offset, causal)
+
+
+def dkdv(q4, k4, v4, do4, l3, delta, dk4, dv4, offset: int, causal: bool, scale: float) -> None:
+    """Write dK, dV into dk4, dv4 (B, H_kv, N_K, d, contiguous) for q4, do4 (B, H, N_Q, d) and k4, v4
+    (B, H_kv, N_K, d) that pass `supports`; l3 (B, H, N_Q) float32 is the forward's L, delta
+    (B*H, N_Q) float32 contiguous holds D = rowsum(dO * O); offset: the causal alignment's
+    `checks.causal_offset`. The caller makes q4's GPU current."""
+    thread = _COMPILING.pop(_key(q4, k4, offset, causal), None)
+    if thread is not None:  # compiled ahead (`compile_ahead`): wait for it rather than compile twice
+        thread.join()
+    _launch(q4, k4, v4, do4, l3, delta, dk4, dv4, offset, causal, scale, warmup=False)
+
+
+def compile_ahead(q4, k4, v4, l3, delta, dk4, offset: int, causal: bool, scale: float) -> None:
+    """Compile what `dkdv` will launch for these shapes, in a background thread, once per process
+    (`launch.compile_ahead`, which does this for the Triton kernels, says why). l3, delta, dk4 may be
+    stand-ins on the meta device; q4 stands in for dO."""
+    key = _key(q4, k4, offset, causal)
+    if key in _SEEN:
+        return
+    _SEEN.add(key)
+    device = torch.cuda.current_device()
+
+    def work():
+        try:
+            with torch.cuda.device(device):
+                _launch(q4, k4, v4, q4, l3, delta, dk4, dk4, offset, causal, scale, warmup=True)
+        except Exception:  # the launch itself compiles again and reports the error where it belongs
+            pass
+
+    _COMPILING[key] = threading.Thread(target=work, name="compile dK/dV (Gluon)", daemon=True)
+    _COMPILING[key].start()
+
+
+def choose(d: int, causal: bool, n_q: int, n_k: int, group: int) -> bool:
+    """Whether this kernel, rather than the Triton dK/dV kernel, runs for this shape (`group` query
+    heads per K/V head). Measured on an H200 (bf16, B x N = 16k tokens, 2048 / d query heads; the
+    backward alone, Triton dQ kernel included, notebook 08c and notes/performance.md "Tenth round"):
+    at d = 128 it is 3-11 % faster with one query head per K/V head and 6-16 % with four, except for
+    causal rows of 1024 keys or fewer (688-692 against 699-716 us at 1k). At d = 64 its products are
+    small (K = 64) and the Triton kernel, which does not spill there, wins non-causal cells (by 4-17 %)
+    and causal ones up to 4k; beyond, it wins grouped causal cells (4 heads per K/V head, 8k: 4245
+    against 4353 us, 16k: 8121 against 8658) and ties single-head ones."""
+    if d == 128:
+        return not (causal and n_k <= 1024)
+    return d == 64 and causal and group > 1 and n_k >= 8192
