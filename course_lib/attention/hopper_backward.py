@@ -82,6 +82,19 @@ def _q_range(n_start, N_Q, OFFSET, CAUSAL: gl.constexpr, CTA_N: gl.constexpr):
 
 
 @gluon.jit
+def _step(step, lo, n_m, GROUP, CAUSAL: gl.constexpr):
+    """Step `step` of a program's loop over the GROUP query heads x n_m query blocks (from block lo):
+    (head within the group, query block). Causal: head by head (a head's blocks run from the diagonal
+    on). Non-causal: the heads of the group in turn for each query block, so that the group's
+    programs read one query block of each head at about the same time (1-3 % faster at 8k-16k keys
+    on an H200; 3-5 % slower for causal programs)."""
+    if CAUSAL:
+        g = step // n_m
+        return g, lo + step - g * n_m
+    return step % GROUP, lo + step // GROUP
+
+
+@gluon.jit
 def _producer(args, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr):
     """One warp issues every TMA copy: the K and V blocks of the program once (one 64-row half per
     consumer), then Q and dO of each (query head, query block) step into ring slot step % NUM_STAGES,
@@ -100,8 +113,8 @@ def _producer(args, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_CONSUMER
     n_m = hi - lo
     first_head = (bhk // (H // GROUP)) * H + (bhk % (H // GROUP)) * GROUP  # batch * H + query head
     for step in range(GROUP * n_m):
-        g = step // n_m
-        row = (first_head + g) * N_Q + (lo + step - g * n_m) * QROWS
+        g, m_blk = _step(step, lo, n_m, GROUP, CAUSAL)
+        row = (first_head + g) * N_Q + m_blk * QROWS
         slot = step % NUM_STAGES
         mbarrier.wait(empty_bar.index(slot), ((step // NUM_STAGES) & 1) ^ 1)
         mbarrier.expect(ready_bar.index(slot), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
@@ -150,8 +163,7 @@ def _consumer(args, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl
     dk_tok = warpgroup_mma_init(dk)  # the accumulators as in-flight products (none issued yet)
     dv_tok = warpgroup_mma_init(dv)
     for step in range(GROUP * n_m):
-        g = step // n_m
-        m_blk = lo + step - g * n_m
+        g, m_blk = _step(step, lo, n_m, GROUP, CAUSAL)
         head = first_head + g  # batch * H + query head
         slot = step % NUM_STAGES
         rows = m_blk * QROWS + offs_m
