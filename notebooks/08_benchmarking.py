@@ -432,7 +432,9 @@ else:
 # The forward's last rung leaves Triton's programming model: on a Hopper GPU, `config=None` runs a
 # warp-specialised kernel written in Gluon (`course_lib/attention/hopper.py`; the optional appendix
 # notebook 08c explains it), and `{"hopper": False}` keeps the autotuned Triton kernel (on other GPUs and
-# the CPU the two rungs are the same kernel).
+# the CPU the two rungs are the same kernel). The backward does the same for its dK/dV kernel: on a Hopper
+# GPU `config=None` runs FlashAttention-3's layout of it in Gluon (`course_lib/attention/hopper_backward.py`,
+# notebook 08c, section 5) after the Triton dQ kernel.
 # Each rung carries a gain **predicted** from bytes and FLOPs, written next to it in `course_lib.bench`,
 # *before* it was measured. The shape: d = 128, N = 4096, causal, bf16, B·N = 16k tokens.
 
@@ -610,8 +612,10 @@ if att_rec is not None:
 # **Reading the comparison.** Against FlashAttention-2 (SDPA's FLASH_ATTENTION backend) course_lib's
 # kernels are ahead in every cell of the recorded run. Against cuDNN, PyTorch's default on Hopper, the
 # forward is level or ahead on long sequences and trails on short causal ones, where each program's tile
-# has few K/V blocks to amortise its start and end. The forward+backward trails cuDNN: the backward is
-# still the Triton kernels of notebook 07, where every warp does everything in turn.
+# has few K/V blocks to amortise its start and end. The forward+backward trails cuDNN: the backward's dQ
+# kernel (and, at d = 64, its dK/dV kernel) is still notebook 07's Triton kernel, where every warp does
+# everything in turn; at d = 128 the dK/dV kernel is FlashAttention-3's layout in Gluon, which no longer
+# spills registers (notebook 08c, section 5) but overlaps no more than the Triton one.
 #
 # cuDNN's lead over a Triton kernel comes from overlapping the softmax with the matrix products, which
 # needs warps with different jobs: course_lib's forward does that on Hopper with a Gluon kernel wherever

@@ -77,10 +77,15 @@ LADDER = (
          "8 warps hold their fp32 accumulators without spilling"),
     Step("3 pipeline stages", "bwd", BWD4, 1.2,
          "the next streamed tile loads during this one's 4 (dK/dV) or 3 (dQ) matmuls"),
-    Step("autotuned (course_lib)", "bwd", None, 1.05,
+    Step("autotuned (Triton)", "bwd", {"hopper": False}, 1.05,
          "the best of several configs for this shape"),
-    Step("one pass, atomic dQ", "bwd", None, 1.2,
-         "5 tile matmuls, not 7 (S, dP not recomputed for dQ): 1.4x, less fp32 atomic adds to dQ",
+    Step("dK/dV without spills (Gluon, Hopper; course_lib)", "bwd", None, 1.1,
+         "the Triton dK/dV kernel needs ~256 registers per thread (transposed tiles, L and D per column, "
+         "16-bit operands in registers) and spills; FlashAttention-3's layout needs ~196 (untransposed "
+         "tiles, P and dS through shared memory): dK/dV ~1.2x, about 60 % of the backward (dQ unchanged)"),
+    Step("one pass, atomic dQ", "bwd", {"hopper": False}, 1.1,
+         "over the Triton two-kernel backward: 5 tile matmuls, not 7 (S, dP not recomputed for dQ): 1.4x, "
+         "less fp32 atomic adds to dQ, ~1.2x; the rung below is ~1.1x faster than that one",
          dq_mode="atomic"),
 )
 # fmt: on
