@@ -563,7 +563,13 @@ else:
 #   adds a BLOCK_M x d float32 tile into dQ at every step, and those read-modify-writes in L2 cost more than
 #   the two products they save. The byte count the prediction left out is the atomics' traffic — notebook 07
 #   measures the same trade-off across shapes.
-# - *Autotuned.* Close to 1.0x: the hand-picked last rung is already the tuner's choice for this shape.
+# - *Autotuned.* Close to 1.0x in the forward: the hand-picked rung is already the tuner's choice for this
+#   shape. In the backward 0.92x, in this and the previous recorded run: here the recorded launch choice
+#   loses to the hand-picked rung (not investigated further).
+# - *dK/dV without spills.* Predicted 1.1x from the dK/dV kernel's share of the backward, measured about
+#   1.04x: at this causal shape a block of keys sees 32 query blocks on average, so the program's fixed
+#   costs (loading K and V, filling the pipeline, storing dK and dV) weigh more than on long non-causal
+#   rows, where notebook 08c's record has the whole backward 1.13x faster (d = 128, N = 16k).
 
 # %% [markdown]
 # ## 4. course_lib against PyTorch's attention backends

@@ -4,6 +4,9 @@ stubbed), and of the recorded H200 choices' keys."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -93,3 +96,27 @@ def test_h200_record_keys():
             assert min(block_m, block_n) >= 16 and warps in (4, 8) and stages >= 1, (
                 f"{kernel} {key}: {choice}"
             )
+
+
+def test_background_compilation_finishes_before_exit(tmp_path):
+    """A compilation started ahead (`launch.compile_in_background`) that is still running when the
+    script ends is waited for, not stopped inside the compiler (which aborts the process); and
+    `wait_compiled` joins it before a launch."""
+    done = tmp_path / "done.txt"
+    script = textwrap.dedent(
+        f"""
+        import time
+        from pathlib import Path
+        from course_lib.attention import launch
+        out = Path({str(done)!r})
+        launch.compile_in_background(("test", 1), lambda: (time.sleep(0.5), out.write_text("done")))
+        """
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert done.read_text() == "done", "the process ended before the background work did"
+
+    seen = []
+    launch.compile_in_background(("test", 2), lambda: seen.append(1))
+    launch.wait_compiled(("test", 2))
+    assert seen == [1] and ("test", 2) not in launch._COMPILING

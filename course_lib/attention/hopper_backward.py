@@ -28,8 +28,6 @@ dQ stays with the Triton dQ kernel, which runs first and also writes D = rowsum(
 
 from __future__ import annotations
 
-import threading
-
 import torch
 import triton
 from triton.experimental import gluon
@@ -44,6 +42,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from .hopper import capability, descriptor, launch_options
+from .launch import compile_in_background, wait_compiled
 
 LOG2E = 1.4426950408889634
 HEAD_DIMS = (64, 128)
@@ -279,7 +278,6 @@ def supports(q4, k4, v4, do4) -> bool:
     return all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (q4, k4, v4, do4))
 
 
-_COMPILING: dict = {}  # launch key -> the thread compiling it ahead (`compile_ahead`)
 _SEEN: set = set()  # launch keys compiled ahead once in this process
 
 
@@ -301,7 +299,7 @@ def _launch(q4, k4, v4, do4, l3, delta, dk4, dv4, offset: int, causal: bool, sca
 
 
 def _key(q4, k4, offset: int, causal: bool) -> tuple:
-    return (tuple(q4.shape), tuple(k4.shape), q4.dtype, offset, causal)
+    return ("dK/dV (Gluon)", tuple(q4.shape), tuple(k4.shape), q4.dtype, offset, causal)
 
 
 def dkdv(q4, k4, v4, do4, l3, delta, dk4, dv4, offset: int, causal: bool, scale: float) -> None:
@@ -309,9 +307,7 @@ def dkdv(q4, k4, v4, do4, l3, delta, dk4, dv4, offset: int, causal: bool, scale:
     (B, H_kv, N_K, d) that pass `supports`; l3 (B, H, N_Q) float32 is the forward's L, delta
     (B*H, N_Q) float32 contiguous holds D = rowsum(dO * O); offset: the causal alignment's
     `checks.causal_offset`. The caller makes q4's GPU current."""
-    thread = _COMPILING.pop(_key(q4, k4, offset, causal), None)
-    if thread is not None:  # compiled ahead (`compile_ahead`): wait for it rather than compile twice
-        thread.join()
+    wait_compiled(_key(q4, k4, offset, causal))  # compiled ahead (`compile_ahead`): not twice
     _launch(q4, k4, v4, do4, l3, delta, dk4, dv4, offset, causal, scale, warmup=False)
 
 
@@ -323,17 +319,8 @@ def compile_ahead(q4, k4, v4, l3, delta, dk4, offset: int, causal: bool, scale: 
     if key in _SEEN:
         return
     _SEEN.add(key)
-    device = torch.cuda.current_device()
-
-    def work():
-        try:
-            with torch.cuda.device(device):
-                _launch(q4, k4, v4, q4, l3, delta, dk4, dk4, offset, causal, scale, warmup=True)
-        except Exception:  # the launch itself compiles again and reports the error where it belongs
-            pass
-
-    _COMPILING[key] = threading.Thread(target=work, name="compile dK/dV (Gluon)", daemon=True)
-    _COMPILING[key].start()
+    args = (q4, k4, v4, q4, l3, delta, dk4, dk4, offset, causal, scale)
+    compile_in_background(key, lambda: _launch(*args, warmup=True))
 
 
 def choose(d: int, causal: bool, n_q: int, n_k: int, group: int) -> bool:

@@ -20,6 +20,7 @@ kernel directly: the autotuner's own dispatch costs tens of microseconds of Pyth
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import json
@@ -179,9 +180,7 @@ def launch(kernel, tuner, table: KernelConfigs, grid, args: tuple, meta: dict, s
         _CHOSEN[name] = config
         _SEEN.add(name)
         return
-    pending = _COMPILING.pop(name, None)
-    if pending is not None:
-        pending.join()  # its compilation is in Triton's cache now: this launch finds it there
+    wait_compiled(name)  # if compiled ahead, its compilation is in Triton's cache now: this launch finds it
     _SEEN.add(name)
     kernel[grid(config)](*args, **meta, **config.kwargs())
 
@@ -203,15 +202,39 @@ def compile_ahead(kernel, tuner, table: KernelConfigs, grid, args: tuple, meta: 
         return
     _SEEN.add(name)
     stand_ins = tuple(a.dtype if isinstance(a, torch.Tensor) else a for a in args)  # a pointer's dtype only
-    device = torch.cuda.current_device()
+    compile_in_background(
+        name, lambda: kernel.warmup(*stand_ins, grid=grid(config), **meta, **config.kwargs())
+    )
 
-    def work():
+
+def compile_in_background(name, work) -> None:
+    """Run `work()` (a compilation) in a daemon thread, on the current GPU, registered under `name`:
+    `wait_compiled(name)` joins it before the launch that needs it. An error is swallowed: the launch
+    compiles again and reports it where it belongs. At exit the process waits for every compilation
+    still running: a thread stopped inside the compiler at interpreter shutdown aborts the process
+    ("exception not rethrown"), as a script that runs one forward and ends would otherwise see."""
+    device = torch.cuda.current_device() if torch.cuda.is_available() else None
+
+    def run():
         try:
-            with torch.cuda.device(device):
-                kernel.warmup(*stand_ins, grid=grid(config), **meta, **config.kwargs())
-        except Exception:  # the launch itself will compile again and report the error where it belongs
+            with torch.cuda.device(device) if device is not None else contextlib.nullcontext():
+                work()
+        except Exception:
             pass
 
-    thread = threading.Thread(target=work, name=f"compile {table.name}", daemon=True)
+    thread = threading.Thread(target=run, name=f"compile {name}", daemon=True)
     thread.start()
     _COMPILING[name] = thread
+
+
+def wait_compiled(name) -> None:
+    """Wait for the compilation started under `name` by `compile_in_background`, if there is one."""
+    pending = _COMPILING.pop(name, None)
+    if pending is not None:
+        pending.join()
+
+
+@atexit.register
+def _finish_compiling() -> None:
+    for thread in list(_COMPILING.values()):
+        thread.join()
