@@ -103,7 +103,7 @@ def label(record: dict) -> str:
 
 
 def measured_or_recorded(
-    kind: str, measure, missing: str, folder: Path | str = ASSETS
+    kind: str, measure, missing: str, folder: Path | str = ASSETS, measure_here: bool | None = None
 ) -> tuple[dict, str] | None:
     """Measure on a GPU, else show the record: the one switch every GPU figure of the notebooks goes through.
 
@@ -114,12 +114,15 @@ def measured_or_recorded(
 
         got = records.measured_or_recorded("primer_softmax", sweep, missing="No recorded GPU run yet ...")
         if got:
-            plot(*got)   # plot(data, source)"""
+            plot(*got)   # plot(data, source)
+
+    measure_here: whether to measure (default: on any GPU); False shows the record, as on a CPU (for a
+    figure only some GPUs can measure, such as the Hopper kernels' of notebook 08c)."""
     if not isinstance(kind, str) or not kind:
         raise ValueError(f"kind must be a non-empty string, got {kind!r}")
     if not callable(measure):
         raise TypeError(f"measure must be a function returning a dict, got {type(measure).__name__}")
-    if runtime.ON_GPU:
+    if runtime.ON_GPU if measure_here is None else measure_here:
         data = measure()
         if not isinstance(data, dict):
             raise TypeError(f"measure() must return a dict, got {type(data).__name__}")

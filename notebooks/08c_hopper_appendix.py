@@ -417,13 +417,7 @@ missing = (
     "cell (d, N), the Triton forward, each Gluon variant and SDPA's default in TFLOP/s, with the kernel "
     "`hopper.choose` picks."
 )
-if HOPPER_GPU:
-    got = records.measured_or_recorded("hopper_forward", measure_hopper_forward, missing=missing)
-else:
-    rec = records.load_record("hopper_forward")
-    got = None if rec is None else (rec["data"], records.label(rec))
-    if rec is None:
-        print(missing)
+got = records.measured_or_recorded("hopper_forward", measure_hopper_forward, missing, measure_here=HOPPER_GPU)
 if got is not None:
     plot_hopper_forward(*got)
 
@@ -555,13 +549,7 @@ missing_bwd = (
     "No recorded `hopper_backward` run in assets/benchmarks/ yet. On a Hopper GPU this cell measures it: the "
     "backward's time per cell with the Triton dK/dV kernel and with the one `hopper_backward.choose` picks."
 )
-if HOPPER_GPU:
-    got_bwd = records.measured_or_recorded("hopper_backward", measure_hopper_backward, missing=missing_bwd)
-else:
-    rec_bwd = records.load_record("hopper_backward")
-    got_bwd = None if rec_bwd is None else (rec_bwd["data"], records.label(rec_bwd))
-    if rec_bwd is None:
-        print(missing_bwd)
+got_bwd = records.measured_or_recorded("hopper_backward", measure_hopper_backward, missing_bwd, measure_here=HOPPER_GPU)
 if got_bwd is not None:
     show_hopper_backward(*got_bwd)
 

@@ -120,6 +120,19 @@ def test_measured_or_recorded_measures_and_saves_on_a_gpu(tmp_path, monkeypatch)
     assert records.load_record("demo", folder=tmp_path)["data"] == {"x": [3]}
 
 
+def test_measured_or_recorded_measure_here_false_shows_the_record(tmp_path, capsys):
+    """measure_here=False (a figure this GPU cannot measure) shows the record on any machine."""
+
+    def measure():
+        raise AssertionError("measure() must not run with measure_here=False")
+
+    got = records.measured_or_recorded("demo", measure, "no record yet", folder=tmp_path, measure_here=False)
+    assert got is None and "no record yet" in capsys.readouterr().out
+    records.save_record("demo", {"x": [4]}, folder=tmp_path)
+    data, source = records.measured_or_recorded("demo", measure, "", folder=tmp_path, measure_here=False)
+    assert data == {"x": [4]} and source.startswith("recorded on"), (data, source)
+
+
 def test_committed_records_are_stamped():
     for path in records.ASSETS.glob("*.json"):
         meta = json.loads(path.read_text())["meta"]
