@@ -12,7 +12,7 @@ Where each piece is taught:
 - FlashAttentionTorch, attention.tiles, attention.animate ... notebooks 04 and 04b (tiled attention in PyTorch)
 - primer .......................... notebook 05 (Triton primer kernels)
 - flash_attention, FlashAttentionTriton, attention.blocks ... notebooks 06 and 07 (Triton FlashAttention-2)
-- bench, attention.configs, attention.hopper ... notebooks 08, 08c and `make bench`
+- bench, attention.configs, attention.hopper, attention.hopper_backward ... notebooks 08, 08c, `make bench`
 - attention.op, integrations ...... notebook 08b (torch.compile, GQA, causal alignments, transformers)
 - decode .......................... notebooks 09 and 10 (split-KV decoding, paged KV cache, continuous batching)
 - fused ........................... notebook 11 (RMSNorm and RoPE)
