@@ -1,4 +1,4 @@
-"""FlashAttention-3's dK/dV kernel on Hopper GPUs (H100, H200), in Gluon (notebook 08).
+"""FlashAttention-3's dK/dV kernel on Hopper GPUs (H100, H200), in Gluon (notebook 08c, section 5).
 
 The Triton dK/dV kernel (`backward._dkdv_kernel`) keeps a block of 128 keys' dK and dV (fp32) in the
 registers of 8 warps and computes the transposed tiles S^T = K Q^T and dP^T = V dO^T, so that P^T and
