@@ -122,7 +122,9 @@ def measured_or_recorded(
         raise ValueError(f"kind must be a non-empty string, got {kind!r}")
     if not callable(measure):
         raise TypeError(f"measure must be a function returning a dict, got {type(measure).__name__}")
-    if runtime.ON_GPU if measure_here is None else measure_here:
+    if measure_here is None:
+        measure_here = runtime.ON_GPU
+    if measure_here:
         data = measure()
         if not isinstance(data, dict):
             raise TypeError(f"measure() must return a dict, got {type(data).__name__}")

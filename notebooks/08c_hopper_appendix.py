@@ -499,8 +499,10 @@ check(
 # consumer:
 
 # %%
-stages = hopper_backward.STAGES[128]
-smem_bwd = (stages * 2 * 64 * 128 + 2 * 128 * 128 + 2 * 2 * 64 * 64) * 2
+stages, rows, keys = hopper_backward.STAGES[128], hopper_backward.QUERY_ROWS, hopper_backward.KEY_ROWS
+consumers = hopper_backward.NUM_CONSUMERS
+ring, kv_block, p_ds = stages * 2 * rows * 128, 2 * consumers * keys * 128, consumers * 2 * rows * keys
+smem_bwd = (ring + kv_block + p_ds) * 2  # 16-bit elements
 print(f"dK/dV program at d = 128: {smem_bwd // 1024} KB of shared memory ({stages} stages); "
       f"one program per SM ({SMEM_PER_PROGRAM // 1024} KB available)")  # fmt: skip
 assert smem_bwd <= SMEM_PER_PROGRAM

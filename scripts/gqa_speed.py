@@ -10,7 +10,8 @@ k, v repeated to H heads beforehand (the repeat itself not timed). Prints the ti
 a group (`attention.backward.dkdv_heads_per_program`, `dkdv_block_major`): one query head per program
 plus fp32 partial sums; two heads per program on chip plus partials of the pairs, head-major and
 block-major; the whole group on chip, head-major and block-major; and the same backward on repeated K/V.
---modes-only skips the forward + backward comparison.
+--modes-only skips the forward + backward comparison. Both time the Triton dK/dV kernel (on a Hopper GPU
+the backward runs the Gluon one where `attention.hopper_backward.choose` picks it).
 
 --tune: for every cell whose dK/dV programs sum several query heads on chip, time the backward alone
 with each of the dK/dV kernel's candidates (`configs.DKDV.candidates`; three interleaved passes, best
@@ -49,6 +50,9 @@ def fwd_bwd(q, k, v, causal):
 
 
 do_cache: dict = {}
+# The group-summing modes and --tune concern the Triton dK/dV kernel: keep it on a Hopper GPU too, where
+# the backward would otherwise run the Gluon one (`attention.hopper_backward.choose`).
+TRITON = {"hopper": False}
 
 
 BACKWARD_MODES = {  # name -> (query heads summed on chip: None = the whole group, block-major)
@@ -75,11 +79,11 @@ def backward_modes(group: int) -> None:
             o, lse = attention_forward(q, k_rep, v_rep, causal=True)
             times = {
                 "repeated K/V": benchmark(
-                    partial(attention_backward.backward, do, q, k_rep, v_rep, o, lse, True)
+                    partial(attention_backward.backward, do, q, k_rep, v_rep, o, lse, True, config=TRITON)
                 )
             }
             o, lse = attention_forward(q, k, v, causal=True)
-            grouped = partial(attention_backward.backward, do, q, k, v, o, lse, True)
+            grouped = partial(attention_backward.backward, do, q, k, v, o, lse, True, config=TRITON)
             for name, (on_chip, block_major) in BACKWARD_MODES.items():
                 if on_chip is not None and group % on_chip:
                     continue
@@ -107,7 +111,7 @@ def tune(group: int, passes: int = 3) -> None:
         k, v = (torch.randn(B, H // group, N, d, device="cuda", dtype=torch.bfloat16) for _ in "kv")
         do = torch.randn_like(q)
         o, lse = attention_forward(q, k, v, causal=causal)
-        run = partial(attention_backward.backward, do, q, k, v, o, lse, causal)
+        run = partial(attention_backward.backward, do, q, k, v, o, lse, causal, config=TRITON)
         shape = attention_backward.dkdv_shape_class(N, N, d, causal, q.dtype, False, on_chip)
         best: dict = {}
         for _ in range(passes):

@@ -28,7 +28,6 @@ dQ stays with the Triton dQ kernel, which runs first and also writes D = rowsum(
 
 from __future__ import annotations
 
-import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -41,12 +40,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .hopper import capability, descriptor, launch_options
+from . import hopper
+from .hopper import LOG2E, descriptor, launch_options
 from .launch import compile_in_background, wait_compiled
 
-LOG2E = 1.4426950408889634
-HEAD_DIMS = (64, 128)
-DTYPES = (torch.bfloat16, torch.float16)
 KEY_ROWS = 64  # keys per consumer warpgroup: one wgmma's M
 QUERY_ROWS = 64  # query rows per step
 KROWS = gl.constexpr(KEY_ROWS)
@@ -269,16 +266,10 @@ STAGES = {64: 2, 128: 2}  # Q, dO ring slots by head dim
 
 
 def supports(q4, k4, v4, do4) -> bool:
-    """Whether this kernel can take these (B, H, N, d) tensors: a Hopper GPU, bfloat16 or float16,
-    d in HEAD_DIMS, not empty, q, k, v, do contiguous at 16-byte aligned addresses (TMA)."""
-    if not (q4.is_cuda and capability(q4.device.index)[0] == 9):
-        return False
-    if q4.dtype not in DTYPES or q4.shape[-1] not in HEAD_DIMS or q4.numel() == 0 or k4.numel() == 0:
-        return False
-    return all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (q4, k4, v4, do4))
-
-
-_SEEN: set = set()  # launch keys compiled ahead once in this process
+    """Whether this kernel can take these (B, H, N, d) tensors: what the Gluon forward takes
+    (`hopper.supports`: a Hopper GPU, bfloat16 or float16, d in its head dims, contiguous, 16-byte
+    aligned), and dO contiguous and aligned too (its TMA descriptor)."""
+    return hopper.supports(q4, k4, v4) and do4.is_contiguous() and do4.data_ptr() % 16 == 0
 
 
 def _launch(q4, k4, v4, do4, l3, delta, dk4, dv4, offset: int, causal: bool, scale: float, warmup: bool):
@@ -315,12 +306,8 @@ def compile_ahead(q4, k4, v4, l3, delta, dk4, offset: int, causal: bool, scale: 
     """Compile what `dkdv` will launch for these shapes, in a background thread, once per process
     (`launch.compile_ahead`, which does this for the Triton kernels, says why). l3, delta, dk4 may be
     stand-ins on the meta device; q4 stands in for dO."""
-    key = _key(q4, k4, offset, causal)
-    if key in _SEEN:
-        return
-    _SEEN.add(key)
     args = (q4, k4, v4, q4, l3, delta, dk4, dk4, offset, causal, scale)
-    compile_in_background(key, lambda: _launch(*args, warmup=True))
+    compile_in_background(_key(q4, k4, offset, causal), lambda: _launch(*args, warmup=True))
 
 
 def choose(d: int, causal: bool, n_q: int, n_k: int, group: int) -> bool:

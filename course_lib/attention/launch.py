@@ -200,7 +200,6 @@ def compile_ahead(kernel, tuner, table: KernelConfigs, grid, args: tuple, meta: 
     config = chosen(table, shape)
     if config is None:
         return
-    _SEEN.add(name)
     stand_ins = tuple(a.dtype if isinstance(a, torch.Tensor) else a for a in args)  # a pointer's dtype only
     compile_in_background(
         name, lambda: kernel.warmup(*stand_ins, grid=grid(config), **meta, **config.kwargs())
@@ -208,11 +207,15 @@ def compile_ahead(kernel, tuner, table: KernelConfigs, grid, args: tuple, meta: 
 
 
 def compile_in_background(name, work) -> None:
-    """Run `work()` (a compilation) in a daemon thread, on the current GPU, registered under `name`:
-    `wait_compiled(name)` joins it before the launch that needs it. An error is swallowed: the launch
-    compiles again and reports it where it belongs. At exit the process waits for every compilation
-    still running: a thread stopped inside the compiler at interpreter shutdown aborts the process
-    ("exception not rethrown"), as a script that runs one forward and ends would otherwise see."""
+    """Run `work()` (a compilation) in a daemon thread, on the current GPU, registered under `name`,
+    once per name and process: `wait_compiled(name)` joins it before the launch that needs it. An error
+    is swallowed: the launch compiles again and reports it where it belongs. At exit the process waits
+    for every compilation still running: a thread stopped inside the compiler at interpreter shutdown
+    aborts the process ("exception not rethrown"), as a script that runs one forward and ends would
+    otherwise see."""
+    if name in _SEEN:
+        return
+    _SEEN.add(name)
     device = torch.cuda.current_device() if torch.cuda.is_available() else None
 
     def run():
