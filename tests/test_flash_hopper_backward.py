@@ -39,6 +39,15 @@ def test_choose():
     assert not hopper_backward.choose(64, True, 4096, 4096, 4)
 
 
+def test_heads_per_program():
+    """A whole group per program, except long non-causal rows: one query head each (partial sums)."""
+    assert hopper_backward.heads_per_program(4, False, 4096) == 1
+    assert hopper_backward.heads_per_program(8, False, 16384) == 1
+    assert hopper_backward.heads_per_program(4, False, 2048) == 4
+    assert hopper_backward.heads_per_program(4, True, 16384) == 4
+    assert hopper_backward.heads_per_program(1, False, 16384) == 1
+
+
 def test_cpu_never_takes_it():
     """Under the interpreter the backward has no Gluon path to take."""
     if course_lib.ON_GPU:
@@ -90,6 +99,31 @@ def test_gradients_match_reference(name, shape, n_k, kv_heads, causal, dtype, d,
         assert torch.isfinite(g).all(), f"{what}, {name}: not finite"
         assert_close_to_reference(g, r, b, what=f"{what}, {name}, d={d}, {dtype}")
     assert not bwd_mod._HOPPER_FAILED, bwd_mod._HOPPER_FAILED
+
+
+GROUPED = [c for c in CASES if c[3] < c[1][1]]  # the grouped- and multi-query cases
+
+
+@hopper_gpu
+@pytest.mark.parametrize("on_chip", (1, 2))
+@pytest.mark.parametrize("name,shape,n_k,kv_heads,causal", GROUPED, ids=[c[0] for c in GROUPED])
+def test_partial_sums_match_reference(name, shape, n_k, kv_heads, causal, on_chip, monkeypatch):
+    """Grouped-query attention with `on_chip` query heads per program (`heads_per_program`): each
+    program writes a partial dK, dV, added up afterwards; bf16, d = 128, against the float64 reference."""
+    monkeypatch.setattr(hopper_backward, "choose", lambda *a: True)
+    monkeypatch.setattr(hopper_backward, "heads_per_program", lambda group, causal, n_k: on_chip)
+    calls = _spy(monkeypatch)
+    torch.manual_seed(zlib.crc32(name.encode()) + on_chip)
+    q, k, v = random_qkv(shape[:3] + (128,), n_k, dtype=torch.bfloat16, device="cuda", kv_heads=kv_heads)
+    do = torch.randn_like(q)
+    o, lse = attention_forward(q, k, v, causal)
+    grads = bwd_mod.backward(do, q, k, v, o, lse, causal)
+    assert len(calls) == 1, f"{name}: the Gluon dK/dV kernel did not run"
+    q64, k64, v64, do64 = (t.cpu().double() for t in (q, k, v, do))
+    _, ref = reference_outputs(q64, k64, v64, causal, None, do64)
+    _, base = reference_outputs(q, k, v, causal, None, do)
+    for what, g, r, b in zip(("dq", "dk", "dv"), grads, ref, base):
+        assert_close_to_reference(g, r, b, what=f"{what}, {name}, {on_chip} heads per program")
 
 
 @hopper_gpu

@@ -24,7 +24,9 @@ blocks are masked (separate loop stages), as in the forward pass; `blocks.q_bloc
 `blocks.kv_block_range` say which. Grouped-query attention: a dK/dV program owns one block of one K/V
 head and loops over the GROUP query heads that share it, so dK and dV are summed over those heads on
 chip, with no atomics and no repeated K/V (causal programs walk all the heads' query blocks in one
-loop, `dkdv_one_loop`). Rows that saw no key (L = -inf) contribute nothing.
+loop, `dkdv_one_loop`); where that measured slower (`dkdv_heads_per_program`, and the Hopper kernel's
+`heads_per_program`), fewer heads per program write partial sums that `_group_sum_kernel` adds up.
+Rows that saw no key (L = -inf) contribute nothing.
 
 On a Hopper GPU, where `hopper_backward.choose` measured it faster (d = 128 mostly), the dK/dV kernel is
 instead FlashAttention-3's layout of it in Gluon (`hopper_backward`, notebook 08c): the Triton kernel
@@ -405,6 +407,27 @@ def _dq_kernel(
     tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=q_mask)
 
 
+@triton.jit
+def _group_sum_kernel(PK, PV, DK, DV, n_elements, SHARE: tl.constexpr, BLOCK: tl.constexpr):
+    """dK and dV of grouped-query attention from per-program partial sums: program (g, j, t) adds the
+    SHARE partials of elements j * BLOCK ... of K/V head g (batch included) of dK (t = 0) or dV (t = 1).
+    PK, PV (B * H_kv, SHARE, n_elements) and DK, DV (B * H_kv, n_elements), contiguous, n_elements =
+    N_K * d; the sum in fp32, one read of every partial and one write of the result."""
+    g = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n_elements
+    src, dst = PK, DK
+    if tl.program_id(2) == 1:
+        src, dst = PV, DV
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for s in tl.static_range(SHARE):
+        acc += tl.load(src + (g * SHARE + s) * n_elements + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(dst + g * n_elements + offs, acc.to(dst.dtype.element_ty), mask=mask)
+
+
+GROUP_SUM_BLOCK = {"cpu": 256, "gpu": 2048}  # elements per group-sum program
+
+
 _TUNE_KEY = ["N_BUCKET", "HEAD_DIM", "CAUSAL"]
 _dkdv_tuned = make_tuner(_dkdv_kernel, DKDV, key=_TUNE_KEY + ["ATOMIC", "GROUP"])
 # The atomic variant adds into DQ: the tuner must zero it before each timed run.
@@ -548,10 +571,13 @@ def _backward(do, q, k, v, o, L, alignment, scale, launch_cfg, switches, dq_mode
     dv = torch.empty(v.shape, dtype=v.dtype, device=where)
     dk4, dv4 = as_4d(dk), as_4d(dv)
     atomic = dq_mode == "atomic"
-    # the warp-specialised dK/dV kernel (Hopper), which sums every group on chip, or None
+    # the warp-specialised dK/dV kernel (Hopper), or None
     fixed_launch = launch_cfg is not None
     gluon = None if fixed_launch or atomic else _hopper_dkdv(q4, k4, v4, do4, causal, n_q, n_k, switches)
-    on_chip = group if gluon is not None else dkdv_heads_per_program(group, causal, n_k, d)
+    if gluon is not None:
+        on_chip = gluon.heads_per_program(group, causal, n_k)
+    else:
+        on_chip = dkdv_heads_per_program(group, causal, n_k, d)
     share = group // on_chip  # dK/dV programs per K/V head
     acc_dtype = accumulator_dtype(q.dtype)
     delta = torch.empty((B * H, n_q), dtype=acc_dtype, device=where)  # D, contiguous
@@ -573,8 +599,11 @@ def _backward(do, q, k, v, o, L, alignment, scale, launch_cfg, switches, dq_mode
     )  # fmt: skip
     q_meta = dict(common, FUSE_D=True)
     q_grid = lambda c: (triton.cdiv(n_q, c.block_m) * B * H,)
-    if share > 1:  # one partial dK, dV per program head (fp32), added up below
-        dk_out, dv_out = (torch.empty((B, H // on_chip, n_k, d), dtype=acc_dtype, device=where) for _ in "kv")
+    if share > 1:  # one partial dK, dV per program head, added up below
+        part_dtype = q.dtype if gluon is not None else acc_dtype
+        dk_out, dv_out = (
+            torch.empty((B, H // on_chip, n_k, d), dtype=part_dtype, device=where) for _ in "kv"
+        )
     else:
         dk_out, dv_out = dk4, dv4
     kv_args = (
@@ -600,7 +629,7 @@ def _backward(do, q, k, v, o, L, alignment, scale, launch_cfg, switches, dq_mode
             if gluon is None:
                 compile_ahead(_dkdv_kernel, kv_tuner, DKDV, kv_grid, kv_args, kv_meta, kv_shape)
             elif runtime.ON_GPU:
-                gluon.compile_ahead(q4, k4, v4, l3, delta, dk4, offset, causal, scale)
+                gluon.compile_ahead(q4, k4, v4, l3, delta, dk_out, offset, causal, scale)
             if compile_only:
                 compile_ahead(_dq_kernel, _dq_tuned, DQ, q_grid, q_args, q_meta, shape)
                 return None
@@ -620,7 +649,7 @@ def _backward(do, q, k, v, o, L, alignment, scale, launch_cfg, switches, dq_mode
                 *q_args, **q_meta, **teaching_hooks(switches, _DQ_HOOKS), BLOCK_M=bm, BLOCK_N=bn,
                 num_warps=fixed["num_warps"], num_stages=fixed["num_stages"],
             )  # fmt: skip
-        gluon_args = (q4, k4, v4, do4, l3, delta, dk4, dv4, offset, causal, scale)
+        gluon_args = (q4, k4, v4, do4, l3, delta, dk_out, dv_out, offset, causal, scale)
         if gluon is None or not run_gluon("dK/dV kernel", _HOPPER_FAILED, gluon.dkdv, *gluon_args):
             if launch_cfg is None:
                 launch(_dkdv_kernel, kv_tuner, DKDV, kv_grid, kv_args, kv_meta, kv_shape)
@@ -631,8 +660,11 @@ def _backward(do, q, k, v, o, L, alignment, scale, launch_cfg, switches, dq_mode
                     num_warps=fixed["num_warps"], num_stages=fixed["num_stages"],
                 )  # fmt: skip
     if share > 1:  # grouped-query attention: each K/V head's dK, dV is the sum of its `share` partials
-        dk4.copy_(dk_out.view(B, H_kv, share, n_k, d).sum(2))
-        dv4.copy_(dv_out.view(B, H_kv, share, n_k, d).sum(2))
+        block = GROUP_SUM_BLOCK["cpu" if runtime.INTERPRET else "gpu"]
+        with cuda_device(q):
+            _group_sum_kernel[(B * H_kv, triton.cdiv(n_k * d, block), 2)](
+                dk_out, dv_out, dk4, dv4, n_k * d, SHARE=share, BLOCK=block, num_warps=4
+            )
     if atomic:
         return dq_acc.to(q.dtype).view(q.shape), dk, dv
     return dq, dk, dv

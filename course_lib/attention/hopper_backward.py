@@ -19,7 +19,9 @@ as FlashAttention-3's backward does (Shah et al. 2024, section 3 and its code):
   dV += P^T dO and dK += dS^T Q (wgmma reads either orientation of a 16-bit shared-memory tile).
 
 Grouped-query attention: a program owns a block of one K/V head and walks the query blocks of every
-query head of its group in one loop, so dK and dV are summed over the group on chip. Causal (either
+query head of its group in one loop, so dK and dV are summed over the group on chip; or, for long
+non-causal rows (`heads_per_program`), each query head gets its own programs, which write 16-bit partial
+dK, dV that the backward adds up (`backward._group_sum_kernel`). Causal (either
 alignment): query blocks wholly before the keys are skipped, and only the diagonal ones are masked.
 
 dQ stays with the Triton dQ kernel, which runs first and also writes D = rowsum(dO * O)
@@ -97,14 +99,15 @@ def _producer(args, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_CONSUMER
     once both consumers have released it. Rows past a head's end are the next head's (or zeros past
     the tensor): P is 0 for query rows past N_Q, and keys past N_K are never stored."""
     (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, ready_bar, empty_bar,
-     H, GROUP, N_Q, N_K, OFFSET, num_n, BHKV) = args  # fmt: skip
+     H, GROUP, SHARE, N_Q, N_K, OFFSET, num_n, BHKV) = args  # fmt: skip
     CTA_N: gl.constexpr = KROWS * NUM_CONSUMERS
     bhk, n_blk = _program(num_n, BHKV, CAUSAL)
     n_start = n_blk * CTA_N
+    kv_row = (bhk // SHARE) * N_K + n_start  # batch * H_kv + K/V head: SHARE programs per K/V head
     mbarrier.expect(kv_bar, 2 * NUM_CONSUMERS * k_desc.block_type.nbytes)
     for c in gl.static_range(NUM_CONSUMERS):
-        tma.async_copy_global_to_shared(k_desc, [bhk * N_K + n_start + c * KROWS, 0], kv_bar, k_smem.index(c))
-        tma.async_copy_global_to_shared(v_desc, [bhk * N_K + n_start + c * KROWS, 0], kv_bar, v_smem.index(c))
+        tma.async_copy_global_to_shared(k_desc, [kv_row + c * KROWS, 0], kv_bar, k_smem.index(c))
+        tma.async_copy_global_to_shared(v_desc, [kv_row + c * KROWS, 0], kv_bar, v_smem.index(c))
     lo, mid, hi = _q_range(n_start, N_Q, OFFSET, CAUSAL, CTA_N)
     n_m = hi - lo
     first_head = (bhk // (H // GROUP)) * H + (bhk % (H // GROUP)) * GROUP  # batch * H + query head
@@ -122,11 +125,12 @@ def _producer(args, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_CONSUMER
 def _consumer(args, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr,
               NUM_CONSUMERS: gl.constexpr, WG: gl.constexpr):  # fmt: skip
     """Warpgroup WG: dK and dV of keys n_start + 64 WG ... + 63 (registers), summed over every query
-    block of every query head of the group, then stored (rows past N_K masked)."""
+    block of the program's GROUP query heads, then stored (rows past N_K masked)."""
     (q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, kv_bar, ready_bar, empty_bar,
      L, Dlt, DK, DV, qk_scale, sm_scale, stride_lb, stride_lh, stride_lm,
      stride_kb, stride_kh, stride_kn, H, GROUP, N_Q, N_K, OFFSET, num_n, BHKV) = args  # fmt: skip
     dtype: gl.constexpr = q_smem.dtype
+    out_dtype: gl.constexpr = DK.dtype.element_ty
     CTA_N: gl.constexpr = KROWS * NUM_CONSUMERS
     # Register layouts: the score tiles (64 query rows x 64 keys) and the accumulators (64 keys x d).
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -204,26 +208,28 @@ def _consumer(args, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl
     base = off_b.to(gl.int64) * stride_kb + off_kh.to(gl.int64) * stride_kh
     ptrs = base + gl.expand_dims(key_rows, 1) * stride_kn + gl.expand_dims(offs_d, 0)
     mask = gl.expand_dims(key_rows < N_K, 1)
-    gl.store(DK + ptrs, (dk * sm_scale).to(dtype), mask=mask)
-    gl.store(DV + ptrs, dv.to(dtype), mask=mask)
+    gl.store(DK + ptrs, (dk * sm_scale).to(out_dtype), mask=mask)
+    gl.store(DV + ptrs, dv.to(out_dtype), mask=mask)
 
 
 @gluon.jit
 def dkdv_ws_kernel(
     q_desc, do_desc, k_desc, v_desc, L, Dlt, DK, DV, qk_scale, sm_scale,
     stride_lb, stride_lh, stride_lm, stride_kb, stride_kh, stride_kn,
-    H, GROUP, N_Q, N_K, OFFSET, BHKV,
+    H, GROUP, SHARE, N_Q, N_K, OFFSET, BHKV,
     CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
     CONSUMER_REGS: gl.constexpr,
 ):  # fmt: skip
-    """dK, dV of one block of 64 * NUM_CONSUMERS keys of one (batch, K/V head), summed over the GROUP
-    query heads that share it.
+    """dK, dV of one block of 64 * NUM_CONSUMERS keys of one (batch, K/V head), summed over GROUP query
+    heads that share it: all of them (SHARE = 1), or one of the SHARE slices of GROUP heads each, whose
+    partial sums the caller adds up.
 
     q_desc, do_desc: TMA descriptors of Q, dO as (B*H*N_Q, d) matrices in blocks of (64, d); k_desc,
     v_desc: K, V as (B*H_kv*N_K, d) in blocks of (64, d). L (B, H, N_Q) float32 (natural log, strides
-    stride_l*); Dlt (B*H, N_Q) float32, contiguous. DK, DV (B, H_kv, N_K, d) with strides stride_k*
-    (unit last). qk_scale = scale * log2(e). Grid: cdiv(N_K, 64 * NUM_CONSUMERS) * BHKV programs,
-    launched with num_warps=4 (the kernel's own warps are consumer 0)."""
+    stride_l*); Dlt (B*H, N_Q) float32, contiguous. DK, DV (B, H // GROUP, N_K, d) with strides
+    stride_k* (unit last): dK, dV in K's dtype when SHARE = 1, else one fp32 partial per slice.
+    qk_scale = scale * log2(e). Grid: cdiv(N_K, 64 * NUM_CONSUMERS) * BHKV programs, BHKV =
+    B * H // GROUP, launched with num_warps=4 (the kernel's own warps are consumer 0)."""
     dtype: gl.constexpr = q_desc.dtype
     CTA_N: gl.constexpr = KROWS * NUM_CONSUMERS
     num_n = gl.cdiv(N_K, CTA_N)
@@ -247,7 +253,7 @@ def dkdv_ws_kernel(
               L, Dlt, DK, DV, qk_scale, sm_scale, stride_lb, stride_lh, stride_lm,
               stride_kb, stride_kh, stride_kn, H, GROUP, N_Q, N_K, OFFSET, num_n, BHKV)  # fmt: skip
     loads = (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, ready_bar, empty_bar,
-             H, GROUP, N_Q, N_K, OFFSET, num_n, BHKV)  # fmt: skip
+             H, GROUP, SHARE, N_Q, N_K, OFFSET, num_n, BHKV)  # fmt: skip
     gl.warp_specialize(
         [
             (_consumer, (shared, CAUSAL, HEAD_DIM, NUM_STAGES, NUM_CONSUMERS, 0)),
@@ -274,8 +280,10 @@ def supports(q4, k4, v4, do4) -> bool:
 
 def _launch(q4, k4, v4, do4, l3, delta, dk4, dv4, offset: int, causal: bool, scale: float, warmup: bool):
     B, H, n_q, d = q4.shape
-    h_kv, n_k = k4.shape[1], k4.shape[2]
-    grid = (triton.cdiv(n_k, KEY_ROWS * NUM_CONSUMERS) * B * h_kv,)
+    n_k = k4.shape[2]
+    slices = dk4.shape[1]  # K/V heads, or SHARE slices of each (fp32 partials)
+    share = slices // k4.shape[1]
+    grid = (triton.cdiv(n_k, KEY_ROWS * NUM_CONSUMERS) * B * slices,)
     kernel = dkdv_ws_kernel.warmup if warmup else dkdv_ws_kernel[grid]
     extra = {"grid": grid} if warmup else {}
     kernel(
@@ -283,31 +291,43 @@ def _launch(q4, k4, v4, do4, l3, delta, dk4, dv4, offset: int, causal: bool, sca
         descriptor(k4, KEY_ROWS), descriptor(v4, KEY_ROWS),
         l3, delta, dk4, dv4, scale * LOG2E, scale,
         l3.stride(0), l3.stride(1), l3.stride(2), dk4.stride(0), dk4.stride(1), dk4.stride(2),
-        H, H // h_kv, n_q, n_k, offset, B * h_kv,
+        H, H // slices, share, n_q, n_k, offset, B * slices,
         CAUSAL=causal, HEAD_DIM=d, NUM_STAGES=STAGES[d], NUM_CONSUMERS=NUM_CONSUMERS,
         **launch_options(NUM_CONSUMERS), **extra,
     )  # fmt: skip
 
 
-def _key(q4, k4, offset: int, causal: bool) -> tuple:
-    return ("dK/dV (Gluon)", tuple(q4.shape), tuple(k4.shape), q4.dtype, offset, causal)
+def _key(q4, k4, dk4, offset: int, causal: bool) -> tuple:
+    return (
+        "dK/dV (Gluon)",
+        tuple(q4.shape),
+        tuple(k4.shape),
+        tuple(dk4.shape),
+        dk4.dtype,
+        q4.dtype,
+        offset,
+        causal,
+    )
 
 
 def dkdv(q4, k4, v4, do4, l3, delta, dk4, dv4, offset: int, causal: bool, scale: float) -> None:
     """Write dK, dV into dk4, dv4 (B, H_kv, N_K, d, contiguous) for q4, do4 (B, H, N_Q, d) and k4, v4
     (B, H_kv, N_K, d) that pass `supports`; l3 (B, H, N_Q) float32 is the forward's L, delta
     (B*H, N_Q) float32 contiguous holds D = rowsum(dO * O); offset: the causal alignment's
-    `checks.causal_offset`. The caller makes q4's GPU current."""
-    wait_compiled(_key(q4, k4, offset, causal))  # compiled ahead (`compile_ahead`): not twice
+    `checks.causal_offset`. The caller makes q4's GPU current.
+
+    dk4, dv4 may instead be fp32 (B, H_kv * share, N_K, d): the `share` partial sums of each K/V head,
+    each over H / (H_kv * share) of its query heads (`heads_per_program`), for the caller to add."""
+    wait_compiled(_key(q4, k4, dk4, offset, causal))  # compiled ahead (`compile_ahead`): not twice
     _launch(q4, k4, v4, do4, l3, delta, dk4, dv4, offset, causal, scale, warmup=False)
 
 
 def compile_ahead(q4, k4, v4, l3, delta, dk4, offset: int, causal: bool, scale: float) -> None:
     """Compile what `dkdv` will launch for these shapes, in a background thread, once per process
     (`launch.compile_ahead`, which does this for the Triton kernels, says why). l3, delta, dk4 may be
-    stand-ins on the meta device; q4 stands in for dO."""
+    stand-ins on the meta device (dk4: the output, or its fp32 partials); q4 stands in for dO."""
     args = (q4, k4, v4, q4, l3, delta, dk4, dk4, offset, causal, scale)
-    compile_in_background(_key(q4, k4, offset, causal), lambda: _launch(*args, warmup=True))
+    compile_in_background(_key(q4, k4, dk4, offset, causal), lambda: _launch(*args, warmup=True))
 
 
 def choose(d: int, causal: bool, n_q: int, n_k: int, group: int) -> bool:
@@ -322,3 +342,18 @@ def choose(d: int, causal: bool, n_q: int, n_k: int, group: int) -> bool:
     if d == 128:
         return not (causal and n_k <= 1024)
     return d == 64 and causal and group > 1 and n_k >= 8192
+
+
+def heads_per_program(group: int, causal: bool, n_k: int) -> int:
+    """How many of the `group` query heads that share a K/V head one program sums on chip: all of them
+    (dK, dV written once), except non-causal rows of 4096 keys or more, where each query head gets its
+    own programs, as on repeated K/V: they write partial dK, dV (16-bit) that `backward._group_sum_kernel`
+    adds up. A program that walks a whole group runs `group` times longer, and the programs of a K/V
+    head drift apart over it: measured on an H200 (bf16, d = 128, 4 query heads per K/V head, B x N =
+    16k tokens, forward + backward against the same call on repeated K/V, best of three passes), whole
+    group / one head per program: 1k 1.004x / 0.948x, 2k 1.003x / 0.994x, 4k 0.970x / 0.999x,
+    8k 0.970x / 1.001x, 16k 0.968x / 0.990x; causal programs, whose work falls with the key block and
+    which start block-major, stay whole (4k-16k: 1.025-1.093x / 0.996-1.007x)."""
+    if not causal and n_k >= 4096:
+        return 1
+    return group
