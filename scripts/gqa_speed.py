@@ -2,7 +2,9 @@
 
 For every cell of `make bench`'s grid (course_lib.bench.shapes.standard_cells) with 4x fewer K/V heads
 than query heads: course_lib.flash_attention(q, k, v) with k, v of H/4 heads, against the same call with
-k, v repeated to H heads beforehand (the repeat itself not timed). Prints the time of each and their ratio.
+k, v repeated to H heads beforehand (the repeat itself not timed). Prints the median time of each over
+--passes timings, taken in alternating order (the GPU's clock drifts by 1-2 % over a run), their ratio,
+and the ratio of each pass.
 
     COURSE_DEVICE=cuda python3 scripts/gqa_speed.py [--out file.json]
 
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 from functools import partial
 
 import torch
@@ -138,6 +141,9 @@ def main() -> int:
     parser.add_argument("--backward-modes", action="store_true", help="also compare the group-summing modes")
     parser.add_argument("--modes-only", action="store_true", help="only the group-summing modes")
     parser.add_argument("--tune", action="store_true", help="record the fastest grouped dK/dV launches first")
+    parser.add_argument(
+        "--passes", type=int, default=4, help="timings of each call per cell, in alternating order"
+    )
     args = parser.parse_args()
     if args.tune:
         tune(args.group)
@@ -154,14 +160,20 @@ def main() -> int:
         )
         k_rep, v_rep = (t.detach().repeat_interleave(args.group, 1).requires_grad_(True) for t in (k, v))
         do_cache[q.shape] = torch.randn_like(q)
-        gqa = benchmark(fwd_bwd(q, k, v, causal))
-        rep = benchmark(fwd_bwd(q, k_rep, v_rep, causal))
+        calls = {"gqa": fwd_bwd(q, k, v, causal), "rep": fwd_bwd(q, k_rep, v_rep, causal)}
+        times = {"gqa": [], "rep": []}
+        for i in range(args.passes):  # the GPU's clock drifts over a run: each call goes first in turn
+            for name in ("gqa", "rep") if i % 2 == 0 else ("rep", "gqa"):
+                times[name].append(benchmark(calls[name]))
+        gqa, rep = statistics.median(times["gqa"]), statistics.median(times["rep"])
         rows.append(dict(cell, hkv=hkv, gqa_ms=gqa, repeated_ms=rep, ratio=rep / gqa))
+        spread = ", ".join(f"{r / g:.3f}" for g, r in zip(times["gqa"], times["rep"]))
         print(
-            f"d={d} causal={causal!s:5} N={N:5}: GQA {gqa:.3f} ms, repeated K/V {rep:.3f} ms, {rep / gqa:.2f}x"
+            f"d={d} causal={causal!s:5} N={N:5}: GQA {gqa:.3f} ms, repeated K/V {rep:.3f} ms, {rep / gqa:.3f}x"
+            f" (passes: {spread})"
         )
     low, geomean = summarise(r["ratio"] for r in rows)
-    print(f"repeated / GQA time: min {low:.2f}x, geomean {geomean:.2f}x")
+    print(f"repeated / GQA time (medians of {args.passes} passes): min {low:.3f}x, geomean {geomean:.3f}x")
     if args.backward_modes:
         backward_modes(args.group)
     if args.out:

@@ -68,18 +68,19 @@ def test_gqa_and_alignments_match_reference(group, n_q, n_k, causal, dtype):
     _check(q, k, v, causal, f"GQA {group}:1, Nq={n_q}, Nk={n_k}, causal={causal}, {dtype}")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("on_chip", [1, 2])
 @pytest.mark.parametrize("causal", [True, "bottom_right", False])
-def test_gqa_partial_sums_match_reference(on_chip, causal, monkeypatch):
+def test_gqa_partial_sums_match_reference(on_chip, causal, dtype, monkeypatch):
     """The backward's other way to sum a group of 4 query heads into dK, dV (`backward.
-    dkdv_heads_per_program` < group, as for head dims <= 64 beyond 4096 keys): 1 or 2 heads per program, their fp32
-    partial sums added afterwards."""
+    dkdv_heads_per_program` < group, as for head dims <= 64 beyond 4096 keys): 1 or 2 heads per program, their
+    fp32 partial sums added afterwards by `_group_sum_kernel`."""
     import importlib
 
     bwd = importlib.import_module("course_lib.attention.backward")
     monkeypatch.setattr(bwd, "dkdv_heads_per_program", lambda group, causal, n_k, d: on_chip)
-    q, k, v = _qkv(2, 8, 2, 37, 70, 32, torch.float32, seed=11)
-    _check(q, k, v, causal, f"GQA 4:1 summed {on_chip} per program, causal={causal}")
+    q, k, v = _qkv(2, 8, 2, 37, 70, 32, dtype, seed=11)
+    _check(q, k, v, causal, f"GQA 4:1 summed {on_chip} per program, causal={causal}, {dtype}")
 
 
 def test_gqa_equals_repeated_kv():

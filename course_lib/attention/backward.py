@@ -489,16 +489,20 @@ def dkdv_heads_per_program(group: int, causal: bool, n_k: int, head_dim: int) ->
 
     All of them (one program per K/V head and key block; causal ones block-major, `dkdv_block_major`,
     and walking the heads in one loop, `dkdv_one_loop`), except for head dims of 64 and less beyond
-    4096 keys: there each query head gets its own program, as on repeated K/V, and the `group` partial
-    dK, dV (fp32) are added afterwards. K/V are still read, not copied, but the partials cost a write
-    and a read of 4 bytes per element and query head; in exchange there are `group` times more, shorter
+    4096 keys (non-causal: from 4096): there each query head gets its own program, as on repeated K/V,
+    and the `group` partial dK, dV (fp32) are added afterwards (`_group_sum_kernel`). K/V are still
+    read, not copied, but the partials cost a write and a read of 4 bytes per element and query head
+    (16-bit partials, half of that, were measured less accurate than plain PyTorch's sum over repeated
+    K/V in a bf16 test: twice its error plus the floor was exceeded); in exchange there are `group` times more, shorter
     programs, which balance better over the SMs. Measured on an H200 (bf16, 4 query heads per K/V head,
-    B x N = 16k tokens, backward alone, three passes, best us, on chip / partials; repeated K/V):
+    B x N = 16k tokens, backward alone, three passes, best us, on chip / fp32 partials; repeated K/V):
     causal d = 64: 4k 2387 / 2458 (2310), 8k 4638 / 4539 (4551), 16k 9074 / 8598 (8795); causal
     d = 128: 4k 1997 / 2209 (2102), 8k 3585 / 3809 (3789), 16k 6900 / 7048 (7196); non-causal d = 64,
     16k: 15480 / 15045 (14935), d = 128, 4k: 3702 / 3853 (3557). Up to 2k keys on chip won every cell
-    (notes/performance.md)."""
-    if head_dim <= 64 and n_k > 4096:
+    (notes/performance.md). Since the partials are added by one Triton kernel, non-causal d = 64 at 4k
+    keys joined them (forward + backward against repeated K/V, medians of four alternating passes:
+    on chip 0.976x, partials 1.005x; at 2k 0.986x / 0.972x)."""
+    if head_dim <= 64 and (n_k > 4096 or (not causal and n_k == 4096)):
         return 1
     return group
 
@@ -599,11 +603,8 @@ def _backward(do, q, k, v, o, L, alignment, scale, launch_cfg, switches, dq_mode
     )  # fmt: skip
     q_meta = dict(common, FUSE_D=True)
     q_grid = lambda c: (triton.cdiv(n_q, c.block_m) * B * H,)
-    if share > 1:  # one partial dK, dV per program head, added up below
-        part_dtype = q.dtype if gluon is not None else acc_dtype
-        dk_out, dv_out = (
-            torch.empty((B, H // on_chip, n_k, d), dtype=part_dtype, device=where) for _ in "kv"
-        )
+    if share > 1:  # one partial dK, dV per program head (fp32), added up below
+        dk_out, dv_out = (torch.empty((B, H // on_chip, n_k, d), dtype=acc_dtype, device=where) for _ in "kv")
     else:
         dk_out, dv_out = dk4, dv4
     kv_args = (

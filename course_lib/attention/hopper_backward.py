@@ -20,7 +20,7 @@ as FlashAttention-3's backward does (Shah et al. 2024, section 3 and its code):
 
 Grouped-query attention: a program owns a block of one K/V head and walks the query blocks of every
 query head of its group in one loop, so dK and dV are summed over the group on chip; or, for long
-non-causal rows (`heads_per_program`), each query head gets its own programs, which write 16-bit partial
+non-causal rows (`heads_per_program`), each query head gets its own programs, which write fp32 partial
 dK, dV that the backward adds up (`backward._group_sum_kernel`). Causal (either
 alignment): query blocks wholly before the keys are skipped, and only the diagonal ones are masked.
 
@@ -347,13 +347,13 @@ def choose(d: int, causal: bool, n_q: int, n_k: int, group: int) -> bool:
 def heads_per_program(group: int, causal: bool, n_k: int) -> int:
     """How many of the `group` query heads that share a K/V head one program sums on chip: all of them
     (dK, dV written once), except non-causal rows of 4096 keys or more, where each query head gets its
-    own programs, as on repeated K/V: they write partial dK, dV (16-bit) that `backward._group_sum_kernel`
-    adds up. A program that walks a whole group runs `group` times longer, and the programs of a K/V
-    head drift apart over it: measured on an H200 (bf16, d = 128, 4 query heads per K/V head, B x N =
+    own programs, as on repeated K/V: they write partial dK, dV (fp32) that `backward._group_sum_kernel`
+    adds up. A program that walks a whole group runs `group` times longer, and its L2 hit rate was lower
+    (85 % against 92 % at 8k keys; notes/performance.md, "Tenth round"). Measured on an H200 (bf16, d = 128, 4 query heads per K/V head, B x N =
     16k tokens, forward + backward against the same call on repeated K/V, best of three passes), whole
-    group / one head per program: 1k 1.004x / 0.948x, 2k 1.003x / 0.994x, 4k 0.970x / 0.999x,
-    8k 0.970x / 1.001x, 16k 0.968x / 0.990x; causal programs, whose work falls with the key block and
-    which start block-major, stay whole (4k-16k: 1.025-1.093x / 0.996-1.007x)."""
+    group / one head per program: 1k 1.013x / 0.949x, 2k 1.006x / 0.988x, 4k 0.984x / 1.011x, 8k
+    0.961x / 0.994x, 16k 0.973x / 0.995x. Causal programs, whose work falls with the key block and which
+    run block-major, stay whole (4k-16k: 1.020-1.094x / 0.990-1.003x)."""
     if not causal and n_k >= 4096:
         return 1
     return group
