@@ -348,12 +348,13 @@ def heads_per_program(group: int, causal: bool, n_k: int) -> int:
     """How many of the `group` query heads that share a K/V head one program sums on chip: all of them
     (dK, dV written once), except non-causal rows of 4096 keys or more, where each query head gets its
     own programs, as on repeated K/V: they write partial dK, dV (fp32) that `backward._group_sum_kernel`
-    adds up. A program that walks a whole group runs `group` times longer, and its L2 hit rate was lower
-    (85 % against 92 % at 8k keys; notes/performance.md, "Tenth round"). Measured on an H200 (bf16, d = 128, 4 query heads per K/V head, B x N =
-    16k tokens, forward + backward against the same call on repeated K/V, best of three passes), whole
-    group / one head per program: 1k 1.013x / 0.949x, 2k 1.006x / 0.988x, 4k 0.984x / 1.011x, 8k
-    0.961x / 0.994x, 16k 0.973x / 0.995x. Causal programs, whose work falls with the key block and which
-    run block-major, stay whole (4k-16k: 1.020-1.094x / 0.990-1.003x)."""
+    adds up. A program that walks a whole group runs `group` times longer, and its L2 hit rate was
+    lower (85 % against 92 % at 8k keys; notes/performance.md, "Tenth round"). Measured on an H200
+    (bf16, d = 128, 4 query heads per K/V head, B x N = 16k tokens, forward + backward against the same
+    call on repeated K/V, best of three passes), whole group / one head per program: 1k 1.013x /
+    0.949x, 2k 1.006x / 0.988x, 4k 0.984x / 1.011x, 8k 0.961x / 0.994x, 16k 0.973x / 0.995x. Causal
+    programs, whose work falls with the key block and which run block-major, stay whole (4k-16k:
+    1.020-1.094x / 0.990-1.003x)."""
     if not causal and n_k >= 4096:
         return 1
     return group
