@@ -159,7 +159,9 @@ for g_c, g_e in zip(grads_compiled, grads_eager):
 #
 # The easy way to run it is to repeat K and V G times and call ordinary attention. The kernels instead
 # compute each query head's K/V head index and read the shared tiles directly: nothing is copied, and in
-# the backward dK and dV add up the contributions of the G query heads that share them.
+# the backward dK and dV add up the contributions of the G query heads that share them: on chip, one
+# program walking the whole group, or, for long rows where that measured slower, one program per query
+# head writing an fp32 partial sum that a small kernel then adds (`backward.dkdv_heads_per_program`).
 
 # %%
 q, k, v = (torch.randn(B, h, N, D, device=DEV, dtype=DTYPE) for h in (HQ, HKV, HKV))
