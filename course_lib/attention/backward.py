@@ -49,7 +49,15 @@ from .blocks import LOG2E, kv_block_range, load_rows, program_block, q_block_ran
 from .configs import DKDV, DQ, PREPROCESS_BLOCK_M, split_config, teaching_hooks
 from .forward import hopper_kernels, run_gluon
 from .inputs import as_4d, check_inputs, kernel_flags, strides4
-from .launch import compile_ahead, cuda_device, launch, make_tuner, n_bucket
+from .launch import (
+    compile_ahead,
+    compile_in_background,
+    cuda_device,
+    launch,
+    make_tuner,
+    n_bucket,
+    wait_compiled,
+)
 
 DQ_MODES = ("two_kernel", "atomic")
 
@@ -623,6 +631,10 @@ def _backward(do, q, k, v, o, L, alignment, scale, launch_cfg, switches, dq_mode
     kv_grid = lambda c: (triton.cdiv(n_k, c.block_n) * B * (H // on_chip),)
     kv_shape = dkdv_shape_class(n_q, n_k, d, causal, q.dtype, atomic, on_chip)
     kv_tuner = _dkdv_atomic_tuned if atomic else _dkdv_tuned
+    sum_block = GROUP_SUM_BLOCK["cpu" if runtime.INTERPRET else "gpu"]
+    sum_args = (dk_out, dv_out, dk4, dv4, n_k * d)
+    sum_meta = dict(SHARE=share, BLOCK=sum_block, num_warps=4)
+    sum_name = ("group sum", share, acc_dtype, q.dtype)  # what its compilation depends on
 
     with cuda_device(q):
         if launch_cfg is None and not atomic:
@@ -633,6 +645,11 @@ def _backward(do, q, k, v, o, L, alignment, scale, launch_cfg, switches, dq_mode
                 gluon.compile_ahead(q4, k4, v4, l3, delta, dk_out, offset, causal, scale)
             if compile_only:
                 compile_ahead(_dq_kernel, _dq_tuned, DQ, q_grid, q_args, q_meta, shape)
+                if share > 1 and runtime.ON_GPU:
+                    types = tuple(a.dtype if isinstance(a, torch.Tensor) else a for a in sum_args)
+                    compile_in_background(
+                        sum_name, lambda: _group_sum_kernel.warmup(*types, grid=(1,), **sum_meta)
+                    )
                 return None
         if atomic:
             pre_m = PREPROCESS_BLOCK_M["cpu" if runtime.INTERPRET else "gpu"]
@@ -661,11 +678,9 @@ def _backward(do, q, k, v, o, L, alignment, scale, launch_cfg, switches, dq_mode
                     num_warps=fixed["num_warps"], num_stages=fixed["num_stages"],
                 )  # fmt: skip
     if share > 1:  # grouped-query attention: each K/V head's dK, dV is the sum of its `share` partials
-        block = GROUP_SUM_BLOCK["cpu" if runtime.INTERPRET else "gpu"]
+        wait_compiled(sum_name)  # compiled ahead during the forward, if it was
         with cuda_device(q):
-            _group_sum_kernel[(B * H_kv, triton.cdiv(n_k * d, block), 2)](
-                dk_out, dv_out, dk4, dv4, n_k * d, SHARE=share, BLOCK=block, num_warps=4
-            )
+            _group_sum_kernel[(B * H_kv, triton.cdiv(n_k * d, sum_block), 2)](*sum_args, **sum_meta)
     if atomic:
         return dq_acc.to(q.dtype).view(q.shape), dk, dv
     return dq, dk, dv
