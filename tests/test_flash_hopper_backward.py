@@ -79,14 +79,12 @@ def _spy(monkeypatch) -> list:
     return calls
 
 
-@hopper_gpu
-@pytest.mark.parametrize("d", (64, 128))
-@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=("bf16", "fp16"))
-@pytest.mark.parametrize("name,shape,n_k,kv_heads,causal", CASES, ids=[c[0] for c in CASES])
-def test_gradients_match_reference(name, shape, n_k, kv_heads, causal, dtype, d, monkeypatch):
+def _check_gluon_gradients(monkeypatch, name, shape, n_k, kv_heads, causal, dtype, d, seed, what):
+    """dQ, dK, dV of `backward.backward` with the Gluon dK/dV kernel forced on (it must run once)
+    against the float64 reference, within the bound plain PyTorch in `dtype` sets."""
     monkeypatch.setattr(hopper_backward, "choose", lambda *a: True)
     calls = _spy(monkeypatch)
-    torch.manual_seed(zlib.crc32(name.encode()) + d)
+    torch.manual_seed(zlib.crc32(name.encode()) + seed)
     q, k, v = random_qkv(shape[:3] + (d,), n_k, dtype=dtype, device="cuda", kv_heads=kv_heads)
     do = torch.randn_like(q)
     o, lse = attention_forward(q, k, v, causal)
@@ -95,10 +93,18 @@ def test_gradients_match_reference(name, shape, n_k, kv_heads, causal, dtype, d,
     q64, k64, v64, do64 = (t.cpu().double() for t in (q, k, v, do))
     _, ref = reference_outputs(q64, k64, v64, causal, None, do64)
     _, base = reference_outputs(q, k, v, causal, None, do)
-    for what, g, r, b in zip(("dq", "dk", "dv"), grads, ref, base):
-        assert torch.isfinite(g).all(), f"{what}, {name}: not finite"
-        assert_close_to_reference(g, r, b, what=f"{what}, {name}, d={d}, {dtype}")
+    for grad, g, r, b in zip(("dq", "dk", "dv"), grads, ref, base):
+        assert torch.isfinite(g).all(), f"{grad}, {name}: not finite"
+        assert_close_to_reference(g, r, b, what=f"{grad}, {name}, {what}")
     assert not bwd_mod._HOPPER_FAILED, bwd_mod._HOPPER_FAILED
+
+
+@hopper_gpu
+@pytest.mark.parametrize("d", (64, 128))
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=("bf16", "fp16"))
+@pytest.mark.parametrize("name,shape,n_k,kv_heads,causal", CASES, ids=[c[0] for c in CASES])
+def test_gradients_match_reference(name, shape, n_k, kv_heads, causal, dtype, d, monkeypatch):
+    _check_gluon_gradients(monkeypatch, name, shape, n_k, kv_heads, causal, dtype, d, d, f"d={d}, {dtype}")
 
 
 GROUPED = [c for c in CASES if c[3] < c[1][1]]  # the grouped- and multi-query cases
@@ -110,20 +116,11 @@ GROUPED = [c for c in CASES if c[3] < c[1][1]]  # the grouped- and multi-query c
 def test_partial_sums_match_reference(name, shape, n_k, kv_heads, causal, on_chip, monkeypatch):
     """Grouped-query attention with `on_chip` query heads per program (`heads_per_program`): each
     program writes a partial dK, dV, added up afterwards; bf16, d = 128, against the float64 reference."""
-    monkeypatch.setattr(hopper_backward, "choose", lambda *a: True)
     monkeypatch.setattr(hopper_backward, "heads_per_program", lambda group, causal, n_k: on_chip)
-    calls = _spy(monkeypatch)
-    torch.manual_seed(zlib.crc32(name.encode()) + on_chip)
-    q, k, v = random_qkv(shape[:3] + (128,), n_k, dtype=torch.bfloat16, device="cuda", kv_heads=kv_heads)
-    do = torch.randn_like(q)
-    o, lse = attention_forward(q, k, v, causal)
-    grads = bwd_mod.backward(do, q, k, v, o, lse, causal)
-    assert len(calls) == 1, f"{name}: the Gluon dK/dV kernel did not run"
-    q64, k64, v64, do64 = (t.cpu().double() for t in (q, k, v, do))
-    _, ref = reference_outputs(q64, k64, v64, causal, None, do64)
-    _, base = reference_outputs(q, k, v, causal, None, do)
-    for what, g, r, b in zip(("dq", "dk", "dv"), grads, ref, base):
-        assert_close_to_reference(g, r, b, what=f"{what}, {name}, {on_chip} heads per program")
+    what = f"{on_chip} heads per program"
+    _check_gluon_gradients(
+        monkeypatch, name, shape, n_k, kv_heads, causal, torch.bfloat16, 128, on_chip, what
+    )
 
 
 @hopper_gpu
