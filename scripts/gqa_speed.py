@@ -3,7 +3,7 @@
 For every cell of `make bench`'s grid (course_lib.bench.shapes.standard_cells) with 4x fewer K/V heads
 than query heads: course_lib.flash_attention(q, k, v) with k, v of H/4 heads, against the same call with
 k, v repeated to H heads beforehand (the repeat itself not timed). Prints the median time of each over
---passes timings, taken in alternating order (the GPU's clock drifts by 1-2 % over a run), their ratio,
+--passes timings, taken in alternating order (single timings vary by 1-2 % over a run), their ratio,
 and the ratio of each pass.
 
     COURSE_DEVICE=cuda python3 scripts/gqa_speed.py [--out file.json]
