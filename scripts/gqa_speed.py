@@ -162,7 +162,7 @@ def main() -> int:
         do_cache[q.shape] = torch.randn_like(q)
         calls = {"gqa": fwd_bwd(q, k, v, causal), "rep": fwd_bwd(q, k_rep, v_rep, causal)}
         times = {"gqa": [], "rep": []}
-        for i in range(args.passes):  # the GPU's clock drifts over a run: each call goes first in turn
+        for i in range(args.passes):  # timings vary by 1-2 % over a run: each call goes first in turn
             for name in ("gqa", "rep") if i % 2 == 0 else ("rep", "gqa"):
                 times[name].append(benchmark(calls[name]))
         gqa, rep = statistics.median(times["gqa"]), statistics.median(times["rep"])
