@@ -500,9 +500,9 @@ def dkdv_heads_per_program(group: int, causal: bool, n_k: int, head_dim: int) ->
     4096 keys (non-causal: from 4096): there each query head gets its own program, as on repeated K/V,
     and the `group` partial dK, dV (fp32) are added afterwards (`_group_sum_kernel`). K/V are still
     read, not copied, but the partials cost a write and a read of 4 bytes per element and query head
-    (16-bit partials, half of that, were measured less accurate than plain PyTorch's sum over repeated
-    K/V in a bf16 test: twice its error plus the floor was exceeded); in exchange there are `group` times more, shorter
-    programs, which balance better over the SMs. Measured on an H200 (bf16, 4 query heads per K/V head,
+    (16-bit partials, half of that, exceeded a bf16 test's bound: twice plain PyTorch's error over
+    repeated K/V, plus the floor); in exchange there are `group` times more, shorter programs, which
+    balance better over the SMs. Measured on an H200 (bf16, 4 query heads per K/V head,
     B x N = 16k tokens, backward alone, three passes, best us, on chip / fp32 partials; repeated K/V):
     causal d = 64: 4k 2387 / 2458 (2310), 8k 4638 / 4539 (4551), 16k 9074 / 8598 (8795); causal
     d = 128: 4k 1997 / 2209 (2102), 8k 3585 / 3809 (3789), 16k 6900 / 7048 (7196); non-causal d = 64,
