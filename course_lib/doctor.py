@@ -93,14 +93,14 @@ def report() -> list[tuple[str, str]]:
                 f"allow_tf32={torch.backends.cuda.matmul.allow_tf32}, "
                 f"float32_matmul_precision={torch.get_float32_matmul_precision()!r}",
             ),
-            ("Hopper kernels", _hopper_forward(p.major)),
+            ("Hopper kernels", _hopper_kernels(p.major)),
         ]
     else:
         rows.append(("GPU", "none — CPU, Triton interpreter; GPU figures in the notebooks are recorded runs"))
     return rows
 
 
-def _hopper_forward(major: int) -> str:
+def _hopper_kernels(major: int) -> str:
     """Whether `flash_attention` can use the warp-specialised Gluon kernels (forward, dK/dV) here."""
     if major != 9:
         return "no (not a Hopper GPU): the Triton kernel everywhere"

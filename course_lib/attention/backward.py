@@ -51,7 +51,7 @@ from .forward import hopper_kernels, run_gluon
 from .inputs import as_4d, check_inputs, kernel_flags, strides4
 from .launch import (
     compile_ahead,
-    compile_in_background,
+    compile_kernel_ahead,
     cuda_device,
     launch,
     make_tuner,
@@ -645,11 +645,8 @@ def _backward(do, q, k, v, o, L, alignment, scale, launch_cfg, switches, dq_mode
                 gluon.compile_ahead(q4, k4, v4, l3, delta, dk_out, offset, causal, scale)
             if compile_only:
                 compile_ahead(_dq_kernel, _dq_tuned, DQ, q_grid, q_args, q_meta, shape)
-                if share > 1 and runtime.ON_GPU:
-                    types = tuple(a.dtype if isinstance(a, torch.Tensor) else a for a in sum_args)
-                    compile_in_background(
-                        sum_name, lambda: _group_sum_kernel.warmup(*types, grid=(1,), **sum_meta)
-                    )
+                if share > 1:
+                    compile_kernel_ahead(sum_name, _group_sum_kernel, (1,), sum_args, sum_meta)
                 return None
         if atomic:
             pre_m = PREPROCESS_BLOCK_M["cpu" if runtime.INTERPRET else "gpu"]

@@ -200,10 +200,18 @@ def compile_ahead(kernel, tuner, table: KernelConfigs, grid, args: tuple, meta: 
     config = chosen(table, shape)
     if config is None:
         return
+    compile_kernel_ahead(name, kernel, grid(config), args, dict(meta, **config.kwargs()))
+
+
+def compile_kernel_ahead(name, kernel, grid: tuple, args: tuple, meta: dict) -> None:
+    """Compile the launch `kernel[grid](*args, **meta)` in the background (`compile_in_background`,
+    under `name`), without running it: GPU only. Only the argument types and the integers' values
+    matter to what is compiled, so a tensor is passed as its dtype (it may be a stand-in on the meta
+    device)."""
+    if not runtime.ON_GPU:
+        return
     stand_ins = tuple(a.dtype if isinstance(a, torch.Tensor) else a for a in args)  # a pointer's dtype only
-    compile_in_background(
-        name, lambda: kernel.warmup(*stand_ins, grid=grid(config), **meta, **config.kwargs())
-    )
+    compile_in_background(name, lambda: kernel.warmup(*stand_ins, grid=grid, **meta))
 
 
 def compile_in_background(name, work) -> None:
