@@ -541,6 +541,41 @@ def test_gpu_rope_bf16_real_sizes(layout):
     torch.testing.assert_close(k.grad, back_k)
 
 
+def test_rope_cache_hint_rule(monkeypatch):
+    """The evict_last hint only for q and k larger than ROPE_KEEP_L2_MULTIPLE x the L2, never off a GPU."""
+    from course_lib.fused import launch
+
+    assert launch.rope_eviction(1 << 40, torch.device("cpu")) == ""
+    if DEVICE.type == "cuda":
+        l2 = torch.cuda.get_device_properties(DEVICE).L2_cache_size
+        assert launch.rope_eviction(launch.ROPE_KEEP_L2_MULTIPLE * l2 + 1, DEVICE) == "evict_last"
+        assert launch.rope_eviction(launch.ROPE_KEEP_L2_MULTIPLE * l2, DEVICE) == ""
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("layout", ["half", "interleaved"])
+def test_gpu_rope_cache_hint_gives_the_same_bits(layout, monkeypatch):
+    """The same rotation, forward and backward, with the evict_last hint (forced on small tensors) and
+    without it: a cache hint must not change a bit."""
+    from course_lib.fused import launch
+
+    t, d = 1000, 128
+    q = _randn(2, t, 32, d, dtype=torch.bfloat16).transpose(1, 2).requires_grad_()
+    k = _randn(2, t, 8, d, dtype=torch.bfloat16, seed=1).transpose(1, 2).requires_grad_()
+    cos, sin = rope_cache(2 * t, d, device=DEVICE, layout=layout)
+    dq, dk = torch.randn_like(q), torch.randn_like(k)
+    results = []
+    for multiple in (1 << 30, 0):  # hint off, then on
+        monkeypatch.setattr(launch, "ROPE_KEEP_L2_MULTIPLE", multiple)
+        q.grad = k.grad = None
+        q_rot, k_rot = rope(q, k, cos, sin, positions=7, layout=layout)
+        torch.autograd.backward((q_rot, k_rot), (dq, dk))
+        results.append((q_rot, k_rot, q.grad, k.grad))
+    for off, on in zip(*results):
+        assert torch.equal(off, on)
+
+
 @pytest.mark.gpu
 @gpu
 def test_gpu_forward_and_backward_capture_in_one_cuda_graph():
