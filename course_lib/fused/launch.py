@@ -102,7 +102,7 @@ ROPE = (
 
 # RoPE's cache hint: its loads (q, k, cos, sin) ask the L2 to keep their lines ("evict_last", as
 # torch.compile's RoPE kernels do for cos, sin and rotate_half's loads) when q and k together hold more
-# than ROPE_KEEP_L2_MULTIPLE times the GPU's L2 cache. Measured on an H200 (L2 50 MB; bf16, (T, 32, 128) q
+# than ROPE_KEEP_L2_MULTIPLE times the GPU's L2 cache. Measured on an H200 (L2 60 MiB; bf16, (T, 32, 128) q
 # and (T, 8, 128) k, CUDA-graph replays, us, forward / backward, no hint -> the hint): T = 64k (q and k
 # 671 MB) 332.8 -> 321.0 / 329.5 -> 318.3; 16k (168 MB) 82.8 -> 82.6 / 83.6 -> 82.4; 4k (42 MB) 23.1 ->
 # 23.4 / 23.1 -> 23.7 (torch.compile: 327.2, 85.3, 25.4).
