@@ -541,15 +541,15 @@ def test_gpu_rope_bf16_real_sizes(layout):
     torch.testing.assert_close(k.grad, back_k)
 
 
-def test_rope_cache_hint_rule(monkeypatch):
-    """The evict_last hint only for q and k larger than ROPE_KEEP_L2_MULTIPLE x the L2, never off a GPU."""
+def test_keep_hint_rule():
+    """The evict_last hint only for inputs larger than KEEP_L2_MULTIPLE x the L2, never off a GPU."""
     from course_lib.fused import launch
 
-    assert launch.rope_eviction(1 << 40, torch.device("cpu")) == ""
+    assert launch.keep_hint(1 << 40, torch.device("cpu")) == ""
     if DEVICE.type == "cuda":
         l2 = torch.cuda.get_device_properties(DEVICE).L2_cache_size
-        assert launch.rope_eviction(launch.ROPE_KEEP_L2_MULTIPLE * l2 + 1, DEVICE) == "evict_last"
-        assert launch.rope_eviction(launch.ROPE_KEEP_L2_MULTIPLE * l2, DEVICE) == ""
+        assert launch.keep_hint(launch.KEEP_L2_MULTIPLE * l2 + 1, DEVICE) == "evict_last"
+        assert launch.keep_hint(launch.KEEP_L2_MULTIPLE * l2, DEVICE) == ""
 
 
 @pytest.mark.gpu
@@ -567,11 +567,29 @@ def test_gpu_rope_cache_hint_gives_the_same_bits(layout, monkeypatch):
     dq, dk = torch.randn_like(q), torch.randn_like(k)
     results = []
     for multiple in (1 << 30, 0):  # hint off, then on
-        monkeypatch.setattr(launch, "ROPE_KEEP_L2_MULTIPLE", multiple)
+        monkeypatch.setattr(launch, "KEEP_L2_MULTIPLE", multiple)
         q.grad = k.grad = None
         q_rot, k_rot = rope(q, k, cos, sin, positions=7, layout=layout)
         torch.autograd.backward((q_rot, k_rot), (dq, dk))
         results.append((q_rot, k_rot, q.grad, k.grad))
+    for off, on in zip(*results):
+        assert torch.equal(off, on)
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_rms_norm_keep_hint_gives_the_same_bits(monkeypatch):
+    """The chunked forward (D = 8192) with and without the evict_last hint on its first pass: same bits."""
+    from course_lib.fused import launch
+    from course_lib.fused.rms_norm import rms_norm_forward
+
+    x = _randn(3, 100, 8192, dtype=torch.bfloat16)
+    w = _randn(8192, dtype=torch.bfloat16, seed=1)
+    assert launch.rms_forward(8192).chunk > 0
+    results = []
+    for multiple in (1 << 30, 0):  # hint off, then on
+        monkeypatch.setattr(launch, "KEEP_L2_MULTIPLE", multiple)
+        results.append(rms_norm_forward(x, w, 1e-6))
     for off, on in zip(*results):
         assert torch.equal(off, on)
 

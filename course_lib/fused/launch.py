@@ -100,13 +100,17 @@ ROPE = (
     (MAX_ROW, RopeLaunch(tokens=1, warps=8)),
 )
 
-# RoPE's cache hint: its loads (q, k, cos, sin) ask the L2 to keep their lines ("evict_last", as
-# torch.compile's RoPE kernels do for cos, sin and rotate_half's loads) when q and k together hold more
-# than ROPE_KEEP_L2_MULTIPLE times the GPU's L2 cache. Measured on an H200 (L2 60 MiB; bf16, (T, 32, 128) q
-# and (T, 8, 128) k, CUDA-graph replays, us, forward / backward, no hint -> the hint): T = 64k (q and k
-# 671 MB) 332.8 -> 321.0 / 329.5 -> 318.3; 16k (168 MB) 82.8 -> 82.6 / 83.6 -> 82.4; 4k (42 MB) 23.1 ->
-# 23.4 / 23.1 -> 23.7 (torch.compile: 327.2, 85.3, 25.4).
-ROPE_KEEP_L2_MULTIPLE = 2
+# The "keep" cache hint: loads that ask the L2 to keep their lines ("evict_last", as torch.compile's
+# kernels mark RoPE's cos, sin and rotate_half loads and RMSNorm's first pass over a row) pay when the
+# tensors a kernel streams hold more than KEEP_L2_MULTIPLE times the GPU's L2 cache, and cost where they
+# nearly fit in it (`keep_hint`). Measured on an H200 (L2 60 MiB; bf16, CUDA-graph replays, us, no hint
+# -> the hint; notes/fused.md):
+# - RoPE, every load (q, k, cos, sin) of (T, 32, 128) q and (T, 8, 128) k, forward / backward: T = 64k
+#   (q and k 671 MB) 332.8 -> 321.0 / 329.5 -> 318.3; 16k (168 MB) 82.8 -> 82.6 / 83.6 -> 82.4; 4k
+#   (42 MB) 23.1 -> 23.4 / 23.1 -> 23.7 (torch.compile's forward: 327.2, 85.3, 25.4);
+# - RMSNorm forward at D = 8192, the chunked kernel's first pass over x: T = 4k (x 67 MB) 32.7 -> 33.5;
+#   16k 130.2 -> 126.0; 64k 518.9 -> 497.4 (torch.compile: 32.7, 125.4, 496.6).
+KEEP_L2_MULTIPLE = 2
 
 # Under the interpreter programs run one after another: few programs keep the loop visible and cheap.
 INTERPRETER_PROGRAMS = 4
@@ -139,13 +143,13 @@ def rope(token_tile: int) -> RopeLaunch:
     return _lookup(ROPE, token_tile)
 
 
-def rope_eviction(nbytes: int, device: torch.device) -> str:
-    """The cache hint of RoPE's loads for q and k of `nbytes` bytes together (see
-    `ROPE_KEEP_L2_MULTIPLE`): "evict_last" on a GPU whose L2 they overflow that many times, else none."""
+def keep_hint(nbytes: int, device: torch.device) -> str:
+    """The cache hint for loads of a kernel that streams `nbytes` bytes of input (see `KEEP_L2_MULTIPLE`):
+    "evict_last" on a GPU whose L2 they overflow that many times, else none ("")."""
     if device.type != "cuda":
         return ""
     l2 = torch.cuda.get_device_properties(device).L2_cache_size
-    return "evict_last" if nbytes > ROPE_KEEP_L2_MULTIPLE * l2 else ""
+    return "evict_last" if nbytes > KEEP_L2_MULTIPLE * l2 else ""
 
 
 def persistent_programs(n_rows: int, block: int, device: torch.device, per_sm: int | None = None) -> int:

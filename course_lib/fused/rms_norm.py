@@ -96,11 +96,13 @@ def rms_norm_fwd_kernel(
 @triton.jit
 def rms_norm_fwd_chunked_kernel(
     x_ptr, w_ptr, y_ptr, rstd_ptr, stride_x, stride_y, eps, N_COLS: tl.constexpr, CHUNK: tl.constexpr,
+    KEEP: tl.constexpr = "evict_last",
 ):  # fmt: skip
     """The same result for one row per program, read in CHUNK-element pieces: for rows too long to keep
-    in registers without starving the SM of programs. A first pass sums the squares (loads marked
-    evict_last: the row stays in the L2 cache); a second reads the row again, from the L2 (evict_first:
-    done with it), and writes y. HBM traffic is still one read of x and one write of y.
+    in registers without starving the SM of programs. A first pass sums the squares (loads marked KEEP,
+    "evict_last" for an x larger than the L2 twice over, `launch.keep_hint`: the row stays in the L2
+    cache); a second reads the row again, from the L2 (evict_first: done with it), and writes y. HBM
+    traffic is still one read of x and one write of y.
 
     The row length N_COLS is a compile-time constant (one compilation per hidden size, as torch.compile
     does): the loops' trip counts are known, and when CHUNK divides N_COLS no load or store needs a
@@ -114,9 +116,9 @@ def rms_norm_fwd_chunked_kernel(
     for start in range(0, N_COLS, CHUNK):
         cols = start + tl.arange(0, CHUNK)
         if N_COLS % CHUNK == 0:
-            x = tl.load(x_row + cols, eviction_policy="evict_last")
+            x = tl.load(x_row + cols, eviction_policy=KEEP)
         else:
-            x = tl.load(x_row + cols, mask=cols < N_COLS, other=0.0, eviction_policy="evict_last")
+            x = tl.load(x_row + cols, mask=cols < N_COLS, other=0.0, eviction_policy=KEEP)
         x = x.to(acc_ty)
         sum_sq += x * x
     rstd = tl.rsqrt(tl.sum(sum_sq, axis=0) / N_COLS + eps)
@@ -300,7 +302,8 @@ def rms_norm_forward(
         if chunk:
             rms_norm_fwd_chunked_kernel[(n_rows,)](
                 x2, weight, y, rstd, x2.stride(0), y.stride(0), eps,
-                N_COLS=n_cols, CHUNK=_power_of_two("chunk", chunk), num_warps=warps or setting.warps,
+                N_COLS=n_cols, CHUNK=_power_of_two("chunk", chunk), KEEP=launch.keep_hint(x2.nbytes, x.device),
+                num_warps=warps or setting.warps,
             )  # fmt: skip
         else:
             rows = _power_of_two("rows", rows or setting.rows)

@@ -75,7 +75,7 @@ def _rotate_heads(
     A (TOKENS, BLOCK_H, BLOCK_PAIRS) tile of first elements a and one of second elements b: HBM ->
     registers (all loads issued together), a' = a c_a - b s_a and b' = b c_b + a s_b, registers -> HBM.
 
-    EVICT: the cache hint of every load here and of cos and sin (`launch.rope_eviction`)."""
+    EVICT: the cache hint of every load here and of cos and sin (`launch.keep_hint`)."""
     heads = tl.arange(0, BLOCK_H)
     mask = tok_mask[:, None, None] & (heads < n_heads)[None, :, None] & pair_mask[None, None, :]
     rows_x = tok_x[:, None, None] + heads[None, :, None] * stride_xh
@@ -205,7 +205,7 @@ def rotate(
         HAS_POSITIONS=has_positions, INTERLEAVED=interleaved, BACKWARD=backward, TOKENS=tokens,
         BLOCK_HQ=block_hq, BLOCK_HK=block_hk, BLOCK_PAIRS=block_pairs,
         ACC_64=accumulator_dtype(q.dtype) == torch.float64,
-        EVICT=launch.rope_eviction(q.nbytes + k.nbytes, q.device),
+        EVICT=launch.keep_hint(q.nbytes + k.nbytes, q.device),
         num_warps=warps or setting.warps,
     )  # fmt: skip
     return q_out, k_out
