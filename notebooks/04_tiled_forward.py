@@ -582,7 +582,7 @@ traffic_guess = predict("standard / FA2 HBM bytes (128 x 64 blocks)", 10, unit="
 # leaves out. Standard attention pays for S and P in more than bytes: each of its steps is a separate
 # kernel that must finish writing its N × N matrix before the next one reads it, so that traffic never
 # overlaps with the matmuls, while the fused kernel never writes S and P at all and overlaps its loads
-# with compute. And many of FA2's $K_j, V_j$ re-reads are served by the GPU's L2 cache (50 MB on an
+# with compute. And many of FA2's $K_j, V_j$ re-reads are served by the GPU's L2 cache (60 MiB on an
 # H200) rather than HBM, because programs that work on the same head tend to run at about the same
 # time: the count charges every re-read to HBM, so it overstates FA2's bytes.
 

@@ -419,7 +419,7 @@ def naive_softmax(x):
 # what an H200 can do per byte, so it is memory-bound and its time should follow the bytes:
 # **prediction: the fused kernel is about 4x faster than the naive one.** (The prediction assumes every
 # intermediate goes to HBM, and that every kernel, eager or fused, moves its bytes at the same rate; the
-# 50 MB L2 cache can hold small intermediates, which would shrink the gap. Section 6's measurement tests
+# 60 MiB L2 cache of an H200 can hold small intermediates, which would shrink the gap. Section 6's measurement tests
 # both assumptions.)
 #
 # One row per program: `BLOCK_SIZE` is N rounded up to a power of two, the padding lanes read `-inf` (no

@@ -175,7 +175,7 @@ plt.show()
 #
 # Timing one call many times in a row on the **same** tensors leaves them in the cache after the first
 # call; every later call reads from the cache instead of from memory. For data that fits (the H200's L2
-# holds 50 MB; a CPU core's L2 a few MB), the loop measures a bandwidth the real workload, which
+# holds 60 MiB; a CPU core's L2 a few MB), the loop measures a bandwidth the real workload, which
 # streams fresh data, never sees. `triton.testing.do_bench` therefore **clears the L2** (by writing a
 # 256 MB buffer) before every call, and so does `course_lib.timing.benchmark` (by reading one, for the
 # reason at the end of this section); `torch.utils.benchmark` does not.
@@ -217,7 +217,7 @@ plt.show()
 
 # %%
 if course_lib.ON_GPU:
-    big = torch.randn(2**26, device=DEVICE)  # 256 MiB of float32: five times an H200's L2
+    big = torch.randn(2**26, device=DEVICE)  # 256 MiB of float32: four times an H200's L2
     read_big = lambda: big.sum()  # noqa: E731
     t_write_flush = course_lib.runtime.triton.testing.do_bench(read_big, return_mode="median") * 1e3
     t_read_flush = timing.benchmark(read_big) * 1e3

@@ -163,13 +163,15 @@ torch.testing.assert_close(y_simple, llama_rms_norm(x, w), rtol=2e-2, atol=2e-2)
 # launch sizes measured per row length (several short rows per program, warps: `course_lib.fused.launch`),
 # clear errors, and the autograd Function that calls the backward. Rows of 8192 elements and more take a
 # second kernel, `rms_norm_fwd_chunked_kernel`: one row per program, read in pieces, twice. The first pass
-# sums the squares and asks the L2 cache to keep the row (`eviction_policy="evict_last"`); the second reads
-# it back from the L2 and writes y. HBM still sees one read and one write, and a program needs far fewer
-# registers than one that holds a whole long row, so more programs share an SM and more loads are in
-# flight. (`torch.compile` generates the same two-pass loop for such rows.) Its row length is a
-# compile-time constant (`N_COLS: tl.constexpr`), again as torch.compile does: one compilation per hidden
-# size buys loops of a known length and, when the piece divides the row, loads and stores without masks,
-# which took 3-4 % off the forward of 4k rows of 8192 elements on an H200.
+# sums the squares; the second reads the row back, from the L2 cache, and writes y. HBM still sees one read
+# and one write, and a program needs far fewer registers than one that holds a whole long row, so more
+# programs share an SM and more loads are in flight. When x is much larger than the L2, the first pass asks
+# the L2 to keep the row (`eviction_policy="evict_last"`, chosen by `launch.keep_hint`); on inputs that
+# nearly fit in the L2 the hint measured slower, so it is left out there. (`torch.compile` generates the
+# same two-pass loop for such rows; `TORCH_LOGS=output_code` prints the Triton code it writes.) Its row
+# length is a compile-time constant (`N_COLS: tl.constexpr`), again as torch.compile does: one compilation
+# per hidden size buys loops of a known length and, when the piece divides the row, loads and stores
+# without masks (notes/fused.md has the measurements behind these choices).
 #
 # ## 3. The backward: dX per row, dW across rows
 #
@@ -352,7 +354,9 @@ torch.testing.assert_close(q_complex, q_rot, rtol=1e-5, atol=max(1e-5, angle_err
 #
 # The layout is Hugging Face's, q (B, Hq, T, d) and k (B, Hk, T, d), with any strides: a (B, T, H, d) tensor
 # passed as `.transpose(1, 2)` is read where it lies. Grouped-query attention (fewer k heads) is just
-# another head count.
+# another head count. On inputs much larger than the L2 cache its loads carry the same `evict_last` hint
+# as the RMSNorm's first pass (`launch.keep_hint`); torch.compile's generated RoPE code marks its cos, sin
+# and rotate_half loads the same way.
 
 # %%
 qd, kd = q.to(DEVICE, DTYPE), k.to(DEVICE, DTYPE)
