@@ -170,7 +170,8 @@ GPUS: dict[str, GPUSpec] = {
             registers_kb_per_sm=CUDA_GUIDE_SPECS,
             sram_kb_per_sm=HOPPER_TUNING,
             shared_max_kb_per_sm=HOPPER_TUNING,
-            l2_mb="the L2 size an H200 SXM reports (cudaDeviceProp::l2CacheSize: 62,914,560 bytes = 60 MiB)",
+            l2_mb="https://chipsandcheese.com/2023/07/02/nvidias-h100-funny-l2-and-tons-of-bandwidth/ (the GH100 "
+            "die's 60 MB of L2; an H200 SXM reports all of it: cudaDeviceProp::l2CacheSize = 62,914,560 bytes)",
             hbm_gb=H200_PAGE,
             hbm_gbps=H200_PAGE,
             host_link_gbps=H200_PAGE,
