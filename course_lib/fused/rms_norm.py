@@ -96,7 +96,7 @@ def rms_norm_fwd_kernel(
 @triton.jit
 def rms_norm_fwd_chunked_kernel(
     x_ptr, w_ptr, y_ptr, rstd_ptr, stride_x, stride_y, eps, N_COLS: tl.constexpr, CHUNK: tl.constexpr,
-    KEEP: tl.constexpr = "evict_last",
+    KEEP: tl.constexpr,
 ):  # fmt: skip
     """The same result for one row per program, read in CHUNK-element pieces: for rows too long to keep
     in registers without starving the SM of programs. A first pass sums the squares (loads marked KEEP,

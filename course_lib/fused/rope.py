@@ -67,7 +67,7 @@ def _rotate_heads(
     s_a,
     s_b,
     BLOCK_H: tl.constexpr,
-    EVICT: tl.constexpr,
+    KEEP: tl.constexpr,
 ):
     """Rotate every head of the program's tokens: x_ptr / o_ptr point at batch b of x / out, tok_x /
     tok_o (TOKENS,) are the tokens' offsets, c_a ... s_b (TOKENS, BLOCK_PAIRS) their cos and sin.
@@ -75,14 +75,14 @@ def _rotate_heads(
     A (TOKENS, BLOCK_H, BLOCK_PAIRS) tile of first elements a and one of second elements b: HBM ->
     registers (all loads issued together), a' = a c_a - b s_a and b' = b c_b + a s_b, registers -> HBM.
 
-    EVICT: the cache hint of every load here and of cos and sin (`launch.keep_hint`)."""
+    KEEP: the cache hint of every load here and of cos and sin (`launch.keep_hint`)."""
     heads = tl.arange(0, BLOCK_H)
     mask = tok_mask[:, None, None] & (heads < n_heads)[None, :, None] & pair_mask[None, None, :]
     rows_x = tok_x[:, None, None] + heads[None, :, None] * stride_xh
     rows_o = tok_o[:, None, None] + heads[None, :, None] * stride_oh
     acc_ty = c_a.dtype
-    a = tl.load(x_ptr + rows_x + idx_a[None, None, :], mask=mask, other=0.0, eviction_policy=EVICT).to(acc_ty)
-    b = tl.load(x_ptr + rows_x + idx_b[None, None, :], mask=mask, other=0.0, eviction_policy=EVICT).to(acc_ty)
+    a = tl.load(x_ptr + rows_x + idx_a[None, None, :], mask=mask, other=0.0, eviction_policy=KEEP).to(acc_ty)
+    b = tl.load(x_ptr + rows_x + idx_b[None, None, :], mask=mask, other=0.0, eviction_policy=KEEP).to(acc_ty)
     a_out = a * c_a[:, None, :] - b * s_a[:, None, :]
     b_out = b * c_b[:, None, :] + a * s_b[:, None, :]
     tl.store(o_ptr + rows_o + idx_a[None, None, :], a_out.to(o_ptr.dtype.element_ty), mask=mask)
@@ -98,7 +98,7 @@ def rope_kernel(
     stride_cb, stride_ct, stride_pb, pos_start, n_cache,
     HAS_POSITIONS: tl.constexpr, INTERLEAVED: tl.constexpr, BACKWARD: tl.constexpr, TOKENS: tl.constexpr,
     BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_PAIRS: tl.constexpr, ACC_64: tl.constexpr,
-    EVICT: tl.constexpr = "",
+    KEEP: tl.constexpr,
 ):  # fmt: skip
     """Program (b, j) = program_id(0) // n_token_tiles, % n_token_tiles: rotate q[b, :, t] and k[b, :, t]
     for the TOKENS tokens t = j * TOKENS, ... by the angles of positions[b, t] (forward), or by their
@@ -127,25 +127,21 @@ def rope_kernel(
         cos_ptr + b * stride_cb + pos[:, None] * stride_ct
     )  # 2 d values per token, shared by every head
     sin_rows = sin_ptr + b * stride_cb + pos[:, None] * stride_ct
-    c_a = tl.load(cos_rows + idx_a[None, :], mask=cache_mask, other=0.0, eviction_policy=EVICT).to(acc_ty)
-    c_b = tl.load(cos_rows + idx_b[None, :], mask=cache_mask, other=0.0, eviction_policy=EVICT).to(acc_ty)
+    c_a = tl.load(cos_rows + idx_a[None, :], mask=cache_mask, other=0.0, eviction_policy=KEEP).to(acc_ty)
+    c_b = tl.load(cos_rows + idx_b[None, :], mask=cache_mask, other=0.0, eviction_policy=KEEP).to(acc_ty)
     if BACKWARD:  # the transposed rotation: sin halves swapped and negated (= angle -> -angle)
-        s_a = -tl.load(sin_rows + idx_b[None, :], mask=cache_mask, other=0.0, eviction_policy=EVICT).to(
-            acc_ty
-        )
-        s_b = -tl.load(sin_rows + idx_a[None, :], mask=cache_mask, other=0.0, eviction_policy=EVICT).to(
-            acc_ty
-        )
+        s_a = -tl.load(sin_rows + idx_b[None, :], mask=cache_mask, other=0.0, eviction_policy=KEEP).to(acc_ty)
+        s_b = -tl.load(sin_rows + idx_a[None, :], mask=cache_mask, other=0.0, eviction_policy=KEEP).to(acc_ty)
     else:
-        s_a = tl.load(sin_rows + idx_a[None, :], mask=cache_mask, other=0.0, eviction_policy=EVICT).to(acc_ty)
-        s_b = tl.load(sin_rows + idx_b[None, :], mask=cache_mask, other=0.0, eviction_policy=EVICT).to(acc_ty)
+        s_a = tl.load(sin_rows + idx_a[None, :], mask=cache_mask, other=0.0, eviction_policy=KEEP).to(acc_ty)
+        s_b = tl.load(sin_rows + idx_b[None, :], mask=cache_mask, other=0.0, eviction_policy=KEEP).to(acc_ty)
     _rotate_heads(
         q_ptr + b * stride_qb, q_out_ptr + b * stride_qob, t * stride_qt, t * stride_qot,
-        stride_qh, stride_qoh, n_q_heads, tok_mask, idx_a, idx_b, pair_mask, c_a, c_b, s_a, s_b, BLOCK_HQ, EVICT,
+        stride_qh, stride_qoh, n_q_heads, tok_mask, idx_a, idx_b, pair_mask, c_a, c_b, s_a, s_b, BLOCK_HQ, KEEP,
     )  # fmt: skip
     _rotate_heads(
         k_ptr + b * stride_kb, k_out_ptr + b * stride_kob, t * stride_kt, t * stride_kot,
-        stride_kh, stride_koh, n_k_heads, tok_mask, idx_a, idx_b, pair_mask, c_a, c_b, s_a, s_b, BLOCK_HK, EVICT,
+        stride_kh, stride_koh, n_k_heads, tok_mask, idx_a, idx_b, pair_mask, c_a, c_b, s_a, s_b, BLOCK_HK, KEEP,
     )  # fmt: skip
 
 
@@ -205,7 +201,7 @@ def rotate(
         HAS_POSITIONS=has_positions, INTERLEAVED=interleaved, BACKWARD=backward, TOKENS=tokens,
         BLOCK_HQ=block_hq, BLOCK_HK=block_hk, BLOCK_PAIRS=block_pairs,
         ACC_64=accumulator_dtype(q.dtype) == torch.float64,
-        EVICT=launch.keep_hint(q.nbytes + k.nbytes, q.device),
+        KEEP=launch.keep_hint(q.nbytes + k.nbytes, q.device),
         num_warps=warps or setting.warps,
     )  # fmt: skip
     return q_out, k_out
