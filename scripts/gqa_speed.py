@@ -2,9 +2,13 @@
 
 For every cell of `make bench`'s grid (course_lib.bench.shapes.standard_cells) with 4x fewer K/V heads
 than query heads: course_lib.flash_attention(q, k, v) with k, v of H/4 heads, against the same call with
-k, v repeated to H heads beforehand (the repeat itself not timed). Prints the median time of each over
---passes timings, taken in alternating order (single timings vary by 1-2 % over a run), their ratio,
-and the ratio of each pass.
+k, v repeated to H heads beforehand (the repeat itself not timed), and against the call a model without
+grouped-query support makes: k, v repeated inside the timed call (`repeat_interleave` in the autograd
+graph, as transformers' `repeat_kv`; its backward sums dK, dV over the copies). Prints the median time
+of each over --passes timings, taken in alternating order (single timings vary by 1-2 % over a run),
+the ratios to the grouped call, and the first ratio of each pass. --graphs times CUDA-graph replays of
+each forward + backward instead: the GPU's work alone, without the CPU's launch cost, which at 1k keys
+is about as long as the GPU's work and makes plain timings vary (notes/performance.md, "Twelfth round").
 
     COURSE_DEVICE=cuda python3 scripts/gqa_speed.py [--out file.json]
 
@@ -39,14 +43,17 @@ from course_lib.attention.configs import DKDV
 from course_lib.attention.forward import forward as attention_forward
 from course_lib.bench import summarise
 from course_lib.bench.shapes import standard_cells
-from course_lib.perf.timing import benchmark
+from course_lib.perf.timing import benchmark, graph_ms
 
 
-def fwd_bwd(q, k, v, causal):
+def fwd_bwd(q, k, v, causal, repeat: int = 1):
+    """One forward + backward; repeat > 1: k and v repeated that many times inside the call."""
+
     def run():
         for t in (q, k, v):
             t.grad = None
-        o = course_lib.flash_attention(q, k, v, causal=causal)
+        kk, vv = (k.repeat_interleave(repeat, 1), v.repeat_interleave(repeat, 1)) if repeat > 1 else (k, v)
+        o = course_lib.flash_attention(q, kk, vv, causal=causal)
         o.backward(do_cache[o.shape])
 
     return run
@@ -144,7 +151,11 @@ def main() -> int:
     parser.add_argument(
         "--passes", type=int, default=4, help="timings of each call per cell, in alternating order"
     )
+    parser.add_argument(
+        "--graphs", action="store_true", help="time CUDA-graph replays (the GPU's work alone)"
+    )
     args = parser.parse_args()
+    timer = graph_ms if args.graphs else benchmark
     if args.tune:
         tune(args.group)
     if args.modes_only:
@@ -160,20 +171,33 @@ def main() -> int:
         )
         k_rep, v_rep = (t.detach().repeat_interleave(args.group, 1).requires_grad_(True) for t in (k, v))
         do_cache[q.shape] = torch.randn_like(q)
-        calls = {"gqa": fwd_bwd(q, k, v, causal), "rep": fwd_bwd(q, k_rep, v_rep, causal)}
-        times = {"gqa": [], "rep": []}
+        calls = {
+            "gqa": fwd_bwd(q, k, v, causal),
+            "rep": fwd_bwd(q, k_rep, v_rep, causal),
+            "rep_in_call": fwd_bwd(q, k, v, causal, repeat=args.group),
+        }
+        times = {name: [] for name in calls}
         for i in range(args.passes):  # timings vary by 1-2 % over a run: each call goes first in turn
-            for name in ("gqa", "rep") if i % 2 == 0 else ("rep", "gqa"):
-                times[name].append(benchmark(calls[name]))
-        gqa, rep = statistics.median(times["gqa"]), statistics.median(times["rep"])
-        rows.append(dict(cell, hkv=hkv, gqa_ms=gqa, repeated_ms=rep, ratio=rep / gqa))
+            for name in list(calls) if i % 2 == 0 else list(calls)[::-1]:
+                times[name].append(timer(calls[name]))
+        gqa, rep, rep_in_call = (statistics.median(times[name]) for name in calls)
+        rows.append(
+            dict(
+                cell, hkv=hkv, gqa_ms=gqa, repeated_ms=rep, repeat_in_call_ms=rep_in_call,
+                ratio=rep / gqa, ratio_repeat_in_call=rep_in_call / gqa,
+            )
+        )  # fmt: skip
         spread = ", ".join(f"{r / g:.3f}" for g, r in zip(times["gqa"], times["rep"]))
         print(
             f"d={d} causal={causal!s:5} N={N:5}: GQA {gqa:.3f} ms, repeated K/V {rep:.3f} ms, {rep / gqa:.3f}x"
-            f" (passes: {spread})"
+            f" (passes: {spread}); repeated in the call {rep_in_call:.3f} ms, {rep_in_call / gqa:.3f}x"
         )
-    low, geomean = summarise(r["ratio"] for r in rows)
-    print(f"repeated / GQA time (medians of {args.passes} passes): min {low:.3f}x, geomean {geomean:.3f}x")
+    for key, what in (("ratio", "repeated K/V"), ("ratio_repeat_in_call", "repeated in the call")):
+        low, geomean = summarise(r[key] for r in rows)
+        timed = "CUDA-graph replays" if args.graphs else "plain launches"
+        print(
+            f"{what} / GQA time ({timed}, medians of {args.passes} passes): min {low:.3f}x, geomean {geomean:.3f}x"
+        )
     if args.backward_modes:
         backward_modes(args.group)
     if args.out:
