@@ -192,9 +192,9 @@ def main() -> int:
             f"d={d} causal={causal!s:5} N={N:5}: GQA {gqa:.3f} ms, repeated K/V {rep:.3f} ms, {rep / gqa:.3f}x"
             f" (passes: {spread}); repeated in the call {rep_in_call:.3f} ms, {rep_in_call / gqa:.3f}x"
         )
+    timed = "CUDA-graph replays" if args.graphs else "plain launches"
     for key, what in (("ratio", "repeated K/V"), ("ratio_repeat_in_call", "repeated in the call")):
         low, geomean = summarise(r[key] for r in rows)
-        timed = "CUDA-graph replays" if args.graphs else "plain launches"
         print(
             f"{what} / GQA time ({timed}, medians of {args.passes} passes): min {low:.3f}x, geomean {geomean:.3f}x"
         )
