@@ -49,6 +49,7 @@ import torch
 
 import course_lib
 from course_lib import records
+from course_lib.bench.train import SERVE_LABELS
 from course_lib.exercises import check, predict
 from course_lib.models import (
     Llama,
@@ -324,9 +325,10 @@ if srec is not None:
     d = srec["data"]
     print("Serving,", records.label(srec))
     print(f"{len(d['prompt_lengths'])} prompts of {d['prompt_lengths']} bytes, {d['new_tokens']} new tokens each")
-    print(f"course_lib paged + split-KV: {d['course_lib_paged']['tokens_per_s']:,.0f} tokens/s")
-    if d["transformers"]["status"] == "ok":
-        print(f"transformers generate + SDPA: {d['transformers']['tokens_per_s']:,.0f} tokens/s")
+    print("tokens/s, timed on each provider's second full run (the first compiles kernels):")
+    for name, label in SERVE_LABELS.items():
+        if d.get(name, {}).get("tokens_per_s"):
+            print(f"  {label:48} {d[name]['tokens_per_s']:8,.0f}")
     print("same greedy tokens as the plain path, per prompt:", d["same_per_prompt"])
 
 # %%

@@ -14,6 +14,7 @@ from course_lib.decode import decode_attention, decode_reference, heuristics, pa
 from course_lib.decode.batching import ContinuousBatcher
 from course_lib.decode.cache import OutOfPages, PageAllocator, PagedKVCache
 from course_lib.decode.combine import combine
+from course_lib.decode.graphs import table_width
 from course_lib.decode.heuristics import (
     SHORT_TILES,
     SHORT_WAVES,
@@ -402,6 +403,38 @@ def test_continuous_batching_equals_step_by_step_reference():
     for i, p, n in zip(ids, prompts, new):
         assert got[i] == model.generate_full(p, n), f"request {i} (prompt {len(p)} tokens)"
     assert batcher.cache.allocator.num_free == 9
+
+
+def test_graph_table_width_is_the_next_power_of_two():
+    assert [table_width(p) for p in (0, 1, 2, 3, 4, 5, 129, 256)] == [1, 1, 2, 4, 4, 8, 256, 256]
+
+
+def test_cuda_graphs_need_a_cuda_model():
+    with pytest.raises(ValueError, match="CUDA"):
+        ContinuousBatcher(ToyModel("cpu"), num_pages=4, page_size=4, cuda_graphs=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not course_lib.ON_GPU, reason="CUDA graphs need a GPU")
+def test_continuous_batching_replays_decode_steps_as_cuda_graphs():
+    """Decode-only steps replayed as CUDA graphs give the reference's tokens: batches that shrink as
+    requests leave (one graph per batch size) and block tables that outgrow a power of two (page size
+    4: 9-24 tokens cross 4 and 8 pages), prefill steps run as they are in between."""
+    model = ToyModel(DEV)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, model.vocab, (n,), generator=g).tolist() for n in (5, 9, 3, 14, 2)]
+    new = [12, 6, 9, 10, 4]
+    batcher = ContinuousBatcher(
+        model, num_pages=40, page_size=4, max_batch=3, max_step_tokens=8, cuda_graphs=True
+    )
+    ids = [batcher.submit(p, n) for p, n in zip(prompts, new)]
+    got = batcher.run()
+    for i, p, n in zip(ids, prompts, new):
+        assert got[i] == model.generate_full(p, n), f"request {i} (prompt {len(p)} tokens)"
+    graphs = batcher.graphs
+    assert graphs.replays > 10 and len(graphs.graphs) >= 3, (graphs.replays, sorted(graphs.graphs))
+    assert {b for b, _ in graphs.graphs} >= {2, 3} and len({w for _, w in graphs.graphs}) >= 2
+    assert batcher.cache.allocator.num_free == 40
 
 
 # --------------------------------------------------------------------------------------------------

@@ -11,8 +11,9 @@
    optimizer (2 : 2 : 12 bytes, notebook 01's 1 : 1 : 6); both are 16 bytes per parameter.
 3. Training with course_lib's kernels for a fixed time (loss curve, a sample).
 4. Serving the trained model in bf16: prompts of different lengths at once through course_lib's paged
-   KV cache and split-KV decode kernel, against transformers' `generate` with SDPA (same weights),
-   and the greedy tokens compared with the plain PyTorch path.
+   KV cache and split-KV decode kernel (each kernel launched from Python, then the decode steps
+   replayed as CUDA graphs), against transformers' `generate` with SDPA (same weights), each timed on
+   its second full run; the greedy tokens compared with the plain PyTorch path.
 Records "train" and "serve" (`course_lib.records`), plots next to them. Keep it under 4 minutes.
 """
 
@@ -38,6 +39,11 @@ SEQ_LEN = 4096
 BATCH = 2  # micro-batch: 8192 tokens per forward
 ACCUM = 2  # two micro-batches per optimizer step: 16384 tokens per step
 PROVIDERS = ("course_lib", "sdpa", "eager")
+SERVE_LABELS = {  # the serving record's providers, as the report and notebook 12 name them
+    "course_lib_paged": "course_lib paged + split-KV",
+    "course_lib_paged_graphs": "course_lib paged + split-KV, CUDA-graph decode",
+    "transformers": "transformers generate + SDPA",
+}
 # The CPU smoke test (tests, `--quick` without a GPU): the same code at toy sizes.
 CPU_CONFIG = LlamaConfig(dim=64, n_layers=2, n_heads=2, n_kv_heads=1, hidden_dim=128, max_seq_len=128)
 
@@ -203,8 +209,11 @@ def train_for_a_while(tokens, val_tokens, s: dict):
 
 
 def measure_serving(model, text: str, s: dict) -> dict:
-    """Tokens/s of greedy generation for prompts of different lengths: course_lib's paged serving
-    vs transformers' generate with SDPA (same bf16 weights); tokens compared with the plain path."""
+    """Tokens/s of greedy generation for prompts of different lengths: course_lib's paged serving (decode
+    steps launched one kernel at a time, and replayed as CUDA graphs) vs transformers' generate with SDPA
+    (same bf16 weights); tokens compared with the plain path. Every provider is timed on its second
+    full run: the first compiles the kernels of every step shape (Triton's, and transformers' warm-up)
+    and is recorded apart as `first_run_s`."""
     dtype = torch.bfloat16 if runtime.ON_GPU else torch.float32
     model = model.to(dtype).eval()
     lengths = [16 * 2**i for i in range(s["prompts"])] if runtime.ON_GPU else [3, 9, 5][: s["prompts"]]
@@ -214,15 +223,31 @@ def measure_serving(model, text: str, s: dict) -> dict:
     new = s["new_tokens"]
     out = {"prompt_lengths": lengths, "new_tokens": new, "dtype": str(dtype).replace("torch.", "")}
 
+    def timed(fn, *args, **kwargs):
+        """fn(*args, **kwargs) twice: (seconds of the first run, seconds of the second, its result)."""
+        times = []
+        for _ in range(2):
+            _sync()
+            t0 = time.perf_counter()
+            result = fn(*args, **kwargs)
+            _sync()
+            times.append(time.perf_counter() - t0)
+        return times[0], times[1], result
+
     model.backend = "course_lib"
-    generate.serve(model, prompts[:2], 2)  # compile the kernels
-    _sync()
-    t0 = time.perf_counter()
-    paged = generate.serve(model, prompts, new)
-    _sync()
-    seconds = time.perf_counter() - t0
-    out["course_lib_paged"] = {"seconds": seconds, "tokens_per_s": len(prompts) * new / seconds}
+    variants = (
+        {"course_lib_paged": False, "course_lib_paged_graphs": True}
+        if runtime.ON_GPU
+        else {"course_lib_paged": False}
+    )
+    tokens = {}
+    for name, graphs in variants.items():
+        first, seconds, tokens[name] = timed(generate.serve, model, prompts, new, cuda_graphs=graphs)
+        out[name] = {"seconds": seconds, "tokens_per_s": len(prompts) * new / seconds, "first_run_s": first}
+    paged = tokens[list(variants)[-1]]
     out["sample"] = data.decode(prompts[-1][-64:]) + " ||| " + data.decode(paged[-1])
+    if len(tokens) == 2:
+        out["graphs_same_tokens_as_plain_launches"] = [a == b for a, b in zip(*tokens.values())]
 
     model.backend = "sdpa"
     plain = generate.greedy_cached(model, prompts, new)
@@ -245,18 +270,14 @@ def measure_serving(model, text: str, s: dict) -> dict:
     ids, mask = ids.to(runtime.DEVICE), mask.to(runtime.DEVICE)
     kw = dict(do_sample=False, pad_token_id=0, attention_mask=mask)
     with torch.no_grad():
-        hf.generate(ids, max_new_tokens=2, min_new_tokens=2, **kw)
-        _sync()
-        t0 = time.perf_counter()
-        hf_out = hf.generate(ids, max_new_tokens=new, min_new_tokens=new, **kw)
-        _sync()
-    seconds = time.perf_counter() - t0
+        first, seconds, hf_out = timed(hf.generate, ids, max_new_tokens=new, min_new_tokens=new, **kw)
     hf_tokens = hf_out[:, batch:].tolist()
     out["transformers"] = {
         "status": "ok",
         "version": transformers.__version__,
         "seconds": seconds,
         "tokens_per_s": len(prompts) * new / seconds,
+        "first_run_s": first,
         "same_tokens_as_plain": [a == b for a, b in zip(hf_tokens, plain)],
     }
     del hf
@@ -305,10 +326,11 @@ def print_report(result: dict) -> None:
             f"memory ({m['scheme']}): B/param P, G, OS = {[round(v, 2) for v in bpp.values()]}; {ratio}{act}"
         )
     sv = result["serve"]
-    print(f"serving: course_lib paged {sv['course_lib_paged']['tokens_per_s']:.0f} tokens/s", end="")
-    if sv["transformers"]["status"] == "ok":
-        print(f", transformers generate + SDPA {sv['transformers']['tokens_per_s']:.0f} tokens/s", end="")
-    print(f"; same tokens as the plain path: {sv['same_per_prompt']}")
+    print("serving, tokens/s (second full run; the first, which compiles, in brackets):")
+    for name, label in SERVE_LABELS.items():
+        if sv.get(name, {}).get("tokens_per_s"):
+            print(f"  {label:46} {sv[name]['tokens_per_s']:7.0f}  ({sv[name]['first_run_s']:.1f} s)")
+    print(f"same tokens as the plain path: {sv['same_per_prompt']}")
 
 
 def plot(result: dict, out: Path, slug: str) -> list[Path]:

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .cache import OutOfPages, PagedKVCache
+from .graphs import DecodeGraphs
 from .paged import paged_decode_attention
 
 
@@ -37,18 +38,29 @@ class PagedKV:
     The step feeds new_lens[i] tokens of sequence seq_ids[i] (tokens laid out sequence after sequence,
     T = sum(new_lens)). For the kernel the queries are padded to (B, Tq, Hq, d), Tq = max(new_lens), each
     sequence's tokens in its last new_lens[i] rows: bottom-right causal then holds for every sequence,
-    and the padding rows' outputs are dropped."""
+    and the padding rows' outputs are dropped.
 
-    def __init__(self, cache: PagedKVCache, seq_ids: list[int], new_lens: list[int], slots: torch.Tensor):
+    block_table (B, max_pages) int32, cache_seqlens (B,) int32, slots (T,) int64 (where each new token's
+    K/V go) and rows (T,) int64 (each token's row of the padded queries) are tensors on the pools'
+    device; `for_step` builds them from the cache's bookkeeping. A step replayed as a CUDA graph
+    (`graphs.DecodeGraphs`) holds one PagedKV over fixed tensors and refills them in place."""
+
+    def __init__(self, cache: PagedKVCache, block_table, cache_seqlens, slots, rows, tq: int):
         self.cache = cache
+        self.block_table, self.cache_seqlens, self.slots, self.rows = block_table, cache_seqlens, slots, rows
+        self.tq = tq
+        self.batch = block_table.shape[0]
+
+    @classmethod
+    def for_step(
+        cls, cache: PagedKVCache, seq_ids: list[int], new_lens: list[int], slots: torch.Tensor
+    ) -> PagedKV:
+        """The view of a step that feeds new_lens[i] tokens of sequence seq_ids[i], whose K/V go to `slots`."""
         device = cache.k_pages[0].device
-        self.block_table = cache.block_table(seq_ids)
-        self.cache_seqlens = cache.seqlens(seq_ids)
-        self.slots = slots.to(device)
-        self.tq = max(new_lens)
-        rows = [b * self.tq + self.tq - n + i for b, n in enumerate(new_lens) for i in range(n)]
-        self.rows = torch.tensor(rows, dtype=torch.int64, device=device)  # token -> padded row
-        self.batch = len(seq_ids)
+        tq = max(new_lens)
+        rows = [b * tq + tq - n + i for b, n in enumerate(new_lens) for i in range(n)]
+        rows = torch.tensor(rows, dtype=torch.int64, device=device)  # token -> padded row
+        return cls(cache, cache.block_table(seq_ids), cache.seqlens(seq_ids), slots.to(device), rows, tq)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Write k, v (T, Hkv, d) into layer `layer`'s pages, then attend: q (T, Hq, d) -> o (T, Hq, d)."""
@@ -96,10 +108,18 @@ class ContinuousBatcher:
     most max_step_tokens for one still in prefill, so prefill and decode share the step); run the model
     once over all of them; append the greedy next token to each request that reached the end of its
     tokens; retire finished requests and free their pages. When the pool runs out mid-step, the most
-    recently admitted request is preempted: its pages are freed and it waits to be recomputed."""
+    recently admitted request is preempted: its pages are freed and it waits to be recomputed.
+    cuda_graphs=True (a model on a CUDA device) replays each step in which every sequence decodes as a
+    CUDA graph (`graphs.DecodeGraphs`): same kernels, one launch from the CPU per step."""
 
     def __init__(
-        self, model, num_pages: int, page_size: int = 16, max_batch: int = 8, max_step_tokens: int = 512
+        self,
+        model,
+        num_pages: int,
+        page_size: int = 16,
+        max_batch: int = 8,
+        max_step_tokens: int = 512,
+        cuda_graphs: bool = False,
     ):
         self.model = model
         self.cache = PagedKVCache(
@@ -113,6 +133,8 @@ class ContinuousBatcher:
         )
         self.max_batch = max_batch
         self.max_step_tokens = max_step_tokens
+        # decode-only steps replayed as CUDA graphs (`graphs.DecodeGraphs`; a CUDA model only)
+        self.graphs = DecodeGraphs(model, self.cache) if cuda_graphs else None
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.finished: dict[int, Request] = {}
@@ -168,11 +190,16 @@ class ContinuousBatcher:
             self._preempt()
         self.last_plan = [(r.id, n) for r, n in plan]
         slots = torch.cat([self.cache.append(r.id, n) for r, n in plan])
-        token_ids = torch.tensor([t for r, n in plan for t in r.tokens[r.computed : r.computed + n]])
-        positions = torch.tensor([p for r, n in plan for p in range(r.computed, r.computed + n)])
-        kv = PagedKV(self.cache, [r.id for r, _ in plan], [n for _, n in plan], slots)
-        device = self.model.device
-        logits = self.model.forward_step(token_ids.to(device), positions.to(device), kv)
+        token_ids = [t for r, n in plan for t in r.tokens[r.computed : r.computed + n]]
+        positions = [p for r, n in plan for p in range(r.computed, r.computed + n)]
+        seq_ids = [r.id for r, _ in plan]
+        if self.graphs is not None and len(token_ids) == len(plan):  # every sequence decoding: replay
+            logits = self.graphs.step(seq_ids, token_ids, positions, slots)
+        else:
+            kv = PagedKV.for_step(self.cache, seq_ids, [n for _, n in plan], slots)
+            device = self.model.device
+            tensors = (torch.tensor(x, dtype=torch.int64, device=device) for x in (token_ids, positions))
+            logits = self.model.forward_step(*tensors, kv)
         last = torch.tensor([n for _, n in plan]).cumsum(0) - 1
         next_tokens = logits[last.to(logits.device)].argmax(-1).tolist()
         out = {}

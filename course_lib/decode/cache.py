@@ -135,16 +135,17 @@ class PagedKVCache:
         for pool, x in ((self.k_pages[layer], k), (self.v_pages[layer], v)):
             pool.view(-1, *pool.shape[2:])[slots.to(pool.device)] = x.to(pool.dtype)
 
-    def block_table(self, seq_ids, max_pages: int | None = None) -> torch.Tensor:
-        """(B, max_pages) int32 block table of the sequences (unused entries 0), on the pools' device."""
+    def block_table(self, seq_ids, max_pages: int | None = None, device=None) -> torch.Tensor:
+        """(B, max_pages) int32 block table of the sequences (unused entries 0; max_pages defaults to the
+        longest row), on `device` (default: the pools' device)."""
         rows = [self.seqs[i].pages for i in seq_ids]
         width = max([len(r) for r in rows] + [1]) if max_pages is None else max_pages
         table = torch.zeros(len(rows), width, dtype=torch.int32)
         for b, r in enumerate(rows):
             table[b, : len(r)] = torch.tensor(r, dtype=torch.int32)
-        return table.to(self.k_pages[0].device)
+        return table.to(self.k_pages[0].device if device is None else device)
 
-    def seqlens(self, seq_ids) -> torch.Tensor:
-        """(B,) int32 lengths of the sequences, on the pools' device."""
+    def seqlens(self, seq_ids, device=None) -> torch.Tensor:
+        """(B,) int32 lengths of the sequences, on `device` (default: the pools' device)."""
         lens = [self.seqs[i].length for i in seq_ids]
-        return torch.tensor(lens, dtype=torch.int32).to(self.k_pages[0].device)
+        return torch.tensor(lens, dtype=torch.int32).to(self.k_pages[0].device if device is None else device)

@@ -6,7 +6,8 @@
   time: prefill the prompt, then one token per step (bottom-right causal attention over the cache).
 - `stream(model, prompts, n)`: several prompts at once through `course_lib.decode`'s continuous-
   batching loop (notebook 10): K/V in a paged cache, attention by the paged split-KV decode kernel,
-  prefill and decode in one step; yields (prompt index, token) as each token is produced.
+  prefill and decode in one step, decode steps replayed as CUDA graphs on a GPU; yields (prompt index,
+  token) as each token is produced.
 - `serve(model, prompts, n)`: `stream` run to the end, the tokens of each prompt in a list.
 """
 
@@ -63,15 +64,20 @@ def stream(
     num_pages: int | None = None,
     max_batch: int = 8,
     max_step_tokens: int = 512,
+    cuda_graphs: bool | None = None,
 ) -> Iterator[tuple[int, int]]:
     """Generate for all `prompts` at once over course_lib's paged KV cache; yields (prompt index,
-    token) as tokens appear. `num_pages` defaults to enough pages for every prompt at full length."""
+    token) as tokens appear. `num_pages` defaults to enough pages for every prompt at full length.
+    cuda_graphs: replay the decode steps as CUDA graphs (`course_lib.decode.graphs`); None: when the
+    model is on a CUDA device."""
     from ..decode.batching import ContinuousBatcher
 
     prompts = _prompts(prompts)
     if num_pages is None:
         num_pages = sum(-(-(len(p) + max_new_tokens + 1) // page_size) for p in prompts)
-    batcher = ContinuousBatcher(model, num_pages, page_size, max_batch, max_step_tokens)
+    if cuda_graphs is None:
+        cuda_graphs = torch.device(model.device).type == "cuda"
+    batcher = ContinuousBatcher(model, num_pages, page_size, max_batch, max_step_tokens, cuda_graphs)
     ids = {batcher.submit(p, max_new_tokens): i for i, p in enumerate(prompts)}
     while batcher.waiting or batcher.running:
         for request_id, token in batcher.step().items():
