@@ -322,6 +322,24 @@ for i, p, n in zip(ids, prompts, wanted):
 print("every request's tokens equal the step-by-step reference:", [batcher.finished[i].generated for i in ids])
 assert batcher.cache.allocator.num_free == 10  # every page came back
 
+# %% [markdown]
+# **Decode steps as CUDA graphs.** A real model's decode step is hundreds of small kernels; launched one by
+# one from Python, the CPU time per step can exceed the GPU's. Serving engines record a decode step once
+# as a CUDA graph and replay it with one call. `ContinuousBatcher(..., cuda_graphs=True)` does so for every
+# step in which all sequences decode (`course_lib.decode.graphs`): one graph per batch size and block-table
+# width (padded to a power of two pages), its inputs copied into fixed tensors before each replay. The
+# tokens must not change. (CUDA graphs need a GPU; on a CPU this cell only says so.)
+
+# %%
+if course_lib.ON_GPU:
+    replayed = ContinuousBatcher(model, num_pages=10, page_size=4, max_batch=3, max_step_tokens=8, cuda_graphs=True)
+    graph_ids = [replayed.submit(p, n) for p, n in zip(prompts, wanted)]
+    got = replayed.run()
+    assert [got[i] for i in graph_ids] == [batcher.finished[i].generated for i in ids]
+    print(f"same tokens; {replayed.graphs.replays} steps replayed from {len(replayed.graphs.graphs)} graphs")
+else:
+    print("CUDA graphs need a GPU: skipped here.")
+
 # %%
 fig, ax = plt.subplots(figsize=(9, 2.8))
 for step, (plan, _) in enumerate(trace):

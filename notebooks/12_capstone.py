@@ -320,6 +320,15 @@ if rec is not None:
               f"  -> P : G : OS = {ratio};  activations {m['activations'] / 2**30:.2f} GiB "
               f"for {m['tokens']:,} tokens")
 
+# %% [markdown]
+# **Serving.** A decode step of this model is a few hundred small kernels. Launched one at a time from
+# Python, they cost the CPU more time than the GPU takes to run them, so the loop waits on the CPU. On a
+# GPU, `generate.stream` therefore replays each decode step as a CUDA graph (notebook 10,
+# `course_lib.decode.graphs`): the launches are recorded once per batch shape and replayed with one call.
+# The record times both ways and transformers' `generate`, each on its second full run (the first
+# compiles kernels).
+
+# %%
 srec = records.load_record("serve")
 if srec is not None:
     d = srec["data"]
