@@ -56,7 +56,7 @@ class PagedKV:
         cls, cache: PagedKVCache, seq_ids: list[int], new_lens: list[int], slots: torch.Tensor
     ) -> PagedKV:
         """The view of a step that feeds new_lens[i] tokens of sequence seq_ids[i], whose K/V go to `slots`."""
-        device = cache.k_pages[0].device
+        device = cache.device
         tq = max(new_lens)
         rows = [b * tq + tq - n + i for b, n in enumerate(new_lens) for i in range(n)]
         rows = torch.tensor(rows, dtype=torch.int64, device=device)  # token -> padded row
@@ -110,7 +110,7 @@ class ContinuousBatcher:
     tokens; retire finished requests and free their pages. When the pool runs out mid-step, the most
     recently admitted request is preempted: its pages are freed and it waits to be recomputed.
     cuda_graphs=True (a model on a CUDA device) replays each step in which every sequence decodes as a
-    CUDA graph (`graphs.DecodeGraphs`): same kernels, one launch from the CPU per step."""
+    CUDA graph (`graphs.DecodeGraphs`): the same model code, one launch from the CPU per step."""
 
     def __init__(
         self,

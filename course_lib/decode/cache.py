@@ -82,6 +82,11 @@ class PagedKVCache:
         self.allocator = PageAllocator(num_pages)
         self.seqs: dict[int, SequencePages] = {}
 
+    @property
+    def device(self) -> torch.device:
+        """The device of the page pools."""
+        return self.k_pages[0].device
+
     def add_sequence(self, seq_id: int) -> None:
         if seq_id in self.seqs:
             raise ValueError(f"sequence {seq_id} already exists")
@@ -143,9 +148,9 @@ class PagedKVCache:
         table = torch.zeros(len(rows), width, dtype=torch.int32)
         for b, r in enumerate(rows):
             table[b, : len(r)] = torch.tensor(r, dtype=torch.int32)
-        return table.to(self.k_pages[0].device if device is None else device)
+        return table.to(self.device if device is None else device)
 
     def seqlens(self, seq_ids, device=None) -> torch.Tensor:
         """(B,) int32 lengths of the sequences, on `device` (default: the pools' device)."""
         lens = [self.seqs[i].length for i in seq_ids]
-        return torch.tensor(lens, dtype=torch.int32).to(self.k_pages[0].device if device is None else device)
+        return torch.tensor(lens, dtype=torch.int32).to(self.device if device is None else device)

@@ -16,16 +16,17 @@ page ids and positions are read by the kernels from those tensors at replay, so 
 every step of that shape. Only steps in which every sequence brings one token are replayed; a step
 with a prefill chunk runs as it is (its token count changes from step to step).
 
-Capturing a shape: the step first runs once as usual on the fixed tensors (which compiles any kernel
-not yet compiled and writes the step's K/V into the cache), is then recorded, and is replayed for its
-result; the replay writes the same K/V again. All graphs share one memory pool: they never run at
-the same time, and each step's logits are read before the next replay.
+Capturing a shape (`course_lib.perf.timing.graphed`): the step first runs twice as usual on the fixed
+tensors (which compiles any kernel not yet compiled and writes the step's K/V into the cache), is then
+recorded, and is replayed for its result; each run writes the same K/V. All graphs share one memory
+pool: they never run at the same time, and each step's logits are read before the next replay.
 """
 
 from __future__ import annotations
 
 import torch
 
+from ..perf.timing import graphed
 from .cache import PagedKVCache
 
 
@@ -53,7 +54,7 @@ class _Graph:
             torch.arange(batch, dtype=torch.int64, device=device),  # one token per sequence: row b
             1,
         )
-        self.model, self.pool, self.graph, self.logits = model, pool, None, None
+        self.model, self.pool, self.replay, self.logits = model, pool, None, None
 
     def fill(self, seq_ids, tokens, positions, slots) -> None:
         cache, kv = self.kv.cache, self.kv
@@ -65,17 +66,13 @@ class _Graph:
         )
         kv.cache_seqlens.copy_(cache.seqlens(seq_ids, device="cpu"), non_blocking=True)
 
+    def _forward(self) -> None:
+        self.logits = self.model.forward_step(self.tokens, self.positions, self.kv)
+
     def run(self) -> torch.Tensor:
-        if self.graph is None:  # first use: run once as usual, then record
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                self.model.forward_step(self.tokens, self.positions, self.kv)
-            torch.cuda.current_stream().wait_stream(stream)
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph, pool=self.pool):
-                self.logits = self.model.forward_step(self.tokens, self.positions, self.kv)
-        self.graph.replay()
+        if self.replay is None:  # first use: run as usual, then record (the last run's logits stay)
+            self.replay = graphed(self._forward, pool=self.pool)
+        self.replay()
         return self.logits
 
 

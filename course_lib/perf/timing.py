@@ -87,8 +87,10 @@ def benchmark(fn, *, warmup_ms: float = 25, rep_ms: float = 100, cpu_reps: int =
     return statistics.median(samples)
 
 
-def graphed(fn):
+def graphed(fn, pool=None):
     """fn captured once as a CUDA graph; returns a function that replays it (None off the GPU).
+    pool: a memory pool (`torch.cuda.graph_pool_handle()`) shared with other graphs that never run at
+    the same time (the serving loop's decode graphs, `course_lib.decode.graphs`).
 
     Timing the replay measures the GPU's work without the CPU's launch cost (Python, argument checks,
     one launch per kernel). fn runs twice on a side stream first (warm-up: compilation, allocator), then
@@ -104,7 +106,7 @@ def graphed(fn):
             fn()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, pool=pool):
         fn()
     return graph.replay
 
