@@ -285,6 +285,13 @@ assert all(same)
 # `python -m course_lib.bench.train` trains a ~100M-parameter model of the same design (dim 768, 16 layers,
 # 6 query heads and 2 K/V heads of 128, SwiGLU 2048) at sequence 4096 for a few minutes. On a CPU we show
 # the recorded run; on a GPU this notebook also measures its own model live below.
+#
+# Each row gives a step's wall time, the time of the kernels it ran and how many it ran
+# (`course_lib.perf.kernel_stats`, from the profiler). When the two times are close, the GPU is the limit
+# and the row compares kernels. When the kernels take much less than the step, the GPU sat waiting for
+# the CPU to launch them, and the row compares Python and launch costs instead. The kernel count stays
+# the same whatever the batch, while the kernels' time grows with it: the benchmark's micro-batch (8 ×
+# 4096 tokens) is large enough to stay in the first case; a batch a quarter that size is not.
 
 # %%
 rec = records.load_record("train")
@@ -292,10 +299,12 @@ if rec is None:
     print("No recorded training run yet: run `python -m course_lib.bench.train` on a GPU.")
 else:
     print("Training,", records.label(rec))
-    print(f"{'provider':12} {'tokens/s':>10} {'peak GiB':>9}")
+    print(f"{'provider':12} {'tokens/s':>10} {'step ms':>8} {'kernels ms':>10} {'kernels':>8} {'peak GiB':>9}")
     for r in rec["data"]["train"]:
         if r["status"] == "ok":
-            print(f"{r['provider']:12} {r['tokens_per_s']:10,.0f} {r['peak_bytes'] / 2**30:9.1f}")
+            print(f"{r['provider']:12} {r['tokens_per_s']:10,.0f} {r['step_ms']:8.1f} "
+                  f"{r.get('kernel_ms', float('nan')):10.1f} {r.get('kernels_per_step', 0):8d} "
+                  f"{r['peak_bytes'] / 2**30:9.1f}")  # fmt: skip
         else:
             print(f"{r['provider']:12} {r['status']}")
     ok = {r["provider"]: r for r in rec["data"]["train"] if r["status"] == "ok"}
@@ -325,8 +334,11 @@ if rec is not None:
 # Python, they cost the CPU more time than the GPU takes to run them, so the loop waits on the CPU. On a
 # GPU, `generate.stream` therefore replays each decode step as a CUDA graph (notebook 10,
 # `course_lib.decode.graphs`): the launches are recorded once per batch shape and replayed with one call.
-# The record times both ways and transformers' `generate`, each on its second full run (the first
-# compiles kernels).
+# Capturing a graph costs a few plain runs of its step, so a server captures once and keeps its graphs
+# (and its page pool) for every later request: `generate.make_batcher` builds such a loop, and
+# `generate.serve(..., batcher=loop)` serves through it. The record times both ways and transformers'
+# `generate`, each on its second full run through one loop (the first compiles kernels and captures
+# the graphs).
 
 # %%
 srec = records.load_record("serve")

@@ -435,6 +435,13 @@ def test_continuous_batching_replays_decode_steps_as_cuda_graphs():
     assert graphs.replays > 10 and len(graphs.graphs) >= 3, (graphs.replays, sorted(graphs.graphs))
     assert {b for b, _ in graphs.graphs} >= {2, 3} and len({w for _, w in graphs.graphs}) >= 2
     assert batcher.cache.allocator.num_free == 40
+    # the same loop serves the same requests again: each step shape replays a graph captured above
+    captured, replays = dict(graphs.graphs), graphs.replays
+    ids = [batcher.submit(p, n) for p, n in zip(prompts, new)]
+    got = batcher.run()
+    for i, p, n in zip(ids, prompts, new):
+        assert got[i] == model.generate_full(p, n), f"request {i} (prompt {len(p)} tokens), second run"
+    assert graphs.graphs == captured and graphs.replays > replays, sorted(graphs.graphs)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -164,6 +164,14 @@ def test_paged_generation_equals_step_by_step_greedy(backend):
     assert generate.serve(model, prompts, 6, page_size=4, max_step_tokens=8) == expected
     streamed = list(generate.stream(model, prompts, 6, page_size=4))
     assert sorted(t for i, t in streamed if i == 1) == sorted(expected[1])
+    loop = generate.make_batcher(model, prompts, 6, page_size=4)  # one loop, two calls, as a server
+    assert generate.serve(model, prompts, 6, batcher=loop) == expected
+    assert generate.serve(model, prompts[::-1], 6, batcher=loop) == expected[::-1]
+    assert loop.cache.allocator.num_free == loop.cache.allocator.num_pages
+    with pytest.raises(ValueError, match="its own sizes"):
+        generate.serve(model, prompts, 6, batcher=loop, page_size=8)
+    with pytest.raises(ValueError, match="another model"):
+        generate.serve(tiny_model(backend=backend), prompts, 6, batcher=loop)
 
 
 @pytest.mark.gpu
@@ -189,5 +197,8 @@ def test_bench_train_quick_runs():
 
     result = bench_train.run(quick=True)
     assert {r["provider"] for r in result["train"]} >= {"course_lib", "sdpa"}
+    for r in result["train"]:
+        if r["status"] == "ok":  # the profiler saw the step's kernels, and they fit in the step's time
+            assert 0 < r["kernel_ms"] < 1.5 * r["step_ms"] and r["kernels_per_step"] > 100, r
     assert result["serve"]["course_lib_paged"]["tokens_per_s"] > 0
     assert result["memory"][0]["bytes_per_param"]["optimizer_states"] >= 8, result["memory"][0]

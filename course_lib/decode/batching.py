@@ -215,6 +215,17 @@ class ContinuousBatcher:
         self.steps += 1
         return out
 
+    def stream(self, prompts, max_new_tokens: int, eos_id: int | None = None):
+        """Submit `prompts` (lists of token ids) and step until they are all finished; yields (prompt
+        index, token) as tokens appear. Requests submitted before keep being served alongside."""
+        ids = {self.submit(p, max_new_tokens, eos_id): i for i, p in enumerate(prompts)}
+        left = len(ids)
+        while left:
+            for request_id, token in self.step().items():
+                if request_id in ids:
+                    yield ids[request_id], token
+            left = sum(1 for r in self.waiting + self.running if r.id in ids)
+
     def run(self) -> dict[int, list[int]]:
         """Step until every submitted request is finished; returns {id: generated tokens}."""
         while self.waiting or self.running:

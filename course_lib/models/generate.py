@@ -9,6 +9,8 @@
   prefill and decode in one step, decode steps replayed as CUDA graphs on a GPU; yields (prompt index,
   token) as each token is produced.
 - `serve(model, prompts, n)`: `stream` run to the end, the tokens of each prompt in a list.
+- `make_batcher(model, prompts, n)`: the loop itself, to pass to several `stream` / `serve` calls: its page
+  pool and its captured CUDA graphs then serve them all, as a server's do.
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ def greedy_cached(model, prompts, max_new_tokens: int) -> list[list[int]]:
     return out
 
 
-def stream(
+def make_batcher(
     model,
     prompts,
     max_new_tokens: int,
@@ -65,11 +67,12 @@ def stream(
     max_batch: int = 8,
     max_step_tokens: int = 512,
     cuda_graphs: bool | None = None,
-) -> Iterator[tuple[int, int]]:
-    """Generate for all `prompts` at once over course_lib's paged KV cache; yields (prompt index,
-    token) as tokens appear. `num_pages` defaults to enough pages for every prompt at full length.
-    cuda_graphs: replay the decode steps as CUDA graphs (`course_lib.decode.graphs`); None: when the
-    model is on a CUDA device."""
+):
+    """A `course_lib.decode.batching.ContinuousBatcher` for `model`, sized for `prompts`: `num_pages`
+    defaults to enough pages for every prompt at full length; cuda_graphs: replay the decode steps as
+    CUDA graphs (`course_lib.decode.graphs`), None: when the model is on a CUDA device. Pass it to
+    `stream` / `serve` to serve several calls through one page pool and one set of captured graphs,
+    as a server does."""
     from ..decode.batching import ContinuousBatcher
 
     prompts = _prompts(prompts)
@@ -77,11 +80,22 @@ def stream(
         num_pages = sum(-(-(len(p) + max_new_tokens + 1) // page_size) for p in prompts)
     if cuda_graphs is None:
         cuda_graphs = torch.device(model.device).type == "cuda"
-    batcher = ContinuousBatcher(model, num_pages, page_size, max_batch, max_step_tokens, cuda_graphs)
-    ids = {batcher.submit(p, max_new_tokens): i for i, p in enumerate(prompts)}
-    while batcher.waiting or batcher.running:
-        for request_id, token in batcher.step().items():
-            yield ids[request_id], token
+    return ContinuousBatcher(model, num_pages, page_size, max_batch, max_step_tokens, cuda_graphs)
+
+
+def stream(model, prompts, max_new_tokens: int, batcher=None, **sizes) -> Iterator[tuple[int, int]]:
+    """Generate for all `prompts` at once over course_lib's paged KV cache; yields (prompt index,
+    token) as tokens appear. `batcher`: a loop from `make_batcher` to serve through (its page pool and
+    CUDA graphs are kept from call to call); without one, a new loop sized by `sizes` (`make_batcher`'s
+    keywords: page_size, num_pages, max_batch, max_step_tokens, cuda_graphs)."""
+    prompts = _prompts(prompts)
+    if batcher is None:
+        batcher = make_batcher(model, prompts, max_new_tokens, **sizes)
+    elif sizes:
+        raise ValueError(f"stream: {sorted(sizes)} size a new loop; the batcher given has its own sizes")
+    elif batcher.model is not model:
+        raise ValueError("stream: the batcher given serves another model")
+    yield from batcher.stream(prompts, max_new_tokens)
 
 
 def serve(model, prompts, max_new_tokens: int, **kwargs) -> list[list[int]]:

@@ -128,16 +128,17 @@ def train(
     for step in bar:
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(step, steps, lr, warmup)
-        loss_sum = 0.0
+        loss_sum = torch.zeros((), device=device)  # summed on the device: no wait between micro-batches
         for _ in range(accum_steps):
             x, y = get_batch(tokens, batch_size, seq_len, g, device)
             with _autocast(device, autocast):
                 _, loss = model(x, y)
             (loss / accum_steps).backward()
-            loss_sum += loss.item() / accum_steps
+            loss_sum += loss.detach() / accum_steps
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        loss_sum = loss_sum.item()  # the step's one wait for the GPU
         tokens_seen += batch_size * accum_steps * seq_len
         history["step"].append(step)
         history["loss"].append(loss_sum)

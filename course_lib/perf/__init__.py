@@ -5,7 +5,7 @@
 - `ceilings` ......... measured copy / read bandwidth, matmul TFLOP/s, fusion ......... notebook 01
 - `training_memory` .. bytes per parameter when training with Adam ................... notebook 01
 - `profiling` ........ standard attention step by step, under the profilers .......... notebook 02
-- `timing` ........... `benchmark`, `peak_memory`, `free_memory`, `attention_flops` ... notebook 08
+- `timing` ........... `benchmark`, `peak_memory`, `kernel_stats`, `attention_flops` ... notebook 08
 - `plotting` ......... series, bars, the roofline, tables ............................ notebooks 00-08
 
 The names of `hardware`, `roofline`, `ceilings` and `training_memory` are also reachable here
@@ -39,7 +39,7 @@ from .roofline import (
     operation_costs,
     roofline_ms,
 )
-from .timing import attention_flops, benchmark, free_memory, peak_memory
+from .timing import attention_flops, benchmark, free_memory, kernel_stats, peak_memory
 from .training_memory import training_bytes_per_param
 
 _LAZY_MODULES = ("profiling", "plotting")
@@ -60,6 +60,7 @@ __all__ = [
     "gpu",
     "hardware",
     "hierarchy",
+    "kernel_stats",
     "machine_balance",
     "matmul_cost",
     "measure_copy_bandwidth",
