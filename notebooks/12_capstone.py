@@ -291,7 +291,8 @@ assert all(same)
 # and the row compares kernels. When the kernels take much less than the step, the GPU sat waiting for
 # the CPU to launch them, and the row compares Python and launch costs instead. The kernel count stays
 # the same whatever the batch, while the kernels' time grows with it: the benchmark's micro-batch (8 ×
-# 4096 tokens) is large enough to stay in the first case; a batch a quarter that size is not.
+# 4096 tokens) is chosen large enough that a step takes only a little longer than its kernels (compare
+# the two columns).
 
 # %%
 rec = records.load_record("train")
@@ -432,7 +433,9 @@ check("training-step memory", lambda: training_state_bytes(model.num_parameters(
 
 # %% [markdown]
 # **Exercise 4 (open).** Train with `ACCUM = 4` and a quarter of the batch: is the loss curve the same? What
-# changes in the time per step and in the peak memory (on a GPU, `torch.cuda.max_memory_allocated`)?
+# changes in the time per step and in the peak memory (on a GPU, `torch.cuda.max_memory_allocated`)? On a
+# GPU, set a step's wall time against `course_lib.perf.kernel_stats(lambda: train.train(model, ..., steps=1))`
+# for micro-batches of 1, 4 and 16 sequences: from which size on is the GPU, not the CPU, the limit?
 #
 # ## Summary
 #
