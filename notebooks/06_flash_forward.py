@@ -55,7 +55,7 @@ from course_lib.exercises import check, predict
 from course_lib.perf.plotting import bar_chart, plot_series
 from course_lib.perf.timing import attention_flops, benchmark
 from course_lib.runtime import tl, triton
-from course_lib.testing import assert_close_to_reference, random_qkv
+from course_lib.testing import assert_close_to_reference, random_qkv, run_cases
 
 DEVICE = course_lib.DEVICE
 print(course_lib.RUNTIME.describe())
@@ -709,25 +709,27 @@ def flash_forward(
 
 # %%
 TOL = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 2e-2}  # kernel vs kernel
-for n_q, n_k in [(N_Q, N_K), (N_K, N_Q)]:
-    for causal in (False, True):
-        for dtype in DTYPES:
-            what = f"(B, H, Nq, Nk, d)=({B}, {H}, {n_q}, {n_k}, {D}), {dtype}, causal={causal}"
-            q, k, v = random_qkv((B, H, n_q, D), n_k, dtype=dtype, device=DEVICE)
-            o, lse = flash_forward(q, k, v, causal=causal)
-            o_ref, L_ref = attention(q.double(), k.double(), v.double(), causal=causal, return_lse=True)
-            o_same, L_same = attention(q, k, v, causal=causal, return_lse=True)
-            assert_close_to_reference(o, o_ref, o_same, "O " + what)
-            assert_close_to_reference(lse, L_ref, L_same, "L " + what)
-            o_lib = course_lib.flash_attention(q, k, v, causal=causal)
-            torch.testing.assert_close(
-                o, o_lib, rtol=TOL[dtype], atol=TOL[dtype], msg=lambda m, w=what: f"{w}: {m}"
-            )
-            _, L_lib = lib_forward.forward(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), causal, None)
-            torch.testing.assert_close(
-                lse.flatten(0, 1), L_lib, rtol=1e-4, atol=1e-4, msg=lambda m, w=what: f"{w}: {m}"
-            )
-print("O and L: within the accuracy rule for every case, and equal to course_lib's kernel")
+
+
+def check_forward(case):
+    n_q, n_k, causal, dtype = case
+    what = f"(B, H, Nq, Nk, d)=({B}, {H}, {n_q}, {n_k}, {D}), {dtype}, causal={causal}"
+    q, k, v = random_qkv((B, H, n_q, D), n_k, dtype=dtype, device=DEVICE)
+    o, lse = flash_forward(q, k, v, causal=causal)
+    o_ref, L_ref = attention(q.double(), k.double(), v.double(), causal=causal, return_lse=True)
+    o_same, L_same = attention(q, k, v, causal=causal, return_lse=True)
+    assert_close_to_reference(o, o_ref, o_same, "O " + what)
+    assert_close_to_reference(lse, L_ref, L_same, "L " + what)
+    o_lib = course_lib.flash_attention(q, k, v, causal=causal)
+    torch.testing.assert_close(o, o_lib, rtol=TOL[dtype], atol=TOL[dtype], msg=lambda m: f"{what}: {m}")
+    _, L_lib = lib_forward.forward(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), causal, None)
+    torch.testing.assert_close(lse.flatten(0, 1), L_lib, rtol=1e-4, atol=1e-4, msg=lambda m: f"{what}: {m}")
+
+
+# On a GPU the cases run side by side, so their kernels compile at the same time (`run_cases`).
+cases = [(n_q, n_k, c, dt) for n_q, n_k in [(N_Q, N_K), (N_K, N_Q)] for c in (False, True) for dt in DTYPES]
+run_cases(check_forward, cases)
+print(f"O and L: within the accuracy rule in all {len(cases)} cases, and equal to course_lib's kernel")
 
 # %% [markdown]
 # The kernel also honours strides: here K and V are stored transposed (as (…, d, N)), so their rows are not
@@ -791,10 +793,13 @@ def measure_forward_comparison():
     }
     heads = 2048 // BENCH_D
     data = {"N": BENCH_NS, "d": BENCH_D, "heads": heads, "tokens": BENCH_TOKENS, "tflops": {}}
+    qkv = {n: random_qkv((BENCH_TOKENS // n, heads, n, BENCH_D), dtype=torch.bfloat16, device=DEVICE) for n in BENCH_NS}
+    triton_calls = [(name, n, c) for name in list(providers)[:2] for n in BENCH_NS for c in (False, True)]
+    run_cases(lambda case: providers[case[0]](*qkv[case[1]], case[2]), triton_calls)  # compile side by side
     for causal in (False, True):
         data["tflops"][str(causal)] = {name: [] for name in providers}
         for n in BENCH_NS:
-            q, k, v = random_qkv((BENCH_TOKENS // n, heads, n, BENCH_D), dtype=torch.bfloat16, device=DEVICE)
+            q, k, v = qkv[n]
             flops = attention_flops(BENCH_TOKENS // n, heads, n, n, BENCH_D, causal=causal)
             for name, fn in providers.items():
                 if name.startswith("FlashAttentionTorch") and n > 2048:

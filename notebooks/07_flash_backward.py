@@ -57,7 +57,7 @@ from course_lib.exercises import check, predict
 from course_lib.perf.plotting import plot_series
 from course_lib.perf.timing import attention_flops, benchmark
 from course_lib.runtime import tl, triton
-from course_lib.testing import assert_close_to_reference, random_qkv, reference_outputs
+from course_lib.testing import assert_close_to_reference, random_qkv, reference_outputs, run_cases
 
 DEVICE = course_lib.DEVICE
 print(course_lib.RUNTIME.describe())
@@ -460,21 +460,25 @@ def flash_backward(do, q, k, v, o, L, causal=False, scale=None, dq_mode="two_ker
 # backward comes in section 8, through the autograd Function.
 
 # %%
-for n_q, n_k in [(N_Q, N_K), (N_K, N_Q)]:
-    for causal in (False, True):
-        for dtype in DTYPES:
-            q, k, v = random_qkv((B, H, n_q, D), n_k, dtype=dtype, device=DEVICE)
-            do = torch.randn_like(q)
-            o64, lse64 = attention(q.double(), k.double(), v.double(), causal=causal, return_lse=True)
-            o, lse = o64.to(dtype), lse64.float()
-            _, grads64 = reference_outputs(q.double(), k.double(), v.double(), causal, grad_out=do.double())
-            _, grads_same = reference_outputs(q, k, v, causal, grad_out=do)
-            for dq_mode in ("two_kernel", "atomic") if dtype in ATOMIC_DTYPES else ("two_kernel",):
-                what = f"(B, H, Nq, Nk, d)=({B}, {H}, {n_q}, {n_k}, {D}), {dtype}, causal={causal}, {dq_mode}"
-                grads = flash_backward(do, q, k, v, o, lse, causal, dq_mode=dq_mode)
-                for name, g, g64, g_same in zip(("dQ", "dK", "dV"), grads, grads64, grads_same):
-                    assert g.dtype == dtype and g.shape == g64.shape, f"{name} {what}"
-                    assert_close_to_reference(g, g64, g_same, f"{name} {what}")
+def check_backward(case):
+    n_q, n_k, causal, dtype = case
+    q, k, v = random_qkv((B, H, n_q, D), n_k, dtype=dtype, device=DEVICE)
+    do = torch.randn_like(q)
+    o64, lse64 = attention(q.double(), k.double(), v.double(), causal=causal, return_lse=True)
+    o, lse = o64.to(dtype), lse64.float()
+    _, grads64 = reference_outputs(q.double(), k.double(), v.double(), causal, grad_out=do.double())
+    _, grads_same = reference_outputs(q, k, v, causal, grad_out=do)
+    for dq_mode in ("two_kernel", "atomic") if dtype in ATOMIC_DTYPES else ("two_kernel",):
+        what = f"(B, H, Nq, Nk, d)=({B}, {H}, {n_q}, {n_k}, {D}), {dtype}, causal={causal}, {dq_mode}"
+        grads = flash_backward(do, q, k, v, o, lse, causal, dq_mode=dq_mode)
+        for name, g, g64, g_same in zip(("dQ", "dK", "dV"), grads, grads64, grads_same):
+            assert g.dtype == dtype and g.shape == g64.shape, f"{name} {what}"
+            assert_close_to_reference(g, g64, g_same, f"{name} {what}")
+
+
+# On a GPU the cases run side by side, so their kernels compile at the same time (`run_cases`).
+cases = [(n_q, n_k, c, dt) for n_q, n_k in [(N_Q, N_K), (N_K, N_Q)] for c in (False, True) for dt in DTYPES]
+run_cases(check_backward, cases)
 print(f"dQ, dK, dV: within the accuracy rule in every case ({len(DTYPES)} dtypes, causal and not, Nq < Nk and Nq > Nk)")
 
 # %% [markdown]
@@ -618,17 +622,21 @@ def plot_dq_modes(data, source):
 
 def measure_dq_modes():
     data = {"N": BENCH_NS, "d": list(BENCH_DS), "tokens": BENCH_TOKENS, "tflops": {}}
-    for d in BENCH_DS:
-        for causal in (False, True):
-            for mode in ("two_kernel", "atomic"):
-                series = data["tflops"][f"d={d}, causal={causal}, {mode}"] = []
-                for n in BENCH_NS:
-                    b, h = BENCH_TOKENS // n, 2048 // d
-                    q, k, v = random_qkv((b * h, n, d), dtype=torch.bfloat16, device=DEVICE)
-                    do = torch.randn_like(q)
-                    o, lse = lib_forward.forward(q, k, v, causal, None)
-                    run = lambda: lib_backward.backward(do, q, k, v, o, lse, causal, None, dq_mode=mode)  # noqa: B023
-                    series.append(attention_flops(b, h, n, n, d, causal, mode="bwd") / benchmark(run) * 1e-9)
+    cases = [(d, c, m, n) for d in BENCH_DS for c in (False, True) for m in ("two_kernel", "atomic") for n in BENCH_NS]
+
+    def compiled_run(case):  # inputs, and a first call that compiles the kernels
+        d, causal, mode, n = case
+        q, k, v = random_qkv((BENCH_TOKENS // n * (2048 // d), n, d), dtype=torch.bfloat16, device=DEVICE)
+        do = torch.randn_like(q)
+        o, lse = lib_forward.forward(q, k, v, causal, None)
+        run = lambda: lib_backward.backward(do, q, k, v, o, lse, causal, None, dq_mode=mode)  # noqa: E731
+        run()
+        return run
+
+    # compiled side by side (`run_cases`), then timed one at a time
+    for (d, causal, mode, n), run in zip(cases, run_cases(compiled_run, cases)):
+        flops = attention_flops(BENCH_TOKENS // n, 2048 // d, n, n, d, causal, mode="bwd")
+        data["tflops"].setdefault(f"d={d}, causal={causal}, {mode}", []).append(flops / benchmark(run) * 1e-9)
     return data
 
 

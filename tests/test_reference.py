@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from course_lib.attention.reference import attention, causal_mask
-from course_lib.testing import random_qkv
+from course_lib.testing import random_qkv, run_cases
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -73,3 +73,16 @@ def test_bad_scale():
     q, k, v = random_qkv((1, 4, 8))
     with pytest.raises(ValueError, match="scale"):
         attention(q, k, v, scale=-1.0)
+
+
+def test_run_cases_keeps_the_order_and_raises_a_failure():
+    """run_cases: results in the order of the cases (threads on a GPU, one after another on a CPU), and a
+    failing case's error reaches the caller."""
+    assert run_cases(lambda n: n * n, range(12)) == [n * n for n in range(12)]
+
+    def check(n):
+        assert n != 7, f"case {n} fails"
+        return n
+
+    with pytest.raises(AssertionError, match="case 7 fails"):
+        run_cases(check, range(12))
