@@ -217,7 +217,9 @@ class ContinuousBatcher:
 
     def stream(self, prompts, max_new_tokens: int, eos_id: int | None = None):
         """Submit `prompts` (lists of token ids) and step until they are all finished; yields (prompt
-        index, token) as tokens appear. Requests submitted before keep being served alongside."""
+        index, token) as tokens appear. Requests submitted before keep being served alongside. The
+        finished requests are then dropped from `finished`, so a loop kept across calls (a server's)
+        does not grow."""
         ids = {self.submit(p, max_new_tokens, eos_id): i for i, p in enumerate(prompts)}
         left = len(ids)
         while left:
@@ -225,6 +227,8 @@ class ContinuousBatcher:
                 if request_id in ids:
                     yield ids[request_id], token
             left = sum(1 for r in self.waiting + self.running if r.id in ids)
+        for request_id in ids:
+            self.finished.pop(request_id, None)
 
     def run(self) -> dict[int, list[int]]:
         """Step until every submitted request is finished; returns {id: generated tokens}."""
