@@ -106,5 +106,11 @@ def run_cases(check, cases, threads: int | None = None) -> list:
     if not runtime.ON_GPU or len(cases) < 2:
         return [check(case) for case in cases]
     threads = threads or max(1, min(8, (os.cpu_count() or 2) - 2))
+    device = torch.cuda.current_device()  # a new thread starts on GPU 0: keep the caller's GPU
+
+    def on_device(case):
+        with torch.cuda.device(device):
+            return check(case)
+
     with ThreadPoolExecutor(threads) as pool:
-        return list(pool.map(check, cases))
+        return list(pool.map(on_device, cases))
