@@ -356,7 +356,12 @@ def plot(result: dict, out: Path, slug: str) -> list[Path]:
     paths = []
     ok = [r for r in result["train"] if r["status"] == "ok"]
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    a.bar([r["provider"] for r in ok], [r["tokens_per_s"] / 1e3 for r in ok])
+    a.bar([r["provider"] for r in ok], [r["tokens_per_s"] / 1e3 for r in ok], label="measured")
+    bound = [(r["provider"], r["tokens_per_step"] / r["kernel_ms"]) for r in ok if r.get("kernel_ms")]
+    if bound:  # tokens/ms = thousand tokens/s: the rate if a step took only its kernels' time
+        a.plot(*zip(*bound), "k_", markersize=40, mew=2, label="if a step took only its kernels' time")
+        a.set_ylim(0, 1.3 * max(max(v for _, v in bound), max(r["tokens_per_s"] / 1e3 for r in ok)))
+        a.legend(loc="upper right", fontsize=8, markerscale=0.5)
     a.set(ylabel="thousand tokens / s", title="training throughput, seq 4096, bf16")
     b.bar([r["provider"] for r in ok], [(r["peak_bytes"] or 0) / 2**30 for r in ok], color="tab:orange")
     b.set(ylabel="peak memory (GiB)", title="peak memory of a training step")
