@@ -338,8 +338,8 @@ if rec is not None:
 # Capturing a graph costs a few plain runs of its step, so a server captures once and keeps its graphs
 # (and its page pool) for every later request: `generate.make_batcher` builds such a loop, and
 # `generate.serve(..., batcher=loop)` serves through it. The record times both ways and transformers'
-# `generate`, each on its second full run through one loop (the first compiles kernels and captures
-# the graphs).
+# `generate`, each on its second full run (course_lib's through one kept loop): the first compiles
+# kernels and captures the graphs.
 
 # %%
 srec = records.load_record("serve")
