@@ -169,6 +169,12 @@ def sm_count(index: int | None = None) -> int:
     return _multiprocessors(torch.cuda.current_device() if index is None else int(index))
 
 
+def compile_workers(limit: int) -> int:
+    """How many Triton compiles to run side by side on this host: its CPUs less two (left to the
+    process that feeds the GPU and to the system), at least 1, at most `limit`."""
+    return max(1, min(limit, (os.cpu_count() or 2) - 2))
+
+
 def pick(cpu, gpu):
     """Choose a value by where the kernels run: `N = pick(cpu=256, gpu=8192)`.
 

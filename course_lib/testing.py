@@ -8,8 +8,6 @@ allows, not against a tolerance picked to make it pass.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from .attention.reference import attention
@@ -92,9 +90,9 @@ def reference_outputs(q, k, v, causal: bool, scale=None, grad_out=None):
 def run_cases(check, cases, threads: int | None = None) -> list:
     """`check(case)` for every case of `cases`; returns the results in order and raises the first failure.
 
-    On a GPU the cases run from several threads at once (`threads`, default: the CPU count less 2, at
-    most 8). Each new kernel variant (a dtype, causal or not, another launch) is compiled by Triton on its
-    first call, and most of a compile is spent in LLVM and ptxas, which release Python's lock: compiled
+    On a GPU the cases run from several threads at once (`threads`, default: `runtime.compile_workers(8)`).
+    Each new kernel variant (a dtype, causal or not, another launch) is compiled by Triton on its first
+    call, and most of a compile is spent in LLVM and ptxas, which release Python's lock: compiled
     side by side, a notebook's dozen variants cost a fraction of their time one after another. Under the
     interpreter (a CPU) the cases run one after another: the interpreter is not thread-safe. The cases
     share the GPU, so `check` must not time anything (compile in it, time afterwards). Notebooks 06-07."""
@@ -105,7 +103,7 @@ def run_cases(check, cases, threads: int | None = None) -> list:
     cases = list(cases)
     if not runtime.ON_GPU or len(cases) < 2:
         return [check(case) for case in cases]
-    threads = threads or max(1, min(8, (os.cpu_count() or 2) - 2))
+    threads = threads or runtime.compile_workers(8)
     device = torch.cuda.current_device()  # a new thread starts on GPU 0: keep the caller's GPU
 
     def on_device(case):

@@ -230,3 +230,11 @@ def test_triton_helpers_are_interpreted_after_a_late_import():
     out = run_python(code, COURSE_DEVICE="cpu")
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["True", "True", "True"], out.stdout
+
+
+def test_compile_workers_leaves_two_cpus_and_keeps_the_limit():
+    from course_lib import runtime
+
+    assert runtime.compile_workers(1) == 1
+    assert runtime.compile_workers(64) == max(1, (os.cpu_count() or 2) - 2)
+    assert 1 <= runtime.compile_workers(8) <= 8

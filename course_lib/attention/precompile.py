@@ -13,7 +13,6 @@ specialisation). Triton's on-disk cache then serves the main process, which only
 from __future__ import annotations
 
 import multiprocessing as mp
-import os
 import sys
 import time
 
@@ -57,7 +56,7 @@ def precompile(
         return 0.0, []  # the interpreter compiles nothing and tunes nothing
     n = max(len(t.candidates) for t in (configs.FORWARD, configs.DKDV, configs.DQ))
     jobs = [(d, c, i, dtype) for d in head_dims for c in causal for i in range(n)]
-    workers = workers or max(1, min(len(jobs), (os.cpu_count() or 2) - 2, 16))
+    workers = workers or runtime.compile_workers(min(len(jobs), 16))
     t0 = time.perf_counter()
     with mp.get_context("spawn").Pool(workers) as pool:
         errors = [e for errs in pool.map(_compile_candidate, jobs, chunksize=1) for e in errs]

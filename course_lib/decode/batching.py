@@ -221,12 +221,10 @@ class ContinuousBatcher:
         finished requests are then dropped from `finished`, so a loop kept across calls (a server's)
         does not grow."""
         ids = {self.submit(p, max_new_tokens, eos_id): i for i, p in enumerate(prompts)}
-        left = len(ids)
-        while left:
+        while any(r.id in ids for r in self.waiting + self.running):
             for request_id, token in self.step().items():
                 if request_id in ids:
                     yield ids[request_id], token
-            left = sum(1 for r in self.waiting + self.running if r.id in ids)
         for request_id in ids:
             self.finished.pop(request_id, None)
 
