@@ -144,6 +144,45 @@ def _interpret_triton_helpers() -> int:
     return len(functions)
 
 
+def _round_bf16_casts_to_nearest() -> bool:
+    """Make the interpreter round float32 -> bfloat16 casts to nearest, ties to even, as the GPU does;
+    return whether it was done.
+
+    A compiled kernel's `x.to(tl.bfloat16)` rounds to nearest (PTX `cvt.rn.bf16.f32`), as PyTorch's
+    `.to(torch.bfloat16)` does. Triton's interpreter instead drops the low 16 bits of the float32 (its
+    `_convert_float` rounds toward zero unless asked for "rtne", and its "rtne" branch loses the carry
+    when the rounding overflows the 7-bit mantissa). Toward zero is twice the error of nearest and always
+    in the same direction: a bf16 gradient stored from fp32 (|dQ| in [4, 8) has a bf16 step of 1/32) then
+    misses the float64 reference by up to a whole step where the GPU misses by half. The float32 ->
+    bfloat16 case is routed through PyTorch's conversion (round to nearest even, NaN kept); every other
+    conversion, and an explicit "rtz", keeps Triton's code. `tests/test_runtime.py` checks the result
+    against PyTorch bit for bit, so a Triton release that changes these internals is noticed."""
+    try:
+        import numpy as np
+        from triton.runtime import interpreter
+    except ImportError:
+        return False
+    original = getattr(interpreter, "_convert_float", None)
+    if original is None or getattr(original, "rounds_bf16_to_nearest", False):
+        return original is not None
+
+    def convert_float(input, input_dtype, output_dtype, rounding_mode):
+        toward_zero = rounding_mode is not None and "RTZ" in str(rounding_mode)
+        if input_dtype == tl.float32 and output_dtype == tl.bfloat16 and not toward_zero:
+            as_float = torch.from_numpy(
+                np.array(input, dtype=np.float32)
+            )  # a copy: the input may be read-only
+            return as_float.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+        return original(input, input_dtype, output_dtype, rounding_mode)
+
+    convert_float.rounds_bf16_to_nearest = True
+    interpreter._convert_float = convert_float
+    return True
+
+
+# float32 -> bfloat16 casts under the interpreter round as on the GPU (False where Triton is missing).
+BF16_ROUNDS_TO_NEAREST = _round_bf16_casts_to_nearest() if INTERPRET and triton is not None else False
+
 # Helpers re-created when triton was imported before course_lib on a machine that interprets (0 otherwise).
 TRITON_HELPERS_REINTERPRETED = _interpret_triton_helpers() if INTERPRET and triton is not None else 0
 

@@ -238,3 +238,30 @@ def test_compile_workers_leaves_two_cpus_and_keeps_the_limit():
     assert runtime.compile_workers(1) == 1
     assert runtime.compile_workers(64) == max(1, (os.cpu_count() or 2) - 2)
     assert 1 <= runtime.compile_workers(8) <= 8
+
+
+def test_bfloat16_casts_round_to_nearest_even_as_pytorch_does():
+    """A kernel's fp32 -> bf16 cast gives PyTorch's `.to(torch.bfloat16)` bit for bit, compiled and
+    interpreted (the interpreter alone would drop the low bits: `runtime._round_bf16_casts_to_nearest`)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def cast_kernel(X, Y, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(Y + offs, tl.load(X + offs, mask=offs < n).to(tl.bfloat16), mask=offs < n)
+
+    g = torch.Generator().manual_seed(7)
+    bits = torch.randint(-(2**31), 2**31 - 1, (1 << 14,), generator=g, dtype=torch.int64).to(torch.int32)
+    ties = (bits & ~0xFFFF) | 0x8000  # exactly halfway between two bf16 values: ties go to the even one
+    specials = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 3.4e38, -3.4e38, 1e-40])
+    x = torch.cat([bits.view(torch.float32), ties.view(torch.float32), specials]).to(course_lib.DEVICE)
+    y = torch.empty(x.shape, dtype=torch.bfloat16, device=x.device)
+    cast_kernel[(triton.cdiv(x.numel(), 1024),)](x, y, x.numel(), BLOCK=1024)
+    expected = x.to(torch.bfloat16)
+    same = (y.view(torch.int16) == expected.view(torch.int16)) | (y.isnan() & expected.isnan())
+    assert bool(same.all()), (
+        f"{int((~same).sum())} of {x.numel()} casts differ from PyTorch's, e.g. {x[~same][:4]}"
+    )
+    if course_lib.INTERPRET:
+        assert runtime.BF16_ROUNDS_TO_NEAREST
