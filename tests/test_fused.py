@@ -467,6 +467,16 @@ def _qk(d=16, t=4, dtype=torch.float32):
             "shape",
         ),
         (
+            lambda: rope(*_qk(), *rope_cache(8, 16, device=DEVICE), positions=torch.arange(5, 9, device=DEVICE)),
+            ValueError,
+            r"positions run from 5 to 8, but cos and sin have rows 0\.\.7",
+        ),
+        (
+            lambda: rope(*_qk(), *rope_cache(8, 16, device=DEVICE), positions=torch.arange(-1, 3, device=DEVICE)),
+            ValueError,
+            "positions run from -1 to 2",
+        ),
+        (
             lambda: rope(*_qk(), *rope_cache(8, 16, device=DEVICE), positions=torch.arange(4.0, device=DEVICE)),
             TypeError,
             "int32 or int64",
@@ -484,8 +494,8 @@ def _qk(d=16, t=4, dtype=torch.float32):
         ),
         (lambda: rope(_randn(2, 4, 16), _randn(1, 2, 4, 16), *rope_cache(8, 16, device=DEVICE)), ValueError, "both"),
     ],
-    ids=["odd d", "cache d", "too few rows", "offset", "positions shape", "float positions", "dtypes", "layout",
-         "device", "dims"],
+    ids=["odd d", "cache d", "too few rows", "offset", "positions shape", "positions past the cache",
+         "negative positions", "float positions", "dtypes", "layout", "device", "dims"],
 )  # fmt: skip
 def test_rope_clear_errors(make, error, words):
     with pytest.raises(error, match=words):

@@ -255,14 +255,15 @@ def _positions(positions, n_batch: int, n_tokens: int, n_cache: int, device) -> 
         raise ValueError(
             f"{where}: positions must have shape (T,) or (B, T) = ({n_batch}, {n_tokens}); got {tuple(positions.shape)}"
         )
-    # The value check reads the tensor back (a sync): skipped while a CUDA graph is being captured, where
-    # a sync is not allowed; the kernel clamps positions into the cache instead of reading past it.
+    # The value check reads the smallest and largest position back (one sync): skipped while a CUDA graph
+    # is being captured, where a sync is not allowed; the kernel clamps positions into the cache instead.
     capturing = pos.is_cuda and torch.cuda.is_current_stream_capturing()
-    if pos.numel() and not capturing and (int(pos.min()) < 0 or int(pos.max()) >= n_cache):
-        raise ValueError(
-            f"{where}: positions run from {int(pos.min())} to {int(pos.max())}, but cos and sin have rows "
-            f"0..{n_cache - 1} only"
-        )
+    if pos.numel() and not capturing:
+        lowest, highest = torch.stack(torch.aminmax(pos)).tolist()
+        if lowest < 0 or highest >= n_cache:
+            raise ValueError(
+                f"{where}: positions run from {lowest} to {highest}, but cos and sin have rows 0..{n_cache - 1} only"
+            )
     return pos.contiguous()
 
 
