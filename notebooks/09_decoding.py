@@ -528,14 +528,15 @@ if near_268:
 #
 # A split step is two kernels, the splits and then the combine. On one stream the second normally starts
 # only once the first has finished and its writes are visible, so between them the GPU idles for the
-# time it takes to launch the combine's programs: a few microseconds, even from a CUDA graph, and at
-# batch 1 a step takes 10-40 µs. Hopper GPUs (compute capability 9.0) can launch a kernel *early*
-# (programmatic dependent launch, `course_lib.pdl`): each split program, once it has stored its partial,
-# lets the dependents be scheduled (`griddepcontrol.launch_dependents`), so the combine's programs are
-# placed on the SMs while the last splits finish, and each waits (`griddepcontrol.wait`) until the splits
-# have completed and their partials are visible before it reads one. The results are the same bits; only
-# the gap changes. (Letting the combine in as soon as every split program has *started* measured slower,
-# by 1-4 µs, at batch 1 with 4k-8k keys and at batch 16.)
+# time it takes to launch the combine's programs: a few microseconds, even from a CUDA graph, while a whole
+# batch-1 step over a short cache is not many times longer (the batch-1 rows of the decode table below).
+# Hopper GPUs (compute capability 9.0) can launch a kernel *early* (programmatic dependent launch,
+# `course_lib.pdl`): each split program, once it has stored its partial, lets the dependents be scheduled
+# (`griddepcontrol.launch_dependents`), so the combine's programs are placed on the SMs while the last
+# splits finish, and each waits (`griddepcontrol.wait`) until the splits have completed and their partials
+# are visible before it reads one. The results are the same bits; only
+# the gap changes. (Letting the combine in as soon as every split program has *started* measured slower
+# at batch 1 with 4k-8k keys and at batch 16; `notes/decoding.md`.)
 # `decode_attention` does this wherever the GPU supports it, and `COURSE_PDL=0` turns it off. Measured as
 # CUDA-graph replays, batch 1:
 

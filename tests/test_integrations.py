@@ -136,7 +136,10 @@ def test_greedy_generation_same_tokens(kernel_calls):
         model.set_attn_implementation(impl)
         with warnings.catch_warnings():
             warnings.simplefilter("error", UserWarning)  # no SDPA fallback on the way
-            tokens[impl] = model.generate(prompt, max_new_tokens=6, do_sample=False, attention_mask=None)
+            # min_new_tokens: a random-weight model may pick the end-of-sequence token and stop early
+            tokens[impl] = model.generate(
+                prompt, max_new_tokens=6, min_new_tokens=6, do_sample=False, attention_mask=None
+            )
     assert len(kernel_calls) == 2 * 6  # prefill + 5 decoding steps, two layers
     assert torch.equal(tokens["sdpa"], tokens["course_lib"]), f"{tokens['sdpa']} != {tokens['course_lib']}"
 
@@ -190,8 +193,8 @@ def test_gpu_bf16_llama_logits_gradients_and_generation():
     tokens = {}
     for impl in ("sdpa", "course_lib"):
         model.set_attn_implementation(impl)
-        tokens[impl] = model.generate(ids[:1, :32], max_new_tokens=16, do_sample=False)
-    assert torch.equal(tokens["sdpa"], tokens["course_lib"])
+        tokens[impl] = model.generate(ids[:1, :32], max_new_tokens=16, min_new_tokens=16, do_sample=False)
+    assert tokens["sdpa"].shape[-1] == 32 + 16 and torch.equal(tokens["sdpa"], tokens["course_lib"])
 
 
 @pytest.mark.gpu
