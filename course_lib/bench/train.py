@@ -348,7 +348,9 @@ def print_report(result: dict) -> None:
     for name, label in SERVE_LABELS.items():
         if sv.get(name, {}).get("tokens_per_s"):
             print(f"  {label:46} {sv[name]['tokens_per_s']:7.0f}  ({sv[name]['first_run_s']:.1f} s)")
-    print(f"same tokens as the plain path: {sv['same_per_prompt']}")
+    if "graphs_same_tokens_as_plain_launches" in sv:
+        print(f"graphs: same tokens as plain launches: {sv['graphs_same_tokens_as_plain_launches']}")
+    print(f"same tokens as SDPA's step-by-step greedy decoding: {sv['same_per_prompt']}")
 
 
 def plot(result: dict, out: Path, slug: str) -> list[Path]:
