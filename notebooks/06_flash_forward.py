@@ -576,6 +576,9 @@ print("step 3 + 4 (base 2, causal, ragged, Nq != Nk): O and L match the float64 
 #   1e-3 relative error), which would fail our float32 accuracy rule;
 # - `UPCAST` for bfloat16 **under the interpreter only**: the interpreter's bfloat16 `tl.dot` gives wrong
 #   values, so there the tiles are converted to float32 right after loading. On a GPU, `UPCAST` is False.
+#   (The interpreter's own float32 → bfloat16 cast, as in the final store of O, would also drop the low
+#   bits where a GPU rounds to nearest: `import course_lib` makes it round as the GPU does,
+#   `runtime.BF16_ROUNDS_TO_NEAREST`.)
 #
 # All strides are passed in, so any view of (Z, N, d) works, and the head dim is any power of two >= 16.
 
