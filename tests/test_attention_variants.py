@@ -21,7 +21,8 @@ from course_lib.testing import assert_close_to_reference, random_qkv, reference_
 
 DEVICE = course_lib.DEVICE
 ON_GPU = course_lib.ON_GPU
-DTYPES = [torch.float32, torch.float16, torch.bfloat16]  # bf16 under the interpreter too: its casts round as on a GPU
+# bf16 under the interpreter too: its casts round as on a GPU (`runtime.BF16_ROUNDS_TO_NEAREST`)
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
 def _qkv(b, hq, hkv, n_q, n_k, d, dtype, seed):
