@@ -204,18 +204,15 @@ throughput_guess = predict("training throughput", course_lib.pick(cpu=3_000, gpu
 
 
 # %%
-@torch.no_grad()
 def sample(m, prompt: str, n: int = 120, temperature: float = 0.8, seed: int = 0) -> str:
-    """`n` bytes drawn from softmax(logits / temperature) after `prompt` (plain PyTorch path, seeded).
-    Greedy decoding of a small model soon loops on its likeliest word; sampling shows more of what it knows."""
+    """`n` bytes drawn from softmax(logits / temperature) after `prompt` (`generate.sample`: a KV cache,
+    plain PyTorch attention, seeded). Greedy decoding of a small model soon loops on its likeliest word;
+    sampling shows more of what it knows."""
     backend, m.backend = m.backend, "sdpa"
     g = torch.Generator().manual_seed(seed)
-    tokens = data.encode(prompt).tolist()
-    for _ in range(n):
-        logits = m(torch.tensor([tokens[-CONFIG.max_seq_len :]], device=DEVICE))[0, -1].float().cpu()
-        tokens.append(int(torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=g)))
+    tokens = generate.sample(m, data.encode(prompt).tolist(), n, temperature, generator=g)
     m.backend = backend
-    return data.decode(tokens[len(prompt) :])
+    return data.decode(tokens)
 
 
 PROMPT = "The function returns "

@@ -174,6 +174,26 @@ def test_paged_generation_equals_step_by_step_greedy(backend):
         generate.serve(tiny_model(backend=backend), prompts, 6, batcher=loop)
 
 
+def test_sample_through_the_cache_draws_what_full_recomputation_draws():
+    """`generate.sample` (a KV cache) draws, from one seed, the tokens of a sampler that recomputes the
+    whole sequence at every step; at temperature 0 it is greedy; too long a request is refused."""
+    model = tiny_model(std=0.3)
+    prompt = torch.randint(0, 256, (9,), generator=torch.Generator().manual_seed(4)).tolist()
+    got = generate.sample(model, prompt, 20, temperature=0.8, generator=torch.Generator().manual_seed(5))
+    g, tokens = torch.Generator().manual_seed(5), list(prompt)
+    with torch.no_grad():
+        for _ in range(20):
+            logits = model(torch.tensor([tokens], device=DEVICE))[0, -1].float().cpu()
+            tokens.append(int(torch.multinomial(torch.softmax(logits / 0.8, -1), 1, generator=g)))
+    assert got == tokens[len(prompt) :]
+    assert len(set(got)) > 3, "the draws should vary"
+    assert generate.sample(model, prompt, 8) == generate.greedy_reference(model, prompt, 8)
+    with pytest.raises(ValueError, match="max_seq_len = 96"):
+        generate.sample(model, prompt, 90)
+    with pytest.raises(ValueError, match="temperature"):
+        generate.sample(model, prompt, 3, temperature=-1.0)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not course_lib.ON_GPU, reason="needs a CUDA GPU")
 def test_bf16_backends_agree_on_gpu():

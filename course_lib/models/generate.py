@@ -1,9 +1,11 @@
-"""Serving the capstone model: greedy generation, plain and paged (notebook 12).
+"""Serving the capstone model: greedy generation and sampling, plain and paged (notebook 12).
 
 - `greedy_reference(model, prompt, n)`: the definition. One token at a time, each step recomputes
   the whole sequence with `model(tokens)`: no cache, nothing clever.
-- `greedy_cached(model, prompts, n)`: the same tokens through a contiguous `KVCache`, one prompt at a
-  time: prefill the prompt, then one token per step (bottom-right causal attention over the cache).
+- `sample(model, prompt, n, temperature)`: one prompt through a contiguous `KVCache`: prefill the prompt,
+  then one token per step (bottom-right causal attention over the cache), drawn at a temperature.
+- `greedy_cached(model, prompts, n)`: `sample` at temperature 0 for each prompt: the tokens of
+  `greedy_reference`.
 - `stream(model, prompts, n)`: several prompts at once through `course_lib.decode`'s continuous-
   batching loop (notebook 10): K/V in a paged cache, attention by the paged split-KV decode kernel,
   prefill and decode in one step, decode steps replayed as CUDA graphs on a GPU; yields (prompt index,
@@ -40,22 +42,42 @@ def greedy_reference(model, prompt, max_new_tokens: int) -> list[int]:
 
 
 @torch.no_grad()
+def sample(model, prompt, max_new_tokens: int, temperature: float = 0.0, generator=None) -> list[int]:
+    """`max_new_tokens` tokens after one prompt (a list of token ids), each drawn from
+    softmax(logits / temperature) of the last position (temperature 0: the argmax, greedy), through a
+    contiguous `KVCache`: prefill the prompt, then one token per forward pass. `generator`: a CPU
+    `torch.Generator` for the draws. The prompt and the new tokens must fit the model's max_seq_len."""
+    prompt = _prompts([prompt])[0]
+    n_ctx = len(prompt) + max_new_tokens
+    if n_ctx > model.config.max_seq_len:
+        raise ValueError(
+            f"sample: a prompt of {len(prompt)} tokens and {max_new_tokens} new ones need {n_ctx} positions; "
+            f"the model has max_seq_len = {model.config.max_seq_len}"
+        )
+    if temperature < 0:
+        raise ValueError(f"sample: temperature must be >= 0 (0 is greedy), got {temperature}")
+    cache = KVCache(model.config, 1, n_ctx, model.device, model.dtype)
+    logits = model(torch.tensor([prompt], device=model.device), cache=cache, start_pos=0)
+    generated = []
+    for i in range(max_new_tokens):
+        last = logits[0, -1].float()
+        if temperature == 0:
+            token = int(last.argmax())
+        else:
+            probs = torch.softmax(last.cpu() / temperature, -1)
+            token = int(torch.multinomial(probs, 1, generator=generator))
+        generated.append(token)
+        if i + 1 < max_new_tokens:
+            logits = model(
+                torch.tensor([[token]], device=model.device), cache=cache, start_pos=len(prompt) + i
+            )
+    return generated
+
+
 def greedy_cached(model, prompts, max_new_tokens: int) -> list[list[int]]:
-    """Greedy continuations with a contiguous KV cache, one prompt after another (prefill, then one
-    token per forward pass)."""
-    out = []
-    for prompt in _prompts(prompts):
-        cache = KVCache(model.config, 1, len(prompt) + max_new_tokens, model.device, model.dtype)
-        logits = model(torch.tensor([prompt], device=model.device), cache=cache, start_pos=0)
-        generated, pos = [], len(prompt)
-        for i in range(max_new_tokens):
-            token = int(logits[0, -1].argmax())
-            generated.append(token)
-            if i + 1 < max_new_tokens:
-                logits = model(torch.tensor([[token]], device=model.device), cache=cache, start_pos=pos)
-                pos += 1
-        out.append(generated)
-    return out
+    """Greedy continuations with a contiguous KV cache, one prompt after another (`sample` at
+    temperature 0: prefill, then one token per forward pass)."""
+    return [sample(model, p, max_new_tokens) for p in _prompts(prompts)]
 
 
 def make_batcher(
