@@ -169,10 +169,8 @@ def _round_bf16_casts_to_nearest() -> bool:
     def convert_float(input, input_dtype, output_dtype, rounding_mode):
         toward_zero = rounding_mode is not None and "RTZ" in str(rounding_mode)
         if input_dtype == tl.float32 and output_dtype == tl.bfloat16 and not toward_zero:
-            as_float = torch.from_numpy(
-                np.array(input, dtype=np.float32)
-            )  # a copy: the input may be read-only
-            return as_float.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+            copy = np.array(input, dtype=np.float32)  # a copy: the interpreter's array may be read-only
+            return torch.from_numpy(copy).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
         return original(input, input_dtype, output_dtype, rounding_mode)
 
     convert_float.rounds_bf16_to_nearest = True
