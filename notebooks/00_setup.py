@@ -151,15 +151,22 @@ else:
 # | notebook | what you build | where the finished piece lives |
 # | --- | --- | --- |
 # | 00 setup | this tour | `course_lib.doctor`, `course_lib.runtime` |
-# | 01 roofline | the roofline model, the memory hierarchy, fusion | `course_lib.hardware`, `course_lib.plotting` |
-# | 02 standard attention | why attention is memory-bound | `course_lib.attention.reference`, `course_lib.profiling` |
+# | 01 roofline | the roofline model, the memory hierarchy, fusion | `course_lib.perf` (hardware, roofline, plotting) |
+# | 02 standard attention | why attention is memory-bound | `course_lib.attention.reference`, `.perf.profiling` |
 # | 03 softmax | naive, safe and online softmax (NumPy) | `course_lib.softmax` |
-# | 04 tiled attention | FlashAttention in PyTorch, forward and backward | `course_lib.FlashAttentionTorch` |
+# | 04 tiled attention | FlashAttention's forward in PyTorch | `course_lib.attention.tiled` |
+# | 04b tiled backward | its backward, by recomputation | `course_lib.FlashAttentionTorch` |
 # | 05 Triton primer | vector add, weighted sum, fused softmax | `course_lib.primer` |
 # | 06 FA-2 forward | the Triton forward kernel | `course_lib.flash_attention` |
 # | 07 FA-2 backward | the Triton backward kernels | `course_lib.FlashAttentionTriton` |
-# | 08 benchmarking | timing, profiling, the optimisation ladder | `course_lib.bench`, `course_lib.timing` |
-# | later (planned) | decoding with split-KV and a paged KV cache; fused RMSNorm and RoPE | — |
+# | 08 benchmarking | timing, profiling, the optimisation ladder | `course_lib.bench`, `course_lib.perf.timing` |
+# | 08b real models | custom operator, GQA, causal alignments, transformers | `.attention.op`, `.integrations` |
+# | 08c Hopper appendix | warp specialisation in Gluon (optional) | `course_lib.attention.hopper` |
+# | 09 decoding | split-KV decoding against a KV cache | `course_lib.decode.decode_attention` |
+# | 10 PagedAttention | pages, an allocator, the paged kernel, continuous batching | `course_lib.decode` |
+# | 11 RMSNorm and RoPE | fused kernels, forward and backward | `course_lib.fused` |
+# | 12 capstone | a small Llama trained and served on the course's kernels | `course_lib.models` |
+# | 13 ring attention | one attention over several GPUs | `course_lib.distributed` |
 #
 # ## 6. course_lib from homework
 #

@@ -41,7 +41,7 @@ DEVICE = course_lib.DEVICE
 print("running on:", course_lib.RUNTIME.describe())
 
 # Every size this notebook uses, in one place (small on a CPU, real on a GPU).
-COPY_NUMEL = course_lib.pick(cpu=2**24, gpu=2**28)  # 64 MB / 1 GiB of fp32: far beyond every cache
+COPY_NUMEL = course_lib.pick(cpu=2**24, gpu=2**28)  # 64 MiB / 1 GiB of fp32: far beyond every cache
 MATMUL_N = course_lib.pick(cpu=1024, gpu=8192)  # the matmul that measures peak FLOP/s
 ROWS, COLS = course_lib.pick(cpu=(4096, 4096), gpu=(16384, 8192))  # tensor for element-wise ops, reductions
 MATMUL_SIZES = course_lib.pick(cpu=[32, 128, 512, 1024], gpu=[256, 1024, 4096, 8192])
@@ -64,7 +64,7 @@ if not course_lib.ON_GPU:
 # - **host DRAM**: the CPU's memory, reached over PCIe.
 #
 # The table below comes from the vendor's datasheets, whitepapers and tuning guides
-# (`course_lib.hardware.GPUS`); the sources are printed under it. Throughputs are dense (no sparsity).
+# (`course_lib.perf.hardware.GPUS`); the sources are printed under it. Throughputs are dense (no sparsity).
 # One column is derived rather than quoted: no datasheet gives the SRAM bandwidth, so we estimate it as
 # SMs × 128 bytes per clock (32 shared-memory banks of 4 bytes, CUDA C++ Programming Guide) × clock. For
 # the A100 that gives 19.5 TB/s, in line with the FlashAttention paper's "around 19 TB/s"
@@ -177,11 +177,13 @@ assert flops_growth > bw_growth
 #
 # The second form is the **roofline**. Its corner, the **machine balance** P / B, is the intensity at which
 # memory time equals compute time: below it an operation is **memory-bound** (faster arithmetic would not
-# help), above it **compute-bound**. `course_lib.hardware.roofline_ms` and `machine_balance` implement
+# help), above it **compute-bound**. `course_lib.perf.roofline_ms` and `machine_balance` implement
 # these two lines.
 #
 # A GPU has *two* compute peaks that matter here: the tensor cores, which only do matrix multiplication,
-# and the ordinary fp32 units that do everything else (exp, max, add, ...).
+# and the ordinary fp32 units that do everything else (max, add, multiply, ...). Exponentials are slower
+# still: they run on special-function units with a fraction of the fp32 units' throughput (notebook 08
+# counts what that costs attention).
 
 # %%
 balance_rows = [
@@ -208,8 +210,8 @@ assert a100.matmul16_tflops / a100.fp32_tflops == 16
 #
 # ## 3. Worked examples: the intensity of common operations
 #
-# `hardware.operation_costs` counts FLOPs and minimum bytes for element-wise operations (ReLU, dropout,
-# masking), reductions (sum, softmax, layer norm), and `hardware.matmul_cost` for an n × n matmul
+# `perf.operation_costs` counts FLOPs and minimum bytes for element-wise operations (ReLU, dropout,
+# masking), reductions (sum, softmax, layer norm), and `perf.matmul_cost` for an n × n matmul
 # (2n³ FLOPs, 3n² elements moved). Compare each intensity with the H200's balance:
 
 # %%
@@ -241,8 +243,9 @@ print_table(rows)
 assert all(r["H200 verdict"] == "memory-bound" for r in rows if not r["operation"].startswith("matmul"))
 
 # %% [markdown]
-# Every element-wise operation and every reduction does a handful of FLOPs per element but moves 4 bytes
-# (bf16: read 2, write 2): an intensity around 1, two orders of magnitude below the balance. They are
+# Every element-wise operation and every reduction does a handful of FLOPs per element but moves 2 to 4
+# bytes per element (bf16: read 2, and write 2 unless it reduces the row away): an intensity around 1, one
+# to two orders of magnitude below even the non-matmul balance, and far below the matmul one. They are
 # memory-bound on every GPU in the table; their time is bytes / bandwidth. A matmul's intensity grows
 # with its size, 2n / (3 × bytes per element), so large matmuls are compute-bound:
 
@@ -273,7 +276,7 @@ plt.show()
 #   read plus bytes written;
 # - **compute**: a large matmul (2n³ FLOPs), bf16 on a GPU, fp32 on a CPU.
 #
-# Timing uses `course_lib.timing.benchmark`: on a GPU, the median of CUDA-event timings after warm-up,
+# Timing uses `course_lib.perf.timing.benchmark`: on a GPU, the median of CUDA-event timings after warm-up,
 # with the L2 cache flushed before each call (notebook 08 says how); on a CPU a wall-clock median. The
 # copy is timed as a replay of a CUDA graph, as the benchmarks time the kernels they compare with it
 # (notebook 08): no CPU launch cost in the figure.
@@ -332,7 +335,7 @@ for p in points:
 print_table(table)
 
 # %% [markdown]
-# The recorded GPU figures (`make bench` on a GPU, `course_lib.hardware.measure_record`) let a CPU learner
+# The recorded GPU figures (`make bench` on a GPU, `course_lib.perf.ceilings.measure_record`) let a CPU learner
 # see the same picture on a real GPU, next to their own. They are labelled with the GPU and the date.
 
 # %%
@@ -360,14 +363,14 @@ ax = roofline(
 plt.show()
 
 # %% [markdown]
-# Read the picture: the element-wise operations and reductions cluster at intensity ≈ 0.1–1 FLOP/byte,
+# Read the picture: the element-wise operations and reductions cluster at intensity ≈ 0.1–2 FLOP/byte,
 # far left of every ridge. They cannot use more than a few percent of the compute peak, whatever the
 # implementation. Small matmuls are memory-bound too; only the large ones get close to the flat roof.
 #
 # ## 6. Memory when training
 #
 # Training with Adam keeps, for every parameter: the parameter, its gradient, and Adam's two moments
-# (running mean and variance of the gradient). With mixed precision (the ZeRO paper's accounting,
+# (running means of the gradient and of its square). With mixed precision (the ZeRO paper's accounting,
 # [arXiv:1910.02054](https://arxiv.org/abs/1910.02054)) the parameters and gradients are 16-bit, and the
 # optimizer also keeps an fp32 **master copy** of the weights, so that small updates are not rounded away:
 #
@@ -471,7 +474,7 @@ assert measured16 == budget16
 # ## 7. Kernel fusion
 #
 # Eager PyTorch runs one kernel per operation, and every kernel reads its input from HBM and writes its
-# output back. `hardware.elementwise_chain(x) = relu(x * 0.5 + 1) * 2` is four element-wise operations:
+# output back. `perf.ceilings.elementwise_chain(x) = relu(x * 0.5 + 1) * 2` is four element-wise operations:
 #
 # - **eager**: 4 kernels, each reads N elements and writes N elements: 8N element transfers;
 # - **fused**: one kernel reads x once, keeps the intermediates in registers, writes y once: 2N.
@@ -487,7 +490,7 @@ assert measured16 == budget16
 
 # %%
 def fuse_by_chunks(f, chunk=2**15):
-    """Apply element-wise f chunk by chunk: a 128 KB chunk stays in cache through all of f's operations."""
+    """Apply element-wise f chunk by chunk: a 128 KiB chunk stays in cache through all of f's operations."""
 
     def fused(x):
         out = torch.empty_like(x)

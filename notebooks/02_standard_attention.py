@@ -66,7 +66,8 @@ GPU_BH, GPU_N, GPU_D, GPU_ELEM = 16, 4096, 128, 2
 # $$ S = QK^\top \in \mathbb{R}^{N\times N}, \qquad P = \mathrm{softmax}(S) \in \mathbb{R}^{N\times N},
 # \qquad O = PV \in \mathbb{R}^{N\times d}, $$
 #
-# where each line loads its inputs from HBM and writes its result back to HBM. A real model adds a causal
+# (the paper leaves the scale out; the code applies it, S = QKᵀ/√d), where each line loads its inputs from
+# HBM and writes its result back to HBM. A real model adds a causal
 # mask before the softmax and dropout after it. In PyTorch, one operation per step:
 
 
@@ -94,10 +95,10 @@ for causal in (False, True):
         baseline,
         f"profiling.standard_attention causal={causal}",
     )
-print("my_attention and course_lib.profiling.standard_attention match the float64 reference")
+print("my_attention and course_lib.perf.profiling.standard_attention match the float64 reference")
 
 # %% [markdown]
-# `course_lib.profiling.standard_attention(q, k, v, causal, dropout_p)` is the same computation with
+# `course_lib.perf.profiling.standard_attention(q, k, v, causal, dropout_p)` is the same computation with
 # dropout, and with each step labelled (`profiling.step`) so that the profilers can tell the steps apart.
 #
 # ## 2. Count the bytes, predict the time
@@ -183,8 +184,9 @@ assert ew_time > 50 > ew_flops
 #
 # Now the real thing on this device, at the sizes chosen at the top (B·H, d, the list of N). We also
 # predict each time from *this device's* roofline, measured as in notebook 01 (a large copy, a large
-# matmul). On a GPU we also record the peak memory above the inputs (`course_lib.timing.peak_memory`);
-# the sweep stops at the first N that runs out of memory.
+# matmul; the non-matmul ceiling is stood in for by the fp32 matmul rate, on the CPU by the same matmul).
+# On a GPU we also record the peak memory above the inputs (`course_lib.perf.timing.peak_memory`); the
+# sweep stops at the first N that runs out of memory.
 
 # %%
 copy_gbps = perf.measure_copy_bandwidth()
@@ -255,7 +257,7 @@ plt.show()
 assert done[-1]["ms"] > done[0]["ms"]
 
 # %% [markdown]
-# The recorded GPU run (`make bench`, `course_lib.profiling.standard_attention_record`) shows the same
+# The recorded GPU run (`make bench`, `course_lib.perf.profiling.standard_attention_record`) shows the same
 # sweep at a realistic shape, up to the size where the GPU runs out of memory:
 
 # %%
@@ -464,14 +466,16 @@ if fusion_measured is not None:
 #
 # What fusion **cannot** fix: the two matmuls are separate library calls, so S still has to be written to
 # HBM after the first and P read back for the second. The N × N matrices still exist in HBM, so memory
-# still grows as N², and at least 2·b·BH·N² bytes still move. To get rid of them we must never form S
+# still grows as N², and at least 4·b·BH·N² bytes still move (S written and read back, P written and read
+# back). To get rid of them we must never form S
 # and P in full: compute attention **tile by tile** in SRAM (notebooks 03–04), which needs a softmax that
 # can be computed a block at a time (the online softmax of notebook 03).
 #
 # ## 6. What the N × N matrices cost in training
 #
 # For the backward pass, autograd keeps the tensors that each operation needs (`profiling.saved_for_backward`
-# lists them with a `saved_tensors_hooks`). For standard attention they include N × N tensors:
+# lists them with `torch.autograd.graph.saved_tensors_hooks`). For standard attention they include N × N
+# tensors:
 
 # %%
 saved_rows = []
@@ -592,9 +596,9 @@ check(
 # first step, as in the table of section 2). What does it tend to for large N? Is S = QKᵀ memory-bound on an
 # H200 at d = 64? At d = 256? Take the H200's datasheet balance, 989 TFLOP/s of dense bf16 over 4.8 TB/s
 # ≈ 206 FLOP/byte. (The table of section 2 used the *measured* ceilings of the hardware record when there
-# is one: a lower balance, about 169, because the measured matmul peak falls further below the datasheet
-# than the measured copy bandwidth does. A ridge from a datasheet says what the chip could do; a measured
-# one says what a real kernel reached. Notebook 08 uses the measured one.)
+# is one: a lower balance, in the table's `balance` column, because the measured matmul peak falls further
+# below the datasheet than the measured copy bandwidth does. A ridge from a datasheet says what the chip
+# could do; a measured one says what a real kernel reached. Notebook 08 uses the measured one.)
 
 
 # %%

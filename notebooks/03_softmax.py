@@ -104,7 +104,7 @@ for dtype in (np.float16, np.float32, np.float64):
     print(f" {float(last_ok)!r:>20} {float(x_inf)!r:>20}")
 
 # %% [markdown]
-# Scores of 12 or 90 are not exotic: with trained weights, attention logits in the tens are common, and a
+# Scores of 12 or 89 are not exotic: with trained weights, attention logits in the tens are common, and a
 # float16 kernel that computes `exp(s)` directly breaks at the first score above 11.09. Watch the naive
 # softmax turn one large entry into NaN (NumPy warns about the overflow too):
 
@@ -267,8 +267,8 @@ print(
 #
 # We record the state after every entry of a short row and plot it. The row is made up so that the
 # maximum grows several times, after `l` has had time to build up. Where the running max jumps, the
-# rescaling factor $e^{m_{j-1} - m_j}$ drops below 1 and `l` shrinks: the old terms count for less
-# under the new, larger maximum, and the new entry contributes exactly $e^0 = 1$.
+# rescaling factor $e^{m_{j-1} - m_j}$ drops below 1 and the old sum is scaled down: the old terms count
+# for less under the new, larger maximum, and the new entry contributes exactly $e^0 = 1$.
 
 # %%
 trace_row = np.array(
@@ -339,8 +339,10 @@ plt.show()
 # (The first factor is $e^{-\infty} = 0$: the empty sum starts from nothing.)
 #
 # That row was made up to rescale often. How often does the running max grow in a *random* row of N = 1024
-# entries, counting the first entry? Each rescale costs a multiply per element of the accumulator, so the
-# answer matters for the kernels of notebooks 04-06. Write down a guess, then count on random rows.
+# entries, counting the first entry? A kernel that rescaled only when the max grows would pay a multiply
+# per element of the accumulator that often (the course's kernels rescale at every block, by α = 1 when
+# the max did not move, which keeps every thread on one path; FlashAttention-4 skips small rescales).
+# Write down a guess, then count on random rows.
 
 # %%
 from course_lib.exercises import predict
@@ -358,7 +360,7 @@ print(f"1 + 1/2 + ... + 1/1024 = {harmonic:.2f}")
 # %% [markdown]
 # Entry j is a new maximum with probability 1/j (each of the first j entries is equally likely to be the
 # largest), so the expected count is $1 + 1/2 + \dots + 1/N \approx \ln N + 0.58$: about 7.5 for N = 1024,
-# and only about 12 for a million entries. Rescaling is rare after the first few entries; only a row
+# and only about 14 for a million entries. Rescaling is rare after the first few entries; only a row
 # whose values keep rising (like the made-up one) rescales often.
 #
 # ## 7. Merging partial results
@@ -423,7 +425,8 @@ print(f"L(A ∪ B) = {m_AB + np.log(l_AB):.12f} = logaddexp(L_A, L_B) = {np.loga
 # ## 8. The finished functions in `course_lib.softmax`
 #
 # `naive_softmax`, `safe_softmax` and `online_softmax` work along the last axis of an array of any rank and
-# compute in the array's dtype. `online_softmax(x, block_size=B)` walks the row B entries at a time, taking
+# return the array's dtype: naive and safe compute in it, online keeps its state (m, l) in at least
+# float32, as a kernel does. `online_softmax(x, block_size=B)` walks the row B entries at a time, taking
 # each block's state and merging it in: B = 1 is the element-by-element update above, larger B is what
 # attention does with a block of keys. We check them against each other and against a float64 reference,
 # on a 3-D array. (Block size 1 adds one term at a time to l, so its rounding error grows with N; larger

@@ -317,8 +317,9 @@ assert all(s[-2:] != (N, N + 32) for s in saved) and max(math.prod(s) for s in s
 
 # %% [markdown]
 # What does the tiling cost in time, written in Python? Each tile costs several small PyTorch calls
-# (on a GPU, several kernel launches), and there are (N/64)² tiles, while standard attention is three big
-# calls. Predict first: how many times the time of standard attention does the tiled version take here?
+# (on a GPU, several kernel launches), and the causal call timed here visits about half of the (N/64)²
+# tiles, while standard attention is three big calls. Predict first: how many times the time of standard
+# attention does the tiled version take here?
 
 # %%
 # Your prediction: time of FlashAttentionTorch / time of standard attention, this notebook's size, this device.

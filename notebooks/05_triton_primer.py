@@ -663,7 +663,7 @@ def add_bias_kernel(x_ptr, b_ptr, out_ptr, M, N, stride_m, BLOCK_M: tl.constexpr
 
 def add_bias(x, b, block_m=16, block_n=32):
     M, N = x.shape
-    out = torch.empty_like(x)
+    out = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device)  # x's strides: one stride_m
     grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n))
     add_bias_kernel[grid](x, b, out, M, N, x.stride(0), BLOCK_M=block_m, BLOCK_N=block_n)
     return out
@@ -672,6 +672,8 @@ def add_bias(x, b, block_m=16, block_n=32):
 # %% tags=["check"]
 xb, bb = torch.randn(37, 70, device=DEVICE), torch.randn(70, device=DEVICE)
 check("add_bias", lambda: add_bias(xb, bb), xb + bb)
+xv = torch.randn(37, 96, device=DEVICE)[:, :70]  # a view whose rows lie 96 apart: stride_m is not N
+check("add_bias on rows 96 apart", lambda: add_bias(xv, bb), xv + bb)
 
 # %% [markdown]
 # (Exercise 3, predicting the softmax's bytes, is in section 6, before the measurement it predicts.)

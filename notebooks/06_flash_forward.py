@@ -272,8 +272,9 @@ print(f"step 1: O and L match the float64 reference for (Z, N, d) = {tuple(q.sha
 #
 # **Exercise 2 (the online rescale, in the kernel).** After the scores `s` of one K/V block are masked, write
 # the five lines of section 1's pseudocode: the new running max `m_new`, the tile's unnormalised
-# probabilities `p`, the rescaling factor `alpha`, and the updated `l_i` and `acc` (use `tl.dot(p, v)` for
-# P V; the inputs here are float32). `m_i = m_new` is already written after your lines.
+# probabilities `p`, the rescaling factor `alpha`, and the updated `l_i` and `acc` (use
+# `tl.dot(p, v, input_precision="ieee")` for P V: the inputs here are float32, which a GPU's `tl.dot` would
+# otherwise round to TF32). `m_i = m_new` is already written after your lines.
 
 
 # %%
@@ -345,12 +346,14 @@ check(
 # %% [markdown]
 # Why -inf and not 0? Set the padding scores to 0 instead and the padding keys (whose V rows were loaded as
 # 0) still take a share exp(0 - m) of each row's probability mass: O shrinks towards 0 and L grows. In
-# PyTorch, on one row block with 75 real keys padded to 96:
+# PyTorch, on one row block with the N_K real keys padded to a whole number of 32-key blocks:
 
 # %%
-s_pad = q[0, :32].double() @ torch.nn.functional.pad(k[0].double(), (0, 0, 0, 96 - N_K)).T * D**-0.5
-v_pad = torch.nn.functional.pad(v[0].double(), (0, 0, 0, 96 - N_K))
-real = torch.arange(96, device=s_pad.device) < N_K
+n_pad = -(-N_K // 32) * 32  # N_K rounded up to a multiple of 32
+print(f"{N_K} real keys padded to {n_pad}")
+s_pad = q[0, :32].double() @ torch.nn.functional.pad(k[0].double(), (0, 0, 0, n_pad - N_K)).T * D**-0.5
+v_pad = torch.nn.functional.pad(v[0].double(), (0, 0, 0, n_pad - N_K))
+real = torch.arange(n_pad, device=s_pad.device) < N_K
 for fill in (float("-inf"), 0.0):
     o_pad = torch.softmax(s_pad.masked_fill(~real, fill), dim=-1) @ v_pad
     err = (o_pad - attention(q[0, :32].double(), k[0].double(), v[0].double())).abs().max()

@@ -486,8 +486,11 @@ print(f"dQ, dK, dV: within the accuracy rule in every case ({len(DTYPES)} dtypes
 #
 # Which blocks does a program visit, and which of them need the mask? course_lib's kernels ask one helper,
 # `course_lib.attention.blocks`: `kv_block_range` gives a query block's keys (the forward and the dQ kernel),
-# `q_block_range` a key block's queries (the dK/dV kernel), each as `(lo, mid, hi)`, the skipped, masked and
-# unmasked stages as offsets. Their Python twins, `kv_block_range_py` and `q_block_range_py`, run here.
+# `q_block_range` a key block's queries (the dK/dV kernel), each as three boundaries `(lo, mid, hi)`; what
+# lies before lo is skipped. For a query block's keys, [lo, mid) runs unmasked and [mid, hi) masked (the
+# diagonal comes last); for a key block's queries the other way round, [lo, mid) masked and [mid, hi)
+# unmasked (the diagonal comes first). Their Python twins, `kv_block_range_py` and `q_block_range_py`, run
+# here.
 # Below they are compared block by block with the element-wise causal mask: a pair of blocks must be skipped
 # exactly when none of its (query, key) pairs is visible, and may run unmasked only when all of them are.
 
@@ -644,7 +647,7 @@ got = records.measured_or_recorded(
     "flash_backward_dq_mode",
     measure_dq_modes,
     missing="No recorded GPU run yet (it is written when this notebook runs on a GPU). The figure compares\n"
-    "course_lib's backward in its two dQ modes, bf16, d = 64 and 128, causal and not. Read it as:\n"
+    "course_lib's backward in its two dQ modes, bf16, causal and not, per head dim and length. Read it as:\n"
     "the atomic mode saves 2 of 7 tile products but pays float32 atomics into dQ; above 1.0x it wins.",
 )
 if got:
@@ -662,8 +665,9 @@ if got:
 # ### Predict: how much longer than the forward is the backward?
 #
 # The table above gives the ingredients: the forward does 2 tile products per block pair, the two-kernel
-# backward 7 (one of them recomputing S), plus the small D = rowsum(dO ∘ O) pass, and it reads and writes
-# more tensors (dO, O, L, D in; dQ, dK, dV out). For course_lib's kernels in bf16 at N = 4096, d = 64,
+# backward 7 (S in both kernels and dP in both, so three more than a backward that kept P), plus
+# D = rowsum(dO ∘ O) (which course_lib's dQ kernel computes itself), and it reads and writes more tensors
+# (dO, O, L in; dQ, dK, dV out). For course_lib's kernels in bf16 at N = 4096, d = 64,
 # not causal, what is backward time ÷ forward time? Write your number in the next cell before running the
 # one after it (a GPU measures it now; a CPU shows the recorded run of `make bench`).
 
@@ -773,8 +777,10 @@ assert any(N_Q in s and N_K in s for s in standard_saved)
 #   between the passes, but the backward's peak still holds N x N matrices.
 # - FlashAttention keeps the inputs plus O and L (Nq numbers per row: the logsumexp). With L, one tile of P
 #   is recomputed from one tile of Q and K, exactly, without the rest of its row; so the backward never holds
-#   more than a tile of S and P, on chip. The price is 2·Nq·Nk·d extra FLOPs (one more Q Kᵀ), against
-#   4·Nq·Nk·d for checkpoint's full second forward.
+#   more than a tile of S and P, on chip. The price is recomputation: with atomic dQ one more Q Kᵀ,
+#   2·Nq·Nk·d FLOPs; with course_lib's two-kernel default S in both kernels and dP in both, 6·Nq·Nk·d over a
+#   backward that kept P. Checkpoint's full second forward costs 4·Nq·Nk·d and holds N x N matrices again:
+#   FlashAttention may spend more FLOPs, but never the memory.
 #
 # What each keeps for the backward, in bytes (tensors that share memory, such as a view of q, counted once):
 

@@ -177,7 +177,7 @@ plt.show()
 # call; every later call reads from the cache instead of from memory. For data that fits (the H200's L2
 # holds 60 MiB; a CPU core's L2 a few MB), the loop measures a bandwidth the real workload, which
 # streams fresh data, never sees. `triton.testing.do_bench` therefore **clears the L2** (by writing a
-# 256 MB buffer) before every call, and so does `course_lib.timing.benchmark` (by reading one, for the
+# 256 MB buffer) before every call, and so does `course_lib.perf.timing.benchmark` (by reading one, for the
 # reason at the end of this section); `torch.utils.benchmark` does not.
 #
 # Below: the bandwidth of `x.sum()` as the array grows, timed hot (repeated calls, `torch.utils.benchmark`)
@@ -243,16 +243,16 @@ else:
 # | synchronises | yes (CUDA events) | yes |
 # | warm-up | yes (`warmup` ms) | `blocked_autorange` runs until `min_run_time` |
 # | L2 cache | flushed before every call (by a write) | not flushed (hot) |
-# | summary | median (or mean, min, quantiles) in ms | median and IQR, seconds; compares runs in tables |
+# | summary | mean by default (`return_mode=`: median, min, max, all), ms | median and IQR, seconds; tables |
 #
-# `course_lib.timing.benchmark(fn)` is `do_bench`'s procedure and median on a GPU, with the L2 flushed by a
+# `course_lib.perf.timing.benchmark(fn)` is `do_bench`'s procedure and median on a GPU, with the L2 flushed by a
 # read, and a wall-clock median of a few calls on the CPU. Both ways on standard attention:
 
 # %%
 t_course = timing.benchmark(lambda: attention(q, k, v))
 t_torch = tbench.Timer("attention(q, k, v)", globals=dict(attention=attention, q=q, k=k, v=v))
 t_torch = t_torch.blocked_autorange(min_run_time=0.2).median * 1e3
-print(f"course_lib.timing.benchmark: {t_course:.3f} ms   torch.utils.benchmark: {t_torch:.3f} ms")
+print(f"course_lib.perf.timing.benchmark: {t_course:.3f} ms   torch.utils.benchmark: {t_torch:.3f} ms")
 
 # %% [markdown]
 # For a kernel whose inputs are much larger than the L2 (as here on a GPU) the two agree to a few percent;
@@ -285,7 +285,7 @@ for bm in (32, 64):
 # - forward: two matmuls, S = Q Kᵀ and O = P V, each 2·N·N·d per (batch, head): **4·B·H·N²·d**;
 # - causal: **half** of that (a kernel that computes masked tiles gets no credit for them);
 # - backward: **2.5x** the forward (five matmuls, one of them recomputing S); forward + backward: 3.5x.
-# Softmax's exponentials are not counted. `course_lib.timing.attention_flops` implements it.
+# Softmax's exponentials are not counted. `course_lib.perf.timing.attention_flops` implements it.
 
 # %%
 for causal in (False, True):
@@ -317,9 +317,8 @@ if hw is not None:
 # issuing one call takes longer than running it, the GPU sits idle between kernels and the events measure
 # the CPU instead. Small shapes are where that happens: on a millisecond-sized forward+backward, every
 # Triton launch (tens of microseconds of Python: binding and checking each argument), every allocation,
-# the autograd bookkeeping, and the Python `autograd.Function.backward` — which PyTorch runs on its own
-# autograd thread for CUDA tensors, where it was measured to cost about twice as much — add up to a
-# large share of the GPU time.
+# the autograd bookkeeping, and the Python `autograd.Function.backward` (which PyTorch runs on its own
+# autograd thread for CUDA tensors) add up to a large share of the GPU time.
 #
 # How to tell: time many calls back to back with one synchronisation at the end (wall time per call),
 # time how long the loop took to *issue* them, and compare both with the kernels' time from
@@ -464,9 +463,10 @@ for step in bench.LADDER:
 #   The straightforward kernel loads and masks them anyway; skipping them halves the work (2080 of 4096
 #   tiles remain at N = 4096 with 64 x 64 tiles): ~1.9x.
 # - **Block shapes.** A K/V tile loaded from memory serves BLOCK_M queries. Going from 64 to 128 doubles
-#   the FLOPs per byte of K and V (64 → 128 FLOP/B, still under the H200's ridge: about 169 FLOP/B from
-#   the measured ceilings of the hardware record, 206 from the datasheet; notebook 02 says why they differ,
-#   and this notebook uses the measured one, since that is what a real kernel can reach).
+#   the FLOPs per byte of K and V (64 → 128 FLOP/B, still under the H200's ridge: the measured ceilings of
+#   the hardware record put it lower than the datasheet's 206 FLOP/B, printed after this list; notebook 02
+#   says why they differ, and this notebook uses the measured one, since that is what a real kernel can
+#   reach).
 # - **Pipeline stages.** With `num_stages` > 1 the loads of the next K/V tile are issued while the tensor
 #   cores work on the current one, hiding memory latency.
 # - **Warp specialisation (Hopper).** In the Triton kernel every warp loads, multiplies and exponentiates
@@ -478,7 +478,14 @@ for step in bench.LADDER:
 # - **The backward's work split.** The two-kernel backward computes dK, dV in one kernel and dQ in
 #   another, which recomputes S and dP: 7 tile matmuls instead of 5. The atomic variant does one pass and
 #   adds dQ with fp32 atomics instead: fewer FLOPs, more (atomic) memory traffic.
-#
+
+# %%
+if hw is not None:  # the ridge the block-shape bullet compares with
+    ridge = hw["data"]["matmul_tflops"]["bfloat16"] * 1e12 / (hw["data"]["copy_gbps"] * 1e9)
+    print(f"measured ridge: {ridge:.0f} FLOP/B (bf16 matmul over copy bandwidth, {records.label(hw)})")
+    assert 128 < ridge < 206, "the bullet above: 128-row blocks stay under the measured ridge, below the datasheet's"
+
+# %% [markdown]
 # **Where "a third" comes from.** Per score $s_{ij}$ the two matmuls do $4d$ FLOPs ($2d$ for $Q K^T$, $2d$
 # for $P V$) on the tensor cores, and the softmax does one exponential on the special-function units
 # (`ex2`, 16 per clock per SM on Hopper, against about 4096 dense bf16 matmul FLOPs per clock per SM).
@@ -648,8 +655,8 @@ if att_rec is not None:
 # %% [markdown]
 # **Reading the comparison.** Against FlashAttention-2 (SDPA's FLASH_ATTENTION backend) course_lib's
 # kernels are ahead in every cell of the recorded run. Against cuDNN, PyTorch's default on Hopper, the
-# forward is level or ahead on long sequences and trails on short causal ones, where each program's tile
-# has few K/V blocks to amortise its start and end. The forward+backward trails cuDNN: the backward's dQ
+# forward is level or ahead on long sequences and trails on short ones, causal or not, where each
+# program's tile has few K/V blocks to amortise its start and end. The forward+backward trails cuDNN: the backward's dQ
 # kernel (and, at d = 64, its dK/dV kernel) is still notebook 07's Triton kernel, where every warp does
 # everything in turn; at d = 128 the dK/dV kernel is FlashAttention-3's layout in Gluon, which no longer
 # spills registers (notebook 08c, section 5) but overlaps no more than the Triton one.
@@ -660,8 +667,9 @@ if att_rec is not None:
 # the Triton one; `notes/performance.md` records each attempt, predicted and measured.
 #
 # **Why notebook 06's recorded comparison disagrees with this one.** Notebook 06's record (d = 64) has its
-# fixed-config kernel ahead of the tuned `course_lib.flash_attention` in most non-causal cells and SDPA ahead
-# of both; this record has course_lib ahead of SDPA at the same d. The two were not measured alike:
+# fixed-config kernel ahead of the tuned `course_lib.flash_attention` in every non-causal cell and SDPA ahead
+# of both; this record has course_lib level with SDPA at the same d (behind on short sequences, ahead on
+# long ones). The two were not measured alike:
 # - *Different kernels.* Notebook 06's record was taken before the warp-specialised Gluon forward existed:
 #   its "course_lib.flash_attention" is the autotuned Triton kernel. This record's is the Gluon kernel
 #   wherever `hopper.choose` takes it.
@@ -672,6 +680,31 @@ if att_rec is not None:
 #   its own direct launch; at N = 1k a forward takes a fraction of a millisecond, so tens of microseconds
 #   of Python per call are visible.
 # Compare figures only within one record, where one process measured every provider on the same inputs.
+
+# %%
+def ratios(rows, column, n=None, d=None):
+    """The measured ratios of one column of `bench.ratio_rows`, at one length n and head dim d if given."""
+    return [r[column] for r in rows if r[column] is not None and n in (None, r["N"]) and d in (None, r["d"])]
+
+
+if att_rec is not None:  # the words of this section, checked against the records they read
+    rows = bench.ratio_rows(att_rec["data"])
+    short, long = min(r["N"] for r in rows), max(r["N"] for r in rows)
+    flash = ratios(rows, "fwd/sdpa_flash") + ratios(rows, "fwd_bwd/sdpa_flash")
+    assert min(flash) > 1, "ahead of FlashAttention-2 everywhere"
+    assert max(ratios(rows, "fwd/sdpa_default", n=short)) < 1, "the forward trails cuDNN on short sequences"
+    assert min(ratios(rows, "fwd/sdpa_default", n=long)) > 0.95, "level or ahead on long ones"
+    assert max(ratios(rows, "fwd_bwd/sdpa_default")) < 1, "the forward+backward trails cuDNN"
+    at_64 = ratios(rows, "fwd/sdpa_default", d=64)
+    assert min(at_64) < 1 < max(at_64), "at d = 64 level with SDPA: behind on some cells, ahead on others"
+    nb06 = records.load_record("flash_forward_compare")
+    if nb06 is not None:
+        for causal, tflops in nb06["data"]["tflops"].items():
+            mine, tuned, sdpa = (tflops[k] for k in ("this notebook", "course_lib.flash_attention", "SDPA"))
+            assert all(s > max(a, b) for s, a, b in zip(sdpa, mine, tuned)), "notebook 06: SDPA ahead of both"
+            if causal == "False":
+                assert all(a > b for a, b in zip(mine, tuned)), "notebook 06: its kernel ahead, every non-causal cell"
+    print("the words above hold for the records")
 
 # %% [markdown]
 # ### Live, on this machine
@@ -839,16 +872,18 @@ check("bytes ratio", lambda: bytes_ratio(1024, 64), 1 + 1024 / 64)
 # is standard attention's bytes over the bandwidth against the fused kernel's FLOPs over the matmul peak:
 
 # %%
-hw_ceilings = (716.0, 4245.0)  # bf16 matmul TFLOP/s, copy GB/s: the H200 record at the time of writing
-if hw is not None:
-    hw_ceilings = (hw["data"]["matmul_tflops"]["bfloat16"], hw["data"]["copy_gbps"])
 n_, d_ = 4096, 128
-standard_us = (4 * n_ * d_ + 4 * n_ * n_) * 2 / (hw_ceilings[1] * 1e9) * 1e6
-fused_us = 4 * n_ * n_ * d_ / (hw_ceilings[0] * 1e12) * 1e6
-print(
-    f"per (batch, head): standard {standard_us:.1f} us (its bytes), fused {fused_us:.1f} us (its FLOPs): "
-    f"{standard_us / fused_us:.1f}x, not {(4 * n_ * d_ + 4 * n_ * n_) / (4 * n_ * d_):.0f}x"
-)
+if hw is None:
+    print("No hardware record in assets/benchmarks/ yet (run `make bench` on a GPU): no ceilings to divide by.")
+else:
+    matmul_tflops, copy_gbps = hw["data"]["matmul_tflops"]["bfloat16"], hw["data"]["copy_gbps"]
+    standard_us = (4 * n_ * d_ + 4 * n_ * n_) * 2 / (copy_gbps * 1e9) * 1e6
+    fused_us = 4 * n_ * n_ * d_ / (matmul_tflops * 1e12) * 1e6
+    print(
+        f"per (batch, head): standard {standard_us:.1f} us (its bytes), fused {fused_us:.1f} us (its FLOPs): "
+        f"{standard_us / fused_us:.1f}x, not {(4 * n_ * d_ + 4 * n_ * n_) / (4 * n_ * d_):.0f}x "
+        f"({records.label(hw)})"
+    )
 
 # %% [markdown]
 #
@@ -903,7 +938,7 @@ check("predicted ladder total", lambda: predicted_total(fwd_steps), math.prod(s.
 # ## Summary
 # - A GPU runs asynchronously: synchronise (or use events) before reading a clock; warm up first; report
 #   medians; flush the L2 or you time the cache, and flush it with a read, or every kernel pays for writing
-#   the flush's dirty lines back. `course_lib.timing.benchmark` does all of it (`do_bench` all but the
+#   the flush's dirty lines back. `course_lib.perf.timing.benchmark` does all of it (`do_bench` all but the
 #   last), and falls back to a wall clock on the CPU, where interpreted kernels' times mean nothing.
 # - TFLOP/s by the papers' convention: 4·B·H·N²·d for a forward, halved when causal, x2.5 for the backward.
 # - `torch.profiler` shows where time goes per operator and kernel; Nsight Systems shows the timeline,

@@ -357,16 +357,24 @@ check(
 
 # %% [markdown]
 # **Exercise 3 (GQA by hand).** Write `gqa_attention(q, k, v)` for q (B, Hq, N, d) and k, v (B, Hkv, N, d)
-# with the non-causal float64 reference `reference_attention` (which needs as many K/V heads as Q heads):
-# give query head h the K/V head h // G. The check compares with the kernel.
+# with `mha_attention`, the non-causal float64 reference for multi-head attention only (it refuses fewer
+# K/V heads than Q heads; `reference_attention` itself would do the GQA mapping for you): give query head h
+# the K/V head h // G. The check compares with the kernel.
 
 
 # %%
+def mha_attention(q, k, v):
+    """The float64 reference, for as many K/V heads as Q heads only."""
+    if k.shape[1] != q.shape[1]:
+        raise ValueError(f"mha_attention: {q.shape[1]} query heads but {k.shape[1]} K/V heads; map them first")
+    return reference_attention(q.double(), k.double(), v.double())
+
+
 def gqa_attention(q, k, v):
     ### BEGIN SOLUTION
     group = q.shape[1] // k.shape[1]
     heads = torch.arange(q.shape[1], device=q.device) // group
-    return reference_attention(q.double(), k[:, heads].double(), v[:, heads].double())
+    return mha_attention(q, k[:, heads], v[:, heads])
     ### END SOLUTION
 
 

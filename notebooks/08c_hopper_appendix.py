@@ -102,7 +102,8 @@ else:
     print(f"autotuned Triton forward (d = 128, causal, N = 4096): {tuned['tflops']:4.0f} TFLOP/s")
     print(f"plain bf16 matmul:                                   {matmul:4.0f} TFLOP/s ({records.label(hw_rec)})")
     assert tuned["tflops"] < 0.75 * matmul, "the words above: far below the matmul"
-#
+
+# %% [markdown]
 # ## 2. Warps with different jobs
 #
 # The fix is to let *another* group of warps use the tensor cores while one group runs its softmax. On
@@ -261,9 +262,9 @@ for d_head in (64, 128):
 
 # %% [markdown]
 # The rule behind `choose` came from sweeps on an H200: at d = 128 the Gluon kernel wins except on short
-# causal rows (N <= 1k), persistent while a tile has few K/V blocks; at d = 64 the exponentials, not the
-# tensor cores, set the pace (S = M in section 1: ping-pong cannot hide a softmax as long as the products),
-# so it wins only on long rows.
+# causal rows (N <= 1k), persistent while a tile has few K/V blocks; at d = 64 the exponentials take as
+# long as the products (S = M in section 1), so two consumers overlap fully only in perfect alternation:
+# no slack is left to absorb a barrier or a late load, and it wins only on long rows.
 #
 # ### The persistent grid's schedule
 #
@@ -440,8 +441,9 @@ if got is not None:
 #
 # ## 5. The backward: dK and dV without spilling
 #
-# Notebook 07's dK/dV kernel gives each program a block of 128 keys and keeps their dK and dV (fp32) in
-# registers while it streams the query blocks past them. It computes the *transposed* tiles Sᵀ = K Qᵀ
+# course_lib's Triton dK/dV kernel (notebook 07's kernel with the tuned launch of notebook 08's ladder rung
+# "tall resident blocks, 8 warps") gives each program a block of 128 keys and keeps their dK and dV (fp32)
+# in registers while it streams the query blocks past them. It computes the *transposed* tiles Sᵀ = K Qᵀ
 # and dPᵀ = V dOᵀ (128 keys x 64 queries), so that Pᵀ and dSᵀ come out ready to be the left operand of
 # dV += Pᵀ dO and dK += dSᵀ Q. Count what one thread of its 8 warps must hold at once, at d = 128:
 #
@@ -466,7 +468,7 @@ if got is not None:
 #   dV += Pᵀ dO and dK += dSᵀ Q (a `wgmma` reads a 16-bit shared-memory tile in either orientation).
 
 # %% [markdown]
-# **Exercise 7 — registers of a dK/dV program.** Write `dkdv_registers(keys, d, q_rows, threads,
+# **Exercise 4 — registers of a dK/dV program.** Write `dkdv_registers(keys, d, q_rows, threads,
 # transposed, operands_in_registers)`: the registers per thread for the accumulators, the two score
 # tiles, L and D, and (if `operands_in_registers`) the two 16-bit operand tiles, for `keys` keys of head
 # dim d shared by `threads` threads and query blocks of `q_rows` rows, counted as above.
@@ -567,15 +569,16 @@ if got_bwd is not None:
     show_hopper_backward(*got_bwd)
 
 # %% [markdown]
-# The gain is largest at d = 128 and long rows, where the Triton kernel spills most and the dK/dV kernel is
-# most of the backward; at d = 64 the Triton kernel does not spill, and `choose` leaves most cells to it.
+# The gain is at d = 128, where the Triton kernel spills, and most on rows without the causal mask, where
+# the dK/dV kernel is most of the backward; at d = 64 the Triton kernel does not spill, and `choose` leaves
+# the cells measured here to it.
 # What remains is the dQ kernel (Triton, a third to a half of the backward), which FlashAttention-3 folds
 # into the same program with atomic additions.
 #
 # ## Summary
 # - In the Triton forward every warp loads, multiplies and exponentiates in turn, so the tensor cores idle
-#   during each softmax: from the units' throughputs, S / M = 64 / d of a step's products (a third of a
-#   step at d = 128, half at d = 64).
+#   during each softmax: from the units' throughputs, S / M = 64 / d, so they idle S / (M + S) = 64 / (d + 64)
+#   of a step (a third at d = 128, half at d = 64).
 # - FlashAttention-3 gives warps different jobs: a producer warp issues TMA copies into a ring of
 #   shared-memory stages, consumer warpgroups (64 query rows each) take turns on the tensor cores
 #   (ping-pong) and overlap their own softmax with their previous P V. The ceiling for two consumers is
@@ -592,10 +595,10 @@ if got_bwd is not None:
 #   faster there.
 #
 # ## Exercises
-# 4. On a Hopper GPU, time `hopper.forward` with each of `hopper.VARIANTS` at d = 128, causal, N = 2k and
+# 5. On a Hopper GPU, time `hopper.forward` with each of `hopper.VARIANTS` at d = 128, causal, N = 2k and
 #    16k (section 4 does it for you: change `CELLS`). Which wins where, and why would a persistent grid
 #    help short tiles most?
-# 5. Change `schedule` so that each consumer also overlaps its own softmax with its previous P V (split M
+# 6. Change `schedule` so that each consumer also overlaps its own softmax with its previous P V (split M
 #    into the two products, S = Q Kᵀ first). How much does one consumer gain on its own?
-# 6. Three consumers at d = 64: extend Exercise 1's reasoning to k consumers. Why did three beat two at
+# 7. Three consumers at d = 64: extend Exercise 1's reasoning to k consumers. Why did three beat two at
 #    d = 64 in the sweeps, but not at d = 128?

@@ -242,6 +242,7 @@ bounds = [round(i * n / S) for i in range(S + 1)]
 parts = [partial_attention(q1, k1[a:b], v1[a:b]) for a, b in zip(bounds, bounds[1:])]
 o_full, lse_full = partial_attention(q1, k1, v1)
 o_two, lse_two = merge_attention_states(parts[0][0][None], parts[0][1][None], parts[1][0][None], parts[1][1][None])
+torch.testing.assert_close(o_two[0], partial_attention(q1, k1[: bounds[2]], v1[: bounds[2]])[0])  # two slices
 o_all, lse_all = merge_many(torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts]), dim=0)
 torch.testing.assert_close(o_all, o_full)
 print(f"{S} slices of {[b - a for a, b in zip(bounds, bounds[1:])]} keys merge to the full result; "
@@ -284,7 +285,7 @@ plt.show()
 # %% [markdown]
 # The kernel: `course_lib/decode/split_kv.py`. Its split s covers blocks [s·P, (s+1)·P), P = ⌈blocks / S⌉,
 # computed **inside** the kernel from the sequence's length, so a ragged batch is split per sequence and the
-# grid (S, B·Hkv, query tiles) depends on shapes only. `combine.py` holds the merge kernel. Against the
+# grid (B·Hkv, S, query tiles) depends on shapes only. `combine.py` holds the merge kernel. Against the
 # float64 reference, for a ragged batch (lengths 1 and 0 included) and several split counts:
 
 # %%
@@ -319,8 +320,12 @@ print("tile rows of kv head 0:", rows, "... padded to", max(16, 1 << (G - 1).bit
 # Splitting more fills the SMs but writes more partials and leaves a tail when the programs do not divide
 # evenly into waves of one program per SM. FlashAttention-2's rule: no split when batch × kv heads already
 # fills 80 % of the SMs; otherwise the fewest splits whose **wave efficiency** (programs ÷ (SMs × waves))
-# is within 85 % of the best. `heuristics.choose_num_splits` is that rule; for the H200's 132 SMs, with the
-# contiguous kernel's blocks of `BLOCK_N` keys (`heuristics.TILES`, 128 keys at d = 128):
+# is within 85 % of the best, skipping a count whose blocks per split equal the previous count's (it adds
+# programs, not shorter ones). `heuristics.choose_num_splits` is that rule with two differences: like
+# FlashAttention-3 it never splits a cache of 4 key blocks or fewer, and it takes "the best" over every
+# count, where FlashAttention-2 takes it over the counts it does not skip (so FA-2's choice can be a count
+# lower). For the H200's 132 SMs, with the contiguous kernel's blocks of `BLOCK_N` keys
+# (`heuristics.TILES`, 128 keys at d = 128):
 
 # %%
 BLOCK_N = tile_for(128).BLOCK_N  # keys per block of the contiguous kernel at d = 128
@@ -365,21 +370,22 @@ for programs, paged_tile in ((sms * 3 // 2, True), (2 * sms, False)):
     assert (chosen.programs_per_sm == heuristics.PAGED_TILES[128].programs_per_sm) == paged_tile, programs
 
 # %% [markdown]
-# The rule looks only at shapes, and a **ragged** batch breaks it. Sixteen sequences of 880 to 31 280 keys
-# give 128 programs, enough for the rule's one split; but each program's work is its sequence's length,
-# and at the end the longest ones stream alone on a few SMs while the rest idle. The lengths live on the
-# GPU, and reading them on the host would cost a sync and break CUDA-graph capture, so the plan must work
-# for any lengths. A batch of two sequences or more with a long cache (`heuristics.sliced`) is therefore
-# cut into short slices whatever its lengths: at most `heuristics.SLICE_KEYS` keys each, read with the
-# paged kernel's tile (64-key blocks, 4 programs per SM: short programs that share an SM keep its loads
-# in flight). Then **the order** in which the programs start matters. The GPU hands programs to free SMs
-# roughly in launch order; in the grid's order (split by split, all sequences at a time) some slices of
-# the longest sequence start when nearly everything else is done. Scheduling theory has a classic rule
-# for this, *longest processing time first*: start the longest jobs first, so the short ones fill the
-# gaps at the end. The kernel sorts the lengths it loads and hands out its programs longest sequence
-# first (`heuristics.longest_first`). The sort costs each program a few microseconds before its first
-# load, so a grid whose programs all fit on the GPU at once (`heuristics.one_wave`), which start together
-# whatever their order, skips it.
+# The rule looks only at shapes, and a **ragged** batch breaks it. Sixteen sequences of a few hundred to 32k
+# keys (the benchmark's ragged batch; its lengths are printed below) give 128 programs, enough for the rule's
+# one split; but each program's work is its sequence's length, and at the end the longest ones stream alone on
+# a few SMs while the rest idle. The lengths live on the GPU, and reading them on the host would cost a sync
+# and break CUDA-graph capture, so the plan must work for any lengths. A batch of two sequences or more with a
+# long cache (`heuristics.sliced`) is therefore cut into short slices whatever its lengths: at most
+# `heuristics.SLICE_KEYS` keys each (and at most `heuristics.MAX_SLICES` slices, so a longer cache gets longer
+# slices), read with the paged kernel's tile (64-key blocks, 4 programs per SM: short programs that share an
+# SM keep its loads in flight). Then **the order** in which the programs start matters. The GPU hands programs
+# to free SMs roughly in launch order; in the grid's order (split by split, all sequences at a time) some
+# slices of the longest sequence start when nearly everything else is done. Scheduling theory has a classic
+# rule for this, *longest processing time first*: start the longest jobs first, so the short ones fill the
+# gaps at the end. The kernel sorts the lengths it loads and hands out its programs longest sequence first
+# (`heuristics.longest_first`). The sort costs each program a few microseconds before its first load, so a
+# grid whose programs all fit on the GPU at once (`heuristics.one_wave`), which start together whatever their
+# order, skips it.
 #
 # A model predicts the effect before any GPU is involved: 132 SMs, each taking the next program when it
 # finishes one, a program's time proportional to its keys.
@@ -412,6 +418,8 @@ if ragged_cell:  # the lengths the recorded run measured
     ragged_lengths = ragged_cell["lengths"]
 else:  # a draw like the benchmark's: 16 lengths from 64 to 32k
     ragged_lengths = torch.randint(64, 32769, (16,), generator=torch.Generator().manual_seed(0)).tolist()
+print(f"{len(ragged_lengths)} sequences of {min(ragged_lengths)} to {max(ragged_lengths)} keys "
+      f"({'the recorded run' if ragged_cell else 'a draw like the benchmark'})")  # fmt: skip
 perfect = sum(ragged_lengths) * 8 / 132  # 8 kv heads: every SM busy to the end
 one_split = [n for n in ragged_lengths for _ in range(8)]
 cut = [slice_keys(n, splits, sliced_block_n) for n in ragged_lengths]
@@ -553,7 +561,7 @@ if course_lib.ON_GPU and pdl.enabled():
         lp = torch.full((1,), n_ctx, dtype=torch.int32, device=DEV)
         times = {}
         for flag in ("0", "1"):
-            with mock.patch.dict(os.environ, {"COURSE_PDL": flag}):  # the environment as it was afterwards
+            with mock.patch.dict(os.environ, {"COURSE_PDL": flag}):  # set for the capture only, restored after
                 replay = graphed(lambda: decode_attention(qp, kp, vp, lp, validate=False))
             times[flag] = benchmark(replay) * 1e3
         change = times["1"] - times["0"]

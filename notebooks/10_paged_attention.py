@@ -100,7 +100,7 @@ _ = waste_guess.score(100 * (1 - used / reserved_max))
 
 # %%
 def first_fit_simulation(lengths, arena_tokens, steps=400, seed=1):
-    """Requests arrive one per step and live 20-60 steps; each needs a contiguous slab of its final length.
+    """Requests arrive one per step and live 20-59 steps; each needs a contiguous slab of its final length.
     Returns the fraction of arrivals refused while enough memory was free in total."""
     r = np.random.default_rng(seed)
     slabs = []  # (start, length, end_step)
@@ -248,9 +248,11 @@ except ValueError as exc:
 # waits for one round trip to memory instead of two, and its pipeline can run ahead as the contiguous
 # kernel's does, so it takes a deeper pipeline and 2 programs per SM (`heuristics.table_row_plan`, on
 # the tiles `heuristics.ROW_TILES`): 2x the contiguous kernel's splits at batch 1. A batch of two sequences or
-# more with a long cache is the other case (notebook 09, section 5): both kernels then run the same plan,
-# slices on the paged tile, longest sequence first when the programs do not all fit at once, and differ
-# only in how they find a key. The counts each kernel launches (`heuristics.split_grid`):
+# more with a long cache is the other case (notebook 09, section 5): when the table-row plan does not
+# apply (its grid must fit in one wave), both kernels run the same plan, slices on the paged tile, longest
+# sequence first when the programs do not all fit at once, and differ only in how they find a key; when
+# it does apply, the paged kernel takes it instead, with its own split count. The counts each kernel
+# launches (`heuristics.split_grid`):
 
 # %%
 from course_lib.decode.heuristics import sliced, sm_count, split_grid

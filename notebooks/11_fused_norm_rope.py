@@ -126,7 +126,9 @@ guess = predict("fused RMSNorm forward speed-up over eager", round(eager_bytes /
 #
 # One program per row. The row (D elements, padded to a power of two `BLOCK_D` and masked) goes from HBM
 # into registers once; the sum of squares, rstd and y are computed there; y goes back once. rstd, one
-# float32 per row, is written too: the backward needs it, and recomputing it would cost another read of x.
+# float32 per row, is written too: the backward needs it, and saving it spares the backward a reduction
+# per row (4 bytes per row written now against a sum over the row later; for a row too long for one tile
+# it would also cost another pass over x).
 
 
 # %%
@@ -421,24 +423,14 @@ else:
 #   attn(x), writes h (still needed for the next residual) and y: 4 TD, a fifth less, and one launch fewer.
 # - **RoPE inside attention.** The attention kernel loads each Q block once and each K block once per query
 #   block anyway; rotating them right after the load (the cos/sin rows are small) removes the write of q', k'
-#   and their read back: for RoPE alone that is all of its traffic. FlashAttention-3 offers a rotary
-#   variant for decoding (rotating the new k as it is appended to the cache). The price: every attention
-#   kernel variant has to know about RoPE, and the backward must rotate dQ and dK back.
+#   and their read back: for RoPE alone that is all of its traffic. FlashAttention's decoding entry point
+#   (`flash_attn_with_kvcache`, since FlashAttention-2) takes `rotary_cos` / `rotary_sin` and rotates q and
+#   the new k as it is appended to the cache. The price: every attention kernel variant has to know about
+#   RoPE, and the backward must rotate dQ and dK back.
 # - **Norm into the next matmul.** rstd is one number per row: a matmul's epilogue or prologue can apply it,
 #   and the weight w can be folded into the matmul's weights at load time.
-#
-# ## Summary
-#
-# - RMSNorm and RoPE do a handful of FLOPs per byte: their speed is bytes over bandwidth, so the unit is
-#   GB/s against the copy ceiling, and fusion is the whole optimisation (eager RMSNorm moves about 9x the
-#   bytes of a fused kernel).
-# - The fused RMSNorm forward keeps a row in registers, computes float32 statistics, follows LlamaRMSNorm's
-#   casts and saves rstd. The backward is dX per row plus dW, a reduction across rows: per-program partials
-#   then a second reduction are deterministic; atomics and locked buffers are not.
-# - RoPE multiplies pairs by $e^{\mathrm{i}p\theta}$; the layouts differ only in which elements pair up. One
-#   kernel rotates q and k using each cos/sin row once; the backward is the same kernel at −θ; positions
-#   offset the cache for a KV cache.
-#
+
+# %% [markdown]
 # ## Exercises
 #
 # Each exercise has a cell to fill in and a check cell after it. Later cells never use your answers.
@@ -516,7 +508,8 @@ check(
 # **Exercise 4 (residual add fused with the norm).** Write `add_rms_norm(x, residual, w, eps)` in PyTorch
 # returning `(h, y)` with h = x + residual and y = RMSNorm(h) (LlamaRMSNorm's casts), and count in
 # `fused_add_norm_bytes(T, D, elem)` what one fused kernel must move: read x and residual, write h and y
-# (ignore w). The check compares both with course_lib.
+# (ignore w). The check compares h with x + residual, y with course_lib's `rms_norm`, and the count with
+# the four tensors' bytes.
 
 
 # %%
@@ -538,8 +531,21 @@ _r = torch.randn(T, D, device=DEVICE, dtype=DTYPE)
 # %% tags=["check"]
 check(
     "fused residual add and norm",
-    lambda: (add_rms_norm(x, _r, w)[1].float(), fused_add_norm_bytes(1024, 4096)),
-    (rms_norm(x + _r, w).float(), 4 * 1024 * 4096 * 2),
+    lambda: [t.float() for t in add_rms_norm(x, _r, w)] + [fused_add_norm_bytes(1024, 4096)],
+    [(x + _r).float(), rms_norm(x + _r, w).float(), 2 * (2 * 1024 * 4096 * 2)],  # read x, r; write h, y
     rtol=2e-2,
     atol=2e-2,
 )
+
+# %% [markdown]
+# ## Summary
+#
+# - RMSNorm and RoPE do a handful of FLOPs per byte: their speed is bytes over bandwidth, so the unit is
+#   GB/s against the copy ceiling, and fusion is the whole optimisation (eager RMSNorm moves about 9x the
+#   bytes of a fused kernel).
+# - The fused RMSNorm forward keeps a row in registers, computes float32 statistics, follows LlamaRMSNorm's
+#   casts and saves rstd. The backward is dX per row plus dW, a reduction across rows: per-program partials
+#   then a second reduction are deterministic; atomics and locked buffers are not.
+# - RoPE multiplies pairs by $e^{\mathrm{i}p\theta}$; the layouts differ only in which elements pair up. One
+#   kernel rotates q and k using each cos/sin row once; the backward is the same kernel at −θ; positions
+#   offset the cache for a KV cache.

@@ -21,14 +21,16 @@
 # 1. Assemble a Llama-style model (RMSNorm, RoPE, grouped-query attention, SwiGLU MLP, tied embeddings) and
 #    say which notebook built each piece.
 # 2. Check it: the course_lib kernels give the logits and gradients of plain PyTorch with the same weights,
-#    and of Hugging Face transformers' `LlamaForCausalLM` (when installed) through a state-dict mapping.
+#    and the logits of Hugging Face transformers' `LlamaForCausalLM` (when installed) through a state-dict
+#    mapping.
 # 3. Train it on a byte-level corpus with a progress bar, a live loss curve, gradient accumulation and (on a
 #    GPU) bf16 autocast; watch the samples turn into words.
 # 4. Serve it: several prompts of different lengths at once through the continuous-batching loop of
 #    notebook 10, tokens streamed as they come, and the same greedy tokens as the plain path.
 # 5. Read the H200 numbers: tokens/s and memory of training with our kernels vs SDPA vs eager attention, the
 #    memory of a step split as parameters : gradients : optimizer states : activations (notebook 01's
-#    1 : 1 : 6), and serving against transformers' `generate`.
+#    1 : 1 : 6 with bf16 weights, and the 1 : 1 : 2 of autocast's fp32 weights, which the benchmark trains
+#    with), and serving against transformers' `generate`.
 #
 # The finished pieces live in `course_lib.models` (`llama`, `convert`, `data`, `train`, `generate`) and the
 # benchmark in `course_lib.bench.train`.
@@ -89,7 +91,7 @@ _ = torch.manual_seed(0)
 # | RMSNorm | $x / \sqrt{\mathrm{mean}(x^2) + \epsilon} \cdot w$, statistics in fp32 | notebook 11 |
 # | RoPE | rotate each (q, k) pair of dims by the angle pos · θᵢ | notebook 11 |
 # | attention | softmax(QKᵀ/√d) V, causal, with the online softmax | notebooks 03, 04, 06, 07 |
-# | grouped-query attention | `n_heads` query heads share `n_kv_heads` K/V heads, no repeat | notebooks 07, 09 |
+# | grouped-query attention | `n_heads` query heads share `n_kv_heads` K/V heads, no repeat | notebooks 08b, 09 |
 # | KV cache, bottom-right causal | new queries see every cached key up to their own position | notebooks 09, 10 |
 # | SwiGLU | $W_2(\mathrm{silu}(W_1 x) \odot W_3 x)$ | plain matmuls (notebook 01's roofline) |
 #
@@ -231,9 +233,10 @@ assert last < first - 0.5
 _ = throughput_guess.score(history["tokens_per_s"])
 
 # %% [markdown]
-# The sample after training (drawn at temperature 0.8): with a few tens of thousands of tokens on a CPU,
-# expect common short words and spaces rather than sense; on a GPU, with many times more tokens, longer
-# runs of docstring English. The served continuations below are greedy, so they repeat the likeliest words.
+# The sample after training (drawn at temperature 0.8): with the tokens a CPU gets through in a minute
+# (printed above), expect common short words and spaces rather than sense; on a GPU, with many times more
+# tokens, longer runs of docstring English. The served continuations below are greedy, so they repeat the
+# likeliest words.
 
 # %%
 after = sample(model, PROMPT, 200)
@@ -450,9 +453,10 @@ check("training-step memory", lambda: training_state_bytes(model.num_parameters(
 #   Each piece was built in an earlier notebook; `course_lib.models.Llama` puts them together, and one
 #   argument switches between our kernels, SDPA and eager attention over the same weights.
 # - A state-dict mapping (a renaming, since both use the half-rotation RoPE layout) loads the same weights into
-#   transformers' `LlamaForCausalLM`; logits and gradients agree within the dtype's tolerance.
-# - A byte-level model learns docstring English in a minute on a CPU; training uses AdamW, warm-up and cosine,
-#   gradient accumulation and, on a GPU, bf16 autocast.
+#   transformers' `LlamaForCausalLM`, and its logits agree within the dtype's tolerance (our kernels also
+#   give plain PyTorch's gradients).
+# - A byte-level model learns words of docstring English in a minute on a CPU, and longer runs of it on a
+#   GPU; training uses AdamW, warm-up and cosine, gradient accumulation and, on a GPU, bf16 autocast.
 # - Serving batches prompts of different lengths over a paged KV cache with the split-KV decode kernel, and
 #   gives the plain path's greedy tokens exactly.
 # - Adam costs 16 bytes per parameter either way; P : G : OS is 1 : 1 : 6 with bf16 weights and fp32 master

@@ -85,12 +85,12 @@ N_1M, LAYERS, HEADS, D_HEAD, BYTES = 2**20, 32, 32, 128, 2
 qkvo_gib = 4 * N_1M * HEADS * D_HEAD * BYTES / 2**30
 scores_tib = N_1M * N_1M * BYTES / 2**40  # one head's S, if it were materialised
 flops_step = 3.5 * 2 * 2 * N_1M**2 * HEADS * D_HEAD / 2 * LAYERS
-H200_FLOPS = 989e12  # dense bf16 datasheet peak; FlashAttention reaches roughly half of it
+H200_FLOPS = 989e12  # dense bf16 datasheet peak; assume attention reaches about half of it
 print(f"Q, K, V, O per layer:              {qkvo_gib:6.1f} GiB   (x {LAYERS} layers: {qkvo_gib * LAYERS:.0f} GiB)")
 print(f"one head's N x N score matrix:     {scores_tib:6.1f} TiB   (never stored by FlashAttention)")
 print(f"attention fwd+bwd, all layers:     {flops_step:.2e} FLOPs")
 print(f"  at half of an H200's peak:       {flops_step / (H200_FLOPS / 2) / 60:6.0f} minutes per training step")
-assert qkvo_gib * LAYERS > 141  # more than one H200's memory, for attention's own tensors alone
+assert qkvo_gib * LAYERS > 141e9 / 2**30  # more than one H200's 141 GB, for attention's own tensors alone
 
 # %% [markdown]
 # One device runs out of memory (the activations of all layers) and of time (tens of minutes per step).
@@ -101,13 +101,15 @@ assert qkvo_gib * LAYERS > 141  # more than one H200's memory, for attention's o
 #   K, V slice to every other device, and its memory grows back to N.
 # - **head sharding (DeepSpeed-Ulysses)**: an all-to-all turns "N/P tokens of all H heads" into "all N
 #   tokens of H/P heads"; attention runs locally per head; a second all-to-all brings O back. Each device
-#   sends 4 · N/P · H · d · (P - 1)/P elements (Q, K, V before, O after).
+#   sends 2 · N/P · (H + H_kv) · d · (P - 1)/P elements (Q and K, V before, O after; K and V have H_kv
+#   heads).
 # - **ring**: each device keeps the Q of its slice and holds one K/V slice at a time. It sends its K, V
 #   slice to the next device, P - 1 times: 2 · N/P · H_kv · d elements per step.
 #
-# Ulysses needs H ≥ P (and H divisible by P, which GQA's few K/V heads make harder); its all-to-all is
-# fast inside a machine. The ring sends more in total but always to the same neighbour, and each transfer
-# can hide behind the attention on the slice in hand. Per device, per layer, at N = 1M and P = 8:
+# Ulysses needs its heads divisible by P, the K/V heads too (H_kv ≥ P), or else K/V copied to several devices:
+# GQA's few K/V heads make that harder. Its all-to-all is fast inside a machine. The ring sends more in total
+# but always to the same neighbour, and each transfer can hide behind the attention on the slice in hand. Per
+# device, per layer, at N = 1M and P = 8:
 
 
 # %%
@@ -116,7 +118,7 @@ def bytes_sent_per_device(option: str, n: int, p: int, h: int, h_kv: int, d: int
     if option == "all-gather":
         return 2 * n / p * h_kv * d * elem * (p - 1)
     if option == "ulysses":
-        return 4 * n / p * h * d * elem * (p - 1) / p
+        return 2 * n / p * (h + h_kv) * d * elem * (p - 1) / p
     if option == "ring":
         return 2 * n / p * h_kv * d * elem * (p - 1)
     raise ValueError(option)
@@ -125,6 +127,7 @@ def bytes_sent_per_device(option: str, n: int, p: int, h: int, h_kv: int, d: int
 for h_kv in (32, 8):
     row = {o: bytes_sent_per_device(o, N_1M, 8, HEADS, h_kv, D_HEAD) / 2**30 for o in ("all-gather", "ulysses", "ring")}
     print(f"H_kv = {h_kv:2d}: " + ", ".join(f"{o} {gib:.2f} GiB" for o, gib in row.items()))
+    assert row["ring"] > row["ulysses"], "the words above: the ring sends more in total"
 
 # %% [markdown]
 # The ring sends as many bytes as the all-gather, but a slice at a time (memory stays at N/P) and spread
@@ -221,8 +224,8 @@ for case, r in zip(cases, results[0]):
 # dV_s need every query: an accumulator **travels with K_s, V_s**; each rank adds the contribution of its
 # queries and passes it on, and after the last step the finished dK_s, dV_s arrive at their owner. Each
 # block's backward is the single-device backward (`attention_backward(dO, Q, K_s, V_s, O, L)`), given the
-# **merged** O and L: P = exp(S - L) with the final L is exactly the block's share of the whole softmax,
-# and D = rowsum(dO · O) uses the final O. Nothing is recomputed differently from one device.
+# **merged** O and L: the probabilities exp(S - L) with the final L are exactly the block's share of the whole
+# softmax, and D = rowsum(dO · O) uses the final O. Nothing is recomputed differently from one device.
 #
 # The gradients of the run above were checked too (dQ, dK, dV in the printout). What travels per step
 # and rank, backward: the K/V slice (input dtype) and the dK/dV accumulators (float32, for accuracy) —
@@ -234,9 +237,9 @@ for case, r in zip(cases, results[0]):
 # zigzag every rank holds one early and one late chunk.
 #
 # **Predict first.** With contiguous slices on the notebook's `WORLD` ranks, the busiest rank does how many
-# times the mean rank's causal work? (Count the (query, key) pairs under the diagonal that each slice of
-# queries sees.) Write your number in the next cell; it is scored against the *measured* compute times
-# further down.
+# times the mean rank's causal work? It is scored against the *measured* compute times further down, and the
+# CPU code measured there computes a diagonal block whole (masked, not skipped): count the area of the blocks
+# each slice of queries computes, a diagonal block as a full one. Write your number in the next cell.
 
 # %%
 # Your prediction: busiest rank's work / mean rank's work, contiguous slices, causal, WORLD ranks.
