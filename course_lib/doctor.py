@@ -41,7 +41,7 @@ def problems() -> list[str]:
     if sys.platform != "linux" and runtime.triton is None:
         found.append(
             "Triton has Linux wheels only: on macOS or Windows use Linux, WSL 2 or a hosted notebook "
-            "(the NumPy and pure-PyTorch notebooks 01-04 still run)."
+            "(the NumPy and pure-PyTorch notebooks 01-04b still run)."
         )
     elif runtime.triton is None:
         found.append(f"Triton does not import ({runtime.TRITON_IMPORT_ERROR}). Run `make setup` again.")

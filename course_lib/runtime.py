@@ -87,7 +87,7 @@ try:
 
     TRITON_IMPORT_ERROR: str | None = None
 except ImportError as exc:  # macOS / Windows: Triton ships Linux wheels only.
-    triton = None
+    triton = tl = None
     TRITON_IMPORT_ERROR = str(exc)
 
 if INTERPRET and triton is not None and hasattr(triton, "knobs"):

@@ -265,3 +265,24 @@ def test_bfloat16_casts_round_to_nearest_even_as_pytorch_does():
     )
     if course_lib.INTERPRET:
         assert runtime.BF16_ROUNDS_TO_NEAREST
+
+
+def test_pure_pytorch_parts_import_without_triton():
+    """As on macOS or Windows (no Triton wheels): what notebooks 01-04b use imports and runs, and a Triton
+    kernel asked for says why it cannot run."""
+    code = (
+        "import sys; sys.modules['triton'] = None\n"
+        "import torch, course_lib\n"
+        "from course_lib import perf, softmax, testing\n"
+        "from course_lib.perf import plotting, profiling, timing\n"
+        "from course_lib.attention import FlashAttentionTorch, animate, reference, tiled, tiles\n"
+        "q, k, v = (torch.randn(1, 2, 40, 16, dtype=torch.float64, requires_grad=True) for _ in range(3))\n"
+        "FlashAttentionTorch.apply(q, k, v, True).sum().backward()\n"
+        "try:\n"
+        "    course_lib.flash_attention(q, k, v)\n"
+        "except RuntimeError as exc:\n"
+        "    print('refused:', 'Linux wheels only' in str(exc))\n"
+    )
+    out = run_python(code, COURSE_DEVICE="cpu")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["refused:", "True"], out.stdout

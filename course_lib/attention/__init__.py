@@ -23,22 +23,33 @@ backward takes O and L (which may be the merged ones of a whole sequence) and re
 
 from __future__ import annotations
 
-from . import backward, forward
-from .api import FlashAttentionTriton, flash_attention
-from .backward import backward as attention_backward
-from .forward import SUPPORTED_HEAD_DIMS
-from .forward import forward as attention_forward
-from .op import flash_attention_op
+import importlib
+
+from .. import runtime
 from .tiled import FlashAttentionTorch
 
-__all__ = [
-    "FlashAttentionTorch",
-    "FlashAttentionTriton",
-    "SUPPORTED_HEAD_DIMS",
-    "attention_backward",
-    "attention_forward",
-    "backward",
-    "flash_attention",
-    "flash_attention_op",
-    "forward",
-]
+# The Triton kernels load on first use: the pure-PyTorch pieces (`reference`, `tiles`, `tiled`, `animate`)
+# import without Triton, as on macOS and Windows, where Triton has no wheels (notebooks 01-04b).
+_KERNELS = {  # name: (module, attribute; None for the module itself)
+    "backward": ("backward", None),
+    "forward": ("forward", None),
+    "FlashAttentionTriton": ("api", "FlashAttentionTriton"),
+    "flash_attention": ("api", "flash_attention"),
+    "attention_backward": ("backward", "backward"),
+    "attention_forward": ("forward", "forward"),
+    "SUPPORTED_HEAD_DIMS": ("forward", "SUPPORTED_HEAD_DIMS"),
+    "flash_attention_op": ("op", "flash_attention_op"),
+}
+
+__all__ = ["FlashAttentionTorch", *_KERNELS]
+
+
+def __getattr__(name: str):
+    if name not in _KERNELS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    runtime.require_triton()
+    module, attr = _KERNELS[name]
+    loaded = importlib.import_module(f".{module}", __name__)
+    value = loaded if attr is None else getattr(loaded, attr)
+    globals()[name] = value
+    return value
