@@ -38,8 +38,8 @@ setup:
 		echo "    conda found and USE_CONDA=1: conda env create -p $(VENV) -f environment.yml"; \
 		conda env create -p $(VENV) -f environment.yml --yes; \
 	else \
-		echo "    python3 -m venv $(VENV), then pip install -e .[$(EXTRAS)]"; \
-		python3 -m venv $(VENV) && \
+		echo "    python3 -m venv $(if $(filter 0,$(PINNED)),--system-site-packages ,)$(VENV), then pip install -e .[$(EXTRAS)]"; \
+		python3 -m venv $(if $(filter 0,$(PINNED)),--system-site-packages,) $(VENV) && \
 		$(VENV)/bin/python -m pip install --quiet --upgrade pip && \
 		$(VENV)/bin/python -m pip install --quiet -e ".[$(EXTRAS)]"; \
 	fi

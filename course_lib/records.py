@@ -1,9 +1,10 @@
 """Recorded GPU figures: how measured numbers reach a learner who has no GPU.
 
-Taught in notebook 00; `measured_or_recorded` is the switch the GPU figures of notebooks 05-07 go through.
-`make bench` (on a GPU) measures and writes the benchmark records as JSON to `assets/benchmarks/`,
-stamped with the GPU, driver, versions and date; the GPU-only cells of notebooks 05-07 record their own
-live measurements the same way when they run on a GPU (`make test-gpu` runs them). Notebooks load the
+Taught in notebook 00; `measured_or_recorded` is the switch the GPU figures of notebooks 05-07 (and 08c on
+a Hopper GPU) go through. `make bench` (on a GPU) measures and writes the benchmark records as JSON to
+`assets/benchmarks/`, stamped with the GPU, driver, versions and date; the GPU-only cells of notebooks
+05-07 and 08c record their own live measurements the same way when a notebook runs on its own on a GPU
+(`make test-gpu` runs them with recording off, `COURSE_RECORDS=off`). Notebooks load the
 newest record of a kind and label it as such. No GPU figure shown in the course is typed by hand.
 
 A record file is `assets/benchmarks/<kind>-<gpu>.json`:

@@ -8,8 +8,8 @@ The decision, in order:
 1. `COURSE_DEVICE=cpu` or `COURSE_DEVICE=cuda` in the environment forces a mode
    (`cpu` on a GPU machine runs everything as a laptop would; `cuda` without a GPU is an error).
 2. `TRITON_INTERPRET=1` already set by the user means the interpreter, on the CPU.
-3. Otherwise: a usable CUDA GPU and a Linux Triton build mean compiled kernels; anything else
-   means the interpreter on the CPU.
+3. Otherwise: a CUDA GPU (`torch.cuda.is_available()`) means compiled kernels on it; no GPU means the
+   interpreter on the CPU. Without Triton (macOS, Windows) only the pure-PyTorch pieces run.
 
 Import order: when `triton` was imported before `course_lib` (`import torch, triton` first, or a
 library that imports it, such as transformers), Triton's own helpers written with `@triton.jit`
@@ -18,7 +18,7 @@ course_lib re-creates them as interpreted functions (`_interpret_triton_helpers`
 works. A kernel of your own defined before `import course_lib` keeps the mode it was defined in.
 
 What the interpreter cannot do (autotuning over several configs, `triton.testing.do_bench`) is
-wrapped here and in `course_lib.timing`, so notebooks and kernels never branch on the mode themselves.
+wrapped here and in `course_lib.perf.timing`, so notebooks and kernels never branch on the mode themselves.
 """
 
 from __future__ import annotations

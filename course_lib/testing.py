@@ -51,7 +51,8 @@ def random_qkv(
 
 
 def max_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    """max |actual - expected| in float64; inf if either holds a NaN or inf that the other lacks."""
+    """max |actual - expected| in float64; inf if `actual` holds a NaN or an inf (the references the
+    tests compare with are finite)."""
     a, e = actual.detach().double().cpu(), expected.detach().double().cpu()
     if a.shape != e.shape:
         raise AssertionError(f"shape {tuple(a.shape)} != expected {tuple(e.shape)}")

@@ -7,6 +7,7 @@
 - `paged`: `paged_decode_attention(q, k_pages, v_pages, block_table, cache_seqlens, ...)` (10).
 - `cache`: the page pool and its allocator (free list, reference counts, copy-on-write) (10).
 - `batching`: the continuous-batching loop and the model interface it serves (10).
+- `graphs`: `DecodeGraphs`, decode steps captured once per batch shape and replayed as CUDA graphs (10).
 - `toy_model`: `ToyModel`, a two-layer model with random weights that follows the serving interface (10).
 The read ceiling decoding is judged against is `course_lib.perf.ceilings.measure_read_bandwidth`.
 """

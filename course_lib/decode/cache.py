@@ -88,6 +88,7 @@ class PagedKVCache:
         return self.k_pages[0].device
 
     def add_sequence(self, seq_id: int) -> None:
+        """Start an empty sequence `seq_id` (no pages yet: `append` allocates them)."""
         if seq_id in self.seqs:
             raise ValueError(f"sequence {seq_id} already exists")
         self.seqs[seq_id] = SequencePages()

@@ -253,9 +253,11 @@ def fill_wave(splits: int, programs: int, n_key_blocks: int, num_sms: int, max_s
 def num_splits_for(
     batch: int, kv_heads: int, m_tiles: int, capacity: int, head_dim: int, paged: bool = False
 ) -> int:
-    """The split count `decode_attention` (paged=False) or `paged_decode_attention` (paged=True) uses for
-    a batch shape: batch, kv heads, query tiles per (sequence, kv head), cache capacity in keys (Nmax, or
-    max_pages x page_size), head dim. The rule, then `fill_wave`, over SMs x the tile's programs per SM."""
+    """The rule's split count for a batch shape on the tile `decode_attention` (paged=False) or
+    `paged_decode_attention` (paged=True) would run it on: batch, kv heads, query tiles per (sequence, kv
+    head), cache capacity in keys (Nmax, or max_pages x page_size), head dim. The rule, then `fill_wave`,
+    over SMs x the tile's programs per SM. A launch may take another plan (a sliced batch, a paged grid
+    that reads its table rows whole): `split_grid` gives the count it launches."""
     programs = batch * kv_heads * m_tiles
     return _rule_splits(programs, capacity, tile_for(head_dim, paged, programs=programs, capacity=capacity))
 

@@ -19,7 +19,7 @@ by the shapes alone, so a step can be captured once as a CUDA graph and replayed
 - Split s of a sequence of n keys covers blocks [s * P, (s + 1) * P) of BLOCK_N keys, P = cdiv(cdiv(n,
   BLOCK_N), S): computed in the kernel from the length it loads, so a ragged batch is split per
   sequence with no host sync. A split with no key writes (O, L) = (0, -inf).
-- A batch of two sequences or more is cut in short slices when its cache is long (`heuristics.sliced`),
+- A batch of two sequences or more is cut into short slices when its cache is long (`heuristics.sliced`),
   read with the paged kernel's tile, its programs started longest sequence first when they do not all
   fit on the GPU at once (`heuristics.longest_first`): whatever its lengths, its longest sequence does
   not stream alone at the end.

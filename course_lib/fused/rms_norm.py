@@ -12,8 +12,8 @@ in float64 (for `torch.autograd.gradcheck`).
 
 Forward: one program per ROWS rows (`launch.RMS_FORWARD`: several short rows per program, one long one).
 The (ROWS, D) tile goes HBM -> registers once; the sums of squares, rstd and y are computed there; y goes
-back to HBM once, and rstd (one float32 per row) is saved for the backward. Rows of 8192 elements and
-more go through the chunked kernel instead: one row per program in pieces, read twice, the second time
+back to HBM once, and rstd (one float32 per row) is saved for the backward. Rows of more than 4096
+elements go through the chunked kernel instead: one row per program in pieces, read twice, the second time
 from the L2 cache (fewer registers per program, so more programs share an SM).
 Bytes that must move: read x and w, write y and rstd.
 
@@ -284,7 +284,9 @@ def rms_norm_forward(
     warps: int | None = None,
     chunk: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The forward kernel alone: returns (y (..., D) in promote(x, w) dtype, rstd (rows,) float32/64).
+    """The forward kernel alone, on x (..., D) float16/bfloat16/float32 (float64 under the interpreter)
+    and weight (D,): returns (y (..., D) in promote(x, w) dtype, rstd (rows,) float32, float64 for
+    float64 inputs), rows = the product of x's leading dims.
 
     `rows` (rows per program, a power of two), `warps` and `chunk` default to `launch.rms_forward`; pass
     them to try other launch settings. chunk = 0: `rms_norm_fwd_kernel` (whole rows in registers);
@@ -346,7 +348,9 @@ def rms_norm_backward(
     dw_sum: str = "triton",
     column_tile: launch.ColumnSumTile | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The backward kernel and the dW reduction: returns (dx like x, dw like weight).
+    """The backward kernel and the dW reduction, for dy and x (..., D), weight (D,) and the forward's
+    rstd (rows,): returns (dx like x, dw like weight). dw_mode: one of DW_MODES, "partials", "atomics"
+    or "locked" (notebook 11 compares them).
 
     Launch settings, defaults from `launch.rms_backward`: `rows` per loop step, `programs_per_sm`,
     `warps`; `dw_sum` picks the second reduction of the partial rows ("triton": `column_sum`, tile

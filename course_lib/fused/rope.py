@@ -325,7 +325,8 @@ def rope(
     (1 or B, T_cache, d), from `rope_cache` or Hugging Face's rotary embedding, in the pair layout of
     `layout` ("half": j with j + d/2, as Llama; "interleaved": 2i with 2i + 1, as GPT-J).
     positions: None (0..T-1), an int p (p..p+T-1, for a KV cache) or an int tensor (T,) or (B, T).
-    Returns (q', k') with the shapes and dtype of q and k, computed in float32."""
+    Returns (q', k') with the shapes and dtype of q and k, computed in float32 (float64 for float64
+    inputs)."""
     _check(q, k, cos, sin, layout)
     q4, k4 = _as_4d(q), _as_4d(k)
     cos3, sin3 = _cache_3d(cos), _cache_3d(sin)
