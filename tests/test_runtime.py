@@ -21,6 +21,13 @@ def run_python(code, **env):
     )
 
 
+def python_prints(code, what="", **env) -> list[str]:
+    """The words `code` prints in a fresh process with `env`, after checking that it exited cleanly."""
+    out = run_python(code, **env)
+    assert out.returncode == 0, f"{what}: {out.stderr[-2000:]}"
+    return out.stdout.split()
+
+
 def test_decision_is_consistent():
     assert course_lib.DEVICE == runtime.RUNTIME.device
     assert course_lib.INTERPRET == (course_lib.DEVICE.type == "cpu")
@@ -34,9 +41,7 @@ def test_forced_cpu_sets_interpreter_before_kernels_are_defined():
         "import course_lib, os; from course_lib import primer; "
         "print(course_lib.INTERPRET, os.environ['TRITON_INTERPRET'], type(primer.add_kernel).__name__)"
     )
-    out = run_python(code, COURSE_DEVICE="cpu")
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.split()[:2] == ["True", "1"]
+    assert python_prints(code, COURSE_DEVICE="cpu")[:2] == ["True", "1"]
 
 
 def test_bad_course_device_value_is_named():
@@ -207,16 +212,14 @@ cpu_only = pytest.mark.skipif(
 @pytest.mark.parametrize("order", list(IMPORT_ORDERS))
 def test_kernels_run_whatever_the_import_order(order):
     """Issue 14, point 1: triton imported before course_lib must not break the interpreted kernels."""
-    out = run_python(IMPORT_ORDERS[order] + KERNELS_RUN, COURSE_DEVICE="cpu")
-    assert out.returncode == 0, f"{order}: {out.stderr[-2000:]}"
-    assert out.stdout.split() == ["ok", "True"], out.stdout
+    assert python_prints(IMPORT_ORDERS[order] + KERNELS_RUN, order, COURSE_DEVICE="cpu") == ["ok", "True"]
 
 
 @cpu_only
 def test_kernels_run_after_importing_transformers_first():
     pytest.importorskip("transformers")
-    out = run_python("import transformers, torch\nimport course_lib" + KERNELS_RUN, COURSE_DEVICE="cpu")
-    assert out.returncode == 0, f"transformers first: {out.stderr[-2000:]}"
+    code = "import transformers, torch\nimport course_lib" + KERNELS_RUN
+    assert python_prints(code, "transformers first", COURSE_DEVICE="cpu") == ["ok", "True"]
 
 
 def test_triton_helpers_are_interpreted_after_a_late_import():
@@ -227,9 +230,7 @@ def test_triton_helpers_are_interpreted_after_a_late_import():
         "print(course_lib.runtime.TRITON_HELPERS_REINTERPRETED > 0,"
         " isinstance(tl.cdiv, InterpretedFunction), tl.cdiv is tl.standard.cdiv)"
     )
-    out = run_python(code, COURSE_DEVICE="cpu")
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.split() == ["True", "True", "True"], out.stdout
+    assert python_prints(code, COURSE_DEVICE="cpu") == ["True", "True", "True"]
 
 
 def test_compile_workers_leaves_two_cpus_and_keeps_the_limit():
@@ -283,6 +284,4 @@ def test_pure_pytorch_parts_import_without_triton():
         "except RuntimeError as exc:\n"
         "    print('refused:', 'Linux wheels only' in str(exc))\n"
     )
-    out = run_python(code, COURSE_DEVICE="cpu")
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.split() == ["refused:", "True"], out.stdout
+    assert python_prints(code, "no Triton", COURSE_DEVICE="cpu") == ["refused:", "True"]
