@@ -33,9 +33,9 @@ def _name(dtype):
     return str(dtype).replace("torch.", "")
 
 
-def _check_fwd_bwd(q, k, v, causal, what, do=None, scale=None, fn=None, grad_floor=None):
+def _check_fwd_bwd(q, k, v, causal, what, do=None, scale=None, fn=None, dqdk_floor=None):
     """Run fn (default flash_attention) forward and backward; compare O, dq, dk, dv with the float64
-    reference, the bound being set by plain PyTorch in the inputs' dtype (grad_floor: the gradients'
+    reference, the bound being set by plain PyTorch in the inputs' dtype (dqdk_floor: dQ's and dK's
     floor, when not the dtype's default)."""
     fn = fn or (lambda q, k, v: flash_attention(q, k, v, causal=causal, scale=scale))
     q, k, v = (t.detach().requires_grad_(True) for t in (q, k, v))
@@ -53,7 +53,8 @@ def _check_fwd_bwd(q, k, v, causal, what, do=None, scale=None, fn=None, grad_flo
         assert t.grad is not None and t.grad.shape == t.shape, (
             f"{name}, {what}: no gradient of the right shape"
         )
-        assert_close_to_reference(t.grad, r, b, what=f"{name}, {what}", floor=grad_floor)
+        floor = dqdk_floor if name in ("dq", "dk") else None
+        assert_close_to_reference(t.grad, r, b, what=f"{name}, {what}", floor=floor)
 
 
 # (name, q shape (..., Nq, d), Nk, causal). Blocks are 32 x 32 under the interpreter (64-128 on a GPU):
@@ -113,8 +114,9 @@ def test_large_logits(causal, dtype):
     accurate. There the softmax is one-hot and every exact gradient is ~0; plain PyTorch gets ~0
     exactly (its P is exactly 0 or 1), while FlashAttention-2 rebuilds P from L = logsumexp stored in
     float32 (rounded at the logits' magnitude, ulp(1e4) ~ 1e-3) and forms dS = P (dP - D) from
-    D = rowsum(dO * O), a difference of two float32 sums. So the gradients' floor is the float32
-    rounding at that magnitude: eps * max|logit| * max|dO| * max(1, scale * max|Q|, scale * max|K|)."""
+    D = rowsum(dO * O), a difference of two float32 sums. So dQ's and dK's floor is that rounding of L
+    carried by dO: 8 * eps * max|logit| * max|dO| (measured under the interpreter over 8 seeds: at most
+    0.28 of the bound it sets with plain PyTorch's error). dV = Pᵀ dO keeps the dtype's usual floor."""
     torch.manual_seed(2)
     scale_in = 30.0 if dtype == torch.float16 else 60.0
     d = 16
@@ -123,10 +125,9 @@ def test_large_logits(causal, dtype):
     logits = (q.double() @ k.double().transpose(-1, -2)).abs().max().item() / math.sqrt(d)
     assert logits > 1e3, f"test set-up: logits reach only {logits:.3g}"
     do = torch.randn(q.shape, device=DEVICE).to(dtype)
-    reach = max(1.0, *(t.double().abs().max().item() / math.sqrt(d) for t in (q, k)))
-    floor = 4 * torch.finfo(torch.float32).eps * logits * do.double().abs().max().item() * reach
+    floor = 8 * torch.finfo(torch.float32).eps * logits * do.double().abs().max().item()
     _check_fwd_bwd(q, k, v, causal, f"logits up to {logits:.3g}, causal={causal}, {_name(dtype)}", do=do,
-                   grad_floor=floor)  # fmt: skip
+                   dqdk_floor=floor)  # fmt: skip
 
 
 def test_custom_scale_and_lse():

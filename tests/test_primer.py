@@ -18,6 +18,14 @@ TOL = {
     torch.bfloat16: dict(rtol=2e-2, atol=3e-2),
     torch.float32: dict(rtol=1e-5, atol=1e-5),
 }
+# Softmax outputs lie in [0, 1], most of them far below 0.01: a relative bound of about two units in the
+# last place of the dtype, and an absolute one only for the probabilities that round to 0 (40 draws of
+# each test's inputs passed under the interpreter).
+SOFTMAX_TOL = {
+    torch.float16: dict(rtol=2e-3, atol=1e-6),
+    torch.bfloat16: dict(rtol=1e-2, atol=1e-6),
+    torch.float32: dict(rtol=1e-5, atol=1e-6),
+}
 
 
 def case(**kw) -> str:
@@ -130,7 +138,7 @@ def test_softmax_matches_torch(shape, dtype):
     want = torch.softmax(x.double(), dim=-1)
     assert got.dtype == dtype and got.shape == x.shape, case(shape=shape, dtype=dtype)
     torch.testing.assert_close(
-        got.double(), want, **TOL[dtype], msg=lambda m: f"{case(shape=shape, dtype=dtype)}: {m}"
+        got.double(), want, **SOFTMAX_TOL[dtype], msg=lambda m: f"{case(shape=shape, dtype=dtype)}: {m}"
     )
 
 
@@ -169,7 +177,9 @@ def test_softmax_rejects_bad_input():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_primer_gpu_sizes(dtype):
     x = torch.randn(4096, 3000, device=DEVICE).to(dtype)
-    torch.testing.assert_close(primer.softmax(x).double(), torch.softmax(x.double(), -1), **TOL[dtype])
+    torch.testing.assert_close(
+        primer.softmax(x).double(), torch.softmax(x.double(), -1), **SOFTMAX_TOL[dtype]
+    )
     n = 10_000_019
     a, b = torch.randn(n, device=DEVICE).to(dtype), torch.randn(n, device=DEVICE).to(dtype)
     torch.testing.assert_close(primer.add(a, b), a + b)
