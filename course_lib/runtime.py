@@ -163,12 +163,14 @@ def _round_bf16_casts_to_nearest() -> bool:
     except ImportError:
         return False
     original = getattr(interpreter, "_convert_float", None)
-    if original is None or getattr(original, "rounds_bf16_to_nearest", False):
-        return original is not None
+    if original is None:
+        return False
+    if getattr(original, "rounds_bf16_to_nearest", False):  # done already (course_lib imported again)
+        return True
+    toward_zero = interpreter._ir.ROUNDING_MODE.RTZ
 
     def convert_float(input, input_dtype, output_dtype, rounding_mode):
-        toward_zero = rounding_mode is not None and "RTZ" in str(rounding_mode)
-        if input_dtype == tl.float32 and output_dtype == tl.bfloat16 and not toward_zero:
+        if input_dtype == tl.float32 and output_dtype == tl.bfloat16 and rounding_mode != toward_zero:
             copy = np.array(input, dtype=np.float32)  # a copy: the interpreter's array may be read-only
             return torch.from_numpy(copy).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
         return original(input, input_dtype, output_dtype, rounding_mode)
