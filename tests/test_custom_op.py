@@ -13,7 +13,7 @@ import course_lib
 from course_lib.attention import op
 from course_lib.attention.op import flash_attention_op
 from course_lib.attention.reference import attention as reference_attention
-from course_lib.testing import random_qkv
+from course_lib.testing import assert_close_to_reference, random_qkv
 
 DEVICE = course_lib.DEVICE
 gpu = pytest.mark.skipif(not course_lib.ON_GPU, reason="needs a CUDA GPU with compiled Triton kernels")
@@ -170,23 +170,18 @@ def test_gpu_inductor_fullgraph_forward_and_backward(dtype):
 @pytest.mark.gpu
 @gpu
 def test_gpu_inductor_matches_reference_at_a_model_shape():
+    """Compiled by inductor, bf16, (2, 8/2, 1024, 128) causal: O and the gradients within twice plain
+    PyTorch's bf16 error against float64 (measured on an H200: dK 1.05x PyTorch's, the others below it)."""
     torch.manual_seed(1)
     q, k, v = _qkv(2, 8, 2, 1024, 1024, 128, dtype=torch.bfloat16)
     compiled = torch.compile(lambda q, k, v: flash_attention_op(q, k, v, "top_left"), fullgraph=True)
     do = torch.randn_like(q)
     got = _grads(compiled, q, k, v, do)
-    ref = _grads(
-        lambda q, k, v: reference_attention(q, k, v, causal=True),
-        q.double(),
-        k.double(),
-        v.double(),
-        do.double(),
-    )
-    for name, a, r in zip(("O", "dq", "dk", "dv"), got, ref):
-        err = (a.double() - r).abs().max().item()
-        assert err < 5e-2 * max(1.0, r.abs().max().item()), (
-            f"inductor bf16 (2, 8/2, 1024, 128): {name} {err:.3g}"
-        )
+    plain = lambda q, k, v: reference_attention(q, k, v, causal=True)  # noqa: E731
+    ref = _grads(plain, q.double(), k.double(), v.double(), do.double())
+    baseline = _grads(plain, q, k, v, do)
+    for name, a, r, b in zip(("O", "dq", "dk", "dv"), got, ref, baseline):
+        assert_close_to_reference(a, r, b, f"inductor bf16 (2, 8/2, 1024, 128), causal: {name}")
 
 
 def test_fake_implementation_on_meta_tensors():
