@@ -7,8 +7,6 @@ import json
 import subprocess
 import sys
 import textwrap
-import threading
-import time
 
 import pytest
 import torch
@@ -122,34 +120,3 @@ def test_background_compilation_finishes_before_exit(tmp_path):
     launch.compile_in_background(("test", 2), lambda: seen.append(1))
     launch.wait_compiled(("test", 2))
     assert seen == [1] and ("test", 2) not in launch._COMPILING
-
-
-def test_compilations_gathered_together_run_in_order_in_one_thread():
-    """Inside `compile_together` (nested blocks too) the works wait until the block ends, then run one
-    after another in a single thread; `wait_compiled` waits for each one, including one that fails."""
-    runs = []
-
-    def work(tag, fail=False):
-        def run():
-            time.sleep(0.05)
-            runs.append((tag, threading.current_thread().name))
-            if fail:
-                raise RuntimeError("a compiler error")
-
-        return run
-
-    with launch.compile_together():
-        launch.compile_in_background(("together", 1), work(1))
-        with launch.compile_together():
-            launch.compile_in_background(("together", 2), work(2, fail=True))
-        launch.compile_in_background(("together", 3), work(3))
-        launch.compile_in_background(("together", 1), work(99))  # once per name: ignored
-        time.sleep(0.2)
-        assert runs == [], "started before the block ended"
-    launch.wait_compiled(("together", 2))
-    assert [tag for tag, _ in runs][:2] == [1, 2]
-    launch.wait_compiled(("together", 3))
-    launch.wait_compiled(("together", 1))
-    assert [tag for tag, _ in runs] == [1, 2, 3]
-    assert len({name for _, name in runs}) == 1 and runs[0][1] != threading.current_thread().name
-    assert not any(("together", i) in launch._COMPILING for i in (1, 2, 3))

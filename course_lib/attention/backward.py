@@ -52,7 +52,6 @@ from .inputs import as_4d, check_inputs, kernel_flags, strides4
 from .launch import (
     compile_ahead,
     compile_kernel_ahead,
-    compile_together,
     cuda_device,
     launch,
     make_tuner,
@@ -639,21 +638,16 @@ def _backward(do, q, k, v, o, L, alignment, scale, launch_cfg, switches, dq_mode
 
     with cuda_device(q):
         if launch_cfg is None and not atomic:
-
-            def compile_dkdv_ahead():
-                if gluon is None:
-                    compile_ahead(_dkdv_kernel, kv_tuner, DKDV, kv_grid, kv_args, kv_meta, kv_shape)
-                elif runtime.ON_GPU:
-                    gluon.compile_ahead(q4, k4, v4, l3, delta, dk_out, offset, causal, scale)
-
-            if compile_only:  # the forward's own kernel compiles next: one background thread for all of these
-                with compile_together():
-                    compile_ahead(_dq_kernel, _dq_tuned, DQ, q_grid, q_args, q_meta, shape)
-                    compile_dkdv_ahead()
-                    if share > 1:
-                        compile_kernel_ahead(sum_name, _group_sum_kernel, (1,), sum_args, sum_meta)
+            # The dK/dV kernel compiles (first use of this shape) while the dQ kernel compiles and runs.
+            if gluon is None:
+                compile_ahead(_dkdv_kernel, kv_tuner, DKDV, kv_grid, kv_args, kv_meta, kv_shape)
+            elif runtime.ON_GPU:
+                gluon.compile_ahead(q4, k4, v4, l3, delta, dk_out, offset, causal, scale)
+            if compile_only:
+                compile_ahead(_dq_kernel, _dq_tuned, DQ, q_grid, q_args, q_meta, shape)
+                if share > 1:
+                    compile_kernel_ahead(sum_name, _group_sum_kernel, (1,), sum_args, sum_meta)
                 return None
-            compile_dkdv_ahead()  # first use of this shape: dK/dV compiles while dQ compiles and runs
         if atomic:
             pre_m = PREPROCESS_BLOCK_M["cpu" if runtime.INTERPRET else "gpu"]
             _preprocess_kernel[(triton.cdiv(n_q, pre_m) * B * H,)](

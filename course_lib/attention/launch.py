@@ -114,9 +114,7 @@ def make_tuner(kernel, table: KernelConfigs, key: list[str], **kwargs):
 
 
 _CHOSEN: dict = {}  # (kernel table, shape class) -> the Launch this process uses
-_COMPILING: dict = {}  # (kernel table, shape class) -> an Event set once its launch is compiled ahead of use
-_THREADS: list = []  # the background threads compiling ahead (joined at exit)
-_GATHERING = threading.local()  # .works: the compilations a `compile_together` block is gathering
+_COMPILING: dict = {}  # (kernel table, shape class) -> a thread compiling that launch ahead of its first use
 _SEEN: set = set()  # (kernel table, shape class) compiled, compiling or launched in this process
 
 
@@ -218,74 +216,36 @@ def compile_kernel_ahead(name, kernel, grid: tuple, args: tuple, meta: dict) -> 
 
 def compile_in_background(name, work) -> None:
     """Run `work()` (a compilation) in a daemon thread, on the current GPU, registered under `name`,
-    once per name and process: `wait_compiled(name)` waits for it before the launch that needs it. Inside
-    `compile_together`, the work joins that block's one thread instead. An error is swallowed: the
-    launch compiles again and reports it where it belongs. At exit the process waits for every
-    compilation still running: a thread stopped inside the compiler at interpreter shutdown aborts the
-    process ("exception not rethrown"), as a script that runs one forward and ends would otherwise see."""
+    once per name and process: `wait_compiled(name)` joins it before the launch that needs it. An error
+    is swallowed: the launch compiles again and reports it where it belongs. At exit the process waits
+    for every compilation still running: a thread stopped inside the compiler at interpreter shutdown
+    aborts the process ("exception not rethrown"), as a script that runs one forward and ends would
+    otherwise see."""
     if name in _SEEN:
         return
     _SEEN.add(name)
-    done = threading.Event()
-    _COMPILING[name] = done
-    gathering = getattr(_GATHERING, "works", None)
-    if gathering is not None:
-        gathering.append((work, done))
-    else:
-        _start_compiling([(work, done)], str(name))
-
-
-@contextlib.contextmanager
-def compile_together():
-    """The compilations `compile_in_background` is given inside this block run one after another, in
-    order, in one background thread (started when the block ends), not one thread each.
-
-    For the autograd forward, which starts the backward's kernels compiling and then compiles its own
-    kernel in the caller's thread: a compilation's Python front end holds the interpreter's lock, so two
-    or three compilations beside the forward's slow it down, and the first call waits for the forward's.
-    Measured on an H200 (empty Triton cache, fresh processes, bf16 (4, 16, 4096, 128) causal, three
-    runs each): the forward's kernel compiled in 3.34-4.24 s beside two threads and 3.34-3.42 s beside
-    one; the first forward + backward took 4.71-5.51 s and 4.58-4.74 s. Nested blocks gather into the
-    outermost."""
-    if getattr(_GATHERING, "works", None) is not None:
-        yield
-        return
-    _GATHERING.works = []
-    try:
-        yield
-    finally:
-        works, _GATHERING.works = _GATHERING.works, None
-        if works:
-            _start_compiling(works, "ahead")
-
-
-def _start_compiling(works: list, label: str) -> None:
-    """One daemon thread, on the current GPU, running each (work, done) in turn and setting done after it."""
     device = torch.cuda.current_device() if torch.cuda.is_available() else None
 
     def run():
-        for work, done in works:
-            try:
-                with torch.cuda.device(device) if device is not None else contextlib.nullcontext():
-                    work()
-            except Exception:
-                pass
-            finally:
-                done.set()
+        try:
+            with torch.cuda.device(device) if device is not None else contextlib.nullcontext():
+                work()
+        except Exception:
+            pass
 
-    thread = threading.Thread(target=run, name=f"compile {label}", daemon=True)
+    thread = threading.Thread(target=run, name=f"compile {name}", daemon=True)
     thread.start()
-    _THREADS.append(thread)
+    _COMPILING[name] = thread
 
 
 def wait_compiled(name) -> None:
     """Wait for the compilation started under `name` by `compile_in_background`, if there is one."""
     pending = _COMPILING.pop(name, None)
     if pending is not None:
-        pending.wait()
+        pending.join()
 
 
 @atexit.register
 def _finish_compiling() -> None:
-    for thread in list(_THREADS):
+    for thread in list(_COMPILING.values()):
         thread.join()
