@@ -61,6 +61,13 @@ def max_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return float((a - e).abs().max()) if a.numel() else 0.0
 
 
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """||actual - expected|| / ||expected|| over the whole tensor, in float64: the measure for a gradient
+    whose entries are mostly small next to an absolute tolerance (0 when both are zero)."""
+    a, e = actual.detach().double(), expected.detach().double()
+    return ((a - e).norm() / e.norm().clamp_min(1e-30)).item()
+
+
 def assert_close_to_reference(actual, reference64, baseline, what: str, factor: float = 2.0, floor=None):
     """Assert error(actual) <= factor * error(baseline) + floor, both against `reference64`.
 
@@ -73,6 +80,21 @@ def assert_close_to_reference(actual, reference64, baseline, what: str, factor: 
         raise AssertionError(
             f"{what}: max error {err:.3g} against the float64 reference exceeds {bound:.3g} "
             f"(= {factor} x plain PyTorch's {base:.3g} in {actual.dtype} + floor {floor:.1g})"
+        )
+
+
+def assert_grads_close_to_reference(
+    grads: dict, grads64: dict, baseline: dict, what: str, factor=2.0, floor=1e-3
+):
+    """Each named gradient (a model's parameters, say) within `factor` x the relative error of `baseline`
+    plus `floor`, both against `grads64` (`relative_error`). `baseline`: the same gradients from plain
+    PyTorch (SDPA) in the low-precision dtype, where the dtype's own matrix products set most of the error;
+    a wrong attention gradient is off by ~1, not by ~1e-2."""
+    assert grads.keys() == grads64.keys() == baseline.keys(), (sorted(grads), sorted(grads64))
+    for name, g64 in grads64.items():
+        err, base = relative_error(grads[name], g64), relative_error(baseline[name], g64)
+        assert err <= factor * base + floor, (
+            f"{what}: grad of {name}: relative error {err:.3g}, PyTorch's {base:.3g}"
         )
 
 

@@ -22,7 +22,7 @@ transformers = pytest.importorskip("transformers")
 
 from course_lib.integrations import transformers as hf  # noqa: E402
 from course_lib.integrations import use_in_transformers  # noqa: E402
-from course_lib.testing import assert_close_to_reference  # noqa: E402
+from course_lib.testing import assert_close_to_reference, assert_grads_close_to_reference  # noqa: E402
 
 DEVICE = course_lib.DEVICE
 gpu = pytest.mark.skipif(not course_lib.ON_GPU, reason="needs a CUDA GPU with compiled Triton kernels")
@@ -171,10 +171,6 @@ def test_dropout_is_refused_clearly():
         model(torch.randint(0, 97, (1, 8), device=DEVICE))
 
 
-def _relative_error(actual, expected) -> float:
-    return ((actual.double() - expected.double()).norm() / expected.double().norm().clamp_min(1e-30)).item()
-
-
 def _loss_and_grads(model, impl, ids):
     """Logits, loss and every parameter's gradient of one training step with attention `impl`."""
     model.set_attn_implementation(impl)
@@ -183,18 +179,6 @@ def _loss_and_grads(model, impl, ids):
     out.loss.backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
     return out.logits.detach(), out.loss.item(), grads
-
-
-def _assert_grads_near_float64(grads, grads64, baseline, what, factor=2.0, floor=1e-3):
-    """Each parameter's gradient, by relative error against the float64 model's: at most `factor` times
-    the error of `baseline` (the same bf16 model with SDPA) plus `floor`. bf16 matrix products outside
-    attention set most of the error; a wrong attention gradient (zero, say) is off by ~1, not ~1e-2."""
-    assert grads.keys() == grads64.keys() == baseline.keys()
-    for name, g64 in grads64.items():
-        err, base = _relative_error(grads[name], g64), _relative_error(baseline[name], g64)
-        assert err <= factor * base + floor, (
-            f"{what}: grad of {name}: relative error {err:.3g}, SDPA's {base:.3g}"
-        )
 
 
 @pytest.mark.gpu
@@ -212,7 +196,7 @@ def test_gpu_bf16_llama_logits_gradients_and_generation():
     logits, loss, grads = _loss_and_grads(model, "course_lib", ids)
     assert_close_to_reference(logits, logits64, logits_sdpa, "bf16 Llama N=512: logits")
     assert abs(loss - loss64) < 1e-2 * abs(loss64), (loss, loss64)
-    _assert_grads_near_float64(grads, grads64, grads_sdpa, "bf16 Llama N=512")
+    assert_grads_close_to_reference(grads, grads64, grads_sdpa, "bf16 Llama N=512")
     model.eval()
     model.float()
     tokens = {}
@@ -241,4 +225,6 @@ def test_gpu_compiled_llama_forward_and_backward():
     loss.backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
     assert abs(loss.item() - loss64) < 1e-2 * abs(loss64), (loss.item(), loss_eager, loss64)
-    _assert_grads_near_float64(grads, grads64, grads_eager, "torch.compile(fullgraph=True), bf16 Llama N=256")
+    assert_grads_close_to_reference(
+        grads, grads64, grads_eager, "torch.compile(fullgraph=True), bf16 Llama N=256"
+    )
