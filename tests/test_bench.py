@@ -163,12 +163,12 @@ def test_main_quick_writes_records(tmp_path, capsys, monkeypatch):
     for r in data["results"]:
         if r["status"] == "ok":
             assert r["ms"] > 0 and r["tflops"] > 0, r
-            assert r["max_abs_diff_vs_sdpa"] < 1e-3, r  # fp32 on the CPU
+            assert r["max_abs_diff_vs_sdpa"] < 1e-5, r  # fp32 on the CPU: about 1e-6
         else:
             assert r["reason"], r
     lad = records.load_record("ladder", folder=tmp_path)["data"]
     assert [s["name"] for s in lad["steps"]] == [s.name for s in bench.LADDER]
-    assert all(s["status"] == "ok" and s["max_abs_diff_vs_tuned"] < 1e-3 for s in lad["steps"]), lad["steps"]
+    assert all(s["status"] == "ok" and s["max_abs_diff_vs_tuned"] < 1e-5 for s in lad["steps"]), lad["steps"]
     for kind in ("hardware", "standard_attention"):
         assert (tmp_path / f"{kind}-cpu.json").exists(), f"{kind} record missing"
     assert "targets:" in printed and "geomean" in printed, printed

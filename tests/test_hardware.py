@@ -258,6 +258,11 @@ def test_measure_record_on_gpu_small():
         fusion_numel=2**20,
     )
     assert set(data["matmul_tflops"]) == {"bfloat16", "float16", "float32", "tf32"}
+    known = [name for name in perf.GPUS if name in torch.cuda.get_device_name()]
+    peak = perf.gpu(known[0]).matmul16_tflops if known else float("inf")  # a FLOP count 1000x off fails
+    for dtype in ("bfloat16", "float16"):
+        assert 0 < data["matmul_tflops"][dtype] <= 1.1 * peak, (dtype, data["matmul_tflops"], peak)
+    assert 0 < data["copy_gbps"] < math.inf and 0 < data["read_gbps"] < math.inf, data
     assert data["operations_dtype"] == "bfloat16"
     assert "error" not in data["fusion"], data["fusion"]
     json.dumps(data)

@@ -22,7 +22,11 @@ transformers = pytest.importorskip("transformers")
 
 from course_lib.integrations import transformers as hf  # noqa: E402
 from course_lib.integrations import use_in_transformers  # noqa: E402
-from course_lib.testing import assert_close_to_reference, assert_grads_close_to_reference  # noqa: E402
+from course_lib.testing import (  # noqa: E402
+    assert_close_to_reference,
+    assert_grads_close_to_reference,
+    relative_error,
+)
 
 DEVICE = course_lib.DEVICE
 gpu = pytest.mark.skipif(not course_lib.ON_GPU, reason="needs a CUDA GPU with compiled Triton kernels")
@@ -122,11 +126,10 @@ def test_gradients_match_sdpa(kernel_calls):
         grads[impl] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     assert len(kernel_calls) == 2
     assert grads["sdpa"].keys() == grads["course_lib"].keys()
+    bound = 1e-4 if course_lib.ON_GPU else 1e-5  # measured on the CPU: 4e-7
     for name, g in grads["sdpa"].items():
-        err = (grads["course_lib"][name] - g).abs().max().item()
-        assert err <= 1e-4 * max(1.0, g.abs().max().item()), (
-            f"tiny Llama fp32: grad of {name} differs by {err:.3g}"
-        )
+        err = relative_error(grads["course_lib"][name], g)  # q_proj's and k_proj's entries are ~1e-3
+        assert err <= bound, f"tiny Llama fp32: grad of {name}: relative error {err:.3g} (bound {bound:g})"
 
 
 def test_greedy_generation_same_tokens(kernel_calls):
@@ -210,14 +213,17 @@ def test_gpu_bf16_llama_logits_gradients_and_generation():
 @gpu
 def test_gpu_compiled_llama_forward_and_backward():
     """torch.compile(fullgraph=True) of a whole bf16 model with course_lib attention: the custom operator
-    keeps it one graph, and the compiled step's gradients are as close to a float64 copy's as the eager
-    step's (measured on an H200: 1.11 % and 1.23 % at worst)."""
+    keeps it one graph, and the compiled step's gradients are as close to a float64 copy's as SDPA's
+    eager bf16 step's (measured on an H200: compiled 1.11 % at worst, course_lib eager 1.23 %)."""
     use_in_transformers()
     model = tiny_llama(dtype=torch.bfloat16, hidden=512, heads=4).train()
     model64 = copy.deepcopy(model).double()
     ids = torch.randint(0, 97, (2, 256), device=DEVICE)
     _, loss64, grads64 = _loss_and_grads(model64, "sdpa", ids)
+    _, _, grads_sdpa = _loss_and_grads(model, "sdpa", ids)
     _, loss_eager, grads_eager = _loss_and_grads(model, "course_lib", ids)
+    assert_grads_close_to_reference(grads_eager, grads64, grads_sdpa, "eager, bf16 Llama N=256")
+    model.set_attn_implementation("course_lib")
     torch._dynamo.reset()
     compiled = torch.compile(model, fullgraph=True)  # a graph break raises here
     model.zero_grad(set_to_none=True)
@@ -226,5 +232,5 @@ def test_gpu_compiled_llama_forward_and_backward():
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
     assert abs(loss.item() - loss64) < 1e-2 * abs(loss64), (loss.item(), loss_eager, loss64)
     assert_grads_close_to_reference(
-        grads, grads64, grads_eager, "torch.compile(fullgraph=True), bf16 Llama N=256"
+        grads, grads64, grads_sdpa, "torch.compile(fullgraph=True), bf16 Llama N=256"
     )

@@ -185,4 +185,7 @@ def test_primer_gpu_sizes(dtype):
     torch.testing.assert_close(primer.add(a, b), a + b)
     w = torch.randn(3000, device=DEVICE).to(dtype)
     want = (x.double() * w.double()).sum(-1)
-    torch.testing.assert_close(primer.weighted_sum(x, w).double(), want, rtol=TOL[dtype]["rtol"], atol=1.0)
+    tol = TOL[dtype]  # a sum of 3000 products: atol grows with sqrt(length), as on the CPU
+    torch.testing.assert_close(
+        primer.weighted_sum(x, w).double(), want, rtol=tol["rtol"], atol=tol["atol"] * 3000**0.5
+    )
