@@ -43,7 +43,7 @@ def test_backward_frames_finish_dq_and_dk():
 def test_program_map():
     ids = animate.program_map((5, 100), (2, 32))
     assert ids.shape == (5, 100) and ids.max() == 3 * 4 - 1 and ids[4, 99] == 11 and ids[0, 31] == 0
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"shape \(0, 4\) and block \(1, 4\) must be positive"):
         animate.program_map((0, 4), (1, 4))
 
 

@@ -154,12 +154,16 @@ def test_block_ranges_cover_exactly_the_visible_pairs(causal):
                     if j0 < mid:  # unmasked stage: whole block of keys, all visible to every row
                         assert j0 + bn <= n_k and vis[m0 : m0 + bm, j0 : j0 + bn].all()
         assert torch.equal(seen[vis], torch.ones_like(seen[vis])), (n_q, n_k, bm, bn, offset, splits)
-        # keys side (dK/dV): rows [lo, hi) hold every row that sees the key block; [mid, hi) see all of it
+        # keys side (dK/dV): lo, mid, hi are multiples of BLOCK_M; rows [lo, hi) hold every row that sees the
+        # key block; rows [mid, hi) see all of it (all its keys up to Nk when it is the ragged last block)
         for n0 in range(0, n_k, bn):
             lo, mid, hi = q_block_range_py(n0, n_q, offset, bm, bn, causal)
+            where = (n_q, n_k, bm, bn, offset, n0, (lo, mid, hi))
+            assert lo % bm == 0 and mid % bm == 0 and hi % bm == 0 and 0 <= lo <= mid <= hi, where
             keys = slice(n0, min(n0 + bn, n_k))
-            assert not vis[:lo, keys].any(), (n_q, n_k, bm, bn, offset, n0)
-            assert vis[mid:n_q, n0 : n0 + bn].all() if n0 + bn <= n_k else True
+            assert not vis[:lo, keys].any(), where
+            assert not vis[hi:, keys].any(), where
+            assert vis[mid:hi, keys].all(), where
 
 
 @pytest.mark.gpu

@@ -391,15 +391,28 @@ def test_rope_token_major_layout_without_copies_and_3d_inputs():
 
 
 def test_rope_batched_cache_and_positions_vector():
+    """A (T,) positions vector and Hugging Face's gathered (B, T, d) cache, forward and backward, each
+    against float64; the two give the same rotation."""
     b, t, d = 2, 4, 16
     q, k = _randn(b, 2, t, d), _randn(b, 2, t, d, seed=1)
+    dq, dk = _randn(b, 2, t, d, seed=2), _randn(b, 2, t, d, seed=3)
     cos, sin = rope_cache(10, d, device=DEVICE)
     pos = torch.tensor([6, 2, 9, 0], device=DEVICE)
     cos_b, sin_b = cos[pos][None].expand(b, t, d), sin[pos][None].expand(b, t, d)  # HF's gathered (B, T, d)
-    q1, k1 = rope(q, k, cos, sin, positions=pos)
-    q2, k2 = rope(q, k, cos_b, sin_b)
-    torch.testing.assert_close(q1, q2)
-    torch.testing.assert_close(k1, k2)
+    rotated = {}
+    for what, c, s, p in (("positions vector", cos, sin, pos), ("batched cache", cos_b, sin_b, None)):
+        q_, k_ = q.detach().clone().requires_grad_(), k.detach().clone().requires_grad_()
+        q_rot, k_rot = rope(q_, k_, c, s, positions=p)
+        torch.autograd.backward((q_rot, k_rot), (dq, dk))
+        q64, k64 = (t_.detach().double().cpu().requires_grad_() for t_ in (q, k))
+        ref = rope_reference(q64, c, s, p), rope_reference(k64, c, s, p)
+        torch.autograd.backward(ref, (dq.double().cpu(), dk.double().cpu()))
+        _close(q_rot, ref[0], torch.float32, f"rope {what} q")
+        _close(k_rot, ref[1], torch.float32, f"rope {what} k")
+        _close(q_.grad, q64.grad, torch.float32, f"rope {what} dq")
+        _close(k_.grad, k64.grad, torch.float32, f"rope {what} dk")
+        rotated[what] = q_rot, k_rot
+    torch.testing.assert_close(rotated["positions vector"], rotated["batched cache"])
 
 
 def test_rope_kv_cache_offsets_agree_with_one_long_sequence():

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from course_lib.attention.reference import attention, causal_mask
-from course_lib.testing import random_qkv, run_cases
+from course_lib.testing import max_error, random_qkv, run_cases
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -46,8 +46,17 @@ def test_gradients_flow_in_float64():
 
 
 def test_large_logits_stay_finite():
+    """Logits in the thousands: float32 stays finite and near float64. Float32 rounds a logit s by about
+    eps * |s|, which moves P by that much relatively and O by that times |v|: the bound is 8 times
+    eps * max|logit| * max|v| (the rule of test_flash_triton's test_large_logits)."""
     q, k, v = random_qkv((1, 33, 16), dtype=torch.float32, scale=40.0)
-    assert torch.isfinite(attention(q, k, v, causal=True)).all()
+    o = attention(q, k, v, causal=True)
+    assert torch.isfinite(o).all()
+    logits = (q.double() @ k.double().transpose(-1, -2)).abs().max().item() / 16**0.5
+    assert logits > 1e3, f"test set-up: logits reach only {logits:.3g}"
+    bound = 8 * torch.finfo(torch.float32).eps * logits * v.double().abs().max().item()
+    err = max_error(o, attention(q.double(), k.double(), v.double(), causal=True))
+    assert err <= bound, f"logits up to {logits:.3g}: max error {err:.3g} against float64 above {bound:.3g}"
 
 
 BAD = [

@@ -52,9 +52,10 @@ def _name(case: dict) -> str:
 
 @pytest.fixture(scope="module")
 def ring_results():
-    """{world: [rank 0's errors per case]} from one gloo run per world size."""
+    """{world: [[errors per case] per rank]} from one gloo run per world size: every rank gathers its
+    own ring's result (with subgroups, each ring is checked by its own ranks)."""
     return {
-        world: run_ranks(compare_with_reference, world, (cases,), timeout=180)[0]
+        world: run_ranks(compare_with_reference, world, (cases,), timeout=180)
         for world, cases in CASES.items()
     }
 
@@ -64,9 +65,14 @@ def ring_results():
 )
 def test_ring_matches_reference(ring_results, world, index):
     case = CASES[world][index]
-    errors = ring_results[world][index]["error"]
+    per_rank = ring_results[world]
+    assert len(per_rank) == world and all(len(r) == len(CASES[world]) for r in per_rank)
     tol = TOL[case.get("backend", "torch")]
-    bad = {k: e for k, e in errors.items() if not e <= tol}
+    bad = {}
+    for rank, results in enumerate(per_rank):
+        errors = results[index]["error"]
+        assert set(errors) == {"O", "dQ", "dK", "dV"}, f"rank {rank}: {sorted(errors)}"
+        bad.update({f"rank {rank} {k}": e for k, e in errors.items() if not e <= tol})
     assert not bad, f"world={world}, {_name(case)}: max abs error against float64 above {tol}: {bad}"
 
 
@@ -178,15 +184,19 @@ def test_ring_on_two_gpus():
             device="cuda",
         )  # ragged
     )
-    results = run_ranks(compare_with_reference, 2, (cases,), timeout=300, backend="nccl")[0]
-    for case, r in zip(cases, results):
-        for name, err in r["error"].items():
-            floor = 1e-3 if case["dtype"] == "float16" else 8e-3
-            bound = 2 * r["baseline"][name] + floor
-            assert err <= bound, (
-                f"2 GPUs, {_name(case)}: {name} max error {err:.3g} above 2 x plain PyTorch "
-                f"({r['baseline'][name]:.3g}) + {floor}"
-            )
+    per_rank = run_ranks(compare_with_reference, 2, (cases,), timeout=300, backend="nccl")
+    assert len(per_rank) == 2
+    for rank, results in enumerate(per_rank):
+        assert len(results) == len(cases), f"rank {rank}: {len(results)} results for {len(cases)} cases"
+        for case, r in zip(cases, results):
+            assert set(r["error"]) == {"O", "dQ", "dK", "dV"}, f"rank {rank}: {sorted(r['error'])}"
+            for name, err in r["error"].items():
+                floor = 1e-3 if case["dtype"] == "float16" else 8e-3
+                bound = 2 * r["baseline"][name] + floor
+                assert err <= bound, (
+                    f"2 GPUs, rank {rank}, {_name(case)}: {name} max error {err:.3g} above 2 x plain PyTorch "
+                    f"({r['baseline'][name]:.3g}) + {floor}"
+                )
 
 
 def test_overlap_summary_of_a_small_trace():
