@@ -63,8 +63,8 @@ def max_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
 
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     """||actual - expected|| / ||expected|| over the whole tensor, in float64: the measure for a gradient
-    whose entries are mostly small next to an absolute tolerance (0 when both are zero)."""
-    a, e = actual.detach().double(), expected.detach().double()
+    whose entries are mostly small next to an absolute tolerance (0 when both are zero). Either device."""
+    a, e = actual.detach().double().cpu(), expected.detach().double().cpu()
     return ((a - e).norm() / e.norm().clamp_min(1e-30)).item()
 
 
