@@ -23,9 +23,11 @@ wrapped here and in `course_lib.perf.timing`, so notebooks and kernels never bra
 
 from __future__ import annotations
 
+import atexit
 import functools
 import os
 import sys
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -185,6 +187,33 @@ BF16_ROUNDS_TO_NEAREST = _round_bf16_casts_to_nearest() if INTERPRET and triton 
 
 # Helpers re-created when triton was imported before course_lib on a machine that interprets (0 otherwise).
 TRITON_HELPERS_REINTERPRETED = _interpret_triton_helpers() if INTERPRET and triton is not None else 0
+
+
+def _prepare_triton_driver() -> threading.Thread | None:
+    """On a GPU, get Triton's CUDA driver ready in a background thread, started at import; return it.
+
+    A process's first compiled kernel needs Triton's driver, and the driver's C utilities are built with
+    the system's C compiler the first time a Triton cache sees them (0.3-0.4 s on an H200 host; a few
+    milliseconds once cached). Built here, that overlaps whatever the program does between
+    `import course_lib` and its first kernel, instead of adding to the first kernel's wait (measured in
+    notes/performance.md, "the first call"). Nothing here touches the GPU itself. The process waits for
+    the thread at exit, so a script that imports and ends never stops it midway."""
+    if INTERPRET or triton is None:
+        return None
+
+    def build():
+        try:
+            triton.runtime.driver.active  # noqa: B018 (the property builds the driver)
+        except Exception:  # the first kernel launch builds it again and reports the error there
+            pass
+
+    thread = threading.Thread(target=build, name="prepare Triton's driver", daemon=True)
+    thread.start()
+    atexit.register(thread.join)
+    return thread
+
+
+TRITON_DRIVER_THREAD = _prepare_triton_driver()
 
 
 def require_triton() -> None:

@@ -5,6 +5,9 @@ is compiled from scratch, as on a new machine. Times the first forward and the f
 shape, then the first forward+backward of a second shape in the same process (new shape class, kernels
 already compiled for the first), and SDPA's first call for comparison.
 
+`import course_lib` (after torch) is timed too: on a GPU it starts building Triton's driver in a
+background thread (`course_lib.runtime`), which a first call made at once would wait for.
+
 PyTorch's own one-time costs are measured apart, before the timed calls, and reported as
 `pytorch_first_backward_s`: the first autograd backward of a process imports sympy (through
 torch.fx.experimental.symbolic_shapes), which takes seconds where the installed packages have no bytecode
@@ -25,8 +28,10 @@ import tempfile
 CHILD = r"""
 import json, sys, time
 import torch
+t0 = time.perf_counter()
 import course_lib
 from course_lib import flash_attention
+import_s = time.perf_counter() - t0
 provider = sys.argv[1]
 t0 = time.perf_counter()
 x = torch.ones(2, requires_grad=True)
@@ -45,8 +50,9 @@ def one(shape, causal):
 
 fwd, bwd = one((4, 16, 4096, 128), True)
 fwd2, bwd2 = one((2, 16, 2048, 64), False)
-print(json.dumps({"provider": provider, "pytorch_first_backward_s": first_backward, "first_fwd_s": fwd,
-                  "first_bwd_s": bwd, "first_fwd_bwd_s": fwd + bwd, "second_shape_fwd_bwd_s": fwd2 + bwd2}))
+print(json.dumps({"provider": provider, "import_course_lib_s": import_s, "pytorch_first_backward_s": first_backward,
+                  "first_fwd_s": fwd, "first_bwd_s": bwd, "first_fwd_bwd_s": fwd + bwd,
+                  "second_shape_fwd_bwd_s": fwd2 + bwd2}))
 """
 
 

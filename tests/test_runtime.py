@@ -289,3 +289,42 @@ def test_pure_pytorch_parts_import_without_triton():
         "    print('refused:', 'Linux wheels only' in str(exc))\n"
     )
     assert python_prints(code, "no Triton", COURSE_DEVICE="cpu") == ["refused:", "True"]
+
+
+def test_triton_driver_prepared_at_import_on_a_gpu_only():
+    """On a GPU, importing course_lib starts building Triton's driver in a background thread (so the
+    first kernel does not wait for its C utilities); under the interpreter nothing is started."""
+    thread = runtime.TRITON_DRIVER_THREAD
+    if runtime.INTERPRET or runtime.triton is None:
+        assert thread is None
+        return
+    thread.join(timeout=120)
+    assert not thread.is_alive(), "the driver's build did not finish in 120 s"
+    assert runtime.triton.runtime.driver.active.get_current_target().backend == "cuda"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not course_lib.ON_GPU, reason="needs a CUDA GPU")
+def test_compiled_ahead_kernel_is_loaded_in_the_background(tmp_path, monkeypatch):
+    """A kernel compiled ahead (`launch.compile_kernel_ahead`) comes back with its launcher built and
+    its binary loaded on the GPU (`launch.load_compiled`), so its first launch does neither, and that
+    launch computes the right result."""
+    from course_lib.attention import launch
+    from course_lib.runtime import tl, triton
+
+    @triton.jit
+    def add_one(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(y_ptr + offs, tl.load(x_ptr + offs, mask=offs < n) + 1.0, mask=offs < n)
+
+    loaded = []
+    real = launch.load_compiled
+    monkeypatch.setattr(launch, "load_compiled", lambda compiled: (real(compiled), loaded.append(compiled)))
+    x = torch.randn(1000, device="cuda")
+    y = torch.empty_like(x)
+    name = ("test load ahead", tmp_path.name)
+    launch.compile_kernel_ahead(name, add_one, (4,), (x, y, x.numel()), {"BLOCK": 256})
+    launch.wait_compiled(name)
+    assert len(loaded) == 1 and loaded[0].module is not None, "the compiled kernel was not loaded ahead"
+    add_one[(4,)](x, y, x.numel(), BLOCK=256)
+    assert torch.equal(y, x + 1.0)

@@ -286,7 +286,7 @@ def _launch(q4, k4, v4, do4, l3, delta, dk4, dv4, offset: int, causal: bool, sca
     grid = (triton.cdiv(n_k, KEY_ROWS * NUM_CONSUMERS) * B * slices,)
     kernel = dkdv_ws_kernel.warmup if warmup else dkdv_ws_kernel[grid]
     extra = {"grid": grid} if warmup else {}
-    kernel(
+    return kernel(
         descriptor(q4, QUERY_ROWS), descriptor(do4, QUERY_ROWS),
         descriptor(k4, KEY_ROWS), descriptor(v4, KEY_ROWS),
         l3, delta, dk4, dv4, scale * LOG2E, scale,

@@ -216,7 +216,9 @@ def compile_kernel_ahead(name, kernel, grid: tuple, args: tuple, meta: dict) -> 
 
 def compile_in_background(name, work) -> None:
     """Run `work()` (a compilation) in a daemon thread, on the current GPU, registered under `name`,
-    once per name and process: `wait_compiled(name)` joins it before the launch that needs it. An error
+    once per name and process: `wait_compiled(name)` joins it before the launch that needs it. What
+    `work` returns (Triton's compiled kernel, from `warmup`) is also loaded there (`load_compiled`), so the
+    first launch finds its launcher built and its binary on the GPU. An error
     is swallowed: the launch compiles again and reports it where it belongs. At exit the process waits
     for every compilation still running: a thread stopped inside the compiler at interpreter shutdown
     aborts the process ("exception not rethrown"), as a script that runs one forward and ends would
@@ -229,13 +231,22 @@ def compile_in_background(name, work) -> None:
     def run():
         try:
             with torch.cuda.device(device) if device is not None else contextlib.nullcontext():
-                work()
+                load_compiled(work())
         except Exception:
             pass
 
     thread = threading.Thread(target=run, name=f"compile {name}", daemon=True)
     thread.start()
     _COMPILING[name] = thread
+
+
+def load_compiled(compiled) -> None:
+    """Do what Triton otherwise does at a compiled kernel's first launch: build its launcher (a C
+    extension compiled with the system's C compiler, a few tenths of a second on an empty cache) and load
+    its binary onto the current GPU. A no-op for anything else, or a Triton without this step."""
+    init = getattr(compiled, "_init_handles", None)
+    if callable(init):
+        init()
 
 
 def wait_compiled(name) -> None:
