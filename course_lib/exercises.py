@@ -175,6 +175,33 @@ def _compare(actual, expected, rtol, atol, parts: list[str], path: tuple[int, ..
     )
 
 
+GUARD_FILL = -7.0
+
+
+def guarded_empty(shape, dtype, device, guard: int = 256):
+    """An output tensor for a learner's kernel, followed in memory by `guard` elements it must not touch.
+
+    Returns `(out, check_guard)`: `out` (contiguous, `shape`) is the start of a longer buffer filled with
+    GUARD_FILL; `check_guard(name)` raises ExerciseWrong when the elements past `out` changed, i.e. the
+    kernel stored past the end (a store without its mask, or a wrong one). Without the guard such a store
+    overwrites memory that belongs to something else and, under the interpreter, can crash the process
+    later, far from its cause. Used by the kernel exercises of notebooks 05-07."""
+    numel = math.prod(shape)
+    buffer = torch.full((numel + guard,), GUARD_FILL, dtype=dtype, device=device)
+
+    def check_guard(name: str) -> None:
+        tail = buffer[numel:]
+        touched = int((tail != GUARD_FILL).sum())
+        if touched:
+            raise ExerciseWrong(
+                f"Exercise '{name}': the kernel stored past the end of its output ({touched} of the {guard} "
+                "elements just after it changed). Mask every store that can fall outside the tensor, e.g. "
+                "`mask=offs < n` (notebook 05, section 3: what goes wrong without a mask)."
+            )
+
+    return buffer[:numel].view(shape), check_guard
+
+
 @dataclass
 class Prediction:
     """A learner's guess of a quantity, written down before it is measured (see `predict`)."""

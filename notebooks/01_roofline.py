@@ -243,11 +243,12 @@ print_table(rows)
 assert all(r["H200 verdict"] == "memory-bound" for r in rows if not r["operation"].startswith("matmul"))
 
 # %% [markdown]
-# Every element-wise operation and every reduction does a handful of FLOPs per element but moves 2 to 4
-# bytes per element (bf16: read 2, and write 2 unless it reduces the row away): an intensity around 1, one
-# to two orders of magnitude below even the non-matmul balance, and far below the matmul one. They are
-# memory-bound on every GPU in the table; their time is bytes / bandwidth. A matmul's intensity grows
-# with its size, 2n / (3 × bytes per element), so large matmuls are compute-bound:
+# Every element-wise operation and every reduction does a handful of FLOPs per element but moves 2 to 5
+# bytes per element (bf16: read 2, and write 2 unless it reduces the row away; dropout and masking also
+# move a 1-byte mask): an intensity of 0.2 to 2 FLOP/B, roughly 7x to 70x below even the non-matmul
+# balance, and far below the matmul one. They are memory-bound on every GPU in the table; their time is
+# bytes / bandwidth. A matmul's intensity grows with its size, 2n / (3 × bytes per element), so large
+# matmuls are compute-bound:
 
 # %%
 ns = [2**i for i in range(5, 15)]

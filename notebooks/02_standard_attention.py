@@ -500,10 +500,12 @@ per_element = saved_rows[-1]["bytes per B*H*N²"]
 assert all(abs(r["bytes per B*H*N²"] - per_element) < 0.1 for r in saved_rows), "N x N bytes grow as N²"
 
 # %% [markdown]
-# The softmax output P, the dropped-out P and dropout's keep-mask are saved, plus the boolean causal mask
-# (shared by the heads). On a GPU the keep-mask is 1 byte per element: (2b + 1) bytes per element per head.
-# (On a CPU, dropout is not one fused kernel and keeps its mask as a float tensor: 3b bytes.)
-# At a GPU shape this is large:
+# The softmax output P, the dropped-out P and dropout's keep-mask are saved, plus the boolean (N, N) causal
+# mask, one copy shared by every head. On a GPU the keep-mask is 1 byte per element, so the last column is
+# (2b + 1) + 1/(B·H): 2b + 1 bytes per element for each head, and 1/(B·H) for the shared causal mask
+# (5.0625 in bf16 with B·H = 16). On a CPU, dropout is not one fused kernel and keeps its mask as a float
+# tensor: 3b + 1/(B·H) (12.5 in fp32 with B·H = 2). At a GPU shape this is large (the estimate below counts
+# the 2b + 1 bytes per head and leaves out the causal mask's N² bytes, under 2% of the total):
 
 # %%
 per_layer = (2 * GPU_ELEM + 1) * GPU_BH * 8192**2

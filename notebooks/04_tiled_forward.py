@@ -440,8 +440,11 @@ print("FA1 order, FA2 order and course_lib.flash_forward all match the float64 r
 #
 # The same small causal problem (N = 128, d = 16, tiles of 32 × 32) run in both orders by
 # `course_lib.attention.animate`, which records m, l and the estimate $\tilde O / l$ of every query row after
-# each tile. The strip shows four steps: FA-1 (K/V outer) touches every row block at every step and finishes
-# all rows together at the end; FA-2 (Q outer) finishes one row block at a time, so a program can write its
+# each tile. The strip shows steps 1, 4, 7 and 10 of the ten. FA-1 (K/V outer) sweeps every remaining row
+# block for each K/V block, re-reading and re-writing their O, l and m in HBM each time; with the causal
+# mask, row block i is final only when the sweep of K/V block i reaches it (its diagonal tile is the last
+# one its rows see), so after 7 steps only 64 rows are final. FA-2 (Q outer) finishes each row block in one
+# pass over its K/V blocks, with its state on chip (96 rows final after 7 steps), so a program can write its
 # rows and leave. Tiles above the diagonal are never visited, in either order. In JupyterLab, the slider
 # under the strip shows every step with m and l as well.
 
@@ -574,18 +577,6 @@ for split in (tile_split_k, tile_split_q):
 # Your prediction: standard attention's HBM bytes / FA2's (blocks 128 x 64), d = 64, N = 16384.
 traffic_guess = predict("standard / FA2 HBM bytes (128 x 64 blocks)", 10, unit="x")
 
-# %% [markdown]
-# Real FA2 kernels choose 128 × 64 blocks: registers, not SRAM, bound them (notebook 06). Then
-# $2N^2 d / B_r = N^2$ elements at d = 64, against standard attention's $4N^2$: **about 4x fewer bytes**,
-# and that ratio does not improve with a larger SRAM. FA1's paper blocks (64 × 456 here) reach about 9x.
-# The measured speed-ups of notebooks 06 and 08 are larger than this 4x, for two reasons the count
-# leaves out. Standard attention pays for S and P in more than bytes: each of its steps is a separate
-# kernel that must finish writing its N × N matrix before the next one reads it, so that traffic never
-# overlaps with the matmuls, while the fused kernel never writes S and P at all and overlaps its loads
-# with compute. And many of FA2's $K_j, V_j$ re-reads are served by the GPU's L2 cache (60 MiB on an
-# H200) rather than HBM, because programs that work on the same head tend to run at about the same
-# time: the count charges every re-read to HBM, so it overstates FA2's bytes.
-
 # %%
 D_IO, M_IO, BYTES = 64, 228 * 1024 // 2, 2
 N_IO = [2**p for p in range(10, 17)]
@@ -645,6 +636,18 @@ fig.suptitle(
 plt.show()
 at_16k = N_IO.index(16384)  # the length the prediction was asked for
 _ = traffic_guess.score(curves["standard"][at_16k] / curves["FA2, blocks 128 x 64"][at_16k])
+
+# %% [markdown]
+# Real FA2 kernels choose 128 × 64 blocks: registers, not SRAM, bound them (notebook 06). Then
+# $2N^2 d / B_r = N^2$ elements at d = 64, against standard attention's $4N^2$: **about 4x fewer bytes**,
+# and that ratio does not improve with a larger SRAM. FA1's paper blocks (64 × 456 here) reach about 9x.
+# The measured speed-ups of notebooks 06 and 08 are larger than this 4x, for two reasons the count
+# leaves out. Standard attention pays for S and P in more than bytes: each of its steps is a separate
+# kernel that must finish writing its N × N matrix before the next one reads it, so that traffic never
+# overlaps with the matmuls, while the fused kernel never writes S and P at all and overlaps its loads
+# with compute. And many of FA2's $K_j, V_j$ re-reads are served by the GPU's L2 cache (60 MiB on an
+# H200) rather than HBM, because programs that work on the same head tend to run at about the same
+# time: the count charges every re-read to HBM, so it overstates FA2's bytes.
 
 # %%
 for n, std, fa1, fa2 in zip(
@@ -839,9 +842,10 @@ check(
 #   stored: about half the element-wise work on O); parallelism over the sequence (the Q loop outside, so
 #   $O_i$ is written once and row blocks are independent programs); and split-Q work partitioning between
 #   a program's warps (no partial outputs exchanged through shared memory, unlike split-K).
-# - HBM traffic drops from Θ(N² + Nd) to Θ(N²d²/M) with blocks that fit in SRAM: about 9x with FA1's
-#   paper blocks and 4x with FA2's 128 × 64 blocks at d = 64. The rest of the measured win comes from
-#   never writing S and P (and their kernels) and from K/V re-reads that hit in L2.
+# - HBM traffic drops from Θ(N² + Nd) to Θ(N²d²/M) for FA1's SRAM-sized paper blocks (about 9x at d = 64);
+#   FA2 with fixed 128 × 64 blocks moves $2N^2 d / B_r$ (about 4x at d = 64), a ratio a larger SRAM does not
+#   improve. The rest of the measured win comes from never writing S and P (and their kernels) and from K/V
+#   re-reads that hit in L2.
 # - Causal masking skips the tiles above the diagonal, masks only the diagonal ones: about half the work.
 # - Notebook 04b builds the backward pass the same way; `course_lib.FlashAttentionTorch` is the finished,
 #   differentiable piece, and notebook 06 writes this forward as one Triton kernel.

@@ -51,7 +51,7 @@ import course_lib
 from course_lib import records
 from course_lib.attention import forward as lib_forward
 from course_lib.attention.reference import attention, causal_mask
-from course_lib.exercises import check, predict
+from course_lib.exercises import check, guarded_empty, predict
 from course_lib.perf.plotting import bar_chart, plot_series
 from course_lib.perf.timing import attention_flops, benchmark
 from course_lib.runtime import tl, triton
@@ -957,10 +957,16 @@ def window_truth(n, block_m, block_n, W):
     return kinds
 
 
+# Windows of several widths: 17 and 47 put a window's edge on a block's edge, where an off-by-one shows.
 check(
     "window_block_kind",
-    lambda: [window_block_kind(m0, n0, 32, 16, 70) for m0 in range(0, 256, 32) for n0 in range(0, 256, 16)],
-    window_truth(256, 32, 16, 70),
+    lambda: [
+        window_block_kind(m0, n0, 32, 16, W)
+        for W in (17, 47, 70)
+        for m0 in range(0, 256, 32)
+        for n0 in range(0, 256, 16)
+    ],
+    [kind for W in (17, 47, 70) for kind in window_truth(256, 32, 16, W)],
 )
 
 # %% [markdown]
@@ -1007,11 +1013,12 @@ def lse_kernel(
 
 def logsumexp_only(q, k, block_m=BLOCK_M, block_n=BLOCK_N):
     Z, n_q, d = q.shape
-    lse = torch.empty(Z, n_q, device=q.device, dtype=torch.float32)
+    lse, check_guard = guarded_empty((Z, n_q), torch.float32, q.device)  # a store past the end is caught
     lse_kernel[(triton.cdiv(n_q, block_m), Z)](
         q, k, lse, d**-0.5 * math.log2(math.e), q.stride(0), q.stride(1), k.stride(0), k.stride(1), n_q,
         k.shape[1], HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n,
     )  # fmt: skip
+    check_guard("lse_kernel")
     return lse
 
 

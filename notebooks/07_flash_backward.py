@@ -53,7 +53,7 @@ from course_lib import records
 from course_lib.attention import backward as lib_backward
 from course_lib.attention import forward as lib_forward
 from course_lib.attention.reference import attention
-from course_lib.exercises import check, predict
+from course_lib.exercises import check, guarded_empty, predict
 from course_lib.perf.plotting import plot_series
 from course_lib.perf.timing import attention_flops, benchmark
 from course_lib.runtime import tl, triton
@@ -943,10 +943,11 @@ def dv_kernel(
 def dv_only(do, q, k, L, block_m=BLOCK_M, block_n=BLOCK_N):
     Z, n_q, d = q.shape
     n_k = k.shape[1]
-    dv = torch.empty(Z, n_k, d, device=q.device, dtype=torch.float32)
+    dv, check_guard = guarded_empty((Z, n_k, d), torch.float32, q.device)  # a store past the end is caught
     dv_kernel[(triton.cdiv(n_k, block_n), Z)](
         q, k, do, L, dv, d**-0.5 * LOG2E, n_q, n_k, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n
     )
+    check_guard("dv_kernel")
     return dv
 
 

@@ -322,7 +322,7 @@ def visible_keys(n_q, n_k, alignment):
 
 
 # %% tags=["check"]
-_cases = [(4, 10, "top_left"), (4, 10, "bottom_right"), (10, 4, "bottom_right")]
+_cases = [(4, 10, "top_left"), (4, 10, "bottom_right"), (10, 4, "bottom_right"), (10, 4, "top_left")]
 check(
     "visible keys per query row",
     lambda: [visible_keys(*case) for case in _cases],

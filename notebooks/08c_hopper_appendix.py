@@ -190,6 +190,16 @@ check(
         "pingpong_speedup = 2 * (m + s) / max(2 * m, m + s)",
     ],
 )
+check(
+    "ping-pong speed-up, softmax longer than the products",
+    lambda: pingpong_speedup(1, 2),
+    2.0,
+    hints=[
+        "With s > m the tensor cores are no longer the bottleneck: in a pair of steps each consumer's own "
+        "M + S is longer than the tensor cores' 2 M.",
+        "pingpong_speedup = 2 * (m + s) / max(2 * m, m + s)",
+    ],
+)
 
 # %% [markdown]
 # At d = 128 the ceiling is 1.5x over a kernel that overlaps nothing. The prediction written next to the

@@ -337,11 +337,12 @@ for batch, n_ctx in ((1, 1024), (1, 32768), (8, 8192), (16, 32768), (64, 4096)):
 assert choose_num_splits(64 * 8, 64, 132) == 1
 
 # %% [markdown]
-# The rule stops at the *first* count within 85 % of the best. At batch 1 that is 15 splits: 120
+# The rule stops at the *first* count within 85 % of the best. At batch 1 with 32k tokens that is 15 splits: 120
 # programs, one per SM, and 12 SMs idle. When the rule's grid fits in one wave anyway, course_lib takes
 # one more step, `heuristics.fill_wave`: as many splits as still fit in that wave, each a little shorter,
-# so the wave ends sooner (and never a count whose last splits would get no keys: 33 splits of 1024
-# blocks leave the 33rd empty, so 32). Measured on an H200, the filled count was as fast or faster in
+# so the wave ends sooner (and never a count whose last splits would get no keys: a grid with room for 33
+# splits of 1024 blocks would give each ⌈1024 / 33⌉ = 32, and 32 splits would hold them all, leaving the
+# 33rd empty; it takes 32). Measured on an H200, the filled count was as fast or faster in
 # every cell where it differs from the rule's (the figures are in the docstring of
 # `course_lib/decode/heuristics.py`); the recorded curve below marks both counts.
 #
@@ -451,7 +452,7 @@ if ragged_cell:
 
 # %%
 # Your prediction: µs per decoding step (batch 1, 32k tokens, 32/8 heads, d = 128, bf16), best split count.
-decode_guess = predict("decode step, 32k tokens, one layer", 40.0, unit=" µs")
+decode_guess = predict("decode step, 32k tokens, one layer", 30.0, unit=" µs")
 
 # %%
 if course_lib.ON_GPU:
@@ -508,7 +509,7 @@ if curve:
 # fraction of the ceiling does a read of 268 MB reach (the KV cache of batch 8 at 8k tokens)?
 
 # %%
-size_guess = predict("fraction of the read ceiling a 268 MB read reaches", 0.9, "")
+size_guess = predict("fraction of the read ceiling a 268 MB read reaches", 1.0, "")
 if course_lib.ON_GPU:
     from course_lib import perf
 
@@ -632,7 +633,8 @@ check("bytes per decoding step", lambda: step_bytes_and_ms(80, 8, 128, 16, 8192,
 # **Exercise 3 (the split choice).** Write `my_num_splits(programs, n_key_blocks, num_sms)` following the rule
 # in section 5 (1 when programs ≥ 0.8 × SMs or n_key_blocks ≤ 4; otherwise the fewest splits up to
 # min(128, SMs, blocks) whose wave efficiency is ≥ 0.85 × the best, skipping a count whose blocks per split
-# equal the previous count's).
+# equal the previous count's; "the best" is over every count from 1 to that limit, the skipped ones
+# included, as in course_lib's `choose_num_splits`).
 
 
 # %%

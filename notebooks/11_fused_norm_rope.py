@@ -163,14 +163,17 @@ torch.testing.assert_close(y_simple, llama_rms_norm(x, w), rtol=2e-2, atol=2e-2)
 # `course_lib.fused.rms_norm` is this kernel plus what a library needs: any leading dims and strides, a
 # weight of another dtype (the output takes the promoted dtype, as in PyTorch), float64 for `gradcheck`,
 # launch sizes measured per row length (several short rows per program, warps: `course_lib.fused.launch`),
-# clear errors, and the autograd Function that calls the backward. Rows of 8192 elements and more take a
-# second kernel, `rms_norm_fwd_chunked_kernel`: one row per program, read in pieces, twice. The first pass
-# sums the squares; the second reads the row back, from the L2 cache, and writes y. HBM still sees one read
-# and one write, and a program needs far fewer registers than one that holds a whole long row, so more
-# programs share an SM and more loads are in flight. When x is much larger than the L2, the first pass asks
-# the L2 to keep the row (`eviction_policy="evict_last"`, chosen by `launch.keep_hint`); on inputs that
-# nearly fit in the L2 the hint measured slower, so it is left out there. (`torch.compile` generates the
-# same two-pass loop for such rows; `TORCH_LOGS=output_code` prints the Triton code it writes.) Its row
+# clear errors, and the autograd Function that calls the backward (without a gradient to compute, under
+# `torch.no_grad()` for instance, it skips the Function and does not store rstd). Rows longer than 4096
+# elements (5120 or 8192, say: launches are looked up by the row padded to a power of two) take a second
+# kernel, `rms_norm_fwd_chunked_kernel`: one row per program, read twice, in pieces (up to 8192 rows, one
+# piece). The first pass sums the squares; the second reads the row back, from the L1 or L2 cache, and
+# writes y. HBM still sees one read and one write, and nothing of the row has to stay in registers between
+# the passes, so more programs share an SM and more loads are in flight. When x is much larger than the L2,
+# the first pass asks the L2 to keep the row (`eviction_policy="evict_last"`, chosen by
+# `launch.keep_hint`); on inputs that nearly fit in the L2 the hint measured slower, so it is left out
+# there. (`torch.compile` generates the same two-pass loop for such rows, its piece the whole 8192-element
+# row on an H200; `TORCH_LOGS=output_code` prints the Triton code it writes.) Its row
 # length is a compile-time constant (`N_COLS: tl.constexpr`), again as torch.compile does: one compilation
 # per hidden size buys loops of a known length and, when the piece divides the row, loads and stores
 # without masks (notes/fused.md has the measurements behind these choices).
@@ -187,7 +190,7 @@ torch.testing.assert_close(y_simple, llama_rms_norm(x, w), rtol=2e-2, atol=2e-2)
 # over rows p, p + P, p + 2P, … and adding up its rows' dy ⊙ x̂ in registers. Each iteration first asks
 # for the *next* row's x and dy, then computes and stores this row's dx: software pipelining by hand, so
 # the loads of one row are in flight while the arithmetic and the store of the previous one run (without
-# it, each program waits for its loads at the top of every iteration). For rows of 8192 elements and more
+# it, each program waits for its loads at the top of every iteration). For rows longer than 4096 elements
 # the loads of x and dy are marked `evict_first` and dx is stored with the streaming hint (`.cs`): each of
 # those bytes is touched once, so the L2 cache need not keep it. On an H200 that took a few percent off
 # those rows, and cost shorter rows as much (the launch table, `course_lib.fused.launch.RMS_BACKWARD`,
@@ -222,7 +225,8 @@ for mode in ("atomics", "partials", "locked"):
 # %% [markdown]
 # Determinism is a property of the schedule, so it only shows on a GPU: under the interpreter programs run
 # one after another in a fixed order and all three modes repeat themselves exactly. Here is the check; on a
-# GPU, expect "partials" to repeat bit for bit and the other two usually not (it depends on timing).
+# GPU, "partials" repeats bit for bit by construction, and the other two may or may not: the order of their
+# additions depends on which programs finish first, and two runs can happen to agree.
 
 # %%
 for mode in ("atomics", "partials", "locked"):
@@ -232,8 +236,11 @@ assert torch.equal(torch.autograd.grad(rms_norm(xg, wg), (xg, wg), dy)[1], dw_by
 
 # %% [markdown]
 # What they cost on an H200, from the benchmark's record (the backward's bytes over its time, as a share of
-# the copy ceiling). Each program adds its partial only once, after its loop, so the reduction is a small
-# part of the time in every mode: the deciding difference is determinism.
+# the copy ceiling), and what two runs showed. Everything but the dW reduction is the same in the three
+# modes, so the differences between rows of one shape are the reduction's cost: compare them shape by
+# shape, short rows (a backward of tens of microseconds, where waiting on atomics or locks is a large share)
+# against long ones. The "deterministic" column is one observation of two runs, not a guarantee, except
+# for "partials".
 
 # %%
 rec = records.load_record("fused")

@@ -65,3 +65,40 @@ def test_predict_scores_within_a_factor(capsys):
         exercises.score("other", 1.0)
     with pytest.raises(TypeError, match="expected a number, got str"):
         exercises.predict("text", "fast")
+
+
+def _add_one_kernel(masked: bool):
+    from course_lib.runtime import tl, triton
+
+    @triton.jit
+    def add_one(x_ptr, out_ptr, n, BLOCK: tl.constexpr, MASKED: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        if MASKED:
+            tl.store(out_ptr + offs, tl.load(x_ptr + offs, mask=offs < n) + 1.0, mask=offs < n)
+        else:
+            tl.store(out_ptr + offs, tl.load(x_ptr + offs) + 1.0)
+
+    return lambda x, out, n: add_one[(triton.cdiv(n, 32),)](x, out, n, BLOCK=32, MASKED=masked)
+
+
+@pytest.mark.parametrize("masked", [True, False])
+def test_guarded_empty_catches_a_store_past_the_end(masked):
+    """A learner's kernel that stores past its output's end (no mask) is named by the guard, not left to
+    overwrite memory; a masked one passes and leaves the guard as it was. x is the start of a longer buffer,
+    so the unmasked loads stay in memory the test owns."""
+    from course_lib import runtime
+
+    x = torch.randn(128, device=runtime.DEVICE)
+    out, check_guard = exercises.guarded_empty(
+        (3, 30), torch.float32, runtime.DEVICE
+    )  # 90: not a multiple of 32
+    _add_one_kernel(masked)(x, out, 90)
+    assert out.shape == (3, 30) and out.is_contiguous()
+    assert torch.equal(out.flatten(), x[:90] + 1.0)
+    if masked:
+        check_guard("add one")
+    else:
+        with pytest.raises(
+            exercises.ExerciseWrong, match=r"'add one': the kernel stored past the end .*6 of the 256"
+        ):
+            check_guard("add one")

@@ -239,6 +239,29 @@ def test_rms_norm_forward_chunked(shape, chunk):
             assert torch.allclose(y, y_rows, rtol=1e-5, atol=1e-6), what
 
 
+@pytest.mark.parametrize("chunk", [0, 4096], ids=["rows kernel", "chunked kernel"])
+def test_rms_norm_without_gradient_skips_rstd(chunk):
+    """Under no_grad, or with inputs that need no gradient, rms_norm runs the forward alone without
+    storing rstd (store_rstd=False returns None for it) and gives the same y, bit for bit, as the
+    differentiable path; the differentiable path still stores rstd and its backward is unchanged."""
+    from course_lib.fused.rms_norm import rms_norm_forward
+
+    x, w = _randn(3, 5, 4544, dtype=torch.bfloat16), _randn(4544, seed=1, dtype=torch.bfloat16)
+    y_store, rstd = rms_norm_forward(x, w, 1e-6, warps=4, chunk=chunk)
+    y_skip, none = rms_norm_forward(x, w, 1e-6, warps=4, chunk=chunk, store_rstd=False)
+    assert none is None and rstd.shape == (15,)
+    assert torch.equal(y_skip, y_store)
+    with torch.no_grad():
+        y_nograd = rms_norm(x.requires_grad_(), w)
+    assert not y_nograd.requires_grad and torch.equal(y_nograd, rms_norm(x.detach(), w))
+    y_grad = rms_norm(x, w)
+    assert y_grad.requires_grad and torch.equal(y_grad.detach(), y_nograd)
+    x64 = x.detach().double().cpu().requires_grad_()
+    rms_norm_reference(x64, w.double().cpu()).backward(torch.ones_like(x64))
+    (dx,) = torch.autograd.grad(y_grad, x, torch.ones_like(y_grad))
+    _close(dx, x64.grad, torch.bfloat16, "rms_norm dx after a no-grad call", scale=2)
+
+
 @pytest.mark.parametrize("dw_sum", ["triton", "torch"])
 @pytest.mark.parametrize("dw_mode", DW_MODES)
 @pytest.mark.parametrize("rows, programs", [(1, 1), (2, 3), (4, 2), (8, 1), (2, 8)], ids=str)

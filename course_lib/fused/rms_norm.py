@@ -69,13 +69,14 @@ LOCKED_BUFFERS = 16  # G, the number of lock-guarded dW buffers of the "locked" 
 @triton.jit
 def rms_norm_fwd_kernel(
     x_ptr, w_ptr, y_ptr, rstd_ptr, n_rows, n_cols, stride_x, stride_y, eps,
-    BLOCK_D: tl.constexpr, ROWS: tl.constexpr,
+    BLOCK_D: tl.constexpr, ROWS: tl.constexpr, STORE_RSTD: tl.constexpr,
 ):  # fmt: skip
     """y[row] = w * cast(x[row] * rstd), rstd[row] = 1 / sqrt(mean(x[row]**2) + eps), for the ROWS rows
     pid * ROWS, ... of this program.
 
     The (ROWS, BLOCK_D) tile (BLOCK_D >= n_cols, padding and rows past the end masked) lives in registers;
-    statistics in rstd's dtype (float32, or float64 for float64 inputs)."""
+    statistics in rstd's dtype (float32, or float64 for float64 inputs). rstd is stored only when
+    STORE_RSTD (a backward will need it)."""
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_D)
     row_mask = rows < n_rows
@@ -90,13 +91,14 @@ def rms_norm_fwd_kernel(
     y = w[None, :] * x_hat.to(acc_ty)
     y_ptrs = y_ptr + rows[:, None] * stride_y + cols[None, :]
     tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=mask)  # registers -> HBM
-    tl.store(rstd_ptr + rows, rstd, mask=row_mask)  # 4 bytes per row, for the backward
+    if STORE_RSTD:
+        tl.store(rstd_ptr + rows, rstd, mask=row_mask)  # 4 bytes per row, for the backward
 
 
 @triton.jit
 def rms_norm_fwd_chunked_kernel(
     x_ptr, w_ptr, y_ptr, rstd_ptr, stride_x, stride_y, eps, N_COLS: tl.constexpr, CHUNK: tl.constexpr,
-    KEEP: tl.constexpr,
+    KEEP: tl.constexpr, STORE_RSTD: tl.constexpr,
 ):  # fmt: skip
     """The same result for one row per program, read in CHUNK-element pieces: for rows too long to keep
     in registers without starving the SM of programs. A first pass sums the squares (loads marked KEEP,
@@ -137,7 +139,8 @@ def rms_norm_fwd_chunked_kernel(
             tl.store(y_row + cols, y)
         else:
             tl.store(y_row + cols, y, mask=mask)
-    tl.store(rstd_ptr + row, rstd)
+    if STORE_RSTD:
+        tl.store(rstd_ptr + row, rstd)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -283,7 +286,8 @@ def rms_norm_forward(
     rows: int | None = None,
     warps: int | None = None,
     chunk: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    store_rstd: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The forward kernel alone, on x (..., D) float16/bfloat16/float32 (float64 under the interpreter)
     and weight (D,): returns (y (..., D) in promote(x, w) dtype, rstd (rows,) float32, float64 for
     float64 inputs), rows = the product of x's leading dims.
@@ -291,12 +295,14 @@ def rms_norm_forward(
     `rows` (rows per program, a power of two), `warps` and `chunk` default to `launch.rms_forward`; pass
     them to try other launch settings. chunk = 0: `rms_norm_fwd_kernel` (whole rows in registers);
     chunk > 0 (a power of two): `rms_norm_fwd_chunked_kernel`, one row per program in pieces of that
-    many elements (`rows` does not apply)."""
+    many elements (`rows` does not apply). store_rstd=False (no backward will follow): rstd is not
+    written and None is returned in its place; torch.compile's inference graph of the eager code writes
+    none either."""
     x2 = _rows(x)
     n_rows, n_cols = x2.shape
     out_dtype = torch.promote_types(x.dtype, weight.dtype)
     y = torch.empty((n_rows, n_cols), device=x.device, dtype=out_dtype)
-    rstd = torch.empty(n_rows, device=x.device, dtype=accumulator_dtype(x.dtype))
+    rstd = torch.empty(n_rows if store_rstd else 1, device=x.device, dtype=accumulator_dtype(x.dtype))
     if n_rows:
         block = triton.next_power_of_2(n_cols)
         setting = launch.rms_forward(block)
@@ -305,15 +311,15 @@ def rms_norm_forward(
             rms_norm_fwd_chunked_kernel[(n_rows,)](
                 x2, weight, y, rstd, x2.stride(0), y.stride(0), eps,
                 N_COLS=n_cols, CHUNK=_power_of_two("chunk", chunk), KEEP=launch.keep_hint(x2.nbytes, x.device),
-                num_warps=warps or setting.warps,
+                STORE_RSTD=store_rstd, num_warps=warps or setting.warps,
             )  # fmt: skip
         else:
             rows = _power_of_two("rows", rows or setting.rows)
             rms_norm_fwd_kernel[(triton.cdiv(n_rows, rows),)](
                 x2, weight, y, rstd, n_rows, n_cols, x2.stride(0), y.stride(0), eps,
-                BLOCK_D=block, ROWS=rows, num_warps=warps or setting.warps,
+                BLOCK_D=block, ROWS=rows, STORE_RSTD=store_rstd, num_warps=warps or setting.warps,
             )  # fmt: skip
-    return y.reshape(x.shape), rstd
+    return y.reshape(x.shape), rstd if store_rstd else None
 
 
 def column_sum(
@@ -438,8 +444,11 @@ def rms_norm(
     for gradcheck); x and weight may differ (the output takes the promoted dtype, as in PyTorch).
     Computes exactly what LlamaRMSNorm computes: float32 statistics, cast to x's dtype, then times w.
     `dw_mode` picks the backward's dW reduction: "partials" (default, deterministic), "atomics" or
-    "locked" (see the module docstring). Returns y with x's shape."""
+    "locked" (see the module docstring). Returns y with x's shape. When no gradient can flow (no_grad,
+    or neither x nor weight requires one), the forward runs without autograd and skips storing rstd."""
     _check(x, weight, eps, dw_mode)
+    if not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
+        return rms_norm_forward(x, weight, float(eps), store_rstd=False)[0]
     return RMSNormFunction.apply(x, weight, float(eps), dw_mode)
 
 
