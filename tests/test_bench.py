@@ -162,7 +162,10 @@ def test_main_quick_writes_records(tmp_path, capsys, monkeypatch):
     assert ("compiled", "skipped") in statuses, statuses
     for r in data["results"]:
         if r["status"] == "ok":
-            assert r["ms"] > 0 and r["tflops"] > 0, r
+            flops = timing.attention_flops(
+                r["B"], r["H"], r["N"], r["N"], r["d"], causal=r["causal"], mode=r["mode"]
+            )
+            assert r["ms"] > 0 and r["tflops"] == pytest.approx(flops / (r["ms"] * 1e-3) / 1e12, rel=1e-9), r
             assert r["max_abs_diff_vs_sdpa"] < 1e-5, r  # fp32 on the CPU: about 1e-6
         else:
             assert r["reason"], r

@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -171,6 +172,9 @@ def test_exercise_check_messages():
 
 def test_timing_and_flops():
     assert timing.benchmark(lambda: torch.randn(64, 64) @ torch.randn(64, 64)) > 0
+    if not course_lib.ON_GPU:  # the CPU timer's unit: a 2 ms sleep reads as 2 ms, not 2e-3 or 2000
+        slept = timing.benchmark(lambda: time.sleep(0.002), cpu_reps=3)
+        assert 2.0 <= slept < 50.0, slept
     assert timing.attention_flops(1, 1, 128, 128, 64) == 4 * 128 * 128 * 64
     assert (
         timing.attention_flops(2, 4, 128, 128, 64, causal=True, mode="fwd_bwd")
