@@ -6,6 +6,8 @@ VENV       ?= .venv
 PYTHON     ?= $(if $(wildcard $(VENV)/bin/python),$(VENV)/bin/python,python3)
 ,          := ,
 PINNED     ?= 1
+# the interpreter `make setup` builds the venv from (the pinned packages need Python 3.11 to 3.14)
+PY3        ?= python3
 EXTRAS     := $(if $(filter 1,$(PINNED)),course$(,)pinned,course)
 JOBS       ?= 2
 # test-gpu's pytest workers: compiling kernels is CPU-bound, so all cores but two (at most 14).
@@ -31,15 +33,27 @@ help:
 	@echo "make lint      ruff, and notebooks in sync with their sources and free of outputs"
 	@echo "make notebooks regenerate notebooks/*.ipynb from their sources notebooks/*.py"
 	@echo "make student   write the student edition (solutions removed) to $(STUDENT)/"
+	@echo "make format    ruff format course_lib and tests, then ruff check --fix (notebooks too)"
+	@echo "make clean     remove build/ (the student edition, notebook logs) and .pytest_cache"
 
 setup:
 	@echo "==> make setup: creating the course environment in $(VENV)"
-	@if command -v conda >/dev/null 2>&1 && [ "$(USE_CONDA)" = "1" ]; then \
-		echo "    conda found and USE_CONDA=1: conda env create -p $(VENV) -f environment.yml"; \
+	@if [ "$(USE_CONDA)" = "1" ]; then \
+		if ! command -v conda >/dev/null 2>&1; then \
+			echo "make setup: USE_CONDA=1 but conda is not on PATH (install Miniforge or Miniconda, or run make setup without USE_CONDA)" >&2; \
+			exit 1; \
+		fi; \
+		echo "    USE_CONDA=1: conda env create -p $(VENV) -f environment.yml"; \
 		conda env create -p $(VENV) -f environment.yml --yes; \
 	else \
-		echo "    python3 -m venv $(if $(filter 0,$(PINNED)),--system-site-packages ,)$(VENV), then pip install -e .[$(EXTRAS)]"; \
-		python3 -m venv $(if $(filter 0,$(PINNED)),--system-site-packages,) $(VENV) && \
+		if [ "$(PINNED)" != "0" ] && ! $(PY3) -c 'import sys; sys.exit(not (3, 11) <= sys.version_info[:2] < (3, 15))'; then \
+			echo "make setup: the pinned packages need Python 3.11 to 3.14, and $(PY3) is $$($(PY3) -V 2>&1)." >&2; \
+			echo "  Name another interpreter (make setup PY3=python3.12), let conda bring one (USE_CONDA=1), or install" >&2; \
+			echo "  on version ranges with the torch/triton you have (PINNED=0)." >&2; \
+			exit 1; \
+		fi; \
+		echo "    $(PY3) -m venv $(if $(filter 0,$(PINNED)),--system-site-packages ,)$(VENV), then pip install -e .[$(EXTRAS)]"; \
+		$(PY3) -m venv $(if $(filter 0,$(PINNED)),--system-site-packages,) $(VENV) && \
 		$(VENV)/bin/python -m pip install --quiet --upgrade pip && \
 		$(VENV)/bin/python -m pip install --quiet -e ".[$(EXTRAS)]"; \
 	fi

@@ -1,4 +1,4 @@
-"""Attention, from the float64 reference to the fast kernels (notebooks 02, 04, 06, 07, 08).
+"""Attention, from the float64 reference to the fast kernels (notebooks 02, 04, 04b, 06-08c, 09, 13).
 
 - `reference`: standard attention in float64, the ground truth every kernel is tested against (02).
 - `tiles` and `blocks`: which K/V blocks a query block visits (and the reverse), as pictures and
@@ -6,9 +6,9 @@
 - `tiled`: `FlashAttentionTorch`, tiled FlashAttention forward and backward in plain PyTorch (04).
 - `forward`, `backward`: the Triton FlashAttention-2 kernels with their launch exposed (06, 07).
 - `hopper`: FlashAttention-3's warp-specialised forward in Gluon, which `forward.forward` runs on
-  Hopper GPUs where it is faster (imported on first use there; 08).
+  Hopper GPUs where it is faster (imported on first use there; the appendix 08c).
 - `hopper_backward`: FlashAttention-3's dK/dV kernel in Gluon, which `backward.backward` runs on
-  Hopper GPUs where it is faster (08).
+  Hopper GPUs where it is faster (08c).
 - `api`: `flash_attention(q, k, v, causal=...)` and the autograd Function `FlashAttentionTriton`.
 - `op`: the kernels as PyTorch custom operators, so `torch.compile` keeps them whole (08b).
 - `blocks`: which K/V blocks a query block visits (causal alignment, splits) and its Python twin.
