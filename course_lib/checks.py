@@ -65,6 +65,11 @@ def check_attention_inputs(
             f"{where}: q, k and v must have the same leading (batch, heads) dims; got "
             f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
         )
+    if q.dim() >= 4 and 0 in (q.shape[-3], k.shape[-3]):
+        raise ValueError(
+            f"{where}: q, k and v need at least one head (dim -3); got q {tuple(q.shape)}, k {tuple(k.shape)}, "
+            f"v {tuple(v.shape)}"
+        )
     if q.shape[:-2] != k.shape[:-2]:
         grouped = allow_gqa and q.dim() >= 4 and q.shape[:-3] == k.shape[:-3] and k.shape[-3] > 0
         if not grouped:
@@ -120,7 +125,12 @@ def default_scale(head_dim: int, scale: float | None) -> float:
     """The softmax scale: 1/sqrt(d) unless given. Rejects non-positive or non-finite scales."""
     if scale is None:
         return head_dim**-0.5
-    scale = float(scale)
+    if isinstance(scale, (str, bytes, bool)):
+        raise TypeError(f"scale must be a number (or None for 1/sqrt(d)), got {scale!r}")
+    try:
+        scale = float(scale)
+    except (TypeError, ValueError):
+        raise TypeError(f"scale must be a number (or None for 1/sqrt(d)), got {scale!r}") from None
     if not (scale > 0 and scale != float("inf")):
         raise ValueError(f"scale must be a positive finite number, got {scale}")
     return scale
@@ -137,7 +147,7 @@ def causal_alignment(causal) -> str | None:
             return causal
         if causal == "none":
             return None
-    elif causal is None or isinstance(causal, (bool, int)) or type(causal).__name__ == "bool_":
+    elif causal is None or isinstance(causal, bool) or type(causal).__name__ == "bool_" or causal in (0, 1):
         return "top_left" if causal else None
     raise ValueError(
         f"causal must be False, True (= 'top_left': query i sees keys j <= i) or 'bottom_right' (query i "

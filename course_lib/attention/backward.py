@@ -484,6 +484,16 @@ def backward(
             f"attention.backward: L must have shape q.shape[:-1] = {tuple(q.shape[:-1])}; "
             f"got {getattr(L, 'shape', type(L))}"
         )
+    if L.dtype != accumulator_dtype(q.dtype):
+        raise TypeError(
+            f"attention.backward: L must be {accumulator_dtype(q.dtype)} (as the forward returns it for "
+            f"{q.dtype} inputs); got {L.dtype}"
+        )
+    for name, t in (("do", do), ("o", o), ("L", L)):
+        if t.device != q.device:
+            raise ValueError(
+                f"attention.backward: {name} is on {t.device}, q on {q.device}; move it to q's device"
+            )
     if dq_mode not in DQ_MODES:
         raise ValueError(f"attention.backward: dq_mode must be one of {DQ_MODES}, got {dq_mode!r}")
     alignment = causal_alignment(causal)

@@ -13,6 +13,7 @@ page copies it first (copy-on-write), as vLLM does.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 
 import torch
@@ -22,12 +23,24 @@ class OutOfPages(RuntimeError):
     """The pool has no free page left."""
 
 
+def _check_int(where: str, name: str, value, minimum: int) -> int:
+    """`value` as an int (Python or NumPy, not a bool) that is >= minimum; else TypeError / ValueError."""
+    try:
+        index = None if isinstance(value, bool) else operator.index(value)
+    except TypeError:
+        index = None
+    if index is None:
+        raise TypeError(f"{where}: {name} must be an integer, got {value!r} ({type(value).__name__})")
+    if index < minimum:
+        raise ValueError(f"{where}: {name} must be >= {minimum}, got {index}")
+    return index
+
+
 class PageAllocator:
     """Page ids 0..num_pages-1: a free list and a reference count per page. Notebook 10."""
 
     def __init__(self, num_pages: int):
-        if num_pages < 1:
-            raise ValueError(f"PageAllocator: num_pages must be >= 1, got {num_pages}")
+        num_pages = _check_int("PageAllocator", "num_pages", num_pages, 1)
         self.num_pages = num_pages
         self.free_list = list(range(num_pages - 1, -1, -1))  # pop() hands out page 0 first
         self.refs = [0] * num_pages
@@ -44,14 +57,23 @@ class PageAllocator:
         self.refs[page] = 1
         return page
 
+    def _page(self, page, where: str) -> int:
+        """`page` as an int in 0..num_pages-1 (no negative indexing); else TypeError / ValueError."""
+        page = _check_int(where, "page", page, 0)
+        if page >= self.num_pages:
+            raise ValueError(f"{where}: page {page} is out of range; pages are 0..{self.num_pages - 1}")
+        return page
+
     def share(self, page: int) -> None:
         """One more owner of `page` (a forked sequence)."""
+        page = self._page(page, "PageAllocator.share")
         if self.refs[page] < 1:
             raise ValueError(f"page {page} is free; only a page in use can be shared")
         self.refs[page] += 1
 
     def release(self, page: int) -> None:
         """One owner fewer; the page returns to the free list when none is left."""
+        page = self._page(page, "PageAllocator.release")
         if self.refs[page] < 1:
             raise ValueError(f"page {page} is already free")
         self.refs[page] -= 1
@@ -73,8 +95,18 @@ class PagedKVCache:
     k_pages[l], v_pages[l]: (num_pages, page_size, num_kv_heads, head_dim) tensors of `dtype` on `device`."""
 
     def __init__(self, num_layers, num_pages, page_size, num_kv_heads, head_dim, dtype, device):
-        if page_size < 1:
-            raise ValueError(f"PagedKVCache: page_size must be >= 1, got {page_size}")
+        where = "PagedKVCache"
+        num_layers, num_pages, page_size, num_kv_heads, head_dim = (
+            _check_int(where, name, value, 1)
+            for name, value in zip(
+                ("num_layers", "num_pages", "page_size", "num_kv_heads", "head_dim"),
+                (num_layers, num_pages, page_size, num_kv_heads, head_dim),
+            )
+        )
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise TypeError(
+                f"{where}: dtype must be a floating torch.dtype (e.g. torch.float16), got {dtype!r}"
+            )
         shape = (num_pages, page_size, num_kv_heads, head_dim)
         self.page_size = page_size
         self.k_pages = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
@@ -87,22 +119,43 @@ class PagedKVCache:
         """The device of the page pools."""
         return self.k_pages[0].device
 
+    def _seq(self, seq_id, where: str) -> SequencePages:
+        """The pages of sequence `seq_id`; a ValueError naming the known ids if there is none."""
+        if seq_id not in self.seqs:
+            known = list(self.seqs)
+            known = f"{known[:8]}"[:-1] + ", ...]" if len(known) > 8 else f"{known}"
+            raise ValueError(
+                f"{where}: sequence {seq_id!r} is not in the cache (sequences: {known}); "
+                f"add_sequence({seq_id!r}) first"
+            )
+        return self.seqs[seq_id]
+
     def add_sequence(self, seq_id: int) -> None:
         """Start an empty sequence `seq_id` (no pages yet: `append` allocates them)."""
         if seq_id in self.seqs:
-            raise ValueError(f"sequence {seq_id} already exists")
+            raise ValueError(f"PagedKVCache.add_sequence: sequence {seq_id!r} already exists")
         self.seqs[seq_id] = SequencePages()
 
     def fork(self, parent: int, child: int) -> None:
         """`child` starts as a copy of `parent` that shares every page (no data copied)."""
-        src = self.seqs[parent]
+        where = "PagedKVCache.fork"
+        src = self._seq(parent, where)
+        if child == parent:
+            raise ValueError(
+                f"{where}: child and parent are both sequence {child!r}; the child must be a new id"
+            )
+        if child in self.seqs:
+            raise ValueError(
+                f"{where}: child sequence {child!r} already exists; free it first or pick a new id"
+            )
         for page in src.pages:
             self.allocator.share(page)
         self.seqs[child] = SequencePages(list(src.pages), src.length)
 
     def pages_needed(self, seq_id: int, n: int) -> int:
         """New pages that appending n tokens to `seq_id` takes (copy-on-write included)."""
-        s = self.seqs[seq_id]
+        n = _check_int("PagedKVCache.pages_needed", "n", n, 0)
+        s = self._seq(seq_id, "PagedKVCache.pages_needed")
         have = len(s.pages) * self.page_size
         extra = max(0, -(-(s.length + n - have) // self.page_size))
         partial = s.length % self.page_size and n > 0
@@ -113,9 +166,10 @@ class PagedKVCache:
         """Make room for n new tokens of `seq_id`; returns their slots (n,) int64, slot = page *
         page_size + offset (an index into the pool viewed as (num_pages * page_size, Hkv, d)).
         Allocates pages as needed and copies a shared, partly filled last page before writing into it."""
+        n = _check_int("PagedKVCache.append", "n", n, 0)
+        s = self._seq(seq_id, "PagedKVCache.append")
         if self.pages_needed(seq_id, n) > self.allocator.num_free:
             raise OutOfPages(f"sequence {seq_id} needs {self.pages_needed(seq_id, n)} pages for {n} tokens")
-        s = self.seqs[seq_id]
         if n > 0 and s.length % self.page_size and self.allocator.refs[s.pages[-1]] > 1:
             old = s.pages[-1]
             new = self.allocator.allocate()
@@ -133,19 +187,34 @@ class PagedKVCache:
 
     def free(self, seq_id: int) -> None:
         """Give back the sequence's pages (shared ones stay with their other owners)."""
+        self._seq(seq_id, "PagedKVCache.free")
         for page in self.seqs.pop(seq_id).pages:
             self.allocator.release(page)
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v (T, Hkv, d) of T new tokens at `slots` (T,) of layer `layer`."""
+        layer = _check_int("PagedKVCache.write", "layer", layer, 0)
+        if layer >= len(self.k_pages):
+            raise ValueError(
+                f"PagedKVCache.write: layer {layer} is out of range; layers are 0..{len(self.k_pages) - 1}"
+            )
         for pool, x in ((self.k_pages[layer], k), (self.v_pages[layer], v)):
             pool.view(-1, *pool.shape[2:])[slots.to(pool.device)] = x.to(pool.dtype)
 
     def block_table(self, seq_ids, max_pages: int | None = None, device=None) -> torch.Tensor:
         """(B, max_pages) int32 block table of the sequences (unused entries 0; max_pages defaults to the
         longest row), on `device` (default: the pools' device)."""
-        rows = [self.seqs[i].pages for i in seq_ids]
-        width = max([len(r) for r in rows] + [1]) if max_pages is None else max_pages
+        where = "PagedKVCache.block_table"
+        rows = [self._seq(i, where).pages for i in seq_ids]
+        if max_pages is None:
+            width = max([len(r) for r in rows] + [1])
+        else:
+            width = _check_int(where, "max_pages", max_pages, 0)
+            for i, r in zip(seq_ids, rows):
+                if len(r) > width:
+                    raise ValueError(
+                        f"{where}: sequence {i!r} holds {len(r)} pages, more than max_pages={width}"
+                    )
         table = torch.zeros(len(rows), width, dtype=torch.int32)
         for b, r in enumerate(rows):
             table[b, : len(r)] = torch.tensor(r, dtype=torch.int32)
@@ -153,5 +222,5 @@ class PagedKVCache:
 
     def seqlens(self, seq_ids, device=None) -> torch.Tensor:
         """(B,) int32 lengths of the sequences, on `device` (default: the pools' device)."""
-        lens = [self.seqs[i].length for i in seq_ids]
+        lens = [self._seq(i, "PagedKVCache.seqlens").length for i in seq_ids]
         return torch.tensor(lens, dtype=torch.int32).to(self.device if device is None else device)

@@ -53,6 +53,7 @@ import torch
 
 from .. import pdl, runtime
 from ..attention.blocks import LN2
+from ..checks import default_scale
 from ..pdl import allow_dependents
 from ..runtime import tl, triton
 from .combine import combine
@@ -326,9 +327,10 @@ def launch(q, k, v, block_table, cache_seqlens, *, page_size, capacity, causal, 
     else:
         o_part = torch.empty((num_splits, B, Tq, Hq, d), dtype=torch.float32, device=q.device)
         l_part = torch.empty((num_splits, B, Tq, Hq), dtype=torch.float32, device=q.device)
+    cache_seqlens = cache_seqlens.contiguous()  # the kernel reads lengths[b] at SEQLENS + b
     table = block_table if paged else cache_seqlens  # any int32 tensor: never read when PAGED=False
     table_strides = block_table.stride() if paged else (0, 0)
-    scale = d**-0.5 if scale is None else float(scale)
+    scale = default_scale(d, scale)
     wide = q.dtype == torch.float32
     grid = (B * Hkv, num_splits, m_tiles)
     programs = B * Hkv * num_splits * m_tiles

@@ -68,10 +68,16 @@ def _check(q, k, v, causal, sharding, world, seq_len) -> None:
             f"{k.dtype}/{k.device}, {v.dtype}/{v.device}"
         )
     B, H, n, d = q.shape
-    if k.shape != v.shape or k.shape[0] != B or k.shape[2:] != (n, d) or H % k.shape[1]:
+    if (
+        k.shape != v.shape
+        or k.shape[0] != B
+        or k.shape[2:] != (n, d)
+        or 0 in (H, k.shape[1])
+        or H % k.shape[1]
+    ):
         raise ValueError(
             "ring_attention: expected q (B, H, N_local, d) and k, v (B, Hkv, N_local, d) with H a multiple "
-            f"of Hkv; got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+            f"of Hkv >= 1; got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
         )
     if not isinstance(causal, bool):
         raise TypeError(f"ring_attention: causal must be a bool, got {causal!r}")

@@ -299,6 +299,7 @@ def rms_norm_forward(
     written and None is returned in its place; torch.compile's inference graph of the eager code writes
     none either."""
     x2 = _rows(x)
+    weight = weight.contiguous()  # read with unit stride (a strided or expanded weight is copied)
     n_rows, n_cols = x2.shape
     out_dtype = torch.promote_types(x.dtype, weight.dtype)
     y = torch.empty((n_rows, n_cols), device=x.device, dtype=out_dtype)
@@ -364,6 +365,7 @@ def rms_norm_backward(
     if dw_sum not in DW_SUMS:
         raise ValueError(f"rms_norm_backward: dw_sum must be one of {DW_SUMS}, got {dw_sum!r}")
     x2, dy2 = _rows(x), _rows(dy)
+    weight = weight.contiguous()  # read with unit stride, as in the forward
     n_rows, n_cols = x2.shape
     acc = accumulator_dtype(x.dtype)
     dx = torch.empty((n_rows, n_cols), device=x.device, dtype=x.dtype)

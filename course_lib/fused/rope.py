@@ -182,8 +182,12 @@ def rotate(
     if q.numel() == 0 and k.numel() == 0:
         return q_out, k_out
     n_pairs = d // 2
+    if cos.stride() != sin.stride() or cos.stride(-1) != 1:  # the kernel reads both with cos's strides
+        cos, sin = cos.contiguous(), sin.contiguous()
     stride_cb = cos.stride(0) if cos.shape[0] > 1 else 0
     has_positions = isinstance(positions, torch.Tensor)
+    if has_positions and positions.shape[-1] > 1 and positions.stride(-1) != 1:  # read with unit stride
+        positions = positions.contiguous()
     stride_pb = positions.stride(0) if has_positions and positions.shape[0] > 1 else 0
     block_pairs = triton.next_power_of_2(n_pairs)
     block_hq, block_hk = triton.next_power_of_2(max(n_q_heads, 1)), triton.next_power_of_2(max(k.shape[1], 1))
@@ -234,6 +238,8 @@ def _positions(positions, n_batch: int, n_tokens: int, n_cache: int, device) -> 
     """positions checked to lie in [0, n_cache): None or an int p becomes the int start (0 or p) of
     the positions start..start+T-1; a tensor becomes a (1 or B, T) integer tensor on `device`."""
     where = "rope"
+    if isinstance(positions, bool):
+        raise TypeError(f"{where}: positions must be None, an int offset or an integer tensor, got a bool")
     if positions is None or isinstance(positions, int):
         start = 0 if positions is None else positions
         if start < 0 or start + n_tokens > n_cache:
@@ -348,10 +354,15 @@ def rope_cache(
     ("half": [theta_0..theta_{d/2-1}, theta_0..theta_{d/2-1}] as Hugging Face's LlamaRotaryEmbedding;
     "interleaved": [theta_0, theta_0, theta_1, theta_1, ...]). Angles in float32 as Hugging Face
     computes them, then cast to `dtype`. Taught in notebook 11."""
+    for name, value in (("n_positions", n_positions), ("head_dim", head_dim)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"rope_cache: {name} must be an int, got {value!r}")
     if head_dim <= 0 or head_dim % 2:
         raise ValueError(f"rope_cache: head_dim must be even and positive, got {head_dim}")
     if n_positions < 0:
         raise ValueError(f"rope_cache: n_positions must be >= 0, got {n_positions}")
+    if not (isinstance(base, (int, float)) and base > 1 and base != float("inf")):
+        raise ValueError(f"rope_cache: base must be a finite number > 1 (10000 in Llama), got {base!r}")
     if layout not in LAYOUTS:
         raise ValueError(f"rope_cache: layout must be one of {LAYOUTS}, got {layout!r}")
     device = runtime.DEVICE if device is None else torch.device(device)

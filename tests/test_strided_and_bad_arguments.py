@@ -1,0 +1,174 @@
+"""Arguments a kernel reads through a raw pointer, given with unusual strides (they must work, against
+float64), and arguments that must be refused with a message naming them. CPU (interpreter) and GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import course_lib
+from course_lib import flash_attention
+from course_lib.attention import attention_backward, attention_forward
+from course_lib.decode import decode_attention, decode_reference, paged_decode_attention
+from course_lib.fused import rms_norm, rms_norm_reference, rope, rope_cache, rope_reference
+from course_lib.testing import max_error
+
+DEVICE = course_lib.DEVICE
+
+
+def _randn(*shape, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g).to(dtype=dtype, device=DEVICE)
+
+
+def _decode_inputs(B=2, n_max=48, hq=4, hkv=2, d=32):
+    q = _randn(B, 1, hq, d)
+    k, v = _randn(B, n_max, hkv, d, seed=1), _randn(B, n_max, hkv, d, seed=2)
+    return q, k, v
+
+
+@pytest.mark.parametrize(
+    "lengths",
+    [
+        lambda: torch.tensor([40, 0, 17, 0], dtype=torch.int32, device=DEVICE)[::2],  # stride 2: [40, 17]
+        lambda: torch.tensor([0, 40, 0, 17], dtype=torch.int32, device=DEVICE)[1::2],  # offset and stride 2
+        lambda: torch.tensor([17], dtype=torch.int32, device=DEVICE).expand(2),  # stride 0: [17, 17]
+    ],
+    ids=["stride 2", "offset view", "expanded"],
+)
+def test_decode_reads_strided_lengths(lengths):
+    """cache_seqlens given as a view with strides: the kernel must read the lengths the tensor holds
+    (it once read raw memory at SEQLENS + b, so [40, 17] given with stride 2 read [40, 0])."""
+    q, k, v = _decode_inputs()
+    seqlens = lengths()
+    out = decode_attention(q, k, v, seqlens)
+    ref, _ = decode_reference(q.double(), k.double(), v.double(), seqlens.contiguous())
+    assert max_error(out, ref) < 1e-4, max_error(out, ref)
+
+    page_size, n_max = 8, k.shape[1]
+    pages_per_seq = n_max // page_size
+    k_pages = k.reshape(-1, page_size, *k.shape[2:])  # sequence b's pages are b * pages_per_seq + i
+    v_pages = v.reshape(-1, page_size, *v.shape[2:])
+    table = torch.arange(2 * pages_per_seq, dtype=torch.int32, device=DEVICE).reshape(2, pages_per_seq)
+    paged = paged_decode_attention(q, k_pages, v_pages, table, seqlens)
+    assert max_error(paged, ref) < 1e-4, max_error(paged, ref)
+
+
+@pytest.mark.parametrize("scale", [float("nan"), float("inf"), 0.0, -1.0, "abc"])
+def test_decode_refuses_a_bad_scale(scale):
+    q, k, v = _decode_inputs()
+    seqlens = torch.tensor([40, 17], dtype=torch.int32, device=DEVICE)
+    error = TypeError if isinstance(scale, str) else ValueError
+    with pytest.raises(error, match="scale must be"):
+        decode_attention(q, k, v, seqlens, scale=scale)
+
+
+@pytest.mark.parametrize(
+    "weight",
+    [
+        lambda: _randn(2 * 40, seed=3)[::2],  # stride 2
+        lambda: torch.tensor(2.0, device=DEVICE).expand(40),  # stride 0
+        lambda: _randn(48, seed=3)[8:],  # an offset view (unit stride)
+    ],
+    ids=["stride 2", "expanded", "offset view"],
+)
+def test_rms_norm_reads_a_strided_weight(weight):
+    """The weight goes to the kernels as a pointer: a strided or expanded weight must give the result
+    its values give, forward and backward (a stride-2 weight once gave errors of 8)."""
+    x = _randn(6, 40).requires_grad_()
+    w = weight().requires_grad_()
+    y = rms_norm(x, w)
+    dy = _randn(6, 40, seed=4)
+    dx, dw = torch.autograd.grad(y, (x, w), dy)
+    x64, w64 = x.detach().double().cpu().requires_grad_(), w.detach().double().cpu().requires_grad_()
+    y64 = rms_norm_reference(x64, w64)
+    dx64, dw64 = torch.autograd.grad(y64, (x64, w64), dy.double().cpu())
+    assert max_error(y, y64) < 1e-5 * y64.abs().max().item()
+    assert max_error(dx, dx64) < 1e-5 * dx64.abs().max().item()
+    assert max_error(dw, dw64) < 1e-4 * dw64.abs().max().item()
+
+
+def test_rope_reads_sin_with_its_own_strides():
+    """cos and sin with different strides (a column slice, a row expanded): both are read as what they
+    hold (sin was once read with cos's strides: errors of 24)."""
+    q, k = _randn(1, 2, 6, 16), _randn(1, 2, 6, 16, seed=1)
+    cos, sin = rope_cache(8, 16, device=DEVICE)
+    wide_sin = torch.cat([sin, torch.full_like(sin, 7.0)], dim=-1)[:, :16]  # stride (32, 1)
+    wide_cos = torch.cat([cos, torch.full_like(cos, 7.0)], dim=-1)[:, :16]
+    cases = {
+        "sin strided": (cos, wide_sin),
+        "cos strided": (wide_cos, sin),
+        "sin expanded": (cos[:1].expand(8, 16), sin[:1].expand(8, 16)),
+        "cos expanded only": (cos[:1].expand(8, 16), sin),
+    }
+    for name, (c, s) in cases.items():
+        q_rot, k_rot = rope(q, k, c, s)
+        c64, s64 = c.double().cpu(), s.double().cpu()
+        q64, k64 = rope_reference(q.double().cpu(), c64, s64), rope_reference(k.double().cpu(), c64, s64)
+        assert max_error(q_rot, q64) < 1e-5 and max_error(k_rot, k64) < 1e-5, name
+
+
+@pytest.mark.parametrize(
+    "make, error, words",
+    [
+        (lambda: rope_cache(8, 16, base=0.0, device=DEVICE), ValueError, "base must be a finite number > 1"),
+        (lambda: rope_cache(8, 16, base=-1.0, device=DEVICE), ValueError, "base must be"),
+        (lambda: rope_cache(4.5, 16, device=DEVICE), TypeError, "n_positions must be an int"),
+        (
+            lambda: rope(
+                _randn(1, 2, 4, 16), _randn(1, 2, 4, 16), *rope_cache(8, 16, device=DEVICE), positions=True
+            ),
+            TypeError,
+            "got a bool",
+        ),
+    ],
+    ids=["base 0", "base negative", "fractional length", "bool positions"],
+)
+def test_rope_arguments_named(make, error, words):
+    with pytest.raises(error, match=words):
+        make()
+
+
+@pytest.mark.parametrize(
+    "make, error, words",
+    [
+        (
+            lambda: flash_attention(_randn(1, 0, 16, 16), _randn(1, 0, 16, 16), _randn(1, 0, 16, 16)),
+            ValueError,
+            "head",
+        ),
+        (
+            lambda: flash_attention(_randn(1, 2, 16, 16), _randn(1, 0, 16, 16), _randn(1, 0, 16, 16)),
+            ValueError,
+            "head",
+        ),
+        (
+            lambda: flash_attention(*(_randn(1, 2, 16, 16) for _ in range(3)), causal=2),
+            ValueError,
+            "causal must be",
+        ),
+        (
+            lambda: flash_attention(*(_randn(1, 2, 16, 16) for _ in range(3)), scale="abc"),
+            TypeError,
+            "scale must be",
+        ),
+    ],
+    ids=["no heads", "no kv heads", "causal=2", "scale text"],
+)
+def test_attention_arguments_named(make, error, words):
+    with pytest.raises(error, match=words):
+        make()
+
+
+def test_attention_backward_checks_L():
+    """The public backward reads L through a pointer: a wrong dtype (once: dQ off by 1.27 with no error)
+    or another device is refused by name."""
+    q, k, v = (_randn(1, 2, 16, 16, seed=s) for s in range(3))
+    o, L = attention_forward(q, k, v)
+    do = _randn(1, 2, 16, 16, seed=5)
+    for bad in (L.int(), L.half(), L.double()):
+        with pytest.raises(TypeError, match="L must be torch.float32"):
+            attention_backward(do, q, k, v, o, bad)
+    for name, args in (("L", (do, q, k, v, o, L.to("meta"))), ("do", (do.to("meta"), q, k, v, o, L))):
+        with pytest.raises(ValueError, match=f"{name} is on meta"):
+            attention_backward(*args)
