@@ -172,3 +172,20 @@ def test_attention_backward_checks_L():
     for name, args in (("L", (do, q, k, v, o, L.to("meta"))), ("do", (do.to("meta"), q, k, v, o, L))):
         with pytest.raises(ValueError, match=f"{name} is on meta"):
             attention_backward(*args)
+
+
+def test_continuous_batcher_arguments_named():
+    """A batcher that could never run a step, or a prompt with ids the model has no embedding for, is
+    refused when it is made or submitted, not at the first step (or as a device-side assert on a GPU)."""
+    from course_lib.decode.batching import ContinuousBatcher
+    from course_lib.decode.toy_model import ToyModel
+
+    model = ToyModel(DEVICE)
+    for kwargs in ({"max_batch": 0}, {"max_step_tokens": 0}, {"max_batch": 2.5}):
+        with pytest.raises(ValueError, match=f"{next(iter(kwargs))} must be an int >= 1"):
+            ContinuousBatcher(model, num_pages=8, page_size=4, **kwargs)
+    batcher = ContinuousBatcher(model, num_pages=8, page_size=4)
+    for prompt in ([1, -2, 3], [1, model.vocab], [1, 2.0]):
+        with pytest.raises(ValueError, match=r"prompt token ids must be ints in \[0, 37\)"):
+            batcher.submit(prompt, 2)
+    assert batcher.submit([1, torch.tensor(2), model.vocab - 1], 2) == 0 and len(batcher.waiting) == 1

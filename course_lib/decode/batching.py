@@ -23,6 +23,7 @@ The model never sees pages, block tables or the batch layout: `PagedKV.attend` o
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 
 import torch
@@ -100,6 +101,26 @@ class Request:
         return len(self.generated) >= self.max_new_tokens or hit_eos
 
 
+def _vocab_size(model) -> int | None:
+    """The model's vocabulary size where it says (`vocab_size`, `vocab` or `config.vocab_size`), else None."""
+    for value in (getattr(model, "vocab_size", None), getattr(model, "vocab", None)):
+        if isinstance(value, int):
+            return value
+    size = getattr(getattr(model, "config", None), "vocab_size", None)
+    return size if isinstance(size, int) else None
+
+
+def _token_id_ok(token, vocab: int | None) -> bool:
+    """An integer token id (Python, NumPy or a 0-dim integer tensor; not a bool) in [0, vocab)."""
+    if isinstance(token, bool):
+        return False
+    try:
+        t = operator.index(token)
+    except TypeError:
+        return False
+    return t >= 0 and (vocab is None or t < vocab)
+
+
 class ContinuousBatcher:
     """Serve requests with a model that follows the interface above, over a paged KV cache. Notebook 10.
 
@@ -121,6 +142,9 @@ class ContinuousBatcher:
         max_step_tokens: int = 512,
         cuda_graphs: bool = False,
     ):
+        for name, value in (("max_batch", max_batch), ("max_step_tokens", max_step_tokens)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"ContinuousBatcher: {name} must be an int >= 1, got {value!r}")
         self.model = model
         self.cache = PagedKVCache(
             model.num_layers,
@@ -146,6 +170,13 @@ class ContinuousBatcher:
         """Queue a request (prompt: a non-empty list of token ids); returns its id."""
         if len(prompt) == 0 or max_new_tokens < 1:
             raise ValueError("a request needs a non-empty prompt and max_new_tokens >= 1")
+        vocab = _vocab_size(self.model)
+        bad = [t for t in prompt if not _token_id_ok(t, vocab)]
+        if bad:
+            raise ValueError(
+                f"ContinuousBatcher.submit: prompt token ids must be ints in [0, {vocab or 'vocab size'}); "
+                f"got {bad[:5]}"
+            )
         req = Request(self._next_id, list(prompt), max_new_tokens, eos_id)
         self._next_id += 1
         self.waiting.append(req)
