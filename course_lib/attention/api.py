@@ -74,8 +74,9 @@ def flash_attention(q, k, v, causal=False, scale: float | None = None):
     Under `torch.compile` it is a PyTorch custom operator (`op.py`): the compiled graph keeps it as one
     node, forward and backward (notebook 08b). Run eagerly it calls the autograd Function directly,
     which computes the same and skips the operator's dispatch (tens of microseconds per call, which a
-    short sequence feels). A NaN or inf in k or v reaches every row whose tile loads that key, masked or
-    not (0 x NaN is NaN), as it does in plain PyTorch's P @ V: clean the cache rather than rely on the mask."""
+    short sequence feels). A NaN in k reaches the rows that see its key; a NaN or inf in v reaches every
+    row whose tile loads that key, masked or not (0 x NaN is NaN), as in plain PyTorch's P @ V: clean a
+    cache rather than rely on the mask to hide what it holds."""
     if torch.compiler.is_compiling():
         return flash_attention_op(q, k, v, causal, scale)
     return FlashAttentionTriton.apply(q, k, v, causal, scale)
