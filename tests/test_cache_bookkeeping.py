@@ -269,6 +269,27 @@ def test_write_refuses_a_bad_layer():
     assert torch.equal(cache.v_pages[0].view(-1, 1, 8)[slots], 2 * kv)
 
 
+def test_write_refuses_mismatched_shapes():
+    """k and v must be (T, Hkv, d) for T slots, and slots a (T,) integer tensor: refused before anything
+    is stored (a wrong head count once surfaced as a broadcasting error, or a device assert on a GPU)."""
+    cache = small_cache()
+    slots = cache.append(1, 2)
+    good = torch.ones(2, 1, 8)
+    pools = [p.clone() for p in cache.k_pages + cache.v_pages]
+    cases = [
+        (slots, torch.ones(3, 1, 8), good, ValueError, r"k must have shape \(T, Hkv, d\) = \(2, 1, 8\)"),
+        (slots, good, torch.ones(2, 2, 8), ValueError, r"v must have shape \(T, Hkv, d\) = \(2, 1, 8\)"),
+        (slots, torch.ones(2, 8), good, ValueError, "k must have shape"),
+        (slots.float(), good, good, TypeError, r"slots must be a \(T,\) integer tensor"),
+        (slots[None], good, good, TypeError, "slots must be"),
+    ]
+    for s, k, v, error, words in cases:
+        with pytest.raises(error, match=words):
+            cache.write(0, s, k, v)
+    for p, q in zip(cache.k_pages + cache.v_pages, pools):
+        assert torch.equal(p, q)
+
+
 # --------------------------------------------------------------------------------------------------
 # The good path: allocate, fork with copy-on-write, append, free every page
 # --------------------------------------------------------------------------------------------------

@@ -198,6 +198,18 @@ class PagedKVCache:
             raise ValueError(
                 f"PagedKVCache.write: layer {layer} is out of range; layers are 0..{len(self.k_pages) - 1}"
             )
+        per_token = tuple(self.k_pages[layer].shape[2:])  # (Hkv, d)
+        if not (isinstance(slots, torch.Tensor) and slots.dim() == 1 and not slots.dtype.is_floating_point):
+            raise TypeError(
+                f"PagedKVCache.write: slots must be a (T,) integer tensor (from append), got {slots!r}"
+            )
+        expected = (slots.shape[0], *per_token)
+        for name, x in (("k", k), ("v", v)):
+            if not isinstance(x, torch.Tensor) or tuple(x.shape) != expected:
+                raise ValueError(
+                    f"PagedKVCache.write: {name} must have shape (T, Hkv, d) = {expected} for {slots.shape[0]} "
+                    f"slots; got {tuple(getattr(x, 'shape', ())) or type(x).__name__}"
+                )
         for pool, x in ((self.k_pages[layer], k), (self.v_pages[layer], v)):
             pool.view(-1, *pool.shape[2:])[slots.to(pool.device)] = x.to(pool.dtype)
 
