@@ -161,6 +161,7 @@ class WeightedSum(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight):
+        weight = weight.contiguous()  # the kernels read w with unit stride
         x2 = x.reshape(-1, x.shape[-1])  # (rows, D); a view when it can be
         n_rows, n_cols = x2.shape
         out = torch.empty(n_rows, device=x.device, dtype=accumulator_dtype(x.dtype))

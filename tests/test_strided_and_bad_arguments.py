@@ -189,3 +189,31 @@ def test_continuous_batcher_arguments_named():
         with pytest.raises(ValueError, match=r"prompt token ids must be ints in \[0, 37\)"):
             batcher.submit(prompt, 2)
     assert batcher.submit([1, torch.tensor(2), model.vocab - 1], 2) == 0 and len(batcher.waiting) == 1
+
+
+def test_lower_level_entry_points_take_any_strides():
+    """The autograd Functions and helpers under the public wrappers, called directly with views: each must
+    read what the tensor holds (each once read a strided argument as if it were contiguous)."""
+    from course_lib.fused.rms_norm import column_sum, rms_norm_backward, rms_norm_forward
+    from course_lib.fused.rope import RoPEFunction
+    from course_lib.primer import WeightedSum
+
+    x, w = _randn(7, 40)[:, ::2], _randn(40, seed=1)[::2]  # (7, 20) and (20,), both strided
+    got = WeightedSum.apply(x, w)
+    assert max_error(got, (x.double() * w.double()).sum(-1)) < 1e-5
+
+    q, k = _randn(2, 3, 5, 32, seed=2)[..., ::2], _randn(2, 1, 5, 16, seed=3)  # q's head dim strided
+    cos, sin = rope_cache(20, 16, device=DEVICE)
+    q_rot, k_rot = RoPEFunction.apply(q, k, cos[None], sin[None], 0, False)
+    c64, s64 = cos.double().cpu(), sin.double().cpu()
+    assert max_error(q_rot, rope_reference(q.double().cpu(), c64[:5], s64[:5])) < 1e-5
+    assert max_error(k_rot, rope_reference(k.double().cpu(), c64[:5], s64[:5])) < 1e-5
+
+    x, w, dy = _randn(6, 40, seed=4), _randn(40, seed=5), _randn(6, 40, seed=6)
+    _, rstd = rms_norm_forward(x, w, 1e-6)
+    strided_rstd = torch.stack([rstd, 0 * rstd], dim=1)[:, 0]
+    for got, want in zip(rms_norm_backward(dy, x, w, strided_rstd), rms_norm_backward(dy, x, w, rstd)):
+        assert torch.equal(got, want)
+
+    buffer = _randn(32, 5, seed=7)
+    assert max_error(column_sum(buffer.t(), torch.float32), buffer.t().double().sum(0)) < 1e-5

@@ -330,6 +330,7 @@ def column_sum(
 
     `tile` defaults to `launch.COLUMN_SUM`."""
     tile = tile or launch.COLUMN_SUM
+    buffer = buffer.contiguous()  # the kernel reads row r at buf + r * D
     n_rows, n_cols = buffer.shape
     out = torch.empty(n_cols, device=buffer.device, dtype=dtype)
     column_sum_kernel[(triton.cdiv(n_cols, tile.block_c),)](
@@ -365,7 +366,7 @@ def rms_norm_backward(
     if dw_sum not in DW_SUMS:
         raise ValueError(f"rms_norm_backward: dw_sum must be one of {DW_SUMS}, got {dw_sum!r}")
     x2, dy2 = _rows(x), _rows(dy)
-    weight = weight.contiguous()  # read with unit stride, as in the forward
+    weight, rstd = weight.contiguous(), rstd.contiguous()  # read with unit stride, as in the forward
     n_rows, n_cols = x2.shape
     acc = accumulator_dtype(x.dtype)
     dx = torch.empty((n_rows, n_cols), device=x.device, dtype=x.dtype)

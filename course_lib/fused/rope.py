@@ -177,6 +177,8 @@ def rotate(
 
     Launch settings: `tokens` per program (a power of two) and `warps`, defaults from `launch.rope`;
     pass them to try other settings."""
+    q = q if q.stride(-1) == 1 else q.contiguous()  # the kernel reads the head dim with unit stride
+    k = k if k.stride(-1) == 1 else k.contiguous()
     q_out, k_out = torch.empty_like(q), torch.empty_like(k)
     n_batch, n_q_heads, n_tokens, d = q.shape
     if q.numel() == 0 and k.numel() == 0:
