@@ -6,6 +6,8 @@ crash inside a kernel, a hang or silent garbage. Every public entry point calls 
 
 from __future__ import annotations
 
+import operator
+
 import torch
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -115,6 +117,26 @@ def kv_group(q: torch.Tensor, k: torch.Tensor) -> int:
     """Query heads per K/V head (1 unless grouped-query attention; inputs checked already)."""
     return q.shape[-3] // k.shape[-3] if q.dim() >= 4 else 1
 
+
+def as_int(value) -> int | None:
+    """value as an int if it is an integer (Python, NumPy, a 0-dim integer tensor: `operator.index`), not a
+    bool; else None."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
+def check_int(where: str, name: str, value, minimum: int) -> int:
+    """`value` as an int (`as_int`) that is >= minimum; else a TypeError or ValueError naming `name`."""
+    index = as_int(value)
+    if index is None:
+        raise TypeError(f"{where}: {name} must be an integer, got {value!r} ({type(value).__name__})")
+    if index < minimum:
+        raise ValueError(f"{where}: {name} must be >= {minimum}, got {index}")
+    return index
 
 def accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
     """Where softmax statistics and sums accumulate: float64 for float64 inputs, else float32."""

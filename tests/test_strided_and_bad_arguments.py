@@ -113,7 +113,7 @@ def test_rope_reads_sin_with_its_own_strides():
     [
         (lambda: rope_cache(8, 16, base=0.0, device=DEVICE), ValueError, "base must be a finite number > 1"),
         (lambda: rope_cache(8, 16, base=-1.0, device=DEVICE), ValueError, "base must be"),
-        (lambda: rope_cache(4.5, 16, device=DEVICE), TypeError, "n_positions must be an int"),
+        (lambda: rope_cache(4.5, 16, device=DEVICE), TypeError, "n_positions must be an integer, got 4.5"),
         (
             lambda: rope(
                 _randn(1, 2, 4, 16), _randn(1, 2, 4, 16), *rope_cache(8, 16, device=DEVICE), positions=True
@@ -181,8 +181,12 @@ def test_continuous_batcher_arguments_named():
     from course_lib.decode.toy_model import ToyModel
 
     model = ToyModel(DEVICE)
-    for kwargs in ({"max_batch": 0}, {"max_step_tokens": 0}, {"max_batch": 2.5}):
-        with pytest.raises(ValueError, match=f"{next(iter(kwargs))} must be an int >= 1"):
+    for kwargs, error, words in (
+        ({"max_batch": 0}, ValueError, "max_batch must be >= 1, got 0"),
+        ({"max_step_tokens": 0}, ValueError, "max_step_tokens must be >= 1, got 0"),
+        ({"max_batch": 2.5}, TypeError, r"max_batch must be an integer, got 2\.5"),
+    ):
+        with pytest.raises(error, match=f"^ContinuousBatcher: {words}"):
             ContinuousBatcher(model, num_pages=8, page_size=4, **kwargs)
     batcher = ContinuousBatcher(model, num_pages=8, page_size=4)
     for prompt in ([1, -2, 3], [1, model.vocab], [1, 2.0]):

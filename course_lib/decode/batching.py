@@ -23,11 +23,11 @@ The model never sees pages, block tables or the batch layout: `PagedKV.attend` o
 
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass, field
 
 import torch
 
+from ..checks import as_int, check_int
 from .cache import OutOfPages, PagedKVCache
 from .graphs import DecodeGraphs
 from .paged import paged_decode_attention
@@ -110,17 +110,6 @@ def _vocab_size(model) -> int | None:
     return size if isinstance(size, int) else None
 
 
-def _token_id_ok(token, vocab: int | None) -> bool:
-    """An integer token id (Python, NumPy or a 0-dim integer tensor; not a bool) in [0, vocab)."""
-    if isinstance(token, bool):
-        return False
-    try:
-        t = operator.index(token)
-    except TypeError:
-        return False
-    return t >= 0 and (vocab is None or t < vocab)
-
-
 class ContinuousBatcher:
     """Serve requests with a model that follows the interface above, over a paged KV cache. Notebook 10.
 
@@ -142,9 +131,8 @@ class ContinuousBatcher:
         max_step_tokens: int = 512,
         cuda_graphs: bool = False,
     ):
-        for name, value in (("max_batch", max_batch), ("max_step_tokens", max_step_tokens)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"ContinuousBatcher: {name} must be an int >= 1, got {value!r}")
+        max_batch = check_int("ContinuousBatcher", "max_batch", max_batch, 1)
+        max_step_tokens = check_int("ContinuousBatcher", "max_step_tokens", max_step_tokens, 1)
         self.model = model
         self.cache = PagedKVCache(
             model.num_layers,
@@ -171,7 +159,8 @@ class ContinuousBatcher:
         if len(prompt) == 0 or max_new_tokens < 1:
             raise ValueError("a request needs a non-empty prompt and max_new_tokens >= 1")
         vocab = _vocab_size(self.model)
-        bad = [t for t in prompt if not _token_id_ok(t, vocab)]
+        ids = [as_int(t) for t in prompt]
+        bad = [t for t, i in zip(prompt, ids) if i is None or i < 0 or (vocab is not None and i >= vocab)]
         if bad:
             raise ValueError(
                 f"ContinuousBatcher.submit: prompt token ids must be ints in [0, {vocab or 'vocab size'}); "

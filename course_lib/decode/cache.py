@@ -13,34 +13,22 @@ page copies it first (copy-on-write), as vLLM does.
 
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass, field
 
 import torch
+
+from ..checks import check_int
 
 
 class OutOfPages(RuntimeError):
     """The pool has no free page left."""
 
 
-def _check_int(where: str, name: str, value, minimum: int) -> int:
-    """`value` as an int (Python or NumPy, not a bool) that is >= minimum; else TypeError / ValueError."""
-    try:
-        index = None if isinstance(value, bool) else operator.index(value)
-    except TypeError:
-        index = None
-    if index is None:
-        raise TypeError(f"{where}: {name} must be an integer, got {value!r} ({type(value).__name__})")
-    if index < minimum:
-        raise ValueError(f"{where}: {name} must be >= {minimum}, got {index}")
-    return index
-
-
 class PageAllocator:
     """Page ids 0..num_pages-1: a free list and a reference count per page. Notebook 10."""
 
     def __init__(self, num_pages: int):
-        num_pages = _check_int("PageAllocator", "num_pages", num_pages, 1)
+        num_pages = check_int("PageAllocator", "num_pages", num_pages, 1)
         self.num_pages = num_pages
         self.free_list = list(range(num_pages - 1, -1, -1))  # pop() hands out page 0 first
         self.refs = [0] * num_pages
@@ -59,7 +47,7 @@ class PageAllocator:
 
     def _page(self, page, where: str) -> int:
         """`page` as an int in 0..num_pages-1 (no negative indexing); else TypeError / ValueError."""
-        page = _check_int(where, "page", page, 0)
+        page = check_int(where, "page", page, 0)
         if page >= self.num_pages:
             raise ValueError(f"{where}: page {page} is out of range; pages are 0..{self.num_pages - 1}")
         return page
@@ -97,7 +85,7 @@ class PagedKVCache:
     def __init__(self, num_layers, num_pages, page_size, num_kv_heads, head_dim, dtype, device):
         where = "PagedKVCache"
         num_layers, num_pages, page_size, num_kv_heads, head_dim = (
-            _check_int(where, name, value, 1)
+            check_int(where, name, value, 1)
             for name, value in zip(
                 ("num_layers", "num_pages", "page_size", "num_kv_heads", "head_dim"),
                 (num_layers, num_pages, page_size, num_kv_heads, head_dim),
@@ -154,7 +142,7 @@ class PagedKVCache:
 
     def pages_needed(self, seq_id: int, n: int) -> int:
         """New pages that appending n tokens to `seq_id` takes (copy-on-write included)."""
-        n = _check_int("PagedKVCache.pages_needed", "n", n, 0)
+        n = check_int("PagedKVCache.pages_needed", "n", n, 0)
         s = self._seq(seq_id, "PagedKVCache.pages_needed")
         have = len(s.pages) * self.page_size
         extra = max(0, -(-(s.length + n - have) // self.page_size))
@@ -166,7 +154,7 @@ class PagedKVCache:
         """Make room for n new tokens of `seq_id`; returns their slots (n,) int64, slot = page *
         page_size + offset (an index into the pool viewed as (num_pages * page_size, Hkv, d)).
         Allocates pages as needed and copies a shared, partly filled last page before writing into it."""
-        n = _check_int("PagedKVCache.append", "n", n, 0)
+        n = check_int("PagedKVCache.append", "n", n, 0)
         s = self._seq(seq_id, "PagedKVCache.append")
         if self.pages_needed(seq_id, n) > self.allocator.num_free:
             raise OutOfPages(f"sequence {seq_id} needs {self.pages_needed(seq_id, n)} pages for {n} tokens")
@@ -193,7 +181,7 @@ class PagedKVCache:
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v (T, Hkv, d) of T new tokens at `slots` (T,) of layer `layer`."""
-        layer = _check_int("PagedKVCache.write", "layer", layer, 0)
+        layer = check_int("PagedKVCache.write", "layer", layer, 0)
         if layer >= len(self.k_pages):
             raise ValueError(
                 f"PagedKVCache.write: layer {layer} is out of range; layers are 0..{len(self.k_pages) - 1}"
@@ -221,7 +209,7 @@ class PagedKVCache:
         if max_pages is None:
             width = max([len(r) for r in rows] + [1])
         else:
-            width = _check_int(where, "max_pages", max_pages, 0)
+            width = check_int(where, "max_pages", max_pages, 0)
             for i, r in zip(seq_ids, rows):
                 if len(r) > width:
                     raise ValueError(

@@ -36,7 +36,7 @@ from __future__ import annotations
 import torch
 
 from .. import runtime
-from ..checks import accumulator_dtype
+from ..checks import accumulator_dtype, check_int
 from ..runtime import tl, triton
 from . import launch
 
@@ -356,13 +356,10 @@ def rope_cache(
     ("half": [theta_0..theta_{d/2-1}, theta_0..theta_{d/2-1}] as Hugging Face's LlamaRotaryEmbedding;
     "interleaved": [theta_0, theta_0, theta_1, theta_1, ...]). Angles in float32 as Hugging Face
     computes them, then cast to `dtype`. Taught in notebook 11."""
-    for name, value in (("n_positions", n_positions), ("head_dim", head_dim)):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"rope_cache: {name} must be an int, got {value!r}")
-    if head_dim <= 0 or head_dim % 2:
+    n_positions = check_int("rope_cache", "n_positions", n_positions, 0)
+    head_dim = check_int("rope_cache", "head_dim", head_dim, 1)
+    if head_dim % 2:
         raise ValueError(f"rope_cache: head_dim must be even and positive, got {head_dim}")
-    if n_positions < 0:
-        raise ValueError(f"rope_cache: n_positions must be >= 0, got {n_positions}")
     if not (isinstance(base, (int, float)) and base > 1 and base != float("inf")):
         raise ValueError(f"rope_cache: base must be a finite number > 1 (10000 in Llama), got {base!r}")
     if layout not in LAYOUTS:
