@@ -138,6 +138,7 @@ def check_int(where: str, name: str, value, minimum: int) -> int:
         raise ValueError(f"{where}: {name} must be >= {minimum}, got {index}")
     return index
 
+
 def accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
     """Where softmax statistics and sums accumulate: float64 for float64 inputs, else float32."""
     return torch.float64 if dtype == torch.float64 else torch.float32

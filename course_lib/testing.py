@@ -10,10 +10,20 @@ from __future__ import annotations
 
 import torch
 
+from . import runtime
 from .attention.reference import attention
 
 # Floors: absolute slack on top of 2x the same-dtype reference's error, per dtype.
 FLOOR = {torch.float64: 1e-10, torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}
+
+
+def seeded_randn(*shape, dtype=torch.float32, seed: int = 0, device=None) -> torch.Tensor:
+    """Standard-normal values of `shape` drawn on the CPU from `seed` (the same on every device), then
+    cast to `dtype` and moved to `device` (default: course_lib's)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g).to(
+        dtype=dtype, device=runtime.DEVICE if device is None else device
+    )
 
 
 def random_qkv(
@@ -120,8 +130,6 @@ def run_cases(check, cases, threads: int | None = None) -> list:
     interpreter (a CPU) the cases run one after another: the interpreter is not thread-safe. The cases
     share the GPU, so `check` must not time anything (compile in it, time afterwards). Notebooks 06-07."""
     from concurrent.futures import ThreadPoolExecutor
-
-    from . import runtime
 
     cases = list(cases)
     if not runtime.ON_GPU or len(cases) < 2:

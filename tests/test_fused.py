@@ -16,6 +16,7 @@ import torch
 import course_lib
 from course_lib.fused import RMSNorm, rms_norm, rms_norm_reference, rope, rope_cache, rope_reference
 from course_lib.fused.rms_norm import DW_MODES
+from course_lib.testing import seeded_randn as _randn
 
 DEVICE = course_lib.DEVICE
 ON_GPU = course_lib.ON_GPU
@@ -44,11 +45,6 @@ def _close(actual, expected, dtype, what: str, scale: float = 1.0) -> None:
         atol=atol * scale,
         msg=lambda m: f"{what}: {m}",
     )
-
-
-def _randn(*shape, dtype=torch.float32, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(*shape, generator=g).to(dtype=dtype, device=DEVICE)
 
 
 def llama_rms_norm_formula(x, weight, eps):

@@ -12,13 +12,9 @@ from course_lib.attention import attention_backward, attention_forward
 from course_lib.decode import decode_attention, decode_reference, paged_decode_attention
 from course_lib.fused import rms_norm, rms_norm_reference, rope, rope_cache, rope_reference
 from course_lib.testing import max_error
+from course_lib.testing import seeded_randn as _randn
 
 DEVICE = course_lib.DEVICE
-
-
-def _randn(*shape, dtype=torch.float32, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(*shape, generator=g).to(dtype=dtype, device=DEVICE)
 
 
 def _decode_inputs(B=2, n_max=48, hq=4, hkv=2, d=32):
