@@ -181,3 +181,18 @@ def causal_alignment(causal) -> str | None:
 def causal_offset(alignment: str | None, n_q: int, n_k: int) -> int:
     """The offset in `j <= i + offset`: 0 for top-left (and for no mask), Nk - Nq for bottom-right."""
     return n_k - n_q if alignment == "bottom_right" else 0
+
+
+def check_window(window, alignment: str | None, where: str = "attention") -> int:
+    """Normalise a sliding-window argument: None -> 0 (no window); else an int >= 1, the number of keys a
+    query sees at most, its own position included: query i sees keys i + offset - window < j <= i + offset
+    (Mistral's `sliding_window`, Gemma's local layers). A window needs a causal alignment."""
+    if window is None:
+        return 0
+    window = check_int(where, "window", window, 1)
+    if alignment is None:
+        raise ValueError(
+            f"{where}: a sliding window (window={window}) needs causal=True, 'top_left' or 'bottom_right': "
+            "query i sees the `window` keys ending at its own position"
+        )
+    return window

@@ -108,12 +108,13 @@ def assert_grads_close_to_reference(
         )
 
 
-def reference_outputs(q, k, v, causal: bool, scale=None, grad_out=None):
-    """Forward (and, with grad_out, dq, dk, dv) of the standard reference on the given tensors.
+def reference_outputs(q, k, v, causal: bool, scale=None, grad_out=None, window=None):
+    """Forward (and, with grad_out, dq, dk, dv) of the standard reference on the given tensors
+    (window: a sliding window, as in `flash_attention`).
 
     Runs on detached copies, so it works for float64 references and same-dtype baselines alike."""
     q, k, v = (t.detach().clone().requires_grad_(grad_out is not None) for t in (q, k, v))
-    o = attention(q, k, v, causal=causal, scale=scale)
+    o = attention(q, k, v, causal=causal, scale=scale, window=window)
     if grad_out is None:
         return o.detach(), None
     o.backward(grad_out.to(o.dtype))

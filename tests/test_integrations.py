@@ -53,9 +53,9 @@ def kernel_calls(monkeypatch):
     calls = []
     real = hf.flash_attention_op
 
-    def counting(q, k, v, causal, scale):
-        calls.append((tuple(q.shape), tuple(k.shape), causal))
-        return real(q, k, v, causal, scale)
+    def counting(q, k, v, causal, scale, window=None):
+        calls.append((tuple(q.shape), tuple(k.shape), causal) + ((window,) if window is not None else ()))
+        return real(q, k, v, causal, scale, window)
 
     monkeypatch.setattr(hf, "flash_attention_op", counting)
     return calls
@@ -172,6 +172,71 @@ def test_dropout_is_refused_clearly():
     model.set_attn_implementation("course_lib")
     with pytest.raises(ValueError, match="no dropout"):
         model(torch.randint(0, 97, (1, 8), device=DEVICE))
+
+
+def tiny_mistral(window=8, seed=0):
+    """A tiny random-weight MistralForCausalLM whose layers attend within a sliding window of `window` keys."""
+    config = transformers.MistralConfig(
+        vocab_size=97,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+        sliding_window=window,
+        attention_dropout=0.0,
+    )
+    torch.manual_seed(seed)
+    return transformers.MistralForCausalLM(config).to(DEVICE, torch.float32).eval()
+
+
+def test_sliding_window_logits_and_gradients_match_sdpa(kernel_calls):
+    """Mistral's sliding window (8 keys, 24 tokens): the mask hook answers None, the kernels get
+    window=8, and logits and gradients match transformers' SDPA with its banded mask."""
+    use_in_transformers()
+    model = tiny_mistral()
+    ids = torch.randint(0, 97, (2, 24), device=DEVICE)
+    ref = _logits(model, "sdpa", ids)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # no SDPA fallback
+        got = _logits(model, "course_lib", ids)
+    assert kernel_calls == [((2, 4, 24, 16), (2, 2, 24, 16), "bottom_right", 8)] * 2
+    full = _logits(tiny_mistral(window=None), "sdpa", ids)
+    assert (full - ref).abs().max() > 1e-2  # the window changes the logits: the check below can fail
+    err = (got - ref).abs().max().item()
+    assert err < 1e-4, f"tiny Mistral fp32, window 8, N=24: logits differ from SDPA by {err:.3g}"
+    model.train()
+    grads = {}
+    for impl in ("sdpa", "course_lib"):
+        model.set_attn_implementation(impl)
+        model.zero_grad()
+        model(ids, labels=ids).loss.backward()
+        grads[impl] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    for name, g in grads["sdpa"].items():
+        err = relative_error(grads["course_lib"][name], g)
+        assert err <= 1e-5, f"tiny Mistral fp32, window 8: grad of {name}: relative error {err:.3g}"
+
+
+def test_sliding_window_generation_same_tokens(kernel_calls):
+    """Greedy generation past the window (8-token prompt, 12 new tokens, window 8): the same tokens as
+    SDPA, every step on the kernels. transformers' sliding-window cache keeps only the last keys a query
+    can see (kv_offset > 0); they end where the queries end, so the alignment is still bottom-right."""
+    use_in_transformers()
+    model = tiny_mistral()
+    prompt = torch.randint(0, 97, (1, 8), device=DEVICE)
+    tokens = {}
+    for impl in ("sdpa", "course_lib"):
+        model.set_attn_implementation(impl)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", UserWarning)  # no SDPA fallback on the way
+            tokens[impl] = model.generate(
+                prompt, max_new_tokens=12, min_new_tokens=12, do_sample=False, attention_mask=None
+            )
+    assert len(kernel_calls) == 2 * 12 and all(c[3] == 8 for c in kernel_calls)
+    assert max(c[1][2] for c in kernel_calls) <= 8  # the cache never held more than the window
+    assert torch.equal(tokens["sdpa"], tokens["course_lib"]), f"{tokens['sdpa']} != {tokens['course_lib']}"
 
 
 def _loss_and_grads(model, impl, ids):

@@ -1,4 +1,4 @@
-"""The public Triton FlashAttention-2: `flash_attention(q, k, v, causal, scale)` and the autograd
+"""The public Triton FlashAttention-2: `flash_attention(q, k, v, causal, scale, window)` and the autograd
 Function `FlashAttentionTriton` (notebooks 06 and 07).
 
 The forward kernel (`forward.py`) returns O and the logsumexp L; the Function saves Q, K, V, O and L
@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from .. import runtime
-from ..checks import causal_alignment, default_scale
+from ..checks import causal_alignment, check_window, default_scale
 from .backward import _backward
 from .configs import split_config
 from .forward import _forward
@@ -27,39 +27,66 @@ _PREPARED: set = set()  # shapes whose backward kernels this process has started
 class FlashAttentionTriton(torch.autograd.Function):
     """Differentiable FlashAttention-2 with Triton kernels.
 
-    `FlashAttentionTriton.apply(q, k, v, is_causal)` (optionally a fifth argument, the softmax scale;
-    default 1/sqrt(d)). q: (..., Nq, d), k and v: (..., Nk, d), float16, bfloat16 or float32
-    (float64 under the interpreter only). is_causal: False, True / "top_left" (query i sees keys
-    j <= i) or "bottom_right" (j <= i + Nk - Nq). Returns O (..., Nq, d). The forward saves Q, K, V, O
-    and L = logsumexp (shape q.shape[:-1]); the backward returns dq, dk, dv and None for is_causal
-    (and for scale)."""
+    `FlashAttentionTriton.apply(q, k, v, is_causal)` (optionally a fifth argument, the softmax scale,
+    default 1/sqrt(d), and a sixth, a sliding window as in `flash_attention`). q: (..., Nq, d), k and v:
+    (..., Nk, d), float16, bfloat16 or float32 (float64 under the interpreter only). is_causal: False, True
+    / "top_left" (query i sees keys j <= i) or "bottom_right" (j <= i + Nk - Nq). Returns O (..., Nq, d).
+    The forward saves Q, K, V, O and L = logsumexp (shape q.shape[:-1]); the backward returns dq, dk, dv
+    and None for is_causal (and for scale and window)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, is_causal=False, scale=None):
+    def forward(ctx, q, k, v, is_causal=False, scale=None, window=None):
         check_inputs(q, k, v, where="FlashAttentionTriton")
         alignment = causal_alignment(is_causal)
+        window = check_window(window, alignment, "FlashAttentionTriton")
         scale = default_scale(q.shape[-1], scale)
-        shape = (q.shape, k.shape, q.dtype, alignment)
+        shape = (q.shape, k.shape, q.dtype, alignment, bool(window))
         if runtime.ON_GPU and any(ctx.needs_input_grad[:3]) and shape not in _PREPARED:
             # a new shape's backward kernels start compiling now, alongside the forward's
             _PREPARED.add(shape)
-            _backward(None, q, k, v, None, None, alignment, scale, _DEFAULT_LAUNCH, _FAST, "two_kernel", True)
-        o, lse = _forward(q, k, v, alignment, scale, _DEFAULT_LAUNCH, _FAST)
+            _backward(
+                None,
+                q,
+                k,
+                v,
+                None,
+                None,
+                alignment,
+                scale,
+                _DEFAULT_LAUNCH,
+                _FAST,
+                "two_kernel",
+                True,
+                window,
+            )
+        o, lse = _forward(q, k, v, alignment, scale, _DEFAULT_LAUNCH, _FAST, window)
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.alignment = alignment
         ctx.scale = scale
+        ctx.window = window
         return o
 
     @staticmethod
     def backward(ctx, do):
         q, k, v, o, lse = ctx.saved_tensors
         dq, dk, dv = _backward(
-            do, q, k, v, o, lse, ctx.alignment, ctx.scale, _DEFAULT_LAUNCH, _FAST, "two_kernel"
+            do,
+            q,
+            k,
+            v,
+            o,
+            lse,
+            ctx.alignment,
+            ctx.scale,
+            _DEFAULT_LAUNCH,
+            _FAST,
+            "two_kernel",
+            window=ctx.window,
         )
-        return dq, dk, dv, None, None
+        return dq, dk, dv, None, None, None
 
 
-def flash_attention(q, k, v, causal=False, scale: float | None = None):
+def flash_attention(q, k, v, causal=False, scale: float | None = None, window: int | None = None):
     """O = softmax(Q K^T * scale [+ causal mask]) V with the Triton FlashAttention-2 kernels.
 
     q: (..., Nq, d), k and v: (..., Nk, d) — same leading dims, or fewer heads (dim -3) in k and v for
@@ -69,7 +96,10 @@ def flash_attention(q, k, v, causal=False, scale: float | None = None):
     causal: False; True or "top_left" (query i sees keys j <= i, as SDPA's is_causal=True);
     "bottom_right" (query i sees keys j <= i + Nk - Nq: the queries are the last Nq positions, as with
     a KV cache and FlashAttention's flash_attn_func). Rows that see no key give O = 0 (and zero
-    gradients). scale: default 1/sqrt(d). Returns O with q's shape and dtype; differentiable in q, k
+    gradients). scale: default 1/sqrt(d). window: None, or a sliding window of that many keys, with a
+    causal alignment: query i sees only keys i + offset - window < j <= i + offset (offset 0 top-left,
+    Nk - Nq bottom-right), as Mistral's `sliding_window` and Gemma's local layers do; blocks outside the
+    window are never loaded. Returns O with q's shape and dtype; differentiable in q, k
     and v. Runs compiled on a GPU, through the Triton interpreter on the CPU (`course_lib.runtime`).
     Under `torch.compile` it is a PyTorch custom operator (`op.py`): the compiled graph keeps it as one
     node, forward and backward (notebook 08b). Run eagerly it calls the autograd Function directly,
@@ -78,5 +108,5 @@ def flash_attention(q, k, v, causal=False, scale: float | None = None):
     row whose tile loads that key, masked or not (0 x NaN is NaN), as in plain PyTorch's P @ V: clean a
     cache rather than rely on the mask to hide what it holds."""
     if torch.compiler.is_compiling():
-        return flash_attention_op(q, k, v, causal, scale)
-    return FlashAttentionTriton.apply(q, k, v, causal, scale)
+        return flash_attention_op(q, k, v, causal, scale, window)
+    return FlashAttentionTriton.apply(q, k, v, causal, scale, window)

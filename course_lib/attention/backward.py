@@ -21,12 +21,13 @@ every dQ element), after the preprocessing kernel.
 
 Causal (top-left or bottom-right aligned): blocks wholly above the diagonal are skipped; only diagonal
 blocks are masked (separate loop stages), as in the forward pass; `blocks.q_block_range` and
-`blocks.kv_block_range` say which. Grouped-query attention: a dK/dV program owns one block of one K/V
-head and loops over the GROUP query heads that share it, so dK and dV are summed over those heads on
-chip, with no atomics and no repeated K/V (causal programs walk all the heads' query blocks in one
-loop, `dkdv_one_loop`); where that measured slower (`dkdv_heads_per_program`, and the Hopper kernel's
-`heads_per_program`), fewer heads per program write partial sums that `_group_sum_kernel` adds up.
-Rows that saw no key (L = -inf) contribute nothing.
+`blocks.kv_block_range` say which (with a sliding window, `blocks.window_q_range` and
+`blocks.window_kv_range` cut them down and add the window's edge as a third, masked stage). Grouped-query
+attention: a dK/dV program owns one block of one K/V head and loops over the GROUP query heads that share
+it, so dK and dV are summed over those heads on chip, with no atomics and no repeated K/V (causal programs
+walk all the heads' query blocks in one loop, `dkdv_one_loop`); where that measured slower
+(`dkdv_heads_per_program`, and the Hopper kernel's `heads_per_program`), fewer heads per program write
+partial sums that `_group_sum_kernel` adds up. Rows that saw no key (L = -inf) contribute nothing.
 
 On a Hopper GPU, where `hopper_backward.choose` measured it faster (d = 128 mostly), the dK/dV kernel is
 instead FlashAttention-3's layout of it in Gluon (`hopper_backward`, notebook 08c): the Triton kernel
@@ -43,9 +44,19 @@ from __future__ import annotations
 import torch
 
 from .. import runtime
-from ..checks import accumulator_dtype, causal_alignment, causal_offset, default_scale, kv_group
+from ..checks import accumulator_dtype, causal_alignment, causal_offset, check_window, default_scale, kv_group
 from ..runtime import tl, triton
-from .blocks import LOG2E, kv_block_range, load_rows, program_block, q_block_range, row_mask
+from .blocks import (
+    LOG2E,
+    kv_block_range,
+    load_rows,
+    program_block,
+    q_block_range,
+    row_mask,
+    visible_keys,
+    window_kv_range,
+    window_q_range,
+)
 from .configs import DKDV, DQ, PREPROCESS_BLOCK_M, split_config, teaching_hooks
 from .forward import hopper_kernels, run_gluon
 from .inputs import as_4d, check_inputs, kernel_flags, strides4
@@ -114,10 +125,10 @@ def _preprocess_kernel(
 def _dkdv_block(
     dk, dv, k, v, q_ptrs, do_ptrs, l_base, d_base, dq_base, start_m,
     stride_qm, stride_dom, stride_lm, stride_dqm, stride_dqd,
-    offs_n, offs_m, offs_d, N_Q, N_K, offset, sm_scale, qk_scale,
+    offs_n, offs_m, offs_d, N_Q, N_K, offset, window, sm_scale, qk_scale,
     MASK: tl.constexpr, CAUSAL: tl.constexpr, PROBABILITIES: tl.constexpr, ATOMIC: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, ACC_DTYPE: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, ACC_DTYPE: tl.constexpr, LOCAL: tl.constexpr,
 ):  # fmt: skip
     """Add one query block's share (rows start_m ... start_m + BLOCK_M - 1 of one head) to dK, dV.
 
@@ -131,9 +142,7 @@ def _dkdv_block(
     lse2 = _load_lse(l_base + rows * stride_lm, rows < N_Q) * LOG2E  # L: BLOCK_M floats, base 2
     sT = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION, out_dtype=ACC_DTYPE)  # (BLOCK_N, BLOCK_M)
     if MASK:
-        visible = offs_n[:, None] < N_K
-        if CAUSAL:
-            visible = visible & (rows[None, :] + offset >= offs_n[:, None])
+        visible = visible_keys(rows[None, :], offs_n[:, None], N_K, offset, window, CAUSAL, LOCAL)
         sT = tl.where(visible, sT, float("-inf"))  # masked before exp: P^T = exactly 0 there
     pT = PROBABILITIES(sT, lse2[None, :], qk_scale)
     do = load_rows(do_ptrs + start_m * stride_dom, rows, N_Q, offs_d, HEAD_DIM, BLOCK_D, UPCAST)
@@ -156,11 +165,11 @@ def _dkdv_inner(
     q_base, do_base, l_base, d_base, dq_base,
     stride_qm, stride_qd, stride_dom, stride_dod, stride_lm, stride_dqm, stride_dqd,
     stride_qh, stride_doh, stride_lh, stride_dh, stride_dqh,
-    offs_n, offs_m, offs_d, lo, hi, N_Q, N_K, offset, sm_scale, qk_scale,
+    offs_n, offs_m, offs_d, lo, hi, N_Q, N_K, offset, window, sm_scale, qk_scale,
     MASK: tl.constexpr, CAUSAL: tl.constexpr, PROBABILITIES: tl.constexpr, ATOMIC: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, ACC_DTYPE: tl.constexpr,
-    GROUP: tl.constexpr, ONE_LOOP: tl.constexpr,
+    GROUP: tl.constexpr, ONE_LOOP: tl.constexpr, LOCAL: tl.constexpr,
 ):  # fmt: skip
     """Accumulate dK, dV of one K/V block over the query blocks lo, lo + BLOCK_M, ... < hi of each of
     GROUP query heads (the bases point at the first; stride_*h step from one head to the next).
@@ -179,8 +188,9 @@ def _dkdv_inner(
                 dk, dv, k, v, q_ptrs + g * stride_qh, do_ptrs + g * stride_doh, l_base + g * stride_lh,
                 d_base + g * stride_dh, dq_base + g * stride_dqh, lo + (step - g * n_blocks) * BLOCK_M,
                 stride_qm, stride_dom, stride_lm, stride_dqm, stride_dqd,
-                offs_n, offs_m, offs_d, N_Q, N_K, offset, sm_scale, qk_scale,
+                offs_n, offs_m, offs_d, N_Q, N_K, offset, window, sm_scale, qk_scale,
                 MASK, CAUSAL, PROBABILITIES, ATOMIC, HEAD_DIM, BLOCK_D, BLOCK_M, UPCAST, DOT_PRECISION, ACC_DTYPE,
+                LOCAL,
             )  # fmt: skip
     else:
         for g in tl.static_range(GROUP):  # with GROUP = 1, the multi-head kernel's loop
@@ -189,8 +199,9 @@ def _dkdv_inner(
                     dk, dv, k, v, q_ptrs + g * stride_qh, do_ptrs + g * stride_doh, l_base + g * stride_lh,
                     d_base + g * stride_dh, dq_base + g * stride_dqh, start_m,
                     stride_qm, stride_dom, stride_lm, stride_dqm, stride_dqd,
-                    offs_n, offs_m, offs_d, N_Q, N_K, offset, sm_scale, qk_scale,
+                    offs_n, offs_m, offs_d, N_Q, N_K, offset, window, sm_scale, qk_scale,
                     MASK, CAUSAL, PROBABILITIES, ATOMIC, HEAD_DIM, BLOCK_D, BLOCK_M, UPCAST, DOT_PRECISION, ACC_DTYPE,
+                    LOCAL,
                 )  # fmt: skip
     return dk, dv
 
@@ -206,12 +217,12 @@ def _dkdv_kernel(
     stride_dqb, stride_dqh, stride_dqm, stride_dqd,
     stride_dkb, stride_dkh, stride_dkn, stride_dkd,
     stride_dvb, stride_dvh, stride_dvn, stride_dvd,
-    H, N_Q, N_K, OFFSET, N_BUCKET,
+    H, N_Q, N_K, OFFSET, WINDOW, N_BUCKET,
     GROUP: tl.constexpr, SHARE: tl.constexpr, CAUSAL: tl.constexpr, ATOMIC: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, ACC_DTYPE: tl.constexpr, BLOCK_MAJOR: tl.constexpr,
     PROBABILITIES: tl.constexpr = probabilities, Q_RANGE: tl.constexpr = q_block_range,
-    ONE_LOOP: tl.constexpr = False,
+    ONE_LOOP: tl.constexpr = False, LOCAL: tl.constexpr = False,
 ):  # fmt: skip
     """dK, dV for one block of BLOCK_N key rows, summed over GROUP query heads; with ATOMIC also dQ
     (added). Grid: (cdiv(N_K, BLOCK_N) * B * H // GROUP,): program head ph covers query heads
@@ -219,7 +230,7 @@ def _dkdv_kernel(
     SHARE = 1: DK, DV are dK, dV (a program sums every query head of its K/V head). SHARE > 1 (grouped-
     query attention split over SHARE programs per K/V head): DK, DV hold H // GROUP partial sums, which
     the caller adds up. PROBABILITIES, Q_RANGE: how P is rebuilt, which query blocks are visited
-    (`teaching.py` has the ladder's variants)."""
+    (`teaching.py` has the ladder's variants). LOCAL: a sliding window of WINDOW keys (`forward.py`)."""
     # causal: the early keys have the most work
     off_b, off_ph, n_start = program_block(N_K, H // GROUP, BLOCK_N, False, BLOCK_MAJOR)
     off_kh = off_ph // SHARE
@@ -257,6 +268,9 @@ def _dkdv_kernel(
     # the block: unmasked stage (masked in atomic mode too: the zero-filled keys past N_K of a ragged
     # last block would otherwise add exp(-L) * (dP - D) * 0 terms to dQ, NaN when L << 0).
     lo, mid, hi = Q_RANGE(n_start, N_Q, OFFSET, CAUSAL, BLOCK_M, BLOCK_N)
+    w_hi = hi
+    if LOCAL:  # a sliding window: rows [hi, w_hi) cross its upper edge (a third, masked stage)
+        mid, hi, w_hi = window_q_range(n_start, OFFSET, WINDOW, lo, mid, hi, BLOCK_M, BLOCK_N)
     qk_scale = sm_scale * LOG2E  # P in base 2 (`probabilities`)
     off_h = off_ph * GROUP  # the group's first query head
     q_base = Q + off_b * stride_qb + off_h * stride_qh
@@ -270,8 +284,17 @@ def _dkdv_kernel(
             stride_qm, stride_qd, stride_dom, stride_dod, stride_lm, stride_dqm, stride_dqd,
             stride_qh, stride_doh, stride_lh, N_Q, stride_dqh,
             offs_n, offs_m, offs_d, lo if stage == 0 else mid, mid if stage == 0 else hi,
-            N_Q, N_K, OFFSET, sm_scale, qk_scale, stage == 0 or ATOMIC, CAUSAL, PROBABILITIES, ATOMIC,
-            HEAD_DIM, BLOCK_D, BLOCK_M, UPCAST, DOT_PRECISION, ACC_DTYPE, GROUP, ONE_LOOP,
+            N_Q, N_K, OFFSET, WINDOW, sm_scale, qk_scale, stage == 0 or ATOMIC, CAUSAL, PROBABILITIES, ATOMIC,
+            HEAD_DIM, BLOCK_D, BLOCK_M, UPCAST, DOT_PRECISION, ACC_DTYPE, GROUP, ONE_LOOP, LOCAL,
+        )  # fmt: skip
+    if LOCAL:
+        dk, dv = _dkdv_inner(
+            dk, dv, k, v, q_base, do_base, l_base, d_base, dq_base,
+            stride_qm, stride_qd, stride_dom, stride_dod, stride_lm, stride_dqm, stride_dqd,
+            stride_qh, stride_doh, stride_lh, N_Q, stride_dqh,
+            offs_n, offs_m, offs_d, hi, w_hi,
+            N_Q, N_K, OFFSET, WINDOW, sm_scale, qk_scale, True, CAUSAL, PROBABILITIES, ATOMIC,
+            HEAD_DIM, BLOCK_D, BLOCK_M, UPCAST, DOT_PRECISION, ACC_DTYPE, GROUP, ONE_LOOP, LOCAL,
         )  # fmt: skip
 
     # dK = dS^T Q * scale and dV: registers -> HBM once, 2 * BLOCK_N * d elements.
@@ -298,10 +321,10 @@ def _dkdv_kernel(
 def _dq_inner(
     dq, q, do, lse2, delta,  # dQ accumulator and this program's Q, dO, L (base 2), D (all on chip)
     k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
-    offs_m, offs_n, offs_d, lo, hi, N_K, offset, qk_scale,
+    offs_m, offs_n, offs_d, lo, hi, N_K, offset, window, qk_scale,
     MASK: tl.constexpr, CAUSAL: tl.constexpr, PROBABILITIES: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, ACC_DTYPE: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, ACC_DTYPE: tl.constexpr, LOCAL: tl.constexpr,
 ):  # fmt: skip
     """Accumulate dQ of one query block over the K/V blocks lo, lo + BLOCK_N, ... < hi."""
     k_ptrs = k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd
@@ -314,9 +337,7 @@ def _dq_inner(
         v = load_rows(v_ptrs + start_n * stride_vn, cols, N_K, offs_d, HEAD_DIM, BLOCK_D, UPCAST)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION, out_dtype=ACC_DTYPE)  # (BLOCK_M, BLOCK_N)
         if MASK:
-            visible = cols[None, :] < N_K
-            if CAUSAL:
-                visible = visible & (offs_m[:, None] + offset >= cols[None, :])
+            visible = visible_keys(offs_m[:, None], cols[None, :], N_K, offset, window, CAUSAL, LOCAL)
             s = tl.where(visible, s, float("-inf"))  # masked before exp: P = exactly 0 there
         p = PROBABILITIES(s, lse2[:, None], qk_scale)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION, out_dtype=ACC_DTYPE)
@@ -335,11 +356,12 @@ def _dq_kernel(
     stride_dob, stride_doh, stride_dom, stride_dod,
     stride_lb, stride_lh, stride_lm,
     stride_dqb, stride_dqh, stride_dqm, stride_dqd,
-    H, GROUP, N_Q, N_K, OFFSET, N_BUCKET,
+    H, GROUP, N_Q, N_K, OFFSET, WINDOW, N_BUCKET,
     CAUSAL: tl.constexpr, FUSE_D: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, ACC_DTYPE: tl.constexpr,
     PROBABILITIES: tl.constexpr = probabilities, KV_RANGE: tl.constexpr = kv_block_range,
+    LOCAL: tl.constexpr = False,
 ):  # fmt: skip
     """dQ for one block of BLOCK_M query rows of one (batch, head). Grid: (cdiv(N_Q, BLOCK_M) * B * H,).
 
@@ -393,15 +415,22 @@ def _dq_kernel(
     lo, mid, hi = KV_RANGE(m_start, N_Q, N_K, OFFSET, 0, 1, CAUSAL, BLOCK_M, BLOCK_N)
     qk_scale = sm_scale * LOG2E  # P in base 2 (`probabilities`): scale and L converted once, not per tile
     lse2 = lse * LOG2E
+    if LOCAL:  # a sliding window: its lower edge first (masked), as in the forward
+        w_lo, lo, mid = window_kv_range(m_start, N_Q, OFFSET, WINDOW, lo, mid, hi, BLOCK_M, BLOCK_N)
+        dq = _dq_inner(
+            dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+            offs_m, offs_n, offs_d, w_lo, lo, N_K, OFFSET, WINDOW, qk_scale,
+            True, CAUSAL, PROBABILITIES, HEAD_DIM, BLOCK_D, BLOCK_N, UPCAST, DOT_PRECISION, ACC_DTYPE, LOCAL,
+        )  # fmt: skip
     dq = _dq_inner(
         dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
-        offs_m, offs_n, offs_d, lo, mid, N_K, OFFSET, qk_scale,
-        False, CAUSAL, PROBABILITIES, HEAD_DIM, BLOCK_D, BLOCK_N, UPCAST, DOT_PRECISION, ACC_DTYPE,
+        offs_m, offs_n, offs_d, lo, mid, N_K, OFFSET, WINDOW, qk_scale,
+        False, CAUSAL, PROBABILITIES, HEAD_DIM, BLOCK_D, BLOCK_N, UPCAST, DOT_PRECISION, ACC_DTYPE, LOCAL,
     )  # fmt: skip
     dq = _dq_inner(
         dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
-        offs_m, offs_n, offs_d, mid, hi, N_K, OFFSET, qk_scale,
-        True, CAUSAL, PROBABILITIES, HEAD_DIM, BLOCK_D, BLOCK_N, UPCAST, DOT_PRECISION, ACC_DTYPE,
+        offs_m, offs_n, offs_d, mid, hi, N_K, OFFSET, WINDOW, qk_scale,
+        True, CAUSAL, PROBABILITIES, HEAD_DIM, BLOCK_D, BLOCK_N, UPCAST, DOT_PRECISION, ACC_DTYPE, LOCAL,
     )  # fmt: skip
     # dQ = dS K * scale: registers -> HBM once, BLOCK_M * d elements.
     dq = dq * sm_scale
@@ -456,6 +485,7 @@ def backward(
     scale: float | None = None,
     config: dict | None = None,
     dq_mode: str = "two_kernel",
+    window=None,
 ):
     """FlashAttention-2 backward: (dQ, dK, dV) from dO, the inputs and the forward's O and L.
 
@@ -464,6 +494,7 @@ def backward(
     natural-log units, as returned by `forward.forward` — or the merged O and L of a longer sequence
     of which k, v are a part (ring attention). Any strides. causal: as in `forward.forward`. Returns
     dq, dk, dv with the shapes and dtype of q, k, v (contiguous). Nothing of size Nq x Nk is allocated.
+    window: the forward's sliding window (None: none), as in `forward.forward`.
 
     dq_mode: "two_kernel" (default) — a dK/dV kernel and a separate dQ kernel, no atomics;
              "atomic" — one dK/dV kernel that also adds dQ into an fp32 buffer with tl.atomic_add.
@@ -497,9 +528,10 @@ def backward(
     if dq_mode not in DQ_MODES:
         raise ValueError(f"attention.backward: dq_mode must be one of {DQ_MODES}, got {dq_mode!r}")
     alignment = causal_alignment(causal)
+    window = check_window(window, alignment, "attention.backward")
     scale = default_scale(q.shape[-1], scale)
     launch_cfg, switches = split_config(config, DKDV.cpu if runtime.INTERPRET else DKDV.fixed)
-    return _backward(do, q, k, v, o, L, alignment, scale, launch_cfg, switches, dq_mode)
+    return _backward(do, q, k, v, o, L, alignment, scale, launch_cfg, switches, dq_mode, window=window)
 
 
 def dkdv_heads_per_program(group: int, causal: bool, n_k: int, head_dim: int) -> int:
@@ -569,9 +601,11 @@ def _hopper_dkdv(q4, k4, v4, do4, causal: bool, n_q: int, n_k: int, switches: di
     return hopper_backward if chosen else None
 
 
-def _backward(do, q, k, v, o, L, alignment, scale, launch_cfg, switches, dq_mode, compile_only=False):
+def _backward(
+    do, q, k, v, o, L, alignment, scale, launch_cfg, switches, dq_mode, compile_only=False, window=0
+):
     """Launch the kernels on validated inputs (no checks here): dQ (with D) then dK/dV, or, atomic,
-    the preprocessing then dK/dV with dQ.
+    the preprocessing then dK/dV with dQ. window: `checks.check_window`'s (0: none).
 
     compile_only=True (the autograd forward, before its own launch): launch nothing; start compiling
     the default backward's two kernels for this shape (`launch.compile_ahead`). do, o and L may then be
@@ -595,7 +629,9 @@ def _backward(do, q, k, v, o, L, alignment, scale, launch_cfg, switches, dq_mode
     atomic = dq_mode == "atomic"
     # the warp-specialised dK/dV kernel (Hopper), or None
     fixed_launch = launch_cfg is not None
-    gluon = None if fixed_launch or atomic else _hopper_dkdv(q4, k4, v4, do4, causal, n_q, n_k, switches)
+    # (the Gluon kernel has no sliding window)
+    use_gluon = not (fixed_launch or atomic or window)
+    gluon = _hopper_dkdv(q4, k4, v4, do4, causal, n_q, n_k, switches) if use_gluon else None
     if gluon is not None:
         on_chip = gluon.heads_per_program(group, causal, n_k)
     else:
@@ -617,8 +653,10 @@ def _backward(do, q, k, v, o, L, alignment, scale, launch_cfg, switches, dq_mode
     q_args = (
         q4, k4, v4, o4, do4, l3, delta, dq_acc, scale,
         *strides4(q4), *strides4(k4), *strides4(v4), *strides4(o4), *strides4(do4), *l3.stride(),
-        *strides4(dq_acc), H, group, n_q, n_k, offset, bucket,
+        *strides4(dq_acc), H, group, n_q, n_k, offset, window, bucket,
     )  # fmt: skip
+    if window:  # the sliding-window variants; without one the kernels compile exactly as before
+        common["LOCAL"] = True
     q_meta = dict(common, FUSE_D=True)
     q_grid = lambda c: (triton.cdiv(n_q, c.block_m) * B * H,)
     if share > 1:  # one partial dK, dV per program head (fp32), added up below
@@ -628,7 +666,7 @@ def _backward(do, q, k, v, o, L, alignment, scale, launch_cfg, switches, dq_mode
     kv_args = (
         q4, k4, v4, do4, l3, delta, dq_acc, dk_out, dv_out, scale,
         *strides4(q4), *strides4(k4), *strides4(v4), *strides4(do4), *l3.stride(),
-        *strides4(dq_acc), *strides4(dk_out), *strides4(dv_out), H, n_q, n_k, offset, bucket,
+        *strides4(dq_acc), *strides4(dk_out), *strides4(dv_out), H, n_q, n_k, offset, window, bucket,
     )  # fmt: skip
     kv_meta = dict(
         common,

@@ -14,6 +14,10 @@ Causal masking, with an *offset*: query row i sees key j when
 positions of the sequence, as FlashAttention's `flash_attn_func`): `causal_offset` (below) gives it.
 With Nq > Nk bottom-right, the first Nq - Nk rows see no key at all.
 
+A sliding *window* of W keys adds a lower bound, j > i + causal_offset - W (query i sees at most the W keys
+ending at its own position): `window_kv_range` and `window_q_range` cut the causal ranges down to it, and
+add a third, masked stage where the window's edge crosses a block.
+
 A *split* cuts one program's key range into `num_splits` nearly equal runs of whole blocks, one per
 program, as split-KV decoding does (notebook 09); split 0 of 1 is the whole range.
 
@@ -103,6 +107,54 @@ def q_block_range(
 
 
 @triton.jit
+def window_kv_range(
+    m_start, N_Q, offset, WINDOW, lo, mid, hi, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr
+):  # fmt: skip
+    """A sliding window of WINDOW keys on `kv_block_range`'s (lo, mid, hi): (w_lo, w_full, w_mid). Keys
+    [w_lo, w_full) cross the window's lower edge for some row of the block (masked), [w_full, w_mid) are
+    seen by every row (no mask), [w_mid, hi) stay the causal diagonal (masked). Blocks wholly below the
+    window of the block's first row are never visited."""
+    # The block's first row sees keys from m_start + offset - WINDOW + 1 on; its last row from
+    # last + offset - WINDOW + 1 on: keys from there up see the window of every row.
+    last = tl.minimum(m_start + BLOCK_M, N_Q) - 1
+    w_lo = tl.minimum(tl.maximum((tl.maximum(m_start + offset - WINDOW + 1, 0) // BLOCK_N) * BLOCK_N, lo), hi)
+    w_full = tl.maximum(
+        tl.minimum(tl.cdiv(tl.maximum(last + offset - WINDOW + 1, 0), BLOCK_N) * BLOCK_N, mid), w_lo
+    )
+    return w_lo, w_full, tl.maximum(mid, w_full)
+
+
+@triton.jit
+def window_q_range(
+    n_start, offset, WINDOW, lo, mid, hi, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr
+):  # fmt: skip
+    """A sliding window of WINDOW keys on `q_block_range`'s (lo, mid, hi) for the key block at n_start:
+    (w_mid, w_full, w_hi). Rows [lo, w_mid) are the causal diagonal (masked), [w_mid, w_full) see every
+    key of the block (no mask), [w_full, w_hi) cross the window's upper edge (masked); rows from w_hi on
+    see none of the block (row i sees key j when j > i + offset - WINDOW, i.e. i < j - offset + WINDOW)."""
+    w_hi = tl.minimum(hi, tl.cdiv(tl.maximum(n_start + BLOCK_N - 1 - offset + WINDOW, 0), BLOCK_M) * BLOCK_M)
+    w_hi = tl.maximum(w_hi, lo)  # never below lo: every range stays ordered
+    w_mid = tl.minimum(mid, w_hi)
+    w_full = tl.minimum(
+        tl.maximum((tl.maximum(n_start - offset + WINDOW, 0) // BLOCK_M) * BLOCK_M, w_mid), w_hi
+    )
+    return w_mid, w_full, w_hi
+
+
+@triton.jit
+def visible_keys(rows, cols, N_K, offset, WINDOW, CAUSAL: tl.constexpr, LOCAL: tl.constexpr):
+    """Which (row, key) pairs of a tile are visible: keys past N_K never; with CAUSAL, j <= i + offset;
+    with LOCAL (a sliding window) also j > i + offset - WINDOW. rows: (R, 1), cols: (1, C) or the
+    transposed pair; the result broadcasts to the tile."""
+    visible = cols < N_K
+    if CAUSAL:
+        visible = visible & (rows + offset >= cols)
+        if LOCAL:
+            visible = visible & (rows + offset - WINDOW < cols)
+    return visible
+
+
+@triton.jit
 def row_mask(rows, n_rows, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
     """Mask of a (rows, BLOCK_D) tile: rows past n_rows and padding columns past HEAD_DIM are off."""
     if BLOCK_D == HEAD_DIM:
@@ -164,3 +216,23 @@ def q_block_range_py(
     lo = min((max(n_start - offset, 0) // block_m) * block_m, hi)
     mid = min(_cdiv(max(n_start + block_n - 1 - offset, 0), block_m) * block_m, hi)
     return lo, mid, hi
+
+
+def window_kv_range_py(
+    m_start: int, n_q: int, offset: int, window: int, lo: int, mid: int, hi: int, block_m: int, block_n: int
+) -> tuple[int, int, int]:
+    """`window_kv_range` in Python: (w_lo, w_full, w_mid) from `kv_block_range_py`'s (lo, mid, hi)."""
+    last = min(m_start + block_m, n_q) - 1
+    w_lo = min(max((max(m_start + offset - window + 1, 0) // block_n) * block_n, lo), hi)
+    w_full = max(min(_cdiv(max(last + offset - window + 1, 0), block_n) * block_n, mid), w_lo)
+    return w_lo, w_full, max(mid, w_full)
+
+
+def window_q_range_py(
+    n_start: int, offset: int, window: int, lo: int, mid: int, hi: int, block_m: int, block_n: int
+) -> tuple[int, int, int]:
+    """`window_q_range` in Python: (w_mid, w_full, w_hi) from `q_block_range_py`'s (lo, mid, hi)."""
+    w_hi = max(min(hi, _cdiv(max(n_start + block_n - 1 - offset + window, 0), block_m) * block_m), lo)
+    w_mid = min(mid, w_hi)
+    w_full = min(max((max(n_start - offset + window, 0) // block_m) * block_m, w_mid), w_hi)
+    return w_mid, w_full, w_hi

@@ -34,9 +34,18 @@ import warnings
 import torch
 
 from .. import runtime
-from ..checks import accumulator_dtype, causal_alignment, causal_offset, default_scale, kv_group
+from ..checks import accumulator_dtype, causal_alignment, causal_offset, check_window, default_scale, kv_group
 from ..runtime import tl, triton
-from .blocks import LN2, LOG2E, kv_block_range, load_rows, program_block, row_mask
+from .blocks import (
+    LN2,
+    LOG2E,
+    kv_block_range,
+    load_rows,
+    program_block,
+    row_mask,
+    visible_keys,
+    window_kv_range,
+)
 from .configs import FORWARD, split_config, teaching_hooks
 from .inputs import SUPPORTED_HEAD_DIMS, as_4d, check_inputs, kernel_flags, strides4
 from .launch import cuda_device, launch, make_tuner, n_bucket
@@ -136,16 +145,17 @@ def logsumexp(m_i, l_i):
 def _fwd_inner(
     acc, l_i, m_i, q,  # running state (registers) and the Q block (registers)
     k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
-    offs_m, offs_n, offs_d, lo, hi, N_K, offset, sm_scale,
-    MASK: tl.constexpr, CAUSAL: tl.constexpr, SOFTMAX_STEP: tl.constexpr,
+    offs_m, offs_n, offs_d, lo, hi, N_K, offset, window, sm_scale,
+    MASK: tl.constexpr, CAUSAL: tl.constexpr, LOCAL: tl.constexpr, SOFTMAX_STEP: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, ACC_DTYPE: tl.constexpr,
 ):  # fmt: skip
     """Online softmax over the K/V blocks starting at lo, lo + BLOCK_N, ... < hi.
 
     MASK=False is the fast stage: every key of every block is visible to every query row, so no
-    score is masked. MASK=True (causal diagonal blocks, the ragged last block) sets the scores of
-    invisible keys (past N_K, or j > i + offset when CAUSAL) to -inf before the softmax step."""
+    score is masked. MASK=True (causal diagonal blocks, the ragged last block, a sliding window's
+    edge) sets the scores of invisible keys (`blocks.visible_keys`: past N_K, j > i + offset when CAUSAL,
+    j <= i + offset - window when LOCAL) to -inf before the softmax step."""
     k_ptrs = k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd  # K block (BLOCK_N, d)
     v_ptrs = v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd  # V block (BLOCK_N, d)
     for start_n in range(lo, hi, BLOCK_N):
@@ -157,9 +167,7 @@ def _fwd_inner(
         # S = Q K^T: a (BLOCK_M, BLOCK_N) tile in registers, fp32
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION, out_dtype=ACC_DTYPE)
         if MASK:
-            visible = cols[None, :] < N_K
-            if CAUSAL:
-                visible = visible & (offs_m[:, None] + offset >= cols[None, :])
+            visible = visible_keys(offs_m[:, None], cols[None, :], N_K, offset, window, CAUSAL, LOCAL)
             s = tl.where(visible, s, float("-inf"))
         p, alpha, l_i, m_i = SOFTMAX_STEP(s, m_i, l_i, sm_scale, MASK)  # P: registers, fp32
         acc = acc * alpha[:, None]  # rescale the accumulator to the new max: BLOCK_M x d multiplies
@@ -179,18 +187,19 @@ def _fwd_kernel(
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_ob, stride_oh, stride_om, stride_od,
     stride_lb, stride_lh, stride_lm,
-    H, GROUP, N_Q, N_K, OFFSET, N_BUCKET,
+    H, GROUP, N_Q, N_K, OFFSET, WINDOW, N_BUCKET,
     CAUSAL: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, ACC_DTYPE: tl.constexpr,
     SOFTMAX_STEP: tl.constexpr = softmax_step, LOGSUMEXP: tl.constexpr = logsumexp,
-    KV_RANGE: tl.constexpr = kv_block_range,
+    KV_RANGE: tl.constexpr = kv_block_range, LOCAL: tl.constexpr = False,
 ):  # fmt: skip
     """O[b, h, rows] and L[b, h, rows] for one block of BLOCK_M query rows of one (batch, head).
 
     Grid: (cdiv(N_Q, BLOCK_M) * B * H,). Query head h reads K/V head h // GROUP (grouped-query
     attention: GROUP query heads share one K/V head; GROUP = 1 is multi-head attention). Causal:
-    row i sees keys j <= i + OFFSET (`blocks.py`). N_BUCKET only keys the autotuner.
+    row i sees keys j <= i + OFFSET (`blocks.py`); LOCAL (a sliding window): only the WINDOW keys
+    j > i + OFFSET - WINDOW of those. N_BUCKET only keys the autotuner.
     SOFTMAX_STEP, LOGSUMEXP, KV_RANGE: the online-softmax step, its finish and the block range;
     notebook 08's ladder passes the variants of `teaching.py`."""
     off_b, off_h, m_start = program_block(N_Q, H, BLOCK_M, CAUSAL, False)  # causal: longest rows first
@@ -217,15 +226,22 @@ def _fwd_kernel(
     # Stage 2, masked: the causal diagonal blocks and the ragged last block; blocks wholly above
     # the diagonal (j > i + OFFSET for every pair) are never loaded.
     lo, mid, hi = KV_RANGE(m_start, N_Q, N_K, OFFSET, 0, 1, CAUSAL, BLOCK_M, BLOCK_N)
+    if LOCAL:  # a sliding window: first the blocks its lower edge crosses (masked), from the first it reaches
+        w_lo, lo, mid = window_kv_range(m_start, N_Q, OFFSET, WINDOW, lo, mid, hi, BLOCK_M, BLOCK_N)
+        acc, l_i, m_i = _fwd_inner(
+            acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+            offs_m, offs_n, offs_d, w_lo, lo, N_K, OFFSET, WINDOW, sm_scale,
+            True, CAUSAL, LOCAL, SOFTMAX_STEP, HEAD_DIM, BLOCK_D, BLOCK_N, UPCAST, DOT_PRECISION, ACC_DTYPE,
+        )  # fmt: skip
     acc, l_i, m_i = _fwd_inner(
         acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
-        offs_m, offs_n, offs_d, lo, mid, N_K, OFFSET, sm_scale,
-        False, CAUSAL, SOFTMAX_STEP, HEAD_DIM, BLOCK_D, BLOCK_N, UPCAST, DOT_PRECISION, ACC_DTYPE,
+        offs_m, offs_n, offs_d, lo, mid, N_K, OFFSET, WINDOW, sm_scale,
+        False, CAUSAL, LOCAL, SOFTMAX_STEP, HEAD_DIM, BLOCK_D, BLOCK_N, UPCAST, DOT_PRECISION, ACC_DTYPE,
     )  # fmt: skip
     acc, l_i, m_i = _fwd_inner(
         acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
-        offs_m, offs_n, offs_d, mid, hi, N_K, OFFSET, sm_scale,
-        True, CAUSAL, SOFTMAX_STEP, HEAD_DIM, BLOCK_D, BLOCK_N, UPCAST, DOT_PRECISION, ACC_DTYPE,
+        offs_m, offs_n, offs_d, mid, hi, N_K, OFFSET, WINDOW, sm_scale,
+        True, CAUSAL, LOCAL, SOFTMAX_STEP, HEAD_DIM, BLOCK_D, BLOCK_N, UPCAST, DOT_PRECISION, ACC_DTYPE,
     )  # fmt: skip
 
     # O = acc / l: registers -> HBM, BLOCK_M * d elements. A row that saw no key (l = 0: possible with
@@ -249,7 +265,7 @@ _HOOKS = ("SOFTMAX_STEP", "LOGSUMEXP", "KV_RANGE")  # the kernel's function argu
 # --------------------------------------------------------------------------------------------------
 # Python entry point
 # --------------------------------------------------------------------------------------------------
-def forward(q, k, v, causal=False, scale: float | None = None, config: dict | None = None):
+def forward(q, k, v, causal=False, scale: float | None = None, config: dict | None = None, window=None):
     """FlashAttention-2 forward: O = softmax(Q K^T * scale [+ causal mask]) V, and L = logsumexp.
 
     q: (..., Nq, d), k and v: (..., Nk, d) with the same leading dims, or fewer heads (dim -3) for
@@ -258,7 +274,8 @@ def forward(q, k, v, causal=False, scale: float | None = None, config: dict | No
     shape q.shape[:-1], natural-log units, float32 (float64 for float64 inputs).
     causal: False; True or "top_left" (query i sees keys j <= i); "bottom_right" (query i sees keys
     j <= i + Nk - Nq: the queries are the last Nq positions, as with a KV cache). A row that sees no
-    key gets O = 0 and L = -inf.
+    key gets O = 0 and L = -inf. window: None, or a sliding window of that many keys (causal only):
+    query i sees keys i + offset - window < j <= i + offset (`checks.check_window`).
 
     config (dict, optional; notebook 08's optimisation ladder):
       BLOCK_M, BLOCK_N   query rows per program, key rows per loop step (powers of two >= 16)
@@ -276,14 +293,15 @@ def forward(q, k, v, causal=False, scale: float | None = None, config: dict | No
     (`launch.py`)."""
     check_inputs(q, k, v, where="attention.forward")
     alignment = causal_alignment(causal)
+    window = check_window(window, alignment, "attention.forward")
     scale = default_scale(q.shape[-1], scale)
     launch_cfg, switches = split_config(config, FORWARD.cpu if runtime.INTERPRET else FORWARD.fixed)
-    return _forward(q, k, v, alignment, scale, launch_cfg, switches)
+    return _forward(q, k, v, alignment, scale, launch_cfg, switches, window)
 
 
-def _forward(q, k, v, alignment, scale, launch_cfg, switches):
+def _forward(q, k, v, alignment, scale, launch_cfg, switches, window=0):
     """Launch the forward kernel on validated inputs (no checks here); alignment from
-    `checks.causal_alignment`."""
+    `checks.causal_alignment`, window from `checks.check_window` (0: none)."""
     o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(q.shape[:-1], dtype=accumulator_dtype(q.dtype), device=q.device)
     q4, k4, v4, o4 = as_4d(q), as_4d(k), as_4d(v), as_4d(o)
@@ -296,14 +314,17 @@ def _forward(q, k, v, alignment, scale, launch_cfg, switches):
     args = (
         q4, k4, v4, o4, l3, scale,
         *strides4(q4), *strides4(k4), *strides4(v4), *strides4(o4), *l3.stride(),
-        H, kv_group(q4, k4), n_q, n_k, offset, bucket,
+        H, kv_group(q4, k4), n_q, n_k, offset, window, bucket,
     )  # fmt: skip
     meta = dict(
         CAUSAL=causal, HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)), **kernel_flags(q.dtype)
     )
+    if window:  # the sliding-window variant; without one the kernel compiles exactly as before
+        meta["LOCAL"] = True
     hooks = teaching_hooks(switches, _HOOKS)  # {} unless a ladder rung asks for a teaching variant
     with cuda_device(q):
-        if launch_cfg is None and _try_hopper(q4, k4, v4, o4, l3, causal, offset, scale, switches, hooks):
+        gluon_ok = launch_cfg is None and not window  # the Gluon kernel has no sliding window
+        if gluon_ok and _try_hopper(q4, k4, v4, o4, l3, causal, offset, scale, switches, hooks):
             return o, lse
         if launch_cfg is None:  # the production kernel (teaching variants always come with a fixed launch)
             grid = lambda c: (triton.cdiv(n_q, c.block_m) * B * H,)

@@ -15,19 +15,26 @@ from ..checks import (
     causal_alignment,
     causal_offset,
     check_attention_inputs,
+    check_window,
     default_scale,
     kv_group,
 )
 
 
-def causal_mask(n_queries: int, n_keys: int, device=None, alignment: str = "top_left") -> torch.Tensor:
+def causal_mask(
+    n_queries: int, n_keys: int, device=None, alignment: str = "top_left", window: int | None = None
+) -> torch.Tensor:
     """Boolean (Nq, Nk) mask, True where query i may attend to key j.
 
     "top_left": j <= i, query i aligned with key i, as `scaled_dot_product_attention(is_causal=True)`;
     every row keeps key 0. "bottom_right": j <= i + Nk - Nq, the queries are the last Nq positions (a
-    KV cache); with Nq > Nk the first Nq - Nk rows see no key (`attention` gives them O = 0)."""
+    KV cache); with Nq > Nk the first Nq - Nk rows see no key (`attention` gives them O = 0).
+    window: also j > i + offset - window (a sliding window of that many keys), None for none."""
     offset = causal_offset(causal_alignment(alignment), n_queries, n_keys)
-    return causal_mask_tile(0, n_queries, 0, n_keys, device, offset)
+    mask = causal_mask_tile(0, n_queries, 0, n_keys, device, offset)
+    if window is not None:
+        mask &= ~causal_mask_tile(0, n_queries, 0, n_keys, device, offset - window)
+    return mask
 
 
 def causal_mask_tile(i0: int, i1: int, j0: int, j1: int, device=None, offset: int = 0) -> torch.Tensor:
@@ -38,7 +45,9 @@ def causal_mask_tile(i0: int, i1: int, j0: int, j1: int, device=None, offset: in
     return j <= i + offset
 
 
-def attention(q, k, v, causal=False, scale: float | None = None, return_lse: bool = False):
+def attention(
+    q, k, v, causal=False, scale: float | None = None, return_lse: bool = False, window: int | None = None
+):
     """O = softmax(Q K^T * scale [+ causal mask]) V, computed the standard (memory-hungry) way.
 
     q: (..., Nq, d), k: (..., Nk, d), v: (..., Nk, d_v), any floating dtype (float64 included), any
@@ -47,9 +56,11 @@ def attention(q, k, v, causal=False, scale: float | None = None, return_lse: boo
     "bottom_right" (j <= i + Nk - Nq). Returns O (..., Nq, d_v) in the input dtype; with
     `return_lse=True` also L = logsumexp of the scaled, masked scores, (..., Nq), float32 for half
     inputs, else the input dtype. A row that sees no key gets O = 0 and L = -inf. Softmax and the
-    logsumexp are computed in at least float32."""
+    logsumexp are computed in at least float32. window: a sliding window of that many keys (causal
+    only): query i also sees no key j <= i + offset - window."""
     check_attention_inputs(q, k, v, where="reference.attention", same_head_dim_v=False, allow_gqa=True)
     alignment = causal_alignment(causal)
+    window = check_window(window, alignment, "reference.attention") or None
     scale = default_scale(q.shape[-1], scale)
     acc_dtype = accumulator_dtype(q.dtype)
     group = kv_group(q, k)
@@ -57,7 +68,7 @@ def attention(q, k, v, causal=False, scale: float | None = None, return_lse: boo
         k, v = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)
     S = torch.matmul(q, k.transpose(-2, -1)).to(acc_dtype) * scale  # (..., Nq, Nk)
     if alignment is not None:
-        mask = causal_mask(q.shape[-2], k.shape[-2], q.device, alignment)
+        mask = causal_mask(q.shape[-2], k.shape[-2], q.device, alignment, window)
         S = S.masked_fill(~mask, float("-inf"))
     L = torch.logsumexp(S, dim=-1)  # (..., Nq)
     P = torch.exp(S - L.masked_fill(torch.isneginf(L), 0.0)[..., None])  # rows with no key: P = 0

@@ -6,15 +6,17 @@ transformers asks two questions of an attention implementation, each through its
    padding mask, the cache's length) into a mask for all layers. `attention_mask` below answers
    `None` whenever the mask is plain causal with the queries at the end of the keys, which is
    exactly what the kernels compute without any mask tensor: prefill (Nq = Nk), decoding and
-   chunked prefill with a growing cache (Nq < Nk, bottom-right). Anything else (padding, a static
-   cache's unused slots, sliding windows, packed sequences, a 4-D mask given by the caller) gets
-   transformers' own boolean mask.
+   chunked prefill with a growing cache (Nq < Nk, bottom-right), with or without a sliding window
+   (Mistral's `sliding_window`, Gemma's local layers: the kernels take the window as an argument).
+   Anything else (padding, a static cache's unused slots, chunked attention, packed sequences, a 4-D
+   mask given by the caller) gets transformers' own boolean mask.
 2. *Attention itself* (`AttentionInterface`): each layer calls `attention_forward(module, q, k, v,
    mask, dropout=, scaling=, ...)` with q (B, Hq, Nq, d), k, v (B, Hkv, Nk, d) and expects
    (O as (B, Nq, Hq, d), weights or None). With no mask, the kernels run through the custom
-   operator `course_lib.attention.op` (so `torch.compile` works), K/V heads not repeated (GQA) and the
-   causal mask bottom-right aligned. With a mask, the call falls back to transformers' SDPA
-   implementation, with a warning saying why: the kernels take no arbitrary masks.
+   operator `course_lib.attention.op` (so `torch.compile` works), K/V heads not repeated (GQA), the
+   causal mask bottom-right aligned, and the layer's `sliding_window` (if any) passed on as `window`.
+   With a mask, the call falls back to transformers' SDPA implementation, with a warning saying why:
+   the kernels take no arbitrary masks.
 
 Dropout is not implemented by the kernels: a layer in training mode with attention dropout > 0
 raises a ValueError (set `config.attention_dropout = 0`). So do logit soft-capping and attention sinks.
@@ -49,6 +51,21 @@ def _no_padding(padding_mask: torch.Tensor | None) -> bool:
     return bool(padding_mask.all())
 
 
+def _is_sliding_causal(mask_function, window: int) -> bool:
+    """Whether transformers' `mask_function` is the causal mask with a sliding window of `window` keys
+    (kv_idx <= q_idx and kv_idx > q_idx - window), checked on a sample of positions around the window's
+    edges (mask functions take index tensors); False for anything else (chunked attention, say)."""
+    q_idx = torch.tensor([0, 1, window - 1, window, window + 1, 2 * window + 3])[:, None]
+    kv_idx = torch.arange(0, 2 * window + 5)[None, :]
+    want = (kv_idx <= q_idx) & (kv_idx > q_idx - window)
+    zero = torch.tensor(0)
+    try:
+        got = torch.as_tensor(mask_function(zero, zero, q_idx, kv_idx))
+    except Exception:  # a mask function that does not take index tensors: not one we recognise
+        return False
+    return got.dtype == torch.bool and torch.equal(got.expand_as(want), want)
+
+
 def attention_mask(
     batch_size: int,
     q_length: int,
@@ -64,15 +81,21 @@ def attention_mask(
     """transformers' mask hook for "course_lib": None when the kernels' causal mask is the right one,
     else transformers' SDPA boolean mask (batch_size, 1, q_length, kv_length) (True = attend).
 
-    None means: causal, no padding, and the q_length queries are the last q_length of kv_length keys
-    (q_offset + q_length == kv_length, kv_offset == 0) — the bottom-right alignment."""
+    None means: causal (with the layer's sliding window, if `local_size` is one), no padding, and the
+    q_length queries end where the keys end (q_offset + q_length == kv_offset + kv_length: the keys are
+    positions kv_offset ... kv_offset + kv_length - 1, all of them since kv_offset = 0 in a growing
+    cache, the last ones in a sliding-window cache that drops what no query can see) — the bottom-right
+    alignment."""
+    if local_size is None:
+        kernels_mask = mask_function is causal_mask_function
+    else:
+        kernels_mask = _is_sliding_causal(mask_function, local_size)
     plain_causal = (
         allow_is_causal_skip
-        and mask_function is causal_mask_function
-        and local_size is None
+        and kernels_mask
         and isinstance(q_offset, int)
-        and kv_offset == 0
-        and q_offset + q_length == kv_length
+        and isinstance(kv_offset, int)
+        and q_offset + q_length == kv_offset + kv_length
         and _no_padding(attention_mask)
     )
     if plain_causal:
@@ -107,7 +130,8 @@ def attention_forward(
     query: (B, Hq, Nq, d); key, value: (B, Hkv, Nk, d) with Hq a multiple of Hkv (grouped-query
     attention, K/V not repeated); the model's dtype (float16/bfloat16/float32). attention_mask: None
     (causal, bottom-right: query i sees keys j <= i + Nk - Nq; see `attention_mask`) or a mask tensor
-    (then SDPA runs, with a warning). scaling: the softmax scale (default 1/sqrt(d)). Returns
+    (then SDPA runs, with a warning). sliding_window (keyword, from the layer): query i then sees only
+    the keys i + Nk - Nq - sliding_window < j <= i + Nk - Nq. scaling: the softmax scale (default 1/sqrt(d)). Returns
     (O of shape (B, Nq, Hq, d), None): no attention weights are ever formed."""
     if dropout:
         raise ValueError(
@@ -120,11 +144,12 @@ def attention_forward(
                 f"course_lib attention does not implement {unsupported!r} ({type(module).__name__}); "
                 "use attn_implementation='sdpa' or 'eager' for this model"
             )
-    if attention_mask is not None or kwargs.get("sliding_window") is not None:
+    if attention_mask is not None:
         warnings.warn(
-            "course_lib attention: transformers passed an explicit mask (padding, a static cache, a sliding "
-            "window or a custom 4-D mask); course_lib's kernels compute causal masks only, so this call runs "
-            "transformers' SDPA attention instead",
+            "course_lib attention: transformers passed an explicit mask (padding, a static cache, chunked "
+            "attention or a custom 4-D mask); course_lib's kernels compute "
+            "causal masks (with or without a sliding window) only, so this call runs transformers' SDPA "
+            "attention instead",
             UserWarning,
             stacklevel=2,
         )
@@ -140,7 +165,13 @@ def attention_forward(
             **kwargs,
         )
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
-    o = flash_attention_op(query, key, value, "bottom_right" if causal else "none", scaling)
+    window = kwargs.get("sliding_window")
+    if window is not None and not causal:
+        raise ValueError(
+            f"course_lib attention: a sliding window (sliding_window={window}) without a causal mask "
+            f"({type(module).__name__}) is not implemented; use attn_implementation='sdpa' for this model"
+        )
+    o = flash_attention_op(query, key, value, "bottom_right" if causal else "none", scaling, window)
     return o.transpose(1, 2).contiguous(), None
 
 
