@@ -25,7 +25,9 @@
 #    and count the memory it saves.
 # 3. Tell the two **causal alignments** apart, top-left (query i sees keys j ≤ i) and bottom-right
 #    (j ≤ i + Nk − Nq, a KV cache), from a picture of both masks, and predict which rows see no key.
-# 4. Plug the kernel into transformers' `LlamaForCausalLM` and check logits and greedy tokens against SDPA.
+# 4. Restrict each query to a **sliding window** of the last W keys (Mistral, Gemma), predict the work it
+#    saves from the blocks the kernel visits, and measure it.
+# 5. Plug the kernel into transformers' `LlamaForCausalLM` and check logits and greedy tokens against SDPA.
 #
 # The finished pieces: `course_lib.attention.op` (`flash_attention_op`, the operators
 # `course_lib::flash_attention_forward` / `_backward`) and `course_lib.integrations.use_in_transformers`.
@@ -47,11 +49,13 @@ import triton
 
 import course_lib
 from course_lib.attention import op
+from course_lib.attention.blocks import kv_block_range_py, window_kv_range_py
 from course_lib.attention.op import flash_attention_op
 from course_lib.attention.reference import attention as reference_attention
 from course_lib.exercises import check, predict
 from course_lib.integrations import use_in_transformers
 from course_lib.perf import plotting
+from course_lib.perf.timing import benchmark
 
 B, HQ, HKV, N, D = course_lib.pick(cpu=(1, 4, 2, 64, 16), gpu=(2, 32, 8, 2048, 128))
 DTYPE = course_lib.pick(cpu=torch.float32, gpu=torch.bfloat16)
@@ -60,6 +64,7 @@ LLAMA = course_lib.pick(
     gpu=dict(hidden_size=1024, num_attention_heads=8, num_key_value_heads=2, num_hidden_layers=4),
 )
 PROMPT, NEW_TOKENS = course_lib.pick(cpu=(8, 6), gpu=(64, 32))
+WINDOW, N_WIN = course_lib.pick(cpu=(16, 96), gpu=(1024, 8192))  # section 4: window and sequence length
 DEV = course_lib.DEVICE
 TOL = 1e-4 if DTYPE == torch.float32 else 3e-2
 torch.manual_seed(0)
@@ -254,7 +259,97 @@ print(f"Nq={N} > Nk={n_new}: the first {empty_rows} rows see no key; their large
 assert torch.all(o_tall[:, :, :empty_rows] == 0) and torch.isfinite(o_tall).all()
 
 # %% [markdown]
-# ## 4. Inside transformers
+# ## 4. Sliding windows
+#
+# Mistral 7B, Gemma's local layers and gpt-oss's alternate layers attend within a **sliding window**: query
+# i sees only the W keys ending at its own position, i + offset − W < j ≤ i + offset (with the offset of
+# its causal alignment). Information from further back still arrives, through the layers below. The mask
+# is a band along the diagonal:
+
+# %%
+def window_mask(n, w):
+    """(n, n) booleans of top-left causal attention within a window of w keys."""
+    i = torch.arange(n)[:, None]
+    j = torch.arange(n)[None, :]
+    return (j <= i) & (j > i - w)
+
+
+fig, axes = plt.subplots(1, 2, figsize=(9, 4.2))
+for ax, (w, title) in zip(axes, [(12, "causal"), (4, "sliding window, W = 4")]):
+    ax.imshow(window_mask(12, w), cmap="Blues", vmin=0, vmax=1.4)
+    ax.set_title(title)
+    ax.set_xlabel("key j")
+    ax.set_ylabel("query i")
+fig.suptitle("A window keeps the last W keys of every row (blue = visible)")
+fig.tight_layout()
+plt.show()
+
+# %% [markdown]
+# For the kernels a window is one more bound on the block range of notebook 06. A query block's first row
+# sees keys from m_start + offset − W + 1 on: blocks before that are never loaded. Blocks that the window's
+# lower edge crosses are masked, like the diagonal ones; the blocks between are seen whole by every row and
+# need no mask. The backward does the same from the keys' side (`blocks.window_kv_range` and
+# `blocks.window_q_range`). `flash_attention(q, k, v, causal=True, window=W)` computes it, forward and
+# backward, and agrees with the float64 reference:
+
+# %%
+o_win = flash_attention_op(q, k, v, "top_left", window=WINDOW)
+ref_win = reference_attention(q.double(), k.double(), v.double(), causal=True, window=WINDOW)
+print(f"window {WINDOW}, N={N}: max error against float64 {(o_win.double() - ref_win).abs().max().item():.1e}")
+torch.testing.assert_close(o_win.double(), ref_win, rtol=TOL, atol=TOL)
+
+# %% [markdown]
+# **Predict first.** The work is the number of (query block, key block) tiles a kernel visits. Causal
+# attention over N keys visits about half of the (N / block)² tiles; a window of W keys about
+# (N / block_m) · (W / block_n + 1). The next cell counts both with the kernels' own block-range
+# functions (their Python twins) for N = `N_WIN` and W = `WINDOW`: that count is the prediction of the
+# speed-up. On a GPU, the cell after it times forward + backward with the window against the same kernel
+# with a window as long as the sequence (which visits the causal tiles), so that only the skipped blocks
+# differ.
+
+# %%
+BLOCK_M, BLOCK_N = 128, 64  # a typical tile; the ratio hardly depends on it
+
+
+def tiles_visited(n, window):
+    """(query block, key block) tiles a causal forward visits over n tokens with this window."""
+    total = 0
+    for m0 in range(0, n, BLOCK_M):
+        lo, mid, hi = kv_block_range_py(m0, n, n, 0, BLOCK_M, BLOCK_N, True)
+        w_lo, _, _ = window_kv_range_py(m0, n, 0, window, lo, mid, hi, BLOCK_M, BLOCK_N)
+        total += -(-(hi - w_lo) // BLOCK_N)
+    return total
+
+
+predicted = tiles_visited(N_WIN, N_WIN) / tiles_visited(N_WIN, WINDOW)
+print(f"N={N_WIN}: causal visits {tiles_visited(N_WIN, N_WIN)} tiles, a window of {WINDOW} "
+      f"{tiles_visited(N_WIN, WINDOW)}: predicted speed-up {predicted:.2f}x")  # fmt: skip
+
+# %%
+if course_lib.ON_GPU:
+    qw, kw, vw = (torch.randn(1, h, N_WIN, D, device=DEV, dtype=DTYPE, requires_grad=True) for h in (HQ, HKV, HKV))
+    dow = torch.randn_like(qw)
+
+    def fwd_bwd(window):
+        o = flash_attention_op(qw, kw, vw, "top_left", window=window)
+        torch.autograd.grad(o, (qw, kw, vw), dow)
+
+    ms_causal, ms_window = benchmark(lambda: fwd_bwd(N_WIN)), benchmark(lambda: fwd_bwd(WINDOW))
+    measured = ms_causal / ms_window
+    print(f"forward + backward, N={N_WIN}: window {N_WIN} (causal) {ms_causal:.2f} ms, "
+          f"window {WINDOW} {ms_window:.2f} ms: {measured:.2f}x, "
+          f"{measured / predicted:.0%} of the predicted {predicted:.2f}x")  # fmt: skip
+else:
+    print("Timing runs on a GPU; under the interpreter it would measure Python, not the kernel.")
+
+# %% [markdown]
+# Where the measured speed-up falls short of the tile count, the difference is work that does not shrink
+# with the window: loading each query block and writing its output, the masked tiles at both edges of the
+# band (twice as many per row as causal attention's one diagonal), and, in the backward, the same on the
+# keys' side.
+
+# %% [markdown]
+# ## 5. Inside transformers
 #
 # transformers chooses a model's attention by name (`attn_implementation`: "eager", "sdpa",
 # "flash_attention_2", ...) through two registries:
@@ -262,8 +357,9 @@ assert torch.all(o_tall[:, :, :empty_rows] == 0) and torch.isfinite(o_tall).all(
 # - `AttentionMaskInterface` turns the model's inputs (a padding mask, the cache length) into a mask.
 #   Ours answers `None` whenever the mask is plain causal with the queries at the end of the keys — prefill,
 #   and decoding or chunked prefill with a growing cache — because that is exactly what the kernels compute
-#   with `"bottom_right"`, without any mask tensor. For anything else (padding, a static cache's empty
-#   slots, sliding windows) it builds transformers' boolean mask.
+#   with `"bottom_right"`, without any mask tensor, a layer's sliding window included (its window is then
+#   passed on to the kernels). For anything else (padding, a static cache's empty slots) it builds
+#   transformers' boolean mask.
 # - `AttentionInterface` maps the name to a function `(module, q, k, v, mask, dropout, scaling, ...)`. Ours
 #   calls `flash_attention_op` with K and V as they come (GQA, no repeat) when the mask is `None`, and hands
 #   the call to SDPA, with a warning, when there is a mask the kernels cannot apply.
@@ -415,6 +511,8 @@ check("KV cache bytes per token", kv_cache_bytes, (163_840, 5.0))
 #   instead of repeating them and sum dK, dV over each group; the KV cache shrinks by G.
 # - **Causal alignment**: top-left (j ≤ i, SDPA's `is_causal`) for a sequence from its start; bottom-right
 #   (j ≤ i + Nk − Nq) for new queries after a cache. Rows that see no key give O = 0, L = −∞.
+# - **Sliding windows**: query i sees the W keys ending at its position. Blocks before the window are never
+#   loaded, so the work falls from about N²/2 to about N · W; the window's edge is masked like the diagonal.
 # - **transformers**: `use_in_transformers()` registers a mask hook (no mask for plain causal attention) and
 #   an attention function ("course_lib"); `model.set_attn_implementation("course_lib")` then runs prefill,
 #   cached decoding and training on the kernels, and calls with masks they cannot apply go to SDPA.
