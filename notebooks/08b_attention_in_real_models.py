@@ -285,7 +285,8 @@ fig.tight_layout()
 plt.show()
 
 # %% [markdown]
-# For the kernels a window is one more bound on the block range of notebook 06. A query block's first row
+# For the kernels a window is one more bound on the block range of notebook 06 (its exercise 5 sorted the
+# tiles into skipped, masked and whole ones). A query block's first row
 # sees keys from m_start + offset − W + 1 on: blocks before that are never loaded. Blocks that the window's
 # lower edge crosses are masked, like the diagonal ones; the blocks between are seen whole by every row and
 # need no mask. The backward does the same from the keys' side (`blocks.window_kv_range` and
