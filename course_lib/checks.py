@@ -196,3 +196,27 @@ def check_window(window, alignment: str | None, where: str = "attention") -> int
             "query i sees the `window` keys ending at its own position"
         )
     return window
+
+
+def check_sinks(sinks, q: torch.Tensor, where: str = "attention") -> torch.Tensor | None:
+    """Normalise attention sinks (gpt-oss's `sinks`, one learned logit per query head that joins every row's
+    softmax as an extra key whose value is zero): None stays None; else a floating tensor of shape (Hq,)
+    (Hq = q.shape[-3] for 4-D q, 1 for 3-D q) on q's device, returned contiguous in the accumulator dtype
+    (float32, float64 for float64 q). A sink of -inf is no sink."""
+    if sinks is None:
+        return None
+    if not isinstance(sinks, torch.Tensor):
+        raise TypeError(
+            f"{where}: sinks must be a tensor of shape (query heads,) or None, got {type(sinks).__name__}"
+        )
+    heads = q.shape[-3] if q.dim() >= 4 else 1
+    if sinks.shape != (heads,):
+        raise ValueError(
+            f"{where}: sinks must have shape ({heads},), one logit per query head of q {tuple(q.shape)}; "
+            f"got {tuple(sinks.shape)}"
+        )
+    if not sinks.is_floating_point():
+        raise TypeError(f"{where}: sinks must be a floating-point tensor, got {sinks.dtype}")
+    if sinks.device != q.device:
+        raise ValueError(f"{where}: sinks are on {sinks.device}, q on {q.device}; move them to q's device")
+    return sinks.to(accumulator_dtype(q.dtype)).contiguous()

@@ -56,6 +56,7 @@ from course_lib.exercises import check, predict
 from course_lib.integrations import use_in_transformers
 from course_lib.perf import plotting
 from course_lib.perf.timing import benchmark
+from course_lib.testing import assert_close_to_reference
 
 B, HQ, HKV, N, D = course_lib.pick(cpu=(1, 4, 2, 64, 16), gpu=(2, 32, 8, 2048, 128))
 DTYPE = course_lib.pick(cpu=torch.float32, gpu=torch.bfloat16)
@@ -350,6 +351,35 @@ else:
 # keys' side.
 
 # %% [markdown]
+# ### Attention sinks
+#
+# gpt-oss pairs its windows with **attention sinks**: one learned logit s_h per query head that joins every
+# row's softmax as if it were one more key, whose value is zero. A row can then put its weight on "nothing"
+# instead of spreading it over keys it does not need. In the online softmax of notebook 06 the sink is the
+# first "key" every row sees: the running max starts at s_h instead of −∞ and the running sum at
+# e^(s_h − s_h) = 1; nothing is added to the accumulator. L then includes the sink, so the backward's P,
+# rebuilt from L, is already right for the real keys. The sink's own gradient is that of a key with a zero
+# value: dP = 0, so dS = P_sink · (0 − D) and ∂loss/∂s_h = −Σ_rows e^(s_h − L) · D, summed over the head's
+# rows from the L and D the backward already has. `flash_attention(..., sinks=s)`, checked against the
+# float64 reference, which appends the sink as one more column of S:
+
+# %%
+sinks = (2 * torch.randn(HQ, device=DEV)).requires_grad_(True)
+q_s, k_s, v_s = (t.detach().requires_grad_(True) for t in (q, k, v))
+o_s = flash_attention_op(q_s, k_s, v_s, "top_left", window=WINDOW, sinks=sinks)
+d_sinks = torch.autograd.grad(o_s.float().sum(), sinks)[0]
+ref = {}  # the reference in float64, and in the inputs' dtype (plain PyTorch's own rounding: the bound)
+for name, dtype in (("float64", torch.float64), ("baseline", DTYPE)):
+    s_ref = sinks.detach().to(torch.float64 if dtype == torch.float64 else torch.float32).requires_grad_(True)
+    o_ref = reference_attention(q.to(dtype), k.to(dtype), v.to(dtype), causal=True, window=WINDOW, sinks=s_ref)
+    ref[name] = (o_ref.detach(), torch.autograd.grad(o_ref.float().sum(), s_ref)[0])
+err_d = (d_sinks.double() - ref["float64"][1]).abs().max().item()
+print(f"with sinks: max error of O {(o_s.double() - ref['float64'][0]).abs().max().item():.1e}, "
+      f"of dsinks {err_d:.1e} (dsinks up to {ref['float64'][1].abs().max().item():.1f})")  # fmt: skip
+assert_close_to_reference(o_s, ref["float64"][0], ref["baseline"][0], what="O with sinks")
+assert_close_to_reference(d_sinks, ref["float64"][1], ref["baseline"][1], what="dsinks")
+
+# %% [markdown]
 # ## 5. Inside transformers
 #
 # transformers chooses a model's attention by name (`attn_implementation`: "eager", "sdpa",
@@ -359,7 +389,7 @@ else:
 #   Ours answers `None` whenever the mask is plain causal with the queries at the end of the keys — prefill,
 #   and decoding or chunked prefill with a growing cache — because that is exactly what the kernels compute
 #   with `"bottom_right"`, without any mask tensor, a layer's sliding window included (its window is then
-#   passed on to the kernels). For anything else (padding, a static cache's empty slots) it builds
+#   passed on to the kernels, gpt-oss's sinks too). For anything else (padding, a static cache's empty slots) it builds
 #   transformers' boolean mask.
 # - `AttentionInterface` maps the name to a function `(module, q, k, v, mask, dropout, scaling, ...)`. Ours
 #   calls `flash_attention_op` with K and V as they come (GQA, no repeat) when the mask is `None`, and hands
@@ -514,6 +544,8 @@ check("KV cache bytes per token", kv_cache_bytes, (163_840, 5.0))
 #   (j ≤ i + Nk − Nq) for new queries after a cache. Rows that see no key give O = 0, L = −∞.
 # - **Sliding windows**: query i sees the W keys ending at its position. Blocks before the window are never
 #   loaded, so the work falls from about N²/2 to about N · W; the window's edge is masked like the diagonal.
+# - **Attention sinks** (gpt-oss): a per-head logit that starts each row's running max and sum; its
+#   gradient is −Σ e^(s − L) · D over the head's rows.
 # - **transformers**: `use_in_transformers()` registers a mask hook (no mask for plain causal attention) and
 #   an attention function ("course_lib"); `model.set_attn_implementation("course_lib")` then runs prefill,
 #   cached decoding and training on the kernels, and calls with masks they cannot apply go to SDPA.

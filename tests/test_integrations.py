@@ -53,9 +53,9 @@ def kernel_calls(monkeypatch):
     calls = []
     real = hf.flash_attention_op
 
-    def counting(q, k, v, causal, scale, window=None):
+    def counting(q, k, v, causal, scale, window=None, sinks=None):
         calls.append((tuple(q.shape), tuple(k.shape), causal) + ((window,) if window is not None else ()))
-        return real(q, k, v, causal, scale, window)
+        return real(q, k, v, causal, scale, window, sinks)
 
     monkeypatch.setattr(hf, "flash_attention_op", counting)
     return calls
@@ -237,6 +237,73 @@ def test_sliding_window_generation_same_tokens(kernel_calls):
     assert len(kernel_calls) == 2 * 12 and all(c[3] == 8 for c in kernel_calls)
     assert max(c[1][2] for c in kernel_calls) <= 8  # the cache never held more than the window
     assert torch.equal(tokens["sdpa"], tokens["course_lib"]), f"{tokens['sdpa']} != {tokens['course_lib']}"
+
+
+def tiny_gpt_oss(seed=0):
+    """A tiny random-weight GptOssForCausalLM: a sliding-window layer (8 keys) and a full one, both with
+    attention sinks (drawn large enough to matter), 4 query heads over 2 K/V heads, 4 small experts."""
+    config = transformers.GptOssConfig(
+        vocab_size=97,
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"],
+        max_position_embeddings=131072,
+        attention_dropout=0.0,
+    )
+    torch.manual_seed(seed)
+    model = transformers.GptOssForCausalLM(config).to(DEVICE, torch.float32).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.sinks.normal_(0.0, 2.0)
+    return model
+
+
+def test_gpt_oss_sinks_and_windows_match_eager(kernel_calls):
+    """gpt-oss's attention (sinks in every layer, a sliding window in every other one) on the kernels:
+    logits, every gradient (the sinks' included) and greedy tokens as transformers' eager attention,
+    which is the implementation gpt-oss defines its sinks with."""
+    use_in_transformers()
+    model = tiny_gpt_oss()
+    ids = torch.randint(0, 97, (2, 24), device=DEVICE)
+    ref = _logits(model, "eager", ids)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # no SDPA fallback
+        got = _logits(model, "course_lib", ids)
+    assert [c[3] if len(c) > 3 else None for c in kernel_calls] == [8, None]
+    err = (got - ref).abs().max().item()
+    assert err < 1e-4, f"tiny gpt-oss fp32, N=24: logits differ from eager attention by {err:.3g}"
+    with torch.no_grad():
+        sinks = [layer.self_attn.sinks.clone() for layer in model.model.layers]
+        for layer in model.model.layers:
+            layer.self_attn.sinks.fill_(float("-inf"))
+        assert (_logits(model, "eager", ids) - ref).abs().max() > 1e-2  # the sinks matter here
+        for layer, s in zip(model.model.layers, sinks):
+            layer.self_attn.sinks.copy_(s)
+    model.train()
+    grads = {}
+    for impl in ("eager", "course_lib"):
+        model.set_attn_implementation(impl)
+        model.zero_grad()
+        model(ids, labels=ids).loss.backward()
+        grads[impl] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    assert any("sinks" in n for n in grads["eager"])
+    for name, g in grads["eager"].items():
+        err = relative_error(grads["course_lib"][name], g)
+        assert err <= 1e-4, f"tiny gpt-oss fp32: grad of {name}: relative error {err:.3g}"
+    model.eval()
+    prompt = ids[:1, :6]
+    tokens = {}
+    for impl in ("eager", "course_lib"):
+        model.set_attn_implementation(impl)
+        tokens[impl] = model.generate(prompt, max_new_tokens=10, min_new_tokens=10, do_sample=False)
+    assert torch.equal(tokens["eager"], tokens["course_lib"]), f"{tokens['eager']} != {tokens['course_lib']}"
 
 
 def _loss_and_grads(model, impl, ids):

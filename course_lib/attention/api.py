@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from .. import runtime
-from ..checks import causal_alignment, check_window, default_scale
+from ..checks import causal_alignment, check_sinks, check_window, default_scale
 from .backward import _backward
 from .configs import split_config
 from .forward import _forward
@@ -28,17 +28,19 @@ class FlashAttentionTriton(torch.autograd.Function):
     """Differentiable FlashAttention-2 with Triton kernels.
 
     `FlashAttentionTriton.apply(q, k, v, is_causal)` (optionally a fifth argument, the softmax scale,
-    default 1/sqrt(d), and a sixth, a sliding window as in `flash_attention`). q: (..., Nq, d), k and v:
-    (..., Nk, d), float16, bfloat16 or float32 (float64 under the interpreter only). is_causal: False, True
-    / "top_left" (query i sees keys j <= i) or "bottom_right" (j <= i + Nk - Nq). Returns O (..., Nq, d).
-    The forward saves Q, K, V, O and L = logsumexp (shape q.shape[:-1]); the backward returns dq, dk, dv
-    and None for is_causal (and for scale and window)."""
+    default 1/sqrt(d), a sixth, a sliding window, and a seventh, attention sinks, as in
+    `flash_attention`). q: (..., Nq, d), k and v: (..., Nk, d), float16, bfloat16 or float32 (float64
+    under the interpreter only). is_causal: False, True / "top_left" (query i sees keys j <= i) or
+    "bottom_right" (j <= i + Nk - Nq). Returns O (..., Nq, d). The forward saves Q, K, V, O and L =
+    logsumexp (shape q.shape[:-1]); the backward returns dq, dk, dv and None for is_causal (and for
+    scale and window), and the sinks' gradient."""
 
     @staticmethod
-    def forward(ctx, q, k, v, is_causal=False, scale=None, window=None):
+    def forward(ctx, q, k, v, is_causal=False, scale=None, window=None, sinks=None):
         check_inputs(q, k, v, where="FlashAttentionTriton")
         alignment = causal_alignment(is_causal)
         window = check_window(window, alignment, "FlashAttentionTriton")
+        sinks32 = check_sinks(sinks, q, "FlashAttentionTriton")
         scale = default_scale(q.shape[-1], scale)
         shape = (q.shape, k.shape, q.dtype, alignment, bool(window))
         if runtime.ON_GPU and any(ctx.needs_input_grad[:3]) and shape not in _PREPARED:
@@ -59,17 +61,18 @@ class FlashAttentionTriton(torch.autograd.Function):
                 True,
                 window,
             )
-        o, lse = _forward(q, k, v, alignment, scale, _DEFAULT_LAUNCH, _FAST, window)
-        ctx.save_for_backward(q, k, v, o, lse)
+        o, lse = _forward(q, k, v, alignment, scale, _DEFAULT_LAUNCH, _FAST, window, sinks32)
+        ctx.save_for_backward(q, k, v, o, lse, sinks32)
         ctx.alignment = alignment
         ctx.scale = scale
         ctx.window = window
+        ctx.sinks_dtype = None if sinks is None else sinks.dtype
         return o
 
     @staticmethod
     def backward(ctx, do):
-        q, k, v, o, lse = ctx.saved_tensors
-        dq, dk, dv = _backward(
+        q, k, v, o, lse, sinks32 = ctx.saved_tensors
+        dq, dk, dv, dsinks = _backward(
             do,
             q,
             k,
@@ -82,11 +85,21 @@ class FlashAttentionTriton(torch.autograd.Function):
             _FAST,
             "two_kernel",
             window=ctx.window,
+            sinks=sinks32,
         )
-        return dq, dk, dv, None, None, None
+        dsinks = None if dsinks is None else dsinks.to(ctx.sinks_dtype)
+        return dq, dk, dv, None, None, None, dsinks
 
 
-def flash_attention(q, k, v, causal=False, scale: float | None = None, window: int | None = None):
+def flash_attention(
+    q,
+    k,
+    v,
+    causal=False,
+    scale: float | None = None,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
+):
     """O = softmax(Q K^T * scale [+ causal mask]) V with the Triton FlashAttention-2 kernels.
 
     q: (..., Nq, d), k and v: (..., Nk, d) — same leading dims, or fewer heads (dim -3) in k and v for
@@ -99,7 +112,9 @@ def flash_attention(q, k, v, causal=False, scale: float | None = None, window: i
     gradients). scale: default 1/sqrt(d). window: None, or a sliding window of that many keys, with a
     causal alignment: query i sees only keys i + offset - window < j <= i + offset (offset 0 top-left,
     Nk - Nq bottom-right), as Mistral's `sliding_window` and Gemma's local layers do; blocks outside the
-    window are never loaded. Returns O with q's shape and dtype; differentiable in q, k
+    window are never loaded. sinks: None, or attention sinks as gpt-oss has them: (Hq,) learned logits,
+    one per query head, each joining every row's softmax as a key whose value is zero (rows may then put
+    weight on "nothing"); differentiable. Returns O with q's shape and dtype; differentiable in q, k
     and v. Runs compiled on a GPU, through the Triton interpreter on the CPU (`course_lib.runtime`).
     Under `torch.compile` it is a PyTorch custom operator (`op.py`): the compiled graph keeps it as one
     node, forward and backward (notebook 08b). Run eagerly it calls the autograd Function directly,
@@ -108,5 +123,5 @@ def flash_attention(q, k, v, causal=False, scale: float | None = None, window: i
     row whose tile loads that key, masked or not (0 x NaN is NaN), as in plain PyTorch's P @ V: clean a
     cache rather than rely on the mask to hide what it holds."""
     if torch.compiler.is_compiling():
-        return flash_attention_op(q, k, v, causal, scale, window)
-    return FlashAttentionTriton.apply(q, k, v, causal, scale, window)
+        return flash_attention_op(q, k, v, causal, scale, window, sinks)
+    return FlashAttentionTriton.apply(q, k, v, causal, scale, window, sinks)

@@ -44,7 +44,15 @@ from __future__ import annotations
 import torch
 
 from .. import runtime
-from ..checks import accumulator_dtype, causal_alignment, causal_offset, check_window, default_scale, kv_group
+from ..checks import (
+    accumulator_dtype,
+    causal_alignment,
+    causal_offset,
+    check_sinks,
+    check_window,
+    default_scale,
+    kv_group,
+)
 from ..runtime import tl, triton
 from .blocks import (
     LOG2E,
@@ -486,6 +494,7 @@ def backward(
     config: dict | None = None,
     dq_mode: str = "two_kernel",
     window=None,
+    sinks=None,
 ):
     """FlashAttention-2 backward: (dQ, dK, dV) from dO, the inputs and the forward's O and L.
 
@@ -494,7 +503,9 @@ def backward(
     natural-log units, as returned by `forward.forward` — or the merged O and L of a longer sequence
     of which k, v are a part (ring attention). Any strides. causal: as in `forward.forward`. Returns
     dq, dk, dv with the shapes and dtype of q, k, v (contiguous). Nothing of size Nq x Nk is allocated.
-    window: the forward's sliding window (None: none), as in `forward.forward`.
+    window: the forward's sliding window (None: none), as in `forward.forward`. sinks: the forward's
+    attention sinks (None: none); with sinks the result is (dq, dk, dv, dsinks), dsinks of the sinks'
+    shape and dtype: dsink_h = -sum over the head's rows of P_sink * D (`sink_gradient`).
 
     dq_mode: "two_kernel" (default) — a dK/dV kernel and a separate dQ kernel, no atomics;
              "atomic" — one dK/dV kernel that also adds dQ into an fp32 buffer with tl.atomic_add.
@@ -529,9 +540,13 @@ def backward(
         raise ValueError(f"attention.backward: dq_mode must be one of {DQ_MODES}, got {dq_mode!r}")
     alignment = causal_alignment(causal)
     window = check_window(window, alignment, "attention.backward")
+    sinks32 = check_sinks(sinks, q, "attention.backward")
     scale = default_scale(q.shape[-1], scale)
     launch_cfg, switches = split_config(config, DKDV.cpu if runtime.INTERPRET else DKDV.fixed)
-    return _backward(do, q, k, v, o, L, alignment, scale, launch_cfg, switches, dq_mode, window=window)
+    dq, dk, dv, dsinks = _backward(
+        do, q, k, v, o, L, alignment, scale, launch_cfg, switches, dq_mode, window=window, sinks=sinks32
+    )
+    return (dq, dk, dv) if sinks is None else (dq, dk, dv, dsinks.to(sinks.dtype))
 
 
 def dkdv_heads_per_program(group: int, causal: bool, n_k: int, head_dim: int) -> int:
@@ -602,10 +617,25 @@ def _hopper_dkdv(q4, k4, v4, do4, causal: bool, n_q: int, n_k: int, switches: di
 
 
 def _backward(
-    do, q, k, v, o, L, alignment, scale, launch_cfg, switches, dq_mode, compile_only=False, window=0
+    do,
+    q,
+    k,
+    v,
+    o,
+    L,
+    alignment,
+    scale,
+    launch_cfg,
+    switches,
+    dq_mode,
+    compile_only=False,
+    window=0,
+    sinks=None,
 ):
     """Launch the kernels on validated inputs (no checks here): dQ (with D) then dK/dV, or, atomic,
-    the preprocessing then dK/dV with dQ. window: `checks.check_window`'s (0: none).
+    the preprocessing then dK/dV with dQ. window: `checks.check_window`'s (0: none); sinks:
+    `checks.check_sinks`'s. Returns (dq, dk, dv, dsinks), dsinks None without sinks (float32 with).
+    The kernels need nothing for the sinks: P rebuilt from L (which includes them) is already right.
 
     compile_only=True (the autograd forward, before its own launch): launch nothing; start compiling
     the default backward's two kernels for this shape (`launch.compile_ahead`). do, o and L may then be
@@ -726,6 +756,16 @@ def _backward(
         wait_compiled(sum_name)  # compiled ahead during the forward, if it was
         with cuda_device(q):
             _group_sum_kernel[(B * H_kv, triton.cdiv(n_k * d, sum_block), 2)](*sum_args, **sum_meta)
+    dsinks = None if sinks is None else sink_gradient(sinks, L.reshape(B, H, n_q), delta.view(B, H, n_q))
     if atomic:
-        return dq_acc.to(q.dtype).view(q.shape), dk, dv
-    return dq, dk, dv
+        return dq_acc.to(q.dtype).view(q.shape), dk, dv, dsinks
+    return dq, dk, dv, dsinks
+
+
+def sink_gradient(sinks: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    """d(loss)/d(sink_h) for attention sinks: a sink is a key with a zero value, so its dP is 0 and its
+    dS = P_sink * (0 - D): dsink_h = -sum over batch and rows of exp(sink_h - L) * D. sinks: (H,); lse, delta:
+    (B, H, Nq) (L includes the sinks; D = rowsum(dO * O)). Returns (H,) in the accumulator dtype."""
+    p_sink = torch.exp(sinks.view(1, -1, 1) - lse)
+    p_sink = torch.where(torch.isneginf(sinks).view(1, -1, 1), torch.zeros_like(p_sink), p_sink)
+    return -(p_sink * delta).sum(dim=(0, 2))

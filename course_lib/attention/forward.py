@@ -34,7 +34,15 @@ import warnings
 import torch
 
 from .. import runtime
-from ..checks import accumulator_dtype, causal_alignment, causal_offset, check_window, default_scale, kv_group
+from ..checks import (
+    accumulator_dtype,
+    causal_alignment,
+    causal_offset,
+    check_sinks,
+    check_window,
+    default_scale,
+    kv_group,
+)
 from ..runtime import tl, triton
 from .blocks import (
     LN2,
@@ -181,7 +189,7 @@ def _fwd_inner(
 
 @triton.jit
 def _fwd_kernel(
-    Q, K, V, O, L, sm_scale,
+    Q, K, V, O, L, SINKS, sm_scale,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -192,14 +200,15 @@ def _fwd_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, ACC_DTYPE: tl.constexpr,
     SOFTMAX_STEP: tl.constexpr = softmax_step, LOGSUMEXP: tl.constexpr = logsumexp,
-    KV_RANGE: tl.constexpr = kv_block_range, LOCAL: tl.constexpr = False,
+    KV_RANGE: tl.constexpr = kv_block_range, LOCAL: tl.constexpr = False, HAS_SINKS: tl.constexpr = False,
 ):  # fmt: skip
     """O[b, h, rows] and L[b, h, rows] for one block of BLOCK_M query rows of one (batch, head).
 
     Grid: (cdiv(N_Q, BLOCK_M) * B * H,). Query head h reads K/V head h // GROUP (grouped-query
     attention: GROUP query heads share one K/V head; GROUP = 1 is multi-head attention). Causal:
     row i sees keys j <= i + OFFSET (`blocks.py`); LOCAL (a sliding window): only the WINDOW keys
-    j > i + OFFSET - WINDOW of those. N_BUCKET only keys the autotuner.
+    j > i + OFFSET - WINDOW of those. HAS_SINKS: SINKS[h] is one more logit in every row's softmax
+    (an attention sink: a key with a zero value). N_BUCKET only keys the autotuner.
     SOFTMAX_STEP, LOGSUMEXP, KV_RANGE: the online-softmax step, its finish and the block range;
     notebook 08's ladder passes the variants of `teaching.py`."""
     off_b, off_h, m_start = program_block(N_Q, H, BLOCK_M, CAUSAL, False)  # causal: longest rows first
@@ -220,6 +229,9 @@ def _fwd_kernel(
     # Running state, registers: row max m, row sum l (of exp(S - m)), unnormalised output acc.
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=ACC_DTYPE)
     l_i = tl.zeros([BLOCK_M], dtype=ACC_DTYPE)
+    if HAS_SINKS:  # the sink is the first "key" every row sees: m = its logit (base 2), l = exp(0) = 1
+        m_i = tl.zeros([BLOCK_M], dtype=ACC_DTYPE) + tl.load(SINKS + off_h).to(ACC_DTYPE) * LOG2E
+        l_i = tl.where(m_i == float("-inf"), 0.0, 1.0)  # a sink of -inf is no sink
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=ACC_DTYPE)
 
     # Stage 1, unmasked: K/V blocks that every row of this Q block sees entirely.
@@ -265,7 +277,9 @@ _HOOKS = ("SOFTMAX_STEP", "LOGSUMEXP", "KV_RANGE")  # the kernel's function argu
 # --------------------------------------------------------------------------------------------------
 # Python entry point
 # --------------------------------------------------------------------------------------------------
-def forward(q, k, v, causal=False, scale: float | None = None, config: dict | None = None, window=None):
+def forward(
+    q, k, v, causal=False, scale: float | None = None, config: dict | None = None, window=None, sinks=None
+):
     """FlashAttention-2 forward: O = softmax(Q K^T * scale [+ causal mask]) V, and L = logsumexp.
 
     q: (..., Nq, d), k and v: (..., Nk, d) with the same leading dims, or fewer heads (dim -3) for
@@ -275,7 +289,9 @@ def forward(q, k, v, causal=False, scale: float | None = None, config: dict | No
     causal: False; True or "top_left" (query i sees keys j <= i); "bottom_right" (query i sees keys
     j <= i + Nk - Nq: the queries are the last Nq positions, as with a KV cache). A row that sees no
     key gets O = 0 and L = -inf. window: None, or a sliding window of that many keys (causal only):
-    query i sees keys i + offset - window < j <= i + offset (`checks.check_window`).
+    query i sees keys i + offset - window < j <= i + offset (`checks.check_window`). sinks: None, or
+    (Hq,) logits, one per query head (`checks.check_sinks`): each joins its head's softmax as a key with a
+    zero value, and L includes it.
 
     config (dict, optional; notebook 08's optimisation ladder):
       BLOCK_M, BLOCK_N   query rows per program, key rows per loop step (powers of two >= 16)
@@ -294,14 +310,16 @@ def forward(q, k, v, causal=False, scale: float | None = None, config: dict | No
     check_inputs(q, k, v, where="attention.forward")
     alignment = causal_alignment(causal)
     window = check_window(window, alignment, "attention.forward")
+    sinks = check_sinks(sinks, q, "attention.forward")
     scale = default_scale(q.shape[-1], scale)
     launch_cfg, switches = split_config(config, FORWARD.cpu if runtime.INTERPRET else FORWARD.fixed)
-    return _forward(q, k, v, alignment, scale, launch_cfg, switches, window)
+    return _forward(q, k, v, alignment, scale, launch_cfg, switches, window, sinks)
 
 
-def _forward(q, k, v, alignment, scale, launch_cfg, switches, window=0):
+def _forward(q, k, v, alignment, scale, launch_cfg, switches, window=0, sinks=None):
     """Launch the forward kernel on validated inputs (no checks here); alignment from
-    `checks.causal_alignment`, window from `checks.check_window` (0: none)."""
+    `checks.causal_alignment`, window from `checks.check_window` (0: none), sinks from
+    `checks.check_sinks`."""
     o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(q.shape[:-1], dtype=accumulator_dtype(q.dtype), device=q.device)
     q4, k4, v4, o4 = as_4d(q), as_4d(k), as_4d(v), as_4d(o)
@@ -312,7 +330,7 @@ def _forward(q, k, v, alignment, scale, launch_cfg, switches, window=0):
     offset = causal_offset(alignment, n_q, n_k)
     bucket = n_bucket(max(n_q, n_k))
     args = (
-        q4, k4, v4, o4, l3, scale,
+        q4, k4, v4, o4, l3, l3 if sinks is None else sinks, scale,
         *strides4(q4), *strides4(k4), *strides4(v4), *strides4(o4), *l3.stride(),
         H, kv_group(q4, k4), n_q, n_k, offset, window, bucket,
     )  # fmt: skip
@@ -321,9 +339,11 @@ def _forward(q, k, v, alignment, scale, launch_cfg, switches, window=0):
     )
     if window:  # the sliding-window variant; without one the kernel compiles exactly as before
         meta["LOCAL"] = True
+    if sinks is not None:
+        meta["HAS_SINKS"] = True
     hooks = teaching_hooks(switches, _HOOKS)  # {} unless a ladder rung asks for a teaching variant
     with cuda_device(q):
-        gluon_ok = launch_cfg is None and not window  # the Gluon kernel has no sliding window
+        gluon_ok = launch_cfg is None and not window and sinks is None  # the Gluon kernel has neither
         if gluon_ok and _try_hopper(q4, k4, v4, o4, l3, causal, offset, scale, switches, hooks):
             return o, lse
         if launch_cfg is None:  # the production kernel (teaching variants always come with a fixed launch)

@@ -12,19 +12,21 @@ mode, compiled or interpreted.
 
 Two operators, one per pass, both built on the plain kernel functions of `course_lib.attention`:
 
-    course_lib::flash_attention_forward(q, k, v, causal, scale, window) -> (O, L)
-    course_lib::flash_attention_backward(dO, q, k, v, O, L, causal, scale, window) -> (dQ, dK, dV)
+    course_lib::flash_attention_forward(q, k, v, causal, scale, window, sinks) -> (O, L)
+    course_lib::flash_attention_backward(dO, q, k, v, O, L, causal, scale, window, sinks)
+        -> (dQ, dK, dV, dsinks)
 
 `causal` is a string in the schema ("none", "top_left" or "bottom_right"), `scale` a float, `window`
-an int (0: no sliding window): an operator's arguments have fixed types, so `flash_attention_op` turns
-False/True/None into these first.
+an int (0: no sliding window), `sinks` an optional tensor: an operator's arguments have fixed types, so
+`flash_attention_op` turns False/True/None into these first. An operator returns tensors only: without
+sinks, dsinks is an empty tensor that autograd never hands on.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..checks import accumulator_dtype, causal_alignment, check_window, default_scale
+from ..checks import accumulator_dtype, causal_alignment, check_sinks, check_window, default_scale
 from .backward import backward as _attention_backward
 from .forward import forward as _attention_forward
 from .inputs import check_inputs
@@ -39,27 +41,34 @@ def _check_causal(causal: str, where: str) -> None:
 
 @torch.library.custom_op("course_lib::flash_attention_forward", mutates_args=())
 def forward_op(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: str, scale: float, window: int = 0
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: str,
+    scale: float,
+    window: int = 0,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """O and L = logsumexp of attention, as one operator (`forward.forward` runs inside).
 
     q: (..., Hq, Nq, d) or (B, Nq, d); k, v: (..., Hkv, Nk, d) with Hq a multiple of Hkv; float16,
     bfloat16 or float32. causal: "none", "top_left" or "bottom_right". window: 0, or a sliding window
-    of that many keys (`flash_attention`). Returns O (q's shape and dtype, contiguous) and L
-    (q.shape[:-1], float32)."""
+    of that many keys (`flash_attention`). sinks: None or (Hq,) attention-sink logits. Returns O (q's
+    shape and dtype, contiguous) and L (q.shape[:-1], float32)."""
     _check_causal(causal, "course_lib::flash_attention_forward")
     alignment = None if causal == "none" else causal
-    return _attention_forward(q, k, v, alignment, scale, window=window or None)
+    return _attention_forward(q, k, v, alignment, scale, window=window or None, sinks=sinks)
 
 
 @forward_op.register_fake
-def _forward_fake(q, k, v, causal, scale, window=0):
+def _forward_fake(q, k, v, causal, scale, window=0, sinks=None):
     # Shapes only: this runs on fake tensors while torch.compile traces, so bad input fails there too.
     # Meta tensors (no device at all) skip the check, which also asks for the kernels' device.
     if q.device.type != "meta":
         check_inputs(q, k, v, where="course_lib::flash_attention_forward")
     _check_causal(causal, "course_lib::flash_attention_forward")
     check_window(window or None, None if causal == "none" else causal, "course_lib::flash_attention_forward")
+    check_sinks(sinks, q, "course_lib::flash_attention_forward")
     o = q.new_empty(q.shape)
     lse = q.new_empty(q.shape[:-1], dtype=accumulator_dtype(q.dtype))
     return o, lse
@@ -76,26 +85,29 @@ def backward_op(
     causal: str,
     scale: float,
     window: int = 0,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dQ, dK, dV of attention, as one operator (`backward.backward` runs inside).
+    sinks: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dQ, dK, dV (and dsinks) of attention, as one operator (`backward.backward` runs inside).
 
     do, o: q's shape; lse: q.shape[:-1], as returned by `forward_op`. Returns dq, dk, dv with the
     shapes and dtypes of q, k, v (contiguous); with grouped-query attention dk, dv are summed over the
-    query heads that share each K/V head."""
+    query heads that share each K/V head; dsinks with the sinks' shape and dtype (empty without sinks)."""
     _check_causal(causal, "course_lib::flash_attention_backward")
     alignment = None if causal == "none" else causal
-    return _attention_backward(do, q, k, v, o, lse, alignment, scale, window=window or None)
+    grads = _attention_backward(do, q, k, v, o, lse, alignment, scale, window=window or None, sinks=sinks)
+    return grads if sinks is not None else (*grads, q.new_empty(0))
 
 
 @backward_op.register_fake
-def _backward_fake(do, q, k, v, o, lse, causal, scale, window=0):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+def _backward_fake(do, q, k, v, o, lse, causal, scale, window=0, sinks=None):
+    dsinks = q.new_empty(0) if sinks is None else sinks.new_empty(sinks.shape)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dsinks
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, causal, scale, window = inputs
+    q, k, v, causal, scale, window, sinks = inputs
     o, lse = output
-    ctx.save_for_backward(q, k, v, o, lse)
+    ctx.save_for_backward(q, k, v, o, lse, sinks)
     ctx.causal = causal
     ctx.scale = scale
     ctx.window = window
@@ -103,9 +115,9 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, do, _dlse):
-    q, k, v, o, lse = ctx.saved_tensors
-    dq, dk, dv = backward_op(do, q, k, v, o, lse, ctx.causal, ctx.scale, ctx.window)
-    return dq, dk, dv, None, None, None
+    q, k, v, o, lse, sinks = ctx.saved_tensors
+    dq, dk, dv, dsinks = backward_op(do, q, k, v, o, lse, ctx.causal, ctx.scale, ctx.window, sinks)
+    return dq, dk, dv, None, None, None, None if sinks is None else dsinks
 
 
 forward_op.register_autograd(_backward, setup_context=_setup_context)
@@ -118,7 +130,7 @@ def causal_name(causal) -> str:
 
 
 def flash_attention_op(
-    q, k, v, causal="none", scale: float | None = None, window: int | None = None
+    q, k, v, causal="none", scale: float | None = None, window: int | None = None, sinks=None
 ) -> torch.Tensor:
     """O = softmax(Q K^T * scale [+ causal mask]) V through the custom operator: differentiable, and
     `torch.compile(fullgraph=True)` keeps it as one node (no graph break, kernels not re-compiled).
@@ -127,8 +139,9 @@ def flash_attention_op(
     (grouped-query attention without repeating K/V); float16, bfloat16 or float32 (float64 under the
     interpreter). causal: "none", "top_left" (query i sees keys j <= i, SDPA's is_causal) or
     "bottom_right" (j <= i + Nk - Nq, a KV cache); False/True are accepted for "none"/"top_left".
-    scale: default 1/sqrt(d). window: None or a sliding window (`flash_attention`). Returns O with q's
-    shape and dtype. Taught in notebook 08b."""
+    scale: default 1/sqrt(d). window: None or a sliding window, sinks: None or (Hq,) attention sinks
+    (`flash_attention`). Returns O with q's shape and dtype. Taught in notebook 08b."""
     check_inputs(q, k, v, where="flash_attention")  # clear errors before dispatch (meta tensors too)
     window = check_window(window, causal_alignment(causal), "flash_attention")
-    return forward_op(q, k, v, causal_name(causal), default_scale(q.shape[-1], scale), window)[0]
+    check_sinks(sinks, q, "flash_attention")
+    return forward_op(q, k, v, causal_name(causal), default_scale(q.shape[-1], scale), window, sinks)[0]

@@ -15,6 +15,7 @@ from ..checks import (
     causal_alignment,
     causal_offset,
     check_attention_inputs,
+    check_sinks,
     check_window,
     default_scale,
     kv_group,
@@ -46,7 +47,14 @@ def causal_mask_tile(i0: int, i1: int, j0: int, j1: int, device=None, offset: in
 
 
 def attention(
-    q, k, v, causal=False, scale: float | None = None, return_lse: bool = False, window: int | None = None
+    q,
+    k,
+    v,
+    causal=False,
+    scale: float | None = None,
+    return_lse: bool = False,
+    window: int | None = None,
+    sinks=None,
 ):
     """O = softmax(Q K^T * scale [+ causal mask]) V, computed the standard (memory-hungry) way.
 
@@ -57,7 +65,9 @@ def attention(
     `return_lse=True` also L = logsumexp of the scaled, masked scores, (..., Nq), float32 for half
     inputs, else the input dtype. A row that sees no key gets O = 0 and L = -inf. Softmax and the
     logsumexp are computed in at least float32. window: a sliding window of that many keys (causal
-    only): query i also sees no key j <= i + offset - window."""
+    only): query i also sees no key j <= i + offset - window. sinks: (Hq,) logits, one per query head,
+    each an extra key of every row of its head with a zero value (gpt-oss): it takes its share of the
+    softmax and adds nothing to O; L includes it."""
     check_attention_inputs(q, k, v, where="reference.attention", same_head_dim_v=False, allow_gqa=True)
     alignment = causal_alignment(causal)
     window = check_window(window, alignment, "reference.attention") or None
@@ -70,8 +80,14 @@ def attention(
     if alignment is not None:
         mask = causal_mask(q.shape[-2], k.shape[-2], q.device, alignment, window)
         S = S.masked_fill(~mask, float("-inf"))
+    if sinks is not None:
+        sink = check_sinks(sinks, q, "reference.attention").to(acc_dtype)
+        sink = sink.view(-1, 1, 1) if q.dim() >= 4 else sink.view(1, 1)
+        S = torch.cat([S, sink.expand(*S.shape[:-1], 1)], dim=-1)  # the sink: one more column
     L = torch.logsumexp(S, dim=-1)  # (..., Nq)
     P = torch.exp(S - L.masked_fill(torch.isneginf(L), 0.0)[..., None])  # rows with no key: P = 0
+    if sinks is not None:
+        P = P[..., :-1]  # the sink's value is zero: its probability only scales the others down
     O = torch.matmul(P.to(v.dtype), v)
     if return_lse:
         return O, L

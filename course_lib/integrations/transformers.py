@@ -19,7 +19,8 @@ transformers asks two questions of an attention implementation, each through its
    the kernels take no arbitrary masks.
 
 Dropout is not implemented by the kernels: a layer in training mode with attention dropout > 0
-raises a ValueError (set `config.attention_dropout = 0`). So do logit soft-capping and attention sinks.
+raises a ValueError (set `config.attention_dropout = 0`). So does logit soft-capping. Attention sinks
+(gpt-oss's `s_aux`, one learned logit per query head) go to the kernels as `sinks`.
 """
 
 from __future__ import annotations
@@ -138,7 +139,7 @@ def attention_forward(
             f"course_lib attention has no dropout (got dropout={dropout} in {type(module).__name__}); set "
             "config.attention_dropout = 0.0, or call model.eval() for inference"
         )
-    for unsupported in ("softcap", "s_aux"):
+    for unsupported in ("softcap",):
         if kwargs.get(unsupported) is not None:
             raise ValueError(
                 f"course_lib attention does not implement {unsupported!r} ({type(module).__name__}); "
@@ -171,7 +172,8 @@ def attention_forward(
             f"course_lib attention: a sliding window (sliding_window={window}) without a causal mask "
             f"({type(module).__name__}) is not implemented; use attn_implementation='sdpa' for this model"
         )
-    o = flash_attention_op(query, key, value, "bottom_right" if causal else "none", scaling, window)
+    sinks = kwargs.get("s_aux")  # gpt-oss's attention sinks: (Hq,) logits
+    o = flash_attention_op(query, key, value, "bottom_right" if causal else "none", scaling, window, sinks)
     return o.transpose(1, 2).contiguous(), None
 
 
