@@ -60,6 +60,14 @@ def random_qkv(
     return make(n_q, lead), make(n_k, lead_kv), make(n_k, lead_kv)
 
 
+def gqa_qkv(b: int, hq: int, hkv: int, n_q: int, n_k: int, d: int, dtype, seed: int, device=None):
+    """q (b, hq, n_q, d), k and v (b, hkv, n_k, d) (grouped-query attention when hkv < hq) drawn on the
+    CPU from `seed` (the same values on every device), in `dtype`, on `device` (default: course_lib's)."""
+    g = torch.Generator().manual_seed(seed)
+    device = runtime.DEVICE if device is None else device
+    return random_qkv((b, hq, n_q, d), n_k, kv_heads=hkv, dtype=dtype, device=device, generator=g)
+
+
 def max_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     """max |actual - expected| in float64; inf if `actual` holds a NaN or an inf (the references the
     tests compare with are finite)."""

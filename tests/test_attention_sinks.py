@@ -16,7 +16,7 @@ from course_lib import flash_attention
 from course_lib.attention import attention_backward, attention_forward
 from course_lib.attention.op import flash_attention_op
 from course_lib.attention.reference import attention as reference_attention
-from course_lib.testing import FLOOR, assert_close_to_reference, random_qkv
+from course_lib.testing import FLOOR, assert_close_to_reference, gqa_qkv
 
 DEVICE = course_lib.DEVICE
 ON_GPU = course_lib.ON_GPU
@@ -24,8 +24,8 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
 def _inputs(b, hq, hkv, n_q, n_k, d, dtype, seed):
-    g = torch.Generator().manual_seed(seed)
-    q, k, v = random_qkv((b, hq, n_q, d), n_k, kv_heads=hkv, dtype=dtype, device=DEVICE, generator=g)
+    q, k, v = gqa_qkv(b, hq, hkv, n_q, n_k, d, dtype, seed)
+    g = torch.Generator().manual_seed(seed + 1)
     sinks = (2 * torch.randn(hq, generator=g)).to(DEVICE)  # logits of the order of the scores'
     return q, k, v, sinks
 

@@ -17,7 +17,7 @@ from course_lib.attention import attention_backward, attention_forward
 from course_lib.attention.blocks import kv_block_range_py, q_block_range_py
 from course_lib.attention.reference import attention as reference_attention
 from course_lib.attention.reference import causal_mask
-from course_lib.testing import assert_close_to_reference, random_qkv, reference_outputs
+from course_lib.testing import assert_close_to_reference, gqa_qkv, reference_outputs
 
 DEVICE = course_lib.DEVICE
 ON_GPU = course_lib.ON_GPU
@@ -25,10 +25,7 @@ ON_GPU = course_lib.ON_GPU
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
-def _qkv(b, hq, hkv, n_q, n_k, d, dtype, seed):
-    """q of hq heads, k and v of hkv heads (grouped-query attention when hkv < hq), drawn from `seed`."""
-    g = torch.Generator().manual_seed(seed)
-    return random_qkv((b, hq, n_q, d), n_k, kv_heads=hkv, dtype=dtype, device=DEVICE, generator=g)
+_qkv = gqa_qkv  # q of hq heads, k and v of hkv heads, drawn from a seed
 
 
 def _check(q, k, v, causal, what):

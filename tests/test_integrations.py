@@ -61,6 +61,25 @@ def kernel_calls(monkeypatch):
     return calls
 
 
+def _greedy_tokens(model, impls, prompt, new_tokens):
+    """Greedy tokens of `model` with each attention implementation, `new_tokens` of them, failing on any
+    SDPA fallback on the way (a UserWarning)."""
+    tokens = {}
+    for impl in impls:
+        model.set_attn_implementation(impl)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", UserWarning)
+            # min_new_tokens: a random-weight model may pick the end-of-sequence token and stop early
+            tokens[impl] = model.generate(
+                prompt,
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                do_sample=False,
+                attention_mask=None,
+            )
+    return tokens
+
+
 def _logits(model, impl, ids, **kwargs):
     model.set_attn_implementation(impl)
     with torch.no_grad():
@@ -136,15 +155,7 @@ def test_greedy_generation_same_tokens(kernel_calls):
     use_in_transformers()
     model = tiny_llama()
     prompt = torch.randint(0, 97, (1, 8), device=DEVICE)
-    tokens = {}
-    for impl in ("sdpa", "course_lib"):
-        model.set_attn_implementation(impl)
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", UserWarning)  # no SDPA fallback on the way
-            # min_new_tokens: a random-weight model may pick the end-of-sequence token and stop early
-            tokens[impl] = model.generate(
-                prompt, max_new_tokens=6, min_new_tokens=6, do_sample=False, attention_mask=None
-            )
+    tokens = _greedy_tokens(model, ("sdpa", "course_lib"), prompt, 6)
     assert len(kernel_calls) == 2 * 6  # prefill + 5 decoding steps, two layers
     assert torch.equal(tokens["sdpa"], tokens["course_lib"]), f"{tokens['sdpa']} != {tokens['course_lib']}"
 
@@ -226,14 +237,7 @@ def test_sliding_window_generation_same_tokens(kernel_calls):
     use_in_transformers()
     model = tiny_mistral()
     prompt = torch.randint(0, 97, (1, 8), device=DEVICE)
-    tokens = {}
-    for impl in ("sdpa", "course_lib"):
-        model.set_attn_implementation(impl)
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", UserWarning)  # no SDPA fallback on the way
-            tokens[impl] = model.generate(
-                prompt, max_new_tokens=12, min_new_tokens=12, do_sample=False, attention_mask=None
-            )
+    tokens = _greedy_tokens(model, ("sdpa", "course_lib"), prompt, 12)
     assert len(kernel_calls) == 2 * 12 and all(c[3] == 8 for c in kernel_calls)
     assert max(c[1][2] for c in kernel_calls) <= 8  # the cache never held more than the window
     assert torch.equal(tokens["sdpa"], tokens["course_lib"]), f"{tokens['sdpa']} != {tokens['course_lib']}"
@@ -298,11 +302,7 @@ def test_gpt_oss_sinks_and_windows_match_eager(kernel_calls):
         err = relative_error(grads["course_lib"][name], g)
         assert err <= 1e-4, f"tiny gpt-oss fp32: grad of {name}: relative error {err:.3g}"
     model.eval()
-    prompt = ids[:1, :6]
-    tokens = {}
-    for impl in ("eager", "course_lib"):
-        model.set_attn_implementation(impl)
-        tokens[impl] = model.generate(prompt, max_new_tokens=10, min_new_tokens=10, do_sample=False)
+    tokens = _greedy_tokens(model, ("eager", "course_lib"), ids[:1, :6], 10)
     assert torch.equal(tokens["eager"], tokens["course_lib"]), f"{tokens['eager']} != {tokens['course_lib']}"
 
 

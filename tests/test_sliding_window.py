@@ -26,16 +26,14 @@ from course_lib.attention.blocks import (
 from course_lib.attention.op import flash_attention_op
 from course_lib.attention.reference import attention as reference_attention
 from course_lib.attention.reference import causal_mask
-from course_lib.testing import assert_close_to_reference, random_qkv, reference_outputs
+from course_lib.testing import assert_close_to_reference, gqa_qkv, reference_outputs
 
 DEVICE = course_lib.DEVICE
 ON_GPU = course_lib.ON_GPU
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
-def _qkv(b, hq, hkv, n_q, n_k, d, dtype, seed):
-    g = torch.Generator().manual_seed(seed)
-    return random_qkv((b, hq, n_q, d), n_k, kv_heads=hkv, dtype=dtype, device=DEVICE, generator=g)
+_qkv = gqa_qkv
 
 
 def _check(q, k, v, causal, window, what, dq_mode=None):
