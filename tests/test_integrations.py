@@ -80,9 +80,12 @@ def _greedy_tokens(model, impls, prompt, new_tokens):
     return tokens
 
 
-def _logits(model, impl, ids, **kwargs):
+def _logits(model, impl, ids, no_fallback=False, **kwargs):
+    """Logits of `model` with attention `impl`; no_fallback: fail on any SDPA fallback (a UserWarning)."""
     model.set_attn_implementation(impl)
-    with torch.no_grad():
+    with torch.no_grad(), warnings.catch_warnings():
+        if no_fallback:
+            warnings.simplefilter("error", UserWarning)
         return model(ids, **kwargs).logits
 
 
@@ -137,12 +140,7 @@ def test_gradients_match_sdpa(kernel_calls):
     model = tiny_llama()
     model.train()  # attention_dropout is 0: training mode is allowed
     ids = torch.randint(0, 97, (2, 20), device=DEVICE)
-    grads = {}
-    for impl in ("sdpa", "course_lib"):
-        model.set_attn_implementation(impl)
-        model.zero_grad()
-        model(ids, labels=ids).loss.backward()
-        grads[impl] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    grads = {impl: _loss_and_grads(model, impl, ids)[2] for impl in ("sdpa", "course_lib")}
     assert len(kernel_calls) == 2
     assert grads["sdpa"].keys() == grads["course_lib"].keys()
     bound = 1e-4 if course_lib.ON_GPU else 1e-5  # measured on the CPU: 4e-7
@@ -210,21 +208,14 @@ def test_sliding_window_logits_and_gradients_match_sdpa(kernel_calls):
     model = tiny_mistral()
     ids = torch.randint(0, 97, (2, 24), device=DEVICE)
     ref = _logits(model, "sdpa", ids)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", UserWarning)  # no SDPA fallback
-        got = _logits(model, "course_lib", ids)
+    got = _logits(model, "course_lib", ids, no_fallback=True)
     assert kernel_calls == [((2, 4, 24, 16), (2, 2, 24, 16), "bottom_right", 8)] * 2
     full = _logits(tiny_mistral(window=None), "sdpa", ids)
     assert (full - ref).abs().max() > 1e-2  # the window changes the logits: the check below can fail
     err = (got - ref).abs().max().item()
     assert err < 1e-4, f"tiny Mistral fp32, window 8, N=24: logits differ from SDPA by {err:.3g}"
     model.train()
-    grads = {}
-    for impl in ("sdpa", "course_lib"):
-        model.set_attn_implementation(impl)
-        model.zero_grad()
-        model(ids, labels=ids).loss.backward()
-        grads[impl] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    grads = {impl: _loss_and_grads(model, impl, ids)[2] for impl in ("sdpa", "course_lib")}
     for name, g in grads["sdpa"].items():
         err = relative_error(grads["course_lib"][name], g)
         assert err <= 1e-5, f"tiny Mistral fp32, window 8: grad of {name}: relative error {err:.3g}"
@@ -277,9 +268,7 @@ def test_gpt_oss_sinks_and_windows_match_eager(kernel_calls):
     model = tiny_gpt_oss()
     ids = torch.randint(0, 97, (2, 24), device=DEVICE)
     ref = _logits(model, "eager", ids)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", UserWarning)  # no SDPA fallback
-        got = _logits(model, "course_lib", ids)
+    got = _logits(model, "course_lib", ids, no_fallback=True)
     assert [c[3] if len(c) > 3 else None for c in kernel_calls] == [8, None]
     err = (got - ref).abs().max().item()
     assert err < 1e-4, f"tiny gpt-oss fp32, N=24: logits differ from eager attention by {err:.3g}"
@@ -291,12 +280,7 @@ def test_gpt_oss_sinks_and_windows_match_eager(kernel_calls):
         for layer, s in zip(model.model.layers, sinks):
             layer.self_attn.sinks.copy_(s)
     model.train()
-    grads = {}
-    for impl in ("eager", "course_lib"):
-        model.set_attn_implementation(impl)
-        model.zero_grad()
-        model(ids, labels=ids).loss.backward()
-        grads[impl] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    grads = {impl: _loss_and_grads(model, impl, ids)[2] for impl in ("eager", "course_lib")}
     assert any("sinks" in n for n in grads["eager"])
     for name, g in grads["eager"].items():
         err = relative_error(grads["course_lib"][name], g)
