@@ -202,7 +202,8 @@ def check_sinks(sinks, q: torch.Tensor, where: str = "attention") -> torch.Tenso
     """Normalise attention sinks (gpt-oss's `sinks`, one learned logit per query head that joins every row's
     softmax as an extra key whose value is zero): None stays None; else a floating tensor of shape (Hq,)
     (Hq = q.shape[-3] for 4-D q, 1 for 3-D q) on q's device, returned contiguous in the accumulator dtype
-    (float32, float64 for float64 q). A sink of -inf is no sink."""
+    (float32, float64 for float64 q). A sink of -inf is no sink; a sink of +inf or NaN is not a logit (its
+    values are not checked here: that would wait for the GPU), and gives NaN."""
     if sinks is None:
         return None
     if not isinstance(sinks, torch.Tensor):
@@ -220,3 +221,9 @@ def check_sinks(sinks, q: torch.Tensor, where: str = "attention") -> torch.Tenso
     if sinks.device != q.device:
         raise ValueError(f"{where}: sinks are on {sinks.device}, q on {q.device}; move them to q's device")
     return sinks.to(accumulator_dtype(q.dtype)).contiguous()
+
+
+def kernel_window(window: int, n_q: int, n_k: int) -> int:
+    """The window the kernels receive: `check_window`'s value capped at Nq + Nk, which no pair can exceed
+    (so a huge "no limit" window cannot overflow their 32-bit index arithmetic); 0 stays 0 (none)."""
+    return min(window, max(1, n_q + n_k)) if window else 0

@@ -303,7 +303,7 @@ torch.testing.assert_close(o_win.double(), ref_win, rtol=TOL, atol=TOL)
 # %% [markdown]
 # **Predict first.** The work is the number of (query block, key block) tiles a kernel visits. Causal
 # attention over N keys visits about half of the (N / block)² tiles; a window of W keys about
-# (N / block_m) · (W / block_n + 1). The next cell counts both with the kernels' own block-range
+# (N / block_m) · (W + block_m) / block_n. The next cell counts both with the kernels' own block-range
 # functions (their Python twins) for N = `N_WIN` and W = `WINDOW`: that count is the prediction of the
 # speed-up. On a GPU, the cell after it times forward + backward with the window against the same kernel
 # with a window as long as the sequence (which visits the causal tiles), so that only the skipped blocks

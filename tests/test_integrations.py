@@ -222,15 +222,18 @@ def test_sliding_window_logits_and_gradients_match_sdpa(kernel_calls):
 
 
 def test_sliding_window_generation_same_tokens(kernel_calls):
-    """Greedy generation past the window (8-token prompt, 12 new tokens, window 8): the same tokens as
+    """Greedy generation past the window (a 12-token prompt, 12 new tokens, window 8): the same tokens as
     SDPA, every step on the kernels. transformers' sliding-window cache keeps only the last keys a query
-    can see (kv_offset > 0); they end where the queries end, so the alignment is still bottom-right."""
+    can see (kv_offset > 0); they end where the queries end, so the alignment is still bottom-right.
+    The prompt is longer than the window, so its prefill masks keys and the test fails if the window is
+    ignored."""
     use_in_transformers()
     model = tiny_mistral()
-    prompt = torch.randint(0, 97, (1, 8), device=DEVICE)
+    prompt = torch.randint(0, 97, (1, 12), device=DEVICE)
     tokens = _greedy_tokens(model, ("sdpa", "course_lib"), prompt, 12)
     assert len(kernel_calls) == 2 * 12 and all(c[3] == 8 for c in kernel_calls)
-    assert max(c[1][2] for c in kernel_calls) <= 8  # the cache never held more than the window
+    assert kernel_calls[0][:2] == ((1, 4, 12, 16), (1, 2, 12, 16))  # the prefill: 12 queries, window 8
+    assert max(c[1][2] for c in kernel_calls[2:]) <= 8  # then the cache never held more than the window
     assert torch.equal(tokens["sdpa"], tokens["course_lib"]), f"{tokens['sdpa']} != {tokens['course_lib']}"
 
 
@@ -286,8 +289,22 @@ def test_gpt_oss_sinks_and_windows_match_eager(kernel_calls):
         err = relative_error(grads["course_lib"][name], g)
         assert err <= 1e-4, f"tiny gpt-oss fp32: grad of {name}: relative error {err:.3g}"
     model.eval()
-    tokens = _greedy_tokens(model, ("eager", "course_lib"), ids[:1, :6], 10)
+    tokens = _greedy_tokens(model, ("eager", "course_lib"), ids[:1, :12], 10)  # prompt longer than the window
     assert torch.equal(tokens["eager"], tokens["course_lib"]), f"{tokens['eager']} != {tokens['course_lib']}"
+
+
+def test_gpt_oss_with_padding_falls_back_to_its_eager_attention():
+    """A mask the kernels cannot apply on a layer with sinks: not SDPA (which would drop the sinks) but
+    the model's own eager attention, with a warning; the logits are eager's."""
+    use_in_transformers()
+    model = tiny_gpt_oss()
+    ids = torch.randint(0, 97, (2, 12), device=DEVICE)
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0  # left padding in the second sequence
+    ref = _logits(model, "eager", ids, attention_mask=mask)
+    with pytest.warns(UserWarning, match="runs the model's eager attention instead"):
+        got = _logits(model, "course_lib", ids, attention_mask=mask)
+    assert torch.allclose(got, ref, atol=1e-6)
 
 
 def _loss_and_grads(model, impl, ids):

@@ -120,6 +120,21 @@ def test_window_is_a_mask_on_full_attention():
     torch.testing.assert_close(lse.double(), ref_l, rtol=1e-4, atol=1e-4)
 
 
+def test_a_huge_window_is_no_window():
+    """A window far longer than the sequences ("no limit", up to 2^31 - 1) gives causal attention, forward
+    and backward: the kernels receive it capped at Nq + Nk, so their 32-bit index arithmetic cannot wrap."""
+    q, k, v = _qkv(1, 4, 2, 40, 70, 16, torch.float32, seed=8)
+    q, k, v = (t.requires_grad_(True) for t in (q, k, v))
+    do = torch.randn_like(q)
+    o = flash_attention(q, k, v, "bottom_right")
+    grads = torch.autograd.grad(o, (q, k, v), do)
+    for window in (2**31 - 1, 2**40):
+        o_w = flash_attention(q, k, v, "bottom_right", window=window)
+        torch.testing.assert_close(o_w, o)
+        for a, b in zip(torch.autograd.grad(o_w, (q, k, v), do), grads):
+            torch.testing.assert_close(a, b)
+
+
 def test_reference_window_mask():
     """The reference's mask, written out: query i sees keys i - W < j <= i (top-left)."""
     mask = causal_mask(6, 6, window=3)

@@ -1,4 +1,4 @@
-"""The public Triton FlashAttention-2: `flash_attention(q, k, v, causal, scale, window)` and the autograd
+"""The public Triton FlashAttention-2: `flash_attention(q, k, v, causal, scale, window, sinks)` and the autograd
 Function `FlashAttentionTriton` (notebooks 06 and 07).
 
 The forward kernel (`forward.py`) returns O and the logsumexp L; the Function saves Q, K, V, O and L

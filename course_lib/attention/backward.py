@@ -51,6 +51,7 @@ from ..checks import (
     check_sinks,
     check_window,
     default_scale,
+    kernel_window,
     kv_group,
 )
 from ..runtime import tl, triton
@@ -653,6 +654,7 @@ def _backward(
     group = kv_group(q4, k4)
     causal = alignment is not None
     offset = causal_offset(alignment, n_q, n_k)
+    window = kernel_window(window, n_q, n_k)
     dk = torch.empty(k.shape, dtype=k.dtype, device=where)
     dv = torch.empty(v.shape, dtype=v.dtype, device=where)
     dk4, dv4 = as_4d(dk), as_4d(dv)

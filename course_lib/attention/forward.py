@@ -41,6 +41,7 @@ from ..checks import (
     check_sinks,
     check_window,
     default_scale,
+    kernel_window,
     kv_group,
 )
 from ..runtime import tl, triton
@@ -257,7 +258,8 @@ def _fwd_kernel(
     )  # fmt: skip
 
     # O = acc / l: registers -> HBM, BLOCK_M * d elements. A row that saw no key (l = 0: possible with
-    # bottom-right causal when Nq > Nk, or Nk = 0) gets O = 0 and L = -inf.
+    # bottom-right causal when Nq > Nk, with a window whose keys all lie past Nk, or Nk = 0) gets O = 0 and
+    # L = -inf; with a sink it saw the sink (l = 1): O = 0 and L = the sink.
     seen = l_i > 0.0
     l_safe = tl.where(seen, l_i, 1.0)
     acc = acc / l_safe[:, None]
@@ -328,6 +330,7 @@ def _forward(q, k, v, alignment, scale, launch_cfg, switches, window=0, sinks=No
     n_k = k4.shape[2]
     causal = alignment is not None
     offset = causal_offset(alignment, n_q, n_k)
+    window = kernel_window(window, n_q, n_k)
     bucket = n_bucket(max(n_q, n_k))
     args = (
         q4, k4, v4, o4, l3, l3 if sinks is None else sinks, scale,

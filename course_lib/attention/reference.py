@@ -28,7 +28,7 @@ def causal_mask(
     """Boolean (Nq, Nk) mask, True where query i may attend to key j.
 
     "top_left": j <= i, query i aligned with key i, as `scaled_dot_product_attention(is_causal=True)`;
-    every row keeps key 0. "bottom_right": j <= i + Nk - Nq, the queries are the last Nq positions (a
+    every row keeps key 0 (without a window). "bottom_right": j <= i + Nk - Nq, the queries are the last Nq positions (a
     KV cache); with Nq > Nk the first Nq - Nk rows see no key (`attention` gives them O = 0).
     window: also j > i + offset - window (a sliding window of that many keys), None for none."""
     offset = causal_offset(causal_alignment(alignment), n_queries, n_keys)

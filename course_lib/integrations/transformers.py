@@ -25,6 +25,7 @@ raises a ValueError (set `config.attention_dropout = 0`). So does logit soft-cap
 
 from __future__ import annotations
 
+import importlib
 import warnings
 
 import torch
@@ -55,7 +56,10 @@ def _no_padding(padding_mask: torch.Tensor | None) -> bool:
 def _is_sliding_causal(mask_function, window: int) -> bool:
     """Whether transformers' `mask_function` is the causal mask with a sliding window of `window` keys
     (kv_idx <= q_idx and kv_idx > q_idx - window), checked on a sample of positions around the window's
-    edges (mask functions take index tensors); False for anything else (chunked attention, say)."""
+    edges (mask functions take index tensors); False for anything else (chunked attention, say), and
+    under torch.compile, where comparing the values would break the graph (the mask is then built)."""
+    if torch.compiler.is_compiling():
+        return False
     q_idx = torch.tensor([0, 1, window - 1, window, window + 1, 2 * window + 3])[:, None]
     kv_idx = torch.arange(0, 2 * window + 5)[None, :]
     want = (kv_idx <= q_idx) & (kv_idx > q_idx - window)
@@ -89,8 +93,8 @@ def attention_mask(
     alignment."""
     if local_size is None:
         kernels_mask = mask_function is causal_mask_function
-    else:
-        kernels_mask = _is_sliding_causal(mask_function, local_size)
+    else:  # (probed only where the answer could be None)
+        kernels_mask = allow_is_causal_skip and _is_sliding_causal(mask_function, local_size)
     plain_causal = (
         allow_is_causal_skip
         and kernels_mask
@@ -131,9 +135,11 @@ def attention_forward(
     query: (B, Hq, Nq, d); key, value: (B, Hkv, Nk, d) with Hq a multiple of Hkv (grouped-query
     attention, K/V not repeated); the model's dtype (float16/bfloat16/float32). attention_mask: None
     (causal, bottom-right: query i sees keys j <= i + Nk - Nq; see `attention_mask`) or a mask tensor
-    (then SDPA runs, with a warning). sliding_window (keyword, from the layer): query i then sees only
-    the keys i + Nk - Nq - sliding_window < j <= i + Nk - Nq. scaling: the softmax scale (default 1/sqrt(d)). Returns
-    (O of shape (B, Nq, Hq, d), None): no attention weights are ever formed."""
+    (then SDPA runs, with a warning; for a layer with attention sinks, which SDPA would ignore, the
+    model's own eager attention). sliding_window (keyword, from the layer): query i then sees only the
+    keys i + Nk - Nq - sliding_window < j <= i + Nk - Nq. s_aux (keyword): gpt-oss's attention sinks.
+    scaling: the softmax scale (default 1/sqrt(d)). Returns (O of shape (B, Nq, Hq, d), None): no
+    attention weights are ever formed."""
     if dropout:
         raise ValueError(
             f"course_lib attention has no dropout (got dropout={dropout} in {type(module).__name__}); set "
@@ -146,6 +152,29 @@ def attention_forward(
                 "use attn_implementation='sdpa' or 'eager' for this model"
             )
     if attention_mask is not None:
+        if kwargs.get("s_aux") is not None:  # SDPA knows no sinks: the model's own eager attention does
+            eager = getattr(importlib.import_module(type(module).__module__), "eager_attention_forward", None)
+            if eager is None:
+                raise ValueError(
+                    f"course_lib attention: {type(module).__name__} has attention sinks and transformers passed "
+                    "an explicit mask, which the kernels cannot apply and SDPA would compute without the "
+                    "sinks; use attn_implementation='eager' for this model"
+                )
+            warnings.warn(
+                "course_lib attention: transformers passed an explicit mask (padding, a static cache, ...) "
+                "to a layer with attention sinks; the kernels compute causal masks (with or without a "
+                "sliding window) only, so this call runs the model's eager attention instead",
+                UserWarning,
+                stacklevel=2,
+            )
+            if attention_mask.dtype == torch.bool:  # eager attention adds its mask: 0 where seen, else min
+                hidden = torch.finfo(query.dtype).min
+                attention_mask = torch.zeros_like(attention_mask, dtype=query.dtype).masked_fill(
+                    ~attention_mask, hidden
+                )
+            return eager(
+                module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+            )
         warnings.warn(
             "course_lib attention: transformers passed an explicit mask (padding, a static cache, chunked "
             "attention or a custom 4-D mask); course_lib's kernels compute "

@@ -165,6 +165,11 @@ def workload() -> None:
     attention_backward(do, q, k, v, o, lse, True, dq_mode="atomic")
     attention_forward(q, k, v, True, config={"exp2": False, "skip_masked_blocks": False})
     attention_backward(do, q, k, v, o, lse, True, config={"exp2": False, "skip_masked_blocks": False})
+    # a sliding window with attention sinks: both dQ modes
+    sinks = randn(2)
+    o, lse = attention_forward(q, k, v, True, window=9, sinks=sinks)
+    for mode in ("two_kernel", "atomic"):
+        attention_backward(do, q, k, v, o, lse, True, dq_mode=mode, window=9, sinks=sinks)
     rule = attention_backward_module.dkdv_heads_per_program
     attention_backward_module.dkdv_heads_per_program = lambda group, causal, n, d: 1
     try:
@@ -172,6 +177,8 @@ def workload() -> None:
         k, v = randn(1, 2, 40, 32), randn(1, 2, 40, 32)
         o, lse = attention_forward(q, k, v, True)
         attention_backward(randn(1, 4, 40, 32), q, k, v, o, lse, True)
+        o, lse = attention_forward(q, k, v, True, window=9)  # one head per program, windowed
+        attention_backward(randn(1, 4, 40, 32), q, k, v, o, lse, True, window=9)
     finally:
         attention_backward_module.dkdv_heads_per_program = rule
 
