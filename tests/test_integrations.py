@@ -158,14 +158,23 @@ def test_greedy_generation_same_tokens(kernel_calls):
     assert torch.equal(tokens["sdpa"], tokens["course_lib"]), f"{tokens['sdpa']} != {tokens['course_lib']}"
 
 
-def test_padding_mask_falls_back_to_sdpa_with_a_warning(kernel_calls):
+@pytest.mark.parametrize(
+    "make,reference,fallback",
+    [
+        (lambda: tiny_llama(), "sdpa", "runs transformers' SDPA attention instead"),
+        # a layer with sinks: not SDPA, which would drop them, but the model's own eager attention
+        (lambda: tiny_gpt_oss(), "eager", "runs the model's eager attention instead"),
+    ],
+    ids=["Llama: SDPA", "gpt-oss: eager"],
+)
+def test_padding_mask_falls_back_with_a_warning(kernel_calls, make, reference, fallback):
     use_in_transformers()
-    model = tiny_llama()
+    model = make()
     ids = torch.randint(0, 97, (2, 12), device=DEVICE)
     mask = torch.ones_like(ids)
     mask[1, :4] = 0  # left padding in the second sequence
-    ref = _logits(model, "sdpa", ids, attention_mask=mask)
-    with pytest.warns(UserWarning, match="runs transformers' SDPA attention instead"):
+    ref = _logits(model, reference, ids, attention_mask=mask)
+    with pytest.warns(UserWarning, match=fallback):
         got = _logits(model, "course_lib", ids, attention_mask=mask)
     assert kernel_calls == []
     assert torch.allclose(got, ref, atol=1e-6)
@@ -291,20 +300,6 @@ def test_gpt_oss_sinks_and_windows_match_eager(kernel_calls):
     model.eval()
     tokens = _greedy_tokens(model, ("eager", "course_lib"), ids[:1, :12], 10)  # prompt longer than the window
     assert torch.equal(tokens["eager"], tokens["course_lib"]), f"{tokens['eager']} != {tokens['course_lib']}"
-
-
-def test_gpt_oss_with_padding_falls_back_to_its_eager_attention():
-    """A mask the kernels cannot apply on a layer with sinks: not SDPA (which would drop the sinks) but
-    the model's own eager attention, with a warning; the logits are eager's."""
-    use_in_transformers()
-    model = tiny_gpt_oss()
-    ids = torch.randint(0, 97, (2, 12), device=DEVICE)
-    mask = torch.ones_like(ids)
-    mask[1, :4] = 0  # left padding in the second sequence
-    ref = _logits(model, "eager", ids, attention_mask=mask)
-    with pytest.warns(UserWarning, match="runs the model's eager attention instead"):
-        got = _logits(model, "course_lib", ids, attention_mask=mask)
-    assert torch.allclose(got, ref, atol=1e-6)
 
 
 def _loss_and_grads(model, impl, ids):
