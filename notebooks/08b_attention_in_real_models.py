@@ -388,12 +388,13 @@ assert_close_to_reference(d_sinks, ref["float64"][1], ref["baseline"][1], what="
 # - `AttentionMaskInterface` turns the model's inputs (a padding mask, the cache length) into a mask.
 #   Ours answers `None` whenever the mask is plain causal with the queries at the end of the keys — prefill,
 #   and decoding or chunked prefill with a growing cache — because that is exactly what the kernels compute
-#   with `"bottom_right"`, without any mask tensor, a layer's sliding window included (its window is then
-#   passed on to the kernels, gpt-oss's sinks too). For anything else (padding, a static cache's empty slots) it builds
+#   with `"bottom_right"`, without any mask tensor, a layer's sliding window included (the window is then
+#   passed on to the kernels). For anything else (padding, a static cache's empty slots) it builds
 #   transformers' boolean mask.
 # - `AttentionInterface` maps the name to a function `(module, q, k, v, mask, dropout, scaling, ...)`. Ours
-#   calls `flash_attention_op` with K and V as they come (GQA, no repeat) when the mask is `None`, and hands
-#   the call to SDPA, with a warning, when there is a mask the kernels cannot apply.
+#   calls `flash_attention_op` with K and V as they come (GQA, no repeat), the layer's window and its sinks
+#   (gpt-oss) when the mask is `None`, and hands the call to SDPA, with a warning, when there is a mask the
+#   kernels cannot apply (to the model's own eager attention for a layer with sinks, which SDPA lacks).
 #
 # `use_in_transformers()` registers both under the name "course_lib". A tiny Llama with random weights,
 # built from a config (nothing is downloaded):
