@@ -216,3 +216,23 @@ def test_overlap_summary_of_a_small_trace():
     s = overlap_summary(trace)
     got = [s[k] for k in ("compute_ms", "comm_ms", "overlapped_ms", "span_ms", "hidden_fraction")]
     assert got == pytest.approx([2.0, 1.0, 0.8, 2.7, 0.8]), s
+
+
+def test_run_ranks_retries_a_port_taken_after_it_was_found(monkeypatch):
+    """`free_port` can hand out a port that another process binds before rank 0 listens on it: run_ranks
+    then starts again on a new port instead of failing (seen on a busy 2-core CI machine)."""
+    import socket
+
+    from course_lib.distributed import launch
+
+    taken = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    ports = [taken.getsockname()[1]]
+    real = launch.free_port
+    monkeypatch.setattr(launch, "free_port", lambda: ports.pop() if ports else real())
+    try:
+        assert run_ranks(compare_with_reference, 2, ([],), timeout=120) == [[], []]
+    finally:
+        taken.close()
+    assert ports == []  # the taken port was tried first

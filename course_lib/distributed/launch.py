@@ -63,9 +63,30 @@ def run_ranks(fn, world: int, args: tuple = (), timeout: float = 120.0, backend:
         raise ValueError(f"run_ranks: world must be a positive integer, got {world!r}")
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"run_ranks: backend must be 'gloo' or 'nccl', got {backend!r}")
+    for attempt in range(PORT_ATTEMPTS):
+        try:
+            return _run_once(fn, world, args, timeout, backend, free_port())
+        except _PortTaken:
+            if attempt == PORT_ATTEMPTS - 1:
+                raise RuntimeError(
+                    f"run_ranks: the rendezvous port was taken by another process {PORT_ATTEMPTS} times in a row"
+                ) from None
+    raise AssertionError("unreachable")
+
+
+# `free_port` finds a port free when asked; another process may bind it before rank 0 does (a race that
+# shows on busy machines). Such a start is retried with a new port this many times in all.
+PORT_ATTEMPTS = 3
+
+
+class _PortTaken(Exception):
+    """Rank 0 could not listen on the rendezvous port: another process took it after `free_port`."""
+
+
+def _run_once(fn, world: int, args: tuple, timeout: float, backend: str, port: int) -> list:
+    """`run_ranks` with this rendezvous port; raises _PortTaken if the port was taken meanwhile."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = free_port()
     procs = [
         ctx.Process(target=_rank_main, args=(fn, r, world, port, args, results, backend))
         for r in range(world)
@@ -90,6 +111,8 @@ def run_ranks(fn, world: int, args: tuple = (), timeout: float = 120.0, backend:
                     ) from None
                 continue
             if not ok:
+                if "EADDRINUSE" in value or "address already in use" in value:
+                    raise _PortTaken
                 raise RuntimeError(f"run_ranks: rank {rank} of {world} failed:\n{value}")
             out[rank] = value
         for p in procs:
