@@ -27,10 +27,14 @@
 #    (j ≤ i + Nk − Nq, a KV cache), from a picture of both masks, and predict which rows see no key.
 # 4. Restrict each query to a **sliding window** of the last W keys (Mistral, Gemma), predict the work it
 #    saves from the blocks the kernel visits, and measure it.
-# 5. Plug the kernel into transformers' `LlamaForCausalLM` and check logits and greedy tokens against SDPA.
+# 5. Run a batch of sequences of **different lengths** packed one after another (FlashAttention's "varlen"
+#    call), predict the padding it saves, and measure it.
+# 6. Plug the kernel into transformers' `LlamaForCausalLM` and check logits and greedy tokens against SDPA,
+#    a padded batch of prompts included.
 #
 # The finished pieces: `course_lib.attention.op` (`flash_attention_op`, the operators
-# `course_lib::flash_attention_forward` / `_backward`) and `course_lib.integrations.use_in_transformers`.
+# `course_lib::flash_attention_forward` / `_backward`), `course_lib.attention.varlen`
+# (`flash_attention_varlen`, `flash_attention_padded`) and `course_lib.integrations.use_in_transformers`.
 
 # %% [markdown]
 # ## 0. Sizes, and an import order that used to break
@@ -52,6 +56,8 @@ from course_lib.attention import op
 from course_lib.attention.blocks import kv_block_range_py, window_kv_range_py
 from course_lib.attention.op import flash_attention_op
 from course_lib.attention.reference import attention as reference_attention
+from course_lib.attention.reference import attention_varlen
+from course_lib.attention.varlen import flash_attention_varlen
 from course_lib.exercises import check, predict
 from course_lib.integrations import use_in_transformers
 from course_lib.perf import plotting
@@ -66,6 +72,7 @@ LLAMA = course_lib.pick(
 )
 PROMPT, NEW_TOKENS = course_lib.pick(cpu=(8, 6), gpu=(64, 32))
 WINDOW, N_WIN = course_lib.pick(cpu=(16, 96), gpu=(1024, 8192))  # section 4: window and sequence length
+N_SEQS, MAX_LEN = course_lib.pick(cpu=(4, 80), gpu=(16, 4096))  # section 5: packed sequences
 DEV = course_lib.DEVICE
 TOL = 1e-4 if DTYPE == torch.float32 else 3e-2
 torch.manual_seed(0)
@@ -380,7 +387,82 @@ assert_close_to_reference(o_s, ref["float64"][0], ref["baseline"][0], what="O wi
 assert_close_to_reference(d_sinks, ref["float64"][1], ref["baseline"][1], what="dsinks")
 
 # %% [markdown]
-# ## 5. Inside transformers
+# ## 5. Sequences of different lengths, packed
+#
+# A batch of prompts, or of training documents, rarely has one length. Padding every sequence to the
+# longest and masking the padding computes tiles that are thrown away. **Packing** puts the sequences one
+# after another as rows of one tensor, q of shape (total_q, Hq, d) and k, v of shape (total_k, Hkv, d), and
+# says where each begins with **cumulative lengths**: sequence b owns rows `cu_seqlens[b]` up to
+# `cu_seqlens[b + 1]`. This is FlashAttention's `flash_attn_varlen_func`, and `flash_attention_varlen` here.
+#
+# The kernels need one change. A program still owns a block of rows of one (sequence, head), on the grid of
+# a padded batch of the longest sequence; it reads its sequence's four bounds (`blocks.sequence`), moves its
+# pointers to the sequence's first row, and uses the sequence's own lengths wherever the padded kernel used
+# Nq and Nk: for masks, block ranges, and the causal offset (bottom-right is each sequence's own Nk − Nq). A
+# program whose block starts past its sequence's end visits no key and stores nothing.
+
+# %%
+gen = torch.Generator().manual_seed(5)
+lengths = torch.randint(1, MAX_LEN + 1, (N_SEQS,), generator=gen)
+lengths[0] = MAX_LEN  # the longest sets the padded batch's size
+cu = torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).to(torch.int32).to(DEV)
+print("lengths:", lengths.tolist())
+print("cu_seqlens:", cu.tolist())
+total = int(lengths.sum())
+qp, kp, vp = (torch.randn(total, h, D, device=DEV, dtype=DTYPE, requires_grad=True) for h in (HQ, HKV, HKV))
+o_packed = flash_attention_varlen(qp, kp, vp, cu, cu, causal=True)
+do_packed = torch.randn_like(o_packed)
+grads_packed = torch.autograd.grad(o_packed, (qp, kp, vp), do_packed)
+ref = {}  # each sequence on its own, in float64 and in the inputs' dtype (plain PyTorch's rounding: the bound)
+for name, dtype in (("float64", torch.float64), ("baseline", DTYPE)):
+    ins = [t.detach().to(dtype).requires_grad_(True) for t in (qp, kp, vp)]
+    o_ref, _ = attention_varlen(*ins, cu, cu, causal=True)
+    ref[name] = (o_ref.detach(), torch.autograd.grad(o_ref, ins, do_packed.to(dtype)))
+print(f"packed causal: max error of O against float64 {(o_packed.double() - ref['float64'][0]).abs().max().item():.1e}")
+assert_close_to_reference(o_packed, ref["float64"][0], ref["baseline"][0], what="packed O")
+for name, g, g64, g_base in zip(("dq", "dk", "dv"), grads_packed, ref["float64"][1], ref["baseline"][1]):
+    assert_close_to_reference(g, g64, g_base, what=f"packed {name}")
+
+# %% [markdown]
+# **Predict first.** Non-causal attention over a sequence of n tokens visits ⌈n / block_m⌉ · ⌈n / block_n⌉
+# tiles; a padded batch visits that for the longest n in every sequence. The ratio of the two counts is the
+# predicted speed-up of packing over padding (the padded call is what a model without varlen support runs:
+# the same kernel over (B, H, longest, d), its padding computed and then masked away; here it is only timed).
+
+# %%
+def tiles(n):
+    return -(-n // BLOCK_M) * -(-n // BLOCK_N)
+
+
+padded_tiles, packed_tiles = N_SEQS * tiles(MAX_LEN), sum(tiles(int(n)) for n in lengths)
+predicted_pack = padded_tiles / packed_tiles
+print(f"padded: {padded_tiles} tiles, packed: {packed_tiles}: predicted speed-up {predicted_pack:.2f}x "
+      f"({1 - packed_tiles / padded_tiles:.0%} of the padded work is padding)")  # fmt: skip
+
+# %%
+if course_lib.ON_GPU:
+    q_pad, k_pad, v_pad = (torch.randn(N_SEQS, h, MAX_LEN, D, device=DEV, dtype=DTYPE) for h in (HQ, HKV, HKV))
+    q_pk, k_pk, v_pk = (t.detach() for t in (qp, kp, vp))
+    max_len = int(lengths.max())
+    ms_padded = benchmark(lambda: flash_attention_op(q_pad, k_pad, v_pad, "none"))
+    ms_packed = benchmark(lambda: flash_attention_varlen(q_pk, k_pk, v_pk, cu, cu, max_len, max_len, validate=False))
+    measured_pack = ms_padded / ms_packed
+    print(f"forward, {N_SEQS} sequences: padded {ms_padded:.3f} ms, packed {ms_packed:.3f} ms: {measured_pack:.2f}x, "
+          f"{measured_pack / predicted_pack:.0%} of the predicted {predicted_pack:.2f}x")  # fmt: skip
+else:
+    print("Timing runs on a GPU; under the interpreter it would measure Python, not the kernel.")
+
+# %% [markdown]
+# The packed call's grid is still that of the padded batch: programs past a short sequence's end start,
+# read four integers and stop. What they cost, and the shorter sequences' ragged last blocks (masked, and
+# partly empty), is where the measured speed-up falls short of the tile count.
+#
+# A model usually holds its batch padded, (B, H, N, d) with a (B, N) mask of real tokens.
+# `flash_attention_padded(q, k, v, padding, causal)` gathers the real rows, runs the packed call, and
+# scatters the result back (padded query rows get 0): the padding is never computed.
+
+# %% [markdown]
+# ## 6. Inside transformers
 #
 # transformers chooses a model's attention by name (`attn_implementation`: "eager", "sdpa",
 # "flash_attention_2", ...) through two registries:
@@ -389,12 +471,14 @@ assert_close_to_reference(d_sinks, ref["float64"][1], ref["baseline"][1], what="
 #   Ours answers `None` whenever the mask is plain causal with the queries at the end of the keys — prefill,
 #   and decoding or chunked prefill with a growing cache — because that is exactly what the kernels compute
 #   with `"bottom_right"`, without any mask tensor, a layer's sliding window included (the window is then
-#   passed on to the kernels). For anything else (padding, a static cache's empty slots) it builds
-#   transformers' boolean mask.
+#   passed on to the kernels). With padding (prompts of different lengths) it answers the 2-D padding mask,
+#   and the layers run the real tokens packed (section 5). For anything else (a static cache's empty slots,
+#   a 4-D mask of the caller's) it builds transformers' boolean mask.
 # - `AttentionInterface` maps the name to a function `(module, q, k, v, mask, dropout, scaling, ...)`. Ours
 #   calls `flash_attention_op` with K and V as they come (GQA, no repeat), the layer's window and its sinks
-#   (gpt-oss) when the mask is `None`, and hands the call to SDPA, with a warning, when there is a mask the
-#   kernels cannot apply (to the model's own eager attention for a layer with sinks, which SDPA lacks).
+#   (gpt-oss) when the mask is `None`, `flash_attention_padded` for a padding mask, and hands the call to
+#   SDPA, with a warning, when there is a mask the kernels cannot apply (to the model's own eager attention
+#   for a layer with sinks, which SDPA lacks).
 #
 # `use_in_transformers()` registers both under the name "course_lib". A tiny Llama with random weights,
 # built from a config (nothing is downloaded):
@@ -429,6 +513,22 @@ for impl in ("sdpa", name):
     tokens[impl] = model.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=False)
 print("sdpa:      ", tokens["sdpa"][0, PROMPT:].tolist())
 print("course_lib:", tokens[name][0, PROMPT:].tolist())
+assert torch.equal(tokens["sdpa"], tokens[name])
+
+# %% [markdown]
+# A batch of two prompts of different lengths, left-padded as generation wants them: the mask hook answers
+# the padding mask, and every step (the prefill and each decoding step, the mask growing with the cache)
+# runs the real tokens packed, with the same tokens as SDPA:
+
+# %%
+prompts = ids[:, :PROMPT]
+padding = torch.ones_like(prompts)
+padding[1, : PROMPT // 2] = 0  # the second prompt is half as long
+for impl in ("sdpa", name):
+    model.set_attn_implementation(impl)
+    tokens[impl] = model.generate(prompts, attention_mask=padding, max_new_tokens=NEW_TOKENS, do_sample=False)
+print("sdpa:      ", tokens["sdpa"][:, PROMPT:].tolist())
+print("course_lib:", tokens[name][:, PROMPT:].tolist())
 assert torch.equal(tokens["sdpa"], tokens[name])
 
 # %% [markdown]
@@ -533,6 +633,32 @@ def kv_cache_bytes():
 check("KV cache bytes per token", kv_cache_bytes, (163_840, 5.0))
 
 # %% [markdown]
+# **Exercise 5 (cumulative lengths).** Write `locate(lengths, row)` for packed sequences of these lengths:
+# return `(cu_seqlens, b, i)`, the cumulative lengths as a list (0 first, the total last) and the sequence b
+# and the position i within it of packed row `row`. Sequences of length 0 own no row.
+
+
+# %%
+def locate(lengths, row):
+    ### BEGIN SOLUTION
+    cu_seqlens = [0]
+    for n in lengths:
+        cu_seqlens.append(cu_seqlens[-1] + n)
+    b = max(j for j in range(len(lengths)) if cu_seqlens[j] <= row and lengths[j] > 0)
+    return cu_seqlens, b, row - cu_seqlens[b]
+    ### END SOLUTION
+
+
+# %% tags=["check"]
+check(
+    "rows of packed sequences",
+    lambda: [locate([3, 0, 5, 1], r) for r in (0, 2, 3, 7, 8)],
+    [([0, 3, 3, 8, 9], b, i) for b, i in ((0, 0), (0, 2), (2, 0), (2, 4), (3, 0))],
+    hints=["cu_seqlens[b] is the sum of the lengths before sequence b.",
+           "Row r belongs to the last non-empty sequence whose first row is at most r."],
+)  # fmt: skip
+
+# %% [markdown]
 # ## Summary
 #
 # - `torch.compile` traces with **fake tensors**. A Triton launch inside an `autograd.Function` is traced
@@ -547,8 +673,11 @@ check("KV cache bytes per token", kv_cache_bytes, (163_840, 5.0))
 #   loaded, so the work falls from about N²/2 to about N · W; the window's edge is masked like the diagonal.
 # - **Attention sinks** (gpt-oss): a per-head logit that starts each row's running max and sum; its
 #   gradient is −Σ e^(s − L) · D over the head's rows.
+# - **Packed sequences** (varlen): sequences of different lengths one after another with cumulative lengths;
+#   each program reads its sequence's bounds and uses its lengths, so no padding is computed.
 # - **transformers**: `use_in_transformers()` registers a mask hook (no mask for plain causal attention) and
 #   an attention function ("course_lib"); `model.set_attn_implementation("course_lib")` then runs prefill,
-#   cached decoding and training on the kernels, and calls with masks they cannot apply go to SDPA.
+#   cached decoding and training on the kernels (padded batches packed), and calls with masks they cannot
+#   apply go to SDPA.
 #
 # Next, notebook 09 looks inside the decoding step itself: one query row against a long cache.

@@ -57,7 +57,13 @@ def kernel_calls(monkeypatch):
         calls.append((tuple(q.shape), tuple(k.shape), causal) + ((window,) if window is not None else ()))
         return real(q, k, v, causal, scale, window, sinks)
 
+    def counting_padded(q, k, v, padding, causal, scale, window=None, sinks=None):
+        calls.append(("padded", tuple(q.shape), tuple(k.shape), int(padding.sum())))
+        return real_padded(q, k, v, padding, causal, scale, window, sinks)
+
+    real_padded = hf.flash_attention_padded
     monkeypatch.setattr(hf, "flash_attention_op", counting)
+    monkeypatch.setattr(hf, "flash_attention_padded", counting_padded)
     return calls
 
 
@@ -158,6 +164,73 @@ def test_greedy_generation_same_tokens(kernel_calls):
     assert torch.equal(tokens["sdpa"], tokens["course_lib"]), f"{tokens['sdpa']} != {tokens['course_lib']}"
 
 
+def _padded_batch(n=12, pad=4, side="left", seed=0):
+    """Token ids (2, n) and a 2-D mask whose second row has `pad` padding tokens on `side`."""
+    ids = torch.randint(0, 97, (2, n), device=DEVICE, generator=torch.Generator(DEVICE).manual_seed(seed))
+    mask = torch.ones_like(ids)
+    if side == "left":
+        mask[1, :pad] = 0
+    else:
+        mask[1, n - pad :] = 0
+    return ids, mask
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+@pytest.mark.parametrize("make,reference", [(lambda: tiny_llama(), "sdpa"), (lambda: tiny_gpt_oss(), "eager")],
+                         ids=["Llama", "gpt-oss"])  # fmt: skip
+def test_padding_runs_on_the_kernels(kernel_calls, make, reference, side):
+    """A padded batch (prompts of different lengths) runs on the kernels as packed sequences: the logits
+    of the real tokens match the reference's (SDPA; for gpt-oss, with sinks and a sliding window, its
+    eager attention), with no fallback; padded positions are never computed."""
+    use_in_transformers()
+    model = make()
+    ids, mask = _padded_batch(side=side)
+    ref = _logits(model, reference, ids, attention_mask=mask)
+    got = _logits(model, "course_lib", ids, no_fallback=True, attention_mask=mask)
+    assert kernel_calls == [("padded", (2, 4, 12, 16), (2, 2, 12, 16), 20)] * 2, kernel_calls
+    real = mask.bool()
+    err = (got[real] - ref[real]).abs().max().item()
+    assert err < 1e-4, f"{type(model).__name__} fp32, {side} padding: real tokens' logits differ by {err:.3g}"
+
+
+def test_padded_training_gradients_match_sdpa(kernel_calls):
+    """Right-padded training batch (labels -100 on the padding): every gradient as SDPA's."""
+    use_in_transformers()
+    model = tiny_llama()
+    model.train()
+    ids, mask = _padded_batch(n=20, pad=7, side="right", seed=3)
+    labels = ids.masked_fill(mask == 0, -100)
+    grads = {}
+    for impl in ("sdpa", "course_lib"):
+        model.set_attn_implementation(impl)
+        model.zero_grad(set_to_none=True)
+        model(ids, attention_mask=mask, labels=labels).loss.backward()
+        grads[impl] = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    assert [c[0] for c in kernel_calls] == ["padded", "padded"]
+    bound = 1e-4 if course_lib.ON_GPU else 1e-5
+    for name, g in grads["sdpa"].items():
+        err = relative_error(grads["course_lib"][name], g)
+        assert err <= bound, f"tiny Llama fp32, right padding: grad of {name}: relative error {err:.3g}"
+
+
+def test_padded_batch_generation_same_tokens(kernel_calls):
+    """Greedy generation of a left-padded batch: prefill and every decoding step on the kernels (the
+    padding mask grows with the cache), the same tokens as SDPA."""
+    use_in_transformers()
+    model = tiny_llama()
+    ids, mask = _padded_batch(n=10, pad=3, side="left", seed=5)
+    tokens = {}
+    for impl in ("sdpa", "course_lib"):
+        model.set_attn_implementation(impl)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", UserWarning)
+            tokens[impl] = model.generate(
+                ids, attention_mask=mask, max_new_tokens=6, min_new_tokens=6, do_sample=False
+            )
+    assert len(kernel_calls) == 2 * 6 and all(c[0] == "padded" for c in kernel_calls), kernel_calls
+    assert torch.equal(tokens["sdpa"], tokens["course_lib"]), f"{tokens['sdpa']} != {tokens['course_lib']}"
+
+
 @pytest.mark.parametrize(
     "make,reference,fallback",
     [
@@ -167,12 +240,15 @@ def test_greedy_generation_same_tokens(kernel_calls):
     ],
     ids=["Llama: SDPA", "gpt-oss: eager"],
 )
-def test_padding_mask_falls_back_with_a_warning(kernel_calls, make, reference, fallback):
+def test_a_4d_mask_falls_back_with_a_warning(kernel_calls, make, reference, fallback):
+    """A 4-D mask given by the caller (here causal with a hole: key 2 hidden from every query) is not one
+    the kernels compute: SDPA runs it (a layer with sinks: the model's eager attention), with a warning."""
     use_in_transformers()
     model = make()
     ids = torch.randint(0, 97, (2, 12), device=DEVICE)
-    mask = torch.ones_like(ids)
-    mask[1, :4] = 0  # left padding in the second sequence
+    seen = torch.ones(12, 12, dtype=torch.bool, device=DEVICE).tril()
+    seen[3:, 2] = False
+    mask = torch.zeros(2, 1, 12, 12, device=DEVICE).masked_fill(~seen, torch.finfo(torch.float32).min)
     ref = _logits(model, reference, ids, attention_mask=mask)
     with pytest.warns(UserWarning, match=fallback):
         got = _logits(model, "course_lib", ids, attention_mask=mask)

@@ -62,6 +62,7 @@ from .blocks import (
     program_block,
     q_block_range,
     row_mask,
+    sequence,
     visible_keys,
     window_kv_range,
     window_q_range,
@@ -217,7 +218,7 @@ def _dkdv_inner(
 
 @triton.jit
 def _dkdv_kernel(
-    Q, K, V, DO, L, Dlt, DQ, DK, DV, sm_scale,
+    Q, K, V, DO, L, Dlt, DQ, DK, DV, SEQ, sm_scale,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -231,7 +232,7 @@ def _dkdv_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, ACC_DTYPE: tl.constexpr, BLOCK_MAJOR: tl.constexpr,
     PROBABILITIES: tl.constexpr = probabilities, Q_RANGE: tl.constexpr = q_block_range,
-    ONE_LOOP: tl.constexpr = False, LOCAL: tl.constexpr = False,
+    ONE_LOOP: tl.constexpr = False, LOCAL: tl.constexpr = False, VARLEN: tl.constexpr = 0,
 ):  # fmt: skip
     """dK, dV for one block of BLOCK_N key rows, summed over GROUP query heads; with ATOMIC also dQ
     (added). Grid: (cdiv(N_K, BLOCK_N) * B * H // GROUP,): program head ph covers query heads
@@ -239,21 +240,23 @@ def _dkdv_kernel(
     SHARE = 1: DK, DV are dK, dV (a program sums every query head of its K/V head). SHARE > 1 (grouped-
     query attention split over SHARE programs per K/V head): DK, DV hold H // GROUP partial sums, which
     the caller adds up. PROBABILITIES, Q_RANGE: how P is rebuilt, which query blocks are visited
-    (`teaching.py` has the ladder's variants). LOCAL: a sliding window of WINDOW keys (`forward.py`)."""
+    (`teaching.py` has the ladder's variants). LOCAL: a sliding window of WINDOW keys (`forward.py`).
+    VARLEN: packed sequences, SEQ their bounds (`blocks.sequence`); D stays (sequences, H, N_Q)."""
     # causal: the early keys have the most work
-    off_b, off_ph, n_start = program_block(N_K, H // GROUP, BLOCK_N, False, BLOCK_MAJOR)
+    seq_b, off_ph, n_start = program_block(N_K, H // GROUP, BLOCK_N, False, BLOCK_MAJOR)
+    off_b, q_start, n_q, k_start, n_k, offset = sequence(SEQ, seq_b, N_Q, N_K, OFFSET, VARLEN)
     off_kh = off_ph // SHARE
     offs_n = n_start + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    kv_mask = row_mask(offs_n, N_K, offs_d, HEAD_DIM, BLOCK_D)
+    kv_mask = row_mask(offs_n, n_k, offs_d, HEAD_DIM, BLOCK_D)
     # K and V blocks: HBM -> on chip once, 2 * BLOCK_N * d elements, reused for every query block of
     # every query head of the group.
     k = tl.load(
         K
         + off_b * stride_kb
         + off_kh * stride_kh
-        + offs_n[:, None] * stride_kn
+        + (k_start + offs_n[:, None]) * stride_kn
         + offs_d[None, :] * stride_kd,
         mask=kv_mask,
         other=0.0,
@@ -262,7 +265,7 @@ def _dkdv_kernel(
         V
         + off_b * stride_vb
         + off_kh * stride_vh
-        + offs_n[:, None] * stride_vn
+        + (k_start + offs_n[:, None]) * stride_vn
         + offs_d[None, :] * stride_vd,
         mask=kv_mask,
         other=0.0,
@@ -276,24 +279,28 @@ def _dkdv_kernel(
     # Query blocks [lo, mid) straddle the diagonal: masked stage. Blocks [mid, hi) see every key of
     # the block: unmasked stage (masked in atomic mode too: the zero-filled keys past N_K of a ragged
     # last block would otherwise add exp(-L) * (dP - D) * 0 terms to dQ, NaN when L << 0).
-    lo, mid, hi = Q_RANGE(n_start, N_Q, OFFSET, CAUSAL, BLOCK_M, BLOCK_N)
+    lo, mid, hi = Q_RANGE(n_start, n_q, offset, CAUSAL, BLOCK_M, BLOCK_N)
+    if VARLEN:  # a block of keys past its sequence's end (a shorter sequence than the longest): no row
+        hi = tl.where(n_start < n_k, hi, 0)
+        lo = tl.minimum(lo, hi)
+        mid = tl.minimum(mid, hi)
     w_hi = hi
     if LOCAL:  # a sliding window: rows [hi, w_hi) cross its upper edge (a third, masked stage)
-        mid, hi, w_hi = window_q_range(n_start, OFFSET, WINDOW, lo, mid, hi, BLOCK_M, BLOCK_N)
+        mid, hi, w_hi = window_q_range(n_start, offset, WINDOW, lo, mid, hi, BLOCK_M, BLOCK_N)
     qk_scale = sm_scale * LOG2E  # P in base 2 (`probabilities`)
     off_h = off_ph * GROUP  # the group's first query head
-    q_base = Q + off_b * stride_qb + off_h * stride_qh
-    do_base = DO + off_b * stride_dob + off_h * stride_doh
-    l_base = L + off_b * stride_lb + off_h * stride_lh
-    d_base = Dlt + (off_b * H + off_h) * N_Q
-    dq_base = DQ + off_b * stride_dqb + off_h * stride_dqh
+    q_base = Q + off_b * stride_qb + off_h * stride_qh + q_start * stride_qm
+    do_base = DO + off_b * stride_dob + off_h * stride_doh + q_start * stride_dom
+    l_base = L + off_b * stride_lb + off_h * stride_lh + q_start * stride_lm
+    d_base = Dlt + (seq_b * H + off_h) * N_Q
+    dq_base = DQ + off_b * stride_dqb + off_h * stride_dqh + q_start * stride_dqm
     for stage in tl.static_range(2):  # [lo, mid) masked (the diagonal), then [mid, hi)
         dk, dv = _dkdv_inner(
             dk, dv, k, v, q_base, do_base, l_base, d_base, dq_base,
             stride_qm, stride_qd, stride_dom, stride_dod, stride_lm, stride_dqm, stride_dqd,
             stride_qh, stride_doh, stride_lh, N_Q, stride_dqh,
             offs_n, offs_m, offs_d, lo if stage == 0 else mid, mid if stage == 0 else hi,
-            N_Q, N_K, OFFSET, WINDOW, sm_scale, qk_scale, stage == 0 or ATOMIC, CAUSAL, PROBABILITIES, ATOMIC,
+            n_q, n_k, offset, WINDOW, sm_scale, qk_scale, stage == 0 or ATOMIC, CAUSAL, PROBABILITIES, ATOMIC,
             HEAD_DIM, BLOCK_D, BLOCK_M, UPCAST, DOT_PRECISION, ACC_DTYPE, GROUP, ONE_LOOP, LOCAL,
         )  # fmt: skip
     if LOCAL:
@@ -302,7 +309,7 @@ def _dkdv_kernel(
             stride_qm, stride_qd, stride_dom, stride_dod, stride_lm, stride_dqm, stride_dqd,
             stride_qh, stride_doh, stride_lh, N_Q, stride_dqh,
             offs_n, offs_m, offs_d, hi, w_hi,
-            N_Q, N_K, OFFSET, WINDOW, sm_scale, qk_scale, True, CAUSAL, PROBABILITIES, ATOMIC,
+            n_q, n_k, offset, WINDOW, sm_scale, qk_scale, True, CAUSAL, PROBABILITIES, ATOMIC,
             HEAD_DIM, BLOCK_D, BLOCK_M, UPCAST, DOT_PRECISION, ACC_DTYPE, GROUP, ONE_LOOP, LOCAL,
         )  # fmt: skip
 
@@ -312,14 +319,14 @@ def _dkdv_kernel(
         DK
         + off_b * stride_dkb
         + off_ph * stride_dkh
-        + offs_n[:, None] * stride_dkn
+        + (k_start + offs_n[:, None]) * stride_dkn
         + offs_d[None, :] * stride_dkd
     )
     dv_ptrs = (
         DV
         + off_b * stride_dvb
         + off_ph * stride_dvh
-        + offs_n[:, None] * stride_dvn
+        + (k_start + offs_n[:, None]) * stride_dvn
         + offs_d[None, :] * stride_dvd
     )
     tl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=kv_mask)
@@ -357,7 +364,7 @@ def _dq_inner(
 
 @triton.jit
 def _dq_kernel(
-    Q, K, V, O, DO, L, Dlt, DQ, sm_scale,
+    Q, K, V, O, DO, L, Dlt, DQ, SEQ, sm_scale,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -370,28 +377,30 @@ def _dq_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, ACC_DTYPE: tl.constexpr,
     PROBABILITIES: tl.constexpr = probabilities, KV_RANGE: tl.constexpr = kv_block_range,
-    LOCAL: tl.constexpr = False,
+    LOCAL: tl.constexpr = False, VARLEN: tl.constexpr = 0,
 ):  # fmt: skip
     """dQ for one block of BLOCK_M query rows of one (batch, head). Grid: (cdiv(N_Q, BLOCK_M) * B * H,).
 
     FUSE_D=True: compute D = rowsum(dO * O) for these rows here (reading the O block once) and store
     it for the dK/dV kernel, which then runs second; FUSE_D=False: read D written by
-    `_preprocess_kernel`. PROBABILITIES, KV_RANGE: as in `_dkdv_kernel` and `forward._fwd_kernel`."""
-    off_b, off_h, m_start = program_block(N_Q, H, BLOCK_M, CAUSAL, False)  # causal: the longest rows first
+    `_preprocess_kernel`. PROBABILITIES, KV_RANGE, VARLEN: as in `_dkdv_kernel` and `forward._fwd_kernel`."""
+    seq_b, off_h, m_start = program_block(N_Q, H, BLOCK_M, CAUSAL, False)  # causal: the longest rows first
+    off_b, q_start, n_q, k_start, n_k, offset = sequence(SEQ, seq_b, N_Q, N_K, OFFSET, VARLEN)
     off_kh = off_h // GROUP
     offs_m = m_start + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    q_mask = row_mask(offs_m, N_Q, offs_d, HEAD_DIM, BLOCK_D)
+    q_mask = row_mask(offs_m, n_q, offs_d, HEAD_DIM, BLOCK_D)
+    rows = q_start + offs_m  # the rows in the tensors (packed sequences: after the earlier sequences')
     # Q, dO blocks: HBM -> on chip once (2 * BLOCK_M * d elements); L and D: BLOCK_M floats each.
     q_ptrs = (
-        Q + off_b * stride_qb + off_h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd
+        Q + off_b * stride_qb + off_h * stride_qh + rows[:, None] * stride_qm + offs_d[None, :] * stride_qd
     )
     do_ptrs = (
         DO
         + off_b * stride_dob
         + off_h * stride_doh
-        + offs_m[:, None] * stride_dom
+        + rows[:, None] * stride_dom
         + offs_d[None, :] * stride_dod
     )
     q = tl.load(q_ptrs, mask=q_mask, other=0.0)
@@ -399,46 +408,49 @@ def _dq_kernel(
     if UPCAST:
         q = q.to(tl.float32)
         do = do.to(tl.float32)
-    lse = _load_lse(L + off_b * stride_lb + off_h * stride_lh + offs_m * stride_lm, offs_m < N_Q)
-    d_ptrs = Dlt + (off_b * H + off_h) * N_Q + offs_m
+    lse = _load_lse(L + off_b * stride_lb + off_h * stride_lh + rows * stride_lm, offs_m < n_q)
+    d_ptrs = Dlt + (seq_b * H + off_h) * N_Q + offs_m
     if FUSE_D:
         # D = rowsum(dO * O): the O block, HBM -> registers once (BLOCK_M * d elements); D to HBM.
         o_ptrs = (
             O
             + off_b * stride_ob
             + off_h * stride_oh
-            + offs_m[:, None] * stride_om
+            + rows[:, None] * stride_om
             + offs_d[None, :] * stride_od
         )
         o = tl.load(o_ptrs, mask=q_mask, other=0.0)
         delta = tl.sum(o.to(ACC_DTYPE) * do.to(ACC_DTYPE), axis=1)
-        tl.store(d_ptrs, delta, mask=offs_m < N_Q)
+        tl.store(d_ptrs, delta, mask=offs_m < n_q)
     else:
-        delta = tl.load(d_ptrs, mask=offs_m < N_Q, other=0.0)
+        delta = tl.load(d_ptrs, mask=offs_m < n_q, other=0.0)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=ACC_DTYPE)  # fp32 accumulator, registers
-    k_base = K + off_b * stride_kb + off_kh * stride_kh
-    v_base = V + off_b * stride_vb + off_kh * stride_vh
+    k_base = K + off_b * stride_kb + off_kh * stride_kh + k_start * stride_kn
+    v_base = V + off_b * stride_vb + off_kh * stride_vh + k_start * stride_vn
 
     # Stage 1, unmasked: K/V blocks every row sees. Stage 2, masked: causal diagonal blocks and the
     # ragged last block (whose zero-filled keys must not reach dQ). Blocks above the diagonal: skipped.
-    lo, mid, hi = KV_RANGE(m_start, N_Q, N_K, OFFSET, 0, 1, CAUSAL, BLOCK_M, BLOCK_N)
+    lo, mid, hi = KV_RANGE(m_start, n_q, n_k, offset, 0, 1, CAUSAL, BLOCK_M, BLOCK_N)
+    if VARLEN:  # a block of rows past its sequence's end: no key (as in the forward)
+        hi = tl.where(m_start < n_q, hi, 0)
+        mid = tl.minimum(mid, hi)
     qk_scale = sm_scale * LOG2E  # P in base 2 (`probabilities`): scale and L converted once, not per tile
     lse2 = lse * LOG2E
     if LOCAL:  # a sliding window: its lower edge first (masked), as in the forward
-        w_lo, lo, mid = window_kv_range(m_start, N_Q, OFFSET, WINDOW, lo, mid, hi, BLOCK_M, BLOCK_N)
+        w_lo, lo, mid = window_kv_range(m_start, n_q, offset, WINDOW, lo, mid, hi, BLOCK_M, BLOCK_N)
         dq = _dq_inner(
             dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
-            offs_m, offs_n, offs_d, w_lo, lo, N_K, OFFSET, WINDOW, qk_scale,
+            offs_m, offs_n, offs_d, w_lo, lo, n_k, offset, WINDOW, qk_scale,
             True, CAUSAL, PROBABILITIES, HEAD_DIM, BLOCK_D, BLOCK_N, UPCAST, DOT_PRECISION, ACC_DTYPE, LOCAL,
         )  # fmt: skip
     dq = _dq_inner(
         dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
-        offs_m, offs_n, offs_d, lo, mid, N_K, OFFSET, WINDOW, qk_scale,
+        offs_m, offs_n, offs_d, lo, mid, n_k, offset, WINDOW, qk_scale,
         False, CAUSAL, PROBABILITIES, HEAD_DIM, BLOCK_D, BLOCK_N, UPCAST, DOT_PRECISION, ACC_DTYPE, LOCAL,
     )  # fmt: skip
     dq = _dq_inner(
         dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
-        offs_m, offs_n, offs_d, mid, hi, N_K, OFFSET, WINDOW, qk_scale,
+        offs_m, offs_n, offs_d, mid, hi, n_k, offset, WINDOW, qk_scale,
         True, CAUSAL, PROBABILITIES, HEAD_DIM, BLOCK_D, BLOCK_N, UPCAST, DOT_PRECISION, ACC_DTYPE, LOCAL,
     )  # fmt: skip
     # dQ = dS K * scale: registers -> HBM once, BLOCK_M * d elements.
@@ -447,7 +459,7 @@ def _dq_kernel(
         DQ
         + off_b * stride_dqb
         + off_h * stride_dqh
-        + offs_m[:, None] * stride_dqm
+        + rows[:, None] * stride_dqm
         + offs_d[None, :] * stride_dqd
     )
     tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=q_mask)
@@ -632,10 +644,13 @@ def _backward(
     compile_only=False,
     window=0,
     sinks=None,
+    seqs=None,
 ):
     """Launch the kernels on validated inputs (no checks here): dQ (with D) then dK/dV, or, atomic,
     the preprocessing then dK/dV with dQ. window: `checks.check_window`'s (0: none); sinks:
-    `checks.check_sinks`'s. Returns (dq, dk, dv, dsinks), dsinks None without sinks (float32 with).
+    `checks.check_sinks`'s. seqs: None, or packed sequences (`varlen.Sequences`; two-kernel mode
+    only): do, q, k, v, o are then (total rows, heads, d) and L (total_q, Hq). Returns (dq, dk, dv,
+    dsinks), dsinks None without sinks (float32 with).
     The kernels need nothing for the sinks: P rebuilt from L (which includes them) is already right.
 
     compile_only=True (the autograd forward, before its own launch): launch nothing; start compiling
@@ -647,48 +662,58 @@ def _backward(
             return None
         do = o = torch.empty(q.shape, dtype=q.dtype, device=where)  # as the forward allocates O
         L = torch.empty(q.shape[:-1], dtype=accumulator_dtype(q.dtype), device=where)
-    q4, k4, v4, o4, do4 = as_4d(q), as_4d(k), as_4d(v), as_4d(o), as_4d(do)
-    l3 = L.reshape(q4.shape[:-1])
-    B, H, n_q, d = q4.shape
-    H_kv, n_k = k4.shape[1], k4.shape[2]
-    group = kv_group(q4, k4)
-    causal = alignment is not None
-    offset = causal_offset(alignment, n_q, n_k)
-    window = kernel_window(window, n_q, n_k)
     dk = torch.empty(k.shape, dtype=k.dtype, device=where)
     dv = torch.empty(v.shape, dtype=v.dtype, device=where)
-    dk4, dv4 = as_4d(dk), as_4d(dv)
+    if seqs is None:
+        q4, k4, v4, o4, do4, dk4, dv4 = (as_4d(t) for t in (q, k, v, o, do, dk, dv))
+        l3 = L.reshape(q4.shape[:-1])
+        B, H, n_q, d = q4.shape
+        H_kv, n_k = k4.shape[1], k4.shape[2]
+    else:  # packed rows viewed as one batch of (heads, rows), as in the forward
+        q4, k4, v4, o4, do4, dk4, dv4 = (t.transpose(0, 1)[None] for t in (q, k, v, o, do, dk, dv))
+        l3 = L.t()[None]
+        B, H, d, H_kv, n_q, n_k = seqs.count, q.shape[1], q.shape[2], k.shape[1], seqs.max_q, seqs.max_k
+    group = kv_group(q4, k4)
+    causal = alignment is not None
+    offset = causal_offset(alignment, n_q, n_k) if seqs is None else 0
+    window = kernel_window(window, n_q, n_k)
     atomic = dq_mode == "atomic"
     # the warp-specialised dK/dV kernel (Hopper), or None
     fixed_launch = launch_cfg is not None
-    # (the Gluon kernel has no sliding window)
-    use_gluon = not (fixed_launch or atomic or window)
+    # (the Gluon kernel has no sliding window and no packed sequences)
+    use_gluon = not (fixed_launch or atomic or window or seqs is not None)
     gluon = _hopper_dkdv(q4, k4, v4, do4, causal, n_q, n_k, switches) if use_gluon else None
     if gluon is not None:
         on_chip = gluon.heads_per_program(group, causal, n_k)
+    elif seqs is not None:  # packed: dK, dV are strided views, which the partials' sum does not take
+        on_chip = group
     else:
         on_chip = dkdv_heads_per_program(group, causal, n_k, d)
     share = group // on_chip  # dK/dV programs per K/V head
     acc_dtype = accumulator_dtype(q.dtype)
-    delta = torch.empty((B * H, n_q), dtype=acc_dtype, device=where)  # D, contiguous
+    # D, contiguous (packed sequences: padded to the longest, zeros past each one's end)
+    delta = (torch.empty if seqs is None else torch.zeros)((B * H, n_q), dtype=acc_dtype, device=where)
     if atomic:
         dq_acc = torch.zeros(q4.shape, dtype=acc_dtype, device=where)  # fp32 dQ, added to atomically
     else:
         dq = torch.empty(q.shape, dtype=q.dtype, device=where)
-        dq_acc = as_4d(dq)
+        dq_acc = as_4d(dq) if seqs is None else dq.transpose(0, 1)[None]
     flags = kernel_flags(q.dtype)
     block_d = max(16, triton.next_power_of_2(d))
     common = dict(CAUSAL=causal, HEAD_DIM=d, BLOCK_D=block_d, **flags)
     bucket = n_bucket(max(n_q, n_k))
     shape = (bucket, d, causal, q.dtype)  # what the configuration choice depends on
     fixed = launch_cfg or {}
+    bounds = l3 if seqs is None else seqs.bounds  # a stand-in pointer when unused
     q_args = (
-        q4, k4, v4, o4, do4, l3, delta, dq_acc, scale,
+        q4, k4, v4, o4, do4, l3, delta, dq_acc, bounds, scale,
         *strides4(q4), *strides4(k4), *strides4(v4), *strides4(o4), *strides4(do4), *l3.stride(),
         *strides4(dq_acc), H, group, n_q, n_k, offset, window, bucket,
     )  # fmt: skip
     if window:  # the sliding-window variants; without one the kernels compile exactly as before
         common["LOCAL"] = True
+    if seqs is not None:
+        common["VARLEN"] = seqs.mode(alignment)
     q_meta = dict(common, FUSE_D=True)
     q_grid = lambda c: (triton.cdiv(n_q, c.block_m) * B * H,)
     if share > 1:  # one partial dK, dV per program head (fp32), added up below
@@ -696,7 +721,7 @@ def _backward(
     else:
         dk_out, dv_out = dk4, dv4
     kv_args = (
-        q4, k4, v4, do4, l3, delta, dq_acc, dk_out, dv_out, scale,
+        q4, k4, v4, do4, l3, delta, dq_acc, dk_out, dv_out, bounds, scale,
         *strides4(q4), *strides4(k4), *strides4(v4), *strides4(do4), *l3.stride(),
         *strides4(dq_acc), *strides4(dk_out), *strides4(dv_out), H, n_q, n_k, offset, window, bucket,
     )  # fmt: skip
@@ -758,7 +783,12 @@ def _backward(
         wait_compiled(sum_name)  # compiled ahead during the forward, if it was
         with cuda_device(q):
             _group_sum_kernel[(B * H_kv, triton.cdiv(n_k * d, sum_block), 2)](*sum_args, **sum_meta)
-    dsinks = None if sinks is None else sink_gradient(sinks, L.reshape(B, H, n_q), delta.view(B, H, n_q))
+    if sinks is None:
+        dsinks = None
+    elif seqs is None:
+        dsinks = sink_gradient(sinks, L.reshape(B, H, n_q), delta.view(B, H, n_q))
+    else:  # D back from (sequences, H, longest) to the packed rows
+        dsinks = sink_gradient(sinks, l3, seqs.pack(delta.view(B, H, n_q))[None])
     if atomic:
         return dq_acc.to(q.dtype).view(q.shape), dk, dv, dsinks
     return dq, dk, dv, dsinks

@@ -61,6 +61,34 @@ def program_block(N_ROWS, H, BLOCK: tl.constexpr, REVERSE: tl.constexpr, BLOCK_M
 
 
 @triton.jit
+def sequence(SEQ, off_b, N_Q, N_K, OFFSET, VARLEN: tl.constexpr):
+    """Where program batch off_b's rows lie: (mem_b, q_start, n_q, k_start, n_k, offset).
+
+    VARLEN = 0: batch off_b of a padded (B, H, N, d) tensor: (off_b, 0, N_Q, 0, N_K, OFFSET).
+    VARLEN = 1 or 2 (packed sequences, `varlen.py`): off_b is a sequence of the packed rows, SEQ its
+    int32 bounds [q_0, k_0, q_1, k_1, ...] (the cumulative lengths of queries and keys interleaved), the
+    tensors' batch dim is 1 (mem_b = 0), and sequence off_b owns query rows q_start ... q_start + n_q - 1
+    and key rows k_start ... k_start + n_k - 1; N_Q and N_K are then the longest sequence's lengths (the
+    grid's), and the causal offset is OFFSET (1: top-left or none) or n_k - n_q (2: bottom-right, per
+    sequence). Row starts come back as int64, ready to multiply by strides."""
+    mem_b = off_b
+    q_start = 0
+    k_start = 0
+    n_q = N_Q
+    n_k = N_K
+    offset = OFFSET
+    if VARLEN:
+        q_start = tl.load(SEQ + 2 * off_b).to(tl.int64)
+        k_start = tl.load(SEQ + 2 * off_b + 1).to(tl.int64)
+        n_q = (tl.load(SEQ + 2 * off_b + 2) - q_start).to(tl.int32)
+        n_k = (tl.load(SEQ + 2 * off_b + 3) - k_start).to(tl.int32)
+        mem_b = 0
+        if VARLEN == 2:
+            offset = n_k - n_q
+    return mem_b, q_start, n_q, k_start, n_k, offset
+
+
+@triton.jit
 def kv_block_range(
     m_start, N_Q, N_K, offset, split, NUM_SPLITS: tl.constexpr,
     CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -181,6 +209,15 @@ def load_rows(
 # --------------------------------------------------------------------------------------------------
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def sequence_py(bounds, b: int, n_q: int, n_k: int, offset: int, varlen: int) -> tuple[int, ...]:
+    """`sequence` in Python: bounds is the flat list [q_0, k_0, q_1, k_1, ...] (None when varlen = 0)."""
+    if not varlen:
+        return b, 0, n_q, 0, n_k, offset
+    q_start, k_start = bounds[2 * b], bounds[2 * b + 1]
+    n_q, n_k = bounds[2 * b + 2] - q_start, bounds[2 * b + 3] - k_start
+    return 0, q_start, n_q, k_start, n_k, n_k - n_q if varlen == 2 else offset
 
 
 def kv_block_range_py(

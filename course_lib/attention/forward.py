@@ -52,6 +52,7 @@ from .blocks import (
     load_rows,
     program_block,
     row_mask,
+    sequence,
     visible_keys,
     window_kv_range,
 )
@@ -190,7 +191,7 @@ def _fwd_inner(
 
 @triton.jit
 def _fwd_kernel(
-    Q, K, V, O, L, SINKS, sm_scale,
+    Q, K, V, O, L, SINKS, SEQ, sm_scale,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -202,6 +203,7 @@ def _fwd_kernel(
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, ACC_DTYPE: tl.constexpr,
     SOFTMAX_STEP: tl.constexpr = softmax_step, LOGSUMEXP: tl.constexpr = logsumexp,
     KV_RANGE: tl.constexpr = kv_block_range, LOCAL: tl.constexpr = False, HAS_SINKS: tl.constexpr = False,
+    VARLEN: tl.constexpr = 0,
 ):  # fmt: skip
     """O[b, h, rows] and L[b, h, rows] for one block of BLOCK_M query rows of one (batch, head).
 
@@ -209,19 +211,21 @@ def _fwd_kernel(
     attention: GROUP query heads share one K/V head; GROUP = 1 is multi-head attention). Causal:
     row i sees keys j <= i + OFFSET (`blocks.py`); LOCAL (a sliding window): only the WINDOW keys
     j > i + OFFSET - WINDOW of those. HAS_SINKS: SINKS[h] is one more logit in every row's softmax
-    (an attention sink: a key with a zero value). N_BUCKET only keys the autotuner.
+    (an attention sink: a key with a zero value). VARLEN: packed sequences, SEQ their bounds
+    (`blocks.sequence`; N_Q, N_K the longest's lengths). N_BUCKET only keys the autotuner.
     SOFTMAX_STEP, LOGSUMEXP, KV_RANGE: the online-softmax step, its finish and the block range;
     notebook 08's ladder passes the variants of `teaching.py`."""
     off_b, off_h, m_start = program_block(N_Q, H, BLOCK_M, CAUSAL, False)  # causal: longest rows first
+    off_b, q_start, n_q, k_start, n_k, offset = sequence(SEQ, off_b, N_Q, N_K, OFFSET, VARLEN)
     off_kh = off_h // GROUP
-    q_base = Q + off_b * stride_qb + off_h * stride_qh
-    k_base = K + off_b * stride_kb + off_kh * stride_kh
-    v_base = V + off_b * stride_vb + off_kh * stride_vh
+    q_base = Q + off_b * stride_qb + off_h * stride_qh + q_start * stride_qm
+    k_base = K + off_b * stride_kb + off_kh * stride_kh + k_start * stride_kn
+    v_base = V + off_b * stride_vb + off_kh * stride_vh + k_start * stride_vn
 
     offs_m = m_start + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    q_mask = row_mask(offs_m, N_Q, offs_d, HEAD_DIM, BLOCK_D)
+    q_mask = row_mask(offs_m, n_q, offs_d, HEAD_DIM, BLOCK_D)
     # Q block: HBM -> on chip once, BLOCK_M * d elements; it stays there for the whole loop.
     q = tl.load(q_base + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd, mask=q_mask, other=0.0)
     if UPCAST:
@@ -238,22 +242,25 @@ def _fwd_kernel(
     # Stage 1, unmasked: K/V blocks that every row of this Q block sees entirely.
     # Stage 2, masked: the causal diagonal blocks and the ragged last block; blocks wholly above
     # the diagonal (j > i + OFFSET for every pair) are never loaded.
-    lo, mid, hi = KV_RANGE(m_start, N_Q, N_K, OFFSET, 0, 1, CAUSAL, BLOCK_M, BLOCK_N)
+    lo, mid, hi = KV_RANGE(m_start, n_q, n_k, offset, 0, 1, CAUSAL, BLOCK_M, BLOCK_N)
+    if VARLEN:  # a block of rows past its sequence's end (a shorter sequence than the longest): no key
+        hi = tl.where(m_start < n_q, hi, 0)
+        mid = tl.minimum(mid, hi)
     if LOCAL:  # a sliding window: first the blocks its lower edge crosses (masked), from the first it reaches
-        w_lo, lo, mid = window_kv_range(m_start, N_Q, OFFSET, WINDOW, lo, mid, hi, BLOCK_M, BLOCK_N)
+        w_lo, lo, mid = window_kv_range(m_start, n_q, offset, WINDOW, lo, mid, hi, BLOCK_M, BLOCK_N)
         acc, l_i, m_i = _fwd_inner(
             acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
-            offs_m, offs_n, offs_d, w_lo, lo, N_K, OFFSET, WINDOW, sm_scale,
+            offs_m, offs_n, offs_d, w_lo, lo, n_k, offset, WINDOW, sm_scale,
             True, CAUSAL, LOCAL, SOFTMAX_STEP, HEAD_DIM, BLOCK_D, BLOCK_N, UPCAST, DOT_PRECISION, ACC_DTYPE,
         )  # fmt: skip
     acc, l_i, m_i = _fwd_inner(
         acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
-        offs_m, offs_n, offs_d, lo, mid, N_K, OFFSET, WINDOW, sm_scale,
+        offs_m, offs_n, offs_d, lo, mid, n_k, offset, WINDOW, sm_scale,
         False, CAUSAL, LOCAL, SOFTMAX_STEP, HEAD_DIM, BLOCK_D, BLOCK_N, UPCAST, DOT_PRECISION, ACC_DTYPE,
     )  # fmt: skip
     acc, l_i, m_i = _fwd_inner(
         acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
-        offs_m, offs_n, offs_d, mid, hi, N_K, OFFSET, WINDOW, sm_scale,
+        offs_m, offs_n, offs_d, mid, hi, n_k, offset, WINDOW, sm_scale,
         True, CAUSAL, LOCAL, SOFTMAX_STEP, HEAD_DIM, BLOCK_D, BLOCK_N, UPCAST, DOT_PRECISION, ACC_DTYPE,
     )  # fmt: skip
 
@@ -263,13 +270,13 @@ def _fwd_kernel(
     seen = l_i > 0.0
     l_safe = tl.where(seen, l_i, 1.0)
     acc = acc / l_safe[:, None]
-    o_base = O + off_b * stride_ob + off_h * stride_oh
+    o_base = O + off_b * stride_ob + off_h * stride_oh + q_start * stride_om
     o_ptrs = o_base + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od
     tl.store(o_ptrs, acc.to(O.dtype.element_ty), mask=q_mask)
     # L = logsumexp of the scaled scores, natural-log units: BLOCK_M floats to HBM.
     lse = tl.where(seen, LOGSUMEXP(m_i, l_safe), float("-inf"))
-    l_ptrs = L + off_b * stride_lb + off_h * stride_lh + offs_m * stride_lm
-    tl.store(l_ptrs, lse.to(L.dtype.element_ty), mask=offs_m < N_Q)
+    l_ptrs = L + off_b * stride_lb + off_h * stride_lh + (q_start + offs_m) * stride_lm
+    tl.store(l_ptrs, lse.to(L.dtype.element_ty), mask=offs_m < n_q)
 
 
 _fwd_tuned = make_tuner(_fwd_kernel, FORWARD, key=["N_BUCKET", "HEAD_DIM", "CAUSAL"])
@@ -318,22 +325,28 @@ def forward(
     return _forward(q, k, v, alignment, scale, launch_cfg, switches, window, sinks)
 
 
-def _forward(q, k, v, alignment, scale, launch_cfg, switches, window=0, sinks=None):
+def _forward(q, k, v, alignment, scale, launch_cfg, switches, window=0, sinks=None, seqs=None):
     """Launch the forward kernel on validated inputs (no checks here); alignment from
     `checks.causal_alignment`, window from `checks.check_window` (0: none), sinks from
-    `checks.check_sinks`."""
+    `checks.check_sinks`. seqs: None, or packed sequences (`varlen.Sequences`): q, k, v are then
+    (total rows, heads, d) and O, L come back as (total_q, Hq, d) and (total_q, Hq)."""
     o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(q.shape[:-1], dtype=accumulator_dtype(q.dtype), device=q.device)
-    q4, k4, v4, o4 = as_4d(q), as_4d(k), as_4d(v), as_4d(o)
-    l3 = lse.view(q4.shape[:-1])
-    B, H, n_q, d = q4.shape
-    n_k = k4.shape[2]
+    if seqs is None:
+        q4, k4, v4, o4 = as_4d(q), as_4d(k), as_4d(v), as_4d(o)
+        l3 = lse.view(q4.shape[:-1])
+        B, H, n_q, d = q4.shape
+        n_k = k4.shape[2]
+    else:  # packed rows viewed as one batch of (heads, rows): the kernels read every stride
+        q4, k4, v4, o4 = (t.transpose(0, 1)[None] for t in (q, k, v, o))
+        l3 = lse.t()[None]
+        B, H, d, n_q, n_k = seqs.count, q.shape[1], q.shape[2], seqs.max_q, seqs.max_k
     causal = alignment is not None
-    offset = causal_offset(alignment, n_q, n_k)
+    offset = causal_offset(alignment, n_q, n_k) if seqs is None else 0
     window = kernel_window(window, n_q, n_k)
     bucket = n_bucket(max(n_q, n_k))
     args = (
-        q4, k4, v4, o4, l3, l3 if sinks is None else sinks, scale,
+        q4, k4, v4, o4, l3, l3 if sinks is None else sinks, l3 if seqs is None else seqs.bounds, scale,
         *strides4(q4), *strides4(k4), *strides4(v4), *strides4(o4), *l3.stride(),
         H, kv_group(q4, k4), n_q, n_k, offset, window, bucket,
     )  # fmt: skip
@@ -344,9 +357,11 @@ def _forward(q, k, v, alignment, scale, launch_cfg, switches, window=0, sinks=No
         meta["LOCAL"] = True
     if sinks is not None:
         meta["HAS_SINKS"] = True
+    if seqs is not None:
+        meta["VARLEN"] = seqs.mode(alignment)
     hooks = teaching_hooks(switches, _HOOKS)  # {} unless a ladder rung asks for a teaching variant
     with cuda_device(q):
-        gluon_ok = launch_cfg is None and not window and sinks is None  # the Gluon kernel has neither
+        gluon_ok = launch_cfg is None and not window and sinks is None and seqs is None  # it has none of them
         if gluon_ok and _try_hopper(q4, k4, v4, o4, l3, causal, offset, scale, switches, hooks):
             return o, lse
         if launch_cfg is None:  # the production kernel (teaching variants always come with a fixed launch)

@@ -16,6 +16,10 @@ Two operators, one per pass, both built on the plain kernel functions of `course
     course_lib::flash_attention_backward(dO, q, k, v, O, L, causal, scale, window, sinks)
         -> (dQ, dK, dV, dsinks)
 
+and the same pair for packed sequences of different lengths (`varlen.py`), with their cumulative
+lengths and longest lengths after k, v: `course_lib::flash_attention_varlen_forward` and
+`course_lib::flash_attention_varlen_backward`.
+
 `causal` is a string in the schema ("none", "top_left" or "bottom_right"), `scale` a float, `window`
 an int (0: no sliding window), `sinks` an optional tensor: an operator's arguments have fixed types, so
 `flash_attention_op` turns False/True/None into these first. An operator returns tensors only: without
@@ -145,3 +149,119 @@ def flash_attention_op(
     window = check_window(window, causal_alignment(causal), "flash_attention")
     check_sinks(sinks, q, "flash_attention")
     return forward_op(q, k, v, causal_name(causal), default_scale(q.shape[-1], scale), window, sinks)[0]
+
+
+# --------------------------------------------------------------------------------------------------
+# Packed sequences (`varlen.flash_attention_varlen` calls these under torch.compile)
+# --------------------------------------------------------------------------------------------------
+def _packed(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, sinks, where):
+    """The checked pieces of a packed call: (alignment, `varlen.Sequences`, float32 sinks)."""
+    from .varlen import sequences
+
+    _check_causal(causal, where)
+    seqs = sequences(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, k, where)
+    return None if causal == "none" else causal, seqs, check_sinks(sinks, q.transpose(0, 1)[None], where)
+
+
+@torch.library.custom_op("course_lib::flash_attention_varlen_forward", mutates_args=())
+def varlen_forward_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    causal: str,
+    scale: float,
+    window: int = 0,
+    sinks: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """O (total_q, Hq, d) and L (total_q, Hq) of packed sequences (`varlen.flash_attention_varlen`)."""
+    from .api import _DEFAULT_LAUNCH, _FAST
+    from .forward import _forward
+
+    where = "course_lib::flash_attention_varlen_forward"
+    alignment, seqs, sinks32 = _packed(
+        q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, sinks, where
+    )
+    return _forward(q, k, v, alignment, scale, _DEFAULT_LAUNCH, _FAST, window, sinks32, seqs)
+
+
+@varlen_forward_op.register_fake
+def _varlen_forward_fake(
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, window=0, sinks=None
+):
+    return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=accumulator_dtype(q.dtype))
+
+
+@torch.library.custom_op("course_lib::flash_attention_varlen_backward", mutates_args=())
+def varlen_backward_op(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    causal: str,
+    scale: float,
+    window: int = 0,
+    sinks: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dQ, dK, dV (and dsinks, empty without sinks) of `varlen_forward_op`."""
+    from .api import _DEFAULT_LAUNCH, _FAST
+    from .backward import _backward
+
+    where = "course_lib::flash_attention_varlen_backward"
+    alignment, seqs, sinks32 = _packed(
+        q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, sinks, where
+    )
+    dq, dk, dv, dsinks = _backward(
+        do.contiguous(), q, k, v, o, lse, alignment, scale, _DEFAULT_LAUNCH, _FAST, "two_kernel",
+        window=window, sinks=sinks32, seqs=seqs,
+    )  # fmt: skip
+    return dq, dk, dv, q.new_empty(0) if sinks is None else dsinks.to(sinks.dtype)
+
+
+@varlen_backward_op.register_fake
+def _varlen_backward_fake(
+    do,
+    q,
+    k,
+    v,
+    o,
+    lse,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    causal,
+    scale,
+    window=0,
+    sinks=None,
+):
+    dsinks = q.new_empty(0) if sinks is None else sinks.new_empty(sinks.shape)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dsinks
+
+
+def _varlen_setup_context(ctx, inputs, output):
+    q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window, sinks = inputs
+    ctx.save_for_backward(q, k, v, *output, cu_q, cu_k, sinks)
+    ctx.args = (max_q, max_k, causal, scale, window)
+    ctx.mark_non_differentiable(output[1])
+
+
+def _varlen_backward(ctx, do, _dlse):
+    q, k, v, o, lse, cu_q, cu_k, sinks = ctx.saved_tensors
+    max_q, max_k, causal, scale, window = ctx.args
+    dq, dk, dv, dsinks = varlen_backward_op(
+        do, q, k, v, o, lse, cu_q, cu_k, max_q, max_k, causal, scale, window, sinks
+    )
+    return dq, dk, dv, None, None, None, None, None, None, None, None if sinks is None else dsinks
+
+
+varlen_forward_op.register_autograd(_varlen_backward, setup_context=_varlen_setup_context)

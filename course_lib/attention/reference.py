@@ -92,3 +92,24 @@ def attention(
     if return_lse:
         return O, L
     return O
+
+
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, causal=False, scale=None, window=None, sinks=None):
+    """`attention` over packed sequences (`varlen.flash_attention_varlen`'s layout), one sequence at a
+    time: q (total_q, Hq, d), k and v (total_k, Hkv, d), cu_seqlens_* (B + 1,) cumulative lengths.
+    Returns (O (total_q, Hq, d), L (total_q, Hq)); a sequence with no keys gives O = 0, L = -inf."""
+    cu_q, cu_k = [int(x) for x in cu_seqlens_q.tolist()], [int(x) for x in cu_seqlens_k.tolist()]
+    o = q.new_zeros(q.shape)
+    lse = torch.full(q.shape[:-1], float("-inf"), dtype=accumulator_dtype(q.dtype), device=q.device)
+    for b in range(len(cu_q) - 1):
+        qs, ks = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        if qs.stop == qs.start:
+            continue
+        if ks.stop == ks.start:  # no keys: O = 0; L = the sink where there is one
+            if sinks is not None:
+                lse[qs] = sinks.to(lse.dtype)
+            continue
+        heads = (t[s].transpose(0, 1)[None] for t, s in ((q, qs), (k, ks), (v, ks)))  # (1, H, n, d) each
+        o_b, l_b = attention(*heads, causal, scale, return_lse=True, window=window, sinks=sinks)
+        o[qs], lse[qs] = o_b[0].transpose(0, 1), l_b[0].transpose(0, 1)
+    return o, lse

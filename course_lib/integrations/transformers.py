@@ -8,14 +8,18 @@ transformers asks two questions of an attention implementation, each through its
    exactly what the kernels compute without any mask tensor: prefill (Nq = Nk), decoding and
    chunked prefill with a growing cache (Nq < Nk, bottom-right), with or without a sliding window
    (Mistral's `sliding_window`, Gemma's local layers: the kernels take the window as an argument).
-   Anything else (padding, a static cache's unused slots, chunked attention, packed sequences, a 4-D
-   mask given by the caller) gets transformers' own boolean mask.
+   The same with padding (a batch of prompts of different lengths) answers the 2-D padding mask
+   (B, Nk), True for real tokens: the layers then run the real tokens as packed sequences
+   (`attention.varlen.flash_attention_padded`), never computing the padding. Anything else (a static
+   cache's unused slots, chunked attention, a 4-D mask given by the caller, padding under
+   torch.compile, padding inside a row with a sliding window) gets transformers' own boolean mask.
 2. *Attention itself* (`AttentionInterface`): each layer calls `attention_forward(module, q, k, v,
    mask, dropout=, scaling=, ...)` with q (B, Hq, Nq, d), k, v (B, Hkv, Nk, d) and expects
    (O as (B, Nq, Hq, d), weights or None). With no mask, the kernels run through the custom
    operator `course_lib.attention.op` (so `torch.compile` works), K/V heads not repeated (GQA), the
    causal mask bottom-right aligned, and the layer's `sliding_window` (if any) passed on as `window`.
-   With a mask, the call falls back to transformers' SDPA implementation, with a warning saying why:
+   With a 2-D padding mask, the same kernels on the packed real tokens. With a 4-D mask, the call
+   falls back to transformers' SDPA implementation, with a warning saying why:
    the kernels take no arbitrary masks.
 
 Dropout is not implemented by the kernels: a layer in training mode with attention dropout > 0
@@ -41,6 +45,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     ) from exc
 
 from ..attention.op import flash_attention_op
+from ..attention.varlen import flash_attention_padded
 
 NAME = "course_lib"
 
@@ -71,6 +76,26 @@ def _is_sliding_causal(mask_function, window: int) -> bool:
     return got.dtype == torch.bool and torch.equal(got.expand_as(want), want)
 
 
+def _packable_padding(attention_mask: torch.Tensor | None, kv_length: int, window: int | None):
+    """The keys' padding mask (B, kv_length), True for real tokens, when the kernels can run the call as
+    packed sequences (`flash_attention_padded`); else None. Not under torch.compile (the real tokens'
+    count decides shapes there); with a sliding window, only if each row's real tokens are one run (left
+    or right padding), so that the window counted in real tokens is the window counted in positions."""
+    if attention_mask is None or attention_mask.dim() != 2 or torch.compiler.is_compiling():
+        return None
+    padding = attention_mask[:, -kv_length:].bool()  # a sliding cache keeps the last kv_length keys
+    if padding.shape[1] != kv_length:
+        return None
+    if window is not None:
+        pos = torch.arange(kv_length, device=padding.device)
+        first = torch.where(padding, pos, kv_length).amin(1)
+        last = torch.where(padding, pos, -1).amax(1)
+        count = padding.sum(1)
+        if not bool(((last - first + 1 == count) | (count == 0)).all()):
+            return None
+    return padding
+
+
 def attention_mask(
     batch_size: int,
     q_length: int,
@@ -84,27 +109,30 @@ def attention_mask(
     **kwargs,
 ):
     """transformers' mask hook for "course_lib": None when the kernels' causal mask is the right one,
+    the 2-D padding mask (batch_size, kv_length) when it is the right one for the real tokens packed,
     else transformers' SDPA boolean mask (batch_size, 1, q_length, kv_length) (True = attend).
 
     None means: causal (with the layer's sliding window, if `local_size` is one), no padding, and the
     q_length queries end where the keys end (q_offset + q_length == kv_offset + kv_length: the keys are
     positions kv_offset ... kv_offset + kv_length - 1, all of them since kv_offset = 0 in a growing
     cache, the last ones in a sliding-window cache that drops what no query can see) — the bottom-right
-    alignment."""
+    alignment. The padding mask: the same, with padding (`_packable_padding`)."""
     if local_size is None:
         kernels_mask = mask_function is causal_mask_function
     else:  # (probed only where the answer could be None)
         kernels_mask = allow_is_causal_skip and _is_sliding_causal(mask_function, local_size)
-    plain_causal = (
+    aligned = (
         allow_is_causal_skip
         and kernels_mask
         and isinstance(q_offset, int)
         and isinstance(kv_offset, int)
         and q_offset + q_length == kv_offset + kv_length
-        and _no_padding(attention_mask)
     )
-    if plain_causal:
+    if aligned and _no_padding(attention_mask):
         return None
+    padding = _packable_padding(attention_mask, kv_length, local_size) if aligned else None
+    if padding is not None:
+        return padding
     return sdpa_mask(
         batch_size=batch_size,
         q_length=q_length,
@@ -134,8 +162,9 @@ def attention_forward(
 
     query: (B, Hq, Nq, d); key, value: (B, Hkv, Nk, d) with Hq a multiple of Hkv (grouped-query
     attention, K/V not repeated); the model's dtype (float16/bfloat16/float32). attention_mask: None
-    (causal, bottom-right: query i sees keys j <= i + Nk - Nq; see `attention_mask`) or a mask tensor
-    (then SDPA runs, with a warning; for a layer with attention sinks, which SDPA would ignore, the
+    (causal, bottom-right: query i sees keys j <= i + Nk - Nq; see `attention_mask`), a 2-D padding mask
+    (B, Nk) from that hook (the real tokens then run as packed sequences, padded query rows give 0), or a
+    4-D mask tensor (then SDPA runs, with a warning; for a layer with attention sinks, which SDPA would ignore, the
     model's own eager attention). sliding_window (keyword, from the layer): query i then sees only the
     keys i + Nk - Nq - sliding_window < j <= i + Nk - Nq. s_aux (keyword): gpt-oss's attention sinks.
     scaling: the softmax scale (default 1/sqrt(d)). Returns (O of shape (B, Nq, Hq, d), None): no
@@ -151,6 +180,11 @@ def attention_forward(
                 f"course_lib attention does not implement {unsupported!r} ({type(module).__name__}); "
                 "use attn_implementation='sdpa' or 'eager' for this model"
             )
+    if attention_mask is not None and attention_mask.dim() == 2:  # padding (`attention_mask` answered it)
+        causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
+        window, sinks = kwargs.get("sliding_window"), kwargs.get("s_aux")
+        o = flash_attention_padded(query, key, value, attention_mask, causal, scaling, window, sinks)
+        return o.transpose(1, 2).contiguous(), None
     if attention_mask is not None:
         if kwargs.get("s_aux") is not None:  # SDPA knows no sinks: the model's own eager attention does
             eager = getattr(importlib.import_module(type(module).__module__), "eager_attention_forward", None)
