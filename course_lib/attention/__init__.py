@@ -11,6 +11,7 @@
   Hopper GPUs where it is faster (08c).
 - `api`: `flash_attention(q, k, v, causal=...)` and the autograd Function `FlashAttentionTriton`.
 - `op`: the kernels as PyTorch custom operators, so `torch.compile` keeps them whole (08b).
+- `varlen`: sequences of different lengths packed into one call, and a padded batch run that way (08b).
 - `blocks`: which K/V blocks a query block visits (causal alignment, splits) and its Python twin.
 - `configs`, `launch`: named launch configurations and how a call picks one; `inputs`: input checks.
 - `merge`: merging partial (O, L) results, for split-KV decoding (09) and ring attention (13).
@@ -39,6 +40,8 @@ _KERNELS = {  # name: (module, attribute; None for the module itself)
     "attention_forward": ("forward", "forward"),
     "SUPPORTED_HEAD_DIMS": ("forward", "SUPPORTED_HEAD_DIMS"),
     "flash_attention_op": ("op", "flash_attention_op"),
+    "flash_attention_varlen": ("varlen", "flash_attention_varlen"),
+    "flash_attention_padded": ("varlen", "flash_attention_padded"),
 }
 
 __all__ = ["FlashAttentionTorch", *_KERNELS]
