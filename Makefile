@@ -10,8 +10,9 @@ PINNED     ?= 1
 PY3        ?= python3
 EXTRAS     := $(if $(filter 1,$(PINNED)),course$(,)pinned,course)
 JOBS       ?= 2
-# test-gpu's pytest workers: compiling kernels is CPU-bound, so all cores but two (at most 14).
-GPU_JOBS   ?= $(shell python3 -c "import os; print(max(2, min(14, (os.cpu_count() or 4) - 2)))" 2>/dev/null || echo 4)
+# test-gpu's pytest workers: compiling kernels is CPU-bound, so all cores but two (at most 14), and one per
+# 8 GiB of GPU memory at most (course_lib.runtime.gpu_test_workers).
+GPU_JOBS   ?= $(shell $(PYTHON) -c "from course_lib.runtime import gpu_test_workers; print(gpu_test_workers())" 2>/dev/null || echo 4)
 # test-gpu runs this many notebooks at a time (their timings are then contended, so not recorded).
 NB_JOBS    ?= 3
 LAB_ARGS   ?=
@@ -89,7 +90,7 @@ test: student
 		tests notebooks $(STUDENT)
 
 test-gpu:
-	@echo "==> make test-gpu: course_lib tests on the GPU ($(GPU_JOBS) processes: compiling kernels is CPU-bound), then every notebook ($(NB_JOBS) at a time, records in assets/ left as they are)"
+	@echo "==> make test-gpu: course_lib tests on the GPU ($(GPU_JOBS) processes: compiling kernels is CPU-bound; fewer where GPU memory is short), then every notebook ($(NB_JOBS) at a time, records in assets/ left as they are)"
 	@$(PYTHON) -m course_lib doctor
 	COURSE_DEVICE=cuda $(PYTHON) -m pytest -q -n $(GPU_JOBS) --durations=10 -m "not browser" tests
 	COURSE_DEVICE=cuda $(PYTHON) -m course_lib.attention.precompile

@@ -1,5 +1,6 @@
 """Set-up shared by every test: the tests that write records (to temporary folders) write them whatever
-the shell's COURSE_RECORDS says; a test of COURSE_RECORDS=off sets it itself."""
+the shell's COURSE_RECORDS says; a test of COURSE_RECORDS=off sets it itself. On a GPU each test hands
+the memory it cached back to the device, so that the other test processes sharing the GPU can use it."""
 
 import pytest
 
@@ -19,3 +20,15 @@ def _random_draws_follow_the_test(request):
     import torch
 
     torch.manual_seed(zlib.crc32(request.node.nodeid.encode()))
+
+
+@pytest.fixture(autouse=True)
+def _gpu_memory_returned():
+    """PyTorch's caching allocator keeps a process's freed GPU memory for that process: after a test
+    with a large float64 reference, a worker of `make test-gpu` (pytest -n) would hold gigabytes the
+    other workers need. Empty the cache after each test that used the GPU."""
+    yield
+    import torch
+
+    if torch.cuda.is_initialized():
+        torch.cuda.empty_cache()

@@ -332,3 +332,16 @@ def test_compiled_ahead_kernel_is_loaded_in_the_background(tmp_path, monkeypatch
     assert len(loaded) == 1 and loaded[0].module is not None, "the compiled kernel was not loaded ahead"
     add_one[(4,)](x, y, x.numel(), BLOCK=256)
     assert torch.equal(y, x + 1.0)
+
+
+@pytest.mark.parametrize(
+    "gib,cpus,expected", [(79.2, 16, 9), (139.8, 16, 14), (23.6, 16, 2), (79.2, 4, 2), (4.0, 16, 1)]
+)
+def test_gpu_test_workers_fit_the_gpus_memory(monkeypatch, gib, cpus, expected):
+    """make test-gpu's worker count: the CPUs less two (at most 14), and at most one per 8 GiB of GPU
+    memory (14 workers ran an 80 GB H100 out of memory)."""
+    monkeypatch.setattr(os, "cpu_count", lambda: cpus)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    props = type("Props", (), {"total_memory": int(gib * 2**30)})()
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index=0: props)
+    assert runtime.gpu_test_workers() == expected, f"{gib} GiB, {cpus} CPUs"
