@@ -268,6 +268,50 @@ def test_dropout_is_refused_clearly():
         model(torch.randint(0, 97, (1, 8), device=DEVICE))
 
 
+def test_padding_mask_stays_causal_when_the_layer_says_is_causal_false(kernel_calls):
+    """Moonshine's decoder passes is_causal=False whenever it has a mask (SDPA's rule: the mask carries the
+    causality). The 2-D padding mask the hook answers stands for a causal mask, so its layers must still run
+    causal: the real tokens' logits of a left-padded decoder batch as SDPA's."""
+    use_in_transformers()
+    config = transformers.MoonshineConfig(
+        vocab_size=97, hidden_size=64, intermediate_size=128, encoder_num_hidden_layers=1,
+        decoder_num_hidden_layers=2, encoder_num_attention_heads=4, decoder_num_attention_heads=4,
+        encoder_num_key_value_heads=4, decoder_num_key_value_heads=2, attention_dropout=0.0,
+        decoder_start_token_id=1, pad_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.MoonshineForConditionalGeneration(config).to(DEVICE).eval()
+    audio = torch.randn(2, 2000, device=DEVICE, generator=torch.Generator(DEVICE).manual_seed(1))
+    ids = torch.randint(2, 97, (2, 8), device=DEVICE, generator=torch.Generator(DEVICE).manual_seed(2))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0  # left padding in the second decoder sequence
+    logits = {}
+    for impl in ("sdpa", "course_lib"):
+        model.set_attn_implementation(impl)
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("error", UserWarning)
+            out = model(input_values=audio, decoder_input_ids=ids, decoder_attention_mask=mask)
+        logits[impl] = out.logits
+    assert [c[0] for c in kernel_calls].count("padded") == 2, kernel_calls  # the decoder's self-attention
+    real = mask.bool()
+    err = (logits["course_lib"][real] - logits["sdpa"][real]).abs().max().item()
+    assert err < 1e-4, f"tiny Moonshine fp32, left-padded decoder: real tokens' logits differ by {err:.3g}"
+
+
+def test_position_bias_is_refused_clearly():
+    """T5's relative position bias comes to the attention function as `position_bias`, an additive mask the
+    kernels have no place for: refused by name, not dropped."""
+    use_in_transformers()
+    config = transformers.T5Config(
+        vocab_size=97, d_model=64, d_kv=16, d_ff=128, num_layers=1, num_decoder_layers=1, num_heads=4,
+        dropout_rate=0.0, decoder_start_token_id=0, attn_implementation="course_lib",
+    )  # fmt: skip
+    model = transformers.T5ForConditionalGeneration(config).to(DEVICE).eval()
+    ids = torch.randint(1, 97, (2, 10), device=DEVICE)
+    with pytest.raises(ValueError, match="position_bias"):
+        model(input_ids=ids, decoder_input_ids=ids[:, :6])
+
+
 def tiny_mistral(window=8, seed=0):
     """A tiny random-weight MistralForCausalLM whose layers attend within a sliding window of `window` keys."""
     config = transformers.MistralConfig(
@@ -320,6 +364,23 @@ def test_sliding_window_generation_same_tokens(kernel_calls):
     assert kernel_calls[0][:2] == ((1, 4, 12, 16), (1, 2, 12, 16))  # the prefill: 12 queries, window 8
     assert max(c[1][2] for c in kernel_calls[2:]) <= 8  # then the cache never held more than the window
     assert torch.equal(tokens["sdpa"], tokens["course_lib"]), f"{tokens['sdpa']} != {tokens['course_lib']}"
+
+
+def test_padding_inside_a_row_with_a_sliding_window_falls_back(kernel_calls):
+    """Padding inside a row (two tokens in the middle) under Mistral's window of 4: packed, the window would
+    count real tokens instead of positions (logits off by 0.29 when tried), so the mask hook builds SDPA's
+    mask instead and the real tokens' logits are SDPA's, with the fallback's warning."""
+    use_in_transformers()
+    model = tiny_mistral(window=4)
+    ids, mask = _padded_batch(n=12, pad=0, seed=4)
+    mask[1, 5:7] = 0
+    ref = _logits(model, "sdpa", ids, attention_mask=mask)
+    with pytest.warns(UserWarning, match="runs transformers' SDPA attention instead"):
+        got = _logits(model, "course_lib", ids, attention_mask=mask)
+    assert kernel_calls == [], kernel_calls
+    real = mask.bool()
+    err = (got[real] - ref[real]).abs().max().item()
+    assert err < 1e-6, f"tiny Mistral fp32, window 4, padding at 5-6: real tokens' logits differ by {err:.3g}"
 
 
 def tiny_gpt_oss(seed=0):

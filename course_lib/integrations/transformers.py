@@ -23,8 +23,9 @@ transformers asks two questions of an attention implementation, each through its
    the kernels take no arbitrary masks.
 
 Dropout is not implemented by the kernels: a layer in training mode with attention dropout > 0
-raises a ValueError (set `config.attention_dropout = 0`). So does logit soft-capping. Attention sinks
-(gpt-oss's `s_aux`, one learned logit per query head) go to the kernels as `sinks`.
+raises a ValueError (set `config.attention_dropout = 0`). So do logit soft-capping and an additive
+position bias (T5's relative positions, `position_bias`). Attention sinks (gpt-oss's `s_aux`, one
+learned logit per query head) go to the kernels as `sinks`.
 """
 
 from __future__ import annotations
@@ -163,27 +164,28 @@ def attention_forward(
     query: (B, Hq, Nq, d); key, value: (B, Hkv, Nk, d) with Hq a multiple of Hkv (grouped-query
     attention, K/V not repeated); the model's dtype (float16/bfloat16/float32). attention_mask: None
     (causal, bottom-right: query i sees keys j <= i + Nk - Nq; see `attention_mask`), a 2-D padding mask
-    (B, Nk) from that hook (the real tokens then run as packed sequences, padded query rows give 0), or a
-    4-D mask tensor (then SDPA runs, with a warning; for a layer with attention sinks, which SDPA would ignore, the
-    model's own eager attention). sliding_window (keyword, from the layer): query i then sees only the
-    keys i + Nk - Nq - sliding_window < j <= i + Nk - Nq. s_aux (keyword): gpt-oss's attention sinks.
-    scaling: the softmax scale (default 1/sqrt(d)). Returns (O of shape (B, Nq, Hq, d), None): no
-    attention weights are ever formed."""
+    (B, Nk) from that hook (causal whatever is_causal says; the real tokens then run as packed sequences,
+    padded query rows give 0), or a 4-D mask tensor (then SDPA runs, with a warning; for a layer with
+    attention sinks, which SDPA would ignore, the model's own eager attention). sliding_window (keyword,
+    from the layer): query i then sees only the keys i + Nk - Nq - sliding_window < j <= i + Nk - Nq.
+    s_aux (keyword): gpt-oss's attention sinks. scaling: the softmax scale (default 1/sqrt(d)). Returns
+    (O of shape (B, Nq, Hq, d), None): no attention weights are ever formed."""
     if dropout:
         raise ValueError(
             f"course_lib attention has no dropout (got dropout={dropout} in {type(module).__name__}); set "
             "config.attention_dropout = 0.0, or call model.eval() for inference"
         )
-    for unsupported in ("softcap",):
+    for unsupported in ("softcap", "position_bias"):  # T5's relative positions: an additive mask
         if kwargs.get(unsupported) is not None:
             raise ValueError(
                 f"course_lib attention does not implement {unsupported!r} ({type(module).__name__}); "
                 "use attn_implementation='sdpa' or 'eager' for this model"
             )
     if attention_mask is not None and attention_mask.dim() == 2:  # padding (`attention_mask` answered it)
-        causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
+        # causal whatever is_causal says: the hook answers this mask for causal masks only, and with a mask
+        # a model may pass is_causal=False (SDPA's rule, the mask carries the causality: Moonshine)
         window, sinks = kwargs.get("sliding_window"), kwargs.get("s_aux")
-        o = flash_attention_padded(query, key, value, attention_mask, causal, scaling, window, sinks)
+        o = flash_attention_padded(query, key, value, attention_mask, True, scaling, window, sinks)
         return o.transpose(1, 2).contiguous(), None
     if attention_mask is not None:
         if kwargs.get("s_aux") is not None:  # SDPA knows no sinks: the model's own eager attention does
