@@ -201,6 +201,93 @@ def test_varlen_bad_arguments_are_named(change, match):
         flash_attention_varlen(**args)
 
 
+@pytest.mark.parametrize(
+    "cu_q,match",
+    [
+        ([0, 2**32 + 4, 9], "decreases at sequence 1"),  # 2**32 + 4 is 4 as int32
+        ([0, 4, 2**32 + 9], "end at the number of rows"),
+        ([2**32, 4, 9], "start at 0"),
+    ],
+)
+def test_varlen_int64_bounds_past_int32_are_named(cu_q, match):
+    """int64 cumulative lengths are checked as given, not as the int32 copy the kernels read (where they
+    wrap around to valid-looking bounds)."""
+    q = torch.randn(9, 2, 16, device=DEVICE)
+    k = v = torch.randn(5, 2, 16, device=DEVICE)
+    cu_k = torch.tensor([0, 2, 5], dtype=torch.int64, device=DEVICE)
+    cu_q = torch.tensor(cu_q, dtype=torch.int64, device=DEVICE)
+    with pytest.raises(ValueError, match=match):
+        o = flash_attention_varlen(q, k, v, cu_q, cu_k)
+        raise AssertionError(f"cu_seqlens_q {cu_q.tolist()} (int64, 9 rows) accepted, O {tuple(o.shape)}")
+
+
+def test_varlen_max_seqlen_as_an_upper_bound():
+    """max_seqlen_* above the longest sequence (a model's context length) gives the same result, and the
+    grid and the backward's D (sequences, heads, longest) are sized by the rows, not by the bound: 2**40
+    would otherwise launch 2**37 programs per head and allocate 2**40 floats per sequence and head."""
+    lens_q, lens_k = [5, 40, 1], [9, 40, 3]
+    q, k, v = _packed(lens_q, lens_k, 4, 2, 16, torch.float32, seed=6)
+    cu_q, cu_k = _cu(lens_q), _cu(lens_k)
+    for validate in (True, False):
+        seqs = sequences(cu_q, cu_k, 2**40, 2**40, q, k, "test", validate)
+        assert (seqs.max_q, seqs.max_k) == (46, 52), (
+            f"max_seqlen 2**40, validate={validate}, rows 46 / 52: grid sized for {seqs.max_q} / {seqs.max_k}"
+        )
+    o = flash_attention_varlen(q, k, v, cu_q, cu_k, 4096, 4096, causal="bottom_right")
+    o_exact = flash_attention_varlen(q, k, v, cu_q, cu_k, 40, 40, causal="bottom_right")
+    torch.testing.assert_close(o, o_exact, rtol=0, atol=0, msg="max_seqlen 4096 vs 40, bottom_right")
+    do = torch.randn_like(o)
+    for name, a, b in zip(
+        "qkv", torch.autograd.grad(o, (q, k, v), do), torch.autograd.grad(o_exact, (q, k, v), do)
+    ):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=f"d{name}, max_seqlen 4096 vs 40, bottom_right")
+
+
+def test_varlen_opcheck_forward_and_backward():
+    """torch.library.opcheck on the packed operators: schema, fake implementation, autograd registration,
+    AOT dispatch; with a sequence without queries, one without keys, a window and sinks."""
+    lens_q, lens_k = [3, 0, 17], [5, 4, 0]
+    q, k, v = (t.detach() for t in _packed(lens_q, lens_k, 4, 2, 16, torch.float32, seed=8))
+    sinks = torch.randn(4, device=DEVICE)
+    args = (_cu(lens_q), _cu(lens_k), 17, 5, "bottom_right", 0.25, 3, sinks)
+    ops = torch.ops.course_lib
+    torch.library.opcheck(ops.flash_attention_varlen_forward, (q.requires_grad_(), k, v, *args))
+    o, lse = ops.flash_attention_varlen_forward(q, k, v, *args)
+    do = torch.randn_like(o)
+    torch.library.opcheck(ops.flash_attention_varlen_backward, (do, q.detach(), k, v, o.detach(), lse, *args))
+
+
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        (dict(v="short"), "same number of keys"),
+        (dict(d=12), "head dim d=12"),
+        (dict(scale=-0.25), "positive finite"),
+        (dict(window=-3), "window must be >= 1"),
+        (dict(do="short"), "do must be"),
+        (dict(lse="float16"), "lse must be"),
+    ],
+)
+def test_varlen_operators_check_their_arguments(change, match):
+    """torch.ops.course_lib.flash_attention_varlen_forward / _backward are public: they check q, k, v,
+    scale, window (and dO, O, L) as flash_attention_varlen does, as the padded operators do, instead of
+    handing the kernels what they cannot take (a short v read past its end, a negative scale, NaN)."""
+    d = change.get("d", 16)
+    q, k, v = (torch.randn(9, 2, d, device=DEVICE) for _ in range(3))
+    if change.get("v") == "short":
+        v = v[:6]  # a view: the rows past its end are still memory, which an unchecked forward reads
+    cu = _cu([4, 5])
+    scale, window = change.get("scale", 0.25), change.get("window", 0)
+    ops = torch.ops.course_lib
+    with pytest.raises((ValueError, TypeError), match=match):
+        o, lse = ops.flash_attention_varlen_forward(q, k, v, cu, cu, 5, 5, "top_left", scale, window)
+        if "do" in change or "lse" in change:  # (an unchecked backward of a short v writes past dV's end)
+            do = o[:8] if "do" in change else torch.randn_like(o)
+            lse = lse.half() if "lse" in change else lse
+            ops.flash_attention_varlen_backward(do, q, k, v, o, lse, cu, cu, 5, 5, "top_left", scale, window)
+        raise AssertionError(f"{change}: no error, O max |{float(o.abs().max()):.3g}|")
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="real sizes need the compiled kernels")
 @pytest.mark.parametrize("d", [64, 128])
@@ -210,3 +297,20 @@ def test_varlen_real_sizes_gpu(d, causal):
     lens_q = [1, 700, 129, 1500, 64, 0, 333]
     lens_k = [n + 100 for n in lens_q] if causal == "bottom_right" else lens_q
     _check(lens_q, lens_k, 32, 8, d, torch.bfloat16, causal, seed=d)
+
+
+def test_padded_refuses_an_additive_float_mask():
+    """An additive mask (0 for real tokens, -inf for padding: SDPA's float convention) read as 0/1 would
+    keep the padding and drop the real tokens; refused by name instead."""
+    from course_lib.attention.varlen import flash_attention_padded
+
+    q, k, v = (torch.randn(2, 2, 6, 16, device=DEVICE) for _ in "qkv")
+    real = torch.ones(2, 6, dtype=torch.bool, device=DEVICE)
+    real[1, :2] = False
+    additive = torch.zeros(2, 6, device=DEVICE).masked_fill(~real, float("-inf"))
+    with pytest.raises(TypeError, match="padding must be bool or 0/1 integers"):
+        flash_attention_padded(q, k, v, additive, causal=True)
+    # the same mask as bool and as 0/1 integers gives one answer
+    a = flash_attention_padded(q, k, v, real, causal=True)
+    b = flash_attention_padded(q, k, v, real.long(), causal=True)
+    assert torch.equal(a, b), "bool and 0/1 integer padding masks differ"

@@ -154,13 +154,21 @@ def flash_attention_op(
 # --------------------------------------------------------------------------------------------------
 # Packed sequences (`varlen.flash_attention_varlen` calls these under torch.compile)
 # --------------------------------------------------------------------------------------------------
-def _packed(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, sinks, where):
-    """The checked pieces of a packed call: (alignment, `varlen.Sequences`, float32 sinks)."""
-    from .varlen import sequences
+def _packed(
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, window, sinks, where
+):
+    """The checked pieces of a packed call: (alignment, `varlen.Sequences`, float32 sinks). q, k, v,
+    scale and window are checked as `flash_attention_varlen` checks them: the operators are public
+    (torch.ops.course_lib), and the kernels trust what they get."""
+    from .varlen import check_packed, sequences
 
     _check_causal(causal, where)
+    check_packed(q, k, v, where)
+    alignment = None if causal == "none" else causal
+    check_window(window or None, alignment, where)
+    default_scale(q.shape[-1], scale)
     seqs = sequences(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, k, where)
-    return None if causal == "none" else causal, seqs, check_sinks(sinks, q.transpose(0, 1)[None], where)
+    return alignment, seqs, check_sinks(sinks, q.transpose(0, 1)[None], where)
 
 
 @torch.library.custom_op("course_lib::flash_attention_varlen_forward", mutates_args=())
@@ -183,7 +191,7 @@ def varlen_forward_op(
 
     where = "course_lib::flash_attention_varlen_forward"
     alignment, seqs, sinks32 = _packed(
-        q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, sinks, where
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, window, sinks, where
     )
     return _forward(q, k, v, alignment, scale, _DEFAULT_LAUNCH, _FAST, window, sinks32, seqs)
 
@@ -218,8 +226,18 @@ def varlen_backward_op(
 
     where = "course_lib::flash_attention_varlen_backward"
     alignment, seqs, sinks32 = _packed(
-        q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, sinks, where
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, window, sinks, where
     )
+    for name, t, shape, dtype in (
+        ("do", do, q.shape, q.dtype),
+        ("o", o, q.shape, q.dtype),
+        ("lse", lse, q.shape[:-1], accumulator_dtype(q.dtype)),
+    ):
+        if t.shape != shape or t.dtype != dtype or t.device != q.device:
+            raise ValueError(
+                f"{where}: {name} must be {tuple(shape)} {dtype} on {q.device}, as the forward returns it; "
+                f"got {tuple(t.shape)} {t.dtype} on {t.device}"
+            )
     dq, dk, dv, dsinks = _backward(
         do.contiguous(), q, k, v, o, lse, alignment, scale, _DEFAULT_LAUNCH, _FAST, "two_kernel",
         window=window, sinks=sinks32, seqs=seqs,

@@ -97,7 +97,8 @@ def attention(
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, causal=False, scale=None, window=None, sinks=None):
     """`attention` over packed sequences (`varlen.flash_attention_varlen`'s layout), one sequence at a
     time: q (total_q, Hq, d), k and v (total_k, Hkv, d), cu_seqlens_* (B + 1,) cumulative lengths.
-    Returns (O (total_q, Hq, d), L (total_q, Hq)); a sequence with no keys gives O = 0, L = -inf."""
+    Returns (O (total_q, Hq, d), L (total_q, Hq)); a sequence with no keys gives O = 0, L = -inf (L = the
+    sink where there is one)."""
     cu_q, cu_k = [int(x) for x in cu_seqlens_q.tolist()], [int(x) for x in cu_seqlens_k.tolist()]
     o = q.new_zeros(q.shape)
     lse = torch.full(q.shape[:-1], float("-inf"), dtype=accumulator_dtype(q.dtype), device=q.device)

@@ -69,9 +69,10 @@ def sequences(
 ) -> Sequences:
     """Check packed sequences' bounds against q (total_q, Hq, d) and k (total_k, Hkv, d) and return
     them as `Sequences`. cu_seqlens_*: (B + 1,) int32 or int64 tensors on q's device. max_seqlen_*:
-    the longest sequence's length, or None to compute it (which waits for the GPU). validate=True also
-    checks the values (start at 0, never decrease, end at the row count, no sequence longer than
-    max_seqlen_*: one wait for the GPU); skipped while a CUDA graph is being captured."""
+    the longest sequence's length or an upper bound (capped at the row count: no sequence is longer),
+    or None to compute it (which waits for the GPU). validate=True also checks the values (start at 0,
+    never decrease, end at the row count, no sequence longer than max_seqlen_*; checked as given, before
+    the int32 copy the kernels read: one wait for the GPU); skipped while a CUDA graph is being captured."""
     cus = []
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         if not isinstance(cu, torch.Tensor):
@@ -96,11 +97,12 @@ def sequences(
     total_q, total_k = q.shape[0], k.shape[0]
     if total_q >= 2**31 or total_k >= 2**31:
         raise ValueError(f"{where}: at most 2**31 - 1 rows; got {total_q} queries and {total_k} keys")
-    bounds = torch.stack(cus, dim=1).to(torch.int32).reshape(-1)  # [q_0, k_0, q_1, k_1, ...]
+    pairs = torch.stack(cus, dim=1)  # (B + 1, 2): cu_seqlens_q and cu_seqlens_k side by side
+    bounds = pairs.to(torch.int32).reshape(-1)  # [q_0, k_0, q_1, k_1, ...]
     capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
     lengths = None
     if (validate and not capturing) or max_seqlen_q is None or max_seqlen_k is None:
-        host = bounds.view(-1, 2).cpu()
+        host = pairs.long().cpu()  # the values given, not their int32 copies (2**32 + 5 would pass as 5)
         lengths = host[1:] - host[:-1]
     if validate and not capturing:
         for i, (name, total) in enumerate((("cu_seqlens_q", total_q), ("cu_seqlens_k", total_k))):
@@ -116,7 +118,9 @@ def sequences(
                     f"{where}: {name} decreases at sequence {bad} ({cu[bad].item()} -> {cu[bad + 1].item()})"
                 )
     maxima = []
-    for i, (name, given) in enumerate((("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k))):
+    for i, (name, given, total) in enumerate(
+        (("max_seqlen_q", max_seqlen_q, total_q), ("max_seqlen_k", max_seqlen_k, total_k))
+    ):
         if given is None:
             maxima.append(int(lengths[:, i].max()))
             continue
@@ -126,7 +130,9 @@ def sequences(
                 f"{where}: {name}={given}, but sequence {int(lengths[:, i].argmax())} has "
                 f"{int(lengths[:, i].max())} rows: it must be at least the longest sequence's length"
             )
-        maxima.append(given)
+        # an upper bound (a model's context length) is fine, but no sequence is longer than all the
+        # rows: the grid and the backward's D, (B, H, longest), are sized by the smaller
+        maxima.append(min(given, total))
     return Sequences(bounds, cus[0].numel() - 1, maxima[0], maxima[1], total_q)
 
 
@@ -206,10 +212,12 @@ def flash_attention_varlen(
     float16, bfloat16 or float32 (float64 under the interpreter); any strides. cu_seqlens_q,
     cu_seqlens_k: (B + 1,) int32 or int64 on q's device, 0 first and the row count last; a sequence may
     have no queries or no keys (its rows then give O = 0). max_seqlen_q, max_seqlen_k: the longest
-    sequence's counts (None: computed, which waits for the GPU). causal, scale, window, sinks: as in
-    `flash_attention`, per sequence ("bottom_right" aligns each sequence's queries with the end of its
-    own keys). validate: check the bounds' values (one wait for the GPU; off inside CUDA graphs, where
-    it is skipped anyway). Returns O (total_q, Hq, d) in q's dtype; differentiable in q, k, v and sinks."""
+    sequence's counts, or an upper bound (None: computed, which waits for the GPU). causal, scale,
+    window, sinks: as in `flash_attention`, per sequence ("bottom_right" aligns each sequence's queries
+    with the end of its own keys). validate: check the bounds' values (one wait for the GPU; off inside
+    CUDA graphs, where it is skipped anyway); unchecked bounds are trusted, and wrong ones (a sequence
+    longer than max_seqlen_*, a last entry past the rows) give garbage or read and write out of bounds.
+    Returns O (total_q, Hq, d) in q's dtype; differentiable in q, k, v and sinks."""
     where = "flash_attention_varlen"
     check_packed(q, k, v, where)
     alignment = causal_alignment(causal)
@@ -244,7 +252,8 @@ def flash_attention_padded(q, k, v, padding, causal=False, scale=None, window=No
     real keys up to its own position (each sequence bottom-right aligned after the padding is removed,
     which is the same thing). window: a sliding window counted in real tokens, which equals positions
     when each row's real tokens are one run (left or right padding). Padded query rows give O = 0 (no
-    gradient). Returns O (B, Hq, Nq, d). The real rows are gathered and scattered back by index, which
+    gradient; a batch with no real query returns zeros outside the autograd graph). Returns O
+    (B, Hq, Nq, d). The real rows are gathered and scattered back by index, which
     waits for the GPU once (the lengths decide the shapes)."""
     where = "flash_attention_padded"
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -256,6 +265,12 @@ def flash_attention_padded(q, k, v, padding, causal=False, scale=None, window=No
     if not isinstance(padding, torch.Tensor) or padding.shape != (B, n_k):
         shape = tuple(padding.shape) if isinstance(padding, torch.Tensor) else type(padding).__name__
         raise ValueError(f"{where}: padding must be (batch, keys) = ({B}, {n_k}); got {shape}")
+    if padding.dtype.is_floating_point or padding.dtype.is_complex:
+        raise TypeError(
+            f"{where}: padding must be bool or 0/1 integers, True (1) where a key is a real token; got "
+            f"{padding.dtype} (an additive mask, 0 for real tokens and -inf for padding, would read inverted: "
+            "pass `mask == 0`)"
+        )
     if n_q > n_k:
         raise ValueError(f"{where}: the queries are the last positions of the keys: Nq={n_q} > Nk={n_k}")
     real_k = padding.to(device=q.device, dtype=torch.bool)
