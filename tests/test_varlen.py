@@ -314,3 +314,29 @@ def test_padded_refuses_an_additive_float_mask():
     a = flash_attention_padded(q, k, v, real, causal=True)
     b = flash_attention_padded(q, k, v, real.long(), causal=True)
     assert torch.equal(a, b), "bool and 0/1 integer padding masks differ"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU")
+def test_varlen_in_a_cuda_graph():
+    """Captured with the maxima given (an upper bound), a replay gives the eager call's output for new
+    inputs; without them the capture is refused by name (computing them reads the GPU)."""
+    lens = [5, 0, 130, 64]
+    q, k, v = _packed(lens, lens, 4, 2, 64, torch.bfloat16, seed=3)
+    cu = _cu(lens)
+    q, k, v = (t.detach() for t in (q, k, v))
+    eager = flash_attention_varlen(q, k, v, cu, cu, 256, 256, causal=True)
+    static = [torch.randn_like(t) for t in (q, k, v)]  # captured on other values than the replay's
+    flash_attention_varlen(*static, cu, cu, 256, 256, causal=True)  # compile before capturing
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = flash_attention_varlen(*static, cu, cu, 256, 256, causal=True)
+    for s, t in zip(static, (q, k, v)):
+        s.copy_(t)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager), "CUDA-graph replay differs from the eager call"
+    with pytest.raises(ValueError, match="inside a CUDA graph capture"):
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            flash_attention_varlen(*static, cu, cu, None, None, causal=True)

@@ -100,6 +100,11 @@ def sequences(
     pairs = torch.stack(cus, dim=1)  # (B + 1, 2): cu_seqlens_q and cu_seqlens_k side by side
     bounds = pairs.to(torch.int32).reshape(-1)  # [q_0, k_0, q_1, k_1, ...]
     capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
+    if capturing and (max_seqlen_q is None or max_seqlen_k is None):
+        raise ValueError(
+            f"{where}: inside a CUDA graph capture give max_seqlen_q and max_seqlen_k (an upper bound will "
+            "do): computing them reads the lengths back from the GPU, which a capture cannot do"
+        )
     lengths = None
     if (validate and not capturing) or max_seqlen_q is None or max_seqlen_k is None:
         host = pairs.long().cpu()  # the values given, not their int32 copies (2**32 + 5 would pass as 5)
