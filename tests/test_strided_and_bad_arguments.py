@@ -217,3 +217,53 @@ def test_lower_level_entry_points_take_any_strides():
 
     buffer = _randn(32, 5, seed=7)
     assert max_error(column_sum(buffer.t(), torch.float32), buffer.t().double().sum(0)) < 1e-5
+
+
+def test_slices_past_32_bit_offsets_are_copied_or_named():
+    """The kernels' offsets inside one (batch, head) slice are 32-bit. Shapes and strides only (meta
+    tensors, no memory): transformers' (batch, rows, heads, d) layout at 600k rows of 32 x 128 spans
+    2.5e9 elements per slice and is copied to (batch, heads, rows, d), which spans 7.7e7; the same
+    rows contiguous, or a packed sequence read over its own rows only, are left as they are; an
+    output, which is written where it is, and a slice too long even when contiguous are named."""
+    from course_lib.attention.inputs import OFFSET_LIMIT, slice_span, within_offsets
+
+    bnhd = torch.empty(1, 600_000, 32, 128, device="meta").transpose(1, 2)
+    assert slice_span(bnhd, 600_000) >= OFFSET_LIMIT
+    copied = within_offsets(bnhd, 600_000, "k", "test")
+    assert copied.shape == bnhd.shape and copied.is_contiguous(), copied.stride()
+    contiguous = torch.empty(1, 32, 600_000, 128, device="meta")
+    assert within_offsets(contiguous, 600_000, "k", "test") is contiguous
+    packed = torch.empty(600_000, 32, 128, device="meta").transpose(0, 1)[None]  # rows H * d apart
+    assert within_offsets(packed, 4096, "k", "test") is packed, "a packed sequence's own rows fit"
+    with pytest.raises(ValueError, match=r"O \(1, 32, 600000, 128\).*32-bit offsets"):
+        within_offsets(bnhd, 600_000, "O", "test", copy=False)
+    too_long = torch.empty(1, 1, 2**24 + 1, 128, device="meta")
+    with pytest.raises(ValueError, match="split the sequence"):
+        within_offsets(too_long, 2**24 + 1, "q", "test")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not course_lib.ON_GPU, reason="needs 4.3 GB of keys on a GPU")
+def test_keys_spanning_more_than_2_to_the_31_elements():
+    """k a (1, 1, 2**20 + 100, 64) slice of a (..., 2048)-wide buffer: rows 2048 elements apart, one
+    slice spanning 2.1e9 elements, past int32. Forward and backward against float64."""
+    from course_lib.testing import assert_close_to_reference, reference_outputs
+
+    n_k, d = 2**20 + 100, 64
+    g = torch.Generator(device=DEVICE).manual_seed(5)
+    wide = torch.randn(1, 1, n_k, 2048, device=DEVICE, dtype=torch.bfloat16, generator=g)
+    k = wide[..., :d].requires_grad_(True)
+    q = (4 * torch.randn(1, 1, 128, d, device=DEVICE, generator=g)).bfloat16().requires_grad_(True)
+    v = torch.randn(1, 1, n_k, d, device=DEVICE, dtype=torch.bfloat16, generator=g, requires_grad=True)
+    o = flash_attention(q, k, v)
+    do = torch.randn_like(o)
+    o.backward(do)
+    grads = [t.grad for t in (q, k, v)]
+    k = k.detach().contiguous()
+    del wide
+    torch.cuda.empty_cache()
+    ref_o, ref_g = reference_outputs(*(t.double() for t in (q, k, v)), False, None, do.double())
+    base_o, base_g = reference_outputs(q, k, v, False, None, do)
+    assert_close_to_reference(o, ref_o, base_o, what="O, keys spanning > 2**31 elements")
+    for name, grad, r, b in zip(("dq", "dk", "dv"), grads, ref_g, base_g):
+        assert_close_to_reference(grad, r, b, what=f"{name}, keys spanning > 2**31 elements")

@@ -69,7 +69,7 @@ from .blocks import (
 )
 from .configs import DKDV, DQ, PREPROCESS_BLOCK_M, split_config, teaching_hooks
 from .forward import hopper_kernels, run_gluon
-from .inputs import as_4d, check_inputs, kernel_flags, strides4
+from .inputs import as_4d, check_inputs, kernel_flags, strides4, within_offsets
 from .launch import (
     compile_ahead,
     compile_kernel_ahead,
@@ -673,6 +673,13 @@ def _backward(
         q4, k4, v4, o4, do4, dk4, dv4 = (t.transpose(0, 1)[None] for t in (q, k, v, o, do, dk, dv))
         l3 = L.t()[None]
         B, H, d, H_kv, n_q, n_k = seqs.count, q.shape[1], q.shape[2], k.shape[1], seqs.max_q, seqs.max_k
+    rows = dict(q=n_q, o=n_q, do=n_q, k=n_k, v=n_k)
+    q4, k4, v4, o4, do4 = (
+        within_offsets(t, rows[name], name, "attention.backward")
+        for t, name in ((q4, "q"), (k4, "k"), (v4, "v"), (o4, "o"), (do4, "do"))
+    )
+    for t, name in ((dk4, "dk"), (dv4, "dv")):  # written where they are: checked only
+        within_offsets(t, n_k, name, "attention.backward", copy=False)
     group = kv_group(q4, k4)
     causal = alignment is not None
     offset = causal_offset(alignment, n_q, n_k) if seqs is None else 0
@@ -698,6 +705,7 @@ def _backward(
     else:
         dq = torch.empty(q.shape, dtype=q.dtype, device=where)
         dq_acc = as_4d(dq) if seqs is None else dq.transpose(0, 1)[None]
+        within_offsets(dq_acc, n_q, "dq", "attention.backward", copy=False)
     flags = kernel_flags(q.dtype)
     block_d = max(16, triton.next_power_of_2(d))
     common = dict(CAUSAL=causal, HEAD_DIM=d, BLOCK_D=block_d, **flags)

@@ -57,7 +57,7 @@ from .blocks import (
     window_kv_range,
 )
 from .configs import FORWARD, split_config, teaching_hooks
-from .inputs import SUPPORTED_HEAD_DIMS, as_4d, check_inputs, kernel_flags, strides4
+from .inputs import SUPPORTED_HEAD_DIMS, as_4d, check_inputs, kernel_flags, strides4, within_offsets
 from .launch import cuda_device, launch, make_tuner, n_bucket
 
 runtime.require_triton()
@@ -341,6 +341,11 @@ def _forward(q, k, v, alignment, scale, launch_cfg, switches, window=0, sinks=No
         q4, k4, v4, o4 = (t.transpose(0, 1)[None] for t in (q, k, v, o))
         l3 = lse.t()[None]
         B, H, d, n_q, n_k = seqs.count, q.shape[1], q.shape[2], seqs.max_q, seqs.max_k
+    q4, k4, v4 = (
+        within_offsets(t, rows, name, "attention.forward")
+        for t, rows, name in ((q4, n_q, "q"), (k4, n_k, "k"), (v4, n_k, "v"))
+    )
+    within_offsets(o4, n_q, "O", "attention.forward", copy=False)  # written where it is: checked only
     causal = alignment is not None
     offset = causal_offset(alignment, n_q, n_k) if seqs is None else 0
     window = kernel_window(window, n_q, n_k)

@@ -78,6 +78,36 @@ def strides4(t: torch.Tensor) -> tuple[int, int, int, int]:
     return tuple(t.stride())
 
 
+OFFSET_LIMIT = 2**31  # offsets inside one (batch, head) slice are 32-bit integers in the kernels
+
+
+def slice_span(t4: torch.Tensor, rows: int) -> int:
+    """Elements between the first and the last that a kernel addresses in one (batch, head) slice of a
+    4-D view (B, H, N, d) when it reads `rows` rows (N, or a packed call's longest sequence)."""
+    return max(rows - 1, 0) * abs(t4.stride(2)) + max(t4.shape[3] - 1, 0) * abs(t4.stride(3))
+
+
+def within_offsets(t4: torch.Tensor, rows: int, name: str, where: str, copy: bool = True) -> torch.Tensor:
+    """t4 itself when one (batch, head) slice of `rows` rows fits the kernels' 32-bit offsets (the
+    batch and head offsets, and a packed sequence's first row, are 64-bit); else, with `copy`, a
+    contiguous copy (rows d elements apart: O(N d) bytes against the kernels' O(N^2 d) work) where
+    that fits. Transformers' layout (batch, rows, heads, d) seen as (batch, heads, rows, d) puts rows
+    H * d elements apart: at 32 heads of 128 a slice of 524288 rows passes 2**31, and its offsets
+    would wrap and read the wrong memory. What still does not fit (an output, which must be written
+    where it is, or d * rows >= 2**31) is refused by name."""
+    span = slice_span(t4, rows)
+    if span < OFFSET_LIMIT:
+        return t4
+    if copy and rows * t4.shape[3] < OFFSET_LIMIT:
+        return t4.contiguous()
+    raise ValueError(
+        f"{where}: {name} {tuple(t4.shape)} (strides {t4.stride()}, as (batch, heads, rows, d)): one (batch, "
+        f"head) slice of {rows} rows spans {span} elements, past the kernels' 32-bit offsets (at most "
+        f"{OFFSET_LIMIT - 1}); split the sequence (ring attention, notebook 13, shares one attention "
+        "between devices)"
+    )
+
+
 def kernel_flags(dtype: torch.dtype) -> dict:
     """Compile-time flags that depend on the input dtype.
 
