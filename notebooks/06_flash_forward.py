@@ -584,6 +584,13 @@ print("step 3 + 4 (base 2, causal, ragged, Nq != Nk): O and L match the float64 
 #   `runtime.BF16_ROUNDS_TO_NEAREST`.)
 #
 # All strides are passed in, so any view of (Z, N, d) works, and the head dim is any power of two >= 16.
+# One limit comes with strides: the offsets are 32-bit integers unless we say otherwise. `z * stride_qz`
+# passes 2**31 first (a whole batch), so `z` is made int64 below; inside one (batch, head) slice,
+# `offs_m * stride_qn` stays 32-bit. That is enough for a contiguous slice (N * d < 2**31: 16M rows at
+# d = 128), but a model's (batch, N, heads, d) tensor seen as (batch, heads, N, d) has rows heads * d
+# apart: at 32 heads of 128, 524,288 rows span 2**31 elements and the offsets would wrap. course_lib
+# copies such an input to (batch, heads, N, d) before its kernels run (`attention.inputs.within_offsets`;
+# the copy is O(N d) bytes against O(N^2 d) work).
 
 
 # %%
