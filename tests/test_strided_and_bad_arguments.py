@@ -191,6 +191,33 @@ def test_continuous_batcher_arguments_named():
     assert batcher.submit([1, torch.tensor(2), model.vocab - 1], 2) == 0 and len(batcher.waiting) == 1
 
 
+@pytest.mark.parametrize("backend", ["sdpa", "course_lib"])
+def test_serving_past_max_seq_len_is_refused_by_name(backend):
+    """`generate.stream` / `serve` (the paged cache) refuse a prompt whose new tokens would run past the
+    model's max_seq_len, as `sample` does, before any step: the RoPE table lookup once failed mid-run with
+    "IndexError: index 16 is out of bounds" (sdpa; a device-side assert on a GPU). What fits is served."""
+    from course_lib.models import Llama, LlamaConfig, generate
+
+    torch.manual_seed(0)
+    config = LlamaConfig(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, hidden_dim=96, max_seq_len=16)
+    model = Llama(config, backend).to(DEVICE)
+    g = torch.Generator().manual_seed(3)
+    fits, too_long = (torch.randint(0, 256, (n,), generator=g).tolist() for n in (11, 14))
+    words = "a prompt of 14 tokens and 5 new ones need 19 positions; the model has max_seq_len = 16"
+    loop = generate.make_batcher(model, [fits], 5, page_size=4)
+    for name, call in (
+        ("serve", lambda: generate.serve(model, [fits, too_long], 5, page_size=4)),
+        ("stream", lambda: list(generate.stream(model, [too_long], 5))),
+        ("serve(batcher=...)", lambda: generate.serve(model, [too_long], 5, batcher=loop)),
+    ):
+        with pytest.raises(ValueError, match=f"^{name.split('(')[0]}: {words}"):
+            call()
+        assert not (loop.waiting or loop.running), f"{backend} {name}: a request was queued"
+    assert generate.serve(model, [fits], 5, batcher=loop) == generate.greedy_cached(model, [fits], 5), (
+        f"{backend}: a prompt of 11 tokens and 5 new ones (16 positions) served"
+    )
+
+
 def test_lower_level_entry_points_take_any_strides():
     """The autograd Functions and helpers under the public wrappers, called directly with views: each must
     read what the tensor holds (each once read a strided argument as if it were contiguous)."""

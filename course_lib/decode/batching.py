@@ -114,8 +114,10 @@ class ContinuousBatcher:
     """Serve requests with a model that follows the interface above, over a paged KV cache. Notebook 10.
 
     Each `step()`: admit waiting requests while there is room (max_batch sequences, free pages for the
-    prompt); give every running request its next tokens (one for a decoding request, a chunk of at
-    most max_step_tokens for one still in prefill, so prefill and decode share the step); run the model
+    prompt); give every decoding request its next token, then the requests still in prefill chunks of
+    their prompt, in the order they were admitted, from what is left of max_step_tokens (so prefill and
+    decode share the step: a request in prefill may get no token in a step whose budget the others
+    took, and decoding requests always run, even more of them than max_step_tokens); run the model
     once over all of them; append the greedy next token to each request that reached the end of its
     tokens; retire finished requests and free their pages. When the pool runs out mid-step, the most
     recently admitted request is preempted: its pages are freed and it waits to be recomputed.

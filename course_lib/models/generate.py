@@ -31,6 +31,18 @@ def _prompts(prompts) -> list[list[int]]:
     return out
 
 
+def _check_fits(model, prompts, max_new_tokens: int, where: str) -> None:
+    """Every prompt and its new tokens must fit the model's max_seq_len (its RoPE table): a ValueError
+    naming the first that does not."""
+    for prompt in prompts:
+        n_ctx = len(prompt) + max_new_tokens
+        if n_ctx > model.config.max_seq_len:
+            raise ValueError(
+                f"{where}: a prompt of {len(prompt)} tokens and {max_new_tokens} new ones need {n_ctx} "
+                f"positions; the model has max_seq_len = {model.config.max_seq_len}"
+            )
+
+
 @torch.no_grad()
 def greedy_reference(model, prompt, max_new_tokens: int) -> list[int]:
     """Greedy continuation of one prompt (a list of token ids) by full recomputation at each step."""
@@ -48,12 +60,8 @@ def sample(model, prompt, max_new_tokens: int, temperature: float = 0.0, generat
     contiguous `KVCache`: prefill the prompt, then one token per forward pass. `generator`: a CPU
     `torch.Generator` for the draws. The prompt and the new tokens must fit the model's max_seq_len."""
     prompt = _prompts([prompt])[0]
+    _check_fits(model, [prompt], max_new_tokens, "sample")
     n_ctx = len(prompt) + max_new_tokens
-    if n_ctx > model.config.max_seq_len:
-        raise ValueError(
-            f"sample: a prompt of {len(prompt)} tokens and {max_new_tokens} new ones need {n_ctx} positions; "
-            f"the model has max_seq_len = {model.config.max_seq_len}"
-        )
     if temperature < 0:
         raise ValueError(f"sample: temperature must be >= 0 (0 is greedy), got {temperature}")
     cache = KVCache(model.config, 1, n_ctx, model.device, model.dtype)
@@ -109,8 +117,10 @@ def stream(model, prompts, max_new_tokens: int, batcher=None, **sizes) -> Iterat
     """Generate for all `prompts` at once over course_lib's paged KV cache; yields (prompt index,
     token) as tokens appear. `batcher`: a loop from `make_batcher` to serve through (its page pool and
     CUDA graphs are kept from call to call); without one, a new loop sized by `sizes` (`make_batcher`'s
-    keywords: page_size, num_pages, max_batch, max_step_tokens, cuda_graphs)."""
+    keywords: page_size, num_pages, max_batch, max_step_tokens, cuda_graphs). Every prompt and its new
+    tokens must fit the model's max_seq_len (checked before anything is queued)."""
     prompts = _prompts(prompts)
+    _check_fits(model, prompts, max_new_tokens, "stream")
     if batcher is None:
         batcher = make_batcher(model, prompts, max_new_tokens, **sizes)
     elif sizes:
@@ -122,7 +132,9 @@ def stream(model, prompts, max_new_tokens: int, batcher=None, **sizes) -> Iterat
 
 def serve(model, prompts, max_new_tokens: int, **kwargs) -> list[list[int]]:
     """`stream` to the end: the greedy continuation of each prompt (list of token-id lists)."""
-    out = [[] for _ in _prompts(prompts)]
+    prompts = _prompts(prompts)
+    _check_fits(model, prompts, max_new_tokens, "serve")
+    out = [[] for _ in prompts]
     for i, token in stream(model, prompts, max_new_tokens, **kwargs):
         out[i].append(token)
     return out
