@@ -191,9 +191,16 @@ def test_rms_norm_matches_transformers_llama_rms_norm():
         (lambda: rms_norm(_randn(2, 8), _randn(8), eps=-1.0), ValueError, "eps"),
         (lambda: rms_norm(_randn(2, 0), _randn(0)), ValueError, "D >= 1"),
         (lambda: rms_norm([1.0, 2.0], _randn(2)), TypeError, "torch.Tensor"),
+        (lambda: rms_norm(_randn(2, 8), _randn(8, dtype=torch.float64)), TypeError, "float64 weight"),
+        (
+            lambda: rms_norm(_randn(2, 8, dtype=torch.bfloat16), _randn(8, dtype=torch.float64)),
+            TypeError,
+            "float64 weight",
+        ),
     ],
-    ids=["weight shape", "int dtype", "device", "dw_mode", "eps", "empty D", "not a tensor"],
-)
+    ids=["weight shape", "int dtype", "device", "dw_mode", "eps", "empty D", "not a tensor", "float64 weight",
+         "float64 weight, bf16 x"],
+)  # fmt: skip
 def test_rms_norm_clear_errors(make, error, words):
     with pytest.raises(error, match=words):
         make()
@@ -445,6 +452,66 @@ def test_rope_kv_cache_offsets_agree_with_one_long_sequence():
     torch.testing.assert_close(k_new, k_all[:, :, 5:])
 
 
+_HEADS_PAST_32_BITS = """
+import torch, course_lib
+from course_lib.fused import rope, rope_cache, rope_reference
+# 5 heads 2**29 elements apart: head 4 starts 2**31 elements in (4 GiB of float16, untouched but 64 elements)
+storage = torch.empty(4 * 2**29 + 32, dtype=torch.float16, device=course_lib.DEVICE)
+q = storage.as_strided((1, 5, 2, 16), (0, 2**29, 16, 1))
+g = torch.Generator().manual_seed(0)
+for h in range(5):
+    q[0, h].copy_(torch.randn(2, 16, generator=g).half())
+k = torch.randn(1, 1, 2, 16, generator=g).half().to(course_lib.DEVICE)
+cos, sin = rope_cache(2, 16, device=course_lib.DEVICE)
+q_rot, k_rot = rope(q, k, cos, sin)
+error = (q_rot.double().cpu() - rope_reference(q, cos, sin)).abs().amax(dim=(0, 2, 3)).tolist()
+assert max(error) < 2e-3, f"error per head {error}"
+print("ok")
+"""
+
+
+def test_rope_heads_past_32_bit_offsets():
+    """q whose heads lie 2**29 elements apart, 5 of them: head 4 starts 2**31 elements in, past the
+    kernel's 32-bit head offsets (heads x stride). It wrapped (the interpreter died of a segmentation
+    fault reading it; a GPU would read the wrong memory); rope must copy such a tensor to token-major storage
+    first. Run in a child process, so that a crash is a failure with a message."""
+    import subprocess
+    import sys
+
+    run = subprocess.run(
+        [sys.executable, "-c", _HEADS_PAST_32_BITS], capture_output=True, text=True, timeout=600
+    )
+    assert run.returncode == 0 and "ok" in run.stdout, (
+        f"rope, q (1, 5, 2, 16) with heads 2**29 apart: exit code {run.returncode}, {run.stderr[-2000:]}"
+    )
+
+
+def test_rope_chooses_layouts_within_32_bit_offsets():
+    """Which layout the kernel gets (meta tensors: shapes and strides only). Heads-first (B, H, T, d)
+    tensors whose heads lie 2**31 elements apart or more are read from a token-major copy, and outputs
+    are allocated token-major where a heads-first output would pass 2**31: a token-major slice of a
+    fused QKV projection (not dense, so empty_like gives (B, H, T, d)) at 32 heads of 128, 600k tokens."""
+    from course_lib.fused.rope import kernel_input, kernel_output
+
+    small = torch.empty(1, 32, 1000, 128, device="meta")
+    assert kernel_input(small) is small and kernel_output(small).stride() == small.stride()
+    long = torch.empty(1, 32, 600_000, 128, device="meta")  # heads 76.8M elements apart: 31 x that > 2**31
+    for what, t in (("input", kernel_input(long)), ("output", kernel_output(long))):
+        assert t.shape == long.shape and t.stride(1) == 128 and t.stride(2) == 32 * 128, (
+            f"rope {what} of (1, 32, 600000, 128) heads-first: strides {t.stride()}"
+        )
+    qkv = torch.empty(1, 600_000, 3, 32, 128, device="meta")
+    q = qkv[:, :, 0].transpose(1, 2)  # (B, H, T, d) view, heads d apart, not dense
+    assert kernel_input(q) is q
+    out = kernel_output(q)
+    assert out.shape == q.shape and out.stride(1) == 128, (
+        f"rope output of a fused QKV slice: strides {out.stride()}"
+    )
+    strided_d = torch.empty(1, 32, 600_000, 256, device="meta")[..., ::2]  # d not contiguous, heads-first
+    t = kernel_input(strided_d)
+    assert t.stride(-1) == 1 and t.stride(1) == 128, f"rope input with strided d: strides {t.stride()}"
+
+
 @pytest.mark.parametrize("layout", ["half", "interleaved"])
 def test_rope_gradcheck_float64(layout):
     cos, sin = rope_cache(12, 8, dtype=torch.float64, device=DEVICE, layout=layout)
@@ -491,6 +558,7 @@ def _qk(d=16, t=4, dtype=torch.float32):
     [
         (lambda: rope(*_qk(d=15), *rope_cache(8, 16, device=DEVICE)), ValueError, "must be even"),
         (lambda: rope(*_qk(), *rope_cache(8, 32, device=DEVICE)), ValueError, "d=16"),
+        (lambda: rope(*_qk(), *rope_cache(8, 8, device=DEVICE)), ValueError, "partial rotary"),
         (lambda: rope(*_qk(t=9), *rope_cache(8, 16, device=DEVICE)), ValueError, "rows"),
         (lambda: rope(*_qk(), *rope_cache(8, 16, device=DEVICE), positions=6), ValueError, "positions 6..9"),
         (
@@ -526,7 +594,7 @@ def _qk(d=16, t=4, dtype=torch.float32):
         ),
         (lambda: rope(_randn(2, 4, 16), _randn(1, 2, 4, 16), *rope_cache(8, 16, device=DEVICE)), ValueError, "both"),
     ],
-    ids=["odd d", "cache d", "too few rows", "offset", "positions shape", "positions past the cache",
+    ids=["odd d", "cache d", "partial rotary", "too few rows", "offset", "positions shape", "positions past the cache",
          "negative positions", "float positions", "dtypes", "layout", "device", "dims"],
 )  # fmt: skip
 def test_rope_clear_errors(make, error, words):

@@ -419,6 +419,13 @@ def _check(x, weight, eps, dw_mode) -> None:
             raise TypeError(
                 f"{where}: {name} has dtype {t.dtype}; supported: {', '.join(map(launch.dtype_name, DTYPES))}"
             )
+    if weight.dtype == torch.float64 and x.dtype != torch.float64:
+        # the kernels compute in x's accumulator (float32): y would be float64 with float32 digits
+        raise TypeError(
+            f"{where}: a float64 weight needs a float64 x (the kernels multiply by the weight in float32 "
+            f"for x in {launch.dtype_name(x.dtype)}); got x {launch.dtype_name(x.dtype)}: cast the weight "
+            "to x's dtype or to float32, or pass both in float64"
+        )
     if x.device != weight.device:
         raise ValueError(f"{where}: x is on {x.device} but weight is on {weight.device}")
     if x.dim() < 1 or x.shape[-1] == 0:
@@ -444,8 +451,11 @@ def rms_norm(
     """Fused RMSNorm over the last dim, differentiable in x and weight (taught in notebook 11).
 
     x: (..., D), any leading dims and strides; weight: (D,). dtypes float16, bfloat16, float32 (float64
-    for gradcheck); x and weight may differ (the output takes the promoted dtype, as in PyTorch).
-    Computes exactly what LlamaRMSNorm computes: float32 statistics, cast to x's dtype, then times w.
+    for gradcheck); x and weight may differ (the output takes the promoted dtype, as in PyTorch), except
+    a float64 weight, which needs a float64 x (refused otherwise: the product would be float32).
+    Computes exactly what LlamaRMSNorm computes (also Qwen3's q/k norms, over the head dim): float32
+    statistics, cast to x's dtype, then times w. Not Gemma's RMSNorm: it multiplies by (1 + w) in
+    float32 before its one cast to x's dtype; rms_norm(x, 1 + w) rounds x_hat to x's dtype first.
     `dw_mode` picks the backward's dW reduction: "partials" (default, deterministic), "atomics" or
     "locked" (see the module docstring). Returns y with x's shape. When no gradient can flow (no_grad,
     or neither x nor weight requires one), the forward runs without autograd and skips storing rstd."""

@@ -154,6 +154,41 @@ def _as_4d(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+# The kernel offsets a head within a token by heads x stride in 32-bit integers (the token and batch offsets
+# are 64-bit): a (B, H, T, d) tensor whose heads lie far apart must reach it in token-major storage.
+OFFSET_LIMIT = 2**31
+
+
+def _heads_span(t: torch.Tensor) -> int:
+    return max(t.shape[1] - 1, 0) * abs(t.stride(1))
+
+
+def _token_major(t: torch.Tensor) -> torch.Tensor:
+    """A copy of t (B, H, T, d) in (B, T, H, d) storage, seen as (B, H, T, d): heads d elements apart."""
+    return t.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+def kernel_input(t: torch.Tensor) -> torch.Tensor:
+    """t (B, H, T, d) as the kernel reads it: itself when d has unit stride and its heads lie less than
+    2**31 elements apart in all (`OFFSET_LIMIT`); else a copy, contiguous, or token-major where a
+    contiguous (B, H, T, d) copy would itself pass 2**31 (H x T x d elements: 32 heads of 128 at 524k
+    tokens)."""
+    if t.stride(-1) == 1 and _heads_span(t) < OFFSET_LIMIT:
+        return t
+    t = t.contiguous()
+    return t if _heads_span(t) < OFFSET_LIMIT else _token_major(t)
+
+
+def kernel_output(t: torch.Tensor) -> torch.Tensor:
+    """An empty output for the kernel input t: t's strides where t is dense (`torch.empty_like`), else
+    contiguous; token-major where (B, H, T, d) strides would put its heads 2**31 elements apart or more
+    (a token-major slice of a fused QKV projection is not dense: empty_like makes it heads-first)."""
+    out = torch.empty_like(t)
+    if _heads_span(out) < OFFSET_LIMIT:
+        return out
+    return torch.empty_like(t.transpose(1, 2), memory_format=torch.contiguous_format).transpose(1, 2)
+
+
 def _cache_3d(t: torch.Tensor) -> torch.Tensor:
     t = t.unsqueeze(0) if t.dim() == 2 else t
     return t if t.stride(-1) == 1 else t.contiguous()
@@ -173,13 +208,13 @@ def rotate(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel alone, on checked 4-D q, k, 3-D cos, sin and positions: a (1 or B, T) tensor, or an
     int p for the positions p..p+T-1 (computed in the kernel); outputs keep the inputs' strides where
-    they are dense. `backward=True` rotates by the negative angles.
+    they are dense (`kernel_input` and `kernel_output` say when a copy or another layout is needed).
+    `backward=True` rotates by the negative angles.
 
     Launch settings: `tokens` per program (a power of two) and `warps`, defaults from `launch.rope`;
     pass them to try other settings."""
-    q = q if q.stride(-1) == 1 else q.contiguous()  # the kernel reads the head dim with unit stride
-    k = k if k.stride(-1) == 1 else k.contiguous()
-    q_out, k_out = torch.empty_like(q), torch.empty_like(k)
+    q, k = kernel_input(q), kernel_input(k)  # d with unit stride, head offsets within 32 bits
+    q_out, k_out = kernel_output(q), kernel_output(k)
     n_batch, n_q_heads, n_tokens, d = q.shape
     if q.numel() == 0 and k.numel() == 0:
         return q_out, k_out
@@ -305,6 +340,12 @@ def _check(q, k, cos, sin, layout) -> None:
         raise ValueError(
             f"{where}: cos and sin must have one shape; got cos {tuple(cos.shape)}, sin {tuple(sin.shape)}"
         )
+    if cos.dim() in (2, 3) and 0 < cos.shape[-1] < d:
+        raise ValueError(
+            f"{where}: cos and sin cover {cos.shape[-1]} of the head dim d={d}: partial rotary (GPT-NeoX's "
+            "rotary_pct, Phi's partial_rotary_factor) is not supported; rotate q[..., :r] and k[..., :r] "
+            f"(r={cos.shape[-1]}) and concatenate the rest unchanged"
+        )
     if cos.dim() not in (2, 3) or cos.shape[-1] != d:
         raise ValueError(
             f"{where}: cos and sin must be (T_cache, d) or (B, T_cache, d) with d={d} (q's head dim); "
@@ -333,6 +374,9 @@ def rope(
     (1 or B, T_cache, d), from `rope_cache` or Hugging Face's rotary embedding, in the pair layout of
     `layout` ("half": j with j + d/2, as Llama; "interleaved": 2i with 2i + 1, as GPT-J).
     positions: None (0..T-1), an int p (p..p+T-1, for a KV cache) or an int tensor (T,) or (B, T).
+    Hugging Face's rotary embedding returns cos and sin already looked up at its position_ids, (B, T, d):
+    pass those with positions=None (positions would look them up a second time). A cos narrower than d
+    (partial rotary, GPT-NeoX, Phi) is refused.
     Returns (q', k') with the shapes and dtype of q and k, computed in float32 (float64 for float64
     inputs)."""
     _check(q, k, cos, sin, layout)
