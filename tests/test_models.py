@@ -133,6 +133,42 @@ def test_matches_transformers_llama(tie):
     torch.testing.assert_close(back(tokens), model(tokens), msg=lambda m: f"from_hf round trip: {m}")
 
 
+_HF_SIZES = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=96,
+)
+_LLAMA3_ROPE = dict(
+    rope_type="llama3", rope_theta=500.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0
+)
+
+
+@pytest.mark.parametrize(
+    "overrides, field",
+    [
+        (dict(rope_parameters={**_LLAMA3_ROPE, "original_max_position_embeddings": 16}), "llama3"),
+        (dict(rope_parameters=dict(rope_type="linear", rope_theta=10000.0, factor=4.0)), "linear"),
+        (dict(hidden_act="gelu"), "hidden_act"),
+        (dict(attention_bias=True), "attention_bias"),
+        (dict(mlp_bias=True), "mlp_bias"),
+        (dict(head_dim=32), "head_dim"),
+    ],
+    ids=["rope_llama3", "rope_linear", "gelu", "attention_bias", "mlp_bias", "head_dim"],
+)
+def test_from_hf_refuses_what_the_model_does_not_implement(overrides, field):
+    """A transformers config whose result our Llama cannot reproduce (RoPE scaling, another activation,
+    biases, a head_dim other than hidden_size / heads) is refused by name, not converted to other logits."""
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**_HF_SIZES, **overrides)).eval()
+    with pytest.raises(ValueError, match=field):
+        convert.from_hf(hf)
+        pytest.fail(f"from_hf accepted a transformers config with {overrides}")
+
+
 def test_corpus_is_shipped_and_tokenised():
     text = data.load_corpus()
     assert len(text) > 300_000 and text.isascii()
@@ -142,6 +178,20 @@ def test_corpus_is_shipped_and_tokenised():
     assert x.shape == y.shape == (3, 17) and torch.equal(x[:, 1:], y[:, :-1])
     with pytest.raises(ValueError, match="seq_len"):
         data.get_batch(tokens[:10], 1, 10)
+
+
+def test_get_batch_draws_every_window():
+    """Windows of seq_len + 1 tokens start anywhere in 0 .. len - seq_len - 1: the last one too (its target
+    is the corpus's last token), and a text of exactly seq_len + 1 tokens gives its one window."""
+    tokens = torch.randint(0, 256, (18,))
+    x, y = data.get_batch(tokens, 2, 17, torch.Generator().manual_seed(0))
+    assert torch.equal(x, tokens[:-1].expand(2, -1)) and torch.equal(y, tokens[1:].expand(2, -1)), (
+        "18 tokens, seq_len 17: the one window"
+    )
+    tokens = torch.arange(20)  # distinct ids: a window's first token is its start
+    x, _ = data.get_batch(tokens, 200, 16, torch.Generator().manual_seed(0))
+    starts = set(x[:, 0].tolist())
+    assert starts == set(range(4)), f"20 tokens, seq_len 16: starts drawn {sorted(starts)}, expected 0..3"
 
 
 def test_short_training_run_lowers_the_loss():
@@ -206,6 +256,20 @@ def test_sample_through_the_cache_draws_what_full_recomputation_draws():
         generate.sample(model, prompt, 90)
     with pytest.raises(ValueError, match="temperature"):
         generate.sample(model, prompt, 3, temperature=-1.0)
+
+
+def test_greedy_reference_returns_only_new_tokens_for_any_prompt_iterable():
+    """The prompt may be any iterable of ids (list, tuple, tensor, a one-pass iterator, which must be read
+    only once): the result is the max_new_tokens new tokens, as for a list."""
+    model = tiny_model(std=0.3)
+    prompt = torch.randint(0, 256, (5,)).tolist()
+    expected = generate.greedy_reference(model, prompt, 3)
+    assert len(expected) == 3, f"list prompt of 5, 3 new tokens: got {len(expected)} tokens"
+    for kind, p in (("tuple", tuple(prompt)), ("tensor", torch.tensor(prompt)), ("iterator", iter(prompt))):
+        got = generate.greedy_reference(model, p, 3)
+        assert got == expected, (
+            f"greedy_reference, {kind} prompt of 5, 3 new tokens: {got}, expected {expected}"
+        )
 
 
 @pytest.mark.gpu

@@ -113,9 +113,30 @@ def hf_config(config: LlamaConfig, **overrides):
 
 
 def config_from_hf(hf) -> LlamaConfig:
-    """Our LlamaConfig from a transformers LlamaConfig."""
-    rope = getattr(hf, "rope_parameters", None) or {}
+    """Our LlamaConfig from a transformers LlamaConfig. A setting our Llama does not implement is
+    refused with a ValueError naming it, never dropped (the logits would differ): RoPE scaling (a
+    rope_type other than "default", e.g. Llama 3's "llama3" or "linear"), an activation other than
+    SiLU, biases in attention or MLP (attention_bias, mlp_bias), head_dim other than hidden_size / heads."""
+    # transformers >= 5 keeps theta and scaling in `rope_parameters`; 4.x in `rope_theta` and `rope_scaling`
+    rope = {**(getattr(hf, "rope_scaling", None) or {}), **(getattr(hf, "rope_parameters", None) or {})}
     theta = rope.get("rope_theta", getattr(hf, "rope_theta", 10000.0))
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    refused = []
+    if rope_type != "default":
+        refused.append(f"RoPE scaling rope_type={rope_type!r} (only unscaled RoPE)")
+    if getattr(hf, "hidden_act", "silu") not in ("silu", "swish"):
+        refused.append(f"hidden_act={hf.hidden_act!r} (only SiLU, SwiGLU)")
+    for name in ("attention_bias", "mlp_bias"):
+        if getattr(hf, name, False):
+            refused.append(f"{name}=True (no biases)")
+    head_dim = getattr(hf, "head_dim", None)
+    if head_dim is not None and head_dim * hf.num_attention_heads != hf.hidden_size:
+        refused.append(
+            f"head_dim={head_dim} (ours is hidden_size / num_attention_heads = "
+            f"{hf.hidden_size // hf.num_attention_heads})"
+        )
+    if refused:
+        raise ValueError(f"config_from_hf: course_lib's Llama does not implement {'; '.join(refused)}")
     return LlamaConfig(
         vocab_size=hf.vocab_size,
         dim=hf.hidden_size,
@@ -149,7 +170,8 @@ def to_hf(model: Llama):
 
 
 def from_hf(hf, backend: str = "sdpa") -> Llama:
-    """Our Llama with the weights of a transformers LlamaForCausalLM (same device and dtype)."""
+    """Our Llama with the weights of a transformers LlamaForCausalLM (same device and dtype). A config
+    our Llama cannot reproduce (RoPE scaling, biases, ...) is refused: `config_from_hf`."""
     config = config_from_hf(hf.config)
     model = Llama(config, backend)
     p = next(hf.parameters())

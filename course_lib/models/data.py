@@ -104,12 +104,13 @@ def split(tokens: torch.Tensor, val_fraction: float = 0.05) -> tuple[torch.Tenso
 
 def get_batch(tokens: torch.Tensor, batch: int, seq_len: int, generator=None, device=None):
     """A random batch of windows: inputs x (batch, seq_len) and targets y = x shifted by one token,
-    both int64 on `device`. `generator` (a torch.Generator) makes the draw repeatable."""
+    both int64 on `device`. Windows of seq_len + 1 tokens start uniformly at 0 .. len(tokens) - seq_len - 1
+    (the last window ends on the last token). `generator` (a torch.Generator) makes the draw repeatable."""
     if len(tokens) <= seq_len:
         raise ValueError(
             f"get_batch: {len(tokens)} tokens cannot give windows of seq_len + 1 = {seq_len + 1}"
         )
-    starts = torch.randint(0, len(tokens) - seq_len - 1, (batch,), generator=generator)
+    starts = torch.randint(0, len(tokens) - seq_len, (batch,), generator=generator)  # last: len - seq_len - 1
     windows = torch.stack([tokens[s : s + seq_len + 1] for s in starts.tolist()])
     windows = windows.to(device)
     return windows[:, :-1], windows[:, 1:]

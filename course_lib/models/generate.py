@@ -47,10 +47,11 @@ def _check_fits(model, prompts, max_new_tokens: int, where: str) -> None:
 def greedy_reference(model, prompt, max_new_tokens: int) -> list[int]:
     """Greedy continuation of one prompt (a list of token ids) by full recomputation at each step."""
     tokens = _prompts([prompt])[0]
+    n_prompt = len(tokens)
     for _ in range(max_new_tokens):
         x = torch.tensor([tokens], device=model.device)
         tokens.append(int(model(x)[0, -1].argmax()))
-    return tokens[len(_prompts([prompt])[0]) :]
+    return tokens[n_prompt:]
 
 
 @torch.no_grad()
