@@ -20,7 +20,7 @@ from course_lib.distributed import (
     unshard,
     work_per_rank,
 )
-from course_lib.distributed.workers import compare_with_reference
+from course_lib.distributed.workers import DISAGREEMENTS, compare_with_reference
 
 # One launch per world size runs every case of that size: starting processes is the slow part.
 CASES = {
@@ -29,6 +29,7 @@ CASES = {
         dict(B=2, H=2, N=64, d=16, causal=False, sharding="contiguous"),
         dict(B=1, H=4, Hkv=2, N=61, d=16, causal=True, sharding="zigzag"),  # GQA, ragged
         dict(B=1, H=2, Hkv=1, N=64, d=16, causal=True, sharding="zigzag", backend="triton"),  # MQA
+        *(dict(B=1, H=2, N=61, d=8, causal=True, sharding="zigzag", disagree=x) for x in DISAGREEMENTS),
     ],
     4: [
         dict(B=1, H=2, N=64, d=16, causal=True, sharding="zigzag"),
@@ -67,6 +68,12 @@ def test_ring_matches_reference(ring_results, world, index):
     case = CASES[world][index]
     per_rank = ring_results[world]
     assert len(per_rank) == world and all(len(r) == len(CASES[world]) for r in per_rank)
+    if "disagree" in case:  # rank 0 differs: every rank must raise, not compute a wrong answer
+        raised = [r[index]["raised"] for r in per_rank]
+        assert all(
+            m is not None and ("disagree" in m or "refused" in m or "seq_len =" in m) for m in raised
+        ), f"world={world}, {_name(case)}: expected a ValueError on every rank, got {raised}"
+        return
     tol = TOL[case.get("backend", "torch")]
     bad = {}
     for rank, results in enumerate(per_rank):
@@ -101,6 +108,8 @@ def test_causal_work_balance():
     assert sum(zig) == sum(con) == total
     assert max(zig) == min(zig), f"zigzag work per rank should be equal, got {zig}"
     assert con == sorted(con) and con[-1] > 6 * con[0], f"contiguous work should grow with rank, got {con}"
+    with pytest.raises(ValueError, match="does not split"):  # 10 tokens over 4 ranks: refused, not miscounted
+        work_per_rank(4, "contiguous", 10)
 
 
 def test_plan_one_block_per_zigzag_step():

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .sharding import chunk_ids
+from .sharding import chunk_ids, n_chunks
 
 
 @dataclass(frozen=True)
@@ -101,6 +101,10 @@ def work_per_rank(
     or "area" (scores computed when masked ones are computed too). Notebook 13's load-balance picture."""
     if measure not in ("pairs", "area"):
         raise ValueError(f"work_per_rank: measure must be 'pairs' or 'area', got {measure!r}")
+    if seq_len % n_chunks(world, scheme):
+        raise ValueError(
+            f"work_per_rank: seq_len = {seq_len} does not split into {n_chunks(world, scheme)} {scheme} chunks"
+        )
     n_local = seq_len // world
     return [
         [

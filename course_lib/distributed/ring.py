@@ -96,6 +96,53 @@ def _check(q, k, v, causal, sharding, world, seq_len) -> None:
         )
 
 
+_AGREED = ("B", "H", "Hkv", "N_local", "d", "dtype", "causal", "sharding", "seq_len", "scale", "backend")
+
+
+def _check_agreement(ring: _Ring, q, k, v, causal, sharding, scale, backend, seq_len) -> tuple[float, str]:
+    """Check this rank's call (`_check`) and that every rank of the ring made the same one: returns
+    (scale, backend) resolved, or raises on every rank (this rank's own error where it has one).
+
+    Every rank shares its call as one small int64 tensor (one all_gather, 1 + `len(_AGREED)` numbers):
+    ranks that disagree would otherwise exchange K/V of different sizes (a crash or a hang) or of one size
+    but different meaning (a wrong answer, silently), and a rank that refused its call alone would leave
+    the others waiting. Reading the gathered numbers costs one device synchronisation per call."""
+    error, call = None, [0] * len(_AGREED)
+    try:
+        _check(q, k, v, causal, sharding, ring.world, seq_len)
+        scale = default_scale(q.shape[-1], scale)
+        backend = resolve_backend(backend, q.device)
+        scale_bits = torch.tensor([scale], dtype=torch.float64).view(torch.int64).item()
+        B, H, n, d = q.shape
+        call = [B, H, k.shape[1], n, d, FLOAT_DTYPES.index(q.dtype), int(causal), SCHEMES.index(sharding)]
+        call += [-1 if seq_len is None else int(seq_len), scale_bits, ("torch", "triton").index(backend)]
+    except (TypeError, ValueError) as e:
+        error = e
+    if ring.world == 1 or not isinstance(q, torch.Tensor):
+        if error is not None:
+            raise error
+        return scale, backend
+    local = torch.tensor([int(error is not None), *call], dtype=torch.int64, device=q.device)
+    every = [torch.empty_like(local) for _ in range(ring.world)]
+    dist.all_gather(every, local, group=ring.group)
+    if error is not None:
+        raise error
+    calls = [t.tolist() for t in every]
+    refused = [r for r, c in enumerate(calls) if c[0]]
+    if refused:
+        raise ValueError(
+            f"ring_attention: ranks {refused} of the group refused their inputs (see their error)"
+        )
+    differ = [name for i, name in enumerate(_AGREED, 1) if len({c[i] for c in calls}) > 1]
+    if differ:
+        ranks = [r for r, c in enumerate(calls) if c != calls[0]]
+        raise ValueError(
+            f"ring_attention: the ranks disagree on {', '.join(differ)} (ranks {ranks} differ from rank 0); "
+            "every rank of the group must pass the same shapes and options"
+        )
+    return scale, backend
+
+
 def ring_forward(
     q,
     k,
@@ -112,9 +159,7 @@ def ring_forward(
     q: (B, H, N_local, d), k, v: (B, Hkv, N_local, d), sharded with `sharding.shard`; O like q, L
     (B, H, N_local) float32 (float64 for float64 inputs). Notebook 13."""
     ring = _Ring(group)
-    _check(q, k, v, causal, sharding, ring.world, seq_len)
-    scale = default_scale(q.shape[-1], scale)
-    backend = resolve_backend(backend, q.device)
+    scale, backend = _check_agreement(ring, q, k, v, causal, sharding, scale, backend, seq_len)
     acc = accumulator_dtype(q.dtype)
     kv = torch.stack([k, v])  # one buffer to send: (2, B, Hkv, N_local, d)
     O = torch.zeros(q.shape, dtype=acc, device=q.device)  # running result: (0, -inf) = no key yet
@@ -151,9 +196,7 @@ def ring_backward(
 
     Shapes as in `ring_forward`; dQ like q, dK and dV like k and v. Notebook 13."""
     ring = _Ring(group)
-    _check(q, k, v, causal, sharding, ring.world, seq_len)
-    scale = default_scale(q.shape[-1], scale)
-    backend = resolve_backend(backend, q.device)
+    scale, backend = _check_agreement(ring, q, k, v, causal, sharding, scale, backend, seq_len)
     acc = accumulator_dtype(q.dtype)
     kv = torch.stack([k, v])
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)

@@ -106,11 +106,22 @@ def gather(
 ):
     """All ranks' slices gathered (torch.distributed.all_gather) and put back in order with `unshard`.
 
-    local: this rank's slice; returns the full (unpadded when seq_len is given) tensor on every rank.
+    local: this rank's slice (at most 8 dims, one shape on every rank: checked, a ValueError on every
+    rank otherwise); returns the full (unpadded when seq_len is given) tensor on every rank.
     Not differentiable (a testing and plotting helper)."""
     import torch.distributed as dist
 
     world = dist.get_world_size(group)
+    shape = torch.tensor([local.dim(), *local.shape], dtype=torch.int64, device=local.device)
+    shape = torch.nn.functional.pad(shape, (0, 9 - shape.numel()), value=-1)  # up to 8 dims
+    shapes = [torch.empty_like(shape) for _ in range(world)]
+    dist.all_gather(shapes, shape, group=group)
+    shapes = [s.tolist() for s in shapes]
+    if any(s != shapes[0] for s in shapes):
+        raise ValueError(
+            "gather: the ranks disagree on the slice's shape: "
+            f"{[tuple(s[1 : 1 + s[0]]) for s in shapes]} (every rank's slice must have one shape)"
+        )
     parts = [torch.empty_like(local) for _ in range(world)]
     dist.all_gather(parts, local.contiguous(), group=group)
     return unshard(parts, scheme, dim=dim, seq_len=seq_len)

@@ -40,9 +40,15 @@ def compare_with_reference(rank: int, world: int, cases: list[dict]) -> list[dic
     split the ranks into that many process groups, each running the case on its own). Returns per case
     {"error": {...}, "baseline": {...}}: the largest absolute errors of O, dQ, dK, dV against the
     float64 reference, for the ring and for plain PyTorch attention on the full sequence in the same
-    dtype (the accuracy rule of `course_lib.testing`)."""
+    dtype (the accuracy rule of `course_lib.testing`).
+    A case with `disagree` (one of `DISAGREEMENTS`) instead has rank 0 call ring_attention (or, for
+    "gather", `gather`) differently from the other ranks and returns {"raised": the ValueError's message,
+    or None if the call returned}."""
     out = []
     for case in cases:
+        if "disagree" in case:
+            out.append({"raised": _disagreeing_call(rank, world, case)})
+            continue
         dtype = getattr(torch, case.get("dtype", "float64"))
         device = torch.device("cuda", torch.cuda.current_device()) if case.get("device") == "cuda" else None
         full = [t.to(dtype).double() for t in _full_inputs(case, torch.float64)]  # values exact in dtype
@@ -71,6 +77,34 @@ def compare_with_reference(rank: int, world: int, cases: list[dict]) -> list[dic
             }
         )
     return out
+
+
+DISAGREEMENTS = ("causal", "seq_len", "scale", "sharding", "heads", "length", "gather")
+
+
+def _disagreeing_call(rank: int, world: int, case: dict) -> str | None:
+    """One call in which rank 0 differs from the others in case["disagree"]; the ValueError's message."""
+    q, k, v, _ = _full_inputs(case, torch.float64)
+    N, kind = case["N"], case["disagree"]
+    options = dict(causal=case["causal"], sharding=case["sharding"], seq_len=N, scale=None)
+    q, k, v = (shard(t, rank, world, case["sharding"]) for t in (q, k, v))
+    odd = rank == 0
+    if odd and kind in ("causal", "scale", "seq_len"):
+        options[kind] = {"causal": not options["causal"], "scale": 0.5, "seq_len": N + 1}[kind]
+    if odd and kind == "sharding":
+        options["sharding"] = "contiguous" if options["sharding"] == "zigzag" else "zigzag"
+    if odd and kind == "heads":  # the same bytes in another shape: (B, H, n, d) -> (B, 2H, n, d / 2)
+        q, k, v = (t.reshape(*t.shape[:-3], 2 * t.shape[-3], t.shape[-2], -1) for t in (q, k, v))
+    if odd and kind == "length":
+        q, k, v = (t[:, :, :-2] for t in (q, k, v))
+    try:
+        if kind == "gather":
+            gather(q.reshape(*q.shape[:-3], 2 * q.shape[-3], q.shape[-2], -1) if odd else q, case["sharding"])
+        else:
+            ring_attention(q, k, v, **options)
+    except ValueError as e:
+        return str(e)
+    return None
 
 
 def _subgroup(rank: int, world: int, n_groups: int):
