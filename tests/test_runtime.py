@@ -182,6 +182,8 @@ def test_timing_and_flops():
     )
     with pytest.raises(ValueError, match="mode"):
         timing.attention_flops(1, 1, 8, 8, 8, mode="sideways")
+    with pytest.raises(ValueError, match="Nq = Nk only"):  # top-left 1 x 1024 sees 1 key, bottom-right all
+        timing.attention_flops(1, 1, 1, 1024, 64, causal=True)
 
 
 IMPORT_ORDERS = {

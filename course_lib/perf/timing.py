@@ -174,10 +174,18 @@ def attention_flops(
 ) -> float:
     """Useful FLOPs of attention by the convention of the FlashAttention papers.
 
-    Forward: two matmuls of 2 * Nq * Nk * d each, so 4 * B * H * Nq * Nk * d; halved when causal.
-    Backward counts 2.5x the forward (five matmuls, one of them a recomputation); fwd+bwd 3.5x."""
+    Forward: two matmuls of 2 * Nq * Nk * d each, so 4 * B * H * Nq * Nk * d; halved when causal
+    (Nq = Nk only: with Nq != Nk the visible share depends on the alignment, from 1/Nk of the keys per
+    row top-left with one query to all of them bottom-right, so such a call is refused rather than
+    miscounted). Backward counts 2.5x the forward (five matmuls, one of them a recomputation);
+    fwd+bwd 3.5x."""
     flops = 4.0 * batch * heads * n_queries * n_keys * head_dim
     if causal:
+        if n_queries != n_keys:
+            raise ValueError(
+                f"attention_flops: causal with Nq={n_queries} != Nk={n_keys}: the halving convention holds for "
+                "Nq = Nk only (the visible keys depend on the alignment); count the visible pairs instead"
+            )
         flops *= 0.5
     factor = {"fwd": 1.0, "bwd": 2.5, "fwd_bwd": 3.5}
     if mode not in factor:
