@@ -223,6 +223,11 @@ def check_sinks(sinks, q: torch.Tensor, where: str = "attention") -> torch.Tenso
     return sinks.to(accumulator_dtype(q.dtype)).contiguous()
 
 
+# Offsets the kernels compute from a program's row, column or head with 32-bit integers stay below this
+# (`attention.inputs.within_offsets`, `fused.rope.kernel_input`); batch and sequence offsets are 64-bit.
+OFFSET_LIMIT = 2**31
+
+
 def kernel_window(window: int, n_q: int, n_k: int) -> int:
     """The window the kernels receive: `check_window`'s value capped at Nq + Nk, which no pair can exceed
     (so a huge "no limit" window cannot overflow their 32-bit index arithmetic); 0 stays 0 (none)."""

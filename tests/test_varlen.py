@@ -264,7 +264,7 @@ def test_varlen_opcheck_forward_and_backward():
         (dict(d=12), "head dim d=12"),
         (dict(scale=-0.25), "positive finite"),
         (dict(window=-3), "window must be >= 1"),
-        (dict(do="short"), "do must be"),
+        (dict(do="short"), "do must match q"),
         (dict(lse="float16"), "lse must be"),
     ],
 )

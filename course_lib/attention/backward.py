@@ -528,27 +528,7 @@ def backward(
     `teaching.probabilities_natural` and `teaching.every_q_block` / `every_kv_block`, always with a
     fixed launch). config=None: the default choice."""
     check_inputs(q, k, v, where="attention.backward")
-    for name, t, like in (("do", do, q), ("o", o, q)):
-        if not isinstance(t, torch.Tensor) or t.shape != like.shape or t.dtype != like.dtype:
-            raise ValueError(
-                f"attention.backward: {name} must match q in shape and dtype; got "
-                f"{getattr(t, 'shape', type(t))} {getattr(t, 'dtype', '')}, q {tuple(q.shape)} {q.dtype}"
-            )
-    if not isinstance(L, torch.Tensor) or L.shape != q.shape[:-1]:
-        raise ValueError(
-            f"attention.backward: L must have shape q.shape[:-1] = {tuple(q.shape[:-1])}; "
-            f"got {getattr(L, 'shape', type(L))}"
-        )
-    if L.dtype != accumulator_dtype(q.dtype):
-        raise TypeError(
-            f"attention.backward: L must be {accumulator_dtype(q.dtype)} (as the forward returns it for "
-            f"{q.dtype} inputs); got {L.dtype}"
-        )
-    for name, t in (("do", do), ("o", o), ("L", L)):
-        if t.device != q.device:
-            raise ValueError(
-                f"attention.backward: {name} is on {t.device}, q on {q.device}; move it to q's device"
-            )
+    check_saved(do, o, L, q, "attention.backward")
     if dq_mode not in DQ_MODES:
         raise ValueError(f"attention.backward: dq_mode must be one of {DQ_MODES}, got {dq_mode!r}")
     alignment = causal_alignment(causal)
@@ -627,6 +607,30 @@ def _hopper_dkdv(q4, k4, v4, do4, causal: bool, n_q: int, n_k: int, switches: di
         return None
     chosen = hopper_backward.choose(q4.shape[-1], causal, n_q, n_k, kv_group(q4, k4))
     return hopper_backward if chosen else None
+
+
+def check_saved(do, o, L, q, where: str, l_name: str = "L") -> None:
+    """dO and O must match q in shape, dtype and device, and L be q.shape[:-1] in the accumulator dtype
+    on q's device, as the forward returns them (`attention.backward` and the packed backward operator)."""
+    for name, t in (("do", do), ("o", o)):
+        if not isinstance(t, torch.Tensor) or t.shape != q.shape or t.dtype != q.dtype:
+            raise ValueError(
+                f"{where}: {name} must match q in shape and dtype; got "
+                f"{getattr(t, 'shape', type(t))} {getattr(t, 'dtype', '')}, q {tuple(q.shape)} {q.dtype}"
+            )
+    if not isinstance(L, torch.Tensor) or L.shape != q.shape[:-1]:
+        raise ValueError(
+            f"{where}: {l_name} must have shape q.shape[:-1] = {tuple(q.shape[:-1])}; "
+            f"got {getattr(L, 'shape', type(L))}"
+        )
+    if L.dtype != accumulator_dtype(q.dtype):
+        raise TypeError(
+            f"{where}: {l_name} must be {accumulator_dtype(q.dtype)} (as the forward returns it for "
+            f"{q.dtype} inputs); got {L.dtype}"
+        )
+    for name, t in (("do", do), ("o", o), (l_name, L)):
+        if t.device != q.device:
+            raise ValueError(f"{where}: {name} is on {t.device}, q on {q.device}; move it to q's device")
 
 
 def _backward(

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from .. import runtime
-from ..checks import check_attention_inputs
+from ..checks import OFFSET_LIMIT, check_attention_inputs
 from ..runtime import tl
 
 MAX_HEAD_DIM = 256
@@ -76,9 +76,6 @@ def as_4d(t: torch.Tensor) -> torch.Tensor:
 def strides4(t: torch.Tensor) -> tuple[int, int, int, int]:
     """(batch, head, row, column) strides of a 4-D view, in elements (what the kernels index with)."""
     return tuple(t.stride())
-
-
-OFFSET_LIMIT = 2**31  # offsets inside one (batch, head) slice are 32-bit integers in the kernels
 
 
 def slice_span(t4: torch.Tensor, rows: int) -> int:

@@ -32,6 +32,7 @@ import torch
 
 from ..checks import accumulator_dtype, causal_alignment, check_sinks, check_window, default_scale
 from .backward import backward as _attention_backward
+from .backward import check_saved
 from .forward import forward as _attention_forward
 from .inputs import check_inputs
 
@@ -228,16 +229,7 @@ def varlen_backward_op(
     alignment, seqs, sinks32 = _packed(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, window, sinks, where
     )
-    for name, t, shape, dtype in (
-        ("do", do, q.shape, q.dtype),
-        ("o", o, q.shape, q.dtype),
-        ("lse", lse, q.shape[:-1], accumulator_dtype(q.dtype)),
-    ):
-        if t.shape != shape or t.dtype != dtype or t.device != q.device:
-            raise ValueError(
-                f"{where}: {name} must be {tuple(shape)} {dtype} on {q.device}, as the forward returns it; "
-                f"got {tuple(t.shape)} {t.dtype} on {t.device}"
-            )
+    check_saved(do, o, lse, q, where, l_name="lse")
     dq, dk, dv, dsinks = _backward(
         do.contiguous(), q, k, v, o, lse, alignment, scale, _DEFAULT_LAUNCH, _FAST, "two_kernel",
         window=window, sinks=sinks32, seqs=seqs,

@@ -36,7 +36,7 @@ from __future__ import annotations
 import torch
 
 from .. import runtime
-from ..checks import accumulator_dtype, check_int
+from ..checks import OFFSET_LIMIT, accumulator_dtype, check_int
 from ..runtime import tl, triton
 from . import launch
 
@@ -154,12 +154,9 @@ def _as_4d(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-# The kernel offsets a head within a token by heads x stride in 32-bit integers (the token and batch offsets
-# are 64-bit): a (B, H, T, d) tensor whose heads lie far apart must reach it in token-major storage.
-OFFSET_LIMIT = 2**31
-
-
 def _heads_span(t: torch.Tensor) -> int:
+    """How far apart (in elements) the first and last heads of t (B, H, T, d) lie: the kernel offsets a
+    head within a token by heads x stride in 32-bit integers (the token and batch offsets are 64-bit)."""
     return max(t.shape[1] - 1, 0) * abs(t.stride(1))
 
 
