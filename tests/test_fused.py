@@ -464,7 +464,7 @@ for h in range(5):
 k = torch.randn(1, 1, 2, 16, generator=g).half().to(course_lib.DEVICE)
 cos, sin = rope_cache(2, 16, device=course_lib.DEVICE)
 q_rot, k_rot = rope(q, k, cos, sin)
-error = (q_rot.double() - rope_reference(q, cos, sin).double()).abs().amax(dim=(0, 2, 3)).tolist()
+error = (q_rot.double().cpu() - rope_reference(q, cos, sin)).abs().amax(dim=(0, 2, 3)).tolist()
 assert max(error) < 2e-3, f"error per head {error}"
 print("ok")
 """
