@@ -68,6 +68,33 @@ def test_run_notebooks_side_by_side(tmp_path, monkeypatch, capsys):
     assert run_notebooks.main(["--jobs", "2", "good", "other"]) == 0
 
 
+def test_run_cells_times_each_cell_in_one_namespace(tmp_path, capsys):
+    """--cells: a percent-format source runs cell by cell in one namespace and its slowest cells are
+    printed with their line and section heading; a failing cell raises."""
+    import time
+
+    from course_lib.tools import run_notebooks
+
+    source = (
+        "# %% [markdown]\n# # Title\n# ## 1. Fast part\n"
+        "# %%\nx = 1\n"
+        "# %% [markdown]\n# ## 2. Slow part\n"
+        "# %%\nimport time\ntime.sleep(0.3)\ny = x + 1\n"
+    )
+    assert [(line, section) for line, section, _ in run_notebooks.split_cells(source)] == [
+        (1, "1. Fast part"), (4, "1. Fast part"), (6, "2. Slow part"), (8, "2. Slow part"),
+    ]  # fmt: skip
+    nb = tmp_path / "01_cells.py"
+    nb.write_text(source)
+    t0 = time.perf_counter()
+    times = run_notebooks.run_cells(str(nb), slowest=2)
+    assert times[0][1:] == (8, "2. Slow part") and 0.3 <= times[0][0] <= time.perf_counter() - t0
+    assert "line 8" in capsys.readouterr().out
+    nb.write_text(source + "# %%\nassert y == 3, 'y is ' + str(y)\n")
+    with pytest.raises(AssertionError, match="y is 2"):
+        run_notebooks.run_cells(str(nb))
+
+
 def test_pairing_is_for_authors_only(tmp_path):
     """notebooks/ pairs .ipynb with percent .py sources; the student edition (elsewhere) is not paired."""
     from jupytext.config import find_jupytext_configuration_file, load_jupytext_configuration_file
