@@ -25,6 +25,7 @@ import os
 import subprocess
 import sys
 import time
+import types
 from concurrent.futures import ThreadPoolExecutor
 
 from .notebooks import NOTEBOOKS, ROOT, sources
@@ -50,20 +51,36 @@ def split_cells(source: str) -> list[tuple[int, str, str]]:
     return cells
 
 
+def finish_compiling() -> str:
+    """Wait for the kernels course_lib still compiles ahead in the background (the process would wait
+    for them at exit) and say how many and how long: compilations a notebook started but never used."""
+    from ..attention import launch
+
+    pending = [thread for thread in launch._COMPILING.values() if thread.is_alive()]
+    t0 = time.perf_counter()
+    for thread in pending:
+        thread.join()
+    return f"{len(pending)} compilations still running at the end, {time.perf_counter() - t0:.1f} s"
+
+
 def run_cells(path: str, slowest: int = SLOWEST_CELLS) -> list[tuple[float, int, str]]:
     """Run the notebook source at `path` cell by cell in one namespace (named `__notebook__`, as
     `RUN_AS_NOTEBOOK` does), then print its `slowest` cells: seconds, line, section. Returns every
     (seconds, line, section), slowest first. A failing cell raises, as the whole script would."""
     source = open(path).read()
-    namespace = {"__name__": "__notebook__", "__file__": path}
+    # A module, as runpy makes: torch.compile looks functions' globals up by module name, and
+    # @triton.jit reads a kernel's source from its file (so each cell keeps its own line numbers).
+    module = types.ModuleType("__notebook__")
+    module.__file__ = os.path.abspath(path)
+    sys.modules["__notebook__"] = module
     times = []
     for line, section, code in split_cells(source):
         t0 = time.perf_counter()
-        exec(compile(code, f"{path}:{line}", "exec"), namespace)
+        exec(compile("\n" * (line - 1) + code, module.__file__, "exec"), module.__dict__)
         times.append((time.perf_counter() - t0, line, section))
     times.sort(reverse=True)
     total = sum(t for t, _, _ in times)
-    print(f"\n{path}: {len(times)} cells, {total:.1f} s; the slowest:", flush=True)
+    print(f"\n{path}: {len(times)} cells, {total:.1f} s; {finish_compiling()}; the slowest:", flush=True)
     for seconds, line, section in times[:slowest]:
         print(f"  {seconds:7.1f} s  line {line:<5} {section[:70]}", flush=True)
     return times
