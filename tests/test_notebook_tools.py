@@ -66,6 +66,10 @@ def test_run_notebooks_side_by_side(tmp_path, monkeypatch, capsys):
     assert "2 passed, 1 failed" in out and "bad notebook failed here" in out
     assert "good ran" in (tmp_path / "build" / "notebook-logs" / "01_good.log").read_text()
     assert run_notebooks.main(["--jobs", "2", "good", "other"]) == 0
+    assert "over the" not in capsys.readouterr().out  # these take well under the budget
+    monkeypatch.setattr(run_notebooks, "BUDGET_S", 0)
+    assert run_notebooks.main(["good"]) == 0
+    assert "over the 0 s a notebook may take" in capsys.readouterr().out
 
 
 def test_run_cells_times_each_cell_in_one_namespace(tmp_path, capsys):
