@@ -529,7 +529,16 @@ assert err < 10 * TOL * max(1.0, logits["sdpa"][real].abs().max().item())
 
 # %% [markdown]
 # Greedy generation runs a prefill (Nq = Nk = the prompt) and then one query at a time against the cache
-# (Nq = 1, Nk growing). In float32 both implementations must pick the same tokens:
+# (Nq = 1, Nk growing). In float32 both implementations must pick the same tokens.
+#
+# On a GPU with an empty Triton cache, the first `generate` waits for four compilations of the forward
+# kernel: one for the prefill and three for the decoding steps. Triton compiles a kernel once per *class*
+# of each integer argument (equal to 1, a multiple of 16, anything else), because knowing that a length is
+# a multiple of 16 can make better code; Nq = 1 is one class, and as Nk grows by one a step, Nk and the
+# causal offset Nk - Nq pass through three combinations. Telling Triton not to specialise the lengths
+# would leave one decoding kernel, but the Triton forward at training sizes (bf16, causal, d = 128) then
+# ran 3-5 % slower on an H100 (notes/performance.md), so the course keeps the specialisation and pays
+# these seconds once.
 
 # %%
 model.float()
