@@ -211,6 +211,35 @@ def test_saves_only_linear_size_tensors():
     o.sum().backward()
 
 
+def test_saved_tensors_found_by_shape_and_second_derivative_refused():
+    """The homework's way to find L: the one tensor of shape (batch, n_queries) among the autograd node's
+    `grad_fn.saved_tensors` (None there made that lookup fail). Differentiating the gradient again must
+    raise (the kernels have no derivative), not give a silent zero second-order term."""
+    from course_lib.attention.varlen import flash_attention_varlen
+
+    n_q, n_k, d = 33, 21, 16
+    q, k, v = random_qkv((2, n_q, d), n_k, device=DEVICE, requires_grad=True)
+    calls = {
+        "FlashAttentionTriton": lambda: FlashAttentionTriton.apply(q, k, v, True),
+        "flash_attention": lambda: flash_attention(q, k, v, causal=True),
+    }
+    for name, call in calls.items():
+        o = call()
+        saved = o.grad_fn.saved_tensors
+        found = [t for t in saved if t.shape == (2, n_q)]
+        assert len(found) == 1, f"{name}: saved {[None if t is None else tuple(t.shape) for t in saved]}"
+        (g,) = torch.autograd.grad(o.pow(2).sum(), q, create_graph=True)
+        with pytest.raises(RuntimeError, match="differentiate twice"):
+            g.pow(2).sum().backward()
+    rows = torch.tensor([0, 5, 12], dtype=torch.int32, device=DEVICE)
+    qp, kp, vp = (torch.randn(12, 2, d, device=DEVICE, requires_grad=True) for _ in range(3))
+    o = flash_attention_varlen(qp, kp, vp, rows, rows, causal=True)
+    assert all(t is not None for t in o.grad_fn.saved_tensors)
+    (g,) = torch.autograd.grad(o.pow(2).sum(), qp, create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        g.pow(2).sum().backward()
+
+
 @pytest.mark.skipif(ON_GPU, reason="float64 kernels run only under the interpreter")
 def test_gradcheck_float64():
     torch.manual_seed(6)

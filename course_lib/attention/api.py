@@ -11,10 +11,11 @@ for grouped-query attention — and any strides.
 from __future__ import annotations
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from .. import runtime
 from ..checks import causal_alignment, check_sinks, check_window, default_scale
-from .backward import _backward
+from .backward import _backward, save_tensors, saved_tensors
 from .configs import split_config
 from .forward import _forward
 from .inputs import check_inputs
@@ -62,7 +63,7 @@ class FlashAttentionTriton(torch.autograd.Function):
                 window,
             )
         o, lse = _forward(q, k, v, alignment, scale, _DEFAULT_LAUNCH, _FAST, window, sinks32)
-        ctx.save_for_backward(q, k, v, o, lse, sinks32)
+        save_tensors(ctx, q, k, v, o, lse, sinks32)
         ctx.alignment = alignment
         ctx.scale = scale
         ctx.window = window
@@ -70,8 +71,9 @@ class FlashAttentionTriton(torch.autograd.Function):
         return o
 
     @staticmethod
+    @once_differentiable  # its kernels have no derivative: differentiating twice raises, never a silent 0
     def backward(ctx, do):
-        q, k, v, o, lse, sinks32 = ctx.saved_tensors
+        q, k, v, o, lse, sinks32 = saved_tensors(ctx)
         dq, dk, dv, dsinks = _backward(
             do,
             q,

@@ -29,10 +29,11 @@ sinks, dsinks is an empty tensor that autograd never hands on.
 from __future__ import annotations
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from ..checks import accumulator_dtype, causal_alignment, check_sinks, check_window, default_scale
 from .backward import backward as _attention_backward
-from .backward import check_saved
+from .backward import check_saved, save_tensors, saved_tensors
 from .forward import forward as _attention_forward
 from .inputs import check_inputs
 
@@ -112,15 +113,16 @@ def _backward_fake(do, q, k, v, o, lse, causal, scale, window=0, sinks=None):
 def _setup_context(ctx, inputs, output):
     q, k, v, causal, scale, window, sinks = inputs
     o, lse = output
-    ctx.save_for_backward(q, k, v, o, lse, sinks)
+    save_tensors(ctx, q, k, v, o, lse, sinks)
     ctx.causal = causal
     ctx.scale = scale
     ctx.window = window
     ctx.mark_non_differentiable(lse)
 
 
+@once_differentiable  # the backward's kernels have no derivative: a second one raises, never a silent 0
 def _backward(ctx, do, _dlse):
-    q, k, v, o, lse, sinks = ctx.saved_tensors
+    q, k, v, o, lse, sinks = saved_tensors(ctx)
     dq, dk, dv, dsinks = backward_op(do, q, k, v, o, lse, ctx.causal, ctx.scale, ctx.window, sinks)
     return dq, dk, dv, None, None, None, None if sinks is None else dsinks
 
@@ -260,13 +262,14 @@ def _varlen_backward_fake(
 
 def _varlen_setup_context(ctx, inputs, output):
     q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window, sinks = inputs
-    ctx.save_for_backward(q, k, v, *output, cu_q, cu_k, sinks)
+    save_tensors(ctx, q, k, v, *output, cu_q, cu_k, sinks)
     ctx.args = (max_q, max_k, causal, scale, window)
     ctx.mark_non_differentiable(output[1])
 
 
+@once_differentiable
 def _varlen_backward(ctx, do, _dlse):
-    q, k, v, o, lse, cu_q, cu_k, sinks = ctx.saved_tensors
+    q, k, v, o, lse, cu_q, cu_k, sinks = saved_tensors(ctx)
     max_q, max_k, causal, scale, window = ctx.args
     dq, dk, dv, dsinks = varlen_backward_op(
         do, q, k, v, o, lse, cu_q, cu_k, max_q, max_k, causal, scale, window, sinks

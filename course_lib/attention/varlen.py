@@ -24,9 +24,11 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from .. import runtime
 from ..checks import causal_alignment, check_int, check_sinks, check_window, default_scale
+from .backward import save_tensors, saved_tensors
 from .inputs import check_inputs
 from .launch import n_bucket
 
@@ -178,16 +180,17 @@ class FlashAttentionVarlen(torch.autograd.Function):
             _backward(None, q, k, v, None, None, alignment, scale, _DEFAULT_LAUNCH, _FAST, "two_kernel", True,
                       window, seqs=seqs)  # fmt: skip
         o, lse = _forward(q, k, v, alignment, scale, _DEFAULT_LAUNCH, _FAST, window, sinks32, seqs)
-        ctx.save_for_backward(q, k, v, o, lse, sinks32, seqs.bounds)
+        save_tensors(ctx, q, k, v, o, lse, sinks32, seqs.bounds)
         ctx.meta = (seqs, alignment, scale, window, sinks_dtype)
         return o
 
     @staticmethod
+    @once_differentiable  # the backward's kernels have no derivative: a second one raises, never a silent 0
     def backward(ctx, do):
         from .api import _DEFAULT_LAUNCH, _FAST
         from .backward import _backward
 
-        q, k, v, o, lse, sinks32, _ = ctx.saved_tensors
+        q, k, v, o, lse, sinks32, _ = saved_tensors(ctx)
         seqs, alignment, scale, window, sinks_dtype = ctx.meta
         dq, dk, dv, dsinks = _backward(
             do.contiguous(), q, k, v, o, lse, alignment, scale, _DEFAULT_LAUNCH, _FAST, "two_kernel",
