@@ -214,7 +214,8 @@ def test_saves_only_linear_size_tensors():
 def test_saved_tensors_found_by_shape_and_second_derivative_refused():
     """The homework's way to find L: the one tensor of shape (batch, n_queries) among the autograd node's
     `grad_fn.saved_tensors` (None there made that lookup fail). Differentiating the gradient again must
-    raise (the kernels have no derivative), not give a silent zero second-order term."""
+    raise (the kernels have no derivative), not give a silent zero second-order term, also when only
+    some inputs' gradients are asked for (`torch.autograd.grad(..., k)`, as a gradient penalty does)."""
     from course_lib.attention.varlen import flash_attention_varlen
 
     n_q, n_k, d = 33, 21, 16
@@ -229,15 +230,23 @@ def test_saved_tensors_found_by_shape_and_second_derivative_refused():
         found = [t for t in saved if t.shape == (2, n_q)]
         assert len(found) == 1, f"{name}: saved {[None if t is None else tuple(t.shape) for t in saved]}"
         (g,) = torch.autograd.grad(o.pow(2).sum(), q, create_graph=True)
-        with pytest.raises(RuntimeError, match="differentiate twice"):
+        with pytest.raises(RuntimeError, match="no second derivative"):
             g.pow(2).sum().backward()
+        o = call()  # a gradient penalty asking for one input's gradient only: no path may skip the refusal
+        (g,) = torch.autograd.grad(o.pow(2).sum(), q, create_graph=True)
+        with pytest.raises(RuntimeError, match="no second derivative"):
+            torch.autograd.grad(o.sum() + g.pow(2).sum(), k)
+        o = call()  # create_graph=True alone (no second differentiation) still gives the right gradient
+        (g,) = torch.autograd.grad(o.pow(2).sum(), q, create_graph=True)
+        (g_plain,) = torch.autograd.grad(call().pow(2).sum(), q)
+        torch.testing.assert_close(g.detach(), g_plain)
     rows = torch.tensor([0, 5, 12], dtype=torch.int32, device=DEVICE)
     qp, kp, vp = (torch.randn(12, 2, d, device=DEVICE, requires_grad=True) for _ in range(3))
     o = flash_attention_varlen(qp, kp, vp, rows, rows, causal=True)
     assert all(t is not None for t in o.grad_fn.saved_tensors)
     (g,) = torch.autograd.grad(o.pow(2).sum(), qp, create_graph=True)
-    with pytest.raises(RuntimeError, match="differentiate twice"):
-        g.pow(2).sum().backward()
+    with pytest.raises(RuntimeError, match="no second derivative"):
+        torch.autograd.grad(o.sum() + g.pow(2).sum(), kp)
 
 
 @pytest.mark.skipif(ON_GPU, reason="float64 kernels run only under the interpreter")

@@ -11,11 +11,10 @@ for grouped-query attention — and any strides.
 from __future__ import annotations
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from .. import runtime
 from ..checks import causal_alignment, check_sinks, check_window, default_scale
-from .backward import _backward, save_tensors, saved_tensors
+from .backward import _backward, refuse_second_derivative, save_tensors, saved_tensors
 from .configs import split_config
 from .forward import _forward
 from .inputs import check_inputs
@@ -71,25 +70,15 @@ class FlashAttentionTriton(torch.autograd.Function):
         return o
 
     @staticmethod
-    @once_differentiable  # its kernels have no derivative: differentiating twice raises, never a silent 0
     def backward(ctx, do):
         q, k, v, o, lse, sinks32 = saved_tensors(ctx)
-        dq, dk, dv, dsinks = _backward(
-            do,
-            q,
-            k,
-            v,
-            o,
-            lse,
-            ctx.alignment,
-            ctx.scale,
-            _DEFAULT_LAUNCH,
-            _FAST,
-            "two_kernel",
-            window=ctx.window,
-            sinks=sinks32,
-        )
-        dsinks = None if dsinks is None else dsinks.to(ctx.sinks_dtype)
+        with torch.no_grad():
+            dq, dk, dv, dsinks = _backward(
+                do, q, k, v, o, lse, ctx.alignment, ctx.scale, _DEFAULT_LAUNCH, _FAST, "two_kernel",
+                window=ctx.window, sinks=sinks32,
+            )  # fmt: skip
+            dsinks = None if dsinks is None else dsinks.to(ctx.sinks_dtype)
+        dq, dk, dv, dsinks = refuse_second_derivative((dq, dk, dv, dsinks), (do, q, k, v, sinks32))
         return dq, dk, dv, None, None, None, dsinks
 
 

@@ -29,11 +29,10 @@ sinks, dsinks is an empty tensor that autograd never hands on.
 from __future__ import annotations
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from ..checks import accumulator_dtype, causal_alignment, check_sinks, check_window, default_scale
 from .backward import backward as _attention_backward
-from .backward import check_saved, save_tensors, saved_tensors
+from .backward import check_saved, refuse_second_derivative, save_tensors, saved_tensors
 from .forward import forward as _attention_forward
 from .inputs import check_inputs
 
@@ -120,10 +119,11 @@ def _setup_context(ctx, inputs, output):
     ctx.mark_non_differentiable(lse)
 
 
-@once_differentiable  # the backward's kernels have no derivative: a second one raises, never a silent 0
 def _backward(ctx, do, _dlse):
     q, k, v, o, lse, sinks = saved_tensors(ctx)
-    dq, dk, dv, dsinks = backward_op(do, q, k, v, o, lse, ctx.causal, ctx.scale, ctx.window, sinks)
+    with torch.no_grad():
+        grads = backward_op(do, q, k, v, o, lse, ctx.causal, ctx.scale, ctx.window, sinks)
+    dq, dk, dv, dsinks = refuse_second_derivative(grads, (do, q, k, v, sinks))
     return dq, dk, dv, None, None, None, None if sinks is None else dsinks
 
 
@@ -267,13 +267,14 @@ def _varlen_setup_context(ctx, inputs, output):
     ctx.mark_non_differentiable(output[1])
 
 
-@once_differentiable
 def _varlen_backward(ctx, do, _dlse):
     q, k, v, o, lse, cu_q, cu_k, sinks = saved_tensors(ctx)
     max_q, max_k, causal, scale, window = ctx.args
-    dq, dk, dv, dsinks = varlen_backward_op(
-        do, q, k, v, o, lse, cu_q, cu_k, max_q, max_k, causal, scale, window, sinks
-    )
+    with torch.no_grad():
+        grads = varlen_backward_op(
+            do, q, k, v, o, lse, cu_q, cu_k, max_q, max_k, causal, scale, window, sinks
+        )
+    dq, dk, dv, dsinks = refuse_second_derivative(grads, (do, q, k, v, sinks))
     return dq, dk, dv, None, None, None, None, None, None, None, None if sinks is None else dsinks
 
 

@@ -24,11 +24,10 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from .. import runtime
 from ..checks import causal_alignment, check_int, check_sinks, check_window, default_scale
-from .backward import save_tensors, saved_tensors
+from .backward import refuse_second_derivative, save_tensors, saved_tensors
 from .inputs import check_inputs
 from .launch import n_bucket
 
@@ -185,18 +184,20 @@ class FlashAttentionVarlen(torch.autograd.Function):
         return o
 
     @staticmethod
-    @once_differentiable  # the backward's kernels have no derivative: a second one raises, never a silent 0
     def backward(ctx, do):
         from .api import _DEFAULT_LAUNCH, _FAST
         from .backward import _backward
 
         q, k, v, o, lse, sinks32, _ = saved_tensors(ctx)
         seqs, alignment, scale, window, sinks_dtype = ctx.meta
-        dq, dk, dv, dsinks = _backward(
-            do.contiguous(), q, k, v, o, lse, alignment, scale, _DEFAULT_LAUNCH, _FAST, "two_kernel",
-            window=window, sinks=sinks32, seqs=seqs,
-        )  # fmt: skip
-        return dq, dk, dv, None, None, None, None, None if dsinks is None else dsinks.to(sinks_dtype), None
+        with torch.no_grad():
+            dq, dk, dv, dsinks = _backward(
+                do.contiguous(), q, k, v, o, lse, alignment, scale, _DEFAULT_LAUNCH, _FAST, "two_kernel",
+                window=window, sinks=sinks32, seqs=seqs,
+            )  # fmt: skip
+            dsinks = None if dsinks is None else dsinks.to(sinks_dtype)
+        dq, dk, dv, dsinks = refuse_second_derivative((dq, dk, dv, dsinks), (do, q, k, v, sinks32))
+        return dq, dk, dv, None, None, None, None, dsinks, None
 
 
 def flash_attention_varlen(
