@@ -257,6 +257,10 @@ def wait_compiled(name) -> None:
 
 
 @atexit.register
-def _finish_compiling() -> None:
-    for thread in list(_COMPILING.values()):
+def finish_compiling() -> int:
+    """Wait for every compilation `compile_in_background` still runs (at exit, and for a tool that
+    times what a script left compiling); returns how many were still running."""
+    pending = [thread for thread in list(_COMPILING.values()) if thread.is_alive()]
+    for thread in pending:
         thread.join()
+    return len(pending)

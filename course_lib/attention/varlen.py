@@ -27,7 +27,8 @@ import torch
 
 from .. import runtime
 from ..checks import causal_alignment, check_int, check_sinks, check_window, default_scale
-from .backward import refuse_second_derivative, save_tensors, saved_tensors
+from .backward import _backward, refuse_second_derivative, save_tensors, saved_tensors
+from .forward import _forward
 from .inputs import check_inputs
 from .launch import n_bucket
 
@@ -162,8 +163,6 @@ class FlashAttentionVarlen(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, seqs, alignment, scale, window, sinks32, sinks_dtype):
         from .api import _DEFAULT_LAUNCH, _FAST
-        from .backward import _backward
-        from .forward import _forward
 
         kind = (
             q.shape[1:],
@@ -186,7 +185,6 @@ class FlashAttentionVarlen(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do):
         from .api import _DEFAULT_LAUNCH, _FAST
-        from .backward import _backward
 
         q, k, v, o, lse, sinks32, _ = saved_tensors(ctx)
         seqs, alignment, scale, window, sinks_dtype = ctx.meta

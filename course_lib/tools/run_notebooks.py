@@ -59,11 +59,9 @@ def finish_compiling() -> str:
     for them at exit) and say how many and how long: compilations a notebook started but never used."""
     from ..attention import launch
 
-    pending = [thread for thread in launch._COMPILING.values() if thread.is_alive()]
     t0 = time.perf_counter()
-    for thread in pending:
-        thread.join()
-    return f"{len(pending)} compilations still running at the end, {time.perf_counter() - t0:.1f} s"
+    pending = launch.finish_compiling()
+    return f"{pending} compilations still running at the end, {time.perf_counter() - t0:.1f} s"
 
 
 def run_cells(path: str, slowest: int = SLOWEST_CELLS) -> list[tuple[float, int, str]]:
