@@ -671,5 +671,9 @@ check("split choice", lambda: [my_num_splits(*c) for c in _cases], [choose_num_s
 #   depends on shapes only, so a decoding step can be captured once as a CUDA graph and replayed.
 # - A long batch is cut in short slices whatever its lengths (they are on the GPU), and its programs
 #   start longest sequence first, so that a ragged batch's short slices fill the SMs at the end.
+# - `course_lib.flash_attention` does the same for you: on a GPU, a call with a few query rows over a long
+#   K/V (a model's decoding step, through the transformers integration of notebook 08b too) runs this
+#   split-KV kernel instead of FlashAttention-2's forward (`course_lib/attention/decode_route.py` says
+#   from which sizes, and what it measured).
 #
 # Next, notebook 10 stores the cache in pages (PagedAttention) and serves many requests at once.

@@ -20,6 +20,9 @@ range (`blocks.kv_block_range`) are `tl.constexpr` function arguments of the ker
 these production helpers; notebook 08's optimisation ladder swaps in its first rungs' variants
 (natural exponentials, every block masked) from `teaching.py` through `config=`.
 
+A few query rows over a long K/V (a decoding step: Nq = 1 at batch 1 gives a grid of B x H programs)
+go to Flash-Decoding's split-KV kernel instead (`decode_route.py`, notebook 09).
+
 On a Hopper GPU the tuned forward hands contiguous 16-bit inputs to `hopper.py` (a warp-specialised
 Gluon kernel) where that measured faster; `config={"hopper": False}` keeps this one.
 
@@ -45,6 +48,7 @@ from ..checks import (
     kv_group,
 )
 from ..runtime import tl, triton
+from . import decode_route
 from .blocks import (
     LN2,
     LOG2E,
@@ -329,7 +333,12 @@ def _forward(q, k, v, alignment, scale, launch_cfg, switches, window=0, sinks=No
     """Launch the forward kernel on validated inputs (no checks here); alignment from
     `checks.causal_alignment`, window from `checks.check_window` (0: none), sinks from
     `checks.check_sinks`. seqs: None, or packed sequences (`varlen.Sequences`): q, k, v are then
-    (total rows, heads, d) and O, L come back as (total_q, Hq, d) and (total_q, Hq)."""
+    (total rows, heads, d) and O, L come back as (total_q, Hq, d) and (total_q, Hq).
+    A few query rows over many keys go to the split-KV decoding kernel (`decode_route`, notebook 09)."""
+    plain = launch_cfg is None and not window and sinks is None and seqs is None  # what the two others take
+    if plain and decode_route.takes(as_4d(q), as_4d(k), alignment):
+        with cuda_device(q):
+            return decode_route.forward(q, as_4d(q), as_4d(k), as_4d(v), alignment, scale)
     o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(q.shape[:-1], dtype=accumulator_dtype(q.dtype), device=q.device)
     if seqs is None:
@@ -366,8 +375,7 @@ def _forward(q, k, v, alignment, scale, launch_cfg, switches, window=0, sinks=No
         meta["VARLEN"] = seqs.mode(alignment)
     hooks = teaching_hooks(switches, _HOOKS)  # {} unless a ladder rung asks for a teaching variant
     with cuda_device(q):
-        gluon_ok = launch_cfg is None and not window and sinks is None and seqs is None  # it has none of them
-        if gluon_ok and _try_hopper(q4, k4, v4, o4, l3, causal, offset, scale, switches, hooks):
+        if plain and _try_hopper(q4, k4, v4, o4, l3, causal, offset, scale, switches, hooks):
             return o, lse
         if launch_cfg is None:  # the production kernel (teaching variants always come with a fixed launch)
             grid = lambda c: (triton.cdiv(n_q, c.block_m) * B * H,)

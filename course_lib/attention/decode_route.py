@@ -1,0 +1,66 @@
+"""A few query rows over many keys: the FlashAttention-2 forward hands the call to split-KV decoding.
+
+FlashAttention-2's grid has one program per (batch, query head, block of BLOCK_M query rows)
+(`forward.py`, notebook 06). A decoding step has one query row per head (a few in speculative
+verification or a chunked prefill), so at batch 1 with 32 query heads the grid is 32 programs, each
+walking the whole cache alone, on a GPU of 132 SMs; and each of the G query heads that share a K/V
+head (grouped-query attention) reads that K/V again. Flash-Decoding (`course_lib.decode`,
+notebook 09) splits the keys across programs and packs the G heads into one tile, so the cache is read
+once, by every SM. Measured on an H100 (bf16, 32 query / 8 K/V heads, d = 128, one query row,
+CUDA-graph replays, FlashAttention-2 forward / `decode_attention`): batch 1 at 8k keys 93 / 13 us,
+32k 518 / 51 us, 128k 2037 / 181 us; batch 8 at 8k 140 / 97 us; batch 32 at 2k 149 / 93 us.
+
+Plain launches (no CUDA graph) pay the host's time too: the split-KV path launches two kernels (the
+splits and their merge), about 30 us more of Python and Triton launch overhead than the one forward
+kernel (plain, batch 1 at 8k: 99 us against 132 us). So `takes` hands over only where the forward's
+own work is long: `waves x Nk >= MIN_WORK`, waves being the forward grid's rounds over the SMs
+(batch 1 from 16k keys; batch 8 from 8k; batch 32 from 2k).
+
+The result is the forward's contract: O (q's shape, contiguous) and L (q.shape[:-1], float32, natural
+log, -inf with O = 0 for a row that sees no key), so the backward is unchanged."""
+
+from __future__ import annotations
+
+import torch
+
+from .. import runtime
+from ..decode.heuristics import sm_count, tile_for
+from ..decode.split_kv import DTYPES
+from ..decode.split_kv import launch as split_kv_launch
+
+# keys x waves of the forward's grid from which the split-KV kernel runs instead (docstring)
+MIN_WORK = 16384
+
+
+def fits(q4: torch.Tensor, k4: torch.Tensor, alignment: str | None) -> bool:
+    """Whether the split-KV kernel computes this forward at all: a dtype it takes, no causal mask or the
+    bottom-right one (decoding's), and the query rows of a K/V head's group in one decoding tile.
+    q4 (B, Hq, Nq, d), k4 (B, Hkv, Nk, d), checked by `inputs.check_inputs`."""
+    if q4.dtype not in DTYPES or alignment not in (None, "bottom_right"):
+        return False
+    group = q4.shape[1] // k4.shape[1]
+    return q4.shape[2] * group <= tile_for(q4.shape[3]).BLOCK_M_MAX
+
+
+def takes(q4: torch.Tensor, k4: torch.Tensor, alignment: str | None) -> bool:
+    """Whether `forward.forward` hands this call over: compiled on a GPU (the interpreter keeps the
+    kernel notebook 06 teaches), `fits`, and enough work (`MIN_WORK`, docstring)."""
+    if runtime.INTERPRET or not fits(q4, k4, alignment):
+        return False
+    waves = -(-q4.shape[0] * q4.shape[1] // sm_count(q4.device.index))
+    return waves * k4.shape[2] >= MIN_WORK
+
+
+def forward(q, q4, k4, v4, alignment: str | None, scale: float):
+    """O and L of attention by the split-KV kernel (`decode.split_kv.launch`), as `forward.forward`
+    returns them: q (..., Nq, d) as given, q4, k4, v4 its (B, H, N, d) views (any strides)."""
+    B, _, n_q, _ = q4.shape
+    n_k = k4.shape[2]
+    lengths = torch.full((B,), n_k, dtype=torch.int32, device=q4.device)
+    out, lse = split_kv_launch(
+        q4.transpose(1, 2), k4.transpose(1, 2), v4.transpose(1, 2), None, lengths,
+        page_size=1, capacity=n_k, causal=alignment is not None, scale=scale, num_splits=None,
+    )  # fmt: skip
+    # out (B, Nq, Hq, d) has q4.transpose(1, 2)'s strides: for a contiguous q, transposing back is contiguous
+    o = out.transpose(1, 2).contiguous().view(q.shape)
+    return o, lse.transpose(1, 2).contiguous().view(q.shape[:-1])
