@@ -100,7 +100,7 @@ def test_rows_that_see_no_key_through_the_route(forced):
 
 def test_which_calls_are_handed_over(monkeypatch):
     """The rule on a GPU of 132 SMs (`MIN_WORK` keys x waves of the forward's grid): batch 1 with 32
-    heads from 16k keys, batch 8 from 8k; never top-left causal, a sliding window, float64, or more query
+    heads from 16k keys, batch 8 from 16k, batch 32 from 4k; never top-left causal, a sliding window, float64, or more query
     rows per K/V head than one decoding tile holds; never under the interpreter."""
     monkeypatch.setattr(runtime, "INTERPRET", False)
     monkeypatch.setattr(decode_route, "sm_count", lambda index=None: 132)
@@ -112,7 +112,8 @@ def test_which_calls_are_handed_over(monkeypatch):
 
     assert takes(1, 32, 8, 1, 16384) and takes(1, 32, 8, 1, 131072, None)
     assert not takes(1, 32, 8, 1, 16383)
-    assert takes(8, 32, 8, 1, 8192) and not takes(8, 32, 8, 1, 4096)
+    assert takes(8, 32, 8, 1, 16384) and not takes(8, 32, 8, 1, 8192)
+    assert takes(32, 32, 8, 1, 4096) and not takes(32, 32, 8, 1, 2048)
     assert takes(1, 32, 8, 16, 16384) and not takes(1, 32, 8, 17, 16384)  # 16 x 4 rows fill one tile
     assert not takes(1, 32, 8, 1, 65536, "top_left")
     assert not takes(1, 32, 8, 1, 65536, dtype=torch.float64)

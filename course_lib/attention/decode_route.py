@@ -10,11 +10,15 @@ once, by every SM. Measured on an H100 (bf16, 32 query / 8 K/V heads, d = 128, o
 CUDA-graph replays, FlashAttention-2 forward / `decode_attention`): batch 1 at 8k keys 93 / 13 us,
 32k 518 / 51 us, 128k 2037 / 181 us; batch 8 at 8k 140 / 97 us; batch 32 at 2k 149 / 93 us.
 
-Plain launches (no CUDA graph) pay the host's time too: the split-KV path launches two kernels (the
-splits and their merge), about 30 us more of Python and Triton launch overhead than the one forward
-kernel (plain, batch 1 at 8k: 99 us against 132 us). So `takes` hands over only where the forward's
-own work is long: `waves x Nk >= MIN_WORK`, waves being the forward grid's rounds over the SMs
-(batch 1 from 16k keys; batch 8 from 8k; batch 32 from 2k).
+Plain launches (no CUDA graph) pay the host's time too, and there the split-KV path costs more: it
+launches two kernels (the splits and their merge) and fills a tensor of lengths, and a plain call of
+`flash_attention` took 190-260 us of host time on that machine, whichever kernel ran (SDPA: 33 us).
+Plain, batch 1: 8k keys 226 us by the forward / 236 us split-KV, 16k 264 / 253, 32k 520 / 254; but
+batch 32 at 2k 196 / 250. So `takes` hands over only where the forward's own GPU time is about as long
+as that host time: `waves x Nk >= MIN_WORK`, waves being the forward grid's rounds over the SMs at
+two programs per SM (batch 1 with 32 heads from 16k keys; batch 8 from 16k; batch 32 from 4k). Under
+CUDA graphs the split-KV kernel is faster from far fewer keys; a model replayed as graphs gives up
+that part.
 
 The result is the forward's contract: O (q's shape, contiguous) and L (q.shape[:-1], float32, natural
 log, -inf with O = 0 for a row that sees no key), so the backward is unchanged."""
@@ -30,6 +34,7 @@ from ..decode.split_kv import launch as split_kv_launch
 
 # keys x waves of the forward's grid from which the split-KV kernel runs instead (docstring)
 MIN_WORK = 16384
+FORWARD_PROGRAMS_PER_SM = 2  # forward programs an SM runs at once, for the waves above
 
 
 def fits(q4: torch.Tensor, k4: torch.Tensor, alignment: str | None) -> bool:
@@ -47,7 +52,8 @@ def takes(q4: torch.Tensor, k4: torch.Tensor, alignment: str | None) -> bool:
     kernel notebook 06 teaches), `fits`, and enough work (`MIN_WORK`, docstring)."""
     if runtime.INTERPRET or not fits(q4, k4, alignment):
         return False
-    waves = -(-q4.shape[0] * q4.shape[1] // sm_count(q4.device.index))
+    slots = FORWARD_PROGRAMS_PER_SM * sm_count(q4.device.index)
+    waves = -(-q4.shape[0] * q4.shape[1] // slots)
     return waves * k4.shape[2] >= MIN_WORK
 
 
