@@ -129,6 +129,28 @@ def reference_outputs(q, k, v, causal: bool, scale=None, grad_out=None, window=N
     return o.detach(), (q.grad, k.grad, v.grad)
 
 
+def check_forward_backward(fn, q, k, v, causal, what: str) -> torch.Tensor:
+    """`fn(q, k, v, causal=causal)` and its backward against the float64 reference, by the rule above
+    (the bound from plain PyTorch in the inputs' dtype, which repeats K/V for grouped-query attention);
+    O and every gradient finite, each gradient of its input's shape. q (..., Nq, d), k and v (..., Nk, d)
+    with Hq a multiple of Hkv, any device and dtype `fn` takes. Returns O."""
+    q, k, v = (t.detach().requires_grad_(True) for t in (q, k, v))
+    o = fn(q, k, v, causal=causal)
+    do = torch.randn_like(o)
+    o.backward(do)
+    ref_o, ref_g = reference_outputs(
+        *(t.detach().cpu().double() for t in (q, k, v)), causal, None, do.cpu().double()
+    )
+    base_o, base_g = reference_outputs(q, k, v, causal, None, do)
+    assert torch.isfinite(o).all(), f"O has NaN/inf, {what}"
+    assert_close_to_reference(o, ref_o, base_o, what=f"O, {what}")
+    for name, t, r, b in zip(("dq", "dk", "dv"), (q, k, v), ref_g, base_g):
+        assert t.grad.shape == t.shape, f"{name}, {what}: gradient shape {t.grad.shape}"
+        assert torch.isfinite(t.grad).all(), f"{name} has NaN/inf, {what}"
+        assert_close_to_reference(t.grad, r, b, what=f"{name}, {what}")
+    return o.detach()
+
+
 def run_cases(check, cases, threads: int | None = None) -> list:
     """`check(case)` for every case of `cases`; returns the results in order and raises the first failure.
 

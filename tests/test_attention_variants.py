@@ -17,7 +17,7 @@ from course_lib.attention import attention_backward, attention_forward
 from course_lib.attention.blocks import kv_block_range_py, q_block_range_py
 from course_lib.attention.reference import attention as reference_attention
 from course_lib.attention.reference import causal_mask
-from course_lib.testing import assert_close_to_reference, gqa_qkv, reference_outputs
+from course_lib.testing import check_forward_backward, gqa_qkv
 
 DEVICE = course_lib.DEVICE
 ON_GPU = course_lib.ON_GPU
@@ -29,21 +29,7 @@ _qkv = gqa_qkv  # q of hq heads, k and v of hkv heads, drawn from a seed
 
 
 def _check(q, k, v, causal, what):
-    """flash_attention forward + backward against the float64 reference (bound set by plain PyTorch in
-    the inputs' dtype, which repeats K/V for GQA)."""
-    q, k, v = (t.detach().requires_grad_(True) for t in (q, k, v))
-    o = flash_attention(q, k, v, causal=causal)
-    do = torch.randn_like(o)
-    o.backward(do)
-    ref_o, ref_g = reference_outputs(
-        *(t.detach().cpu().double() for t in (q, k, v)), causal, None, do.cpu().double()
-    )
-    base_o, base_g = reference_outputs(q, k, v, causal, None, do)
-    assert torch.isfinite(o).all(), f"O has NaN/inf, {what}"
-    assert_close_to_reference(o, ref_o, base_o, what=f"O, {what}")
-    for name, t, r, b in zip(("dq", "dk", "dv"), (q, k, v), ref_g, base_g):
-        assert t.grad.shape == t.shape, f"{name}, {what}: gradient shape {t.grad.shape}"
-        assert_close_to_reference(t.grad, r, b, what=f"{name}, {what}")
+    check_forward_backward(flash_attention, q, k, v, causal, what)
 
 
 # (query heads per K/V head, Nq, Nk, causal): every GQA ratio asked for, both alignments with Nq < Nk and

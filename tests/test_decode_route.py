@@ -13,27 +13,13 @@ import torch
 import course_lib
 from course_lib import flash_attention, runtime
 from course_lib.attention import decode_route
-from course_lib.testing import assert_close_to_reference, gqa_qkv, reference_outputs
+from course_lib.testing import check_forward_backward, gqa_qkv
 
 ON_GPU = course_lib.ON_GPU
 
 
 def _check(q, k, v, causal, what):
-    """flash_attention forward + backward against the float64 reference (bound from plain PyTorch in the
-    inputs' dtype); O and every gradient finite."""
-    q, k, v = (t.detach().requires_grad_(True) for t in (q, k, v))
-    o = flash_attention(q, k, v, causal=causal)
-    do = torch.randn_like(o)
-    o.backward(do)
-    ref_o, ref_g = reference_outputs(
-        *(t.detach().cpu().double() for t in (q, k, v)), causal, None, do.cpu().double()
-    )
-    base_o, base_g = reference_outputs(q, k, v, causal, None, do)
-    assert torch.isfinite(o).all(), f"O has NaN/inf, {what}"
-    assert_close_to_reference(o, ref_o, base_o, what=f"O, {what}")
-    for name, t, r, b in zip(("dq", "dk", "dv"), (q, k, v), ref_g, base_g):
-        assert torch.isfinite(t.grad).all(), f"{name} has NaN/inf, {what}"
-        assert_close_to_reference(t.grad, r, b, what=f"{name}, {what}")
+    check_forward_backward(flash_attention, q, k, v, causal, what)
 
 
 @pytest.fixture
@@ -100,8 +86,8 @@ def test_rows_that_see_no_key_through_the_route(forced):
 
 def test_which_calls_are_handed_over(monkeypatch):
     """The rule on a GPU of 132 SMs (`MIN_WORK` keys x waves of the forward's grid): batch 1 with 32
-    heads from 16k keys, batch 8 from 16k, batch 32 from 4k; never top-left causal, a sliding window, float64, or more query
-    rows per K/V head than one decoding tile holds; never under the interpreter."""
+    heads from 16k keys, batch 8 from 16k, batch 32 from 4k; never top-left causal, float64, or more
+    query rows per K/V head than one decoding tile holds; never under the interpreter."""
     monkeypatch.setattr(runtime, "INTERPRET", False)
     monkeypatch.setattr(decode_route, "sm_count", lambda index=None: 132)
 
