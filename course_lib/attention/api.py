@@ -107,7 +107,8 @@ def flash_attention(
     one per query head, each joining every row's softmax as a key whose value is zero (rows may then put
     weight on "nothing"); differentiable. Returns O with q's shape and dtype; differentiable in q, k
     and v. Runs compiled on a GPU, through the Triton interpreter on the CPU (`course_lib.runtime`).
-    Under `torch.compile` it is a PyTorch custom operator (`op.py`): the compiled graph keeps it as one
+    On a GPU, a few query rows over many keys (a decoding step with a long cache) run Flash-Decoding's
+    split-KV kernel for the forward instead (`decode_route.py`, notebook 09). Under `torch.compile` it is a PyTorch custom operator (`op.py`): the compiled graph keeps it as one
     node, forward and backward (notebook 08b). Run eagerly it calls the autograd Function directly,
     which computes the same and skips the operator's dispatch (tens of microseconds per call, which a
     short sequence feels). A NaN in k reaches the rows that see its key; a NaN or inf in v reaches every
