@@ -108,8 +108,9 @@ def flash_attention(
     weight on "nothing"); differentiable. Returns O with q's shape and dtype; differentiable in q, k
     and v. Runs compiled on a GPU, through the Triton interpreter on the CPU (`course_lib.runtime`).
     On a GPU, a few query rows over many keys (a decoding step with a long cache) run Flash-Decoding's
-    split-KV kernel for the forward instead (`decode_route.py`, notebook 09). Under `torch.compile` it is a PyTorch custom operator (`op.py`): the compiled graph keeps it as one
-    node, forward and backward (notebook 08b). Run eagerly it calls the autograd Function directly,
+    split-KV kernel for the forward instead (`decode_route.py`, notebook 09). Under `torch.compile` it
+    is a PyTorch custom operator (`op.py`): the compiled graph keeps it as one node, forward and backward
+    (notebook 08b). Run eagerly it calls the autograd Function directly,
     which computes the same and skips the operator's dispatch (tens of microseconds per call, which a
     short sequence feels). A NaN in k reaches the rows that see its key; a NaN or inf in v reaches every
     row whose tile loads that key, masked or not (0 x NaN is NaN), as in plain PyTorch's P @ V: clean a
