@@ -29,7 +29,7 @@ def forced(monkeypatch):
     run = decode_route.forward
 
     def counted(*args):
-        calls.append(args[1].shape)
+        calls.append(args[0].shape)
         return run(*args)
 
     monkeypatch.setattr(decode_route, "takes", decode_route.fits)

@@ -31,6 +31,7 @@ from .. import runtime
 from ..decode.heuristics import sm_count, tile_for
 from ..decode.split_kv import DTYPES
 from ..decode.split_kv import launch as split_kv_launch
+from .inputs import as_4d
 
 # keys x waves of the forward's grid from which the split-KV kernel runs instead (docstring)
 MIN_WORK = 16384
@@ -38,9 +39,10 @@ FORWARD_PROGRAMS_PER_SM = 2  # forward programs an SM runs at once, for the wave
 
 
 def fits(q4: torch.Tensor, k4: torch.Tensor, alignment: str | None) -> bool:
-    """Whether the split-KV kernel computes this forward at all: a dtype it takes, no causal mask or the
-    bottom-right one (decoding's), and the query rows of a K/V head's group in one decoding tile.
-    q4 (B, Hq, Nq, d), k4 (B, Hkv, Nk, d), checked by `inputs.check_inputs`."""
+    """Whether this forward is a decoding step the split-KV kernel computes: a dtype it takes, no causal
+    mask or the bottom-right one (decoding's), and the query rows of a K/V head's group in one decoding
+    tile (more rows keep FlashAttention-2's grid busy). q4 (B, Hq, Nq, d), k4 (B, Hkv, Nk, d), checked by
+    `inputs.check_inputs`."""
     if q4.dtype not in DTYPES or alignment not in (None, "bottom_right"):
         return False
     group = q4.shape[1] // k4.shape[1]
@@ -57,12 +59,12 @@ def takes(q4: torch.Tensor, k4: torch.Tensor, alignment: str | None) -> bool:
     return waves * k4.shape[2] >= MIN_WORK
 
 
-def forward(q, q4, k4, v4, alignment: str | None, scale: float):
+def forward(q, k, v, alignment: str | None, scale: float):
     """O and L of attention by the split-KV kernel (`decode.split_kv.launch`), as `forward.forward`
-    returns them: q (..., Nq, d) as given, q4, k4, v4 its (B, H, N, d) views (any strides)."""
-    B, _, n_q, _ = q4.shape
+    returns them: q (..., Nq, d), k and v (..., Nk, d), any strides, checked by `inputs.check_inputs`."""
+    q4, k4, v4 = as_4d(q), as_4d(k), as_4d(v)
     n_k = k4.shape[2]
-    lengths = torch.full((B,), n_k, dtype=torch.int32, device=q4.device)
+    lengths = torch.full((q4.shape[0],), n_k, dtype=torch.int32, device=q4.device)
     out, lse = split_kv_launch(
         q4.transpose(1, 2), k4.transpose(1, 2), v4.transpose(1, 2), None, lengths,
         page_size=1, capacity=n_k, causal=alignment is not None, scale=scale, num_splits=None,

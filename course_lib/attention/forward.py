@@ -335,10 +335,11 @@ def _forward(q, k, v, alignment, scale, launch_cfg, switches, window=0, sinks=No
     `checks.check_sinks`. seqs: None, or packed sequences (`varlen.Sequences`): q, k, v are then
     (total rows, heads, d) and O, L come back as (total_q, Hq, d) and (total_q, Hq).
     A few query rows over many keys go to the split-KV decoding kernel (`decode_route`, notebook 09)."""
-    plain = launch_cfg is None and not window and sinks is None and seqs is None  # what the two others take
+    # the split-KV route and the Gluon kernel take only these calls
+    plain = launch_cfg is None and not window and sinks is None and seqs is None
     if plain and decode_route.takes(as_4d(q), as_4d(k), alignment):
         with cuda_device(q):
-            return decode_route.forward(q, as_4d(q), as_4d(k), as_4d(v), alignment, scale)
+            return decode_route.forward(q, k, v, alignment, scale)
     o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(q.shape[:-1], dtype=accumulator_dtype(q.dtype), device=q.device)
     if seqs is None:
