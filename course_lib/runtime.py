@@ -237,6 +237,20 @@ def sm_count(index: int | None = None) -> int:
     return _multiprocessors(torch.cuda.current_device() if index is None else int(index))
 
 
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two >= n (0 for n = 0), as `triton.next_power_of_2` gives it, in plain
+    integer arithmetic: Triton's, callable inside kernels too, costs microseconds per call on the host,
+    and a small launch asks several times."""
+    n = int(n)
+    return 1 << (n - 1).bit_length() if n > 0 else 0
+
+
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for integers, as `triton.cdiv` gives it, in plain integer arithmetic (see
+    `next_power_of_2`)."""
+    return -(-a // b)
+
+
 def compile_workers(limit: int) -> int:
     """How many Triton compiles to run side by side on this host: its CPUs less two (left to the
     process that feeds the GPU and to the system), at least 1, at most `limit`."""

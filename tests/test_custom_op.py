@@ -218,3 +218,41 @@ def test_compiled_flash_attention_is_the_operator():
     torch.testing.assert_close(o, o_eager)
     for g, t in zip(grads, (q, kk, vv)):
         torch.testing.assert_close(g, t.grad)
+
+
+def test_flash_attention_without_gradients_runs_the_forward_alone(monkeypatch):
+    """With nothing to differentiate (no_grad, or no input requiring grad) flash_attention runs the
+    forward without an autograd node; with a gradient to compute, forward-mode AD or functorch's
+    transforms it goes through the autograd Function. The same output either way."""
+    from course_lib.attention import api
+
+    q, k, v = _qkv(1, 4, 2, 24, 40, 16, seed=5)
+    q, k, v = (t.requires_grad_(True) for t in (q, k, v))
+    applied = []
+    real_apply = api.FlashAttentionTriton.apply
+    monkeypatch.setattr(api.FlashAttentionTriton, "apply", lambda *a: applied.append(1) or real_apply(*a))
+    with_grad = api.flash_attention(q, k, v, "bottom_right")
+    assert applied == [1] and with_grad.grad_fn is not None
+    with torch.no_grad():
+        without = api.flash_attention(q, k, v, "bottom_right")
+    plain = api.flash_attention(*(t.detach() for t in (q, k, v)), "bottom_right")
+    assert applied == [1] and without.grad_fn is None and plain.grad_fn is None
+    torch.testing.assert_close(without, with_grad.detach(), rtol=0, atol=0)
+    torch.testing.assert_close(plain, with_grad.detach(), rtol=0, atol=0)
+    ref = reference_attention(*(t.detach().double() for t in (q, k, v)), causal="bottom_right")
+    err = (plain.double() - ref).abs().max().item()
+    assert err < 1e-4, (
+        f"no-grad forward (1, 4/2 heads, Nq=24, Nk=40, d=16): max error {err:.3g} against float64"
+    )
+    with pytest.raises(ValueError, match="flash_attention: .*head dim"):  # the same checks, named
+        with torch.no_grad():
+            api.flash_attention(q[..., :12], k[..., :12], v[..., :12])
+
+    plain_q = q.detach()
+    assert not api._recorded(plain_q, k.detach(), v.detach(), None)
+    with torch.autograd.forward_ad.dual_level():
+        dual = torch.autograd.forward_ad.make_dual(plain_q, torch.ones_like(plain_q))
+        assert api._recorded(dual, k.detach(), v.detach(), None)
+    seen = []
+    torch.vmap(lambda x: seen.append(api._recorded(x, k.detach()[0], v.detach()[0], None)) or x)(plain_q)
+    assert seen == [True]

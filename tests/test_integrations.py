@@ -51,7 +51,7 @@ def tiny_llama(kv_heads=2, dtype=torch.float32, seed=0, layers=2, hidden=64, hea
 def kernel_calls(monkeypatch):
     """Counts the calls that reach course_lib's kernels (and not the SDPA fallback)."""
     calls = []
-    real = hf.flash_attention_op
+    real = hf.flash_attention
 
     def counting(q, k, v, causal, scale, window=None, sinks=None):
         calls.append((tuple(q.shape), tuple(k.shape), causal) + ((window,) if window is not None else ()))
@@ -62,7 +62,7 @@ def kernel_calls(monkeypatch):
         return real_padded(q, k, v, padding, causal, scale, window, sinks)
 
     real_padded = hf.flash_attention_padded
-    monkeypatch.setattr(hf, "flash_attention_op", counting)
+    monkeypatch.setattr(hf, "flash_attention", counting)
     monkeypatch.setattr(hf, "flash_attention_padded", counting_padded)
     return calls
 

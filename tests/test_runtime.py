@@ -347,3 +347,10 @@ def test_gpu_test_workers_fit_the_gpus_memory(monkeypatch, gib, cpus, expected):
     props = type("Props", (), {"total_memory": int(gib * 2**30)})()
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index=0: props)
     assert runtime.gpu_test_workers() == expected, f"{gib} GiB, {cpus} CPUs"
+
+
+def test_next_power_of_2_matches_triton():
+    from course_lib.runtime import next_power_of_2, triton
+
+    for n in list(range(0, 300)) + [1000, 4095, 4096, 4097, 2**20 + 1]:
+        assert next_power_of_2(n) == triton.next_power_of_2(n), n

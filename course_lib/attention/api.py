@@ -11,6 +11,8 @@ for grouped-query attention — and any strides.
 from __future__ import annotations
 
 import torch
+from torch._C._functorch import is_functorch_wrapped_tensor
+from torch.autograd import forward_ad
 
 from .. import runtime
 from ..checks import causal_alignment, check_sinks, check_window, default_scale
@@ -22,6 +24,29 @@ from .op import flash_attention_op
 
 _DEFAULT_LAUNCH, _FAST = split_config(None, None)  # the default choice of launch and the fast switches
 _PREPARED: set = set()  # shapes whose backward kernels this process has started compiling
+
+
+def _checked(q, k, v, causal, scale, window, sinks, where: str):
+    """The checked arguments of a call: (alignment, scale, window, float32 sinks), errors naming `where`."""
+    check_inputs(q, k, v, where=where)
+    alignment = causal_alignment(causal)
+    window = check_window(window, alignment, where)
+    return alignment, default_scale(q.shape[-1], scale), window, check_sinks(sinks, q, where)
+
+
+def _recorded(*tensors) -> bool:
+    """Whether a call must go through autograd: a gradient may be asked of one of `tensors` (grad mode
+    on and one requires grad), forward-mode AD is on, or one is a wrapper (functorch's transforms, a
+    tensor subclass), for which the Function's own rules (and errors) hold."""
+    if forward_ad._current_level >= 0:
+        return True
+    grad = torch.is_grad_enabled()
+    for t in tensors:
+        if t is None:
+            continue
+        if type(t) is not torch.Tensor or is_functorch_wrapped_tensor(t) or (grad and t.requires_grad):
+            return True
+    return False
 
 
 class FlashAttentionTriton(torch.autograd.Function):
@@ -37,11 +62,9 @@ class FlashAttentionTriton(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, is_causal=False, scale=None, window=None, sinks=None):
-        check_inputs(q, k, v, where="FlashAttentionTriton")
-        alignment = causal_alignment(is_causal)
-        window = check_window(window, alignment, "FlashAttentionTriton")
-        sinks32 = check_sinks(sinks, q, "FlashAttentionTriton")
-        scale = default_scale(q.shape[-1], scale)
+        alignment, scale, window, sinks32 = _checked(
+            q, k, v, is_causal, scale, window, sinks, "FlashAttentionTriton"
+        )
         shape = (q.shape, k.shape, q.dtype, alignment, bool(window))
         if runtime.ON_GPU and any(ctx.needs_input_grad[:3]) and shape not in _PREPARED:
             # a new shape's backward kernels start compiling now, alongside the forward's
@@ -110,11 +133,16 @@ def flash_attention(
     On a GPU, a few query rows over many keys (a decoding step with a long cache) run Flash-Decoding's
     split-KV kernel for the forward instead (`decode_route.py`, notebook 09). Under `torch.compile` it
     is a PyTorch custom operator (`op.py`): the compiled graph keeps it as one node, forward and backward
-    (notebook 08b). Run eagerly it calls the autograd Function directly,
-    which computes the same and skips the operator's dispatch (tens of microseconds per call, which a
-    short sequence feels). A NaN in k reaches the rows that see its key; a NaN or inf in v reaches every
-    row whose tile loads that key, masked or not (0 x NaN is NaN), as in plain PyTorch's P @ V: clean a
-    cache rather than rely on the mask to hide what it holds."""
+    (notebook 08b). Run eagerly it calls the autograd Function directly, which computes the same and
+    skips the operator's dispatch (tens of microseconds per call, which a short sequence feels); with
+    nothing to differentiate (no_grad, inference) it runs the forward alone, without an autograd node.
+    A NaN in k reaches the rows that see its key; a NaN or inf in v reaches every row whose tile loads
+    that key, masked or not (0 x NaN is NaN), as in plain PyTorch's P @ V: clean a cache rather than
+    rely on the mask to hide what it holds."""
     if torch.compiler.is_compiling():
         return flash_attention_op(q, k, v, causal, scale, window, sinks)
-    return FlashAttentionTriton.apply(q, k, v, causal, scale, window, sinks)
+    if _recorded(q, k, v, sinks):
+        return FlashAttentionTriton.apply(q, k, v, causal, scale, window, sinks)
+    # nothing to differentiate (inference, no_grad): the forward alone, without an autograd node
+    alignment, scale, window, sinks32 = _checked(q, k, v, causal, scale, window, sinks, "flash_attention")
+    return _forward(q, k, v, alignment, scale, _DEFAULT_LAUNCH, _FAST, window, sinks32)[0]

@@ -753,7 +753,7 @@ def _backward(
         dq_acc = as_4d(dq) if seqs is None else dq.transpose(0, 1)[None]
         within_offsets(dq_acc, n_q, "dq", "attention.backward", copy=False)
     flags = kernel_flags(q.dtype)
-    block_d = max(16, triton.next_power_of_2(d))
+    block_d = max(16, runtime.next_power_of_2(d))
     common = dict(CAUSAL=causal, HEAD_DIM=d, BLOCK_D=block_d, **flags)
     bucket = n_bucket(max(n_q, n_k))
     shape = (bucket, d, causal, q.dtype)  # what the configuration choice depends on
@@ -769,7 +769,7 @@ def _backward(
     if seqs is not None:
         common["VARLEN"] = seqs.mode(alignment)
     q_meta = dict(common, FUSE_D=True)
-    q_grid = lambda c: (triton.cdiv(n_q, c.block_m) * B * H,)
+    q_grid = lambda c: (runtime.cdiv(n_q, c.block_m) * B * H,)
     if share > 1:  # one partial dK, dV per program head (fp32), added up below
         dk_out, dv_out = (torch.empty((B, H // on_chip, n_k, d), dtype=acc_dtype, device=where) for _ in "kv")
     else:
@@ -787,7 +787,7 @@ def _backward(
         BLOCK_MAJOR=dkdv_block_major(on_chip, causal),
         ONE_LOOP=dkdv_one_loop(on_chip, causal),
     )
-    kv_grid = lambda c: (triton.cdiv(n_k, c.block_n) * B * (H // on_chip),)
+    kv_grid = lambda c: (runtime.cdiv(n_k, c.block_n) * B * (H // on_chip),)
     kv_shape = dkdv_shape_class(n_q, n_k, d, causal, q.dtype, atomic, on_chip)
     kv_tuner = _dkdv_atomic_tuned if atomic else _dkdv_tuned
     sum_block = GROUP_SUM_BLOCK["cpu" if runtime.INTERPRET else "gpu"]
@@ -809,7 +809,7 @@ def _backward(
                 return None
         if atomic:
             pre_m = PREPROCESS_BLOCK_M["cpu" if runtime.INTERPRET else "gpu"]
-            _preprocess_kernel[(triton.cdiv(n_q, pre_m) * B * H,)](
+            _preprocess_kernel[(runtime.cdiv(n_q, pre_m) * B * H,)](
                 o4, do4, delta, *strides4(o4), *strides4(do4), H, n_q,
                 HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=pre_m,
                 UPCAST=flags["UPCAST"], ACC_DTYPE=flags["ACC_DTYPE"],
@@ -819,7 +819,7 @@ def _backward(
             launch(_dq_kernel, _dq_tuned, DQ, q_grid, q_args, q_meta, shape)
         else:
             bm, bn = fixed.get("BLOCK_M2", fixed["BLOCK_M"]), fixed.get("BLOCK_N2", fixed["BLOCK_N"])
-            _dq_kernel[(triton.cdiv(n_q, bm) * B * H,)](
+            _dq_kernel[(runtime.cdiv(n_q, bm) * B * H,)](
                 *q_args, **q_meta, **teaching_hooks(switches, _DQ_HOOKS), BLOCK_M=bm, BLOCK_N=bn,
                 num_warps=fixed["num_warps"], num_stages=fixed["num_stages"],
             )  # fmt: skip
@@ -829,14 +829,14 @@ def _backward(
                 launch(_dkdv_kernel, kv_tuner, DKDV, kv_grid, kv_args, kv_meta, kv_shape)
             else:
                 bm, bn = fixed.get("BLOCK_M1", fixed["BLOCK_M"]), fixed.get("BLOCK_N1", fixed["BLOCK_N"])
-                _dkdv_kernel[(triton.cdiv(n_k, bn) * B * (H // on_chip),)](
+                _dkdv_kernel[(runtime.cdiv(n_k, bn) * B * (H // on_chip),)](
                     *kv_args, **kv_meta, **teaching_hooks(switches, _DKDV_HOOKS), BLOCK_M=bm, BLOCK_N=bn,
                     num_warps=fixed["num_warps"], num_stages=fixed["num_stages"],
                 )  # fmt: skip
     if share > 1:  # grouped-query attention: each K/V head's dK, dV is the sum of its `share` partials
         wait_compiled(sum_name)  # compiled ahead during the forward, if it was
         with cuda_device(q):
-            _group_sum_kernel[(B * H_kv, triton.cdiv(n_k * d, sum_block), 2)](*sum_args, **sum_meta)
+            _group_sum_kernel[(B * H_kv, runtime.cdiv(n_k * d, sum_block), 2)](*sum_args, **sum_meta)
     if sinks is None:
         dsinks = None
     elif seqs is None:

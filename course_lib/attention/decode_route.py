@@ -52,11 +52,11 @@ def fits(q4: torch.Tensor, k4: torch.Tensor, alignment: str | None) -> bool:
 def takes(q4: torch.Tensor, k4: torch.Tensor, alignment: str | None) -> bool:
     """Whether `forward.forward` hands this call over: compiled on a GPU (the interpreter keeps the
     kernel notebook 06 teaches), `fits`, and enough work (`MIN_WORK`, docstring)."""
-    if runtime.INTERPRET or not fits(q4, k4, alignment):
+    if runtime.INTERPRET:
         return False
     slots = FORWARD_PROGRAMS_PER_SM * sm_count(q4.device.index)
     waves = -(-q4.shape[0] * q4.shape[1] // slots)
-    return waves * k4.shape[2] >= MIN_WORK
+    return waves * k4.shape[2] >= MIN_WORK and fits(q4, k4, alignment)
 
 
 def forward(q, k, v, alignment: str | None, scale: float):

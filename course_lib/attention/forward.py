@@ -366,7 +366,7 @@ def _forward(q, k, v, alignment, scale, launch_cfg, switches, window=0, sinks=No
         H, kv_group(q4, k4), n_q, n_k, offset, window, bucket,
     )  # fmt: skip
     meta = dict(
-        CAUSAL=causal, HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)), **kernel_flags(q.dtype)
+        CAUSAL=causal, HEAD_DIM=d, BLOCK_D=max(16, runtime.next_power_of_2(d)), **kernel_flags(q.dtype)
     )
     if window:  # the sliding-window variant; without one the kernel compiles exactly as before
         meta["LOCAL"] = True
@@ -379,9 +379,9 @@ def _forward(q, k, v, alignment, scale, launch_cfg, switches, window=0, sinks=No
         if plain and _try_hopper(q4, k4, v4, o4, l3, causal, offset, scale, switches, hooks):
             return o, lse
         if launch_cfg is None:  # the production kernel (teaching variants always come with a fixed launch)
-            grid = lambda c: (triton.cdiv(n_q, c.block_m) * B * H,)
+            grid = lambda c: (runtime.cdiv(n_q, c.block_m) * B * H,)
             launch(_fwd_kernel, _fwd_tuned, FORWARD, grid, args, meta, (bucket, d, causal, q.dtype))
         else:
-            grid = (triton.cdiv(n_q, launch_cfg["BLOCK_M"]) * B * H,)
+            grid = (runtime.cdiv(n_q, launch_cfg["BLOCK_M"]) * B * H,)
             _fwd_kernel[grid](*args, **meta, **hooks, **launch_cfg)
     return o, lse

@@ -34,7 +34,6 @@ from __future__ import annotations
 import functools
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -46,7 +45,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from ..runtime import sm_count  # the persistent grid's size
+from ..runtime import cdiv, sm_count  # sm_count: the persistent grid's size
 
 LOG2E = 1.4426950408889634
 HEAD_DIMS = (64, 128)
@@ -380,7 +379,7 @@ def choose(d: int, causal: bool, n_q: int, n_k: int) -> tuple | None:
     average <= 16 K/V blocks of 128: the epilogue of one overlaps the next one's loads) and one
     program per tile beyond. At d = 64 the exponentials, not the tensor cores, set the pace; three
     consumers win on long rows, the Triton kernel on short and causal ones."""
-    blocks = triton.cdiv(n_k, 128) / (2 if causal else 1)  # K/V blocks per tile, on average
+    blocks = cdiv(n_k, 128) / (2 if causal else 1)  # K/V blocks per tile, on average
     if d == 128:
         if blocks <= 4:  # causal N <= 1k: tiles of 1-8 blocks, no faster than Triton (3 runs)
             return None
@@ -440,7 +439,7 @@ def forward(q4, k4, v4, o4, lse3, causal: bool, scale: float, variant: tuple) ->
     B, H, n_q, d = q4.shape
     n_k = k4.shape[2]
     block_n, stages, consumers, pingpong, persistent = variant
-    tiles = triton.cdiv(n_q, QUERY_ROWS * consumers) * B * H
+    tiles = cdiv(n_q, QUERY_ROWS * consumers) * B * H
     grid = (min(tiles, sm_count(q4.device.index)) if persistent else tiles,)
     fwd_ws_kernel[grid](
         descriptor(q4, QUERY_ROWS), descriptor(k4, block_n), descriptor(v4, block_n),

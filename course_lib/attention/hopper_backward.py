@@ -30,7 +30,6 @@ dQ stays with the Triton dQ kernel, which runs first and also writes D = rowsum(
 
 from __future__ import annotations
 
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -42,6 +41,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from ..runtime import cdiv
 from . import hopper
 from .hopper import LOG2E, descriptor, launch_options
 from .launch import compile_in_background, wait_compiled
@@ -283,7 +283,7 @@ def _launch(q4, k4, v4, do4, l3, delta, dk4, dv4, offset: int, causal: bool, sca
     n_k = k4.shape[2]
     slices = dk4.shape[1]  # K/V heads, or SHARE slices of each (fp32 partials)
     share = slices // k4.shape[1]
-    grid = (triton.cdiv(n_k, KEY_ROWS * NUM_CONSUMERS) * B * slices,)
+    grid = (cdiv(n_k, KEY_ROWS * NUM_CONSUMERS) * B * slices,)
     kernel = dkdv_ws_kernel.warmup if warmup else dkdv_ws_kernel[grid]
     extra = {"grid": grid} if warmup else {}
     return kernel(

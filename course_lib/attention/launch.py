@@ -46,7 +46,7 @@ def autotune_enabled() -> bool:
 def n_bucket(n: int) -> int:
     """A coarse size class: the power of two >= n, capped at 16384, so that a configuration is chosen
     once per class instead of on every new sequence length."""
-    return min(triton.next_power_of_2(max(int(n), 16)), 16384)
+    return min(runtime.next_power_of_2(max(int(n), 16)), 16384)
 
 
 def cuda_device(t: torch.Tensor):

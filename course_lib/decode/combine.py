@@ -96,6 +96,6 @@ def combine(
         o_part, lse_part, out, lse,
         *o_part.stride(), *lse_part.stride(), *out.stride(), *lse.stride(),
         T, H, S,
-        HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d), BLOCK_S=max(16, triton.next_power_of_2(S)),
+        HEAD_DIM=d, BLOCK_D=runtime.next_power_of_2(d), BLOCK_S=max(16, runtime.next_power_of_2(S)),
         PDL=pdl, **launch_options(pdl),
     )  # fmt: skip

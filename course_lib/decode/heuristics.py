@@ -217,12 +217,15 @@ def wave_efficiency(programs: int, num_sms: int) -> float:
     return waves / math.ceil(waves)
 
 
+@functools.lru_cache(maxsize=4096)
 def choose_num_splits(programs: int, n_key_blocks: int, num_sms: int, max_splits: int = 128) -> int:
     """FlashAttention-2's split rule (module docstring).
 
     programs: programs without splitting (batch x kv heads x query tiles); n_key_blocks: BLOCK_N-key
     blocks of the cache capacity; num_sms: SMs, or slots (SMs x programs per SM) for a kernel that needs
-    several programs per SM. Returns a split count in [1, max_splits]."""
+    several programs per SM. Returns a split count in [1, max_splits]. Remembered per argument tuple: the
+    rule weighs up to max_splits counts (tens of microseconds of Python), and a decoding loop asks again
+    at every step."""
     if programs <= 0 or n_key_blocks <= 4 or programs >= 0.8 * num_sms:
         return 1
     limit = max(1, min(max_splits, num_sms, n_key_blocks))

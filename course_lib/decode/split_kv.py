@@ -308,8 +308,8 @@ def launch(q, k, v, block_table, cache_seqlens, *, page_size, capacity, causal, 
     Hkv = k.shape[2]
     group = Hq // Hkv
     paged = block_table is not None
-    block_m = min(tile_for(d, paged).BLOCK_M_MAX, max(16, triton.next_power_of_2(group * Tq)))
-    m_tiles = triton.cdiv(group * Tq, block_m)
+    block_m = min(tile_for(d, paged).BLOCK_M_MAX, max(16, runtime.next_power_of_2(group * Tq)))
+    m_tiles = runtime.cdiv(group * Tq, block_m)
     if num_splits is not None and int(num_splits) < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     width = block_table.shape[1] if paged else 0
@@ -341,10 +341,10 @@ def launch(q, k, v, block_table, cache_seqlens, *, page_size, capacity, causal, 
         *q.stride(), *k.stride(), *v.stride(), *table_strides, *o_part.stride(), *l_part.stride(),
         Hkv, Tq, capacity, num_splits,
         PAGE_SIZE=page_size if paged else 1, GROUP=group, CAUSAL=causal, PAGED=paged,
-        HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d), BLOCK_M=block_m, BLOCK_N=tile.BLOCK_N,
+        HEAD_DIM=d, BLOCK_D=runtime.next_power_of_2(d), BLOCK_M=block_m, BLOCK_N=tile.BLOCK_N,
         UPCAST=bool(runtime.INTERPRET and q.dtype == torch.bfloat16),
         DOT_PRECISION="ieee" if wide else "tf32",
-        SORT_B=sort_b, PDL=use_pdl, TABLE_ROW=triton.next_power_of_2(width) if plan.table_row else 0,
+        SORT_B=sort_b, PDL=use_pdl, TABLE_ROW=runtime.next_power_of_2(width) if plan.table_row else 0,
         num_warps=tile.num_warps, num_stages=tile.num_stages,
     )  # fmt: skip
     if num_splits > 1:

@@ -305,7 +305,7 @@ def rms_norm_forward(
     y = torch.empty((n_rows, n_cols), device=x.device, dtype=out_dtype)
     rstd = torch.empty(n_rows if store_rstd else 1, device=x.device, dtype=accumulator_dtype(x.dtype))
     if n_rows:
-        block = triton.next_power_of_2(n_cols)
+        block = runtime.next_power_of_2(n_cols)
         setting = launch.rms_forward(block)
         chunk = setting.chunk if chunk is None else chunk
         if chunk:
@@ -316,7 +316,7 @@ def rms_norm_forward(
             )  # fmt: skip
         else:
             rows = _power_of_two("rows", rows or setting.rows)
-            rms_norm_fwd_kernel[(triton.cdiv(n_rows, rows),)](
+            rms_norm_fwd_kernel[(runtime.cdiv(n_rows, rows),)](
                 x2, weight, y, rstd, n_rows, n_cols, x2.stride(0), y.stride(0), eps,
                 BLOCK_D=block, ROWS=rows, STORE_RSTD=store_rstd, num_warps=warps or setting.warps,
             )  # fmt: skip
@@ -333,7 +333,7 @@ def column_sum(
     buffer = buffer.contiguous()  # the kernel reads row r at buf + r * D
     n_rows, n_cols = buffer.shape
     out = torch.empty(n_cols, device=buffer.device, dtype=dtype)
-    column_sum_kernel[(triton.cdiv(n_cols, tile.block_c),)](
+    column_sum_kernel[(runtime.cdiv(n_cols, tile.block_c),)](
         buffer, out, n_rows, n_cols, BLOCK_R=tile.block_r, BLOCK_C=tile.block_c, num_warps=tile.warps
     )
     return out
@@ -372,10 +372,10 @@ def rms_norm_backward(
     dx = torch.empty((n_rows, n_cols), device=x.device, dtype=x.dtype)
     if n_rows == 0:
         return dx.reshape(x.shape), torch.zeros_like(weight)
-    block = triton.next_power_of_2(n_cols)
+    block = runtime.next_power_of_2(n_cols)
     setting = launch.rms_backward(block)
     rows = _power_of_two("rows", rows or setting.rows)
-    n_programs = launch.persistent_programs(triton.cdiv(n_rows, rows), block, x.device, programs_per_sm)
+    n_programs = launch.persistent_programs(runtime.cdiv(n_rows, rows), block, x.device, programs_per_sm)
     n_buffers = {"partials": n_programs, "atomics": 1, "locked": min(LOCKED_BUFFERS, n_programs)}[dw_mode]
     empty_or_zeros = torch.empty if dw_mode == "partials" else torch.zeros
     dw_buffer = empty_or_zeros((n_buffers, n_cols), device=x.device, dtype=acc)

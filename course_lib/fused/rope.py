@@ -223,13 +223,16 @@ def rotate(
     if has_positions and positions.shape[-1] > 1 and positions.stride(-1) != 1:  # read with unit stride
         positions = positions.contiguous()
     stride_pb = positions.stride(0) if has_positions and positions.shape[0] > 1 else 0
-    block_pairs = triton.next_power_of_2(n_pairs)
-    block_hq, block_hk = triton.next_power_of_2(max(n_q_heads, 1)), triton.next_power_of_2(max(k.shape[1], 1))
+    block_pairs = runtime.next_power_of_2(n_pairs)
+    block_hq, block_hk = (
+        runtime.next_power_of_2(max(n_q_heads, 1)),
+        runtime.next_power_of_2(max(k.shape[1], 1)),
+    )
     setting = launch.rope(block_hq * block_pairs)
     tokens = tokens or setting.tokens
     if tokens < 1 or tokens & (tokens - 1):
         raise ValueError(f"rope: tokens per program must be a power of two >= 1, got {tokens}")
-    n_token_tiles = triton.cdiv(n_tokens, tokens)
+    n_token_tiles = runtime.cdiv(n_tokens, tokens)
     rope_kernel[(n_batch * n_token_tiles,)](
         q, k, q_out, k_out, cos, sin, positions if has_positions else cos,
         n_tokens, n_token_tiles, n_q_heads, k.shape[1], n_pairs,

@@ -15,9 +15,11 @@ transformers asks two questions of an attention implementation, each through its
    torch.compile, padding inside a row with a sliding window) gets transformers' own boolean mask.
 2. *Attention itself* (`AttentionInterface`): each layer calls `attention_forward(module, q, k, v,
    mask, dropout=, scaling=, ...)` with q (B, Hq, Nq, d), k, v (B, Hkv, Nk, d) and expects
-   (O as (B, Nq, Hq, d), weights or None). With no mask, the kernels run through the custom
-   operator `course_lib.attention.op` (so `torch.compile` works), K/V heads not repeated (GQA), the
-   causal mask bottom-right aligned, and the layer's `sliding_window` (if any) passed on as `window`.
+   (O as (B, Nq, Hq, d), weights or None). With no mask, the kernels run through
+   `course_lib.flash_attention` (under `torch.compile` the custom operator of `course_lib.attention.op`,
+   eagerly without the operator's dispatch; a decoding step on the split-KV kernel), K/V heads not
+   repeated (GQA), the causal mask bottom-right aligned, and the layer's `sliding_window` (if any)
+   passed on as `window`.
    With a 2-D padding mask, the same kernels on the packed real tokens. With a 4-D mask, the call
    falls back to transformers' SDPA implementation, with a warning saying why:
    the kernels take no arbitrary masks.
@@ -45,7 +47,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
         f"({exc}); install it with `pip install transformers` or the course extra `pip install -e .[course]`."
     ) from exc
 
-from ..attention.op import flash_attention_op
+from ..attention.api import flash_attention
 from ..attention.varlen import flash_attention_padded
 
 NAME = "course_lib"
@@ -238,7 +240,7 @@ def attention_forward(
             f"({type(module).__name__}) is not implemented; use attn_implementation='sdpa' for this model"
         )
     sinks = kwargs.get("s_aux")  # gpt-oss's attention sinks: (Hq,) logits
-    o = flash_attention_op(query, key, value, "bottom_right" if causal else "none", scaling, window, sinks)
+    o = flash_attention(query, key, value, "bottom_right" if causal else "none", scaling, window, sinks)
     return o.transpose(1, 2).contiguous(), None
 
 
