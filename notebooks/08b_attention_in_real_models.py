@@ -485,7 +485,8 @@ else:
 #   and the layers run the real tokens packed (section 5). For anything else (a static cache's empty slots,
 #   a 4-D mask of the caller's) it builds transformers' boolean mask.
 # - `AttentionInterface` maps the name to a function `(module, q, k, v, mask, dropout, scaling, ...)`. Ours
-#   calls `flash_attention_op` with K and V as they come (GQA, no repeat), the layer's window and its sinks
+#   calls `course_lib.flash_attention` (the custom operator under `torch.compile`, the autograd Function
+#   eagerly) with K and V as they come (GQA, no repeat), the layer's window and its sinks
 #   (gpt-oss) when the mask is `None`, `flash_attention_padded` for a padding mask, and hands the call to
 #   SDPA, with a warning, when there is a mask the kernels cannot apply (to the model's own eager attention
 #   for a layer with sinks, which SDPA lacks).
