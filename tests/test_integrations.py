@@ -499,3 +499,24 @@ def test_gpu_compiled_llama_forward_and_backward():
     assert_grads_close_to_reference(
         grads, grads64, grads_sdpa, "torch.compile(fullgraph=True), bf16 Llama N=256"
     )
+
+
+def test_compiled_llama_calls_the_operator(kernel_calls):
+    """torch.compile(fullgraph=True) of a model with course_lib attention (CPU: the aot_eager backend, the
+    kernels interpreted): the hook's `flash_attention` is the custom operator there, one graph, forward
+    and backward, and the logits and gradients are the eager call's."""
+    use_in_transformers()
+    model = tiny_llama(layers=1).train()
+    model.set_attn_implementation("course_lib")
+    ids = torch.randint(0, 97, (1, 24), device=DEVICE)
+    eager, _, grads = _loss_and_grads(model, "course_lib", ids)
+    calls = len(kernel_calls)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")  # a graph break raises here
+    model.zero_grad(set_to_none=True)
+    out = compiled(ids, labels=ids)
+    out.loss.backward()
+    assert len(kernel_calls) > calls  # traced through the hook
+    torch.testing.assert_close(out.logits, eager, rtol=1e-5, atol=1e-5)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, grads[name], rtol=1e-4, atol=1e-5, msg=f"{name}")
