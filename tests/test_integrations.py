@@ -164,6 +164,56 @@ def test_greedy_generation_same_tokens(kernel_calls):
     assert torch.equal(tokens["sdpa"], tokens["course_lib"]), f"{tokens['sdpa']} != {tokens['course_lib']}"
 
 
+def test_static_cache_generation_runs_on_the_kernels(kernel_calls):
+    """A static cache (transformers' `cache_implementation="static"`, the cache it compiles generation
+    with) has slots past the tokens so far: eagerly, the mask hook answers the count of keys in use and
+    the layers run the kernels on those alone, bottom-right causal; greedy tokens as SDPA's, with no
+    fallback (a warning would fail the test)."""
+    use_in_transformers()
+    model = tiny_llama()
+    prompt = torch.randint(0, 97, (1, 8), device=DEVICE)
+    tokens = {}
+    for impl in ("sdpa", "course_lib"):
+        model.set_attn_implementation(impl)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", UserWarning)
+            tokens[impl] = model.generate(
+                prompt, max_new_tokens=6, min_new_tokens=6, do_sample=False, cache_implementation="static"
+            )
+    assert torch.equal(tokens["sdpa"], tokens["course_lib"]), f"{tokens['sdpa']} != {tokens['course_lib']}"
+    assert len(kernel_calls) == 2 * 6  # prefill + 5 decoding steps, two layers
+    keys = [k_shape[2] for _, k_shape, _ in kernel_calls[::2]]
+    assert keys == [8, 9, 10, 11, 12, 13], keys  # the keys in use, not the cache's slots
+    assert all(causal == "bottom_right" for *_, causal in kernel_calls)
+
+
+def test_keys_in_use_only_where_the_kernels_apply(monkeypatch):
+    """The mask hook's static-cache answer [n]: only for transformers' causal mask, no sliding window, no
+    padding among the n keys, keys from position 0, and not under torch.compile; otherwise transformers'
+    4-D mask. Handed back as the attention mask (as `generate` does), it reads as no padding."""
+    from transformers.masking_utils import causal_mask_function, sdpa_mask
+
+    args = dict(batch_size=1, q_length=1, kv_length=16, q_offset=torch.tensor(5), kv_offset=0)
+
+    def hook(**kw):
+        return hf.attention_mask(**dict(args, **kw), allow_is_causal_skip=False, dtype=torch.float32)
+
+    assert hook().tolist() == [6]
+    assert hook(q_offset=0, q_length=7).tolist() == [7]  # a static cache's prefill
+    assert hook(attention_mask=torch.ones(1, 6, dtype=torch.bool)).tolist() == [6]
+    assert hook(attention_mask=hook()).tolist() == [6]  # its own answer, handed back
+    padded = torch.ones(1, 6, dtype=torch.bool)
+    padded[0, 0] = False
+    assert hook(attention_mask=padded).dim() == 4
+    assert hook(kv_offset=3).dim() == 4
+    assert hook(mask_function=lambda b, h, q, k: k <= q).dim() == 4  # not transformers' causal function
+    assert hook(q_offset=20).dim() == 4  # past the cache's end
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    traced = hook(attention_mask=torch.tensor([6]))  # under torch.compile: transformers' mask, built there
+    want = sdpa_mask(**args, mask_function=causal_mask_function, allow_is_causal_skip=False)
+    assert traced.dim() == 4 and torch.equal(traced, want)
+
+
 def _padded_batch(n=12, pad=4, side="left", seed=0):
     """Token ids (2, n) and a 2-D mask whose second row has `pad` padding tokens on `side`."""
     ids = torch.randint(0, 97, (2, n), device=DEVICE, generator=torch.Generator(DEVICE).manual_seed(seed))

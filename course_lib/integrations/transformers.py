@@ -10,9 +10,11 @@ transformers asks two questions of an attention implementation, each through its
    (Mistral's `sliding_window`, Gemma's local layers: the kernels take the window as an argument).
    The same with padding (a batch of prompts of different lengths) answers the 2-D padding mask
    (B, Nk), True for real tokens: the layers then run the real tokens as packed sequences
-   (`attention.varlen.flash_attention_padded`), never computing the padding. Anything else (a static
-   cache's unused slots, chunked attention, a 4-D mask given by the caller, padding under
-   torch.compile, padding inside a row with a sliding window) gets transformers' own boolean mask.
+   (`attention.varlen.flash_attention_padded`), never computing the padding. A cache with more slots
+   than keys in use (a static cache), causal and unpadded, answers the count of keys in use as a 1-D
+   tensor [n]: the layers run the kernels on those n keys alone. Anything else (chunked attention, a
+   4-D mask given by the caller, padding or a static cache under torch.compile, padding inside a row
+   with a sliding window) gets transformers' own boolean mask.
 2. *Attention itself* (`AttentionInterface`): each layer calls `attention_forward(module, q, k, v,
    mask, dropout=, scaling=, ...)` with q (B, Hq, Nq, d), k, v (B, Hkv, Nk, d) and expects
    (O as (B, Nq, Hq, d), weights or None). With no mask, the kernels run through
@@ -99,6 +101,38 @@ def _packable_padding(attention_mask: torch.Tensor | None, kv_length: int, windo
     return padding
 
 
+def _is_keys_in_use(mask) -> bool:
+    """Whether `mask` is the hook's answer for a static cache, [n] (`_keys_in_use`)."""
+    return isinstance(mask, torch.Tensor) and mask.shape == (1,) and mask.dtype == torch.int64
+
+
+def _keys_in_use(q_length, kv_length, q_offset, kv_offset, kernels_mask, local_size, padding_mask):
+    """[n], the count of keys in use as a 1-D int64 tensor on the CPU, when only the first n of the
+    cache's kv_length keys are (a static cache's unused slots follow) and the kernels compute the call
+    on those n alone; else None.
+
+    The queries are positions q_offset ... q_offset + q_length - 1, the keys 0 ... kv_length - 1
+    (kv_offset = 0). Under the causal mask no query sees a key at or past n = q_offset + q_length, so
+    with those keys dropped the call is bottom-right causal over the rest. Not under torch.compile
+    (the count decides shapes), not with a sliding window or padding among the n keys. A static cache
+    gives q_offset as a tensor: reading it syncs with the GPU, once per forward (the hook runs once for
+    all layers)."""
+    if not kernels_mask or local_size is not None or torch.compiler.is_compiling() or kv_offset != 0:
+        return None
+    if isinstance(q_offset, torch.Tensor):
+        if q_offset.numel() != 1 or q_offset.dtype.is_floating_point:
+            return None
+        q_offset = int(q_offset)
+    if not isinstance(q_offset, int) or not (q_length <= q_offset + q_length <= kv_length):
+        return None
+    n = q_offset + q_length
+    if padding_mask is not None and (
+        padding_mask.dim() != 2 or padding_mask.shape[1] < n or not bool(padding_mask[:, :n].all())
+    ):
+        return None
+    return torch.tensor([n], dtype=torch.int64)
+
+
 def attention_mask(
     batch_size: int,
     q_length: int,
@@ -119,7 +153,14 @@ def attention_mask(
     q_length queries end where the keys end (q_offset + q_length == kv_offset + kv_length: the keys are
     positions kv_offset ... kv_offset + kv_length - 1, all of them since kv_offset = 0 in a growing
     cache, the last ones in a sliding-window cache that drops what no query can see) — the bottom-right
-    alignment. The padding mask: the same, with padding (`_packable_padding`)."""
+    alignment. The padding mask: the same, with padding (`_packable_padding`). [n], a 1-D tensor:
+    causal and unpadded, with only the first n of the kv_length keys in use (`_keys_in_use`).
+
+    transformers' `generate` asks this hook once more for a static cache, before the model's forward,
+    and hands the answer to the forward as its attention mask, which comes back here: [n] is then read
+    as no padding."""
+    if _is_keys_in_use(attention_mask):
+        attention_mask = None
     if local_size is None:
         kernels_mask = mask_function is causal_mask_function
     else:  # (probed only where the answer could be None)
@@ -136,6 +177,9 @@ def attention_mask(
     padding = _packable_padding(attention_mask, kv_length, local_size) if aligned else None
     if padding is not None:
         return padding
+    in_use = _keys_in_use(q_length, kv_length, q_offset, kv_offset, kernels_mask, local_size, attention_mask)
+    if in_use is not None:
+        return in_use
     return sdpa_mask(
         batch_size=batch_size,
         q_length=q_length,
@@ -165,9 +209,10 @@ def attention_forward(
 
     query: (B, Hq, Nq, d); key, value: (B, Hkv, Nk, d) with Hq a multiple of Hkv (grouped-query
     attention, K/V not repeated); the model's dtype (float16/bfloat16/float32). attention_mask: None
-    (causal, bottom-right: query i sees keys j <= i + Nk - Nq; see `attention_mask`), a 2-D padding mask
-    (B, Nk) from that hook (causal whatever is_causal says; the real tokens then run as packed sequences,
-    padded query rows give 0), or a 4-D mask tensor (then SDPA runs, with a warning; for a layer with
+    (causal, bottom-right: query i sees keys j <= i + Nk - Nq; see `attention_mask`), [n] from that
+    hook (a static cache: the same on the first n keys, causal whatever is_causal says), a 2-D padding
+    mask (B, Nk) from that hook (causal whatever is_causal says; the real tokens then run as packed
+    sequences, padded query rows give 0), or a 4-D mask tensor (then SDPA runs, with a warning; for a layer with
     attention sinks, which SDPA would ignore, the model's own eager attention). sliding_window (keyword,
     from the layer): query i then sees only the keys i + Nk - Nq - sliding_window < j <= i + Nk - Nq.
     s_aux (keyword): gpt-oss's attention sinks. scaling: the softmax scale (default 1/sqrt(d)). Returns
@@ -183,6 +228,9 @@ def attention_forward(
                 f"course_lib attention does not implement {unsupported!r} ({type(module).__name__}); "
                 "use attn_implementation='sdpa' or 'eager' for this model"
             )
+    if _is_keys_in_use(attention_mask):  # the first n keys are in use (`attention_mask` answered it)
+        n = int(attention_mask[0])  # a CPU tensor: no sync
+        key, value, attention_mask, is_causal = key[:, :, :n], value[:, :, :n], None, True
     if attention_mask is not None and attention_mask.dim() == 2:  # padding (`attention_mask` answered it)
         # causal whatever is_causal says: the hook answers this mask for causal masks only, and with a mask
         # a model may pass is_causal=False (SDPA's rule, the mask carries the causality: Moonshine)
