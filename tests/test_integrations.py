@@ -168,7 +168,8 @@ def test_static_cache_generation_runs_on_the_kernels(kernel_calls):
     """A static cache (transformers' `cache_implementation="static"`, the cache it compiles generation
     with) has slots past the tokens so far: eagerly, the mask hook answers the count of keys in use and
     the layers run the kernels on those alone, bottom-right causal; greedy tokens as SDPA's, with no
-    fallback (a warning would fail the test)."""
+    fallback (a warning would fail the test). Compiled (transformers does so by itself on a GPU), the
+    layers get transformers' mask and fall back to SDPA, with a warning."""
     use_in_transformers()
     model = tiny_llama()
     prompt = torch.randint(0, 97, (1, 8), device=DEVICE)
@@ -177,9 +178,10 @@ def test_static_cache_generation_runs_on_the_kernels(kernel_calls):
         model.set_attn_implementation(impl)
         with warnings.catch_warnings():
             warnings.simplefilter("error", UserWarning)
-            tokens[impl] = model.generate(
-                prompt, max_new_tokens=6, min_new_tokens=6, do_sample=False, cache_implementation="static"
-            )
+            tokens[impl] = model.generate(  # eagerly: on a GPU, transformers would compile the forward
+                prompt, max_new_tokens=6, min_new_tokens=6, do_sample=False, cache_implementation="static",
+                disable_compile=True,
+            )  # fmt: skip
     assert torch.equal(tokens["sdpa"], tokens["course_lib"]), f"{tokens['sdpa']} != {tokens['course_lib']}"
     assert len(kernel_calls) == 2 * 6  # prefill + 5 decoding steps, two layers
     keys = [k_shape[2] for _, k_shape, _ in kernel_calls[::2]]
