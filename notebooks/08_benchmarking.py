@@ -331,8 +331,12 @@ if hw is not None:
 # `torch.profiler`. Issue time close to wall time means CPU-bound. `scripts/launch_overhead.py` does this
 # for course_lib and SDPA; `notes/performance.md` has what it measured on the H200. course_lib's answer:
 # its backward is two launches (the dQ kernel also computes D = rowsum(dO * O)), a tuned kernel
-# launches the autotuner's remembered choice directly, and `make bench` measures `torch.compile` last,
-# because after it had run, every Python launch in that process was measured to be slower.
+# launches the autotuner's remembered choice directly, a call with nothing to differentiate (inference,
+# `torch.no_grad()`) runs the forward alone, without an autograd node, and `make bench` measures
+# `torch.compile` last, because after it had run, every Python launch in that process was measured to be
+# slower. What is left (about 100 us of host time for a forward without gradients on an H100 host, SDPA
+# about 20) is why serving engines replay decoding steps as CUDA graphs: a replay issues every kernel of
+# the step from one CPU call.
 
 # %% [markdown]
 # ## 2. Profiling: where does the time go?
