@@ -334,9 +334,9 @@ if hw is not None:
 # launches the autotuner's remembered choice directly, a call with nothing to differentiate (inference,
 # `torch.no_grad()`) runs the forward alone, without an autograd node, and `make bench` measures
 # `torch.compile` last, because after it had run, every Python launch in that process was measured to be
-# slower. What is left (about 100 us of host time for a forward without gradients on an H100 host, SDPA
-# about 20) is why serving engines replay decoding steps as CUDA graphs: a replay issues every kernel of
-# the step from one CPU call.
+# slower. What is left, several times SDPA's host time per call (`notes/performance.md`, twentieth
+# round), is one reason serving engines replay decoding steps as CUDA graphs: a replay issues every kernel
+# of the step from one CPU call.
 
 # %% [markdown]
 # ## 2. Profiling: where does the time go?
