@@ -16,7 +16,8 @@ def use_in_transformers(name: str = "course_lib") -> str:
     """Register course_lib's attention with transformers under `name`; return `name`.
 
     Then `model.set_attn_implementation(name)` (or `config._attn_implementation = name` before the
-    model is built) routes every attention layer through `course_lib.attention.op`. See
+    model is built) routes every attention layer through `course_lib.flash_attention` (the custom
+    operator of `course_lib.attention.op` under `torch.compile`). See
     `course_lib.integrations.transformers` for what is handled and what falls back to SDPA."""
     from .transformers import register
 
