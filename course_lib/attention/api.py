@@ -11,8 +11,15 @@ for grouped-query attention — and any strides.
 from __future__ import annotations
 
 import torch
-from torch._C._functorch import is_functorch_wrapped_tensor
 from torch.autograd import forward_ad
+
+try:  # a tensor inside one of functorch's transforms (vmap, grad); a private helper of PyTorch's
+    from torch._C._functorch import is_functorch_wrapped_tensor
+except ImportError:  # pragma: no cover - a PyTorch without it: every tensor reads as plain
+
+    def is_functorch_wrapped_tensor(t) -> bool:
+        return False
+
 
 from .. import runtime
 from ..checks import causal_alignment, check_sinks, check_window, default_scale
@@ -38,7 +45,7 @@ def _recorded(*tensors) -> bool:
     """Whether a call must go through autograd: a gradient may be asked of one of `tensors` (grad mode
     on and one requires grad), forward-mode AD is on, or one is a wrapper (functorch's transforms, a
     tensor subclass), for which the Function's own rules (and errors) hold."""
-    if forward_ad._current_level >= 0:
+    if getattr(forward_ad, "_current_level", -1) >= 0:  # inside `forward_ad.dual_level()`
         return True
     grad = torch.is_grad_enabled()
     for t in tensors:
