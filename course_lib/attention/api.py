@@ -22,23 +22,14 @@ except ImportError:  # pragma: no cover - a PyTorch without it: every tensor rea
 
 
 from .. import runtime
-from ..checks import causal_alignment, check_sinks, check_window, default_scale
 from .backward import _backward, refuse_second_derivative, save_tensors, saved_tensors
 from .configs import split_config
 from .forward import _forward
-from .inputs import check_inputs
+from .inputs import check_call
 from .op import flash_attention_op
 
 _DEFAULT_LAUNCH, _FAST = split_config(None, None)  # the default choice of launch and the fast switches
 _PREPARED: set = set()  # shapes whose backward kernels this process has started compiling
-
-
-def _checked(q, k, v, causal, scale, window, sinks, where: str):
-    """The checked arguments of a call: (alignment, scale, window, float32 sinks), errors naming `where`."""
-    check_inputs(q, k, v, where=where)
-    alignment = causal_alignment(causal)
-    window = check_window(window, alignment, where)
-    return alignment, default_scale(q.shape[-1], scale), window, check_sinks(sinks, q, where)
 
 
 def _recorded(*tensors) -> bool:
@@ -69,7 +60,7 @@ class FlashAttentionTriton(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, is_causal=False, scale=None, window=None, sinks=None):
-        alignment, scale, window, sinks32 = _checked(
+        alignment, window, sinks32, scale = check_call(
             q, k, v, is_causal, scale, window, sinks, "FlashAttentionTriton"
         )
         shape = (q.shape, k.shape, q.dtype, alignment, bool(window))
@@ -151,5 +142,5 @@ def flash_attention(
     if _recorded(q, k, v, sinks):
         return FlashAttentionTriton.apply(q, k, v, causal, scale, window, sinks)
     # nothing to differentiate (inference, no_grad): the forward alone, without an autograd node
-    alignment, scale, window, sinks32 = _checked(q, k, v, causal, scale, window, sinks, "flash_attention")
+    alignment, window, sinks32, scale = check_call(q, k, v, causal, scale, window, sinks, "flash_attention")
     return _forward(q, k, v, alignment, scale, _DEFAULT_LAUNCH, _FAST, window, sinks32)[0]

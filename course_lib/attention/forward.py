@@ -39,11 +39,7 @@ import torch
 from .. import runtime
 from ..checks import (
     accumulator_dtype,
-    causal_alignment,
     causal_offset,
-    check_sinks,
-    check_window,
-    default_scale,
     kernel_window,
     kv_group,
 )
@@ -61,7 +57,7 @@ from .blocks import (
     window_kv_range,
 )
 from .configs import FORWARD, split_config, teaching_hooks
-from .inputs import SUPPORTED_HEAD_DIMS, as_4d, check_inputs, kernel_flags, strides4, within_offsets
+from .inputs import SUPPORTED_HEAD_DIMS, as_4d, check_call, kernel_flags, strides4, within_offsets
 from .launch import cuda_device, launch, make_tuner, n_bucket
 
 runtime.require_triton()
@@ -320,11 +316,7 @@ def forward(
     Giving any of the four launch keys, or exp2=False or skip_masked_blocks=False, fixes the launch
     (the other launch keys take defaults); config=None (or only hopper) uses the default choice
     (`launch.py`)."""
-    check_inputs(q, k, v, where="attention.forward")
-    alignment = causal_alignment(causal)
-    window = check_window(window, alignment, "attention.forward")
-    sinks = check_sinks(sinks, q, "attention.forward")
-    scale = default_scale(q.shape[-1], scale)
+    alignment, window, sinks, scale = check_call(q, k, v, causal, scale, window, sinks, "attention.forward")
     launch_cfg, switches = split_config(config, FORWARD.cpu if runtime.INTERPRET else FORWARD.fixed)
     return _forward(q, k, v, alignment, scale, launch_cfg, switches, window, sinks)
 

@@ -10,7 +10,14 @@ from __future__ import annotations
 import torch
 
 from .. import runtime
-from ..checks import OFFSET_LIMIT, check_attention_inputs
+from ..checks import (
+    OFFSET_LIMIT,
+    causal_alignment,
+    check_attention_inputs,
+    check_sinks,
+    check_window,
+    default_scale,
+)
 from ..runtime import tl
 
 MAX_HEAD_DIM = 256
@@ -56,6 +63,17 @@ def check_inputs(q, k, v, where: str) -> None:
             "(course_lib.ON_GPU is True). Move the tensors to the GPU with .to(course_lib.DEVICE), or "
             "set COURSE_DEVICE=cpu before importing course_lib to use the interpreter."
         )
+
+
+def check_call(q, k, v, causal, scale, window, sinks, where: str):
+    """Check an attention call's arguments as every public entry point does (errors naming `where`);
+    return them normalised: (alignment, window, float32 sinks, scale), as `forward._forward` takes them.
+    `check_inputs`, then `checks.causal_alignment`, `check_window`, `check_sinks`, `default_scale`."""
+    check_inputs(q, k, v, where=where)
+    alignment = causal_alignment(causal)
+    window = check_window(window, alignment, where)
+    sinks = check_sinks(sinks, q, where)
+    return alignment, window, sinks, default_scale(q.shape[-1], scale)
 
 
 def as_4d(t: torch.Tensor) -> torch.Tensor:

@@ -30,11 +30,11 @@ from __future__ import annotations
 
 import torch
 
-from ..checks import accumulator_dtype, causal_alignment, check_sinks, check_window, default_scale
+from ..checks import accumulator_dtype, check_sinks, check_window, default_scale
 from .backward import backward as _attention_backward
 from .backward import check_saved, refuse_second_derivative, save_tensors, saved_tensors
 from .forward import forward as _attention_forward
-from .inputs import check_inputs
+from .inputs import check_call, check_inputs
 
 CAUSAL_CHOICES = ("none", "top_left", "bottom_right")
 
@@ -130,12 +130,6 @@ def _backward(ctx, do, _dlse):
 forward_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-def causal_name(causal) -> str:
-    """The schema's name for a `causal` argument: False/None/"none" -> "none", True/"top_left" ->
-    "top_left", "bottom_right" -> "bottom_right"."""
-    return causal_alignment(causal) or "none"
-
-
 def flash_attention_op(
     q, k, v, causal="none", scale: float | None = None, window: int | None = None, sinks=None
 ) -> torch.Tensor:
@@ -148,10 +142,9 @@ def flash_attention_op(
     "bottom_right" (j <= i + Nk - Nq, a KV cache); False/True are accepted for "none"/"top_left".
     scale: default 1/sqrt(d). window: None or a sliding window, sinks: None or (Hq,) attention sinks
     (`flash_attention`). Returns O with q's shape and dtype. Taught in notebook 08b."""
-    check_inputs(q, k, v, where="flash_attention")  # clear errors before dispatch (meta tensors too)
-    window = check_window(window, causal_alignment(causal), "flash_attention")
-    check_sinks(sinks, q, "flash_attention")
-    return forward_op(q, k, v, causal_name(causal), default_scale(q.shape[-1], scale), window, sinks)[0]
+    # clear errors before dispatch (meta tensors too); the operator takes the sinks as given
+    alignment, window, _, scale = check_call(q, k, v, causal, scale, window, sinks, "flash_attention")
+    return forward_op(q, k, v, alignment or "none", scale, window, sinks)[0]
 
 
 # --------------------------------------------------------------------------------------------------

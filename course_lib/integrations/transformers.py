@@ -123,7 +123,7 @@ def _keys_in_use(q_length, kv_length, q_offset, kv_offset, kernels_mask, local_s
         if q_offset.numel() != 1 or q_offset.dtype.is_floating_point:
             return None
         q_offset = int(q_offset)
-    if not isinstance(q_offset, int) or not (q_length <= q_offset + q_length <= kv_length):
+    if not isinstance(q_offset, int) or q_offset < 0 or q_offset + q_length > kv_length:
         return None
     n = q_offset + q_length
     if padding_mask is not None and (
