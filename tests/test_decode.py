@@ -237,6 +237,42 @@ def test_a_long_batch_is_sliced():
             assert heuristics.split_grid(batch, heads, 1, capacity, 128, paged) == rule
 
 
+def test_a_full_cache_whose_programs_fill_the_sms_is_not_sliced():
+    """Every sequence known to hold the whole cache (no lengths given): an even batch, so once its
+    programs fill FULL_CACHE of the SMs it takes the rule's plan, not short slices; fewer programs keep
+    the sliced plan."""
+    sms = heuristics.sm_count()
+    heads = 8
+    batch = sms // heads  # one wave of programs, past the threshold
+    assert heuristics.FULL_CACHE * sms <= batch * heads <= sms
+    assert heuristics.sliced(batch, 32768) and heuristics.sliced(
+        batch, 32768, full=False, programs=batch * heads
+    )
+    assert not heuristics.sliced(batch, 32768, full=True, programs=batch * heads)
+    plan = heuristics.decode_plan(batch, heads, 1, 32768, 128, full=True)
+    assert not plan.sliced and plan.num_splits == heuristics.num_splits_for(batch, heads, 1, 32768, 128) == 1
+    assert plan.tile == tile_for(128, programs=batch * heads, capacity=32768)
+    assert heuristics.split_grid(batch, heads, 1, 32768, 128, full=True) == 1
+    assert heuristics.decode_plan(2, 1, 1, 32768, 128, full=True).sliced  # 2 programs: still sliced
+
+
+@pytest.mark.parametrize("hq, hkv, tq", [(4, 2, 1), (8, 8, 3)])
+def test_decode_attention_without_lengths_reads_the_whole_cache(monkeypatch, hq, hkv, tq):
+    """cache_seqlens=None: every sequence holds all Nmax keys, on the sliced plan (few programs) and on
+    the rule's plan (programs that fill the SMs), against the float64 reference with full lengths."""
+    monkeypatch.setattr(heuristics, "SLICED_MIN_KEYS", 64)
+    monkeypatch.setattr(heuristics, "SLICE_KEYS", 64)
+    n_max = 150
+    for B in (2, 3):
+        q, k, v = make_cache(B, n_max, hq, hkv, 64, tq, torch.float32, seed=B)
+        full = torch.full((B,), n_max, dtype=torch.int32, device=DEV)
+        plan = heuristics.decode_plan(B, hkv, 1, n_max, 64, full=True)
+        what = f"no lengths, B={B} Hq={hq} Hkv={hkv} Tq={tq}, sliced={plan.sliced}"
+        assert plan.sliced == (B * hkv < heuristics.FULL_CACHE * heuristics.sm_count()), what
+        out, lse = decode_attention(q, k, v, return_lse=True)
+        assert_matches(out, lse, decode_references(q, k, v, full), what)
+
+
 def test_longest_first_only_when_programs_wait_for_a_slot():
     """The sort runs for a batch of 2..LONGEST_FIRST_MAX_BATCH sequences whose programs do not all fit
     in the slots at once."""
@@ -498,6 +534,19 @@ def test_gpu_bf16_real_sizes(B, n_max, hkv, d):
     k_pages, v_pages, table = to_pages(k, v, 16)
     out, lse = paged_decode_attention(q, k_pages, v_pages, table, seqlens, return_lse=True)
     assert_matches(out, lse, refs, f"paged B={B} N={n_max} d={d}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B,n_max", [(16, 12000), (2, 9000)])
+def test_gpu_whole_cache_without_lengths(B, n_max):
+    """cache_seqlens=None at real sizes: B = 16 takes the rule's plan (128 programs fill the SMs),
+    B = 2 the sliced plan."""
+    if not course_lib.ON_GPU:
+        pytest.skip("needs a GPU")
+    q, k, v = make_cache(B, n_max, 32, 8, 128, 1, torch.bfloat16)
+    full = torch.full((B,), n_max, dtype=torch.int32, device=DEV)
+    out, lse = decode_attention(q, k, v, return_lse=True)
+    assert_matches(out, lse, decode_references(q, k, v, full), f"no lengths B={B} N={n_max}")
 
 
 @pytest.mark.gpu

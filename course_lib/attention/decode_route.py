@@ -67,7 +67,7 @@ def forward(q, k, v, alignment: str | None, scale: float):
     lengths = torch.full((q4.shape[0],), n_k, dtype=torch.int32, device=q4.device)
     out, lse = split_kv_launch(
         q4.transpose(1, 2), k4.transpose(1, 2), v4.transpose(1, 2), None, lengths,
-        page_size=1, capacity=n_k, causal=alignment is not None, scale=scale, num_splits=None,
+        page_size=1, capacity=n_k, causal=alignment is not None, scale=scale, num_splits=None, full=True,
     )  # fmt: skip
     # out (B, Nq, Hq, d) has q4.transpose(1, 2)'s strides: for a contiguous q, transposing back is contiguous
     o = out.transpose(1, 2).contiguous().view(q.shape)

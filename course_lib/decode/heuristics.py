@@ -290,10 +290,25 @@ def slice_splits(capacity: int) -> int:
     return max(1, min(MAX_SLICES, math.ceil(capacity / SLICE_KEYS)))
 
 
-def sliced(batch: int, capacity: int) -> bool:
+def sliced(batch: int, capacity: int, full: bool = False, programs: int = 0) -> bool:
     """Whether a batch shape takes the sliced plan (module docstring): two sequences or more and a cache
-    of `capacity` keys longer than SLICED_MIN_KEYS. Contiguous and paged caches alike."""
+    of `capacity` keys longer than SLICED_MIN_KEYS. Contiguous and paged caches alike.
+
+    full: every sequence is known to hold all `capacity` keys (a call without lengths, `FULL_CACHE`):
+    such a batch is even, and when its `programs` (batch x kv heads x query tiles) already fill the SMs
+    it takes the rule's plan instead."""
+    if full and programs >= FULL_CACHE * sm_count():
+        return False
     return batch >= 2 and capacity > SLICED_MIN_KEYS  # one sequence is never uneven
+
+
+# A batch known to be even (every sequence holds the whole cache: `decode_attention` without lengths, or
+# `flash_attention`'s decoding route over dense K/V) has no long sequence to spread, so when its programs
+# fill FULL_CACHE of the SMs (the rule's own one-split threshold) it runs the rule's plan: one program
+# per (sequence, kv head) on the contiguous tile, which streams as cuDNN's kernel does. Measured on an
+# H200 before (bf16, d = 128, 32/8 heads, CUDA-graph replays, us): even B = 16 at 32k, one split 464-476
+# against the sliced plan's 479-490 and cuDNN's 465-477; even B = 64 at 16k 966 against 975.
+FULL_CACHE = 0.8
 
 
 class DecodePlan(NamedTuple):
@@ -316,21 +331,23 @@ def decode_plan(
     table_width: int = 0,
     elem_bytes: int = 2,
     num_splits: int | None = None,
+    full: bool = False,
 ) -> DecodePlan:
     """The launch of a batch shape: batch, kv heads, query tiles per (sequence, kv head), cache capacity
     in keys (Nmax, or max_pages x page_size), head dim; paged with table_width entries per block-table
-    row; element size; num_splits to force a count. A paged launch that reads its table rows whole
+    row; element size; num_splits to force a count; full: every sequence holds all `capacity` keys
+    (`sliced`). A paged launch that reads its table rows whole
     (`table_row_plan`) runs on the row tile; a `sliced` batch on the paged tile, with the rule's count
     for its slots but at least `slice_splits`; any other on its own tile with the rule's count."""
-    long_batch = sliced(batch, capacity)
+    programs = batch * kv_heads * m_tiles
+    long_batch = sliced(batch, capacity, full, programs)
     row_splits = (
         table_row_plan(batch, kv_heads, m_tiles, capacity, head_dim, table_width, num_splits) if paged else 0
     )
     if row_splits:
         return DecodePlan(tile_for(head_dim, True, elem_bytes, table_row=True), row_splits, long_batch, True)
-    programs = batch * kv_heads * m_tiles
     tile = tile_for(head_dim, paged or long_batch, elem_bytes, programs=programs, capacity=capacity)
-    splits = num_splits or _splits(batch, kv_heads, m_tiles, capacity, head_dim, paged)
+    splits = num_splits or _splits(batch, kv_heads, m_tiles, capacity, head_dim, paged, full=full)
     return DecodePlan(tile, splits, long_batch, False)
 
 
@@ -342,18 +359,19 @@ def split_grid(
     head_dim: int,
     paged: bool = False,
     table_width: int = 0,
+    full: bool = False,
 ) -> int:
     """Splits in the grid for a batch shape (`decode_plan`; table_width: entries per block-table row of a
-    paged cache)."""
-    return decode_plan(batch, kv_heads, m_tiles, capacity, head_dim, paged, table_width).num_splits
+    paged cache; full: every sequence holds the whole cache)."""
+    return decode_plan(batch, kv_heads, m_tiles, capacity, head_dim, paged, table_width, full=full).num_splits
 
 
-def _splits(batch, kv_heads, m_tiles, capacity, head_dim, paged, table_row=False) -> int:
+def _splits(batch, kv_heads, m_tiles, capacity, head_dim, paged, table_row=False, full=False) -> int:
     """The rule's count (then `fill_wave`) for the launch's tile, and at least `slice_splits` for a
     sliced batch (whose tile is the paged one, or the row tile for a paged launch that reads its table
     rows whole)."""
     programs = batch * kv_heads * m_tiles
-    long_batch = sliced(batch, capacity)
+    long_batch = sliced(batch, capacity, full, programs)
     if not (long_batch or table_row):
         return num_splits_for(batch, kv_heads, m_tiles, capacity, head_dim, paged)
     rule = _rule_splits(programs, capacity, tile_for(head_dim, paged=True, table_row=table_row))

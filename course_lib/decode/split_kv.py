@@ -5,7 +5,8 @@ Layouts (FlashAttention's `flash_attn_with_kvcache` layout: tokens before heads)
                                   for speculative verification or a chunked prefill
   k_cache        (B, Nmax, Hkv, d), v_cache the same: key j of sequence b is valid for j < cache_seqlens[b]
                                   (the new tokens' keys already written at the end)
-  cache_seqlens  (B,) int32       valid keys per sequence, 0 <= cache_seqlens[b] <= Nmax
+  cache_seqlens  (B,) int32       valid keys per sequence, 0 <= cache_seqlens[b] <= Nmax (None in
+                                  `decode_attention`: every sequence holds all Nmax keys)
   out            (B, Tq, Hq, d)   q's dtype; lse (B, Tq, Hq) float32 (natural log, -inf for a row that
                                   sees no key; its out row is 0)
 Hq must be a multiple of Hkv (GQA; MQA when Hkv = 1): query head h reads kv head h // (Hq / Hkv).
@@ -300,10 +301,13 @@ def normalise_causal(causal, where: str) -> bool:
     raise ValueError(f"{where}: causal must be True / 'bottom_right' or False; got {causal!r}")
 
 
-def launch(q, k, v, block_table, cache_seqlens, *, page_size, capacity, causal, scale, num_splits):
+def launch(
+    q, k, v, block_table, cache_seqlens, *, page_size, capacity, causal, scale, num_splits, full=False
+):
     """Run the split-KV kernel (and the combine if S > 1); returns (out, lse). Inputs already checked.
 
-    k, v: (B, Nmax, Hkv, d) caches (block_table None) or (num_pages, page_size, Hkv, d) pools."""
+    k, v: (B, Nmax, Hkv, d) caches (block_table None) or (num_pages, page_size, Hkv, d) pools.
+    full: cache_seqlens holds `capacity` for every sequence (`heuristics.sliced`)."""
     B, Tq, Hq, d = q.shape
     Hkv = k.shape[2]
     group = Hq // Hkv
@@ -315,7 +319,7 @@ def launch(q, k, v, block_table, cache_seqlens, *, page_size, capacity, causal, 
     width = block_table.shape[1] if paged else 0
     plan = decode_plan(
         B, Hkv, m_tiles, capacity, d, paged, width, q.element_size(),
-        None if num_splits is None else int(num_splits),
+        None if num_splits is None else int(num_splits), full,
     )  # fmt: skip
     tile, num_splits = plan.tile, plan.num_splits
     out = torch.empty_like(q)
@@ -356,7 +360,7 @@ def decode_attention(
     q,
     k_cache,
     v_cache,
-    cache_seqlens,
+    cache_seqlens=None,
     causal=True,
     scale=None,
     num_splits=None,
@@ -367,7 +371,9 @@ def decode_attention(
     """Split-KV attention of new query tokens over a contiguous KV cache (Flash-Decoding). Notebook 09.
 
     q (B, Tq, Hq, d); k_cache, v_cache (B, Nmax, Hkv, d), Hq a multiple of Hkv; cache_seqlens (B,)
-    int32 in [0, Nmax]; float16, bfloat16 or float32; d a multiple of 8 in [16, 256]. causal=True
+    int32 in [0, Nmax], or None when every sequence holds all Nmax keys (as flash_attn_with_kvcache
+    reads it: an even batch, which may take another plan, `heuristics.sliced`); float16, bfloat16 or
+    float32; d a multiple of 8 in [16, 256]. causal=True
     (= "bottom_right"): query t sees keys j <= cache_seqlens[b] - Tq + t; False: all valid keys.
     scale defaults to 1/sqrt(d). num_splits: None chooses it from the SM count and the batch shape
     (`heuristics.decode_plan`: FlashAttention-2's rule, or short slices for a long batch of two
@@ -377,17 +383,22 @@ def decode_attention(
     capture); on the CPU the check always runs. Nothing here syncs when validate=False."""
     where = "decode_attention"
     check_kv_pair(k_cache, v_cache, ("k_cache", "v_cache"), "(B, Nmax, Hkv, d)", where)
+    full = cache_seqlens is None
+    if full:  # every sequence holds the whole cache
+        cache_seqlens = torch.full(
+            (k_cache.shape[0],), k_cache.shape[1], dtype=torch.int32, device=k_cache.device
+        )
     check_query_and_lengths(
         q, cache_seqlens, k_cache.shape[2], k_cache.shape[3], k_cache.dtype, k_cache.device, where
     )
     if k_cache.shape[0] != q.shape[0]:
         raise ValueError(f"{where}: q has batch {q.shape[0]}, k_cache {k_cache.shape[0]}")
     capacity = k_cache.shape[1]
-    if should_validate(validate, q.device):
+    if not full and should_validate(validate, q.device):
         check_lengths(cache_seqlens, capacity, where)
     out, lse = launch(
         q, k_cache, v_cache, None, cache_seqlens,
         page_size=1, capacity=capacity, causal=normalise_causal(causal, where), scale=scale,
-        num_splits=num_splits,
+        num_splits=num_splits, full=full,
     )  # fmt: skip
     return (out, lse) if return_lse else out
