@@ -206,7 +206,9 @@ def test_a_grid_with_a_mostly_empty_last_wave_takes_the_paged_tile(monkeypatch):
     monkeypatch.setattr(heuristics, "sm_count", lambda *a: 132)
     usual, paged = heuristics.TILES[128], heuristics.PAGED_TILES[128]
     for programs, expected in (
-        (120, usual),
+        (100, usual),  # the rule splits these
+        (120, heuristics.ONE_WAVE_TILES[128]),  # one wave, unsplit
+        (132, heuristics.ONE_WAVE_TILES[128]),
         (192, paged),
         (256, usual),
         (320, paged),
@@ -239,19 +241,24 @@ def test_a_long_batch_is_sliced():
 
 def test_a_full_cache_whose_programs_fill_the_sms_is_not_sliced():
     """Every sequence known to hold the whole cache (no lengths given): an even batch, so once its
-    programs fill FULL_CACHE of the SMs it takes the rule's plan, not short slices; fewer programs keep
-    the sliced plan."""
+    programs fill the SMs' waves it takes the rule's plan (one wave: `ONE_WAVE_TILES`), not short
+    slices; waves not filled keep the sliced plan."""
     sms = heuristics.sm_count()
     heads = 8
     batch = sms // heads  # one wave of programs, past the threshold
-    assert heuristics.FULL_CACHE * sms <= batch * heads <= sms
+    assert heuristics.unsplit_one_wave(batch * heads)
     assert heuristics.sliced(batch, 32768) and heuristics.sliced(
         batch, 32768, full=False, programs=batch * heads
     )
     assert not heuristics.sliced(batch, 32768, full=True, programs=batch * heads)
     plan = heuristics.decode_plan(batch, heads, 1, 32768, 128, full=True)
     assert not plan.sliced and plan.num_splits == heuristics.num_splits_for(batch, heads, 1, 32768, 128) == 1
-    assert plan.tile == tile_for(128, programs=batch * heads, capacity=32768)
+    assert (
+        plan.tile == tile_for(128, programs=batch * heads, capacity=32768) == heuristics.ONE_WAVE_TILES[128]
+    )
+    programs = sms + sms // 2  # 1.5 waves: wave efficiency 0.75
+    assert heuristics.decode_plan(programs, 1, 1, 32768, 128, full=True).sliced
+    assert not heuristics.decode_plan(2 * sms, 1, 1, 32768, 128, full=True).sliced  # two full waves
     assert heuristics.split_grid(batch, heads, 1, 32768, 128, full=True) == 1
     assert heuristics.decode_plan(2, 1, 1, 32768, 128, full=True).sliced  # 2 programs: still sliced
 
@@ -268,7 +275,7 @@ def test_decode_attention_without_lengths_reads_the_whole_cache(monkeypatch, hq,
         full = torch.full((B,), n_max, dtype=torch.int32, device=DEV)
         plan = heuristics.decode_plan(B, hkv, 1, n_max, 64, full=True)
         what = f"no lengths, B={B} Hq={hq} Hkv={hkv} Tq={tq}, sliced={plan.sliced}"
-        assert plan.sliced == (B * hkv < heuristics.FULL_CACHE * heuristics.sm_count()), what
+        assert plan.sliced == (heuristics.wave_efficiency(B * hkv, heuristics.sm_count()) < 0.8), what
         out, lse = decode_attention(q, k, v, return_lse=True)
         assert_matches(out, lse, decode_references(q, k, v, full), what)
 
@@ -675,5 +682,13 @@ def test_bench_report_and_plots_on_a_synthetic_record(tmp_path):
     assert any("B=16 N=32k: split-KV 0.92x SDPA" in m for m in misses), misses
     assert any("B=16 N=32k: paged 0.67x" in m for m in misses), misses
     assert not any(m.startswith("B=1 N=64k") for m in misses), misses
+    # the even cell measured without lengths too: that call against SDPA, the paged one against the call
+    # with lengths
+    cells[1].update(full_num_splits=1, split_kv_full=timing(0.5, cells[1]["kv_bytes"]))
+    table = bench.format_table(data)
+    assert "| 1 no lengths [1] / " in table and "| 1.10x [0.92x] |" in table, table
+    misses = bench.target_misses(data)
+    assert not any("B=16 N=32k: split-KV" in m for m in misses), misses
+    assert any("B=16 N=32k: paged 0.67x" in m for m in misses), misses
     paths = bench.save_plots(data, tmp_path, "test")
     assert len(paths) == 3 and all(p.exists() for p in paths)

@@ -140,6 +140,16 @@ SHORT_TILES = {128: DecodeTile(BLOCK_N=64, BLOCK_M_MAX=64, num_warps=4, num_stag
 SHORT_WAVES = 4
 SHORT_BLOCKS = 8
 
+# One wave of unsplit programs (the rule's one split: batch x kv heads x query tiles fills ONE_SPLIT_FILL
+# of the SMs, at most all of them): one program per SM, each streaming a whole (sequence, kv head). There
+# a 96 KB pipeline of 64-key blocks and 4 warps streams faster than the usual tile's 192 KB. Measured on
+# an H100 (bf16, d = 128, 32/8 heads, even batches, CUDA-graph replays, us, the usual tile / this one;
+# cuDNN): B = 16 at 32k 693.4 / 682.7 (687.7), 16k 352.5 / 350.2 (346.8), 8k 181.3 / 179.0 (176.4), 4k
+# 94.9 / 94.1 (91.7). With two waves or more the usual tile was as fast or faster (B = 32 at 16k 697.2 /
+# 699.9, B = 48 at 8k 526.5 / 530.3). 64 keys x 2 stages ran 25-30 % slower, 128 keys x 4 warps x 2
+# stages 3-5 %, 8 warps as fast.
+ONE_WAVE_TILES = {128: DecodeTile(BLOCK_N=64, BLOCK_M_MAX=64, num_warps=4, num_stages=3)}
+
 # A contiguous grid of a few waves (more programs than the contiguous tile's slots, no more than the paged
 # tile's) whose last wave would fill less than LAST_WAVE_MIN of the slots runs on the paged tile: all its
 # programs start at once, four to an SM, instead of a last wave that streams on part of the GPU. Measured
@@ -162,8 +172,9 @@ def tile_for(
     (`table_row`: the paged kernel reading its block-table rows whole, `ROW_TILES`).
 
     programs (batch x kv heads x query tiles) and capacity (keys per sequence) pick `SHORT_TILES` for a
-    contiguous cache read by many short programs, and the paged tile for a contiguous grid of a few waves
-    whose last one is mostly empty (`LAST_WAVE_MIN`); left out, the usual tile.
+    contiguous cache read by many short programs, `ONE_WAVE_TILES` for one wave of unsplit programs, and
+    the paged tile for a contiguous grid of a few waves whose last one is mostly empty (`LAST_WAVE_MIN`);
+    left out, the usual tile.
 
     On a GPU with less shared memory than the tile's pipeline needs (the d = 128 contiguous tile takes
     192 KB; an A100 has 164 KB, many desktop GPUs about 100 KB), stages are dropped, then BLOCK_N is
@@ -178,6 +189,8 @@ def tile_for(
         and capacity <= SHORT_BLOCKS * tile.BLOCK_N
     ):
         tile = SHORT_TILES[padded]
+    elif not (paged or table_row) and padded in ONE_WAVE_TILES and unsplit_one_wave(programs):
+        tile = ONE_WAVE_TILES[padded]
     elif not (paged or table_row) and _ragged_last_wave(programs, tile, PAGED_TILES[padded]):
         tile = PAGED_TILES[padded]
     limit = shared_memory_bytes()
@@ -203,6 +216,12 @@ def sm_count(device_index: int | None = None) -> int:
     return runtime.sm_count(device_index) if runtime.ON_GPU else CPU_SM_COUNT
 
 
+def unsplit_one_wave(programs: int) -> bool:
+    """Whether `programs` unsplit programs of the contiguous tile take the rule's one split (they fill
+    ONE_SPLIT_FILL of the SMs) and fit in one wave of them."""
+    return ONE_SPLIT_FILL * sm_count() <= programs <= sm_count()
+
+
 def _ragged_last_wave(programs: int, tile: DecodeTile, one_wave_tile: DecodeTile) -> bool:
     """More than one wave of `tile`, at most one of `one_wave_tile`, and a last wave of `tile` less than
     LAST_WAVE_MIN full."""
@@ -217,6 +236,10 @@ def wave_efficiency(programs: int, num_sms: int) -> float:
     return waves / math.ceil(waves)
 
 
+# FlashAttention-2's rule: no split when the programs already fill this share of the SMs.
+ONE_SPLIT_FILL = 0.8
+
+
 @functools.lru_cache(maxsize=4096)
 def choose_num_splits(programs: int, n_key_blocks: int, num_sms: int, max_splits: int = 128) -> int:
     """FlashAttention-2's split rule (module docstring).
@@ -226,7 +249,7 @@ def choose_num_splits(programs: int, n_key_blocks: int, num_sms: int, max_splits
     several programs per SM. Returns a split count in [1, max_splits]. Remembered per argument tuple: the
     rule weighs up to max_splits counts (tens of microseconds of Python), and a decoding loop asks again
     at every step."""
-    if programs <= 0 or n_key_blocks <= 4 or programs >= 0.8 * num_sms:
+    if programs <= 0 or n_key_blocks <= 4 or programs >= ONE_SPLIT_FILL * num_sms:
         return 1
     limit = max(1, min(max_splits, num_sms, n_key_blocks))
     eff = [wave_efficiency(programs * s, num_sms) for s in range(1, limit + 1)]
@@ -294,21 +317,22 @@ def sliced(batch: int, capacity: int, full: bool = False, programs: int = 0) -> 
     """Whether a batch shape takes the sliced plan (module docstring): two sequences or more and a cache
     of `capacity` keys longer than SLICED_MIN_KEYS. Contiguous and paged caches alike.
 
-    full: every sequence is known to hold all `capacity` keys (a call without lengths, `FULL_CACHE`):
-    such a batch is even, and when its `programs` (batch x kv heads x query tiles) already fill the SMs
-    it takes the rule's plan instead."""
-    if full and programs >= FULL_CACHE * sm_count():
+    full: every sequence is known to hold all `capacity` keys (a call without lengths): such a batch is
+    even, and when its `programs` (batch x kv heads x query tiles) fill the SMs' waves (wave efficiency
+    of at least ONE_SPLIT_FILL over the SMs) it takes the rule's plan instead (below)."""
+    if full and wave_efficiency(programs, sm_count()) >= ONE_SPLIT_FILL:
         return False
     return batch >= 2 and capacity > SLICED_MIN_KEYS  # one sequence is never uneven
 
 
 # A batch known to be even (every sequence holds the whole cache: `decode_attention` without lengths, or
 # `flash_attention`'s decoding route over dense K/V) has no long sequence to spread, so when its programs
-# fill FULL_CACHE of the SMs (the rule's own one-split threshold) it runs the rule's plan: one program
-# per (sequence, kv head) on the contiguous tile, which streams as cuDNN's kernel does. Measured on an
-# H200 before (bf16, d = 128, 32/8 heads, CUDA-graph replays, us): even B = 16 at 32k, one split 464-476
-# against the sliced plan's 479-490 and cuDNN's 465-477; even B = 64 at 16k 966 against 975.
-FULL_CACHE = 0.8
+# fill the SMs' waves it runs the rule's plan: one program per (sequence, kv head), as cuDNN's kernel
+# does. Measured on an H100 (bf16, d = 128, 32/8 heads, CUDA-graph replays, us, sliced / the rule's plan,
+# with the usual contiguous tile; cuDNN): B = 16 at 32k 711.6 / 693.5 (688.0), 16k 359.1 / 352.4 (346.9),
+# 8k 186.1 / 180.7 (176.1); B = 32 at 16k 714.1 / 698.4 (698.3); B = 48 at 8k 538.3 / 525.3 (531.6);
+# B = 64 at 16k 1419.6 / 1399.0 (1388.0). Where the waves are not full the slices won: B = 20 at 32k
+# (160 programs, wave efficiency 0.61) 881.0 / 896.2; B = 24 at 8k (0.73) 276.5 both.
 
 
 class DecodePlan(NamedTuple):
