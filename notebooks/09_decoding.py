@@ -442,6 +442,28 @@ if ragged_cell:
 # to a perfect balance is left for those?
 
 # %% [markdown]
+# **When the batch is known to be even.** The slices are insurance against lengths the plan cannot see,
+# and an even batch pays for it: 2048 short programs where one per (sequence, kv head) would do, as cuDNN
+# runs it. A caller sometimes *knows* every sequence holds the whole cache: SDPA's dense call does, and so
+# does `decode_attention(q, k_cache, v_cache)` with no lengths (`cache_seqlens=None`, as
+# `flash_attn_with_kvcache` reads it) and `flash_attention` handed dense K/V from a model's cache. Such a
+# batch takes the rule's plan wherever its programs fill the SMs' waves (`heuristics.sliced(..., full=True)`).
+
+# %%
+full_plan = heuristics.decode_plan(16, 8, 1, 32768, 128, full=True)
+print(f"16 x 32k keys, no lengths, on {heuristics.sm_count()} SMs: {full_plan.num_splits} split(s), "
+      f"sliced {full_plan.sliced}")  # fmt: skip
+assert not full_plan.sliced  # 128 programs fill the SMs' waves
+qe, ke, ve = (torch.randn(2, *shape, device=DEV) for shape in ((1, 8, 64), (96, 2, 64), (96, 2, 64)))
+every_key = torch.full((2,), 96, dtype=torch.int32, device=DEV)
+torch.testing.assert_close(decode_attention(qe, ke, ve), decode_attention(qe, ke, ve, every_key))
+even_cell = next((c for c in decode_rec["data"]["cells"] if "split_kv_full" in c), None) if decode_rec else None
+if even_cell:  # a record that measured the even cell both ways
+    with_l, without = (even_cell[k]["graph_ms"] * 1e3 for k in ("split_kv", "split_kv_full"))
+    print(f"{even_cell['name']}: {with_l:.1f} us with lengths, {without:.1f} us without "
+          f"({records.label(decode_rec)})")  # fmt: skip
+
+# %% [markdown]
 # The measured curve. On a GPU this cell measures a few split counts now; on the CPU it shows the
 # recorded run of `python -m course_lib.bench.decode` (the interpreter's timings would measure Python).
 #
