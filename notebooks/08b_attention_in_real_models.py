@@ -483,8 +483,10 @@ else:
 #   with `"bottom_right"`, without any mask tensor, a layer's sliding window included (the window is then
 #   passed on to the kernels). With padding (prompts of different lengths) it answers the 2-D padding mask,
 #   and the layers run the real tokens packed (section 5). For a static cache (more slots than keys so far)
-#   it answers how many keys are in use, and the layers run on those alone. For anything else (a 4-D mask of
-#   the caller's, a static cache under `torch.compile`) it builds transformers' boolean mask.
+#   it answers how many keys are in use, and the layers run on those alone; under `torch.compile` (which
+#   transformers applies to a static cache's decoding steps by itself on a GPU) that count is a tensor of
+#   the graph, and the layers run the decoding kernel of notebook 09 as a custom operator, which takes the
+#   count as a tensor. For anything else (a 4-D mask of the caller's) it builds transformers' boolean mask.
 # - `AttentionInterface` maps the name to a function `(module, q, k, v, mask, dropout, scaling, ...)`. Ours
 #   calls `course_lib.flash_attention` (the custom operator under `torch.compile`, the autograd Function
 #   eagerly) with K and V as they come (GQA, no repeat), the layer's window and its sinks

@@ -280,6 +280,37 @@ def test_decode_attention_without_lengths_reads_the_whole_cache(monkeypatch, hq,
         assert_matches(out, lse, decode_references(q, k, v, full), what)
 
 
+def test_decode_operator_matches_the_function_and_compiles_whole():
+    """course_lib::decode_attention: the function's result from strided views (a model's (B, H, N, d)
+    tensors transposed), torch.library.opcheck (schema, fake implementation), one node of a
+    torch.compile(fullgraph=True) graph, and a clear error for a backward through it."""
+    from course_lib.decode.op import _fake, decode_attention_op
+
+    q, k, v = make_cache(2, 40, 4, 2, 16, 1, torch.float32, seed=3)
+    qt, kt, vt = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (q, k, v))  # (B, H, N, d) memory
+    seqlens = torch.tensor([7, 40], dtype=torch.int32, device=DEV)
+    out = decode_attention_op(qt, kt, vt, seqlens, True, None)
+    assert out.stride() == torch.empty_like(qt).stride()
+    assert_matches(
+        out, decode_attention(q, k, v, seqlens, return_lse=True)[1], decode_references(q, k, v, seqlens), "op"
+    )
+    torch.library.opcheck(decode_attention_op, (qt, kt, vt, seqlens, True, 0.3))
+    torch._dynamo.reset()
+    compiled = torch.compile(
+        lambda *a: decode_attention_op(*a, True, None) * 2, fullgraph=True, backend="aot_eager"
+    )
+    torch.testing.assert_close(compiled(qt, kt, vt, seqlens), 2 * out)
+    grad_q = q.clone().requires_grad_()
+    with pytest.raises(RuntimeError, match="has no backward"):
+        decode_attention_op(grad_q, k, v, seqlens, True, None).sum().backward()
+    with pytest.raises(TypeError, match="cache_seqlens must be int32"):
+        decode_attention_op(q, k, v, seqlens.long(), True, None)
+    with pytest.raises(TypeError, match="course_lib::decode_attention: cache_seqlens must be int32"):
+        _fake(q, k, v, seqlens.long())
+    with pytest.raises(ValueError, match=r"cache_seqlens must have shape \(B,\) = \(2,\)"):
+        _fake(q, k, v, seqlens[:1])
+
+
 def test_longest_first_only_when_programs_wait_for_a_slot():
     """The sort runs for a batch of 2..LONGEST_FIRST_MAX_BATCH sequences whose programs do not all fit
     in the slots at once."""

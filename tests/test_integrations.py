@@ -168,8 +168,8 @@ def test_static_cache_generation_runs_on_the_kernels(kernel_calls):
     """A static cache (transformers' `cache_implementation="static"`, the cache it compiles generation
     with) has slots past the tokens so far: eagerly, the mask hook answers the count of keys in use and
     the layers run the kernels on those alone, bottom-right causal; greedy tokens as SDPA's, with no
-    fallback (a warning would fail the test). Compiled (transformers does so by itself on a GPU), the
-    layers get transformers' mask and fall back to SDPA, with a warning."""
+    fallback (a warning would fail the test). Compiled (transformers does so by itself on a GPU):
+    `test_compiled_static_cache_generation_runs_the_decoding_operator`."""
     use_in_transformers()
     model = tiny_llama()
     prompt = torch.randint(0, 97, (1, 8), device=DEVICE)
@@ -191,8 +191,10 @@ def test_static_cache_generation_runs_on_the_kernels(kernel_calls):
 
 def test_keys_in_use_only_where_the_kernels_apply(monkeypatch):
     """The mask hook's static-cache answer [n]: only for transformers' causal mask, no sliding window, no
-    padding among the n keys, keys from position 0, and not under torch.compile; otherwise transformers'
-    4-D mask. Handed back as the attention mask (as `generate` does), it reads as no padding."""
+    padding among the n keys, keys from position 0; otherwise transformers' 4-D mask. Handed back as the
+    attention mask (as `generate` does), it reads as no padding. Under torch.compile [n] is computed from
+    the query offset, a tensor of the graph, and a padding mask (whose values cannot be read there) gets
+    transformers' mask."""
     from transformers.masking_utils import causal_mask_function, sdpa_mask
 
     args = dict(batch_size=1, q_length=1, kv_length=16, q_offset=torch.tensor(5), kv_offset=0)
@@ -211,9 +213,72 @@ def test_keys_in_use_only_where_the_kernels_apply(monkeypatch):
     assert hook(mask_function=lambda b, h, q, k: k <= q).dim() == 4  # not transformers' causal function
     assert hook(q_offset=20).dim() == 4  # past the cache's end
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    traced = hook(attention_mask=torch.tensor([6]))  # under torch.compile: transformers' mask, built there
+    traced = hook(attention_mask=torch.tensor([6]))  # under torch.compile: from the offset, not read
+    assert traced.dtype == torch.int64 and traced.tolist() == [6]
+    assert hook(q_offset=torch.tensor(2), q_length=3).tolist() == [5]
+    traced = hook(attention_mask=torch.ones(1, 6, dtype=torch.bool))  # padding: transformers' mask
     want = sdpa_mask(**args, mask_function=causal_mask_function, allow_is_causal_skip=False)
     assert traced.dim() == 4 and torch.equal(traced, want)
+
+
+def test_compiled_static_cache_generation_runs_the_decoding_operator(monkeypatch):
+    """A static cache's generation compiled as transformers compiles it (on the CPU with the aot_eager
+    backend, fullgraph: a graph break raises; on a GPU transformers' own default, inductor with CUDA
+    graphs): the decoding steps run course_lib's decoding operator, which takes the count of keys in use
+    as a tensor; greedy tokens as SDPA's, no fallback warning."""
+    from transformers import CompileConfig
+
+    use_in_transformers()
+    calls = []
+    real = hf.decode_attention_op
+
+    def counting(q, k, v, lengths, causal, scale):
+        calls.append(tuple(q.shape))
+        return real(q, k, v, lengths, causal, scale)
+
+    monkeypatch.setattr(hf, "decode_attention_op", counting)
+    model = tiny_llama()
+    prompt = torch.randint(0, 97, (1, 8), device=DEVICE)
+    config = CompileConfig() if course_lib.ON_GPU else CompileConfig(backend="aot_eager", fullgraph=True)
+    config._compile_all_devices = True  # compile on the CPU too
+    tokens = {}
+    for impl in ("sdpa", "course_lib"):
+        model.set_attn_implementation(impl)
+        torch._dynamo.reset()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", UserWarning)
+            warnings.filterwarnings("ignore", message=".*(TensorFloat32|ignoring extra kwargs).*")
+            tokens[impl] = model.generate(
+                prompt, max_new_tokens=6, min_new_tokens=6, do_sample=False, cache_implementation="static",
+                compile_config=config,
+            )  # fmt: skip
+    assert torch.equal(tokens["sdpa"], tokens["course_lib"]), f"{tokens['sdpa']} != {tokens['course_lib']}"
+    assert calls and all(shape[1] == 1 for shape in calls), calls  # (B, 1 new token, Hq, d), traced
+
+
+def test_keys_in_use_as_a_tensor_where_the_operator_does_not_apply(monkeypatch):
+    """[n] as a tensor of a compiled graph: without a gradient to compute, the decoding operator; with
+    one (the operator has no backward), transformers' SDPA on the same mask, with a warning. Both against
+    SDPA on the first n keys, bottom-right causal."""
+    use_in_transformers()
+    layer = tiny_llama().model.layers[0].self_attn
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(1, 4, 2, 16, generator=g).to(DEVICE)
+    k, v = (torch.randn(1, 2, 12, 16, generator=g).to(DEVICE) for _ in range(2))
+    seen = torch.ones(2, 9, dtype=torch.bool, device=DEVICE).tril(7)  # 2 queries, the last 2 of 9 keys
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q, k[:, :, :9], v[:, :, :9], attn_mask=seen, scale=0.25, enable_gqa=True
+    ).transpose(1, 2)
+    n = torch.tensor([9], device=DEVICE)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        out, _ = hf.attention_forward(layer, q, k, v, n, scaling=0.25)
+    torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-5)
+    with pytest.warns(UserWarning, match="explicit mask"):
+        out, _ = hf.attention_forward(layer, q.clone().requires_grad_(), k, v, n, scaling=0.25)
+    assert out.requires_grad
+    torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-5)
 
 
 def _padded_batch(n=12, pad=4, side="left", seed=0):

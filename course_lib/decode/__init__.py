@@ -1,6 +1,7 @@
 """Decoding: split-KV attention over a KV cache (Flash-Decoding), paged caches and serving (notebooks 09, 10).
 
 - `split_kv`: `decode_attention(q, k_cache, v_cache, cache_seqlens, ...)` over a contiguous cache (09).
+- `op`: `decode_attention` as a PyTorch custom operator, for compiled graphs (a static cache in transformers, 08b).
 - `combine`: the merge of the splits' partial (O, L) (09).
 - `heuristics`: how many splits, and the tile sizes per head dim (09).
 - `reference`: the float64 reference (`decode_reference`) every decode kernel is tested against (09).

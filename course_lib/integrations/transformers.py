@@ -12,9 +12,11 @@ transformers asks two questions of an attention implementation, each through its
    (B, Nk), True for real tokens: the layers then run the real tokens as packed sequences
    (`attention.varlen.flash_attention_padded`), never computing the padding. A cache with more slots
    than keys in use (a static cache), causal and unpadded, answers the count of keys in use as a 1-D
-   tensor [n]: the layers run the kernels on those n keys alone. Anything else (chunked attention, a
-   4-D mask given by the caller, padding or a static cache under torch.compile, padding inside a row
-   with a sliding window) gets transformers' own boolean mask.
+   tensor [n]: the layers run the kernels on those n keys alone; under torch.compile (transformers
+   compiles a static cache's decoding steps by itself on a GPU) n is a tensor of the graph, and the
+   layers run the split-KV decoding operator (`course_lib.decode.op`), which takes the count as a
+   tensor. Anything else (chunked attention, a 4-D mask given by the caller, padding under
+   torch.compile, padding inside a row with a sliding window) gets transformers' own boolean mask.
 2. *Attention itself* (`AttentionInterface`): each layer calls `attention_forward(module, q, k, v,
    mask, dropout=, scaling=, ...)` with q (B, Hq, Nq, d), k, v (B, Hkv, Nk, d) and expects
    (O as (B, Nq, Hq, d), weights or None). With no mask, the kernels run through
@@ -51,6 +53,8 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 
 from ..attention.api import flash_attention
 from ..attention.varlen import flash_attention_padded
+from ..decode.op import decode_attention_op
+from ..decode.split_kv import DTYPES as DECODE_DTYPES
 
 NAME = "course_lib"
 
@@ -107,18 +111,23 @@ def _is_keys_in_use(mask) -> bool:
 
 
 def _keys_in_use(q_length, kv_length, q_offset, kv_offset, kernels_mask, local_size, padding_mask):
-    """[n], the count of keys in use as a 1-D int64 tensor on the CPU, when only the first n of the
-    cache's kv_length keys are (a static cache's unused slots follow) and the kernels compute the call
-    on those n alone; else None.
+    """[n], the count of keys in use as a 1-D int64 tensor, when only the first n of the cache's
+    kv_length keys are (a static cache's unused slots follow) and the kernels compute the call on those
+    n alone; else None.
 
     The queries are positions q_offset ... q_offset + q_length - 1, the keys 0 ... kv_length - 1
     (kv_offset = 0). Under the causal mask no query sees a key at or past n = q_offset + q_length, so
-    with those keys dropped the call is bottom-right causal over the rest. Not under torch.compile
-    (the count decides shapes), not with a sliding window or padding among the n keys. A static cache
-    gives q_offset as a tensor: reading it syncs with the GPU, once per forward (the hook runs once for
-    all layers)."""
-    if not kernels_mask or local_size is not None or torch.compiler.is_compiling() or kv_offset != 0:
+    with those keys dropped the call is bottom-right causal over the rest. Not with a sliding window or
+    padding among the n keys. Eagerly [n] is on the CPU: a static cache gives q_offset as a tensor, and
+    reading it syncs with the GPU, once per forward (the hook runs once for all layers). Under
+    torch.compile nothing may be read: [n] is then q_offset + q_length computed in the graph, on
+    q_offset's device, and only where no padding mask came with the call."""
+    if not kernels_mask or local_size is not None or kv_offset != 0:
         return None
+    if torch.compiler.is_compiling():
+        if padding_mask is not None:  # its values cannot be looked at here
+            return None
+        return (torch.as_tensor(q_offset).reshape(1) + q_length).to(torch.int64)
     if isinstance(q_offset, torch.Tensor):
         if q_offset.numel() != 1 or q_offset.dtype.is_floating_point:
             return None
@@ -210,7 +219,9 @@ def attention_forward(
     query: (B, Hq, Nq, d); key, value: (B, Hkv, Nk, d) with Hq a multiple of Hkv (grouped-query
     attention, K/V not repeated); the model's dtype (float16/bfloat16/float32). attention_mask: None
     (causal, bottom-right: query i sees keys j <= i + Nk - Nq; see `attention_mask`), [n] from that
-    hook (a static cache: the same on the first n keys, causal whatever is_causal says), a 2-D padding
+    hook (a static cache: the same on the first n keys, causal whatever is_causal says; under
+    torch.compile [n] is a tensor of the graph and the split-KV decoding operator computes the call,
+    `course_lib.decode.op`, or, where it cannot, SDPA on the same mask with a warning), a 2-D padding
     mask (B, Nk) from that hook (causal whatever is_causal says; the real tokens then run as packed
     sequences, padded query rows give 0), or a 4-D mask tensor (then SDPA runs, with a warning; for a layer with
     attention sinks, which SDPA would ignore, the model's own eager attention). sliding_window (keyword,
@@ -229,8 +240,21 @@ def attention_forward(
                 "use attn_implementation='sdpa' or 'eager' for this model"
             )
     if _is_keys_in_use(attention_mask):  # the first n keys are in use (`attention_mask` answered it)
-        n = int(attention_mask[0])  # a CPU tensor: no sync
-        key, value, attention_mask, is_causal = key[:, :, :n], value[:, :, :n], None, True
+        if attention_mask.device.type == "cpu" and not torch.compiler.is_compiling():
+            n = int(attention_mask[0])  # a CPU tensor: no sync
+            key, value, attention_mask, is_causal = key[:, :, :n], value[:, :, :n], None, True
+        elif _decodes(query, kwargs):  # n is a tensor of a compiled graph: the decoding operator takes it
+            lengths = attention_mask.to(device=query.device, dtype=torch.int32).expand(query.shape[0])
+            o = decode_attention_op(
+                query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), lengths.contiguous(),
+                True, scaling,
+            )  # fmt: skip
+            return o.contiguous(), None
+        else:  # the same mask as a tensor, for the fallback below
+            q_length, kv_length = query.shape[2], key.shape[2]
+            last = attention_mask.to(query.device) - q_length + torch.arange(q_length, device=query.device)
+            visible = torch.arange(kv_length, device=query.device)[None, :] <= last[:, None]
+            attention_mask = visible[None, None].expand(query.shape[0], 1, q_length, kv_length)
     if attention_mask is not None and attention_mask.dim() == 2:  # padding (`attention_mask` answered it)
         # causal whatever is_causal says: the hook answers this mask for causal masks only, and with a mask
         # a model may pass is_causal=False (SDPA's rule, the mask carries the causality: Moonshine)
@@ -290,6 +314,14 @@ def attention_forward(
     sinks = kwargs.get("s_aux")  # gpt-oss's attention sinks: (Hq,) logits
     o = flash_attention(query, key, value, "bottom_right" if causal else "none", scaling, window, sinks)
     return o.transpose(1, 2).contiguous(), None
+
+
+def _decodes(query: torch.Tensor, kwargs: dict) -> bool:
+    """Whether the decoding operator computes this layer's call: a dtype it takes, no attention sinks
+    or sliding window (it has neither), and no gradient to compute (it has no backward)."""
+    needs_grad = torch.is_grad_enabled() and query.requires_grad
+    extras = kwargs.get("s_aux") is not None or kwargs.get("sliding_window") is not None
+    return query.dtype in DECODE_DTYPES and not (needs_grad or extras)
 
 
 def register(name: str = NAME) -> str:
