@@ -238,7 +238,7 @@ def test_compiled_static_cache_generation_runs_the_decoding_operator(monkeypatch
 
     monkeypatch.setattr(hf, "decode_attention_op", counting)
     model = tiny_llama()
-    prompt = torch.randint(0, 97, (1, 8), device=DEVICE)
+    prompt = torch.randint(0, 97, (2, 8), device=DEVICE)  # two sequences: the count serves both
     config = CompileConfig() if course_lib.ON_GPU else CompileConfig(backend="aot_eager", fullgraph=True)
     config._compile_all_devices = True  # compile on the CPU too
     tokens = {}
@@ -248,11 +248,11 @@ def test_compiled_static_cache_generation_runs_the_decoding_operator(monkeypatch
         with warnings.catch_warnings():  # a fallback to SDPA warns; PyTorch's own warnings do not count
             warnings.filterwarnings("error", message="course_lib attention")
             tokens[impl] = model.generate(
-                prompt, max_new_tokens=6, min_new_tokens=6, do_sample=False, cache_implementation="static",
-                compile_config=config,
+                prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=6, min_new_tokens=6,
+                do_sample=False, cache_implementation="static", compile_config=config,
             )  # fmt: skip
     assert torch.equal(tokens["sdpa"], tokens["course_lib"]), f"{tokens['sdpa']} != {tokens['course_lib']}"
-    assert calls and all(shape[1] == 1 for shape in calls), calls  # (B, 1 new token, Hq, d), traced
+    assert calls and all(shape[:2] == (2, 1) for shape in calls), calls  # (B, 1 new token, Hq, d), traced
 
 
 def test_keys_in_use_as_a_tensor_where_the_operator_does_not_apply(monkeypatch):
