@@ -40,7 +40,8 @@ def causal_mask(
 
 def causal_mask_tile(i0: int, i1: int, j0: int, j1: int, device=None, offset: int = 0) -> torch.Tensor:
     """The (i1 - i0, j1 - j0) tile of the causal mask j <= i + offset for query rows [i0, i1) and keys
-    [j0, j1) (notebook 04: only tiles that cross the diagonal need it; `blocks.py` for the offset)."""
+    [j0, j1) (notebook 04: only tiles that cross the diagonal need it; `blocks.py` for the offset).
+    offset may also be a one-element tensor (a count known only on the device)."""
     i = torch.arange(i0, i1, device=device)[:, None]
     j = torch.arange(j0, j1, device=device)[None, :]
     return j <= i + offset

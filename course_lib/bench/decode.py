@@ -142,9 +142,9 @@ def measure_cell(B, lengths, n_max, read_gbps, dtype, device, graphs, gen, with_
     row["split_kv"] = _measure(
         lambda: decode_attention(q, k, v, seqlens, validate=False), nbytes, read_gbps, graphs
     )
-    even = all(int(n) == n_max for n in lengths)
-    if even and split_grid(B, HKV, 1, n_max, D, full=True) != row["num_splits"]:
-        row["full_num_splits"] = split_grid(B, HKV, 1, n_max, D, full=True)
+    full_splits = split_grid(B, HKV, 1, n_max, D, full=True)
+    if all(int(n) == n_max for n in lengths) and full_splits != row["num_splits"]:  # even, another plan
+        row["full_num_splits"] = full_splits
         row["split_kv_full"] = _measure(
             lambda: decode_attention(q, k, v, None, validate=False), nbytes, read_gbps, graphs
         )

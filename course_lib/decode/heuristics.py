@@ -179,7 +179,7 @@ def tile_for(
     On a GPU with less shared memory than the tile's pipeline needs (the d = 128 contiguous tile takes
     192 KB; an A100 has 164 KB, many desktop GPUs about 100 KB), stages are dropped, then BLOCK_N is
     halved, until it fits."""
-    padded = max(16, 1 << (int(head_dim) - 1).bit_length())
+    padded = max(16, runtime.next_power_of_2(head_dim))
     tile = (ROW_TILES if table_row else PAGED_TILES if paged else TILES)[padded]
     if (
         not paged
@@ -439,7 +439,7 @@ def longest_first_block(batch: int, programs: int, tile: DecodeTile) -> int:
     slot, and the sort delays every program's first load."""
     if batch < 2 or batch > LONGEST_FIRST_MAX_BATCH or one_wave(programs, tile):
         return 0
-    return 1 << (batch - 1).bit_length()
+    return runtime.next_power_of_2(batch)
 
 
 @triton.jit

@@ -52,6 +52,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     ) from exc
 
 from ..attention.api import flash_attention
+from ..attention.reference import causal_mask_tile
 from ..attention.varlen import flash_attention_padded
 from ..decode.op import decode_attention_op
 from ..decode.split_kv import DTYPES as DECODE_DTYPES
@@ -250,10 +251,10 @@ def attention_forward(
                 True, scaling,
             )  # fmt: skip
             return o.contiguous(), None
-        else:  # the same mask as a tensor, for the fallback below
+        else:  # the same mask as a tensor (bottom-right over the first n keys), for the fallback below
             q_length, kv_length = query.shape[2], key.shape[2]
-            last = attention_mask.to(query.device) - q_length + torch.arange(q_length, device=query.device)
-            visible = torch.arange(kv_length, device=query.device)[None, :] <= last[:, None]
+            offset = attention_mask.to(query.device) - q_length
+            visible = causal_mask_tile(0, q_length, 0, kv_length, query.device, offset)
             attention_mask = visible[None, None].expand(query.shape[0], 1, q_length, kv_length)
     if attention_mask is not None and attention_mask.dim() == 2:  # padding (`attention_mask` answered it)
         # causal whatever is_causal says: the hook answers this mask for causal masks only, and with a mask
