@@ -447,13 +447,18 @@ if ragged_cell:
 # runs it. A caller sometimes *knows* every sequence holds the whole cache: SDPA's dense call does, and so
 # does `decode_attention(q, k_cache, v_cache)` with no lengths (`cache_seqlens=None`, as
 # `flash_attn_with_kvcache` reads it) and `flash_attention` handed dense K/V from a model's cache. Such a
-# batch takes the rule's plan wherever its programs fill the SMs' waves (`heuristics.sliced(..., full=True)`).
+# batch takes the rule's plan wherever its programs fill the SMs' waves, or where the rule splits them into
+# one wave that does, as it splits batch 1 (a few sequences: every split equally long, nothing to balance;
+# `heuristics.sliced(..., full=True)`).
 
 # %%
 full_plan = heuristics.decode_plan(16, 8, 1, 32768, 128, full=True)
 print(f"16 x 32k keys, no lengths, on {heuristics.sm_count()} SMs: {full_plan.num_splits} split(s), "
       f"sliced {full_plan.sliced}")  # fmt: skip
 assert not full_plan.sliced  # 128 programs fill the SMs' waves
+few_plan = heuristics.decode_plan(2, 8, 1, 32768, 128, full=True)
+print(f" 2 x 32k keys, no lengths: {few_plan.num_splits} split(s), sliced {few_plan.sliced}")
+assert not few_plan.sliced  # the rule's splits fill one wave
 qe, ke, ve = (torch.randn(2, *shape, device=DEV) for shape in ((1, 8, 64), (96, 2, 64), (96, 2, 64)))
 every_key = torch.full((2,), 96, dtype=torch.int32, device=DEV)
 torch.testing.assert_close(decode_attention(qe, ke, ve), decode_attention(qe, ke, ve, every_key))

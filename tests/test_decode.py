@@ -260,7 +260,19 @@ def test_a_full_cache_whose_programs_fill_the_sms_is_not_sliced():
     assert heuristics.decode_plan(programs, 1, 1, 32768, 128, full=True).sliced
     assert not heuristics.decode_plan(2 * sms, 1, 1, 32768, 128, full=True).sliced  # two full waves
     assert heuristics.split_grid(batch, heads, 1, 32768, 128, full=True) == 1
-    assert heuristics.decode_plan(2, 1, 1, 32768, 128, full=True).sliced  # 2 programs: still sliced
+    # Few programs that the rule splits into one full wave (batch 1's plan): not sliced either, on
+    # `ONE_WAVE_TILES`; few whose rule's plan is several waves stay sliced.
+    for programs in range(2, sms):
+        plan = heuristics.decode_plan(programs, 1, 1, 32768, 128, full=True)
+        splits = heuristics._rule_splits(programs, 32768, heuristics.TILES[128])
+        one_wave = heuristics.unsplit_one_wave(programs * splits)
+        assert heuristics.one_wave_plan(programs, 32768) == one_wave
+        assert plan.sliced != one_wave, programs
+        if one_wave:
+            assert plan.tile == heuristics.ONE_WAVE_TILES[128], programs
+            assert heuristics.unsplit_one_wave(programs * plan.num_splits), programs
+    assert not heuristics.decode_plan(2, 1, 1, 32768, 128, full=True).sliced
+    assert not all(heuristics.one_wave_plan(p, 32768) for p in range(2, sms))  # both kinds were seen
 
 
 @pytest.mark.parametrize("hq, hkv, tq", [(4, 2, 1), (8, 8, 3)])

@@ -11,7 +11,8 @@ CUDA-graph replays, FlashAttention-2 forward / `decode_attention`): batch 1 at 8
 32k 518 / 51 us, 128k 2037 / 181 us; batch 8 at 8k 140 / 97 us; batch 32 at 2k 149 / 93 us.
 
 Plain launches (no CUDA graph) pay the host's time too, and there the split-KV path costs more: it
-launches two kernels (the splits and their merge) and fills a tensor of lengths, and a plain call of
+launches two kernels (the splits and their merge; then also a fill of a lengths tensor, since dropped: the
+whole cache needs none), and a plain call of
 `flash_attention` took 190-260 us of host time on that machine, whichever kernel ran (SDPA: 33 us;
 since cut to 96-175 us without a gradient, notes/performance.md, twentieth round). Plain, batch 1:
 8k keys 226 us by the forward / 236 us split-KV, 16k 264 / 253, 32k 520 / 254; but batch 32 at 2k
@@ -64,9 +65,8 @@ def forward(q, k, v, alignment: str | None, scale: float):
     returns them: q (..., Nq, d), k and v (..., Nk, d), any strides, checked by `inputs.check_inputs`."""
     q4, k4, v4 = as_4d(q), as_4d(k), as_4d(v)
     n_k = k4.shape[2]
-    lengths = torch.full((q4.shape[0],), n_k, dtype=torch.int32, device=q4.device)
     out, lse = split_kv_launch(
-        q4.transpose(1, 2), k4.transpose(1, 2), v4.transpose(1, 2), None, lengths,
+        q4.transpose(1, 2), k4.transpose(1, 2), v4.transpose(1, 2), None, None,
         page_size=1, capacity=n_k, causal=alignment is not None, scale=scale, num_splits=None, full=True,
     )  # fmt: skip
     # out (B, Nq, Hq, d) has q4.transpose(1, 2)'s strides: for a contiguous q, transposing back is contiguous

@@ -140,14 +140,16 @@ SHORT_TILES = {128: DecodeTile(BLOCK_N=64, BLOCK_M_MAX=64, num_warps=4, num_stag
 SHORT_WAVES = 4
 SHORT_BLOCKS = 8
 
-# One wave of unsplit programs (the rule's one split: batch x kv heads x query tiles fills ONE_SPLIT_FILL
-# of the SMs, at most all of them): one program per SM, each streaming a whole (sequence, kv head). There
-# a 96 KB pipeline of 64-key blocks and 4 warps streams faster than the usual tile's 192 KB. Measured on
-# an H100 (bf16, d = 128, 32/8 heads, even batches, CUDA-graph replays, us, the usual tile / this one;
-# cuDNN): B = 16 at 32k 693.4 / 682.7 (687.7), 16k 352.5 / 350.2 (346.8), 8k 181.3 / 179.0 (176.4), 4k
-# 94.9 / 94.1 (91.7). With two waves or more the usual tile was as fast or faster (B = 32 at 16k 697.2 /
-# 699.9, B = 48 at 8k 526.5 / 530.3). 64 keys x 2 stages ran 25-30 % slower, 128 keys x 4 warps x 2
-# stages 3-5 %, 8 warps as fast.
+# One wave of programs on the rule's plan (`one_wave_plan`: batch x kv heads x query tiles x the rule's
+# splits fills ONE_SPLIT_FILL of the SMs, at most all of them): one program per SM, each streaming a whole
+# (sequence, kv head) or one split of it. There a 96 KB pipeline of 64-key blocks and 4 warps streams
+# faster than the usual tile's 192 KB. Measured on an H100 (bf16, d = 128, 32/8 heads, CUDA-graph
+# replays, best of four, us, the usual tile / this one; cuDNN). Unsplit, even batches: B = 16 at 32k
+# 693.4 / 682.7 (687.7), 16k 352.5 / 350.2 (346.8), 8k 181.3 / 179.0 (176.4), 4k 94.9 / 94.1 (91.7).
+# Split, batch 1 (16 splits): 16k 33.1 / 32.4 (32.3), 32k 54.5 / 54.4 (54.1), 64k 97.2 / 95.3 (96.8),
+# 128k 183.6 / 180.2 (182.6). With two waves or more the usual tile was as fast or faster (B = 32 at
+# 16k 697.2 / 699.9, B = 48 at 8k 526.5 / 530.3). 64 keys x 2 stages ran 25-30 % slower, 128 keys x 4
+# warps x 2 stages 3-5 %, 8 warps as fast.
 ONE_WAVE_TILES = {128: DecodeTile(BLOCK_N=64, BLOCK_M_MAX=64, num_warps=4, num_stages=3)}
 
 # A contiguous grid of a few waves (more programs than the contiguous tile's slots, no more than the paged
@@ -172,7 +174,7 @@ def tile_for(
     (`table_row`: the paged kernel reading its block-table rows whole, `ROW_TILES`).
 
     programs (batch x kv heads x query tiles) and capacity (keys per sequence) pick `SHORT_TILES` for a
-    contiguous cache read by many short programs, `ONE_WAVE_TILES` for one wave of unsplit programs, and
+    contiguous cache read by many short programs, `ONE_WAVE_TILES` for a plan of one wave (`one_wave_plan`), and
     the paged tile for a contiguous grid of a few waves whose last one is mostly empty (`LAST_WAVE_MIN`);
     left out, the usual tile.
 
@@ -189,7 +191,14 @@ def tile_for(
         and capacity <= SHORT_BLOCKS * tile.BLOCK_N
     ):
         tile = SHORT_TILES[padded]
-    elif not (paged or table_row) and padded in ONE_WAVE_TILES and unsplit_one_wave(programs):
+    elif (
+        not (paged or table_row)
+        and padded in ONE_WAVE_TILES
+        and (
+            unsplit_one_wave(programs)
+            or (capacity is not None and one_wave_plan(programs, capacity, head_dim))
+        )
+    ):
         tile = ONE_WAVE_TILES[padded]
     elif not (paged or table_row) and _ragged_last_wave(programs, tile, PAGED_TILES[padded]):
         tile = PAGED_TILES[padded]
@@ -220,6 +229,15 @@ def unsplit_one_wave(programs: int) -> bool:
     """Whether `programs` unsplit programs of the contiguous tile take the rule's one split (they fill
     ONE_SPLIT_FILL of the SMs) and fit in one wave of them."""
     return ONE_SPLIT_FILL * sm_count() <= programs <= sm_count()
+
+
+def one_wave_plan(programs: int, capacity: int, head_dim: int = 128) -> bool:
+    """Whether the rule's plan for `programs` unsplit contiguous programs (batch x kv heads x query tiles)
+    over a cache of `capacity` keys is one wave that fills ONE_SPLIT_FILL of the SMs: its programs times
+    its split count (`_rule_splits` on the usual tile) pass `unsplit_one_wave`. Batch 1 with 8 kv heads
+    and a long cache (16 splits, 128 programs) is such a plan; so is one split of 120 programs."""
+    tile = TILES[max(16, runtime.next_power_of_2(head_dim))]
+    return unsplit_one_wave(programs * _rule_splits(programs, capacity, tile))
 
 
 def _ragged_last_wave(programs: int, tile: DecodeTile, one_wave_tile: DecodeTile) -> bool:
@@ -313,14 +331,17 @@ def slice_splits(capacity: int) -> int:
     return max(1, min(MAX_SLICES, math.ceil(capacity / SLICE_KEYS)))
 
 
-def sliced(batch: int, capacity: int, full: bool = False, programs: int = 0) -> bool:
+def sliced(batch: int, capacity: int, full: bool = False, programs: int = 0, head_dim: int = 128) -> bool:
     """Whether a batch shape takes the sliced plan (module docstring): two sequences or more and a cache
     of `capacity` keys longer than SLICED_MIN_KEYS. Contiguous and paged caches alike.
 
     full: every sequence is known to hold all `capacity` keys (a call without lengths): such a batch is
     even, and when its `programs` (batch x kv heads x query tiles) fill the SMs' waves (wave efficiency
-    of at least ONE_SPLIT_FILL over the SMs) it takes the rule's plan instead (below)."""
-    if full and wave_efficiency(programs, sm_count()) >= ONE_SPLIT_FILL:
+    of at least ONE_SPLIT_FILL over the SMs), or the rule splits them into one wave that does
+    (`one_wave_plan`, for `head_dim`), it takes the rule's plan instead (below)."""
+    if full and (
+        wave_efficiency(programs, sm_count()) >= ONE_SPLIT_FILL or one_wave_plan(programs, capacity, head_dim)
+    ):
         return False
     return batch >= 2 and capacity > SLICED_MIN_KEYS  # one sequence is never uneven
 
@@ -364,7 +385,7 @@ def decode_plan(
     (`table_row_plan`) runs on the row tile; a `sliced` batch on the paged tile, with the rule's count
     for its slots but at least `slice_splits`; any other on its own tile with the rule's count."""
     programs = batch * kv_heads * m_tiles
-    long_batch = sliced(batch, capacity, full, programs)
+    long_batch = sliced(batch, capacity, full, programs, head_dim)
     row_splits = (
         table_row_plan(batch, kv_heads, m_tiles, capacity, head_dim, table_width, num_splits) if paged else 0
     )
@@ -395,7 +416,7 @@ def _splits(batch, kv_heads, m_tiles, capacity, head_dim, paged, table_row=False
     sliced batch (whose tile is the paged one, or the row tile for a paged launch that reads its table
     rows whole)."""
     programs = batch * kv_heads * m_tiles
-    long_batch = sliced(batch, capacity, full, programs)
+    long_batch = sliced(batch, capacity, full, programs, head_dim)
     if not (long_batch or table_row):
         return num_splits_for(batch, kv_heads, m_tiles, capacity, head_dim, paged)
     rule = _rule_splits(programs, capacity, tile_for(head_dim, paged=True, table_row=table_row))

@@ -78,7 +78,7 @@ def split_kv_kernel(
     PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, CAUSAL: tl.constexpr, PAGED: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, SORT_B: tl.constexpr, PDL: tl.constexpr,
-    TABLE_ROW: tl.constexpr = 0,
+    TABLE_ROW: tl.constexpr = 0, FULL: tl.constexpr = False,
 ):  # fmt: skip
     """Partial (O, L) of one split of one (sequence, kv head) for one tile of (token, head) rows.
 
@@ -92,7 +92,7 @@ def split_kv_kernel(
     sliced batch): the programs take their (sequence, kv head, split) longest sequence first instead
     (`longest_first`; SORT_B is the batch padded to a power of two).
     PDL: the combine may be scheduled as soon as every program here has stored its partial
-    (`course_lib.pdl`)."""
+    (`course_lib.pdl`). FULL: every sequence holds all CAPACITY keys; SEQLENS is never read."""
     pid_bh = tl.program_id(0)
     split = tl.num_programs(1) - 1 - tl.program_id(1)  # the last splits launch first (docstring)
     pid_m = tl.program_id(2)
@@ -103,6 +103,8 @@ def split_kv_kernel(
             SEQLENS, tl.num_programs(0) // H_KV, CAPACITY, H_KV, NUM_SPLITS,
             tl.program_id(0) + tl.program_id(1) * tl.num_programs(0), SORT_B,
         )  # fmt: skip
+    elif FULL:  # no lengths to load: the whole cache
+        seqlen = CAPACITY
     else:
         # the wrappers check the lengths; the clamp keeps reads in bounds
         seqlen = tl.minimum(tl.load(SEQLENS + b), CAPACITY)
@@ -208,8 +210,11 @@ def split_kv_kernel(
 # --------------------------------------------------------------------------------------------------
 # Checks and the launch, shared with paged.py
 # --------------------------------------------------------------------------------------------------
-def check_query_and_lengths(q, cache_seqlens, kv_heads: int, head_dim: int, dtype, device, where: str):
-    """Raise TypeError / ValueError naming the problem for q (B, Tq, Hq, d) and cache_seqlens (B,)."""
+def check_query_and_lengths(
+    q, cache_seqlens, kv_heads: int, head_dim: int, dtype, device, where: str, full: bool = False
+):
+    """Raise TypeError / ValueError naming the problem for q (B, Tq, Hq, d) and cache_seqlens (B,)
+    (None with full: every sequence holds the whole cache)."""
     if not isinstance(q, torch.Tensor):
         raise TypeError(f"{where}: q must be a torch.Tensor, got {type(q).__name__}")
     if q.dim() != 4:
@@ -243,6 +248,8 @@ def check_query_and_lengths(q, cache_seqlens, kv_heads: int, head_dim: int, dtyp
             f"{where}: tensors are on {q.device}, but kernels are compiled for the GPU here; "
             "move them with .to(course_lib.DEVICE)"
         )
+    if full and cache_seqlens is None:
+        return
     if not isinstance(cache_seqlens, torch.Tensor):
         raise TypeError(
             f"{where}: cache_seqlens must be a (B,) int32 tensor, got {type(cache_seqlens).__name__}"
@@ -307,7 +314,8 @@ def launch(
     """Run the split-KV kernel (and the combine if S > 1); returns (out, lse). Inputs already checked.
 
     k, v: (B, Nmax, Hkv, d) caches (block_table None) or (num_pages, page_size, Hkv, d) pools.
-    full: cache_seqlens holds `capacity` for every sequence (`heuristics.sliced`)."""
+    full: every sequence holds all `capacity` keys (`heuristics.sliced`); cache_seqlens is then None
+    (or holds `capacity` for every sequence) and is never read."""
     B, Tq, Hq, d = q.shape
     Hkv = k.shape[2]
     group = Hq // Hkv
@@ -331,14 +339,15 @@ def launch(
     else:
         o_part = torch.empty((num_splits, B, Tq, Hq, d), dtype=torch.float32, device=q.device)
         l_part = torch.empty((num_splits, B, Tq, Hq), dtype=torch.float32, device=q.device)
-    cache_seqlens = cache_seqlens.contiguous()  # the kernel reads lengths[b] at SEQLENS + b
-    table = block_table if paged else cache_seqlens  # any int32 tensor: never read when PAGED=False
+    # the kernel reads lengths[b] at SEQLENS + b; with full, none (any tensor stands in, never read)
+    cache_seqlens = lse if full else cache_seqlens.contiguous()
+    table = block_table if paged else cache_seqlens  # any tensor: never read when PAGED=False
     table_strides = block_table.stride() if paged else (0, 0)
     scale = default_scale(d, scale)
     wide = q.dtype == torch.float32
     grid = (B * Hkv, num_splits, m_tiles)
     programs = B * Hkv * num_splits * m_tiles
-    sort_b = longest_first_block(B, programs, tile) if plan.sliced and num_splits > 1 else 0
+    sort_b = longest_first_block(B, programs, tile) if plan.sliced and num_splits > 1 and not full else 0
     use_pdl = num_splits > 1 and pdl.enabled(q.device)  # the combine is launched while the splits end
     split_kv_kernel[grid](
         q, k, v, table, cache_seqlens, o_part, l_part, scale * 1.4426950408889634,
@@ -349,7 +358,7 @@ def launch(
         UPCAST=bool(runtime.INTERPRET and q.dtype == torch.bfloat16),
         DOT_PRECISION="ieee" if wide else "tf32",
         SORT_B=sort_b, PDL=use_pdl, TABLE_ROW=runtime.next_power_of_2(width) if plan.table_row else 0,
-        num_warps=tile.num_warps, num_stages=tile.num_stages,
+        FULL=full, num_warps=tile.num_warps, num_stages=tile.num_stages,
     )  # fmt: skip
     if num_splits > 1:
         combine(o_part, l_part, out, lse, pdl=use_pdl)
@@ -383,13 +392,9 @@ def decode_attention(
     capture); on the CPU the check always runs. Nothing here syncs when validate=False."""
     where = "decode_attention"
     check_kv_pair(k_cache, v_cache, ("k_cache", "v_cache"), "(B, Nmax, Hkv, d)", where)
-    full = cache_seqlens is None
-    if full:  # every sequence holds the whole cache
-        cache_seqlens = torch.full(
-            (k_cache.shape[0],), k_cache.shape[1], dtype=torch.int32, device=k_cache.device
-        )
+    full = cache_seqlens is None  # every sequence holds the whole cache: no lengths to read
     check_query_and_lengths(
-        q, cache_seqlens, k_cache.shape[2], k_cache.shape[3], k_cache.dtype, k_cache.device, where
+        q, cache_seqlens, k_cache.shape[2], k_cache.shape[3], k_cache.dtype, k_cache.device, where, full
     )
     if k_cache.shape[0] != q.shape[0]:
         raise ValueError(f"{where}: q has batch {q.shape[0]}, k_cache {k_cache.shape[0]}")
