@@ -287,9 +287,33 @@ def test_decode_attention_without_lengths_reads_the_whole_cache(monkeypatch, hq,
         full = torch.full((B,), n_max, dtype=torch.int32, device=DEV)
         plan = heuristics.decode_plan(B, hkv, 1, n_max, 64, full=True)
         what = f"no lengths, B={B} Hq={hq} Hkv={hkv} Tq={tq}, sliced={plan.sliced}"
-        assert plan.sliced == (heuristics.wave_efficiency(B * hkv, heuristics.sm_count()) < 0.8), what
+        rule = heuristics.wave_efficiency(B * hkv, heuristics.sm_count()) >= 0.8 or heuristics.one_wave_plan(
+            B * hkv, n_max, 64
+        )
+        assert plan.sliced == (not rule), what
         out, lse = decode_attention(q, k, v, return_lse=True)
         assert_matches(out, lse, decode_references(q, k, v, full), what)
+
+
+def test_decode_attention_without_lengths_on_a_split_plan_of_one_wave():
+    """cache_seqlens=None where the rule splits a few programs into one wave (batch 1's plan, and a small
+    even batch that is then not sliced): the kernel takes the whole cache with no lengths tensor (FULL),
+    against the float64 reference with full lengths."""
+    candidates = [(1, 4, 1000), (2, 4, 1000), (1, 8, 16384), (2, 8, 16384)]  # (B, Hkv, Nmax); d = 64
+
+    def one_wave_split(c):
+        plan = heuristics.decode_plan(c[0], c[1], 1, c[2], 64, full=True)
+        return plan.num_splits > 1 and not plan.sliced and heuristics.one_wave_plan(c[0] * c[1], c[2], 64)
+
+    cases = [c for c in candidates if one_wave_split(c)][:2]
+    assert cases, "no candidate takes a split plan of one wave on this device"
+    for B, hkv, n_max in cases:
+        q, k, v = make_cache(B, n_max, 2 * hkv, hkv, 64, 1, torch.float32, seed=B)
+        full = torch.full((B,), n_max, dtype=torch.int32, device=DEV)
+        out, lse = decode_attention(q, k, v, return_lse=True)
+        assert_matches(
+            out, lse, decode_references(q, k, v, full), f"no lengths, B={B} Hkv={hkv} Nmax={n_max}"
+        )
 
 
 def test_decode_operator_matches_the_function_and_compiles_whole():

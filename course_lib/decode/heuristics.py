@@ -354,6 +354,10 @@ def sliced(batch: int, capacity: int, full: bool = False, programs: int = 0, hea
 # 8k 186.1 / 180.7 (176.1); B = 32 at 16k 714.1 / 698.4 (698.3); B = 48 at 8k 538.3 / 525.3 (531.6);
 # B = 64 at 16k 1419.6 / 1399.0 (1388.0). Where the waves are not full the slices won: B = 20 at 32k
 # (160 programs, wave efficiency 0.61) 881.0 / 896.2; B = 24 at 8k (0.73) 276.5 both.
+# A few sequences that the rule splits into one full wave (`one_wave_plan`, as it splits batch 1) take
+# that plan too, on `ONE_WAVE_TILES` (same machine, us, sliced / the rule's plan; cuDNN): B = 2 at 32k
+# 98.9 / 94.2 (96.4), B = 4 at 16k 97.8 / 94.7 (96.6), B = 8 at 8k 97.7 / 94.6 (96.7), B = 3 at 16k
+# 76.9 / 75.4 (78.1).
 
 
 class DecodePlan(NamedTuple):
