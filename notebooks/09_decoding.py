@@ -303,8 +303,8 @@ for s in (1, 3, 8):
 #
 # With G query heads per kv head, a kernel that gives each query head its own program reads every kv head's
 # cache G times. Packing puts the G heads (times Tq tokens) in the **rows of one tile**: row r = t·G + g,
-# padded to 16 rows (the smallest `tl.dot` tile). The K block is loaded once and multiplied by all G query
-# rows. The bytes differ by a factor G:
+# padded to a power of two, at least 16 rows (the smallest `tl.dot` tile). The K block is loaded once and
+# multiplied by all G query rows. The bytes differ by a factor G:
 
 # %%
 per_head = 2 * N * D * 2 * HQ  # K and V, bf16, once per query head
@@ -346,8 +346,8 @@ assert choose_num_splits(64 * 8, 64, 132) == 1
 # every cell where it differs from the rule's (the figures are in the docstring of
 # `course_lib/decode/heuristics.py`); the recorded curve below marks both counts.
 #
-# A grid of one wave (filled in this way, or one split of programs that fill 80-100 % of the SMs) also
-# runs on a tile of its own, `heuristics.ONE_WAVE_TILES`: 64-key blocks and 4 warps, a 96 KB pipeline in
+# A grid of one wave that fills at least 80 % of the SMs (filled in this way, or unsplit) also runs on a
+# tile of its own, `heuristics.ONE_WAVE_TILES`: 64-key blocks and 4 warps, a 96 KB pipeline in
 # place of the usual 192 KB. Measured on an H100, it streamed up to 2 % faster there (the figures are
 # beside it in `heuristics.py`); with two waves or more it did not. Why the shorter pipeline wins was not
 # established: a question for a profiler with hardware counters.
@@ -387,10 +387,11 @@ for programs, paged_tile in ((sms * 3 // 2, True), (2 * sms, False)):
 # one split; but each program's work is its sequence's length, and at the end the longest ones stream alone on
 # a few SMs while the rest idle. The lengths live on the GPU, and reading them on the host would cost a sync
 # and break CUDA-graph capture, so the plan must work for any lengths. A batch of two sequences or more with a
-# long cache (`heuristics.sliced`) is therefore cut into short slices whatever its lengths: at most
-# `heuristics.SLICE_KEYS` keys each (and at most `heuristics.MAX_SLICES` slices, so a longer cache gets longer
-# slices), read with the paged kernel's tile (64-key blocks, 4 programs per SM: short programs that share an
-# SM keep its loads in flight). Then **the order** in which the programs start matters. The GPU hands programs
+# long cache (`heuristics.sliced`) is therefore cut into short slices whatever its lengths: enough that none
+# has more than `heuristics.SLICE_KEYS` keys (at most `heuristics.MAX_SLICES` of those, so a longer cache gets
+# longer slices), or more if the split rule asks for more to fill the paged tile's slots; read with the paged
+# kernel's tile (64-key blocks, 4 programs per SM: short programs that share an SM keep its loads in flight).
+# Then **the order** in which the programs start matters. The GPU hands programs
 # to free SMs roughly in launch order; in the grid's order (split by split, all sequences at a time) some
 # slices of the longest sequence start when nearly everything else is done. Scheduling theory has a classic
 # rule for this, *longest processing time first*: start the longest jobs first, so the short ones fill the
@@ -469,7 +470,7 @@ print(f"16 x 32k keys, no lengths, on {heuristics.sm_count()} SMs: {full_plan.nu
 assert not full_plan.sliced  # 128 programs fill the SMs' waves
 few_plan = heuristics.decode_plan(2, 8, 1, 32768, 128, full=True)
 print(f" 2 x 32k keys, no lengths: {few_plan.num_splits} split(s), sliced {few_plan.sliced}")
-assert not few_plan.sliced  # the rule's splits fill one wave
+assert not few_plan.sliced  # on a GPU the rule's splits fill one wave (16 stand-in SMs: 16 programs already do)
 qe, ke, ve = (torch.randn(2, *shape, device=DEV) for shape in ((1, 8, 64), (96, 2, 64), (96, 2, 64)))
 every_key = torch.full((2,), 96, dtype=torch.int32, device=DEV)
 torch.testing.assert_close(decode_attention(qe, ke, ve), decode_attention(qe, ke, ve, every_key))
@@ -520,7 +521,7 @@ if curve:
         ax.plot([r["num_splits"] for r in curve], predicted, "--", label="predicted: bytes / read ceiling / SM fill")
     chosen = choose_num_splits(8, math.ceil(32768 / BLOCK_N), 132)
     filled = heuristics.fill_wave(chosen, 8, math.ceil(32768 / BLOCK_N), 132)
-    ax.axvline(chosen, color="g", lw=1, label=f"FA-2 rule: {chosen} splits")
+    ax.axvline(chosen, color="g", lw=1, label=f"the rule (choose_num_splits): {chosen} splits")
     ax.axvline(filled, color="m", lw=1, ls=":", label=f"the wave filled: {filled} splits")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
