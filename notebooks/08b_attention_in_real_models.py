@@ -90,15 +90,16 @@ print(f"B={B}, {HQ} query heads over {HKV} K/V heads, N={N}, d={D}, {DTYPE}")
 # the real computation while tracing: every tensor is a **fake tensor**, which has a shape, a dtype and a
 # device but no data. Then a back end (by default Inductor) generates code for the graph.
 #
-# Our `flash_attention` (notebook 07) is a `torch.autograd.Function` whose forward launches Triton kernels.
+# Our autograd Function, `FlashAttentionTriton` (notebook 07), launches Triton kernels in its forward.
 # Dynamo traces *into* such a Function: it sees the autotuner, the launch and the kernel, and hands the
 # kernel to Inductor to compile its own way. With our kernels (autotuned, with a launch cache and a
 # Hopper-only Gluon variant) that path failed on a GPU with an `InductorError`.
 #
 # A **custom operator** is a black box for the compiler. We tell PyTorch three things about it:
-# - the operator itself, `course_lib::flash_attention_forward(q, k, v, causal, scale) -> (O, L)`, whose body
-#   calls the kernels (`torch.library.custom_op`); its arguments have fixed types, so `causal` is a string
-#   ("none", "top_left", "bottom_right") and `scale` a float;
+# - the operator itself, `course_lib::flash_attention_forward(q, k, v, causal, scale, window, sinks) -> (O, L)`,
+#   whose body calls the kernels (`torch.library.custom_op`); its arguments have fixed types, so `causal` is
+#   a string ("none", "top_left", "bottom_right"), `scale` a float, `window` an int (0: none) and `sinks` an
+#   optional tensor;
 # - a **fake implementation** (`register_fake`): given fake q, k, v, return fake outputs of the right shape
 #   and dtype, O like q and L of shape q.shape[:-1] in float32. This is all Dynamo needs to trace past it;
 # - its **autograd** (`register_autograd`): which tensors to save, and a backward that calls a second
@@ -176,8 +177,10 @@ for g_c, g_e in zip(grads_compiled, grads_eager):
 # The easy way to run it is to repeat K and V G times and call ordinary attention. The kernels instead
 # compute each query head's K/V head index and read the shared tiles directly: nothing is copied, and in
 # the backward dK and dV add up the contributions of the G query heads that share them: on chip, one
-# program walking the whole group, or, for long rows where that measured slower, one program per query
-# head writing an fp32 partial sum that a small kernel then adds (`backward.dkdv_heads_per_program`).
+# program walking the whole group, or, for long rows where that measured slower (head dims up to 64 beyond
+# 4096 keys; on Hopper at d = 128, non-causal rows of 4096 keys or more), one program per query head writing
+# an fp32 partial sum that a small kernel then adds (`backward.dkdv_heads_per_program`,
+# `hopper_backward.heads_per_program`).
 
 # %%
 q, k, v = (torch.randn(B, h, N, D, device=DEV, dtype=DTYPE) for h in (HQ, HKV, HKV))
@@ -486,13 +489,14 @@ else:
 #   it answers how many keys are in use, and the layers run on those alone; under `torch.compile` (which
 #   transformers applies to a static cache's decoding steps by itself on a GPU) that count is a tensor of
 #   the graph, and the layers run the decoding kernel of notebook 09 as a custom operator, which takes the
-#   count as a tensor. For anything else (a 4-D mask of the caller's) it builds transformers' boolean mask.
+#   count as a tensor (inference steps without a window or sinks; otherwise SDPA on the equivalent causal
+#   mask, with a warning). For anything else (a 4-D mask of the caller's) it builds transformers' boolean mask.
 # - `AttentionInterface` maps the name to a function `(module, q, k, v, mask, dropout, scaling, ...)`. Ours
-#   calls `course_lib.flash_attention` (the custom operator under `torch.compile`, the autograd Function
-#   eagerly) with K and V as they come (GQA, no repeat), the layer's window and its sinks
-#   (gpt-oss) when the mask is `None`, `flash_attention_padded` for a padding mask, and hands the call to
-#   SDPA, with a warning, when there is a mask the kernels cannot apply (to the model's own eager attention
-#   for a layer with sinks, which SDPA lacks).
+#   calls `course_lib.flash_attention` (the custom operator under `torch.compile`; eagerly, the autograd
+#   Function when a gradient may be asked, the forward alone otherwise) with K and V as they come (GQA, no
+#   repeat), the layer's window and its sinks (gpt-oss) when the mask is `None`, `flash_attention_padded` for
+#   a padding mask, and hands the call to SDPA, with a warning, when there is a mask the kernels cannot apply
+#   (to the model's own eager attention for a layer with sinks, which SDPA lacks).
 #
 # `use_in_transformers()` registers both under the name "course_lib". A tiny Llama with random weights,
 # built from a config (nothing is downloaded):

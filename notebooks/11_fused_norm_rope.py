@@ -166,8 +166,8 @@ torch.testing.assert_close(y_simple, llama_rms_norm(x, w), rtol=2e-2, atol=2e-2)
 # clear errors, and the autograd Function that calls the backward (without a gradient to compute, under
 # `torch.no_grad()` for instance, it skips the Function and does not store rstd). Rows longer than 4096
 # elements (5120 or 8192, say: launches are looked up by the row padded to a power of two) take a second
-# kernel, `rms_norm_fwd_chunked_kernel`: one row per program, read twice, in pieces (up to 8192 rows, one
-# piece). The first pass sums the squares; the second reads the row back, from the L1 or L2 cache, and
+# kernel, `rms_norm_fwd_chunked_kernel`: one row per program, read twice, in pieces (rows of up to 8192
+# elements: one piece). The first pass sums the squares; the second reads the row back, from the L1 or L2 cache, and
 # writes y. HBM still sees one read and one write, and nothing of the row has to stay in registers between
 # the passes, so more programs share an SM and more loads are in flight. When x is much larger than the L2,
 # the first pass asks the L2 to keep the row (`eviction_policy="evict_last"`, chosen by
@@ -187,8 +187,9 @@ torch.testing.assert_close(y_simple, llama_rms_norm(x, w), rtol=2e-2, atol=2e-2)
 #
 # dx needs only its own row (one more row reduction, in registers). dw sums over **all** rows, which live in
 # different programs. course_lib's backward is a *persistent* kernel: a few programs per SM, each looping
-# over rows p, p + P, p + 2P, … and adding up its rows' dy ⊙ x̂ in registers. Each iteration first asks
-# for the *next* row's x and dy, then computes and stores this row's dx: software pipelining by hand, so
+# over tiles of ROWS rows (one row when rows are long): tiles p, p + P, p + 2P, …, adding up its rows'
+# dy ⊙ x̂ in registers. Each iteration first asks for the *next* tile's x and dy, then computes and stores
+# this tile's dx: software pipelining by hand, so
 # the loads of one row are in flight while the arithmetic and the store of the previous one run (without
 # it, each program waits for its loads at the top of every iteration). For rows longer than 4096 elements
 # the loads of x and dy are marked `evict_first` and dx is stored with the streaming hint (`.cs`): each of
@@ -202,7 +203,8 @@ torch.testing.assert_close(y_simple, llama_rms_norm(x, w), rtol=2e-2, atol=2e-2)
 #   bits of dW change from run to run.
 # - **partials** (Liger-Kernel's choice, course_lib's default): program p writes its partial to row p of a
 #   (P, D) buffer; a second, small reduction adds the P rows in a fixed order. Deterministic.
-# - **locked buffers** (Triton's layer-norm tutorial): G < P buffers, each behind a spin lock; program p
+# - **locked buffers** (Triton's layer-norm tutorial): G = min(16, P) buffers (fewer than P on a GPU), each
+#   behind a spin lock; program p
 #   adds into buffer p mod G while holding its lock, then the G rows are summed. Less memory than P rows,
 #   but the order inside a buffer still depends on scheduling.
 #
@@ -236,10 +238,10 @@ assert torch.equal(torch.autograd.grad(rms_norm(xg, wg), (xg, wg), dy)[1], dw_by
 
 # %% [markdown]
 # What they cost on an H200, from the benchmark's record (the backward's bytes over its time, as a share of
-# the copy ceiling), and what two runs showed. Everything but the dW reduction is the same in the three
+# the copy ceiling), and what three runs showed. Everything but the dW reduction is the same in the three
 # modes, so the differences between rows of one shape are the reduction's cost: compare them shape by
 # shape, short rows (a backward of tens of microseconds, where waiting on atomics or locks is a large share)
-# against long ones. The "deterministic" column is one observation of two runs, not a guarantee, except
+# against long ones. The "deterministic" column is one observation of three runs, not a guarantee, except
 # for "partials".
 
 # %%
@@ -252,7 +254,7 @@ if rec and rec["data"].get("dw_modes"):
                   f"({r['copy_fraction']:.0%} of copy), deterministic: {r['deterministic']}")  # fmt: skip
 else:
     print("No recorded GPU run of the fused benchmark yet (python -m course_lib.bench.fused on a GPU): it "
-          "times the backward with each dW reduction and checks whether two runs give the same bits.")  # fmt: skip
+          "times the backward with each dW reduction and checks whether three runs give the same bits.")  # fmt: skip
 
 # %% [markdown]
 # ### Measured: eager, `F.rms_norm`, `torch.compile`, course_lib

@@ -6,7 +6,7 @@ On a GPU, bf16, in one run:
   LlamaRMSNorm written in PyTorch), `F.rms_norm` (`torch.nn.functional.rms_norm`), `compiled`
   (`torch.compile` of the eager code) and `course_lib` (`course_lib.fused.rms_norm`);
 - the three dW reductions of course_lib's backward (`dw_mode`) at a few cells, with a determinism check
-  (two backward passes, dW compared bit for bit);
+  (three backward passes, dW compared bit for bit);
 - RoPE of q (T, 32, 128) and k (T, 8, 128) stored token-major, forward and backward, for `eager`
   (apply_rotary_pos_emb's arithmetic), `compiled` and `course_lib` (`course_lib.fused.rope`).
 Every time becomes GB/s counting the bytes that must move (docstrings of `rms_norm_bytes`, `rope_bytes`)
