@@ -30,7 +30,8 @@
 # 4. On a GPU: compare with notebook 04's PyTorch version and PyTorch's `scaled_dot_product_attention`, and
 #    sweep block sizes and warps.
 #
-# The finished kernel is `course_lib.flash_attention` (in `course_lib/attention/forward.py`).
+# The finished kernel is `_fwd_kernel` in `course_lib/attention/forward.py`, which `course_lib.flash_attention`
+# (`course_lib/attention/api.py`) calls.
 
 # %% [markdown]
 # ## 0. Setup and sizes
@@ -760,10 +761,11 @@ print("non-contiguous inputs: same result")
 #
 # Forward time for the shapes of the FlashAttention papers, reported as TFLOP/s by the papers' convention
 # ($4 \cdot B \cdot H \cdot N^2 \cdot d$ useful FLOPs, half of that when causal): bfloat16,
-# B·N = 16384 tokens, H·d = 2048, d = 64. Providers: this notebook's kernel (BLOCK_M=128, BLOCK_N=64,
-# 4 warps, 3 stages), `course_lib.flash_attention` (autotuned), notebook 04's `FlashAttentionTorch` (a Python
-# loop over tiles: only up to N = 2048, it is slow) and `scaled_dot_product_attention` (PyTorch picks its
-# fastest backend).
+# B·N = 16384 tokens, H·d = 2048, d = 64. Providers: this notebook's kernel (BLOCK_M=128, BLOCK_N=64, 4 warps,
+# 3 stages), `course_lib.flash_attention` (its default launch, recorded per GPU or chosen by a rule; on a
+# Hopper GPU at long N, FlashAttention-3's kernel written in Gluon, notebook 08c), notebook 04's
+# `FlashAttentionTorch` (a Python loop over tiles: only up to N = 2048, it is slow) and
+# `scaled_dot_product_attention` (PyTorch picks its fastest backend).
 # On a CPU we show the recorded run.
 #
 # **Predict first.** Section 5's causal kernel skips every fully masked block. At the smallest N of the
@@ -789,7 +791,8 @@ def plot_forward_comparison(data, source):
             title=f"{kind}: up to {nb:.0f} (this notebook), {lib:.0f} (course_lib)", logx=True, ax=ax,
         )  # fmt: skip
         ax.set_xticks(data["N"], [f"{n // 1024}k" for n in data["N"]])
-    fig.suptitle(f"Triton FlashAttention-2 forward against PyTorch, d = {data['d']}\n{source}", fontsize=15)
+    title = f"FlashAttention-2 forward (Triton) and course_lib against PyTorch, d = {data['d']}"
+    fig.suptitle(f"{title}\n{source}", fontsize=15)
     plt.show()
 
 

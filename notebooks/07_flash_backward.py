@@ -234,6 +234,9 @@ def bwd_preprocess(O, DO, Delta, N_Q, HEAD_DIM: tl.constexpr, BLOCK_M: tl.conste
 #
 # Ragged lengths need no mask inside the loop: padding query rows load Q = dO = 0, L = D = 0, so their
 # $P^\top dO$ and $dS^\top Q$ are exactly 0; padding keys produce rows of dK and dV that are never stored.
+# (With `ATOMIC` they also add terms to dQ: K = 0 there, so each is $0 \cdot e^{-L}$, which is NaN once
+# $e^{-L}$ overflows, for a row whose scores are all below about -88. course_lib's kernel therefore masks
+# every block in its atomic mode.)
 #
 # Causal: query $i$ sees key $j$ when $j \le i$. For the key block starting at $n_0$, query blocks that end
 # before $n_0$ see none of its keys: the loop **starts** at the query block holding row $n_0$. The next query
@@ -660,7 +663,10 @@ if got:
 # course_lib defaults to two kernels for deterministic gradients and no float32 dQ buffer; the figure shows
 # what that choice costs or saves on the GPU it was measured on. The balance can tip the other way on a GPU
 # whose atomics are fast relative to its tensor cores, or at shapes where few programs collide on the same dQ
-# rows: the atomic variant is one flag away (`dq_mode="atomic"`).
+# rows: the atomic variant is one flag away in `course_lib.attention.backward.backward(..., dq_mode="atomic")`
+# (`flash_attention` and `FlashAttentionTriton` always take two kernels). On a Hopper GPU at d = 128 the
+# two-kernel mode's dK/dV step is FlashAttention-3's kernel written in Gluon (notebook 08c), and the atomic
+# mode stays in Triton, so there the figure compares more than the tile products.
 #
 # ### Predict: how much longer than the forward is the backward?
 #
@@ -976,7 +982,7 @@ check("dv_kernel", lambda: dv_only(do, q, k, lse).double(), dv_expected, rtol=1e
 #   products, but float32 read-modify-writes of dQ, contention and run-to-run differences. The measurement
 #   decides.
 # - Causal: both kernels skip the blocks with no visible pair and mask only the diagonal blocks, as the
-#   forward.
+#   forward (course_lib's atomic mode masks every block of the dK/dV kernel: see section 3).
 # - `course_lib.FlashAttentionTriton` saves Q, K, V, O and L (no Nq x Nk tensor); gradcheck passes in float64.
 #
 # Next, notebook 08 measures the whole thing against PyTorch's attention backends, and climbs the optimisation
