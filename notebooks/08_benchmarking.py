@@ -132,12 +132,13 @@ print(f"first call {first:.1f} ms, later calls {later:.1f} ms (median): {first /
 
 # %% [markdown]
 # **The warm-up sweep.** How many warm-up calls are enough? Time the first eight calls on a shape this
-# process has not run yet, one by one, then see what a timing loop of five calls would report after 0, 1
-# or 2 warm-up calls (the mean of calls w+1 to w+5).
+# process has not run yet (causal this time, so its kernel is another compilation, not 1.2's), one by one,
+# then see what a timing loop of five calls would report after 0, 1 or 2 warm-up calls (the mean of calls
+# w+1 to w+5).
 
 # %%
 q, k, v = (torch.randn(B, H, N_KERNEL + 48, D, device=DEVICE, dtype=DTYPE) for _ in range(3))
-calls = [stopwatch_ms(lambda: course_lib.flash_attention(q, k, v), wait=True) for _ in range(8)]
+calls = [stopwatch_ms(lambda: course_lib.flash_attention(q, k, v, causal=True), wait=True) for _ in range(8)]
 print("calls one by one (ms):", " ".join(f"{t:.2f}" for t in calls))
 steady = statistics.median(calls[3:])
 for w in (0, 1, 2):
@@ -326,15 +327,15 @@ if hw is not None:
 # the autograd bookkeeping, and the Python `autograd.Function.backward` (which PyTorch runs on its own
 # autograd thread for CUDA tensors) add up to a large share of the GPU time.
 #
-# How to tell: time many calls back to back with one synchronisation at the end (wall time per call),
-# time how long the loop took to *issue* them, and compare both with the kernels' time from
-# `torch.profiler`. Issue time close to wall time means CPU-bound. `scripts/launch_overhead.py` does this
-# for course_lib and SDPA; `notes/performance.md` has what it measured on the H200. course_lib's answer:
-# its backward is two launches (the dQ kernel also computes D = rowsum(dO * O)), a tuned kernel
-# launches the autotuner's remembered choice directly, a call with nothing to differentiate (inference,
-# `torch.no_grad()`) runs the forward alone, without an autograd node, and `make bench` measures
-# `torch.compile` last, because after it had run, every Python launch in that process was measured to be
-# slower. What is left, several times SDPA's host time per call (`notes/performance.md`, twentieth
+# How to tell: time many calls back to back with one synchronisation at the end (wall time per call), time
+# how long the loop took to *issue* them, and compare both with the kernels' time from `torch.profiler`.
+# Issue time close to wall time means CPU-bound. `scripts/launch_overhead.py` does this for course_lib and
+# SDPA; `notes/performance.md` has what it measured on the H200. course_lib's answer: its backward is two
+# launches (the dQ kernel also computes D = rowsum(dO * O)), a tuned kernel launches the autotuner's
+# remembered choice directly, a call with nothing to differentiate (inference, `torch.no_grad()`) runs the
+# forward alone, without an autograd node, and `make bench` measures `torch.compile` after every other
+# provider of the attention grid, because after it had run, every Python launch in that process was measured
+# to be slower. What is left, several times SDPA's host time per call (`notes/performance.md`, twentieth
 # round), is one reason serving engines replay decoding steps as CUDA graphs: a replay issues every kernel
 # of the step from one CPU call.
 
@@ -581,9 +582,9 @@ else:
 #   adds a BLOCK_M x d float32 tile into dQ at every step, and those read-modify-writes in L2 cost more than
 #   the two products they save. The byte count the prediction left out is the atomics' traffic — notebook 07
 #   measures the same trade-off across shapes.
-# - *Autotuned.* Close to 1.0x in the forward: the hand-picked rung is already the tuner's choice for this
-#   shape. In the backward below 1.0x: here the recorded launch choice loses to the hand-picked rung (not
-#   investigated further).
+# - *Autotuned.* Close to 1.0x in the forward: the launch recorded for this shape (64 x 64 tiles, 4 warps)
+#   runs about as fast as the hand-picked rung (128 x 64, 8 warps). In the backward below 1.0x: here the
+#   recorded launch choice loses to the hand-picked rung (not investigated further).
 # - *dK/dV without spills.* Predicted 1.1x from the dK/dV kernel's share of the backward, measured less: at
 #   this causal shape a block of keys sees 32 query blocks on average, so the program's fixed costs
 #   (loading K and V, filling the pipeline, storing dK and dV) weigh more than on long non-causal rows,
@@ -654,9 +655,9 @@ if att_rec is not None:
     plt.show()
 
 # %% [markdown]
-# `make bench` ends with this table: course_lib's TFLOP/s over SDPA's, per cell, with the minimum and the
-# geometric mean per column (the right average for ratios: a 2x and a 0.5x cancel out), and the targets
-# the kernels are held to.
+# The attention part of `make bench` ends with this table: course_lib's TFLOP/s over SDPA's, per cell, with
+# the minimum and the geometric mean per column (the right average for ratios: a 2x and a 0.5x cancel out),
+# and the targets the kernels are held to.
 
 # %%
 if att_rec is not None:
@@ -669,7 +670,8 @@ if att_rec is not None:
 # program's tile has few K/V blocks to amortise its start and end. The forward+backward trails cuDNN: the backward's dQ
 # kernel (and, at d = 64, its dK/dV kernel) is still notebook 07's Triton kernel, where every warp does
 # everything in turn; at d = 128 the dK/dV kernel is FlashAttention-3's layout in Gluon, which no longer
-# spills registers (notebook 08c, section 5) but overlaps no more than the Triton one.
+# spills registers (notebook 08c, section 5) but overlaps no more than the Triton one (except causal at
+# N = 1k, where the Triton dK/dV kernel runs).
 #
 # cuDNN's lead over a Triton kernel comes from overlapping the softmax with the matrix products, which
 # needs warps with different jobs: course_lib's forward does that on Hopper with a Gluon kernel wherever
@@ -684,12 +686,13 @@ if att_rec is not None:
 #   shape: on Hopper the warp-specialised Gluon forward wherever it measured faster, otherwise the Triton
 #   kernel. A record taken before the Gluon forward existed (each record prints its date and versions)
 #   timed the autotuned Triton kernel under that name.
-# - *Different processes.* Each figure is a median within one process. Between processes a GPU's clocks,
-#   temperature and the autotuner's choice (itself a timing, and a noisy one when the gap between configs
-#   is a few percent) move the figures by a few percent, often the size of the gaps notebook 06 shows.
-# - *Different call paths.* Notebook 06 times `flash_attention`, an autograd Function with input checks, against
-#   its own direct launch; at N = 1k a forward takes a fraction of a millisecond, so tens of microseconds
-#   of Python per call are visible.
+# - *Different processes.* Each figure is a median within one process. Between processes a GPU's clocks and
+#   temperature (and a launch choice tuned again with `COURSE_AUTOTUNE=1`, itself a timing, and a noisy one
+#   when the gap between configs is a few percent) move the figures by a few percent, often the size of the
+#   gaps notebook 06 shows.
+# - *Different call paths.* Notebook 06 times `flash_attention` (input checks and a launch lookup; no
+#   autograd node, since nothing there needs a gradient) against its own direct launch; at N = 1k a forward
+#   takes a fraction of a millisecond, so tens of microseconds of Python per call are visible.
 # Compare figures only within one record, where one process measured every provider on the same inputs.
 
 # %%

@@ -222,7 +222,7 @@ for d_head, variants in hopper.VARIANTS.items():
         fields = ", ".join(f"{name}={val}" for name, val in zip(FIELDS, v))
         print(f"d = {d_head:3}: {fields}")
         print(f"         {v[2] * hopper.QUERY_ROWS} query rows per program, {warps} warps, "
-              f"{opts['CONSUMER_REGS']} registers per consumer thread")  # fmt: skip
+              f"{opts['CONSUMER_REGS']} registers per worker consumer thread")  # fmt: skip
 
 # %% [markdown]
 # Shared memory limits the variants. A program holds its Q block (64 rows per consumer) and `NUM_STAGES`
