@@ -132,7 +132,8 @@ plt.show()
 # ## 4. Figures from a GPU, when you have none
 #
 # Speed is a GPU story. When you work on a CPU, the notebooks show **recorded** GPU figures: files in
-# `assets/benchmarks/` written by `make bench` on a real GPU, each stamped with the GPU, the driver, the
+# `assets/benchmarks/` written on a real GPU by `make bench` or by a notebook's GPU-only cells (not under
+# `make test-gpu`, which sets `COURSE_RECORDS=off`), each stamped with the GPU, the driver, the
 # versions and the date. No GPU number in the course is typed by hand. Next to them you always see what
 # *your* machine measured, labelled as such.
 

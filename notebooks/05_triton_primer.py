@@ -243,8 +243,9 @@ assert (out_masked[10:] == 0).all()
 #
 # Three tools, from cheapest to most powerful:
 #
-# 1. **Assert against a reference.** Every kernel in this course is checked with
-#    `torch.testing.assert_close` against a plain PyTorch computation, on sizes that are *not* multiples of
+# 1. **Assert against a reference.** Every kernel in this course is checked against a plain PyTorch
+#    reference (`torch.testing.assert_close`, or for attention the float64 accuracy rule of
+#    `course_lib.testing`), on sizes that are *not* multiples of
 #    the block, and on random inputs (never zeros: zeros hide indexing bugs).
 # 2. **The interpreter.** With `TRITON_INTERPRET=1` (what `course_lib` sets on a CPU), each program runs in
 #    Python on NumPy arrays, one after another. You can print, and even put a `breakpoint()` in a kernel.
@@ -388,7 +389,8 @@ print(f"x {tuple(x.shape)}: forward, grad_x and grad_w match PyTorch autograd an
 
 # %% [markdown]
 # `torch.autograd.gradcheck` compares the backward with finite differences of the forward. It needs float64,
-# which `course_lib.primer.weighted_sum` supports (it accumulates in the output's precision).
+# which `course_lib.primer.weighted_sum` supports (it accumulates in float64 for float64 inputs, float32
+# otherwise).
 
 # %%
 x64 = torch.randn(20, 40, device=DEVICE, dtype=torch.float64, requires_grad=True)
