@@ -63,8 +63,9 @@ if not course_lib.ON_GPU:
 #   where every tensor lives between kernels;
 # - **host DRAM**: the CPU's memory, reached over PCIe.
 #
-# The table below comes from the vendor's datasheets, whitepapers and tuning guides
-# (`course_lib.perf.hardware.GPUS`); the sources are printed under it. Throughputs are dense (no sparsity).
+# The table below comes mostly from the vendor's datasheets, whitepapers and tuning guides (one figure, the
+# H200's L2, from a measurement; `course_lib.perf.hardware.GPUS`); the sources are printed under it.
+# Throughputs are dense (no sparsity).
 # One column is derived rather than quoted: no datasheet gives the SRAM bandwidth, so we estimate it as
 # SMs × 128 bytes per clock (32 shared-memory banks of 4 bytes, CUDA C++ Programming Guide) × clock. For
 # the A100 that gives 19.5 TB/s, in line with the FlashAttention paper's "around 19 TB/s"
@@ -177,8 +178,8 @@ assert flops_growth > bw_growth
 #
 # The second form is the **roofline**. Its corner, the **machine balance** P / B, is the intensity at which
 # memory time equals compute time: below it an operation is **memory-bound** (faster arithmetic would not
-# help), above it **compute-bound**. `course_lib.perf.roofline_ms` and `machine_balance` implement
-# these two lines.
+# help), above it **compute-bound**. `course_lib.perf.roofline_ms` and `attainable_tflops` implement
+# these two lines; `machine_balance` gives the corner.
 #
 # A GPU has *two* compute peaks that matter here: the tensor cores, which only do matrix multiplication,
 # and the ordinary fp32 units that do everything else (max, add, multiply, ...). Exponentials are slower

@@ -116,12 +116,12 @@ print("my_attention and course_lib.perf.profiling.standard_attention match the f
 #
 # The matmuls hold the FLOPs (4·BH·N²·d against 8·BH·N²); the N × N matrices hold the bytes: the middle
 # three steps move (6b + 1)·BH·N² + N² bytes and do only 8 FLOPs per element. Here is the count for a typical
-# layer on a GPU, and the roofline prediction for an H200: the recorded ceilings if a record exists,
+# layer on a GPU, and the roofline prediction for an H200: the recorded ceilings if an H200 record exists,
 # else the datasheet.
 
 # %%
-hw = records.load_record("hardware")
-if hw is not None and "H200" in (hw["meta"].get("gpu") or ""):
+hw = records.load_record("hardware", gpu="H200")
+if hw is not None:
     h200_ceilings = (
         hw["data"]["matmul_tflops"]["bfloat16"],
         hw["data"]["matmul_tflops"]["float32"],
@@ -131,7 +131,7 @@ if hw is not None and "H200" in (hw["meta"].get("gpu") or ""):
 else:
     g = perf.gpu("H200")
     h200_ceilings = (g.matmul16_tflops, g.fp32_tflops, g.hbm_gbps)
-    ceiling_source = "H200 datasheet ceilings (no recorded figures yet)"
+    ceiling_source = "H200 datasheet ceilings (no H200 record yet)"
 costs = profiling.attention_step_costs(GPU_BH, GPU_N, GPU_D, GPU_ELEM, causal=True, dropout=True)
 predicted = profiling.predict_step_ms(costs, *h200_ceilings)
 print(f"B*H={GPU_BH}, N={GPU_N}, d={GPU_D}, bf16; prediction from {ceiling_source}")
@@ -597,8 +597,8 @@ check(
 # **Exercise 3: the intensity of S = QKᵀ.** Write `qk_intensity(n, d, elem_bytes)` (FLOPs over bytes of the
 # first step, as in the table of section 2). What does it tend to for large N? Is S = QKᵀ memory-bound on an
 # H200 at d = 64? At d = 256? Take the H200's datasheet balance, 989 TFLOP/s of dense bf16 over 4.8 TB/s
-# ≈ 206 FLOP/byte. (The table of section 2 used the *measured* ceilings of the hardware record when there
-# is one: a lower balance, in the table's `balance` column, because the measured matmul peak falls further
+# ≈ 206 FLOP/byte. (The table of section 2 used the *measured* ceilings of the H200's hardware record when
+# there is one: a lower balance, in the table's `balance` column, because the measured matmul peak falls further
 # below the datasheet than the measured copy bandwidth does. A ridge from a datasheet says what the chip
 # could do; a measured one says what a real kernel reached. Notebook 08 uses the measured one.)
 

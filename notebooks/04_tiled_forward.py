@@ -34,7 +34,8 @@
 # %% [markdown]
 # ## 0. Sizes
 #
-# Everything runs on `course_lib.DEVICE`. The tiled code is pure PyTorch: every tile costs a few small
+# The main problem runs on `course_lib.DEVICE` (the small figure and exercise problems on the CPU). The
+# tiled code is pure PyTorch: every tile costs a few small
 # PyTorch calls, so it is slow but exact, and the CPU sizes stay small. `N_FIG` and `BLOCK_FIG` are the
 # small problem we draw step by step.
 
@@ -433,7 +434,8 @@ for causal in (False, True):
     }.items():
         torch.testing.assert_close(O_.double(), O_ref, atol=2e-5, rtol=1e-5, msg=f"{name}, causal={causal}")
         torch.testing.assert_close(L_.double(), L_ref, atol=2e-5, rtol=1e-5, msg=f"{name}, causal={causal}")
-print("FA1 order, FA2 order and course_lib.flash_forward all match the float64 reference, causal or not")
+print("FA1 order, FA2 order and course_lib.attention.tiled.flash_forward all match the float64 reference,",
+      "causal or not")
 
 # %% [markdown]
 # ### The two loop orders, step by step
