@@ -18,7 +18,7 @@ NB_JOBS    ?= 3
 LAB_ARGS   ?=
 STUDENT    := build/student
 NOTEBOOK_DIR ?= notebooks
-NBVAL      := --nbval-lax --nbval-current-env --nbval-cell-timeout=900 --nbval-sanitize-with tests/nbval_sanitize.cfg
+NBVAL      := --nbval-lax --nbval-current-env --nbval-cell-timeout=900 --nbval-kernel-startup-timeout=300 --nbval-sanitize-with tests/nbval_sanitize.cfg
 
 .PHONY: help setup lab lab-student test test-gpu bench bench-decode lint format notebooks student doctor clean
 
