@@ -275,6 +275,14 @@ def test_a_full_cache_whose_programs_fill_the_sms_is_not_sliced():
     assert not all(heuristics.one_wave_plan(p, 32768) for p in range(2, sms))  # both kinds were seen
 
 
+def assert_whole_cache_matches(q, k, v, what):
+    """decode_attention without lengths (cache_seqlens=None) against the float64 reference given every
+    length as Nmax."""
+    full = torch.full((q.shape[0],), k.shape[1], dtype=torch.int32, device=q.device)
+    out, lse = decode_attention(q, k, v, return_lse=True)
+    assert_matches(out, lse, decode_references(q, k, v, full), what)
+
+
 @pytest.mark.parametrize("hq, hkv, tq", [(4, 2, 1), (8, 8, 3)])
 def test_decode_attention_without_lengths_reads_the_whole_cache(monkeypatch, hq, hkv, tq):
     """cache_seqlens=None: every sequence holds all Nmax keys, on the sliced plan (few programs) and on
@@ -284,15 +292,13 @@ def test_decode_attention_without_lengths_reads_the_whole_cache(monkeypatch, hq,
     n_max = 150
     for B in (2, 3):
         q, k, v = make_cache(B, n_max, hq, hkv, 64, tq, torch.float32, seed=B)
-        full = torch.full((B,), n_max, dtype=torch.int32, device=DEV)
         plan = heuristics.decode_plan(B, hkv, 1, n_max, 64, full=True)
         what = f"no lengths, B={B} Hq={hq} Hkv={hkv} Tq={tq}, sliced={plan.sliced}"
         rule = heuristics.wave_efficiency(B * hkv, heuristics.sm_count()) >= 0.8 or heuristics.one_wave_plan(
             B * hkv, n_max, 64
         )
         assert plan.sliced == (not rule), what
-        out, lse = decode_attention(q, k, v, return_lse=True)
-        assert_matches(out, lse, decode_references(q, k, v, full), what)
+        assert_whole_cache_matches(q, k, v, what)
 
 
 def test_decode_attention_without_lengths_on_a_split_plan_of_one_wave():
@@ -309,11 +315,7 @@ def test_decode_attention_without_lengths_on_a_split_plan_of_one_wave():
     assert cases, "no candidate takes a split plan of one wave on this device"
     for B, hkv, n_max in cases:
         q, k, v = make_cache(B, n_max, 2 * hkv, hkv, 64, 1, torch.float32, seed=B)
-        full = torch.full((B,), n_max, dtype=torch.int32, device=DEV)
-        out, lse = decode_attention(q, k, v, return_lse=True)
-        assert_matches(
-            out, lse, decode_references(q, k, v, full), f"no lengths, B={B} Hkv={hkv} Nmax={n_max}"
-        )
+        assert_whole_cache_matches(q, k, v, f"no lengths, B={B} Hkv={hkv} Nmax={n_max}")
 
 
 def test_decode_operator_matches_the_function_and_compiles_whole():
@@ -611,16 +613,15 @@ def test_gpu_bf16_real_sizes(B, n_max, hkv, d):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("B,n_max", [(16, 12000), (2, 9000)])
+@pytest.mark.parametrize("B,n_max", [(16, 12000), (2, 9000), (24, 5000)])
 def test_gpu_whole_cache_without_lengths(B, n_max):
-    """cache_seqlens=None at real sizes: B = 16 takes the rule's plan (128 programs fill the SMs),
-    B = 2 the sliced plan."""
+    """cache_seqlens=None at real sizes, on each plan a call without lengths can take (132 SMs): B = 16
+    the rule's one split (128 programs fill the SMs), B = 2 the rule's splits into one wave, B = 24
+    (192 programs, 1.45 waves) the sliced plan."""
     if not course_lib.ON_GPU:
         pytest.skip("needs a GPU")
     q, k, v = make_cache(B, n_max, 32, 8, 128, 1, torch.bfloat16)
-    full = torch.full((B,), n_max, dtype=torch.int32, device=DEV)
-    out, lse = decode_attention(q, k, v, return_lse=True)
-    assert_matches(out, lse, decode_references(q, k, v, full), f"no lengths B={B} N={n_max}")
+    assert_whole_cache_matches(q, k, v, f"no lengths B={B} N={n_max}")
 
 
 @pytest.mark.gpu

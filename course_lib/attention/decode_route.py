@@ -11,15 +11,15 @@ CUDA-graph replays, FlashAttention-2 forward / `decode_attention`): batch 1 at 8
 32k 518 / 51 us, 128k 2037 / 181 us; batch 8 at 8k 140 / 97 us; batch 32 at 2k 149 / 93 us.
 
 Plain launches (no CUDA graph) pay the host's time too, and there the split-KV path costs more: it
-launches two kernels (the splits and their merge; then also a fill of a lengths tensor, since dropped: the
-whole cache needs none), and a plain call of
-`flash_attention` took 190-260 us of host time on that machine, whichever kernel ran (SDPA: 33 us;
-since cut to 96-175 us without a gradient, notes/performance.md, twentieth round). Plain, batch 1:
-8k keys 226 us by the forward / 236 us split-KV, 16k 264 / 253, 32k 520 / 254; but batch 32 at 2k
-196 / 250. So `takes` hands over only where the forward's own GPU time is about as long as that host
-time: `waves x Nk >= MIN_WORK`, waves being the forward grid's rounds over the SMs at two programs per
-SM (batch 1 with 32 heads from 16k keys; batch 8 from 16k; batch 32 from 4k). Under CUDA graphs the
-split-KV kernel is faster from far fewer keys; a model replayed as graphs gives up that part.
+launches two kernels (the splits and their merge; then also a fill of a lengths tensor, since dropped:
+the whole cache needs none), and a plain call of `flash_attention` took 190-260 us of host time on that
+machine, whichever kernel ran (SDPA: 33 us; since cut to 96-175 us without a gradient,
+notes/performance.md, twentieth round). Plain, batch 1: 8k keys 226 us by the forward / 236 us split-KV,
+16k 264 / 253, 32k 520 / 254; but batch 32 at 2k 196 / 250. So `takes` hands over only where the
+forward's own GPU time is about as long as that host time: `waves x Nk >= MIN_WORK`, waves being the
+forward grid's rounds over the SMs at two programs per SM (batch 1 with 32 heads from 16k keys; batch 8
+from 16k; batch 32 from 4k). Under CUDA graphs the split-KV kernel is faster from far fewer keys; a
+model replayed as graphs gives up that part.
 
 The result is the forward's contract: O (q's shape, contiguous) and L (q.shape[:-1], float32, natural
 log, -inf with O = 0 for a row that sees no key), so the backward is unchanged."""

@@ -382,8 +382,7 @@ def decode_attention(
     q (B, Tq, Hq, d); k_cache, v_cache (B, Nmax, Hkv, d), Hq a multiple of Hkv; cache_seqlens (B,)
     int32 in [0, Nmax], or None when every sequence holds all Nmax keys (as flash_attn_with_kvcache
     reads it: an even batch, which may take another plan, `heuristics.sliced`, and whose kernel reads
-    no lengths); float16, bfloat16 or
-    float32; d a multiple of 8 in [16, 256]. causal=True
+    no lengths); float16, bfloat16 or float32; d a multiple of 8 in [16, 256]. causal=True
     (= "bottom_right"): query t sees keys j <= cache_seqlens[b] - Tq + t; False: all valid keys.
     scale defaults to 1/sqrt(d). num_splits: None chooses it from the SM count and the batch shape
     (`heuristics.decode_plan`: FlashAttention-2's rule, or short slices for a long batch of two

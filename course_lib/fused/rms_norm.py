@@ -35,10 +35,10 @@ What each program does with its sum at the end is the `dw_mode` (notebook 11 com
   order), adds the P rows and casts to w's dtype. No two programs touch one address: deterministic.
 - "atomics": every program `tl.atomic_add`s its sum into one float32 row. One pass, but the order of
   the additions depends on scheduling, so the last bits of dw change from run to run.
-- "locked": G = min(LOCKED_BUFFERS, P) buffers, each guarded by a spin lock (`tl.atomic_cas`), as in Triton's layer-norm
-  tutorial: program p adds into buffer p % G while holding its lock, then the G rows are summed. The
-  order within a buffer still depends on scheduling: not deterministic either. (The G rows are then
-  added by the same column-sum kernel.)
+- "locked": G = min(LOCKED_BUFFERS, P) buffers, each guarded by a spin lock (`tl.atomic_cas`), as in
+  Triton's layer-norm tutorial: program p adds into buffer p % G while holding its lock, then the G rows
+  are summed. The order within a buffer still depends on scheduling: not deterministic either. (The G
+  rows are then added by the same column-sum kernel.)
 Bytes that must move: read x, dy, w and rstd; write dx and dw.
 
 Public: `rms_norm(x, weight, eps=1e-6, dw_mode="partials")`, the module `RMSNorm(hidden, eps)`, the
