@@ -150,6 +150,11 @@ def default_scale(head_dim: int, scale: float | None) -> float:
         return head_dim**-0.5
     if isinstance(scale, (str, bytes, bool)):
         raise TypeError(f"scale must be a number (or None for 1/sqrt(d)), got {scale!r}")
+    if isinstance(scale, torch.Tensor) and scale.requires_grad:
+        raise TypeError(
+            "scale must be a number: the kernels take it as a constant, so a tensor that requires grad would "
+            "silently get no gradient; pass float(scale), or scale q instead (q * s with scale=1.0)"
+        )
     try:
         scale = float(scale)
     except (TypeError, ValueError):
@@ -170,6 +175,8 @@ def causal_alignment(causal) -> str | None:
             return causal
         if causal == "none":
             return None
+    elif isinstance(causal, torch.Tensor) and causal.numel() != 1:
+        pass  # one flag, not one per element: the error below
     elif causal is None or isinstance(causal, bool) or type(causal).__name__ == "bool_" or causal in (0, 1):
         return "top_left" if causal else None
     raise ValueError(

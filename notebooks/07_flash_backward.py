@@ -867,6 +867,34 @@ else:
     )
 
 # %% [markdown]
+# ### What this backward cannot do: a second derivative
+#
+# A gradient penalty (a loss on a gradient) or a Hessian-vector product asks autograd to differentiate the
+# backward itself: `torch.autograd.grad(..., create_graph=True)`, then a second `grad` of what came out. A
+# backward written in PyTorch ops has a derivative of its own; ours is kernels, whose results carry no graph.
+# Left alone, the second differentiation takes them for constants, and the attention's share of the penalty
+# silently becomes zero: this notebook's `FlashAttention` does exactly that. course_lib's Functions pass their
+# gradients through `course_lib.second_derivative.refuse_second_derivative`, so the same request raises an
+# error that says what to use instead.
+
+
+# %%
+def penalty_grad(fn):
+    """d/dq of |dL/dq|² + |q|² for L = sum(fn(q, k, v)): the second derivative a gradient penalty needs."""
+    (g,) = torch.autograd.grad(fn(q, k, v).sum(), q, create_graph=True)
+    return torch.autograd.grad(g.pow(2).sum() + q.pow(2).sum(), q)[0]
+
+
+silent = penalty_grad(lambda q, k, v: FlashAttention.apply(q, k, v, True))
+torch.testing.assert_close(silent, 2 * q.detach())  # only |q|²'s term: the attention's was dropped
+try:
+    penalty_grad(lambda q, k, v: course_lib.FlashAttentionTriton.apply(q, k, v, True))
+    raise AssertionError("course_lib's backward should refuse a second derivative")
+except RuntimeError as err:
+    assert "no second derivative" in str(err)
+    print("course_lib refuses:", err)
+
+# %% [markdown]
 # ## 9. More exercises
 #
 # **Exercise 4 — the softmax backward of one row.** For one row, $P = \mathrm{softmax}(S)$ and $dP$ the

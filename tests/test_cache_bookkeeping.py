@@ -325,3 +325,25 @@ def test_fork_copy_on_write_and_free_return_every_page():
     assert cache.allocator.num_free == 8 and cache.allocator.refs == [0] * 8 and cache.seqs == {}
     cache.add_sequence(0)  # a freed id can be used again
     assert cache.append(0, 1).tolist() == [cache.seqs[0].pages[0] * 4]
+
+
+def test_write_refuses_slots_outside_held_pages():
+    """Slots on the CPU must lie in the pool and in a page some sequence holds: a negative slot once
+    wrote into another page (negative indexing), one past the pool raised a bare IndexError, and one in
+    a free page was stored where the next sequence's tokens would overwrite it."""
+    cache = small_cache(num_pages=4)
+    slots = cache.append(1, 2)  # in page 2; pages 0-2 held, page 3 free
+    kv = torch.ones(2, 1, 8)
+    pools = [p.clone() for p in cache.k_pages + cache.v_pages]
+    total = 4 * cache.page_size
+    for bad, words in (
+        ([0, -1], rf"slots \[-1\] are outside the pool's \[0, {total}\)"),
+        ([0, total], rf"slots \[{total}\] are outside the pool's \[0, {total}\)"),
+        ([0, 3 * cache.page_size], r"slots fall in pages \[3\], which no sequence holds"),
+    ):
+        with pytest.raises(ValueError, match=words):
+            cache.write(0, torch.tensor(bad), kv, kv)
+    for p, q in zip(cache.k_pages + cache.v_pages, pools):
+        assert torch.equal(p, q)
+    cache.write(0, slots, kv, 3 * kv)  # the slots append gave are taken
+    assert torch.equal(cache.v_pages[0].view(-1, 1, 8)[slots], 3 * kv)

@@ -503,6 +503,40 @@ def test_errors_name_the_problem():
         )
     with pytest.raises(TypeError, match="block_table must be int32"):
         paged_decode_attention(q, k_pages, v_pages, table.long(), lens)
+    for splits, error, words in (
+        (2.7, TypeError, r"num_splits must be an integer, got 2\.7"),
+        ("2", TypeError, "num_splits must be an integer, got '2'"),
+        (True, TypeError, "num_splits must be an integer, got True"),
+        (0, ValueError, "num_splits must be >= 1, got 0"),
+    ):
+        with pytest.raises(error, match=f"^decode_attention: {words}"):
+            decode_attention(q, k, v, lens, num_splits=splits)
+        with pytest.raises(error, match=f"^paged_decode_attention: {words}"):
+            paged_decode_attention(q, k_pages, v_pages, table, lens, num_splits=splits)
+
+
+def test_decoding_refuses_inputs_that_want_a_gradient():
+    """Decoding has no backward: an input that requires grad (grad mode on) is refused by name, where the
+    output once came back without a grad_fn and a loss through it silently lost the attention's term."""
+    q, k, v = make_cache(2, 32, 4, 2, 16, 1, torch.float32)
+    lens = torch.tensor([3, 32], dtype=torch.int32, device=DEV)
+    k_pages, v_pages, table = to_pages(k, v, 8)
+    calls = {
+        "decode_attention": lambda q, k: decode_attention(q, k, v, lens),
+        "paged_decode_attention": lambda q, k: paged_decode_attention(q, k, v_pages, table, lens),
+    }
+    for where, call in calls.items():
+        cache = k if where == "decode_attention" else k_pages
+        name = "k_cache" if where == "decode_attention" else "k_pages"
+        with pytest.raises(
+            RuntimeError, match=f"^{where}: q require\\(s\\) grad, but decoding attention has no"
+        ):
+            call(q.clone().requires_grad_(), cache)
+        with pytest.raises(RuntimeError, match=f"^{where}: {name} require"):
+            call(q, cache.clone().requires_grad_())
+        with torch.no_grad():  # inference: served as usual
+            out = call(q.clone().requires_grad_(), cache)
+        torch.testing.assert_close(out, call(q, cache))
 
 
 def test_allocator_shares_and_copies_on_write():

@@ -86,6 +86,18 @@ def test_gradcheck_float64(causal):
     assert torch.autograd.gradcheck(fn, (q, k, v))
 
 
+def test_second_derivative_is_refused():
+    """The tiled backward saves O and L without a graph, so its gradients have no derivative: a second
+    differentiation raises by name, also when the first loss is linear in O (incoming gradients without
+    a graph) and the second asks for one input only, where the term was once silently zero."""
+    q, k, v = random_qkv((1, 6, 16), 6, dtype=torch.float64, device="cpu", requires_grad=True)
+    (g,) = torch.autograd.grad(FlashAttentionTorch.apply(q, k, v, True).sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError, match="^FlashAttentionTorch has no second derivative"):
+        torch.autograd.grad(g.pow(2).sum() + q.pow(2).sum(), q)
+    (g_plain,) = torch.autograd.grad(FlashAttentionTorch.apply(q, k, v, True).sum(), q)
+    torch.testing.assert_close(g.detach(), g_plain)
+
+
 def test_no_saved_tensor_is_nq_by_nk():
     n_q, n_k = 40, 56
     q, k, v = random_qkv((2, 3, n_q, 16), n_k, requires_grad=True)

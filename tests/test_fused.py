@@ -153,6 +153,37 @@ def test_rms_norm_gradcheck_float64():
     assert torch.autograd.gradcheck(lambda a, b: rms_norm(a, b, 1e-6), (x, w), fast_mode=True)
 
 
+def test_rms_norm_takes_numpy_eps():
+    import numpy as np
+
+    x, w = _randn(2, 8), _randn(8, seed=1)
+    torch.testing.assert_close(rms_norm(x, w, np.float32(1e-6)), rms_norm(x, w, 1e-6))
+
+
+def test_second_derivatives_are_refused_by_name():
+    """The kernels' gradients have no derivative of their own: a second differentiation raises, naming
+    the function and a PyTorch counterpart, whether the second call asks for every leaf's gradient or for
+    one input's (`torch.autograd.grad(..., inputs)`, where an error node hung off detached copies would be
+    pruned and the term silently lost). create_graph=True alone still gives the first derivative."""
+    cos, sin = rope_cache(8, 8, dtype=torch.float64, device=DEVICE)
+    k = _randn(1, 1, 4, 8, dtype=torch.float64, seed=1)
+    w = _randn(8, dtype=torch.float64, seed=2)
+    calls = {
+        "rms_norm": lambda a: rms_norm(a, w),
+        "rope": lambda a: rope(a[:, None].expand(1, 2, 4, 8), k, cos, sin)[0],
+    }
+    for name, call in calls.items():
+        x = _randn(1, 4, 8, dtype=torch.float64, seed=3).requires_grad_()
+        (g,) = torch.autograd.grad(call(x).pow(3).sum(), x, create_graph=True)
+        with pytest.raises(RuntimeError, match=f"^course_lib's {name} has no second derivative"):
+            torch.autograd.grad(g.pow(2).sum() + x.pow(2).sum(), x)
+        (g,) = torch.autograd.grad(call(x).pow(3).sum(), x, create_graph=True)
+        with pytest.raises(RuntimeError, match=f"^course_lib's {name} has no second derivative"):
+            g.pow(2).sum().backward()
+        (g_plain,) = torch.autograd.grad(call(x).pow(3).sum(), x)
+        torch.testing.assert_close(g.detach(), g_plain)
+
+
 def test_rms_norm_module_and_empty_input():
     layer = RMSNorm(40, eps=1e-5).to(DEVICE)
     x = _randn(2, 3, 40)
@@ -189,6 +220,13 @@ def test_rms_norm_matches_transformers_llama_rms_norm():
         (lambda: rms_norm(torch.randn(2, 8, device="meta"), _randn(8)), ValueError, "Triton kernels run on"),
         (lambda: rms_norm(_randn(2, 8), _randn(8), dw_mode="fast"), ValueError, "dw_mode"),
         (lambda: rms_norm(_randn(2, 8), _randn(8), eps=-1.0), ValueError, "eps"),
+        (lambda: rms_norm(_randn(2, 8), _randn(8), eps=float("inf")), ValueError, "eps must be a finite number"),
+        (lambda: rms_norm(_randn(2, 8), _randn(8), eps=float("nan")), ValueError, "eps must be a finite number"),
+        (lambda: rms_norm(_randn(2, 8), _randn(8), eps=True), TypeError, "eps must be a number, got True"),
+        (lambda: rms_norm(_randn(2, 8), _randn(8), eps="1e-6"), TypeError, "eps must be a number"),
+        (lambda: RMSNorm(-1), ValueError, "^RMSNorm: hidden must be >= 1, got -1"),
+        (lambda: RMSNorm(8.0), TypeError, "^RMSNorm: hidden must be an integer"),
+        (lambda: RMSNorm(8, eps=-1e-6), ValueError, "^RMSNorm: eps must be a finite number >= 0"),
         (lambda: rms_norm(_randn(2, 0), _randn(0)), ValueError, "D >= 1"),
         (lambda: rms_norm([1.0, 2.0], _randn(2)), TypeError, "torch.Tensor"),
         (lambda: rms_norm(_randn(2, 8), _randn(8, dtype=torch.float64)), TypeError, "float64 weight"),
@@ -198,7 +236,8 @@ def test_rms_norm_matches_transformers_llama_rms_norm():
             "float64 weight",
         ),
     ],
-    ids=["weight shape", "int dtype", "device", "dw_mode", "eps", "empty D", "not a tensor", "float64 weight",
+    ids=["weight shape", "int dtype", "device", "dw_mode", "eps", "eps inf", "eps nan", "eps bool", "eps str",
+         "module hidden", "module hidden float", "module eps", "empty D", "not a tensor", "float64 weight",
          "float64 weight, bf16 x"],
 )  # fmt: skip
 def test_rms_norm_clear_errors(make, error, words):

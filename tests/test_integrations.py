@@ -280,6 +280,29 @@ def test_keys_in_use_as_a_tensor_where_the_operator_does_not_apply(monkeypatch):
     torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-5)
 
 
+def test_hook_refuses_other_layouts_and_key_counts_by_name():
+    """transformers passes (B, heads, N, d): a 3-D or 5-D call once came back transposed with no error,
+    and a count of keys in use outside [0, Nk] once sliced from the end (key[:, :, :-3])."""
+    use_in_transformers()
+    layer = tiny_llama().model.layers[0].self_attn
+    q = torch.randn(1, 4, 3, 16, device=DEVICE)
+    k = v = torch.randn(1, 2, 12, 16, device=DEVICE)
+    for args, words in (
+        (
+            (q[:, 0], k, v),
+            r"query must be a 4-D \(B, heads, N, d\) tensor, as transformers passes it; got \(1, 3, 16\)",
+        ),
+        ((q, k[None], v), r"key must be a 4-D .* got \(1, 1, 2, 12, 16\)"),
+    ):
+        with pytest.raises(ValueError, match=f"^course_lib attention: {words}"):
+            hf.attention_forward(layer, *args, None)
+    for n in (-3, 13):
+        with pytest.raises(
+            ValueError, match=rf"the mask \[n\] says n = {n} keys are in use, outside \[0, 12\]"
+        ):
+            hf.attention_forward(layer, q, k, v, torch.tensor([n]))
+
+
 def _padded_batch(n=12, pad=4, side="left", seed=0):
     """Token ids (2, n) and a 2-D mask whose second row has `pad` padding tokens on `side`."""
     ids = torch.randint(0, 97, (2, n), device=DEVICE, generator=torch.Generator(DEVICE).manual_seed(seed))

@@ -148,8 +148,20 @@ def test_rope_arguments_named(make, error, words):
             TypeError,
             "scale must be",
         ),
+        (
+            lambda: flash_attention(*(_randn(1, 2, 16, 16) for _ in range(3)), causal=torch.tensor([1, 0])),
+            ValueError,
+            "causal must be",
+        ),
+        (
+            lambda: flash_attention(
+                *(_randn(1, 2, 16, 16) for _ in range(3)), scale=torch.tensor(0.3, requires_grad=True)
+            ),
+            TypeError,
+            "a tensor that requires grad would silently get no gradient",
+        ),
     ],
-    ids=["no heads", "no kv heads", "causal=2", "scale text"],
+    ids=["no heads", "no kv heads", "causal=2", "scale text", "causal tensor", "scale wanting a gradient"],
 )
 def test_attention_arguments_named(make, error, words):
     with pytest.raises(error, match=words):
@@ -189,6 +201,26 @@ def test_continuous_batcher_arguments_named():
         with pytest.raises(ValueError, match=r"prompt token ids must be ints in \[0, 37\)"):
             batcher.submit(prompt, 2)
     assert batcher.submit([1, torch.tensor(2), model.vocab - 1], 2) == 0 and len(batcher.waiting) == 1
+    for prompt, new, error, words in (
+        ([1, 2], "3", TypeError, r"max_new_tokens must be an integer, got '3'"),
+        ([1, 2], 2.5, TypeError, r"max_new_tokens must be an integer, got 2\.5"),
+        ([1, 2], 0, ValueError, "max_new_tokens must be >= 1, got 0"),
+        (None, 2, TypeError, "prompt must be a list of token ids, got NoneType"),
+        ("ab", 2, TypeError, "prompt must be a list of token ids, got str"),
+        ([], 2, ValueError, "a request needs a non-empty prompt"),
+        # 8 pages of 4 tokens: a request that could never fit, even alone, once jammed every later step
+        (
+            list(range(20)),
+            13,
+            ValueError,
+            r"a prompt of 20 tokens and 13 new ones need room for 33 tokens, more than the whole page pool",
+        ),
+    ):
+        with pytest.raises(error, match=f"^ContinuousBatcher.submit: {words}"):
+            batcher.submit(prompt, new)
+    assert len(batcher.waiting) == 1
+    batcher.submit(list(range(20)), 12)  # exactly the pool: served
+    assert len(batcher.run()[1]) == 12 and batcher.cache.allocator.num_free == 8
 
 
 @pytest.mark.parametrize("backend", ["sdpa", "course_lib"])

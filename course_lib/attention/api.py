@@ -22,7 +22,8 @@ except ImportError:  # pragma: no cover - a PyTorch without it: every tensor rea
 
 
 from .. import runtime
-from .backward import _backward, refuse_second_derivative, save_tensors, saved_tensors
+from ..second_derivative import refuse_second_derivative
+from .backward import _backward, save_tensors, saved_tensors
 from .configs import split_config
 from .forward import _forward
 from .inputs import check_call

@@ -609,34 +609,6 @@ def _hopper_dkdv(q4, k4, v4, do4, causal: bool, n_q: int, n_k: int, switches: di
     return hopper_backward if chosen else None
 
 
-class _NoSecondDerivative(torch.autograd.Function):
-    """Passes the first `n` tensors through; differentiating them raises (`refuse_second_derivative`)."""
-
-    @staticmethod
-    def forward(ctx, n, *tensors):
-        return tuple(t if t is None else t.view_as(t) for t in tensors[:n])
-
-    @staticmethod
-    def backward(ctx, *grads):
-        raise RuntimeError(
-            "course_lib attention has no second derivative: its backward's kernels are not differentiable "
-            "(a gradient penalty or double backward through it); use an attention written in PyTorch ops "
-            "(course_lib.attention.reference.attention, or SDPA) for that term"
-        )
-
-
-def refuse_second_derivative(grads: tuple, inputs: tuple) -> tuple:
-    """`grads` unchanged, except in a backward run with create_graph=True (grad mode on) where `inputs`
-    (dO, Q, K, V, ...) require grad: there the grads are tied to them through a node that raises when
-    anything is differentiated through it. The kernels' results have no derivative, and without this
-    a second differentiation would treat them as constants: a silent zero second-order term."""
-    if not torch.is_grad_enabled() or not any(
-        isinstance(t, torch.Tensor) and t.requires_grad for t in inputs
-    ):
-        return grads
-    return _NoSecondDerivative.apply(len(grads), *grads, *inputs)
-
-
 def save_tensors(ctx, *tensors) -> None:
     """`ctx.save_for_backward` of the tensors that are not None (an absent sinks tensor, say), with
     `saved_tensors(ctx)` giving them back in place. Homework tests find L by its shape among an autograd

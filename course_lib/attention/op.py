@@ -31,8 +31,9 @@ from __future__ import annotations
 import torch
 
 from ..checks import accumulator_dtype, check_sinks, check_window, default_scale
+from ..second_derivative import refuse_second_derivative
 from .backward import backward as _attention_backward
-from .backward import check_saved, refuse_second_derivative, save_tensors, saved_tensors
+from .backward import check_saved, save_tensors, saved_tensors
 from .forward import forward as _attention_forward
 from .inputs import check_call, check_inputs
 

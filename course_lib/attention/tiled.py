@@ -19,9 +19,9 @@ from __future__ import annotations
 import math
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from ..checks import accumulator_dtype, check_attention_inputs, default_scale
+from ..second_derivative import refuse_second_derivative
 from .reference import causal_mask_tile
 
 BLOCK_M = 64  # rows of Q per tile (the paper's B_r)
@@ -158,10 +158,13 @@ class FlashAttentionTorch(torch.autograd.Function):
         return O
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, dO):
         q, k, v, O, L = ctx.saved_tensors
-        dq, dk, dv = flash_backward(dO, q, k, v, O, L, *ctx.options)
+        with torch.no_grad():  # O and L were saved without a graph: no second derivative from here
+            dq, dk, dv = flash_backward(dO, q, k, v, O, L, *ctx.options)
+        dq, dk, dv = refuse_second_derivative(
+            (dq, dk, dv), (dO, q, k, v), "FlashAttentionTorch", "course_lib.attention.reference.attention"
+        )
         return dq, dk, dv, None, None, None, None
 
 

@@ -27,7 +27,8 @@ import torch
 
 from .. import runtime
 from ..checks import causal_alignment, check_int, check_sinks, check_window, default_scale
-from .backward import _backward, refuse_second_derivative, save_tensors, saved_tensors
+from ..second_derivative import refuse_second_derivative
+from .backward import _backward, save_tensors, saved_tensors
 from .forward import _forward
 from .inputs import check_inputs
 from .launch import n_bucket

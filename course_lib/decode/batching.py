@@ -157,9 +157,22 @@ class ContinuousBatcher:
         self.last_plan: list[tuple[int, int]] = []  # (request id, tokens fed) of the last step
 
     def submit(self, prompt, max_new_tokens: int, eos_id: int | None = None) -> int:
-        """Queue a request (prompt: a non-empty list of token ids); returns its id."""
-        if len(prompt) == 0 or max_new_tokens < 1:
-            raise ValueError("a request needs a non-empty prompt and max_new_tokens >= 1")
+        """Queue a request (prompt: a non-empty list of token ids); returns its id. A request whose
+        prompt and new tokens could never fit in the page pool, even alone, is refused here."""
+        where = "ContinuousBatcher.submit"
+        if isinstance(prompt, (str, bytes)) or not hasattr(prompt, "__len__"):
+            raise TypeError(f"{where}: prompt must be a list of token ids, got {type(prompt).__name__}")
+        max_new_tokens = check_int(where, "max_new_tokens", max_new_tokens, 1)
+        if len(prompt) == 0:
+            raise ValueError(f"{where}: a request needs a non-empty prompt")
+        # room for the prompt and the new tokens (admission asks for the prompt and one more)
+        need, room = len(prompt) + max_new_tokens, self.cache.allocator.num_pages * self.cache.page_size
+        if need > room:
+            raise ValueError(
+                f"{where}: a prompt of {len(prompt)} tokens and {max_new_tokens} new ones need room for {need} "
+                f"tokens, more than the whole page pool holds ({self.cache.allocator.num_pages} pages of "
+                f"{self.cache.page_size} = {room}); ask for fewer tokens or a larger num_pages"
+            )
         vocab = _vocab_size(self.model)
         ids = [as_int(t) for t in prompt]
         bad = [t for t, i in zip(prompt, ids) if i is None or i < 0 or (vocab is not None and i >= vocab)]
@@ -189,8 +202,10 @@ class ContinuousBatcher:
         req.computed = 0
         self.waiting.insert(0, req)
 
+    @torch.no_grad()
     def step(self) -> dict[int, int]:
-        """Run one step; returns {request id: new token} for the requests that produced one."""
+        """Run one step (no gradients: serving); returns {request id: new token} for the requests that
+        produced one."""
         self._admit()
         if not self.running:
             if self.waiting:

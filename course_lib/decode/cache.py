@@ -180,7 +180,9 @@ class PagedKVCache:
             self.allocator.release(page)
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store k, v (T, Hkv, d) of T new tokens at `slots` (T,) of layer `layer`."""
+        """Store k, v (T, Hkv, d) of T new tokens at `slots` (T,) of layer `layer`. Slots on the CPU (as
+        `append` returns them) are checked to lie in pages that a sequence holds; slots already on a GPU
+        are not (reading them would sync, and a step replayed as a CUDA graph writes through here)."""
         layer = check_int("PagedKVCache.write", "layer", layer, 0)
         if layer >= len(self.k_pages):
             raise ValueError(
@@ -198,8 +200,29 @@ class PagedKVCache:
                     f"PagedKVCache.write: {name} must have shape (T, Hkv, d) = {expected} for {slots.shape[0]} "
                     f"slots; got {tuple(getattr(x, 'shape', ())) or type(x).__name__}"
                 )
+        if slots.device.type == "cpu":
+            self._check_slots(slots)
         for pool, x in ((self.k_pages[layer], k), (self.v_pages[layer], v)):
             pool.view(-1, *pool.shape[2:])[slots.to(pool.device)] = x.to(pool.dtype)
+
+    def _check_slots(self, slots: torch.Tensor) -> None:
+        """Every slot in [0, num_pages x page_size), in a page some sequence holds (a ValueError otherwise)."""
+        total = self.allocator.num_pages * self.page_size
+        bad = [int(i) for i in slots.tolist() if not 0 <= i < total]
+        if bad:
+            raise ValueError(
+                f"PagedKVCache.write: slots {bad[:5]} are outside the pool's [0, {total}) "
+                f"({self.allocator.num_pages} pages of {self.page_size} tokens); take slots from append()"
+            )
+        unheld = sorted(
+            {i // self.page_size for i in slots.tolist()}
+            - {p for p in range(self.allocator.num_pages) if self.allocator.refs[p] > 0}
+        )
+        if unheld:
+            raise ValueError(
+                f"PagedKVCache.write: slots fall in pages {unheld[:5]}, which no sequence holds; "
+                "take slots from append()"
+            )
 
     def block_table(self, seq_ids, max_pages: int | None = None, device=None) -> torch.Tensor:
         """(B, max_pages) int32 block table of the sequences (unused entries 0; max_pages defaults to the

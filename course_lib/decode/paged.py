@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from .split_kv import (
+    check_inference,
     check_kv_pair,
     check_lengths,
     check_query_and_lengths,
@@ -67,6 +68,7 @@ def paged_decode_attention(
     check_kv_pair(k_pages, v_pages, ("k_pages", "v_pages"), "(num_pages, page_size, Hkv, d)", where)
     num_pages, page_size, hkv, d = k_pages.shape
     check_query_and_lengths(q, cache_seqlens, hkv, d, k_pages.dtype, k_pages.device, where)
+    check_inference(where, q=q, k_pages=k_pages, v_pages=v_pages)
     if not isinstance(block_table, torch.Tensor) or block_table.dim() != 2:
         raise ValueError(f"{where}: block_table must be a (B, max_pages) int32 tensor")
     if block_table.dtype != torch.int32:
@@ -84,6 +86,6 @@ def paged_decode_attention(
     out, lse = launch(
         q, k_pages, v_pages, block_table, cache_seqlens,
         page_size=page_size, capacity=capacity, causal=normalise_causal(causal, where), scale=scale,
-        num_splits=num_splits,
+        num_splits=num_splits, where=where,
     )  # fmt: skip
     return (out, lse) if return_lse else out

@@ -54,7 +54,7 @@ import torch
 
 from .. import pdl, runtime
 from ..attention.blocks import LN2
-from ..checks import default_scale
+from ..checks import check_int, default_scale
 from ..pdl import allow_dependents
 from ..runtime import tl, triton
 from .combine import combine
@@ -298,6 +298,19 @@ def check_lengths(cache_seqlens: torch.Tensor, capacity: int, where: str) -> Non
         )
 
 
+def check_inference(where: str, **tensors: torch.Tensor) -> None:
+    """Decoding has no backward: refuse inputs that ask for a gradient (grad mode on and one of them
+    requires grad) rather than return an output that silently drops it."""
+    if not torch.is_grad_enabled():
+        return
+    wanting = [name for name, t in tensors.items() if t.requires_grad]
+    if wanting:
+        raise RuntimeError(
+            f"{where}: {', '.join(wanting)} require(s) grad, but decoding attention has no backward; run it "
+            "under torch.no_grad() / torch.inference_mode(), or call course_lib.flash_attention to train"
+        )
+
+
 def normalise_causal(causal, where: str) -> bool:
     """causal: True or 'bottom_right' (the decoding alignment), or False. 'top_left' makes no sense for
     new tokens at the end of a cache and is refused."""
@@ -309,9 +322,11 @@ def normalise_causal(causal, where: str) -> bool:
 
 
 def launch(
-    q, k, v, block_table, cache_seqlens, *, page_size, capacity, causal, scale, num_splits, full=False
-):
-    """Run the split-KV kernel (and the combine if S > 1); returns (out, lse). Inputs already checked.
+    q, k, v, block_table, cache_seqlens, *, page_size, capacity, causal, scale, num_splits, full=False,
+    where: str = "decode",
+):  # fmt: skip
+    """Run the split-KV kernel (and the combine if S > 1); returns (out, lse). Inputs already checked
+    (num_splits, None or an integer >= 1, is checked here; errors name `where`).
 
     k, v: (B, Nmax, Hkv, d) caches (block_table None) or (num_pages, page_size, Hkv, d) pools.
     full: every sequence holds all `capacity` keys (`heuristics.sliced`); cache_seqlens is then None
@@ -322,12 +337,12 @@ def launch(
     paged = block_table is not None
     block_m = min(tile_for(d, paged).BLOCK_M_MAX, max(16, runtime.next_power_of_2(group * Tq)))
     m_tiles = runtime.cdiv(group * Tq, block_m)
-    if num_splits is not None and int(num_splits) < 1:
-        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    if num_splits is not None:
+        num_splits = check_int(where, "num_splits", num_splits, 1)
     width = block_table.shape[1] if paged else 0
     plan = decode_plan(
         B, Hkv, m_tiles, capacity, d, paged, width, q.element_size(),
-        None if num_splits is None else int(num_splits), full,
+        num_splits, full,
     )  # fmt: skip
     tile, num_splits = plan.tile, plan.num_splits
     out = torch.empty_like(q)
@@ -396,6 +411,7 @@ def decode_attention(
     check_query_and_lengths(
         q, cache_seqlens, k_cache.shape[2], k_cache.shape[3], k_cache.dtype, k_cache.device, where, full
     )
+    check_inference(where, q=q, k_cache=k_cache, v_cache=v_cache)
     if k_cache.shape[0] != q.shape[0]:
         raise ValueError(f"{where}: q has batch {q.shape[0]}, k_cache {k_cache.shape[0]}")
     capacity = k_cache.shape[1]
@@ -404,6 +420,6 @@ def decode_attention(
     out, lse = launch(
         q, k_cache, v_cache, None, cache_seqlens,
         page_size=1, capacity=capacity, causal=normalise_causal(causal, where), scale=scale,
-        num_splits=num_splits, full=full,
+        num_splits=num_splits, full=full, where=where,
     )  # fmt: skip
     return (out, lse) if return_lse else out

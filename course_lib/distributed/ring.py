@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from ..attention.merge import merge_attention_states
 from ..checks import FLOAT_DTYPES, accumulator_dtype, default_scale
+from ..second_derivative import refuse_second_derivative
 from .local import block_backward, block_forward, resolve_backend
 from .plan import plan_step
 from .sharding import SCHEMES, padded_length
@@ -251,6 +252,7 @@ class RingAttention(torch.autograd.Function):
     def backward(ctx, do):
         q, k, v, o, lse = ctx.saved_tensors
         dq, dk, dv = ring_backward(do.contiguous(), q, k, v, o, lse, *ctx.options)
+        dq, dk, dv = refuse_second_derivative((dq, dk, dv), (do, q, k, v), "ring_attention")
         return dq, dk, dv, None, None, None, None, None, None
 
 

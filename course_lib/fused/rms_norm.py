@@ -47,12 +47,16 @@ autograd Function `RMSNormFunction`, and `rms_norm_reference` (float64, the grou
 
 from __future__ import annotations
 
+import math
+import numbers
+
 import torch
 from torch import nn
 
 from .. import runtime
-from ..checks import accumulator_dtype
+from ..checks import accumulator_dtype, check_int
 from ..runtime import tl, triton
+from ..second_derivative import refuse_second_derivative
 from . import launch
 
 runtime.require_triton()
@@ -408,7 +412,19 @@ class RMSNormFunction(torch.autograd.Function):
     def backward(ctx, dy):
         x, weight, rstd = ctx.saved_tensors
         dx, dw = rms_norm_backward(dy, x, weight, rstd, ctx.dw_mode)
+        dx, dw = refuse_second_derivative(
+            (dx, dw), (dy, x, weight), "course_lib's rms_norm", "rms_norm_reference (PyTorch ops)"
+        )
         return dx, dw, None, None
+
+
+def check_eps(where: str, eps) -> float:
+    """eps as a float: a real number (Python or NumPy, not a bool), finite and >= 0; else an error naming it."""
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
+        raise TypeError(f"{where}: eps must be a number, got {eps!r} ({type(eps).__name__})")
+    if not (math.isfinite(eps) and eps >= 0):
+        raise ValueError(f"{where}: eps must be a finite number >= 0, got {eps!r}")
+    return float(eps)
 
 
 def _check(x, weight, eps, dw_mode) -> None:
@@ -439,8 +455,7 @@ def _check(x, weight, eps, dw_mode) -> None:
         raise ValueError(
             f"{where}: hidden size {x.shape[-1]} is over {launch.MAX_ROW}, the longest row one program holds"
         )
-    if not (isinstance(eps, (int, float)) and eps >= 0):
-        raise ValueError(f"{where}: eps must be a number >= 0, got {eps!r}")
+    check_eps(where, eps)
     if dw_mode not in DW_MODES:
         raise ValueError(f"{where}: dw_mode must be one of {DW_MODES}, got {dw_mode!r}")
 
@@ -472,8 +487,9 @@ class RMSNorm(nn.Module):
 
     def __init__(self, hidden: int, eps: float = 1e-6, device=None, dtype=None):
         super().__init__()
+        hidden = check_int("RMSNorm", "hidden", hidden, 1)
         self.weight = nn.Parameter(torch.ones(hidden, device=device, dtype=dtype))
-        self.eps = eps
+        self.eps = check_eps("RMSNorm", eps)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps)

@@ -38,6 +38,7 @@ import torch
 from .. import runtime
 from ..checks import OFFSET_LIMIT, accumulator_dtype, check_int
 from ..runtime import tl, triton
+from ..second_derivative import refuse_second_derivative
 from . import launch
 
 runtime.require_triton()
@@ -268,6 +269,9 @@ class RoPEFunction(torch.autograd.Function):
         cos, sin, *saved = ctx.saved_tensors
         positions = saved[0] if saved else ctx.start
         dq, dk = rotate(_as_4d(dq_out), _as_4d(dk_out), cos, sin, positions, ctx.interleaved, backward=True)
+        dq, dk = refuse_second_derivative(
+            (dq, dk), (dq_out, dk_out), "course_lib's rope", "rope_reference (PyTorch ops)"
+        )
         return dq, dk, None, None, None, None
 
 

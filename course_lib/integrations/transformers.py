@@ -234,6 +234,12 @@ def attention_forward(
             f"course_lib attention has no dropout (got dropout={dropout} in {type(module).__name__}); set "
             "config.attention_dropout = 0.0, or call model.eval() for inference"
         )
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise ValueError(
+                f"course_lib attention: {name} must be a 4-D (B, heads, N, d) tensor, as transformers passes "
+                f"it; got {tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}"
+            )
     for unsupported in ("softcap", "position_bias"):  # T5's relative positions: an additive mask
         if kwargs.get(unsupported) is not None:
             raise ValueError(
@@ -243,6 +249,11 @@ def attention_forward(
     if _is_keys_in_use(attention_mask):  # the first n keys are in use (`attention_mask` answered it)
         if attention_mask.device.type == "cpu" and not torch.compiler.is_compiling():
             n = int(attention_mask[0])  # a CPU tensor: no sync
+            if not 0 <= n <= key.shape[2]:
+                raise ValueError(
+                    f"course_lib attention: the mask [n] says n = {n} keys are in use, outside [0, "
+                    f"{key.shape[2]}] (the keys passed)"
+                )
             key, value, attention_mask, is_causal = key[:, :, :n], value[:, :, :n], None, True
         elif _decodes(query, kwargs):  # n is a tensor of a compiled graph: the decoding operator takes it
             lengths = attention_mask.to(device=query.device, dtype=torch.int32).expand(query.shape[0])
