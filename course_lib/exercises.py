@@ -6,7 +6,8 @@ predict-then-measure cells (first in notebook 01).
 - `check(name, compute, expected, hints=[...])` runs the learner's answer. A failure is shown in the notebook as a
   short message (no traceback into course_lib) that says which part is off, e.g. "part 1 (computed tiles): 2016,
   expected 2080", or for an array the first index that differs; each new wrong attempt shows the next hint.
-  The cell still counts as failed (it raises), so an automatic run of the notebook notices.
+  The cell still counts as failed (it raises), so an automatic run of the notebook notices. An answer whose
+  code raises is a wrong attempt too: the message names the error and the learner's line, with the hint.
 - `predict(name, value, unit)` records a guess before a measurement; `.score(measured)` after it says how close the
   guess was (within 2x counts as good).
 """
@@ -14,6 +15,7 @@ predict-then-measure cells (first in notebook 01).
 from __future__ import annotations
 
 import math
+import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -48,15 +50,17 @@ def check(
     name: str,
     compute,
     expected,
-    rtol: float = 1e-5,
-    atol: float = 1e-6,
+    rtol: float | None = None,
+    atol: float | None = None,
     hints: Sequence[str] | None = None,
     parts: Sequence[str] | None = None,
 ) -> None:
     """Call `compute()` (a learner's answer, wrapped in a lambda) and compare it with `expected`.
 
-    Works for numbers, NumPy arrays and torch tensors, or tuples/lists of them (`parts` names each element in
-    the message). Prints a line on success. Otherwise raises ExerciseNotDone (the exercise still raises
+    Works for numbers, NumPy arrays and torch tensors, tuples/lists of them (`parts` names each element in
+    the message) and dicts of them (compared key by key). Tolerances left out: an integer answer must be
+    exact (to float rounding, rtol=1e-12), any other within rtol=1e-5, atol=1e-6. Prints a line on
+    success. Otherwise raises ExerciseNotDone (the exercise still raises
     NotImplementedError) or ExerciseWrong (with what differs: the value, or an array's shape, dtype or first
     mismatching index). `hints`, ordered from a nudge to the formula: each wrong attempt shows the next one;
     an unsolved exercise shows the first. Taught in every notebook's exercises (first in 00_setup)."""
@@ -64,12 +68,18 @@ def check(
     try:
         actual = compute()
     except NameError as exc:
-        raise ExerciseNotDone(
-            _with_hint(f"Exercise '{name}': {exc}. Run the exercise's cell first, then this check.", hints, 1)
-        ) from None
+        if _raised_by_the_check(exc):  # the check names something never defined: its cell was not run
+            raise ExerciseNotDone(
+                _with_hint(
+                    f"Exercise '{name}': {exc}. Run the exercise's cell first, then this check.", hints, 1
+                )
+            ) from None
+        _wrong(name, f"your code raised {_describe_error(exc)}", hints, exc)
+    except _Feedback:  # the check's own verdict from inside (a guard past a kernel's output): as it is
+        raise
     except Exception as exc:
-        if not _unsolved(exc):
-            raise
+        if not _unsolved(exc):  # the answer runs, and fails: a wrong answer, with its hint
+            _wrong(name, f"your code raised {_describe_error(exc)}", hints, exc)
         raise ExerciseNotDone(
             _with_hint(
                 f"Exercise '{name}' is not done yet:\nreplace the `raise NotImplementedError` in its cell "
@@ -81,13 +91,39 @@ def check(
     try:
         _compare(actual, expected, rtol, atol, list(parts or []), ())
     except AssertionError as exc:
-        attempts = _failed_attempts.get(name, 0) + 1
-        _failed_attempts[name] = attempts
-        raise ExerciseWrong(
-            _with_hint(f"Exercise '{name}' is not right yet: {exc}", hints, attempts)
-        ) from None
+        _wrong(name, str(exc), hints)
     _failed_attempts.pop(name, None)
     print(f"Exercise '{name}': correct.")
+
+
+def _wrong(name: str, what: str, hints: list[str], cause: BaseException | None = None):
+    """Count a wrong attempt and raise ExerciseWrong with the next hint (`cause`: the error the answer raised,
+    kept as the exception's cause for a full traceback: `%debug`, or `sys.last_value.__cause__`)."""
+    attempts = _failed_attempts.get(name, 0) + 1
+    _failed_attempts[name] = attempts
+    raise ExerciseWrong(_with_hint(f"Exercise '{name}' is not right yet: {what}", hints, attempts)) from cause
+
+
+def _raised_by_the_check(exc: BaseException) -> bool:
+    """True when `exc` was raised in the check's own lambda (`check` -> the lambda, no deeper frame)."""
+    tb = exc.__traceback__
+    inner = tb.tb_next if tb is not None else None
+    return inner is not None and inner.tb_next is None and inner.tb_frame.f_code.co_name == "<lambda>"
+
+
+def _describe_error(exc: BaseException) -> str:
+    """'TypeError: ... (at line 7 of your cell: `return m, l`)': the error and the last line of the
+    learner's own code it passed through (not course_lib's, PyTorch's or NumPy's)."""
+    text = f"{type(exc).__name__}: {exc}".strip()
+    for frame in reversed(traceback.extract_tb(exc.__traceback__)):
+        path = frame.filename.replace("\\", "/")
+        if "/course_lib/" in path or "site-packages" in path or path.startswith("<frozen"):
+            continue
+        if frame.name == "<lambda>" and frame.lineno and "check(" in (frame.line or ""):
+            continue  # the check cell itself
+        code = f": `{frame.line.strip()}`" if frame.line else ""
+        return f"{text} (at line {frame.lineno} of {frame.name}{code})"
+    return text
 
 
 def _with_hint(message: str, hints: list[str], k: int) -> str:
@@ -119,14 +155,59 @@ def _where(parts: list[str], path: tuple[int, ...]) -> str:
     return label + ": "
 
 
-def _fmt(x) -> str:
+def _fmt(x, digits: int = 6) -> str:
     if isinstance(x, (float, np.floating)):
-        return f"{float(x):.6g}"
-    return str(x.item() if isinstance(x, (np.generic, torch.Tensor)) else x)
+        return f"{float(x):.{digits}g}"
+    return repr(x.item() if isinstance(x, (np.generic, torch.Tensor)) else x)
+
+
+def _got_expected(actual, expected, rtol, atol) -> str:
+    """'got 88.7228, expected 88.72 (...)': as many digits as it takes to tell them apart, the types when
+    they differ in kind (text against a number), and the tolerance a number was compared with."""
+    got, want = _fmt(actual), _fmt(expected)
+    if got == want:
+        got, want = _fmt(actual, 17), _fmt(expected, 17)
+    text = f"got {got}, expected {want}"
+    numbers = all(
+        isinstance(x, (int, float, np.number)) and not isinstance(x, bool) for x in (actual, expected)
+    )
+    if not numbers:
+        text += f" ({type(actual).__name__}, expected {type(expected).__name__})"
+    elif rtol or atol:
+        text += f" (compared within rtol={rtol:g}, atol={atol:g})"
+    return text
+
+
+def _as_array(x, where: str) -> np.ndarray:
+    """x as a NumPy array (float64 for floating tensors of any width, bfloat16 included)."""
+    if isinstance(x, torch.Tensor):
+        x = x.detach().cpu()
+        return (x.double() if x.is_floating_point() else x).numpy()
+    try:
+        return np.asarray(x)
+    except (TypeError, ValueError) as exc:
+        raise AssertionError(
+            f"{where}could not read your answer as an array ({type(x).__name__}: {exc}); return one "
+            "array or tensor, not a list of pieces"
+        ) from None
 
 
 def _compare(actual, expected, rtol, atol, parts: list[str], path: tuple[int, ...]) -> None:
     where = _where(parts, path)
+    if isinstance(expected, dict):
+        if not isinstance(actual, dict):
+            raise AssertionError(
+                f"{where}expected a dict with keys {sorted(expected)}, got {type(actual).__name__}"
+            )
+        if set(actual) != set(expected):
+            missing, extra = sorted(set(expected) - set(actual)), sorted(set(actual) - set(expected))
+            raise AssertionError(f"{where}dict keys differ: missing {missing}, unexpected {extra}")
+        for key in expected:
+            try:
+                _compare(actual[key], expected[key], rtol, atol, [], ())
+            except AssertionError as exc:
+                raise AssertionError(f"{where}key {key!r}: {exc}") from None
+        return
     if isinstance(expected, (tuple, list)):
         if not isinstance(actual, (tuple, list)) or len(actual) != len(expected):
             if isinstance(actual, (tuple, list)):
@@ -145,20 +226,12 @@ def _compare(actual, expected, rtol, atol, parts: list[str], path: tuple[int, ..
             raise AssertionError(f"{where}expected a torch.Tensor, got {type(actual).__name__}")
         if actual.dtype != expected.dtype:
             raise AssertionError(f"{where}dtype {actual.dtype}, expected {expected.dtype}")
-        actual_arr = (
-            actual.detach().cpu().double().numpy() if actual.is_floating_point() else actual.cpu().numpy()
-        )
-        expected_arr = (
-            expected.detach().cpu().double().numpy()
-            if expected.is_floating_point()
-            else expected.cpu().numpy()
-        )
-    else:
-        if isinstance(actual, torch.Tensor):
-            actual = actual.detach().cpu().numpy()
-        expected_arr, actual_arr = np.asarray(expected), np.asarray(actual)
+    expected_arr, actual_arr = _as_array(expected, where), _as_array(actual, where)
     if expected_arr.shape != actual_arr.shape:
         raise AssertionError(f"{where}shape {actual_arr.shape}, expected {expected_arr.shape}")
+    counts = expected_arr.dtype.kind in "iu"  # an integer answer (a count, bytes): exact unless told
+    rtol = (1e-12 if counts else 1e-5) if rtol is None else rtol
+    atol = (0.0 if counts else 1e-6) if atol is None else atol
     try:
         close = np.isclose(actual_arr, expected_arr, rtol=rtol, atol=atol, equal_nan=True)
     except TypeError:  # not numbers (strings, objects): compare for equality
@@ -166,12 +239,13 @@ def _compare(actual, expected, rtol, atol, parts: list[str], path: tuple[int, ..
     if close.all():
         return
     if expected_arr.ndim == 0:
-        raise AssertionError(f"{where}got {_fmt(actual_arr[()])}, expected {_fmt(expected_arr[()])}")
+        scalar = actual if not isinstance(actual, (torch.Tensor, np.ndarray)) else actual_arr[()]
+        raise AssertionError(f"{where}{_got_expected(scalar, expected_arr[()], rtol, atol)}")
     bad = np.argwhere(~close)
     first = tuple(int(i) for i in bad[0])
     raise AssertionError(
         f"{where}{len(bad)} of {close.size} values differ; the first at index {first}: "
-        f"got {_fmt(actual_arr[first])}, expected {_fmt(expected_arr[first])}"
+        f"{_got_expected(actual_arr[first], expected_arr[first], rtol, atol)}"
     )
 
 
@@ -247,8 +321,12 @@ def predict(name: str, value: float | None, unit: str = "") -> Prediction:
 
     `value` is a positive number in `unit` (e.g. `predict("fused speed-up", 3, "x")`); None means no guess yet.
     Taught in 01_roofline; used before each measurement of the course."""
-    if value is not None and not isinstance(value, (int, float, np.number)):
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float, np.number))):
         raise TypeError(f"prediction '{name}': expected a number, got {type(value).__name__}")
+    if value is not None and not (math.isfinite(value) and value > 0):
+        raise ValueError(
+            f"prediction '{name}': a prediction is a positive number (a time, a rate, a ratio), got {value!r}"
+        )
     prediction = Prediction(name, None if value is None else float(value), unit)
     _predictions[name] = prediction
     print(f"Prediction '{name}': {'(none)' if value is None else _fmt(float(value)) + unit}. Now measure.")

@@ -522,9 +522,7 @@ def smallest_overflowing_float32():
 
 
 # %% tags=["check"]
-check(
-    "smallest overflowing float32", lambda: float(smallest_overflowing_float32()), 88.72283935546875, rtol=0
-)
+check("smallest overflowing float32", lambda: smallest_overflowing_float32(), 88.72283935546875, rtol=0, atol=0)
 
 # %% [markdown]
 # **Exercise 2 (merge).** Write `merge(state_a, state_b)`, the merge of two states `(m, l)` of arrays of

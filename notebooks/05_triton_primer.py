@@ -681,10 +681,23 @@ def add_bias(x, b, block_m=16, block_n=32):
 
 
 # %% tags=["check"]
-xb, bb = torch.randn(37, 70, device=DEVICE), torch.randn(70, device=DEVICE)
-check("add_bias", lambda: add_bias(xb, bb), xb + bb)
-xv = torch.randn(37, 96, device=DEVICE)[:, :70]  # a view whose rows lie 96 apart: stride_m is not N
-check("add_bias on rows 96 apart", lambda: add_bias(xv, bb), xv + bb)
+# As in exercise 1, the inputs are the start of longer buffers and the output is followed by a guard: a
+# load past the edges reads memory the check owns, a store past them is caught.
+def _add_bias_guarded(x, b, name, block_m=16, block_n=32):
+    M, N = x.shape
+    # the farthest an unmasked store reaches past the last row: a block of rows and one of columns
+    buffer, check_guard = guarded_empty((M * x.stride(0),), x.dtype, x.device, guard=block_m * x.stride(0) + block_n)
+    out = buffer.as_strided(x.shape, x.stride())  # x's strides, as add_bias allocates it
+    grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n))
+    add_bias_kernel[grid](x, b, out, M, N, x.stride(0), BLOCK_M=block_m, BLOCK_N=block_n)
+    check_guard(name)
+    return out
+
+
+xb, bb = torch.randn(64, 70, device=DEVICE)[:37], torch.randn(128, device=DEVICE)[:70]
+check("add_bias", lambda: _add_bias_guarded(xb, bb, "add_bias"), xb + bb)
+xv = torch.randn(64, 96, device=DEVICE)[:37, :70]  # a view whose rows lie 96 apart: stride_m is not N
+check("add_bias on rows 96 apart", lambda: _add_bias_guarded(xv, bb, "add_bias on rows 96 apart"), xv + bb)
 
 # %% [markdown]
 # (Exercise 3, predicting the softmax's bytes, is in section 6, before the measurement it predicts.)

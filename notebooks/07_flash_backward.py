@@ -977,7 +977,8 @@ def dv_kernel(
 def dv_only(do, q, k, L, block_m=BLOCK_M, block_n=BLOCK_N):
     Z, n_q, d = q.shape
     n_k = k.shape[1]
-    dv, check_guard = guarded_empty((Z, n_k, d), torch.float32, q.device)  # a store past the end is caught
+    # a store past the end is caught: an unmasked last block reaches up to block_n rows of d past it
+    dv, check_guard = guarded_empty((Z, n_k, d), torch.float32, q.device, guard=block_n * d)
     dv_kernel[(triton.cdiv(n_k, block_n), Z)](
         q, k, do, L, dv, d**-0.5 * LOG2E, n_q, n_k, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n
     )

@@ -876,6 +876,7 @@ def bytes_ratio(n, d):
 # %% tags=["check"]
 check("bytes ratio", lambda: bytes_ratio(4096, 128), 1 + 4096 / 128)
 check("bytes ratio", lambda: bytes_ratio(1024, 64), 1 + 1024 / 64)
+check("bytes ratio", lambda: bytes_ratio(1000, 96), 1 + 1000 / 96)
 
 # %% [markdown]
 # At N = 4096, d = 128 that is 33x fewer bytes. The real gain is smaller, because the fused kernel is not

@@ -102,3 +102,74 @@ def test_guarded_empty_catches_a_store_past_the_end(masked):
             exercises.ExerciseWrong, match=r"'add one': the kernel stored past the end .*6 of the 256"
         ):
             check_guard("add one")
+
+
+def test_an_answer_that_raises_is_a_wrong_attempt_with_its_hint():
+    """An error in the learner's code (or one their answer causes in the check) is a wrong answer: the
+    message names the error and the learner's line, and shows the hint, where a bare traceback from deep
+    inside the check was shown before. A name the check itself cannot find means the exercise's cell was
+    not run; a NameError inside the learner's function is their bug, not that."""
+
+    def unpacks_none():
+        m, l = None  # noqa: F841
+        return m
+
+    with pytest.raises(
+        exercises.ExerciseWrong,
+        match=r"your code raised TypeError: cannot unpack non-iterable NoneType object \(at line \d+ of "
+        r"unpacks_none: `m, l = None.*`\)\nHint 1 of 1: unpack",
+    ) as caught:
+        exercises.check("raises", unpacks_none, 1.0, hints=["unpack"])
+    assert isinstance(caught.value.__cause__, TypeError)  # the full traceback stays reachable
+
+    def misspelt():
+        return np_log2(8)  # noqa: F821
+
+    with pytest.raises(exercises.ExerciseWrong, match="your code raised NameError: name 'np_log2'"):
+        exercises.check("misspelt", misspelt, 3.0)
+    with pytest.raises(exercises.ExerciseNotDone, match="Run the exercise's cell first"):
+        exercises.check("not run", lambda: never_defined(), 3.0)  # noqa: F821
+
+    def guarded():  # a verdict from inside the answer's run (a kernel's output guard) comes out as it is
+        raise exercises.ExerciseWrong("Exercise 'guarded': the kernel stored past the end of its output")
+
+    with pytest.raises(exercises.ExerciseWrong, match="^Exercise 'guarded': the kernel stored past the end"):
+        exercises.check("guarded", guarded, 1.0)
+
+
+def test_answers_of_another_kind_are_named():
+    cases = [
+        (lambda: "1.5", 1.5, r"got '1\.5', expected 1\.5 \(str, expected float64\)"),
+        (lambda: None, 1.5, r"got None, expected 1\.5 \(NoneType, expected float64\)"),
+        (lambda: [np.ones(2), np.ones(3)], np.ones(5), "could not read your answer as an array"),
+        (lambda: {"a": 1, "b": 2.0}, {"a": 1, "b": 2.5}, r"key 'b': got 2, expected 2\.5"),
+        (lambda: {"a": 1}, {"a": 1, "b": 2}, r"dict keys differ: missing \['b'\]"),
+        (lambda: (1, 2), {"a": 1}, r"expected a dict with keys \['a'\], got tuple"),
+    ]
+    for answer, expected, words in cases:
+        with pytest.raises(exercises.ExerciseWrong, match=words):
+            exercises.check("kind", answer, expected)
+    exercises.check("bfloat16", lambda: torch.tensor(1.5, dtype=torch.bfloat16), 1.5)
+    exercises.check("dict", lambda: {"a": 1, "b": 2.5}, {"a": 1, "b": 2.5})
+
+
+def test_values_that_print_alike_get_more_digits_and_counts_are_exact():
+    # one float32 step below log(FLT_MAX)'s float32: both print as 88.7228 at six digits
+    below = float(np.nextafter(np.float32(88.72283935546875), np.float32(0)))
+    with pytest.raises(
+        exercises.ExerciseWrong, match=r"got 88\.72283172607421\d*, expected 88\.72283935546875"
+    ):
+        exercises.check("digits", lambda: below, 88.72283935546875, rtol=0, atol=0)
+    with pytest.raises(exercises.ExerciseWrong, match="got 4294967294, expected 4294967295"):
+        exercises.check("count", lambda: 4294967294, 4294967295)  # once within the default rtol=1e-5
+    exercises.check("count from floats", lambda: 2080.0000000001, 2080)
+    with pytest.raises(exercises.ExerciseWrong, match=r"\(compared within rtol=1e-05, atol=1e-06\)"):
+        exercises.check("tolerance named", lambda: 1.1, 1.0)
+
+
+def test_predictions_must_be_positive_and_finite():
+    for value in (0, -2, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="a prediction is a positive number"):
+            exercises.predict("p", value)
+    with pytest.raises(TypeError, match="expected a number, got bool"):
+        exercises.predict("p", True)
