@@ -162,8 +162,9 @@ def test_exercise_check_messages():
 
     with pytest.raises(exercises.ExerciseNotDone, match="'kernel' is not done yet"):
         exercises.check("kernel", wrapped, 1)
-    with pytest.raises(ZeroDivisionError):
-        exercises.check("crash", lambda: 1 / 0, 1)
+    with pytest.raises(exercises.ExerciseWrong, match="your code raised ZeroDivisionError") as caught:
+        exercises.check("crash", lambda: 1 / 0, 1)  # a wrong attempt; the error stays as its cause
+    assert isinstance(caught.value.__cause__, ZeroDivisionError)
     with pytest.raises(exercises.ExerciseWrong, match="'wrong' is not right yet"):
         exercises.check("wrong", lambda: torch.ones(3), torch.zeros(3))
     with pytest.raises(exercises.ExerciseWrong, match="shape"):
