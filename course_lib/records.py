@@ -86,12 +86,23 @@ def save_record(kind: str, data: dict, folder: Path | str = ASSETS) -> Path | No
 
 def load_record(kind: str, gpu: str | None = None, folder: Path | str = ASSETS) -> dict | None:
     """The newest record of `kind` (for `gpu` if given, e.g. "H200"), or None if there is none."""
+    if not isinstance(kind, str) or not kind:
+        raise ValueError(f"load_record: kind must be a non-empty string, got {kind!r}")
     found = []
     for path in Path(folder).glob(f"{kind}-*.json"):
-        rec = json.loads(path.read_text())
-        if rec.get("kind") != kind:
-            continue
-        if gpu is not None and gpu.lower() not in (rec["meta"].get("gpu") or "").lower():
+        try:
+            rec = json.loads(path.read_text())
+            if not isinstance(rec, dict) or rec.get("kind") != kind:
+                continue
+            meta = rec["meta"]
+            if not isinstance(meta.get("date"), str):
+                raise KeyError("meta.date")
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
+            raise ValueError(
+                f"load_record: {path} is not a record of course_lib (a JSON object with kind, meta with a date, "
+                f"and data): {type(exc).__name__}: {exc}; delete it or run `make bench` again"
+            ) from None
+        if gpu is not None and gpu.lower() not in (meta.get("gpu") or "").lower():
             continue
         found.append(rec)
     return max(found, key=lambda r: r["meta"]["date"]) if found else None
@@ -125,6 +136,11 @@ def measured_or_recorded(
         raise TypeError(f"measure must be a function returning a dict, got {type(measure).__name__}")
     if measure_here is None:
         measure_here = runtime.ON_GPU
+    if measure_here and not runtime.ON_GPU:
+        raise ValueError(
+            f"measured_or_recorded({kind!r}): measure_here=True needs a GPU (course_lib runs on {runtime.DEVICE}); "
+            "a CPU shows the record instead"
+        )
     if measure_here:
         data = measure()
         if not isinstance(data, dict):

@@ -304,3 +304,54 @@ def test_bench_train_quick_runs():
             assert 0 < r["kernel_ms"] < 1.5 * r["step_ms"] and r["kernels_per_step"] > 100, r
     assert result["serve"]["course_lib_paged"]["tokens_per_s"] > 0
     assert result["memory"][0]["bytes_per_param"]["optimizer_states"] >= 8, result["memory"][0]
+
+
+def test_bad_model_and_generation_arguments_are_named():
+    """Checked on the host, by name: token ids outside the vocabulary (an IndexError on the CPU, a
+    device-side assert on a GPU), empty or badly typed inputs, targets of another shape (once a silently
+    wrong loss), a KV cache of another batch or written with a gap (once attended to zeros), config
+    floats that gave NaN, generation and training counts that crashed or did nothing."""
+    model = tiny_model(vocab_size=64).eval()
+    x = torch.randint(0, 64, (2, 5), device=DEVICE)
+    tokens = torch.randint(0, 64, (400,))
+    small = dict(batch_size=2, seq_len=8, progress=False)
+    cases = [
+        (lambda: model(torch.tensor([[1, 64]])), ValueError, r"token ids must lie in \[0, 64\)"),
+        (lambda: model(torch.zeros(1, 0, dtype=torch.long)), ValueError, "hold no token"),
+        (lambda: model([[1, 2]]), TypeError, "tokens must be an int64 tensor"),
+        (lambda: model(x, start_pos=-1), ValueError, "start_pos must be >= 0"),
+        (
+            lambda: model(x, x.T.contiguous()),
+            ValueError,
+            "targets must be an int64 tensor of the tokens' shape",
+        ),
+        (lambda: model(x, cache=KVCache(model.config, 1, 8, DEVICE)), ValueError, "as the cache was made"),
+        (lambda: LlamaConfig(**TINY, rope_theta=0.0), ValueError, "rope_theta must be > 0"),
+        (lambda: LlamaConfig(**TINY, norm_eps=float("nan")), ValueError, "norm_eps must be a finite number"),
+        (lambda: LlamaConfig(**{**TINY, "dim": 64.0}), TypeError, "dim must be an integer"),
+        (lambda: generate.sample(model, [1, 2], -1), ValueError, "max_new_tokens must be >= 0"),
+        (lambda: generate.sample(model, [1, 99], 2), ValueError, r"prompt token ids must lie in \[0, 64\)"),
+        (lambda: generate.sample(model, [1, 2], 2, temperature=float("nan")), ValueError, "temperature"),
+        (lambda: generate.greedy_cached(model, [1, 2, 3], 2), TypeError, "each prompt must be a list"),
+        (lambda: generate.serve(model, [[1, 2]], 2, page_size=0), ValueError, "page_size must be >= 1"),
+        (
+            lambda: train.train(model, tokens, steps=2, accum_steps=0, **small),
+            ValueError,
+            "accum_steps must be",
+        ),
+        (lambda: train.train(model, tokens, steps=2, lr=float("inf"), **small), ValueError, "lr must be"),
+        (lambda: train.train(model, tokens[None], steps=2, **small), TypeError, "1-D int64 tensor"),
+        (lambda: train.evaluate(model, tokens, 2, 8, batches=0), ValueError, "batches must be >= 1"),
+    ]
+    for make, error, words in cases:
+        with pytest.raises(error, match=words):
+            make()
+    cache = KVCache(model.config, 2, 16, DEVICE)
+    model(x, cache=cache)
+    with pytest.raises(ValueError, match="leaves a gap after the 5 positions cached"):
+        model(x[:, :1], cache=cache, start_pos=10)
+    model(x[:, :1], cache=cache, start_pos=5)  # the next position: fine
+    assert generate.sample(model, [1, 2], 0) == [] and generate.serve(model, [[1, 2]], 0) == [[]]
+    assert (
+        len(generate.sample(model, [1, 2], 3, temperature=1e-45)) == 3
+    )  # a tiny temperature: greedy, no NaN

@@ -91,6 +91,16 @@ def test_records_round_trip(tmp_path):
     assert records.load_record("demo", folder=tmp_path)["data"]["x"] == [1, 2]
     assert records.load_record("absent", folder=tmp_path) is None
     assert "recorded on" in records.label(rec)
+    # a file that is not a record is named, not a bare JSONDecodeError or KeyError from every load
+    (tmp_path / "demo-broken.json").write_text("{not json")
+    with pytest.raises(ValueError, match=r"demo-broken\.json is not a record of course_lib"):
+        records.load_record("demo", folder=tmp_path)
+    (tmp_path / "demo-broken.json").write_text('{"kind": "demo", "data": {}}')
+    with pytest.raises(ValueError, match=r"demo-broken\.json is not a record .*KeyError"):
+        records.load_record("demo", folder=tmp_path)
+    if not course_lib.ON_GPU:
+        with pytest.raises(ValueError, match="measure_here=True needs a GPU"):
+            records.measured_or_recorded("demo", lambda: {"x": 1}, "none", folder=tmp_path, measure_here=True)
 
 
 def test_records_off_writes_nothing(tmp_path, monkeypatch):

@@ -23,11 +23,14 @@ changed on a built model (`model.backend = "sdpa"`):
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from ..checks import check_int
 
 BACKENDS = ("course_lib", "sdpa", "eager")
 
@@ -49,8 +52,15 @@ class LlamaConfig:
 
     def __post_init__(self):
         for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "hidden_dim", "max_seq_len"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"LlamaConfig: {name} must be positive, got {getattr(self, name)}")
+            check_int("LlamaConfig", name, getattr(self, name), 1)
+        for name in ("rope_theta", "norm_eps"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+                raise ValueError(f"LlamaConfig: {name} must be a finite number, got {value!r}")
+        if self.rope_theta <= 0 or self.norm_eps < 0:
+            raise ValueError(
+                f"LlamaConfig: rope_theta must be > 0 and norm_eps >= 0; got {self.rope_theta}, {self.norm_eps}"
+            )
         if self.dim % self.n_heads:
             raise ValueError(f"LlamaConfig: dim={self.dim} is not a multiple of n_heads={self.n_heads}")
         if self.n_heads % self.n_kv_heads:
@@ -269,6 +279,21 @@ class TransformerBlock(nn.Module):
         return h + self.feed_forward(self.ffn_norm(h))
 
 
+def check_token_ids(where: str, ids: torch.Tensor, vocab_size: int, ignore: int | None = None) -> None:
+    """Token ids must lie in [0, vocab_size) (`ignore`, e.g. cross-entropy's -100, allowed too). Checked
+    where the ids are on the CPU only: reading them from a GPU would sync every step (there an id out of
+    range is a device-side assert of the embedding)."""
+    if ids.device.type != "cpu" or ids.numel() == 0 or torch.compiler.is_compiling():
+        return  # (under torch.compile a value check would break the graph)
+    bad = (ids < 0) | (ids >= vocab_size)
+    if ignore is not None:
+        bad &= ids != ignore
+    if bool(bad.any()):
+        raise ValueError(
+            f"{where}: token ids must lie in [0, {vocab_size}) (the vocabulary); got {ids[bad][:5].tolist()}"
+        )
+
+
 class KVCache:
     """A contiguous KV cache: k, v of shape (n_layers, B, n_kv_heads, max_len, head_dim).
 
@@ -277,16 +302,32 @@ class KVCache:
     K/V of positions 0 .. start_pos + n - 1."""
 
     def __init__(self, config: LlamaConfig, batch: int, max_len: int, device=None, dtype=torch.float32):
+        batch, max_len = check_int("KVCache", "batch", batch, 1), check_int("KVCache", "max_len", max_len, 1)
         shape = (config.n_layers, batch, config.n_kv_heads, max_len, config.head_dim)
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.length = [0] * config.n_layers  # positions written so far, per layer
 
     def update(self, layer: int, start_pos: int, k, v):
+        """Write k, v (B, n_kv_heads, n, head_dim) at positions start_pos .. start_pos + n - 1 (no gap after
+        what is cached: start_pos <= the positions written) and return the cache up to them."""
+        expected = (*self.k.shape[1:3], self.k.shape[-1])
+        if (k.shape[0], k.shape[1], k.shape[3]) != expected or k.shape != v.shape:
+            raise ValueError(
+                f"KVCache: k and v must be (batch, n_kv_heads, n, head_dim) with (batch, n_kv_heads, head_dim) = "
+                f"{expected}, as the cache was made; got k {tuple(k.shape)}, v {tuple(v.shape)}"
+            )
         end = start_pos + k.shape[-2]
         if end > self.k.shape[-2]:
             raise ValueError(
                 f"KVCache: positions up to {end} do not fit a cache of {self.k.shape[-2]} tokens"
             )
+        if start_pos > self.length[layer]:
+            raise ValueError(
+                f"KVCache: start_pos={start_pos} leaves a gap after the {self.length[layer]} positions cached "
+                "(their K/V would be zeros)"
+            )
+        self.length[layer] = max(self.length[layer], end)
         self.k[layer, :, :, start_pos:end] = k
         self.v[layer, :, :, start_pos:end] = v
         return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
@@ -373,11 +414,36 @@ class Llama(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     def forward(self, tokens, targets=None, cache=None, start_pos: int = 0):
-        if tokens.dim() != 2 or tokens.dtype != torch.int64:
+        if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2 or tokens.dtype != torch.int64:
             raise TypeError(
-                f"Llama: tokens must be an int64 tensor of shape (batch, seq_len); "
-                f"got shape {tuple(tokens.shape)}, dtype {tokens.dtype}"
+                "Llama: tokens must be an int64 tensor of shape (batch, seq_len); got "
+                + (
+                    f"shape {tuple(tokens.shape)}, dtype {tokens.dtype}"
+                    if isinstance(tokens, torch.Tensor)
+                    else type(tokens).__name__
+                )
             )
+        if tokens.numel() == 0:
+            raise ValueError(
+                f"Llama: tokens {tuple(tokens.shape)} hold no token (batch and seq_len must be >= 1)"
+            )
+        start_pos = check_int("Llama", "start_pos", start_pos, 0)
+        check_token_ids("Llama: tokens", tokens, self.config.vocab_size)
+        if targets is not None and (
+            not isinstance(targets, torch.Tensor)
+            or targets.shape != tokens.shape
+            or targets.dtype != torch.int64
+        ):
+            raise ValueError(
+                f"Llama: targets must be an int64 tensor of the tokens' shape {tuple(tokens.shape)}; got "
+                + (
+                    f"{tuple(targets.shape)} {targets.dtype}"
+                    if isinstance(targets, torch.Tensor)
+                    else type(targets).__name__
+                )
+            )
+        if targets is not None:
+            check_token_ids("Llama: targets", targets, self.config.vocab_size, ignore=-100)
         n = tokens.shape[1]
         if start_pos + n > self.config.max_seq_len:
             raise ValueError(

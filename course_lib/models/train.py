@@ -16,7 +16,9 @@ import matplotlib.pyplot as plt
 import torch
 from tqdm.auto import tqdm
 
+from ..checks import check_int
 from .data import get_batch
+from .llama import check_token_ids
 
 
 def make_optimizer(model: torch.nn.Module, lr: float, weight_decay: float = 0.1) -> torch.optim.AdamW:
@@ -68,10 +70,28 @@ class LossPlot:
 
 
 @torch.no_grad()
+def _check_data(where: str, model, tokens, **counts) -> None:
+    """tokens a 1-D int64 tensor of ids in the model's vocabulary, each of `counts` an int >= 1: errors
+    naming the argument (a batch of 0 or accum_steps=0 once trained nothing and reported a loss of 0)."""
+    for name, value in counts.items():
+        check_int(where, name, value, 1)
+    if not isinstance(tokens, torch.Tensor) or tokens.dim() != 1 or tokens.dtype != torch.int64:
+        raise TypeError(
+            f"{where}: tokens must be a 1-D int64 tensor of token ids (course_lib.models.data.encode gives one); got "
+            + (
+                f"{tuple(tokens.shape)} {tokens.dtype}"
+                if isinstance(tokens, torch.Tensor)
+                else type(tokens).__name__
+            )
+        )
+    check_token_ids(f"{where}: tokens", tokens.cpu(), model.config.vocab_size)
+
+
 def evaluate(
     model, tokens, batch_size: int, seq_len: int, batches: int = 4, seed: int = 1, autocast=None
 ) -> float:
     """Mean loss over `batches` fixed random batches of `tokens` (the same windows every call)."""
+    _check_data("evaluate", model, tokens, batch_size=batch_size, seq_len=seq_len, batches=batches)
     device = next(model.parameters()).device
     g = torch.Generator().manual_seed(seed)
     was_training = model.training
@@ -115,6 +135,18 @@ def train(
     is bf16 on a GPU and off on the CPU; a dtype forces it; None turns it off. `plot`: a LossPlot
     (live curve in a notebook). `max_seconds` stops early after that much wall time.
     Returns a history: step, loss, lr, val_step, val_loss, tokens, seconds, tokens_per_s."""
+    _check_data(
+        "train", model, tokens, steps=steps, batch_size=batch_size, seq_len=seq_len, accum_steps=accum_steps,
+        eval_every=eval_every,
+    )  # fmt: skip
+    if val_tokens is not None:
+        _check_data("train: val_tokens", model, val_tokens)
+    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not (math.isfinite(lr) and lr > 0):
+        raise ValueError(f"train: lr must be a finite number > 0, got {lr!r}")
+    if not (autocast in ("auto", None) or isinstance(autocast, torch.dtype)):
+        raise TypeError(
+            f"train: autocast must be 'auto', None or a torch dtype such as torch.bfloat16, got {autocast!r}"
+        )
     device = next(model.parameters()).device
     if autocast == "auto":
         autocast = torch.bfloat16 if device.type == "cuda" else None

@@ -21,6 +21,7 @@ import time
 import torch
 
 from .. import runtime
+from ..checks import check_int
 
 FLUSH_BYTES = 256 * 2**20  # the buffer read between timed calls: four times an H200's 60 MiB L2
 _flush_buffers: dict = {}
@@ -76,6 +77,9 @@ def benchmark(fn, *, warmup_ms: float = 25, rep_ms: float = 100, cpu_reps: int =
     """Median time of `fn()` in milliseconds, on the device course_lib runs on: on a GPU, each call
     timed by CUDA events after a clean L2 flush (`flush_l2`), after `warmup_ms` of warm-up calls and
     for about `rep_ms` of calls; on the CPU, the wall-clock median of `cpu_reps` calls after one."""
+    if not callable(fn):
+        raise TypeError(f"benchmark: fn must be a function to call (a lambda), got {type(fn).__name__}")
+    cpu_reps = check_int("benchmark", "cpu_reps", cpu_reps, 1)
     if runtime.ON_GPU:
         return float(_gpu_median(fn, warmup_ms, rep_ms))
     fn()  # warm-up: first-call costs (allocation, caches, kernel decoration) stay out
