@@ -355,3 +355,18 @@ def test_bad_model_and_generation_arguments_are_named():
     assert (
         len(generate.sample(model, [1, 2], 3, temperature=1e-45)) == 3
     )  # a tiny temperature: greedy, no NaN
+
+
+def test_conversion_and_split_refuse_what_they_would_get_wrong():
+    model = tiny_model(vocab_size=64)
+    hf = convert.to_hf_state_dict(model.state_dict())
+    assert convert.from_hf_state_dict(hf, model.config).keys() == model.state_dict().keys()
+    hf["lm_head.weight"] = torch.randn_like(hf["lm_head.weight"])  # untied weights, tied config
+    with pytest.raises(ValueError, match="lm_head.weight differs from model.embed_tokens.weight"):
+        convert.from_hf_state_dict(hf, model.config)
+    del hf["model.embed_tokens.weight"]
+    with pytest.raises(ValueError, match="no model.embed_tokens.weight"):
+        convert.from_hf_state_dict(hf, model.config)
+    for fraction in (1.5, -0.5, float("nan"), True):
+        with pytest.raises(ValueError, match=r"val_fraction must be a number in \[0, 1\)"):
+            data.split(torch.arange(200), fraction)

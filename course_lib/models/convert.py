@@ -82,8 +82,16 @@ def from_hf_state_dict(state: dict[str, torch.Tensor], config: LlamaConfig) -> d
             out[names[k]] = v
         elif "rotary_emb" not in k:
             raise KeyError(f"from_hf_state_dict: unexpected transformers parameter {k!r}")
+    if "tok_embeddings.weight" not in out:
+        raise ValueError("from_hf_state_dict: the state dict has no model.embed_tokens.weight")
     if config.tie_embeddings:
-        out.setdefault("output.weight", out["tok_embeddings.weight"])
+        head = out.setdefault("output.weight", out["tok_embeddings.weight"])
+        if head is not out["tok_embeddings.weight"] and not torch.equal(head, out["tok_embeddings.weight"]):
+            raise ValueError(
+                "from_hf_state_dict: the config ties the embeddings, but lm_head.weight differs from "
+                "model.embed_tokens.weight (loading would silently replace one by the other); use a config "
+                "with tie_embeddings=False"
+            )
     return out
 
 

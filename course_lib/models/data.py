@@ -98,6 +98,12 @@ def decode(tokens) -> str:
 
 def split(tokens: torch.Tensor, val_fraction: float = 0.05) -> tuple[torch.Tensor, torch.Tensor]:
     """(train, val): the last `val_fraction` of the tokens is held out for validation."""
+    if (
+        isinstance(val_fraction, bool)
+        or not isinstance(val_fraction, (int, float))
+        or not 0 <= val_fraction < 1
+    ):
+        raise ValueError(f"split: val_fraction must be a number in [0, 1), got {val_fraction!r}")
     n_val = int(len(tokens) * val_fraction)
     return tokens[: len(tokens) - n_val], tokens[len(tokens) - n_val :]
 
