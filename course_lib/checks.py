@@ -13,6 +13,11 @@ import torch
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
+def shape_and_dtype(x) -> str:
+    """'(2, 5) torch.int64' for a tensor, its type's name for anything else: what an error says it got."""
+    return f"{tuple(x.shape)} {x.dtype}" if isinstance(x, torch.Tensor) else type(x).__name__
+
+
 def _describe(name: str, t: torch.Tensor) -> str:
     return f"{name}: shape {tuple(t.shape)}, dtype {t.dtype}, device {t.device}"
 

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..checks import check_int
+from ..checks import check_int, shape_and_dtype
 
 BACKENDS = ("course_lib", "sdpa", "eager")
 
@@ -416,12 +416,7 @@ class Llama(nn.Module):
     def forward(self, tokens, targets=None, cache=None, start_pos: int = 0):
         if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2 or tokens.dtype != torch.int64:
             raise TypeError(
-                "Llama: tokens must be an int64 tensor of shape (batch, seq_len); got "
-                + (
-                    f"shape {tuple(tokens.shape)}, dtype {tokens.dtype}"
-                    if isinstance(tokens, torch.Tensor)
-                    else type(tokens).__name__
-                )
+                f"Llama: tokens must be an int64 tensor of shape (batch, seq_len); got {shape_and_dtype(tokens)}"
             )
         if tokens.numel() == 0:
             raise ValueError(
@@ -436,11 +431,7 @@ class Llama(nn.Module):
         ):
             raise ValueError(
                 f"Llama: targets must be an int64 tensor of the tokens' shape {tuple(tokens.shape)}; got "
-                + (
-                    f"{tuple(targets.shape)} {targets.dtype}"
-                    if isinstance(targets, torch.Tensor)
-                    else type(targets).__name__
-                )
+                f"{shape_and_dtype(targets)}"
             )
         if targets is not None:
             check_token_ids("Llama: targets", targets, self.config.vocab_size, ignore=-100)

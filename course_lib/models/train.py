@@ -16,7 +16,7 @@ import matplotlib.pyplot as plt
 import torch
 from tqdm.auto import tqdm
 
-from ..checks import check_int
+from ..checks import check_int, shape_and_dtype
 from .data import get_batch
 from .llama import check_token_ids
 
@@ -69,7 +69,6 @@ class LossPlot:
         plt.close(fig)
 
 
-@torch.no_grad()
 def _check_data(where: str, model, tokens, **counts) -> None:
     """tokens a 1-D int64 tensor of ids in the model's vocabulary, each of `counts` an int >= 1: errors
     naming the argument (a batch of 0 or accum_steps=0 once trained nothing and reported a loss of 0)."""
@@ -77,16 +76,13 @@ def _check_data(where: str, model, tokens, **counts) -> None:
         check_int(where, name, value, 1)
     if not isinstance(tokens, torch.Tensor) or tokens.dim() != 1 or tokens.dtype != torch.int64:
         raise TypeError(
-            f"{where}: tokens must be a 1-D int64 tensor of token ids (course_lib.models.data.encode gives one); got "
-            + (
-                f"{tuple(tokens.shape)} {tokens.dtype}"
-                if isinstance(tokens, torch.Tensor)
-                else type(tokens).__name__
-            )
+            f"{where}: tokens must be a 1-D int64 tensor of token ids (course_lib.models.data.encode gives "
+            f"one); got {shape_and_dtype(tokens)}"
         )
     check_token_ids(f"{where}: tokens", tokens.cpu(), model.config.vocab_size)
 
 
+@torch.no_grad()
 def evaluate(
     model, tokens, batch_size: int, seq_len: int, batches: int = 4, seed: int = 1, autocast=None
 ) -> float:
