@@ -76,3 +76,13 @@ def test_bad_input():
     with pytest.raises(ValueError, match="order"):
         x = torch.randn(8, 4)
         animate.forward_frames(x, x, x, 16, 16, order="fa3")
+    # block sizes and empty heads named before any loop (once "range() arg 3 must not be zero")
+    x = torch.randn(8, 4)
+    for block_m, block_n in ((0, 4), (2.0, 4)):
+        with pytest.raises(ValueError, match="tile sizes must be positive integers"):
+            animate.forward_frames(x, x, x, block_m, block_n)
+        with pytest.raises(ValueError, match="tile sizes must be positive integers"):
+            animate.backward_frames(x, x, x, x, block_n, block_m)
+    empty = torch.randn(4, 0)
+    with pytest.raises(ValueError, match=r"N and d >= 1"):
+        animate.forward_frames(empty, empty, empty, 2, 2)

@@ -7,6 +7,7 @@ import dataclasses
 import json
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -71,6 +72,18 @@ def test_roofline_arithmetic():
     # 1 GFLOP at 1 TFLOP/s = 1 ms; 1 GB at 100 GB/s = 10 ms: the memory time wins
     assert perf.roofline_ms(1e9, 1e9, 1.0, 100.0) == pytest.approx(10.0)
     assert perf.arithmetic_intensity(8.0, 4.0) == 2.0
+    # NumPy and 0-d tensor numbers are numbers (once refused); bools and negative or infinite costs are not
+    assert perf.machine_balance(np.float32(100), torch.tensor(1000.0)) == pytest.approx(100.0)
+    for call, name in (
+        (lambda: perf.machine_balance(True, 1000), "peak_tflops"),
+        (lambda: perf.attainable_tflops(10, 100, 0), "bandwidth_gbps"),
+        (lambda: perf.attainable_tflops(float("nan"), 100, 1000), "intensity"),
+        (lambda: perf.arithmetic_intensity(-10, 5), "flops"),
+        (lambda: perf.roofline_ms(1e9, float("inf"), 1.0, 100.0), "nbytes"),
+        (lambda: perf.achieved_tflops({"flops": 1e9, "ms": 0}), "ms"),
+    ):
+        with pytest.raises(ValueError, match=f"^{name} must be a (positive|non-negative) finite number"):
+            call()
 
 
 @pytest.mark.parametrize("bad", [0, -1.0, float("nan"), float("inf"), "fast"])

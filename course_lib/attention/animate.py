@@ -31,9 +31,11 @@ ORDERS = {"fa1": "FlashAttention-1 order (K/V outer)", "fa2": "FlashAttention-2 
 def _check_2d(name: str, t, n_cols: int | None = None) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"animate: {name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dim() != 2 or (n_cols is not None and t.shape[1] != n_cols):
+    if t.dim() != 2 or (n_cols is not None and t.shape[1] != n_cols) or 0 in t.shape:
         want = f"(N, {n_cols})" if n_cols is not None else "(N, d)"
-        raise ValueError(f"animate: {name} must have shape {want} (one head), got {tuple(t.shape)}")
+        raise ValueError(
+            f"animate: {name} must have shape {want} (one head, N and d >= 1), got {tuple(t.shape)}"
+        )
 
 
 def _scores(q, k, scale: float, causal: bool) -> torch.Tensor:
@@ -63,6 +65,7 @@ def forward_frames(q, k, v, block_m: int, block_n: int, causal: bool = False, or
         _check_2d(name, t)
     if k.shape != v.shape or q.shape[1] != k.shape[1]:
         raise ValueError(f"animate: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not fit")
+    tiles._check_sizes(q.shape[0], k.shape[0], block_m, block_n)
     if order not in ORDERS:
         raise ValueError(f"animate: order must be 'fa1' or 'fa2', got {order!r}")
     q, k, v = q.double().cpu(), k.double().cpu(), v.double().cpu()
@@ -117,6 +120,7 @@ def backward_frames(q, k, v, dO, block_m: int, block_n: int, causal: bool = Fals
         dk_left: (Nk,) the same for dK: a K/V block's rows finish at the end of its own inner loop."""
     for name, t in (("q", q), ("k", k), ("v", v), ("dO", dO)):
         _check_2d(name, t)
+    tiles._check_sizes(q.shape[0], k.shape[0], block_m, block_n)
     if dO.shape != q.shape or k.shape != v.shape or q.shape[1] != k.shape[1]:
         raise ValueError(
             f"animate: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, dO {tuple(dO.shape)} do not fit"

@@ -22,29 +22,41 @@ def machine_balance(peak_tflops: float, bandwidth_gbps: float) -> float:
 def arithmetic_intensity(flops: float, nbytes: float) -> float:
     """FLOP per byte moved to or from memory."""
     _positive(nbytes=nbytes)
+    _positive(zero_ok=True, flops=flops)
     return flops / nbytes
 
 
 def attainable_tflops(intensity: float, peak_tflops: float, bandwidth_gbps: float) -> float:
     """The roofline: min(peak, bandwidth x intensity), in TFLOP/s."""
+    _positive(peak_tflops=peak_tflops, bandwidth_gbps=bandwidth_gbps)
+    _positive(zero_ok=True, intensity=intensity)
     return min(peak_tflops, bandwidth_gbps * intensity / 1e3)
 
 
 def roofline_ms(flops: float, nbytes: float, peak_tflops: float, bandwidth_gbps: float) -> float:
     """The least time (ms) an operation can take: the larger of compute time and memory time."""
     _positive(peak_tflops=peak_tflops, bandwidth_gbps=bandwidth_gbps)
+    _positive(zero_ok=True, flops=flops, nbytes=nbytes)
     return max(flops / (peak_tflops * 1e9), nbytes / (bandwidth_gbps * 1e6))
 
 
 def achieved_tflops(point: dict) -> float:
     """TFLOP/s an operation reached: its FLOPs over its measured time (`point` has "flops" and "ms")."""
+    _positive(ms=point["ms"])
+    _positive(zero_ok=True, flops=point["flops"])
     return point["flops"] / (point["ms"] * 1e9)
 
 
-def _positive(**values) -> None:
+def _positive(zero_ok: bool = False, **values) -> None:
+    """Each value a finite real number (Python, NumPy or a 0-d tensor; not a bool), > 0 (>= 0 with zero_ok)."""
     for name, value in values.items():
-        if not (isinstance(value, (int, float)) and value > 0 and math.isfinite(value)):
-            raise ValueError(f"{name} must be a positive finite number, got {value!r}")
+        try:
+            number = None if isinstance(value, (bool, str, bytes)) else float(value)
+        except (TypeError, ValueError, RuntimeError):
+            number = None
+        if number is None or not math.isfinite(number) or number < 0 or (number == 0 and not zero_ok):
+            kind = "non-negative" if zero_ok else "positive"
+            raise ValueError(f"{name} must be a {kind} finite number, got {value!r}")
 
 
 # ---------------------------------------------------------------------------------------------------------
