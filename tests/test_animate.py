@@ -86,3 +86,6 @@ def test_bad_input():
     empty = torch.randn(4, 0)
     with pytest.raises(ValueError, match=r"N and d >= 1"):
         animate.forward_frames(empty, empty, empty, 2, 2)
+    # dO = 0: every gradient is zero, nothing is left to compute in any frame (once 0 / 0 = NaN)
+    frames = animate.backward_frames(x, x, x, torch.zeros_like(x), 4, 4)
+    assert all(not np.isnan(f["dq_left"]).any() and not np.isnan(f["dk_left"]).any() for f in frames)

@@ -107,3 +107,22 @@ def test_print_table(capsys):
     assert "1.23" in out[2] and "-" in out[2]
     print_table([])
     assert capsys.readouterr().out.strip() == "(no rows)"
+
+
+def test_bar_chart_and_series_refuse_what_is_not_a_list_by_name():
+    """Once a ZeroDivisionError (no series), len() of an int, a string split into labels, and a bare
+    "'int' object is not iterable" where the message about the series was meant."""
+    kw = dict(xlabel="x (n)", ylabel="y (ms)", title="t")
+    for make, error, words in (
+        (lambda: bar_chart(["a"], {}, **kw), ValueError, "non-empty dict of lists"),
+        (lambda: bar_chart(["a"], 5, **kw), ValueError, "values must be a list"),
+        (lambda: bar_chart("ab", [1, 2], **kw), TypeError, "labels must be a list of names, got str"),
+        (
+            lambda: plot_series([1], {"a": 5}, **kw),
+            TypeError,
+            "series 'a' must be a list of numbers or None, got 5",
+        ),
+    ):
+        with pytest.raises(error, match=words):
+            make()
+    plt.close("all")

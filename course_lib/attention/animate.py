@@ -149,8 +149,13 @@ def backward_frames(q, k, v, dO, block_m: int, block_n: int, causal: bool = Fals
             {
                 "tile": (i, j),
                 "done": list(done),
-                "dq_left": ((dq_final - dq).abs().amax(dim=-1) / dq_final.abs().max()).numpy(),
-                "dk_left": ((dk_final - dk).abs().amax(dim=-1) / dk_final.abs().max()).numpy(),
+                # (a gradient that is all zeros, dO = 0, is scaled by 1: nothing left, not 0 / 0)
+                "dq_left": (
+                    (dq_final - dq).abs().amax(dim=-1) / dq_final.abs().max().clamp_min(1e-30)
+                ).numpy(),
+                "dk_left": (
+                    (dk_final - dk).abs().amax(dim=-1) / dk_final.abs().max().clamp_min(1e-30)
+                ).numpy(),
                 "causal": causal,
                 "n_q": n_q,
                 "n_k": n_k,

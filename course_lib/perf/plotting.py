@@ -69,7 +69,7 @@ def _as_float(values, what: str) -> np.ndarray:
     try:
         return np.array([np.nan if v is None else float(v) for v in values], dtype=float)
     except (TypeError, ValueError) as exc:
-        raise TypeError(f"{what} must hold numbers or None, got {list(values)!r}") from exc
+        raise TypeError(f"{what} must be a list of numbers or None, got {values!r:.80}") from exc
 
 
 def plot_series(
@@ -126,7 +126,17 @@ def bar_chart(
     With horizontal=True the bars run left to right, labels on the y axis (then `xlabel` names the
     values). Each bar is annotated with its value formatted by `fmt`. Returns the Axes."""
     _require_text(xlabel=xlabel, ylabel=ylabel, title=title)
+    if isinstance(labels, (str, bytes)) or not hasattr(labels, "__iter__"):
+        raise TypeError(f"bar_chart: labels must be a list of names, got {type(labels).__name__}")
     labels = [str(label) for label in labels]
+    if (
+        isinstance(values, (str, bytes))
+        or not hasattr(values, "__len__")
+        or (isinstance(values, dict) and not values)
+    ):
+        raise ValueError(
+            f"bar_chart: values must be a list (one per label) or a non-empty dict of lists, got {values!r:.80}"
+        )
     groups = values if isinstance(values, dict) else {"": values}
     for name, vals in groups.items():
         if len(vals) != len(labels):
