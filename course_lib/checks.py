@@ -6,6 +6,8 @@ crash inside a kernel, a hang or silent garbage. Every public entry point calls 
 
 from __future__ import annotations
 
+import math
+import numbers
 import operator
 
 import torch
@@ -142,6 +144,38 @@ def check_int(where: str, name: str, value, minimum: int) -> int:
     if index < minimum:
         raise ValueError(f"{where}: {name} must be >= {minimum}, got {index}")
     return index
+
+
+def check_real(where: str, name: str, value, low=None, high=None, low_open: bool = False) -> float:
+    """`value` as a float: a real number (Python or NumPy, not a bool), finite, >= low (> low with
+    low_open) and < high where given; else a TypeError or ValueError naming `name`."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{where}: {name} must be a number, got {value!r} ({type(value).__name__})")
+    value = float(value)
+    below = low is not None and (value <= low if low_open else value < low)
+    if not math.isfinite(value) or below or (high is not None and value >= high):
+        bounds = ("" if low is None else f" {'>' if low_open else '>='} {low:g}") + (
+            "" if high is None else f"{' and' if low is not None else ''} < {high:g}"
+        )
+        raise ValueError(f"{where}: {name} must be a finite number{bounds}, got {value!r}")
+    return value
+
+
+def token_ids(where: str, prompt, vocab: int | None = None) -> list[int]:
+    """A prompt as a list of ints in [0, vocab) (any iterable of ids, or a 1-D integer tensor); a TypeError
+    when it is not one, a ValueError naming the ids that are not such ints (vocab None: any id >= 0)."""
+    if isinstance(prompt, torch.Tensor) and prompt.dim() == 1 and not prompt.is_floating_point():
+        prompt = prompt.tolist()
+    if isinstance(prompt, (str, bytes, torch.Tensor)) or not hasattr(prompt, "__iter__"):
+        raise TypeError(f"{where}: prompt must be a list of token ids, got {type(prompt).__name__}")
+    prompt = list(prompt)  # any iterable, a one-pass iterator too: read once
+    ids = [as_int(t) for t in prompt]
+    bad = [t for t, i in zip(prompt, ids) if i is None or i < 0 or (vocab is not None and i >= vocab)]
+    if bad:
+        raise ValueError(
+            f"{where}: prompt token ids must be ints in [0, {vocab or 'vocab size'}); got {bad[:5]}"
+        )
+    return ids
 
 
 def accumulator_dtype(dtype: torch.dtype) -> torch.dtype:

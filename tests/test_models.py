@@ -326,13 +326,21 @@ def test_bad_model_and_generation_arguments_are_named():
             "targets must be an int64 tensor of the tokens' shape",
         ),
         (lambda: model(x, cache=KVCache(model.config, 1, 8, DEVICE)), ValueError, "as the cache was made"),
-        (lambda: LlamaConfig(**TINY, rope_theta=0.0), ValueError, "rope_theta must be > 0"),
+        (lambda: LlamaConfig(**TINY, rope_theta=0.0), ValueError, "rope_theta must be a finite number > 0"),
         (lambda: LlamaConfig(**TINY, norm_eps=float("nan")), ValueError, "norm_eps must be a finite number"),
         (lambda: LlamaConfig(**{**TINY, "dim": 64.0}), TypeError, "dim must be an integer"),
         (lambda: generate.sample(model, [1, 2], -1), ValueError, "max_new_tokens must be >= 0"),
-        (lambda: generate.sample(model, [1, 99], 2), ValueError, r"prompt token ids must lie in \[0, 64\)"),
+        (
+            lambda: generate.sample(model, [1, 99], 2),
+            ValueError,
+            r"prompt token ids must be ints in \[0, 64\)",
+        ),
         (lambda: generate.sample(model, [1, 2], 2, temperature=float("nan")), ValueError, "temperature"),
-        (lambda: generate.greedy_cached(model, [1, 2, 3], 2), TypeError, "each prompt must be a list"),
+        (
+            lambda: generate.greedy_cached(model, [1, 2, 3], 2),
+            TypeError,
+            "prompt must be a list of token ids, got int",
+        ),
         (lambda: generate.serve(model, [[1, 2]], 2, page_size=0), ValueError, "page_size must be >= 1"),
         (
             lambda: train.train(model, tokens, steps=2, accum_steps=0, **small),
@@ -367,6 +375,8 @@ def test_conversion_and_split_refuse_what_they_would_get_wrong():
     del hf["model.embed_tokens.weight"]
     with pytest.raises(ValueError, match="no model.embed_tokens.weight"):
         convert.from_hf_state_dict(hf, model.config)
-    for fraction in (1.5, -0.5, float("nan"), True):
-        with pytest.raises(ValueError, match=r"val_fraction must be a number in \[0, 1\)"):
+    for fraction in (1.5, -0.5, float("nan")):
+        with pytest.raises(ValueError, match=r"val_fraction must be a finite number >= 0 and < 1"):
             data.split(torch.arange(200), fraction)
+    with pytest.raises(TypeError, match="val_fraction must be a number, got True"):
+        data.split(torch.arange(200), True)

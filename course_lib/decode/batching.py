@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..checks import as_int, check_int
+from ..checks import check_int, token_ids
 from .cache import OutOfPages, PagedKVCache
 from .graphs import DecodeGraphs
 from .paged import paged_decode_attention
@@ -160,8 +160,7 @@ class ContinuousBatcher:
         """Queue a request (prompt: a non-empty list of token ids); returns its id. A request whose
         prompt and new tokens could never fit in the page pool, even alone, is refused here."""
         where = "ContinuousBatcher.submit"
-        if isinstance(prompt, (str, bytes)) or not hasattr(prompt, "__len__"):
-            raise TypeError(f"{where}: prompt must be a list of token ids, got {type(prompt).__name__}")
+        prompt = token_ids(where, prompt, _vocab_size(self.model))
         max_new_tokens = check_int(where, "max_new_tokens", max_new_tokens, 1)
         if len(prompt) == 0:
             raise ValueError(f"{where}: a request needs a non-empty prompt")
@@ -173,15 +172,7 @@ class ContinuousBatcher:
                 f"tokens, more than the whole page pool holds ({self.cache.allocator.num_pages} pages of "
                 f"{self.cache.page_size} = {room}); ask for fewer tokens or a larger num_pages"
             )
-        vocab = _vocab_size(self.model)
-        ids = [as_int(t) for t in prompt]
-        bad = [t for t, i in zip(prompt, ids) if i is None or i < 0 or (vocab is not None and i >= vocab)]
-        if bad:
-            raise ValueError(
-                f"ContinuousBatcher.submit: prompt token ids must be ints in [0, {vocab or 'vocab size'}); "
-                f"got {bad[:5]}"
-            )
-        req = Request(self._next_id, list(prompt), max_new_tokens, eos_id)
+        req = Request(self._next_id, prompt, max_new_tokens, eos_id)
         self._next_id += 1
         self.waiting.append(req)
         return req.id

@@ -207,17 +207,14 @@ class PagedKVCache:
 
     def _check_slots(self, slots: torch.Tensor) -> None:
         """Every slot in [0, num_pages x page_size), in a page some sequence holds (a ValueError otherwise)."""
-        total = self.allocator.num_pages * self.page_size
-        bad = [int(i) for i in slots.tolist() if not 0 <= i < total]
+        total, ids = self.allocator.num_pages * self.page_size, slots.tolist()
+        bad = [i for i in ids if not 0 <= i < total]
         if bad:
             raise ValueError(
                 f"PagedKVCache.write: slots {bad[:5]} are outside the pool's [0, {total}) "
                 f"({self.allocator.num_pages} pages of {self.page_size} tokens); take slots from append()"
             )
-        unheld = sorted(
-            {i // self.page_size for i in slots.tolist()}
-            - {p for p in range(self.allocator.num_pages) if self.allocator.refs[p] > 0}
-        )
+        unheld = sorted({i // self.page_size for i in ids if self.allocator.refs[i // self.page_size] == 0})
         if unheld:
             raise ValueError(
                 f"PagedKVCache.write: slots fall in pages {unheld[:5]}, which no sequence holds; "

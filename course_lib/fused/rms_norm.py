@@ -47,14 +47,11 @@ autograd Function `RMSNormFunction`, and `rms_norm_reference` (float64, the grou
 
 from __future__ import annotations
 
-import math
-import numbers
-
 import torch
 from torch import nn
 
 from .. import runtime
-from ..checks import accumulator_dtype, check_int
+from ..checks import accumulator_dtype, check_int, check_real
 from ..runtime import tl, triton
 from ..second_derivative import refuse_second_derivative
 from . import launch
@@ -418,15 +415,6 @@ class RMSNormFunction(torch.autograd.Function):
         return dx, dw, None, None
 
 
-def check_eps(where: str, eps) -> float:
-    """eps as a float: a real number (Python or NumPy, not a bool), finite and >= 0; else an error naming it."""
-    if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
-        raise TypeError(f"{where}: eps must be a number, got {eps!r} ({type(eps).__name__})")
-    if not (math.isfinite(eps) and eps >= 0):
-        raise ValueError(f"{where}: eps must be a finite number >= 0, got {eps!r}")
-    return float(eps)
-
-
 def _check(x, weight, eps, dw_mode) -> None:
     where = "rms_norm"
     launch.check_on_kernel_device(where, x=x, weight=weight)
@@ -455,7 +443,7 @@ def _check(x, weight, eps, dw_mode) -> None:
         raise ValueError(
             f"{where}: hidden size {x.shape[-1]} is over {launch.MAX_ROW}, the longest row one program holds"
         )
-    check_eps(where, eps)
+    check_real(where, "eps", eps, low=0)
     if dw_mode not in DW_MODES:
         raise ValueError(f"{where}: dw_mode must be one of {DW_MODES}, got {dw_mode!r}")
 
@@ -489,7 +477,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         hidden = check_int("RMSNorm", "hidden", hidden, 1)
         self.weight = nn.Parameter(torch.ones(hidden, device=device, dtype=dtype))
-        self.eps = check_eps("RMSNorm", eps)
+        self.eps = check_real("RMSNorm", "eps", eps, low=0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps)

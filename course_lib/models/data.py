@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from ..checks import check_real
+
 CORPUS = Path(__file__).with_name("corpus.txt")
 VOCAB_SIZE = 256
 
@@ -98,12 +100,7 @@ def decode(tokens) -> str:
 
 def split(tokens: torch.Tensor, val_fraction: float = 0.05) -> tuple[torch.Tensor, torch.Tensor]:
     """(train, val): the last `val_fraction` of the tokens is held out for validation."""
-    if (
-        isinstance(val_fraction, bool)
-        or not isinstance(val_fraction, (int, float))
-        or not 0 <= val_fraction < 1
-    ):
-        raise ValueError(f"split: val_fraction must be a number in [0, 1), got {val_fraction!r}")
+    val_fraction = check_real("split", "val_fraction", val_fraction, low=0, high=1)
     n_val = int(len(tokens) * val_fraction)
     return tokens[: len(tokens) - n_val], tokens[len(tokens) - n_val :]
 

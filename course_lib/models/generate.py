@@ -17,56 +17,29 @@
 
 from __future__ import annotations
 
-import math
-import numbers
 from collections.abc import Iterator
 
 import torch
 
-from ..checks import as_int, check_int
+from ..checks import check_int, check_real, token_ids
 from .llama import KVCache
 
 
-def _prompts(prompts) -> list[list[int]]:
-    """Prompts as lists of ints: a list of token-id lists (or 1-D tensors); a TypeError naming what is not."""
+def _prompts(model, prompts, where: str) -> list[list[int]]:
+    """Prompts as lists of ints in the model's vocabulary: a list of token-id lists (or 1-D tensors),
+    checked on the host (on a GPU a bad id would be a device-side assert of the embedding)."""
     if isinstance(prompts, (str, bytes, torch.Tensor)) or not hasattr(prompts, "__iter__"):
-        raise TypeError(f"generation: prompts must be a list of token-id lists, got {type(prompts).__name__}")
-    out = []
-    for p in prompts:
-        if isinstance(p, torch.Tensor) and p.dim() == 1 and not p.is_floating_point():
-            p = p.tolist()
-        elif isinstance(p, (str, bytes, torch.Tensor)) or not hasattr(p, "__iter__"):
-            raise TypeError(
-                "generation: each prompt must be a list of token ids (a list of such lists for several "
-                f"prompts); got {type(p).__name__} {p!r:.40}"
-            )
-        ids = [as_int(t) for t in p]
-        if any(i is None for i in ids):
-            raise TypeError(f"generation: token ids must be integers; got {list(p)[:8]!r}")
-        out.append(ids)
+        raise TypeError(f"{where}: prompts must be a list of token-id lists, got {type(prompts).__name__}")
+    out = [token_ids(where, p, model.config.vocab_size) for p in prompts]
     if not out or any(len(p) == 0 for p in out):
-        raise ValueError("generation needs at least one prompt, and no prompt may be empty")
+        raise ValueError(f"{where}: generation needs at least one prompt, and no prompt may be empty")
     return out
 
 
-def _check_ids(model, prompts, where: str) -> None:
-    """Every prompt's ids in [0, vocab_size): checked here, on the host (on a GPU a bad id would be a
-    device-side assert of the embedding)."""
-    vocab = model.config.vocab_size
-    for prompt in prompts:
-        bad = [t for t in prompt if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(
-                f"{where}: prompt token ids must lie in [0, {vocab}) (the vocabulary); got {bad[:5]}"
-            )
-
-
 def _check_fits(model, prompts, max_new_tokens: int, where: str) -> int:
-    """max_new_tokens an int >= 0 (returned), every prompt's ids in the model's vocabulary, and every prompt
-    with its new tokens within the model's max_seq_len (its RoPE table): a ValueError naming the first
-    that does not."""
+    """max_new_tokens an int >= 0 (returned), and every prompt with its new tokens within the model's
+    max_seq_len (its RoPE table): a ValueError naming the first that does not."""
     max_new_tokens = check_int(where, "max_new_tokens", max_new_tokens, 0)
-    _check_ids(model, prompts, where)
     for prompt in prompts:
         n_ctx = len(prompt) + max_new_tokens
         if n_ctx > model.config.max_seq_len:
@@ -80,9 +53,8 @@ def _check_fits(model, prompts, max_new_tokens: int, where: str) -> int:
 @torch.no_grad()
 def greedy_reference(model, prompt, max_new_tokens: int) -> list[int]:
     """Greedy continuation of one prompt (a list of token ids) by full recomputation at each step."""
-    tokens = _prompts([prompt])[0]
+    tokens = _prompts(model, [prompt], "greedy_reference")[0]
     max_new_tokens = check_int("greedy_reference", "max_new_tokens", max_new_tokens, 0)
-    _check_ids(model, [tokens], "greedy_reference")
     n_prompt = len(tokens)
     for _ in range(max_new_tokens):
         x = torch.tensor([tokens], device=model.device)
@@ -96,15 +68,12 @@ def sample(model, prompt, max_new_tokens: int, temperature: float = 0.0, generat
     softmax(logits / temperature) of the last position (temperature 0: the argmax, greedy), through a
     contiguous `KVCache`: prefill the prompt, then one token per forward pass. `generator`: a CPU
     `torch.Generator` for the draws. The prompt and the new tokens must fit the model's max_seq_len."""
-    prompt = _prompts([prompt])[0]
+    prompt = _prompts(model, [prompt], "sample")[0]
     max_new_tokens = _check_fits(model, [prompt], max_new_tokens, "sample")
     if max_new_tokens == 0:
         return []
     n_ctx = len(prompt) + max_new_tokens
-    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) or not temperature >= 0:
-        raise ValueError(f"sample: temperature must be a number >= 0 (0 is greedy), got {temperature!r}")
-    if not math.isfinite(temperature):
-        raise ValueError(f"sample: temperature must be finite, got {temperature!r}")
+    temperature = check_real("sample", "temperature (0 is greedy)", temperature, low=0)
     cache = KVCache(model.config, 1, n_ctx, model.device, model.dtype)
     logits = model(torch.tensor([prompt], device=model.device), cache=cache, start_pos=0)
     generated = []
@@ -127,7 +96,7 @@ def sample(model, prompt, max_new_tokens: int, temperature: float = 0.0, generat
 def greedy_cached(model, prompts, max_new_tokens: int) -> list[list[int]]:
     """Greedy continuations with a contiguous KV cache, one prompt after another (`sample` at
     temperature 0: prefill, then one token per forward pass)."""
-    return [sample(model, p, max_new_tokens) for p in _prompts(prompts)]
+    return [sample(model, p, max_new_tokens) for p in _prompts(model, prompts, "greedy_cached")]
 
 
 def make_batcher(
@@ -147,7 +116,7 @@ def make_batcher(
     as a server does."""
     from ..decode.batching import ContinuousBatcher
 
-    prompts = _prompts(prompts)
+    prompts = _prompts(model, prompts, "make_batcher")
     max_new_tokens = check_int("make_batcher", "max_new_tokens", max_new_tokens, 1)
     page_size = check_int("make_batcher", "page_size", page_size, 1)
     if num_pages is None:
@@ -163,7 +132,7 @@ def stream(model, prompts, max_new_tokens: int, batcher=None, **sizes) -> Iterat
     CUDA graphs are kept from call to call); without one, a new loop sized by `sizes` (`make_batcher`'s
     keywords: page_size, num_pages, max_batch, max_step_tokens, cuda_graphs). Every prompt and its new
     tokens must fit the model's max_seq_len (checked before anything is queued)."""
-    prompts = _prompts(prompts)
+    prompts = _prompts(model, prompts, "stream")
     max_new_tokens = _check_fits(model, prompts, max_new_tokens, "stream")
     if batcher is None:
         batcher = make_batcher(model, prompts, max_new_tokens, **sizes)
@@ -176,7 +145,7 @@ def stream(model, prompts, max_new_tokens: int, batcher=None, **sizes) -> Iterat
 
 def serve(model, prompts, max_new_tokens: int, **kwargs) -> list[list[int]]:
     """`stream` to the end: the greedy continuation of each prompt (list of token-id lists)."""
-    prompts = _prompts(prompts)
+    prompts = _prompts(model, prompts, "serve")
     max_new_tokens = _check_fits(model, prompts, max_new_tokens, "serve")
     out = [[] for _ in prompts]
     if max_new_tokens == 0:

@@ -23,14 +23,13 @@ changed on a built model (`model.backend = "sdpa"`):
 from __future__ import annotations
 
 import math
-import numbers
 from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..checks import check_int, shape_and_dtype
+from ..checks import check_int, check_real, shape_and_dtype
 
 BACKENDS = ("course_lib", "sdpa", "eager")
 
@@ -53,14 +52,8 @@ class LlamaConfig:
     def __post_init__(self):
         for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "hidden_dim", "max_seq_len"):
             check_int("LlamaConfig", name, getattr(self, name), 1)
-        for name in ("rope_theta", "norm_eps"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
-                raise ValueError(f"LlamaConfig: {name} must be a finite number, got {value!r}")
-        if self.rope_theta <= 0 or self.norm_eps < 0:
-            raise ValueError(
-                f"LlamaConfig: rope_theta must be > 0 and norm_eps >= 0; got {self.rope_theta}, {self.norm_eps}"
-            )
+        check_real("LlamaConfig", "rope_theta", self.rope_theta, low=0, low_open=True)
+        check_real("LlamaConfig", "norm_eps", self.norm_eps, low=0)
         if self.dim % self.n_heads:
             raise ValueError(f"LlamaConfig: dim={self.dim} is not a multiple of n_heads={self.n_heads}")
         if self.n_heads % self.n_kv_heads:

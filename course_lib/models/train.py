@@ -16,7 +16,7 @@ import matplotlib.pyplot as plt
 import torch
 from tqdm.auto import tqdm
 
-from ..checks import check_int, shape_and_dtype
+from ..checks import check_int, check_real, shape_and_dtype
 from .data import get_batch
 from .llama import check_token_ids
 
@@ -137,8 +137,7 @@ def train(
     )  # fmt: skip
     if val_tokens is not None:
         _check_data("train: val_tokens", model, val_tokens)
-    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not (math.isfinite(lr) and lr > 0):
-        raise ValueError(f"train: lr must be a finite number > 0, got {lr!r}")
+    check_real("train", "lr", lr, low=0, low_open=True)
     if not (autocast in ("auto", None) or isinstance(autocast, torch.dtype)):
         raise TypeError(
             f"train: autocast must be 'auto', None or a torch dtype such as torch.bfloat16, got {autocast!r}"
