@@ -89,3 +89,24 @@ def test_bad_input():
     # dO = 0: every gradient is zero, nothing is left to compute in any frame (once 0 / 0 = NaN)
     frames = animate.backward_frames(x, x, x, torch.zeros_like(x), 4, 4)
     assert all(not np.isnan(f["dq_left"]).any() and not np.isnan(f["dk_left"]).any() for f in frames)
+
+
+def test_pictures_refuse_what_is_not_frames_by_name():
+    q, k, v = (torch.randn(6, 4, dtype=torch.float64) for _ in range(3))
+    fwd = {"fa2": animate.forward_frames(q, k, v, 4, 4)}
+    bwd = animate.backward_frames(q, k, v, torch.randn_like(q), 4, 4)
+    for call, words in (
+        (lambda: animate.forward_strip({}), "forward_strip: frames_by_order must be a non-empty dict"),
+        (lambda: animate.forward_strip(fwd["fa2"]), "frames_by_order must be a non-empty dict"),
+        (lambda: animate.forward_widget({"fa2": []}), "forward_widget: 'fa2': frames must be the non-empty"),
+        (lambda: animate.forward_strip(fwd, n_shots=0), "n_shots must be >= 1"),
+        (lambda: animate.forward_step_figure(fwd, -1), "step must be >= 0"),
+        (lambda: animate.backward_strip([]), "backward_strip: frames must be the non-empty list"),
+        (lambda: animate.backward_step_figure(bwd, -2), "step must be >= 0"),
+        (lambda: animate.backward_widget({"fa2": bwd}), "backward_widget: frames must be"),
+        (lambda: animate.program_strip((4, 8), (2, 4), n_shots=-1), "n_shots must be >= 1"),
+    ):
+        with pytest.raises(ValueError, match=words):
+            call()
+    with pytest.raises(TypeError, match="n_shots must be an integer"):
+        animate.backward_strip(bwd, n_shots=2.5)

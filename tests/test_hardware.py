@@ -107,6 +107,22 @@ def test_operation_costs_and_matmul_cost():
     assert flops / nbytes == pytest.approx(2 * 64 / (3 * 4))
 
 
+@pytest.mark.parametrize(
+    "call, words",
+    [
+        (lambda: perf.operation_costs(-4, 8, 2), "operation_costs: rows must be >= 1, got -4"),
+        (lambda: perf.operation_costs(4, 0, 2), "operation_costs: cols must be >= 1, got 0"),
+        (lambda: perf.operation_costs(4, 8, 0), "elem_bytes must be >= 1"),
+        (lambda: perf.matmul_cost(-64, 4), "matmul_cost: n must be >= 1, got -64"),
+        (lambda: perf.matmul_cost(64, 4.5), "matmul_cost: elem_bytes must be an integer"),
+    ],
+)
+def test_costs_refuse_sizes_that_are_not_counts(call, words):
+    """Negative sizes once gave negative (or, squared, positive) FLOPs and bytes without a word."""
+    with pytest.raises((TypeError, ValueError), match=words):
+        call()
+
+
 def test_training_bytes_per_param():
     mixed = perf.training_bytes_per_param(mixed_precision=True)
     fp32 = perf.training_bytes_per_param(mixed_precision=False)

@@ -100,6 +100,26 @@ def test_roofline_rejects_bad_ceilings():
         roofline([("gpu", 0, 100)], title="t")
 
 
+@pytest.mark.parametrize(
+    "points, kwargs, words",
+    [
+        ([{"name": "relu", "flops": 1e6, "ms": 1.0}], {}, 'a point is a dict with "name", "flops", "bytes"'),
+        ([("relu", 1e6, 8e6, 1.0)], {}, "a point is a dict"),
+        ([{"name": "relu", "flops": 0.0, "bytes": 8e6, "ms": 1.0}], {}, "point 'relu''s flops must be"),
+        ([{"name": "relu", "flops": 1e6, "bytes": 8e6, "ms": -1.0}], {}, "point 'relu''s ms must be"),
+        ([{"name": "x", "flops": 1e6, "bytes": float("nan"), "ms": 1}], {}, "point 'x''s bytes must be"),
+        ([], {"intensity_range": 10}, r"intensity_range is \(low, high\), got 10"),
+        ([], {"intensity_range": (10, 1)}, "intensity_range's high must be a finite number > 10"),
+        ([], {"intensity_range": (0, 1)}, "intensity_range's low must be a finite number > 0"),
+    ],
+)
+def test_roofline_refuses_points_it_cannot_place(points, kwargs, words):
+    """A point of zero FLOPs or time once went to log(0), a missing key raised a bare KeyError, and a
+    reversed range drew an empty plot."""
+    with pytest.raises(ValueError, match=words):
+        roofline([("gpu", 100.0, 1000.0)], points, title="t", **kwargs)
+
+
 def test_print_table(capsys):
     print_table([{"name": "relu", "ms": 1.23456, "note": None}, {"name": "softmax", "ms": 10.0, "note": "x"}])
     out = capsys.readouterr().out.splitlines()
@@ -107,6 +127,10 @@ def test_print_table(capsys):
     assert "1.23" in out[2] and "-" in out[2]
     print_table([])
     assert capsys.readouterr().out.strip() == "(no rows)"
+    with pytest.raises(TypeError, match="print_table: rows must be dicts, got"):
+        print_table([("relu", 1.0)])
+    with pytest.raises(TypeError, match="columns is a list of column names, got the string 'ms'"):
+        print_table([{"ms": 1.0}], columns="ms")
 
 
 def test_bar_chart_and_series_refuse_what_is_not_a_list_by_name():

@@ -21,6 +21,8 @@ import math
 import numpy as np
 import torch
 
+from course_lib.checks import check_int
+
 from . import tiles
 from .reference import attention as reference_attention
 from .reference import causal_mask
@@ -181,8 +183,32 @@ def _tile_map(ax, frame, title):
     )
 
 
+def _frames(where: str, frames) -> list:
+    """Recorded frames checked: a non-empty list of frame dicts (from `forward_frames`/`backward_frames`)."""
+    if not isinstance(frames, (list, tuple)) or not frames or not all(isinstance(f, dict) for f in frames):
+        raise ValueError(
+            f"{where}: frames must be the non-empty list that *_frames returns, got {frames!r:.80}"
+        )
+    return list(frames)
+
+
+def _frames_by_order(where: str, frames_by_order) -> dict:
+    """{"fa1": frames, "fa2": frames} (one order is fine) checked, as `forward_frames` returns them."""
+    if not isinstance(frames_by_order, dict) or not frames_by_order:
+        raise ValueError(
+            f'{where}: frames_by_order must be a non-empty dict such as {{"fa2": forward_frames(...)}}, '
+            f"got {frames_by_order!r:.80}"
+        )
+    return {order: _frames(f"{where}: {order!r}", frames) for order, frames in frames_by_order.items()}
+
+
+def _step(where: str, step, n_frames: int) -> int:
+    """A step number in [0, n_frames); a later one shows the last step (a slider over several orders)."""
+    return min(check_int(where, "step", step, 0), n_frames - 1)
+
+
 def _pick_steps(n_frames: int, n_shots: int) -> list[int]:
-    n_shots = max(1, min(n_shots, n_frames))
+    n_shots = min(check_int("animate", "n_shots", n_shots, 1), n_frames)
     return sorted({round(s) for s in np.linspace(0, n_frames - 1, n_shots)})
 
 
@@ -222,6 +248,8 @@ def forward_step_figure(frames_by_order: dict, step: int):
     frames} from `forward_frames` (one order is fine too). Returns the matplotlib Figure."""
     import matplotlib.pyplot as plt
 
+    frames_by_order = _frames_by_order("forward_step_figure", frames_by_order)
+    step = check_int("forward_step_figure", "step", step, 0)
     limits = _forward_limits(frames_by_order)
     fig, axes = plt.subplots(
         len(frames_by_order), 4, figsize=(17, 3.9 * len(frames_by_order)), squeeze=False, layout="constrained"
@@ -236,6 +264,7 @@ def forward_strip(frames_by_order: dict, n_shots: int = 4):
     the distance of each query row's estimate O/l from its final value). Returns the Figure."""
     import matplotlib.pyplot as plt
 
+    frames_by_order = _frames_by_order("forward_strip", frames_by_order)
     n_frames = min(len(frames) for frames in frames_by_order.values())
     steps = _pick_steps(n_frames, n_shots)
     _, _, err_max = _forward_limits(frames_by_order)
@@ -287,6 +316,7 @@ def _slider(draw, n_steps: int, description: str):
 
 def forward_widget(frames_by_order: dict):
     """A slider over the forward's steps, redrawing `forward_step_figure` (JupyterLab); text elsewhere."""
+    frames_by_order = _frames_by_order("forward_widget", frames_by_order)
     n = max(len(frames) for frames in frames_by_order.values())
     return _slider(lambda s: forward_step_figure(frames_by_order, s), n, "tile step")
 
@@ -312,8 +342,10 @@ def backward_step_figure(frames, step: int):
     how much of dQ and of dK each row still misses. frames: from `backward_frames`. Returns the Figure."""
     import matplotlib.pyplot as plt
 
+    frames = _frames("backward_step_figure", frames)
+    step = _step("backward_step_figure", step, len(frames))
     fig, axes = plt.subplots(1, 3, figsize=(17, 4.2), layout="constrained")
-    _backward_panels(axes, frames, min(step, len(frames) - 1))
+    _backward_panels(axes, frames, step)
     return fig
 
 
@@ -321,6 +353,7 @@ def backward_strip(frames, n_shots: int = 4):
     """Static strip of the backward: `n_shots` steps, each a tile map above the dQ still missing per row."""
     import matplotlib.pyplot as plt
 
+    frames = _frames("backward_strip", frames)
     steps = _pick_steps(len(frames), n_shots)
     fig, axes = plt.subplots(
         2, len(steps), figsize=(4.2 * len(steps), 7), squeeze=False, layout="constrained"
@@ -339,6 +372,7 @@ def backward_strip(frames, n_shots: int = 4):
 
 def backward_widget(frames):
     """A slider over the backward's steps, redrawing `backward_step_figure`."""
+    frames = _frames("backward_widget", frames)
     return _slider(lambda s: backward_step_figure(frames, s), len(frames), "tile step")
 
 

@@ -14,9 +14,12 @@ JupyterLab shrinks a wider one to the cell's width, and its labels with it.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 import matplotlib.pyplot as plt
 import numpy as np
+
+from course_lib.checks import check_real
 
 FONT = {"title": 15, "label": 14, "ticks": 12, "legend": 12, "note": 11}
 FIGSIZE = (9.5, 5.5)
@@ -193,14 +196,14 @@ def roofline(
     for c in ceilings:
         if len(c) != 3 or not all(isinstance(v, (int, float)) and v > 0 for v in c[1:]):
             raise ValueError(f"a ceiling is (label, peak_tflops > 0, bandwidth_gbps > 0), got {c!r}")
-    points = list(points)
+    points = [_roofline_point(p) for p in points]
     intensities = [p["flops"] / p["bytes"] for p in points]
     ridges = [peak * 1e3 / bw for _, peak, bw in ceilings]
     if intensity_range is None:
         lo = min(intensities + ridges) / 4
         hi = max(intensities + ridges) * 4
     else:
-        lo, hi = intensity_range
+        lo, hi = _intensity_range(intensity_range)
     ax = _axes(ax, figsize=(11, 8.5))
     xs = np.logspace(math.log10(lo), math.log10(hi), 200)
     for i, ((label, peak, bw), ridge) in enumerate(zip(ceilings, ridges)):
@@ -253,9 +256,32 @@ def roofline(
     return ax
 
 
+def _roofline_point(p) -> dict:
+    """A roofline point checked: a dict with a "name" and positive, finite "flops", "bytes" and "ms" (a
+    log-log plot has no place for zero FLOPs or zero time)."""
+    if not isinstance(p, Mapping) or not {"name", "flops", "bytes", "ms"} <= p.keys():
+        raise ValueError(f'roofline: a point is a dict with "name", "flops", "bytes" and "ms", got {p!r}')
+    for key in ("flops", "bytes", "ms"):
+        check_real("roofline", f"point {p['name']!r}'s {key}", p[key], low=0, low_open=True)
+    return p
+
+
+def _intensity_range(intensity_range) -> tuple[float, float]:
+    try:
+        lo, hi = intensity_range
+    except (TypeError, ValueError):
+        raise ValueError(f"roofline: intensity_range is (low, high), got {intensity_range!r}") from None
+    lo = check_real("roofline", "intensity_range's low", lo, low=0, low_open=True)
+    return lo, check_real("roofline", "intensity_range's high", hi, low=lo, low_open=True)
+
+
 def print_table(rows, columns=None, fmt: str = "{:.3g}") -> None:
     """Print a list of dicts as an aligned text table; floats formatted with `fmt`, None as "-"."""
     rows = list(rows)
+    if not all(isinstance(row, Mapping) for row in rows):
+        raise TypeError(f"print_table: rows must be dicts, got {[type(r).__name__ for r in rows][:5]}")
+    if isinstance(columns, str):
+        raise TypeError(f"print_table: columns is a list of column names, got the string {columns!r}")
     if not rows:
         print("(no rows)")
         return

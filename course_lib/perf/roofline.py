@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import math
 
+from course_lib.checks import check_int
+
 
 def machine_balance(peak_tflops: float, bandwidth_gbps: float) -> float:
     """FLOP per byte at which an operation stops being memory-bound: peak FLOP/s / bandwidth."""
@@ -70,8 +72,9 @@ def operation_costs(rows: int, cols: int, elem_bytes: int) -> dict[str, tuple[fl
     PyTorch does), masking with a boolean (rows, cols) mask (1 select; reads 1 mask byte). Reductions over
     the last dim: sum (1), softmax (max, subtract, exp, sum, divide = 5), layer norm (mean 1, variance 3,
     normalise 2, affine 2 = 8). Each reads its input once and writes its output once."""
+    rows, cols = (check_int("operation_costs", name, v, 1) for name, v in (("rows", rows), ("cols", cols)))
     n = rows * cols
-    b = elem_bytes
+    b = check_int("operation_costs", "elem_bytes", elem_bytes, 1)
     return {
         "ReLU": (1.0 * n, 2.0 * n * b),
         "dropout": (2.0 * n, 2.0 * n * b + n),
@@ -85,4 +88,5 @@ def operation_costs(rows: int, cols: int, elem_bytes: int) -> dict[str, tuple[fl
 def matmul_cost(n: int, elem_bytes: int) -> tuple[float, float]:
     """(FLOPs, minimum bytes) of an (n, n) @ (n, n) matmul: 2 n^3 FLOPs; read A and B, write C: 3 n^2
     elements. Intensity 2n / (3 * elem_bytes) grows with n: large matmuls are compute-bound."""
+    n, elem_bytes = check_int("matmul_cost", "n", n, 1), check_int("matmul_cost", "elem_bytes", elem_bytes, 1)
     return 2.0 * n**3, 3.0 * n * n * elem_bytes
