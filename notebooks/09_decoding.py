@@ -346,11 +346,16 @@ assert choose_num_splits(64 * 8, 64, 132) == 1
 # every cell where it differs from the rule's (the figures are in the docstring of
 # `course_lib/decode/heuristics.py`); the recorded curve below marks both counts.
 #
-# A grid of one wave that fills at least 80 % of the SMs (filled in this way, or unsplit) also runs on a
+# A grid of one wave that fills at least 80 % of the SMs (filled in this way, or unsplit) may also run on a
 # tile of its own, `heuristics.ONE_WAVE_TILES`: 64-key blocks and 4 warps, a 96 KB pipeline in
-# place of the usual 192 KB. Measured on an H100, it streamed up to 2 % faster there (the figures are
-# beside it in `heuristics.py`); with two waves or more it did not. Why the shorter pipeline wins was not
-# established: a question for a profiler with hardware counters.
+# place of the usual 192 KB and 8 warps. Measured on an H100, it streamed slightly faster there; on an
+# H200 it was clearly slower (the figures are beside it in `heuristics.py`); with two waves or more it did
+# not win on either. The two GPUs have the same 132 SMs, but the H200 has 1.4x the memory bandwidth, so
+# each of its SMs must pull 1.4x the bytes per second. The choice therefore follows the GPU's peak
+# bandwidth per SM (`heuristics.peak_gbps_per_sm`, from its memory clock and bus width): the tile is taken
+# below `heuristics.ONE_WAVE_MAX_GBPS_PER_SM`, a line drawn between the two GPUs measured. Why the shorter
+# pipeline wins on one and loses on the other was not established: a question for a profiler with hardware
+# counters. A tuning rule learned on one GPU is a hypothesis on the next.
 #
 # The same arithmetic picks the tile when the programs are many and unsplit. Batch 64 with 8 kv heads is
 # 512 programs: 3.88 waves of the contiguous tile (one program per SM), so the fourth wave streams on 88 %
@@ -368,9 +373,12 @@ for batch, n_ctx in ((1, 1024), (1, 32768), (2, 4096), (8, 8192)):
 assert heuristics.fill_wave(choose_num_splits(8, 256, 132), 8, 256, 132) == 16
 # batch 1 with 8 kv heads and 32k keys: where the rule's splits make one wave, the one-wave tile
 one_wave, tile = heuristics.one_wave_plan(8, 32768), tile_for(128, programs=8, capacity=32768)
-print(f"batch 1, 32k tokens: one wave {one_wave}, blocks of {tile.BLOCK_N} keys, {tile.num_warps} warps")
+gbps_per_sm = heuristics.peak_gbps_per_sm()  # a stand-in under the interpreter
+takes_it = one_wave and gbps_per_sm < heuristics.ONE_WAVE_MAX_GBPS_PER_SM
+print(f"{gbps_per_sm:.1f} GB/s per SM (the one-wave tile below {heuristics.ONE_WAVE_MAX_GBPS_PER_SM:g}); "
+      f"batch 1, 32k tokens: one wave {one_wave}, blocks of {tile.BLOCK_N} keys, {tile.num_warps} warps")  # fmt: skip
 one_wave_tile = heuristics.ONE_WAVE_TILES[128]
-assert not one_wave or (tile.BLOCK_N, tile.num_warps) == (one_wave_tile.BLOCK_N, one_wave_tile.num_warps)
+assert ((tile.BLOCK_N, tile.num_warps) == (one_wave_tile.BLOCK_N, one_wave_tile.num_warps)) == takes_it
 for programs in (192, 256, 512):
     waves = programs / 132
     last = waves - math.ceil(waves) + 1

@@ -204,6 +204,7 @@ def test_a_grid_with_a_mostly_empty_last_wave_takes_the_paged_tile(monkeypatch):
     """Contiguous, more than one wave of the contiguous tile, at most one of the paged tile, and a last
     wave less than LAST_WAVE_MIN full: the paged tile (all programs at once); otherwise the usual one."""
     monkeypatch.setattr(heuristics, "sm_count", lambda *a: 132)
+    monkeypatch.setattr(heuristics, "peak_gbps_per_sm", lambda *a: 25.4)  # an H100's: the one-wave tile
     usual, paged = heuristics.TILES[128], heuristics.PAGED_TILES[128]
     for programs, expected in (
         (100, usual),  # the rule splits these
@@ -239,10 +240,32 @@ def test_a_long_batch_is_sliced():
             assert heuristics.split_grid(batch, heads, 1, capacity, 128, paged) == rule
 
 
-def test_a_full_cache_whose_programs_fill_the_sms_is_not_sliced():
+def test_the_one_wave_tile_follows_the_bandwidth_per_sm(monkeypatch):
+    """A plan of one wave runs on `ONE_WAVE_TILES` below ONE_WAVE_MAX_GBPS_PER_SM (an H100's 25.4 GB/s
+    per SM) and on the usual tile above it (an H200's 36.5), unsplit or split; the split counts and
+    the even batch's unsliced plan are the same on both."""
+    monkeypatch.setattr(heuristics, "sm_count", lambda *a: 132)
+    plans = {}
+    for gbps in (25.4, 36.5):
+        monkeypatch.setattr(heuristics, "peak_gbps_per_sm", lambda *a, g=gbps: g)
+        plans[gbps] = [
+            heuristics.decode_plan(b, 8, 1, n, 128, full=True)
+            for b, n in ((1, 131072), (8, 8192), (16, 32768))
+        ]
+    for h100, h200 in zip(plans[25.4], plans[36.5]):
+        assert h100.tile == heuristics.ONE_WAVE_TILES[128] and h200.tile == heuristics.TILES[128]
+        assert (h100.num_splits, h100.sliced) == (h200.num_splits, h200.sliced) and not h200.sliced
+    if (
+        course_lib.runtime.ON_GPU
+    ):  # this GPU's figure, from its memory clock and bus width: an H100 or H200 is 20-40
+        assert 5 < heuristics.peak_gbps_per_sm() < 100
+
+
+def test_a_full_cache_whose_programs_fill_the_sms_is_not_sliced(monkeypatch):
     """Every sequence known to hold the whole cache (no lengths given): an even batch, so once its
-    programs fill the SMs' waves it takes the rule's plan (one wave: `ONE_WAVE_TILES`), not short
-    slices; waves not filled keep the sliced plan."""
+    programs fill the SMs' waves it takes the rule's plan (one wave: `ONE_WAVE_TILES` on an H100's
+    bandwidth per SM), not short slices; waves not filled keep the sliced plan."""
+    monkeypatch.setattr(heuristics, "peak_gbps_per_sm", lambda *a: 25.4)
     sms = heuristics.sm_count()
     heads = 8
     batch = sms // heads  # one wave of programs, past the threshold

@@ -151,6 +151,16 @@ SHORT_BLOCKS = 8
 # 16k 697.2 / 699.9, B = 48 at 8k 526.5 / 530.3). 64 keys x 2 stages ran 25-30 % slower, 128 keys x 4
 # warps x 2 stages 3-5 %, 8 warps as fast.
 ONE_WAVE_TILES = {128: DecodeTile(BLOCK_N=64, BLOCK_M_MAX=64, num_warps=4, num_stages=3)}
+# On an H200 the same tile lost (same setup, us, the usual tile / this one; cuDNN): batch 1 at 16k 24.8 /
+# 26.0 (25.1), 32k 39.4 / 42.9 (40.2), 64k 68.2 / 75.8 (69.3), 128k 125.6 / 142.3 (127.3); even batches
+# without lengths B = 8 at 8k 68.4 / 75.9 (68.7), B = 16 at 32k 467.0 / 557.2 (465.4). The H200 has the
+# H100's 132 SMs and 1.4x its memory bandwidth: each SM must pull 1.4x the bytes per second, and there the
+# usual tile's 8 warps and 192 KB pipeline win. So the one-wave tile is taken on a GPU whose peak memory
+# bandwidth per SM (`peak_gbps_per_sm`) is below ONE_WAVE_MAX_GBPS_PER_SM: between the H100's 25.4 GB/s
+# per SM, where it won, and the H200's 36.5, where it lost. Other GPUs are unmeasured.
+ONE_WAVE_MAX_GBPS_PER_SM = 30.0
+# Stand-in bandwidth per SM under the interpreter (an H100's), so that the CPU path takes the tile too.
+CPU_GBPS_PER_SM = 25.4
 
 # A contiguous grid of a few waves (more programs than the contiguous tile's slots, no more than the paged
 # tile's) whose last wave would fill less than LAST_WAVE_MIN of the slots runs on the paged tile: all its
@@ -174,7 +184,8 @@ def tile_for(
     (`table_row`: the paged kernel reading its block-table rows whole, `ROW_TILES`).
 
     programs (batch x kv heads x query tiles) and capacity (keys per sequence) pick `SHORT_TILES` for a
-    contiguous cache read by many short programs, `ONE_WAVE_TILES` for a plan of one wave (`one_wave_plan`), and
+    contiguous cache read by many short programs, `ONE_WAVE_TILES` for a plan of one wave (`one_wave_plan`) on
+    a GPU of less than ONE_WAVE_MAX_GBPS_PER_SM, and
     the paged tile for a contiguous grid of a few waves whose last one is mostly empty (`LAST_WAVE_MIN`);
     left out, the usual tile.
 
@@ -194,6 +205,7 @@ def tile_for(
     elif (
         not (paged or table_row)
         and padded in ONE_WAVE_TILES
+        and peak_gbps_per_sm() < ONE_WAVE_MAX_GBPS_PER_SM
         and (
             unsplit_one_wave(programs)
             or (capacity is not None and one_wave_plan(programs, capacity, head_dim))
@@ -218,6 +230,19 @@ def shared_memory_bytes(device_index: int | None = None) -> int:
         return 1 << 30
     index = torch.cuda.current_device() if device_index is None else device_index
     return int(triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"])
+
+
+@functools.cache
+def peak_gbps_per_sm(device_index: int | None = None) -> float:
+    """The GPU's peak memory bandwidth per SM in GB/s, from the driver's device properties: 2 transfers
+    per memory clock x the bus width in bytes, over the SMs (an H100 SXM 25.4, an H200 36.5);
+    CPU_GBPS_PER_SM under the interpreter."""
+    if not runtime.ON_GPU:
+        return CPU_GBPS_PER_SM
+    index = torch.cuda.current_device() if device_index is None else device_index
+    props = triton.runtime.driver.active.utils.get_device_properties(index)
+    peak = 2 * props["mem_clock_rate"] * 1e3 * props["mem_bus_width"] / 8  # clock in kHz, width in bits
+    return peak / props["multiprocessor_count"] / 1e9
 
 
 def sm_count(device_index: int | None = None) -> int:
