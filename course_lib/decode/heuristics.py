@@ -157,7 +157,8 @@ ONE_WAVE_TILES = {128: DecodeTile(BLOCK_N=64, BLOCK_M_MAX=64, num_warps=4, num_s
 # H100's 132 SMs and 1.4x its memory bandwidth: each SM must pull 1.4x the bytes per second, and there the
 # usual tile's 8 warps and 192 KB pipeline win. So the one-wave tile is taken on a GPU whose peak memory
 # bandwidth per SM (`peak_gbps_per_sm`) is below ONE_WAVE_MAX_GBPS_PER_SM: between the H100's 25.4 GB/s
-# per SM, where it won, and the H200's 36.5, where it lost. Other GPUs are unmeasured.
+# per SM (3.35 TB/s by its datasheet), where it won, and the H200's 36.5 (its driver's memory clock and
+# bus width), where it lost. Other GPUs are unmeasured.
 ONE_WAVE_MAX_GBPS_PER_SM = 30.0
 # Stand-in bandwidth per SM under the interpreter (an H100's), so that the CPU path takes the tile too.
 CPU_GBPS_PER_SM = 25.4
