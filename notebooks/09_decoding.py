@@ -653,11 +653,23 @@ def merge_two(o_a, lse_a, o_b, lse_b):
 
 
 # %% tags=["check"]
-_oa, _ob = torch.randn(3, 8, dtype=torch.float64), torch.randn(3, 8, dtype=torch.float64)
-_la = torch.tensor([0.5, float("-inf"), float("-inf")], dtype=torch.float64)
-_lb = torch.tensor([2.0, 1.0, float("-inf")], dtype=torch.float64)
+_oa, _ob = torch.randn(5, 8, dtype=torch.float64), torch.randn(5, 8, dtype=torch.float64)
+# rows: both parts, only b, neither, large logsumexps (exp overflows float64 above ~709), only a
+_la = torch.tensor([0.5, float("-inf"), float("-inf"), 800.0, 1.5], dtype=torch.float64)
+_lb = torch.tensor([2.0, 1.0, float("-inf"), 799.0, float("-inf")], dtype=torch.float64)
 _ob[2] = _oa[2] = 0
-check("merge of two partials", lambda: merge_two(_oa, _la, _ob, _lb), merge_attention_states(_oa, _la, _ob, _lb))
+check(
+    "merge of two partials",
+    lambda: merge_two(_oa, _la, _ob, _lb),
+    merge_attention_states(_oa, _la, _ob, _lb),
+    parts=["o", "lse"],
+    hints=[
+        "Each part's share of the row's probability mass is exp(lse_part - lse), with lse = log(exp(lse_a) + "
+        "exp(lse_b)). Computed as written, exp(800) overflows: torch.logaddexp computes the same log safely.",
+        "lse = torch.logaddexp(lse_a, lse_b); safe = lse with -inf replaced by 0 (a row empty in both parts); "
+        "return exp(lse_a - safe)[..., None] * o_a + exp(lse_b - safe)[..., None] * o_b, lse",
+    ],
+)
 
 # %% [markdown]
 # **Exercise 2 (bytes).** A model with 80 layers, 8 kv heads, d = 128, bf16 generates for a batch of 16
@@ -674,7 +686,17 @@ def step_bytes_and_ms(layers, kv_heads, head_dim, batch, n_tokens, gbps, bytes_p
 
 
 # %% tags=["check"]
-check("bytes per decoding step", lambda: step_bytes_and_ms(80, 8, 128, 16, 8192, 4000), (42_949_672_960, 10.73741824))
+check(
+    "bytes per decoding step",
+    lambda: [step_bytes_and_ms(80, 8, 128, 16, 8192, 4000), step_bytes_and_ms(32, 8, 128, 4, 4096, 3000, 4)],
+    [(42_949_672_960, 10.73741824), (4_294_967_296, 4_294_967_296 / 3e9)],
+    hints=[
+        "Per layer, per sequence, per cached token, a step reads one K row and one V row of every kv head: "
+        "2 x kv_heads x head_dim x bytes_per_element bytes. The time is bytes / (GB/s x 1e9) seconds.",
+        "nbytes = 2 * layers * kv_heads * head_dim * bytes_per_element * batch * n_tokens; "
+        "return nbytes, nbytes / (gbps * 1e9) * 1e3",
+    ],
+)
 
 # %% [markdown]
 # **Exercise 3 (the split choice).** Write `my_num_splits(programs, n_key_blocks, num_sms)` following the rule
@@ -702,7 +724,18 @@ def my_num_splits(programs, n_key_blocks, num_sms):
 
 # %% tags=["check"]
 _cases = [(8, 512, 132), (1, 2048, 132), (32, 64, 108), (16, 16, 132), (128, 512, 132), (4, 3, 132)]
-check("split choice", lambda: [my_num_splits(*c) for c in _cases], [choose_num_splits(*c) for c in _cases])
+_cases += [(1, 4, 132), (2, 8, 132), (64, 16, 80)]  # the edges: 4 blocks, blocks below the SMs, 80 % exactly
+check(
+    "split choice",
+    lambda: [my_num_splits(*c) for c in _cases],
+    [choose_num_splits(*c) for c in _cases],
+    hints=[
+        "Both early returns are inclusive: 1 split when n_key_blocks <= 4 or programs >= 0.8 x SMs. The "
+        "limit is min(128, SMs, n_key_blocks): a split needs at least one key block.",
+        "eff = [wave_efficiency(programs * s, num_sms) for s in 1..limit]; return the first s (skipping s "
+        "whose ceil(n_key_blocks / s) equals that of s - 1) with eff[s - 1] >= 0.85 * max(eff)",
+    ],
+)
 
 # %% [markdown]
 # ## Summary

@@ -459,8 +459,13 @@ def rms_norm_backward_bytes(T, D, elem=2):
 # %% tags=["check"]
 check(
     "bytes of the backward",
-    lambda: rms_norm_backward_bytes(16384, 4096),
-    fused_bench.rms_norm_bytes(16384, 4096, "bwd"),
+    lambda: [rms_norm_backward_bytes(16384, 4096), rms_norm_backward_bytes(4096, 5120, elem=4)],
+    [fused_bench.rms_norm_bytes(16384, 4096, "bwd"), fused_bench.rms_norm_bytes(4096, 5120, "bwd", elem=4)],
+    hints=[
+        "Three T x D tensors (x, dy, dx) and two of D elements (w, dw) move in `elem` bytes each; rstd is "
+        "T float32 values, 4 bytes each whatever elem is.",
+        "return (3 * T * D + 2 * D) * elem + 4 * T",
+    ],
 )
 
 # %% [markdown]
@@ -535,7 +540,7 @@ def fused_add_norm_bytes(T, D, elem=2):
     ### END SOLUTION
 
 
-_r = torch.randn(T, D, device=DEVICE, dtype=DTYPE)
+_r = torch.randn(T, D, device=DEVICE, dtype=DTYPE) + 1  # h's rows then have a mean: RMS is not the std
 
 # %% tags=["check"]
 check(
@@ -545,9 +550,19 @@ check(
     rtol=2e-2,
     atol=2e-2,
     parts=["h", "y"],
+    hints=[
+        "RMSNorm divides by the root of the mean of the squares, not by the standard deviation: no mean is "
+        "subtracted. `llama_rms_norm`, defined near the top of this notebook, follows LlamaRMSNorm's casts.",
+        "h = x + residual; return h, llama_rms_norm(h, w, eps)",
+    ],
 )
 # read x and r, write h and y
-check("bytes of the fused kernel", lambda: fused_add_norm_bytes(1024, 4096), 2 * (2 * 1024 * 4096 * 2))
+check(
+    "bytes of the fused kernel",
+    lambda: [fused_add_norm_bytes(1024, 4096), fused_add_norm_bytes(512, 5120, elem=4)],
+    [2 * (2 * 1024 * 4096 * 2), 2 * (2 * 512 * 5120 * 4)],
+    hints=["Four T x D tensors move, `elem` bytes per element: return 4 * T * D * elem"],
+)
 
 # %% [markdown]
 # ## Summary

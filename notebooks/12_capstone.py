@@ -418,7 +418,9 @@ check("KV-cache bytes per token", kv_bytes_per_token,
 # %% [markdown]
 # **Exercise 3 (memory of a training step).** Predict the bytes of parameters, gradients and AdamW states
 # (exp_avg and exp_avg_sq) for *this notebook's* model trained in fp32 (the CPU path) or under autocast with
-# fp32 weights (the GPU path). The check counts the tensors after one optimizer step.
+# fp32 weights (the GPU path), given its parameter count `n`. Return a dict with the keys `"parameters"`,
+# `"gradients"` and `"optimizer states"` (both AdamW states together). The check counts the tensors after
+# one optimizer step.
 
 
 # %%
@@ -442,7 +444,10 @@ def _measured_state_bytes(m):
 
 
 check("training-step memory", lambda: training_state_bytes(model.num_parameters()),
-      _measured_state_bytes(Llama(CONFIG).to(DEVICE)), rtol=0)
+      _measured_state_bytes(Llama(CONFIG).to(DEVICE)), rtol=0,
+      hints=["Under autocast the weights stay fp32: every parameter, its gradient and each of AdamW's two "
+             "states take 4 bytes per element.",
+             'return {"parameters": 4 * n, "gradients": 4 * n, "optimizer states": 8 * n}'])
 
 # %% [markdown]
 # **Exercise 4 (open).** Train with `ACCUM = 4` and a quarter of the batch: is the loss curve the same? What

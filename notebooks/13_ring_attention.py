@@ -409,8 +409,8 @@ def ring_bytes_per_step(B, h_kv, n, p, d, elem=2):
 # %% tags=["check"]
 check(
     "bytes one rank sends per ring step",
-    lambda: ring_bytes_per_step(1, 8, 131072, 4, 128),
-    2 * 8 * 32768 * 128 * 2,
+    lambda: [ring_bytes_per_step(1, 8, 131072, 4, 128), ring_bytes_per_step(2, 4, 65536, 8, 64, elem=4)],
+    [2 * 8 * 32768 * 128 * 2, 2 * 2 * 4 * 8192 * 64 * 4],
     hints=["Only K and V travel; Q stays.", "Each of K and V: B x H_kv x (N / P) x d elements of 2 bytes."],
 )
 
@@ -431,7 +431,7 @@ def zigzag_tokens(rank, world, n):
 # %% tags=["check"]
 check(
     "zigzag assignment",
-    lambda: [zigzag_tokens(r, 3, 24) for r in range(3)],
+    lambda: [[int(t) for t in zigzag_tokens(r, 3, 24)] for r in range(3)],  # a list or a tensor of positions
     [shard(torch.arange(24).view(24, 1), r, 3, "zigzag").flatten().tolist() for r in range(3)],
     hints=[
         "Cut n into 2 * world chunks of c = n / (2 * world) tokens.",
@@ -458,16 +458,21 @@ def merge(o_a, l_a, o_b, l_b):
 
 
 # %% tags=["check"]
-_l_a = torch.tensor([[0.5, -math.inf, 2.0, -math.inf]], dtype=torch.float64)
-_l_b = torch.tensor([[1.5, 0.3, -math.inf, -math.inf]], dtype=torch.float64)
-_o_a = torch.randn(1, 4, 8, dtype=torch.float64) * torch.isfinite(_l_a).unsqueeze(-1)
-_o_b = torch.randn(1, 4, 8, dtype=torch.float64) * torch.isfinite(_l_b).unsqueeze(-1)
+# the last row's logsumexps overflow exp() even in float64 (above ~709)
+_l_a = torch.tensor([[0.5, -math.inf, 2.0, -math.inf, 800.0]], dtype=torch.float64)
+_l_b = torch.tensor([[1.5, 0.3, -math.inf, -math.inf, 799.0]], dtype=torch.float64)
+_o_a = torch.randn(1, 5, 8, dtype=torch.float64) * torch.isfinite(_l_a).unsqueeze(-1)
+_o_b = torch.randn(1, 5, 8, dtype=torch.float64) * torch.isfinite(_l_b).unsqueeze(-1)
 check(
     "merge of two partial results",
     lambda: merge(_o_a, _l_a, _o_b, _l_b),
     merge_attention_states(_o_a, _l_a, _o_b, _l_b),
     parts=["O", "L"],
-    hints=["L = logaddexp(L_a, L_b); each O is weighted by exp(L_part - L).", "Where L is -inf, weight 0."],
+    hints=[
+        "L = logaddexp(L_a, L_b), not log(exp(L_a) + exp(L_b)), which overflows for large L; each O is "
+        "weighted by exp(L_part - L).",
+        "Where L is -inf, weight 0.",
+    ],
 )
 
 # %% [markdown]
