@@ -643,7 +643,7 @@ _ = traffic_guess.score(curves["standard"][at_16k] / curves["FA2, blocks 128 x 6
 # Real FA2 kernels choose 128 × 64 blocks: registers, not SRAM, bound them (notebook 06). Then
 # $2N^2 d / B_r = N^2$ elements at d = 64, against standard attention's $4N^2$: **about 4x fewer bytes**,
 # and that ratio does not improve with a larger SRAM. FA1's paper blocks (64 × 456 here) reach about 9x.
-# The measured speed-ups of notebooks 06 and 08 are larger than this 4x, for two reasons the count
+# The speed-ups notebook 08 measures over standard attention are larger than this 4x, for two reasons the count
 # leaves out. Standard attention pays for S and P in more than bytes: each of its steps is a separate
 # kernel that must finish writing its N × N matrix before the next one reads it, so that traffic never
 # overlaps with the matmuls, while the fused kernel never writes S and P at all and overlaps its loads

@@ -545,8 +545,8 @@ assert err < 10 * TOL * max(1.0, logits["sdpa"][real].abs().max().item())
 # a multiple of 16 can make better code; Nq = 1 is one class, and as Nk grows by one a step, Nk and the
 # causal offset Nk - Nq pass through three combinations. Telling Triton not to specialise the lengths
 # would leave one decoding kernel, but the Triton forward at training sizes (bf16, causal, d = 128) then
-# ran 3-5 % slower on an H100 (notes/performance.md), so the course keeps the specialisation and pays
-# these seconds once.
+# ran slower when it was tried (the measurement is in notes/performance.md, eighteenth round), so the
+# course keeps the specialisation and pays these seconds once.
 
 # %%
 model.float()

@@ -255,8 +255,8 @@ check(
 
 # %% [markdown]
 # Every variant fits, and the d = 128 ones use nearly all of it: a fourth stage would not fit, which is
-# why stages, not consumers, were the knob that mattered most in the sweeps (a third stage took the d = 128
-# kernel from well behind SDPA's default backend to close to it; `notes/performance.md`).
+# why stages, not consumers, were the knob that mattered most in the sweeps (a third stage at d = 128
+# gained more than any change of consumers; the sweeps are in `notes/performance.md`).
 
 # %%
 for d_head, variants in hopper.VARIANTS.items():
@@ -274,7 +274,9 @@ for d_head in (64, 128):
 # The rule behind `choose` came from sweeps on an H200: at d = 128 the Gluon kernel wins except on short
 # causal rows (N <= 1k), persistent while a tile has few K/V blocks; at d = 64 the exponentials take as
 # long as the products (S = M in section 1), so two consumers overlap fully only in perfect alternation:
-# no slack is left to absorb a barrier or a late load, and it wins only on long rows.
+# no slack is left to absorb a barrier or a late load. `choose` takes the Gluon kernel at d = 64 only on
+# long rows (from 8k keys with the causal mask, 2k without), where the sweeps had it ahead, and its margin
+# there is small (the record printed in section 4 has the measured cells).
 #
 # ### The persistent grid's schedule
 #
@@ -582,8 +584,8 @@ if got_bwd is not None:
 # The gain is at d = 128, where the Triton kernel spills, and most on rows without the causal mask, where
 # the dK/dV kernel is most of the backward; at d = 64 the Triton kernel does not spill, and `choose` leaves
 # the cells measured here to it.
-# What remains is the dQ kernel (Triton, a third to a half of the backward), which FlashAttention-3 folds
-# into the same program with atomic additions.
+# What remains is the dQ kernel (Triton), which FlashAttention-3 folds into the same program with atomic
+# additions.
 #
 # ## Summary
 # - In the Triton forward every warp loads, multiplies and exponentiates in turn, so the tensor cores idle
@@ -610,5 +612,5 @@ if got_bwd is not None:
 #    help short tiles most?
 # 6. Change `schedule` so that each consumer also overlaps its own softmax with its previous P V (split M
 #    into the two products, S = Q Kᵀ first). How much does one consumer gain on its own?
-# 7. Three consumers at d = 64: extend Exercise 1's reasoning to k consumers. Why did three beat two at
-#    d = 64 in the sweeps, but not at d = 128?
+# 7. Three consumers at d = 64: extend Exercise 1's reasoning to k consumers. Why could three beat two at
+#    d = 64 on long rows, but not at d = 128? Check your answer against the recorded variants of section 4.

@@ -404,7 +404,7 @@ for programs, paged_tile in ((sms * 3 // 2, True), (2 * sms, False)):
 # slices of the longest sequence start when nearly everything else is done. Scheduling theory has a classic
 # rule for this, *longest processing time first*: start the longest jobs first, so the short ones fill the
 # gaps at the end. The kernel sorts the lengths it loads and hands out its programs longest sequence first
-# (`heuristics.longest_first`). The sort costs each program a few microseconds before its first load, so a
+# (`heuristics.longest_first`). The sort delays each program's first load (measured: notes/decoding.md), so a
 # grid whose programs all fit on the GPU at once (`heuristics.one_wave`), which start together whatever their
 # order, skips it.
 #
@@ -584,8 +584,9 @@ if near_268:
 #
 # A split step is two kernels, the splits and then the combine. On one stream the second normally starts
 # only once the first has finished and its writes are visible, so between them the GPU idles for the
-# time it takes to launch the combine's programs: a few microseconds, even from a CUDA graph, while a whole
-# batch-1 step over a short cache is not many times longer (the batch-1 rows of the decode table below).
+# time it takes to launch the combine's programs, even from a CUDA graph, while a whole batch-1 step over
+# a short cache takes only a few times a launch (the batch-1 rows of the decode table below; the gap
+# itself is measured live further down, on a GPU that has the feature).
 # Hopper GPUs (compute capability 9.0) can launch a kernel *early* (programmatic dependent launch,
 # `course_lib.pdl`): each split program, once it has stored its partial, lets the dependents be scheduled
 # (`griddepcontrol.launch_dependents`), so the combine's programs are placed on the SMs while the last

@@ -193,8 +193,8 @@ torch.testing.assert_close(y_simple, llama_rms_norm(x, w), rtol=2e-2, atol=2e-2)
 # the loads of one row are in flight while the arithmetic and the store of the previous one run (without
 # it, each program waits for its loads at the top of every iteration). For rows longer than 4096 elements
 # the loads of x and dy are marked `evict_first` and dx is stored with the streaming hint (`.cs`): each of
-# those bytes is touched once, so the L2 cache need not keep it. On an H200 that took a few percent off
-# those rows, and cost shorter rows as much (the launch table, `course_lib.fused.launch.RMS_BACKWARD`,
+# those bytes is touched once, so the L2 cache need not keep it. Measured on an H200, that helped those
+# rows and hurt shorter ones (notes/fused.md; the launch table, `course_lib.fused.launch.RMS_BACKWARD`,
 # keeps the hints where they were measured to help). At the end each program holds a partial dW; three
 # ways to add those up:
 #
