@@ -11,7 +11,9 @@ from __future__ import annotations
 import torch
 
 from . import runtime
+from .attention.merge import merge_attention_states
 from .attention.reference import attention
+from .exercises import check
 
 # Floors: absolute slack on top of 2x the same-dtype reference's error, per dtype.
 FLOOR = {torch.float64: 1e-10, torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}
@@ -24,6 +26,35 @@ def seeded_randn(*shape, dtype=torch.float32, seed: int = 0, device=None) -> tor
     return torch.randn(*shape, generator=g).to(
         dtype=dtype, device=runtime.DEVICE if device is None else device
     )
+
+
+def merge_cases(d: int = 8, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    """Partial attention results (o_a, lse_a, o_b, lse_b), float64 on the CPU, shapes (5, d) and (5,),
+    whose rows are the cases a merge of two partials must handle: keys in both parts, only in b, in
+    neither (o = 0, lse = -inf), logsumexps of 800 and 799 (exp overflows even float64 above ~709), and
+    only in a. The exercises on the merge (notebooks 09 and 13) check a learner's merge on them."""
+    inf = float("inf")
+    lse_a = torch.tensor([0.5, -inf, -inf, 800.0, 1.5], dtype=torch.float64)
+    lse_b = torch.tensor([2.0, 1.0, -inf, 799.0, -inf], dtype=torch.float64)
+    o_a, o_b = (seeded_randn(5, d, dtype=torch.float64, seed=seed + i, device="cpu") for i in (0, 1))
+    # a part that saw no key holds o = 0
+    return o_a * lse_a.isfinite()[:, None], lse_a, o_b * lse_b.isfinite()[:, None], lse_b
+
+
+MERGE_HINTS = [
+    "Each part's share of the row's probability mass is exp(lse_part - lse), with lse = log(exp(lse_a) + "
+    "exp(lse_b)). Computed as written, exp(800) overflows: torch.logaddexp computes the same log safely.",
+    "lse = torch.logaddexp(lse_a, lse_b); safe = lse with -inf replaced by 0 (a row empty in both parts); "
+    "return exp(lse_a - safe)[..., None] * o_a + exp(lse_b - safe)[..., None] * o_b, lse",
+]
+
+
+def check_merge(name: str, merge) -> None:
+    """The exercise check of a learner's `merge(o_a, lse_a, o_b, lse_b) -> (o, lse)` (notebooks 09 and 13):
+    on `merge_cases`, against `merge_attention_states`, with MERGE_HINTS."""
+    o_a, lse_a, o_b, lse_b = merge_cases()
+    expected = merge_attention_states(o_a, lse_a, o_b, lse_b)
+    check(name, lambda: merge(o_a, lse_a, o_b, lse_b), expected, parts=["o", "lse"], hints=MERGE_HINTS)
 
 
 def random_qkv(

@@ -53,6 +53,7 @@ from course_lib.decode.heuristics import choose_num_splits, sm_count, tile_for, 
 from course_lib.exercises import check, predict
 from course_lib.perf import plotting
 from course_lib.perf.hardware import gpu as gpu_spec
+from course_lib.testing import check_merge
 
 B, N, HQ, HKV, D = course_lib.pick(cpu=(3, 256, 8, 2, 64), gpu=(8, 8192, 32, 8, 128))
 DTYPE = course_lib.pick(cpu=torch.float32, gpu=torch.bfloat16)
@@ -654,23 +655,8 @@ def merge_two(o_a, lse_a, o_b, lse_b):
 
 
 # %% tags=["check"]
-_oa, _ob = torch.randn(5, 8, dtype=torch.float64), torch.randn(5, 8, dtype=torch.float64)
-# rows: both parts, only b, neither, large logsumexps (exp overflows float64 above ~709), only a
-_la = torch.tensor([0.5, float("-inf"), float("-inf"), 800.0, 1.5], dtype=torch.float64)
-_lb = torch.tensor([2.0, 1.0, float("-inf"), 799.0, float("-inf")], dtype=torch.float64)
-_ob[2] = _oa[2] = 0
-check(
-    "merge of two partials",
-    lambda: merge_two(_oa, _la, _ob, _lb),
-    merge_attention_states(_oa, _la, _ob, _lb),
-    parts=["o", "lse"],
-    hints=[
-        "Each part's share of the row's probability mass is exp(lse_part - lse), with lse = log(exp(lse_a) + "
-        "exp(lse_b)). Computed as written, exp(800) overflows: torch.logaddexp computes the same log safely.",
-        "lse = torch.logaddexp(lse_a, lse_b); safe = lse with -inf replaced by 0 (a row empty in both parts); "
-        "return exp(lse_a - safe)[..., None] * o_a + exp(lse_b - safe)[..., None] * o_b, lse",
-    ],
-)
+# rows: keys in both parts, only in b, in neither, logsumexps of 800 (exp overflows float64), only in a
+check_merge("merge of two partials", merge_two)
 
 # %% [markdown]
 # **Exercise 2 (bytes).** A model with 80 layers, 8 kv heads, d = 128, bf16 generates for a batch of 16

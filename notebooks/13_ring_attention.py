@@ -42,8 +42,6 @@
 # this notebook reads in section 8.
 
 # %%
-import math
-
 import matplotlib.pyplot as plt
 import torch
 
@@ -63,6 +61,7 @@ from course_lib.distributed import (
 from course_lib.distributed.workers import compare_with_reference, step_compute_times
 from course_lib.exercises import check, predict
 from course_lib.perf import plotting
+from course_lib.testing import check_merge
 
 WORLD = course_lib.pick(cpu=4, gpu=4)  # CPU processes in the gloo runs
 CHECK_N = course_lib.pick(cpu=64, gpu=64)  # total tokens of the correctness run
@@ -458,22 +457,8 @@ def merge(o_a, l_a, o_b, l_b):
 
 
 # %% tags=["check"]
-# the last row's logsumexps overflow exp() even in float64 (above ~709)
-_l_a = torch.tensor([[0.5, -math.inf, 2.0, -math.inf, 800.0]], dtype=torch.float64)
-_l_b = torch.tensor([[1.5, 0.3, -math.inf, -math.inf, 799.0]], dtype=torch.float64)
-_o_a = torch.randn(1, 5, 8, dtype=torch.float64) * torch.isfinite(_l_a).unsqueeze(-1)
-_o_b = torch.randn(1, 5, 8, dtype=torch.float64) * torch.isfinite(_l_b).unsqueeze(-1)
-check(
-    "merge of two partial results",
-    lambda: merge(_o_a, _l_a, _o_b, _l_b),
-    merge_attention_states(_o_a, _l_a, _o_b, _l_b),
-    parts=["O", "L"],
-    hints=[
-        "L = logaddexp(L_a, L_b), not log(exp(L_a) + exp(L_b)), which overflows for large L; each O is "
-        "weighted by exp(L_part - L).",
-        "Where L is -inf, weight 0.",
-    ],
-)
+# rows: keys in both parts, only in b, in neither, logsumexps of 800 (exp overflows float64), only in a
+check_merge("merge of two partial results", merge)
 
 # %% [markdown]
 # **Exercise 4 (work per rank).** With contiguous sharding over P ranks and a causal mask, how many

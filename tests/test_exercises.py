@@ -173,3 +173,23 @@ def test_predictions_must_be_positive_and_finite():
             exercises.predict("p", value)
     with pytest.raises(TypeError, match="expected a number, got bool"):
         exercises.predict("p", True)
+
+
+def test_the_merge_exercise_refuses_an_unstable_merge():
+    """`testing.check_merge` (notebooks 09 and 13) accepts the library's merge and refuses the literal
+    log(exp(a) + exp(b)), which overflows on its row of large logsumexps; every case row is there."""
+    from course_lib.attention.merge import merge_attention_states
+    from course_lib.testing import check_merge, merge_cases
+
+    o_a, lse_a, o_b, lse_b = merge_cases()
+    assert lse_a.isneginf().any() and lse_b.isneginf().any() and (lse_a.isneginf() & lse_b.isneginf()).any()
+    assert (lse_a > 709).any() and not o_a[lse_a.isneginf()].any() and not o_b[lse_b.isneginf()].any()
+    check_merge("merge", merge_attention_states)
+
+    def unstable(o_a, lse_a, o_b, lse_b):
+        lse = torch.log(torch.exp(lse_a) + torch.exp(lse_b))
+        safe = torch.where(lse.isneginf(), torch.zeros_like(lse), lse)
+        return torch.exp(lse_a - safe)[:, None] * o_a + torch.exp(lse_b - safe)[:, None] * o_b, lse
+
+    with pytest.raises(exercises.ExerciseWrong, match="logaddexp"):
+        check_merge("merge", unstable)
