@@ -374,6 +374,11 @@ check(
     "pages of a sequence",
     lambda: [pages_and_empty_slots(n, 16) for n in (1, 16, 17, 1000)],
     [(1, 15), (1, 0), (2, 15), (63, 8)],
+    hints=[
+        "A partial last page still takes a whole page: pages = ceil(n / page_size). The empty slots are the "
+        "last page's unused ones.",
+        "pages = -(-n // page_size); return pages, pages * page_size - n",
+    ],
 )
 
 # %% [markdown]
@@ -391,7 +396,16 @@ def slot_of(block_table, b, j, page_size):
 # %% tags=["check"]
 _table = torch.tensor([[7, 2, 5], [0, 3, 1]], dtype=torch.int32)
 _pairs = ((0, 0), (0, 5), (1, 11), (1, 4))
-check("slot of a token", lambda: [slot_of(_table, b, j, 4) for b, j in _pairs], [28, 9, 7, 12])
+check(
+    "slot of a token",
+    lambda: [slot_of(_table, b, j, 4) for b, j in _pairs],
+    [28, 9, 7, 12],
+    hints=[
+        "Token j is on the sequence's page number j // page_size (a column of its block-table row), at offset "
+        "j % page_size in that page; page p's rows start at p * page_size in the flattened pool.",
+        "return int(block_table[b, j // page_size]) * page_size + j % page_size",
+    ],
+)
 
 # %% [markdown]
 # **Exercise 3 (reference counts).** A `PageAllocator(8)` hands out pages for a 3-page prompt; then 4 answers
@@ -415,7 +429,17 @@ def refcount_story():
 
 
 # %% tags=["check"]
-check("reference counts", refcount_story, ([4, 4, 4], 5))
+check(
+    "reference counts",
+    refcount_story,
+    ([4, 4, 4], 5),
+    hints=[
+        "allocate() hands out a page with one reference; share(p) adds one for each sequence that forks it; "
+        "release(p) drops one, and a page goes back to the free list only when its count reaches zero.",
+        "Each prompt page: 1 (allocated) + 4 (shared) - 1 (the original released) = 4; none was freed, so "
+        "8 - 3 pages are free.",
+    ],
+)
 
 # %% [markdown]
 # ## Summary

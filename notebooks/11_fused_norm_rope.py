@@ -491,7 +491,20 @@ _dy = torch.randn(6, 40, dtype=torch.float64)
 _expected = torch.autograd.grad(rms_norm_reference(_x, _w), (_x, _w), _dy)
 
 # %% tags=["check"]
-check("RMSNorm gradients", lambda: rms_norm_grads(_x.detach(), _w.detach(), _dy), _expected, rtol=1e-9, atol=1e-9)
+check(
+    "RMSNorm gradients",
+    lambda: rms_norm_grads(_x.detach(), _w.detach(), _dy),
+    _expected,
+    rtol=1e-9,
+    atol=1e-9,
+    parts=["dx", "dw"],
+    hints=[
+        "With x_hat = x * rstd and g = dy * w, per row: dx = rstd * (g - x_hat * mean(g * x_hat)); dw sums "
+        "dy * x_hat over the rows (section 3).",
+        "rstd = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps); x_hat = x * rstd; g = dy * w; "
+        "dx = rstd * (g - x_hat * (g * x_hat).mean(-1, keepdim=True)); dw = (dy * x_hat).sum(0)",
+    ],
+)
 
 # %% [markdown]
 # **Exercise 3 (from half to interleaved).** The half layout pairs j with j + d/2; the interleaved layout
@@ -516,6 +529,10 @@ check(
     rope_reference(q, cos, sin, layout="half"),
     rtol=1e-12,
     atol=1e-12,
+    hints=[
+        "Position 2i of x[..., perm] must hold element i of x, and position 2i + 1 element i + d/2.",
+        "return [j for i in range(d // 2) for j in (i, i + d // 2)]",
+    ],
 )
 
 # %% [markdown]

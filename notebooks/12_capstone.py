@@ -394,7 +394,11 @@ def n_params(vocab, dim, n_layers, n_heads, n_kv_heads, hidden):
 
 # %% tags=["check"]
 check("parameter count", lambda: n_params(256, 768, 16, 6, 2, 2048),
-      count_parameters(LlamaConfig(dim=768, n_layers=16, n_heads=6, n_kv_heads=2, hidden_dim=2048)), rtol=0)
+      count_parameters(LlamaConfig(dim=768, n_layers=16, n_heads=6, n_kv_heads=2, hidden_dim=2048)), rtol=0,
+      hints=["Per layer: Wq and Wo are dim x dim; Wk and Wv dim x (n_kv_heads x head_dim), head_dim = dim / "
+             "n_heads; three SwiGLU matrices of dim x hidden; two norm weights of dim. The tied embedding "
+             "counts once (vocab x dim), then the final norm (dim).",
+             "n_layers * (2 dim^2 + 2 dim n_kv_heads head_dim + 3 dim hidden + 2 dim) + vocab dim + dim"])
 
 # %% [markdown]
 # **Exercise 2 (KV cache).** How many bytes does one token take in the KV cache of the benchmark's model in
@@ -413,7 +417,10 @@ def kv_bytes_per_token():
 _cfg = LlamaConfig(dim=768, n_layers=16, n_heads=6, n_kv_heads=2, hidden_dim=2048)
 check("KV-cache bytes per token", kv_bytes_per_token,
       (kv_cache_bytes_per_token(_cfg), kv_cache_bytes_per_token(LlamaConfig(**{**_cfg.as_dict(), "n_kv_heads": 6}))),
-      rtol=0)
+      rtol=0,
+      hints=["Per token and layer the cache holds one K and one V row per kv head: 2 x n_kv_heads x head_dim "
+             "elements of 2 bytes (bf16). The model: 16 layers, head_dim = 768 / 6 = 128, 2 kv heads.",
+             "2 * 16 * 2 * 128 * 2 bytes with GQA; 2 * 16 * 6 * 128 * 2 with as many kv heads as query heads"])
 
 # %% [markdown]
 # **Exercise 3 (memory of a training step).** Predict the bytes of parameters, gradients and AdamW states
