@@ -582,7 +582,11 @@ def softmax_bytes(R, N, bytes_per_element=2):
 
 
 # %% tags=["check"]
-check("bytes of safe and online softmax", lambda: softmax_bytes(4096, 32768), (1_073_741_824, 805_306_368))
+check(
+    "bytes of safe and online softmax",
+    lambda: [softmax_bytes(4096, 32768), softmax_bytes(1000, 3000, 4)],  # float16, then float32
+    [(1_073_741_824, 805_306_368), (4 * 1000 * 3000 * 4, 3 * 1000 * 3000 * 4)],
+)
 
 # %% [markdown]
 # ## Summary

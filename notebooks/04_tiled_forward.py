@@ -717,6 +717,7 @@ def _plan_map(plan_fn, n_q, n_k, block_m, block_n):
 
 
 _cases = [(256, 256, 64, 64), (100, 75, 32, 16), (90, 130, 16, 32), (40, 21, 20, 16)]
+_cases += [(97, 97, 32, 32), (40, 40, 15, 16)]  # a last block of one row; blocks that are not powers of two
 check(
     "causal_plan",
     lambda: [_plan_map(causal_plan, *c) for c in _cases],

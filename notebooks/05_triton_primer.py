@@ -474,8 +474,8 @@ def softmax_bytes(M, N, bytes_per_element, fused):
 # %% tags=["check"]
 check(
     "softmax_bytes",
-    lambda: (softmax_bytes(4096, 1000, 4, fused=False), softmax_bytes(4096, 1000, 4, fused=True)),
-    (131_137_536, 32_768_000),
+    lambda: [softmax_bytes(4096, 1000, e, fused=f) for e in (4, 2) for f in (False, True)],
+    [131_137_536, 32_768_000, 131_137_536 // 2, 32_768_000 // 2],
 )
 
 # %% [markdown]

@@ -970,16 +970,15 @@ def window_truth(n, block_m, block_n, W):
     return kinds
 
 
-# Windows of several widths: 17 and 47 put a window's edge on a block's edge, where an off-by-one shows.
+# Windows of several widths: 17, 18, 47 and 48 put a window's edge on a block's edge, where an
+# off-by-one shows (18 the skipped tiles' edge, 48 the full tiles').
+_widths = (17, 18, 47, 48, 70)
 check(
     "window_block_kind",
     lambda: [
-        window_block_kind(m0, n0, 32, 16, W)
-        for W in (17, 47, 70)
-        for m0 in range(0, 256, 32)
-        for n0 in range(0, 256, 16)
+        window_block_kind(m0, n0, 32, 16, W) for W in _widths for m0 in range(0, 256, 32) for n0 in range(0, 256, 16)
     ],
-    [kind for W in (17, 47, 70) for kind in window_truth(256, 32, 16, W)],
+    [kind for W in _widths for kind in window_truth(256, 32, 16, W)],
 )
 
 # %% [markdown]

@@ -521,11 +521,14 @@ from course_lib.attention.blocks import kv_block_range_py, q_block_range_py
 
 
 def dkdv_plan(bounds, n_q, n_k, block_m, block_n):
-    """Sorted (query block, key block, masked) triples a dK/dV kernel with these bounds visits."""
+    """Sorted (first query row, key block, masked) triples a dK/dV kernel with these bounds visits, in its
+    two stages as the kernel runs them: masked query blocks from lo to hi_masked, then unmasked ones from
+    hi_masked to n_q (a bound off a block boundary shows as rows that start mid-block, or twice)."""
     out = []
     for n0 in range(0, n_k, block_n):
         lo, hi_masked = bounds(n0, block_m, block_n, n_q)
-        out += [(m0 // block_m, n0 // block_n, int(m0 < hi_masked)) for m0 in range(lo, n_q, block_m)]
+        out += [(m0, n0 // block_n, 1) for m0 in range(lo, hi_masked, block_m)]
+        out += [(m0, n0 // block_n, 0) for m0 in range(hi_masked, n_q, block_m)]
     return np.array(sorted(out))
 
 
