@@ -202,11 +202,6 @@ def _frames_by_order(where: str, frames_by_order) -> dict:
     return {order: _frames(f"{where}: {order!r}", frames) for order, frames in frames_by_order.items()}
 
 
-def _step(where: str, step, n_frames: int) -> int:
-    """A step number in [0, n_frames); a later one shows the last step (a slider over several orders)."""
-    return min(check_int(where, "step", step, 0), n_frames - 1)
-
-
 def _pick_steps(n_frames: int, n_shots: int) -> list[int]:
     n_shots = min(check_int("animate", "n_shots", n_shots, 1), n_frames)
     return sorted({round(s) for s in np.linspace(0, n_frames - 1, n_shots)})
@@ -343,9 +338,9 @@ def backward_step_figure(frames, step: int):
     import matplotlib.pyplot as plt
 
     frames = _frames("backward_step_figure", frames)
-    step = _step("backward_step_figure", step, len(frames))
+    step = check_int("backward_step_figure", "step", step, 0)
     fig, axes = plt.subplots(1, 3, figsize=(17, 4.2), layout="constrained")
-    _backward_panels(axes, frames, step)
+    _backward_panels(axes, frames, min(step, len(frames) - 1))
     return fig
 
 

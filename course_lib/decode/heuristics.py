@@ -229,8 +229,13 @@ def shared_memory_bytes(device_index: int | None = None) -> int:
     """Shared memory one program may use on this GPU (opt-in maximum); unlimited under the interpreter."""
     if not runtime.ON_GPU:
         return 1 << 30
+    return int(_driver_properties(device_index)["max_shared_mem"])
+
+
+def _driver_properties(device_index: int | None) -> dict:
+    """The driver's properties of a GPU (the current one for None), as Triton reads them."""
     index = torch.cuda.current_device() if device_index is None else device_index
-    return int(triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"])
+    return triton.runtime.driver.active.utils.get_device_properties(index)
 
 
 @functools.cache
@@ -240,8 +245,7 @@ def peak_gbps_per_sm(device_index: int | None = None) -> float:
     CPU_GBPS_PER_SM under the interpreter."""
     if not runtime.ON_GPU:
         return CPU_GBPS_PER_SM
-    index = torch.cuda.current_device() if device_index is None else device_index
-    props = triton.runtime.driver.active.utils.get_device_properties(index)
+    props = _driver_properties(device_index)
     peak = 2 * props["mem_clock_rate"] * 1e3 * props["mem_bus_width"] / 8  # clock in kHz, width in bits
     return peak / props["multiprocessor_count"] / 1e9
 
