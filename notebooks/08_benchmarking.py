@@ -582,9 +582,10 @@ else:
 #   adds a BLOCK_M x d float32 tile into dQ at every step, and those read-modify-writes in L2 cost more than
 #   the two products they save. The byte count the prediction left out is the atomics' traffic — notebook 07
 #   measures the same trade-off across shapes.
-# - *Autotuned.* Close to 1.0x in the forward: the launch recorded for this shape (64 x 64 tiles, 4 warps)
-#   runs about as fast as the hand-picked rung (128 x 64, 8 warps). In the backward below 1.0x: here the
-#   recorded launch choice loses to the hand-picked rung (not investigated further).
+# - *Autotuned.* Within a few per cent of 1.0x in the forward: the launch recorded for this shape (64 x 64
+#   tiles, 4 warps) runs about as fast as the hand-picked rung (128 x 64, 8 warps); which of the two leads
+#   has changed from one recorded run to the next. In the backward below 1.0x: here the recorded launch
+#   choice loses to the hand-picked rung (not investigated further).
 # - *dK/dV without spills.* Predicted 1.1x from the dK/dV kernel's share of the backward, measured less: at
 #   this causal shape a block of keys sees 32 query blocks on average, so the program's fixed costs
 #   (loading K and V, filling the pipeline, storing dK and dV) weigh more than on long non-causal rows,
@@ -610,7 +611,7 @@ if ladder_rec is not None:
     no_spills, no_spills_predicted = rung_gain(ladder_rec, "bwd", "dK/dV without spills")
     assert tile < 1.05 and stages > stages_predicted, "128-row blocks bought nothing; 3 stages beat the prediction"
     assert atomic < 0.8, "atomic dQ measured far slower"
-    assert 0.95 < tuned_fwd < 1.05 and tuned_bwd < 1.0, "autotuned: about 1.0x forward, below 1.0x backward"
+    assert 0.95 < tuned_fwd < 1.1 and tuned_bwd < 1.0, "autotuned: within a few % of 1.0x forward, below 1.0x backward"
     assert no_spills < no_spills_predicted, "dK/dV without spills measured less than predicted"
     hb_rec = records.load_record("hopper_backward")
     if hb_rec is not None:

@@ -5,8 +5,12 @@ Every setting goes through the library's own keyword overrides (`rms_norm_forwar
 chunk=)`, `rms_norm_backward(rows=, programs_per_sm=, warps=)`, `rope.rotate(tokens=, warps=)`) and is
 timed as a CUDA-graph replay, next to torch.compile of the eager code and to a plain copy moving the
 same bytes (`perf.measure_copy_time`). Prints, per cell, the table's setting and the four fastest.
+--column-sum sweeps instead the tile of the backward's second dW reduction (`rms_norm_backward(column_tile=)`,
+`launch.COLUMN_SUM`), timing the whole backward (its kernel, then the column sum on the partial rows it has
+just written) with the table's launch.
 
     COURSE_DEVICE=cuda python3 scripts/fused_sweep.py [--tokens 16384 65536] [--hidden 2048 4096 8192]
+    COURSE_DEVICE=cuda python3 scripts/fused_sweep.py --column-sum [--tokens ...] [--hidden ...]
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from course_lib.bench.fused import (
     rms_norm_bytes,
     rope_bytes,
 )
+from course_lib.fused import launch
 from course_lib.fused.rms_norm import rms_norm_backward, rms_norm_forward
 from course_lib.fused.rope import rope_cache, rotate
 from course_lib.perf.ceilings import measure_copy_bandwidth, measure_copy_time
@@ -79,6 +84,34 @@ def sweep_rms(tokens: int, hidden: int, copy_gbps: float) -> None:
     report(f"RMSNorm bwd kernels T={tokens} D={hidden}", nbytes, copy_gbps, None, bwd)
 
 
+def sweep_column_sum(tokens: int, hidden: int, copy_gbps: float) -> None:
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16, generator=gen)
+    w = torch.randn(hidden, device="cuda", dtype=torch.bfloat16, generator=gen)
+    dy = torch.randn_like(x)
+    _, rstd = rms_norm_forward(x, w, 1e-6)
+    backward = partial(rms_norm_backward, dy, x, w, rstd)
+    runs = [("table", graph_ms(backward)), ("torch.sum", graph_ms(partial(backward, dw_sum="torch")))]
+    for block_r, block_c, warps in itertools.product(
+        (64, 128, 256, 512, 1024), (4, 8, 16, 32, 64), (2, 4, 8, 16)
+    ):
+        per_thread = block_r * block_c // (warps * 32)
+        if 1 <= per_thread <= 64 and block_c <= hidden:
+            tile = launch.ColumnSumTile(block_r, block_c, warps)
+            runs.append(
+                (f"tile {block_r} x {block_c} warps {warps}", graph_ms(partial(backward, column_tile=tile)))
+            )
+    best = sorted((t, name) for name, t in runs if t is not None)[:3]
+    for _, name in best:  # the fastest three again, next to the table's: one timing can be 1-2 % off
+        if name.startswith("tile"):
+            block_r, block_c, warps = (int(word) for word in name.split()[1::2])
+            tile = launch.ColumnSumTile(block_r, block_c, warps)
+            runs.append((f"{name} (again)", graph_ms(partial(backward, column_tile=tile))))
+    runs.append(("table (again)", graph_ms(backward)))
+    nbytes = rms_norm_bytes(tokens, hidden, "bwd")
+    report(f"RMSNorm bwd + column sum T={tokens} D={hidden}", nbytes, copy_gbps, None, runs)
+
+
 def sweep_rope(tokens: int, copy_gbps: float) -> None:
     q = torch.randn(tokens, HQ, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(tokens, HK, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
@@ -98,12 +131,18 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[16384, 65536])
     parser.add_argument("--hidden", type=int, nargs="+", default=[2048, 4096, 8192])
+    parser.add_argument("--column-sum", action="store_true", help="sweep the dW column-sum tile only")
     args = parser.parse_args()
     if not runtime.ON_GPU:
         raise SystemExit("fused_sweep.py times GPU kernels: run it with COURSE_DEVICE=cuda on a GPU")
     copy_gbps = measure_copy_bandwidth()
     print(f"copy ceiling {copy_gbps:.0f} GB/s; bf16; CUDA-graph replays")
     for tokens in args.tokens:
+        if args.column_sum:
+            for hidden in args.hidden:
+                sweep_column_sum(tokens, hidden, copy_gbps)
+                torch.cuda.empty_cache()
+            continue
         for hidden in args.hidden:
             sweep_rms(tokens, hidden, copy_gbps)
             torch.cuda.empty_cache()

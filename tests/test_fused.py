@@ -362,6 +362,11 @@ def test_launch_tables_and_overrides():
     assert launch.rms_backward(4544).stream and not launch.rms_backward(4096).stream
     assert launch.persistent_programs(100, 1024, torch.device("cpu"), per_sm=3) == 3
     assert launch.persistent_programs(2, 1024, torch.device("cpu")) == 2
+    # the fewest programs that keep the longest share of rows: 16384 rows over 528 wanted -> 512 x 32
+    assert launch.persistent_programs(16384, 2048, torch.device("cpu"), per_sm=528) == 512
+    assert launch.persistent_programs(65536, 2048, torch.device("cpu"), per_sm=528) == 525  # longest: 125
+    assert launch.persistent_programs(9, 1024, torch.device("cpu"), per_sm=4) == 3  # 3 x 3, not 3, 2, 2, 2
+    assert launch.persistent_programs(4, 1024, torch.device("cpu"), per_sm=3) == 3  # below the line: not cut
     with pytest.raises(ValueError, match="power of two"):
         rms_norm_forward(_randn(4, 8), _randn(8), 1e-6, rows=3)
 

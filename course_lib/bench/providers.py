@@ -59,9 +59,14 @@ def attention_fns(on_gpu: bool | None = None) -> dict:
             if not compiled:
                 # Inductor compiles in a pool of worker processes that can still be busy while the next
                 # provider is timed; small calls are sensitive to CPU contention: compile in this process.
+                import torch._functorch.config as functorch_config
                 import torch._inductor.config as inductor_config
 
                 inductor_config.compile_threads = 1
+                # The backward alone is timed by backpropagating through one forward again and again
+                # (retain_graph=True); a compiled backward that reuses ("donates") its saved buffers
+                # refuses that, so they are kept.
+                functorch_config.donated_buffer = False
                 # dynamic=True: one graph for every (B, H, N, d), instead of a recompilation per shape.
                 compiled.append(torch.compile(reference.attention, dynamic=True))
             return compiled[0](q, k, v, causal=causal)
