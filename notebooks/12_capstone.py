@@ -196,7 +196,7 @@ print(text[:400])
 # **Predict first: how many tokens per second will training process here?** A training step costs about
 # 6 FLOPs per parameter per token (2 in the forward, 4 in the backward), plus attention's share, small at
 # this sequence length. Divide a FLOP rate you believe this device sustains on matrices this small by the
-# FLOPs per token. The measured rate counts the whole wall time of the training cell, evaluations and
+# FLOPs per token. The measured rate counts the whole wall time of the `train.train` call, evaluations and
 # loss-plot redraws included. The default below is only a rough guess per device: replace it with yours.
 
 # %%
@@ -325,19 +325,26 @@ else:
 # with fp32 master weights inside the optimizer*. The common `torch.autocast` recipe keeps fp32 weights and
 # gradients and casts to bf16 on the fly: 4 : 4 : 8 = **1 : 1 : 2**, still 16 bytes per parameter.
 # Activations come on top and grow with batch × sequence; the benchmark measures parameters, optimizer states
-# and activations with `torch.cuda.memory_allocated`, and counts the gradient tensors' bytes.
+# and activations with `torch.cuda.memory_allocated`, and counts the gradient tensors' bytes. The ratios below
+# are taken against the gradients, whose bytes are exact: the parameters' figure also holds the model's
+# buffers (the RoPE cos/sin tables) and the allocator's rounding, so it reads a little above 2 or 4 bytes.
 
 # %%
 if rec is not None:
     for m in rec["data"]["memory"]:
         bpp = m["bytes_per_param"]
-        ratio = " : ".join(f"{v / bpp['parameters']:.2f}" for v in bpp.values())
+        ratio = " : ".join(f"{v / bpp['gradients']:.2f}" for v in bpp.values())
         print(f"{m['scheme']:12} bytes/param P, G, OS = {', '.join(f'{v:.2f}' for v in bpp.values())}"
               f"  -> P : G : OS = {ratio};  activations {m['activations'] / 2**30:.2f} GiB "
               f"for {m['tokens']:,} tokens")
+        # the words above: OS : G = 6 with fp32 master weights, 2 with autocast
+        optimizer_per_gradient = {"bf16_master": 6, "autocast": 2}.get(m["scheme"])
+        if optimizer_per_gradient:
+            assert abs(bpp["optimizer_states"] / bpp["gradients"] / optimizer_per_gradient - 1) < 0.05, m["scheme"]
 
 # %% [markdown]
-# **Serving.** A decode step of this model is a few hundred small kernels. Launched one at a time from
+# **Serving.** A decode step of this model is a long chain of small kernels: for every layer its norms,
+# matmuls, rotation, attention and residual adds. Launched one at a time from
 # Python, they cost the CPU more time than the GPU takes to run them, so the loop waits on the CPU. On a
 # GPU, `generate.stream` therefore replays each decode step as a CUDA graph (notebook 10,
 # `course_lib.decode.graphs`): the launches are recorded once per batch shape and replayed with one call.

@@ -28,7 +28,7 @@
 #    attention in float64.
 # 4. Predict, then measure, the causal work per rank: contiguous slices overload the last rank, zigzag
 #    balances it.
-# 5. Read a two-GPU benchmark and a profiler trace (communication hidden behind compute), compare with
+# 5. Read a two-GPU benchmark and a profiler trace (how much of the communication hides behind compute), compare with
 #    PyTorch's `context_parallel`, and predict scaling to 8 GPUs and across hosts.
 #
 # The finished pieces live in `course_lib.distributed`: `shard`, `unshard`, `chunk_ids`, `plan_step`,
@@ -74,8 +74,9 @@ plotting.use_readable_defaults()  # projector-sized fonts for every figure, plt'
 # %% [markdown]
 # ## 1. Why: a million tokens against one device
 #
-# Take a model with 32 layers, 32 query heads of d = 128 (hidden size 4096), trained or prefilled on
-# N = 2²⁰ tokens in bf16. Per layer, attention's inputs and output (Q, K, V, O) are 4 · N · 4096 · 2 bytes,
+# Take a model with 32 layers, 32 query heads of d = 128 (hidden size 4096) and as many K/V heads (no GQA),
+# trained or prefilled on N = 2²⁰ tokens in bf16. Per layer, attention's inputs and output (Q, K, V, O) are
+# 4 · N · 4096 · 2 bytes (with GQA, K and V shrink by H / H_kv),
 # and FlashAttention keeps nothing of size N × N. Its work does grow as N²: a causal forward is
 # 2 · 2 · N² · H · d / 2 FLOPs (two matmuls, half the pairs), forward + backward about 3.5 times that.
 
@@ -107,8 +108,8 @@ assert qkvo_gib * LAYERS > 141e9 / 2**30  # more than one H200's 141 GB, for att
 #
 # Ulysses needs its heads divisible by P, the K/V heads too (H_kv ≥ P), or else K/V copied to several devices:
 # GQA's few K/V heads make that harder. Its all-to-all is fast inside a machine. The ring sends more in total
-# but always to the same neighbour, and each transfer can hide behind the attention on the slice in hand. Per
-# device, per layer, at N = 1M and P = 8:
+# unless the K/V heads are few (it sends less when H_kv · (P - 1) < H), but always to the same neighbour, and
+# each transfer can hide behind the attention on the slice in hand. Per device, per layer, at N = 1M and P = 8:
 
 
 # %%
@@ -123,10 +124,11 @@ def bytes_sent_per_device(option: str, n: int, p: int, h: int, h_kv: int, d: int
     raise ValueError(option)
 
 
-for h_kv in (32, 8):
+for h_kv in (32, 8, 4):
     row = {o: bytes_sent_per_device(o, N_1M, 8, HEADS, h_kv, D_HEAD) / 2**30 for o in ("all-gather", "ulysses", "ring")}
     print(f"H_kv = {h_kv:2d}: " + ", ".join(f"{o} {gib:.2f} GiB" for o, gib in row.items()))
-    assert row["ring"] > row["ulysses"], "the words above: the ring sends more in total"
+    ring_more = h_kv * (8 - 1) > HEADS  # the words above: more, unless the K/V heads are few
+    assert (row["ring"] > row["ulysses"]) == ring_more, "the ring sends more exactly when H_kv (P - 1) > H"
 
 # %% [markdown]
 # The ring sends as many bytes as the all-gather, but a slice at a time (memory stays at N/P) and spread
@@ -298,8 +300,10 @@ _ = imbalance_guess.score(max(contiguous_total) / (sum(contiguous_total) / WORLD
 # ```python
 # mesh = init_device_mesh("cuda", (world,))
 # with context_parallel(mesh, buffers=[q, k, v], buffer_seq_dims=[2, 2, 2], no_restore_buffers={q, k, v}):
-#     out = F.scaled_dot_product_attention(q, k, v, is_causal=True)   # q, k, v now hold this rank's shard
-#     out.backward(do)
+#     # q, k, v now hold this rank's shard; leaves of the autograd graph for the backward
+#     q_s, k_s, v_s = (t.detach().requires_grad_() for t in (q, k, v))
+#     out = F.scaled_dot_product_attention(q_s, k_s, v_s, is_causal=True)
+#     out.backward(torch.randn_like(out))  # the gradient of this rank's shard of O
 # ```
 #
 # The benchmark below times it on the same inputs as course_lib's ring.
@@ -333,6 +337,15 @@ else:
         print(", ".join(cells))
     figures.record_figures(data, records.label(record))  # the speed-up bars and the profiled step
     plt.show()
+    for rank, t in enumerate(data["trace"]["ranks"]):  # the profiled step, per rank
+        print(f"rank {rank}: {t['comm_ms']:.1f} ms of NCCL transfers, {100 * t['hidden_fraction']:.0f} % of it "
+              f"while compute ran; compute {t['compute_ms']:.0f} ms")  # fmt: skip
+        assert 0.5 <= t["hidden_fraction"] < 1, "the words below: most of the transfers hide, not all"
+
+# %% [markdown]
+# **Reading the trace.** In the recorded step, most of each rank's transfers ran while its attention
+# kernels ran, but not all: the last one, the dK/dV accumulators going home after the last step, has no
+# compute left to hide behind (in the timeline, the NCCL bar after the last kernel).
 
 # %% [markdown]
 # ## 9. Past two GPUs, on paper
@@ -394,8 +407,9 @@ for n in (128 * 1024, 512 * 1024, 1024 * 1024):
 
 # %% [markdown]
 # **Exercise 1 (bytes per step).** In the forward ring, how many bytes does one rank send at each step?
-# Inputs in bf16 (2 bytes), batch B, H_kv key/value heads, total length N over P ranks, head dim d.
-# Return the number for B = 1, H_kv = 8, N = 131072, P = 4, d = 128.
+# Elements of `elem` bytes (2 for bf16), batch B, H_kv key/value heads, total length N over P ranks, head
+# dim d. The check tries B = 1, H_kv = 8, N = 131072, P = 4, d = 128 in bf16, and a second case in float32
+# (`elem=4`) with B = 2.
 
 
 # %%
@@ -410,7 +424,7 @@ check(
     "bytes one rank sends per ring step",
     lambda: [ring_bytes_per_step(1, 8, 131072, 4, 128), ring_bytes_per_step(2, 4, 65536, 8, 64, elem=4)],
     [2 * 8 * 32768 * 128 * 2, 2 * 2 * 4 * 8192 * 64 * 4],
-    hints=["Only K and V travel; Q stays.", "Each of K and V: B x H_kv x (N / P) x d elements of 2 bytes."],
+    hints=["Only K and V travel; Q stays.", "Each of K and V: B x H_kv x (N / P) x d elements of `elem` bytes."],
 )
 
 # %% [markdown]

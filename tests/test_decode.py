@@ -531,6 +531,8 @@ def test_errors_name_the_problem():
         ("2", TypeError, "num_splits must be an integer, got '2'"),
         (True, TypeError, "num_splits must be an integer, got True"),
         (0, ValueError, "num_splits must be >= 1, got 0"),
+        (33, ValueError, r"num_splits=33 is more than the cache holds keys \(32 per sequence\)"),
+        (10**12, ValueError, "num_splits=1000000000000 is more than"),  # never a buffer of that many splits
     ):
         with pytest.raises(error, match=f"^decode_attention: {words}"):
             decode_attention(q, k, v, lens, num_splits=splits)

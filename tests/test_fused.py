@@ -646,6 +646,22 @@ def test_rope_clear_errors(make, error, words):
         make()
 
 
+def test_cache_and_module_arguments():
+    """rope_cache and RMSNorm refuse a dtype that cannot hold cos, sin or a learned weight, by name; a NumPy
+    base is a number like any other."""
+    import numpy as np
+
+    with pytest.raises(TypeError, match="rope_cache: dtype must be a floating-point"):
+        rope_cache(8, 16, dtype=torch.int32)
+    with pytest.raises(TypeError, match="rope_cache: dtype must be a floating-point"):
+        rope_cache(8, 16, dtype="float16")
+    with pytest.raises(ValueError, match="rope_cache: base"):
+        rope_cache(8, 16, base=1.0)
+    torch.testing.assert_close(rope_cache(8, 16, base=np.float32(500)), rope_cache(8, 16, base=500))
+    with pytest.raises(TypeError, match="RMSNorm: dtype must be a floating-point"):
+        RMSNorm(8, dtype=torch.int64)
+
+
 # ---------------------------------------------------------------------------------------------- GPU
 @pytest.mark.gpu
 @gpu

@@ -87,3 +87,31 @@ def test_shape_mismatch_is_a_clear_error():
         merge_attention_states(o, lse, o[:, :3], lse[:, :3])
     with pytest.raises(ValueError, match="merge_many"):
         merge_many(o, lse[:, :3])
+
+
+@pytest.mark.parametrize(
+    "call, error, words",
+    [
+        (lambda o, lse: merge_many(o, lse, dim=2), ValueError, "dim"),  # the rows' axis
+        (lambda o, lse: merge_many(o, lse, dim=5), ValueError, "dim"),
+        (lambda o, lse: merge_many(o, lse, dim=-1), ValueError, "dim"),
+        (lambda o, lse: merge_many(o, lse, dim=1.0), TypeError, "dim"),
+        (lambda o, lse: merge_attention_states(o.long(), lse, o.long(), lse), TypeError, "o_a"),
+        (lambda o, lse: merge_attention_states(o, lse.long(), o, lse.long()), TypeError, "lse_a"),
+        (
+            lambda o, lse: merge_attention_states(o, lse.half(), o, lse.half()),
+            TypeError,
+            "float32 or float64",
+        ),
+        (lambda o, lse: merge_attention_states(o, lse, o.to("meta"), lse), ValueError, "one device"),
+        (
+            lambda o, lse: merge_attention_states(o.tolist(), lse, o, lse),
+            TypeError,
+            "o_a must be a torch.Tensor",
+        ),
+    ],
+)
+def test_bad_parts_are_clear_errors(call, error, words):
+    o, lse = torch.randn(2, 4, 8), torch.randn(2, 4)
+    with pytest.raises(error, match=words):
+        call(o, lse)

@@ -160,9 +160,22 @@ def test_rope_arguments_named(make, error, words):
             TypeError,
             "a tensor that requires grad would silently get no gradient",
         ),
+        (
+            lambda: flash_attention([[1.0] * 16] * 16, _randn(1, 2, 16, 16), _randn(1, 2, 16, 16)),
+            TypeError,
+            "^flash_attention: q must be a torch.Tensor, got list",
+        ),
+        (
+            lambda: flash_attention(*(_randn(1, 2, 16, 16).requires_grad_() for _ in range(3)), sinks=[0.0, 1.0]),
+            TypeError,
+            "^flash_attention: sinks must be a tensor",
+        ),
     ],
-    ids=["no heads", "no kv heads", "causal=2", "scale text", "causal tensor", "scale wanting a gradient"],
-)
+    ids=[
+        "no heads", "no kv heads", "causal=2", "scale text", "causal tensor", "scale wanting a gradient", "q a list",
+        "sinks a list",
+    ],
+)  # fmt: skip
 def test_attention_arguments_named(make, error, words):
     with pytest.raises(error, match=words):
         make()

@@ -316,6 +316,30 @@ def test_padded_refuses_an_additive_float_mask():
     assert torch.equal(a, b), "bool and 0/1 integer padding masks differ"
 
 
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        (lambda q, k, v, p: (q, k[:1], v[:1], p), "batch"),  # k, v of another batch than q
+        (lambda q, k, v, p: (q, k, v[:, :, :4], p), "number of keys"),  # fewer keys in v than in k
+        (
+            lambda q, k, v, p: (q.int(), k.int(), v.int(), p & False),
+            "dtype|float",
+        ),  # no real token: still checked
+        (lambda q, k, v, p: (q[..., :12], k[..., :12], v[..., :12], p & False), "head dim"),
+        (lambda q, k, v, p: (q, k, v, p.to("meta")), "meta"),
+    ],
+)
+def test_padded_checks_its_inputs_first(change, words):
+    """The dense inputs are checked as `flash_attention` checks them, before the gather and before the
+    shortcut for a batch with no real token."""
+    from course_lib.attention.varlen import flash_attention_padded
+
+    q, k, v = (torch.randn(2, 2, 6, 16, device=DEVICE) for _ in "qkv")
+    real = torch.ones(2, 6, dtype=torch.bool, device=DEVICE)
+    with pytest.raises((ValueError, TypeError), match=words):
+        flash_attention_padded(*change(q, k, v, real))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU")
 def test_varlen_in_a_cuda_graph():

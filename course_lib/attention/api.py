@@ -140,6 +140,9 @@ def flash_attention(
     rely on the mask to hide what it holds."""
     if torch.compiler.is_compiling():
         return flash_attention_op(q, k, v, causal, scale, window, sinks)
+    tensors = isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)
+    if not tensors or not (sinks is None or isinstance(sinks, torch.Tensor)):
+        check_call(q, k, v, causal, scale, window, sinks, "flash_attention")  # raises, naming the argument
     if _recorded(q, k, v, sinks):
         return FlashAttentionTriton.apply(q, k, v, causal, scale, window, sinks)
     # nothing to differentiate (inference, no_grad): the forward alone, without an autograd node

@@ -17,6 +17,25 @@ from __future__ import annotations
 
 import torch
 
+from ..checks import check_int
+
+LSE_DTYPES = (torch.float32, torch.float64)
+
+
+def _check_parts(where: str, **tensors: torch.Tensor) -> None:
+    """Each of `tensors` a torch.Tensor on one device; the O parts (names starting with "o") of a floating
+    dtype, the L parts float32 or float64. A TypeError or ValueError naming the argument otherwise."""
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{where}: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if name.startswith("o") and not t.is_floating_point():
+            raise TypeError(f"{where}: {name} must be a floating-point tensor, got {t.dtype}")
+        if name.startswith("lse") and t.dtype not in LSE_DTYPES:
+            raise TypeError(f"{where}: {name} (a logsumexp) must be float32 or float64, got {t.dtype}")
+    devices = {name: t.device for name, t in tensors.items()}
+    if len(set(devices.values())) > 1:
+        raise ValueError(f"{where}: every part must be on one device, got {devices}")
+
 
 def _weight(lse_part: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
     """exp(L_part - L), with 0 where both are -inf (a row that saw no key in either part)."""
@@ -29,6 +48,7 @@ def merge_attention_states(o_a, lse_a, o_b, lse_b) -> tuple[torch.Tensor, torch.
 
     o_a, o_b: (..., N, d), any float dtype; lse_a, lse_b: (..., N), float32 or float64.
     Returns (O, L): O (..., N, d) in o_a's dtype, L (..., N) in lse_a's dtype. Differentiable."""
+    _check_parts("merge_attention_states", o_a=o_a, lse_a=lse_a, o_b=o_b, lse_b=lse_b)
     if o_a.shape != o_b.shape or lse_a.shape != lse_b.shape or o_a.shape[:-1] != lse_a.shape:
         raise ValueError(
             "merge_attention_states: expected o_a, o_b of one shape (..., N, d) and lse_a, lse_b of shape "
@@ -47,15 +67,22 @@ def merge_many(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Merge S partial results stacked along `dim` in one step (what a split-KV combine does).
 
-    o_parts: (..., S, ..., N, d) with the splits along `dim`; lse_parts: the same without d.
+    o_parts: (..., S, ..., N, d) with the splits along `dim`; lse_parts: the same without d (float32 or
+    float64). dim: 0 <= dim < lse_parts.dim() - 1 (the splits' axis comes before the rows').
     L = logsumexp over the splits; O = sum over splits of exp(L_s - L) * O_s. Returns (O, L) with
     `dim` removed; L keeps lse_parts' dtype, O o_parts' dtype."""
+    _check_parts("merge_many", o_parts=o_parts, lse_parts=lse_parts)
     if o_parts.shape[:-1] != lse_parts.shape:
         raise ValueError(
             f"merge_many: o_parts {tuple(o_parts.shape)} must be lse_parts {tuple(lse_parts.shape)} plus a "
             "last (head) dimension"
         )
-    dim = dim % lse_parts.dim()
+    dim = check_int("merge_many", "dim", dim, 0)
+    if dim >= lse_parts.dim() - 1:
+        raise ValueError(
+            f"merge_many: dim (the splits' axis) must be below {lse_parts.dim() - 1} for lse_parts of shape "
+            f"{tuple(lse_parts.shape)} (its last axis holds the rows), got {dim}"
+        )
     lse = torch.logsumexp(lse_parts, dim=dim)
     w = _weight(lse_parts, lse.unsqueeze(dim)).unsqueeze(-1)
     o = (w * o_parts.to(w.dtype)).sum(dim=dim)

@@ -268,6 +268,8 @@ def flash_attention_padded(q, k, v, padding, causal=False, scale=None, window=No
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
             raise ValueError(f"{where}: {name} must be (batch, heads, rows, head dim); got {shape}")
+    # the dense tensors' own checks (batch, heads, head dim, dtypes, devices), before any shortcut below
+    check_inputs(q, k, v, where=where)
     B, _, n_q, _ = q.shape
     n_k = k.shape[2]
     if not isinstance(padding, torch.Tensor) or padding.shape != (B, n_k):
@@ -279,8 +281,15 @@ def flash_attention_padded(q, k, v, padding, causal=False, scale=None, window=No
             f"{padding.dtype} (an additive mask, 0 for real tokens and -inf for padding, would read inverted: "
             "pass `mask == 0`)"
         )
+    if padding.device.type == "meta":
+        raise ValueError(
+            f"{where}: padding is on the meta device (shapes only, no values); pass it on {q.device}"
+        )
     if n_q > n_k:
         raise ValueError(f"{where}: the queries are the last positions of the keys: Nq={n_q} > Nk={n_k}")
+    alignment = "bottom_right" if causal else False
+    check_window(window, causal_alignment(alignment), where)
+    check_sinks(sinks, q, where)
     real_k = padding.to(device=q.device, dtype=torch.bool)
     real_q = real_k[:, n_k - n_q :]
     lens_q, lens_k = real_q.sum(1), real_k.sum(1)
@@ -291,7 +300,7 @@ def flash_attention_padded(q, k, v, padding, causal=False, scale=None, window=No
         return out.transpose(1, 2)
     rows = [t.transpose(1, 2)[m] for t, m in ((q, real_q), (k, real_k), (v, real_k))]  # (total, heads, d)
     o = flash_attention_varlen(
-        *rows, cu_q, cu_k, int(lens_q.max()), int(lens_k.max()), "bottom_right" if causal else False,
+        *rows, cu_q, cu_k, int(lens_q.max()), int(lens_k.max()), alignment,
         scale, window, sinks, validate=False,
     )  # fmt: skip
     return out.index_put((real_q,), o).transpose(1, 2)

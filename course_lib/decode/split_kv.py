@@ -339,6 +339,11 @@ def launch(
     m_tiles = runtime.cdiv(group * Tq, block_m)
     if num_splits is not None:
         num_splits = check_int(where, "num_splits", num_splits, 1)
+        if num_splits > max(1, capacity):  # a split of no key is wasted work, and a huge count a huge buffer
+            raise ValueError(
+                f"{where}: num_splits={num_splits} is more than the cache holds keys ({capacity} per sequence); "
+                "give at most that many, or None to choose"
+            )
     width = block_table.shape[1] if paged else 0
     plan = decode_plan(
         B, Hkv, m_tiles, capacity, d, paged, width, q.element_size(),

@@ -476,6 +476,10 @@ class RMSNorm(nn.Module):
     def __init__(self, hidden: int, eps: float = 1e-6, device=None, dtype=None):
         super().__init__()
         hidden = check_int("RMSNorm", "hidden", hidden, 1)
+        if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
+            raise TypeError(
+                f"RMSNorm: dtype must be a floating-point torch.dtype (a learned weight), got {dtype!r}"
+            )
         self.weight = nn.Parameter(torch.ones(hidden, device=device, dtype=dtype))
         self.eps = check_real("RMSNorm", "eps", eps, low=0)
 

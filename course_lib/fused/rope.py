@@ -36,7 +36,7 @@ from __future__ import annotations
 import torch
 
 from .. import runtime
-from ..checks import OFFSET_LIMIT, accumulator_dtype, check_int
+from ..checks import OFFSET_LIMIT, accumulator_dtype, check_int, check_real
 from ..runtime import tl, triton
 from ..second_derivative import refuse_second_derivative
 from . import launch
@@ -408,8 +408,11 @@ def rope_cache(
     head_dim = check_int("rope_cache", "head_dim", head_dim, 1)
     if head_dim % 2:
         raise ValueError(f"rope_cache: head_dim must be even and positive, got {head_dim}")
-    if not (isinstance(base, (int, float)) and base > 1 and base != float("inf")):
-        raise ValueError(f"rope_cache: base must be a finite number > 1 (10000 in Llama), got {base!r}")
+    base = check_real("rope_cache", "base", base, low=1, low_open=True)  # 10000 in Llama
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(
+            f"rope_cache: dtype must be a floating-point torch.dtype (cos and sin), got {dtype!r}"
+        )
     if layout not in LAYOUTS:
         raise ValueError(f"rope_cache: layout must be one of {LAYOUTS}, got {layout!r}")
     device = runtime.DEVICE if device is None else torch.device(device)
