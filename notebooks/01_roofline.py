@@ -64,7 +64,8 @@ if not course_lib.ON_GPU:
 # - **host DRAM**: the CPU's memory, reached over PCIe.
 #
 # The table below comes mostly from the vendor's datasheets, whitepapers and tuning guides (one figure, the
-# H200's L2, from a measurement; `course_lib.perf.hardware.GPUS`); the sources are printed under it.
+# H200's L2, as the device reports it through `cudaDeviceProp`; `course_lib.perf.hardware.GPUS`); the
+# sources are printed under it.
 # Throughputs are dense (no sparsity).
 # One column is derived rather than quoted: no datasheet gives the SRAM bandwidth, so we estimate it as
 # SMs × 128 bytes per clock (32 shared-memory banks of 4 bytes, CUDA C++ Programming Guide) × clock. For
@@ -367,7 +368,8 @@ plt.show()
 # %% [markdown]
 # Read the picture: the element-wise operations and reductions cluster at intensity ≈ 0.1–2 FLOP/byte,
 # far left of every ridge. They cannot use more than a few percent of the compute peak, whatever the
-# implementation. Small matmuls are memory-bound too; only the large ones get close to the flat roof.
+# implementation. Small matmuls sit near or left of the ridge and far below both roofs (their time is
+# launch and latency, not bytes); only the large ones get close to the flat roof.
 #
 # ## 6. Memory when training
 #

@@ -277,22 +277,28 @@ else:
         f"dropout {shape['dropout_p']}" + (f"; out of memory at N={r_oom[0]}" if r_oom else "")
     )
     fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(16, 5.5), layout="constrained")
+    elem_bytes = torch.finfo(getattr(torch, shape["dtype"])).bits // 8  # bytes per element of the recorded run
     ns_rec = [r["N"] for r in r_done]
+    ms_rec = [r["ms"] for r in r_done]
+    doublings = [b / a for a, b in zip(ms_rec, ms_rec[1:])]  # time ratio per doubling of N (N²: 4x)
     plot_series(
         ns_rec,
-        {"measured": [r["ms"] for r in r_done]},
+        {"measured": ms_rec, "N² through the longest N": [ms_rec[-1] * (n / ns_rec[-1]) ** 2 for n in ns_rec]},
         ax=ax_t,
         logx=True,
         logy=True,
         xlabel="sequence length N",
         ylabel="time per forward (ms)",
-        title=f"{rec['meta']['gpu']} (recorded): time grows as N²",
+        title=f"{rec['meta']['gpu']} (recorded): each doubling of N costs "
+        f"{', '.join(f'{r:.1f}x' for r in doublings)} (N²: 4x)",
     )
     plot_series(
         ns_rec,
         {
             "peak memory above inputs": [r["peak_bytes"] / 1e9 for r in r_done],
-            "one N x N matrix": [profiling.n_squared_bytes(shape["batch_heads"], n, 2) / 1e9 for n in ns_rec],
+            "one N x N matrix": [
+                profiling.n_squared_bytes(shape["batch_heads"], n, elem_bytes) / 1e9 for n in ns_rec
+            ],
         },
         ax=ax_m,
         logx=True,
@@ -585,11 +591,12 @@ def largest_n(bh: int, memory_gb: float, elem_bytes: int) -> int:
 # %% tags=["check"]
 check(
     "largest_n",
-    lambda: [largest_n(32, 80, 2), largest_n(16, 141, 2), largest_n(1, 0.001, 4)],
+    lambda: [largest_n(32, 80, 2), largest_n(16, 141, 2), largest_n(1, 0.001, 4), largest_n(1, 17, 2)],
     [
         profiling.largest_fitting_n(32, 80e9, 2),
         profiling.largest_fitting_n(16, 141e9, 2),
         profiling.largest_fitting_n(1, 1e6, 4),
+        profiling.largest_fitting_n(1, 17e9, 2),  # where GB = 1e9 and GiB = 2**30 give different answers
     ],
 )
 

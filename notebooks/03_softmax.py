@@ -77,8 +77,8 @@ print("softmax(x) :", np.round(y, 3))
 #
 # A floating-point type has a largest finite value: 65504 for float16, about 3.4 × 10³⁸ for float32.
 # `exp(x)` is larger than that as soon as x > log(max). Because results are rounded to the nearest
-# representable number, the exact boundary is a few units in the last place away from log(max); we find it
-# by walking along the representable numbers with `np.nextafter`.
+# representable number, the exact boundary is within one unit in the last place of log(max) rounded to the
+# type; we find it by walking along the representable numbers with `np.nextafter`.
 
 
 # %%
@@ -340,8 +340,9 @@ plt.show()
 #
 # That row was made up to rescale often. How often does the running max grow in a *random* row of N = 1024
 # entries, counting the first entry? A kernel that rescaled only when the max grows would pay a multiply
-# per element of the accumulator that often (the course's kernels rescale at every block, by α = 1 when
-# the max did not move, which keeps every thread on one path; FlashAttention-4 skips small rescales).
+# per element of the accumulator that often (the course's kernels rescale at every block, by the factor
+# α = e^{m_old − m_new}, which is 1 when the max did not move, and keeps every thread on one path;
+# FlashAttention-4 skips small rescales).
 # Write down a guess, then count on random rows.
 
 # %%
@@ -506,8 +507,8 @@ for fn in (softmax.safe_softmax, softmax.online_softmax):
 #
 # **Exercise 1 (overflow).** Which is the smallest float32 input whose `exp` is `inf` in float32? Write
 # `smallest_overflowing_float32()` without looping over numbers: start from log(max) and step with
-# `np.nextafter` only as far as you must (one or two steps). The check compares with the value we found
-# in section 2.
+# `np.nextafter` only as far as you must (zero or one step: test `np.exp(x)` first). The check compares
+# with the value we found in section 2.
 
 
 # %%

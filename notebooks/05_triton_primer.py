@@ -545,6 +545,7 @@ if got:
     _ = softmax_guess.score(long_ratio)
     naive_rate = sorted(4 * data["gbps"][NAIVE][i] for i in long_rows)[len(long_rows) // 2]
     fused_rate = sorted(data["gbps"][FUSED][i] for i in long_rows)[len(long_rows) // 2]
+    torch_rate = sorted(data["gbps"]["torch.softmax"][i] for i in long_rows)[len(long_rows) // 2]
     shortest = data["n_cols"][0]
     print(
         f"long rows: the naive kernels move their 8MN elements at about {naive_rate:.0f} GB/s, the fused kernel\n"
@@ -552,13 +553,16 @@ if got:
         f"4 x {fused_rate / naive_rate:.2f} = {4 * fused_rate / naive_rate:.1f}x in time "
         f"({'more' if long_ratio > 4 else 'less'} than the predicted 4x).\n"
         f"shortest rows (N = {shortest}): {ratio[0]:.1f}x ({'more' if ratio[0] > 4 else 'less'} than 4x); one naive "
-        f"call takes {1e3 * data['ms'][NAIVE][0]:.0f} us for 5 kernel launches."
+        f"call takes {1e3 * data['ms'][NAIVE][0]:.0f} us for 5 kernel launches.\n"
+        f"torch.softmax at long rows: about {torch_rate:.0f} GB/s "
+        f"({torch_rate / fused_rate:.2f}x the fused kernel's rate)."
     )
 
 # %% [markdown]
-# Reading the figure: where the fused kernel and `torch.softmax` sit near the copy ceiling, they are as
-# fast as the bytes allow. In the H200's recorded run the naive version's gap is not the prediction's 4x:
-# more at long rows, less at short ones. The lines above say how your run compares, and why:
+# Reading the figure: a kernel near the copy ceiling is as fast as the bytes allow; the lines above give
+# the fused kernel's and `torch.softmax`'s rates at long rows, against each other. In the H200's recorded
+# run the naive version's gap is not the prediction's 4x: more at long rows, less at short ones. The lines
+# above say how your run compares, and why:
 # - *Long rows: the rate, not just the bytes.* The byte count was right, but the second assumption was
 #   not: the eager kernels (a reduction, a broadcast subtract, an exp, another reduction, a divide) each
 #   move their bytes at well under the copy ceiling, while the fused kernel streams near it. Time is bytes over the rate

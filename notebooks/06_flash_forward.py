@@ -37,8 +37,8 @@
 # ## 0. Setup and sizes
 #
 # `import course_lib` first: it decides whether kernels are compiled (GPU) or interpreted (CPU) before any
-# kernel below is defined. On the CPU the interpreter costs about 2.5 ms per program per loop iteration, so
-# the CPU sizes are small and the blocks 32 x 32.
+# kernel below is defined. On the CPU the interpreter runs every program's every loop iteration in Python
+# (milliseconds each, where the GPU takes nanoseconds), so the CPU sizes are small and the blocks 32 x 32.
 
 # %%
 import math
@@ -464,7 +464,8 @@ check(
     hints=[
         "Not causal: every key block is visited; only a ragged last block needs the mask. Causal: the last "
         "row of the block is m0 + block_m - 1, so no key at or after m0 + block_m is ever visible; a key block "
-        "needs no mask when its last key is <= m0, the block's first row. Clip both to n_k.",
+        "needs no mask when its last key is <= m0, the block's first row: it ends at or before m0 + 1 (with "
+        "the kernels' block sizes, powers of two, that is m0 rounded down to a block). Clip both to n_k.",
         "causal: (min(m0, n_k) // block_n * block_n, min(m0 + block_m, n_k)); "
         "not causal: (n_k // block_n * block_n, n_k)",
     ],
@@ -833,7 +834,7 @@ got = records.measured_or_recorded(
     "flash_forward_compare",
     measure_forward_comparison,
     missing="No recorded GPU run yet (it is written when this notebook runs on a GPU). What to look for\n"
-    "in it: how close the Triton kernels come to SDPA, how much the notebook's fixed launch loses\n"
+    "in it: how close the Triton kernels come to SDPA, how close the notebook's fixed launch comes\n"
     "to course_lib's tuned one, and how far notebook 04's PyTorch loop falls behind (every tile\n"
     "costs several kernel launches and round trips to HBM).",
 )
@@ -971,14 +972,18 @@ def window_truth(n, block_m, block_n, W):
 
 
 # Windows of several widths: 17, 18, 47 and 48 put a window's edge on a block's edge, where an
-# off-by-one shows (18 the skipped tiles' edge, 48 the full tiles').
-_widths = (17, 18, 47, 48, 70)
+# off-by-one shows (18 the skipped tiles' edge, 48 the full tiles'). Blocks of 3 x 5 rows and keys put the
+# diagonal's edges where blocks of powers of two never do.
+_cases = [(256, 32, 16, W) for W in (17, 18, 47, 48, 70)] + [(30, 3, 5, W) for W in (1, 2, 4, 7, 12)]
 check(
     "window_block_kind",
     lambda: [
-        window_block_kind(m0, n0, 32, 16, W) for W in _widths for m0 in range(0, 256, 32) for n0 in range(0, 256, 16)
+        window_block_kind(m0, n0, bm, bn, W)
+        for n, bm, bn, W in _cases
+        for m0 in range(0, n, bm)
+        for n0 in range(0, n, bn)
     ],
-    [kind for W in _widths for kind in window_truth(256, 32, 16, W)],
+    [kind for case in _cases for kind in window_truth(*case)],
 )
 
 # %% [markdown]

@@ -25,7 +25,7 @@
 #    (one program per K/V block, looping over query blocks) and a dQ kernel (one program per query block,
 #    looping over K/V blocks).
 # 3. Write the single-pass variant that accumulates dQ with atomic adds, and weigh the two: what each costs,
-#    when each wins (measured on a GPU).
+#    and which wins at one shape on a GPU (measured).
 # 4. Skip the fully masked blocks in the causal backward, as in the forward: write the dK/dV kernel's loop
 #    bounds, and watch its K/V-outer loop fill dK block by block while dQ accumulates from every block.
 # 5. Use `course_lib.FlashAttentionTriton` (forward + backward in one `autograd.Function`), check what it
@@ -121,7 +121,8 @@ print("rowsum(P * dP) == rowsum(dO * O)")
 # below runs for one tile, in PyTorch. Given one block of query rows (`q_i`, `do_i`, their saved logsumexp
 # `L_i` and `D_i`) and one block of keys (`k_j`, `v_j`), return this tile's contributions
 # `(dQ_i, dK_j, dV_j)`. Rebuild P from L (no max, no normalisation), then dP, dS, and the three products.
-# Checked with the whole matrix as one tile, against autograd.
+# Checked against autograd with the keys cut into two tiles: the dQ contributions of the two are summed, their
+# dK and dV stacked (normalising inside a tile would be right for one tile holding every key, and wrong here).
 
 
 # %%
@@ -140,9 +141,19 @@ q1, k1, v1 = random_qkv((N_Q, D), N_K, dtype=torch.float64)
 do1 = torch.randn(N_Q, D, dtype=torch.float64)
 o1, L1 = attention(q1, k1, v1, return_lse=True)
 _, grads1 = reference_outputs(q1, k1, v1, False, grad_out=do1)
+
+
+def over_two_tiles(tile_fn, *row_stats):
+    """tile_fn(q1, k_j, v_j, do1, *row_stats, scale) on two tiles of keys (a third, then the rest): the dQ
+    contributions summed, dK and dV stacked, as the kernels below combine their tiles."""
+    cut = N_K // 3
+    tiles = [tile_fn(q1, k1[a:b], v1[a:b], do1, *row_stats, D**-0.5) for a, b in ((0, cut), (cut, N_K))]
+    return tiles[0][0] + tiles[1][0], torch.cat([t[1] for t in tiles]), torch.cat([t[2] for t in tiles])
+
+
 check(
     "tile_backward",
-    lambda: tile_backward(q1, k1, v1, do1, L1, (do1 * o1).sum(-1), D**-0.5),
+    lambda: over_two_tiles(tile_backward, L1, (do1 * o1).sum(-1)),
     grads1,
     parts=["dQ", "dK", "dV"],
     hints=[
@@ -192,7 +203,7 @@ def tile_backward_fixed(q_i, k_j, v_j, do_i, m_i, l_i, D_i, scale):
 l1 = torch.exp(L1 - m1)
 check(
     "tile_backward_fixed",
-    lambda: tile_backward_fixed(q1, k1, v1, do1, m1, l1, (do1 * o1).sum(-1), D**-0.5),
+    lambda: over_two_tiles(tile_backward_fixed, m1, l1, (do1 * o1).sum(-1)),
     grads1,
     parts=["dQ", "dK", "dV"],
     hints=[
@@ -511,7 +522,7 @@ print(f"dQ, dK, dV: within the accuracy rule in every case ({len(DTYPES)} dtypes
 def dkdv_bounds(n0, block_m, block_n, n_q):
     ### BEGIN SOLUTION
     lo = n0 // block_m * block_m
-    hi_masked = min(math.ceil((n0 + block_n) / block_m) * block_m, n_q)
+    hi_masked = min(math.ceil((n0 + block_n - 1) / block_m) * block_m, n_q)
     return lo, hi_masked
     ### END SOLUTION
 
@@ -547,7 +558,7 @@ check(
         "Query row i sees key j when j <= i. The first row that sees key n0 is n0: start at the query block "
         "that holds it. Rows from n0 + block_n - 1 on see every key of the block: the masked stage ends at "
         "the first block boundary at or after that row (clip to n_q).",
-        "lo = n0 // block_m * block_m; hi_masked = min(math.ceil((n0 + block_n) / block_m) * block_m, n_q)",
+        "lo = n0 // block_m * block_m; hi_masked = min(math.ceil((n0 + block_n - 1) / block_m) * block_m, n_q)",
     ],
 )
 
@@ -604,7 +615,9 @@ for n_q, n_k, bm, bn in CASES:
 # The useful FLOPs of a backward are 5 products' worth (2.5x the forward), so the two-kernel version does
 # 40 % more tensor-core work. The atomic version moves more bytes: for every 4 x BLOCK_N FLOPs saved it adds
 # one float32 atomic. Which wins depends on how the GPU's atomic throughput in L2 compares with its
-# tensor-core throughput, on d, and on how many programs collide: the measurement below decides, on our GPU.
+# tensor-core throughput, on d, and on how many programs collide. The measurement below answers for one head
+# dim and length on our GPU (and, on a Hopper GPU, with a different dK/dV kernel in the two-kernel mode: see
+# after the figure).
 
 
 # %%
@@ -784,12 +797,12 @@ assert any(N_Q in s and N_K in s for s in standard_saved)
 # - `checkpoint(attention, q, k, v)` keeps only the inputs, and in the backward runs the whole forward again,
 #   **materialising** S and P (Nq x Nk each) once more, then runs the usual backward over them. Less is kept
 #   between the passes, but the backward's peak still holds N x N matrices.
-# - FlashAttention keeps the inputs plus O and L (Nq numbers per row: the logsumexp). With L, one tile of P
-#   is recomputed from one tile of Q and K, exactly, without the rest of its row; so the backward never holds
-#   more than a tile of S and P, on chip. The price is recomputation: with atomic dQ one more Q Kᵀ,
-#   2·Nq·Nk·d FLOPs; with course_lib's two-kernel default S in both kernels and dP in both, 6·Nq·Nk·d over a
-#   backward that kept P. Checkpoint's full second forward costs 4·Nq·Nk·d and holds N x N matrices again:
-#   FlashAttention may spend more FLOPs, but never the memory.
+# - FlashAttention keeps the inputs plus O and L (one number per query row, Nq per head: the logsumexp).
+#   With L, one tile of P is recomputed from one tile of Q and K, exactly, without the rest of its row; so
+#   the backward never holds more than a tile of S and P, on chip. The price is recomputation: with atomic
+#   dQ one more Q Kᵀ, 2·Nq·Nk·d FLOPs; with course_lib's two-kernel default S in both kernels and dP in
+#   both, 6·Nq·Nk·d over a backward that kept P. Checkpoint's full second forward costs 4·Nq·Nk·d and
+#   holds N x N matrices again: FlashAttention may spend more FLOPs, but never the memory.
 #
 # What each keeps for the backward, in bytes (tensors that share memory, such as a view of q, counted once):
 

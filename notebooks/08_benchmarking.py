@@ -254,10 +254,12 @@ t_course = timing.benchmark(lambda: attention(q, k, v))
 t_torch = tbench.Timer("attention(q, k, v)", globals=dict(attention=attention, q=q, k=k, v=v))
 t_torch = t_torch.blocked_autorange(min_run_time=0.2).median * 1e3
 print(f"course_lib.perf.timing.benchmark: {t_course:.3f} ms   torch.utils.benchmark: {t_torch:.3f} ms")
+print(f"torch.utils.benchmark / course_lib's benchmark: {t_torch / t_course:.2f}")
 
 # %% [markdown]
-# For a kernel whose inputs are much larger than the L2 (as here on a GPU) the two agree to a few percent;
-# for small inputs `torch.utils.benchmark` reads faster, for the reason of 1.4.
+# The two differ in the L2 flush (and on the CPU both are wall-clock medians). For a kernel whose inputs are
+# much larger than the L2, the flush changes little and the ratio printed above should be close to 1; for
+# small inputs `torch.utils.benchmark` reads faster, for the reason of 1.4.
 #
 # ### 1.6 Interpreter timings mean nothing
 #
@@ -334,10 +336,10 @@ if hw is not None:
 # launches (the dQ kernel also computes D = rowsum(dO * O)), a tuned kernel launches the autotuner's
 # remembered choice directly, a call with nothing to differentiate (inference, `torch.no_grad()`) runs the
 # forward alone, without an autograd node, and `make bench` measures `torch.compile` after every other
-# provider of the attention grid, because after it had run, every Python launch in that process was measured
-# to be slower. What is left, several times SDPA's host time per call (`notes/performance.md`, twentieth
-# round), is one reason serving engines replay decoding steps as CUDA graphs: a replay issues every kernel
-# of the step from one CPU call.
+# provider of the attention grid, because after it had run, Python launches in that process were measured
+# slower (`notes/performance.md`). What is left of the host's time per call (`scripts/launch_overhead.py`
+# measures it against SDPA's on your GPU) is one reason serving engines replay decoding steps as CUDA graphs:
+# a replay issues every kernel of the step from one CPU call.
 
 # %% [markdown]
 # ## 2. Profiling: where does the time go?
@@ -439,7 +441,9 @@ else:
 # Every rung runs the same production kernels: `"exp2": False` and `"skip_masked_blocks": False` hand them
 # the teaching variants of `course_lib/attention/teaching.py` (a softmax step with natural exponentials, a
 # block range that visits and masks every tile) in place of the fast pieces, which the kernels take as
-# function arguments, so two neighbouring rungs differ by that one piece.
+# function arguments, so two neighbouring rungs differ by that one piece. One rung breaks the rule: the
+# backward's last, atomic dQ, runs in Triton again (`"hopper": False`), so against the Gluon rung before it
+# it changes two things, the dQ mode and the dK/dV kernel.
 # The forward's last rung leaves Triton's programming model: on a Hopper GPU, `config=None` runs a
 # warp-specialised kernel written in Gluon (`course_lib/attention/hopper.py`; the optional appendix
 # notebook 08c explains it), and `{"hopper": False}` keeps the autotuned Triton kernel (on other GPUs and

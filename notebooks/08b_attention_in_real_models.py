@@ -177,10 +177,11 @@ for g_c, g_e in zip(grads_compiled, grads_eager):
 # The easy way to run it is to repeat K and V G times and call ordinary attention. The kernels instead
 # compute each query head's K/V head index and read the shared tiles directly: nothing is copied, and in
 # the backward dK and dV add up the contributions of the G query heads that share them: on chip, one
-# program walking the whole group, or, for long rows where that measured slower (head dims up to 64 beyond
-# 4096 keys; on Hopper at d = 128, non-causal rows of 4096 keys or more), one program per query head writing
-# an fp32 partial sum that a small kernel then adds (`backward.dkdv_heads_per_program`,
-# `hopper_backward.heads_per_program`).
+# program walking the whole group, or, for long rows where that measured slower on an H200 (head dims of 64
+# and below beyond 4096 keys, or from 4096 keys when not causal; on Hopper at d = 128, non-causal rows of 4096
+# keys or more), one program per query head writing an fp32 partial sum that a small kernel then adds
+# (`backward.dkdv_heads_per_program`, `hopper_backward.heads_per_program`; their docstrings and
+# notes/performance.md hold the measurements).
 
 # %%
 q, k, v = (torch.randn(B, h, N, D, device=DEV, dtype=DTYPE) for h in (HQ, HKV, HKV))
@@ -544,9 +545,9 @@ assert err < 10 * TOL * max(1.0, logits["sdpa"][real].abs().max().item())
 # of each integer argument (equal to 1, a multiple of 16, anything else), because knowing that a length is
 # a multiple of 16 can make better code; Nq = 1 is one class, and as Nk grows by one a step, Nk and the
 # causal offset Nk - Nq pass through three combinations. Telling Triton not to specialise the lengths
-# would leave one decoding kernel, but the Triton forward at training sizes (bf16, causal, d = 128) then
-# ran slower when it was tried (the measurement is in notes/performance.md, eighteenth round), so the
-# course keeps the specialisation and pays these seconds once.
+# would leave one decoding kernel, but when it was tried on an H100 (notes/performance.md, eighteenth round)
+# the bf16 forward at training sizes (causal, d = 128) ran slower, and the fp32 kernel spilled its registers
+# and ran several times slower, so the course keeps the specialisation and pays these seconds once.
 
 # %%
 model.float()

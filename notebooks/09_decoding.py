@@ -98,7 +98,7 @@ hw_rec = records.load_record("hardware")
 if decode_rec:
     read_gbps, source = decode_rec["data"]["ceilings"]["read_gbps"], "measured read ceiling"
 elif hw_rec:
-    read_gbps, source = hw_rec["data"]["copy_gbps"], "measured copy ceiling"
+    read_gbps, source = hw_rec["data"]["read_gbps"], "measured read ceiling"
 else:
     read_gbps, source = h200.hbm_gbps, "datasheet bandwidth"
 for n in (1024, 32768, 131072):
@@ -322,8 +322,10 @@ print("tile rows of kv head 0:", rows, "... padded to", max(16, 1 << (G - 1).bit
 # evenly into waves of one program per SM. FlashAttention-2's rule: no split when batch × kv heads already
 # fills 80 % of the SMs; otherwise the fewest splits whose **wave efficiency** (programs ÷ (SMs × waves))
 # is within 85 % of the best, skipping a count whose blocks per split equal the previous count's (it adds
-# programs, not shorter ones). `heuristics.choose_num_splits` is that rule with two differences: like
-# FlashAttention-3 it never splits a cache of 4 key blocks or fewer, and it takes "the best" over every
+# programs, not shorter ones). `heuristics.choose_num_splits` is that rule with three differences:
+# FlashAttention-2 counts two programs per SM (it calls the rule with 2 × SMs, for its 128-thread programs)
+# where course_lib counts the slots its own tile fills (one program per SM for the contiguous kernel); like
+# FlashAttention-3 it never splits a cache of 4 key blocks or fewer; and it takes "the best" over every
 # count, where FlashAttention-2 takes it over the counts it does not skip (so FA-2's choice can be a count
 # lower). For the H200's 132 SMs, with the contiguous kernel's blocks of `BLOCK_N` keys
 # (`heuristics.TILES`, 128 keys at d = 128):
@@ -400,10 +402,10 @@ for programs, paged_tile in ((sms * 3 // 2, True), (2 * sms, False)):
 # has more than `heuristics.SLICE_KEYS` keys (at most `heuristics.MAX_SLICES` of those, so a longer cache gets
 # longer slices), or more if the split rule asks for more to fill the paged tile's slots; read with the paged
 # kernel's tile (64-key blocks, 4 programs per SM: short programs that share an SM keep its loads in flight).
-# Then **the order** in which the programs start matters. The GPU hands programs
-# to free SMs roughly in launch order; in the grid's order (split by split, all sequences at a time) some
-# slices of the longest sequence start when nearly everything else is done. Scheduling theory has a classic
-# rule for this, *longest processing time first*: start the longest jobs first, so the short ones fill the
+# Then **the order** in which the programs start matters. The GPU hands programs to free SMs roughly in
+# launch order; in the grid's order (split by split, all sequences at a time, the kernel's last splits
+# first) some slices of the longest sequence start when nearly everything else is done. Scheduling theory
+# has a classic rule for this, *longest processing time first*: start the longest jobs first, so the short ones fill the
 # gaps at the end. The kernel sorts the lengths it loads and hands out its programs longest sequence first
 # (`heuristics.longest_first`). The sort delays each program's first load (measured: notes/decoding.md), so a
 # grid whose programs all fit on the GPU at once (`heuristics.one_wave`), which start together whatever their
@@ -504,7 +506,7 @@ decode_guess = predict("decode step, 32k tokens, one layer", 30.0, unit=" µs")
 
 # %%
 if course_lib.ON_GPU:
-    from course_lib.perf.timing import benchmark
+    from course_lib.perf.timing import graph_ms
 
     n_ctx = 32768
     qb = torch.randn(1, 1, 32, 128, device=DEV, dtype=torch.bfloat16)
@@ -513,9 +515,10 @@ if course_lib.ON_GPU:
     lb = torch.full((1,), n_ctx, dtype=torch.int32, device=DEV)
     curve = []
     for s in (1, 2, 4, 8, 16, 32, 64):
-        ms = benchmark(lambda s=s: decode_attention(qb, kb, vb, lb, num_splits=s, validate=False))
+        # CUDA-graph replays, as the record's curve: plain launches at batch 1 time the CPU's launches
+        ms = graph_ms(lambda s=s: decode_attention(qb, kb, vb, lb, num_splits=s, validate=False))
         curve.append({"num_splits": s, "graph_ms": ms})
-    source = "measured now on " + torch.cuda.get_device_name(DEV) + " (plain launches)"
+    source = "measured now on " + torch.cuda.get_device_name(DEV) + " (CUDA-graph replays)"
 elif decode_rec and decode_rec["data"].get("split_curve"):
     curve, source = decode_rec["data"]["split_curve"], records.label(decode_rec)
 else:
@@ -712,6 +715,7 @@ def my_num_splits(programs, n_key_blocks, num_sms):
 # %% tags=["check"]
 _cases = [(8, 512, 132), (1, 2048, 132), (32, 64, 108), (16, 16, 132), (128, 512, 132), (4, 3, 132)]
 _cases += [(1, 4, 132), (2, 8, 132), (64, 16, 80)]  # the edges: 4 blocks, blocks below the SMs, 80 % exactly
+_cases += [(1, 1024, 200)]  # the cap of 128 splits binds (without it: 170)
 check(
     "split choice",
     lambda: [my_num_splits(*c) for c in _cases],

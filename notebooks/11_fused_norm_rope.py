@@ -26,7 +26,8 @@
 #    backward: dX row by row, dW as a reduction across all rows, and three ways to do that reduction
 #    (atomics, per-program partial sums, locked buffers) with their cost in determinism.
 # 3. See RoPE as multiplication by a complex number of modulus 1, in its two layouts (half-rotation as in
-#    Llama, interleaved pairs as in GPT-J), build the cos/sin cache, and rotate q and k in one kernel.
+#    Hugging Face's Llama and GPT-NeoX, interleaved pairs as in GPT-J), build the cos/sin cache, and rotate
+#    q and k in one kernel.
 # 4. Show that the backward of a rotation is the rotation by the negative angle, and use position offsets
 #    for tokens appended to a KV cache.
 # 5. Know where fusion goes further: the residual add inside the norm, RoPE inside attention.
@@ -203,8 +204,8 @@ torch.testing.assert_close(y_simple, llama_rms_norm(x, w), rtol=2e-2, atol=2e-2)
 #   bits of dW change from run to run.
 # - **partials** (Liger-Kernel's choice, course_lib's default): program p writes its partial to row p of a
 #   (P, D) buffer; a second, small reduction adds the P rows in a fixed order. Deterministic.
-# - **locked buffers** (Triton's layer-norm tutorial): G = min(16, P) buffers (fewer than P on a GPU), each
-#   behind a spin lock; program p
+# - **locked buffers** (as in Triton's layer-norm tutorial, which takes 64-256 buffers by row length; here
+#   G = min(16, P), fewer than P on a GPU), each behind a spin lock; program p
 #   adds into buffer p mod G while holding its lock, then the G rows are summed. Less memory than P rows,
 #   but the order inside a buffer still depends on scheduling.
 #
@@ -329,10 +330,12 @@ assert torch.allclose(scores, shifted, atol=1e-9)
 # %% [markdown]
 # ### Two layouts and the cos/sin cache
 #
-# Which elements form a pair is a convention. GPT-J pairs neighbours (2i, 2i+1): **interleaved**. Llama and
-# GPT-NeoX pair element j with element j + d/2: **half**, written in Hugging Face as
-# `q * cos + rotate_half(q) * sin` with `rotate_half(x) = cat(-x[d/2:], x[:d/2])`. The two are the same
-# rotation of a permuted vector; a checkpoint trained with one must be run with the same one.
+# Which elements form a pair is a convention. GPT-J pairs neighbours (2i, 2i+1): **interleaved**, as Meta's
+# own Llama code does too (complex numbers from adjacent pairs). Hugging Face's Llama and GPT-NeoX pair
+# element j with element j + d/2: **half**, written as `q * cos + rotate_half(q) * sin` with
+# `rotate_half(x) = cat(-x[d/2:], x[:d/2])`. The two are the same rotation of a permuted vector: a
+# checkpoint trained with one runs with the other only once the rows of its q and k projections are
+# permuted to match (Hugging Face's conversion of Meta's Llama weights does exactly that; exercise 3 below).
 #
 # The angles depend only on position and dimension, so they are computed once: the cache holds cos and sin
 # of shape (positions, d), each frequency written twice in the layout's pair order. `rope_cache` builds

@@ -92,7 +92,7 @@ def test_shape_mismatch_is_a_clear_error():
 @pytest.mark.parametrize(
     "call, error, words",
     [
-        (lambda o, lse: merge_many(o, lse, dim=2), ValueError, "dim"),  # the rows' axis
+        (lambda o, lse: merge_many(o, lse, dim=2), ValueError, "dim"),  # past lse's axes (o's d)
         (lambda o, lse: merge_many(o, lse, dim=5), ValueError, "dim"),
         (lambda o, lse: merge_many(o, lse, dim=-1), ValueError, "dim"),
         (lambda o, lse: merge_many(o, lse, dim=1.0), TypeError, "dim"),

@@ -68,7 +68,7 @@ def merge_many(
     """Merge S partial results stacked along `dim` in one step (what a split-KV combine does).
 
     o_parts: (..., S, ..., N, d) with the splits along `dim`; lse_parts: the same without d (float32 or
-    float64). dim: 0 <= dim < lse_parts.dim() - 1 (the splits' axis comes before the rows').
+    float64). dim: 0 <= dim < lse_parts.dim(), counted the same in both.
     L = logsumexp over the splits; O = sum over splits of exp(L_s - L) * O_s. Returns (O, L) with
     `dim` removed; L keeps lse_parts' dtype, O o_parts' dtype."""
     _check_parts("merge_many", o_parts=o_parts, lse_parts=lse_parts)
@@ -78,10 +78,10 @@ def merge_many(
             "last (head) dimension"
         )
     dim = check_int("merge_many", "dim", dim, 0)
-    if dim >= lse_parts.dim() - 1:
+    if dim >= lse_parts.dim():
         raise ValueError(
-            f"merge_many: dim (the splits' axis) must be below {lse_parts.dim() - 1} for lse_parts of shape "
-            f"{tuple(lse_parts.shape)} (its last axis holds the rows), got {dim}"
+            f"merge_many: dim (the splits' axis) must be below {lse_parts.dim()} for lse_parts of shape "
+            f"{tuple(lse_parts.shape)}, got {dim}"
         )
     lse = torch.logsumexp(lse_parts, dim=dim)
     w = _weight(lse_parts, lse.unsqueeze(dim)).unsqueeze(-1)

@@ -1,14 +1,18 @@
 """How many splits of the K/V cache a decoding step uses, and the tile sizes per head dim (notebook 09).
 
 Decoding has one program per (sequence, kv head, split): at batch 1 with 8 kv heads that is 8 programs
-for a GPU of 132 SMs unless the cache is split. FlashAttention-2's rule, written out here:
+for a GPU of 132 SMs unless the cache is split. FlashAttention-2's rule (its `num_splits_heuristic`),
+written out here:
 - one split when the programs without splitting already fill 80 % of the SMs;
 - otherwise, among 1..min(128, SMs, key blocks) splits, the fewest whose wave efficiency
   (programs / (SMs x waves), waves rounded up) is within 85 % of the best one, skipping a count that
   leaves the blocks per split unchanged from the count before it (more programs, same work each).
-FlashAttention-3 also never splits a cache of <= 4 key blocks; so do we. One difference: "the best" is
-taken over every count here, where FlashAttention-2 takes it over the counts it does not skip, so its
-choice can be one count lower (8 programs, 512 blocks, 132 SMs: FA-2 14 splits, this rule 15).
+FlashAttention-3 also never splits a cache of <= 4 key blocks; so do we. Two more differences. FlashAttention-2
+calls its rule with twice the SM count (two of its 128-thread programs per SM); here the count is the
+slots our kernels fill, one program per SM for the contiguous tile (SMs x programs per SM where programs
+share an SM). And "the best" is taken over every count here, where FlashAttention-2 takes it over the
+counts it does not skip, so its function's choice can be one count lower (8 programs, 512 blocks, 132
+slots: FA-2's function 14 splits, this rule 15).
 Then one step of our own (`fill_wave`): when the rule's grid fits in one wave of the slots, the launch
 takes as many splits as still fit in that wave (never a count whose last splits would be empty). The
 rule stops at the first count within 85 % of the best, leaving slots idle: at batch 1 with 8 kv heads,
