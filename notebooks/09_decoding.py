@@ -531,8 +531,9 @@ if curve:
     if "predicted_ms" in curve[0]:
         predicted = [r["predicted_ms"] * 1e3 for r in curve]
         ax.plot([r["num_splits"] for r in curve], predicted, "--", label="predicted: bytes / read ceiling / SM fill")
-    chosen = choose_num_splits(8, math.ceil(32768 / BLOCK_N), 132)
-    filled = heuristics.fill_wave(chosen, 8, math.ceil(32768 / BLOCK_N), 132)
+    sms = heuristics.sm_count() if course_lib.ON_GPU else 132  # the GPU measured now, or the record's H200
+    chosen = choose_num_splits(8, math.ceil(32768 / BLOCK_N), sms)
+    filled = heuristics.fill_wave(chosen, 8, math.ceil(32768 / BLOCK_N), sms)
     ax.axvline(chosen, color="g", lw=1, label=f"the rule (choose_num_splits): {chosen} splits")
     ax.axvline(filled, color="m", lw=1, ls=":", label=f"the wave filled: {filled} splits")
     ax.set_xscale("log", base=2)
