@@ -204,7 +204,7 @@ check(
 # %% [markdown]
 # At d = 128 the ceiling is 1.5x over a kernel that overlaps nothing. The prediction written next to the
 # ladder's rung (before it was measured) was lower, ~1.2x: the Triton kernel already overlaps loads, every
-# hand-over costs a barrier, and the tiles on the causal diagonal are short. The last cell of section 4
+# hand-over costs a barrier, and the tiles on the causal diagonal are short. The first cell of section 4
 # shows what was measured.
 #
 # ## 3. The variants, and which one runs
@@ -309,9 +309,10 @@ check(
 )
 
 # %% [markdown]
-# Apply it to a cell of the benchmark: d = 64, causal, N = 4096, B = 4, H = 32, three consumers (192 query
-# rows per tile), K/V blocks of 128, 132 programs. Then deal the same tiles longest first, in "snake"
-# order (left to right, then right to left), which is what course_lib's persistent kernel does:
+# Apply it to a cell of the notes' sweeps (not one where `choose` runs the persistent kernel today): d = 64,
+# causal, N = 4096, B = 4, H = 32, three consumers (192 query rows per tile), K/V blocks of 128, 132
+# programs. Then deal the same tiles longest first, in "snake" order (left to right, then right to left),
+# which is what course_lib's persistent kernel does:
 
 # %%
 def causal_tile_work(n: int, rows: int, block_n: int, heads: int) -> list[int]:
@@ -430,8 +431,10 @@ def plot_hopper_forward(data: dict, source: str) -> None:
         for n in ns:
             ours = [kname for kname in kernels if not kname.startswith("SDPA")]
             best = max(ours, key=lambda kname: tf.get((n, kname)) or 0.0)
-            print(f"d = {d_head:3}, N = {n:5}: choose runs {data['chosen'][f'{d_head},{n}']}; "
-                  f"the fastest of course_lib's here: {best}")  # fmt: skip
+            pick = data["chosen"][f"{d_head},{n}"]
+            share = (tf.get((n, pick)) or 0.0) / tf[(n, best)]
+            print(f"d = {d_head:3}, N = {n:5}: choose runs {pick} ({share:.2f}x the TFLOP/s of the "
+                  f"fastest of course_lib's here: {best})")  # fmt: skip
     fig.suptitle(f"Causal forward, bf16: the Triton kernel, the Gluon variants, SDPA\n{source}")
     plt.show()
 
@@ -447,9 +450,13 @@ if got is not None:
 
 # %% [markdown]
 # Read the figure against section 3: where `choose` runs the Triton kernel, no Gluon variant should be far
-# ahead, and where it runs a variant, that variant should be at or near the top. A cell where the printed
-# fastest kernel differs from `choose`'s pick by more than a few percent is worth a second run: between runs,
-# clocks and temperature move figures by a few percent.
+# ahead, and where it runs a variant, that variant should be at or near the top. The printed shares say how
+# near. A pick a few per cent behind the fastest is worth a second run (between runs, clocks and temperature
+# move figures by a few per cent), and in the H200's record several picks are just that: at d = 128 the
+# persistent grid that `choose` takes for short tiles trails the plain ping-pong kernel at N = 2k, and the
+# plain one it takes for long tiles trails the persistent one at 16k. One timing per cell cannot settle
+# which way the line should go; the sweeps behind `choose` (`notes/performance.md`, fourth round) had
+# more cells and repeats.
 #
 # ## 5. The backward: dK and dV without spilling
 #
@@ -505,8 +512,12 @@ check(
         dkdv_registers(64, 128, 64, 128, transposed=False, operands_in_registers=False),  # Gluon, d = 128
         dkdv_registers(128, 64, 64, 256, transposed=True, operands_in_registers=True),  # Triton, d = 64
         dkdv_registers(64, 64, 64, 128, transposed=False, operands_in_registers=False),  # Gluon, d = 64
+        # two made-up programs that pull the terms apart: 128 query rows, transposed without operands in
+        # registers; untransposed with them
+        dkdv_registers(128, 128, 128, 256, transposed=True, operands_in_registers=False),
+        dkdv_registers(128, 128, 64, 256, transposed=False, operands_in_registers=True),
     ],
-    [256, 196, 192, 132],
+    [256, 196, 192, 132, 320, 228],
     hints=[
         "Four terms: 2 * keys * d / threads accumulator values; 2 * keys * q_rows / threads score values; "
         "L and D, 2 * (q_rows / 4) values if the queries are columns (transposed), else 2 * 2; and, in "
@@ -608,9 +619,12 @@ if got_bwd is not None:
 #
 # ## Exercises
 # 5. On a Hopper GPU, time `hopper.forward` with each of `hopper.VARIANTS` at d = 128, causal, N = 2k and
-#    16k (section 4 does it for you: change `CELLS`). Which wins where, and why would a persistent grid
-#    help short tiles most?
+#    16k (section 4 does it for you: change `CELLS`), several times. Which wins where, and by more than the
+#    spread between your runs? What should a persistent grid buy short tiles (section 3), and do your
+#    timings show it?
 # 6. Change `schedule` so that each consumer also overlaps its own softmax with its previous P V (split M
 #    into the two products, S = Q Kᵀ first). How much does one consumer gain on its own?
 # 7. Three consumers at d = 64: extend Exercise 1's reasoning to k consumers. Why could three beat two at
-#    d = 64 on long rows, but not at d = 128? Check your answer against the recorded variants of section 4.
+#    d = 64 on long rows, but not at d = 128? (Exercise 1's model alone gives 2x for two and for three at
+#    d = 64: the answer lies in the slack it leaves, and at d = 128 in the shared memory three would need.)
+#    Check it against the recorded d = 64 variants of section 4.
