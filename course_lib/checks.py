@@ -45,8 +45,7 @@ def check_attention_inputs(
     the accepted d; `allow_empty` accepts Nk = 0 (rows that see no key). Raises TypeError (wrong kind
     or dtype) or ValueError (shapes, devices, d)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{where}: {name} must be a torch.Tensor, got {type(t).__name__}")
+        check_tensor(where, name, t)
         if t.dim() < 2:
             raise ValueError(
                 f"{where}: {name} must have at least 2 dims (..., seq_len, head_dim); {_describe(name, t)}"
@@ -134,6 +133,12 @@ def as_int(value) -> int | None:
         return operator.index(value)
     except TypeError:
         return None
+
+
+def check_tensor(where: str, name: str, value) -> None:
+    """A TypeError naming `name` unless `value` is a torch.Tensor."""
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{where}: {name} must be a torch.Tensor, got {type(value).__name__}")
 
 
 def check_int(where: str, name: str, value, minimum: int) -> int:

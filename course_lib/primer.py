@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from . import runtime
-from .checks import accumulator_dtype
+from .checks import accumulator_dtype, check_tensor
 from .runtime import tl, triton
 
 runtime.require_triton()
@@ -30,8 +30,7 @@ MAX_SOFTMAX_COLS = 1 << 16  # one row must fit in one program's registers
 def _check_tensors(where: str, dtypes: tuple[torch.dtype, ...], **tensors: torch.Tensor) -> None:
     """Kind, dtype and device checks shared by the primer's public functions."""
     for name, t in tensors.items():
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{where}: {name} must be a torch.Tensor, got {type(t).__name__}")
+        check_tensor(where, name, t)
         if t.dtype not in dtypes:
             names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
             raise TypeError(f"{where}: {name} has dtype {t.dtype}; supported: {names}")

@@ -666,10 +666,10 @@ assert all(0.45 < b / a < 0.6 for a, b in zip(halved, halved[1:]))  # doubling M
 
 att_rec = course_lib.records.load_record("attention")
 if att_rec is not None:  # the words above: the measured forward speed-ups exceed the 4x of the byte count
-    ms = {(r["provider"], r["d"], r["causal"], r["N"]): r["ms"] for r in att_rec["data"]["results"]
-          if r["mode"] == "fwd" and r.get("status") == "ok"}  # fmt: skip
+    from course_lib.bench import ratios  # course_lib's TFLOP/s over a provider's, per cell of the record
+
     for std in ("eager", "compiled"):
-        gains = [ms[(std, *cell)] / t for (p, *cell), t in ms.items() if p == "course_lib" and (std, *cell) in ms]
+        gains = [r for r in ratios(att_rec["data"], "fwd", std) if r is not None]  # None: not measured
         print(f"course_lib's forward over standard attention ({std}): {min(gains):.1f}-{max(gains):.1f}x "
               f"({course_lib.records.label(att_rec)})")  # fmt: skip
         assert min(gains) > 4, std

@@ -38,6 +38,8 @@
 # switch when it decorates a kernel). So `triton` and `tl` are taken from `course_lib.runtime`.
 
 # %%
+import statistics
+
 import matplotlib.pyplot as plt
 import torch
 
@@ -541,11 +543,11 @@ if got:
     print(f"{got[1]}: naive / fused time ratio between {min(ratio):.1f} and {max(ratio):.1f}")
     data = got[0]
     long_rows = [i for i, n in enumerate(data["n_cols"]) if n >= 4096] or list(range(len(data["n_cols"])))
-    long_ratio = sorted(ratio[i] for i in long_rows)[len(long_rows) // 2]
+    long_median = lambda series: statistics.median_high(series[i] for i in long_rows)  # noqa: E731
+    long_ratio = long_median(ratio)
     _ = softmax_guess.score(long_ratio)
-    naive_rate = sorted(4 * data["gbps"][NAIVE][i] for i in long_rows)[len(long_rows) // 2]
-    fused_rate = sorted(data["gbps"][FUSED][i] for i in long_rows)[len(long_rows) // 2]
-    torch_rate = sorted(data["gbps"]["torch.softmax"][i] for i in long_rows)[len(long_rows) // 2]
+    naive_rate = 4 * long_median(data["gbps"][NAIVE])
+    fused_rate, torch_rate = long_median(data["gbps"][FUSED]), long_median(data["gbps"]["torch.softmax"])
     shortest = data["n_cols"][0]
     print(
         f"long rows: the naive kernels move their 8MN elements at about {naive_rate:.0f} GB/s, the fused kernel\n"

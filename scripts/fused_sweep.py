@@ -54,11 +54,16 @@ def report(what: str, nbytes: int, copy_gbps: float, compiled_ms: float | None, 
         print(f"    {name:28s} {t * 1e3:8.1f} us  {nbytes / t / 1e6 / copy_gbps:5.0%} copy{vs}", flush=True)
 
 
-def sweep_rms(tokens: int, hidden: int, copy_gbps: float) -> None:
+def rms_inputs(tokens: int, hidden: int):
+    """x (tokens, hidden), w (hidden,), dy like x: bf16 on the GPU, fresh random values."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16, generator=gen)
     w = torch.randn(hidden, device="cuda", dtype=torch.bfloat16, generator=gen)
-    dy = torch.randn_like(x)
+    return x, w, torch.randn_like(x)
+
+
+def sweep_rms(tokens: int, hidden: int, copy_gbps: float) -> None:
+    x, w, dy = rms_inputs(tokens, hidden)
     block = triton.next_power_of_2(hidden)
     forward = partial(rms_norm_forward, x, w, 1e-6)
     fwd = [("table", graph_ms(forward))]
@@ -85,28 +90,22 @@ def sweep_rms(tokens: int, hidden: int, copy_gbps: float) -> None:
 
 
 def sweep_column_sum(tokens: int, hidden: int, copy_gbps: float) -> None:
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16, generator=gen)
-    w = torch.randn(hidden, device="cuda", dtype=torch.bfloat16, generator=gen)
-    dy = torch.randn_like(x)
+    x, w, dy = rms_inputs(tokens, hidden)
     _, rstd = rms_norm_forward(x, w, 1e-6)
     backward = partial(rms_norm_backward, dy, x, w, rstd)
     runs = [("table", graph_ms(backward)), ("torch.sum", graph_ms(partial(backward, dw_sum="torch")))]
-    for block_r, block_c, warps in itertools.product(
-        (64, 128, 256, 512, 1024), (4, 8, 16, 32, 64), (2, 4, 8, 16)
-    ):
-        per_thread = block_r * block_c // (warps * 32)
-        if 1 <= per_thread <= 64 and block_c <= hidden:
-            tile = launch.ColumnSumTile(block_r, block_c, warps)
-            runs.append(
-                (f"tile {block_r} x {block_c} warps {warps}", graph_ms(partial(backward, column_tile=tile)))
-            )
+    tiles = {
+        f"tile {block_r} x {block_c} warps {warps}": launch.ColumnSumTile(block_r, block_c, warps)
+        for block_r, block_c, warps in itertools.product(
+            (64, 128, 256, 512, 1024), (4, 8, 16, 32, 64), (2, 4, 8, 16)
+        )
+        if 1 <= block_r * block_c // (warps * 32) <= 64 and block_c <= hidden  # values per thread
+    }
+    runs += [(name, graph_ms(partial(backward, column_tile=tile))) for name, tile in tiles.items()]
     best = sorted((t, name) for name, t in runs if t is not None)[:3]
     for _, name in best:  # the fastest three again, next to the table's: one timing can be 1-2 % off
-        if name.startswith("tile"):
-            block_r, block_c, warps = (int(word) for word in name.split()[1::2])
-            tile = launch.ColumnSumTile(block_r, block_c, warps)
-            runs.append((f"{name} (again)", graph_ms(partial(backward, column_tile=tile))))
+        if name in tiles:
+            runs.append((f"{name} (again)", graph_ms(partial(backward, column_tile=tiles[name]))))
     runs.append(("table (again)", graph_ms(backward)))
     nbytes = rms_norm_bytes(tokens, hidden, "bwd")
     report(f"RMSNorm bwd + column sum T={tokens} D={hidden}", nbytes, copy_gbps, None, runs)

@@ -21,7 +21,7 @@ import math
 import numpy as np
 import torch
 
-from course_lib.checks import check_int
+from course_lib.checks import check_int, check_tensor
 
 from . import tiles
 from .reference import attention as reference_attention
@@ -31,8 +31,7 @@ ORDERS = {"fa1": "FlashAttention-1 order (K/V outer)", "fa2": "FlashAttention-2 
 
 
 def _check_2d(name: str, t, n_cols: int | None = None) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"animate: {name} must be a torch.Tensor, got {type(t).__name__}")
+    check_tensor("animate", name, t)
     if t.dim() != 2 or (n_cols is not None and t.shape[1] != n_cols) or 0 in t.shape:
         want = f"(N, {n_cols})" if n_cols is not None else "(N, d)"
         raise ValueError(

@@ -17,20 +17,22 @@ from __future__ import annotations
 
 import torch
 
-from ..checks import check_int
+from ..checks import check_int, check_tensor
 
 LSE_DTYPES = (torch.float32, torch.float64)
 
 
-def _check_parts(where: str, **tensors: torch.Tensor) -> None:
-    """Each of `tensors` a torch.Tensor on one device; the O parts (names starting with "o") of a floating
-    dtype, the L parts float32 or float64. A TypeError or ValueError naming the argument otherwise."""
+def _check_parts(where: str, outputs: dict, lses: dict) -> None:
+    """Every part a torch.Tensor, all on one device; the O parts (`outputs`, name -> tensor) of a floating
+    dtype, the L parts (`lses`) float32 or float64. A TypeError or ValueError naming the argument otherwise."""
+    tensors = {**outputs, **lses}
     for name, t in tensors.items():
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{where}: {name} must be a torch.Tensor, got {type(t).__name__}")
-        if name.startswith("o") and not t.is_floating_point():
+        check_tensor(where, name, t)
+    for name, t in outputs.items():
+        if not t.is_floating_point():
             raise TypeError(f"{where}: {name} must be a floating-point tensor, got {t.dtype}")
-        if name.startswith("lse") and t.dtype not in LSE_DTYPES:
+    for name, t in lses.items():
+        if t.dtype not in LSE_DTYPES:
             raise TypeError(f"{where}: {name} (a logsumexp) must be float32 or float64, got {t.dtype}")
     devices = {name: t.device for name, t in tensors.items()}
     if len(set(devices.values())) > 1:
@@ -48,7 +50,7 @@ def merge_attention_states(o_a, lse_a, o_b, lse_b) -> tuple[torch.Tensor, torch.
 
     o_a, o_b: (..., N, d), any float dtype; lse_a, lse_b: (..., N), float32 or float64.
     Returns (O, L): O (..., N, d) in o_a's dtype, L (..., N) in lse_a's dtype. Differentiable."""
-    _check_parts("merge_attention_states", o_a=o_a, lse_a=lse_a, o_b=o_b, lse_b=lse_b)
+    _check_parts("merge_attention_states", {"o_a": o_a, "o_b": o_b}, {"lse_a": lse_a, "lse_b": lse_b})
     if o_a.shape != o_b.shape or lse_a.shape != lse_b.shape or o_a.shape[:-1] != lse_a.shape:
         raise ValueError(
             "merge_attention_states: expected o_a, o_b of one shape (..., N, d) and lse_a, lse_b of shape "
@@ -71,7 +73,7 @@ def merge_many(
     float64). dim: 0 <= dim < lse_parts.dim(), counted the same in both.
     L = logsumexp over the splits; O = sum over splits of exp(L_s - L) * O_s. Returns (O, L) with
     `dim` removed; L keeps lse_parts' dtype, O o_parts' dtype."""
-    _check_parts("merge_many", o_parts=o_parts, lse_parts=lse_parts)
+    _check_parts("merge_many", {"o_parts": o_parts}, {"lse_parts": lse_parts})
     if o_parts.shape[:-1] != lse_parts.shape:
         raise ValueError(
             f"merge_many: o_parts {tuple(o_parts.shape)} must be lse_parts {tuple(lse_parts.shape)} plus a "

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from ..attention.merge import merge_attention_states
-from ..checks import FLOAT_DTYPES, accumulator_dtype, default_scale
+from ..checks import FLOAT_DTYPES, accumulator_dtype, check_tensor, default_scale
 from ..second_derivative import refuse_second_derivative
 from .local import block_backward, block_forward, resolve_backend
 from .plan import plan_step
@@ -57,8 +57,7 @@ class _Ring:
 
 def _check(q, k, v, causal, sharding, world, seq_len) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"ring_attention: {name} must be a torch.Tensor, got {type(t).__name__}")
+        check_tensor("ring_attention", name, t)
         if t.dim() != 4:
             raise ValueError(f"ring_attention: {name} must be (B, H, N_local, d); got shape {tuple(t.shape)}")
         if t.dtype not in FLOAT_DTYPES:

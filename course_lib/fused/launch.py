@@ -25,6 +25,7 @@ from typing import NamedTuple
 import torch
 
 from .. import runtime
+from ..checks import check_tensor
 
 # Longest row (elements) that one program keeps in registers: the kernels read a row once.
 MAX_ROW = 1 << 16
@@ -183,8 +184,7 @@ def persistent_programs(n_rows: int, block: int, device: torch.device, per_sm: i
 def check_on_kernel_device(where: str, **tensors: torch.Tensor) -> None:
     """Every tensor must be a torch.Tensor on the device where the kernels run (`course_lib.DEVICE`)."""
     for name, t in tensors.items():
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{where}: {name} must be a torch.Tensor, got {type(t).__name__}")
+        check_tensor(where, name, t)
         if t.device.type != runtime.DEVICE.type:
             raise ValueError(
                 f"{where}: {name} is on {t.device} but the Triton kernels run on {runtime.DEVICE} here "
