@@ -37,8 +37,16 @@ help:
 	@echo "make format    ruff format course_lib and tests, then ruff check --fix (notebooks too)"
 	@echo "make clean     remove build/ (the student edition, notebook logs) and .pytest_cache"
 
+# the free disk space `make setup` asks for where $(VENV) goes, in GiB: the CPU environment takes about
+# 2.5 GB (torch's CUDA build several more). PINNED=0 reuses the system's torch and needs little, so it
+# is not checked; neither is a machine without $(PY3) (conda brings its own Python).
+SETUP_DISK_GB ?= 3
+
 setup:
 	@echo "==> make setup: creating the course environment in $(VENV)"
+	@if { [ "$(PINNED)" != "0" ] || [ "$(USE_CONDA)" = "1" ]; } && command -v $(PY3) >/dev/null 2>&1; then \
+		$(PY3) -c 'import os, shutil, sys; d = os.path.dirname(os.path.abspath(sys.argv[1])); free = shutil.disk_usage(d).free / 2**30; need = float(sys.argv[2]); free >= need or sys.exit(f"make setup: {free:.1f} GiB free on the disk of {d}, and the course environment needs about {need:g} GiB (torch, triton, JupyterLab; the CUDA build of torch several more). Free some space, or put the environment on a roomier disk by passing VENV=/path/to/venv to every make command.")' "$(VENV)" "$(SETUP_DISK_GB)"; \
+	fi
 	@if [ "$(USE_CONDA)" = "1" ]; then \
 		if ! command -v conda >/dev/null 2>&1; then \
 			echo "make setup: USE_CONDA=1 but conda is not on PATH (install Miniforge or Miniconda, or run make setup without USE_CONDA)" >&2; \

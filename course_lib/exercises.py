@@ -14,7 +14,10 @@ predict-then-measure cells (first in notebook 01).
 
 from __future__ import annotations
 
+import ast
+import inspect
 import math
+import textwrap
 import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -22,7 +25,16 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-__all__ = ["ExerciseNotDone", "ExerciseWrong", "Prediction", "check", "predict", "score"]
+__all__ = [
+    "ExerciseNotDone",
+    "ExerciseWrong",
+    "Prediction",
+    "check",
+    "check_masked_memory_ops",
+    "guarded_empty",
+    "predict",
+    "score",
+]
 
 
 class _Feedback(AssertionError):
@@ -274,6 +286,43 @@ def guarded_empty(shape, dtype, device, guard: int = 256):
             )
 
     return buffer[:numel].view(shape), check_guard
+
+
+def check_masked_memory_ops(kernel, name: str) -> None:
+    """Raise ExerciseWrong when a `tl.load` or `tl.store` in the learner's `kernel` (a @triton.jit function)
+    has no mask (nor a block pointer's `boundary_check`).
+
+    The guard of `guarded_empty` catches a store past the end by its effect; a load past the end has none
+    the check can see when its lanes are masked off at the store, yet on a GPU it reads memory that is not
+    the tensor's (an illegal-address error, or a fault only at some sizes). So the kernel's source is read
+    instead. For exercises whose every load and store can fall past an edge (notebook 05's exercises)."""
+    fn = getattr(kernel, "fn", kernel)
+    try:
+        source = textwrap.dedent(inspect.getsource(fn))
+    except (OSError, TypeError, AttributeError):  # no source to read (defined in a string): nothing to say
+        return
+    for node in ast.walk(ast.parse(source)):
+        if not (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr in ("load", "store")
+            and isinstance(node.func.value, ast.Name)
+            and node.func.value.id == "tl"
+        ):
+            continue
+        op = node.func.attr
+        masked_position = (
+            1 if op == "load" else 2
+        )  # tl.load(pointer, mask, ...), tl.store(pointer, value, mask)
+        if len(node.args) > masked_position or {k.arg for k in node.keywords} & {"mask", "boundary_check"}:
+            continue
+        verb = "read" if op == "load" else "write"
+        raise ExerciseWrong(
+            f"Exercise '{name}': `{ast.get_source_segment(source, node)}` in "
+            f"{getattr(fn, '__name__', 'the kernel')} has no mask. The last program's lanes past the edge "
+            f"{verb} memory that is not the tensor's: on a GPU, an illegal-address error or garbage. Give it "
+            "`mask=` (notebook 05, section 3)."
+        )
 
 
 @dataclass

@@ -45,7 +45,7 @@ import torch
 
 import course_lib
 from course_lib import primer, records
-from course_lib.exercises import check, guarded_empty
+from course_lib.exercises import check, check_masked_memory_ops, guarded_empty
 from course_lib.perf.plotting import plot_series
 from course_lib.perf.timing import benchmark
 from course_lib.runtime import tl, triton
@@ -646,7 +646,8 @@ def axpy_kernel(x_ptr, y_ptr, out_ptr, alpha, n, BLOCK_SIZE: tl.constexpr):
 # %% tags=["check"]
 # x and y are the first 1000 elements of longer buffers, and out is followed by a guard
 # (`exercises.guarded_empty`): a load past n reads memory the check owns, and a store past n is caught
-# instead of overwriting memory that is not the tensor's.
+# instead of overwriting memory that is not the tensor's. An unmasked load changes no output when its lanes
+# are masked off at the store, so `check_masked_memory_ops` reads the kernel's source for it.
 xe, ye = torch.randn(1256, device=DEVICE), torch.randn(1256, device=DEVICE)
 
 
@@ -654,6 +655,7 @@ def _axpy_guarded():
     out, check_guard = guarded_empty((1000,), torch.float32, DEVICE)
     axpy_kernel[(triton.cdiv(1000, 128),)](xe, ye, out, 2.5, 1000, BLOCK_SIZE=128)
     check_guard("axpy")
+    check_masked_memory_ops(axpy_kernel, "axpy")
     return out
 
 
@@ -688,7 +690,8 @@ def add_bias(x, b, block_m=16, block_n=32):
 
 # %% tags=["check"]
 # As in exercise 1, the inputs are the start of longer buffers and the output is followed by a guard: a
-# load past the edges reads memory the check owns, a store past them is caught.
+# load past the edges reads memory the check owns, a store past them is caught, and an unmasked load is
+# found in the source.
 def _add_bias_guarded(x, b, name, block_m=16, block_n=32):
     M, N = x.shape
     # the farthest an unmasked store reaches past the last row: a block of rows and one of columns
@@ -697,6 +700,7 @@ def _add_bias_guarded(x, b, name, block_m=16, block_n=32):
     grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n))
     add_bias_kernel[grid](x, b, out, M, N, x.stride(0), BLOCK_M=block_m, BLOCK_N=block_n)
     check_guard(name)
+    check_masked_memory_ops(add_bias_kernel, name)
     return out
 
 

@@ -104,6 +104,54 @@ def test_guarded_empty_catches_a_store_past_the_end(masked):
             check_guard("add one")
 
 
+def _copy_kernels():
+    """Three copies of x into out: every access masked; the load unmasked but the store masked (the output
+    is right, so only the source can tell); and the store unmasked."""
+    from course_lib.runtime import tl, triton
+
+    @triton.jit
+    def copy_masked(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(out_ptr + offs, tl.load(x_ptr + offs, offs < n), mask=offs < n)
+
+    @triton.jit
+    def copy_unmasked_load(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + offs)
+        tl.store(out_ptr + offs, x, mask=offs < n)
+
+    @triton.jit
+    def copy_unmasked_store(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(out_ptr + offs, tl.load(x_ptr + offs, mask=offs < n, other=0.0))
+
+    return copy_masked, copy_unmasked_load, copy_unmasked_store
+
+
+def test_check_masked_memory_ops_names_the_unmasked_access():
+    """The unmasked load whose lanes the masked store drops gives the right output, which the guard cannot
+    see; the source check names it. A kernel whose every access is masked (by keyword or by position)
+    passes."""
+    from course_lib import runtime
+    from course_lib.runtime import triton
+
+    copy_masked, copy_unmasked_load, copy_unmasked_store = _copy_kernels()
+    x = torch.randn(128, device=runtime.DEVICE)  # a longer buffer: the unmasked load stays in owned memory
+    out, check_guard = exercises.guarded_empty((90,), torch.float32, runtime.DEVICE)
+    copy_unmasked_load[(triton.cdiv(90, 32),)](x, out, 90, BLOCK=32)
+    check_guard("copy")  # nothing stored past the end, and the output is right ...
+    assert torch.equal(out, x[:90])
+    with pytest.raises(  # ... yet the load reads past it
+        exercises.ExerciseWrong, match=r"'copy': `tl.load\(x_ptr \+ offs\)` in copy_unmasked_load has no mask"
+    ):
+        exercises.check_masked_memory_ops(copy_unmasked_load, "copy")
+    with pytest.raises(
+        exercises.ExerciseWrong, match=r"`tl.store\(out_ptr \+ offs, .*\)` in copy_unmasked_store"
+    ):
+        exercises.check_masked_memory_ops(copy_unmasked_store, "copy")
+    exercises.check_masked_memory_ops(copy_masked, "copy")
+
+
 def test_an_answer_that_raises_is_a_wrong_attempt_with_its_hint():
     """An error in the learner's code (or one their answer causes in the check) is a wrong answer: the
     message names the error and the learner's line, and shows the hint, where a bare traceback from deep
