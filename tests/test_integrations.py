@@ -588,6 +588,65 @@ def _loss_and_grads(model, impl, ids):
     return out.logits.detach(), out.loss.item(), grads
 
 
+# Other model families, each with something Llama has not: Qwen3 normalises q and k per head and sets its
+# head dim apart from hidden / heads; Gemma 3 scales the scores by query_pre_attn_scalar, not the head dim,
+# and alternates sliding-window and full layers; GPT-NeoX has as many K/V heads as query heads and rotates
+# part of each head; Phi-3 projects q, k and v in one matrix. (Gemma 2's logit soft-capping is refused.)
+OTHER_FAMILIES = {
+    "Qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16}),
+    "Gemma3": (
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        {
+            "head_dim": 16,
+            "sliding_window": 8,
+            "query_pre_attn_scalar": 24,
+            "layer_types": ["sliding_attention", "full_attention"],
+        },
+    ),
+    "GPTNeoX": ("GPTNeoXConfig", "GPTNeoXForCausalLM", {"num_key_value_heads": None, "rotary_pct": 0.5}),
+    "Phi3": ("Phi3Config", "Phi3ForCausalLM", {"pad_token_id": 0}),
+}
+
+
+@pytest.mark.parametrize("family", list(OTHER_FAMILIES))
+def test_other_model_families_match_sdpa(family, kernel_calls):
+    """Logits over 19 tokens (two sequences), and six greedy tokens, as with SDPA, every layer on the kernels."""
+    config_name, model_name, extra = OTHER_FAMILIES[family]
+    if not hasattr(transformers, config_name):
+        pytest.skip(f"transformers {transformers.__version__} has no {config_name}")
+    kwargs = dict(
+        vocab_size=97,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    kwargs.update(extra)
+    kwargs = {k: v for k, v in kwargs.items() if v is not None}
+    config = getattr(transformers, config_name)(**kwargs)
+    torch.manual_seed(0)
+    model = getattr(transformers, model_name)(config).to(DEVICE, torch.float32).eval()
+    use_in_transformers()
+    ids = torch.randint(0, 97, (2, 19), device=DEVICE)
+    ref = _logits(model, "sdpa", ids)
+    got = _logits(model, "course_lib", ids, no_fallback=True)
+    assert len(kernel_calls) == 2, kernel_calls  # one per layer
+    windows = [call[3] if len(call) == 4 else None for call in kernel_calls]
+    assert windows == ([8, None] if family == "Gemma3" else [None, None]), kernel_calls
+    err = (got - ref).abs().max().item()  # as for Llama above (a few 1e-7 on the CPU)
+    assert err < 1e-4, f"tiny {family} fp32: logits differ from SDPA's by {err:.3g}"
+    prompt = torch.randint(0, 97, (1, 7), device=DEVICE)
+    tokens = _greedy_tokens(model, ("sdpa", "course_lib"), prompt, 6)
+    assert torch.equal(tokens["sdpa"], tokens["course_lib"]), (
+        f"{family}: {tokens['sdpa']} != {tokens['course_lib']}"
+    )
+
+
 @pytest.mark.gpu
 @gpu
 def test_gpu_bf16_llama_logits_gradients_and_generation():
