@@ -736,3 +736,62 @@ def test_compiled_llama_calls_the_operator(kernel_calls):
     torch.testing.assert_close(out.logits, eager, rtol=1e-5, atol=1e-5)
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad, grads[name], rtol=1e-4, atol=1e-5, msg=f"{name}")
+
+
+def test_compiled_sliding_window_layers_run_on_the_kernels(kernel_calls):
+    """Under torch.compile the hook cannot compare a mask function's values, nor read its closure: a
+    sliding-window layer is recognised by the model's config (its `sliding_window`). Gemma 3, one sliding
+    (8 keys) and one full layer, compiled with fullgraph (a graph break raises): both layers traced through
+    the kernels, the window on the first, logits as SDPA's, no fallback."""
+    use_in_transformers()
+    config = transformers.Gemma3TextConfig(
+        vocab_size=97,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        sliding_window=8,
+        query_pre_attn_scalar=24,
+        layer_types=["sliding_attention", "full_attention"],
+        max_position_embeddings=128,
+    )
+    torch.manual_seed(0)
+    model = transformers.Gemma3ForCausalLM(config).to(DEVICE).eval()
+    ids = torch.randint(0, 97, (2, 19), device=DEVICE)
+    ref = _logits(model, "sdpa", ids)
+    model.set_attn_implementation("course_lib")
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.filterwarnings("error", message="course_lib attention")
+        got = compiled(ids).logits
+    assert [call[3] if len(call) == 4 else None for call in kernel_calls] == [8, None], kernel_calls
+    err = (got - ref).abs().max().item()
+    assert err < 1e-4, f"compiled tiny Gemma 3 fp32: logits differ from SDPA's by {err:.3g}"
+
+
+def test_compiled_model_with_an_attention_mask_falls_back_once_with_a_warning(kernel_calls):
+    """A tokenizer's attention mask under torch.compile: its values cannot be looked at in the graph, so
+    the layers run transformers' SDPA on the mask. With fullgraph that once raised (Dynamo cannot trace
+    `warnings.warn`); now the warning is given once, while the graph is traced, and the logits are
+    SDPA's."""
+    use_in_transformers()
+    model = tiny_llama()
+    ids = torch.randint(0, 97, (2, 19), device=DEVICE)
+    mask = torch.ones_like(ids)
+    ref = _logits(model, "sdpa", ids, attention_mask=mask)
+    model.set_attn_implementation("course_lib")
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    with (
+        torch.no_grad(),
+        pytest.warns(UserWarning, match="course_lib attention: transformers passed an explicit"),
+    ):
+        got = compiled(ids, attention_mask=mask).logits
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.filterwarnings("error", message="course_lib attention")  # traced once: no warning again
+        compiled(ids, attention_mask=mask)
+    assert not kernel_calls

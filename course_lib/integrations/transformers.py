@@ -25,8 +25,10 @@ transformers asks two questions of an attention implementation, each through its
    repeated (GQA), the causal mask bottom-right aligned, and the layer's `sliding_window` (if any)
    passed on as `window`.
    With a 2-D padding mask, the same kernels on the packed real tokens. With a 4-D mask, the call
-   falls back to transformers' SDPA implementation, with a warning saying why:
-   the kernels take no arbitrary masks.
+   falls back to transformers' SDPA implementation, with a warning saying why (under torch.compile,
+   once, while the graph is traced): the kernels take no arbitrary masks. Under torch.compile a
+   sliding-window layer is recognised by the model's config, since the mask function's values cannot
+   be looked at there (`_is_sliding_causal`).
 
 Dropout is not implemented by the kernels: a layer in training mode with attention dropout > 0
 raises a ValueError (set `config.attention_dropout = 0`). So do logit soft-capping and an additive
@@ -68,13 +70,42 @@ def _no_padding(padding_mask: torch.Tensor | None) -> bool:
     return bool(padding_mask.all())
 
 
-def _is_sliding_causal(mask_function, window: int) -> bool:
+def _warn_fallback(message: str) -> None:
+    """Warn that a call leaves the kernels. Eagerly, each time; under torch.compile, once, while the graph
+    is traced (Dynamo cannot put `warnings.warn` in a graph: called there, it breaks the graph, which
+    `fullgraph=True` turns into an error)."""
+    if _dynamo_compiling():
+        from torch._dynamo.comptime import comptime
+
+        comptime(
+            lambda ctx: warnings.warn(
+                ctx.get_local("message").as_python_constant(), UserWarning, stacklevel=2
+            )
+        )
+    else:
+        warnings.warn(message, UserWarning, stacklevel=3)
+
+
+def _dynamo_compiling() -> bool:
+    return getattr(torch.compiler, "is_dynamo_compiling", torch.compiler.is_compiling)()
+
+
+def _is_sliding_causal(mask_function, window: int, config=None) -> bool:
     """Whether transformers' `mask_function` is the causal mask with a sliding window of `window` keys
     (kv_idx <= q_idx and kv_idx > q_idx - window), checked on a sample of positions around the window's
-    edges (mask functions take index tensors); False for anything else (chunked attention, say), and
-    under torch.compile, where comparing the values would break the graph (the mask is then built)."""
+    edges (mask functions take index tensors); False for anything else (chunked attention, say).
+
+    Under torch.compile the values cannot be compared (a graph break) nor the function's closure read
+    (Dynamo does not trace `__closure__`). There the model's `config` answers: transformers' sliding-window
+    mask passes the config's `sliding_window` as `window`, and only its plain sliding causal mask lets
+    the hook skip the mask (`allow_is_causal_skip`: any overlay, packing or custom mask function turns
+    it off). A chunked-attention config (`attention_chunk_size`) is never taken for one."""
     if torch.compiler.is_compiling():
-        return False
+        return (
+            config is not None
+            and getattr(config, "sliding_window", None) == window
+            and getattr(config, "attention_chunk_size", None) is None
+        )
     q_idx = torch.tensor([0, 1, window - 1, window, window + 1, 2 * window + 3])[:, None]
     kv_idx = torch.arange(0, 2 * window + 5)[None, :]
     want = (kv_idx <= q_idx) & (kv_idx > q_idx - window)
@@ -174,7 +205,9 @@ def attention_mask(
     if local_size is None:
         kernels_mask = mask_function is causal_mask_function
     else:  # (probed only where the answer could be None)
-        kernels_mask = allow_is_causal_skip and _is_sliding_causal(mask_function, local_size)
+        kernels_mask = allow_is_causal_skip and _is_sliding_causal(
+            mask_function, local_size, kwargs.get("config")
+        )
     aligned = (
         allow_is_causal_skip
         and kernels_mask
@@ -282,12 +315,10 @@ def attention_forward(
                     "an explicit mask, which the kernels cannot apply and SDPA would compute without the "
                     "sinks; use attn_implementation='eager' for this model"
                 )
-            warnings.warn(
+            _warn_fallback(
                 "course_lib attention: transformers passed an explicit mask (padding, a static cache, ...) "
                 "to a layer with attention sinks; the kernels compute causal masks (with or without a "
-                "sliding window) only, so this call runs the model's eager attention instead",
-                UserWarning,
-                stacklevel=2,
+                "sliding window) only, so this call runs the model's eager attention instead"
             )
             if attention_mask.dtype == torch.bool:  # eager attention adds its mask: 0 where seen, else min
                 hidden = torch.finfo(query.dtype).min
@@ -297,13 +328,11 @@ def attention_forward(
             return eager(
                 module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
             )
-        warnings.warn(
+        _warn_fallback(
             "course_lib attention: transformers passed an explicit mask (padding, a static cache, chunked "
             "attention or a custom 4-D mask); course_lib's kernels compute "
             "causal masks (with or without a sliding window) only, so this call runs transformers' SDPA "
-            "attention instead",
-            UserWarning,
-            stacklevel=2,
+            "attention instead"
         )
         return sdpa_attention_forward(
             module,
