@@ -609,10 +609,9 @@ OTHER_FAMILIES = {
 }
 
 
-@pytest.mark.parametrize("family", list(OTHER_FAMILIES))
-def test_other_model_families_match_sdpa(family, kernel_calls):
-    """Logits over 19 tokens (two sequences), six greedy tokens, and the gradients of a training step on a
-    padded batch, as with SDPA, every layer on the kernels."""
+def tiny_family(family):
+    """A tiny random-weight model of one of OTHER_FAMILIES (2 layers, 4 query heads over 2 K/V heads unless
+    the family says otherwise), fp32, in eval mode; skips where this transformers lacks the family."""
     config_name, model_name, extra = OTHER_FAMILIES[family]
     if not hasattr(transformers, config_name):
         pytest.skip(f"transformers {transformers.__version__} has no {config_name}")
@@ -631,7 +630,14 @@ def test_other_model_families_match_sdpa(family, kernel_calls):
     kwargs = {k: v for k, v in kwargs.items() if v is not None}
     config = getattr(transformers, config_name)(**kwargs)
     torch.manual_seed(0)
-    model = getattr(transformers, model_name)(config).to(DEVICE, torch.float32).eval()
+    return getattr(transformers, model_name)(config).to(DEVICE, torch.float32).eval()
+
+
+@pytest.mark.parametrize("family", list(OTHER_FAMILIES))
+def test_other_model_families_match_sdpa(family, kernel_calls):
+    """Logits over 19 tokens (two sequences), six greedy tokens, and the gradients of a training step on a
+    padded batch, as with SDPA, every layer on the kernels."""
+    model = tiny_family(family)
     use_in_transformers()
     ids = torch.randint(0, 97, (2, 19), device=DEVICE)
     ref = _logits(model, "sdpa", ids)
@@ -744,21 +750,7 @@ def test_compiled_sliding_window_layers_run_on_the_kernels(kernel_calls):
     (8 keys) and one full layer, compiled with fullgraph (a graph break raises): both layers traced through
     the kernels, the window on the first, logits as SDPA's, no fallback."""
     use_in_transformers()
-    config = transformers.Gemma3TextConfig(
-        vocab_size=97,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        sliding_window=8,
-        query_pre_attn_scalar=24,
-        layer_types=["sliding_attention", "full_attention"],
-        max_position_embeddings=128,
-    )
-    torch.manual_seed(0)
-    model = transformers.Gemma3ForCausalLM(config).to(DEVICE).eval()
+    model = tiny_family("Gemma3")
     ids = torch.randint(0, 97, (2, 19), device=DEVICE)
     ref = _logits(model, "sdpa", ids)
     model.set_attn_implementation("course_lib")
@@ -772,13 +764,78 @@ def test_compiled_sliding_window_layers_run_on_the_kernels(kernel_calls):
     assert err < 1e-4, f"compiled tiny Gemma 3 fp32: logits differ from SDPA's by {err:.3g}"
 
 
-def test_compiled_model_with_an_attention_mask_falls_back_once_with_a_warning(kernel_calls):
-    """A tokenizer's attention mask under torch.compile: its values cannot be looked at in the graph, so
-    the layers run transformers' SDPA on the mask. With fullgraph that once raised (Dynamo cannot trace
-    `warnings.warn`); now the warning is given once, while the graph is traced, and the logits are
-    SDPA's."""
+def test_compiled_model_with_padding_runs_the_padded_operator(kernel_calls):
+    """A tokenizer's attention mask under torch.compile(fullgraph=True) (which once raised: the fallback's
+    warnings.warn cannot be traced): the real tokens' count decides the packed shapes, which a graph
+    cannot hold, so the padded batch is one opaque operator (`course_lib::flash_attention_padded_forward`
+    and its backward). A left-padded batch, forward and backward: logits at the real tokens and every
+    gradient as the eager call's, both layers through the kernels, no fallback."""
     use_in_transformers()
-    model = tiny_llama()
+    model = tiny_llama().train()
+    ids = torch.randint(0, 97, (2, 19), device=DEVICE)
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    model.set_attn_implementation("course_lib")
+
+    def step(run):
+        model.zero_grad(set_to_none=True)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", message="course_lib attention")  # no fallback
+            out = run(ids, attention_mask=mask, labels=labels)
+        out.loss.backward()
+        return out.logits.detach(), {
+            n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None
+        }
+
+    eager_logits, eager_grads = step(model)
+    calls = len(kernel_calls)
+    torch._dynamo.reset()
+    logits, grads = step(torch.compile(model, fullgraph=True, backend="aot_eager"))
+    assert [call[0] for call in kernel_calls[calls:]] == ["padded", "padded"], kernel_calls
+    real = mask.bool()
+    torch.testing.assert_close(logits[real], eager_logits[real], rtol=1e-5, atol=1e-5)
+    for name, g in eager_grads.items():
+        err = relative_error(grads[name], g)
+        assert err <= 1e-5, f"compiled tiny Llama, left padding: grad of {name}: relative error {err:.3g}"
+
+
+def test_compiled_padded_operator_matches_the_eager_call():
+    """The padded operator itself, against `flash_attention_padded` eagerly: GQA, causal, a row with
+    padding on both sides and a row of padding only, forward and backward (its gradients zero at the
+    padding)."""
+    from course_lib.attention.varlen import flash_attention_padded
+
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(3, 4, 6, 16, generator=g).to(DEVICE)
+    k, v = (torch.randn(3, 2, 9, 16, generator=g).to(DEVICE) for _ in range(2))
+    padding = torch.ones(3, 9, dtype=torch.bool, device=DEVICE)
+    padding[0, :2] = False
+    padding[1, [0, 8]] = False
+    padding[2] = False
+    do = torch.randn(3, 4, 6, 16, generator=g).to(DEVICE)
+    results = []
+    for run in (
+        flash_attention_padded,
+        torch.compile(flash_attention_padded, fullgraph=True, backend="aot_eager"),
+    ):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        o = run(*leaves, padding, True, 0.3)
+        o.backward(do)
+        results.append((o.detach(), *(t.grad for t in leaves)))
+    for name, got, want in zip(("O", "dQ", "dK", "dV"), results[1], results[0]):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=f"padded operator: {name}")
+    assert results[1][0][2].abs().max() == 0 and results[1][2][2].abs().max() == 0  # all padding: zeros
+
+
+def test_compiled_model_with_padding_and_a_window_falls_back_once_with_a_warning(kernel_calls):
+    """Padding with a sliding window under torch.compile: whether each row's real tokens are one run (so
+    that the window counted in real tokens is the one counted in positions) is a question of values,
+    which the graph cannot ask, so the layers run transformers' SDPA on the mask. The warning is given
+    once, while the graph is traced (Dynamo cannot trace `warnings.warn`: with fullgraph that once
+    raised), and the logits are SDPA's."""
+    use_in_transformers()
+    model = tiny_mistral(window=8)
     ids = torch.randint(0, 97, (2, 19), device=DEVICE)
     mask = torch.ones_like(ids)
     ref = _logits(model, "sdpa", ids, attention_mask=mask)

@@ -16,9 +16,12 @@ Two operators, one per pass, both built on the plain kernel functions of `course
     course_lib::flash_attention_backward(dO, q, k, v, O, L, causal, scale, window, sinks)
         -> (dQ, dK, dV, dsinks)
 
-and the same pair for packed sequences of different lengths (`varlen.py`), with their cumulative
+the same pair for packed sequences of different lengths (`varlen.py`), with their cumulative
 lengths and longest lengths after k, v: `course_lib::flash_attention_varlen_forward` and
-`course_lib::flash_attention_varlen_backward`.
+`course_lib::flash_attention_varlen_backward`; and a pair for a padded batch run as packed sequences,
+with its (B, Nk) padding mask after k, v (`varlen.flash_attention_padded`: the real tokens' count
+decides the packed shapes, which a graph cannot hold): `course_lib::flash_attention_padded_forward` and
+`course_lib::flash_attention_padded_backward`, which return dense (B, H, N, ...) tensors.
 
 `causal` is a string in the schema ("none", "top_left" or "bottom_right"), `scale` a float, `window`
 an int (0: no sliding window), `sinks` an optional tensor: an operator's arguments have fixed types, so
@@ -43,6 +46,18 @@ CAUSAL_CHOICES = ("none", "top_left", "bottom_right")
 def _check_causal(causal: str, where: str) -> None:
     if causal not in CAUSAL_CHOICES:
         raise ValueError(f"{where}: causal must be one of {CAUSAL_CHOICES}, got {causal!r}")
+
+
+def _outputs_fake(q):
+    """O and L as the forward operators return them: O like q, L q.shape[:-1] in the accumulator dtype."""
+    return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=accumulator_dtype(q.dtype))
+
+
+def _grads_fake(q, k, v, sinks):
+    """dQ, dK, dV like q, k, v, and dsinks like the sinks (empty without), as the backward operators
+    return them."""
+    dsinks = q.new_empty(0) if sinks is None else sinks.new_empty(sinks.shape)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dsinks
 
 
 @torch.library.custom_op("course_lib::flash_attention_forward", mutates_args=())
@@ -75,9 +90,7 @@ def _forward_fake(q, k, v, causal, scale, window=0, sinks=None):
     _check_causal(causal, "course_lib::flash_attention_forward")
     check_window(window or None, None if causal == "none" else causal, "course_lib::flash_attention_forward")
     check_sinks(sinks, q, "course_lib::flash_attention_forward")
-    o = q.new_empty(q.shape)
-    lse = q.new_empty(q.shape[:-1], dtype=accumulator_dtype(q.dtype))
-    return o, lse
+    return _outputs_fake(q)
 
 
 @torch.library.custom_op("course_lib::flash_attention_backward", mutates_args=())
@@ -106,8 +119,7 @@ def backward_op(
 
 @backward_op.register_fake
 def _backward_fake(do, q, k, v, o, lse, causal, scale, window=0, sinks=None):
-    dsinks = q.new_empty(0) if sinks is None else sinks.new_empty(sinks.shape)
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dsinks
+    return _grads_fake(q, k, v, sinks)
 
 
 def _setup_context(ctx, inputs, output):
@@ -197,7 +209,7 @@ def varlen_forward_op(
 def _varlen_forward_fake(
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, window=0, sinks=None
 ):
-    return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=accumulator_dtype(q.dtype))
+    return _outputs_fake(q)
 
 
 @torch.library.custom_op("course_lib::flash_attention_varlen_backward", mutates_args=())
@@ -250,8 +262,7 @@ def _varlen_backward_fake(
     window=0,
     sinks=None,
 ):
-    dsinks = q.new_empty(0) if sinks is None else sinks.new_empty(sinks.shape)
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dsinks
+    return _grads_fake(q, k, v, sinks)
 
 
 def _varlen_setup_context(ctx, inputs, output):
@@ -273,3 +284,101 @@ def _varlen_backward(ctx, do, _dlse):
 
 
 varlen_forward_op.register_autograd(_varlen_backward, setup_context=_varlen_setup_context)
+
+
+# --------------------------------------------------------------------------------------------------
+# A padded batch as packed sequences (`varlen.flash_attention_padded` calls these under torch.compile)
+# --------------------------------------------------------------------------------------------------
+@torch.library.custom_op("course_lib::flash_attention_padded_forward", mutates_args=())
+def padded_forward_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    padding: torch.Tensor,
+    causal: str,
+    scale: float,
+    window: int = 0,
+    sinks: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """O (B, Hq, Nq, d) and L (B, Hq, Nq) of a padded batch (`varlen.flash_attention_padded`, which
+    checks the arguments): the real rows packed, `varlen_forward_op`, scattered back; padded query rows
+    give O = 0 and L = 0. causal: "none" or "bottom_right"."""
+    from .varlen import pack_rows, padded_sequences
+
+    real_q, real_k, cu_q, cu_k, max_q, max_k = padded_sequences(padding.to(q.device), q.shape[2])
+    o = q.new_zeros(q.shape[0], q.shape[2], q.shape[1], q.shape[3])
+    lse = q.new_zeros(o.shape[:-1], dtype=accumulator_dtype(q.dtype))
+    if max_q > 0:
+        o_rows, lse_rows = varlen_forward_op(
+            *pack_rows(real_q, q), *pack_rows(real_k, k, v), cu_q, cu_k, max_q, max_k,
+            causal, scale, window, sinks,
+        )  # fmt: skip
+        o, lse = o.index_put((real_q,), o_rows), lse.index_put((real_q,), lse_rows)
+    return o.transpose(1, 2).contiguous(), lse.transpose(1, 2).contiguous()
+
+
+@padded_forward_op.register_fake
+def _padded_forward_fake(q, k, v, padding, causal, scale, window=0, sinks=None):
+    return _outputs_fake(q)
+
+
+@torch.library.custom_op("course_lib::flash_attention_padded_backward", mutates_args=())
+def padded_backward_op(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    padding: torch.Tensor,
+    causal: str,
+    scale: float,
+    window: int = 0,
+    sinks: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dQ, dK, dV (dense, zero at padding) and dsinks (empty without sinks) of `padded_forward_op`."""
+    from .varlen import pack_rows, padded_sequences
+
+    real_q, real_k, cu_q, cu_k, max_q, max_k = padded_sequences(padding.to(q.device), q.shape[2])
+    dq, dk, dv = (torch.zeros_like(t.transpose(1, 2)) for t in (q, k, v))  # (B, N, heads, d)
+    dsinks = q.new_empty(0) if sinks is None else torch.zeros_like(sinks)
+    if max_q > 0:
+        dq_rows, dk_rows, dv_rows, dsinks_packed = varlen_backward_op(
+            *pack_rows(real_q, do, q), *pack_rows(real_k, k, v), *pack_rows(real_q, o, lse),
+            cu_q, cu_k, max_q, max_k, causal, scale, window, sinks,
+        )  # fmt: skip
+        dq, dk, dv = (
+            dq.index_put((real_q,), dq_rows),
+            dk.index_put((real_k,), dk_rows),
+            dv.index_put((real_k,), dv_rows),
+        )
+        dsinks = dsinks_packed if sinks is not None else dsinks
+    return (
+        dq.transpose(1, 2).contiguous(),
+        dk.transpose(1, 2).contiguous(),
+        dv.transpose(1, 2).contiguous(),
+        dsinks,
+    )
+
+
+@padded_backward_op.register_fake
+def _padded_backward_fake(do, q, k, v, o, lse, padding, causal, scale, window=0, sinks=None):
+    return _grads_fake(q, k, v, sinks)
+
+
+def _padded_setup_context(ctx, inputs, output):
+    q, k, v, padding, causal, scale, window, sinks = inputs
+    save_tensors(ctx, q, k, v, *output, padding, sinks)
+    ctx.args = (causal, scale, window)
+    ctx.mark_non_differentiable(output[1])
+
+
+def _padded_backward(ctx, do, _dlse):
+    q, k, v, o, lse, padding, sinks = saved_tensors(ctx)
+    with torch.no_grad():
+        grads = padded_backward_op(do, q, k, v, o, lse, padding, *ctx.args, sinks)
+    dq, dk, dv, dsinks = refuse_second_derivative(grads, (do, q, k, v, sinks))
+    return dq, dk, dv, None, None, None, None, None if sinks is None else dsinks
+
+
+padded_forward_op.register_autograd(_padded_backward, setup_context=_padded_setup_context)

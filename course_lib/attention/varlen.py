@@ -290,17 +290,38 @@ def flash_attention_padded(q, k, v, padding, causal=False, scale=None, window=No
     alignment = "bottom_right" if causal else False
     check_window(window, causal_alignment(alignment), where)
     check_sinks(sinks, q, where)
-    real_k = padding.to(device=q.device, dtype=torch.bool)
-    real_q = real_k[:, n_k - n_q :]
-    lens_q, lens_k = real_q.sum(1), real_k.sum(1)
-    cu_q = torch.nn.functional.pad(lens_q.cumsum(0), (1, 0)).to(torch.int32)
-    cu_k = torch.nn.functional.pad(lens_k.cumsum(0), (1, 0)).to(torch.int32)
+    if torch.compiler.is_compiling():  # the real tokens' count decides shapes: one opaque node (`op.py`)
+        from .op import padded_forward_op
+
+        name = "bottom_right" if causal else "none"
+        return padded_forward_op(
+            q, k, v, padding, name, default_scale(q.shape[-1], scale), window or 0, sinks
+        )[0]
+    real_q, real_k, cu_q, cu_k, max_q, max_k = padded_sequences(padding.to(q.device), n_q)
     out = q.new_zeros(B, n_q, q.shape[1], q.shape[3])
-    if not real_q.any():  # every query is padding
+    if max_q == 0:  # every query is padding
         return out.transpose(1, 2)
-    rows = [t.transpose(1, 2)[m] for t, m in ((q, real_q), (k, real_k), (v, real_k))]  # (total, heads, d)
     o = flash_attention_varlen(
-        *rows, cu_q, cu_k, int(lens_q.max()), int(lens_k.max()), alignment,
+        *pack_rows(real_q, q), *pack_rows(real_k, k, v), cu_q, cu_k, max_q, max_k, alignment,
         scale, window, sinks, validate=False,
     )  # fmt: skip
     return out.index_put((real_q,), o).transpose(1, 2)
+
+
+def padded_sequences(padding: torch.Tensor, n_q: int):
+    """A padded batch as packed sequences: (real_q (B, Nq) bool, real_k (B, Nk) bool, cu_seqlens_q,
+    cu_seqlens_k (B + 1,) int32, the longest sequence's query and key counts as ints). padding: (B, Nk),
+    True where a key is a real token; the queries are the last Nq positions. Reading the counts waits
+    for the GPU once."""
+    real_k = padding.to(dtype=torch.bool)
+    real_q = real_k[:, real_k.shape[1] - n_q :]
+    lens_q, lens_k = real_q.sum(1), real_k.sum(1)
+    cu_q = torch.nn.functional.pad(lens_q.cumsum(0), (1, 0)).to(torch.int32)
+    cu_k = torch.nn.functional.pad(lens_k.cumsum(0), (1, 0)).to(torch.int32)
+    max_q, max_k = torch.stack([lens_q.max(), lens_k.max()]).tolist() if len(lens_q) else (0, 0)
+    return real_q, real_k, cu_q, cu_k, max_q, max_k
+
+
+def pack_rows(real, *tensors):
+    """The rows of (B, heads, N, ...) tensors where real (B, N) is True, packed as (total, heads, ...)."""
+    return [t.transpose(1, 2)[real] for t in tensors]

@@ -15,8 +15,9 @@ transformers asks two questions of an attention implementation, each through its
    tensor [n]: the layers run the kernels on those n keys alone; under torch.compile (transformers
    compiles a static cache's decoding steps by itself on a GPU) n is a tensor of the graph, and the
    layers run the split-KV decoding operator (`course_lib.decode.op`), which takes the count as a
-   tensor. Anything else (chunked attention, a 4-D mask given by the caller, padding under
-   torch.compile, padding inside a row with a sliding window) gets transformers' own boolean mask.
+   tensor. Anything else (chunked attention, a 4-D mask given by the caller, padding with a sliding
+   window under torch.compile, padding inside a row with a sliding window) gets transformers' own
+   boolean mask.
 2. *Attention itself* (`AttentionInterface`): each layer calls `attention_forward(module, q, k, v,
    mask, dropout=, scaling=, ...)` with q (B, Hq, Nq, d), k, v (B, Hkv, Nk, d) and expects
    (O as (B, Nq, Hq, d), weights or None). With no mask, the kernels run through
@@ -119,15 +120,18 @@ def _is_sliding_causal(mask_function, window: int, config=None) -> bool:
 
 def _packable_padding(attention_mask: torch.Tensor | None, kv_length: int, window: int | None):
     """The keys' padding mask (B, kv_length), True for real tokens, when the kernels can run the call as
-    packed sequences (`flash_attention_padded`); else None. Not under torch.compile (the real tokens'
-    count decides shapes there); with a sliding window, only if each row's real tokens are one run (left
-    or right padding), so that the window counted in real tokens is the window counted in positions."""
-    if attention_mask is None or attention_mask.dim() != 2 or torch.compiler.is_compiling():
+    packed sequences (`flash_attention_padded`, under torch.compile its operator); else None. With a
+    sliding window, only if each row's real tokens are one run (left or right padding), so that the
+    window counted in real tokens is the window counted in positions: a check of the values, which
+    torch.compile cannot make (there a sliding window with padding gets a built mask)."""
+    if attention_mask is None or attention_mask.dim() != 2:
         return None
     padding = attention_mask[:, -kv_length:].bool()  # a sliding cache keeps the last kv_length keys
     if padding.shape[1] != kv_length:
         return None
     if window is not None:
+        if torch.compiler.is_compiling():
+            return None
         pos = torch.arange(kv_length, device=padding.device)
         first = torch.where(padding, pos, kv_length).amin(1)
         last = torch.where(padding, pos, -1).amax(1)
