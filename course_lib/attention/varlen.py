@@ -262,7 +262,9 @@ def flash_attention_padded(q, k, v, padding, causal=False, scale=None, window=No
     when each row's real tokens are one run (left or right padding). Padded query rows give O = 0 (no
     gradient; a batch with no real query returns zeros outside the autograd graph). Returns O
     (B, Hq, Nq, d). The real rows are gathered and scattered back by index, which
-    waits for the GPU once (the lengths decide the shapes)."""
+    waits for the GPU once (the lengths decide the shapes); under torch.compile, where shapes that
+    depend on values cannot be traced, the whole call is one custom operator
+    (`op.padded_forward_op`, with its backward)."""
     where = "flash_attention_padded"
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
