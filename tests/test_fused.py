@@ -840,3 +840,63 @@ def test_bench_tables_and_targets_read_a_record(tmp_path):
     assert all(p.exists() and p.stat().st_size > 0 for p in paths)
     assert bench.rms_norm_bytes(4, 8, "fwd") == (2 * 32 + 8) * 2 + 16
     assert bench.rope_bytes(1) == (2 * 40 * 128 + 2 * 128) * 2
+
+
+# --------------------------------------------------------------------------------------------------
+# torch.compile: the custom operators (course_lib/fused/op.py)
+# --------------------------------------------------------------------------------------------------
+def _eager_and_compiled(fn, inputs, grad_out):
+    """(outputs, input gradients) of fn eagerly, then under torch.compile(fullgraph=True) (the aot_eager
+    backend: on the CPU the kernels are interpreted; a graph break raises)."""
+    results = []
+    torch._dynamo.reset()
+    for run in (fn, torch.compile(fn, fullgraph=True, backend="aot_eager")):
+        leaves = [t.detach().clone().requires_grad_() for t in inputs]
+        outs = run(*leaves)
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        torch.autograd.backward(outs, grad_out)
+        results.append((tuple(o.detach() for o in outs), tuple(t.grad for t in leaves)))
+    return results
+
+
+@pytest.mark.parametrize("dw_mode", DW_MODES)
+def test_rms_norm_under_torch_compile(dw_mode):
+    """rms_norm inside torch.compile(fullgraph=True), forward and backward: the same bits as eagerly (the
+    same kernels run inside the operators; dW to rounding where atomics or locks set the order of its
+    sums), for x with leading dims and a non-contiguous view. Traced
+    into, the autograd Function's Triton launch made torch.compile fail, with or without fullgraph."""
+    x = _randn(3, 5, 40, dtype=torch.float32)[:, :, :36]  # rows 40 apart
+    w = _randn(36, dtype=torch.float32, seed=1)
+    dy = _randn(3, 5, 36, dtype=torch.float32, seed=2)
+    eager, compiled = _eager_and_compiled(lambda x, w: rms_norm(x, w, 1e-5, dw_mode), (x, w), (dy,))
+    for name, got, want in zip(("y", "dx", "dw"), compiled[0] + compiled[1], eager[0] + eager[1]):
+        if name == "dw" and dw_mode != "partials":  # atomics and locks add in whatever order they run
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+        else:
+            assert torch.equal(got, want), f"rms_norm ({dw_mode}) under torch.compile: {name} differs"
+
+
+@pytest.mark.parametrize("positions", ["none", "offset", "tensor"])
+def test_rope_under_torch_compile(positions):
+    """rope inside torch.compile(fullgraph=True), forward and backward, with each kind of positions: the
+    same bits as eagerly. Positions past the cache are still refused by name (checked inside the
+    operator, where the values can be read)."""
+    q = _randn(2, 4, 7, 16, dtype=torch.float32)
+    k = _randn(2, 2, 7, 16, dtype=torch.float32, seed=1)
+    cos, sin = rope_cache(32, 16, device=DEVICE)
+    pos = {"none": None, "offset": 5, "tensor": torch.tensor([[3, 1, 4, 1, 5, 9, 2]] * 2, device=DEVICE)}[
+        positions
+    ]
+    grads = (
+        _randn(2, 4, 7, 16, dtype=torch.float32, seed=2),
+        _randn(2, 2, 7, 16, dtype=torch.float32, seed=3),
+    )
+    eager, compiled = _eager_and_compiled(lambda q, k: rope(q, k, cos, sin, pos), (q, k), grads)
+    for name, got, want in zip(("q'", "k'", "dq", "dk"), compiled[0] + compiled[1], eager[0] + eager[1]):
+        assert torch.equal(got, want), f"rope (positions {positions}) under torch.compile: {name} differs"
+    far = torch.tensor([0, 1, 2, 3, 4, 5, 40], device=DEVICE)
+    torch._dynamo.reset()
+    with pytest.raises(
+        ValueError, match=r"rope: positions run from 0 to 40, but cos and sin have rows 0\.\.31"
+    ):
+        torch.compile(lambda q, k: rope(q, k, cos, sin, far), fullgraph=True, backend="aot_eager")(q, k)

@@ -91,6 +91,23 @@ def test_backends_agree_on_logits_and_gradients(n_kv_heads):
             close_grad(g, ref_grads[name], f"grad {name}, {what}")
 
 
+def test_course_lib_backend_under_torch_compile():
+    """The capstone on course_lib's kernels (attention, RMSNorm, RoPE) inside torch.compile(fullgraph=True)
+    (the aot_eager backend; a graph break raises): every kernel is a custom operator there, so one graph
+    holds the training step, and its logits and gradients are the eager step's."""
+    model = tiny_model()
+    tokens = torch.randint(0, 256, (2, 41), device=DEVICE)
+    eager_logits, eager_grads = logits_and_grads(model, tokens, "course_lib")
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    model.zero_grad(set_to_none=True)
+    logits, loss = compiled(tokens[:, :-1], tokens[:, 1:])
+    loss.backward()
+    close(logits, eager_logits, f"compiled course_lib logits, {DEVICE}")
+    for name, p in model.named_parameters():
+        close_grad(p.grad, eager_grads[name], f"compiled course_lib grad {name}, {DEVICE}")
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_kv_cache_forward_equals_full_forward(backend):
     """Prefill a chunk, then a chunk of 5, then 1 token: bottom-right causal attention over the cache."""

@@ -8,10 +8,12 @@ writes its outputs once is the goal, reported as GB/s against the copy ceiling (
 - `rope`: `rope(q, k, cos, sin, positions, layout)` rotates q and k in one launch; `rope_cache` builds
   the cos/sin tables; both pair layouts ("half" as Llama, "interleaved" as GPT-J).
 - `launch`: the launch sizes both share (warps per row length, persistent programs per SM).
+- `op`: both as PyTorch custom operators, which `rms_norm` and `rope` call under torch.compile.
 """
 
 from __future__ import annotations
 
+from . import op  # noqa: F401  (registers the operators before torch.compile traces a call)
 from .rms_norm import RMSNorm, RMSNormFunction, rms_norm, rms_norm_reference
 from .rope import RoPEFunction, rope, rope_cache, rope_reference
 

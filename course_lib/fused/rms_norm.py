@@ -463,6 +463,10 @@ def rms_norm(
     "locked" (see the module docstring). Returns y with x's shape. When no gradient can flow (no_grad,
     or neither x nor weight requires one), the forward runs without autograd and skips storing rstd."""
     _check(x, weight, eps, dw_mode)
+    if torch.compiler.is_compiling():  # one opaque node per call (`op.py`)
+        from .op import rms_norm_forward_op
+
+        return rms_norm_forward_op(x, weight, float(eps), dw_mode)[0]
     if not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
         return rms_norm_forward(x, weight, float(eps), store_rstd=False)[0]
     return RMSNormFunction.apply(x, weight, float(eps), dw_mode)

@@ -302,16 +302,23 @@ def _positions(positions, n_batch: int, n_tokens: int, n_cache: int, device) -> 
         raise ValueError(
             f"{where}: positions must have shape (T,) or (B, T) = ({n_batch}, {n_tokens}); got {tuple(positions.shape)}"
         )
-    # The value check reads the smallest and largest position back (one sync): skipped while a CUDA graph
-    # is being captured, where a sync is not allowed; the kernel clamps positions into the cache instead.
-    capturing = pos.is_cuda and torch.cuda.is_current_stream_capturing()
-    if pos.numel() and not capturing:
-        lowest, highest = torch.stack(torch.aminmax(pos)).tolist()
+    # Under torch.compile the values cannot be read in the graph: the operator checks them (`op.rope_op`).
+    if not torch.compiler.is_compiling():
+        check_position_range(pos, n_cache)
+    return pos.contiguous()
+
+
+def check_position_range(positions: torch.Tensor, n_cache: int) -> None:
+    """Raise ValueError unless every position lies in [0, n_cache). Reads the smallest and largest back
+    (one sync): skipped while a CUDA graph is being captured, where a sync is not allowed; the kernel
+    clamps positions into the cache instead."""
+    capturing = positions.is_cuda and torch.cuda.is_current_stream_capturing()
+    if positions.numel() and not capturing:
+        lowest, highest = torch.stack(torch.aminmax(positions)).tolist()
         if lowest < 0 or highest >= n_cache:
             raise ValueError(
-                f"{where}: positions run from {lowest} to {highest}, but cos and sin have rows 0..{n_cache - 1} only"
+                f"rope: positions run from {lowest} to {highest}, but cos and sin have rows 0..{n_cache - 1} only"
             )
-    return pos.contiguous()
 
 
 def _check(q, k, cos, sin, layout) -> None:
@@ -387,7 +394,15 @@ def rope(
     q4, k4 = _as_4d(q), _as_4d(k)
     cos3, sin3 = _cache_3d(cos), _cache_3d(sin)
     pos = _positions(positions, q4.shape[0], q4.shape[2], cos3.shape[1], q.device)
-    q_out, k_out = RoPEFunction.apply(q4, k4, cos3, sin3, pos, layout == "interleaved")
+    if torch.compiler.is_compiling():  # one opaque node per call (`op.py`)
+        from .op import rope_op
+
+        tensor = isinstance(pos, torch.Tensor)
+        q_out, k_out = rope_op(
+            q4, k4, cos3, sin3, pos if tensor else None, 0 if tensor else pos, layout == "interleaved"
+        )
+    else:
+        q_out, k_out = RoPEFunction.apply(q4, k4, cos3, sin3, pos, layout == "interleaved")
     return q_out.reshape(q.shape), k_out.reshape(k.shape)
 
 
