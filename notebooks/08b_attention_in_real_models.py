@@ -57,7 +57,7 @@ from course_lib.attention.blocks import kv_block_range_py, window_kv_range_py
 from course_lib.attention.op import flash_attention_op
 from course_lib.attention.reference import attention as reference_attention
 from course_lib.attention.reference import attention_varlen
-from course_lib.attention.varlen import flash_attention_varlen
+from course_lib.attention.varlen import flash_attention_padded, flash_attention_varlen
 from course_lib.exercises import check, predict
 from course_lib.integrations import use_in_transformers
 from course_lib.perf import plotting
@@ -474,6 +474,25 @@ else:
 # A model usually holds its batch padded, (B, H, N, d) with a (B, N) mask of real tokens.
 # `flash_attention_padded(q, k, v, padding, causal)` gathers the real rows, runs the packed call, and
 # scatters the result back (padded query rows get 0): the padding is never computed.
+#
+# Under `torch.compile` that gather is the one step a graph cannot hold: how many tokens are real decides
+# the packed tensors' shapes, and while the graph is traced the mask is a fake tensor with no values. So
+# there the whole padded call is one custom operator of its own (section 1's recipe),
+# `course_lib::flash_attention_padded_forward`: its fake implementation returns the padded shapes, and the
+# packing happens inside it, where the values are real.
+
+# %%
+real_tokens = torch.arange(MAX_LEN)[None, :] >= MAX_LEN - lengths[:, None]  # left padding: real tokens last
+real_tokens = real_tokens.to(DEV)
+qb, kb, vb = (torch.randn(N_SEQS, h, MAX_LEN, D, device=DEV, dtype=DTYPE) for h in (HQ, HKV, HKV))
+o_eager = flash_attention_padded(qb, kb, vb, real_tokens, True)
+torch._dynamo.reset()
+padded_compiled = torch.compile(flash_attention_padded, fullgraph=True, backend="aot_eager")
+o_compiled = padded_compiled(qb, kb, vb, real_tokens, True)
+assert torch.equal(o_compiled, o_eager)  # the same kernels on the same rows: the same bits
+assert (o_eager.transpose(1, 2)[~real_tokens] == 0).all()  # padded query rows give 0
+print(f"padded batch of {N_SEQS}, {int(real_tokens.sum())} real tokens of {real_tokens.numel()}: "
+      "compiled (fullgraph) = eager, bit for bit")
 
 # %% [markdown]
 # ## 6. Inside transformers
@@ -486,7 +505,9 @@ else:
 #   and decoding or chunked prefill with a growing cache — because that is exactly what the kernels compute
 #   with `"bottom_right"`, without any mask tensor, a layer's sliding window included (the window is then
 #   passed on to the kernels). With padding (prompts of different lengths) it answers the 2-D padding mask,
-#   and the layers run the real tokens packed (section 5). For a static cache (more slots than keys so far)
+#   and the layers run the real tokens packed (section 5; under `torch.compile`, through its operator). A
+#   sliding-window layer under `torch.compile` is recognised by the model's config, since the mask
+#   function's values cannot be looked at in a graph. For a static cache (more slots than keys so far)
 #   it answers how many keys are in use, and the layers run on those alone; under `torch.compile` (which
 #   transformers applies to a static cache's decoding steps by itself on a GPU) that count is a tensor of
 #   the graph, and the layers run the decoding kernel of notebook 09 as a custom operator, which takes the
@@ -703,7 +724,9 @@ check(
 # - **Attention sinks** (gpt-oss): a per-head logit that starts each row's running max and sum; its
 #   gradient is −Σ e^(s − L) · D over the head's rows.
 # - **Packed sequences** (varlen): sequences of different lengths one after another with cumulative lengths;
-#   each program reads its sequence's bounds and uses its lengths, so no padding is computed.
+#   each program reads its sequence's bounds and uses its lengths, so no padding is computed. A padded
+#   batch is packed by its mask; under `torch.compile` that is one operator, since the packed shapes depend
+#   on the mask's values.
 # - **transformers**: `use_in_transformers()` registers a mask hook (no mask for plain causal attention) and
 #   an attention function ("course_lib"); `model.set_attn_implementation("course_lib")` then runs prefill,
 #   cached decoding and training on the kernels (padded batches packed), and calls with masks they cannot

@@ -441,6 +441,12 @@ else:
 #   RoPE, and the backward must rotate dQ and dK back.
 # - **Norm into the next matmul.** rstd is one number per row: a matmul's epilogue or prologue can apply it,
 #   and the weight w can be folded into the matmul's weights at load time.
+#
+# Fusing by hand has a cost of its own: `torch.compile` cannot look inside a Triton launch that it finds
+# in an `autograd.Function` (traced into, the launch failed). As the attention does (notebook 08b),
+# `rms_norm` and `rope` become PyTorch custom operators under `torch.compile` (`course_lib.fused.op`): one
+# opaque node each, with a fake implementation for shapes and its backward registered, so a model that
+# calls them, notebook 12's among them, compiles as one graph around the kernels.
 
 # %% [markdown]
 # ## Exercises
