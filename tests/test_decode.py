@@ -819,3 +819,44 @@ def test_bench_report_and_plots_on_a_synthetic_record(tmp_path):
     assert any("B=16 N=32k: paged 0.67x" in m for m in misses), misses
     paths = bench.save_plots(data, tmp_path, "test")
     assert len(paths) == 3 and all(p.exists() for p in paths)
+
+
+def test_decode_functions_under_torch_compile():
+    """decode_attention and paged_decode_attention inside torch.compile(fullgraph=True) (a graph break
+    raises; reading the lengths once did: a data-dependent guard): each is one operator there, with the
+    eager call's bits, lengths given or not, a forced split count too. The lengths and page ids are
+    still checked by name (inside the operators, on the CPU always), and return_lse, which the operators
+    do not return, is refused by name."""
+    from course_lib.decode.op import paged_decode_attention_op
+
+    q, k, v = make_cache(2, 40, 4, 2, 16, 2, torch.float32, seed=5)
+    seqlens = torch.tensor([17, 40], dtype=torch.int32, device=DEV)
+    k_pages, v_pages, table = to_pages(k, v, 16, seed=5)
+    calls = {
+        "contiguous": (decode_attention, (q, k, v, seqlens)),
+        "contiguous, no lengths": (decode_attention, (q, k, v)),
+        "contiguous, 3 splits": (lambda *a: decode_attention(*a, num_splits=3), (q, k, v, seqlens)),
+        "paged": (paged_decode_attention, (q, k_pages, v_pages, table, seqlens)),
+    }
+    for name, (fn, args) in calls.items():
+        torch._dynamo.reset()
+        got = torch.compile(fn, fullgraph=True, backend="aot_eager")(*args)
+        assert torch.equal(got, fn(*args)), f"{name}: compiled differs from eager"
+    torch.library.opcheck(paged_decode_attention_op, (q, k_pages, v_pages, table, seqlens, True, 0.3))
+    bad = table.clone()
+    bad[1, 2] = k_pages.shape[0] + 4
+    torch._dynamo.reset()
+    if not course_lib.ON_GPU:  # on a GPU the compiled call checks nothing unless validate=True (a sync)
+        with pytest.raises(ValueError, match="paged_decode_attention: .*page"):
+            torch.compile(paged_decode_attention, fullgraph=True, backend="aot_eager")(
+                q, k_pages, v_pages, bad, seqlens
+            )
+    torch._dynamo.reset()
+    # raised while tracing: with fullgraph, Dynamo hands it on inside its own error, message and all
+    refused = (ValueError, torch._dynamo.exc.Unsupported)
+    with pytest.raises(
+        refused, match=r"decode_attention: return_lse=True is not available under torch.compile"
+    ):
+        torch.compile(lambda *a: decode_attention(*a, return_lse=True), fullgraph=True, backend="aot_eager")(
+            q, k, v, seqlens
+        )

@@ -15,6 +15,7 @@ The read ceiling decoding is judged against is `course_lib.perf.ceilings.measure
 
 from __future__ import annotations
 
+from . import op  # noqa: F401  (registers the operators before torch.compile traces a call)
 from .heuristics import choose_num_splits, num_splits_for
 from .paged import paged_decode_attention
 from .reference import decode_reference

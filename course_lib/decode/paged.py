@@ -65,6 +65,23 @@ def paged_decode_attention(
     validate=True checks the lengths and the page ids a sequence uses (on a GPU this syncs and is
     skipped during CUDA-graph capture; on the CPU it always runs)."""
     where = "paged_decode_attention"
+    check_paged(q, k_pages, v_pages, block_table, cache_seqlens, where)
+    if torch.compiler.is_compiling():  # one opaque node (`op.py`); lengths and page ids checked inside it
+        from .op import compiled_call, paged_decode_attention_op
+
+        splits = compiled_call(where, return_lse, num_splits)
+        return paged_decode_attention_op(
+            q, k_pages, v_pages, block_table, cache_seqlens, normalise_causal(causal, where), scale, splits,
+            validate,
+        )  # fmt: skip
+    out, lse = paged_checked(
+        q, k_pages, v_pages, block_table, cache_seqlens, causal, scale, num_splits, validate, where
+    )
+    return (out, lse) if return_lse else out
+
+
+def check_paged(q, k_pages, v_pages, block_table, cache_seqlens, where: str) -> None:
+    """`paged_decode_attention`'s checks of what the shapes, dtypes and devices say (no values read)."""
     check_kv_pair(k_pages, v_pages, ("k_pages", "v_pages"), "(num_pages, page_size, Hkv, d)", where)
     num_pages, page_size, hkv, d = k_pages.shape
     check_query_and_lengths(q, cache_seqlens, hkv, d, k_pages.dtype, k_pages.device, where)
@@ -79,13 +96,20 @@ def paged_decode_attention(
         raise ValueError(f"{where}: block_table is on {block_table.device}, q on {q.device}")
     if page_size == 0 or num_pages == 0:
         raise ValueError(f"{where}: empty page pool {tuple(k_pages.shape)}")
+
+
+def paged_checked(
+    q, k_pages, v_pages, block_table, cache_seqlens, causal, scale, num_splits, validate, where: str
+):
+    """`paged_decode_attention` after `check_paged`: the lengths and page ids checked (`should_validate`),
+    then the kernels; returns (out, lse). The body of its operator too (`op.py`)."""
+    num_pages, page_size = k_pages.shape[:2]
     capacity = block_table.shape[1] * page_size
     if should_validate(validate, q.device):
         check_lengths(cache_seqlens, capacity, where)
         check_block_table(block_table, cache_seqlens, num_pages, page_size, where)
-    out, lse = launch(
+    return launch(
         q, k_pages, v_pages, block_table, cache_seqlens,
         page_size=page_size, capacity=capacity, causal=normalise_causal(causal, where), scale=scale,
         num_splits=num_splits, where=where,
     )  # fmt: skip
-    return (out, lse) if return_lse else out

@@ -411,6 +411,22 @@ def decode_attention(
     validate=True checks the lengths' values (on a GPU this syncs; it is skipped during CUDA-graph
     capture); on the CPU the check always runs. Nothing here syncs when validate=False."""
     where = "decode_attention"
+    check_decode(q, k_cache, v_cache, cache_seqlens, where)
+    if torch.compiler.is_compiling():  # one opaque node (`op.py`); the lengths are checked inside it
+        from .op import compiled_call, decode_attention_op
+
+        splits = compiled_call(where, return_lse, num_splits)
+        if cache_seqlens is None:
+            cache_seqlens = torch.full((q.shape[0],), k_cache.shape[1], dtype=torch.int32, device=q.device)
+        return decode_attention_op(
+            q, k_cache, v_cache, cache_seqlens, normalise_causal(causal, where), scale, splits, validate,
+        )  # fmt: skip
+    out, lse = decode_checked(q, k_cache, v_cache, cache_seqlens, causal, scale, num_splits, validate, where)
+    return (out, lse) if return_lse else out
+
+
+def check_decode(q, k_cache, v_cache, cache_seqlens, where: str) -> None:
+    """`decode_attention`'s checks of what the shapes, dtypes and devices say (no values read)."""
     check_kv_pair(k_cache, v_cache, ("k_cache", "v_cache"), "(B, Nmax, Hkv, d)", where)
     full = cache_seqlens is None  # every sequence holds the whole cache: no lengths to read
     check_query_and_lengths(
@@ -419,12 +435,17 @@ def decode_attention(
     check_inference(where, q=q, k_cache=k_cache, v_cache=v_cache)
     if k_cache.shape[0] != q.shape[0]:
         raise ValueError(f"{where}: q has batch {q.shape[0]}, k_cache {k_cache.shape[0]}")
+
+
+def decode_checked(q, k_cache, v_cache, cache_seqlens, causal, scale, num_splits, validate, where: str):
+    """`decode_attention` after `check_decode`: the lengths' values checked (`should_validate`), then the
+    kernels; returns (out, lse). The body of its operator too (`op.py`)."""
+    full = cache_seqlens is None
     capacity = k_cache.shape[1]
     if not full and should_validate(validate, q.device):
         check_lengths(cache_seqlens, capacity, where)
-    out, lse = launch(
+    return launch(
         q, k_cache, v_cache, None, cache_seqlens,
         page_size=1, capacity=capacity, causal=normalise_causal(causal, where), scale=scale,
         num_splits=num_splits, full=full, where=where,
     )  # fmt: skip
-    return (out, lse) if return_lse else out
