@@ -311,9 +311,8 @@ def check_masked_memory_ops(kernel, name: str) -> None:
         ):
             continue
         op = node.func.attr
-        masked_position = (
-            1 if op == "load" else 2
-        )  # tl.load(pointer, mask, ...), tl.store(pointer, value, mask)
+        # where a positional mask would stand: tl.load(pointer, mask, ...), tl.store(pointer, value, mask)
+        masked_position = 1 if op == "load" else 2
         if len(node.args) > masked_position or {k.arg for k in node.keywords} & {"mask", "boundary_check"}:
             continue
         verb = "read" if op == "load" else "write"

@@ -800,15 +800,17 @@ def test_compiled_model_with_padding_runs_the_padded_operator(kernel_calls):
         assert err <= 1e-5, f"compiled tiny Llama, left padding: grad of {name}: relative error {err:.3g}"
 
 
-def test_compiled_padded_operator_matches_the_eager_call():
+@pytest.mark.parametrize("with_sinks", [False, True], ids=["no sinks", "sinks"])
+def test_compiled_padded_operator_matches_the_eager_call(with_sinks):
     """The padded operator itself, against `flash_attention_padded` eagerly: GQA, causal, a row with
-    padding on both sides and a row of padding only, forward and backward (its gradients zero at the
-    padding)."""
+    padding on both sides and a row of padding only, with and without attention sinks, forward and
+    backward (its gradients zero at the padding)."""
     from course_lib.attention.varlen import flash_attention_padded
 
     g = torch.Generator().manual_seed(3)
     q = torch.randn(3, 4, 6, 16, generator=g).to(DEVICE)
     k, v = (torch.randn(3, 2, 9, 16, generator=g).to(DEVICE) for _ in range(2))
+    sinks = torch.randn(4, generator=g).to(DEVICE)
     padding = torch.ones(3, 9, dtype=torch.bool, device=DEVICE)
     padding[0, :2] = False
     padding[1, [0, 8]] = False
@@ -819,11 +821,11 @@ def test_compiled_padded_operator_matches_the_eager_call():
         flash_attention_padded,
         torch.compile(flash_attention_padded, fullgraph=True, backend="aot_eager"),
     ):
-        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-        o = run(*leaves, padding, True, 0.3)
+        leaves = [t.clone().requires_grad_() for t in ((q, k, v, sinks) if with_sinks else (q, k, v))]
+        o = run(*leaves[:3], padding, True, 0.3, None, leaves[3] if with_sinks else None)
         o.backward(do)
         results.append((o.detach(), *(t.grad for t in leaves)))
-    for name, got, want in zip(("O", "dQ", "dK", "dV"), results[1], results[0]):
+    for name, got, want in zip(("O", "dQ", "dK", "dV", "dsinks"), results[1], results[0]):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=f"padded operator: {name}")
     assert results[1][0][2].abs().max() == 0 and results[1][2][2].abs().max() == 0  # all padding: zeros
 

@@ -343,7 +343,7 @@ def padded_backward_op(
     dq, dk, dv = (torch.zeros_like(t.transpose(1, 2)) for t in (q, k, v))  # (B, N, heads, d)
     dsinks = q.new_empty(0) if sinks is None else torch.zeros_like(sinks)
     if max_q > 0:
-        dq_rows, dk_rows, dv_rows, dsinks_packed = varlen_backward_op(
+        dq_rows, dk_rows, dv_rows, dsinks = varlen_backward_op(  # dsinks empty without sinks, as above
             *pack_rows(real_q, do, q), *pack_rows(real_k, k, v), *pack_rows(real_q, o, lse),
             cu_q, cu_k, max_q, max_k, causal, scale, window, sinks,
         )  # fmt: skip
@@ -352,7 +352,6 @@ def padded_backward_op(
             dk.index_put((real_k,), dk_rows),
             dv.index_put((real_k,), dv_rows),
         )
-        dsinks = dsinks_packed if sinks is not None else dsinks
     return (
         dq.transpose(1, 2).contiguous(),
         dk.transpose(1, 2).contiguous(),

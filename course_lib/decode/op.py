@@ -53,8 +53,9 @@ def decode_attention_op(
     return decode_checked(q, k_cache, v_cache, cache_seqlens, causal, scale, splits, validate, WHERE)[0]
 
 
-def _check_fake(q, cache_seqlens, where):
-    # Shapes only (this runs on fake tensors while torch.compile traces), so bad input fails there too.
+def _out_fake(q, cache_seqlens, where):
+    """out as the operators allocate it, after the checks of cache_seqlens' dtype and shape. Shapes only
+    (this runs on fake tensors while torch.compile traces), so bad input fails there too."""
     if cache_seqlens.dtype != torch.int32:
         raise TypeError(f"{where}: cache_seqlens must be int32, got {cache_seqlens.dtype}")
     if cache_seqlens.shape != (q.shape[0],):
@@ -71,7 +72,7 @@ def _fake(q, k_cache, v_cache, cache_seqlens, causal=True, scale=None, num_split
             f"{WHERE}: q must be (B, Tq, Hq, d) and the caches (B, Nmax, Hkv, d) alike; got q "
             f"{tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}"
         )
-    return _check_fake(q, cache_seqlens, WHERE)
+    return _out_fake(q, cache_seqlens, WHERE)
 
 
 PAGED = "course_lib::paged_decode_attention"
@@ -108,7 +109,7 @@ def _paged_fake(
             f"block_table (B, max_pages); got q {tuple(q.shape)}, k_pages {tuple(k_pages.shape)}, v_pages "
             f"{tuple(v_pages.shape)}, block_table {tuple(block_table.shape)}"
         )
-    return _check_fake(q, cache_seqlens, PAGED)
+    return _out_fake(q, cache_seqlens, PAGED)
 
 
 def _no_backward(ctx, grad):
@@ -122,7 +123,7 @@ decode_attention_op.register_autograd(_no_backward)
 paged_decode_attention_op.register_autograd(_no_backward)
 
 
-def compiled_call(where: str, return_lse: bool, num_splits) -> int:
+def compiled_num_splits(where: str, return_lse: bool, num_splits) -> int:
     """The operators' num_splits (0: chosen) for `decode_attention` and `paged_decode_attention` under
     torch.compile, where they cannot return the logsumexp (the operators return out alone)."""
     if return_lse:

@@ -67,9 +67,9 @@ def paged_decode_attention(
     where = "paged_decode_attention"
     check_paged(q, k_pages, v_pages, block_table, cache_seqlens, where)
     if torch.compiler.is_compiling():  # one opaque node (`op.py`); lengths and page ids checked inside it
-        from .op import compiled_call, paged_decode_attention_op
+        from .op import compiled_num_splits, paged_decode_attention_op
 
-        splits = compiled_call(where, return_lse, num_splits)
+        splits = compiled_num_splits(where, return_lse, num_splits)
         return paged_decode_attention_op(
             q, k_pages, v_pages, block_table, cache_seqlens, normalise_causal(causal, where), scale, splits,
             validate,

@@ -413,9 +413,9 @@ def decode_attention(
     where = "decode_attention"
     check_decode(q, k_cache, v_cache, cache_seqlens, where)
     if torch.compiler.is_compiling():  # one opaque node (`op.py`); the lengths are checked inside it
-        from .op import compiled_call, decode_attention_op
+        from .op import compiled_num_splits, decode_attention_op
 
-        splits = compiled_call(where, return_lse, num_splits)
+        splits = compiled_num_splits(where, return_lse, num_splits)
         if cache_seqlens is None:
             cache_seqlens = torch.full((q.shape[0],), k_cache.shape[1], dtype=torch.int32, device=q.device)
         return decode_attention_op(
