@@ -272,11 +272,15 @@ for d_head in (64, 128):
 
 # %% [markdown]
 # The rule behind `choose` came from sweeps on an H200: at d = 128 the Gluon kernel wins except on short
-# causal rows (N <= 1k), persistent while a tile has few K/V blocks; at d = 64 the exponentials take as
-# long as the products (S = M in section 1), so two consumers overlap fully only in perfect alternation:
-# no slack is left to absorb a barrier or a late load. `choose` takes the Gluon kernel at d = 64 only on
-# long rows (from 8k keys with the causal mask, 2k without), where the sweeps had it ahead, and its margin
-# there is small (the record printed in section 4 has the measured cells).
+# causal rows (N <= 1k). Without the mask it runs persistent while rows are short (up to 32 K/V blocks), so
+# that one tile's epilogue overlaps the next tile's loads. With the mask it runs one program per tile at
+# every length. Causal tiles differ in work: a plain grid lets the hardware hand each free SM the next
+# tile, and in repeated timings that beat the persistent grid's fixed deal (below) by 3-7 % at 2k keys.
+# At d = 64 the exponentials take as long as the products (S = M in section 1), so two consumers overlap
+# fully only in perfect alternation: no slack is left to absorb a barrier or a late load. `choose` takes
+# the Gluon kernel at d = 64 only on long rows (from 8k keys with the causal mask, 2k without), where the
+# sweeps had it ahead, and its margin there is small (the record printed in section 4 has the measured
+# cells).
 #
 # ### The persistent grid's schedule
 #
@@ -451,12 +455,12 @@ if got is not None:
 # %% [markdown]
 # Read the figure against section 3: where `choose` runs the Triton kernel, no Gluon variant should be far
 # ahead, and where it runs a variant, that variant should be at or near the top. The printed shares say how
-# near. A pick a few per cent behind the fastest is worth a second run (between runs, clocks and temperature
-# move figures by a few per cent), and in the H200's record several picks are just that: at d = 128 the
-# persistent grid that `choose` takes for short tiles trails the plain ping-pong kernel at N = 2k, and the
-# plain one it takes for long tiles trails the persistent one at 16k. One timing per cell cannot settle
-# which way the line should go; the sweeps behind `choose` (`notes/performance.md`, fourth round) had
-# more cells and repeats.
+# near. A pick a few per cent behind the fastest is worth a second run: between runs, clocks and temperature
+# move figures by a few per cent. One timing per cell cannot settle which way a line should go. The
+# sweeps behind `choose` (`notes/performance.md`, fourth and twenty-fourth rounds) timed every candidate
+# several times per cell, in turn. An earlier H200 record had `choose` taking the persistent grid for
+# causal rows of 2k keys, 5 % behind the plain ping-pong kernel. Repeated timings showed the same gap
+# in two more runs, so `choose` now takes the plain kernel there.
 #
 # ## 5. The backward: dK and dV without spilling
 #
@@ -610,6 +614,7 @@ if got_bwd is not None:
 #   memory, mbarriers, TMA, asynchronous `warpgroup_mma` and `warp_specialize`.
 # - Shared memory (227 KB per program) bounds the variants; stages mattered most. A persistent grid needs a
 #   balanced schedule: round-robin over causal tiles can leave one program with far more than its share.
+#   Even dealt longest first, causal tiles ran faster on a plain grid, which the hardware balances.
 # - course_lib runs the Gluon kernel where `hopper.choose` says it measured faster (d = 128 except short
 #   causal rows; d = 64 on long rows) and the Triton kernel elsewhere.
 # - The Triton dK/dV kernel needs about 256 registers per thread at d = 128 (transposed tiles, L and D per

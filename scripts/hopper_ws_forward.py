@@ -1,6 +1,7 @@
 """Sweep of course_lib's warp-specialised Hopper forward (`course_lib/attention/hopper.py`).
 
     COURSE_DEVICE=cuda python3 scripts/hopper_ws_forward.py [--ns 1024,4096,16384]
+    COURSE_DEVICE=cuda python3 scripts/hopper_ws_forward.py --passes 4 [--heads 128]
 
 Checks every variant below against a float32 reference (ragged, causal, Nq != Nk, bf16 and fp16,
 K/V with as many heads as Q and with one: grouped-query attention), then times each on the standard
@@ -8,21 +9,29 @@ shapes next to SDPA's default backend (cuDNN on an H200) and the Triton forward
 (`course_lib.attention.attention_forward(..., config={"hopper": False})`), all in the same run; the check and
 the timing loop are `scripts/hopper_gluon_forward.py`'s. What it measured, and how `hopper.choose`
 follows from it: notes/performance.md, "Fourth round".
+
+With `--passes P` it times only the kernels `hopper.choose` picks between (every variant below and the
+Triton forward), P times per cell in a rotated order, and prints each one's median TFLOP/s, the
+fastest, and the share of the fastest that `choose`'s pick reaches: one timing per kernel cannot tell
+apart kernels a few per cent apart (notes/performance.md, "Twenty-fourth round").
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import time
 
 os.environ.setdefault("COURSE_DEVICE", "cuda")
 
 import torch  # noqa: E402
+import triton  # noqa: E402
 from hopper_gluon_forward import check, sweep  # noqa: E402  (this script's folder)
 
-from course_lib.attention import hopper  # noqa: E402
+from course_lib.attention import attention_forward, hopper  # noqa: E402
 from course_lib.bench import summarise  # noqa: E402
+from course_lib.perf.timing import attention_flops  # noqa: E402
 
 # (BLOCK_N, NUM_STAGES, NUM_CONSUMERS, PINGPONG, PERSISTENT) per head dim.
 # Shared memory: (NUM_CONSUMERS * 64 + 2 * NUM_STAGES * BLOCK_N) * d * 2 bytes, at most ~227 KB.
@@ -50,11 +59,56 @@ def attention(q, k, v, causal: bool, variant):
     return o, lse
 
 
+def run_kernel(variant, q, k, v, causal: bool):
+    """One variant's forward, or the Triton forward (which `hopper.choose` picks where it returns None)."""
+    if variant is None:
+        return attention_forward(q, k, v, causal, config={"hopper": False})
+    return attention(q, k, v, causal, variant)
+
+
+def repeated(heads: list[int], ns: list[int], passes: int) -> None:
+    """Median TFLOP/s of each variant and the Triton forward over `passes` rotated passes per cell
+    (bf16, B*N = 16k, H*d = 2048), and the share of the fastest that `hopper.choose`'s pick reaches."""
+    bench = lambda fn: triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")  # noqa: E731
+    shares = []
+    for d in heads:
+        kernels = [None, *VARIANTS[d]]
+        for causal in (False, True):
+            for n in ns:
+                b, h = 16384 // n, 2048 // d
+                q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+                flops = attention_flops(b, h, n, n, d, causal)
+                runs = {t: (lambda t=t: run_kernel(t, q, k, v, causal)) for t in kernels}  # noqa: B023
+                times = {t: [] for t in kernels}
+                for p in range(passes):
+                    for t in kernels[p % len(kernels) :] + kernels[: p % len(kernels)]:
+                        times[t].append(bench(runs[t]))
+                tflops = {t: flops / statistics.median(ms) * 1e-9 for t, ms in times.items()}
+                best = max(tflops, key=tflops.get)
+                pick = hopper.choose(d, causal, n, n)
+                shares.append(tflops[pick] / tflops[best])
+                print(
+                    f"d={d:3d} causal={int(causal)} N={n:5d} | "
+                    + " ".join(f"{'Triton' if t is None else t}:{x:4.0f}" for t, x in tflops.items())
+                    + f" | best {'Triton' if best is None else best}, pick {'Triton' if pick is None else pick}"
+                    f" at {tflops[pick] / tflops[best]:.3f} of it"
+                    + f" | spread {max(max(ms) / min(ms) for ms in times.values()) - 1:.1%}",
+                    flush=True,
+                )
+    print(f"choose's pick over the fastest: min {min(shares):.3f}, geomean {summarise(shares)[1]:.3f}")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--ns", default="1024,2048,4096,8192,16384")
+    ap.add_argument("--passes", type=int, default=0, help="time only choose's candidates, this many passes")
+    ap.add_argument("--heads", default="64,128", help="head dims for --passes")
     args = ap.parse_args()
     t0 = time.time()
+    if args.passes:
+        repeated(list(map(int, args.heads.split(","))), list(map(int, args.ns.split(","))), args.passes)
+        print(f"total {time.time() - t0:.0f} s")
+        return
     bad = check(VARIANTS, attention, kv_heads=(3, 1))
     print("correctness:", "ok" if not bad else bad[:12], f"({time.time() - t0:.0f} s)", flush=True)
     rows = sweep(VARIANTS, attention, list(map(int, args.ns.split(","))))

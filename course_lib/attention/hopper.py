@@ -361,7 +361,7 @@ def fwd_ws_kernel(
 # Host side
 # --------------------------------------------------------------------------------------------------
 # A variant: (BLOCK_N, NUM_STAGES, NUM_CONSUMERS, PINGPONG, PERSISTENT).
-D128_SHORT = (128, 3, 2, True, True)  # d = 128, tiles of <= 16 K/V blocks on average
+D128_SHORT = (128, 3, 2, True, True)  # d = 128, no mask, rows of <= 32 K/V blocks
 D128_LONG = (128, 3, 2, True, False)
 D64 = (128, 3, 3, True, True)
 # Every variant the tests check: the chosen ones and a few others (each fits in 227 KB of shared memory).
@@ -374,16 +374,19 @@ VARIANTS = {
 def choose(d: int, causal: bool, n_q: int, n_k: int) -> tuple | None:
     """The variant to run for this shape, or None where the Triton kernel was faster.
 
-    From `scripts/hopper_ws_forward.py` on an H200 (notes/performance.md, "Fourth round"): at
-    d = 128 this kernel wins everywhere, one program per SM (persistent) while tiles are short (on
-    average <= 16 K/V blocks of 128: the epilogue of one overlaps the next one's loads) and one
-    program per tile beyond. At d = 64 the exponentials, not the tensor cores, set the pace; three
-    consumers win on long rows, the Triton kernel on short and causal ones."""
+    From `scripts/hopper_ws_forward.py` on an H200 (notes/performance.md, "Fourth round" and
+    "Twenty-fourth round"): at d = 128 this kernel wins everywhere but on short causal rows. Without
+    the mask, one program per SM (persistent) while rows are short (<= 32 K/V blocks of 128: the
+    epilogue of one tile overlaps the next one's loads), one program per tile beyond. With the mask,
+    one program per tile at every length: tiles of unequal work are balanced better by the hardware's
+    scheduler than by the persistent grid's fixed deal (3-5 % at 2k keys in three runs). At d = 64 the
+    exponentials, not the tensor cores, set the pace; three consumers win on long rows, the Triton
+    kernel on short and causal ones."""
     blocks = cdiv(n_k, 128) / (2 if causal else 1)  # K/V blocks per tile, on average
     if d == 128:
         if blocks <= 4:  # causal N <= 1k: tiles of 1-8 blocks, no faster than Triton (3 runs)
             return None
-        return D128_SHORT if blocks <= 16 else D128_LONG
+        return D128_SHORT if not causal and blocks <= 32 else D128_LONG
     if d == 64:
         return D64 if n_k >= (8192 if causal else 2048) else None
     return None
