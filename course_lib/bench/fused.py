@@ -17,7 +17,8 @@ CPU's launch cost, not the GPU, sets the time) and the replay of a CUDA graph of
 the GPU's work alone). Result rows carry both (`plain_ms`, `plain_gbps`, `graph_ms`, `graph_gbps`);
 `ms`, `gbps` and `copy_fraction` are the graph figures where graphs exist (`timing` says which), and the
 targets are judged on them. A backward is captured together with its forward (no autograd node may cross
-the capture boundary): the graph figure of a backward is (forward + backward) - forward.
+the capture boundary): the graph figure of a backward is (forward + backward) - forward, the forward as
+a training step runs it (grad enabled; torch.compile compiles that one as its own graph).
 Saves the record kind "fused" and its plots in assets/benchmarks/.
 """
 
@@ -111,8 +112,10 @@ def _measure_fwd_bwd(fn, inputs, grads, nbytes: dict, copy_gbps: float) -> list[
     """Forward and backward of fn(*inputs) (a tensor or a tuple of tensors), plain and graphed.
 
     Plain: the forward under no_grad; the backward as `autograd.grad` of an output made once outside
-    the timed call. Graph: the forward under no_grad, and forward + backward captured together (inputs
-    and gradients exist before the capture); the backward's graph time is their difference."""
+    the timed call. Graph: the forward under no_grad (the "fwd" row), the forward as a training step
+    runs it (grad enabled: it saves what the backward reads, and torch.compile compiles it as a
+    separate graph), and forward + backward captured together (inputs and gradients exist before the
+    capture); the backward's graph time is (forward + backward) - the training forward."""
     try:
         with torch.no_grad():
             fn(*inputs)  # compile (if any) before timing
@@ -121,14 +124,15 @@ def _measure_fwd_bwd(fn, inputs, grads, nbytes: dict, copy_gbps: float) -> list[
         out = fn(*inputs)
         bwd_plain = benchmark(lambda: torch.autograd.grad(out, inputs, grads, retain_graph=True))
         out = None  # frees the plain backward's graph before the capture
+        train_graph = graph_ms(lambda: fn(*inputs))
         both_graph = graph_ms(lambda: torch.autograd.grad(fn(*inputs), inputs, grads))
     except Exception as exc:
         return [{"mode": m, **_failed(exc)} for m in ("fwd", "bwd")]
     fwd = {"mode": "fwd", **_figures(fwd_plain, fwd_graph, nbytes["fwd"], copy_gbps)}
-    bwd_graph = both_graph - fwd_graph if both_graph is not None and fwd_graph is not None else None
+    bwd_graph = both_graph - train_graph if both_graph is not None and train_graph is not None else None
     bwd = {"mode": "bwd", **_figures(bwd_plain, bwd_graph, nbytes["bwd"], copy_gbps)}
     if both_graph is not None:
-        bwd["graph_fwd_bwd_ms"] = both_graph
+        bwd.update(graph_fwd_bwd_ms=both_graph, graph_train_fwd_ms=train_graph)
     return [fwd, bwd]
 
 
