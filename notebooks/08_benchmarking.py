@@ -592,9 +592,9 @@ else:
 #   choice loses to the hand-picked rung (not investigated further).
 # - *dK/dV without spills.* Predicted 1.1x from the dK/dV kernel's share of the backward; the recorded runs
 #   measured 1.05-1.10x, never more than predicted. At this causal shape a block of keys sees 32 query
-#   blocks on average, so the program's fixed costs
-#   (loading K and V, filling the pipeline, storing dK and dV) weigh more than on long non-causal rows,
-#   where notebook 08c's record has the whole backward gaining more (d = 128, N = 16k).
+#   blocks on average, so the program's fixed costs (loading K and V, filling the pipeline, storing dK and
+#   dV) weigh more than on long non-causal rows, where notebook 08c's record has the whole backward gaining
+#   more (d = 128, N = 16k).
 #
 # The figures these words read, from the records, and the words checked against them (a new record that
 # tells another story stops this notebook until its words are rewritten):
