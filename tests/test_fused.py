@@ -842,6 +842,44 @@ def test_bench_tables_and_targets_read_a_record(tmp_path):
     assert bench.rope_bytes(1) == (2 * 40 * 128 + 2 * 128) * 2
 
 
+def test_bench_backward_figure_subtracts_the_training_forward(monkeypatch):
+    """The backward's graph time is (forward + backward) - the forward with grad enabled (what a training
+    step runs; torch.compile compiles it apart from the no_grad forward), not - the no_grad forward.
+    The timers are stand-ins that say which forward they were given (the real ones need a GPU)."""
+    from course_lib.bench import fused as bench
+
+    seen = []
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            seen.append("train")
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, g):
+            seen.append("backward")
+            return g * 2
+
+    def fn(x):
+        if torch.is_grad_enabled():
+            return Probe.apply(x)
+        seen.append("no_grad")
+        return x * 2
+
+    def fake_graph_ms(f):
+        seen.clear()
+        f()
+        return {("no_grad",): 1.0, ("train",): 2.0, ("train", "backward"): 5.0}[tuple(seen)]
+
+    monkeypatch.setattr(bench, "graph_ms", fake_graph_ms)
+    monkeypatch.setattr(bench, "benchmark", lambda f: (f(), 1.0)[1])
+    x, dy = torch.randn(8, requires_grad=True), torch.randn(8)
+    fwd, bwd = bench._measure_fwd_bwd(fn, (x,), (dy,), {"fwd": 10**6, "bwd": 10**6}, 1.0)
+    assert fwd["graph_ms"] == 1.0, fwd
+    assert (bwd["graph_fwd_bwd_ms"], bwd["graph_train_fwd_ms"], bwd["graph_ms"]) == (5.0, 2.0, 3.0), bwd
+
+
 # --------------------------------------------------------------------------------------------------
 # torch.compile: the custom operators (course_lib/fused/op.py)
 # --------------------------------------------------------------------------------------------------
