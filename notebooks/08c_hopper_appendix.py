@@ -313,7 +313,7 @@ check(
 )
 
 # %% [markdown]
-# Apply it to a cell of the notes' sweeps (not one where `choose` runs the persistent kernel today): d = 64,
+# Apply it to a cell of the notes' sweeps (`choose` runs no persistent grid on causal rows today): d = 64,
 # causal, N = 4096, B = 4, H = 32, three consumers (192 query rows per tile), K/V blocks of 128, 132
 # programs. Then deal the same tiles longest first, in "snake" order (left to right, then right to left),
 # which is what course_lib's persistent kernel does:
@@ -351,7 +351,8 @@ assert max(schedules["longest first, snake"]) < max(schedules["round-robin"])
 # block of every head it visits: the program holding the last (longest) blocks does far more than the
 # mean, and the whole grid waits for it. The longest-first snake order is nearly balanced. (On the H200 the
 # round-robin schedule measured far slower at this cell than one program per tile; `notes/performance.md`,
-# fourth round.)
+# fourth round.) Balanced on paper is not the same as fast: at d = 128 the snake-dealt persistent grid
+# still trailed one program per tile on causal rows in repeated timings (section 3).
 #
 # ## 4. The Gluon kernel against the Triton kernel
 #
