@@ -591,10 +591,10 @@ else:
 #   has changed from one recorded run to the next. In the backward below 1.0x: here the recorded launch
 #   choice loses to the hand-picked rung (not investigated further).
 # - *dK/dV without spills.* Predicted 1.1x from the dK/dV kernel's share of the backward; the recorded runs
-#   measured 1.05-1.10x, never more than predicted. At this causal shape a block of keys sees 32 query
-#   blocks on average, so the program's fixed costs (loading K and V, filling the pipeline, storing dK and
-#   dV) weigh more than on long non-causal rows, where notebook 08c's record has the whole backward gaining
-#   more (d = 128, N = 16k).
+#   measured 1.05-1.10x, no better than predicted (within the few per cent by which runs differ). Long
+#   non-causal rows gain more (notebook 08c's record: the whole backward at d = 128, N = 16k). At this
+#   causal shape a block of keys sees 32 query blocks on average, so the program's fixed costs (loading K
+#   and V, filling the pipeline, storing dK and dV) weigh more.
 #
 # The figures these words read, from the records, and the words checked against them (a new record that
 # tells another story stops this notebook until its words are rewritten):
@@ -617,7 +617,7 @@ if ladder_rec is not None:
     assert tile < 1.05 and stages > stages_predicted, "128-row blocks bought nothing; 3 stages beat the prediction"
     assert atomic < 0.8, "atomic dQ measured far slower"
     assert 0.95 < tuned_fwd < 1.1 and tuned_bwd < 1.0, "autotuned: within a few % of 1.0x forward, below 1.0x backward"
-    assert round(no_spills, 2) <= no_spills_predicted, "dK/dV without spills: measured no more than predicted"
+    assert no_spills < 1.05 * no_spills_predicted, "dK/dV without spills: no better than predicted, within noise"
     hb_rec = records.load_record("hopper_backward")
     if hb_rec is not None:
         cell = [r for r in hb_rec["data"]["results"] if (r["d"], r["N"], r["causal"]) == (128, 16384, False)]
