@@ -459,9 +459,10 @@ if got is not None:
 # near. A pick a few per cent behind the fastest is worth a second run: between runs, clocks and temperature
 # move figures by a few per cent. One timing per cell cannot settle which way a line should go. The
 # sweeps behind `choose` (`notes/performance.md`, fourth and twenty-fourth rounds) timed every candidate
-# several times per cell, in turn. An earlier H200 record had `choose` taking the persistent grid for
-# causal rows of 2k keys, 5 % behind the plain ping-pong kernel. Repeated timings showed the same gap
-# in two more runs, so `choose` now takes the plain kernel there.
+# several times per cell, each first in turn (`course_lib.perf.timing.interleaved`). An earlier H200
+# record had `choose` taking the persistent grid for causal rows of 2k keys, 5 % behind the plain ping-pong
+# kernel. Repeated timings showed the same gap in two more runs, so `choose` now takes the plain kernel
+# there.
 #
 # ## 5. The backward: dK and dV without spilling
 #

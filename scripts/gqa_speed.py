@@ -5,7 +5,7 @@ than query heads: course_lib.flash_attention(q, k, v) with k, v of H/4 heads, ag
 k, v repeated to H heads beforehand (the repeat itself not timed), and against the call a model without
 grouped-query support makes: k, v repeated inside the timed call (`repeat_interleave` in the autograd
 graph, as transformers' `repeat_kv`; its backward sums dK, dV over the copies). Prints the median time
-of each over --passes timings, taken in alternating order (single timings vary by 1-2 % over a run),
+of each over --passes timings, each call first in turn (single timings vary by 1-2 % over a run),
 the ratios to the grouped call, and the first ratio of each pass. --graphs times CUDA-graph replays of
 each forward + backward instead: the GPU's work alone, without the CPU's launch cost, which at 1k keys
 is about as long as the GPU's work and makes plain timings vary (notes/performance.md, "Twelfth round").
@@ -43,7 +43,7 @@ from course_lib.attention.configs import DKDV
 from course_lib.attention.forward import forward as attention_forward
 from course_lib.bench import summarise
 from course_lib.bench.shapes import standard_cells
-from course_lib.perf.timing import benchmark, graph_ms
+from course_lib.perf.timing import benchmark, graph_ms, interleaved
 
 
 def fwd_bwd(q, k, v, causal, repeat: int = 1):
@@ -149,7 +149,7 @@ def main() -> int:
     parser.add_argument("--modes-only", action="store_true", help="only the group-summing modes")
     parser.add_argument("--tune", action="store_true", help="record the fastest grouped dK/dV launches first")
     parser.add_argument(
-        "--passes", type=int, default=4, help="timings of each call per cell, in alternating order"
+        "--passes", type=int, default=4, help="timings of each call per cell, each first in turn"
     )
     parser.add_argument(
         "--graphs", action="store_true", help="time CUDA-graph replays (the GPU's work alone)"
@@ -176,10 +176,7 @@ def main() -> int:
             "rep": fwd_bwd(q, k_rep, v_rep, causal),
             "rep_in_call": fwd_bwd(q, k, v, causal, repeat=args.group),
         }
-        times = {name: [] for name in calls}
-        for i in range(args.passes):  # timings vary by 1-2 % over a run: each call goes first in turn
-            for name in list(calls) if i % 2 == 0 else list(calls)[::-1]:
-                times[name].append(timer(calls[name]))
+        times = interleaved(calls, args.passes, timer)  # timings drift by 1-2 % over a run
         gqa, rep, rep_in_call = (statistics.median(times[name]) for name in calls)
         rows.append(
             dict(

@@ -11,9 +11,10 @@ the timing loop are `scripts/hopper_gluon_forward.py`'s. What it measured, and h
 follows from it: notes/performance.md, "Fourth round".
 
 With `--passes P` it times only the kernels `hopper.choose` picks between (every variant below and the
-Triton forward), P times per cell in a rotated order, and prints each one's median TFLOP/s, the
-fastest, and the share of the fastest that `choose`'s pick reaches: one timing per kernel cannot tell
-apart kernels a few per cent apart (notes/performance.md, "Twenty-fourth round").
+Triton forward), P times per cell, each first in turn (`perf.timing.interleaved`), and prints each
+one's median TFLOP/s, the fastest, and the share of the fastest that `choose`'s pick reaches: one
+timing per kernel cannot tell apart kernels a few per cent apart (notes/performance.md,
+"Twenty-fourth round").
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from hopper_gluon_forward import check, sweep  # noqa: E402  (this script's fold
 
 from course_lib.attention import attention_forward, hopper  # noqa: E402
 from course_lib.bench import summarise  # noqa: E402
-from course_lib.perf.timing import attention_flops  # noqa: E402
+from course_lib.perf.timing import attention_flops, interleaved  # noqa: E402
 
 # (BLOCK_N, NUM_STAGES, NUM_CONSUMERS, PINGPONG, PERSISTENT) per head dim.
 # Shared memory: (NUM_CONSUMERS * 64 + 2 * NUM_STAGES * BLOCK_N) * d * 2 bytes, at most ~227 KB.
@@ -79,10 +80,7 @@ def repeated(heads: list[int], ns: list[int], passes: int) -> None:
                 q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
                 flops = attention_flops(b, h, n, n, d, causal)
                 runs = {t: (lambda t=t: run_kernel(t, q, k, v, causal)) for t in kernels}  # noqa: B023
-                times = {t: [] for t in kernels}
-                for p in range(passes):
-                    for t in kernels[p % len(kernels) :] + kernels[: p % len(kernels)]:
-                        times[t].append(bench(runs[t]))
+                times = interleaved(runs, passes, bench)
                 tflops = {t: flops / statistics.median(ms) * 1e-9 for t, ms in times.items()}
                 best = max(tflops, key=tflops.get)
                 pick = hopper.choose(d, causal, n, n)

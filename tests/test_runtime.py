@@ -197,6 +197,26 @@ def test_timing_and_flops():
         timing.attention_flops(1, 1, 1, 1024, 64, causal=True)
 
 
+def test_interleaved_timings_put_each_call_first_in_turn():
+    order = []
+
+    def timer(fn):
+        order.append(fn())
+        return float(len(order))
+
+    calls = {name: (lambda name=name: name) for name in "abc"}
+    times = timing.interleaved(calls, 4, timer)
+    assert "".join(order) == "abc" + "bca" + "cab" + "abc", order  # each pass starts one call later
+    assert times == {"a": [1.0, 6.0, 8.0, 10.0], "b": [2.0, 4.0, 9.0, 11.0], "c": [3.0, 5.0, 7.0, 12.0]}
+    real = timing.interleaved({"matmul": lambda: torch.randn(8, 8) @ torch.randn(8, 8)}, 2)  # benchmark
+    assert len(real["matmul"]) == 2 and min(real["matmul"]) > 0, real
+    with pytest.raises(ValueError, match="passes"):
+        timing.interleaved(calls, 0, timer)
+    for bad in ({}, {"a": 1}):
+        with pytest.raises(TypeError, match="functions"):
+            timing.interleaved(bad, 1, timer)
+
+
 IMPORT_ORDERS = {
     "course_lib first": "import course_lib, torch, triton",
     "torch and triton first": "import torch, triton\nimport course_lib",

@@ -128,6 +128,26 @@ def graph_ms(fn) -> float | None:
         free_memory()
 
 
+def interleaved(calls: dict, passes: int, timer=benchmark) -> dict:
+    """Times of several calls taken in turn, `passes` times each: {name: [ms per pass]}.
+
+    Pass p starts with call number p (mod the number of calls) and goes round in order, so that each call
+    goes first, and follows each other, equally often. A GPU's clock and temperature drift over a run by
+    a few per cent; timing each call once, in a fixed order, gives that drift to whichever came last.
+    Compare medians over the passes (`statistics.median`), and read the spread of each list as the noise.
+    `timer` takes a function and returns ms: `benchmark` (default) or `graph_ms`."""
+    passes = check_int("interleaved", "passes", passes, 1)
+    if not calls or not all(callable(fn) for fn in calls.values()):
+        raise TypeError("interleaved: calls must be a non-empty dict of functions to call")
+    names = list(calls)
+    times = {name: [] for name in names}
+    for p in range(passes):
+        start = p % len(names)
+        for name in names[start:] + names[:start]:
+            times[name].append(timer(calls[name]))
+    return times
+
+
 def peak_memory(fn) -> int | None:
     """Peak bytes allocated on the GPU while `fn()` runs, above what was allocated before;
     None on the CPU (PyTorch does not track CPU allocations)."""
