@@ -172,6 +172,14 @@ ax.legend()
 plt.show()
 
 # %% [markdown]
+# Comparing two kernels adds one more trap: drift. Over a run a GPU's clock and temperature move figures by
+# a few per cent, so timing A and then B, once each, hands the drift to whichever came second. Time them in
+# turn over several passes, each first equally often, and compare medians:
+# `course_lib.perf.timing.interleaved({"A": run_a, "B": run_b}, passes=6)` returns each one's times. A
+# difference smaller than the spread of one kernel's own passes is a tie, not a result (notebook 08c
+# shows a launch rule that was changed only after this kind of timing).
+
+# %% [markdown]
 # ### 1.4 The L2 cache: hot data lies
 #
 # Timing one call many times in a row on the **same** tensors leaves them in the cache after the first
