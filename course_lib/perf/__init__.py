@@ -5,7 +5,8 @@
 - `ceilings` ......... measured copy / read bandwidth, matmul TFLOP/s, fusion ......... notebook 01
 - `training_memory` .. bytes per parameter when training with Adam ................... notebook 01
 - `profiling` ........ standard attention step by step, under the profilers .......... notebook 02
-- `timing` ........... `benchmark`, `interleaved`, `peak_memory`, `kernel_stats`, `attention_flops` ... notebook 08
+- `timing` ........... `benchmark`, `interleaved`, `peak_memory`, `kernel_stats`,
+                       `attention_flops` ............................................. notebook 08
 - `plotting` ......... series, bars, the roofline, tables ............................ notebooks 00-08
 
 The names of `hardware`, `roofline`, `ceilings` and `training_memory` are also reachable here
