@@ -183,6 +183,21 @@ def token_ids(where: str, prompt, vocab: int | None = None) -> list[int]:
     return ids
 
 
+def check_generation_fits(
+    where: str, prompt_length: int, max_new_tokens: int, max_seq_len: int | None
+) -> None:
+    """A prompt and `max_new_tokens` new tokens within a model's `max_seq_len` positions (its RoPE table;
+    None: no limit), else a ValueError. The model runs at the prompt's positions and at every new
+    token's but the last, which is returned, never fed back."""
+    positions = prompt_length + max(max_new_tokens - 1, 0)
+    if max_seq_len is not None and positions > max_seq_len:
+        raise ValueError(
+            f"{where}: a prompt of {prompt_length} tokens and {max_new_tokens} new ones run the model at "
+            f"{positions} positions (the last new token is not fed back); the model has max_seq_len = "
+            f"{max_seq_len}"
+        )
+
+
 def accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
     """Where softmax statistics and sums accumulate: float64 for float64 inputs, else float32."""
     return torch.float64 if dtype == torch.float64 else torch.float32

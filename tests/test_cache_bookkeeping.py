@@ -280,7 +280,9 @@ def test_write_refuses_mismatched_shapes():
         (slots, torch.ones(3, 1, 8), good, ValueError, r"k must have shape \(T, Hkv, d\) = \(2, 1, 8\)"),
         (slots, good, torch.ones(2, 2, 8), ValueError, r"v must have shape \(T, Hkv, d\) = \(2, 1, 8\)"),
         (slots, torch.ones(2, 8), good, ValueError, "k must have shape"),
-        (slots.float(), good, good, TypeError, r"slots must be a \(T,\) integer tensor"),
+        (slots.float(), good, good, TypeError, r"slots must be a \(T,\) int64 or int32 tensor"),
+        (slots > 0, good, good, TypeError, "slots must be"),  # a bool mask would index by position
+        (slots.to(torch.uint8), good, good, TypeError, "slots must be"),
         (slots[None], good, good, TypeError, "slots must be"),
     ]
     for s, k, v, error, words in cases:

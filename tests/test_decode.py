@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -128,6 +129,23 @@ def test_decode_attention_not_causal():
     seqlens = torch.tensor([5, 99], dtype=torch.int32, device=DEV)
     out, lse = decode_attention(q, k, v, seqlens, causal=False, num_splits=2, return_lse=True)
     assert_matches(out, lse, decode_references(q, k, v, seqlens, causal=False), "causal=False")
+    # the flag's other spellings, as flash_attention takes them: numpy bools, 0 and 1
+    for flag, want in ((np.False_, False), (0, False), (np.True_, True), (1, True), ("bottom_right", True)):
+        got = decode_attention(q, k, v, seqlens, causal=flag, num_splits=2)
+        assert torch.equal(got, decode_attention(q, k, v, seqlens, causal=want, num_splits=2)), repr(flag)
+    for flag in ("top_left", 2, torch.tensor([True, False])):
+        with pytest.raises(ValueError, match="causal must be True / 'bottom_right' or False"):
+            decode_attention(q, k, v, seqlens, causal=flag)
+
+
+def test_an_empty_batch_gives_an_empty_output():
+    """Batch 0, with lengths and without (the whole cache: the plan's wave arithmetic once divided by 0)."""
+    q, k, v = make_cache(1, 64, 4, 2, 32, 1, torch.float32)
+    q, k, v = q[:0], k[:0], v[:0]
+    for lengths in (None, torch.zeros(0, dtype=torch.int32, device=DEV)):
+        for splits in (None, 1):
+            out, lse = decode_attention(q, k, v, lengths, num_splits=splits, return_lse=True)
+            assert out.shape == q.shape and lse.shape == q.shape[:-1]
 
 
 PAGED_CASES = [

@@ -256,6 +256,29 @@ def test_paged_generation_equals_step_by_step_greedy(backend):
         generate.serve(tiny_model(backend=backend), prompts, 6, batcher=loop)
 
 
+def test_generation_may_fill_max_seq_len_and_no_more():
+    """The last new token is returned, never fed back: a prompt of 3 and 6 new tokens run a model of
+    max_seq_len 8 at positions 0..7, on every path; one token more is refused by name before any step
+    runs (the batcher once ran into the RoPE table's end mid-step, its cache a token ahead)."""
+    from course_lib.decode.batching import ContinuousBatcher
+
+    model = tiny_model(std=0.3, max_seq_len=8)
+    prompt = [5, 17, 3]
+    expected = generate.greedy_reference(model, prompt, 6)
+    assert generate.sample(model, prompt, 6) == expected
+    assert generate.serve(model, [prompt], 6, page_size=4) == [expected]
+    batcher = ContinuousBatcher(model, num_pages=4, page_size=4)
+    for make in (
+        lambda: generate.sample(model, prompt, 7),
+        lambda: generate.serve(model, [prompt], 7),
+        lambda: list(generate.stream(model, [prompt], 7)),
+        lambda: batcher.submit(prompt, 7),
+    ):
+        with pytest.raises(ValueError, match=r"run the model at 9 positions .* max_seq_len = 8"):
+            make()
+    assert not batcher.waiting and batcher.cache.allocator.num_free == 4
+
+
 def test_sample_through_the_cache_draws_what_full_recomputation_draws():
     """`generate.sample` (a KV cache) draws, from one seed, the tokens of a sampler that recomputes the
     whole sequence at every step; at temperature 0 it is greedy; too long a request is refused."""
@@ -343,6 +366,11 @@ def test_bad_model_and_generation_arguments_are_named():
             "targets must be an int64 tensor of the tokens' shape",
         ),
         (lambda: model(x, cache=KVCache(model.config, 1, 8, DEVICE)), ValueError, "as the cache was made"),
+        (
+            lambda: model(x, cache=KVCache(model.config, 2, 16, DEVICE, torch.float16)),
+            TypeError,
+            "the cache was made torch.float16",
+        ),
         (lambda: LlamaConfig(**TINY, rope_theta=0.0), ValueError, "rope_theta must be a finite number > 0"),
         (lambda: LlamaConfig(**TINY, norm_eps=float("nan")), ValueError, "norm_eps must be a finite number"),
         (lambda: LlamaConfig(**{**TINY, "dim": 64.0}), TypeError, "dim must be an integer"),
@@ -377,6 +405,7 @@ def test_bad_model_and_generation_arguments_are_named():
         model(x[:, :1], cache=cache, start_pos=10)
     model(x[:, :1], cache=cache, start_pos=5)  # the next position: fine
     assert generate.sample(model, [1, 2], 0) == [] and generate.serve(model, [[1, 2]], 0) == [[]]
+    assert list(generate.stream(model, [[1, 2]], 0)) == []
     assert (
         len(generate.sample(model, [1, 2], 3, temperature=1e-45)) == 3
     )  # a tiny temperature: greedy, no NaN

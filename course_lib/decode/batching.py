@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..checks import check_int, token_ids
+from ..checks import check_generation_fits, check_int, token_ids
 from .cache import OutOfPages, PagedKVCache
 from .graphs import DecodeGraphs
 from .paged import paged_decode_attention
@@ -101,6 +101,12 @@ class Request:
         return len(self.generated) >= self.max_new_tokens or hit_eos
 
 
+def _max_positions(model) -> int | None:
+    """The most positions the model can run at (`config.max_seq_len`, its RoPE table) where it says, else None."""
+    size = getattr(getattr(model, "config", None), "max_seq_len", None)
+    return size if isinstance(size, int) else None
+
+
 def _vocab_size(model) -> int | None:
     """The model's vocabulary size where it says (`vocab_size`, `vocab` or `config.vocab_size`), else None."""
     for value in (getattr(model, "vocab_size", None), getattr(model, "vocab", None)):
@@ -172,6 +178,7 @@ class ContinuousBatcher:
                 f"tokens, more than the whole page pool holds ({self.cache.allocator.num_pages} pages of "
                 f"{self.cache.page_size} = {room}); ask for fewer tokens or a larger num_pages"
             )
+        check_generation_fits(where, len(prompt), max_new_tokens, _max_positions(self.model))
         req = Request(self._next_id, prompt, max_new_tokens, eos_id)
         self._next_id += 1
         self.waiting.append(req)

@@ -189,9 +189,11 @@ class PagedKVCache:
                 f"PagedKVCache.write: layer {layer} is out of range; layers are 0..{len(self.k_pages) - 1}"
             )
         per_token = tuple(self.k_pages[layer].shape[2:])  # (Hkv, d)
-        if not (isinstance(slots, torch.Tensor) and slots.dim() == 1 and not slots.dtype.is_floating_point):
+        if not (
+            isinstance(slots, torch.Tensor) and slots.dim() == 1 and slots.dtype in (torch.int32, torch.int64)
+        ):
             raise TypeError(
-                f"PagedKVCache.write: slots must be a (T,) integer tensor (from append), got {slots!r}"
+                f"PagedKVCache.write: slots must be a (T,) int64 or int32 tensor (from append), got {slots!r}"
             )
         expected = (slots.shape[0], *per_token)
         for name, x in (("k", k), ("v", v)):

@@ -54,7 +54,7 @@ import torch
 
 from .. import pdl, runtime
 from ..attention.blocks import LN2
-from ..checks import check_int, default_scale
+from ..checks import causal_alignment, check_int, default_scale
 from ..pdl import allow_dependents
 from ..runtime import tl, triton
 from .combine import combine
@@ -314,11 +314,13 @@ def check_inference(where: str, **tensors: torch.Tensor) -> None:
 def normalise_causal(causal, where: str) -> bool:
     """causal: True or 'bottom_right' (the decoding alignment), or False. 'top_left' makes no sense for
     new tokens at the end of a cache and is refused."""
-    if causal in (True, "bottom_right"):
-        return True
-    if causal is False or causal is None:
-        return False
-    raise ValueError(f"{where}: causal must be True / 'bottom_right' or False; got {causal!r}")
+    problem = ValueError(f"{where}: causal must be True / 'bottom_right' or False; got {causal!r}")
+    if isinstance(causal, str) and causal == "top_left":
+        raise problem
+    try:
+        return causal_alignment(causal) is not None  # the flag's spellings (numpy bools, 0/1) as elsewhere
+    except ValueError:
+        raise problem from None
 
 
 def launch(
@@ -344,16 +346,16 @@ def launch(
                 f"{where}: num_splits={num_splits} is more than the cache holds keys ({capacity} per sequence); "
                 "give at most that many, or None to choose"
             )
+    out = torch.empty_like(q)
+    lse = torch.empty((B, Tq, Hq), dtype=torch.float32, device=q.device)
+    if B == 0:
+        return out, lse
     width = block_table.shape[1] if paged else 0
     plan = decode_plan(
         B, Hkv, m_tiles, capacity, d, paged, width, q.element_size(),
         num_splits, full,
     )  # fmt: skip
     tile, num_splits = plan.tile, plan.num_splits
-    out = torch.empty_like(q)
-    lse = torch.empty((B, Tq, Hq), dtype=torch.float32, device=q.device)
-    if B == 0:
-        return out, lse
     if num_splits == 1:
         o_part, l_part = out.unsqueeze(0), lse.unsqueeze(0)  # the one split writes the result itself
     else:

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 
 import torch
 
-from ..checks import check_int, check_real, token_ids
+from ..checks import check_generation_fits, check_int, check_real, token_ids
 from .llama import KVCache
 
 
@@ -41,12 +41,7 @@ def _check_fits(model, prompts, max_new_tokens: int, where: str) -> int:
     max_seq_len (its RoPE table): a ValueError naming the first that does not."""
     max_new_tokens = check_int(where, "max_new_tokens", max_new_tokens, 0)
     for prompt in prompts:
-        n_ctx = len(prompt) + max_new_tokens
-        if n_ctx > model.config.max_seq_len:
-            raise ValueError(
-                f"{where}: a prompt of {len(prompt)} tokens and {max_new_tokens} new ones need {n_ctx} "
-                f"positions; the model has max_seq_len = {model.config.max_seq_len}"
-            )
+        check_generation_fits(where, len(prompt), max_new_tokens, model.config.max_seq_len)
     return max_new_tokens
 
 
@@ -72,7 +67,7 @@ def sample(model, prompt, max_new_tokens: int, temperature: float = 0.0, generat
     max_new_tokens = _check_fits(model, [prompt], max_new_tokens, "sample")
     if max_new_tokens == 0:
         return []
-    n_ctx = len(prompt) + max_new_tokens
+    n_ctx = len(prompt) + max_new_tokens - 1  # the last new token is not fed back
     temperature = check_real("sample", "temperature (0 is greedy)", temperature, low=0)
     cache = KVCache(model.config, 1, n_ctx, model.device, model.dtype)
     logits = model(torch.tensor([prompt], device=model.device), cache=cache, start_pos=0)
@@ -134,6 +129,8 @@ def stream(model, prompts, max_new_tokens: int, batcher=None, **sizes) -> Iterat
     tokens must fit the model's max_seq_len (checked before anything is queued)."""
     prompts = _prompts(model, prompts, "stream")
     max_new_tokens = _check_fits(model, prompts, max_new_tokens, "stream")
+    if max_new_tokens == 0:  # nothing to generate, as `serve` and `sample` answer
+        return
     if batcher is None:
         batcher = make_batcher(model, prompts, max_new_tokens, **sizes)
     elif sizes:

@@ -310,6 +310,12 @@ class KVCache:
                 f"KVCache: k and v must be (batch, n_kv_heads, n, head_dim) with (batch, n_kv_heads, head_dim) = "
                 f"{expected}, as the cache was made; got k {tuple(k.shape)}, v {tuple(v.shape)}"
             )
+        if (k.dtype, v.dtype, k.device, v.device) != (self.k.dtype,) * 2 + (self.k.device,) * 2:
+            raise TypeError(
+                f"KVCache: the cache was made {self.k.dtype} on {self.k.device}, but the model's k, v are "
+                f"{k.dtype} / {v.dtype} on {k.device} / {v.device}: make the cache with the model's dtype "
+                "and device (KVCache(config, batch, max_len, device, dtype))"
+            )
         end = start_pos + k.shape[-2]
         if end > self.k.shape[-2]:
             raise ValueError(
