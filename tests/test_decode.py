@@ -637,6 +637,23 @@ def test_cuda_graphs_need_a_cuda_model():
         ContinuousBatcher(ToyModel("cpu"), num_pages=4, page_size=4, cuda_graphs=True)
 
 
+def test_the_batcher_refuses_what_it_could_not_serve_before_a_step():
+    """A model the kernel cannot serve (float64, a head dim of 12) is refused when the loop is made, where
+    it once failed at the first step with its pages already appended; a bad eos_id at submit."""
+    with pytest.raises(ValueError, match="cannot serve this model: dtype torch.float64 is unsupported"):
+        ContinuousBatcher(ToyModel("cpu", torch.float64), num_pages=4, page_size=4)
+    odd = ToyModel("cpu")
+    odd.head_dim = 12
+    with pytest.raises(ValueError, match="cannot serve this model: head dim d=12 is unsupported"):
+        ContinuousBatcher(odd, num_pages=4, page_size=4)
+    batcher = ContinuousBatcher(ToyModel("cpu"), num_pages=4, page_size=4)
+    for eos in ("2", -1, ToyModel.vocab, 1.0, True):
+        with pytest.raises(ValueError, match="eos_id must be None or a token id of the vocabulary"):
+            batcher.submit([1, 2], 3, eos_id=eos)
+    assert not batcher.waiting
+    batcher.submit([1, 2], 3, eos_id=np.int64(5))  # any integer type
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not course_lib.ON_GPU, reason="CUDA graphs need a GPU")
 def test_continuous_batching_replays_decode_steps_as_cuda_graphs():

@@ -27,10 +27,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..checks import check_generation_fits, check_int, token_ids
+from ..checks import as_int, check_generation_fits, check_int, token_ids
 from .cache import OutOfPages, PagedKVCache
 from .graphs import DecodeGraphs
 from .paged import paged_decode_attention
+from .split_kv import unsupported
 
 
 class PagedKV:
@@ -139,6 +140,10 @@ class ContinuousBatcher:
         max_step_tokens: int = 512,
         cuda_graphs: bool = False,
     ):
+        if problem := unsupported(model.dtype, model.head_dim):  # refused before a page is taken
+            raise ValueError(
+                f"ContinuousBatcher: the paged decoding kernel cannot serve this model: {problem}"
+            )
         max_batch = check_int("ContinuousBatcher", "max_batch", max_batch, 1)
         max_step_tokens = check_int("ContinuousBatcher", "max_step_tokens", max_step_tokens, 1)
         self.model = model
@@ -179,7 +184,10 @@ class ContinuousBatcher:
                 f"{self.cache.page_size} = {room}); ask for fewer tokens or a larger num_pages"
             )
         check_generation_fits(where, len(prompt), max_new_tokens, _max_positions(self.model))
-        req = Request(self._next_id, prompt, max_new_tokens, eos_id)
+        eos = eos_id if eos_id is None else as_int(eos_id)
+        if eos_id is not None and (eos is None or eos < 0 or eos >= (_vocab_size(self.model) or eos + 1)):
+            raise ValueError(f"{where}: eos_id must be None or a token id of the vocabulary; got {eos_id!r}")
+        req = Request(self._next_id, prompt, max_new_tokens, eos)
         self._next_id += 1
         self.waiting.append(req)
         return req.id

@@ -63,7 +63,9 @@ class PageAllocator:
         """One owner fewer; the page returns to the free list when none is left."""
         page = self._page(page, "PageAllocator.release")
         if self.refs[page] < 1:
-            raise ValueError(f"page {page} is already free")
+            raise ValueError(
+                f"page {page} is free (released already, or never allocated); only a page in use can be released"
+            )
         self.refs[page] -= 1
         if self.refs[page] == 0:
             self.free_list.append(page)

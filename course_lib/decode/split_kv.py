@@ -65,6 +65,15 @@ runtime.require_triton()
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
+def unsupported(dtype: torch.dtype, head_dim: int) -> str | None:
+    """What the decoding kernels cannot take about a cache of `dtype` and `head_dim` (None: nothing)."""
+    if dtype not in DTYPES:
+        return f"dtype {dtype} is unsupported; supported: float16, bfloat16, float32"
+    if head_dim % 8 or not 16 <= head_dim <= 256:
+        return f"head dim d={head_dim} is unsupported; supported: multiples of 8 from 16 to 256"
+    return None
+
+
 @triton.jit
 def split_kv_kernel(
     Q, K, V, BLOCK_TABLE, SEQLENS, O_PART, L_PART, qk_scale,
@@ -230,8 +239,8 @@ def check_query_and_lengths(
         raise ValueError(f"{where}: q is on {q.device} but the K/V cache is on {device}")
     if d != head_dim:
         raise ValueError(f"{where}: q has head dim {d}, the K/V cache {head_dim}")
-    if d % 8 or not 16 <= d <= 256:
-        raise ValueError(f"{where}: head dim d={d} unsupported; supported: multiples of 8 from 16 to 256")
+    if problem := unsupported(q.dtype, d):
+        raise ValueError(f"{where}: {problem}")
     if kv_heads == 0 or Hq % kv_heads:
         raise ValueError(
             f"{where}: Hq={Hq} query heads must be a multiple of Hkv={kv_heads} kv heads (GQA); q {tuple(q.shape)}"
