@@ -107,6 +107,9 @@ def test_register_and_names():
     model = tiny_llama()
     model.set_attn_implementation("course_lib")
     assert model.config._attn_implementation == "course_lib"
+    for name in (123, "", " ", None):
+        with pytest.raises(TypeError, match="name must be a non-empty string"):
+            use_in_transformers(name)
 
 
 @pytest.mark.parametrize("kv_heads", [2, 1], ids=["GQA 4/2", "MQA 4/1"])

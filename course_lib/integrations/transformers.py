@@ -374,6 +374,10 @@ def register(name: str = NAME) -> str:
 
     Afterwards: `model.set_attn_implementation(name)`, or `config._attn_implementation = name` before
     building the model. Registering twice is harmless."""
+    if not isinstance(name, str) or not name.strip():
+        raise TypeError(
+            f"use_in_transformers: name must be a non-empty string (the attn_implementation); got {name!r}"
+        )
     AttentionInterface.register(name, attention_forward)
     AttentionMaskInterface.register(name, attention_mask)
     return name
