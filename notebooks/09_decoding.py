@@ -88,7 +88,7 @@ assert ridge > 8 * 8  # decoding at G <= 8 sits deep in the memory-bound region
 
 
 # %%
-def kv_bytes_per_token(n_tokens, layers=32, kv_heads=8, head_dim=128, bytes_per_element=2):
+def kv_bytes_read_per_step(n_tokens, layers=32, kv_heads=8, head_dim=128, bytes_per_element=2):
     """Bytes of K and V one decoding step reads for one sequence of n_tokens."""
     return 2 * n_tokens * layers * kv_heads * head_dim * bytes_per_element
 
@@ -102,7 +102,7 @@ elif hw_rec:
 else:
     read_gbps, source = h200.hbm_gbps, "datasheet bandwidth"
 for n in (1024, 32768, 131072):
-    nbytes = kv_bytes_per_token(n)
+    nbytes = kv_bytes_read_per_step(n)
     print(f"context {n:>6}: {nbytes / 2**30:6.2f} GiB per token -> {nbytes / (read_gbps * 1e9) * 1e3:6.2f} ms "
           f"at the H200's {source} of {read_gbps:.0f} GB/s")  # fmt: skip
 
@@ -320,15 +320,15 @@ print("tile rows of kv head 0:", rows, "... padded to", max(16, 1 << (G - 1).bit
 #
 # Splitting more fills the SMs but writes more partials and leaves a tail when the programs do not divide
 # evenly into waves of one program per SM. FlashAttention-2's rule: no split when batch × kv heads already
-# fills 80 % of the SMs; otherwise the fewest splits whose **wave efficiency** (programs ÷ (SMs × waves))
-# is within 85 % of the best, skipping a count whose blocks per split equal the previous count's (it adds
-# programs, not shorter ones). `heuristics.choose_num_splits` is that rule with three differences:
-# FlashAttention-2 counts two programs per SM (it calls the rule with 2 × SMs, for its 128-thread programs)
-# where course_lib counts the slots its own tile fills (one program per SM for the contiguous kernel); like
-# FlashAttention-3 it never splits a cache of 4 key blocks or fewer; and it takes "the best" over every
-# count, where FlashAttention-2 takes it over the counts it does not skip (so FA-2's choice can be a count
-# lower). For the H200's 132 SMs, with the contiguous kernel's blocks of `BLOCK_N` keys
-# (`heuristics.TILES`, 128 keys at d = 128):
+# fills 80 % of the SMs; otherwise the fewest splits whose **wave efficiency**, programs ÷ (SMs × waves) with
+# the waves rounded up (⌈programs ÷ SMs⌉), is at least 85 % of the best, skipping a count whose blocks per
+# split equal the previous count's (it adds programs, not shorter ones). `heuristics.choose_num_splits` is
+# that rule with three differences: FlashAttention-2 counts two programs per SM (it calls the rule with 2 ×
+# SMs, for its 128-thread programs) where course_lib counts the slots its own tile fills (one program per SM
+# for the contiguous kernel); like FlashAttention-3 it never splits a cache of 4 key blocks or fewer; and it
+# takes "the best" over every count, where FlashAttention-2 takes it over the counts it does not skip (so
+# FA-2's choice can be a count lower). For the H200's 132 SMs, with the contiguous kernel's blocks of
+# `BLOCK_N` keys (`heuristics.TILES`, 128 keys at d = 128):
 
 # %%
 BLOCK_N = tile_for(128).BLOCK_N  # keys per block of the contiguous kernel at d = 128
@@ -340,14 +340,14 @@ for batch, n_ctx in ((1, 1024), (1, 32768), (8, 8192), (16, 32768), (64, 4096)):
 assert choose_num_splits(64 * 8, 64, 132) == 1
 
 # %% [markdown]
-# The rule stops at the *first* count within 85 % of the best. At batch 1 with 32k tokens that is 15 splits: 120
-# programs, one per SM, and 12 SMs idle. When the rule's grid fits in one wave anyway, course_lib takes
-# one more step, `heuristics.fill_wave`: as many splits as still fit in that wave, each a little shorter,
-# so the wave ends sooner (and never a count whose last splits would get no keys: a grid with room for 33
-# splits of 1024 blocks would give each ⌈1024 / 33⌉ = 32, and 32 splits would hold them all, leaving the
-# 33rd empty; it takes 32). Measured on an H200, the filled count was as fast or faster in
-# every cell where it differs from the rule's (the figures are in the docstring of
-# `course_lib/decode/heuristics.py`); the recorded curve below marks both counts.
+# The rule stops at the *first* count that reaches 85 % of the best. At batch 1 with 32k tokens that is 15
+# splits: 120 programs, one per SM, and 12 SMs idle. When the rule's grid fits in one wave anyway, course_lib
+# takes one more step, `heuristics.fill_wave`: as many splits as still fit in that wave, each a little
+# shorter, so the wave ends sooner (and never a count whose last splits would get no keys: a grid with room
+# for 33 splits of 1024 blocks would give each ⌈1024 / 33⌉ = 32, and 32 splits would hold them all, leaving
+# the 33rd empty; it takes 32). Measured on an H200, the filled count was as fast or faster in every cell
+# where it differs from the rule's (the figures are in the docstring of `course_lib/decode/heuristics.py`);
+# the recorded curve below marks both counts.
 #
 # A grid of one wave that fills at least 80 % of the SMs (filled in this way, or unsplit) may also run on a
 # tile of its own, `heuristics.ONE_WAVE_TILES`: 64-key blocks and 4 warps, a 96 KB pipeline in
@@ -645,7 +645,8 @@ else:
 # Each exercise has a cell to fill in and a check cell after it. Later cells never use your answers.
 #
 # **Exercise 1 (merge).** Write `merge_two(o_a, lse_a, o_b, lse_b)` for partial results of shape (..., d)
-# and (...) over disjoint key sets. Handle a row that is empty in both parts: (0, −∞), no NaN.
+# and (...) over disjoint key sets; return the merged `(o, lse)`, of the same shapes. Handle a row that is
+# empty in both parts: (0, −∞), no NaN.
 
 
 # %%
@@ -716,7 +717,7 @@ def my_num_splits(programs, n_key_blocks, num_sms):
 # %% tags=["check"]
 _cases = [(8, 512, 132), (1, 2048, 132), (32, 64, 108), (16, 16, 132), (128, 512, 132), (4, 3, 132)]
 _cases += [(1, 4, 132), (2, 8, 132), (64, 16, 80)]  # the edges: 4 blocks, blocks below the SMs, 80 % exactly
-_cases += [(1, 1024, 200)]  # the cap of 128 splits binds (without it: 170)
+_cases += [(1, 1024, 200)]  # the cap of 128 splits binds (without it: 171)
 check(
     "split choice",
     lambda: [my_num_splits(*c) for c in _cases],

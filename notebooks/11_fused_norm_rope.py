@@ -308,7 +308,9 @@ else:
 # Complex multiplication in PyTorch, pairs of neighbours (2i, 2i+1):
 
 # %%
-angles = torch.arange(N, dtype=torch.float64)[:, None] * 10000.0 ** (-torch.arange(0, HEAD_DIM, 2) / HEAD_DIM)
+angles = torch.arange(N, dtype=torch.float64)[:, None] * 10000.0 ** (
+    -torch.arange(0, HEAD_DIM, 2, dtype=torch.float64) / HEAD_DIM
+)
 q = torch.randn(B, HQ, N, HEAD_DIM, dtype=torch.float64)
 k = torch.randn(B, HK, N, HEAD_DIM, dtype=torch.float64)
 

@@ -89,7 +89,7 @@ _ = torch.manual_seed(0)
 # | piece | what it computes | built in |
 # | --- | --- | --- |
 # | RMSNorm | $x / \sqrt{\mathrm{mean}(x^2) + \epsilon} \cdot w$, statistics in fp32 | notebook 11 |
-# | RoPE | rotate each (q, k) pair of dims by the angle pos · θᵢ | notebook 11 |
+# | RoPE | rotate each pair of dims of q and of k by the angle pos · θᵢ | notebook 11 |
 # | attention | softmax(QKᵀ/√d) V, causal, with the online softmax | notebooks 03, 04, 06, 07 |
 # | grouped-query attention | `n_heads` query heads share `n_kv_heads` K/V heads, no repeat | notebooks 08b, 09 |
 # | KV cache, bottom-right causal | new queries see every cached key up to their own position | notebooks 09, 10 |

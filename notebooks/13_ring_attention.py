@@ -162,6 +162,9 @@ assert torch.equal(unshard(parts, "zigzag", seq_len=13), ragged)
 # %% [markdown]
 # ## 3. Ring attention, forward
 #
+# Here q, k and v are (B, H, N, d), heads before tokens, as in notebooks 02-08 (the decoding notebooks'
+# caches put tokens first); `shard` cuts the sequence dimension, -2.
+#
 # Rank r starts with its own Q_r, K_r, V_r. At step s it holds the K/V of rank (r - s) mod P. It
 # computes attention of Q_r against them, a partial result (O_s, L_s): O normalised over these keys only,
 # L their logsumexp. Two partial results over disjoint keys merge exactly, as in notebook 03:
@@ -224,9 +227,10 @@ for case, r in zip(cases, results[0]):
 # The same ring again. Rank r's dQ_r needs every key: it accumulates locally, as the K/V pass by. dK_s and
 # dV_s need every query: an accumulator **travels with K_s, V_s**; each rank adds the contribution of its
 # queries and passes it on, and after the last step the finished dK_s, dV_s arrive at their owner. Each
-# block's backward is the single-device backward (`attention_backward(dO, Q, K_s, V_s, O, L)`), given the
-# **merged** O and L: the probabilities exp(S - L) with the final L are exactly the block's share of the whole
-# softmax, and D = rowsum(dO · O) uses the final O. Nothing is recomputed differently from one device.
+# block's backward is the single-device backward (`course_lib.attention.attention_backward(dO, Q, K_s, V_s, O,
+# L, causal, scale)`), given the **merged** O and L: the probabilities exp(S - L) with the final L are exactly
+# the block's share of the whole softmax, and D = rowsum(dO · O) uses the final O. Nothing is recomputed
+# differently from one device.
 #
 # The gradients of the run above were checked too (dQ, dK, dV in the printout). What travels per step
 # and rank, backward: the K/V slice (input dtype) and the dK/dV accumulators (float32, for accuracy) —
@@ -345,7 +349,7 @@ else:
 # %% [markdown]
 # **Reading the trace.** In the recorded step, most of each rank's transfers ran while its attention
 # kernels ran, but not all: the last one, the dK/dV accumulators going home after the last step, has no
-# compute left to hide behind (in the timeline, the NCCL bar after the last kernel).
+# compute left to hide behind (in the timeline, the NCCL bar after the last attention kernel).
 
 # %% [markdown]
 # ## 9. Past two GPUs, on paper
@@ -361,8 +365,11 @@ else:
 # $$
 #
 # (F = 3.5 · 2 · N² · H · d for the causal forward + backward), with R the attention FLOP/s one GPU
-# reaches and B the bandwidth one GPU sends at. The rates come from the record when there is one; else
-# from assumptions, printed as such.
+# reaches and B the bandwidth one GPU sends at. This pools the two passes. Taken one at a time, the
+# forward (4 bytes per element against 2 of the 7 units of F) needs N/P ≥ 2 · H_kv · R / (H · B), and the
+# backward (12 bytes against 5 units) N/P ≥ 12 · H_kv · R / (5 · H · B): 5 % more than the pooled bound,
+# so the backward is the pass that shows a transfer first. The rates come from the record when there is
+# one; else from assumptions, printed as such.
 
 # %%
 if record is not None:
@@ -455,8 +462,8 @@ check(
 # %% [markdown]
 # **Exercise 3 (the merge).** Rank r holds partial results over the keys of rank a and of rank b:
 # (O_a, L_a), (O_b, L_b) as tensors (..., N, d) and (..., N). Merge them with the logsumexp rule, without
-# `merge_attention_states`. Rows that saw no key in either part have L = -inf and O = 0: keep them at
-# (0, -inf), never NaN.
+# `merge_attention_states`, and return the merged `(O, L)`. Rows that saw no key in either part have
+# L = -inf and O = 0: keep them at (0, -inf), never NaN.
 
 
 # %%
@@ -476,8 +483,9 @@ check_merge("merge of two partial results", merge)
 
 # %% [markdown]
 # **Exercise 4 (work per rank).** With contiguous sharding over P ranks and a causal mask, how many
-# (query, key) pairs does the busiest rank compute, as a fraction of the whole causal attention? Return
-# it for N = 4096, P = 4 (exact, from the plan) and compare with your formula for large N.
+# (query, key) pairs does the busiest rank compute, as a fraction of the whole causal attention? Write
+# `busiest_share(n, p)`, exact for any n and p (from the plan's pairs per rank: `work_per_rank`); the check
+# calls it with n = 4096, p = 4. Then compare it by hand with your formula for large N.
 
 
 # %%
