@@ -247,8 +247,11 @@ def test_serving_past_max_seq_len_is_refused_by_name(backend):
     config = LlamaConfig(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, hidden_dim=96, max_seq_len=16)
     model = Llama(config, backend).to(DEVICE)
     g = torch.Generator().manual_seed(3)
-    fits, too_long = (torch.randint(0, 256, (n,), generator=g).tolist() for n in (11, 14))
-    words = "a prompt of 14 tokens and 5 new ones need 19 positions; the model has max_seq_len = 16"
+    fits, too_long = (torch.randint(0, 256, (n,), generator=g).tolist() for n in (12, 14))
+    words = (
+        r"a prompt of 14 tokens and 5 new ones run the model at 18 positions \(the last new token is not fed "
+        r"back\); the model has max_seq_len = 16"
+    )
     loop = generate.make_batcher(model, [fits], 5, page_size=4)
     for name, call in (
         ("serve", lambda: generate.serve(model, [fits, too_long], 5, page_size=4)),
@@ -259,7 +262,7 @@ def test_serving_past_max_seq_len_is_refused_by_name(backend):
             call()
         assert not (loop.waiting or loop.running), f"{backend} {name}: a request was queued"
     assert generate.serve(model, [fits], 5, batcher=loop) == generate.greedy_cached(model, [fits], 5), (
-        f"{backend}: a prompt of 11 tokens and 5 new ones (16 positions) served"
+        f"{backend}: a prompt of 12 tokens and 5 new ones (16 positions: the last token is not fed) served"
     )
 
 
