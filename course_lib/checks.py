@@ -166,6 +166,15 @@ def check_real(where: str, name: str, value, low=None, high=None, low_open: bool
     return value
 
 
+def check_eps(where: str, name: str, eps) -> float:
+    """A normalisation's epsilon as a float: finite and > 0, also once rounded to float32, where the kernels
+    add it (at 0 an all-zero row would be 0 / 0 = NaN); else a TypeError or ValueError naming `name`."""
+    eps = check_real(where, name, eps, low=0, low_open=True)
+    if float(torch.tensor(eps, dtype=torch.float32)) == 0:
+        raise ValueError(f"{where}: {name}={eps!r} is 0 in float32, where it is added; give a larger one")
+    return eps
+
+
 def token_ids(where: str, prompt, vocab: int | None = None) -> list[int]:
     """A prompt as a list of ints in [0, vocab) (any iterable of ids, or a 1-D integer tensor); a TypeError
     when it is not one, a ValueError naming the ids that are not such ints (vocab None: any id >= 0)."""
@@ -220,6 +229,11 @@ def default_scale(head_dim: int, scale: float | None) -> float:
         raise TypeError(f"scale must be a number (or None for 1/sqrt(d)), got {scale!r}") from None
     if not (scale > 0 and scale != float("inf")):
         raise ValueError(f"scale must be a positive finite number, got {scale}")
+    if scale * math.log2(math.e) > torch.finfo(torch.float32).max:
+        raise ValueError(
+            f"scale must be below {torch.finfo(torch.float32).max / math.log2(math.e):.3g}: the kernels fold "
+            f"log2(e) into it in float32, where it would be inf; got {scale}"
+        )
     return scale
 
 

@@ -371,6 +371,10 @@ def test_bad_config_and_dq_mode():
         fwd_mod.forward(q, k, v, config={"BLOCK_K": 32})
     with pytest.raises(ValueError, match="powers of two"):
         fwd_mod.forward(q, k, v, config={"BLOCK_M": 24})
+    with pytest.raises(TypeError, match="config must be a dict"):
+        fwd_mod.forward(q, k, v, config="fast")
+    with pytest.raises(TypeError, match="config switch exp2 must be True or False; got 'no'"):
+        fwd_mod.forward(q, k, v, config={"exp2": "no"})  # a truthy string once meant True
     o, lse = fwd_mod.forward(q, k, v)
     with pytest.raises(ValueError, match="dq_mode"):
         bwd_mod.backward(o, q, k, v, o, lse, dq_mode="fused")

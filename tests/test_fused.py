@@ -10,6 +10,7 @@ tolerances here allow 2 units in the last place.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -224,9 +225,11 @@ def test_rms_norm_matches_transformers_llama_rms_norm():
         (lambda: rms_norm(_randn(2, 8), _randn(8), eps=float("nan")), ValueError, "eps must be a finite number"),
         (lambda: rms_norm(_randn(2, 8), _randn(8), eps=True), TypeError, "eps must be a number, got True"),
         (lambda: rms_norm(_randn(2, 8), _randn(8), eps="1e-6"), TypeError, "eps must be a number"),
+        (lambda: rms_norm(_randn(2, 8), _randn(8), eps=0.0), ValueError, "eps must be a finite number > 0"),
+        (lambda: rms_norm(_randn(2, 8), _randn(8), eps=1e-50), ValueError, "eps=1e-50 is 0 in float32"),
         (lambda: RMSNorm(-1), ValueError, "^RMSNorm: hidden must be >= 1, got -1"),
         (lambda: RMSNorm(8.0), TypeError, "^RMSNorm: hidden must be an integer"),
-        (lambda: RMSNorm(8, eps=-1e-6), ValueError, "^RMSNorm: eps must be a finite number >= 0"),
+        (lambda: RMSNorm(8, eps=-1e-6), ValueError, "^RMSNorm: eps must be a finite number > 0"),
         (lambda: rms_norm(_randn(2, 0), _randn(0)), ValueError, "D >= 1"),
         (lambda: rms_norm([1.0, 2.0], _randn(2)), TypeError, "torch.Tensor"),
         (lambda: rms_norm(_randn(2, 8), _randn(8, dtype=torch.float64)), TypeError, "float64 weight"),
@@ -237,7 +240,8 @@ def test_rms_norm_matches_transformers_llama_rms_norm():
         ),
     ],
     ids=["weight shape", "int dtype", "device", "dw_mode", "eps", "eps inf", "eps nan", "eps bool", "eps str",
-         "module hidden", "module hidden float", "module eps", "empty D", "not a tensor", "float64 weight",
+         "eps 0 (0/0 on a zero row)", "eps 0 in float32", "module hidden", "module hidden float", "module eps",
+         "empty D", "not a tensor", "float64 weight",
          "float64 weight, bf16 x"],
 )  # fmt: skip
 def test_rms_norm_clear_errors(make, error, words):
@@ -494,6 +498,8 @@ def test_rope_kv_cache_offsets_agree_with_one_long_sequence():
     q_new, k_new = rope(q[:, :, 5:], k[:, :, 5:], cos, sin, positions=5)
     torch.testing.assert_close(q_new, q_all[:, :, 5:])
     torch.testing.assert_close(k_new, k_all[:, :, 5:])
+    q_np, k_np = rope(q[:, :, 5:], k[:, :, 5:], cos, sin, positions=np.int64(5))  # a NumPy offset too
+    assert torch.equal(q_np, q_new) and torch.equal(k_np, k_new)
 
 
 _HEADS_PAST_32_BITS = """

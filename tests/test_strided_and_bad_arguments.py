@@ -50,7 +50,7 @@ def test_decode_reads_strided_lengths(lengths):
     assert max_error(paged, ref) < 1e-4, max_error(paged, ref)
 
 
-@pytest.mark.parametrize("scale", [float("nan"), float("inf"), 0.0, -1.0, "abc"])
+@pytest.mark.parametrize("scale", [float("nan"), float("inf"), 0.0, -1.0, "abc", 2.4e38])
 def test_decode_refuses_a_bad_scale(scale):
     q, k, v = _decode_inputs()
     seqlens = torch.tensor([40, 17], dtype=torch.int32, device=DEVICE)
@@ -148,6 +148,11 @@ def test_rope_arguments_named(make, error, words):
             TypeError,
             "scale must be",
         ),
+        (  # times log2(e), inf in float32: the interpreter's assertion, or a compile error, without the check
+            lambda: flash_attention(*(_randn(1, 2, 16, 16) for _ in range(3)), scale=2.4e38),
+            ValueError,
+            "scale must be below 2.36e",
+        ),
         (
             lambda: flash_attention(*(_randn(1, 2, 16, 16) for _ in range(3)), causal=torch.tensor([1, 0])),
             ValueError,
@@ -172,7 +177,8 @@ def test_rope_arguments_named(make, error, words):
         ),
     ],
     ids=[
-        "no heads", "no kv heads", "causal=2", "scale text", "causal tensor", "scale wanting a gradient", "q a list",
+        "no heads", "no kv heads", "causal=2", "scale text", "scale past float32", "causal tensor",
+        "scale wanting a gradient", "q a list",
         "sinks a list",
     ],
 )  # fmt: skip

@@ -257,10 +257,30 @@ def test_varlen_opcheck_forward_and_backward():
     torch.library.opcheck(ops.flash_attention_varlen_backward, (do, q.detach(), k, v, o.detach(), lse, *args))
 
 
+def test_varlen_errors_quote_the_shapes_given():
+    """The packed checks speak of the (total, heads, d) tensors given, not of the (1, heads, total, d)
+    views the kernels run on (a message once said "dim -3" and quoted shapes never passed)."""
+    cu_q, cu_k = (torch.tensor(c, dtype=torch.int32, device=DEVICE) for c in ([0, 3, 8], [0, 4, 6]))
+    for (nq, nk, nv, hq, hkv), words in (
+        (
+            (8, 6, 5, 2, 2),
+            r"k and v must have one shape \(total_k, Hkv, d\); got q \(8, 2, 16\), k \(6, 2, 16\)",
+        ),
+        (
+            (8, 6, 6, 0, 0),
+            r"q needs at least one row, and q, k, v at least one head \(dim 1\); got q \(8, 0, 16\)",
+        ),
+        ((8, 6, 6, 3, 2), r"q's 3 heads must be a multiple of k and v's 2 .* got q \(8, 3, 16\)"),
+    ):
+        q, k, v = (torch.randn(n, h, 16, device=DEVICE) for n, h in ((nq, hq), (nk, hkv), (nv, hkv)))
+        with pytest.raises(ValueError, match=f"^flash_attention_varlen: {words}"):
+            flash_attention_varlen(q, k, v, cu_q, cu_k)
+
+
 @pytest.mark.parametrize(
     "change,match",
     [
-        (dict(v="short"), "same number of keys"),
+        (dict(v="short"), r"k and v must have one shape \(total_k, Hkv, d\)"),
         (dict(d=12), "head dim d=12"),
         (dict(scale=-0.25), "positive finite"),
         (dict(window=-3), "window must be >= 1"),
@@ -338,6 +358,34 @@ def test_padded_checks_its_inputs_first(change, words):
     real = torch.ones(2, 6, dtype=torch.bool, device=DEVICE)
     with pytest.raises((ValueError, TypeError), match=words):
         flash_attention_padded(*change(q, k, v, real))
+
+
+def test_padded_operators_check_what_the_function_checks():
+    """`torch.ops.course_lib.flash_attention_padded_forward` / `_backward` are public: called directly they
+    check their arguments as `flash_attention_padded` does, where a (B, Nk - 1) mask once failed inside
+    indexing and an additive float mask was silently read inverted."""
+    import course_lib.attention.op  # noqa: F401  (registers the operators)
+
+    fwd, bwd = (getattr(torch.ops.course_lib, f"flash_attention_padded_{p}") for p in ("forward", "backward"))
+    q, k, v = (torch.randn(2, 2, 6, 16, device=DEVICE) for _ in "qkv")
+    real = torch.ones(2, 6, dtype=torch.bool, device=DEVICE)
+    additive = torch.zeros(2, 6, device=DEVICE)
+    for args, error, words in (
+        ((q, k, v, real[:, :5], "none", 0.25), ValueError, r"padding must be \(batch, keys\) = \(2, 6\)"),
+        ((q, k, v, additive, "none", 0.25), TypeError, "padding must be bool or 0/1 integers"),
+        (
+            (torch.randn(2, 2, 8, 16, device=DEVICE), k, v, real, "none", 0.25),
+            ValueError,
+            "the queries are the last positions of the keys: Nq=8 > Nk=6",
+        ),
+        ((q[:, :, :3], k, v, real, "top_left", 0.25), ValueError, "causal must be 'none' or 'bottom_right'"),
+        ((q, k, v, real, "bottom_right", 0.25, -1), ValueError, "window must be >= 1"),
+    ):
+        with pytest.raises(error, match=f"^course_lib::flash_attention_padded_forward: {words}"):
+            fwd(*args)
+    o, lse = fwd(q, k, v, real, "bottom_right", 0.25)
+    with pytest.raises(TypeError, match="^course_lib::flash_attention_padded_backward: padding must be bool"):
+        bwd(torch.randn_like(o), q, k, v, o, lse, additive, "bottom_right", 0.25)
 
 
 @pytest.mark.gpu

@@ -175,6 +175,8 @@ def split_config(config: dict | None, fixed: Launch | None) -> tuple[dict | None
     skip_masked_blocks=False), the launch is fixed (missing keys take `fixed`); otherwise the default
     choice is used. Switches come back upper-case (EXP2, SKIP_MASKED, HOPPER), defaults from SWITCHES.
     BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2 (the backward's two kernels) are launch keys too."""
+    if config is not None and not isinstance(config, dict):
+        raise TypeError(f"config must be a dict of launch keys and switches (or None); got {config!r}")
     config = dict(config or {})
     unknown = set(config) - set(LAUNCH_KEYS) - set(SWITCHES) - set(BACKWARD_LAUNCH_KEYS)
     if unknown:
@@ -183,10 +185,13 @@ def split_config(config: dict | None, fixed: Launch | None) -> tuple[dict | None
             f"unknown config keys {sorted(unknown)}; known: {', '.join(known)} (BLOCK_*1/2: backward)"
         )
     switches = {
-        "EXP2": bool(config.pop("exp2", SWITCHES["exp2"])),
-        "SKIP_MASKED": bool(config.pop("skip_masked_blocks", SWITCHES["skip_masked_blocks"])),
-        "HOPPER": bool(config.pop("hopper", SWITCHES["hopper"])),  # the Gluon forward and dK/dV
-    }
+        upper: config.pop(name, SWITCHES[name])
+        for name, upper in (("exp2", "EXP2"), ("skip_masked_blocks", "SKIP_MASKED"), ("hopper", "HOPPER"))
+    }  # HOPPER: the Gluon forward and dK/dV
+    for upper, value in switches.items():
+        if not isinstance(value, (bool, int)) or value not in (0, 1):  # "no" would read as True
+            raise TypeError(f"config switch {upper.lower()} must be True or False; got {value!r}")
+        switches[upper] = bool(value)
     if not config and switches["EXP2"] and switches["SKIP_MASKED"]:
         return None, switches
     launch = {

@@ -289,6 +289,16 @@ varlen_forward_op.register_autograd(_varlen_backward, setup_context=_varlen_setu
 # --------------------------------------------------------------------------------------------------
 # A padded batch as packed sequences (`varlen.flash_attention_padded` calls these under torch.compile)
 # --------------------------------------------------------------------------------------------------
+def _check_padded(q, k, v, padding, causal: str, window: int, sinks, where: str) -> None:
+    """The operators' arguments as `flash_attention_padded` checks its own; causal "none" or "bottom_right"
+    (the queries are the last positions of the keys: top-left has no meaning here)."""
+    from .varlen import check_padded
+
+    if causal not in ("none", "bottom_right"):
+        raise ValueError(f"{where}: causal must be 'none' or 'bottom_right'; got {causal!r}")
+    check_padded(q, k, v, padding, causal == "bottom_right", window or None, sinks, where)
+
+
 @torch.library.custom_op("course_lib::flash_attention_padded_forward", mutates_args=())
 def padded_forward_op(
     q: torch.Tensor,
@@ -304,6 +314,8 @@ def padded_forward_op(
     checks the arguments): the real rows packed, `varlen_forward_op`, scattered back; padded query rows
     give O = 0 and L = 0. causal: "none" or "bottom_right"."""
     from .varlen import pack_rows, padded_sequences
+
+    _check_padded(q, k, v, padding, causal, window, sinks, "course_lib::flash_attention_padded_forward")
 
     real_q, real_k, cu_q, cu_k, max_q, max_k = padded_sequences(padding.to(q.device), q.shape[2])
     o = q.new_zeros(q.shape[0], q.shape[2], q.shape[1], q.shape[3])
@@ -338,6 +350,8 @@ def padded_backward_op(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """dQ, dK, dV (dense, zero at padding) and dsinks (empty without sinks) of `padded_forward_op`."""
     from .varlen import pack_rows, padded_sequences
+
+    _check_padded(q, k, v, padding, causal, window, sinks, "course_lib::flash_attention_padded_backward")
 
     real_q, real_k, cu_q, cu_k, max_q, max_k = padded_sequences(padding.to(q.device), q.shape[2])
     dq, dk, dv = (torch.zeros_like(t.transpose(1, 2)) for t in (q, k, v))  # (B, N, heads, d)

@@ -153,6 +153,21 @@ def check_packed(q, k, v, where: str) -> None:
             raise ValueError(
                 f"{where}: {name} must be (total rows, heads, head dim), packed sequences; got {shape}"
             )
+    shapes = f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+    if k.shape != v.shape:
+        raise ValueError(f"{where}: k and v must have one shape (total_k, Hkv, d); got {shapes}")
+    if q.shape[0] == 0 or q.shape[1] == 0 or k.shape[1] == 0 or q.shape[2] == 0:
+        raise ValueError(
+            f"{where}: q needs at least one row, and q, k, v at least one head (dim 1); got {shapes}"
+        )
+    if q.shape[2] != k.shape[2]:
+        raise ValueError(f"{where}: q and k must have one head dim (dim 2); got {shapes}")
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(
+            f"{where}: q's {q.shape[1]} heads must be a multiple of k and v's {k.shape[1]} (grouped-query "
+            f"attention); got {shapes}"
+        )
+    # dtypes, devices and the head dims the kernels take, on the (1, heads, rows, d) views they run on
     check_inputs(*(t.transpose(0, 1)[None] for t in (q, k, v)), where=where)
 
 
@@ -250,27 +265,14 @@ def flash_attention_varlen(
     return FlashAttentionVarlen.apply(q, k, v, seqs, alignment, scale, window, sinks32, sinks_dtype)
 
 
-def flash_attention_padded(q, k, v, padding, causal=False, scale=None, window=None, sinks=None):
-    """Attention of a padded batch, run as packed sequences: the padding is never computed.
-
-    q: (B, Hq, Nq, d); k, v: (B, Hkv, Nk, d); padding: (B, Nk) bool (or 0/1 integers), True where a
-    key is a real token (transformers' 2-D `attention_mask`). The queries are the last Nq positions of
-    the keys (prefill: Nq = Nk; decoding with a cache: Nq < Nk), so a query row is real where
-    padding[:, -Nq:] is. Each sequence's real queries attend to its real keys; causal: query i sees the
-    real keys up to its own position (each sequence bottom-right aligned after the padding is removed,
-    which is the same thing). window: a sliding window counted in real tokens, which equals positions
-    when each row's real tokens are one run (left or right padding). Padded query rows give O = 0 (no
-    gradient; a batch with no real query returns zeros outside the autograd graph). Returns O
-    (B, Hq, Nq, d). The real rows are gathered and scattered back by index, which
-    waits for the GPU once (the lengths decide the shapes); under torch.compile, where shapes that
-    depend on values cannot be traced, the whole call is one custom operator
-    (`op.padded_forward_op`, with its backward)."""
-    where = "flash_attention_padded"
+def check_padded(q, k, v, padding, causal, window, sinks, where: str) -> None:
+    """`flash_attention_padded`'s checks (its operators' too), each error naming `where`: q, k, v dense
+    (B, heads, N, d) tensors, padding (B, Nk) bool or 0/1 integers, Nq <= Nk, the window and the sinks."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
             raise ValueError(f"{where}: {name} must be (batch, heads, rows, head dim); got {shape}")
-    # the dense tensors' own checks (batch, heads, head dim, dtypes, devices), before any shortcut below
+    # the dense tensors' own checks (batch, heads, head dim, dtypes, devices)
     check_inputs(q, k, v, where=where)
     B, _, n_q, _ = q.shape
     n_k = k.shape[2]
@@ -289,9 +291,29 @@ def flash_attention_padded(q, k, v, padding, causal=False, scale=None, window=No
         )
     if n_q > n_k:
         raise ValueError(f"{where}: the queries are the last positions of the keys: Nq={n_q} > Nk={n_k}")
-    alignment = "bottom_right" if causal else False
-    check_window(window, causal_alignment(alignment), where)
+    check_window(window, causal_alignment("bottom_right" if causal else False), where)
     check_sinks(sinks, q, where)
+
+
+def flash_attention_padded(q, k, v, padding, causal=False, scale=None, window=None, sinks=None):
+    """Attention of a padded batch, run as packed sequences: the padding is never computed.
+
+    q: (B, Hq, Nq, d); k, v: (B, Hkv, Nk, d); padding: (B, Nk) bool (or 0/1 integers), True where a
+    key is a real token (transformers' 2-D `attention_mask`). The queries are the last Nq positions of
+    the keys (prefill: Nq = Nk; decoding with a cache: Nq < Nk), so a query row is real where
+    padding[:, -Nq:] is. Each sequence's real queries attend to its real keys; causal: query i sees the
+    real keys up to its own position (each sequence bottom-right aligned after the padding is removed,
+    which is the same thing). window: a sliding window counted in real tokens, which equals positions
+    when each row's real tokens are one run (left or right padding). Padded query rows give O = 0 (no
+    gradient; a batch with no real query returns zeros outside the autograd graph). Returns O
+    (B, Hq, Nq, d). The real rows are gathered and scattered back by index, which
+    waits for the GPU once (the lengths decide the shapes); under torch.compile, where shapes that
+    depend on values cannot be traced, the whole call is one custom operator
+    (`op.padded_forward_op`, with its backward)."""
+    where = "flash_attention_padded"
+    check_padded(q, k, v, padding, causal, window, sinks, where)
+    B, n_q = q.shape[0], q.shape[2]
+    alignment = "bottom_right" if causal else False
     if torch.compiler.is_compiling():  # the real tokens' count decides shapes: one opaque node (`op.py`)
         from .op import padded_forward_op
 

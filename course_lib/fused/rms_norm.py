@@ -51,7 +51,7 @@ import torch
 from torch import nn
 
 from .. import runtime
-from ..checks import accumulator_dtype, check_int, check_real
+from ..checks import accumulator_dtype, check_eps, check_int
 from ..runtime import tl, triton
 from ..second_derivative import refuse_second_derivative
 from . import launch
@@ -443,7 +443,7 @@ def _check(x, weight, eps, dw_mode) -> None:
         raise ValueError(
             f"{where}: hidden size {x.shape[-1]} is over {launch.MAX_ROW}, the longest row one program holds"
         )
-    check_real(where, "eps", eps, low=0)
+    check_eps(where, "eps", eps)
     if dw_mode not in DW_MODES:
         raise ValueError(f"{where}: dw_mode must be one of {DW_MODES}, got {dw_mode!r}")
 
@@ -485,7 +485,7 @@ class RMSNorm(nn.Module):
                 f"RMSNorm: dtype must be a floating-point torch.dtype (a learned weight), got {dtype!r}"
             )
         self.weight = nn.Parameter(torch.ones(hidden, device=device, dtype=dtype))
-        self.eps = check_real("RMSNorm", "eps", eps, low=0)
+        self.eps = check_eps("RMSNorm", "eps", eps)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps)

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..checks import check_int, check_real, shape_and_dtype
+from ..checks import check_eps, check_int, check_real, shape_and_dtype
 
 BACKENDS = ("course_lib", "sdpa", "eager")
 
@@ -53,7 +53,7 @@ class LlamaConfig:
         for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "hidden_dim", "max_seq_len"):
             check_int("LlamaConfig", name, getattr(self, name), 1)
         check_real("LlamaConfig", "rope_theta", self.rope_theta, low=0, low_open=True)
-        check_real("LlamaConfig", "norm_eps", self.norm_eps, low=0)
+        check_eps("LlamaConfig", "norm_eps", self.norm_eps)
         if self.dim % self.n_heads:
             raise ValueError(f"LlamaConfig: dim={self.dim} is not a multiple of n_heads={self.n_heads}")
         if self.n_heads % self.n_kv_heads:
