@@ -33,10 +33,12 @@ Public: `rope(q, k, cos, sin, positions=None, layout="half")`, `rope_cache(...)`
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 from .. import runtime
-from ..checks import OFFSET_LIMIT, accumulator_dtype, as_int, check_int, check_real
+from ..checks import OFFSET_LIMIT, accumulator_dtype, check_int, check_real
 from ..runtime import tl, triton
 from ..second_derivative import refuse_second_derivative
 from . import launch
@@ -281,8 +283,10 @@ def _positions(positions, n_batch: int, n_tokens: int, n_cache: int, device) -> 
     where = "rope"
     if isinstance(positions, bool):
         raise TypeError(f"{where}: positions must be None, an int offset or an integer tensor, got a bool")
-    if positions is None or as_int(positions) is not None and not isinstance(positions, torch.Tensor):
-        start = 0 if positions is None else as_int(positions)  # NumPy integers too
+    # NumPy integers too (bools refused above); a type test, not operator.index, which would read a
+    # one-element tensor's value: a GPU sync inside a CUDA graph's capture, and a break in torch.compile
+    if positions is None or isinstance(positions, numbers.Integral):
+        start = 0 if positions is None else int(positions)
         if start < 0 or start + n_tokens > n_cache:
             raise ValueError(
                 f"{where}: positions {start}..{start + n_tokens - 1} need cos/sin rows up to {start + n_tokens - 1}, "
