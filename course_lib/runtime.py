@@ -261,8 +261,8 @@ def gpu_test_workers(limit: int = 14, gib_per_worker: float = 12.0) -> int:
     """How many test processes `make test-gpu` runs side by side: `compile_workers(limit)` (compiling
     kernels is CPU-bound), and no more than the GPU's memory holds at `gib_per_worker` GiB each. The
     float64 references of the real-size tests take several GiB each: 14 processes filled an 80 GB H100
-    and failed with out-of-memory errors, and in one run of three a 141 GB H200 (the heavy tests met
-    in time); at 12 GiB each an H200 runs 11, an 80 GB H100 6, a 24 GB card 1."""
+    and failed with out-of-memory errors, and once a 141 GB H200 (in a run with a failed CUDA-graph
+    capture too); at 12 GiB each an H200 runs 11, an 80 GB H100 6, a 24 GB card 1."""
     workers = compile_workers(limit)
     if torch.cuda.is_available():
         gib = torch.cuda.get_device_properties(0).total_memory / 2**30
