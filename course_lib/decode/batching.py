@@ -184,10 +184,14 @@ class ContinuousBatcher:
                 f"{self.cache.page_size} = {room}); ask for fewer tokens or a larger num_pages"
             )
         check_generation_fits(where, len(prompt), max_new_tokens, _max_positions(self.model))
-        eos = eos_id if eos_id is None else as_int(eos_id)
-        if eos_id is not None and (eos is None or eos < 0 or eos >= (_vocab_size(self.model) or eos + 1)):
-            raise ValueError(f"{where}: eos_id must be None or a token id of the vocabulary; got {eos_id!r}")
-        req = Request(self._next_id, prompt, max_new_tokens, eos)
+        if eos_id is not None:
+            eos, vocab = as_int(eos_id), _vocab_size(self.model)
+            if eos is None or eos < 0 or (vocab is not None and eos >= vocab):
+                raise ValueError(
+                    f"{where}: eos_id must be None or a token id of the vocabulary; got {eos_id!r}"
+                )
+            eos_id = eos
+        req = Request(self._next_id, prompt, max_new_tokens, eos_id)
         self._next_id += 1
         self.waiting.append(req)
         return req.id
