@@ -11,7 +11,7 @@ PY3        ?= python3
 EXTRAS     := $(if $(filter 1,$(PINNED)),course$(,)pinned,course)
 JOBS       ?= 2
 # test-gpu's pytest workers: compiling kernels is CPU-bound, so all cores but two (at most 14), and one per
-# 8 GiB of GPU memory at most (course_lib.runtime.gpu_test_workers).
+# 12 GiB of GPU memory at most (course_lib.runtime.gpu_test_workers).
 GPU_JOBS   ?= $(shell $(PYTHON) -c "from course_lib.runtime import gpu_test_workers; print(gpu_test_workers())" 2>/dev/null || echo 4)
 # test-gpu runs this many notebooks at a time (their timings are then contended, so not recorded).
 NB_JOBS    ?= 3
