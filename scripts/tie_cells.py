@@ -37,25 +37,23 @@ RMS_BACKWARD_CELLS = [(16384, 2048), (16384, 4096), (16384, 8192)]  # nearest th
 DECODE_CELLS = [(16, 32768, False), (16, 32768, True), (64, 4096, True), (256, 1024, True), (8, 8192, True)]
 
 
-def quantile(values: list[float], p: float) -> float:
-    """The p-quantile of values (linear interpolation between the sorted values)."""
-    s = sorted(values)
-    x = p * (len(s) - 1)
-    lo = int(x)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (x - lo)
+def deciles(values: list[float]) -> tuple[float, float]:
+    """The 10th and 90th percentiles of values (linear interpolation, as NumPy's default)."""
+    cuts = statistics.quantiles(values, n=10, method="inclusive")
+    return cuts[0], cuts[-1]
 
 
 def report(name: str, nbytes: int, ceiling_gbps: float, times: dict, ours: str, theirs: str) -> None:
     """One line per cell: both medians (us, share of the ceiling) and the paired ratio's distribution."""
     ratios = [t / o for o, t in zip(times[ours], times[theirs])]
+    p10, p90 = deciles(ratios)
     parts = []
     for who in (ours, theirs):
         ms = statistics.median(times[who])
         parts.append(f"{who} {ms * 1e3:7.1f} us ({nbytes / ms / 1e6 / ceiling_gbps:5.1%})")
     print(
         f"{name:22s} " + ", ".join(parts) + f"; {theirs}/{ours} median {statistics.median(ratios):.4f}"
-        f" [p10 {quantile(ratios, 0.1):.4f}, p90 {quantile(ratios, 0.9):.4f}],"
+        f" [p10 {p10:.4f}, p90 {p90:.4f}],"
         f" >= 1.0 in {sum(r >= 1.0 for r in ratios)}/{len(ratios)} passes",
         flush=True,
     )
@@ -90,7 +88,7 @@ def rms_backward_cell(tokens: int, hidden: int, passes: int, copy_gbps: float) -
     shares = [nbytes / ms / 1e6 / copy_gbps for ms in times]
     print(
         f"backward T={tokens} D={hidden}: {statistics.median(times) * 1e3:7.1f} us,"
-        f" copy ceiling share median {statistics.median(shares):.1%}, p10 {quantile(shares, 0.1):.1%}",
+        f" copy ceiling share median {statistics.median(shares):.1%}, p10 {deciles(shares)[0]:.1%}",
         flush=True,
     )
 
