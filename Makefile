@@ -17,25 +17,31 @@ GPU_JOBS   ?= $(shell $(PYTHON) -c "from course_lib.runtime import gpu_test_work
 NB_JOBS    ?= 3
 LAB_ARGS   ?=
 STUDENT    := build/student
+VERIFY     := build/verify
+# threads per test process: the cores shared out among the JOBS workers (two workers of two threads each on a
+# 2-core machine ran slower than one thread each)
+THREADS    ?= $(shell $(PYTHON) -c "import os; print(max(1, (os.cpu_count() or 1) // $(JOBS)))" 2>/dev/null || echo 1)
 NOTEBOOK_DIR ?= notebooks
 NBVAL      := --nbval-lax --nbval-current-env --nbval-cell-timeout=900 --nbval-kernel-startup-timeout=300 --nbval-sanitize-with tests/nbval_sanitize.cfg
 
-.PHONY: help setup lab lab-student test test-gpu bench bench-decode lint format notebooks student doctor clean
+.PHONY: help setup lab lab-student test test-gpu bench bench-decode lint format notebooks student student-reset grade doctor clean
 
 help:
 	@echo "make setup     create $(VENV) with the pinned course environment (PINNED=0 keeps your own torch/triton)"
 	@echo "make lab       open the course in JupyterLab (instructor edition: solutions filled in)"
 	@echo "make lab-student  build the student edition (exercises blank) and open it (= make lab EDITION=student)"
+	@echo "make grade     run your notebooks in $(STUDENT)/ headless and print a scorecard (NB=06 for one; DIR=notebooks for the instructor edition)"
 	@echo "make doctor    report versions and device; fail on known-bad combinations"
-	@echo "make test      CPU: course_lib tests, every notebook and the student edition under nbval"
+	@echo "make test      CPU: course_lib tests, and every notebook under nbval (the student edition, each answer checked)"
 	@echo "make test-gpu  CUDA GPU: the tests with compiled kernels and GPU sizes, then every notebook"
 	@echo "make bench     benchmark course_lib against PyTorch (BENCH=attention|decode|fused|train for one); records to assets/benchmarks/"
 	@echo "make bench-decode  the decoding benchmark alone (split-KV and paged vs SDPA)"
 	@echo "make lint      ruff, and notebooks in sync with their sources and free of outputs"
 	@echo "make notebooks regenerate notebooks/*.ipynb from their sources notebooks/*.py"
-	@echo "make student   write the student edition (solutions removed) to $(STUDENT)/"
+	@echo "make student   write the student edition (solutions removed) to $(STUDENT)/; never overwrites your saved work"
+	@echo "make student-reset NB=06  start notebook 06 of the student edition over (your copy is backed up first)"
 	@echo "make format    ruff format course_lib and tests, then ruff check --fix (notebooks too)"
-	@echo "make clean     remove build/ (the student edition, notebook logs) and .pytest_cache"
+	@echo "make clean     remove what the tests build (build/verify, notebook logs) and .pytest_cache; never $(STUDENT)/"
 
 # the free disk space `make setup` asks for where $(VENV) goes, in GiB: the CPU environment takes about
 # 2.5 GB (torch's CUDA build several more). PINNED=0 reuses the system's torch and needs little, so it
@@ -86,16 +92,31 @@ lab-student:
 doctor:
 	@$(PYTHON) -m course_lib doctor
 
+# The student edition lives where students save their work: building it again writes only what is missing or
+# what the student never changed (course_lib.tools.notebooks student); student-reset starts one over, backed up.
 student:
-	@echo "==> make student: writing the student edition to $(STUDENT)/"
-	@rm -rf $(STUDENT)
+	@echo "==> make student: the student edition in $(STUDENT)/ (your saved work is kept)"
 	@$(PYTHON) -m course_lib.tools.notebooks student $(STUDENT)
 
-test: student
-	@echo "==> make test: doctor, then course_lib tests + notebooks/ + $(STUDENT)/ under nbval ($(JOBS) workers, CPU)"
+NB ?=
+student-reset:
+	@$(PYTHON) -m course_lib.tools.notebooks reset $(STUDENT) $(NB)
+
+DIR ?= $(STUDENT)
+grade: $(if $(filter $(STUDENT),$(DIR)),student,)
+	@echo "==> make grade: running the notebooks of $(DIR)/ headless (a copy: your files are not written)"
+	@$(PYTHON) -m course_lib grade --dir $(DIR) $(NB)
+
+# The notebooks run once, as the verification edition: the student edition (exercises blank, predictions
+# blank) with each instructor answer run after its check cell in a copy of the namespace
+# (course_lib.tools.verify). It shows that the student edition runs to the end and that every answer passes.
+test:
+	@echo "==> make test: doctor, then course_lib tests + every notebook under nbval ($(JOBS) workers, $(THREADS) thread(s) each, CPU)"
 	@$(PYTHON) -m course_lib doctor
-	COURSE_DEVICE=cpu $(PYTHON) -m pytest -q -n $(JOBS) --dist loadfile --durations=15 -m "not gpu" $(NBVAL) \
-		tests notebooks $(STUDENT)
+	@rm -rf $(VERIFY)
+	@$(PYTHON) -m course_lib.tools.notebooks verify $(VERIFY) > /dev/null
+	COURSE_DEVICE=cpu OMP_NUM_THREADS=$(THREADS) $(PYTHON) -m pytest -q -n $(JOBS) --dist loadfile --durations=20 \
+		-m "not gpu" $(NBVAL) tests $(VERIFY)
 
 test-gpu:
 	@echo "==> make test-gpu: course_lib tests on the GPU ($(GPU_JOBS) processes: compiling kernels is CPU-bound; fewer where GPU memory is short), then every notebook ($(NB_JOBS) at a time, records in assets/ left as they are)"
@@ -128,5 +149,6 @@ notebooks:
 	@echo "==> make notebooks: notebooks/*.ipynb from notebooks/*.py, outputs stripped"
 	@$(PYTHON) -m course_lib.tools.notebooks sync
 
+# build/student is where students save their work: clean leaves it alone (make student-reset NB=all starts over)
 clean:
-	rm -rf build .pytest_cache
+	rm -rf $(VERIFY) build/notebook-logs .pytest_cache

@@ -1,4 +1,5 @@
-"""Command line: `python -m course_lib doctor` (environment check) and
+"""Command line: `python -m course_lib doctor` (environment check), `python -m course_lib grade [NOTEBOOKS]` (a
+learner's scorecard: `course_lib.tools.grade`) and
 `python -m course_lib bench [names...] [--quick] [--out DIR]` (every benchmark present, or the ones named:
 `course_lib.bench.registry`)."""
 
@@ -16,6 +17,12 @@ def main(argv=None) -> int:
     bench.add_argument("names", nargs="*", help="benchmarks to run (default: every one present)")
     bench.add_argument("--quick", action="store_true", help="a small grid, for a smoke test")
     bench.add_argument("--out", default="assets/benchmarks", help="folder for the record")
+    sub.add_parser("grade", help="run a learner's notebooks headless and print a scorecard (grade --help)")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["grade"]:
+        from .tools.grade import main as grade_main
+
+        return grade_main(argv[1:])
     args = parser.parse_args(argv)
     if args.command == "doctor":
         from .doctor import doctor

@@ -8,15 +8,27 @@ predict-then-measure cells (first in notebook 01).
   expected 2080", or for an array the first index that differs; each new wrong attempt shows the next hint.
   The cell still counts as failed (it raises), so an automatic run of the notebook notices. An answer whose
   code raises is a wrong attempt too: the message names the error and the learner's line, with the hint.
+- `check_cases(name, cases, learner, reference)` runs a learner's function (a kernel's launcher, a tiled loop)
+  over many cases (ragged sizes, Nq != Nk, both causal alignments) against a float64 reference, and names the
+  first failing case and output.
+- Hints are not in the notebooks: they live in `course_lib.hints` by exercise name and appear one per failed
+  attempt. A worked answer appears only when asked for: `solution(name)`.
 - `predict(name, value, unit)` records a guess before a measurement; `.score(measured)` after it says how close the
-  guess was (within 2x counts as good).
+  guess was (within 2x counts as good). In the student edition every prediction starts as None: the learner types it.
+- `time_kernels(name, learner=..., course_lib=..., sdpa=...)` times a learner's solved kernel next to the
+  finished one on a GPU (and says why not on a CPU).
+- With `COURSE_GRADE_LOG` set (by `python -m course_lib grade`), every check, prediction, score and timing is
+  appended to that file as a JSON line, for the scorecard.
 """
 
 from __future__ import annotations
 
 import ast
 import inspect
+import json
 import math
+import os
+import re
 import textwrap
 import traceback
 from collections.abc import Sequence
@@ -30,11 +42,24 @@ __all__ = [
     "ExerciseWrong",
     "Prediction",
     "check",
+    "check_cases",
     "check_masked_memory_ops",
     "guarded_empty",
     "predict",
     "score",
+    "solution",
+    "time_kernels",
 ]
+
+
+def _log(event: str, **fields) -> None:
+    """Append one JSON line to the grade log named by COURSE_GRADE_LOG (set by `python -m course_lib grade`)."""
+    path = os.environ.get("COURSE_GRADE_LOG")
+    if not path:
+        return
+    record = {"event": event, "notebook": os.environ.get("COURSE_GRADE_NOTEBOOK", ""), **fields}
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(json.dumps(record, default=float) + "\n")
 
 
 class _Feedback(AssertionError):
@@ -75,8 +100,9 @@ def check(
     success. Otherwise raises ExerciseNotDone (the exercise still raises
     NotImplementedError) or ExerciseWrong (with what differs: the value, or an array's shape, dtype or first
     mismatching index). `hints`, ordered from a nudge to the formula: each wrong attempt shows the next one;
-    an unsolved exercise shows the first. Taught in every notebook's exercises (first in 00_setup)."""
-    hints = list(hints or [])
+    an unsolved exercise shows the first. Left out, the hints come from `course_lib.hints` by `name` (the
+    notebooks' way: a hint is never on screen before an attempt fails). Taught in 00_setup."""
+    hints = _hints(name, hints)
     try:
         actual = compute()
     except NameError as exc:
@@ -92,20 +118,92 @@ def check(
     except Exception as exc:
         if not _unsolved(exc):  # the answer runs, and fails: a wrong answer, with its hint
             _wrong(name, f"your code raised {_describe_error(exc)}", hints, exc)
-        raise ExerciseNotDone(
-            _with_hint(
-                f"Exercise '{name}' is not done yet:\nreplace the `raise NotImplementedError` in its cell "
-                "with your code, run that cell, then run this check again.",
-                hints,
-                1,
-            )
-        ) from None
+        _not_done(name, hints)
     try:
         _compare(actual, expected, rtol, atol, list(parts or []), ())
     except AssertionError as exc:
         _wrong(name, str(exc), hints)
+    _correct(name, "correct.")
+
+
+def check_cases(
+    name: str,
+    cases: Sequence[dict],
+    learner,
+    reference,
+    rtol: float = 1e-5,
+    atol: float = 1e-5,
+    outputs: Sequence[str] | None = None,
+    hints: Sequence[str] | None = None,
+) -> None:
+    """Run `learner(**case)` for every case and compare it with `reference(**case)` (float64), naming the first
+    failing case and output.
+
+    `cases`: dicts of keyword arguments (shapes, `causal`, block sizes ...), from easy to hard: the first that
+    fails is named in the message with its arguments, e.g. "case Nq=100, Nk=75, causal='bottom_right': output
+    L: 3 of 200 values differ; the first at index (0, 1, 7): got ..., expected ...". `learner` and `reference`
+    return one tensor or a tuple of them (`outputs` names them: ("O", "L")); each learner output is compared
+    after conversion to float64 within `rtol`/`atol`, shapes must match. The hints, as for `check`. Used by the
+    kernel and algorithm exercises from notebook 03 on (the tiled forward, FlashAttention-2's kernels, ...)."""
+    hints = _hints(name, hints)
+    names = list(outputs or [])
+    for case in cases:
+        label = ", ".join(f"{k}={v!r}" if isinstance(v, str) else f"{k}={v}" for k, v in case.items())
+        try:
+            actual = learner(**case)
+        except _Feedback:
+            raise
+        except Exception as exc:
+            if _unsolved(exc):
+                _not_done(name, hints)
+            _wrong(name, f"case {label}: your code raised {_describe_error(exc)}", hints, exc)
+        expected = reference(**case)
+        single = not isinstance(expected, (tuple, list))
+        actual_t = (actual,) if single and not isinstance(actual, (tuple, list)) else actual
+        expected_t = (expected,) if single else tuple(expected)
+        if not isinstance(actual_t, (tuple, list)) or len(actual_t) != len(expected_t):
+            got = len(actual_t) if isinstance(actual_t, (tuple, list)) else type(actual).__name__
+            _wrong(name, f"case {label}: expected {len(expected_t)} outputs {names or ''}, got {got}", hints)
+        for i, (a, e) in enumerate(zip(actual_t, expected_t)):
+            what = f"output {names[i]}" if i < len(names) else (f"output {i + 1}" if len(expected_t) > 1 else "")
+            try:
+                if not isinstance(a, (torch.Tensor, np.ndarray, int, float, np.number)):
+                    raise AssertionError(f"expected a tensor, got {type(a).__name__}")
+                _compare(_as_array(a, ""), _as_array(e, ""), rtol, atol, [], ())
+            except AssertionError as exc:
+                _wrong(name, f"case {label}: {what + ': ' if what else ''}{exc}", hints)
+    _correct(name, f"correct on all {len(cases)} cases.")
+
+
+def _hints(name: str, given) -> list[str]:
+    if given is not None:
+        return list(given)
+    from .hints import hints_for
+
+    return hints_for(name)
+
+
+_solved: set[str] = set()
+
+
+def _correct(name: str, what: str) -> None:
     _failed_attempts.pop(name, None)
-    print(f"Exercise '{name}': correct.")
+    _solved.add(name)
+    _log("check", name=name, status="correct")
+    print(f"Exercise '{name}': {what}")
+
+
+def _not_done(name: str, hints: list[str]):
+    _log("check", name=name, status="not_done")
+    raise ExerciseNotDone(
+        _with_hint(
+            f"Exercise '{name}' is not done yet:\nreplace the `raise NotImplementedError` in its cell "
+            "with your code, run that cell, then run this check again.",
+            hints,
+            1,
+            name,
+        )
+    ) from None
 
 
 def _wrong(name: str, what: str, hints: list[str], cause: BaseException | None = None):
@@ -113,7 +211,8 @@ def _wrong(name: str, what: str, hints: list[str], cause: BaseException | None =
     kept as the exception's cause for a full traceback: `%debug`, or `sys.last_value.__cause__`)."""
     attempts = _failed_attempts.get(name, 0) + 1
     _failed_attempts[name] = attempts
-    raise ExerciseWrong(_with_hint(f"Exercise '{name}' is not right yet: {what}", hints, attempts)) from cause
+    _log("check", name=name, status="wrong", attempt=attempts)
+    raise ExerciseWrong(_with_hint(f"Exercise '{name}' is not right yet: {what}", hints, attempts, name)) from cause
 
 
 def _raised_by_the_check(exc: BaseException) -> bool:
@@ -138,9 +237,15 @@ def _describe_error(exc: BaseException) -> str:
     return text
 
 
-def _with_hint(message: str, hints: list[str], k: int) -> str:
+def _with_hint(message: str, hints: list[str], k: int, name: str | None = None) -> str:
+    """The message with hint k (the last one once they run out), and where a worked answer is once they have."""
     if not hints:
         return message
+    if k > len(hints) and name is not None:
+        return (
+            f"{message}\nNo more hints (you have seen all {len(hints)}). Still stuck? "
+            f"`course_lib.exercises.solution({name!r})` shows a worked answer."
+        )
     k = min(k, len(hints))
     more = " (another wrong attempt shows the next hint)" if k < len(hints) else ""
     return f"{message}\nHint {k} of {len(hints)}: {hints[k - 1]}{more}"
@@ -338,7 +443,11 @@ class Prediction:
         Within `factor` either way counts as good. Both numbers must be positive. Taught in 01_roofline."""
         measured = float(measured)
         if self.value is None:
-            print(f"'{self.name}': measured {_fmt(measured)}{self.unit}. (No prediction was written down.)")
+            _log("score", name=self.name, predicted=None, measured=measured)
+            print(
+                f"'{self.name}': measured {_fmt(measured)}{self.unit}, unscored: no prediction was written down. "
+                "Next time, type your estimate in place of None before you run the measurement."
+            )
             return None
         guess = float(self.value)
         if not (guess > 0 and measured > 0 and math.isfinite(guess) and math.isfinite(measured)):
@@ -358,6 +467,7 @@ class Prediction:
         print(
             f"'{self.name}': you predicted {_fmt(guess)}{self.unit}, measured {_fmt(measured)}{self.unit}: {verdict}."
         )
+        _log("score", name=self.name, predicted=guess, measured=measured, ratio=ratio, good=off <= factor)
         return ratio
 
 
@@ -367,8 +477,9 @@ _predictions: dict[str, Prediction] = {}
 def predict(name: str, value: float | None, unit: str = "") -> Prediction:
     """Write down a prediction before measuring; score it afterwards with `.score(measured)` or `score(name, ...)`.
 
-    `value` is a positive number in `unit` (e.g. `predict("fused speed-up", 3, "x")`); None means no guess yet.
-    Taught in 01_roofline; used before each measurement of the course."""
+    `value` is a positive number in `unit` (e.g. `predict("fused speed-up", 3, "x")`); None means no guess yet
+    (the student edition starts every prediction at None: the learner types the number). Taught in 01_roofline;
+    used before each measurement of the course."""
     if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float, np.number))):
         raise TypeError(f"prediction '{name}': expected a number, got {type(value).__name__}")
     if value is not None and not (math.isfinite(value) and value > 0):
@@ -377,7 +488,11 @@ def predict(name: str, value: float | None, unit: str = "") -> Prediction:
         )
     prediction = Prediction(name, None if value is None else float(value), unit)
     _predictions[name] = prediction
-    print(f"Prediction '{name}': {'(none)' if value is None else _fmt(float(value)) + unit}. Now measure.")
+    _log("predict", name=name, value=prediction.value)
+    if value is None:
+        print(f"Prediction '{name}': none written down (type your estimate in place of None, then run this again).")
+    else:
+        print(f"Prediction '{name}': {_fmt(float(value))}{unit}. Now measure.")
     return prediction
 
 
@@ -386,3 +501,98 @@ def score(name: str, measured: float, factor: float = 2.0) -> float | None:
     if name not in _predictions:
         raise ValueError(f"no prediction named '{name}': run the cell with predict('{name}', ...) first")
     return _predictions[name].score(measured, factor)
+
+
+def _notebook_sources():
+    """The instructor edition's percent-format sources (notebooks/NN_name.py), where worked answers live."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "notebooks"
+    return sorted(root.glob("[0-9][0-9]*_*.py"))
+
+
+_CELL = re.compile(r"^# %%.*$", re.MULTILINE)
+
+
+def _solution_text(name: str) -> tuple[str, str] | None:
+    """(notebook file name, the worked answer) of exercise `name`, read from the instructor edition: the
+    solution regions (or cells tagged `solution`) between the previous check cell and the one that checks
+    `name`."""
+    call = re.compile(r"\bcheck(?:_cases)?\(\s*(?:name\s*=\s*)?[\"']" + re.escape(name) + r"[\"']")
+    for path in _notebook_sources():
+        text = path.read_text(encoding="utf-8")
+        headers = list(_CELL.finditer(text))
+        cells = [
+            (h.group(0), text[h.end() : headers[i + 1].start() if i + 1 < len(headers) else len(text)])
+            for i, h in enumerate(headers)
+        ]
+        for i, (header, body) in enumerate(cells):
+            if "check" not in header or not call.search(body):
+                continue
+            pieces = []
+            for prev_header, prev in reversed(cells[:i]):
+                if "check" in prev_header and "[markdown]" not in prev_header:
+                    break
+                if '"solution"' in prev_header:
+                    pieces.append(prev.strip("\n"))
+                elif "### BEGIN SOLUTION" in prev:
+                    pieces.append(_with_regions_marked(prev.strip("\n")))
+            if pieces:
+                return path.name, "\n\n".join(reversed(pieces))
+    return None
+
+
+def _with_regions_marked(source: str) -> str:
+    """The cell with its solution markers turned into comments a learner reads as 'this is the answer'."""
+    return source.replace("### BEGIN SOLUTION", "# --- the answer starts here ---").replace(
+        "### END SOLUTION", "# --- the answer ends here ---"
+    )
+
+
+def solution(name: str) -> None:
+    """Print a worked answer to exercise `name`, read from the instructor edition (notebooks/NN_name.py).
+
+    Only on request: the checks show hints one failed attempt at a time and never the answer. Recorded in the
+    grade log, so an instructor's scorecard shows which answers were looked up."""
+    found = _solution_text(name)
+    if found is None:
+        print(
+            f"No worked answer for '{name}' was found: the instructor edition (notebooks/*.py of the course's "
+            "repository) is not next to this course_lib, or no exercise has that name."
+        )
+        return
+    notebook, text = found
+    _log("solution", name=name)
+    print(f"A worked answer to '{name}' (from the instructor edition, {notebook}):\n\n{text}")
+
+
+def time_kernels(name: str, learner, course_lib=None, sdpa=None, flops: float | None = None, note: str = ""):
+    """On a GPU: time the learner's solved kernel (`learner`, a no-argument callable) next to course_lib's
+    finished one and PyTorch's SDPA (optional callables), print milliseconds, TFLOP/s when `flops` is given and
+    the ratio to course_lib's, then `note` (why they differ, in one line). Returns {provider: ms} or None.
+
+    On a CPU the kernels run in Triton's interpreter, whose times say nothing about a GPU: it says so and
+    returns None. Before exercise `name` passes its check it says that too (there is nothing to time)."""
+    if name not in _solved:
+        print(f"'{name}': not timed, the exercise has not passed its check in this session yet.")
+        return None
+    if not torch.cuda.is_available():
+        print(
+            f"'{name}': timing needs a GPU. Here the kernels run in Triton's interpreter, one Python step per "
+            "block, and its times say nothing about a GPU: see the recorded runs instead."
+        )
+        return None
+    from .perf.timing import benchmark
+
+    calls = {"yours": learner, "course_lib": course_lib, "SDPA": sdpa}
+    times = {k: benchmark(fn) for k, fn in calls.items() if fn is not None}
+    parts = []
+    for k, ms in times.items():
+        rate = f", {flops / (ms * 1e-3) / 1e12:.0f} TFLOP/s" if flops else ""
+        parts.append(f"{k} {ms:.3f} ms{rate}")
+    line = f"'{name}': " + "; ".join(parts)
+    if "course_lib" in times:
+        line += f". Yours takes {times['yours'] / times['course_lib']:.2f}x course_lib's time"
+    print(line + ("." if not note else f".\n{note}"))
+    _log("timing", name=name, **{f"{k}_ms": v for k, v in times.items()})
+    return times

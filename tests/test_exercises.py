@@ -38,9 +38,82 @@ def test_hints_advance_with_each_wrong_attempt():
         exercises.check("hinted", lambda: 2, 1, hints=hints)
     with pytest.raises(exercises.ExerciseWrong, match="Hint 2 of 2: the formula"):
         exercises.check("hinted", lambda: 2, 1, hints=hints)
-    with pytest.raises(exercises.ExerciseWrong, match="Hint 2 of 2: the formula"):
+    with pytest.raises(exercises.ExerciseWrong, match=r"No more hints.*solution\('hinted'\)"):
         exercises.check("hinted", lambda: 3, 1, hints=hints)
     exercises.check("hinted", lambda: 1, 1, hints=hints)
+
+
+def test_hints_come_from_the_registry_by_name(monkeypatch):
+    """A notebook's check names no hints: they come from course_lib.hints, one per failed attempt."""
+    from course_lib import hints as registry
+
+    monkeypatch.setattr(registry, "all_hints", lambda: {"registered": ("first", "second")})
+    with pytest.raises(exercises.ExerciseWrong, match="Hint 1 of 2: first"):
+        exercises.check("registered", lambda: 2, 1)
+    with pytest.raises(exercises.ExerciseWrong, match="Hint 2 of 2: second"):
+        exercises.check("registered", lambda: 2, 1)
+
+
+def test_every_registered_hint_names_a_checked_exercise():
+    """Each name in course_lib.hints is checked by some notebook (a renamed exercise would lose its hints)."""
+    import re
+    from pathlib import Path
+
+    from course_lib.hints import all_hints
+
+    text = "\n".join(p.read_text() for p in Path(__file__).parents[1].glob("notebooks/*.py"))
+    checked = set(re.findall(r"\bcheck(?:_cases)?\(\s*[\"']([^\"']+)[\"']", text))
+    assert not set(all_hints()) - checked, f"hints for exercises no notebook checks: {set(all_hints()) - checked}"
+
+
+def test_check_cases_names_the_first_failing_case():
+    def reference(n, causal):
+        return torch.arange(n, dtype=torch.float64), torch.ones(2, dtype=torch.float64)
+
+    def learner(n, causal):
+        o, l = reference(n, causal)
+        if n == 7 and causal:
+            o = o.clone()
+            o[5] = -1
+        return o.float(), l
+
+    cases = [{"n": 4, "causal": False}, {"n": 7, "causal": True}, {"n": 9, "causal": True}]
+    with pytest.raises(exercises.ExerciseWrong, match=r"case n=7, causal=True: output O: 1 of 7 values differ"):
+        exercises.check_cases("cases", cases, learner, reference, outputs=("O", "L"))
+    exercises.check_cases("cases ok", cases, reference, reference, outputs=("O", "L"))
+
+    def unsolved(n, causal):
+        raise NotImplementedError
+
+    with pytest.raises(exercises.ExerciseNotDone):
+        exercises.check_cases("cases unsolved", cases, unsolved, reference)
+    with pytest.raises(exercises.ExerciseWrong, match=r"case n=4, causal=False: expected 2 outputs"):
+        exercises.check_cases("cases arity", cases, lambda n, causal: torch.zeros(n), reference, outputs=("O", "L"))
+
+
+def test_solution_only_on_request_from_the_instructor_source(capsys):
+    """No hint is an answer; `solution(name)` prints the instructor's region for a real exercise."""
+    exercises.solution("lse_from_base2")
+    out = capsys.readouterr().out
+    assert "the answer starts here" in out and "06_flash_forward.py" in out
+    exercises.solution("no such exercise")
+    assert "No worked answer" in capsys.readouterr().out
+
+
+def test_grade_log_records_checks_and_predictions(tmp_path, monkeypatch):
+    import json
+
+    log = tmp_path / "log.jsonl"
+    monkeypatch.setenv("COURSE_GRADE_LOG", str(log))
+    with pytest.raises(exercises.ExerciseWrong):
+        exercises.check("logged", lambda: 2, 1, hints=[])
+    exercises.check("logged", lambda: 1, 1, hints=[])
+    exercises.predict("logged guess", 2.0, "x").score(3.0)
+    exercises.predict("blank guess", None).score(3.0)
+    events = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [(e["event"], e.get("status")) for e in events[:2]] == [("check", "wrong"), ("check", "correct")]
+    scores = [e for e in events if e["event"] == "score"]
+    assert scores[0]["predicted"] == 2.0 and scores[0]["good"] and scores[1]["predicted"] is None
 
 
 def test_ipython_shows_only_the_message():

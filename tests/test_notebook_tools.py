@@ -115,3 +115,97 @@ def test_sources_by_name():
     assert [p.name[:2] for p in notebooks.sources(["00", "03"])] == ["00", "03"]
     with pytest.raises(ValueError, match="no notebook source"):
         notebooks.sources(["99"])
+
+
+def test_student_edition_blanks_every_prediction():
+    nb = nbformat.v4.new_notebook(
+        cells=[code_cell('g = predict("speed-up", 4.0, unit="x")  # type your estimate\nh = predict("b", value=2)')]
+    )
+    (cell,) = notebooks.student_notebook(nb).cells
+    assert cell.source == 'g = predict("speed-up", None, unit="x")  # type your estimate\nh = predict("b", value=None)'
+
+
+def _student_editions():
+    for py in notebooks.sources():
+        yield py, notebooks.student_notebook(nbformat.reads(notebooks.build(py), as_version=4))
+
+
+def test_generated_student_notebooks_hold_no_answer_and_no_prefilled_prediction():
+    """In every generated student notebook: no prediction has a value, no check cell holds hints (the last of
+    which used to be the solution) or a solution region, and no cell keeps a solution marker."""
+    import ast
+
+    for py, nb in _student_editions():
+        for k, cell in enumerate(nb.cells):
+            if cell.cell_type != "code":
+                continue
+            where = f"{py.name}, code cell {k}"
+            assert notebooks.BEGIN not in cell.source and notebooks.END not in cell.source, where
+            if "check" in cell.metadata.get("tags", []):
+                assert "hints=" not in cell.source, f"{where}: hints belong in course_lib.hints, not on screen"
+            try:
+                tree = ast.parse(cell.source)
+            except SyntaxError:
+                continue
+            for node in ast.walk(tree):
+                if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", "")) == "predict":
+                    value = node.args[1] if len(node.args) > 1 else next(
+                        (kw.value for kw in node.keywords if kw.arg == "value"), None
+                    )
+                    assert isinstance(value, ast.Constant) and value.value is None, f"{where}: a pre-filled prediction"
+
+
+def test_rebuilding_the_student_edition_keeps_saved_work(tmp_path, capsys):
+    """A learner solves an exercise and saves; `make student` again keeps it, and says so; a notebook the
+    learner never changed is brought up to date; `reset` backs the learner's copy up before starting over."""
+    out = tmp_path / "student"
+    notebooks.student(out, ["00", "03"])
+    mine = out / "00_setup.ipynb"
+    nb = nbformat.read(mine, as_version=4)
+    solved = next(c for c in nb.cells if c.cell_type == "code" and "raise NotImplementedError" in c.source)
+    solved.source = solved.source.replace('raise NotImplementedError("Exercise: replace this line with your code")', "pass  # my answer")
+    nbformat.write(nb, mine)
+    saved = mine.read_text()
+    notebooks.student(out, ["00", "03"])  # the same edition again: nothing to do
+    assert mine.read_text() == saved
+    untouched = out / "03_softmax.ipynb"
+    for name in ("00_setup.ipynb", "03_softmax.ipynb"):  # the course changed since both were built
+        older = nbformat.read(out / ".pristine" / name, as_version=4)
+        older.cells[0].source += "\n(an older edition's words)"
+        nbformat.write(older, out / ".pristine" / name)
+        if name == untouched.name:  # the learner never changed this one
+            nbformat.write(older, untouched)
+    capsys.readouterr()
+    notebooks.student(out, ["00", "03"])
+    assert mine.read_text() == saved, "the rebuild overwrote the learner's saved work"
+    printed = capsys.readouterr().out
+    assert "kept your work" in printed and "00_setup.ipynb" in printed and f"wrote {untouched}" in printed
+    assert "older edition" not in untouched.read_text()
+    notebooks.reset(out, ["00"])
+    (backup,) = (out / "backup").glob("*/00_setup.ipynb")
+    assert backup.read_text() == saved and "my answer" not in mine.read_text()
+
+
+def test_verification_edition_runs_the_answer_beside_the_student_edition():
+    """After each check cell comes a cell that runs the instructor's exercise cells and the check in a copy of
+    the namespace; a check cell without an exercise before it is refused."""
+    from course_lib.tools.verify import run_solution
+
+    nb = nbformat.v4.new_notebook(
+        cells=[
+            code_cell("x = 1"),
+            code_cell("def f(x):\n    ### BEGIN SOLUTION\n    return 2 * x\n    ### END SOLUTION\n"),
+            code_cell("assert f(2) == 4", tags=["check"]),
+            code_cell("assert 'f' in globals()"),
+        ]
+    )
+    out = notebooks.verify_notebook(nb, "demo")
+    assert [c.metadata.get("tags", []) for c in out.cells][2:4] == [["check", "raises-exception"], ["verification"]]
+    namespace = {"x": 1}
+    exec(out.cells[1].source, namespace)  # the student's unsolved f
+    exec(out.cells[3].source, namespace)  # the answer passes its check, in a copy of the namespace
+    with pytest.raises(AssertionError, match="instructor's answer failed"):
+        run_solution({}, ["def f(x):\n    return 3 * x", "assert f(2) == 4"], "demo")
+    bad = nbformat.v4.new_notebook(cells=[code_cell("assert True", tags=["check"])])
+    with pytest.raises(ValueError, match="no exercise cell"):
+        notebooks.verify_notebook(bad, "bad")

@@ -13,7 +13,13 @@ Exercise marking, used by every notebook:
   student edition it is tagged `raises-exception`, since it fails until the exercise is solved.
 Later cells never depend on a learner's answer: they call course_lib's finished functions.
 
-    python -m course_lib.tools.notebooks sync [NN ...]|check|student OUTDIR
+- predictions: every `predict(name, value, ...)` starts at None in the student edition (the learner types it).
+
+The student edition is written into a folder where learners save their work, so `student` never overwrites a
+notebook the learner has changed (it says which it kept); `reset OUTDIR NN` starts one over, backing the old one
+up. `verify OUTDIR` writes the verification edition that `make test` runs (course_lib.tools.verify).
+
+    python -m course_lib.tools.notebooks sync [NN ...]|check|student OUTDIR [NN ...]|reset OUTDIR NN ...|verify OUTDIR [NN ...]
 """
 
 from __future__ import annotations
@@ -112,12 +118,44 @@ def _strip_solution_regions(source: str) -> tuple[str, bool]:
     return "\n".join(out), top_level
 
 
+def _blank_predictions(source: str) -> str:
+    """Every `predict(name, value, ...)` call with its value replaced by None: the learner types the number.
+
+    The value is the second positional argument or `value=`; a call whose value is already None is left as it
+    is. Cells that are not plain Python (IPython magics) are left unchanged."""
+    import ast
+
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return source
+    lines = source.splitlines(keepends=True)
+    starts = [0]
+    for line in lines:
+        starts.append(starts[-1] + len(line))
+    spans = []
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", "")) == "predict"):
+            continue
+        value = node.args[1] if len(node.args) > 1 else next((k.value for k in node.keywords if k.arg == "value"), None)
+        if value is None or (isinstance(value, ast.Constant) and value.value is None):
+            continue
+        start = starts[value.lineno - 1] + len(lines[value.lineno - 1].encode()[: value.col_offset].decode())
+        end = starts[value.end_lineno - 1] + len(lines[value.end_lineno - 1].encode()[: value.end_col_offset].decode())
+        spans.append((start, end))
+    for start, end in sorted(spans, reverse=True):
+        source = source[:start] + "None" + source[end:]
+    return source
+
+
 def student_notebook(nb):
-    """The student edition of an (instructor) notebook: solutions out, checks expected to fail."""
+    """The student edition of an (instructor) notebook: solutions out, predictions blank, checks expected to
+    fail."""
     nb = copy.deepcopy(nb)
     for cell in nb.cells:
         if cell.cell_type != "code":
             continue
+        cell.source = _blank_predictions(cell.source)
         tags = cell.metadata.setdefault("tags", [])
         if "solution" in tags:
             cell.source = "# YOUR CODE HERE: this exercise's answer goes in this cell."
@@ -131,19 +169,117 @@ def student_notebook(nb):
     return nb
 
 
-def student(outdir: Path) -> None:
+def _is_solution(cell) -> bool:
+    return cell.cell_type == "code" and ("solution" in cell.metadata.get("tags", []) or BEGIN in cell.source)
+
+
+def verify_notebook(nb, label: str):
+    """The verification edition: the student edition, plus after each check cell a cell that runs the
+    instructor's exercise cells (from the first solution cell after the previous check, through the check cell)
+    in a copy of the namespace (`course_lib.tools.verify.run_solution`). Raises ValueError for a check cell with
+    no exercise cell before it."""
+    import nbformat
+
+    student_nb = student_notebook(nb)
+    cells, start, last_start = [], None, None
+    for i, (ours, theirs) in enumerate(zip(nb.cells, student_nb.cells)):
+        cells.append(theirs)
+        if ours.cell_type != "code":
+            continue
+        if start is None and _is_solution(ours):
+            start = i
+        if "check" not in ours.metadata.get("tags", []):
+            continue
+        first = start if start is not None else last_start
+        if first is None:
+            raise ValueError(f"{label}: the check cell {i} has no exercise cell (### BEGIN SOLUTION) before it")
+        block = [c.source for c in nb.cells[first : i + 1] if c.cell_type == "code"]
+        code = (
+            "# Verification edition only: the instructor's answer to the exercise above, run in a copy of this\n"
+            "# notebook's namespace (course_lib.tools.verify). Students never see this cell.\n"
+            "from course_lib.tools.verify import run_solution as _run_solution\n\n"
+            f"_run_solution(globals(), {block!r}, {f'{label}, check cell {i}'!r})"
+        )
+        cells.append(nbformat.v4.new_code_cell(code, metadata={"tags": ["verification"]}))
+        last_start, start = first, None
+    student_nb.cells = cells
+    for k, cell in enumerate(student_nb.cells):
+        cell["id"] = str(k)
+    return student_nb
+
+
+def _code_sources(nb) -> list[str]:
+    return [c.source for c in nb.cells if c.cell_type == "code"]
+
+
+def student(outdir: Path, names: list[str] | None = None) -> None:
+    """Write the student edition into `outdir`, never over a learner's work.
+
+    A notebook that is missing is written. One that is there is replaced only if its code cells are still
+    exactly those of the edition it was built from (kept in `outdir/.pristine/`): the learner changed nothing,
+    so nothing is lost (outputs aside). Otherwise it is kept and the command says so; `reset` starts one over,
+    keeping a backup."""
     import nbformat
 
     outdir.mkdir(parents=True, exist_ok=True)
-    for py in sources():
+    pristine = outdir / ".pristine"
+    pristine.mkdir(exist_ok=True)
+    kept = []
+    for py in sources(names):
+        name = py.with_suffix(".ipynb").name
+        text = nbformat.writes(student_notebook(nbformat.reads(build(py), as_version=4))) + "\n"
+        target, base = outdir / name, pristine / name
+        if target.exists():
+            if base.exists() and base.read_text() == text:
+                continue  # up to date
+            mine = _code_sources(nbformat.read(target, as_version=4))
+            if not base.exists() or mine != _code_sources(nbformat.read(base, as_version=4)):
+                kept.append(name)
+                continue
+        target.write_text(text)
+        base.write_text(text)
+        print(f"wrote {target}")
+    if kept:
+        print(
+            f"kept your work in {len(kept)} notebook(s) of {outdir}/ (you changed them, or they predate this "
+            f"build): {', '.join(kept)}.\nTo start one over from the course's current edition (your copy is "
+            f"backed up first): make student-reset NB={kept[0].split('_')[0]}"
+        )
+
+
+def reset(outdir: Path, names: list[str]) -> None:
+    """Start the named student notebooks over: back up the learner's copy into `outdir/backup/`, then write
+    the current student edition."""
+    import time
+
+    if not names:
+        raise SystemExit("name the notebooks to start over, e.g. make student-reset NB=06 (NB=all for every one)")
+    if names == ["all"]:
+        names = None
+    backup = outdir / "backup" / time.strftime("%Y%m%d-%H%M%S")
+    for py in sources(names):
+        target = outdir / py.with_suffix(".ipynb").name
+        if target.exists():
+            backup.mkdir(parents=True, exist_ok=True)
+            target.rename(backup / target.name)
+            print(f"backed up {target.name} to {backup}/")
+        (outdir / ".pristine" / target.name).unlink(missing_ok=True)
+    student(outdir, names)
+
+
+def verify(outdir: Path, names: list[str] | None = None) -> None:
+    import nbformat
+
+    outdir.mkdir(parents=True, exist_ok=True)
+    for py in sources(names):
         nb = nbformat.reads(build(py), as_version=4)
         target = outdir / py.with_suffix(".ipynb").name
-        target.write_text(nbformat.writes(student_notebook(nb)) + "\n")
+        target.write_text(nbformat.writes(verify_notebook(nb, py.stem)) + "\n")
         print(f"wrote {target}")
 
 
 def main(argv: list[str]) -> int:
-    if not argv or argv[0] not in ("sync", "check", "student"):
+    if not argv or argv[0] not in ("sync", "check", "student", "reset", "verify"):
         print(__doc__)
         return 2
     if argv[0] == "sync":
@@ -156,10 +292,11 @@ def main(argv: list[str]) -> int:
             return 1
         print(f"{len(sources())} notebooks in sync with their sources, no outputs")
     else:
-        if len(argv) != 2:
-            print("usage: python -m course_lib.tools.notebooks student OUTDIR")
+        if len(argv) < 2:
+            print(f"usage: python -m course_lib.tools.notebooks {argv[0]} OUTDIR [NN ...]")
             return 2
-        student(Path(argv[1]))
+        command = {"student": student, "reset": reset, "verify": verify}[argv[0]]
+        command(Path(argv[1]), argv[2:] or ([] if argv[0] == "reset" else None))
     return 0
 
 
