@@ -165,7 +165,9 @@ def check_cases(
             got = len(actual_t) if isinstance(actual_t, (tuple, list)) else type(actual).__name__
             _wrong(name, f"case {label}: expected {len(expected_t)} outputs {names or ''}, got {got}", hints)
         for i, (a, e) in enumerate(zip(actual_t, expected_t)):
-            what = f"output {names[i]}" if i < len(names) else (f"output {i + 1}" if len(expected_t) > 1 else "")
+            what = (
+                f"output {names[i]}" if i < len(names) else (f"output {i + 1}" if len(expected_t) > 1 else "")
+            )
             try:
                 if not isinstance(a, (torch.Tensor, np.ndarray, int, float, np.number)):
                     raise AssertionError(f"expected a tensor, got {type(a).__name__}")
@@ -212,7 +214,9 @@ def _wrong(name: str, what: str, hints: list[str], cause: BaseException | None =
     attempts = _failed_attempts.get(name, 0) + 1
     _failed_attempts[name] = attempts
     _log("check", name=name, status="wrong", attempt=attempts)
-    raise ExerciseWrong(_with_hint(f"Exercise '{name}' is not right yet: {what}", hints, attempts, name)) from cause
+    raise ExerciseWrong(
+        _with_hint(f"Exercise '{name}' is not right yet: {what}", hints, attempts, name)
+    ) from cause
 
 
 def _raised_by_the_check(exc: BaseException) -> bool:
@@ -490,7 +494,9 @@ def predict(name: str, value: float | None, unit: str = "") -> Prediction:
     _predictions[name] = prediction
     _log("predict", name=name, value=prediction.value)
     if value is None:
-        print(f"Prediction '{name}': none written down (type your estimate in place of None, then run this again).")
+        print(
+            f"Prediction '{name}': none written down (type your estimate in place of None, then run this again)."
+        )
     else:
         print(f"Prediction '{name}': {_fmt(float(value))}{unit}. Now measure.")
     return prediction

@@ -63,7 +63,9 @@ def test_every_registered_hint_names_a_checked_exercise():
 
     text = "\n".join(p.read_text() for p in Path(__file__).parents[1].glob("notebooks/*.py"))
     checked = set(re.findall(r"\bcheck(?:_cases)?\(\s*[\"']([^\"']+)[\"']", text))
-    assert not set(all_hints()) - checked, f"hints for exercises no notebook checks: {set(all_hints()) - checked}"
+    assert not set(all_hints()) - checked, (
+        f"hints for exercises no notebook checks: {set(all_hints()) - checked}"
+    )
 
 
 def test_check_cases_names_the_first_failing_case():
@@ -78,7 +80,9 @@ def test_check_cases_names_the_first_failing_case():
         return o.float(), l
 
     cases = [{"n": 4, "causal": False}, {"n": 7, "causal": True}, {"n": 9, "causal": True}]
-    with pytest.raises(exercises.ExerciseWrong, match=r"case n=7, causal=True: output O: 1 of 7 values differ"):
+    with pytest.raises(
+        exercises.ExerciseWrong, match=r"case n=7, causal=True: output O: 1 of 7 values differ"
+    ):
         exercises.check_cases("cases", cases, learner, reference, outputs=("O", "L"))
     exercises.check_cases("cases ok", cases, reference, reference, outputs=("O", "L"))
 
@@ -88,7 +92,9 @@ def test_check_cases_names_the_first_failing_case():
     with pytest.raises(exercises.ExerciseNotDone):
         exercises.check_cases("cases unsolved", cases, unsolved, reference)
     with pytest.raises(exercises.ExerciseWrong, match=r"case n=4, causal=False: expected 2 outputs"):
-        exercises.check_cases("cases arity", cases, lambda n, causal: torch.zeros(n), reference, outputs=("O", "L"))
+        exercises.check_cases(
+            "cases arity", cases, lambda n, causal: torch.zeros(n), reference, outputs=("O", "L")
+        )
 
 
 def test_solution_only_on_request_from_the_instructor_source(capsys):

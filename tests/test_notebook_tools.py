@@ -119,10 +119,17 @@ def test_sources_by_name():
 
 def test_student_edition_blanks_every_prediction():
     nb = nbformat.v4.new_notebook(
-        cells=[code_cell('g = predict("speed-up", 4.0, unit="x")  # type your estimate\nh = predict("b", value=2)')]
+        cells=[
+            code_cell(
+                'g = predict("speed-up", 4.0, unit="x")  # type your estimate\nh = predict("b", value=2)'
+            )
+        ]
     )
     (cell,) = notebooks.student_notebook(nb).cells
-    assert cell.source == 'g = predict("speed-up", None, unit="x")  # type your estimate\nh = predict("b", value=None)'
+    assert (
+        cell.source
+        == 'g = predict("speed-up", None, unit="x")  # type your estimate\nh = predict("b", value=None)'
+    )
 
 
 def _student_editions():
@@ -142,17 +149,26 @@ def test_generated_student_notebooks_hold_no_answer_and_no_prefilled_prediction(
             where = f"{py.name}, code cell {k}"
             assert notebooks.BEGIN not in cell.source and notebooks.END not in cell.source, where
             if "check" in cell.metadata.get("tags", []):
-                assert "hints=" not in cell.source, f"{where}: hints belong in course_lib.hints, not on screen"
+                assert "hints=" not in cell.source, (
+                    f"{where}: hints belong in course_lib.hints, not on screen"
+                )
             try:
                 tree = ast.parse(cell.source)
             except SyntaxError:
                 continue
             for node in ast.walk(tree):
-                if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", "")) == "predict":
-                    value = node.args[1] if len(node.args) > 1 else next(
-                        (kw.value for kw in node.keywords if kw.arg == "value"), None
+                if (
+                    isinstance(node, ast.Call)
+                    and getattr(node.func, "id", getattr(node.func, "attr", "")) == "predict"
+                ):
+                    value = (
+                        node.args[1]
+                        if len(node.args) > 1
+                        else next((kw.value for kw in node.keywords if kw.arg == "value"), None)
                     )
-                    assert isinstance(value, ast.Constant) and value.value is None, f"{where}: a pre-filled prediction"
+                    assert isinstance(value, ast.Constant) and value.value is None, (
+                        f"{where}: a pre-filled prediction"
+                    )
 
 
 def test_rebuilding_the_student_edition_keeps_saved_work(tmp_path, capsys):
@@ -163,7 +179,8 @@ def test_rebuilding_the_student_edition_keeps_saved_work(tmp_path, capsys):
     mine = out / "00_setup.ipynb"
     nb = nbformat.read(mine, as_version=4)
     solved = next(c for c in nb.cells if c.cell_type == "code" and "raise NotImplementedError" in c.source)
-    solved.source = solved.source.replace('raise NotImplementedError("Exercise: replace this line with your code")', "pass  # my answer")
+    blank = 'raise NotImplementedError("Exercise: replace this line with your code")'
+    solved.source = solved.source.replace(blank, "pass  # my answer")
     nbformat.write(nb, mine)
     saved = mine.read_text()
     notebooks.student(out, ["00", "03"])  # the same edition again: nothing to do
@@ -200,7 +217,10 @@ def test_verification_edition_runs_the_answer_beside_the_student_edition():
         ]
     )
     out = notebooks.verify_notebook(nb, "demo")
-    assert [c.metadata.get("tags", []) for c in out.cells][2:4] == [["check", "raises-exception"], ["verification"]]
+    assert [c.metadata.get("tags", []) for c in out.cells][2:4] == [
+        ["check", "raises-exception"],
+        ["verification"],
+    ]
     namespace = {"x": 1}
     exec(out.cells[1].source, namespace)  # the student's unsolved f
     exec(out.cells[3].source, namespace)  # the answer passes its check, in a copy of the namespace

@@ -45,7 +45,9 @@ def _inventory(nb) -> tuple[list[str], list[str], list[str]]:
             continue
         if "check" in cell.metadata.get("tags", []):
             exercises += [n for n in CHECK_NAME.findall(cell.source) if n not in exercises]
-        kernels += [n for n in re.findall(r"\btime_kernels\(\s*[\"']([^\"']+)[\"']", cell.source) if n not in kernels]
+        kernels += [
+            n for n in re.findall(r"\btime_kernels\(\s*[\"']([^\"']+)[\"']", cell.source) if n not in kernels
+        ]
         predictions += [n for n in PREDICT_NAME.findall(cell.source) if n not in predictions]
     return exercises, kernels, predictions
 
@@ -143,7 +145,9 @@ def main(argv: list[str] | None = None) -> int:
         "notebooks", nargs="*",
         help="notebook files, or numbers (06) of the notebooks in --dir (default: every notebook there)",
     )  # fmt: skip
-    parser.add_argument("--dir", default=str(DEFAULT_DIR), help="the learner's folder (default build/student)")
+    parser.add_argument(
+        "--dir", default=str(DEFAULT_DIR), help="the learner's folder (default build/student)"
+    )
     parser.add_argument("--json", default=None, help="where to write the scorecard (default DIR/grade.json)")
     parser.add_argument("--timeout", type=int, default=900, help="seconds a cell may take")
     args = parser.parse_args(argv)
@@ -166,9 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         print(_line(card), flush=True)
     out = Path(args.json) if args.json else folder / "grade.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    total = {
-        k: sum(c["exercises"][k] for c in cards) for k in ("solved", "attempted", "total")
-    }
+    total = {k: sum(c["exercises"][k] for c in cards) for k in ("solved", "attempted", "total")}
     device = "cuda" if shutil.which("nvidia-smi") else "cpu"
     out.write_text(json.dumps({"device": device, "total": total, "notebooks": cards}, indent=1) + "\n")
     print(f"\nall: {total['solved']} of {total['total']} exercises solved, {total['attempted']} attempted. "

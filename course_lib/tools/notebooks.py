@@ -19,7 +19,8 @@ The student edition is written into a folder where learners save their work, so 
 notebook the learner has changed (it says which it kept); `reset OUTDIR NN` starts one over, backing the old one
 up. `verify OUTDIR` writes the verification edition that `make test` runs (course_lib.tools.verify).
 
-    python -m course_lib.tools.notebooks sync [NN ...]|check|student OUTDIR [NN ...]|reset OUTDIR NN ...|verify OUTDIR [NN ...]
+    python -m course_lib.tools.notebooks sync [NN ...] | check
+    python -m course_lib.tools.notebooks student OUTDIR [NN ...] | reset OUTDIR NN ... | verify OUTDIR [NN ...]
 """
 
 from __future__ import annotations
@@ -135,13 +136,22 @@ def _blank_predictions(source: str) -> str:
         starts.append(starts[-1] + len(line))
     spans = []
     for node in ast.walk(tree):
-        if not (isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", "")) == "predict"):
+        if not (
+            isinstance(node, ast.Call)
+            and getattr(node.func, "id", getattr(node.func, "attr", "")) == "predict"
+        ):
             continue
-        value = node.args[1] if len(node.args) > 1 else next((k.value for k in node.keywords if k.arg == "value"), None)
+        value = (
+            node.args[1]
+            if len(node.args) > 1
+            else next((k.value for k in node.keywords if k.arg == "value"), None)
+        )
         if value is None or (isinstance(value, ast.Constant) and value.value is None):
             continue
         start = starts[value.lineno - 1] + len(lines[value.lineno - 1].encode()[: value.col_offset].decode())
-        end = starts[value.end_lineno - 1] + len(lines[value.end_lineno - 1].encode()[: value.end_col_offset].decode())
+        end = starts[value.end_lineno - 1] + len(
+            lines[value.end_lineno - 1].encode()[: value.end_col_offset].decode()
+        )
         spans.append((start, end))
     for start, end in sorted(spans, reverse=True):
         source = source[:start] + "None" + source[end:]
@@ -192,7 +202,9 @@ def verify_notebook(nb, label: str):
             continue
         first = start if start is not None else last_start
         if first is None:
-            raise ValueError(f"{label}: the check cell {i} has no exercise cell (### BEGIN SOLUTION) before it")
+            raise ValueError(
+                f"{label}: the check cell {i} has no exercise cell (### BEGIN SOLUTION) before it"
+            )
         block = [c.source for c in nb.cells[first : i + 1] if c.cell_type == "code"]
         code = (
             "# Verification edition only: the instructor's answer to the exercise above, run in a copy of this\n"
@@ -253,7 +265,9 @@ def reset(outdir: Path, names: list[str]) -> None:
     import time
 
     if not names:
-        raise SystemExit("name the notebooks to start over, e.g. make student-reset NB=06 (NB=all for every one)")
+        raise SystemExit(
+            "name the notebooks to start over, e.g. make student-reset NB=06 (NB=all for every one)"
+        )
     if names == ["all"]:
         names = None
     backup = outdir / "backup" / time.strftime("%Y%m%d-%H%M%S")
