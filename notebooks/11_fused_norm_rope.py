@@ -50,10 +50,11 @@ import torch
 import course_lib
 from course_lib import records
 from course_lib.bench import fused as fused_bench
-from course_lib.exercises import check, predict
+from course_lib.exercises import check, check_cases, guarded_empty, predict, time_kernels
 from course_lib.fused import rms_norm, rms_norm_reference, rope, rope_cache, rope_reference
 from course_lib.perf import plotting
 from course_lib.perf.ceilings import measure_copy_bandwidth
+from course_lib.perf.timing import benchmark
 from course_lib.runtime import tl, triton
 
 DEVICE = course_lib.DEVICE
@@ -111,16 +112,27 @@ assert torch.allclose(rms, torch.ones_like(rms), atol=2e-2)
 # | `x32 * rstd` | 4 TD | 4 TD |
 # | `.to(x.dtype)` | 4 TD | 2 TD |
 # | `weight * ...` | 2 TD | 2 TD |
-# | **total** | **20 TD** | **16 TD** |
 #
-# About 36 TD bytes. A fused kernel reads x once and writes y once: 4 TD bytes (plus the weight, D
-# elements, and rstd, T floats). When both run at the same fraction of the memory bandwidth, the bytes
-# predict a speed-up of about 9x.
+# A fused kernel reads x once and writes y once: 4 TD bytes (plus the weight, D elements, and rstd, T
+# floats, both small next to TD).
+#
+# **Predict first.** At T = 16384 and D = 4096 in bf16, how many times faster than the eager version is one
+# fused kernel? Add up the table (the T terms are small), take the ratio of bytes, then ask whether seven
+# small kernels reach the same share of the memory bandwidth as one. Type your estimate in place of the
+# value in `predict(...)` below; it is scored against the recorded (or, on a GPU, live) measurement in
+# section 3.
+
+# %%
+# Your prediction: time of the eager forward / time of the fused forward, bf16, T = 16384, D = 4096.
+guess = predict("fused RMSNorm forward speed-up over eager", 9.0, "x")
+
+# %% [markdown]
+# The count, for this notebook's sizes (`course_lib.bench.fused.rms_norm_bytes` has the fused kernel's):
 
 # %%
 eager_bytes, fused_bytes = 36 * T * D, fused_bench.rms_norm_bytes(T, D, "fwd")
-print(f"16-bit x of T={T}, D={D}: eager moves {eager_bytes / 1e6:.1f} MB, a fused kernel {fused_bytes / 1e6:.1f} MB")
-guess = predict("fused RMSNorm forward speed-up over eager", round(eager_bytes / fused_bytes, 1), "x")
+print(f"16-bit x of T={T}, D={D}: eager moves {eager_bytes / 1e6:.1f} MB, a fused kernel {fused_bytes / 1e6:.1f} MB "
+      f"({eager_bytes / fused_bytes:.1f}x fewer bytes)")  # fmt: skip
 
 # %% [markdown]
 # ## 2. The fused forward
@@ -130,11 +142,28 @@ guess = predict("fused RMSNorm forward speed-up over eager", round(eager_bytes /
 # float32 per row, is written too: the backward needs it, and saving it spares the backward a reduction
 # per row (4 bytes per row written now against a sum over the row later; for a row too long for one tile
 # it would also cost another pass over x).
+#
+# **Exercise 1 (the fused forward kernel).** Write the body of `simple_rms_norm_kernel`; the launcher
+# below it is given (one program per row, `BLOCK_D` the row length rounded up to a power of two). Program
+# `row`:
+# 1. loads its row of x: D elements starting at `x_ptr + row * n_cols`, with a mask for the `BLOCK_D - D`
+#    lanes past the end (D = 320 or 777 is no power of two), converted to float32 right after the load;
+# 2. computes rstd = 1 / sqrt(mean of the squares + eps) in float32 (`tl.sum`, `tl.rsqrt` or `1 / tl.sqrt`);
+#    the mean is over the D real elements, not over `BLOCK_D`;
+# 3. follows LlamaRMSNorm's casts: x · rstd cast to x's dtype (`x_ptr.dtype.element_ty`), then times the
+#    weight in float32, cast to y's dtype on the store, masked like the load;
+# 4. stores its rstd at `rstd_ptr + row` (the backward reads it).
+#
+# The check runs it against float64 on rows of lengths that are no power of two, from one row to a few
+# dozen, in float32 (within 1e-5) and bfloat16 (within 2e-2: one rounding of x̂ and one of y).
 
 
 # %%
 @triton.jit
 def simple_rms_norm_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, n_cols, eps, BLOCK_D: tl.constexpr):
+    """y[row] = w * cast(x[row] * rstd), rstd[row] = 1 / sqrt(mean(x[row]**2) + eps), for the row
+    `tl.program_id(0)` of the contiguous (rows, n_cols) x and y; w (n_cols,), rstd (rows,) float32."""
+    ### BEGIN SOLUTION
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK_D)
     mask = cols < n_cols
@@ -144,21 +173,73 @@ def simple_rms_norm_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, n_cols, eps, BLOCK_D: 
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(y_ptr + row * n_cols + cols, (w * x_hat.to(tl.float32)).to(y_ptr.dtype.element_ty), mask=mask)
     tl.store(rstd_ptr + row, rstd)
+    ### END SOLUTION
 
 
 def simple_rms_norm(x, w, eps=1e-6):
+    """The launcher: x (rows, D) contiguous, w (D,). Returns y like x and rstd (rows,) float32."""
     y = torch.empty_like(x)
     rstd = torch.empty(x.shape[0], device=x.device, dtype=torch.float32)
     simple_rms_norm_kernel[(x.shape[0],)](x, w, y, rstd, x.shape[1], eps, BLOCK_D=triton.next_power_of_2(x.shape[1]))
     return y, rstd
 
 
-y_simple, rstd_simple = simple_rms_norm(x, w)
-ref = rms_norm_reference(x, w)
-err = (y_simple.double().cpu() - ref).abs().max().item()
-print(f"simple kernel vs float64: max error {err:.2e}; vs course_lib: max difference "
-      f"{(y_simple.float() - rms_norm(x, w).float()).abs().max().item():.2e}")  # fmt: skip
-torch.testing.assert_close(y_simple, llama_rms_norm(x, w), rtol=2e-2, atol=2e-2)
+# %% tags=["check"]
+def rms_case(rows, D, dtype):
+    """x (rows, D) and w (D,) of one case, the same for your kernel and the reference."""
+    g = torch.Generator().manual_seed(rows * 10007 + D)
+    x = (2 * torch.randn(rows, D, generator=g)).to(DEVICE, getattr(torch, dtype))
+    return x, (1 + 0.1 * torch.randn(D, generator=g)).to(DEVICE, getattr(torch, dtype))
+
+
+def rms_learner(rows, D, dtype):  # the launcher's work, with outputs that notice a store past their end
+    x, w = rms_case(rows, D, dtype)
+    y, y_guard = guarded_empty(x.shape, x.dtype, x.device)
+    rstd, rstd_guard = guarded_empty((rows,), torch.float32, x.device)
+    simple_rms_norm_kernel[(rows,)](x, w, y, rstd, D, 1e-6, BLOCK_D=triton.next_power_of_2(D))
+    y_guard("RMSNorm forward kernel")
+    rstd_guard("RMSNorm forward kernel")
+    return y, rstd
+
+
+def rms_reference(rows, D, dtype):  # float64: y and rstd
+    x, w = rms_case(rows, D, dtype)
+    return rms_norm_reference(x, w), torch.rsqrt(x.double().cpu().pow(2).mean(-1) + 1e-6)
+
+
+sizes = [(1, 40), (7, 100), (3, 320), (33, 777), (5, 1000)]  # rows x D: no D is a power of two
+for dtype, tol in (("float32", 1e-5), ("bfloat16", 2e-2)):
+    check_cases(
+        "RMSNorm forward kernel",
+        [dict(rows=r, D=d, dtype=dtype) for r, d in sizes],
+        rms_learner,
+        rms_reference,
+        rtol=tol,
+        atol=tol,
+        outputs=("y", "rstd"),
+    )
+
+# %% [markdown]
+# On a GPU, your kernel against course_lib's `rms_norm` and PyTorch's eager RMSNorm (`llama_rms_norm`
+# above, seven kernels) at this notebook's size; on the CPU the cell says why it does not time. From here
+# on the notebook uses course_lib's `rms_norm`, whatever the check said.
+
+# %%
+times = time_kernels(
+    "RMSNorm forward kernel",
+    learner=lambda: simple_rms_norm(x, w),
+    course_lib=lambda: rms_norm(x, w),
+    note="course_lib looks up rows per program and warps by row length (course_lib.fused.launch.RMS_FORWARD) "
+    "and takes a two-pass kernel for rows past 4096; yours runs one row per program with Triton's 4 warps.",
+)
+if times:  # on a GPU: the eager version of section 1, and PyTorch's own fused F.rms_norm
+    for label, fn in (("eager llama_rms_norm", lambda: llama_rms_norm(x, w)),
+                      ("F.rms_norm", lambda: torch.nn.functional.rms_norm(x, (D,), w, 1e-6))):  # fmt: skip
+        ms = benchmark(fn)
+        print(f"{label}: {ms:.3f} ms, {ms / times['yours']:.1f}x the time of yours")
+err = (rms_norm(x, w).double().cpu() - rms_norm_reference(x, w)).abs().max().item()
+print(f"course_lib's rms_norm on ({T}, {D}) {DTYPE}: max error against float64 {err:.2e}")
+torch.testing.assert_close(rms_norm(x, w), llama_rms_norm(x, w), rtol=2e-2, atol=2e-2)
 
 # %% [markdown]
 # `course_lib.fused.rms_norm` is this kernel plus what a library needs: any leading dims and strides, a
@@ -444,18 +525,26 @@ else:
 # - **Norm into the next matmul.** rstd is one number per row: a matmul's epilogue or prologue can apply it,
 #   and the weight w can be folded into the matmul's weights at load time.
 #
-# Fusing by hand has a cost of its own: `torch.compile` cannot look inside a Triton launch that it finds
-# in an `autograd.Function` (traced into, the launch failed). As the attention does (notebook 08b),
-# `rms_norm` and `rope` become PyTorch custom operators under `torch.compile` (`course_lib.fused.op`): one
-# opaque node each, with a fake implementation for shapes and its backward registered, so a model that
-# calls them, notebook 12's among them, compiles as one graph around the kernels.
+# Fusing by hand has a cost of its own: the compiler's view of the model. `torch.compile` does trace
+# user-defined Triton kernels: a launch inside a function it compiles, or an operator registered with
+# `torch.library.triton_op` (its launches wrapped in `torch.library.wrap_triton`), which Inductor sees
+# and can schedule beside the kernels it generates. The course chose the other kind of operator,
+# `torch.library.custom_op` (`course_lib.fused.op`; the attention does the same, notebook 08b): one opaque
+# node per call, with a fake implementation for shapes and its backward registered. Why: the launcher is
+# Python that picks a kernel and a launch by the row length (the launch tables, the chunked kernel for
+# long rows, the dW modes), and kept opaque it runs as written, the kernels compiled on a GPU or
+# interpreted on a CPU alike; traced into through the autograd Function, the launches failed to compile
+# (`course_lib/fused/op.py` says how). The price: Inductor cannot fuse anything into our kernels. A model
+# that calls `rms_norm` and `rope`, notebook 12's among them, still compiles as one graph around them.
 
 # %% [markdown]
 # ## Exercises
 #
-# Each exercise has a cell to fill in and a check cell after it. Later cells never use your answers.
+# Exercise 1 was the forward kernel of section 2. Each exercise has a cell to fill in and a check cell after
+# it; a failed check shows a hint, the next failure the next one, and `course_lib.exercises.solution(name)`
+# shows a worked answer. Later cells never use your answers.
 #
-# **Exercise 1 (bytes of the backward).** Write `rms_norm_backward_bytes(T, D, elem)`: the bytes the fused
+# **Exercise 2 (bytes of the backward).** Write `rms_norm_backward_bytes(T, D, elem)`: the bytes the fused
 # backward must move for a T × D input of `elem` bytes per element. It reads x, dy, w (D) and rstd (T
 # float32), and writes dx and dw (D).
 
@@ -472,15 +561,10 @@ check(
     "bytes of the backward",
     lambda: [rms_norm_backward_bytes(16384, 4096), rms_norm_backward_bytes(4096, 5120, elem=4)],
     [fused_bench.rms_norm_bytes(16384, 4096, "bwd"), fused_bench.rms_norm_bytes(4096, 5120, "bwd", elem=4)],
-    hints=[
-        "Three T x D tensors (x, dy, dx) and two of D elements (w, dw) move in `elem` bytes each; rstd is "
-        "T float32 values, 4 bytes each whatever elem is.",
-        "return (3 * T * D + 2 * D) * elem + 4 * T",
-    ],
 )
 
 # %% [markdown]
-# **Exercise 2 (the backward by hand).** Write `rms_norm_grads(x, w, dy, eps)` returning `(dx, dw)` in
+# **Exercise 3 (the backward by hand).** Write `rms_norm_grads(x, w, dy, eps)` returning `(dx, dw)` in
 # float64 PyTorch from the formulas of section 3 (no autograd). The check compares with autograd.
 
 
@@ -509,16 +593,10 @@ check(
     rtol=1e-9,
     atol=1e-9,
     parts=["dx", "dw"],
-    hints=[
-        "With x_hat = x * rstd and g = dy * w, per row: dx = rstd * (g - x_hat * mean(g * x_hat)); dw sums "
-        "dy * x_hat over the rows (section 3).",
-        "rstd = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps); x_hat = x * rstd; g = dy * w; "
-        "dx = rstd * (g - x_hat * (g * x_hat).mean(-1, keepdim=True)); dw = (dy * x_hat).sum(0)",
-    ],
 )
 
 # %% [markdown]
-# **Exercise 3 (from half to interleaved).** The half layout pairs j with j + d/2; the interleaved layout
+# **Exercise 4 (from half to interleaved).** The half layout pairs j with j + d/2; the interleaved layout
 # pairs 2i with 2i + 1. Write `half_to_interleaved(d)`: the index list `perm` such that `x[..., perm]`
 # moves each half-layout pair (i, i + d/2) to positions (2i, 2i + 1). Then rotating `x[..., perm]` in the
 # interleaved layout equals rotating `x` in the half layout and permuting the result the same way.
@@ -540,14 +618,10 @@ check(
     rope_reference(q, cos, sin, layout="half"),
     rtol=1e-12,
     atol=1e-12,
-    hints=[
-        "Position 2i of x[..., perm] must hold element i of x, and position 2i + 1 element i + d/2.",
-        "return [j for i in range(d // 2) for j in (i, i + d // 2)]",
-    ],
 )
 
 # %% [markdown]
-# **Exercise 4 (residual add fused with the norm).** Write `add_rms_norm(x, residual, w, eps)` in PyTorch
+# **Exercise 5 (residual add fused with the norm).** Write `add_rms_norm(x, residual, w, eps)` in PyTorch
 # returning `(h, y)` with h = x + residual and y = RMSNorm(h) (LlamaRMSNorm's casts), and count in
 # `fused_add_norm_bytes(T, D, elem)` what one fused kernel must move: read x and residual, write h and y
 # (ignore w). The check compares h with x + residual, y with course_lib's `rms_norm`, and the count with
@@ -578,18 +652,12 @@ check(
     rtol=2e-2,
     atol=2e-2,
     parts=["h", "y"],
-    hints=[
-        "RMSNorm divides by the root of the mean of the squares, not by the standard deviation: no mean is "
-        "subtracted. `llama_rms_norm`, defined near the top of this notebook, follows LlamaRMSNorm's casts.",
-        "h = x + residual; return h, llama_rms_norm(h, w, eps)",
-    ],
 )
 # read x and r, write h and y
 check(
     "bytes of the fused kernel",
     lambda: [fused_add_norm_bytes(1024, 4096), fused_add_norm_bytes(512, 5120, elem=4)],
     [2 * (2 * 1024 * 4096 * 2), 2 * (2 * 512 * 5120 * 4)],
-    hints=["Four T x D tensors move, `elem` bytes per element: return 4 * T * D * elem"],
 )
 
 # %% [markdown]
@@ -600,7 +668,9 @@ check(
 #   bytes of a fused kernel).
 # - The fused RMSNorm forward keeps a row in registers, computes float32 statistics, follows LlamaRMSNorm's
 #   casts and saves rstd. The backward is dX per row plus dW, a reduction across rows: per-program partials
-#   then a second reduction are deterministic; atomics and locked buffers are not.
+#   then a second reduction are deterministic by construction; atomics and locked buffers are not
+#   guaranteed to be (the order of their additions depends on scheduling). In the recorded H200 run each of
+#   the two repeated bit for bit at one of its three shapes and not at the other two.
 # - RoPE multiplies pairs by $e^{\mathrm{i}p\theta}$; the layouts differ only in which elements pair up. One
 #   kernel rotates q and k using each cos/sin row once; the backward is the same kernel at −θ; positions
 #   offset the cache for a KV cache.
