@@ -1,8 +1,8 @@
 """Pictures that move: FlashAttention's loops step by step, as a slider and as a static strip of frames.
 
-Taught in notebooks 04 (the forward's tile loop, FlashAttention-1 against FlashAttention-2 loop order,
-causal skipping), 04b and 07 (the backward's K/V-outer loop, dQ accumulating) and 05 (which program of a
-Triton launch touches which elements).
+Taught in notebooks 04 (one Q block's inner loop, `inner_loop_strip`; the forward's tile loop,
+FlashAttention-1 against FlashAttention-2 loop order, causal skipping), 04b and 07 (the backward's
+K/V-outer loop, dQ accumulating) and 05 (which program of a Triton launch touches which elements).
 
 Each picture comes in two forms, built from the same recorded frames:
 - `*_strip(...)`: a matplotlib Figure with a few chosen steps side by side. It shows everywhere, in a
@@ -12,6 +12,10 @@ Each picture comes in two forms, built from the same recorded frames:
 
 Frames are recorded from a real computation in float64 (`forward_frames`, `backward_frames`), so what
 moves on the screen is what the algorithm does, not a drawing of it.
+
+Every figure is at most `WIDTH` (10) inches wide, so that JupyterLab shows it at full size in a notebook
+about 1000 pixels wide (at the default 100 dpi) and its smallest text stays at 9 points or more; legends
+and colour keys sit outside the data.
 """
 
 from __future__ import annotations
@@ -28,6 +32,18 @@ from .reference import attention as reference_attention
 from .reference import causal_mask
 
 ORDERS = {"fa1": "FlashAttention-1 order (K/V outer)", "fa2": "FlashAttention-2 order (Q outer)"}
+# Inches: 1000 pixels at 100 dpi with the margins. JupyterLab shrinks a wider figure, and its text, to the
+# notebook's width.
+WIDTH = 9.8
+# Panels are narrow (four across WIDTH): fonts a little below `perf.plotting.READABLE`, never below 9 points.
+SMALL_FONTS = {
+    "axes.titlesize": 11,
+    "axes.labelsize": 11,
+    "xtick.labelsize": 10,
+    "ytick.labelsize": 10,
+    "legend.fontsize": 10,
+    "figure.titlesize": 12,
+}
 
 
 def _check_2d(name: str, t, n_cols: int | None = None) -> None:
@@ -182,6 +198,18 @@ def _tile_map(ax, frame, title):
     )
 
 
+def _state_key(fig, names=("skipped", "pending", "computed", "on chip"), masked: bool = True) -> None:
+    """The colour key of the tile maps (`names`, and "M" for a tile that needs the mask), once per figure,
+    above the panels."""
+    from matplotlib.patches import Patch
+
+    handles = [Patch(color=tiles._COLOURS[n], label=n) for n in names]
+    if masked:
+        handles.append(Patch(color="white", label="M: tile needs the mask"))
+    loc = "outside upper center"
+    fig.legend(handles=handles, loc=loc, ncol=len(handles), frameon=False)
+
+
 def _frames(where: str, frames) -> list:
     """Recorded frames checked: a non-empty list of frame dicts (from `forward_frames`/`backward_frames`)."""
     if not isinstance(frames, (list, tuple)) or not frames or not all(isinstance(f, dict) for f in frames):
@@ -213,16 +241,17 @@ def _forward_panels(axes, frames, step, m_lim, l_max, err_max):
     _tile_map(axes[0], f, f"{f['order'].upper()} step {step + 1}/{len(frames)}: tile ({i}, {j})")
     axes[1].plot(rows, np.where(np.isinf(f["m"]), np.nan, f["m"]), ".", color="#d94801", ms=3)
     axes[1].set_ylim(*m_lim)
-    axes[1].set_title("running max m per row")
+    axes[1].set_title("running max m")
     axes[2].plot(rows, f["l"], ".", color="#2171b5", ms=3)
     axes[2].set_ylim(0, l_max)
-    axes[2].set_title("running sum l per row")
+    axes[2].set_title("running sum l")
     axes[3].bar(
         rows, np.nan_to_num(f["err"], nan=err_max), color=np.where(np.isnan(f["err"]), "#dddddd", "#238b45")
     )
     axes[3].set_ylim(0, err_max)
-    axes[3].set_title("max |O/l − O_final| (grey: not started)")
+    axes[3].set_title("max |O/l − O_final|")
     for ax in axes[1:]:
+        ax.set_xlim(-0.5, f["n_q"] - 0.5)  # the same axes at every step: rows not started yet leave gaps
         ax.set_xlabel("query row")
         ax.axvspan(i * f["block_m"], min((i + 1) * f["block_m"], f["n_q"]) - 0.5, color="#fd8d3c", alpha=0.15)
 
@@ -238,59 +267,69 @@ def _forward_limits(frames_by_order):
 
 def forward_step_figure(frames_by_order: dict, step: int):
     """One step of the forward, for each loop order: a row of four panels (tile map, m, l, distance of
-    the current estimate O/l from the final O, per query row). frames_by_order: {"fa1": frames, "fa2":
-    frames} from `forward_frames` (one order is fine too). Returns the matplotlib Figure."""
+    the current estimate O/l from the final O, per query row; grey bars: rows not started). Every step
+    has the same axes. frames_by_order: {"fa1": frames, "fa2": frames} from `forward_frames` (one order
+    is fine too); step counts from 0. Returns the matplotlib Figure (WIDTH inches wide)."""
     import matplotlib.pyplot as plt
 
     frames_by_order = _frames_by_order("forward_step_figure", frames_by_order)
     step = check_int("forward_step_figure", "step", step, 0)
     limits = _forward_limits(frames_by_order)
-    fig, axes = plt.subplots(
-        len(frames_by_order), 4, figsize=(17, 3.9 * len(frames_by_order)), squeeze=False, layout="constrained"
-    )
-    for row, frames in zip(axes, frames_by_order.values()):
-        _forward_panels(row, frames, min(step, len(frames) - 1), *limits)
+    with plt.rc_context(SMALL_FONTS):
+        fig, axes = plt.subplots(
+            len(frames_by_order), 4, figsize=(WIDTH, 3.3 * len(frames_by_order) + 0.4), squeeze=False,
+            layout="constrained",
+        )  # fmt: skip
+        for row, frames in zip(axes, frames_by_order.values()):
+            _forward_panels(row, frames, min(step, len(frames) - 1), *limits)
+        _state_key(fig)
     return fig
 
 
 def forward_strip(frames_by_order: dict, n_shots: int = 4):
     """Static strip: `n_shots` evenly spaced steps side by side, two rows per loop order (the tile map, and
-    the distance of each query row's estimate O/l from its final value). Returns the Figure."""
+    the distance of each query row's estimate O/l from its final value), the tiles' colour key on top.
+    Returns the Figure (WIDTH inches wide)."""
     import matplotlib.pyplot as plt
 
     frames_by_order = _frames_by_order("forward_strip", frames_by_order)
     n_frames = min(len(frames) for frames in frames_by_order.values())
     steps = _pick_steps(n_frames, n_shots)
     _, _, err_max = _forward_limits(frames_by_order)
-    fig, axes = plt.subplots(
-        2 * len(frames_by_order),
-        len(steps),
-        figsize=(4.2 * len(steps), 6.8 * len(frames_by_order)),
-        squeeze=False,
-        layout="constrained",
-    )
-    for r, (order, frames) in enumerate(frames_by_order.items()):
-        for c, step in enumerate(steps):
-            f = frames[step]
-            _tile_map(axes[2 * r, c], f, f"{order.upper()}, step {step + 1}/{len(frames)}")
-            ax = axes[2 * r + 1, c]
-            ax.bar(
-                np.arange(f["n_q"]),
-                np.nan_to_num(f["err"], nan=err_max),
-                color=np.where(np.isnan(f["err"]), "#dddddd", "#238b45"),
-            )
-            ax.set_ylim(0, err_max)
-            ax.set_xlabel("query row")
-            finished = int((f["err"] < 1e-12).sum())
-            ax.set_title(f"{finished} of {f['n_q']} rows final")
-        axes[2 * r + 1, 0].set_ylabel("max |O/l − O_final|\n(grey: not started)")
+    with plt.rc_context(SMALL_FONTS):
+        fig, axes = plt.subplots(
+            2 * len(frames_by_order),
+            len(steps),
+            figsize=(WIDTH, 5.4 * len(frames_by_order) + 0.4),
+            squeeze=False,
+            layout="constrained",
+            height_ratios=[1.35, 1] * len(frames_by_order),
+        )
+        for r, (order, frames) in enumerate(frames_by_order.items()):
+            for c, step in enumerate(steps):
+                f = frames[step]
+                _tile_map(axes[2 * r, c], f, f"{order.upper()}, step {step + 1}/{len(frames)}")
+                ax = axes[2 * r + 1, c]
+                ax.bar(
+                    np.arange(f["n_q"]),
+                    np.nan_to_num(f["err"], nan=err_max),
+                    color=np.where(np.isnan(f["err"]), "#dddddd", "#238b45"),
+                )
+                ax.set_ylim(0, err_max)
+                ax.set_xlim(-0.5, f["n_q"] - 0.5)
+                ax.set_xlabel("query row")
+                finished = int((f["err"] < 1e-12).sum())
+                ax.set_title(f"{finished} of {f['n_q']} rows final")
+            axes[2 * r + 1, 0].set_ylabel("max |O/l − O_final|\n(grey: not started)")
+        _state_key(fig)
     return fig
 
 
-def _slider(draw, n_steps: int, description: str):
-    """An ipywidgets slider over steps 0..n_steps-1 that calls draw(step) (which shows a figure).
-    Without ipywidgets (a notebook run as a plain script on a machine without it) there is no slider:
-    a line says so and None is returned; the static strips show the same steps."""
+def _slider(draw, n_steps: int, description: str, first: int = 0):
+    """An ipywidgets slider over steps first..first+n_steps-1 that calls draw(step - first) (which shows a
+    figure): first=1 numbers the steps as the figures' titles do ("step 1/10"). Without ipywidgets (a
+    notebook run as a plain script on a machine without it) there is no slider: a line says so and None
+    is returned; the static strips show the same steps."""
     try:
         import ipywidgets as widgets
     except ImportError:
@@ -301,73 +340,151 @@ def _slider(draw, n_steps: int, description: str):
     import matplotlib.pyplot as plt
 
     def show(step):
-        draw(step)
+        draw(step - first)
         plt.show()
 
-    slider = widgets.IntSlider(value=0, min=0, max=n_steps - 1, step=1, description=description)
+    # A saved notebook keeps the widget's place but not the widget: JupyterLab then shows "Error
+    # displaying widget: model not found" until the cell runs again.
+    print("(If the slider below reads 'model not found', the notebook was reopened: run this cell again.)")
+    slider = widgets.IntSlider(
+        value=first, min=first, max=first + n_steps - 1, step=1, description=description
+    )
     return widgets.interactive(show, step=slider)
 
 
 def forward_widget(frames_by_order: dict):
-    """A slider over the forward's steps, redrawing `forward_step_figure` (JupyterLab); text elsewhere."""
+    """A slider over the forward's steps 1..n, redrawing `forward_step_figure` (JupyterLab); text elsewhere."""
     frames_by_order = _frames_by_order("forward_widget", frames_by_order)
     n = max(len(frames) for frames in frames_by_order.values())
-    return _slider(lambda s: forward_step_figure(frames_by_order, s), n, "tile step")
+    return _slider(lambda s: forward_step_figure(frames_by_order, s), n, "step", first=1)
 
 
 def _backward_panels(axes, frames, step):
     f = frames[step]
     i, j = f["tile"]
-    _tile_map(axes[0], f, f"backward step {step + 1}/{len(frames)}: tile ({i}, {j})")
+    _tile_map(axes[0], f, f"step {step + 1}/{len(frames)}: tile ({i}, {j})")
     for ax, key, n, blk, other, what in (
         (axes[1], "dq_left", f["n_q"], f["block_m"], i, "query row: dQ still missing"),
         (axes[2], "dk_left", f["n_k"], f["block_n"], j, "key row: dK still missing"),
     ):
         ax.bar(np.arange(n), f[key], color="#6a51a3")
         ax.set_ylim(0, 1.05 * max(float(g[key].max()) for g in frames))
+        ax.set_xlim(-0.5, n - 0.5)
         ax.axvspan(other * blk - 0.5, min((other + 1) * blk, n) - 0.5, color="#fd8d3c", alpha=0.2)
         ax.set_xlabel(what.split(":")[0])
-        ax.set_title(what.split(": ")[1] + f" ({int((f[key] < 1e-12).sum())} of {n} rows done)")
+        ax.set_title(what.split(": ")[1] + f"\n({int((f[key] < 1e-12).sum())} of {n} rows done)")
     axes[1].set_ylabel("max |final − so far|\n(relative)")
 
 
 def backward_step_figure(frames, step: int):
     """One step of the tiled backward: tile map (K/V blocks outer, so the map fills column by column),
-    how much of dQ and of dK each row still misses. frames: from `backward_frames`. Returns the Figure."""
+    how much of dQ and of dK each row still misses; the same axes at every step. frames: from
+    `backward_frames`; step counts from 0. Returns the Figure (WIDTH inches wide)."""
     import matplotlib.pyplot as plt
 
     frames = _frames("backward_step_figure", frames)
     step = check_int("backward_step_figure", "step", step, 0)
-    fig, axes = plt.subplots(1, 3, figsize=(17, 4.2), layout="constrained")
-    _backward_panels(axes, frames, min(step, len(frames) - 1))
+    with plt.rc_context(SMALL_FONTS):
+        fig, axes = plt.subplots(1, 3, figsize=(WIDTH, 4.0), layout="constrained")
+        _backward_panels(axes, frames, min(step, len(frames) - 1))
+        _state_key(fig)
     return fig
 
 
 def backward_strip(frames, n_shots: int = 4):
-    """Static strip of the backward: `n_shots` steps, each a tile map above the dQ still missing per row."""
+    """Static strip of the backward: `n_shots` steps, each a tile map above the dQ still missing per row,
+    the tiles' colour key on top. Returns the Figure (WIDTH inches wide)."""
     import matplotlib.pyplot as plt
 
     frames = _frames("backward_strip", frames)
     steps = _pick_steps(len(frames), n_shots)
-    fig, axes = plt.subplots(
-        2, len(steps), figsize=(4.2 * len(steps), 7), squeeze=False, layout="constrained"
-    )
     top = 1.05 * max(float(f["dq_left"].max()) for f in frames)
-    for c, step in enumerate(steps):
-        f = frames[step]
-        _tile_map(axes[0, c], f, f"step {step + 1}/{len(frames)}: K/V block {f['tile'][1]}")
-        axes[1, c].bar(np.arange(f["n_q"]), f["dq_left"], color="#6a51a3")
-        axes[1, c].set_ylim(0, top)
-        axes[1, c].set_xlabel("query row")
-        axes[1, c].set_title(f"dQ: {int((f['dq_left'] < 1e-12).sum())} of {f['n_q']} rows done")
-    axes[1, 0].set_ylabel("dQ still missing\n(relative)")
+    with plt.rc_context(SMALL_FONTS):
+        fig, axes = plt.subplots(
+            2, len(steps), figsize=(WIDTH, 5.8), squeeze=False, layout="constrained", height_ratios=[1.35, 1]
+        )
+        for c, step in enumerate(steps):
+            f = frames[step]
+            _tile_map(axes[0, c], f, f"step {step + 1}/{len(frames)}: K/V block {f['tile'][1]}")
+            axes[1, c].bar(np.arange(f["n_q"]), f["dq_left"], color="#6a51a3")
+            axes[1, c].set_ylim(0, top)
+            axes[1, c].set_xlim(-0.5, f["n_q"] - 0.5)
+            axes[1, c].set_xlabel("query row")
+            axes[1, c].set_title(f"dQ: {int((f['dq_left'] < 1e-12).sum())} of {f['n_q']} rows done")
+        axes[1, 0].set_ylabel("dQ still missing\n(relative)")
+        _state_key(fig)
     return fig
 
 
 def backward_widget(frames):
-    """A slider over the backward's steps, redrawing `backward_step_figure`."""
+    """A slider over the backward's steps 1..n, redrawing `backward_step_figure`."""
     frames = _frames("backward_widget", frames)
-    return _slider(lambda s: backward_step_figure(frames, s), len(frames), "tile step")
+    return _slider(lambda s: backward_step_figure(frames, s), len(frames), "step", first=1)
+
+
+def inner_loop_strip(steps, n_q: int, n_k: int, block_m: int, block_n: int, O_final):
+    """One Q block's inner loop, step by step: one column per K/V block, four rows of panels (the tile on
+    chip; m, then l, of each of the block's rows before (grey) and after the step, circles where the
+    maximum grew so that l and O were rescaled; how far each row's estimate O/l still is from O_final).
+
+    steps: the dicts a tiled forward records after each K/V block, with keys i, j (the tile), m and l
+    (1-D over the block's rows) and O (the unnormalised accumulator, rows x d); O_final: (rows, d), the
+    block's final output. Up to five steps fit WIDTH inches. Returns the Figure; the legend is below it."""
+    import matplotlib.pyplot as plt
+
+    if not steps:
+        raise ValueError("inner_loop_strip: steps is empty; record at least one K/V block")
+    m_all = np.concatenate([np.asarray(s["m"]) for s in steps])
+    l_all = np.concatenate([np.asarray(s["l"]) for s in steps])
+    errs = [
+        np.abs(np.asarray(s["O"]) / np.asarray(s["l"])[:, None] - np.asarray(O_final)).max(axis=1)
+        for s in steps
+    ]
+    with plt.rc_context(SMALL_FONTS):
+        fig, axes = plt.subplots(
+            4, len(steps), figsize=(WIDTH, 9.6), squeeze=False, layout="constrained",
+            height_ratios=[1.3, 1, 1, 1], sharex="row",
+        )  # fmt: skip
+        for c, s in enumerate(steps):
+            done = [(t["i"], t["j"]) for t in steps[:c]]
+            tiles.draw_block_map(
+                axes[0, c], n_q, n_k, block_m, block_n, on_chip=(s["i"], s["j"]), done=done,
+                title=f"step {c + 1}/{len(steps)}: tile ({s['i']}, {s['j']})",
+            )  # fmt: skip
+            m, l = np.asarray(s["m"]), np.asarray(s["l"])
+            rows = np.arange(len(m))
+            grew = np.zeros(len(m), dtype=bool)
+            if c > 0:
+                m_prev, l_prev = np.asarray(steps[c - 1]["m"]), np.asarray(steps[c - 1]["l"])
+                grew = m > m_prev
+                axes[1, c].plot(rows, m_prev, "-", color="#aaaaaa", label="before the step")
+                axes[2, c].plot(rows, l_prev, "-", color="#aaaaaa")
+            axes[1, c].plot(rows, m, ".-", color="#d94801", label="m after the step")
+            axes[1, c].plot(
+                rows[grew], m[grew], "o", mfc="none", mec="black", ms=7, label="max grew: l, O rescaled"
+            )
+            axes[1, c].set_ylim(m_all.min() - 0.2, m_all.max() + 0.2)
+            axes[1, c].set_title(f"m: {grew.sum()} rows grew" if c else "m (from −inf)")
+            axes[2, c].plot(rows, l, ".-", color="#2171b5", label="l after the step")
+            axes[2, c].plot(rows[grew], l[grew], "o", mfc="none", mec="black", ms=7)
+            axes[2, c].set_ylim(0, l_all.max() * 1.05)
+            axes[2, c].set_title("running sum l")
+            axes[3, c].bar(rows, errs[c], color="#238b45")
+            axes[3, c].set_ylim(0, max(e.max() for e in errs) * 1.05)
+            axes[3, c].set_title("max |O/l − O_final|")
+            axes[3, c].set_xlabel(f"row of Q block {s['i']}")
+        axes[1, 0].set_ylabel("m (score units)")
+        axes[2, 0].set_ylabel("l (sum of exp)")
+        axes[3, 0].set_ylabel("distance to\nfinal O")
+        handles, labels = [], []
+        for ax in (axes[1, -1], axes[2, -1]):
+            for h, lab in zip(*ax.get_legend_handles_labels()):
+                if lab not in labels:
+                    handles.append(h)
+                    labels.append(lab)
+        fig.legend(handles, labels, loc="outside lower center", ncol=len(labels), frameon=False)
+        _state_key(fig, names=("pending", "computed", "on chip"), masked=False)
+    return fig
 
 
 def program_map(shape: tuple[int, int], block: tuple[int, int]) -> np.ndarray:
@@ -420,11 +537,12 @@ def program_strip(shape: tuple[int, int], block: tuple[int, int], n_shots: int =
 
     n_prog = int(program_map(shape, block).max()) + 1
     pids = _pick_steps(n_prog, n_shots)
-    fig, axes = plt.subplots(
-        1, len(pids), figsize=(4.4 * len(pids), 3.6), squeeze=False, layout="constrained"
-    )
-    for ax, pid in zip(axes[0], pids):
-        _program_panel(ax, shape, block, pid)
+    with plt.rc_context(SMALL_FONTS):
+        fig, axes = plt.subplots(
+            1, len(pids), figsize=(min(WIDTH, 3.3 * len(pids)), 3.4), squeeze=False, layout="constrained"
+        )
+        for ax, pid in zip(axes[0], pids):
+            _program_panel(ax, shape, block, pid)
     return fig
 
 
