@@ -1,0 +1,23 @@
+"""Serving many requests (notebook 14): what a serving stack adds on top of the paged cache and the batcher.
+
+- `prefix_cache`: full pages found again by their tokens (a hash chained over the previous page's hash and the
+  page's token ids, as vLLM v1 and nano-vllm do), kept after their request ends until evicted (LRU), shared by
+  reference count; `PrefixCachingBatcher` skips the prefill of a prompt's cached prefix.
+- `cascade`: attention of a batch that shares a prefix: all the batch's query rows over the shared prefix once (one
+  multi-query pass over one K/V stream), each sequence over its own suffix with the paged kernel, the two partial
+  (O, L) states merged (notebook 03's merge).
+
+A user of the kernels: it imports the faces of `decode` and `attention` and nothing imports it (README, Layout).
+"""
+
+from .cascade import cascade_decode_attention, cascade_reference
+from .prefix_cache import CachingPageAllocator, PrefixCache, PrefixCachingBatcher, block_hash
+
+__all__ = [
+    "CachingPageAllocator",
+    "PrefixCache",
+    "PrefixCachingBatcher",
+    "block_hash",
+    "cascade_decode_attention",
+    "cascade_reference",
+]

@@ -1,0 +1,115 @@
+"""Prefix caching (course_lib.serving.prefix_cache, notebook 14): greedy output identical with and without the
+cache, no page leaked or freed while a sequence reads it, eviction under pressure, a hash collision not trusted."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import course_lib
+from course_lib.decode.batching import ContinuousBatcher
+from course_lib.decode.cache import PageAllocator, PagedKVCache
+from course_lib.decode.toy_model import ToyModel
+from course_lib.serving import prefix_cache
+from course_lib.serving.prefix_cache import (
+    CachingPageAllocator,
+    PrefixCache,
+    PrefixCachingBatcher,
+    block_hash,
+)
+
+DEV = course_lib.DEVICE
+
+
+def _prompts(vocab, shared, tails, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    prefix = torch.randint(0, vocab, (shared,), generator=g).tolist()
+    return [prefix + torch.randint(0, vocab, (n,), generator=g).tolist() for n in tails]
+
+
+def _accounted(batcher):
+    """Every page is free, idle in the prefix cache, or held: the reference counts add up, none leaked."""
+    alloc, prefix = batcher.cache.allocator, batcher.prefix
+    held = [0] * alloc.num_pages
+    for seq in batcher.cache.seqs.values():
+        for page in seq.pages:
+            held[page] += 1
+    for page in range(alloc.num_pages):
+        own = 1 if page in prefix.entry else 0
+        assert alloc.refs[page] == held[page] + own, (
+            f"page {page}: refs {alloc.refs[page]}, held {held[page]}"
+        )
+        assert (page in alloc.free_list) == (alloc.refs[page] == 0), f"page {page}"
+        assert (page in prefix.idle) == (own == 1 and held[page] == 0), f"page {page}"
+
+
+def test_block_hash_chains_over_the_previous_page():
+    a = block_hash(b"", [1, 2, 3, 4])
+    assert a == block_hash(b"", [1, 2, 3, 4]) and len(a) == 32
+    assert block_hash(a, [5, 6, 7, 8]) != block_hash(b"", [5, 6, 7, 8])  # same tokens, another prefix
+
+
+@pytest.mark.parametrize("max_batch", [1, 3])
+def test_greedy_tokens_identical_with_and_without_the_cache(max_batch):
+    """Requests sharing a 13-token prompt prefix (3 full pages of 4): the cached run computes fewer prompt tokens
+    and generates exactly the same tokens; afterwards every page is accounted for."""
+    model = ToyModel(DEV)
+    prompts = _prompts(model.vocab, 13, (2, 5, 1, 7))
+    plain = ContinuousBatcher(model, num_pages=24, page_size=4, max_batch=max_batch, max_step_tokens=16)
+    cached = PrefixCachingBatcher(model, num_pages=24, page_size=4, max_batch=max_batch, max_step_tokens=16)
+    want = [plain.submit(p, 3) for p in prompts]
+    got = [cached.submit(p, 3) for p in prompts]
+    want, got = plain.run(), cached.run()
+    assert list(got.values()) == list(want.values())
+    for p, g in zip(prompts, got.values()):
+        assert g == model.generate_full(p, 3)
+    assert cached.prefix.hits >= 3 * 4 * (len(prompts) - max_batch), "later requests found the shared pages"
+    _accounted(cached)
+    assert cached.cache.allocator.num_free == 24  # idle cached pages count as free
+
+
+def test_eviction_under_pressure_keeps_live_sequences_right():
+    """A pool too small to keep every finished prompt: idle pages are evicted oldest first, live ones never, and
+    the output is still exactly greedy."""
+    model = ToyModel(DEV)
+    prompts = _prompts(model.vocab, 9, (6, 3, 8, 2, 5), seed=5) + _prompts(model.vocab, 10, (4, 7), seed=6)
+    batcher = PrefixCachingBatcher(model, num_pages=10, page_size=4, max_batch=2, max_step_tokens=12)
+    ids = [batcher.submit(p, 2) for p in prompts]
+    got = batcher.run()
+    for i, p in zip(ids, prompts):
+        assert got[i] == model.generate_full(p, 2), f"request {i}"
+    assert batcher.prefix.evictions > 0, "the test set-up must make the pool evict"
+    _accounted(batcher)
+
+
+def test_preemption_recomputes_from_the_cached_pages():
+    """With one more request than the pool can hold, the batcher preempts; the preempted request comes back on
+    its own cached pages and still generates the greedy tokens."""
+    model = ToyModel(DEV)
+    prompts = _prompts(model.vocab, 8, (7, 7, 7), seed=9)
+    batcher = PrefixCachingBatcher(model, num_pages=9, page_size=4, max_batch=3, max_step_tokens=64)
+    ids = [batcher.submit(p, 6) for p in prompts]
+    got = batcher.run()
+    for i, p in zip(ids, prompts):
+        assert got[i] == model.generate_full(p, 6)
+    _accounted(batcher)
+
+
+def test_a_hash_collision_is_not_trusted(monkeypatch):
+    """If two different pages hashed alike, the stored tokens tell them apart: no request gets another's keys."""
+    cache = PagedKVCache(1, 8, 4, 1, 16, torch.float32, "cpu")
+    cache.allocator = CachingPageAllocator(8)
+    prefix = PrefixCache(cache)
+    monkeypatch.setattr(prefix_cache, "block_hash", lambda parent, tokens: b"same")
+    assert prefix.start(0, [1, 2, 3, 4, 5]) == 0
+    cache.append(0, 5)
+    prefix.insert(0, [1, 2, 3, 4, 5])
+    assert prefix.match([1, 2, 3, 4, 9]) == [cache.seqs[0].pages[0]]
+    assert prefix.match([9, 9, 9, 9, 9]) == [], "a colliding hash with other tokens must miss"
+
+
+def test_bad_use_is_refused():
+    cache = PagedKVCache(1, 4, 4, 1, 16, torch.float32, "cpu")
+    assert isinstance(cache.allocator, PageAllocator)
+    with pytest.raises(TypeError, match="CachingPageAllocator"):
+        PrefixCache(cache)
