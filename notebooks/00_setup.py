@@ -22,7 +22,8 @@
 #    *interpreted* (CPU).
 # 2. Know where notebook sizes come from, and how GPU figures reach you when you have no GPU.
 # 3. Know how the course is laid out, and how homework imports `course_lib`.
-# 4. Do one small exercise and see how exercises are checked.
+# 4. Make a prediction before a measurement, and see how it is scored.
+# 5. Do one small exercise and see how exercises are checked, with hints and worked answers.
 
 # %% [markdown]
 # ## 1. The environment doctor
@@ -66,15 +67,21 @@ HEAD_DIM = 64
 #
 # `course_lib.attention.reference.attention` is standard attention written the obvious way: it builds the full
 # N × N score matrix. Every kernel in the course is tested against it (in float64). Let us time it as the
-# sequence length N doubles. If its cost were dominated by the N × N matrices, each doubling should cost
-# about **4×**. We predict, then measure: write your prediction in the next cell before you run the one
-# after it. `course_lib.exercises.predict` notes it down; after the measurement, `.score(...)` says how close
-# it was (within 2x counts as good). Every measured notebook of the course works this way.
+# sequence length N doubles.
+#
+# **Predict, then measure.** Every measured notebook of the course works this way: you write down a number
+# *before* the measurement, and the measurement scores it. Here: suppose the time of one call is spent on
+# the N × N matrices (computing and moving them). How many times longer does one call take when N doubles?
+# Work it out, then type your estimate in place of the value in `predict(...)` below (in the student
+# edition it reads `None`; in the instructor edition it holds a worked answer) and run the cell.
+# `course_lib.exercises.predict` notes the number down; after the measurement, `.score(...)` says how close
+# it was (within 2x counts as good) and, when it was far off, asks which assumption the measurement broke.
+# A prediction left at `None` is not an error: the measurement runs and says "unscored".
 
 # %%
 from course_lib.exercises import predict
 
-# Your prediction: how many times longer does one call take when N doubles?
+# Your prediction: how many times longer does one call take when N doubles? (type your number in place of the value)
 doubling = predict("time growth per doubling of N", 4, unit="x")
 
 # %%
@@ -123,19 +130,29 @@ ax = plot_series(
 plt.show()
 
 # %% [markdown]
-# Read the lines above against the prediction. Small sizes are partly dominated by fixed costs, so early
-# doublings often cost less than 4×; a doubling that costs much more than 4× usually means the matrices
-# just outgrew a cache, or another program took the processor for a moment (a shared machine's timings
-# scatter: run the cell again and compare). Notebook 02 explains *why* the N × N matrices, not the
-# arithmetic, are the real cost on a GPU.
+# Read the lines above against your prediction. An N × N matrix has four times the entries when N
+# doubles, so if those matrices dominate, each doubling costs about **4×**. Small sizes are partly
+# dominated by fixed costs, so early doublings often cost less than 4×; a doubling that costs much more
+# than 4× usually means the matrices just outgrew a cache, or another program took the processor for a
+# moment (a shared machine's timings scatter: run the cell again and compare). Notebook 02 explains *why*
+# the N × N matrices, not the arithmetic, are the real cost on a GPU.
 #
 # ## 4. Figures from a GPU, when you have none
 #
-# Speed is a GPU story. When you work on a CPU, the notebooks show **recorded** GPU figures: files in
-# `assets/benchmarks/` written on a real GPU by `make bench` or by a notebook's GPU-only cells (not under
-# `make test-gpu`, which sets `COURSE_RECORDS=off`), each stamped with the GPU, the driver, the
-# versions and the date. No GPU number in the course is typed by hand. Next to them you always see what
-# *your* machine measured, labelled as such.
+# Speed is a GPU story. The course shows two kinds of GPU numbers, and always says which one you are
+# looking at:
+#
+# - **measured** figures: times, achieved bandwidths and FLOP/s. When you work on a CPU, the notebooks show
+#   **recorded** GPU measurements: files in `assets/benchmarks/` written on a real GPU by `make bench` or by
+#   a notebook's GPU-only cells (not under `make test-gpu`, which sets `COURSE_RECORDS=off`), each stamped
+#   with the GPU, the driver, the versions and the date. No measured number is typed by hand.
+# - **datasheet** figures: what the vendor says a GPU can do (peak FLOP/s, HBM bandwidth, memory sizes, SM
+#   counts of the A100, H100, H200 and RTX 4090). These *are* typed, from NVIDIA's datasheets, whitepapers
+#   and tuning guides, into one table, `course_lib.perf.hardware.GPUS`, each figure with the address of the
+#   document it comes from (notebook 01 prints them). They are upper bounds that no real kernel reaches;
+#   the measured ceilings are lower.
+#
+# Next to either you always see what *your* machine measured, labelled as such.
 
 # %%
 from course_lib import records
@@ -171,30 +188,48 @@ else:
 #
 # ## 6. course_lib from homework
 #
-# Homework (for example an assignment that asks for a FlashAttention-2 `torch.autograd.Function`) can
-# import the course's finished classes. `pip install -e .` from the course folder (which `make setup`
-# already did) makes `course_lib` importable anywhere in that environment. Both classes take
-# `(q, k, v, is_causal)` with q of shape (batch, n_queries, d) or (batch, heads, n_queries, d):
+# Homework often asks for a FlashAttention-2 `torch.autograd.Function` (Stanford CS336's assignment 2
+# does): an adapter returns the class, and the tests call `Cls.apply(q, k, v, is_causal)` with q of shape
+# (batch, n_queries, d). The classes to hand in are **yours**: you write the pieces in this course (the
+# tiled forward in notebook 04, its backward in 04b, the Triton forward kernel in 06 and the backward
+# kernels in 07) and wrap them in an autograd Function the way notebook 07, section 8 shows:
 #
 # ```python
-# import course_lib
+# # the homework's adapter file
+# from my_flash import MyFlashAttentionTorch, MyFlashAttentionTriton  # your own module
 #
 # def get_flashattention_autograd_function_pytorch():
-#     return course_lib.FlashAttentionTorch      # pure PyTorch, tiled: runs anywhere
+#     return MyFlashAttentionTorch   # your forward (notebook 04) and backward (04b), pure PyTorch: runs anywhere
 #
 # def get_flashattention_autograd_function_triton():
-#     return course_lib.FlashAttentionTriton     # Triton kernels: compiled on a GPU, interpreted on a CPU
+#     return MyFlashAttentionTriton  # your kernels (notebooks 06 and 07): compiled on a GPU, interpreted on a CPU
 # ```
+#
+# `pip install -e .` from the course folder (which `make setup` already did) makes `course_lib` importable
+# anywhere in that environment, so your own module can use its helpers (`course_lib.testing`, the float64
+# reference `course_lib.attention.reference.attention`) to test your classes before you hand them in.
+# For instructors: the finished classes with the same interface are `course_lib.FlashAttentionTorch` and
+# `course_lib.FlashAttentionTriton` (the README's section "course_lib from homework").
 #
 # ## 7. How exercises work
 #
-# Each notebook ends with exercises. An exercise cell holds a place for your code; the cell after it,
-# a **check**, calls `course_lib.exercises.check`, which says whether your answer is missing, wrong (and
-# which part: a value, or the first array index that differs) or correct. A failed check shows a short
-# message, not a traceback, and some exercises carry hints: each new wrong attempt shows the next one,
-# from a nudge to the formula. In the student edition (`make student`) the answers are removed; in the
-# instructor edition (this one) they are filled in. Later cells never depend on your answers, so you can
-# always run a notebook to the end.
+# Each notebook has exercises, some in its sections and some at its end. An exercise cell holds a place for
+# your code; the cell after it, a **check**, calls `course_lib.exercises.check` (or `check_cases`, which
+# runs your function over many cases against a float64 reference), and says whether your answer is missing,
+# wrong (and which part: a value, the first array index that differs, the first failing case) or correct.
+# A failed check shows a short message, not a traceback.
+#
+# - **Hints** appear one per failed attempt: the first wrong (or missing) answer shows hint 1, the next wrong
+#   attempt hint 2, from a nudge to the formula. None of them is the answer.
+# - **A worked answer** appears only when you ask for it: `course_lib.exercises.solution("score matrix
+#   bytes")` prints the answer to the exercise of that name (the name the check uses).
+# - **Predictions** (section 3) start blank in the student edition: you type the number.
+#
+# There are two editions of every notebook. In the student edition (`make student`, or `make lab-student`)
+# each answer is replaced by `raise NotImplementedError` and each prediction by `None`; in the instructor
+# edition (the `notebooks/` folder) they are filled in. If the cell below holds `raise NotImplementedError`,
+# you have the student edition: replace that line with your code, run the cell, then run the check. Later
+# cells never depend on your answers, so you can always run a notebook to the end.
 #
 # **Exercise 0.** The standard attention above builds an N × N score matrix per (batch, head). Write a
 # function that returns how many bytes that matrix takes for a batch of `b` sequences, `h` heads,
@@ -210,8 +245,8 @@ def score_matrix_bytes(b, h, n, bytes_per_element):
 # %% tags=["check"]
 from course_lib.exercises import check
 
-check("score matrix bytes", lambda: score_matrix_bytes(8, 16, 4096, 2), 8 * 16 * 4096**2 * 2)
-check("score matrix bytes (fp32)", lambda: score_matrix_bytes(1, 32, 8192, 4), 32 * 8192**2 * 4)
+check("score matrix bytes", lambda: score_matrix_bytes(8, 16, 4096, 2), 4_294_967_296)
+check("score matrix bytes (fp32)", lambda: score_matrix_bytes(1, 32, 8192, 4), 8_589_934_592)
 
 # %% [markdown]
 # For 8 sequences of 4096 tokens, 16 heads, in bf16, that is 4 GiB for one layer's scores — and the
@@ -221,9 +256,11 @@ check("score matrix bytes (fp32)", lambda: score_matrix_bytes(1, 32, 8192, 4), 3
 # - `import course_lib` decides where Triton kernels run; the doctor says what it decided and why.
 # - Sizes are chosen in one place per notebook with `course_lib.pick`.
 # - GPU figures on a CPU come from recorded runs, labelled; your own machine's measurements sit next to them.
-# - `course_lib` holds every finished piece; homework imports `FlashAttentionTorch` and `FlashAttentionTriton`.
+# - Predict, then measure: a prediction is a number typed before the measurement, and the measurement scores it.
+# - Checks show one hint per failed attempt; `course_lib.exercises.solution(name)` shows a worked answer on request.
+# - Homework hands in your own autograd Functions (notebooks 04b and 07); `course_lib` holds the finished pieces.
 #
 # ## Exercises
-# 1. (done above) Bytes of the N × N score matrix.
+# 1. Bytes of the N × N score matrix (section 7).
 # 2. Run `python -m course_lib doctor` in a terminal and compare with the first cell's output.
 # 3. Change `N_TOUR` to larger sizes and see when the measured growth approaches 4× per doubling.
