@@ -24,7 +24,7 @@
 #    tell compute-bound from memory-bound.
 # 3. Measure the ceilings of your own device and place measured operations on its roofline.
 # 4. Count the bytes that training holds per parameter, and check the count against PyTorch.
-# 5. Predict the speed-up of kernel fusion from bytes, then measure it.
+# 5. Predict the speed-up of kernel fusion, and the time of a memory-bound chain, from bytes; then measure.
 
 # %%
 import math
@@ -179,8 +179,42 @@ assert flops_growth > bw_growth
 #
 # The second form is the **roofline**. Its corner, the **machine balance** P / B, is the intensity at which
 # memory time equals compute time: below it an operation is **memory-bound** (faster arithmetic would not
-# help), above it **compute-bound**. `course_lib.perf.roofline_ms` and `attainable_tflops` implement
-# these two lines; `machine_balance` gives the corner.
+# help), above it **compute-bound**. `course_lib.perf.attainable_tflops` implements the second line and
+# `machine_balance` gives the corner; the first line is yours to write.
+#
+# **Exercise 1: the roofline time.** Write `roofline_time_ms(flops, nbytes, peak_tflops, bandwidth_gbps)`:
+# the least time, in milliseconds, that an operation of `flops` FLOPs moving `nbytes` bytes can take on a
+# device with a peak of `peak_tflops` TFLOP/s (10¹² FLOP/s) and a bandwidth of `bandwidth_gbps` GB/s
+# (10⁹ bytes/s). Mind the units. The check times two operations on an H200's datasheet figures (989
+# TFLOP/s, 4800 GB/s): a bf16 softmax over 16384 × 8192 elements and a bf16 matmul of n = 8192, plus a
+# made-up device. (`course_lib.perf.roofline_ms` is the finished piece the rest of the course uses.)
+
+
+# %%
+def roofline_time_ms(flops: float, nbytes: float, peak_tflops: float, bandwidth_gbps: float) -> float:
+    ### BEGIN SOLUTION
+    compute_ms = flops / (peak_tflops * 1e12) * 1e3
+    memory_ms = nbytes / (bandwidth_gbps * 1e9) * 1e3
+    return max(compute_ms, memory_ms)
+    ### END SOLUTION
+
+
+# %% tags=["check"]
+_rows = 16384 * 8192
+_cases = [
+    (5 * _rows, 2 * 2 * _rows, 989, 4800),  # softmax, bf16: 5 FLOPs, read 2 bytes and write 2 per element
+    (2 * 8192**3, 3 * 8192**2 * 2, 989, 4800),  # matmul n = 8192, bf16
+    (1e9, 1e9, 0.5, 100),  # a made-up device: 1 GFLOP and 1 GB
+]
+check(
+    "roofline time",
+    lambda: [roofline_time_ms(*case) for case in _cases],
+    [perf.roofline_ms(*case) for case in _cases],
+    rtol=1e-9,
+    parts=["softmax on an H200", "matmul 8192 on an H200", "a made-up device"],
+)
+
+# %% [markdown]
 #
 # A GPU has *two* compute peaks that matter here: the tensor cores, which only do matrix multiplication,
 # and the ordinary fp32 units that do everything else (max, add, multiply, ...). Exponentials are slower
@@ -478,12 +512,18 @@ assert measured16 == budget16
 # ## 7. Kernel fusion
 #
 # Eager PyTorch runs one kernel per operation, and every kernel reads its input from HBM and writes its
-# output back. `perf.ceilings.elementwise_chain(x) = relu(x * 0.5 + 1) * 2` is four element-wise operations:
+# output back. `perf.ceilings.elementwise_chain(x) = relu(x * 0.5 + 1) * 2` is four element-wise operations
+# on a tensor of N elements:
 #
-# - **eager**: 4 kernels, each reads N elements and writes N elements: 8N element transfers;
-# - **fused**: one kernel reads x once, keeps the intermediates in registers, writes y once: 2N.
+# - **eager**: 4 kernels, one per operation, each reading its input from memory and writing its output back;
+# - **fused**: one kernel reads x once, keeps the intermediates in registers, writes y once.
 #
-# All four are memory-bound, so the time should follow the bytes: **predicted speed-up 4×**.
+# All four operations are memory-bound (section 3).
+#
+# **Predict first, twice.** (1) How many times faster is the fused version than the eager one? (2) How many
+# milliseconds does the *eager* chain take on an H200 for N = 2²⁸ fp32 elements (4 bytes each), at the HBM
+# bandwidth of its datasheet (the table of section 1)? Count the element transfers of each version, and
+# type your estimates in place of the values in the cell that follows `fuse_by_chunks` below.
 #
 # On a GPU, `torch.compile` generates that fused kernel (a Triton kernel). On a CPU, compiling would take
 # longer than the rest of this notebook, so here we fuse by hand the way a CPU does it well: process the
@@ -505,10 +545,14 @@ def fuse_by_chunks(f, chunk=2**15):
     return fused
 
 
+# %%
 from course_lib.exercises import predict
 
-# Your prediction, before the measurement: the fused version's speed-up over eager.
+# Your predictions, before the measurement: type each number in place of the value.
+# (1) the fused version's speed-up over eager, on any device
 fusion_guess = predict("fusion speed-up (4 element-wise ops)", 4.0, unit="x")
+# (2) the eager chain's time on an H200, N = 2**28 fp32 elements, at its datasheet bandwidth
+h200_eager_guess = predict("eager 4-op chain on an H200, 2**28 fp32 elements", 1.8, unit=" ms")
 
 # %%
 fusion = perf.measure_fusion(FUSION_NUMEL, compile_fn=None if course_lib.ON_GPU else fuse_by_chunks)
@@ -521,6 +565,24 @@ print(
     f"  speed-up: measured {fusion['speedup']:.1f}x, predicted from bytes {fusion['predicted_speedup']:.0f}x"
 )
 _ = fusion_guess.score(fusion["speedup"])
+
+# %% [markdown]
+# The count: eager, each of the 4 kernels reads N elements and writes N, 8N element transfers; fused, x is read
+# once and y written once, 2N. If the time follows the bytes, fusion is **4×** faster. On an H200, the eager
+# chain moves 8 × 2²⁸ × 4 bytes = 8.6 GB; at the datasheet's 4.8 TB/s that takes about 1.8 ms, a lower
+# bound (no real kernel reaches the datasheet bandwidth). The second prediction is scored against a GPU's
+# measurement: this GPU's at the same size, or on a CPU the recorded H200 run.
+
+# %%
+f_rec = None if rec is None else rec["data"]["fusion"]
+if course_lib.ON_GPU and FUSION_NUMEL == 2**28:
+    print(f"this GPU ({torch.cuda.get_device_name()}): eager chain {fusion['eager_ms']:.3f} ms")
+    _ = h200_eager_guess.score(fusion["eager_ms"])
+elif f_rec is not None and "error" not in f_rec and f_rec["numel"] == 2**28:
+    print(f"Recorded on {rec['meta']['gpu']}: eager chain {f_rec['eager_ms']:.3f} ms; {records.label(rec)}")
+    _ = h200_eager_guess.score(f_rec["eager_ms"])
+else:
+    print("No GPU measurement of the chain at N = 2**28 here (run `make bench` on a GPU to record one).")
 
 # %%
 labels, eager_ms, fused_ms = [f"this {DEVICE.type}"], [fusion["eager_ms"]], [fusion["fused_ms"]]
@@ -554,7 +616,7 @@ plt.show()
 #
 # ## 8. Exercises
 #
-# **Exercise 1: SiLU.** `y = x * sigmoid(x)` where `sigmoid(x) = 1 / (1 + exp(-x))`. Count 4 FLOPs per
+# **Exercise 2: SiLU.** `y = x * sigmoid(x)` where `sigmoid(x) = 1 / (1 + exp(-x))`. Count 4 FLOPs per
 # element (exp, add, divide, multiply; negation is free). Write `silu_intensity(elem_bytes)`, its
 # arithmetic intensity for elements of `elem_bytes` bytes (read x once, write y once).
 
@@ -570,7 +632,7 @@ def silu_intensity(elem_bytes: int) -> float:
 check("silu_intensity", lambda: [silu_intensity(2), silu_intensity(4)], [1.0, 0.5])
 
 # %% [markdown]
-# **Exercise 2: when does a matmul become compute-bound?** Write `compute_bound_n(peak_tflops,
+# **Exercise 3: when does a matmul become compute-bound?** Write `compute_bound_n(peak_tflops,
 # bandwidth_gbps, elem_bytes)`: the smallest integer n at which an n × n × n matmul's intensity
 # (2n³ FLOPs over 3n² elements) reaches the machine balance. The check uses the H200 and A100 datasheet
 # figures (bf16).
@@ -588,7 +650,7 @@ def compute_bound_n(peak_tflops: float, bandwidth_gbps: float, elem_bytes: int) 
 check("compute_bound_n", lambda: [compute_bound_n(989, 4800, 2), compute_bound_n(312, 2039, 2)], [619, 460])
 
 # %% [markdown]
-# **Exercise 3: does it fit?** Write `adam_training_gb(n_params, mixed_precision)`: the GB (10⁹ bytes)
+# **Exercise 4: does it fit?** Write `adam_training_gb(n_params, mixed_precision)`: the GB (10⁹ bytes)
 # needed for parameters, gradients and Adam states (no activations), following section 6. Then decide:
 # does a 7B model's training state fit on an H200 (141 GB)? On an H100 (80 GB)?
 
@@ -608,7 +670,7 @@ check(
 )
 
 # %% [markdown]
-# **Exercise 4: fusion with two inputs.** `y = (x + b) * c` with x, b, c three tensors of N elements.
+# **Exercise 5: fusion with two inputs.** `y = (x + b) * c` with x, b, c three tensors of N elements.
 # Eager PyTorch runs two kernels (the add, then the multiply); a fused kernel runs one. Count element
 # transfers to and from HBM in both cases and write `two_input_fusion_speedup()`, the predicted speed-up.
 
@@ -632,7 +694,8 @@ check("two_input_fusion_speedup", two_input_fusion_speedup, 1.5)
 #   faster than HBM by our estimate), L2, then HBM (tens to a hundred-odd GB), then host DRAM
 #   over PCIe. HBM holds thousands of times more than SRAM.
 # - Arithmetic intensity (FLOP/byte) against machine balance (peak FLOP/s / bandwidth) says whether an
-#   operation is memory-bound or compute-bound. The roofline min(P, B·I) bounds what it can achieve.
+#   operation is memory-bound or compute-bound. The roofline min(P, B·I) bounds what it can achieve, and
+#   max(FLOPs / P, bytes / B) the least time it can take.
 # - Element-wise operations and reductions have intensity ≈ 1: always memory-bound. Matmuls become
 #   compute-bound as they grow. Non-matmul FLOPs run on much slower units (16× slower on an A100).
 # - Training with Adam holds 16 bytes per parameter (P : G : states = 1 : 1 : 6 in mixed precision), and we
