@@ -12,6 +12,8 @@
 - `api`: `flash_attention(q, k, v, causal=...)` and the autograd Function `FlashAttentionTriton`.
 - `op`: the kernels as PyTorch custom operators, so `torch.compile` keeps them whole (08b).
 - `varlen`: sequences of different lengths packed into one call, and a padded batch run that way (08b).
+- `packed`: packed sequences' bounds as the kernels read them, and their checks (08b).
+- `decode_route`: which forward runs a call: a decoding step goes to split-KV decoding (09).
 - `blocks`: which K/V blocks a query block visits (causal alignment, splits) and its Python twin.
 - `configs`, `launch`: named launch configurations and how a call picks one; `inputs`: input checks.
 - `merge`: merging partial (O, L) results, for split-KV decoding (09) and ring attention (13).
@@ -20,6 +22,8 @@
 `attention_forward` and `attention_backward` are the kernels as plain functions, for code that
 combines partial results itself (split-KV decoding, ring attention): the forward returns (O, L), the
 backward takes O and L (which may be the merged ones of a whole sequence) and returns (dQ, dK, dV).
+`attention_forward` hands a decoding step to split-KV decoding as `flash_attention` does
+(`decode_route.attention_forward`); `forward.forward` always runs the FlashAttention-2 kernel.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ _KERNELS = {  # name: (module, attribute; None for the module itself)
     "FlashAttentionTriton": ("api", "FlashAttentionTriton"),
     "flash_attention": ("api", "flash_attention"),
     "attention_backward": ("backward", "backward"),
-    "attention_forward": ("forward", "forward"),
+    "attention_forward": ("decode_route", "attention_forward"),
     "SUPPORTED_HEAD_DIMS": ("forward", "SUPPORTED_HEAD_DIMS"),
     "flash_attention_op": ("op", "flash_attention_op"),
     "flash_attention_varlen": ("varlen", "flash_attention_varlen"),

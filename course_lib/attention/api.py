@@ -24,12 +24,11 @@ except ImportError:  # pragma: no cover - a PyTorch without it: every tensor rea
 from .. import runtime
 from ..second_derivative import refuse_second_derivative
 from .backward import _backward, save_tensors, saved_tensors
-from .configs import split_config
-from .forward import _forward
+from .configs import DEFAULT_LAUNCH, DEFAULT_SWITCHES
+from .decode_route import routed_forward
 from .inputs import check_call
 from .op import flash_attention_op
 
-_DEFAULT_LAUNCH, _FAST = split_config(None, None)  # the default choice of launch and the fast switches
 _PREPARED: set = set()  # shapes whose backward kernels this process has started compiling
 
 
@@ -77,13 +76,13 @@ class FlashAttentionTriton(torch.autograd.Function):
                 None,
                 alignment,
                 scale,
-                _DEFAULT_LAUNCH,
-                _FAST,
+                DEFAULT_LAUNCH,
+                DEFAULT_SWITCHES,
                 "two_kernel",
                 True,
                 window,
             )
-        o, lse = _forward(q, k, v, alignment, scale, _DEFAULT_LAUNCH, _FAST, window, sinks32)
+        o, lse = routed_forward(q, k, v, alignment, scale, DEFAULT_LAUNCH, DEFAULT_SWITCHES, window, sinks32)
         save_tensors(ctx, q, k, v, o, lse, sinks32)
         ctx.alignment = alignment
         ctx.scale = scale
@@ -96,7 +95,7 @@ class FlashAttentionTriton(torch.autograd.Function):
         q, k, v, o, lse, sinks32 = saved_tensors(ctx)
         with torch.no_grad():
             dq, dk, dv, dsinks = _backward(
-                do, q, k, v, o, lse, ctx.alignment, ctx.scale, _DEFAULT_LAUNCH, _FAST, "two_kernel",
+                do, q, k, v, o, lse, ctx.alignment, ctx.scale, DEFAULT_LAUNCH, DEFAULT_SWITCHES, "two_kernel",
                 window=ctx.window, sinks=sinks32,
             )  # fmt: skip
             dsinks = None if dsinks is None else dsinks.to(ctx.sinks_dtype)
@@ -147,4 +146,4 @@ def flash_attention(
         return FlashAttentionTriton.apply(q, k, v, causal, scale, window, sinks)
     # nothing to differentiate (inference, no_grad): the forward alone, without an autograd node
     alignment, window, sinks32, scale = check_call(q, k, v, causal, scale, window, sinks, "flash_attention")
-    return _forward(q, k, v, alignment, scale, _DEFAULT_LAUNCH, _FAST, window, sinks32)[0]
+    return routed_forward(q, k, v, alignment, scale, DEFAULT_LAUNCH, DEFAULT_SWITCHES, window, sinks32)[0]

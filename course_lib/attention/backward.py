@@ -54,9 +54,7 @@ from ..checks import (
     kernel_window,
     kv_group,
 )
-from ..runtime import tl, triton
-from .blocks import (
-    LOG2E,
+from ..kernels.blocks import (
     kv_block_range,
     load_rows,
     program_block,
@@ -67,6 +65,8 @@ from .blocks import (
     window_kv_range,
     window_q_range,
 )
+from ..kernels.softmax import LOG2E
+from ..runtime import tl, triton
 from .configs import DKDV, DQ, PREPROCESS_BLOCK_M, split_config, teaching_hooks
 from .forward import hopper_kernels, run_gluon
 from .inputs import as_4d, check_inputs, kernel_flags, strides4, within_offsets
@@ -666,7 +666,7 @@ def _backward(
 ):
     """Launch the kernels on validated inputs (no checks here): dQ (with D) then dK/dV, or, atomic,
     the preprocessing then dK/dV with dQ. window: `checks.check_window`'s (0: none); sinks:
-    `checks.check_sinks`'s. seqs: None, or packed sequences (`varlen.Sequences`; two-kernel mode
+    `checks.check_sinks`'s. seqs: None, or packed sequences (`packed.Sequences`; two-kernel mode
     only): do, q, k, v, o are then (total rows, heads, d) and L (total_q, Hq). Returns (dq, dk, dv,
     dsinks), dsinks None without sinks (float32 with).
     The kernels need nothing for the sinks: P rebuilt from L (which includes them) is already right.

@@ -209,8 +209,8 @@ def teaching_hooks(switches: dict, names: tuple[str, ...]) -> dict:
     """The kernel function arguments that `split_config`'s switches ask for: {name: @triton.jit
     function} for those of `names` (the hooks one kernel takes) that a teaching variant replaces.
 
-    {} for the fast switches: each kernel's defaults are the production helpers (`forward.softmax_step`,
-    `forward.logsumexp`, `backward.probabilities`, `blocks.kv_block_range`, `blocks.q_block_range`).
+    {} for the fast switches: each kernel's defaults are the production helpers (`kernels.softmax.softmax_step`,
+    `kernels.softmax.logsumexp`, `backward.probabilities`, `blocks.kv_block_range`, `blocks.q_block_range`).
     EXP2=False swaps in the natural-exponential softmax, SKIP_MASKED=False the every-block range."""
     if switches["EXP2"] and switches["SKIP_MASKED"]:
         return {}
@@ -224,3 +224,8 @@ def teaching_hooks(switches: dict, names: tuple[str, ...]) -> dict:
     if not switches["SKIP_MASKED"]:
         hooks.update(KV_RANGE=teaching.every_kv_block, Q_RANGE=teaching.every_q_block)
     return {name: fn for name, fn in hooks.items() if name in names}
+
+
+# What a call without `config` runs (`flash_attention`, the operators, packed sequences): the default
+# choice of launch (None: `launch.py` picks one per shape) and the fast switches.
+DEFAULT_LAUNCH, DEFAULT_SWITCHES = split_config(None, None)

@@ -22,7 +22,11 @@ from 16k; batch 32 from 4k). Under CUDA graphs the split-KV kernel is faster fro
 model replayed as graphs gives up that part.
 
 The result is the forward's contract: O (q's shape, contiguous) and L (q.shape[:-1], float32, natural
-log, -inf with O = 0 for a row that sees no key), so the backward is unchanged."""
+log, -inf with O = 0 for a row that sees no key), so the backward is unchanged.
+
+The choice sits here, above both kernels (`routed_forward`), and not in the forward kernel module:
+`api.flash_attention`, the custom operator (`op.forward_op`) and `course_lib.attention.attention_forward`
+call it; `forward.forward` always runs the FlashAttention-2 kernel, and decoding never imports attention."""
 
 from __future__ import annotations
 
@@ -32,7 +36,9 @@ from .. import runtime
 from ..decode.heuristics import sm_count, tile_for
 from ..decode.split_kv import DTYPES
 from ..decode.split_kv import launch as split_kv_launch
+from .forward import _forward, forward_call
 from .inputs import as_4d
+from .launch import cuda_device
 
 # keys x waves of the forward's grid from which the split-KV kernel runs instead (docstring)
 MIN_WORK = 16384
@@ -72,3 +78,22 @@ def forward(q, k, v, alignment: str | None, scale: float):
     # out (B, Nq, Hq, d) has q4.transpose(1, 2)'s strides: for a contiguous q, transposing back is contiguous
     o = out.transpose(1, 2).contiguous().view(q.shape)
     return o, lse.transpose(1, 2).contiguous().view(q.shape[:-1])
+
+
+def routed_forward(q, k, v, alignment, scale, launch_cfg, switches, window=0, sinks=None, seqs=None):
+    """`forward._forward` (its checked arguments, its (O, L)), with a decoding step that `takes` accepts
+    handed to the split-KV kernel: only a call with the default launch, no window, no sinks and no packed
+    sequences is ever handed over."""
+    plain = launch_cfg is None and not window and sinks is None and seqs is None
+    if plain and takes(as_4d(q), as_4d(k), alignment):
+        with cuda_device(q):
+            return forward(q, k, v, alignment, scale)
+    return _forward(q, k, v, alignment, scale, launch_cfg, switches, window, sinks, seqs)
+
+
+def attention_forward(
+    q, k, v, causal=False, scale: float | None = None, config: dict | None = None, window=None, sinks=None
+):
+    """`forward.forward` (the same arguments, checks and results: O and L) with a decoding step handed
+    to the split-KV kernel (`routed_forward`). This is `course_lib.attention.attention_forward`."""
+    return routed_forward(*forward_call(q, k, v, causal, scale, config, window, sinks))

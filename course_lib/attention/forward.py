@@ -17,11 +17,14 @@ plain pointer arithmetic, a mask on every load and store, block dimensions >= 16
 
 The online-softmax step (`softmax_step`), the logsumexp that finishes it (`logsumexp`) and the block
 range (`blocks.kv_block_range`) are `tl.constexpr` function arguments of the kernel, defaulting to
-these production helpers; notebook 08's optimisation ladder swaps in its first rungs' variants
-(natural exponentials, every block masked) from `teaching.py` through `config=`.
+these production helpers of the shared kernel layer (`course_lib.kernels.softmax`, `.blocks`);
+notebook 08's optimisation ladder swaps in its first rungs' variants (natural exponentials, every block
+masked) from `teaching.py` through `config=`.
 
 A few query rows over a long K/V (a decoding step: Nq = 1 at batch 1 gives a grid of B x H programs)
-go to Flash-Decoding's split-KV kernel instead (`decode_route.py`, notebook 09).
+run better in Flash-Decoding's split-KV kernel: that choice is made above this module, in
+`decode_route.py` (notebook 09), which `flash_attention`, its operator and `attention_forward` call;
+`forward` here always runs this kernel.
 
 On a Hopper GPU the tuned forward hands contiguous 16-bit inputs to `hopper.py` (a warp-specialised
 Gluon kernel) where that measured faster; `config={"hopper": False}` keeps this one.
@@ -43,11 +46,7 @@ from ..checks import (
     kernel_window,
     kv_group,
 )
-from ..runtime import tl, triton
-from . import decode_route
-from .blocks import (
-    LN2,
-    LOG2E,
+from ..kernels.blocks import (
     kv_block_range,
     load_rows,
     program_block,
@@ -56,6 +55,8 @@ from .blocks import (
     visible_keys,
     window_kv_range,
 )
+from ..kernels.softmax import LOG2E, logsumexp, softmax_step
+from ..runtime import tl, triton
 from .configs import FORWARD, split_config, teaching_hooks
 from .inputs import SUPPORTED_HEAD_DIMS, as_4d, check_call, kernel_flags, strides4, within_offsets
 from .launch import cuda_device, launch, make_tuner, n_bucket
@@ -126,31 +127,6 @@ def run_gluon(what: str, failed: list[str], kernel, *args) -> bool:
 # --------------------------------------------------------------------------------------------------
 # Kernels
 # --------------------------------------------------------------------------------------------------
-@triton.jit
-def softmax_step(s, m_i, l_i, sm_scale, MASK: tl.constexpr):
-    """One online-softmax step over a (BLOCK_M, BLOCK_N) tile of raw scores S = Q K^T (notebook 06).
-
-    Base-2 exponentials with the scale folded in: exp(x * scale) = exp2(x * qk_scale), one multiply-add
-    and one ex2 per score; the running max m is kept in those base-2 units (`logsumexp` converts).
-    MASK: the tile may hold masked (-inf) scores, so a row may have seen no key yet (m = -inf); its
-    exponentials are then taken against 0 instead of -inf. Returns (P, alpha, l, m): the tile's
-    unnormalised probabilities, the factor that rescales the old l and accumulator, the new l and m."""
-    qk_scale = sm_scale * LOG2E
-    m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-    m_ref = m_new
-    if MASK:
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key seen yet: exp(-inf) = 0, not NaN
-    p = tl.math.exp2(s * qk_scale - m_ref[:, None])
-    alpha = tl.math.exp2(m_i - m_ref)
-    return p, alpha, l_i * alpha + tl.sum(p, 1), m_new
-
-
-@triton.jit
-def logsumexp(m_i, l_i):
-    """L = logsumexp of a row's scaled scores, natural-log units, from `softmax_step`'s base-2 m and l."""
-    return (m_i + tl.math.log2(l_i)) * LN2
-
-
 @triton.jit
 def _fwd_inner(
     acc, l_i, m_i, q,  # running state (registers) and the Q block (registers)
@@ -316,22 +292,24 @@ def forward(
     Giving any of the four launch keys, or exp2=False or skip_masked_blocks=False, fixes the launch
     (the other launch keys take defaults); config=None (or only hopper) uses the default choice
     (`launch.py`)."""
+    return _forward(*forward_call(q, k, v, causal, scale, config, window, sinks))
+
+
+def forward_call(q, k, v, causal, scale, config, window, sinks) -> tuple:
+    """`forward`'s arguments checked, as `_forward` takes them: (q, k, v, alignment, scale, launch,
+    switches, window, sinks)."""
     alignment, window, sinks, scale = check_call(q, k, v, causal, scale, window, sinks, "attention.forward")
     launch_cfg, switches = split_config(config, FORWARD.cpu if runtime.INTERPRET else FORWARD.fixed)
-    return _forward(q, k, v, alignment, scale, launch_cfg, switches, window, sinks)
+    return q, k, v, alignment, scale, launch_cfg, switches, window, sinks
 
 
 def _forward(q, k, v, alignment, scale, launch_cfg, switches, window=0, sinks=None, seqs=None):
     """Launch the forward kernel on validated inputs (no checks here); alignment from
     `checks.causal_alignment`, window from `checks.check_window` (0: none), sinks from
-    `checks.check_sinks`. seqs: None, or packed sequences (`varlen.Sequences`): q, k, v are then
-    (total rows, heads, d) and O, L come back as (total_q, Hq, d) and (total_q, Hq).
-    A few query rows over many keys go to the split-KV decoding kernel (`decode_route`, notebook 09)."""
-    # the split-KV route and the Gluon kernel take only these calls
+    `checks.check_sinks`. seqs: None, or packed sequences (`packed.Sequences`): q, k, v are then
+    (total rows, heads, d) and O, L come back as (total_q, Hq, d) and (total_q, Hq)."""
+    # the Gluon kernel (and, above this module, the split-KV route) take only these calls
     plain = launch_cfg is None and not window and sinks is None and seqs is None
-    if plain and decode_route.takes(as_4d(q), as_4d(k), alignment):
-        with cuda_device(q):
-            return decode_route.forward(q, k, v, alignment, scale)
     o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(q.shape[:-1], dtype=accumulator_dtype(q.dtype), device=q.device)
     if seqs is None:

@@ -35,10 +35,14 @@ import torch
 
 from ..checks import accumulator_dtype, check_sinks, check_window, default_scale
 from ..second_derivative import refuse_second_derivative
+from .backward import _backward as _launch_backward
 from .backward import backward as _attention_backward
 from .backward import check_saved, save_tensors, saved_tensors
-from .forward import forward as _attention_forward
+from .configs import DEFAULT_LAUNCH, DEFAULT_SWITCHES
+from .decode_route import attention_forward as _attention_forward
+from .forward import _forward
 from .inputs import check_call, check_inputs
+from .packed import check_packed, check_padded, pack_rows, padded_sequences, sequences
 
 CAUSAL_CHOICES = ("none", "top_left", "bottom_right")
 
@@ -70,7 +74,8 @@ def forward_op(
     window: int = 0,
     sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """O and L = logsumexp of attention, as one operator (`forward.forward` runs inside).
+    """O and L = logsumexp of attention, as one operator (`decode_route.attention_forward` runs inside:
+    the forward kernel, or the split-KV kernel for a decoding step on a GPU).
 
     q: (..., Hq, Nq, d) or (B, Nq, d); k, v: (..., Hkv, Nk, d) with Hq a multiple of Hkv; float16,
     bfloat16 or float32. causal: "none", "top_left" or "bottom_right". window: 0, or a sliding window
@@ -166,11 +171,9 @@ def flash_attention_op(
 def _packed(
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, window, sinks, where
 ):
-    """The checked pieces of a packed call: (alignment, `varlen.Sequences`, float32 sinks). q, k, v,
+    """The checked pieces of a packed call: (alignment, `packed.Sequences`, float32 sinks). q, k, v,
     scale and window are checked as `flash_attention_varlen` checks them: the operators are public
     (torch.ops.course_lib), and the kernels trust what they get."""
-    from .varlen import check_packed, sequences
-
     _check_causal(causal, where)
     check_packed(q, k, v, where)
     alignment = None if causal == "none" else causal
@@ -195,14 +198,11 @@ def varlen_forward_op(
     sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """O (total_q, Hq, d) and L (total_q, Hq) of packed sequences (`varlen.flash_attention_varlen`)."""
-    from .api import _DEFAULT_LAUNCH, _FAST
-    from .forward import _forward
-
     where = "course_lib::flash_attention_varlen_forward"
     alignment, seqs, sinks32 = _packed(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, window, sinks, where
     )
-    return _forward(q, k, v, alignment, scale, _DEFAULT_LAUNCH, _FAST, window, sinks32, seqs)
+    return _forward(q, k, v, alignment, scale, DEFAULT_LAUNCH, DEFAULT_SWITCHES, window, sinks32, seqs)
 
 
 @varlen_forward_op.register_fake
@@ -230,16 +230,13 @@ def varlen_backward_op(
     sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """dQ, dK, dV (and dsinks, empty without sinks) of `varlen_forward_op`."""
-    from .api import _DEFAULT_LAUNCH, _FAST
-    from .backward import _backward
-
     where = "course_lib::flash_attention_varlen_backward"
     alignment, seqs, sinks32 = _packed(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, window, sinks, where
     )
     check_saved(do, o, lse, q, where, l_name="lse")
-    dq, dk, dv, dsinks = _backward(
-        do.contiguous(), q, k, v, o, lse, alignment, scale, _DEFAULT_LAUNCH, _FAST, "two_kernel",
+    dq, dk, dv, dsinks = _launch_backward(
+        do.contiguous(), q, k, v, o, lse, alignment, scale, DEFAULT_LAUNCH, DEFAULT_SWITCHES, "two_kernel",
         window=window, sinks=sinks32, seqs=seqs,
     )  # fmt: skip
     return dq, dk, dv, q.new_empty(0) if sinks is None else dsinks.to(sinks.dtype)
@@ -292,8 +289,6 @@ varlen_forward_op.register_autograd(_varlen_backward, setup_context=_varlen_setu
 def _check_padded(q, k, v, padding, causal: str, window: int, sinks, where: str) -> None:
     """The operators' arguments as `flash_attention_padded` checks its own; causal "none" or "bottom_right"
     (the queries are the last positions of the keys: top-left has no meaning here)."""
-    from .varlen import check_padded
-
     if causal not in ("none", "bottom_right"):
         raise ValueError(f"{where}: causal must be 'none' or 'bottom_right'; got {causal!r}")
     check_padded(q, k, v, padding, causal == "bottom_right", window or None, sinks, where)
@@ -313,8 +308,6 @@ def padded_forward_op(
     """O (B, Hq, Nq, d) and L (B, Hq, Nq) of a padded batch (`varlen.flash_attention_padded`, which
     checks the arguments): the real rows packed, `varlen_forward_op`, scattered back; padded query rows
     give O = 0 and L = 0. causal: "none" or "bottom_right"."""
-    from .varlen import pack_rows, padded_sequences
-
     _check_padded(q, k, v, padding, causal, window, sinks, "course_lib::flash_attention_padded_forward")
 
     real_q, real_k, cu_q, cu_k, max_q, max_k = padded_sequences(padding.to(q.device), q.shape[2])
@@ -349,8 +342,6 @@ def padded_backward_op(
     sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """dQ, dK, dV (dense, zero at padding) and dsinks (empty without sinks) of `padded_forward_op`."""
-    from .varlen import pack_rows, padded_sequences
-
     _check_padded(q, k, v, padding, causal, window, sinks, "course_lib::flash_attention_padded_backward")
 
     real_q, real_k, cu_q, cu_k, max_q, max_k = padded_sequences(padding.to(q.device), q.shape[2])

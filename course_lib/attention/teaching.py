@@ -8,8 +8,8 @@ kernel around it stays the same. `configs.teaching_hooks` maps a `config` dict's
 - `exp2=False` (rungs FWD0 and BWD0): the textbook softmax in natural-log units. The scores are
   multiplied by the scale, then `tl.exp` is taken (which the hardware computes as ex2(x * log2 e): one
   more multiply per score); the forward's L is m + log(l). The production helpers work in base 2 with
-  log2(e) folded into the scale: one multiply-add and one ex2 per score (`forward.softmax_step`,
-  `forward.logsumexp`, `backward.probabilities`). The next rung (FWD1, BWD1) measures that gain.
+  log2(e) folded into the scale: one multiply-add and one ex2 per score (`kernels.softmax.softmax_step`,
+  `kernels.softmax.logsumexp`, `backward.probabilities`). The next rung (FWD1, BWD1) measures that gain.
 - `skip_masked_blocks=False` (rungs FWD0, FWD1, BWD0, BWD1): a program visits every block and masks
   every tile, as a first kernel would, including causal tiles above the diagonal where every score is
   masked. The production range (`blocks.kv_block_range`, `blocks.q_block_range`) skips those and
@@ -20,8 +20,8 @@ Each variant has the production helper's arguments and results, so the two are i
 
 from __future__ import annotations
 
+from ..kernels.softmax import LN2
 from ..runtime import tl, triton
-from .blocks import LN2
 
 __all__ = [
     "every_kv_block",
@@ -37,7 +37,7 @@ __all__ = [
 # --------------------------------------------------------------------------------------------------
 @triton.jit
 def softmax_step_natural(s, m_i, l_i, sm_scale, MASK: tl.constexpr):
-    """`forward.softmax_step` in natural-log units: scale the (BLOCK_M, BLOCK_N) scores S, then exp.
+    """`kernels.softmax.softmax_step` in natural-log units: scale the (BLOCK_M, BLOCK_N) scores S, then exp.
     m stays in natural-log units (`logsumexp_natural` finishes it). Returns (P, alpha, l, m)."""
     s = s * sm_scale  # one multiply per score, before the exponential's own
     m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -51,7 +51,7 @@ def softmax_step_natural(s, m_i, l_i, sm_scale, MASK: tl.constexpr):
 
 @triton.jit
 def logsumexp_natural(m_i, l_i):
-    """`forward.logsumexp` for `softmax_step_natural`'s state: L = m + log(l)."""
+    """`kernels.softmax.logsumexp` for `softmax_step_natural`'s state: L = m + log(l)."""
     return m_i + tl.log(l_i)
 
 

@@ -1,12 +1,15 @@
 """Decoding: split-KV attention over a KV cache (Flash-Decoding), paged caches and serving (notebooks 09, 10).
 
-- `split_kv`: `decode_attention(q, k_cache, v_cache, cache_seqlens, ...)` over a contiguous cache (09).
-- `op`: `decode_attention` as a PyTorch custom operator, for compiled graphs (a static cache in transformers, 08b).
+- `api`: the entry points, `decode_attention(q, k_cache, v_cache, cache_seqlens, ...)` over a contiguous
+  cache (09) and `paged_decode_attention(q, k_pages, v_pages, block_table, cache_seqlens, ...)` (10).
+- `split_kv`: the split-KV kernel over a contiguous cache, its checks and its launch (09).
+- `op`: both as PyTorch custom operators, for compiled graphs (a static cache in transformers, 08b).
 - `combine`: the merge of the splits' partial (O, L) (09).
 - `heuristics`: how many splits, and the tile sizes per head dim (09).
 - `reference`: the float64 reference (`decode_reference`) every decode kernel is tested against (09).
-- `paged`: `paged_decode_attention(q, k_pages, v_pages, block_table, cache_seqlens, ...)` (10).
+- `paged`: the same kernel reading K/V through a block table, and its checks (10).
 - `cache`: the page pool and its allocator (free list, reference counts, copy-on-write) (10).
+- `paged_kv`: `PagedKV`, one serving step's view of the paged cache, which a model's layers attend through (10).
 - `batching`: the continuous-batching loop and the model interface it serves (10).
 - `graphs`: `DecodeGraphs`, decode steps captured once per batch shape and replayed as CUDA graphs (10).
 - `toy_model`: `ToyModel`, a two-layer model with random weights that follows the serving interface (10).
@@ -15,11 +18,9 @@ The read ceiling decoding is judged against is `course_lib.perf.ceilings.measure
 
 from __future__ import annotations
 
-from . import op  # noqa: F401  (registers the operators before torch.compile traces a call)
+from .api import decode_attention, paged_decode_attention  # (api imports op: the operators are registered)
 from .heuristics import choose_num_splits, num_splits_for
-from .paged import paged_decode_attention
 from .reference import decode_reference
-from .split_kv import decode_attention
 
 __all__ = [
     "choose_num_splits",

@@ -1,7 +1,7 @@
 """A paged KV cache: page pools, a block table per sequence and the allocator behind them (notebook 10).
 
 The pool of one layer is (num_pages, page_size, Hkv, d) for K and the same for V (the layout that
-`paged.paged_decode_attention` reads). A sequence owns a list of page ids, its row of the block table;
+`api.paged_decode_attention` reads). A sequence owns a list of page ids, its row of the block table;
 token i of the sequence lives in page pages[i // page_size] at slot i % page_size. Memory is taken a
 page at a time as a sequence grows, so at most page_size - 1 slots per sequence sit unused, instead of
 the (max length - length) a contiguous reservation wastes.

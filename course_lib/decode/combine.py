@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from .. import runtime
-from ..attention.blocks import LN2, LOG2E
+from ..kernels.softmax import LN2, LOG2E
 from ..pdl import launch_options, wait_for_prior_grid
 from ..runtime import tl, triton
 

@@ -28,6 +28,7 @@ import torch
 
 from ..perf.timing import graphed
 from .cache import PagedKVCache
+from .paged_kv import PagedKV
 
 
 def table_width(pages: int) -> int:
@@ -40,8 +41,6 @@ class _Graph:
     """One captured decode step of B sequences over a block table `width` pages wide."""
 
     def __init__(self, model, cache: PagedKVCache, batch: int, width: int, pool):
-        from .batching import PagedKV  # batching imports this module
-
         device = model.device
         self.tokens = torch.zeros(batch, dtype=torch.int64, device=device)
         self.positions = torch.zeros(batch, dtype=torch.int64, device=device)

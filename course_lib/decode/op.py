@@ -11,13 +11,14 @@ and as an operator it is one node of the graph whose output shape a *fake* imple
     course_lib::paged_decode_attention(q, k_pages, v_pages, block_table, cache_seqlens, causal, scale,
                                        num_splits, validate) -> out
 
-Layouts are `split_kv.decode_attention`'s and `paged.paged_decode_attention`'s: q (B, Tq, Hq, d),
+Layouts are `api.decode_attention`'s and `api.paged_decode_attention`'s: q (B, Tq, Hq, d),
 caches (B, Nmax, Hkv, d) or page pools (num_pages, page_size, Hkv, d) with a (B, max_pages) block
 table, cache_seqlens (B,) int32, out like q; num_splits 0 chooses the split count. Inference only: the
 operators have no gradient, and a backward through them raises an error that says so. With
 validate=False (the default) nothing in them syncs with the GPU, so the steps they run in can be
 captured as CUDA graphs; on the CPU the lengths and page ids are always checked. `decode_attention`
-and `paged_decode_attention` call them under torch.compile.
+and `paged_decode_attention` (`api.py`) call them under torch.compile; this module imports only the
+kernel modules below it (`split_kv.py`, `paged.py`).
 """
 
 from __future__ import annotations

@@ -9,8 +9,9 @@ Layout of a paged cache (vLLM's Triton-backend layout):
                                                     are never read (any value)
   cache_seqlens     (B,) int32                      tokens of sequence b, <= max_pages * page_size
 Key j of sequence b is k_pages[block_table[b, j // page_size], j % page_size]. q, out, lse, GQA and the
-causal alignment are those of `split_kv.decode_attention`. Any page size >= 1 works: the kernel looks
+causal alignment are those of `api.decode_attention`. Any page size >= 1 works: the kernel looks
 up one page id per key, so a BLOCK_N-key block may span many small pages or part of a large one.
+The entry point, `paged_decode_attention`, is in `api.py`.
 """
 
 from __future__ import annotations
@@ -40,44 +41,6 @@ def check_block_table(block_table, cache_seqlens, num_pages: int, page_size: int
             f"{where}: block_table[{b}, {p}] = {int(block_table[b, p])} is not a page id in [0, {num_pages}) "
             f"(sequence {b} has {int(cache_seqlens[b])} tokens, so it uses its first {int(pages_used[b])} pages)"
         )
-
-
-def paged_decode_attention(
-    q,
-    k_pages,
-    v_pages,
-    block_table,
-    cache_seqlens,
-    causal=True,
-    scale=None,
-    num_splits=None,
-    *,
-    return_lse: bool = False,
-    validate: bool = True,
-):
-    """Split-KV attention of new query tokens over a paged KV cache (PagedAttention). Notebook 10.
-
-    q (B, Tq, Hq, d); k_pages, v_pages (num_pages, page_size, Hkv, d), Hq a multiple of Hkv;
-    block_table (B, max_pages) int32; cache_seqlens (B,) int32 in [0, max_pages * page_size];
-    float16, bfloat16 or float32. causal, scale, num_splits, return_lse: as `decode_attention`
-    (the split count follows the table's capacity max_pages * page_size, a shape). Returns out
-    (B, Tq, Hq, d) in q's dtype (and lse (B, Tq, Hq) float32 with return_lse=True).
-    validate=True checks the lengths and the page ids a sequence uses (on a GPU this syncs and is
-    skipped during CUDA-graph capture; on the CPU it always runs)."""
-    where = "paged_decode_attention"
-    check_paged(q, k_pages, v_pages, block_table, cache_seqlens, where)
-    if torch.compiler.is_compiling():  # one opaque node (`op.py`); lengths and page ids checked inside it
-        from .op import compiled_num_splits, paged_decode_attention_op
-
-        splits = compiled_num_splits(where, return_lse, num_splits)
-        return paged_decode_attention_op(
-            q, k_pages, v_pages, block_table, cache_seqlens, normalise_causal(causal, where), scale, splits,
-            validate,
-        )  # fmt: skip
-    out, lse = paged_checked(
-        q, k_pages, v_pages, block_table, cache_seqlens, causal, scale, num_splits, validate, where
-    )
-    return (out, lse) if return_lse else out
 
 
 def check_paged(q, k_pages, v_pages, block_table, cache_seqlens, where: str) -> None:

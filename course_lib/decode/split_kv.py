@@ -53,8 +53,8 @@ from __future__ import annotations
 import torch
 
 from .. import pdl, runtime
-from ..attention.blocks import LN2
 from ..checks import causal_alignment, check_int, default_scale
+from ..kernels.softmax import LN2
 from ..pdl import allow_dependents
 from ..runtime import tl, triton
 from .combine import combine
@@ -394,46 +394,6 @@ def launch(
     if num_splits > 1:
         combine(o_part, l_part, out, lse, pdl=use_pdl)
     return out, lse
-
-
-def decode_attention(
-    q,
-    k_cache,
-    v_cache,
-    cache_seqlens=None,
-    causal=True,
-    scale=None,
-    num_splits=None,
-    *,
-    return_lse: bool = False,
-    validate: bool = True,
-):
-    """Split-KV attention of new query tokens over a contiguous KV cache (Flash-Decoding). Notebook 09.
-
-    q (B, Tq, Hq, d); k_cache, v_cache (B, Nmax, Hkv, d), Hq a multiple of Hkv; cache_seqlens (B,)
-    int32 in [0, Nmax], or None when every sequence holds all Nmax keys (as flash_attn_with_kvcache
-    reads it: an even batch, which may take another plan, `heuristics.sliced`, and whose kernel reads
-    no lengths); float16, bfloat16 or float32; d a multiple of 8 in [16, 256]. causal=True
-    (= "bottom_right"): query t sees keys j <= cache_seqlens[b] - Tq + t; False: all valid keys.
-    scale defaults to 1/sqrt(d). num_splits: None chooses it from the SM count and the batch shape
-    (`heuristics.decode_plan`: FlashAttention-2's rule, or short slices for a long batch of two
-    sequences or more), an int forces it. Returns out (B, Tq, Hq, d) in
-    q's dtype, and with return_lse=True also lse (B, Tq, Hq) float32. Rows that see no key give out 0 and lse -inf.
-    validate=True checks the lengths' values (on a GPU this syncs; it is skipped during CUDA-graph
-    capture); on the CPU the check always runs. Nothing here syncs when validate=False."""
-    where = "decode_attention"
-    check_decode(q, k_cache, v_cache, cache_seqlens, where)
-    if torch.compiler.is_compiling():  # one opaque node (`op.py`); the lengths are checked inside it
-        from .op import compiled_num_splits, decode_attention_op
-
-        splits = compiled_num_splits(where, return_lse, num_splits)
-        if cache_seqlens is None:
-            cache_seqlens = torch.full((q.shape[0],), k_cache.shape[1], dtype=torch.int32, device=q.device)
-        return decode_attention_op(
-            q, k_cache, v_cache, cache_seqlens, normalise_causal(causal, where), scale, splits, validate,
-        )  # fmt: skip
-    out, lse = decode_checked(q, k_cache, v_cache, cache_seqlens, causal, scale, num_splits, validate, where)
-    return (out, lse) if return_lse else out
 
 
 def check_decode(q, k_cache, v_cache, cache_seqlens, where: str) -> None:

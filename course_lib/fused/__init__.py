@@ -9,13 +9,14 @@ writes its outputs once is the goal, reported as GB/s against the copy ceiling (
   the cos/sin tables; both pair layouts ("half" as Llama, "interleaved" as GPT-J).
 - `launch`: the launch sizes both share (warps per row length, persistent programs per SM).
 - `op`: both as PyTorch custom operators, which `rms_norm` and `rope` call under torch.compile.
+- `api`: the entry points `rms_norm`, `RMSNorm` and `rope` (checks once, then the kernels or the operators).
 """
 
 from __future__ import annotations
 
-from . import op  # noqa: F401  (registers the operators before torch.compile traces a call)
-from .rms_norm import RMSNorm, RMSNormFunction, rms_norm, rms_norm_reference
-from .rope import RoPEFunction, rope, rope_cache, rope_reference
+from .api import RMSNorm, rms_norm, rope  # (api imports op: the operators are registered)
+from .rms_norm import RMSNormFunction, rms_norm_reference
+from .rope import RoPEFunction, rope_cache, rope_reference
 
 __all__ = [
     "RMSNorm",

@@ -11,7 +11,7 @@ operators they are black boxes: the graph holds one node per call, whose output 
     course_lib::rms_norm_backward(dy, x, weight, rstd, dw_mode) -> (dx, dw)
     course_lib::rope(q, k, cos, sin, positions, start, interleaved, backward) -> (q', k')
 
-`rms_norm` and `rope` call them under torch.compile only; eagerly the autograd Functions run, which skip
+`rms_norm` and `rope` (`api.py`) call them under torch.compile only; eagerly the autograd Functions run, which skip
 the operators' dispatch. RoPE's positions are a tensor (positions given) or None with an int start: an
 operator's arguments have fixed types. RoPE's backward is the same operator with backward=True (the
 rotation by the negative angles).

@@ -41,17 +41,18 @@ What each program does with its sum at the end is the `dw_mode` (notebook 11 com
   rows are then added by the same column-sum kernel.)
 Bytes that must move: read x, dy, w and rstd; write dx and dw.
 
-Public: `rms_norm(x, weight, eps=1e-6, dw_mode="partials")`, the module `RMSNorm(hidden, eps)`, the
-autograd Function `RMSNormFunction`, and `rms_norm_reference` (float64, the ground truth).
+Here: the kernels, `rms_norm_forward` / `rms_norm_backward` (their launches), the autograd Function
+`RMSNormFunction`, the checks (`check_rms_norm`) and `rms_norm_reference` (float64, the ground truth).
+The entry points `rms_norm(x, weight, eps=1e-6, dw_mode="partials")` and `RMSNorm(hidden, eps)` are in
+`api.py` (`course_lib.fused.rms_norm` and `.RMSNorm`).
 """
 
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from .. import runtime
-from ..checks import accumulator_dtype, check_eps, check_int
+from ..checks import accumulator_dtype, check_eps
 from ..runtime import tl, triton
 from ..second_derivative import refuse_second_derivative
 from . import launch
@@ -415,7 +416,7 @@ class RMSNormFunction(torch.autograd.Function):
         return dx, dw, None, None
 
 
-def _check(x, weight, eps, dw_mode) -> None:
+def check_rms_norm(x, weight, eps, dw_mode) -> None:
     where = "rms_norm"
     launch.check_on_kernel_device(where, x=x, weight=weight)
     for name, t in (("x", x), ("weight", weight)):
@@ -446,52 +447,6 @@ def _check(x, weight, eps, dw_mode) -> None:
     check_eps(where, "eps", eps)
     if dw_mode not in DW_MODES:
         raise ValueError(f"{where}: dw_mode must be one of {DW_MODES}, got {dw_mode!r}")
-
-
-def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, dw_mode: str = "partials"
-) -> torch.Tensor:
-    """Fused RMSNorm over the last dim, differentiable in x and weight (taught in notebook 11).
-
-    x: (..., D), any leading dims and strides; weight: (D,). dtypes float16, bfloat16, float32 (float64
-    for gradcheck); x and weight may differ (the output takes the promoted dtype, as in PyTorch), except
-    a float64 weight, which needs a float64 x (refused otherwise: the product would be float32).
-    Computes exactly what LlamaRMSNorm computes (also Qwen3's q/k norms, over the head dim): float32
-    statistics, cast to x's dtype, then times w. Not Gemma's RMSNorm: it multiplies by (1 + w) in
-    float32 before its one cast to x's dtype; rms_norm(x, 1 + w) rounds x_hat to x's dtype first.
-    `dw_mode` picks the backward's dW reduction: "partials" (default, deterministic), "atomics" or
-    "locked" (see the module docstring). Returns y with x's shape. When no gradient can flow (no_grad,
-    or neither x nor weight requires one), the forward runs without autograd and skips storing rstd."""
-    _check(x, weight, eps, dw_mode)
-    if torch.compiler.is_compiling():  # one opaque node per call (`op.py`)
-        from .op import rms_norm_forward_op
-
-        return rms_norm_forward_op(x, weight, float(eps), dw_mode)[0]
-    if not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
-        return rms_norm_forward(x, weight, float(eps), store_rstd=False)[0]
-    return RMSNormFunction.apply(x, weight, float(eps), dw_mode)
-
-
-class RMSNorm(nn.Module):
-    """RMSNorm layer with a learned weight (initialised to ones), computed by `rms_norm`.
-
-    `RMSNorm(hidden, eps=1e-6)(x)` for x (..., hidden); the drop-in counterpart of LlamaRMSNorm."""
-
-    def __init__(self, hidden: int, eps: float = 1e-6, device=None, dtype=None):
-        super().__init__()
-        hidden = check_int("RMSNorm", "hidden", hidden, 1)
-        if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
-            raise TypeError(
-                f"RMSNorm: dtype must be a floating-point torch.dtype (a learned weight), got {dtype!r}"
-            )
-        self.weight = nn.Parameter(torch.ones(hidden, device=device, dtype=dtype))
-        self.eps = check_eps("RMSNorm", "eps", eps)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
-
-    def extra_repr(self) -> str:
-        return f"{self.weight.shape[0]}, eps={self.eps}"
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

@@ -27,8 +27,9 @@ write q', k'. Arithmetic in float32 (float64 for float64 inputs).
 The backward is the same kernel: the rotation matrix [[c, -s], [s, c]] is orthogonal, so its transpose
 (what the chain rule asks for) is the rotation by the negative angle: dq = rotate(dq', -angle).
 
-Public: `rope(q, k, cos, sin, positions=None, layout="half")`, `rope_cache(...)`, the autograd Function
-`RoPEFunction`, and `rope_reference` (float64, the ground truth).
+Here: the kernel and its launch (`rotate`), `rope_cache(...)`, the autograd Function `RoPEFunction`, the
+checks (`check_rope`, `kernel_positions`) and `rope_reference` (float64, the ground truth). The entry
+point `rope(q, k, cos, sin, positions=None, layout="half")` is in `api.py` (`course_lib.fused.rope`).
 """
 
 from __future__ import annotations
@@ -151,7 +152,7 @@ def rope_kernel(
 # --------------------------------------------------------------------------------------------------
 # Host side
 # --------------------------------------------------------------------------------------------------
-def _as_4d(t: torch.Tensor) -> torch.Tensor:
+def as_4d(t: torch.Tensor) -> torch.Tensor:
     """(H, T, d) -> (1, H, T, d); the last dim made contiguous if it is not."""
     t = t.unsqueeze(0) if t.dim() == 3 else t
     return t if t.stride(-1) == 1 else t.contiguous()
@@ -189,7 +190,7 @@ def kernel_output(t: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(t.transpose(1, 2), memory_format=torch.contiguous_format).transpose(1, 2)
 
 
-def _cache_3d(t: torch.Tensor) -> torch.Tensor:
+def cache_3d(t: torch.Tensor) -> torch.Tensor:
     t = t.unsqueeze(0) if t.dim() == 2 else t
     return t if t.stride(-1) == 1 else t.contiguous()
 
@@ -270,14 +271,14 @@ class RoPEFunction(torch.autograd.Function):
     def backward(ctx, dq_out, dk_out):
         cos, sin, *saved = ctx.saved_tensors
         positions = saved[0] if saved else ctx.start
-        dq, dk = rotate(_as_4d(dq_out), _as_4d(dk_out), cos, sin, positions, ctx.interleaved, backward=True)
+        dq, dk = rotate(as_4d(dq_out), as_4d(dk_out), cos, sin, positions, ctx.interleaved, backward=True)
         dq, dk = refuse_second_derivative(
             (dq, dk), (dq_out, dk_out), "course_lib's rope", "rope_reference (PyTorch ops)"
         )
         return dq, dk, None, None, None, None
 
 
-def _positions(positions, n_batch: int, n_tokens: int, n_cache: int, device) -> int | torch.Tensor:
+def kernel_positions(positions, n_batch: int, n_tokens: int, n_cache: int, device) -> int | torch.Tensor:
     """positions checked to lie in [0, n_cache): None or an int p becomes the int start (0 or p) of
     the positions start..start+T-1; a tensor becomes a (1 or B, T) integer tensor on `device`."""
     where = "rope"
@@ -325,7 +326,7 @@ def check_position_range(positions: torch.Tensor, n_cache: int) -> None:
             )
 
 
-def _check(q, k, cos, sin, layout) -> None:
+def check_rope(q, k, cos, sin, layout) -> None:
     where = "rope"
     launch.check_on_kernel_device(where, q=q, k=k, cos=cos, sin=sin)
     for name, t in (("q", q), ("k", k), ("cos", cos), ("sin", sin)):
@@ -371,43 +372,6 @@ def _check(q, k, cos, sin, layout) -> None:
         raise ValueError(f"{where}: cos and sin have batch {cos.shape[0]}, q and k have batch {n_batch}")
     if layout not in LAYOUTS:
         raise ValueError(f"{where}: layout must be one of {LAYOUTS}, got {layout!r}")
-
-
-def rope(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    positions: int | torch.Tensor | None = None,
-    layout: str = "half",
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate q and k by their positions' angles in one fused kernel; differentiable in q and k
-    (taught in notebook 11).
-
-    q: (B, Hq, T, d) and k: (B, Hk, T, d) (or (H, T, d)), same dtype (float16, bfloat16, float32;
-    float64 for gradcheck), any strides with d contiguous, d even. cos, sin: (T_cache, d) or
-    (1 or B, T_cache, d), from `rope_cache` or Hugging Face's rotary embedding, in the pair layout of
-    `layout` ("half": j with j + d/2, as Llama; "interleaved": 2i with 2i + 1, as GPT-J).
-    positions: None (0..T-1), an int p (p..p+T-1, for a KV cache) or an int tensor (T,) or (B, T).
-    Hugging Face's rotary embedding returns cos and sin already looked up at its position_ids, (B, T, d):
-    pass those with positions=None (positions would look them up a second time). A cos narrower than d
-    (partial rotary, GPT-NeoX, Phi) is refused.
-    Returns (q', k') with the shapes and dtype of q and k, computed in float32 (float64 for float64
-    inputs)."""
-    _check(q, k, cos, sin, layout)
-    q4, k4 = _as_4d(q), _as_4d(k)
-    cos3, sin3 = _cache_3d(cos), _cache_3d(sin)
-    pos = _positions(positions, q4.shape[0], q4.shape[2], cos3.shape[1], q.device)
-    if torch.compiler.is_compiling():  # one opaque node per call (`op.py`)
-        from .op import rope_op
-
-        tensor = isinstance(pos, torch.Tensor)
-        q_out, k_out = rope_op(
-            q4, k4, cos3, sin3, pos if tensor else None, 0 if tensor else pos, layout == "interleaved"
-        )
-    else:
-        q_out, k_out = RoPEFunction.apply(q4, k4, cos3, sin3, pos, layout == "interleaved")
-    return q_out.reshape(q.shape), k_out.reshape(k.shape)
 
 
 def rope_cache(

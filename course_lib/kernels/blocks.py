@@ -1,4 +1,5 @@
 """Which blocks a program visits: the one answer every attention kernel asks for (notebooks 04, 06, 07).
+Part of the shared kernel layer (`course_lib.kernels`); `course_lib.attention.blocks` names the same functions.
 
 A forward program owns BLOCK_M query rows m_start ... m_start + BLOCK_M - 1 and loops over blocks of
 BLOCK_N keys; a dK/dV program owns BLOCK_N keys and loops over blocks of BLOCK_M query rows. Both loops
@@ -29,10 +30,6 @@ from __future__ import annotations
 
 from ..checks import causal_alignment, causal_offset  # noqa: F401  (re-exported: the alignment rules)
 from ..runtime import tl, triton
-
-# The base-2 constants of the kernels' softmax: exp(x) = exp2(x * LOG2E), log(x) = log2(x) * LN2.
-LOG2E = tl.constexpr(1.4426950408889634)
-LN2 = tl.constexpr(0.6931471805599453)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -221,7 +221,7 @@ class Attention(nn.Module):
 
     def step(self, x, positions, cos, sin, kv, layer: int):
         """One serving step over T new tokens of several sequences: x (T, dim), positions (T,) int64,
-        cos/sin the (max_seq_len, d) tables; `kv` is the step's `course_lib.decode.batching.PagedKV`,
+        cos/sin the (max_seq_len, d) tables; `kv` is the step's `course_lib.decode.paged_kv.PagedKV`,
         which writes K/V into the paged cache and runs the paged split-KV decode kernel (notebook 10).
         Returns (T, dim)."""
         t, c = x.shape[0], self.c

@@ -1,0 +1,61 @@
+"""One serving step's view of the paged KV cache: what a model's attention layers call (notebook 10).
+
+`ContinuousBatcher` (`batching.py`) builds one `PagedKV` per step and hands it to `model.forward_step`;
+`DecodeGraphs` (`graphs.py`) holds one over fixed tensors per captured batch shape. Each attention layer
+calls `kv.attend(layer, q, k, v)`, which writes the new K/V into the cache's pages and runs
+`paged_decode_attention` over them (the model interface is in `batching.py`'s docstring).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .api import paged_decode_attention
+from .cache import PagedKVCache
+
+
+class PagedKV:
+    """One step's view of the paged cache, handed to `model.forward_step` (module docstring).
+
+    The step feeds new_lens[i] tokens of sequence seq_ids[i] (tokens laid out sequence after sequence,
+    T = sum(new_lens)). For the kernel the queries are padded to (B, Tq, Hq, d), Tq = max(new_lens), each
+    sequence's tokens in its last new_lens[i] rows: bottom-right causal then holds for every sequence,
+    and the padding rows' outputs are dropped.
+
+    block_table (B, max_pages) int32, cache_seqlens (B,) int32, slots (T,) int64 (where each new token's
+    K/V go) and rows (T,) int64 (each token's row of the padded queries) are tensors on the pools'
+    device; `for_step` builds them from the cache's bookkeeping. A step replayed as a CUDA graph
+    (`graphs.DecodeGraphs`) holds one PagedKV over fixed tensors and refills them in place."""
+
+    def __init__(self, cache: PagedKVCache, block_table, cache_seqlens, slots, rows, tq: int):
+        self.cache = cache
+        self.block_table, self.cache_seqlens, self.slots, self.rows = block_table, cache_seqlens, slots, rows
+        self.tq = tq
+        self.batch = block_table.shape[0]
+
+    @classmethod
+    def for_step(
+        cls, cache: PagedKVCache, seq_ids: list[int], new_lens: list[int], slots: torch.Tensor
+    ) -> PagedKV:
+        """The view of a step that feeds new_lens[i] tokens of sequence seq_ids[i], whose K/V go to `slots`."""
+        device = cache.device
+        tq = max(new_lens)
+        rows = [b * tq + tq - n + i for b, n in enumerate(new_lens) for i in range(n)]
+        rows = torch.tensor(rows, dtype=torch.int64, device=device)  # token -> padded row
+        return cls(cache, cache.block_table(seq_ids), cache.seqlens(seq_ids), slots.to(device), rows, tq)
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Write k, v (T, Hkv, d) into layer `layer`'s pages, then attend: q (T, Hq, d) -> o (T, Hq, d)."""
+        self.cache.write(layer, self.slots, k, v)
+        padded = q.new_zeros(self.batch * self.tq, *q.shape[1:])
+        padded[self.rows] = q
+        o = paged_decode_attention(
+            padded.view(self.batch, self.tq, *q.shape[1:]),
+            self.cache.k_pages[layer],
+            self.cache.v_pages[layer],
+            self.block_table,
+            self.cache_seqlens,
+            causal=True,
+            validate=False,  # the cache built the table; no sync per layer
+        )
+        return o.view(self.batch * self.tq, *q.shape[1:])[self.rows]

@@ -1,0 +1,96 @@
+"""The fused kernels' public entry points (notebook 11): `rms_norm` and the module `RMSNorm`, and `rope`.
+
+Each checks its arguments once (`rms_norm.check_rms_norm`, `rope.check_rope`), then runs the kernels
+through an autograd Function (`RMSNormFunction`, `RoPEFunction`) or, with nothing to differentiate,
+the forward alone; under torch.compile it is one opaque node instead, the custom operators of `op.py`.
+The kernels, their launches and their numerics are `rms_norm.py`'s and `rope.py`'s.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..checks import check_eps, check_int
+from .op import rms_norm_forward_op, rope_op
+from .rms_norm import RMSNormFunction, check_rms_norm, rms_norm_forward
+from .rope import RoPEFunction, as_4d, cache_3d, check_rope, kernel_positions
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, dw_mode: str = "partials"
+) -> torch.Tensor:
+    """Fused RMSNorm over the last dim, differentiable in x and weight (taught in notebook 11).
+
+    x: (..., D), any leading dims and strides; weight: (D,). dtypes float16, bfloat16, float32 (float64
+    for gradcheck); x and weight may differ (the output takes the promoted dtype, as in PyTorch), except
+    a float64 weight, which needs a float64 x (refused otherwise: the product would be float32).
+    Computes exactly what LlamaRMSNorm computes (also Qwen3's q/k norms, over the head dim): float32
+    statistics, cast to x's dtype, then times w. Not Gemma's RMSNorm: it multiplies by (1 + w) in
+    float32 before its one cast to x's dtype; rms_norm(x, 1 + w) rounds x_hat to x's dtype first.
+    `dw_mode` picks the backward's dW reduction: "partials" (default, deterministic), "atomics" or
+    "locked" (see the module docstring). Returns y with x's shape. When no gradient can flow (no_grad,
+    or neither x nor weight requires one), the forward runs without autograd and skips storing rstd."""
+    check_rms_norm(x, weight, eps, dw_mode)
+    if torch.compiler.is_compiling():  # one opaque node per call (`op.py`)
+        return rms_norm_forward_op(x, weight, float(eps), dw_mode)[0]
+    if not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
+        return rms_norm_forward(x, weight, float(eps), store_rstd=False)[0]
+    return RMSNormFunction.apply(x, weight, float(eps), dw_mode)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm layer with a learned weight (initialised to ones), computed by `rms_norm`.
+
+    `RMSNorm(hidden, eps=1e-6)(x)` for x (..., hidden); the drop-in counterpart of LlamaRMSNorm."""
+
+    def __init__(self, hidden: int, eps: float = 1e-6, device=None, dtype=None):
+        super().__init__()
+        hidden = check_int("RMSNorm", "hidden", hidden, 1)
+        if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
+            raise TypeError(
+                f"RMSNorm: dtype must be a floating-point torch.dtype (a learned weight), got {dtype!r}"
+            )
+        self.weight = nn.Parameter(torch.ones(hidden, device=device, dtype=dtype))
+        self.eps = check_eps("RMSNorm", "eps", eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}"
+
+
+def rope(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: int | torch.Tensor | None = None,
+    layout: str = "half",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q and k by their positions' angles in one fused kernel; differentiable in q and k
+    (taught in notebook 11).
+
+    q: (B, Hq, T, d) and k: (B, Hk, T, d) (or (H, T, d)), same dtype (float16, bfloat16, float32;
+    float64 for gradcheck), any strides with d contiguous, d even. cos, sin: (T_cache, d) or
+    (1 or B, T_cache, d), from `rope_cache` or Hugging Face's rotary embedding, in the pair layout of
+    `layout` ("half": j with j + d/2, as Llama; "interleaved": 2i with 2i + 1, as GPT-J).
+    positions: None (0..T-1), an int p (p..p+T-1, for a KV cache) or an int tensor (T,) or (B, T).
+    Hugging Face's rotary embedding returns cos and sin already looked up at its position_ids, (B, T, d):
+    pass those with positions=None (positions would look them up a second time). A cos narrower than d
+    (partial rotary, GPT-NeoX, Phi) is refused.
+    Returns (q', k') with the shapes and dtype of q and k, computed in float32 (float64 for float64
+    inputs)."""
+    check_rope(q, k, cos, sin, layout)
+    q4, k4 = as_4d(q), as_4d(k)
+    cos3, sin3 = cache_3d(cos), cache_3d(sin)
+    pos = kernel_positions(positions, q4.shape[0], q4.shape[2], cos3.shape[1], q.device)
+    if torch.compiler.is_compiling():  # one opaque node per call (`op.py`)
+        tensor = isinstance(pos, torch.Tensor)
+        q_out, k_out = rope_op(
+            q4, k4, cos3, sin3, pos if tensor else None, 0 if tensor else pos, layout == "interleaved"
+        )
+    else:
+        q_out, k_out = RoPEFunction.apply(q4, k4, cos3, sin3, pos, layout == "interleaved")
+    return q_out.reshape(q.shape), k_out.reshape(k.shape)
