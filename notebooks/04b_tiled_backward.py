@@ -21,11 +21,13 @@
 # **Learning goals**
 # 1. Derive the backward of attention: dV = Pᵀ dO, dP = dO Vᵀ, dS = P ∘ (dP − D) with
 #    D = rowsum(dO ∘ O), dQ = dS K · scale, dK = dSᵀ Q · scale; check it against autograd.
-# 2. Compute it tile by tile, recomputing P = exp(S − L) exactly; write the D and dS lines yourself, and
+# 2. Compute it tile by tile, recomputing P = exp(S − L) exactly: write one tile's gradients yourself, and
 #    fix a backward that rebuilds P from the running max m instead of L.
 # 3. Follow FlashAttention-2's backward loop order (K/V blocks outside, dK and dV on chip, dQ accumulated
 #    from every K/V block), watch it step by step, and skip the tiles a causal mask hides.
-# 4. Use `course_lib.FlashAttentionTorch`, a drop-in `torch.autograd.Function`, and see what it saves.
+# 4. Write the **whole tiled backward** yourself (D, P from L, dV, dP, dS, dQ, dK, both causal alignments),
+#    checked against float64 autograd on ragged sizes.
+# 5. Use `course_lib.FlashAttentionTorch`, a drop-in `torch.autograd.Function`, and see what it saves.
 
 # %% [markdown]
 # ## 0. Sizes
@@ -45,7 +47,7 @@ import course_lib
 from course_lib.attention import animate, tiles
 from course_lib.attention.reference import attention, causal_mask_tile
 from course_lib.attention.tiled import FlashAttentionTorch, flash_backward, flash_forward
-from course_lib.exercises import check, predict
+from course_lib.exercises import check, check_cases, predict
 from course_lib.perf import plotting
 from course_lib.testing import assert_close_to_reference, random_qkv, reference_outputs
 
@@ -108,62 +110,37 @@ print("dQ, dK, dV from the formulas match autograd (float64)")
 
 
 # %% [markdown]
-# **Exercise 1 (the D and dS lines).** `backward_tiled` below is FlashAttention-2's backward loop, complete
-# except for two lines: D, computed once before the loops from dO and O, and dS for one tile. Write them
-# (the formulas above; D needs no P).
+# **Exercise 1 (one tile's gradients).** Write `tile_grads`: for one tile (query rows $Q_i$ with their
+# $dO_i$, $L_i$ and $D_i$; keys and values $K_j$, $V_j$), rebuild $P = e^{S - L}$ and return this tile's
+# contributions to $dQ_i$, $dK_j$ and $dV_j$ (the formulas above, on the tile). The check hands it a
+# whole problem as one tile, so your three results must be the full gradients of autograd.
 
 
 # %%
-def backward_tiled(dO, q, k, v, O, L, causal=False, block_m=BLOCK_M, block_n=BLOCK_N):
-    scale = q.shape[-1] ** -0.5
-    n_q, n_k = q.shape[-2], k.shape[-2]
+def tile_grads(Qi, Kj, Vj, dOi, Li, Di, scale):
+    """Qi, dOi: (..., B_r, d); Kj, Vj: (..., B_c, d); Li, Di: (..., B_r). Returns this tile's pieces of
+    dQ_i (..., B_r, d), dK_j and dV_j (..., B_c, d)."""
     ### BEGIN SOLUTION
-    D = (dO * O).sum(dim=-1)
+    P = torch.exp(Qi @ Kj.mT * scale - Li[..., None])  # recomputed, exact
+    dP = dOi @ Vj.mT
+    dS = P * (dP - Di[..., None])
+    return dS @ Kj * scale, dS.mT @ Qi * scale, P.mT @ dOi
     ### END SOLUTION
-    dQ, dK, dV = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    for j0 in range(0, n_k, block_n):
-        j1 = min(j0 + block_n, n_k)
-        Kj, Vj = k[..., j0:j1, :], v[..., j0:j1, :]
-        dKj, dVj = torch.zeros_like(Kj), torch.zeros_like(Vj)
-        for i0 in range(0, n_q, block_m):
-            i1 = min(i0 + block_m, n_q)
-            kind = tiles.block_kind(i0, i1, j0, j1, causal)
-            if kind == tiles.SKIPPED:
-                continue
-            S = q[..., i0:i1, :] @ Kj.mT * scale
-            if kind == tiles.DIAGONAL:
-                S = S.masked_fill(~causal_mask_tile(i0, i1, j0, j1, q.device), -math.inf)
-            P = torch.exp(S - L[..., i0:i1, None])  # recomputed, exact
-            dVj += P.mT @ dO[..., i0:i1, :]
-            dP = dO[..., i0:i1, :] @ Vj.mT
-            ### BEGIN SOLUTION
-            dS = P * (dP - D[..., i0:i1, None])
-            ### END SOLUTION
-            dQ[..., i0:i1, :] += dS @ Kj * scale
-            dKj += dS.mT @ q[..., i0:i1, :] * scale
-        dK[..., j0:j1, :], dV[..., j0:j1, :] = dKj, dVj
-    return dQ, dK, dV
 
 
 # %% tags=["check"]
-_q, _k, _v = random_qkv((2, 40, 16), 50, dtype=torch.float64)
-_dO = torch.randn(2, 40, 16, dtype=torch.float64)
-_O, _L = flash_forward(_q, _k, _v, causal=True, block_m=16, block_n=16)
+L64 = torch.logsumexp(q64 @ k64.mT * scale, dim=-1)
 check(
-    "backward_tiled (D and dS)",
-    lambda: backward_tiled(_dO, _q, _k, _v, _O, _L, causal=True, block_m=16, block_n=16),
-    reference_outputs(_q, _k, _v, True, grad_out=_dO)[1],
+    "tile_grads (one tile)",
+    lambda: tile_grads(q64, k64, v64, dO64, L64, D64, scale),
+    (dq_auto, dk_auto, dv_auto),
     parts=["dQ", "dK", "dV"],
-    hints=[
-        "D is one number per query row: the dot product of that row of dO with the same row of O. dS is P "
-        "times (dP minus D), with D broadcast along each row of the tile (only this tile's rows i0:i1).",
-        "D = (dO * O).sum(dim=-1);  dS = P * (dP - D[..., i0:i1, None])",
-    ],
 )
 
 # %% [markdown]
-# course_lib's finished piece, `course_lib.attention.tiled.flash_backward`, runs the same loop. It matches
-# the float64 reference at this notebook's size, causal or not:
+# course_lib's finished piece, `course_lib.attention.tiled.flash_backward`, runs these tiles in
+# FlashAttention-2's loop order (you write that loop in exercise 4). It matches the float64 reference at
+# this notebook's size, causal or not:
 
 # %%
 for causal in (False, True):
@@ -182,7 +159,7 @@ print("course_lib.attention.tiled.flash_backward matches the float64 reference, 
 # the tile map fills column by column (one K/V block at a time), tiles above the diagonal are skipped. A
 # K/V block's dK and dV are final when its column is done; a query row's dQ receives a piece from every
 # column that reaches it, and is final only at the last of them. In JupyterLab the slider under the strip
-# shows every step, with dK too.
+# shows every step, with dK too (its steps count from 1, as the titles do).
 
 # %%
 q_fig, k_fig, v_fig = random_qkv((N_FIG, D_FIG), dtype=torch.float64)
@@ -221,11 +198,6 @@ check(
     "first_query_block",
     lambda: [_visited_map(first_query_block, *c) for c in _cases],
     [tiles.block_map(*c, causal=True) != tiles.SKIPPED for c in _cases],
-    hints=[
-        "Query row r sees key j0 only if r >= j0. The first row that sees any key of the block is row j0 "
-        "itself: start at the query block that contains it.",
-        "return j0 // block_m * block_m",
-    ],
 )
 
 # %% [markdown]
@@ -243,6 +215,8 @@ def forward_m_l(q, k):
     return m, torch.exp(S - m[..., None]).sum(dim=-1)
 
 
+_q, _k, _v = random_qkv((2, 40, 16), 50, dtype=torch.float64)
+_dO = torch.randn(2, 40, 16, dtype=torch.float64)
 m_, l_ = forward_m_l(_q, _k)
 _O_full = attention(_q, _k, _v)
 dq_wrong = flash_backward(_dO, _q, _k, _v, _O_full, m_, block_m=16, block_n=16)[0]
@@ -264,10 +238,88 @@ check(
     lambda: flash_backward(_dO, _q, _k, _v, _O_full, L_for_backward(m_, l_), block_m=16, block_n=16),
     reference_outputs(_q, _k, _v, False, grad_out=_dO)[1],
     parts=["dQ", "dK", "dV"],
-    hints=[
-        "The true P is exp(S - m) / l. Write the division by l inside the exponent: exp(S - m - log l).",
-        "return m + torch.log(l)   (the logsumexp L of each row)",
-    ],
+)
+
+# %% [markdown]
+# **Exercise 4 (the whole backward, FlashAttention-2 order).** Write the body of `backward_fa2`: D once
+# from dO and O; then the K/V blocks outside, with $dK_j$ and $dV_j$ accumulated on chip over the query
+# blocks inside and written once; per tile P rebuilt from L, and its pieces of dV, dP, dS, dQ and dK; dQ
+# accumulated in place in HBM. Mask what the forward masked: `causal` is `False`, `"top_left"` (or `True`)
+# or `"bottom_right"` (query i sees keys j ≤ i + N_k − N_q, as in notebook 04's exercise 4), and start
+# each K/V block's loop at the first query block that sees any of its keys (exercise 2, with the offset).
+# With bottom-right alignment and N_q > N_k, some rows see no key: their L is −inf, and their gradients
+# must come out 0, not NaN. The check compares dQ, dK and dV with float64 autograd through the reference,
+# on ragged sizes, N_q ≠ N_k and both alignments (O and L come from the float64 reference, in float32).
+
+
+# %%
+def backward_fa2(dO, q, k, v, O, L, causal=False, block_m=BLOCK_M, block_n=BLOCK_N):
+    """Tiled attention backward, FA-2 order. dO, q, O: (..., N_q, d); k, v: (..., N_k, d); L: (..., N_q)
+    from the forward; causal: False, "top_left" (or True) or "bottom_right". Returns dQ, dK, dV."""
+    scale = q.shape[-1] ** -0.5
+    n_q, n_k = q.shape[-2], k.shape[-2]
+    dQ = torch.zeros_like(q)  # HBM: every K/V block adds its piece
+    dK, dV = torch.empty_like(k), torch.empty_like(v)  # HBM: each K/V block writes its rows once
+    ### BEGIN SOLUTION
+    offset = n_k - n_q if causal == "bottom_right" else 0  # query i sees keys j <= i + offset
+    D = (dO * O).sum(dim=-1)
+    L_safe = torch.where(torch.isinf(L), 0.0, L)  # a row that sees no key: P = exp(-inf - 0) = 0
+    for j0 in range(0, n_k, block_n):
+        j1 = min(j0 + block_n, n_k)
+        Kj, Vj = k[..., j0:j1, :], v[..., j0:j1, :]
+        dKj, dVj = torch.zeros_like(Kj), torch.zeros_like(Vj)  # on chip for the whole inner loop
+        first = max(0, j0 - offset) // block_m * block_m if causal else 0  # first query block that sees j0
+        for i0 in range(first, n_q, block_m):
+            i1 = min(i0 + block_m, n_q)
+            S = q[..., i0:i1, :] @ Kj.mT * scale
+            if causal and j1 - 1 > i0 + offset:  # the tile crosses the diagonal
+                S = S.masked_fill(~causal_mask_tile(i0, i1, j0, j1, q.device, offset), -math.inf)
+            P = torch.exp(S - L_safe[..., i0:i1, None])  # recomputed, exact
+            dVj += P.mT @ dO[..., i0:i1, :]
+            dP = dO[..., i0:i1, :] @ Vj.mT
+            dS = P * (dP - D[..., i0:i1, None])
+            dQ[..., i0:i1, :] += dS @ Kj * scale
+            dKj += dS.mT @ q[..., i0:i1, :] * scale
+        dK[..., j0:j1, :], dV[..., j0:j1, :] = dKj, dVj
+    ### END SOLUTION
+    return dQ, dK, dV
+
+
+# %% tags=["check"]
+def _case_inputs(n_q, n_k, causal):
+    """float32 dO, q, k, v and the float64 reference's O and L (in float32), the same for every call."""
+    g = torch.Generator().manual_seed(1000 * n_q + n_k)
+    q_, k_, v_ = random_qkv((2, n_q, 16), n_k, generator=g)
+    dO_ = torch.randn(2, n_q, 16, generator=g)
+    O_, L_ = attention(q_.double(), k_.double(), v_.double(), causal=causal, return_lse=True)
+    return dO_, q_, k_, v_, O_.float(), L_.float()
+
+
+def _reference_grads(n_q, n_k, causal, **_):
+    dO_, q_, k_, v_, _, _ = _case_inputs(n_q, n_k, causal)
+    return reference_outputs(q_.double(), k_.double(), v_.double(), causal, grad_out=dO_.double())[1]
+
+
+_backward_cases = [
+    dict(n_q=64, n_k=64, causal=False, block_m=16, block_n=16),
+    dict(n_q=50, n_k=50, causal=False, block_m=16, block_n=16),  # ragged: the last blocks hold 2 rows
+    dict(n_q=40, n_k=75, causal=False, block_m=16, block_n=32),  # N_q != N_k, unequal blocks
+    dict(n_q=50, n_k=50, causal="top_left", block_m=16, block_n=16),
+    dict(n_q=40, n_k=75, causal="top_left", block_m=16, block_n=32),  # keys 40..74: seen by no query
+    dict(n_q=75, n_k=40, causal="top_left", block_m=32, block_n=16),
+    dict(n_q=40, n_k=75, causal="bottom_right", block_m=16, block_n=32),
+    dict(n_q=75, n_k=40, causal="bottom_right", block_m=32, block_n=16),  # rows 0..34 see no key
+]
+check_cases(
+    "backward_fa2 (the whole backward)",
+    _backward_cases,
+    lambda n_q, n_k, causal, block_m, block_n: backward_fa2(
+        *_case_inputs(n_q, n_k, causal), causal, block_m, block_n
+    ),
+    _reference_grads,
+    rtol=1e-4,
+    atol=1e-5,
+    outputs=("dQ", "dK", "dV"),
 )
 
 # %% [markdown]
@@ -322,7 +374,8 @@ assert all(s[-2:] != (N, N + 32) for s in saved) and max(math.prod(s) for s in s
 # GPU, each one a separate kernel launch), and the causal call timed here visits about half of the (N/64)²
 # tiles, while standard attention makes a few calls on whole $N \times N$ matrices (matmul, mask,
 # logsumexp, exp, matmul). Predict first: how many times the time of standard attention does the tiled
-# version take here?
+# version take here, at N = 256 on a CPU (N = 1024 on a GPU)? Count the calls each makes and guess what one
+# call costs at these sizes; type your estimate in place of the value in the next cell.
 
 # %%
 # Your prediction: time of FlashAttentionTorch / time of standard attention, this notebook's size, this device.
@@ -366,8 +419,9 @@ _ = tiled_guess.score(ratio)
 #   per row. The running max m alone is not enough: $e^{S - m}$ is P times l.
 # - FlashAttention-2's backward puts the K/V loop outside: $dK_j$, $dV_j$ stay on chip and are written once;
 #   $dQ_i$ collects a piece from every K/V block (atomics or a second kernel on a GPU, notebook 07).
-# - Causal: each K/V block's loop starts at the query block holding its first key; the tiles above the
-#   diagonal are skipped, as in the forward.
+# - Causal: each K/V block's loop starts at the query block holding the first query that sees its first key;
+#   the tiles above the diagonal are skipped, as in the forward. Rows that see no key (L = −inf) get zero
+#   gradients.
 # - `course_lib.FlashAttentionTorch.apply(q, k, v, is_causal)` is the finished, tested piece: it saves Q, K, V,
 #   O and L, nothing of size $N_q \times N_k$. It is exact; written in Python it saves memory, not time, and
 #   notebooks 05 to 07 write the same loops as Triton kernels.
