@@ -6,18 +6,27 @@
 - `cascade`: attention of a batch that shares a prefix: all the batch's query rows over the shared prefix once (one
   multi-query pass over one K/V stream), each sequence over its own suffix with the paged kernel, the two partial
   (O, L) states merged (notebook 03's merge).
+- `scheduling`: static against continuous batching (and chunked prefill) on one request stream: throughput, time
+  to first token, time per output token, and the prediction of the gain from the output lengths.
 
 A user of the kernels: it imports the faces of `decode` and `attention` and nothing imports it (README, Layout).
 """
 
 from .cascade import cascade_decode_attention, cascade_reference
 from .prefix_cache import CachingPageAllocator, PrefixCache, PrefixCachingBatcher, block_hash
+from .scheduling import Served, StaticBatcher, Workload, draw_workload, predict_steps, serve_workload
 
 __all__ = [
     "CachingPageAllocator",
     "PrefixCache",
     "PrefixCachingBatcher",
+    "Served",
+    "StaticBatcher",
+    "Workload",
     "block_hash",
+    "draw_workload",
+    "predict_steps",
+    "serve_workload",
     "cascade_decode_attention",
     "cascade_reference",
 ]
