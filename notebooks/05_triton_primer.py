@@ -23,7 +23,7 @@
 # 2. Write, launch and check a kernel: the launch grid, `tl.program_id`, `tl.arange`, pointer arithmetic,
 #    masks for ragged edges.
 # 3. Wrap a forward and a backward kernel in a `torch.autograd.Function`, with a reduction across programs.
-# 4. Fuse a row softmax into one kernel, predict its speed-up from the bytes it moves, and (on a GPU)
+# 4. Write a fused row softmax kernel yourself, predict its time from the bytes it moves, and (on a GPU)
 #    measure it.
 # 5. Debug kernels: the interpreter, `tl.device_print`, assertions against a reference; see what goes wrong
 #    without a mask; read what the compiler generated.
@@ -45,7 +45,7 @@ import torch
 
 import course_lib
 from course_lib import primer, records
-from course_lib.exercises import check, check_masked_memory_ops, guarded_empty
+from course_lib.exercises import check, check_cases, check_masked_memory_ops, guarded_empty, predict
 from course_lib.perf.plotting import plot_series
 from course_lib.perf.timing import benchmark
 from course_lib.runtime import tl, triton
@@ -67,11 +67,11 @@ torch.manual_seed(0)
 # ## 1. The programming model
 #
 # **CUDA** asks you to write the code of *one thread*. Threads come in **warps** of 32 that execute one
-# instruction at a time together; warps are grouped into a **thread block** (up to 1024 threads). The GPU
-# schedules each thread block onto one **streaming multiprocessor (SM)** — an H200 has 132 of them — and the
-# block stays there until it finishes. While it runs, its threads share that SM's **registers** (64 K 32-bit
-# registers per SM) and **shared memory** (SRAM, up to 228 KB per SM): small, but an order of magnitude
-# faster than HBM, the 141 GB of main GPU memory that every kernel reads its inputs from and writes its
+# instruction at a time together; warps are grouped into a **thread block** (up to 1024 threads). The GPU schedules
+# each thread block onto one **streaming multiprocessor (SM)** — an H200 has 132 of them — and the block stays
+# there until it finishes. While it runs, its threads share that SM's **registers** (64 K 32-bit registers per SM)
+# and **shared memory** (SRAM, up to 228 KB per SM): small, but several times faster than HBM (about 7x on an H200,
+# by notebook 01's estimate), the 141 GB of main GPU memory that every kernel reads its inputs from and writes its
 # outputs to.
 #
 # **Triton** asks you to write the code of *one program*: one instance of the kernel that works on whole
@@ -186,7 +186,7 @@ assert owner.tolist() == [0, 0, 0, 0, 1, 1, 1, 1, 2, 2]
 # %% [markdown]
 # Three programs of 4 lanes cover 10 elements; the last program has two lanes masked off.
 #
-# The same question for a two-dimensional launch (Exercise 2 writes one): a (5, 100) array in blocks of
+# The same question for a two-dimensional launch (Exercise 4 writes one): a (5, 100) array in blocks of
 # 2 rows x 32 columns needs a grid of 3 x 4 = 12 programs. Below, a few of them: in orange the elements a
 # program loads, in red its lanes past the array's edge (the black lines) that the mask switches off. In
 # JupyterLab the slider under the strip steps through all 12 programs.
@@ -422,19 +422,27 @@ def naive_softmax(x):
 # there, and writes the result once: **2MN**. A softmax does a handful of operations per element, far below
 # what an H200 can do per byte, so it is memory-bound and its time should follow the bytes:
 # **prediction: the fused kernel is about 4x faster than the naive one.** (The prediction assumes every
-# intermediate goes to HBM, and that every kernel, eager or fused, moves its bytes at the same rate; the
-# 60 MiB L2 cache of an H200 can hold small intermediates, which would shrink the gap. Section 6's measurement tests
-# both assumptions.)
+# intermediate goes to HBM, and that every kernel, eager or fused, moves its bytes at the same rate; the 60 MiB L2
+# cache of an H200 can hold small intermediates, which would shrink the gap. The measurement at the end of this
+# section tests both assumptions.)
 #
 # One row per program: `BLOCK_SIZE` is N rounded up to a power of two, the padding lanes read `-inf` (no
 # effect on the max; `exp(-inf) = 0` adds nothing to the sum). The arithmetic is float32 whatever the
 # storage dtype.
+#
+# **Exercise 1 — the fused softmax kernel.** Write the body of `softmax_kernel`: program `row` loads its
+# row once (masked, padding lanes `-inf`, converted to float32 with `.to(tl.float32)`), subtracts the
+# row's max, exponentiates, divides by the sum, and stores the row once (masked, converted back to the
+# output's dtype with `.to(out_ptr.dtype.element_ty)`). Rows may lie further apart in memory than N
+# elements: row `row` starts at `x_ptr + row * stride_x`. The launcher below is given.
 
 
 # %%
 @triton.jit
 def softmax_kernel(x_ptr, out_ptr, n_cols, stride_x, stride_out, BLOCK_SIZE: tl.constexpr):
+    """out[row, :n_cols] = softmax(x[row, :n_cols]) for the row of this program; BLOCK_SIZE >= n_cols."""
     row = tl.program_id(0)
+    ### BEGIN SOLUTION
     cols = tl.arange(0, BLOCK_SIZE)
     mask = cols < n_cols
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=-float("inf")).to(tl.float32)  # read once
@@ -442,27 +450,70 @@ def softmax_kernel(x_ptr, out_ptr, n_cols, stride_x, stride_out, BLOCK_SIZE: tl.
     numerator = tl.exp(x)
     y = numerator / tl.sum(numerator, axis=0)
     tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=mask)  # write once
+    ### END SOLUTION
 
 
-def fused_softmax(x):
+# %%
+def fused_softmax(x, out=None):
+    """Softmax over the rows of x (M, N): one program per row. out: where to write (default: a new tensor)."""
     M, N = x.shape
-    out = torch.empty_like(x)
+    out = torch.empty_like(x) if out is None else out
     softmax_kernel[(M,)](x, out, N, x.stride(0), out.stride(0), BLOCK_SIZE=triton.next_power_of_2(N))
     return out
 
 
-x = 3 * torch.randn(SM_ROWS, SM_COLS, device=DEVICE)
-torch.testing.assert_close(fused_softmax(x), torch.softmax(x, dim=1))
-torch.testing.assert_close(fused_softmax(x), naive_softmax(x))
-torch.testing.assert_close(fused_softmax(x), primer.softmax(x))
-x16 = x.half()
-torch.testing.assert_close(fused_softmax(x16), torch.softmax(x16.float(), dim=1).half())
-print(f"({SM_ROWS}, {SM_COLS}), BLOCK_SIZE {triton.next_power_of_2(SM_COLS)}: matches torch.softmax")
+# %% [markdown]
+# The check runs your kernel over row counts and row lengths that are not powers of two (one element, a
+# few, a hundred, a thousand), on rows that lie further apart than their length, with large values
+# (where exp overflows float32 unless the max is subtracted first) and in float16, against a float64
+# softmax. As in section 3, the output is followed by a guard that catches a store past its end, and the
+# kernel's source is read for a load or store without a mask.
+
+# %% tags=["check"]
+SOFTMAX_CASES = [
+    dict(M=1, N=1),
+    dict(M=3, N=7),
+    dict(M=SM_ROWS, N=SM_COLS),
+    dict(M=5, N=1000),
+    dict(M=7, N=100, spread=40.0),
+    dict(M=6, N=300, dtype=torch.float16),
+]
+
+
+def softmax_input(M, N, spread=3.0, dtype=torch.float32):
+    """Rows of N values lying N + 5 elements apart (a view of a wider matrix), the same for both sides."""
+    generator = torch.Generator().manual_seed(100 * M + N)
+    return (spread * torch.randn(M, N + 5, generator=generator)).to(DEVICE, dtype)[:, :N]
+
+
+def your_softmax(M, N, spread=3.0, dtype=torch.float32):
+    check_masked_memory_ops(softmax_kernel, "softmax_kernel")
+    out, check_guard = guarded_empty((M, N), dtype, DEVICE)
+    fused_softmax(softmax_input(M, N, spread, dtype), out)
+    check_guard("softmax_kernel")
+    return out
+
+
+def softmax_float64(M, N, spread=3.0, dtype=torch.float32):
+    return torch.softmax(softmax_input(M, N, spread, dtype).double(), dim=1)
+
+
+check_cases("softmax_kernel", SOFTMAX_CASES, your_softmax, softmax_float64, rtol=1e-3, atol=1e-5)
 
 # %% [markdown]
-# **Exercise 3 — predict before you measure.** Return the bytes an (M, N) row softmax moves between HBM and
-# the chip, for elements of `bytes_per_element` bytes: the naive version of section 6 (count every read
-# and write in its comments, including the M-element vectors) if `fused` is False, the fused kernel if True.
+# From here on, course_lib's finished kernel (`course_lib.primer.softmax`, the same kernel with a choice of
+# warps per row length) stands in for yours: it is what the measurement below times.
+
+# %%
+x = 3 * torch.randn(SM_ROWS, SM_COLS, device=DEVICE)
+torch.testing.assert_close(primer.softmax(x), torch.softmax(x, dim=1))
+torch.testing.assert_close(primer.softmax(x), naive_softmax(x))
+print(f"({SM_ROWS}, {SM_COLS}): primer.softmax matches torch.softmax and the naive version")
+
+# %% [markdown]
+# **Exercise 2 — the bytes it moves.** Return the bytes an (M, N) row softmax moves between HBM and the
+# chip, for elements of `bytes_per_element` bytes: the naive version (count every read and write in its
+# comments, including the M-element vectors) if `fused` is False, the fused kernel if True.
 
 
 # %%
@@ -481,26 +532,28 @@ check(
 )
 
 # %% [markdown]
-# Now write down your prediction for the measurement below: the naive version's time over the fused
-# kernel's, for long rows (N of several thousand, where launches no longer dominate).
-
-# %%
-from course_lib.exercises import predict
-
-softmax_guess = predict("naive over fused softmax time, long rows", 4.0, unit="x")  # your prediction
-
-# %% [markdown]
-# **Measure (GPU only).** We time the naive version, the fused kernel (`course_lib.primer.softmax`) and
-# `torch.softmax` (itself a fused CUDA kernel) for M = 4096 rows and a sweep of row lengths N, and report
-# each as *effective bandwidth*: the 2MN elements a softmax must move, divided by the time. A kernel at the
-# memory ceiling (the copy bandwidth of notebook 01, printed below from the recorded hardware figures)
-# cannot go faster. On a CPU the interpreter's timings would measure Python, so we show the recorded run
-# instead.
+# **Predict before you measure.** The measurement below times the fused kernel on M = 4096 rows of
+# float32. How long does it take, in microseconds, for the longest rows of the sweep, N = 12,032? Reason
+# from the bytes it must move and the fastest rate an H200 moves bytes at (the copy ceiling, printed
+# below from the recorded hardware figures). Type your estimate in place of the value in the cell after.
 
 # %%
 hw = records.load_record("hardware")
 if hw is not None:
     print(f"copy ceiling: {hw['data']['copy_gbps']:.0f} GB/s ({records.label(hw)})")
+
+# %%
+# Your prediction, in microseconds: the fused kernel's time for (M, N) = (4096, 12032), float32.
+softmax_guess = predict("fused softmax time, 4096 rows of 12,032 floats", 92.0, unit=" us")
+
+# %% [markdown]
+# **Measure (GPU only).** We time the naive version, the fused kernel (`course_lib.primer.softmax`) and
+# `torch.softmax` (itself a fused CUDA kernel) for M = 4096 rows and a sweep of row lengths N, and report
+# each as *effective bandwidth*: the 2MN elements a softmax must move, divided by the time. A kernel at the
+# memory ceiling cannot go faster. On a CPU the interpreter's timings would measure Python, so we show the
+# recorded run instead.
+
+# %%
 NAIVE, FUSED = "naive (eager PyTorch)", "fused Triton (course_lib.primer)"
 
 
@@ -511,7 +564,7 @@ def plot_softmax_bandwidth(data, source):
         {name: data["gbps"][name] for name in (NAIVE, FUSED, "torch.softmax")},
         xlabel=f"row length N (elements), M = {data['n_rows']} rows, float32",
         ylabel="effective bandwidth (GB/s)",
-        title=f"Fused softmax: {min(ratio):.1f}-{max(ratio):.1f}x faster than naive (predicted 4x)\n{source}",
+        title=f"Fused softmax: {min(ratio):.1f}-{max(ratio):.1f}x faster than naive (bytes predict 4x)\n{source}",
     )
     plt.show()
     return ratio
@@ -531,47 +584,51 @@ def measure_softmax_bandwidth():
     return data
 
 
+# %%
 got = records.measured_or_recorded(
     "primer_softmax",
     measure_softmax_bandwidth,
-    missing="No recorded GPU run yet (it is written when this notebook runs on a GPU). The prediction\n"
-    "to check against it: the naive version about 4x slower than the fused kernel where its\n"
-    "intermediates go to HBM, less where they stay in L2; the fused kernel near the copy ceiling.",
+    missing="No recorded GPU run yet (it is written when this notebook runs on a GPU). What to look for\n"
+    "in it: the fused kernel near the copy ceiling at long rows, and the naive version's gap to it, which\n"
+    "the bytes put at 4x where its intermediates go to HBM.",
 )
 if got:
     ratio = plot_softmax_bandwidth(*got)
-    print(f"{got[1]}: naive / fused time ratio between {min(ratio):.1f} and {max(ratio):.1f}")
     data = got[0]
+    longest = data["n_cols"].index(12032) if 12032 in data["n_cols"] else len(data["n_cols"]) - 1
+    _ = softmax_guess.score(1e3 * data["ms"][FUSED][longest])
     long_rows = [i for i, n in enumerate(data["n_cols"]) if n >= 4096] or list(range(len(data["n_cols"])))
     long_median = lambda series: statistics.median_high(series[i] for i in long_rows)  # noqa: E731
-    long_ratio = long_median(ratio)
-    _ = softmax_guess.score(long_ratio)
     naive_rate = 4 * long_median(data["gbps"][NAIVE])
     fused_rate, torch_rate = long_median(data["gbps"][FUSED]), long_median(data["gbps"]["torch.softmax"])
     shortest = data["n_cols"][0]
     print(
+        f"{got[1]}: naive / fused time ratio between {min(ratio):.1f} and {max(ratio):.1f}; "
+        f"{long_median(ratio):.1f}x at long rows (N >= 4096).\n"
         f"long rows: the naive kernels move their 8MN elements at about {naive_rate:.0f} GB/s, the fused kernel\n"
         f"its 2MN at about {fused_rate:.0f} GB/s: {fused_rate / naive_rate:.2f}x faster per byte, so "
-        f"4 x {fused_rate / naive_rate:.2f} = {4 * fused_rate / naive_rate:.1f}x in time "
-        f"({'more' if long_ratio > 4 else 'less'} than the predicted 4x).\n"
-        f"shortest rows (N = {shortest}): {ratio[0]:.1f}x ({'more' if ratio[0] > 4 else 'less'} than 4x); one naive "
-        f"call takes {1e3 * data['ms'][NAIVE][0]:.0f} us for 5 kernel launches.\n"
+        f"4 x {fused_rate / naive_rate:.2f} = {4 * fused_rate / naive_rate:.1f}x in time.\n"
+        f"shortest rows (N = {shortest}): {ratio[0]:.1f}x; the naive call took {1e3 * data['ms'][NAIVE][0]:.0f} us "
+        f"(5 kernels), the fused one {1e3 * data['ms'][FUSED][0]:.0f} us "
+        f"({data['gbps'][FUSED][0]:.0f} GB/s, against {fused_rate:.0f} at long rows).\n"
         f"torch.softmax at long rows: about {torch_rate:.0f} GB/s "
         f"({torch_rate / fused_rate:.2f}x the fused kernel's rate)."
     )
 
 # %% [markdown]
 # Reading the figure: a kernel near the copy ceiling is as fast as the bytes allow; the lines above give
-# the fused kernel's and `torch.softmax`'s rates at long rows, against each other. In the H200's recorded
-# run the naive version's gap is not the prediction's 4x: more at long rows, less at short ones. The lines
-# above say how your run compares, and why:
+# the fused kernel's and `torch.softmax`'s rates at long rows, against each other. The byte count predicts
+# the naive version 4x slower; what the run shows, and why:
 # - *Long rows: the rate, not just the bytes.* The byte count was right, but the second assumption was
 #   not: the eager kernels (a reduction, a broadcast subtract, an exp, another reduction, a divide) each
-#   move their bytes at well under the copy ceiling, while the fused kernel streams near it. Time is bytes over the rate
-#   *each kernel reaches*. `x.max(dim=1)` also computes and writes an int64 index per row that nobody
-#   uses: small (8M bytes) but not in the count.
-# - *Short rows: the launches.* Each naive call is five kernel launches of a few microseconds each; when a
-#   row is short, the launches, not the bytes, set the time, and both versions are **launch-bound**.
+#   move their bytes at well under the copy ceiling, while the fused kernel streams near it. Time is bytes
+#   over the rate *each kernel reaches*. `x.max(dim=1)` also computes and writes an int64 index per row
+#   that nobody uses: small (8M bytes) but not in the count.
+# - *Short rows: more than the bytes.* A row of a few hundred floats is about a kilobyte, and the whole
+#   matrix a few megabytes: each kernel has little to move, and fixed costs weigh as much as the bytes —
+#   five kernel launches for the naive version against one, and how well a small kernel fills 132 SMs.
+#   The ratio there depends on those costs in the run at hand: compare the two times at the shortest N in
+#   the lines above, and the fused kernel's rate there against its rate at long rows.
 # A prediction that misses by this much is not a confirmation: it points at the assumption to fix.
 #
 # The same reasoning — count bytes moved between HBM and the chip, then fuse to cut them — is what
@@ -580,13 +637,15 @@ if got:
 # %% [markdown]
 # ## 7. What did Triton generate? (GPU only)
 #
-# On a GPU, launching a kernel returns the **compiled kernel** object. Its `.asm` dict holds each stage of
-# the compilation: `ttir` (Triton IR), `ttgir` (Triton GPU IR, with the layout of each block over threads),
-# `llir` (LLVM IR), `ptx` (NVIDIA's virtual assembly) and `cubin` (the binary; `.asm["sass"]` disassembles
-# it when `nvdisasm` is installed). `.n_regs` is the number of registers per thread, `.n_spills` how many
-# spilled to slow local memory, and `.metadata.shared` the bytes of shared memory per program.
+# On a GPU, launching a kernel returns the **compiled kernel** object. Its `.asm` dict holds each stage of the
+# compilation: `ttir` (Triton IR), `ttgir` (Triton GPU IR, with the layout of each block over threads), `llir`
+# (LLVM IR), `ptx` (NVIDIA's virtual assembly) and `cubin` (the binary; `.asm["sass"]` is its disassembly, made by
+# CUDA's `cuobjdump -sass`, so it needs `cuobjdump` on the machine). `.n_regs` is the number of registers per
+# thread, `.n_spills` how many spilled to slow local memory, and `.metadata.shared` the bytes of shared memory per
+# program.
 #
-# In the softmax kernel's PTX, look for two things:
+# In the PTX of the softmax kernel (`course_lib.primer.softmax_kernel`, the finished version of yours), look for
+# two things:
 # 1. **`ex2.approx.f32`.** The GPU's special-function unit computes $2^x$, not $e^x$. `tl.exp(x)` is compiled
 #    to a multiplication by $\log_2 e$ and an `ex2`. Notebook 06 writes `exp2` directly and folds
 #    $\log_2 e$ into the softmax scale, saving that multiplication on every element of every score tile.
@@ -603,7 +662,7 @@ if course_lib.ON_GPU:
     xs = torch.randn(SM_ROWS, 1024, device=DEVICE)
     ys = torch.empty_like(xs)
     grid = (SM_ROWS,)
-    compiled = softmax_kernel[grid](xs, ys, 1024, xs.stride(0), ys.stride(0), BLOCK_SIZE=1024, num_warps=4)
+    compiled = primer.softmax_kernel[grid](xs, ys, 1024, xs.stride(0), ys.stride(0), BLOCK_SIZE=1024, num_warps=4)
     torch.testing.assert_close(ys, torch.softmax(xs, dim=1))
     print("stages in .asm:", sorted(compiled.asm.keys()))
     print(f"registers per thread: {compiled.n_regs}, spills: {compiled.n_spills}")
@@ -626,7 +685,7 @@ else:
 # %% [markdown]
 # ## 8. Exercises
 #
-# **Exercise 1 — scaled add.** Write the body of `axpy_kernel` so that `out = alpha * x + y` for a vector of
+# **Exercise 3 — scaled add.** Write the body of `axpy_kernel` so that `out = alpha * x + y` for a vector of
 # any length `n` (not a multiple of the block). Remember the mask.
 
 
@@ -662,7 +721,7 @@ def _axpy_guarded():
 check("axpy", _axpy_guarded, 2.5 * xe[:1000] + ye[:1000])
 
 # %% [markdown]
-# **Exercise 2 — a two-dimensional grid.** Add a bias vector `b` (shape (N,)) to every row of a matrix `x`
+# **Exercise 4 — a two-dimensional grid.** Add a bias vector `b` (shape (N,)) to every row of a matrix `x`
 # (shape (M, N), row stride `stride_m`, contiguous rows). Launch a 2-D grid: `tl.program_id(0)` picks a block
 # of `BLOCK_M` rows, `tl.program_id(1)` a block of `BLOCK_N` columns. Both edges may be ragged.
 
@@ -689,7 +748,7 @@ def add_bias(x, b, block_m=16, block_n=32):
 
 
 # %% tags=["check"]
-# As in exercise 1, the inputs are the start of longer buffers and the output is followed by a guard: a
+# As in exercise 3, the inputs are the start of longer buffers and the output is followed by a guard: a
 # load past the edges reads memory the check owns, a store past them is caught, and an unmasked load is
 # found in the source.
 def _add_bias_guarded(x, b, name, block_m=16, block_n=32):
@@ -710,9 +769,9 @@ xv = torch.randn(64, 96, device=DEVICE)[:37, :70]  # a view whose rows lie 96 ap
 check("add_bias on rows 96 apart", lambda: _add_bias_guarded(xv, bb, "add_bias on rows 96 apart"), xv + bb)
 
 # %% [markdown]
-# (Exercise 3, predicting the softmax's bytes, is in section 6, before the measurement it predicts.)
+# (Exercises 1 and 2, the fused softmax and its bytes, are in section 6.)
 #
-# **Exercise 4 (open).** In `WeightedSum`, try `BLOCK_D` = 16 and 128, and `ROWS` = 4 and 64. Which of these
+# **Exercise 5 (open).** In `WeightedSum`, try `BLOCK_D` = 16 and 128, and `ROWS` = 4 and 64. Which of these
 # change the number of programs, and which the number of loop iterations per program? On a GPU, time the
 # forward for a (8192, 1000) input for each choice and explain what you see in terms of parallelism (programs
 # per SM) and of work per program.
@@ -728,8 +787,9 @@ check("add_bias on rows 96 apart", lambda: _add_bias_guarded(xv, bb, "add_bias o
 # - A backward that sums over rows owned by different programs needs a **reduction across programs**:
 #   partial sums per program plus a final sum (deterministic), or atomics (fewer bytes, non-deterministic).
 # - **Fusion** cuts bytes moved: the row softmax drops from about 8MN to 2MN elements, a predicted 4x for a
-#   memory-bound operation. The measurement differs both ways: more on long rows (eager kernels run below
-#   the copy ceiling), less on short ones (launch-bound).
+#   memory-bound operation. On long rows the measurement gives more (the eager kernels run below the copy
+#   ceiling); on short rows fixed costs (launches, a GPU not filled) weigh as much as the bytes, and the
+#   ratio depends on them.
 # - **SIMT**: a warp's 32 threads share one instruction stream; threads that branch apart make the warp
 #   run both paths. Branch per program (loop bounds), mask per element only where needed.
 # - Debug with assertions against a reference, the interpreter (print, breakpoints) and `tl.device_print`;
