@@ -18,12 +18,13 @@
 # that makes that possible, in plain NumPy, before any GPU appears.
 #
 # **Learning goals**
-# 1. Find where the textbook softmax overflows in float16 and float32, and watch it produce inf and NaN.
+# 1. Find where the textbook softmax overflows in float16, bfloat16 and float32, and watch it produce inf
+#    and NaN.
 # 2. Make it safe by subtracting the row maximum, and count what that costs: three passes over the data.
-# 3. Derive the **online softmax** (Milakov & Gimelshein, 2018): one pass keeps a running max `m` and a
-#    running sum `l`, rescaling `l` when `m` grows. Two passes in total instead of three.
-# 4. Merge the states `(m, l)` of two blocks exactly, in any order: the property that tiled attention
-#    (notebook 04) and split-KV decoding rely on.
+# 3. Derive the **online softmax** (Milakov & Gimelshein, 2018) and write it yourself: one pass keeps a
+#    running max `m` and a running sum `l`, rescaling `l` when `m` grows. Two passes in total instead of three.
+# 4. Merge the states `(m, l)` of two blocks exactly, in any order, and the partial attention outputs
+#    `(O, L)` of two blocks of keys: what tiled attention (notebook 04) and split-KV decoding rely on.
 # 5. Handle the edge cases: `-inf` entries, huge and tiny magnitudes, rows of length 1.
 #
 # The finished functions live in `course_lib.softmax`: `naive_softmax`, `safe_softmax`, `online_softmax`,
@@ -39,10 +40,11 @@
 # %%
 import matplotlib.pyplot as plt
 import numpy as np
+import torch
 
 import course_lib
 from course_lib import softmax
-from course_lib.exercises import check
+from course_lib.exercises import check, predict
 from course_lib.perf import plotting
 
 ROWS, N = course_lib.pick(cpu=(8, 1024), gpu=(8, 1024))
@@ -75,7 +77,8 @@ print("softmax(x) :", np.round(y, 3))
 # %% [markdown]
 # ## 2. Where `exp` overflows
 #
-# A floating-point type has a largest finite value: 65504 for float16, about 3.4 × 10³⁸ for float32.
+# A floating-point type has a largest finite value: 65504 for float16, about 3.4 × 10³⁸ for float32 and
+# bfloat16 (bf16: float32's 8 exponent bits with only 8 bits of precision, the course's GPU dtype).
 # `exp(x)` is larger than that as soon as x > log(max). Because results are rounded to the nearest
 # representable number, the exact boundary is within one unit in the last place of log(max) rounded to the
 # type; we find it by walking along the representable numbers with `np.nextafter`.
@@ -103,9 +106,20 @@ for dtype in (np.float16, np.float32, np.float64):
     print(f"{dtype.__name__:8} {largest:15.4g} {np.log(largest):12.6f}", end="")
     print(f" {float(last_ok)!r:>20} {float(x_inf)!r:>20}")
 
+# NumPy has no bfloat16: torch does. Every bf16 number in [80, 96] (they are 0.5 apart there), exp of each.
+xs = torch.linspace(80, 96, 4097).to(torch.bfloat16).unique()
+overflows = torch.isinf(torch.exp(xs))
+largest = float(torch.finfo(torch.bfloat16).max)
+print(f"{'bfloat16':8} {largest:15.4g} {np.log(largest):12.6f}", end="")
+print(f" {float(xs[~overflows][-1])!r:>20} {float(xs[overflows][0])!r:>20}")
+assert float(xs[overflows][0]) == 89.0 and float(xs[~overflows][-1]) == 88.5
+
 # %% [markdown]
-# Scores of 12 or 89 are not exotic: with trained weights, attention logits in the tens are common, and a
-# float16 kernel that computes `exp(s)` directly breaks at the first score above 11.09. Watch the naive
+# Scores of 12 or 89 are not exotic: with trained weights, attention logits in the tens are common. Attention
+# kernels load bf16 (the course's GPU dtype) or float16 inputs, but they **upcast the scores to float32**
+# before `exp`, so a kernel that computes `exp(s)` without subtracting a maximum breaks at the first score
+# above 88.72 (float32's limit; bf16's is the same, 88.5 being its last safe number). Code that
+# exponentiates in float16 itself, like the NumPy function above, breaks already above 11.09. Watch the naive
 # softmax turn one large entry into NaN (NumPy warns about the overflow too):
 
 # %%
@@ -230,8 +244,17 @@ assert (x_hbm.reads, y_hbm.writes) == (3 * N, N)
 # softmax, and one more pass normalises.
 
 
+# %% [markdown]
+# **Exercise 1 (the one-pass online softmax).** Write `online_softmax_loop(x, y)`, the counterpart of
+# `safe_softmax_loop` above: one pass over `x` that keeps the running max and the running sum together
+# (the update above, from $m_0 = -\infty$, $l_0 = 0$), then one pass that writes the softmax into `y`. Read
+# each `x[i]` once per pass. The check runs it on a row of N entries stored in `Counted` arrays and
+# compares the output with the safe softmax, and the counts with 2 N reads and N writes.
+
+
 # %%
 def online_softmax_loop(x, y):
+    ### BEGIN SOLUTION
     m, l = -np.inf, 0.0
     for i in range(len(x)):  # pass 1: running max and running sum together
         xi = x[i]
@@ -240,20 +263,32 @@ def online_softmax_loop(x, y):
         m = m_new
     for i in range(len(x)):  # pass 2: normalise
         y[i] = np.exp(x[i] - m) / l
+    ### END SOLUTION
 
 
-x_hbm, y_hbm = Counted(x_hbm.data), Counted(np.zeros(N))
-online_softmax_loop(x_hbm, y_hbm)
-np.testing.assert_allclose(y_hbm.data, softmax.safe_softmax(x_hbm.data), rtol=1e-12)
-print(f"online softmax, N = {N}: {x_hbm.reads} reads = {x_hbm.reads // N} N, {y_hbm.writes} writes = N")
-assert (x_hbm.reads, y_hbm.writes) == (2 * N, N)
+# %% tags=["check"]
+def _counted_run(loop, data):
+    """(y, reads of x, writes of y) of `loop` on Counted copies of `data`."""
+    x_c, y_c = Counted(data), Counted(np.zeros(len(data)))
+    loop(x_c, y_c)
+    return y_c.data, x_c.reads, y_c.writes
+
+
+_row = rng.standard_normal(N) * 5
+check(
+    "online softmax loop (one pass for m and l)",
+    lambda: _counted_run(online_softmax_loop, _row),
+    (softmax.safe_softmax(_row), 2 * N, N),
+    parts=["y", "reads of x", "writes of y"],
+)
 
 # %% [markdown]
 # For a memory-bound kernel, time follows bytes. Per element, safe softmax moves 3 reads + 1 write and the
-# online softmax 2 reads + 1 write: a predicted speed-up of 4/3 on rows too long to keep on chip. (A row
-# that *does* fit on chip is read once by a fused kernel, whatever the algorithm.) The real prize comes in
-# attention: there the "row" is a row of S = Q Kᵀ that is never written to memory at all, and the
-# normalisation moves to the output, once per row (notebook 04).
+# online softmax 2 reads + 1 write (`course_lib.softmax.online_softmax` is the finished piece): a predicted
+# speed-up of 4/3 on rows too long to keep on chip. (A row that *does* fit on chip is read once by a fused
+# kernel, whatever the algorithm.) The real prize comes in attention: there the "row" is a row of
+# S = Q Kᵀ that is never written to memory at all, and the normalisation moves to the output, once per row
+# (notebook 04).
 
 # %%
 bytes_per_element = 4  # float32
@@ -300,25 +335,16 @@ trace_row = np.array(
     ]
 )
 assert len(trace_row) == N_TRACE
-m, l = -np.inf, 0.0
-ms, ls, factors = [], [], []
-for xj in trace_row:
-    m_new = max(m, xj)
-    factor = np.exp(m - m_new)
-    l = l * factor + np.exp(xj - m_new)
-    m = m_new
-    ms.append(m)
-    ls.append(l)
-    factors.append(factor)
-
-m_ref, l_ref = softmax.online_state(trace_row)
-assert np.isclose(m, m_ref) and np.isclose(l, l_ref)
-assert np.isclose(l, np.exp(trace_row - trace_row.max()).sum())  # the safe softmax's denominator
+# the state (m_j, l_j) after the first j entries, by course_lib's finished online pass
+states_j = [softmax.online_state(trace_row[:j]) for j in range(1, N_TRACE + 1)]
+ms, ls = [float(m_j) for m_j, _ in states_j], [float(l_j) for _, l_j in states_j]
+factors = np.exp(np.array([-np.inf, *ms[:-1]]) - np.array(ms))  # e^{m_{j-1} - m_j}, from m_0 = -inf
+assert np.isclose(ls[-1], np.exp(trace_row - trace_row.max()).sum())  # the safe softmax's denominator
 
 # %%
 steps = np.arange(1, N_TRACE + 1)
 grew = np.array(factors) < 1
-fig, axes = plt.subplots(3, 1, figsize=(10, 8), sharex=True, constrained_layout=True)
+fig, axes = plt.subplots(3, 1, figsize=(9.8, 8), sharex=True, constrained_layout=True)
 axes[0].plot(steps, trace_row, "o", color="#555555", label="entry $x_j$")
 axes[0].step(steps, ms, where="post", color="#d94801", linewidth=2, label="running max $m_j$")
 axes[0].set_ylabel("value")
@@ -342,13 +368,11 @@ plt.show()
 # entries, counting the first entry? A kernel that rescaled only when the max grows would pay a multiply
 # per element of the accumulator that often (the course's kernels rescale at every block, by the factor
 # α = e^{m_old − m_new}, which is 1 when the max did not move, and keeps every thread on one path;
-# FlashAttention-4 skips small rescales).
-# Write down a guess, then count on random rows.
+# FlashAttention-4 skips small rescales). Reason it out (how likely is entry j to be the largest of the first
+# j?), type your estimate in place of the value in the next cell, then count on random rows.
 
 # %%
-from course_lib.exercises import predict
-
-rescale_guess = predict("times the max grows in a random row of 1024", 30)  # your prediction
+rescale_guess = predict("times the max grows in a random row of 1024", 7.5)  # your prediction
 
 # %%
 rows = rng.standard_normal((200, 1024))
@@ -413,7 +437,8 @@ for name, (m_, l_) in orders.items():
 # %% [markdown]
 # The state has a single-number form too: the **logsumexp** $L = m + \log l = \log \sum_j e^{x_j}$,
 # computed without overflow. Merging is then $L = \log(e^{L_A} + e^{L_B})$, NumPy's `logaddexp`.
-# FlashAttention keeps exactly this L per row for its backward pass.
+# FlashAttention-2 keeps exactly this L per row for its backward pass; FlashAttention-1 stored both m and l,
+# and storing only L is one of FlashAttention-2's changes (notebook 04).
 
 # %%
 L_A = states[0][0] + np.log(states[0][1])
@@ -421,6 +446,17 @@ L_B = states[1][0] + np.log(states[1][1])
 m_AB, l_AB = softmax.merge_states(states[0], states[1])
 assert np.isclose(m_AB + np.log(l_AB), np.logaddexp(L_A, L_B), rtol=1e-14)
 print(f"L(A ∪ B) = {m_AB + np.log(l_AB):.12f} = logaddexp(L_A, L_B) = {np.logaddexp(L_A, L_B):.12f}")
+
+# %% [markdown]
+# Attention carries one more thing per row: the output $O = \sum_j p_j v_j$, the values weighted by the
+# softmax. A part A of the keys gives a *partial* output, normalised over its own keys only:
+# $O_A = \sum_{j \in A} e^{x_j - L_A} v_j$, with its logsumexp $L_A$. Part A holds the share $e^{L_A - L}$ of
+# the row's probability mass, so the two partial states $(O_A, L_A)$ and $(O_B, L_B)$ merge exactly too:
+#
+# $$L = \log(e^{L_A} + e^{L_B}), \qquad O = e^{L_A - L}\, O_A + e^{L_B - L}\, O_B.$$
+#
+# This is how split-KV decoding combines the programs that each saw a block of keys (notebooks 09 and 13);
+# exercise 3 asks you to write it.
 
 # %% [markdown]
 # ## 8. The finished functions in `course_lib.softmax`
@@ -487,8 +523,11 @@ assert np.isnan(softmax.naive_softmax(single)[2])  # even length 1 overflows the
 print("huge magnitudes: safe and online exact, naive NaN; tiny magnitudes: uniform 1/N; length 1: exactly 1")
 
 # %% [markdown]
-# float16 is where kernels live. The safe and online softmax stay finite and accurate in float16, where
-# the naive one already fails at scores above 11:
+# Kernels take their inputs in half precision: bf16 on the course's GPU, or float16. They upcast to float32
+# before `exp` and keep m and l in float32 (`course_lib.softmax` keeps the online state in float32 for a
+# float16 input the same way). NumPy has float16 but no bf16, so float16 stands in here: the safe and online
+# softmax stay finite and accurate on float16 inputs, where the naive one, computing in float16, already
+# fails at scores above 11:
 
 # %%
 x16 = (rng.standard_normal((ROWS, N)) * 6).astype(np.float16)
@@ -505,7 +544,7 @@ for fn in (softmax.safe_softmax, softmax.online_softmax):
 #
 # Each exercise has a cell to fill in and a check cell after it. Later cells never use your answers.
 #
-# **Exercise 1 (overflow).** Which is the smallest float32 input whose `exp` is `inf` in float32? Write
+# **Exercise 2 (overflow).** Which is the smallest float32 input whose `exp` is `inf` in float32? Write
 # `smallest_overflowing_float32()` without looping over numbers: start from log(max) and step with
 # `np.nextafter` only as far as you must (zero or one step: test `np.exp(x)` first). The check compares
 # with the value we found in section 2.
@@ -523,10 +562,12 @@ def smallest_overflowing_float32():
 
 
 # %% tags=["check"]
-check("smallest overflowing float32", lambda: smallest_overflowing_float32(), 88.72283935546875, rtol=0, atol=0)
+check(
+    "smallest overflowing float32", lambda: smallest_overflowing_float32(), 88.72283935546875, rtol=0, atol=0
+)
 
 # %% [markdown]
-# **Exercise 2 (merge).** Write `merge(state_a, state_b)`, the merge of two states `(m, l)` of arrays of
+# **Exercise 3 (merge).** Write `merge(state_a, state_b)`, the merge of two states `(m, l)` of arrays of
 # rows, from the formula in section 7. It must handle the empty state (-inf, 0) (no NaN!): exp(-inf - (-inf))
 # is NaN in NumPy, so treat a maximum of -inf specially.
 
@@ -547,7 +588,49 @@ _b = softmax.softmax_state(np.array([[5.0, -1.0], [0.0, 3.0], [-inf, -inf], [1.0
 check("merge of two states", lambda: merge(_a, _b), softmax.merge_states(_a, _b))
 
 # %% [markdown]
-# **Exercise 3 (streaming).** Keys often arrive in chunks (a KV cache that grows during generation).
+# **Exercise 4 (merge two partial outputs).** Write `merge_outputs(O_a, L_a, O_b, L_b)`: rows of partial
+# attention outputs `O_a`, `O_b` (R, d) and their logsumexps `L_a`, `L_b` (R,), from two disjoint parts of
+# the keys; return `(O, L)` of attention over all the keys (the formula at the end of section 7). A part
+# in which a row saw no key has O = 0 and L = -inf: it must change nothing, and a row that saw no key in
+# either part keeps O = 0 and L = -inf (no NaN). And $e^{L}$ may overflow even in float64: one row's
+# scores are near 800.
+
+
+# %%
+def merge_outputs(O_a, L_a, O_b, L_b):
+    ### BEGIN SOLUTION
+    L = np.logaddexp(L_a, L_b)
+    L_safe = np.where(np.isneginf(L), 0.0, L)  # a row empty in both parts: both weights exp(-inf) = 0
+    return np.exp(L_a - L_safe)[:, None] * O_a + np.exp(L_b - L_safe)[:, None] * O_b, L
+    ### END SOLUTION
+
+
+# %% tags=["check"]
+def _attend(x, values):
+    """Attention of score rows x (R, n) over `values` (n, d): (O, L), O = 0 and L = -inf for an all -inf row."""
+    m, l = softmax.softmax_state(x)
+    m_safe = np.where(np.isneginf(m), 0.0, m)
+    with np.errstate(divide="ignore"):
+        L = m + np.log(l)
+    p = np.exp(x - m_safe[:, None]) / np.where(l > 0, l, 1.0)[:, None]
+    return p @ values, L
+
+
+_x = rng.standard_normal((5, 12)) * 3
+_x[1, :5] = -inf  # row 1: no key in part A
+_x[2, :] = -inf  # row 2: no key at all
+_x[3] += 800.0  # row 3: exp(L) overflows even float64
+_x[4, 5:] = -inf  # row 4: no key in part B
+_vals = rng.standard_normal((12, 3))
+check(
+    "merge of two partial outputs (O, L)",
+    lambda: merge_outputs(*_attend(_x[:, :5], _vals[:5]), *_attend(_x[:, 5:], _vals[5:])),
+    _attend(_x, _vals),
+    parts=["O", "L"],
+)
+
+# %% [markdown]
+# **Exercise 5 (streaming).** Keys often arrive in chunks (a KV cache that grows during generation).
 # Write `streaming_softmax(chunks)`: given a list of 1-D arrays, return the softmax of their
 # concatenation. Keep only the state (m, l) during the first pass over the chunks (use
 # `softmax.softmax_state` and `softmax.merge_states`), then make a second pass to normalise.
@@ -569,7 +652,7 @@ _chunks = [rng.standard_normal(n) * 5 for n in (3, 17, 1, 40)]
 check("streaming softmax", lambda: streaming_softmax(_chunks), softmax.safe_softmax(np.concatenate(_chunks)))
 
 # %% [markdown]
-# **Exercise 4 (bytes).** A float16 array of R rows and N columns is too long per row to stay on chip.
+# **Exercise 6 (bytes).** A float16 array of R rows and N columns is too long per row to stay on chip.
 # How many bytes do the safe softmax and the online softmax move between HBM and the chip (reads plus
 # writes)? Return a pair `(safe_bytes, online_bytes)` for R = 4096, N = 32768.
 
@@ -592,13 +675,15 @@ check(
 # %% [markdown]
 # ## Summary
 #
-# - The textbook softmax overflows once an input passes log(max): **11.09 in float16, 88.72 in float32**,
-#   and gives 0/0 when every input is very negative. Subtracting the row maximum fixes both, at the price of
+# - The textbook softmax overflows once an input passes log(max): **11.09 in float16, 88.72 in float32**
+#   (and in bf16, which has float32's range; kernels upcast bf16 and float16 scores to float32 before
+#   `exp`), and gives 0/0 when every input is very negative. Subtracting the row maximum fixes both, at the price of
 #   a third pass over the row.
 # - The **online softmax** keeps a running max m and a running sum l; when m grows, l is rescaled by
 #   $e^{m_{old} - m_{new}}$. The max and the sum then take one pass, and the softmax two instead of three.
 # - States (m, l) of disjoint blocks **merge exactly**, in any order or as a tree; the logsumexp
-#   L = m + log l is the same state in one number.
+#   L = m + log l is the same state in one number (FlashAttention-2 stores only L). Partial attention
+#   outputs merge the same way: $O = e^{L_A - L} O_A + e^{L_B - L} O_B$.
 # - Conventions: -inf entries get probability 0; an all -inf row has state (-inf, 0) and softmax NaN.
 #
 # Next, notebook 04 puts the online softmax inside attention: the row of scores is produced one block of
