@@ -21,13 +21,16 @@
 # 1. Derive the backward of attention in the tile form FlashAttention-2 uses: D = rowsum(dO ∘ O), P rebuilt
 #    from L, dS = P ∘ (dP − D). Write one tile's backward yourself, and fix a backward that rebuilds P from
 #    the running max m instead of L.
-# 2. Write the three kernels of a backward that needs no atomics: a preprocessing kernel for D, a dK/dV kernel
-#    (one program per K/V block, looping over query blocks) and a dQ kernel (one program per query block,
-#    looping over K/V blocks).
-# 3. Write the single-pass variant that accumulates dQ with atomic adds, and weigh the two: what each costs,
-#    and which wins at one shape on a GPU (measured).
-# 4. Skip the fully masked blocks in the causal backward, as in the forward: write the dK/dV kernel's loop
-#    bounds, and watch its K/V-outer loop fill dK block by block while dQ accumulates from every block.
+# 2. Write the causal loop bounds of the dK/dV kernel: which query blocks a block of keys visits, and which
+#    of them need the mask.
+# 3. Write the two loops of a backward that needs no atomics, in Triton: the dK/dV kernel's loop over query
+#    blocks (one program per K/V block) and the dQ kernel's loop over K/V blocks (one program per query
+#    block). The kernel for D, the kernels' set-up, their loop bounds and the launchers are given. Check
+#    them against float64 autograd on ragged, unequal, causal shapes, and (on a GPU) time them beside
+#    course_lib's backward and PyTorch's.
+# 4. Weigh the single-pass variant that accumulates dQ with atomic adds (course_lib's `dq_mode="atomic"`)
+#    against two kernels: what each costs, and which wins at one shape on a GPU (measured, Triton against
+#    Triton).
 # 5. Use `course_lib.FlashAttentionTriton` (forward + backward in one `autograd.Function`), check what it
 #    saves, and run `torch.autograd.gradcheck` on it in float64.
 #
@@ -39,9 +42,10 @@
 #
 # `import course_lib` first (it decides, before any kernel is defined, whether Triton compiles or
 # interprets). The forward pass is course_lib's (`forward.forward`, notebook 06); the backward kernels below
-# are this notebook's own.
+# are this notebook's own, and you write their loops.
 
 # %%
+import functools
 import math
 
 import matplotlib.pyplot as plt
@@ -52,12 +56,21 @@ import course_lib
 from course_lib import records
 from course_lib.attention import backward as lib_backward
 from course_lib.attention import forward as lib_forward
+from course_lib.attention.blocks import kv_block_range, kv_block_range_py, q_block_range, q_block_range_py
 from course_lib.attention.reference import attention
-from course_lib.exercises import check, guarded_empty, predict
+from course_lib.checks import causal_alignment, causal_offset
+from course_lib.exercises import (
+    check,
+    check_cases,
+    check_masked_memory_ops,
+    guarded_empty,
+    predict,
+    time_kernels,
+)
 from course_lib.perf.plotting import plot_series
 from course_lib.perf.timing import attention_flops, benchmark
 from course_lib.runtime import tl, triton
-from course_lib.testing import assert_close_to_reference, random_qkv, reference_outputs, run_cases
+from course_lib.testing import random_qkv, reference_outputs, run_cases
 
 DEVICE = course_lib.DEVICE
 print(course_lib.RUNTIME.describe())
@@ -66,15 +79,12 @@ print(course_lib.RUNTIME.describe())
 B, H, D = course_lib.pick(cpu=(1, 2, 32), gpu=(2, 4, 64))  # batch, heads, head dim
 N_Q, N_K = course_lib.pick(cpu=(100, 75), gpu=(1000, 1531))  # ragged and unequal on purpose
 BLOCK_M, BLOCK_N = course_lib.pick(cpu=(32, 32), gpu=(64, 64))  # the teaching launches
-DTYPES = course_lib.pick(  # dtypes the kernels below are checked in (the GPU's float16 is left to the tests)
-    cpu=[torch.float32, torch.float16, torch.bfloat16], gpu=[torch.float32, torch.bfloat16]
-)
-ATOMIC_DTYPES = course_lib.pick(cpu=DTYPES, gpu=[torch.bfloat16])  # dtypes the atomic dQ mode is checked in
+TIME_SHAPE = course_lib.pick(cpu=(1, 2, 128, 32), gpu=(4, 16, 4096, 64))  # (B, H, N, d) your backward is timed at
 GRADCHECK_SHAPE, GRADCHECK_NK = (1, 2, 24, 16), 20  # float64 gradcheck, CPU only (the interpreter)
 BENCH_NS = course_lib.pick(cpu=[], gpu=[4096])  # GPU timing of the two dQ strategies (each length compiles anew)
 BENCH_DS, BENCH_TOKENS = (128,), 16384  # head dims timed live; B*N tokens (H*d = 2048, as in the papers)
 LOG2E = math.log2(math.e)
-torch.manual_seed(0)
+_ = torch.manual_seed(0)
 
 # %% [markdown]
 # ## 1. The backward, tile by tile
@@ -112,9 +122,7 @@ print("rowsum(P * dP) == rowsum(dO * O)")
 # - **one kernel with atomics**: the dK/dV kernel also adds each contribution dS K into dQ with
 #   `tl.atomic_add`, in float32.
 #
-# To keep the kernels short, this notebook's wrapper makes the (Z = B·H, N, d) tensors contiguous, so a row is
-# `HEAD_DIM` elements apart and a head `N * HEAD_DIM`; course_lib's kernels take any strides instead, as the
-# forward of notebook 06 did.
+# You will write the first (sections 4 and 5); section 7 weighs the second, course_lib's `dq_mode="atomic"`.
 
 # %% [markdown]
 # **Exercise 1 (the backward of one tile).** Before writing kernels, write the lines every backward kernel
@@ -156,13 +164,6 @@ check(
     lambda: over_two_tiles(tile_backward, L1, (do1 * o1).sum(-1)),
     grads1,
     parts=["dQ", "dK", "dV"],
-    hints=[
-        "P_ij = exp(S_ij - L_i) is already normalised: L is the log of each row's sum. dP = dO V^T; the "
-        "softmax's backward is dS = P * (dP - D) with D broadcast over each row; S = scale * Q K^T gives "
-        "dQ = scale * dS K and dK = scale * dS^T Q; O = P V gives dV = P^T dO.",
-        "P = torch.exp(S - L_i[:, None]); dP = do_i @ v_j.T; dS = P * (dP - D_i[:, None]); "
-        "return dS @ k_j * scale, dS.T @ q_i * scale, P.T @ do_i",
-    ],
 )
 
 # %% [markdown]
@@ -206,305 +207,18 @@ check(
     lambda: over_two_tiles(tile_backward_fixed, m1, l1, (do1 * o1).sum(-1)),
     grads1,
     parts=["dQ", "dK", "dV"],
-    hints=[
-        "exp(S - m) is the forward's *unnormalised* P: each of its rows sums to l, not 1 (the printed sums). "
-        "Every gradient built from it is off by a factor per row.",
-        "P = torch.exp(S - m_i[:, None]) / l_i[:, None], which is torch.exp(S - (m_i + torch.log(l_i))[:, None]):"
-        " the logsumexp L is m + log l, one number per row instead of two.",
-    ],
 )
 
 # %% [markdown]
-# ## 2. Kernel 1: D = rowsum(dO ∘ O)
+# ## 2. Causal: which blocks each kernel visits
 #
-# One program per (query block, z): read a block of O and dO (HBM → registers), multiply, sum each row, write
-# BLOCK_M floats.
-
-
-# %%
-@triton.jit
-def bwd_preprocess(O, DO, Delta, N_Q, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
-    start_m = tl.program_id(0)
-    z = tl.program_id(1).to(tl.int64)
-    rows = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
-    ptrs = z * N_Q * HEAD_DIM + rows[:, None] * HEAD_DIM + offs_d[None, :]
-    mask = rows[:, None] < N_Q
-    o = tl.load(O + ptrs, mask=mask, other=0.0).to(tl.float32)
-    do = tl.load(DO + ptrs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(Delta + z * N_Q + rows, tl.sum(o * do, axis=1), mask=rows < N_Q)
-
-
-# %% [markdown]
-# ## 3. Kernel 2: dK and dV, one program per K/V block
-#
-# The program loads its K and V blocks once (they stay on chip) and loops over query blocks, streaming Q, dO,
-# L and D from HBM. It works on **transposed tiles** — $S^\top = K Q^\top$ of shape (BLOCK_N, BLOCK_M) — so
-# that $dV \mathrel{+}= P^\top dO$ and $dK \mathrel{+}= dS^\top Q$ come out as (BLOCK_N, d) blocks directly,
-# without transposing P. Per query block: 4 tile products (S, dV, dP, dK).
-#
-# Ragged lengths need no mask inside the loop: padding query rows load Q = dO = 0, L = D = 0, so their
-# $P^\top dO$ and $dS^\top Q$ are exactly 0; padding keys produce rows of dK and dV that are never stored.
-# (With `ATOMIC` they also add terms to dQ: K = 0 there, so each is $0 \cdot e^{-L}$, which is NaN once
-# $e^{-L}$ overflows, for a row whose scores are all below about -88. course_lib's kernel therefore masks
-# every block in its atomic mode.)
-#
-# Causal: query $i$ sees key $j$ when $j \le i$. For the key block starting at $n_0$, query blocks that end
-# before $n_0$ see none of its keys: the loop **starts** at the query block holding row $n_0$. The next query
-# blocks, up to row $n_0 + $ BLOCK_N, straddle the diagonal and are masked; the rest see every key of the
-# block and run unmasked. With `ATOMIC`, the same loop also adds $s \cdot dS\,K$ into a float32 dQ.
-
-
-# %%
-@triton.jit
-def _dkdv_loop(
-    dk, dv, k, v, Q, DO, L, Delta, DQ, z, cols, offs_m, offs_d, lo, hi, N_Q, scale, qk_scale,
-    MASK: tl.constexpr, ATOMIC: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-):  # fmt: skip
-    for start_m in range(lo, hi, BLOCK_M):
-        rows = start_m + offs_m
-        row_ok = rows < N_Q
-        ptrs = z * N_Q * HEAD_DIM + rows[:, None] * HEAD_DIM + offs_d[None, :]
-        q = tl.load(Q + ptrs, mask=row_ok[:, None], other=0.0)  # (BLOCK_M, d): HBM -> SRAM
-        do = tl.load(DO + ptrs, mask=row_ok[:, None], other=0.0)
-        if UPCAST:
-            q = q.to(tl.float32)
-            do = do.to(tl.float32)
-        l2 = tl.load(L + z * N_Q + rows, mask=row_ok, other=0.0) * 1.4426950408889634  # L in base 2
-        delta = tl.load(Delta + z * N_Q + rows, mask=row_ok, other=0.0)
-        sT = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)  # S^T / scale: (BLOCK_N, BLOCK_M)
-        pT = tl.math.exp2(sT * qk_scale - l2[None, :])  # P^T rebuilt from L, registers
-        if MASK:  # diagonal blocks only
-            pT = tl.where(rows[None, :] >= cols[:, None], pT, 0.0)
-        dv += tl.dot(pT.to(do.dtype), do, input_precision=DOT_PRECISION)  # dV += P^T dO
-        dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # dP^T = V dO^T
-        dsT = pT * (dpT - delta[None, :])  # dS^T = P^T * (dP^T - D)
-        dk += tl.dot(dsT.to(q.dtype), q, input_precision=DOT_PRECISION)  # dK += dS^T Q (scale at the end)
-        if ATOMIC:  # dQ[rows] += scale * dS K: a read-modify-write of BLOCK_M x d floats in HBM/L2
-            dq_part = tl.dot(tl.trans(dsT).to(k.dtype), k, input_precision=DOT_PRECISION) * scale
-            tl.atomic_add(DQ + ptrs, dq_part, mask=row_ok[:, None])
-    return dk, dv
-
-
-@triton.jit
-def bwd_dkdv(
-    Q, K, V, DO, L, Delta, DQ, DK, DV, scale, qk_scale, N_Q, N_K,
-    CAUSAL: tl.constexpr, ATOMIC: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-):  # fmt: skip
-    start_n = tl.program_id(0)
-    z = tl.program_id(1).to(tl.int64)
-    cols = start_n * BLOCK_N + tl.arange(0, BLOCK_N)  # this program's keys
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
-    kv_ptrs = z * N_K * HEAD_DIM + cols[:, None] * HEAD_DIM + offs_d[None, :]
-    col_ok = cols[:, None] < N_K
-    k = tl.load(K + kv_ptrs, mask=col_ok, other=0.0)  # K, V blocks: loaded once, kept on chip
-    v = tl.load(V + kv_ptrs, mask=col_ok, other=0.0)
-    if UPCAST:
-        k = k.to(tl.float32)
-        v = v.to(tl.float32)
-    dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)  # accumulators, registers
-    dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
-    if CAUSAL:
-        lo = start_n * BLOCK_N // BLOCK_M * BLOCK_M  # earlier query blocks see none of these keys: skipped
-        hi_masked = tl.minimum(tl.cdiv((start_n + 1) * BLOCK_N, BLOCK_M) * BLOCK_M, N_Q)
-    else:
-        lo = 0
-        hi_masked = 0
-    dk, dv = _dkdv_loop(
-        dk, dv, k, v, Q, DO, L, Delta, DQ, z, cols, offs_m, offs_d, lo, hi_masked, N_Q, scale, qk_scale,
-        True, ATOMIC, BLOCK_M, HEAD_DIM, UPCAST, DOT_PRECISION,
-    )  # fmt: skip
-    dk, dv = _dkdv_loop(
-        dk, dv, k, v, Q, DO, L, Delta, DQ, z, cols, offs_m, offs_d, hi_masked, N_Q, N_Q, scale, qk_scale,
-        False, ATOMIC, BLOCK_M, HEAD_DIM, UPCAST, DOT_PRECISION,
-    )  # fmt: skip
-    tl.store(DK + kv_ptrs, (dk * scale).to(DK.dtype.element_ty), mask=col_ok)  # written once
-    tl.store(DV + kv_ptrs, dv.to(DV.dtype.element_ty), mask=col_ok)
-
-
-# %% [markdown]
-# Watch the loop order on a small causal problem (N = 128, blocks of 32, computed in float64 by
-# `course_lib.attention.animate`): each K/V block's program walks down its column of tiles, so the map fills
-# column by column. A K/V block's dK is final at the end of its own column; a query row's dQ is final only
-# when the last column that reaches it is done, which is why dQ needs atomics or a kernel of its own. The
-# strip shows four steps; the slider below it (in JupyterLab) shows every step, with dK as well.
-
-# %%
-from course_lib.attention import animate
-
-q_fig, k_fig, v_fig = random_qkv((128, 16), dtype=torch.float64)
-bwd_frames = animate.backward_frames(q_fig, k_fig, v_fig, torch.randn(128, 16, dtype=torch.float64), 32, 32, True)
-animate.backward_strip(bwd_frames)
-plt.show()
-animate.backward_widget(bwd_frames)
-
-# %% [markdown]
-# ## 4. Kernel 3: dQ, one program per query block
-#
-# The mirror image: load Q, dO, L and D for a block of query rows once, loop over K/V blocks, accumulate
-# $dQ \mathrel{+}= dS\,K$ in registers, write once. Per K/V block: 3 tile products (S, dP, dQ) — S and dP were
-# already computed in the dK/dV kernel, and are computed again here. The loop bounds are the forward's: an
-# unmasked stage over the full blocks left of the diagonal, a masked stage for the diagonal and the ragged
-# last block (padding keys must get P = 0 here: they share the program's rows), nothing above the diagonal.
-
-
-# %%
-@triton.jit
-def _dq_loop(
-    dq, q, do, l2, delta, K, V, z, rows, offs_n, offs_d, lo, hi, N_K, qk_scale,
-    MASK: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-):  # fmt: skip
-    for start_n in range(lo, hi, BLOCK_N):
-        cols = start_n + offs_n
-        kv_ptrs = z * N_K * HEAD_DIM + cols[:, None] * HEAD_DIM + offs_d[None, :]
-        if MASK:
-            k = tl.load(K + kv_ptrs, mask=cols[:, None] < N_K, other=0.0)
-            v = tl.load(V + kv_ptrs, mask=cols[:, None] < N_K, other=0.0)
-        else:
-            k = tl.load(K + kv_ptrs)  # (BLOCK_N, d): HBM -> SRAM
-            v = tl.load(V + kv_ptrs)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N)
-        p = tl.math.exp2(s * qk_scale - l2[:, None])  # P rebuilt from L
-        if MASK:
-            visible = cols[None, :] < N_K
-            if CAUSAL:
-                visible = visible & (rows[:, None] >= cols[None, :])
-            p = tl.where(visible, p, 0.0)
-        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)  # dP = dO V^T
-        ds = p * (dp - delta[:, None])
-        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)  # dQ += dS K
-    return dq
-
-
-@triton.jit
-def bwd_dq(
-    Q, K, V, DO, L, Delta, DQ, scale, qk_scale, N_Q, N_K,
-    CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-):  # fmt: skip
-    start_m = tl.program_id(0)
-    z = tl.program_id(1).to(tl.int64)
-    rows = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < N_Q
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
-    ptrs = z * N_Q * HEAD_DIM + rows[:, None] * HEAD_DIM + offs_d[None, :]
-    q = tl.load(Q + ptrs, mask=row_ok[:, None], other=0.0)  # Q, dO, L, D: loaded once, kept on chip
-    do = tl.load(DO + ptrs, mask=row_ok[:, None], other=0.0)
-    if UPCAST:
-        q = q.to(tl.float32)
-        do = do.to(tl.float32)
-    l2 = tl.load(L + z * N_Q + rows, mask=row_ok, other=0.0) * 1.4426950408889634
-    delta = tl.load(Delta + z * N_Q + rows, mask=row_ok, other=0.0)
-    dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    if CAUSAL:
-        hi = tl.minimum((start_m + 1) * BLOCK_M, N_K)  # keys after the block's last row: skipped
-        hi_full = tl.minimum(start_m * BLOCK_M, N_K) // BLOCK_N * BLOCK_N
-    else:
-        hi = N_K
-        hi_full = N_K // BLOCK_N * BLOCK_N
-    dq = _dq_loop(
-        dq, q, do, l2, delta, K, V, z, rows, offs_n, offs_d, 0, hi_full, N_K, qk_scale,
-        False, CAUSAL, BLOCK_N, HEAD_DIM, UPCAST, DOT_PRECISION,
-    )  # fmt: skip
-    dq = _dq_loop(
-        dq, q, do, l2, delta, K, V, z, rows, offs_n, offs_d, hi_full, hi, N_K, qk_scale,
-        True, CAUSAL, BLOCK_N, HEAD_DIM, UPCAST, DOT_PRECISION,
-    )  # fmt: skip
-    tl.store(DQ + ptrs, (dq * scale).to(DQ.dtype.element_ty), mask=row_ok[:, None])
-
-
-# %% [markdown]
-# ## 5. The launcher, and the check
-#
-# `flash_backward` runs kernel 1, then kernel 2, then (two-kernel mode) kernel 3. In atomic mode dQ starts as
-# a float32 zero buffer that kernel 2 adds into, and is converted to the input dtype at the end. The dtype
-# switches are notebook 06's: `DOT_PRECISION="ieee"` for float32 inputs, `UPCAST` for bfloat16 under the
-# interpreter.
-
-
-# %%
-def flash_backward(do, q, k, v, o, L, causal=False, scale=None, dq_mode="two_kernel",
-                   block_m=BLOCK_M, block_n=BLOCK_N, num_warps=4, num_stages=2):  # fmt: skip
-    """do, q, o: (..., Nq, d); k, v: (..., Nk, d); L: (..., Nq) from the forward. Returns dq, dk, dv."""
-    assert dq_mode in ("two_kernel", "atomic")
-    *_, n_q, d = q.shape
-    n_k = k.shape[-2]
-    q3, o3, do3 = (t.reshape(-1, n_q, d).contiguous() for t in (q, o, do))
-    k3, v3 = (t.reshape(-1, n_k, d).contiguous() for t in (k, v))
-    L3 = L.reshape(-1, n_q).float().contiguous()
-    Z = q3.shape[0]
-    scale = d**-0.5 if scale is None else scale
-    flags = dict(
-        UPCAST=course_lib.INTERPRET and q.dtype == torch.bfloat16,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=num_warps,
-        num_stages=num_stages,
-    )
-    delta = torch.empty(Z, n_q, device=q.device, dtype=torch.float32)
-    bwd_preprocess[(triton.cdiv(n_q, block_m), Z)](o3, do3, delta, n_q, HEAD_DIM=d, BLOCK_M=block_m)
-    atomic = dq_mode == "atomic"
-    dq = torch.zeros(q3.shape, device=q.device, dtype=torch.float32) if atomic else torch.empty_like(q3)
-    dk, dv = torch.empty_like(k3), torch.empty_like(v3)
-    bwd_dkdv[(triton.cdiv(n_k, block_n), Z)](
-        q3, k3, v3, do3, L3, delta, dq, dk, dv, scale, scale * LOG2E, n_q, n_k,
-        CAUSAL=causal, ATOMIC=atomic, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, **flags,
-    )  # fmt: skip
-    if not atomic:
-        bwd_dq[(triton.cdiv(n_q, block_m), Z)](
-            q3, k3, v3, do3, L3, delta, dq, scale, scale * LOG2E, n_q, n_k,
-            CAUSAL=causal, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, **flags,
-        )  # fmt: skip
-    return dq.to(q.dtype).reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape)
-
-
-# %% [markdown]
-# The check: for ragged Nq != Nk in both orders, causal and not, in each dtype of `DTYPES`, each gradient is
-# held to the course's accuracy rule against the float64 reference (at most twice the error of PyTorch's own
-# backward in the same dtype, plus a floor). O and L come from the float64 reference too, so this checks the
-# backward alone. The two-kernel mode runs in every dtype; the atomic mode in `ATOMIC_DTYPES` (each dtype and
-# mode is one more kernel to compile; the test suite covers the rest). The comparison with course_lib's own
-# backward comes in section 8, through the autograd Function.
-
-# %%
-def check_backward(case):
-    n_q, n_k, causal, dtype = case
-    q, k, v = random_qkv((B, H, n_q, D), n_k, dtype=dtype, device=DEVICE)
-    do = torch.randn_like(q)
-    o64, lse64 = attention(q.double(), k.double(), v.double(), causal=causal, return_lse=True)
-    o, lse = o64.to(dtype), lse64.float()
-    _, grads64 = reference_outputs(q.double(), k.double(), v.double(), causal, grad_out=do.double())
-    _, grads_same = reference_outputs(q, k, v, causal, grad_out=do)
-    for dq_mode in ("two_kernel", "atomic") if dtype in ATOMIC_DTYPES else ("two_kernel",):
-        what = f"(B, H, Nq, Nk, d)=({B}, {H}, {n_q}, {n_k}, {D}), {dtype}, causal={causal}, {dq_mode}"
-        grads = flash_backward(do, q, k, v, o, lse, causal, dq_mode=dq_mode)
-        for name, g, g64, g_same in zip(("dQ", "dK", "dV"), grads, grads64, grads_same):
-            assert g.dtype == dtype and g.shape == g64.shape, f"{name} {what}"
-            assert_close_to_reference(g, g64, g_same, f"{name} {what}")
-
-
-# On a GPU the cases run side by side, so their kernels compile at the same time (`run_cases`).
-cases = [(n_q, n_k, c, dt) for n_q, n_k in [(N_Q, N_K), (N_K, N_Q)] for c in (False, True) for dt in DTYPES]
-run_cases(check_backward, cases)
-print(f"dQ, dK, dV: within the accuracy rule in every case ({len(DTYPES)} dtypes, causal and not, Nq < Nk and Nq > Nk)")
-
-# %% [markdown]
-# ## 6. Causal: which blocks each kernel visits
-#
-# Which blocks does a program visit, and which of them need the mask? course_lib's kernels ask one helper,
-# `course_lib.attention.blocks`: `kv_block_range` gives a query block's keys (the forward and the dQ kernel),
-# `q_block_range` a key block's queries (the dK/dV kernel), each as three boundaries `(lo, mid, hi)`; what
-# lies before lo is skipped. For a query block's keys, [lo, mid) runs unmasked and [mid, hi) masked (the
-# diagonal comes last); for a key block's queries the other way round, [lo, mid) masked and [mid, hi)
-# unmasked (the diagonal comes first). Their Python twins, `kv_block_range_py` and `q_block_range_py`, run
-# here.
+# Before the kernels, their loop bounds. Which blocks does a program visit, and which of them need the mask?
+# course_lib's kernels ask one helper, `course_lib.attention.blocks`: `kv_block_range` gives a query block's
+# keys (the forward and the dQ kernel), `q_block_range` a key block's queries (the dK/dV kernel), each as
+# three boundaries `(lo, mid, hi)`; what lies before lo is skipped. For a query block's keys, [lo, mid) runs
+# unmasked and [mid, hi) masked (the diagonal comes last); for a key block's queries the other way round,
+# [lo, mid) masked and [mid, hi) unmasked (the diagonal comes first). Their Python twins,
+# `kv_block_range_py` and `q_block_range_py`, run here; the kernels of sections 4 and 5 call the Triton ones.
 # Below they are compared block by block with the element-wise causal mask: a pair of blocks must be skipped
 # exactly when none of its (query, key) pairs is visible, and may run unmasked only when all of them are.
 
@@ -514,8 +228,8 @@ print(f"dQ, dK, dV: within the accuracy rule in every case ({len(DTYPES)} dtypes
 # block_n - 1` and loops over query blocks starting at multiples of `block_m`. Return `(lo, hi_masked)`:
 # the loop starts at query row `lo` (earlier query blocks see none of these keys) and masks the query blocks
 # starting in `[lo, hi_masked)`; the blocks from `hi_masked` to the end see every key of the block and run
-# unmasked. Both are multiples of `block_m`, or `n_q`. The check compares the blocks your bounds visit and
-# mask with the element-wise causal mask.
+# unmasked. Both are multiples of `block_m`, or `n_q`. Top-left alignment: query i sees key j when j <= i.
+# The check compares the blocks your bounds visit and mask with the element-wise causal mask.
 
 
 # %%
@@ -528,9 +242,6 @@ def dkdv_bounds(n0, block_m, block_n, n_q):
 
 
 # %% tags=["check"]
-from course_lib.attention.blocks import kv_block_range_py, q_block_range_py
-
-
 def dkdv_plan(bounds, n_q, n_k, block_m, block_n):
     """Sorted (first query row, key block, masked) triples a dK/dV kernel with these bounds visits, in its
     two stages as the kernel runs them: masked query blocks from lo to hi_masked, then unmasked ones from
@@ -554,18 +265,13 @@ check(
     "dkdv_bounds",
     lambda: [dkdv_plan(dkdv_bounds, *c) for c in CASES],
     [dkdv_plan(course_lib_dkdv_bounds, *c) for c in CASES],
-    hints=[
-        "Query row i sees key j when j <= i. The first row that sees key n0 is n0: start at the query block "
-        "that holds it. Rows from n0 + block_n - 1 on see every key of the block: the masked stage ends at "
-        "the first block boundary at or after that row (clip to n_q).",
-        "lo = n0 // block_m * block_m; hi_masked = min(math.ceil((n0 + block_n - 1) / block_m) * block_m, n_q)",
-    ],
 )
 
 # %% [markdown]
-# Both kernels' plans from the helpers, for both causal alignments: top-left (query i sees keys j <= i,
-# offset 0) and bottom-right (j <= i + Nk - Nq, offset Nk - Nq: the queries are the last Nq positions, as
-# with a KV cache), on ragged and unequal shapes:
+# course_lib's helpers take one more argument, an **offset**, for the two causal alignments: top-left
+# (query i sees keys j <= i, offset 0) and bottom-right (j <= i + Nk - Nq, offset Nk - Nq: the queries are
+# the last Nq positions, as with a KV cache; with Nq > Nk the first Nq - Nk rows see no key at all). Both
+# kernels' plans from the helpers, for both alignments, on ragged and unequal shapes:
 
 
 # %%
@@ -600,7 +306,400 @@ for n_q, n_k, bm, bn in CASES:
               f"{len(blocks)} block pairs")  # fmt: skip
 
 # %% [markdown]
+# ## 3. Kernel 1: D = rowsum(dO ∘ O)
+#
+# One program per (query block, z): read a block of O and dO (HBM → registers), multiply, sum each row, write
+# BLOCK_M floats. This one is given.
+#
+# To keep the kernels short, this notebook's launchers make the (Z = B·H, N, d) tensors contiguous, so a row
+# is `HEAD_DIM` elements apart and a head `N * HEAD_DIM`; course_lib's kernels take any strides instead, as
+# the forward of notebook 06 did.
+
+
+# %%
+@triton.jit
+def bwd_preprocess(O, DO, Delta, N_Q, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
+    start_m = tl.program_id(0)
+    z = tl.program_id(1).to(tl.int64)
+    rows = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    ptrs = z * N_Q * HEAD_DIM + rows[:, None] * HEAD_DIM + offs_d[None, :]
+    mask = rows[:, None] < N_Q
+    o = tl.load(O + ptrs, mask=mask, other=0.0).to(tl.float32)
+    do = tl.load(DO + ptrs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(Delta + z * N_Q + rows, tl.sum(o * do, axis=1), mask=rows < N_Q)
+
+
+def prepare(do, q, k, v, o, L, causal, block_m):
+    """What both backward kernels take: the contiguous (Z, N, d) tensors, L (Z, Nq) with -inf turned into
+    +inf (a row that sees no key, bottom-right with Nq > Nk: its P = exp(S - inf) = 0, not exp(S + inf)),
+    D from kernel 1, the scale, the causal offset, and the compile-time flags."""
+    *_, n_q, d = q.shape
+    n_k = k.shape[-2]
+    q3, o3, do3 = (t.reshape(-1, n_q, d).contiguous() for t in (q, o, do))
+    k3, v3 = (t.reshape(-1, n_k, d).contiguous() for t in (k, v))
+    L3 = L.reshape(-1, n_q).float()
+    L3 = torch.where(L3 == float("-inf"), float("inf"), L3).contiguous()
+    delta = torch.empty(q3.shape[:2], device=q.device, dtype=torch.float32)
+    bwd_preprocess[(triton.cdiv(n_q, block_m), q3.shape[0])](o3, do3, delta, n_q, HEAD_DIM=d, BLOCK_M=block_m)
+    alignment = causal_alignment(causal)  # None, "top_left" or "bottom_right"
+    scale = d**-0.5
+    runtime_args = (scale, scale * LOG2E, n_q, n_k, causal_offset(alignment, n_q, n_k))
+    flags = dict(
+        CAUSAL=alignment is not None,
+        HEAD_DIM=d,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # notebook 06's switch
+    )
+    return (q3, k3, v3, do3, L3, delta), runtime_args, flags
+
+
+# %% [markdown]
+# ## 4. Kernel 2: dK and dV, one program per K/V block
+#
+# The program loads its K and V blocks once (they stay on chip) and loops over query blocks, streaming Q, dO,
+# L and D from HBM. It works on **transposed tiles** — $S^\top = K Q^\top$ of shape (BLOCK_N, BLOCK_M) — so
+# that $dV \mathrel{+}= P^\top dO$ and $dK \mathrel{+}= dS^\top Q$ come out as (BLOCK_N, d) blocks directly,
+# without transposing P. Per query block: 4 tile products (S, dV, dP, dK).
+#
+# The kernel `bwd_dkdv` below is given: it loads K and V, asks `q_block_range` (section 2) for its query
+# rows, and runs the loop `_dkdv_loop` twice: the masked stage [lo, mid) over the diagonal, then the
+# unmasked stage [mid, hi); it stores dK (times the scale, once) and dV at the end. The loop is yours.
+#
+# **Exercise 4 (the dK/dV kernel's loop).** Write the body of `_dkdv_loop`: for each query block starting at
+# `start_m` in `range(lo, hi, BLOCK_M)`,
+# 1. load the block's Q and dO rows (`rows = start_m + offs_m`, each row `HEAD_DIM` apart, head `z` at
+#    `z * N_Q * HEAD_DIM`), and its L and D (one float per row, `z * N_Q + rows`); mask every load with
+#    `rows < N_Q`, `other=0.0`;
+# 2. rebuild $P^\top$ from L in base 2: $P^\top = 2^{\,K Q^\top \cdot qk\_scale\, -\, L \log_2 e}$ (qk_scale
+#    is scale · log2 e; L broadcast along the columns, one value per query); in the masked stage (`MASK`)
+#    set to 0 the pairs a query cannot see: query row i sees key j when $i + \text{offset} \ge j$;
+# 3. $dV \mathrel{+}= P^\top dO$, $dP^\top = V\,dO^\top$, $dS^\top = P^\top \circ (dP^\top - D)$ (D along the
+#    columns), $dK \mathrel{+}= dS^\top Q$ (unscaled: the kernel multiplies by the scale once, at the store).
+#
+# Pass `input_precision=DOT_PRECISION` to every `tl.dot`, and convert $P^\top$ and $dS^\top$ to the operands'
+# dtype (`.to(q.dtype)`) before they enter a product (for float16 inputs the products take 16-bit operands;
+# the accumulators stay float32). Ragged lengths need no mask inside the tile beyond the loads: padding
+# query rows load Q = dO = 0 and L = D = 0, so their $P^\top dO$ and $dS^\top Q$ are exactly 0; padding keys
+# produce rows of dK and dV that are never stored.
+
+
+# %%
+@triton.jit
+def _dkdv_loop(
+    dk, dv, k, v, Q, DO, L, Delta, z, cols, offs_m, offs_d, lo, hi, N_Q, offset, qk_scale,
+    MASK: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Add to dk, dv (BLOCK_N, d) float32, registers, the contributions of the query blocks starting at rows
+    lo, lo + BLOCK_M, ... below hi. k, v: this program's (BLOCK_N, d) blocks, on chip; cols: their key
+    indices. Q, DO: (Z, N_Q, d) and L, Delta: (Z, N_Q), in HBM. Returns (dk, dv), dk not yet scaled."""
+    ### BEGIN SOLUTION
+    for start_m in range(lo, hi, BLOCK_M):
+        rows = start_m + offs_m
+        row_ok = rows < N_Q
+        ptrs = z * N_Q * HEAD_DIM + rows[:, None] * HEAD_DIM + offs_d[None, :]
+        q = tl.load(Q + ptrs, mask=row_ok[:, None], other=0.0)  # (BLOCK_M, d): HBM -> SRAM
+        do = tl.load(DO + ptrs, mask=row_ok[:, None], other=0.0)
+        l2 = tl.load(L + z * N_Q + rows, mask=row_ok, other=0.0) * 1.4426950408889634  # L in base 2
+        delta = tl.load(Delta + z * N_Q + rows, mask=row_ok, other=0.0)
+        sT = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)  # S^T / scale: (BLOCK_N, BLOCK_M)
+        pT = tl.math.exp2(sT * qk_scale - l2[None, :])  # P^T rebuilt from L, registers
+        if MASK:  # the diagonal blocks only
+            pT = tl.where(rows[None, :] + offset >= cols[:, None], pT, 0.0)
+        dv += tl.dot(pT.to(do.dtype), do, input_precision=DOT_PRECISION)  # dV += P^T dO
+        dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # dP^T = V dO^T
+        dsT = pT * (dpT - delta[None, :])  # dS^T = P^T * (dP^T - D)
+        dk += tl.dot(dsT.to(q.dtype), q, input_precision=DOT_PRECISION)  # dK += dS^T Q
+    ### END SOLUTION
+    return dk, dv
+
+
+# %%
+@triton.jit
+def bwd_dkdv(
+    Q, K, V, DO, L, Delta, DK, DV, scale, qk_scale, N_Q, N_K, offset,
+    CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    start_n = tl.program_id(0)
+    z = tl.program_id(1).to(tl.int64)
+    cols = start_n * BLOCK_N + tl.arange(0, BLOCK_N)  # this program's keys
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    kv_ptrs = z * N_K * HEAD_DIM + cols[:, None] * HEAD_DIM + offs_d[None, :]
+    col_ok = cols[:, None] < N_K
+    k = tl.load(K + kv_ptrs, mask=col_ok, other=0.0)  # K, V blocks: loaded once, kept on chip
+    v = tl.load(V + kv_ptrs, mask=col_ok, other=0.0)
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)  # accumulators, registers
+    dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    # query rows [lo, mid) see part of these keys (masked), [mid, hi) all of them; without CAUSAL lo = mid = 0
+    lo, mid, hi = q_block_range(start_n * BLOCK_N, N_Q, offset, CAUSAL, BLOCK_M, BLOCK_N)
+    dk, dv = _dkdv_loop(
+        dk, dv, k, v, Q, DO, L, Delta, z, cols, offs_m, offs_d, lo, mid, N_Q, offset, qk_scale,
+        True, BLOCK_M, HEAD_DIM, DOT_PRECISION,
+    )  # fmt: skip
+    dk, dv = _dkdv_loop(
+        dk, dv, k, v, Q, DO, L, Delta, z, cols, offs_m, offs_d, mid, hi, N_Q, offset, qk_scale,
+        False, BLOCK_M, HEAD_DIM, DOT_PRECISION,
+    )  # fmt: skip
+    tl.store(DK + kv_ptrs, (dk * scale).to(DK.dtype.element_ty), mask=col_ok)  # written once
+    tl.store(DV + kv_ptrs, dv.to(DV.dtype.element_ty), mask=col_ok)
+
+
+def dkdv_backward(do, q, k, v, o, L, causal=False, block_m=BLOCK_M, block_n=BLOCK_N, num_warps=4, num_stages=2):
+    """Kernel 1, then kernel 2. do, q, o: (..., Nq, d); k, v: (..., Nk, d); L: (..., Nq) from the forward;
+    causal: False, True (top-left) or "bottom_right". Returns dk, dv."""
+    (q3, k3, v3, do3, L3, delta), args, flags = prepare(do, q, k, v, o, L, causal, block_m)
+    dk, dv = torch.empty_like(k3), torch.empty_like(v3)
+    bwd_dkdv[(triton.cdiv(k3.shape[1], block_n), k3.shape[0])](
+        q3, k3, v3, do3, L3, delta, dk, dv, *args,
+        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages, **flags,
+    )  # fmt: skip
+    return dk.reshape(k.shape), dv.reshape(v.shape)
+
+
+# %% [markdown]
+# The check runs your loop (through `bwd_dkdv`) on ragged lengths (not multiples of the blocks), Nq < Nk and
+# Nq > Nk, not causal and causal in both alignments, against dK and dV from float64 autograd through standard
+# attention. O and L come from the float64 reference too, so it checks the backward alone. First in float32
+# (`input_precision="ieee"`: exact products, a tight tolerance), then two cases in float16, which catch a
+# product whose operands differ in dtype.
+
+
+# %%
+@functools.cache
+def backward_case(n_q, n_k, causal, dtype=torch.float32):
+    """Inputs of one case, (B, H, n_q, d) and (B, H, n_k, d) in `dtype`, the same at every call: q, k, v, dO,
+    O and L (from float64, O rounded to dtype), and the float64 gradients (dQ, dK, dV)."""
+    g = torch.Generator(device=DEVICE).manual_seed(1000 * n_q + n_k)
+    q, k, v = random_qkv((B, H, n_q, D), n_k, dtype=dtype, device=DEVICE, generator=g)
+    do = torch.randn(q.shape, generator=g, device=DEVICE).to(dtype)
+    o64, lse64 = attention(q.double(), k.double(), v.double(), causal=causal, return_lse=True)
+    _, grads64 = reference_outputs(q.double(), k.double(), v.double(), causal, grad_out=do.double())
+    return (do, q, k, v, o64.to(dtype), lse64.float()), grads64
+
+
+BWD_CASES = [dict(n_q=2 * BLOCK_M, n_k=2 * BLOCK_N, causal=False)] + [
+    dict(n_q=n_q, n_k=n_k, causal=causal)
+    for causal in (False, "top_left", "bottom_right")
+    for n_q, n_k in ((N_Q, N_K), (N_K, N_Q))
+]
+BWD_CASES_FP16 = [dict(n_q=N_Q, n_k=N_K, causal="top_left"), dict(n_q=N_K, n_k=N_Q, causal="bottom_right")]
+
+
+# %% tags=["check"]
+def your_dkdv(n_q, n_k, causal, dtype=torch.float32):
+    check_masked_memory_ops(_dkdv_loop, "dkdv_kernel_loop")
+    return dkdv_backward(*backward_case(n_q, n_k, causal, dtype)[0], causal)
+
+
+def reference_dkdv(n_q, n_k, causal, dtype=torch.float32):
+    return backward_case(n_q, n_k, causal, dtype)[1][1:]
+
+
+check_cases("dkdv_kernel_loop", BWD_CASES, your_dkdv, reference_dkdv, rtol=1e-4, atol=1e-4, outputs=("dK", "dV"))
+check_cases(
+    "dkdv_kernel_loop (float16)",
+    [dict(c, dtype=torch.float16) for c in BWD_CASES_FP16],
+    your_dkdv,
+    reference_dkdv,
+    rtol=5e-3,
+    atol=5e-3,
+    outputs=("dK", "dV"),
+)
+
+# %% [markdown]
+# Watch the loop order on a small causal problem (N = 128, blocks of 32, computed in float64 by
+# `course_lib.attention.animate`): each K/V block's program walks down its column of tiles, so the map fills
+# column by column. A K/V block's dK is final at the end of its own column; a query row's dQ is final only
+# when the last column that reaches it is done, which is why dQ needs atomics or a kernel of its own. The
+# strip shows four steps; the slider below it (in JupyterLab) shows every step, with dK as well.
+
+# %%
+from course_lib.attention import animate
+
+q_fig, k_fig, v_fig = random_qkv((128, 16), dtype=torch.float64)
+bwd_frames = animate.backward_frames(q_fig, k_fig, v_fig, torch.randn(128, 16, dtype=torch.float64), 32, 32, True)
+animate.backward_strip(bwd_frames)
+plt.show()
+animate.backward_widget(bwd_frames)
+
+# %% [markdown]
+# ## 5. Kernel 3: dQ, one program per query block
+#
+# The mirror image: load Q, dO, L and D for a block of query rows once, loop over K/V blocks, accumulate
+# $dQ \mathrel{+}= dS\,K$ in registers, write once. Per K/V block: 3 tile products (S, dP, dQ) — S and dP were
+# already computed in the dK/dV kernel, and are computed again here. The loop bounds are the forward's, from
+# `kv_block_range` (section 2): an unmasked stage [lo, mid) over the blocks every row of the program sees
+# whole, a masked stage [mid, hi) for the diagonal and the ragged last block, nothing above the diagonal.
+# `bwd_dq` below is given; the loop is yours.
+#
+# **Exercise 5 (the dQ kernel's loop).** Write the body of `_dq_loop`: for each K/V block starting at
+# `start_n` in `range(lo, hi, BLOCK_N)`,
+# 1. load the block's K and V rows (`cols = start_n + offs_n`, head `z` at `z * N_K * HEAD_DIM`), masked with
+#    `cols < N_K`, `other=0.0`;
+# 2. $S = Q K^\top$ (BLOCK_M, BLOCK_N) and $P = 2^{\,S \cdot qk\_scale\, -\, l2}$ (`l2`: the rows' L in base 2,
+#    given); in the masked stage (`MASK`) set P to 0 where a row cannot see a key: keys past `N_K`, and, with
+#    `CAUSAL`, key j for row i when $j > i + \text{offset}$;
+# 3. $dP = dO\,V^\top$, $dS = P \circ (dP - D)$ (D along the rows), $dQ \mathrel{+}= dS\,K$ (unscaled:
+#    `bwd_dq` multiplies by the scale once, at the store).
+#
+# The same rules as Exercise 4: `input_precision=DOT_PRECISION` in every `tl.dot`, and dS converted to K's
+# dtype before its product. (course_lib's dQ kernel also leaves out the load masks in the unmasked stage,
+# where every key exists; mask them all here.)
+
+
+# %%
+@triton.jit
+def _dq_loop(
+    dq, q, do, l2, delta, K, V, z, rows, offs_n, offs_d, lo, hi, N_K, offset, qk_scale,
+    MASK: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Add to dq (BLOCK_M, d) float32, registers, the contributions of the K/V blocks starting at keys lo,
+    lo + BLOCK_N, ... below hi. q, do: this program's (BLOCK_M, d) rows, on chip; l2, delta: their L in base 2
+    and D, (BLOCK_M,); rows: their indices. K, V: (Z, N_K, d) in HBM. Returns dq, not yet scaled."""
+    ### BEGIN SOLUTION
+    for start_n in range(lo, hi, BLOCK_N):
+        cols = start_n + offs_n
+        kv_ptrs = z * N_K * HEAD_DIM + cols[:, None] * HEAD_DIM + offs_d[None, :]
+        k = tl.load(K + kv_ptrs, mask=cols[:, None] < N_K, other=0.0)  # (BLOCK_N, d): HBM -> SRAM
+        v = tl.load(V + kv_ptrs, mask=cols[:, None] < N_K, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N)
+        p = tl.math.exp2(s * qk_scale - l2[:, None])  # P rebuilt from L
+        if MASK:
+            visible = cols[None, :] < N_K
+            if CAUSAL:
+                visible = visible & (rows[:, None] + offset >= cols[None, :])
+            p = tl.where(visible, p, 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)  # dP = dO V^T
+        ds = p * (dp - delta[:, None])
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)  # dQ += dS K
+    ### END SOLUTION
+    return dq
+
+
+# %%
+@triton.jit
+def bwd_dq(
+    Q, K, V, DO, L, Delta, DQ, scale, qk_scale, N_Q, N_K, offset,
+    CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    start_m = tl.program_id(0)
+    z = tl.program_id(1).to(tl.int64)
+    rows = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < N_Q
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    ptrs = z * N_Q * HEAD_DIM + rows[:, None] * HEAD_DIM + offs_d[None, :]
+    q = tl.load(Q + ptrs, mask=row_ok[:, None], other=0.0)  # Q, dO, L, D: loaded once, kept on chip
+    do = tl.load(DO + ptrs, mask=row_ok[:, None], other=0.0)
+    l2 = tl.load(L + z * N_Q + rows, mask=row_ok, other=0.0) * 1.4426950408889634  # L in base 2
+    delta = tl.load(Delta + z * N_Q + rows, mask=row_ok, other=0.0)
+    dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    # keys [lo, mid) every row of the block sees, [mid, hi) the diagonal and the ragged end (masked)
+    lo, mid, hi = kv_block_range(start_m * BLOCK_M, N_Q, N_K, offset, 0, 1, CAUSAL, BLOCK_M, BLOCK_N)
+    dq = _dq_loop(
+        dq, q, do, l2, delta, K, V, z, rows, offs_n, offs_d, lo, mid, N_K, offset, qk_scale,
+        False, CAUSAL, BLOCK_N, HEAD_DIM, DOT_PRECISION,
+    )  # fmt: skip
+    dq = _dq_loop(
+        dq, q, do, l2, delta, K, V, z, rows, offs_n, offs_d, mid, hi, N_K, offset, qk_scale,
+        True, CAUSAL, BLOCK_N, HEAD_DIM, DOT_PRECISION,
+    )  # fmt: skip
+    tl.store(DQ + ptrs, (dq * scale).to(DQ.dtype.element_ty), mask=row_ok[:, None])
+
+
+def dq_backward(do, q, k, v, o, L, causal=False, block_m=BLOCK_M, block_n=BLOCK_N, num_warps=4, num_stages=2):
+    """Kernel 1, then kernel 3; the arguments as `dkdv_backward`'s. Returns dq."""
+    (q3, k3, v3, do3, L3, delta), args, flags = prepare(do, q, k, v, o, L, causal, block_m)
+    dq = torch.empty_like(q3)
+    bwd_dq[(triton.cdiv(q3.shape[1], block_m), q3.shape[0])](
+        q3, k3, v3, do3, L3, delta, dq, *args,
+        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages, **flags,
+    )  # fmt: skip
+    return dq.reshape(q.shape)
+
+
+# %% [markdown]
+# The same cases as Exercise 4's, for dQ:
+
+
+# %% tags=["check"]
+def your_dq(n_q, n_k, causal, dtype=torch.float32):
+    check_masked_memory_ops(_dq_loop, "dq_kernel_loop")
+    return dq_backward(*backward_case(n_q, n_k, causal, dtype)[0], causal)
+
+
+def reference_dq(n_q, n_k, causal, dtype=torch.float32):
+    return backward_case(n_q, n_k, causal, dtype)[1][0]
+
+
+check_cases("dq_kernel_loop", BWD_CASES, your_dq, reference_dq, rtol=1e-4, atol=1e-4, outputs=("dQ",))
+check_cases(
+    "dq_kernel_loop (float16)",
+    [dict(c, dtype=torch.float16) for c in BWD_CASES_FP16],
+    your_dq,
+    reference_dq,
+    rtol=5e-3,
+    atol=5e-3,
+    outputs=("dQ",),
+)
+
+# %% [markdown]
+# ## 6. Your backward, whole, and on a GPU
+#
+# `flash_backward` runs kernel 1 once, then your two kernels: the backward with no atomics, three launches.
+# (course_lib's runs two: its dQ kernel, which holds the dO rows anyway, computes D itself and runs first.)
+# On a GPU the next cell times it beside course_lib's backward and PyTorch's (SDPA's default backend), in
+# bfloat16, not causal, at `TIME_SHAPE`; on a CPU it says why it does not.
+
+
+# %%
+def flash_backward(do, q, k, v, o, L, causal=False, block_m=BLOCK_M, block_n=BLOCK_N, num_warps=4, num_stages=2):
+    """Kernel 1, then kernels 2 and 3 (two_kernel mode). Returns dq, dk, dv."""
+    (q3, k3, v3, do3, L3, delta), args, flags = prepare(do, q, k, v, o, L, causal, block_m)
+    dq, dk, dv = torch.empty_like(q3), torch.empty_like(k3), torch.empty_like(v3)
+    launch = dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages, **flags)
+    bwd_dkdv[(triton.cdiv(k3.shape[1], block_n), k3.shape[0])](q3, k3, v3, do3, L3, delta, dk, dv, *args, **launch)
+    bwd_dq[(triton.cdiv(q3.shape[1], block_m), q3.shape[0])](q3, k3, v3, do3, L3, delta, dq, *args, **launch)
+    return dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape)
+
+
+tb, th, tn, td = TIME_SHAPE
+ready = True  # on a CPU time_kernels only says why it does not time
+if course_lib.ON_GPU:
+    qt, kt, vt = random_qkv((tb, th, tn, td), dtype=torch.bfloat16, device=DEVICE, requires_grad=True)
+    dot = torch.randn_like(qt)
+    ot, lset = lib_forward.forward(qt, kt, vt, False, None)
+    sdpa_out = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt)  # its graph, kept for repeated backwards
+    qd, kd, vd, od = (t.detach() for t in (qt, kt, vt, ot))
+    try:
+        flash_backward(dot, qd, kd, vd, od, lset)  # your two kernels, compiled for bfloat16
+    except Exception as err:  # noqa: BLE001 (an unsolved or failing kernel: say so, time nothing)
+        ready = False
+        print(f"your backward does not run yet in bfloat16 ({type(err).__name__}): solve Exercises 4 and 5 first")
+if ready:
+    time_kernels(
+        "dq_kernel_loop",
+        learner=lambda: flash_backward(dot, qd, kd, vd, od, lset),
+        course_lib=lambda: lib_backward.backward(dot, qd, kd, vd, od, lset),
+        sdpa=lambda: torch.autograd.grad(sdpa_out, (qt, kt, vt), dot, retain_graph=True),
+        flops=attention_flops(tb, th, tn, tn, td, False, mode="bwd"),
+        note="course_lib's backward: launches tuned per shape (block sizes, warps, pipeline stages: notebook 08's "
+        "ladder), two launches (D inside its dQ kernel). SDPA's default backend on an H100/H200 is cuDNN's.",
+    )
+
+
+# %% [markdown]
 # ## 7. Two kernels or atomics: the trade-off
+#
+# Your kernels make the backward that needs no atomics. The other way is one kernel: the dK/dV loop also
+# computes each query block's contribution to dQ, $s \cdot dS\,K$ (its $dS^\top$ is already in registers),
+# and adds it into a float32 dQ with `tl.atomic_add`. course_lib has it as `dq_mode="atomic"` (the `ATOMIC`
+# branch of `_dkdv_block` in `course_lib/attention/backward.py`). It masks every block in that mode:
+# a padding key (K = 0) adds $0 \cdot e^{-L}$ to dQ, which is NaN once $e^{-L}$ overflows, for a row whose
+# scores are all below about -88.
 #
 # Per pair of (query block, key block), counting tile products of BLOCK_M x BLOCK_N x d:
 #
@@ -612,12 +711,14 @@ for n_q, n_k, bm, bn in CASES:
 # | synchronisation | none | programs of different key blocks add to the same dQ rows (L2 contention) |
 # | result | deterministic | summation order varies between runs: dQ differs in the last bits |
 #
-# The useful FLOPs of a backward are 5 products' worth (2.5x the forward), so the two-kernel version does
-# 40 % more tensor-core work. The atomic version moves more bytes: for every 4 x BLOCK_N FLOPs saved it adds
-# one float32 atomic. Which wins depends on how the GPU's atomic throughput in L2 compares with its
+# The useful work of a backward is 4 products (dV, dP, dQ, dK), twice the forward's 2. The papers count a
+# backward as 2.5x the forward's FLOPs, 5 products: those 4 and the recomputation of S, which every
+# FlashAttention backward does since it kept no P (`attention_flops(..., mode="bwd")` follows them). The
+# atomic version does those 5; the two-kernel version does 7, 40 % more than the papers' count (75 % more
+# than the 4 useful products). The atomic version moves more bytes instead: for every 4 x BLOCK_N FLOPs saved
+# it adds one float32 atomic. Which wins depends on how the GPU's atomic throughput in L2 compares with its
 # tensor-core throughput, on d, and on how many programs collide. The measurement below answers for one head
-# dim and length on our GPU (and, on a Hopper GPU, with a different dK/dV kernel in the two-kernel mode: see
-# after the figure).
+# dim and length on our GPU, with course_lib's Triton kernels in both modes (`config={"hopper": False}`).
 
 
 # %%
@@ -637,13 +738,20 @@ def plot_dq_modes(data, source):
             title=f"d = {d}: atomic at {min(r):.2f}-{max(r):.2f}x the speed of two kernels", logx=True, ax=ax,
         )  # fmt: skip
         ax.set_xticks(data["N"], [f"{n // 1024}k" for n in data["N"]])
-    fig.suptitle(f"course_lib backward: two kernels or atomic dQ\n{source}", fontsize=15)
+    fig.suptitle(f"course_lib backward: two kernels or atomic dQ ({dkdv_kernels(data)})\n{source}", fontsize=14)
     plt.show()
     return ratios
 
 
+def dkdv_kernels(data):
+    """Which dK/dV kernel each mode ran: a record from before the comparison was made Triton against Triton
+    ran course_lib's default, whose two-kernel dK/dV step on a Hopper GPU at d = 128 is the Gluon kernel."""
+    default = "two_kernel: course_lib's default dK/dV (Gluon on Hopper at d = 128); atomic: Triton"
+    return data.get("dkdv_kernel", default)
+
+
 def measure_dq_modes():
-    data = {"N": BENCH_NS, "d": list(BENCH_DS), "tokens": BENCH_TOKENS, "tflops": {}}
+    data = {"N": BENCH_NS, "d": list(BENCH_DS), "tokens": BENCH_TOKENS, "tflops": {}, "dkdv_kernel": "Triton in both"}
     cases = [(d, c, m, n) for d in BENCH_DS for c in (False, True) for m in ("two_kernel", "atomic") for n in BENCH_NS]
 
     def compiled_run(case):  # inputs, and a first call that compiles the kernels
@@ -651,7 +759,8 @@ def measure_dq_modes():
         q, k, v = random_qkv((BENCH_TOKENS // n * (2048 // d), n, d), dtype=torch.bfloat16, device=DEVICE)
         do = torch.randn_like(q)
         o, lse = lib_forward.forward(q, k, v, causal, None)
-        run = lambda: lib_backward.backward(do, q, k, v, o, lse, causal, None, dq_mode=mode)  # noqa: E731
+        triton_only = {"hopper": False}  # the Triton dK/dV kernel in both modes: like against like
+        run = lambda: lib_backward.backward(do, q, k, v, o, lse, causal, config=triton_only, dq_mode=mode)  # noqa: E731
         run()
         return run
 
@@ -672,17 +781,35 @@ got = records.measured_or_recorded(
 if got:
     ratios = plot_dq_modes(*got)
     winner = "the atomic mode" if min(ratios) > 1 else ("two kernels" if max(ratios) < 1 else "neither always")
-    print(f"{got[1]}:")
+    print(f"{got[1]}; dK/dV kernels: {dkdv_kernels(got[0])}:")
     print(f"atomic / two-kernel speed between {min(ratios):.2f} and {max(ratios):.2f}x: {winner} wins.")
 
 # %% [markdown]
-# course_lib defaults to two kernels for deterministic gradients and no float32 dQ buffer; the figure shows
-# what that choice costs or saves on the GPU it was measured on. The balance can tip the other way on a GPU
-# whose atomics are fast relative to its tensor cores, or at shapes where few programs collide on the same dQ
-# rows: the atomic variant is one flag away in `course_lib.attention.backward.backward(..., dq_mode="atomic")`
-# (`flash_attention` and `FlashAttentionTriton` always take two kernels). On a Hopper GPU at d = 128 the
-# two-kernel mode's dK/dV step is FlashAttention-3's kernel written in Gluon (notebook 08c), and the atomic
-# mode stays in Triton, so there the figure compares more than the tile products.
+# A record that says "Gluon" compares more than the dQ strategy: on a Hopper GPU at d = 128 course_lib's
+# default two-kernel backward runs FlashAttention-3's dK/dV kernel, written in Gluon (notebook 08c), and the
+# atomic mode stays in Triton. Triton against Triton at one such shape (d = 128, N = 4096, causal, bf16) is
+# in notebook 08's ladder record, its backward rungs "autotuned (Triton)" (two kernels) and "one pass, atomic
+# dQ":
+
+# %%
+ladder_rec = records.load_record("ladder")
+if ladder_rec is None:
+    print("No recorded ladder in assets/benchmarks/ yet (make bench on a GPU writes it).")
+else:
+    rungs = {s["name"]: s for s in ladder_rec["data"]["steps"] if s["pass_"] == "bwd" and s.get("status") == "ok"}
+    two, one = rungs["autotuned (Triton)"], rungs["one pass, atomic dQ"]
+    assert two["config"] == one["config"] == {"hopper": False}, "both rungs run the Triton kernels"
+    print(f"{records.label(ladder_rec)}, d = 128, N = 4096, causal, bf16, Triton kernels in both:")
+    print(f"  two kernels {two['ms']:.2f} ms ({two['tflops']:.0f} TFLOP/s), atomic dQ {one['ms']:.2f} ms "
+          f"({one['tflops']:.0f} TFLOP/s): atomic at {two['ms'] / one['ms']:.2f}x the two kernels' speed")  # fmt: skip
+
+# %% [markdown]
+# course_lib defaults to two kernels for deterministic gradients and no float32 dQ buffer; the measurements
+# show what that choice costs or saves on the GPU they were made on. The balance can tip the other way on a
+# GPU whose atomics are fast relative to its tensor cores, or at shapes where few programs collide on the
+# same dQ rows: the atomic variant is one flag away in
+# `course_lib.attention.backward.backward(..., dq_mode="atomic")` (`flash_attention` and
+# `FlashAttentionTriton` always take two kernels).
 #
 # ### Predict: how much longer than the forward is the backward?
 #
@@ -690,8 +817,9 @@ if got:
 # backward 7 (S in both kernels and dP in both, so three more than a backward that kept P), plus
 # D = rowsum(dO ∘ O) (which course_lib's dQ kernel computes itself), and it reads and writes more tensors
 # (dO, O, L in; dQ, dK, dV out). For course_lib's kernels in bf16 at N = 4096, d = 64,
-# not causal, what is backward time ÷ forward time? Write your number in the next cell before running the
-# one after it (a GPU measures it now; a CPU shows the recorded run of `make bench`).
+# not causal, what is backward time ÷ forward time? Type your estimate in place of the value in the next
+# cell, run it, then run the one after it (a GPU measures it now; a CPU shows the recorded run of
+# `make bench`).
 
 # %%
 # Your prediction: backward time / forward time, bf16, N = 4096, d = 64, not causal.
@@ -736,7 +864,8 @@ else:
 # The pieces assemble into a `torch.autograd.Function`, with the contract of notebook 04's
 # `FlashAttentionTorch`: `apply(q, k, v, is_causal)`; the forward saves Q, K, V, O and L — nothing of size Nq
 # x Nk; the backward returns dQ, dK, dV (and None for `is_causal`). Here is one built from course_lib's
-# forward and this notebook's backward:
+# forward and course_lib's backward (the finished version of your kernels: put your `flash_backward` in its
+# place to train with your own kernels):
 
 
 # %%
@@ -751,7 +880,7 @@ class FlashAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do):
         q, k, v, o, lse = ctx.saved_tensors
-        return *flash_backward(do, q, k, v, o, lse, ctx.is_causal), None
+        return *lib_backward.backward(do, q, k, v, o, lse, ctx.is_causal), None  # notebook 07's kernels, finished
 
 
 q, k, v = random_qkv((B, H, N_Q, D), N_K, device=DEVICE, requires_grad=True)
@@ -760,7 +889,7 @@ grads = torch.autograd.grad(FlashAttention.apply(q, k, v, True), (q, k, v), do)
 grads_lib = torch.autograd.grad(course_lib.FlashAttentionTriton.apply(q, k, v, True), (q, k, v), do)
 for name, g, g_lib in zip(("dQ", "dK", "dV"), grads, grads_lib):
     torch.testing.assert_close(g, g_lib, rtol=1e-4, atol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
-print("this notebook's Function and course_lib.FlashAttentionTriton give the same gradients")
+print("this Function and course_lib.FlashAttentionTriton give the same gradients")
 
 # %% [markdown]
 # What does each implementation keep alive for the backward? PyTorch's saved-tensor hooks see every tensor an
@@ -913,7 +1042,7 @@ except RuntimeError as err:
 # %% [markdown]
 # ## 9. More exercises
 #
-# **Exercise 4 — the softmax backward of one row.** For one row, $P = \mathrm{softmax}(S)$ and $dP$ the
+# **Exercise 6 — the softmax backward of one row.** For one row, $P = \mathrm{softmax}(S)$ and $dP$ the
 # gradient with respect to $P$. Return $dS$. Check it against autograd through `torch.softmax`.
 
 
@@ -935,7 +1064,7 @@ check(
 )
 
 # %% [markdown]
-# **Exercise 5 — count the work.** Return the tensor-core FLOPs (2 x m x n x k per m x k by k x n product) of
+# **Exercise 7 — count the work.** Return the tensor-core FLOPs (2 x m x n x k per m x k by k x n product) of
 # a non-causal backward for one (batch, head) with Nq queries, Nk keys and head dim d, for `dq_mode`
 # "two_kernel" or "atomic" (count whole products, ignore padding).
 
@@ -959,7 +1088,7 @@ check(
 )
 
 # %% [markdown]
-# **Exercise 6 — a dV-only kernel.** Write `dv_kernel`: one program per K/V block (keys `cols`), looping over
+# **Exercise 8 — a dV-only kernel.** Write `dv_kernel`: one program per K/V block (keys `cols`), looping over
 # all query blocks (non-causal), rebuilding $P^\top$ from L and accumulating $dV = P^\top dO$. Tensors are
 # contiguous (Z, N, d) as in this notebook; Nq and Nk may be ragged.
 
@@ -1010,9 +1139,12 @@ _, (_, _, dv_expected) = reference_outputs(q.double(), k.double(), v.double(), F
 check("dv_kernel", lambda: dv_only(do, q, k, lse).double(), dv_expected, rtol=1e-4, atol=1e-4)
 
 # %% [markdown]
-# **Exercise 7 (open).** In atomic mode, every dK/dV program walks the query blocks in the same order, so at
-# any moment many programs add into the *same* dQ rows. Make program `start_n` start its loop at a different
-# query block (walking around the end). Does the result change? On a GPU, does the atomic mode get faster?
+# **Exercise 9 (open).** Give your dK/dV loop the atomic mode of section 7: under a flag, add each query
+# block's $s \cdot dS\,K$ into a float32 dQ with `tl.atomic_add` (mask it with the rows and, as course_lib
+# does, mask the padding keys in every block). Then notice that every dK/dV program walks the query blocks in
+# the same order, so at any moment many programs add into the *same* dQ rows. Make program `start_n` start its
+# loop at a different query block (walking around the end). Does the result change? On a GPU, does the atomic
+# mode get faster?
 
 # %% [markdown]
 # ## Summary
@@ -1022,12 +1154,13 @@ check("dv_kernel", lambda: dv_only(do, q, k, lse).double(), dv_expected, rtol=1e
 #   costs one small preprocessing kernel — or none: course_lib's dQ kernel, which holds the dO rows anyway,
 #   computes D itself and runs first, so its backward is two launches (notebook 08 says why launches count).
 # - dK and dV are sums over queries: one program per K/V block keeps K, V and the dK, dV accumulators on chip
-#   and loops over query blocks. dQ is a sum over keys: one program per query block, looping over K/V blocks.
+#   and loops over query blocks (your loop of Exercise 4). dQ is a sum over keys: one program per query block,
+#   looping over K/V blocks (Exercise 5).
 # - Two kernels: 7 tile products instead of 5, no atomics, deterministic. One kernel with atomic dQ: 5
 #   products, but float32 read-modify-writes of dQ, contention and run-to-run differences. The measurement
 #   decides.
 # - Causal: both kernels skip the blocks with no visible pair and mask only the diagonal blocks, as the
-#   forward (course_lib's atomic mode masks every block of the dK/dV kernel: see section 3).
+#   forward (course_lib's atomic mode masks every block of the dK/dV kernel: see section 7).
 # - `course_lib.FlashAttentionTriton` saves Q, K, V, O and L (no Nq x Nk tensor); gradcheck passes in float64.
 #
 # Next, notebook 08 measures the whole thing against PyTorch's attention backends, and climbs the optimisation
