@@ -22,6 +22,7 @@ BENCHMARKS = {
     "decode": "decoding one token against a KV cache: split-KV and paged, in GB/s of the read ceiling",
     "fused": "fused RMSNorm and RoPE kernels, in GB/s of the copy ceiling",
     "train": "a training step of the capstone model",
+    "serving": "cascade over a shared prefix, a cached prompt's time to first token, static vs continuous batching",
 }
 
 
