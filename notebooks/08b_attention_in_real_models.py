@@ -71,8 +71,13 @@ LLAMA = course_lib.pick(
     gpu=dict(hidden_size=1024, num_attention_heads=8, num_key_value_heads=2, num_hidden_layers=4),
 )
 PROMPT, NEW_TOKENS = course_lib.pick(cpu=(8, 6), gpu=(64, 32))
-WINDOW, N_WIN = course_lib.pick(cpu=(16, 96), gpu=(1024, 8192))  # section 4: window and sequence length
-N_SEQS, MAX_LEN = course_lib.pick(cpu=(4, 80), gpu=(16, 4096))  # section 5: packed sequences
+# Sections 4 and 5 count the tiles a kernel visits at the GPU sizes on every machine (plain Python
+# arithmetic, instant: at CPU sizes every sequence fits in one tile and the counts say nothing); they run
+# the kernels at these sizes:
+WINDOW_GPU, N_WIN_GPU = 1024, 8192  # section 4: window and sequence length
+N_SEQS_GPU, MAX_LEN_GPU = 16, 4096  # section 5: packed sequences
+WINDOW, N_WIN = course_lib.pick(cpu=(16, 96), gpu=(WINDOW_GPU, N_WIN_GPU))
+N_SEQS, MAX_LEN = course_lib.pick(cpu=(4, 80), gpu=(N_SEQS_GPU, MAX_LEN_GPU))
 # section 5 checks the packed gradients under the interpreter; on a GPU tests/test_varlen.py does (compiling
 # the packed backward kernels here would take this notebook past its time budget there)
 PACKED_GRADS = course_lib.pick(cpu=True, gpu=False)
@@ -198,11 +203,12 @@ torch.testing.assert_close(o_gqa.double(), o_rep, rtol=TOL, atol=TOL)
 # 8 K/V heads instead of 32 means a cache 4 times smaller, and a decoding step reading 4 times fewer bytes.
 #
 # **Predict first.** One sequence of 8192 tokens, bf16: how many GiB of KV cache do 8 K/V heads save over
-# 32? Write your number in the next cell; the cell after it counts the bytes and scores it.
+# 32? Work it out and type your estimate in place of the value in the next cell; the cell after it counts
+# the bytes and scores it.
 
 # %%
 # Your prediction: GiB of KV cache saved by 8 K/V heads instead of 32, 8192 tokens, 32 layers, d = 128, bf16.
-gqa_guess = predict("KV cache saved by GQA (8 of 32 heads), 8192 tokens", 2.0, unit=" GiB")
+gqa_guess = predict("KV cache saved by GQA (8 of 32 heads), 8192 tokens", 3.0, unit=" GiB")
 
 # %%
 layers, hq_model, d_model, bytes_per = 32, 32, 128, 2  # bf16
@@ -276,7 +282,7 @@ assert torch.all(o_tall[:, :, :empty_rows] == 0) and torch.isfinite(o_tall).all(
 # %% [markdown]
 # ## 4. Sliding windows
 #
-# Mistral 7B, Gemma's local layers and gpt-oss's alternate layers attend within a **sliding window**: query
+# Mistral 7B, Gemma's local layers and every other layer of gpt-oss attend within a **sliding window**: query
 # i sees only the W keys ending at its own position, i + offset − W < j ≤ i + offset (with the offset of
 # its causal alignment). Information from further back still arrives, through the layers below. The mask
 # is a band along the diagonal:
@@ -317,11 +323,20 @@ torch.testing.assert_close(o_win.double(), ref_win, rtol=TOL, atol=TOL)
 # %% [markdown]
 # **Predict first.** The work is the number of (query block, key block) tiles a kernel visits. Causal
 # attention over N keys visits about half of the (N / block)² tiles; a window of W keys about
-# (N / block_m) · (W + block_m) / block_n. The next cell counts both with the kernels' own block-range
-# functions (their Python twins) for N = `N_WIN` and W = `WINDOW`: that count is the prediction of the
-# speed-up. On a GPU, the cell after it times forward + backward with the window against the same kernel
-# with a window as long as the sequence (which visits the causal tiles), so that only the skipped blocks
-# differ.
+# (N / block_m) · (W + block_m) / block_n, with tiles of block_m = 128 queries by block_n = 64 keys. How many
+# times faster is forward + backward with a window of W = 1024 keys than causal attention, over N = 8192
+# tokens? Type your estimate in place of the value in the next cell.
+
+# %%
+# Your prediction: causal time / windowed time, forward + backward, N = 8192, W = 1024.
+window_guess = predict("sliding window speed-up, N = 8192, W = 1024", 3.7, unit="x")
+
+# %% [markdown]
+# The next cell counts the tiles with the kernels' own block-range functions (their Python twins) for
+# N = 8192 and W = 1024 on every machine: that count is the work's prediction of the speed-up. On a GPU,
+# the cell after it times forward + backward with the window against the same kernel with a window as long
+# as the sequence (which visits the causal tiles), so that only the skipped blocks differ, and scores your
+# prediction; on a CPU the tile count stands in for the measurement.
 
 # %%
 BLOCK_M, BLOCK_N = 128, 64  # a typical tile; the ratio hardly depends on it
@@ -337,9 +352,11 @@ def tiles_visited(n, window):
     return total
 
 
-predicted = tiles_visited(N_WIN, N_WIN) / tiles_visited(N_WIN, WINDOW)
-print(f"N={N_WIN}: causal visits {tiles_visited(N_WIN, N_WIN)} tiles, a window of {WINDOW} "
-      f"{tiles_visited(N_WIN, WINDOW)}: predicted speed-up {predicted:.2f}x")  # fmt: skip
+causal_tiles, window_tiles = tiles_visited(N_WIN_GPU, N_WIN_GPU), tiles_visited(N_WIN_GPU, WINDOW_GPU)
+predicted = causal_tiles / window_tiles
+print(f"N={N_WIN_GPU}: causal visits {causal_tiles} tiles, a window of {WINDOW_GPU} {window_tiles}: "
+      f"predicted speed-up {predicted:.2f}x")  # fmt: skip
+assert predicted > 2  # at these sizes the window skips most of the causal tiles
 
 # %%
 if course_lib.ON_GPU:
@@ -355,8 +372,11 @@ if course_lib.ON_GPU:
     print(f"forward + backward, N={N_WIN}: window {N_WIN} (causal) {ms_causal:.2f} ms, "
           f"window {WINDOW} {ms_window:.2f} ms: {measured:.2f}x, "
           f"{measured / predicted:.0%} of the predicted {predicted:.2f}x")  # fmt: skip
+    _ = window_guess.score(measured)
 else:
-    print("Timing runs on a GPU; under the interpreter it would measure Python, not the kernel.")
+    print("Timing runs on a GPU; under the interpreter it would measure Python, not the kernel. "
+          "Your prediction against the tile count instead:")  # fmt: skip
+    _ = window_guess.score(predicted)
 
 # %% [markdown]
 # Where the measured speed-up falls short of the tile count, the difference is work that does not shrink
@@ -367,8 +387,9 @@ else:
 # %% [markdown]
 # ### Attention sinks
 #
-# gpt-oss pairs its windows with **attention sinks**: one learned logit s_h per query head that joins every
-# row's softmax as if it were one more key, whose value is zero. A row can then put its weight on "nothing"
+# gpt-oss also has **attention sinks**, in every layer (the windowed ones and the full-attention ones between
+# them): one learned logit s_h per query head that joins every row's softmax as if it were one more key,
+# whose value is zero. A row can then put its weight on "nothing"
 # instead of spreading it over keys it does not need. In the online softmax of notebook 06 the sink is the
 # first "key" every row sees: the running max starts at s_h instead of −∞ and the running sum at
 # e^(s_h − s_h) = 1; nothing is added to the accumulator. L then includes the sink, so the backward's P,
@@ -409,9 +430,14 @@ assert_close_to_reference(d_sinks, ref["float64"][1], ref["baseline"][1], what="
 # program whose block starts past its sequence's end visits no key and stores nothing.
 
 # %%
-gen = torch.Generator().manual_seed(5)
-lengths = torch.randint(1, MAX_LEN + 1, (N_SEQS,), generator=gen)
-lengths[0] = MAX_LEN  # the longest sets the padded batch's size
+def draw_lengths(n_seqs, max_len):
+    """n_seqs random lengths in [1, max_len], the first max_len (the longest sets the padded batch's size)."""
+    lengths = torch.randint(1, max_len + 1, (n_seqs,), generator=torch.Generator().manual_seed(5))
+    lengths[0] = max_len
+    return lengths
+
+
+lengths = draw_lengths(N_SEQS, MAX_LEN)
 cu = torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).to(torch.int32).to(DEV)
 print("lengths:", lengths.tolist())
 print("cu_seqlens:", cu.tolist())
@@ -436,18 +462,23 @@ if PACKED_GRADS:
 # %% [markdown]
 # **Predict first.** Causal attention over a sequence of n tokens visits `tiles_visited(n, n)` tiles
 # (section 4's count, with a window as long as the sequence); a padded batch visits that for the longest n
-# in every sequence. The ratio of the two counts is the predicted speed-up of packing over padding. The
+# in every sequence. The ratio of the two counts is the predicted speed-up of packing over padding. It is
+# counted for the GPU's batch (16 sequences up to 4096 tokens, drawn as above) on every machine: at the CPU's
+# sizes every sequence fits in one tile, and the ratio would say nothing. The
 # padded call is what a model without varlen support runs: the kernel over (B, H, longest, d), its padding
 # computed and then thrown away (here it is only timed). Both calls run the Triton kernel
 # (`config={"hopper": False}` keeps the padded one off the warp-specialised Gluon kernel of notebook 08c,
 # which has no packed form), so the ratio measures the padding alone.
 
 # %%
-padded_tiles = N_SEQS * tiles_visited(MAX_LEN, MAX_LEN)
-packed_tiles = sum(tiles_visited(int(n), int(n)) for n in lengths)
+gpu_lengths = draw_lengths(N_SEQS_GPU, MAX_LEN_GPU)  # on a GPU, the lengths above
+padded_tiles = N_SEQS_GPU * tiles_visited(MAX_LEN_GPU, MAX_LEN_GPU)
+packed_tiles = sum(tiles_visited(int(n), int(n)) for n in gpu_lengths)
 predicted_pack = padded_tiles / packed_tiles
-print(f"padded: {padded_tiles} tiles, packed: {packed_tiles}: predicted speed-up {predicted_pack:.2f}x "
+print(f"{N_SEQS_GPU} sequences of {min(gpu_lengths.tolist())} to {MAX_LEN_GPU} tokens: padded {padded_tiles} tiles, "
+      f"packed {packed_tiles}: predicted speed-up {predicted_pack:.2f}x "
       f"({1 - packed_tiles / padded_tiles:.0%} of the padded work is padding)")  # fmt: skip
+assert predicted_pack > 1.2
 
 # %%
 if course_lib.ON_GPU:
@@ -605,10 +636,6 @@ check(
     "visible keys per query row",
     lambda: [visible_keys(*case) for case in _cases],
     [causal_mask(*case).sum(dim=1).tolist() for case in _cases],
-    hints=[
-        "The offset is 0 for top-left and Nk − Nq for bottom-right.",
-        "Row i sees i + offset + 1 keys, clipped to [0, Nk].",
-    ],
 )
 
 # %% [markdown]
@@ -704,9 +731,7 @@ check(
     "rows of packed sequences",
     lambda: [locate([3, 0, 5, 1], r) for r in (0, 2, 3, 7, 8)],
     [([0, 3, 3, 8, 9], b, i) for b, i in ((0, 0), (0, 2), (2, 0), (2, 4), (3, 0))],
-    hints=["cu_seqlens[b] is the sum of the lengths before sequence b.",
-           "Row r belongs to the last non-empty sequence whose first row is at most r."],
-)  # fmt: skip
+)
 
 # %% [markdown]
 # ## Summary
@@ -721,7 +746,7 @@ check(
 #   (j ≤ i + Nk − Nq) for new queries after a cache. Rows that see no key give O = 0, L = −∞.
 # - **Sliding windows**: query i sees the W keys ending at its position. Blocks before the window are never
 #   loaded, so the work falls from about N²/2 to about N · W; the window's edge is masked like the diagonal.
-# - **Attention sinks** (gpt-oss): a per-head logit that starts each row's running max and sum; its
+# - **Attention sinks** (gpt-oss, in every layer): a per-head logit that starts each row's running max and sum; its
 #   gradient is −Σ e^(s − L) · D over the head's rows.
 # - **Packed sequences** (varlen): sequences of different lengths one after another with cumulative lengths;
 #   each program reads its sequence's bounds and uses its lengths, so no padding is computed. A padded
