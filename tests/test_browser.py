@@ -94,14 +94,15 @@ def _make_lab(tmp_path, *make_args):
             os.killpg(server.pid, signal.SIGKILL)
 
 
-def _open_notebook(sync_api, p, url):
-    """A headless Chromium page on `url`, the kernel idle and chosen; returns (browser, page)."""
+def _open_notebook(sync_api, p, url, viewport=(1400, 1000)):
+    """A headless Chromium page on `url` (a window of `viewport` pixels), the kernel idle and chosen;
+    returns (browser, page)."""
     browser = p.chromium.launch(
         executable_path=CHROMIUM,
         args=["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
               "--disable-background-networking", "--disable-component-update", "--disable-sync"],
     )  # fmt: skip
-    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    page = browser.new_page(viewport={"width": viewport[0], "height": viewport[1]})
     page.goto(url)
     page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=90_000)
     select = page.get_by_role("button", name="Select", exact=True)
@@ -167,3 +168,67 @@ def test_make_lab_runs_notebook_00_in_chromium(tmp_path):
             page.screenshot(path=str(shots / "00_setup.png"), full_page=False)  # kept for a human to look at
             browser.close()
     assert "Traceback" not in text, "a cell raised in the browser: " + text[text.find("Traceback") :][:800]
+
+
+def _instructor_cell(notebook: str, marker: str) -> str:
+    """The source of the instructor edition's code cell of `notebook` that contains `marker`."""
+    import nbformat
+
+    nb = nbformat.read(ROOT / "notebooks" / notebook, as_version=4)
+    return next(c.source for c in nb.cells if c.cell_type == "code" and marker in c.source)
+
+
+def _shots():
+    """The folder of screenshots kept for a human to look at."""
+    shots = ROOT / "build" / "browser"
+    shots.mkdir(parents=True, exist_ok=True)
+    return shots
+
+
+def test_student_solves_the_softmax_kernel_in_the_browser(tmp_path):
+    """A learner's path through notebook 05's kernel exercise, in the student edition at a laptop's 1366 x 768:
+    the exercise cell's `raise NotImplementedError` is replaced, in the browser's editor, by the instructor's
+    kernel body; the cells up to the check run, and the check says the kernel is correct."""
+    sync_api = _require_browser()
+    student = tmp_path / "student"
+    answer = _instructor_cell("05_triton_primer.ipynb", "def softmax_kernel(")
+    markers = ("### BEGIN SOLUTION", "### END SOLUTION")
+    assert all(m in answer for m in markers)
+    answer = "\n".join(line for line in answer.splitlines() if line.strip() not in markers)  # as typed
+    # notebook 05's student edition only: writing all of them would take most of this test's time
+    subprocess.run(
+        [sys.executable, "-m", "course_lib.tools.notebooks", "student", str(student), "05"],
+        cwd=ROOT,
+        check=True,
+    )
+    with _make_lab(tmp_path, f"NOTEBOOK_DIR={student}") as base:
+        with sync_api.sync_playwright() as p:
+            url = f"{base}/lab/tree/05_triton_primer.ipynb?reset"
+            browser, page = _open_notebook(sync_api, p, url, viewport=(1366, 768))
+            try:
+                cells = page.locator(".jp-Notebook .jp-Cell")
+                exercise = cells.filter(has_text="def softmax_kernel(")
+                sync_api.expect(exercise).to_have_count(1)
+                editor = exercise.locator(".cm-content")
+                assert "raise NotImplementedError" in editor.inner_text()
+                editor.click()  # edit mode in the exercise cell
+                page.keyboard.press("Control+a")  # the cell's whole text (CodeMirror selects within the cell)
+                page.keyboard.insert_text(answer)  # as a paste: no auto-indent, no closing brackets added
+                typed = editor.inner_text()
+                assert "raise NotImplementedError" not in typed and "tl.sum(numerator, axis=0)" in typed, (
+                    typed
+                )
+                page.keyboard.press("Escape")  # command mode
+                # the cell after the check: run everything above it (the exercise and its check included)
+                after_check = cells.filter(has_text="From here on, course_lib's finished kernel")
+                after_check.click()
+                page.get_by_role("menuitem", name="Run", exact=True).click()
+                page.get_by_text("Run All Above Selected Cell", exact=True).click()
+                outputs = page.locator(".jp-OutputArea-output")
+                verdict = outputs.filter(has_text="Exercise 'softmax_kernel'")
+                sync_api.expect(verdict).to_have_count(1, timeout=120_000)
+                text = verdict.inner_text()
+            finally:
+                page.screenshot(path=str(_shots() / "05_student_softmax.png"), full_page=False)
+                browser.close()
+    assert "Exercise 'softmax_kernel': correct on all" in text, text
