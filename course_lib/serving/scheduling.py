@@ -66,9 +66,13 @@ class StaticBatcher(ContinuousBatcher):
 
 @dataclass
 class Served:
-    """What `serve_workload` measured: per request (in submission order) time to first token and time per
-    output token after the first, in seconds; the whole run's generated tokens, seconds and steps."""
+    """What `serve_workload` measured: per request (in submission order) its arrival, first and last token
+    times (seconds from the start: a Gantt chart's bars), time to first token and time per output token after
+    the first; the whole run's generated tokens, seconds and steps."""
 
+    arrival: list[float] = field(default_factory=list)
+    first: list[float] = field(default_factory=list)
+    last: list[float] = field(default_factory=list)
     ttft: list[float] = field(default_factory=list)
     tpot: list[float] = field(default_factory=list)
     tokens: int = 0
@@ -128,7 +132,10 @@ def serve_workload(batcher: ContinuousBatcher, workload: Workload) -> Served:
             i = ids[request_id]
             first[i] = t if first[i] is None else first[i]
             last[i], count[i] = t, count[i] + 1
-    served = Served(tokens=sum(count), seconds=max(last) - workload.arrivals[0], steps=steps)
+    served = Served(
+        list(workload.arrivals), first, last, tokens=sum(count), seconds=max(last) - workload.arrivals[0]
+    )
+    served.steps = steps
     served.ttft = [f - a for f, a in zip(first, workload.arrivals)]
     served.tpot = [(l - f) / (c - 1) for f, l, c in zip(first, last, count) if c > 1]
     return served
