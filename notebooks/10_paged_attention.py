@@ -21,7 +21,8 @@
 # 1. Measure, by simulation, how much memory contiguous per-request caches waste (reserved for the maximum
 #    length, and fragmented as requests come and go).
 # 2. Store the cache in fixed-size pages with a **block table** per sequence, and manage pages with an
-#    allocator: a free list, reference counts for shared prefixes, copy-on-write.
+#    allocator: a free list, reference counts for shared prefixes, copy-on-write (you write fork and the
+#    copy-on-write append of a small paged cache).
 # 3. Run the split-KV kernel of notebook 09 **through the block table**, and read the cost of the
 #    indirection by page size from a GPU record.
 # 4. Drive the paged kernel from a **continuous-batching** loop: requests join and leave between steps,
@@ -38,6 +39,7 @@
 
 # %%
 import math
+import traceback
 
 import matplotlib.pyplot as plt
 import numpy as np
@@ -72,11 +74,12 @@ plotting.use_readable_defaults()  # projector-sized fonts for every figure, plt'
 #
 # **Predict first.** The prompts have a median of about e^5.5 ≈ 245 tokens, the outputs about e^5 ≈ 150,
 # both with a long tail, and each slab reserves `MAX_LEN` = 4096 tokens. What percentage of the reserved
-# memory never holds a token? Write your number in the next cell; the simulation after it scores it.
+# memory never holds a token? (A long tail pulls the mean above the median.) Type your estimate in place of
+# the value in the next cell; the simulation after it scores it.
 
 # %%
 # Your prediction: % of the contiguous reservations (MAX_LEN tokens each) that never hold a token.
-waste_guess = predict("memory wasted by reserving MAX_LEN", 50.0, unit=" %")
+waste_guess = predict("memory wasted by reserving MAX_LEN", 84.0, unit=" %")
 
 # %%
 prompt_len = np.clip(rng.lognormal(5.5, 1.0, N_REQUESTS), 8, MAX_LEN // 2).astype(int)
@@ -159,7 +162,178 @@ assert len(cache.seqs[0].pages) == math.ceil(9 / 4)
 # Sampling several answers to one prompt (or many requests with one system prompt) stores the prompt's
 # K and V once: `fork` gives the new sequence the same page ids and raises their reference counts. Full
 # pages are never written again, so they stay shared. The last page, partly filled, is copied the first
-# time either sequence writes into it (**copy-on-write**).
+# time either sequence writes into it (**copy-on-write**). That is the behaviour of the vLLM paper (Kwon et
+# al., 2023), and course_lib's. vLLM's current engine (v1) shares only **full** blocks, found by a hash of
+# their tokens (prefix caching): a partly filled last page is never shared, so it never needs a copy, at
+# the price of storing up to a page of the prefix twice.
+#
+# ### Exercise: a paged cache with fork and copy-on-write
+#
+# Below is a small paged cache of token values (one number per slot, standing in for a token's K and V
+# rows): a pool of pages, a free list, a reference count per page, and each sequence's block-table row
+# (`tables[seq]`, a list of page ids) and length. Allocating, releasing, adding and freeing a sequence, and
+# reading a sequence's tokens through its table are given. You write the two methods that share and write:
+#
+# 1. `fork(parent, child)`: the child gets a copy of the parent's table and length; no page is copied,
+#    every shared page gains an owner.
+# 2. `append(seq, values)`: store the values after the sequence's last token. If its last page is partly
+#    filled **and** shared (more than one owner), first copy it to a new page (the pool's row), give the old
+#    page one owner fewer, and put the copy in the sequence's table: the other owners keep the old one.
+#    Then write each value at slot `length % page_size` of page `length // page_size`, allocating a page
+#    whenever the sequence has none there yet. An empty `values` changes nothing.
+#
+# The check replays a list of operations (printed below it) on your cache and on course_lib's
+# `PagedKVCache`, and after each compares what a user of the cache can see: every sequence's tokens, the
+# reference counts of its pages, and the number of free pages (not the page ids: another allocation order
+# is as good). It names the first operation whose result differs.
+
+
+# %%
+class MyPagedCache:
+    """Token values of several sequences in pages of `page_size` slots: a pool, a free list, a reference
+    count per page, and each sequence's block-table row (a list of page ids) and length."""
+
+    def __init__(self, num_pages, page_size):
+        self.page_size = page_size
+        self.pool = torch.zeros(num_pages, page_size, dtype=torch.int64)  # one value per token slot
+        self.refs = [0] * num_pages  # owners (sequences whose table holds the page)
+        self.free = list(range(num_pages - 1, -1, -1))  # pop() hands out page 0 first
+        self.tables = {}  # sequence id -> its block-table row, a list of page ids
+        self.lengths = {}  # sequence id -> tokens stored
+
+    def allocate(self):
+        """A free page, now with one owner."""
+        if not self.free:
+            raise MemoryError("no free page left")
+        page = self.free.pop()
+        self.refs[page] = 1
+        return page
+
+    def release(self, page):
+        """One owner fewer; the page is free again when none is left."""
+        self.refs[page] -= 1
+        if self.refs[page] == 0:
+            self.free.append(page)
+
+    def add_sequence(self, seq):
+        self.tables[seq], self.lengths[seq] = [], 0
+
+    def free_sequence(self, seq):
+        for page in self.tables.pop(seq):
+            self.release(page)
+        del self.lengths[seq]
+
+    def tokens(self, seq):
+        """The sequence's values, read through its block table."""
+        table, p = self.tables[seq], self.page_size
+        return [int(self.pool[table[i // p], i % p]) for i in range(self.lengths[seq])]
+
+    def fork(self, parent, child):
+        """`child` starts as `parent`, sharing every page of it."""
+        ### BEGIN SOLUTION
+        self.tables[child] = list(self.tables[parent])
+        self.lengths[child] = self.lengths[parent]
+        for page in self.tables[child]:
+            self.refs[page] += 1
+        ### END SOLUTION
+
+    def append(self, seq, values):
+        """Store `values` (ints) after the sequence's last token, copying a shared, partly filled last page
+        first."""
+        ### BEGIN SOLUTION
+        table, n = self.tables[seq], self.lengths[seq]
+        if values and n % self.page_size and self.refs[table[-1]] > 1:
+            copy = self.allocate()
+            self.pool[copy] = self.pool[table[-1]]
+            self.release(table[-1])
+            table[-1] = copy
+        for value in values:
+            if n // self.page_size == len(table):
+                table.append(self.allocate())
+            self.pool[table[n // self.page_size], n % self.page_size] = value
+            n += 1
+        self.lengths[seq] = n
+        ### END SOLUTION
+
+
+# %% [markdown]
+# The operations, and course_lib's `PagedKVCache` (pools of K and V with one head of one number here)
+# behind the same small interface, the reference:
+
+# %%
+OPS = [
+    ("add_sequence", 0), ("append", 0, [10, 11, 12, 13, 14, 15]),  # 6 tokens: a full page and half of one
+    ("fork", 0, 1),  # 1 shares both pages
+    ("append", 1, [20]),  # into the shared, partly filled page: copied first
+    ("append", 0, [16, 17]),  # 0's last page has one owner again: written in place
+    ("fork", 0, 2), ("append", 2, [30, 31, 32, 33, 34]),  # 8 tokens: full pages, nothing to copy
+    ("fork", 1, 3), ("append", 3, [40, 41]), ("append", 1, [21]),
+    ("free_sequence", 0), ("append", 2, [35]), ("free_sequence", 1),
+    ("fork", 3, 4), ("append", 4, []), ("append", 4, [50]),  # an empty append copies nothing
+    ("free_sequence", 2), ("free_sequence", 3), ("free_sequence", 4),
+]  # fmt: skip
+
+
+class CourseLibCache:
+    """course_lib's PagedKVCache behind MyPagedCache's interface: each value stored as a K (and V) row."""
+
+    def __init__(self, num_pages, page_size):
+        self.cache = PagedKVCache(1, num_pages, page_size, 1, 1, torch.float64, "cpu")
+        self.add_sequence, self.fork = self.cache.add_sequence, self.cache.fork
+        self.free_sequence = self.cache.free
+        self.refs, self.free = self.cache.allocator.refs, self.cache.allocator.free_list  # lists, updated in place
+
+    tables = property(lambda self: {seq: s.pages for seq, s in self.cache.seqs.items()})
+
+    def append(self, seq, values):
+        rows = torch.tensor(values, dtype=torch.float64).reshape(-1, 1, 1)
+        self.cache.write(0, self.cache.append(seq, len(values)), rows, rows)
+
+    def tokens(self, seq):
+        s, p = self.cache.seqs[seq], self.cache.page_size
+        return [int(self.cache.k_pages[0][s.pages[i // p], i % p]) for i in range(s.length)]
+
+
+def replay(cache, ops):
+    """What a user of `cache` sees after each operation: tokens and page owners per sequence, free pages."""
+    seen = []
+    for i, (op, *args) in enumerate(ops):
+        try:
+            getattr(cache, op)(*args)
+        except NotImplementedError:
+            raise
+        except Exception as exc:  # name the operation, and the line of the cache's code that raised
+            where = traceback.extract_tb(exc.__traceback__)[-1]
+            raise RuntimeError(
+                f"operation {i + 1}, {op}{tuple(args)}: {type(exc).__name__}: {exc} "
+                f"(line {where.lineno} of {where.name}: `{where.line}`)"
+            ) from exc
+        seqs = sorted(cache.tables)
+        seen.append({
+            "tokens": {s: cache.tokens(s) for s in seqs},
+            "owners of each page": {s: [cache.refs[p] for p in cache.tables[s]] for s in seqs},
+            "free pages": len(cache.free),
+        })  # fmt: skip
+    return seen
+
+
+expected_states = replay(CourseLibCache(12, 4), OPS)
+for i, ((op, *args), state) in enumerate(zip(OPS[:4], expected_states)):
+    print(f"operation {i + 1}, {op}{tuple(args)}: {state}")
+print(f"... {len(OPS)} operations in all; after the last, {expected_states[-1]['free pages']} free pages")
+
+# %% tags=["check"]
+check(
+    "paged cache: fork and copy-on-write",
+    lambda: replay(MyPagedCache(12, 4), OPS),
+    expected_states,
+    parts=[f"operation {i + 1}, {op}{tuple(args)}" for i, (op, *args) in enumerate(OPS)],
+)
+
+# %% [markdown]
+# From here on course_lib's `PagedKVCache` stands in (the same rules, on K/V pools of every layer). In the
+# block-table example of this section (`cache`), sequence 1 holds 9 tokens, two full pages and one
+# partial; fork it, and write into the copy:
 
 # %%
 cache.fork(1, 3)  # sequence 3 = a second answer to sequence 1's prompt (9 tokens: pages 2 full, 1 partial)
@@ -243,32 +417,50 @@ except ValueError as exc:
 # blocks are, so its software pipeline loads several blocks ahead. A paged program must first read the page
 # ids, and only then can it issue the K/V loads that depend on them. Latency it cannot hide inside one
 # program it hides across programs: the paged tiles (`heuristics.PAGED_TILES`) use a shorter pipeline and
-# ask for 4 programs per SM, and the split rule of notebook 09 fills those slots, so the paged kernel cuts
-# the cache into about 4x more splits than the contiguous one. A short grid can do better: when all its
-# programs run at once and the sequence's row of the block table is not too long (at most
-# `heuristics.TABLE_ROW_MAX` entries), each program loads the whole row at its start, beside the
-# sequence's length, and picks each block's page ids out of it in registers. Its first K/V load then
-# waits for one round trip to memory instead of two, and its pipeline can run ahead as the contiguous
-# kernel's does, so it takes a deeper pipeline and 2 programs per SM (`heuristics.table_row_plan`, on
-# the tiles `heuristics.ROW_TILES`): 2x the contiguous kernel's splits at batch 1. A batch of two sequences or
-# more with a long cache is the other case (notebook 09, section 5): when the table-row plan does not
-# apply (its grid must fit in one wave), both kernels run the same plan, slices on the paged tile, longest
-# sequence first when the programs do not all fit at once, and differ only in how they find a key; when
-# it does apply, the paged kernel takes it instead, with its own split count. The counts each kernel
-# launches (`heuristics.split_grid`):
+# ask for 4 programs per SM, and the split rule of notebook 09 fills those slots: four times the
+# contiguous kernel's slots. A short grid does better: when all its programs run at once and the
+# sequence's row of the block table is not too long (at most `heuristics.TABLE_ROW_MAX` entries), each
+# program loads the whole row at its start, beside the sequence's length, and picks each block's page ids
+# out of it in registers. Its first K/V load then waits for one round trip to memory instead of two, and
+# its pipeline can run ahead as the contiguous kernel's does, so it takes a deeper pipeline and 2 programs
+# per SM (`heuristics.table_row_plan`, on the tiles `heuristics.ROW_TILES`). The counts each kernel
+# launches (`heuristics.split_grid`), on the H200:
+#
+# - batch 1 (8k and 32k keys): the table-row plan, **2x** the contiguous kernel's splits (32 against 16);
+# - batch 8 at 8k: a batch of two sequences or more with a long cache is cut in slices (notebook 09,
+#   appendix A.2), 8 for the contiguous kernel; its grid fits in one wave of the row tile, so the paged
+#   kernel takes the table-row plan instead, with its own count: 4 splits, **0.5x**;
+# - batch 16 at 32k: sliced too, but too many programs for one wave, so both kernels run the same plan
+#   (slices on the paged tile, longest sequence first) and differ only in how they find a key: **1x**;
+# - batch 64 at 4k: 512 programs fill the SMs unsplit, in both.
+#
+# On a GPU the cell computes the counts for the GPU it runs on; elsewhere it prints the H200's recorded
+# counts (the interpreter's stand-in of 16 SMs would give other ones).
 
 # %%
 from course_lib.decode.heuristics import sliced, sm_count, split_grid
 
-for batch, n_ctx in ((1, 8192), (1, 32768), (8, 8192), (16, 32768), (64, 4096)):
-    contiguous = split_grid(batch, 8, 1, n_ctx, 128)
-    paged = split_grid(batch, 8, 1, n_ctx, 128, paged=True, table_width=n_ctx // 16)  # pages of 16
+rec = records.load_record("decode")
+recorded = {(c["batch"], c["n_max"]): c for c in rec["data"]["cells"]} if rec else {}
+shapes = ((1, 8192), (1, 32768), (8, 8192), (16, 32768), (64, 4096))
+if course_lib.ON_GPU or not all(shape in recorded for shape in shapes):
+    source = f"computed for this device's {sm_count()} SMs"
+    if not course_lib.ON_GPU:
+        source += " (the interpreter's stand-in: no recorded run to show)"
+    counts = {
+        (b, n): (split_grid(b, 8, 1, n, 128), split_grid(b, 8, 1, n, 128, paged=True, table_width=n // 16))
+        for b, n in shapes
+    }  # pages of 16 tokens
+else:
+    source = records.label(rec)
+    counts = {shape: (recorded[shape]["num_splits"], recorded[shape]["paged_num_splits"]) for shape in shapes}
+print(f"splits per (sequence, kv head), 8 kv heads, d = 128, pages of 16; {source}:")
+for (batch, n_ctx), (contiguous, paged) in counts.items():
     plan = " (sliced)" if sliced(batch, n_ctx) else ""
-    print(f"batch {batch:>2}, {n_ctx:>5} tokens: {contiguous:>2} splits contiguous, {paged:>2} paged{plan} "
-          f"({sm_count()} SMs{' stand-in for the interpreter' if not course_lib.ON_GPU else ''})")  # fmt: skip
+    print(f"batch {batch:>2}, {n_ctx:>5} tokens: {contiguous:>2} contiguous{plan}, {paged:>2} paged: "
+          f"{paged / contiguous:g}x")  # fmt: skip
 
 # %%
-rec = records.load_record("decode")
 if rec and rec["data"].get("page_sweep"):
     sweep = rec["data"]["page_sweep"]
     fig, ax = plt.subplots(figsize=(7, 4))
@@ -377,11 +569,6 @@ check(
     "pages of a sequence",
     lambda: [pages_and_empty_slots(n, 16) for n in (1, 16, 17, 1000)],
     [(1, 15), (1, 0), (2, 15), (63, 8)],
-    hints=[
-        "A partial last page still takes a whole page: pages = ceil(n / page_size). The empty slots are the "
-        "last page's unused ones.",
-        "pages = -(-n // page_size); return pages, pages * page_size - n",
-    ],
 )
 
 # %% [markdown]
@@ -403,11 +590,6 @@ check(
     "slot of a token",
     lambda: [slot_of(_table, b, j, 4) for b, j in _pairs],
     [28, 9, 7, 12],
-    hints=[
-        "Token j is on the sequence's page number j // page_size (a column of its block-table row), at offset "
-        "j % page_size in that page; page p's rows start at p * page_size in the flattened pool.",
-        "return int(block_table[b, j // page_size]) * page_size + j % page_size",
-    ],
 )
 
 # %% [markdown]
@@ -436,12 +618,6 @@ check(
     "reference counts",
     refcount_story,
     ([4, 4, 4], 5),
-    hints=[
-        "allocate() hands out a page with one reference; share(p) adds one for each sequence that forks it; "
-        "release(p) drops one, and a page goes back to the free list only when its count reaches zero.",
-        "Each prompt page: 1 (allocated) + 4 (shared) - 1 (the original released) = 4; none was freed, so "
-        "8 - 3 pages are free.",
-    ],
 )
 
 # %% [markdown]
@@ -452,7 +628,8 @@ check(
 #   partial page per sequence.
 # - A paged cache is a pool `(num_pages, page_size, Hkv, d)` per layer, a block table `(B, max_pages)` int32
 #   per batch (logical page → physical page) and the lengths. An allocator keeps a free list and reference
-#   counts; forked sequences share their prefix's pages, and a shared partial page is copied on first write.
+#   counts; forked sequences share their prefix's pages, and a shared partial page is copied on first write
+#   (the vLLM paper's rule; vLLM v1 shares only full pages, through prefix caching).
 # - The paged kernel is the split-KV kernel with one page-id lookup per key; the benchmark record measures
 #   what that costs for each page size.
 # - Continuous batching admits and retires requests between steps and mixes prefill chunks with decode
