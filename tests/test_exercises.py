@@ -54,18 +54,16 @@ def test_hints_come_from_the_registry_by_name(monkeypatch):
         exercises.check("registered", lambda: 2, 1)
 
 
-def test_every_registered_hint_names_a_checked_exercise():
-    """Each name in course_lib.hints is checked by some notebook (a renamed exercise would lose its hints)."""
-    import re
+def test_every_registered_hint_names_an_exercise_of_a_notebook():
+    """Each name in course_lib.hints appears as a string in some notebook (a renamed exercise would otherwise
+    lose its hints silently); names may reach `check` through a variable, so any string literal counts."""
     from pathlib import Path
 
     from course_lib.hints import all_hints
 
     text = "\n".join(p.read_text() for p in Path(__file__).parents[1].glob("notebooks/*.py"))
-    checked = set(re.findall(r"\bcheck(?:_cases)?\(\s*[\"']([^\"']+)[\"']", text))
-    assert not set(all_hints()) - checked, (
-        f"hints for exercises no notebook checks: {set(all_hints()) - checked}"
-    )
+    missing = {name for name in all_hints() if f'"{name}"' not in text and f"'{name}'" not in text}
+    assert not missing, f"hints for exercises no notebook names: {missing}"
 
 
 def test_check_cases_names_the_first_failing_case():
