@@ -23,9 +23,9 @@
 # 1. Estimate the memory and time of attention over 1M tokens against one device, and what the options
 #    (all-gather, head sharding / Ulysses, ring) send between devices.
 # 2. Shard a sequence contiguously and in zigzag order, and say which tokens each rank holds.
-# 3. Run ring attention's forward (K/V rotate, partial (O, L) merge) and backward (dK/dV travel home, dQ
-#    stays) on 2-4 CPU processes with `torch.distributed` (gloo), and check it against one-device
-#    attention in float64.
+# 3. Write ring attention's forward loop yourself (K/V rotate, partial (O, L) merge), then run course_lib's
+#    forward and backward (dK/dV travel home, dQ stays), on 3-4 CPU processes with `torch.distributed`
+#    (gloo), each checked against one-device attention in float64.
 # 4. Predict, then measure, the causal work per rank: contiguous slices overload the last rank, zigzag
 #    balances it.
 # 5. Read a two-GPU benchmark and a profiler trace (how much of the communication hides behind compute), compare with
@@ -42,8 +42,15 @@
 # this notebook reads in section 8.
 
 # %%
+import importlib
+import marshal
+import sys
+import tempfile
+from pathlib import Path
+
 import matplotlib.pyplot as plt
 import torch
+import torch.distributed as dist
 
 import course_lib
 from course_lib import records
@@ -59,7 +66,7 @@ from course_lib.distributed import (
     work_per_rank,
 )
 from course_lib.distributed.workers import compare_with_reference, step_compute_times
-from course_lib.exercises import check, predict
+from course_lib.exercises import check, check_cases, predict
 from course_lib.perf import plotting
 from course_lib.testing import check_merge
 
@@ -131,9 +138,12 @@ for h_kv in (32, 8, 4):
     assert (row["ring"] > row["ulysses"]) == ring_more, "the ring sends more exactly when H_kv (P - 1) > H"
 
 # %% [markdown]
-# The ring sends as many bytes as the all-gather, but a slice at a time (memory stays at N/P) and spread
-# over the P - 1 steps of compute. Whether that is hidden depends on compute per step against transfer
-# time per step: section 9 works it out.
+# The ring sends as many bytes as the all-gather, but a slice at a time, spread over the P - 1 steps of
+# compute, and no rank ever holds the whole K/V: its memory is a small multiple of N/P, not N. A small
+# multiple, not one slice: the K/V in hand and the next one arriving (double buffering, so the transfer
+# overlaps the compute) beside its own Q and O, and in the backward also the dK/dV accumulators travelling
+# with the K/V, in float32 (twice the bytes of a bf16 slice). Whether the transfers are hidden depends on
+# compute per step against transfer time per step: section 9 works it out.
 #
 # ## 2. Sharding: who holds which tokens
 #
@@ -222,6 +232,142 @@ for case, r in zip(cases, results[0]):
     assert max(r["error"].values()) < 1e-12
 
 # %% [markdown]
+# ### Your ring
+#
+# **Exercise 1 (the ring's forward loop).** Write the loop each rank runs, for contiguous slices: rank r
+# holds tokens [r · n, (r + 1) · n) of q, k and v (n = N / P), all (B, H, n, d) in float64. For P steps:
+#
+# 1. compute attention of its q against the K/V block it holds, as a partial result (O_s, L_s):
+#    `attention(q, k_s, v_s, causal=..., return_lse=True)` (course_lib's reference attention);
+# 2. merge it into the running (O, L), which starts as (0, −∞) ("no key yet"), with
+#    `merge_attention_states(O, L, O_s, L_s)` (the rule above);
+# 3. send the K/V block it holds to rank (r + 1) mod P and receive the next one from rank (r − 1) mod P.
+#    `dist.isend(tensor, dst)` and `dist.irecv(tensor, src)` start a transfer and return a request; `.wait()`
+#    on it before using what was received. Every rank sends and receives at once: with a blocking
+#    `dist.send` first on every rank, the ring can wait on itself (a send may wait for a receive its
+#    neighbour has not posted yet). Start the transfer before the step's compute and wait after it, and
+#    the two overlap. Stacking k and v into one
+#    tensor makes it one message.
+#
+# Under a causal mask the slices decide each step's block, as `plan_step` does for contiguous slices: at
+# step s rank r holds the keys of rank src = (r − s) mod P. Keys of an earlier rank (src < r) are all before
+# r's queries: no mask. Its own keys (src = r): the top-left causal mask, `causal=True`. Keys of a later
+# rank: every pair is masked, skip the block.
+#
+# The ranks are processes, and a spawned process imports the function it runs; a function of this
+# notebook cannot be imported there. So the check writes your function's compiled code into a small module
+# (`ranks_can_import`, given below) after the imports of `RANK_MODULE_IMPORTS`, and the ranks import it:
+# your function may use `torch`, `dist`, `attention`, `merge_attention_states` and `math`, and nothing
+# else of the notebook. It then runs on three gloo processes (so that the next rank and the previous one
+# differ), gathers every rank's (O, L) and compares them with float64 attention over the whole sequence,
+# causal and not, including a slice of one token per rank.
+
+# %%
+RANK_MODULE_IMPORTS = """\
+import marshal, math, types
+import torch
+import torch.distributed as dist
+from course_lib.attention.merge import merge_attention_states
+from course_lib.attention.reference import attention
+from course_lib.distributed import shard
+"""
+
+
+def ranks_can_import(*functions):
+    """A module the spawned ranks can import, holding `functions` (defined in this notebook) as compiled code
+    (`marshal`) beside RANK_MODULE_IMPORTS: each may call those names and the other functions given."""
+    folder = Path(tempfile.mkdtemp(prefix="nb13_ranks_"))
+    lines = [RANK_MODULE_IMPORTS]
+    for fn in functions:
+        code = marshal.dumps(fn.__code__)
+        lines.append(f"{fn.__name__} = types.FunctionType(marshal.loads({code!r}), globals(), "
+                     f"{fn.__name__!r}, {fn.__defaults__!r})")  # fmt: skip
+    (folder / f"{folder.name}.py").write_text("\n".join(lines) + "\n")
+    sys.path.insert(0, str(folder))  # spawned processes start with the parent's sys.path
+    return importlib.import_module(folder.name)
+
+
+def ring_case_inputs(B, H, N, d, causal, seed=0):
+    """q, k, v (B, H, N, d) float64 of one case, the same in every process."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(B, H, N, d, generator=g, dtype=torch.float64) for _ in range(3)]
+
+
+def ring_check_rank(rank, world, cases):
+    """What each rank runs for the check: its contiguous slice of every case, your loop, (O, L) back."""
+    out = []
+    for case in cases:
+        q, k, v = (shard(t, rank, world, "contiguous") for t in ring_case_inputs(**case))
+        result = ring_forward_loop(q, k, v, case["causal"])
+        parts = result if isinstance(result, (tuple, list)) else [result]
+        out.append([torch.as_tensor(t).detach().numpy() for t in parts])  # plain arrays travel back
+    return out
+
+
+# %%
+def ring_forward_loop(q, k, v, causal):
+    """This rank's (O, L) of attention over the whole sequence, sliced contiguously over the default
+    process group: q, k, v (B, H, n, d) float64, this rank's tokens. Returns O (B, H, n, d) and L (B, H, n)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ### BEGIN SOLUTION
+    O = torch.zeros_like(q)  # the running result: (0, -inf) = no key yet
+    L = torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype)
+    kv = torch.stack([k, v])  # the block in hand, one message
+    for s in range(world):
+        src = (rank - s) % world  # the rank whose keys this rank holds at step s
+        requests = []
+        if s < world - 1:  # the next block: send ours on, receive the previous rank's, while computing
+            kv_next = torch.empty_like(kv)
+            requests = [dist.isend(kv, (rank + 1) % world), dist.irecv(kv_next, (rank - 1) % world)]
+        if not causal or src <= rank:  # a later rank's keys are all masked: nothing to compute
+            o_s, l_s = attention(q, kv[0], kv[1], causal=causal and src == rank, return_lse=True)
+            O, L = merge_attention_states(O, L, o_s, l_s)
+        for r in requests:
+            r.wait()
+        if s < world - 1:
+            kv = kv_next
+    return O, L
+    ### END SOLUTION
+
+
+# %% tags=["check"]
+RING_WORLD = 3  # processes of the check: three, so that the next rank and the previous one differ
+ring_cases = [
+    dict(B=1, H=2, N=8 * RING_WORLD, d=16, causal=False),
+    dict(B=1, H=2, N=8 * RING_WORLD, d=16, causal=True),
+    dict(B=2, H=3, N=5 * RING_WORLD, d=8, causal=True, seed=1),
+    dict(B=1, H=1, N=RING_WORLD, d=16, causal=True, seed=2),  # one token per rank
+]
+ring_runs = {}
+
+
+def ring_learner(**case):  # every case in one run of RING_WORLD processes (they take seconds to start)
+    if not ring_runs:
+        ranks = ranks_can_import(ring_case_inputs, ring_check_rank, ring_forward_loop)
+        per_rank = run_ranks(ranks.ring_check_rank, RING_WORLD, (ring_cases,), timeout=120)
+        for i, c in enumerate(ring_cases):  # contiguous slices: the ranks' rows one after another
+            parts = [per_rank[r][i] for r in range(RING_WORLD)]  # per rank: [O, L]
+            ring_runs[repr(c)] = [
+                torch.cat([torch.from_numpy(p[j]) for p in parts], dim=-2 if j == 0 else -1)  # O by rows, L
+                for j in range(len(parts[0]))
+            ]
+    return ring_runs[repr(case)]
+
+
+check_cases(
+    "ring forward loop",
+    ring_cases,
+    ring_learner,
+    lambda **c: attention(*ring_case_inputs(**c), causal=c["causal"], return_lse=True),
+    rtol=1e-10,
+    atol=1e-10,
+    outputs=("O", "L"),
+)
+
+# %% [markdown]
+# From here on the notebook runs course_lib's `ring_attention`, whatever the check said.
+
+# %% [markdown]
 # ## 5. The backward
 #
 # The same ring again. Rank r's dQ_r needs every key: it accumulates locally, as the K/V pass by. dK_s and
@@ -241,14 +387,15 @@ for case, r in zip(cases, results[0]):
 # With contiguous slices, rank 0's queries see only its own keys; rank P - 1's see everyone's. Under
 # zigzag every rank holds one early and one late chunk.
 #
-# **Predict first.** With contiguous slices on the notebook's `WORLD` ranks, the busiest rank does how many
+# **Predict first.** With contiguous slices on the notebook's `WORLD` = 4 ranks, the busiest rank does how many
 # times the mean rank's causal work? It is scored against the *measured* compute times further down, and the
 # CPU code measured there computes a diagonal block whole (masked, not skipped): count the area of the blocks
-# each slice of queries computes, a diagonal block as a full one. Write your number in the next cell.
+# each slice of queries computes, a diagonal block as a full one. Type your estimate in place of the value in
+# `predict(...)` in the next cell.
 
 # %%
 # Your prediction: busiest rank's work / mean rank's work, contiguous slices, causal, WORLD ranks.
-imbalance_guess = predict(f"busiest / mean rank, contiguous, {WORLD} ranks", 1.0, unit="x")
+imbalance_guess = predict(f"busiest / mean rank, contiguous, {WORLD} ranks", 1.6, unit="x")
 
 # %% [markdown]
 # `work_per_rank` counts the (query, key) pairs each rank computes at each step, from the same plan the
@@ -341,15 +488,31 @@ else:
         print(", ".join(cells))
     figures.record_figures(data, records.label(record))  # the speed-up bars and the profiled step
     plt.show()
+    # What one rank sends in the profiled forward + backward (bf16, H_kv = H): its K/V slice P - 1 times
+    # forward and P - 1 times backward, and P float32 dK/dV accumulators (the last one going home).
+    shape, P, n_trace = data["shape"], data["world"], data["trace"]["N"]
+    kv_bytes = 2 * shape["B"] * shape["H"] * (n_trace // P) * shape["d"] * 2
+    sent = 2 * (P - 1) * kv_bytes + P * 2 * kv_bytes
+    transfer_ms = sent / (data["bandwidth_GBps"] * 1e9) * 1e3
+    print(f"N={n_trace // 1024}k: each rank sends {sent / 1e9:.2f} GB in the step; at the measured "
+          f"{data['bandwidth_GBps']:.0f} GB/s that is {transfer_ms:.1f} ms of transfer")  # fmt: skip
+    comm = [t["comm_ms"] for t in data["trace"]["ranks"]]
     for rank, t in enumerate(data["trace"]["ranks"]):  # the profiled step, per rank
-        print(f"rank {rank}: {t['comm_ms']:.1f} ms of NCCL transfers, {100 * t['hidden_fraction']:.0f} % of it "
-              f"while compute ran; compute {t['compute_ms']:.0f} ms")  # fmt: skip
+        print(f"rank {rank}: NCCL kernels ran {t['comm_ms']:.1f} ms ({t['comm_ms'] / transfer_ms:.1f}x the "
+              f"transfer time), {100 * t['hidden_fraction']:.0f} % of it while compute ran; "
+              f"compute {t['compute_ms']:.0f} ms")  # fmt: skip
         assert 0.5 <= t["hidden_fraction"] < 1, "the words below: most of the transfers hide, not all"
+    assert min(comm) <= 1.25 * transfer_ms and max(comm) >= 2 * transfer_ms, "the words below: one rank waits"
 
 # %% [markdown]
-# **Reading the trace.** In the recorded step, most of each rank's transfers ran while its attention
-# kernels ran, but not all: the last one, the dK/dV accumulators going home after the last step, has no
-# compute left to hide behind (in the timeline, the NCCL bar after the last attention kernel).
+# **Reading the trace.** Both ranks send the same bytes, and one rank's NCCL kernels took about what the
+# bandwidth predicts, while the other's took several times as long. The bytes did not move slower there:
+# an NCCL send/receive kernel starts when its own rank launches it and ends when the exchange, which needs
+# both ranks, is done. The rank that reaches an exchange first spends the difference waiting for its peer
+# inside the kernel, so most of its "transfer" time is waiting, not moving bytes. Most of each rank's NCCL
+# time ran while its attention kernels ran, but not all: the last exchange, the dK/dV accumulators going
+# home after the last step, has no compute left to hide behind (in the timeline, the NCCL bar after the
+# last attention kernel).
 
 # %% [markdown]
 # ## 9. Past two GPUs, on paper
@@ -411,9 +574,13 @@ for n in (128 * 1024, 512 * 1024, 1024 * 1024):
 # steps carry a whole host's slice, or data and pipeline parallelism instead of context parallelism.
 #
 # ## Exercises
+#
+# Exercise 1 was the ring's forward loop, in section 4. Each exercise has a cell to fill in and a check cell
+# after it; a failed check shows a hint, the next failure the next one, and
+# `course_lib.exercises.solution(name)` shows a worked answer.
 
 # %% [markdown]
-# **Exercise 1 (bytes per step).** In the forward ring, how many bytes does one rank send at each step?
+# **Exercise 2 (bytes per step).** In the forward ring, how many bytes does one rank send at each step?
 # Elements of `elem` bytes (2 for bf16), batch B, H_kv key/value heads, total length N over P ranks, head
 # dim d. The check tries B = 1, H_kv = 8, N = 131072, P = 4, d = 128 in bf16, and a second case in float32
 # (`elem=4`) with B = 2.
@@ -431,11 +598,10 @@ check(
     "bytes one rank sends per ring step",
     lambda: [ring_bytes_per_step(1, 8, 131072, 4, 128), ring_bytes_per_step(2, 4, 65536, 8, 64, elem=4)],
     [2 * 8 * 32768 * 128 * 2, 2 * 2 * 4 * 8192 * 64 * 4],
-    hints=["Only K and V travel; Q stays.", "Each of K and V: B x H_kv x (N / P) x d elements of `elem` bytes."],
 )
 
 # %% [markdown]
-# **Exercise 2 (the zigzag assignment).** Write `zigzag_tokens(rank, world, n)`: the list of token
+# **Exercise 3 (the zigzag assignment).** Write `zigzag_tokens(rank, world, n)`: the list of token
 # positions (0 .. n - 1) that `rank` holds under zigzag sharding, in its local order. n is a multiple of
 # 2 · world.
 
@@ -453,14 +619,10 @@ check(
     "zigzag assignment",
     lambda: [[int(t) for t in zigzag_tokens(r, 3, 24)] for r in range(3)],  # a list or a tensor of positions
     [shard(torch.arange(24).view(24, 1), r, 3, "zigzag").flatten().tolist() for r in range(3)],
-    hints=[
-        "Cut n into 2 * world chunks of c = n / (2 * world) tokens.",
-        "Rank r holds chunks r and 2 * world - 1 - r, in that order.",
-    ],
 )
 
 # %% [markdown]
-# **Exercise 3 (the merge).** Rank r holds partial results over the keys of rank a and of rank b:
+# **Exercise 4 (the merge).** Rank r holds partial results over the keys of rank a and of rank b:
 # (O_a, L_a), (O_b, L_b) as tensors (..., N, d) and (..., N). Merge them with the logsumexp rule, without
 # `merge_attention_states`, and return the merged `(O, L)`. Rows that saw no key in either part have
 # L = -inf and O = 0: keep them at (0, -inf), never NaN.
@@ -482,7 +644,7 @@ def merge(o_a, l_a, o_b, l_b):
 check_merge("merge of two partial results", merge)
 
 # %% [markdown]
-# **Exercise 4 (work per rank).** With contiguous sharding over P ranks and a causal mask, how many
+# **Exercise 5 (work per rank).** With contiguous sharding over P ranks and a causal mask, how many
 # (query, key) pairs does the busiest rank compute, as a fraction of the whole causal attention? Write
 # `busiest_share(n, p)`, exact for any n and p (from the plan's pairs per rank: `work_per_rank`); the check
 # calls it with n = 4096, p = 4. Then compare it by hand with your formula for large N.
@@ -501,10 +663,6 @@ check(
     "busiest rank's share, contiguous",
     lambda: busiest_share(4096, 4),
     (1024 * 1024 * 3 + 1024 * 1025 / 2) / (4096 * 4097 / 2),
-    hints=[
-        "work_per_rank(p, 'contiguous', n) gives the pairs per rank and step.",
-        "Rank P - 1: P - 1 full blocks and one diagonal block, out of N (N + 1) / 2 pairs.",
-    ],
 )
 
 # %% [markdown]
@@ -523,7 +681,7 @@ check(
 #   the owner; every block's backward uses the merged O and L.
 # - Under a causal mask, **contiguous** slices overload the last rank (it does about (2P - 1)/P² of the
 #   work, against 1/P for each rank under **zigzag**, where rank r holds chunks r and 2P - 1 - r).
-# - What each option sends: ring and all-gather 2 · N/P · H_kv · d per step and rank (ring: one slice
-#   in memory), Ulysses an all-to-all of Q, K, V, O over heads.
+# - What each option sends: ring and all-gather 2 · N/P · H_kv · d per step and rank (the ring holds a
+#   few slices at a time, never the whole K/V), Ulysses an all-to-all of Q, K, V, O over heads.
 # - Inside one host the ring's transfers are small next to its compute at long N; across hosts the
 #   bandwidth drops and the slices must be longer (or the ring hierarchical) for them to stay hidden.
