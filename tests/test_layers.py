@@ -2,8 +2,8 @@
 inside a function, goes down the layers, and no module imports itself back through others.
 
     notebooks, scripts
-    5 users of the kernels: models, integrations, distributed, serving, bench, tools, doctor, testing,
-      exercises, hints, and decoding's serving loop (decode.batching, decode.graphs, decode.paged_kv)
+    5 users of the kernels: models, integrations, distributed, serving, speculative, longctx, bench, tools,
+      doctor, testing, exercises, hints, and decoding's serving loop (decode.batching, decode.graphs, decode.paged_kv)
     4 faces: each kernel package's __init__ and api.py (attention also varlen.py, precompile.py)
     3 operators: each kernel package's op.py (attention also decode_route.py, which both its face and
       its operator call)
@@ -37,7 +37,8 @@ LAYER_NAMES = {
     BASE: "perf / checks / runtime",
 }
 KERNEL_PACKAGES = ("attention", "decode", "fused")
-USER_PACKAGES = ("models", "integrations", "distributed", "bench", "tools", "serving")
+USER_PACKAGES = ("models", "integrations", "distributed", "bench", "tools", "serving", "speculative")
+USER_PACKAGES += ("longctx",)
 USER_MODULES = ("doctor", "__main__", "testing", "exercises", "hints")
 BASE_MODULES = ("perf", "checks", "runtime", "pdl", "records", "second_derivative", "softmax")
 FACE_MODULES = {"attention": ("api", "varlen", "precompile"), "decode": ("api",), "fused": ("api",)}
