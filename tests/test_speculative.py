@@ -1,0 +1,264 @@
+"""Speculative, parallel and early-exit decoding (course_lib.speculative, notebook 15): exactness against
+greedy decoding, the sampled distribution against the target's, the paged cache's rollback, bad inputs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from course_lib.decode.cache import PagedKVCache
+from course_lib.decode.toy_model import ToyModel
+from course_lib.models import Llama, LlamaConfig
+from course_lib.models.generate import greedy_reference
+from course_lib.models.llama import rope_torch
+from course_lib.speculative import (
+    LayerDraft,
+    ModelDraft,
+    NGramDraft,
+    accept_sampled,
+    early_exit_generate,
+    expected_tokens,
+    forward_tokens,
+    jacobi_generate,
+    jacobi_update,
+    lookahead_generate,
+    plain_generate,
+    predicted_speedup,
+    speculative_generate,
+    truncate,
+)
+
+PROMPTS = [[1, 2, 3, 4, 1, 2, 3], [5, 6, 7, 8, 9, 10, 11, 12, 5, 6], [30, 3]]  # repeats for n-gram lookup
+
+
+@pytest.fixture(scope="module")
+def toy():
+    model = ToyModel("cpu")
+    return model, [model.generate_full(p, 12) for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def llama():
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, dim=64, n_layers=4, n_heads=4, n_kv_heads=2, hidden_dim=96, max_seq_len=128)
+    model = Llama(config)
+    model.reset_parameters(std=0.1)
+    return model
+
+
+def chi2_critical(df: int, z: float = 3.09) -> float:
+    """The chi-square quantile at about 0.999 (Wilson-Hilferty)."""
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+# ---------------------------------------------------------------- greedy: exactly the target's tokens
+@pytest.mark.parametrize("gamma", [1, 3, 5])
+def test_greedy_ngram_draft_matches_greedy(toy, gamma):
+    model, expected = toy
+    r = speculative_generate(model, NGramDraft(), PROMPTS, 12, gamma=gamma, attention="torch")
+    assert r.tokens == expected, f"gamma={gamma}: {r.tokens} != {expected}"
+    assert all(sum(a + 1 for _, a in rounds) == 12 for rounds in r.rounds)
+
+
+@pytest.mark.parametrize("gamma", [3])
+def test_greedy_model_draft_matches_greedy_with_different_acceptances(toy, gamma):
+    model, expected = toy
+    draft = ToyModel("cpu", seed=8)
+    r = speculative_generate(model, draft, PROMPTS, 12, gamma=gamma, attention="torch")
+    assert r.tokens == expected, f"gamma={gamma}"
+    # a draft that is the target itself: every draft kept, gamma + 1 tokens a round
+    r = speculative_generate(model, ModelDraft(model, attention="torch"), PROMPTS, 12, gamma=gamma, attention="torch")
+    assert r.tokens == expected
+    assert r.rounds[0][0] == (gamma, gamma) and r.target_steps == math.ceil(12 / (gamma + 1))
+
+
+def test_batch_with_different_acceptance_lengths_through_the_kernel(toy):
+    model, expected = toy
+    draft = ToyModel("cpu")  # the target with a perturbed head: agrees often, not always
+    draft.head = draft.head + 0.05 * torch.randn(draft.head.shape, generator=torch.Generator().manual_seed(0))
+    r = speculative_generate(model, ModelDraft(draft, 16, 8), PROMPTS[:2], 8, gamma=3, attention="kernel")
+    assert r.tokens == [e[:8] for e in expected[:2]]
+    accepted = [[a for _, a in rounds] for rounds in r.rounds]
+    assert accepted[0] != accepted[1], accepted  # the sequences kept different numbers of drafts
+
+
+def test_llama_with_a_smaller_draft_matches_greedy_reference(llama):
+    torch.manual_seed(1)
+    draft = Llama(LlamaConfig(**{**llama.config.as_dict(), "n_layers": 1}))
+    prompt = [3, 4, 5, 6, 3, 4]
+    expected = greedy_reference(llama, prompt, 10)
+    for gamma in (1, 3):
+        r = speculative_generate(llama, draft, [prompt, prompt[:3]], 10, gamma=gamma, attention="torch")
+        assert r.tokens[0] == expected, f"gamma={gamma}"
+        assert r.tokens[1] == greedy_reference(llama, prompt[:3], 10)
+
+
+# ---------------------------------------------------------------- sampling: the target's distribution
+def test_rejection_rule_keeps_the_target_distribution():
+    """Two tokens drawn by the rule, with the target's and the draft's second distribution depending on
+    the first token: their joint frequencies match p0(y0) p1(y1 | y0) (chi-square), whatever q."""
+    V, N = 4, 6000
+    g = torch.Generator().manual_seed(0)
+    p0, q0 = torch.rand(V, generator=g).softmax(0), torch.rand(V, generator=g).mul(3).softmax(0)
+    p1, q1 = (torch.rand(V, V, generator=g).mul(3).softmax(-1) for _ in range(2))
+    p2 = torch.full((V, V), 1.0 / V)  # after two drafts: not looked at
+    counts = torch.zeros(V, V)
+    for _ in range(N):
+        x0 = int(torch.multinomial(q0, 1, generator=g))
+        x1 = int(torch.multinomial(q1[x0], 1, generator=g))
+        n, token = accept_sampled(torch.stack([p0, p1[x0], p2[x1]]), torch.stack([q0, q1[x0]]), [x0, x1], g)
+        if n == 0:  # y0 = the resampled token; y1 from a next round: draft x from q1[y0], verify against p1[y0]
+            y0 = token
+            x = int(torch.multinomial(q1[y0], 1, generator=g))
+            kept, t = accept_sampled(torch.stack([p1[y0], p2[x]]), q1[y0][None], [x], g)
+            y1 = x if kept else t
+        else:
+            y0, y1 = x0, (x1 if n == 2 else token)
+        counts[y0, y1] += 1
+    expected = N * p0[:, None] * p1
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    assert chi2 < chi2_critical(V * V - 1), f"chi-square {chi2:.1f} over {V * V - 1} degrees of freedom"
+
+
+class Markov:
+    """A model of the serving interface whose next-token logits depend on the last token only (a table):
+    exact probabilities of any continuation are products of table rows."""
+
+    num_layers, num_kv_heads, head_dim, dtype, device = 1, 1, 16, torch.float32, torch.device("cpu")
+
+    def __init__(self, vocab: int, seed: int, sharpness: float):
+        self.vocab_size = vocab
+        self.table = torch.randn(vocab, vocab, generator=torch.Generator().manual_seed(seed)) * sharpness
+
+    def forward_step(self, token_ids, positions, kv):
+        return self.table[token_ids]
+
+
+def test_sampled_speculative_generation_matches_the_target_distribution():
+    V, B, T = 3, 600, 1.3
+    target, draft = Markov(V, 0, 1.5), Markov(V, 1, 1.5)
+    r = speculative_generate(
+        target, ModelDraft(draft, num_pages=2 * B), [[0]] * B, 3, gamma=2, temperature=T,
+        generator=torch.Generator().manual_seed(0), page_size=4, attention="torch",
+    )  # fmt: skip
+    assert 0 < r.acceptance_rate < 1
+    p = torch.softmax(target.table.double() / T, -1)
+    expected = (p[0][:, None, None] * p[:, :, None] * p[None, :, :]).flatten() * B  # p(y0|0) p(y1|y0) p(y2|y1)
+    counts = torch.zeros(V**3, dtype=torch.float64)
+    for y0, y1, y2 in r.tokens:
+        counts[(y0 * V + y1) * V + y2] += 1
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    assert chi2 < chi2_critical(V**3 - 1), f"chi-square {chi2:.1f}"
+
+
+# ---------------------------------------------------------------- the paged cache's rollback
+def test_truncate_releases_pages_and_respects_shared_ones():
+    cache = PagedKVCache(1, 8, 4, 1, 16, torch.float32, "cpu")
+    cache.add_sequence(0)
+    cache.append(0, 10)  # 3 pages
+    pages0 = list(cache.seqs[0].pages)
+    cache.fork(0, 1)
+    free = cache.allocator.num_free
+    assert truncate(cache, 1, 5) == 1  # one reference released; the page stays with sequence 0
+    assert cache.seqs[1].length == 5 and cache.seqs[1].pages == pages0[:2]
+    assert cache.allocator.num_free == free and cache.allocator.refs[pages0[2]] == 1
+    cache.append(1, 1)  # writing into the shared, partly filled page copies it first
+    assert cache.seqs[1].pages[1] != pages0[1] and cache.allocator.refs[pages0[1]] == 1
+    assert truncate(cache, 0, 4) == 2 and cache.allocator.num_free == free + 1  # pages0[1] and pages0[2]: only [2] freed... by refs
+    assert cache.allocator.refs[pages0[0]] == 2 and cache.allocator.refs[pages0[2]] == 0
+    assert truncate(cache, 0, 0) == 1 and cache.seqs[0].pages == [] and cache.allocator.refs[pages0[0]] == 1
+    with pytest.raises(ValueError, match="more than"):
+        truncate(cache, 1, 7)
+
+
+def test_rolled_back_sequence_decodes_as_if_never_extended(toy):
+    model, expected = toy
+    cache = PagedKVCache(model.num_layers, 16, 4, model.num_kv_heads, model.head_dim, model.dtype, "cpu")
+    cache.add_sequence(0)
+    prompt = PROMPTS[1]
+    forward_tokens(model, cache, [(0, prompt + [9, 9, 9, 9, 9])], attention="torch")  # 5 wrong drafts
+    truncate(cache, 0, len(prompt))
+    assert cache.seqs[0].pages == cache.seqs[0].pages[: math.ceil(len(prompt) / 4)]
+    (rows,) = forward_tokens(model, cache, [(0, [expected[1][0]])], attention="torch")
+    assert int(rows[-1].argmax()) == expected[1][1]
+
+
+# ---------------------------------------------------------------- bad inputs, refused by name
+def test_bad_inputs_are_refused(toy, llama):
+    model, _ = toy
+    with pytest.raises(ValueError, match="gamma"):
+        speculative_generate(model, NGramDraft(), PROMPTS, 4, gamma=0)
+    with pytest.raises(ValueError, match="gamma"):
+        speculative_generate(model, NGramDraft(), PROMPTS, 4, gamma=2.5)
+    with pytest.raises(ValueError, match="vocabulary"):
+        speculative_generate(model, llama, PROMPTS, 4)
+    with pytest.raises(ValueError, match="temperature"):
+        speculative_generate(model, NGramDraft(), PROMPTS, 4, temperature=-0.5)
+    for threshold in (0, 1.5, -1):
+        with pytest.raises(ValueError, match="threshold"):
+            early_exit_generate(llama, [1, 2], 3, threshold)
+    with pytest.raises(ValueError, match="exit_layers"):
+        early_exit_generate(llama, [1, 2], 3, 0.5, exit_layers=[4])
+
+
+def test_expected_tokens_and_speedup_formulas():
+    assert expected_tokens(0.5, 3) == pytest.approx(1.875)
+    assert expected_tokens(0.0, 4) == 1 and expected_tokens(1.0, 4) == 5
+    assert predicted_speedup(0.8, 4, 0.05) == pytest.approx((1 - 0.8**5) / 0.2 / 1.2)
+
+
+# ---------------------------------------------------------------- Jacobi and lookahead decoding
+def test_jacobi_update():
+    assert jacobi_update([7, 1, 2, 3], [1, 2, 5, 6]) == ([1, 2, 5], [6, 6, 6])
+    assert jacobi_update([7, 4, 4], [1, 2, 3]) == ([1], [2, 3])
+    assert jacobi_update([7, 1, 2], [1, 2, 3]) == ([1, 2, 3], [3, 3])
+
+
+def test_jacobi_and_lookahead_match_greedy(toy):
+    model, expected = toy
+    for n in (1, 4):
+        j = jacobi_generate(model, PROMPTS[0], 12, n=n, attention="torch")
+        assert j.tokens == expected[0] and j.steps <= 12, f"Jacobi n={n}"
+    look = lookahead_generate(model, PROMPTS[1], 12, n=3, ngram=3, candidates=3, attention="torch")
+    assert look.tokens == expected[1]
+    look = lookahead_generate(model, PROMPTS[0], 6, n=2, ngram=3, candidates=2, attention="kernel")
+    assert look.tokens == expected[0][:6]
+
+
+# ---------------------------------------------------------------- early exit and self-speculation
+def test_early_exit(llama):
+    prompt = [3, 4, 5, 6, 3, 4]
+    greedy = greedy_reference(llama, prompt, 8)
+    full = early_exit_generate(llama, prompt, 8, threshold=1.0, attention="torch")
+    assert full.tokens == greedy and full.layers == [4] * 8
+    # every new token leaves after layer 2: the first 2 layers decide all but the prefill's token
+    k = 2
+    out = early_exit_generate(llama, prompt, 8, 1e-9, exit_layers=[k], attention="torch", keep_cache=True)
+    assert out.layers == [4] + [k] * 7
+    shallow = plain_generate(LayerDraft(llama, k), [prompt + out.tokens[:1]], 7, attention="torch").tokens[0]
+    assert out.tokens[1:] == shallow
+    # the skipped layers' K/V of those tokens: the layer-k hidden state through their norm and W_k (CALM)
+    seq = prompt + out.tokens[:-1]
+    x = llama.tok_embeddings(torch.tensor([seq]))
+    cos, sin = llama.rope_cos[: len(seq)], llama.rope_sin[: len(seq)]
+    with torch.no_grad():
+        for layer in llama.layers[:k]:
+            x = layer(x, cos, sin)
+        cache, pages = out.cache, out.cache.seqs[0].pages
+        slots = [pages[i // cache.page_size] * cache.page_size + i % cache.page_size for i in range(len(seq))]
+        for j in range(k, 4):
+            layer = llama.layers[j]
+            kk = layer.attention.wk(layer.attention_norm(x[0])).view(len(seq), 2, -1)
+            kk, _ = rope_torch(kk, kk, cos[:, None], sin[:, None])
+            stored = cache.k_pages[j].flatten(0, 1)[slots]
+            torch.testing.assert_close(stored[len(prompt) :], kk[len(prompt) :], atol=1e-4, rtol=1e-4)
+
+
+def test_self_speculative_matches_greedy(llama):
+    prompt = [3, 4, 5, 6, 3, 4]
+    greedy = greedy_reference(llama, prompt, 10)
+    for gamma in (1, 3):
+        r = speculative_generate(llama, LayerDraft(llama, 2), [prompt], 10, gamma=gamma, attention="torch")
+        assert r.tokens[0] == greedy, f"gamma={gamma}"
