@@ -1,7 +1,10 @@
-"""Input checks shared by every public attention function in course_lib.
+"""Input checks shared by every public function in course_lib: one check per rule, here.
 
 Bad input must give an error that names the problem (shape, dtype, device, head dimension), never a
-crash inside a kernel, a hang or silent garbage. Every public entry point calls `check_attention_inputs`.
+crash inside a kernel, a hang or silent garbage. Every public attention entry point calls
+`check_attention_inputs`; every kernel's entry point (attention, decoding, RMSNorm, RoPE) checks its
+tensors' device with `check_kernel_device`, and the attention and decoding kernels take the head dims
+of `KERNEL_HEAD_DIMS`.
 """
 
 from __future__ import annotations
@@ -11,6 +14,8 @@ import numbers
 import operator
 
 import torch
+
+from . import runtime
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -139,6 +144,36 @@ def check_tensor(where: str, name: str, value) -> None:
     """A TypeError naming `name` unless `value` is a torch.Tensor."""
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{where}: {name} must be a torch.Tensor, got {type(value).__name__}")
+
+
+def check_kernel_device(where: str, **tensors) -> None:
+    """Every tensor must be a torch.Tensor on the device where the Triton kernels run (`course_lib.DEVICE`:
+    the CPU under the interpreter, a CUDA GPU when they are compiled); else a TypeError or a ValueError
+    naming the tensor and saying how to move it."""
+    for name, t in tensors.items():
+        check_tensor(where, name, t)
+        if t.device.type == runtime.DEVICE.type:
+            continue
+        if runtime.INTERPRET:
+            how = (
+                "in the interpreter on the CPU (course_lib.INTERPRET is True: no GPU build, or COURSE_DEVICE=cpu). "
+                "Move it to the CPU, or start Python on a GPU machine without COURSE_DEVICE=cpu"
+            )
+        else:
+            how = (
+                "compiled for the GPU (course_lib.ON_GPU is True). Move it with .to(course_lib.DEVICE), or set "
+                "COURSE_DEVICE=cpu before importing course_lib to use the interpreter"
+            )
+        raise ValueError(
+            f"{where}: {name} is on {t.device}, but the Triton kernels run on {runtime.DEVICE} here, {how}"
+        )
+
+
+# Head dims the attention and decoding kernels take: multiples of 8 from 16 to 256. The kernels pad the
+# head dim to a power of two (BLOCK_D), so 16, 32, 64, 128 and 256 waste nothing; the rest (e.g. 40, 80,
+# 96) compute on zero padding.
+MAX_HEAD_DIM = 256
+KERNEL_HEAD_DIMS = tuple(range(16, MAX_HEAD_DIM + 1, 8))
 
 
 def check_int(where: str, name: str, value, minimum: int) -> int:

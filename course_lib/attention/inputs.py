@@ -11,20 +11,20 @@ import torch
 
 from .. import runtime
 from ..checks import (
+    KERNEL_HEAD_DIMS,
+    MAX_HEAD_DIM,
     OFFSET_LIMIT,
     causal_alignment,
     check_attention_inputs,
+    check_kernel_device,
     check_sinks,
     check_window,
     default_scale,
 )
 from ..runtime import tl
 
-MAX_HEAD_DIM = 256
-# Head dims the kernels accept: multiples of 8 from 16 to 256. The head dim is padded to a power of
-# two inside the kernels (BLOCK_D), so 16, 32, 64, 128 and 256 waste nothing; the rest (e.g. 40, 80,
-# 96) compute on zero padding. 16, 32, 64 and 128 are the tuned ones.
-SUPPORTED_HEAD_DIMS = tuple(range(16, MAX_HEAD_DIM + 1, 8))
+# Head dims the kernels accept (`checks.KERNEL_HEAD_DIMS`, decoding's too); 16, 32, 64 and 128 are the tuned ones.
+SUPPORTED_HEAD_DIMS = KERNEL_HEAD_DIMS
 
 
 def check_inputs(q, k, v, where: str) -> None:
@@ -51,18 +51,7 @@ def check_inputs(q, k, v, where: str) -> None:
             f"{where}: head dim d={d} is not supported by the Triton kernels; supported: multiples of 8 "
             f"from 16 to {MAX_HEAD_DIM} (tuned: 16, 32, 64, 128); q {tuple(q.shape)}"
         )
-    if runtime.INTERPRET and q.device.type != "cpu":
-        raise ValueError(
-            f"{where}: q, k, v are on {q.device}, but the Triton kernels run in the interpreter on the CPU "
-            "here (course_lib.INTERPRET is True: no GPU build, or COURSE_DEVICE=cpu). Move the tensors "
-            "to the CPU, or start Python on a GPU machine without COURSE_DEVICE=cpu."
-        )
-    if runtime.ON_GPU and q.device.type != "cuda":
-        raise ValueError(
-            f"{where}: q, k, v are on {q.device}, but the Triton kernels are compiled for the GPU here "
-            "(course_lib.ON_GPU is True). Move the tensors to the GPU with .to(course_lib.DEVICE), or "
-            "set COURSE_DEVICE=cpu before importing course_lib to use the interpreter."
-        )
+    check_kernel_device(where, q=q, k=k, v=v)
 
 
 def check_call(q, k, v, causal, scale, window, sinks, where: str):

@@ -53,7 +53,14 @@ from __future__ import annotations
 import torch
 
 from .. import pdl, runtime
-from ..checks import causal_alignment, check_int, default_scale
+from ..checks import (
+    KERNEL_HEAD_DIMS,
+    MAX_HEAD_DIM,
+    causal_alignment,
+    check_int,
+    check_kernel_device,
+    default_scale,
+)
 from ..kernels.softmax import LN2
 from ..pdl import allow_dependents
 from ..runtime import tl, triton
@@ -69,8 +76,8 @@ def unsupported(dtype: torch.dtype, head_dim: int) -> str | None:
     """What the decoding kernels cannot take about a cache of `dtype` and `head_dim` (None: nothing)."""
     if dtype not in DTYPES:
         return f"dtype {dtype} is unsupported; supported: float16, bfloat16, float32"
-    if head_dim % 8 or not 16 <= head_dim <= 256:
-        return f"head dim d={head_dim} is unsupported; supported: multiples of 8 from 16 to 256"
+    if head_dim not in KERNEL_HEAD_DIMS:
+        return f"head dim d={head_dim} is unsupported; supported: multiples of 8 from 16 to {MAX_HEAD_DIM}"
     return None
 
 
@@ -247,16 +254,7 @@ def check_query_and_lengths(
         )
     if Tq == 0:
         raise ValueError(f"{where}: q has no query token (Tq = 0); q {tuple(q.shape)}")
-    if runtime.INTERPRET and q.device.type != "cpu":
-        raise ValueError(
-            f"{where}: tensors are on {q.device}, but kernels run in the Triton interpreter on the CPU here "
-            "(course_lib.INTERPRET is True); move them to the CPU"
-        )
-    if runtime.ON_GPU and q.device.type != "cuda":
-        raise ValueError(
-            f"{where}: tensors are on {q.device}, but kernels are compiled for the GPU here; "
-            "move them with .to(course_lib.DEVICE)"
-        )
+    check_kernel_device(where, q=q)
     if full and cache_seqlens is None:
         return
     if not isinstance(cache_seqlens, torch.Tensor):

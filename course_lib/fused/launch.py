@@ -25,7 +25,6 @@ from typing import NamedTuple
 import torch
 
 from .. import runtime
-from ..checks import check_tensor
 
 # Longest row (elements) that one program keeps in registers: the kernels read a row once.
 MAX_ROW = 1 << 16
@@ -179,17 +178,6 @@ def persistent_programs(n_rows: int, block: int, device: torch.device, per_sm: i
     if per_sm < BALANCE_MIN_PER_SM:
         return wanted
     return runtime.cdiv(n_rows, runtime.cdiv(n_rows, wanted))
-
-
-def check_on_kernel_device(where: str, **tensors: torch.Tensor) -> None:
-    """Every tensor must be a torch.Tensor on the device where the kernels run (`course_lib.DEVICE`)."""
-    for name, t in tensors.items():
-        check_tensor(where, name, t)
-        if t.device.type != runtime.DEVICE.type:
-            raise ValueError(
-                f"{where}: {name} is on {t.device} but the Triton kernels run on {runtime.DEVICE} here "
-                "(move it with .to(course_lib.DEVICE))"
-            )
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -52,7 +52,7 @@ from __future__ import annotations
 import torch
 
 from .. import runtime
-from ..checks import accumulator_dtype, check_eps
+from ..checks import accumulator_dtype, check_eps, check_kernel_device
 from ..runtime import tl, triton
 from ..second_derivative import refuse_second_derivative
 from . import launch
@@ -418,7 +418,7 @@ class RMSNormFunction(torch.autograd.Function):
 
 def check_rms_norm(x, weight, eps, dw_mode) -> None:
     where = "rms_norm"
-    launch.check_on_kernel_device(where, x=x, weight=weight)
+    check_kernel_device(where, x=x, weight=weight)
     for name, t in (("x", x), ("weight", weight)):
         if t.dtype not in DTYPES:
             raise TypeError(

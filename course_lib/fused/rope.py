@@ -39,7 +39,7 @@ import numbers
 import torch
 
 from .. import runtime
-from ..checks import OFFSET_LIMIT, accumulator_dtype, check_int, check_real
+from ..checks import OFFSET_LIMIT, accumulator_dtype, check_int, check_kernel_device, check_real
 from ..runtime import tl, triton
 from ..second_derivative import refuse_second_derivative
 from . import launch
@@ -328,7 +328,7 @@ def check_position_range(positions: torch.Tensor, n_cache: int) -> None:
 
 def check_rope(q, k, cos, sin, layout) -> None:
     where = "rope"
-    launch.check_on_kernel_device(where, q=q, k=k, cos=cos, sin=sin)
+    check_kernel_device(where, q=q, k=k, cos=cos, sin=sin)
     for name, t in (("q", q), ("k", k), ("cos", cos), ("sin", sin)):
         if t.dtype not in DTYPES:
             raise TypeError(
