@@ -232,3 +232,72 @@ def test_student_solves_the_softmax_kernel_in_the_browser(tmp_path):
                 page.screenshot(path=str(_shots() / "05_student_softmax.png"), full_page=False)
                 browser.close()
     assert "Exercise 'softmax_kernel': correct on all" in text, text
+
+
+def test_widest_figures_show_unshrunk_at_1366x768(tmp_path, monkeypatch):
+    """At a laptop's 1366 x 768, with JupyterLab's default layout (file browser open), course_lib's widest
+    figure (an animation strip, `animate.WIDTH` inches) and a figure at the readable-figure rule's limit
+    (`plotting.COLUMN_PX` as displayed) show at their natural width inside the output column: JupyterLab
+    does not shrink them, or their text. The column itself is COLUMN_PX wide. The kernel runs with
+    COURSE_STRICT_FIGURES=1, so a figure over the rule would show an error instead."""
+    import nbformat
+
+    sync_api = _require_browser()
+    monkeypatch.setenv("COURSE_STRICT_FIGURES", "1")
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nb.cells = [
+        nbformat.v4.new_code_cell(
+            "import matplotlib.pyplot as plt\nimport torch\n"
+            "from course_lib.attention import animate\nfrom course_lib.perf import plotting\n"
+            "torch.manual_seed(0)\nq, k, v = torch.randn(3, 16, 8).unbind(0)\n"
+            "frames = {o: animate.forward_frames(q, k, v, 4, 4, causal=True, order=o) for o in ('fa1', 'fa2')}\n"
+            "animate.forward_strip(frames)\nplt.show()"
+        ),
+        nbformat.v4.new_code_cell(  # as wide as the rule allows: its PNG a few pixels under COLUMN_PX
+            "fig, ax = plt.subplots(figsize=(plotting.COLUMN_PX / 100 - 0.15, 2.5), layout='constrained')\n"
+            "ax.plot([0, 1], [0, 1], label='a line')\nax.legend()\n"
+            "ax.set_title('At the limit: 9 pt text stays 9 pt')\nplt.show()"
+        ),
+    ]
+    nbformat.write(nb, tmp_path / "wide.ipynb")
+    with _make_lab(tmp_path, f"NOTEBOOK_DIR={tmp_path}") as base, sync_api.sync_playwright() as p:
+        browser, page = _open_notebook(sync_api, p, f"{base}/lab/tree/wide.ipynb?reset", viewport=(1366, 768))
+        try:
+            page.get_by_role("menuitem", name="Run", exact=True).click()
+            page.get_by_text("Run All Cells", exact=True).click()
+            images = page.locator(".jp-OutputArea-output img")
+            sync_api.expect(images).to_have_count(2, timeout=120_000)
+            page.wait_for_function(
+                "() => [...document.querySelectorAll('.jp-OutputArea-output img')]"
+                ".every(i => i.complete && i.naturalWidth > 0)",
+                timeout=30_000,
+            )
+            sizes = page.evaluate(
+                """() => [...document.querySelectorAll('.jp-OutputArea-output img')].map(img => {
+                    const out = img.closest('.jp-OutputArea-output'), r = img.getBoundingClientRect(),
+                          o = out.getBoundingClientRect();
+                    return {natural: img.naturalWidth, client: img.clientWidth, column: out.clientWidth,
+                            right: r.right, columnRight: o.right, dpr: window.devicePixelRatio};
+                })"""
+            )
+            text = page.locator(".jp-Notebook").inner_text()
+            images.first.scroll_into_view_if_needed()
+        finally:
+            page.screenshot(path=str(_shots() / "wide_figure_1366x768.png"), full_page=False)
+            browser.close()
+    assert "Error" not in text, text[text.find("Error") - 200 :][:1200]
+    from course_lib.perf import plotting
+
+    for size in sizes:
+        assert size["column"] == plotting.COLUMN_PX, (size, "JupyterLab's column moved: re-measure COLUMN_PX")
+        natural = size["natural"] / size["dpr"]  # the PNG's pixels in CSS pixels (1 at a 1366 x 768 screen)
+        assert size["client"] >= natural - 0.5, (
+            size,
+            "shrunk by JupyterLab: narrower than its natural width",
+        )
+        assert size["right"] <= size["columnRight"] + 0.5 and natural <= size["column"], (
+            size,
+            "past the column",
+        )
+    assert sizes[1]["natural"] > plotting.COLUMN_PX - 25, sizes  # the second figure really is at the limit

@@ -13,9 +13,9 @@ Each picture comes in two forms, built from the same recorded frames:
 Frames are recorded from a real computation in float64 (`forward_frames`, `backward_frames`), so what
 moves on the screen is what the algorithm does, not a drawing of it.
 
-Every figure is at most `WIDTH` (10) inches wide, so that JupyterLab shows it at full size in a notebook
-about 1000 pixels wide (at the default 100 dpi) and its smallest text stays at 9 points or more; legends
-and colour keys sit outside the data.
+Every figure is at most `WIDTH` (9.1) inches wide, so that JupyterLab shows it at full size in its 934-pixel
+output column at 1366 x 768 (at the default 100 dpi; `course_lib.perf.plotting`'s readable-figure rule) and
+its smallest text stays at 9 points or more; legends and colour keys sit outside the data.
 """
 
 from __future__ import annotations
@@ -32,9 +32,10 @@ from .reference import attention as reference_attention
 from .reference import causal_mask
 
 ORDERS = {"fa1": "FlashAttention-1 order (K/V outer)", "fa2": "FlashAttention-2 order (Q outer)"}
-# Inches: 1000 pixels at 100 dpi with the margins. JupyterLab shrinks a wider figure, and its text, to the
-# notebook's width.
-WIDTH = 9.8
+# Inches: about 930 pixels as displayed at 100 dpi (the inline backend crops to the content, plus 0.1 inch
+# each side), inside JupyterLab's 934-pixel column at 1366 x 768 (`perf.plotting.COLUMN_PX`). JupyterLab
+# shrinks a wider figure, and its text, to the column.
+WIDTH = 9.1
 # Panels are narrow (four across WIDTH): fonts a little below `perf.plotting.READABLE`, never below 9 points.
 SMALL_FONTS = {
     "axes.titlesize": 11,
@@ -401,7 +402,12 @@ def backward_strip(frames, n_shots: int = 4):
     top = 1.05 * max(float(f["dq_left"].max()) for f in frames)
     with plt.rc_context(SMALL_FONTS):
         fig, axes = plt.subplots(
-            2, len(steps), figsize=(WIDTH, 5.8), squeeze=False, layout="constrained", height_ratios=[1.35, 1]
+            2,
+            len(steps),
+            figsize=(WIDTH - 0.15, 5.8),
+            squeeze=False,
+            layout="constrained",
+            height_ratios=[1.35, 1],
         )
         for c, step in enumerate(steps):
             f = frames[step]
@@ -523,7 +529,7 @@ def _program_panel(ax, shape, block, pid):
     ax.axvline(n - 0.5, color="black", linewidth=1)
     masked = int(lanes.sum() - (lanes[:m, :n]).sum())
     ax.set_title(
-        f"program {pid} = ({pid // g_n}, {pid % g_n})\n{int(lanes[:m, :n].sum())} elements, {masked} masked lanes"
+        f"program {pid} = ({pid // g_n}, {pid % g_n})\n{int(lanes[:m, :n].sum())} elements,\n{masked} masked lanes"
     )
     ax.set_xlabel("column")
     ax.set_ylabel("row")

@@ -185,7 +185,11 @@ def plot_tile_steps(
 
     n_rows = 4 if O_final is not None else 3
     fig, axes = plt.subplots(
-        n_rows, len(steps), figsize=(3.4 * len(steps), 2.7 * n_rows), squeeze=False, constrained_layout=True
+        n_rows,
+        len(steps),
+        figsize=(min(9.2, 3.4 * len(steps)), 2.7 * n_rows),
+        squeeze=False,
+        constrained_layout=True,
     )
     m_all = np.concatenate([np.asarray(s["m"]) for s in steps])
     l_all = np.concatenate([np.asarray(s["l"]) for s in steps])
@@ -229,8 +233,8 @@ def plot_tile_steps(
             axes[3, c].set_title("max |O/l − O_final| per row")
         for r in range(1, n_rows):
             axes[r, c].set_xlabel(f"row of Q block {s['i']}")
-    axes[1, -1].legend(fontsize=8, loc="lower right")
-    axes[2, -1].legend(fontsize=8, loc="lower right")
+    axes[1, -1].legend(fontsize=10, loc="lower right")
+    axes[2, -1].legend(fontsize=10, loc="lower right")
     axes[1, 0].set_ylabel("m (score units)")
     axes[2, 0].set_ylabel("l (sum of exp)")
     if O_final is not None:

@@ -54,10 +54,15 @@ def _legend_below(fig, axes):
     for ax in fig.axes:
         for h, label in zip(*ax.get_legend_handles_labels()):
             handles.setdefault(label, h)
-    rows = math.ceil(len(handles) / 4)
+    renderer = fig.canvas.get_renderer()
+    for ncol in range(min(4, len(handles)), 0, -1):  # as many columns as fit the figure's width
+        legend = fig.legend(handles.values(), handles.keys(), loc="lower center", ncol=ncol, fontsize=12,
+                            frameon=False)  # fmt: skip
+        if ncol == 1 or legend.get_window_extent(renderer).width <= fig.bbox.width - 10:
+            break
+        legend.remove()
+    rows = math.ceil(len(handles) / ncol)
     fig.tight_layout(rect=(0, (0.3 * rows + 0.15) / fig.get_figheight(), 1, 1))
-    fig.legend(handles.values(), handles.keys(), loc="lower center", ncol=min(4, len(handles)), fontsize=12,
-               frameon=False)  # fmt: skip
     return fig
 
 
@@ -73,9 +78,7 @@ def plot_tflops(record: dict, mode: str = "fwd"):
 
     data = record["data"]
     heads = sorted({c["d"] for c in data["cells"]})
-    fig, axes = plt.subplots(
-        len(heads), 2, figsize=(12.5, 4.8 * len(heads) + 1.2), squeeze=False, sharex=True
-    )
+    fig, axes = plt.subplots(len(heads), 2, figsize=(9.1, 4.4 * len(heads) + 1.4), squeeze=False, sharex=True)
     for i, d in enumerate(heads):
         for j, causal in enumerate((False, True)):
             ns = sorted({c["N"] for c in data["cells"] if c["d"] == d and c["causal"] == causal})
@@ -100,7 +103,7 @@ def plot_tflops(record: dict, mode: str = "fwd"):
             _style(ax, data)
     lo, geo = summarise(ratios(data, mode, "sdpa_flash"))
     finding = (
-        "" if geo is None else f": course_lib at {geo:.2f}x SDPA FLASH_ATTENTION (geomean; min {lo:.2f}x)"
+        "" if geo is None else f":\ncourse_lib at {geo:.2f}x SDPA FLASH_ATTENTION (geomean; min {lo:.2f}x)"
     )
     fig.suptitle(f"Attention {MODE_NAMES[mode]}, {data['dtype']}{finding}\n{credit(record)}", fontsize=14)
     return _legend_below(fig, axes)
@@ -115,7 +118,7 @@ def plot_memory(record: dict, d: int | None = None, causal: bool = False):
     data = record["data"]
     d = max(c["d"] for c in data["cells"]) if d is None else d
     ns = sorted({c["N"] for c in data["cells"] if c["d"] == d and c["causal"] == causal})
-    fig, axes = plt.subplots(1, 2, figsize=(12.5, 6.2), squeeze=False)
+    fig, axes = plt.subplots(1, 2, figsize=(9.1, 6.0), squeeze=False)
     for ax, mode in zip(axes[0], ("fwd", "fwd_bwd")):
         series = {}
         for p in data["providers"]:
@@ -142,8 +145,8 @@ def plot_memory(record: dict, d: int | None = None, causal: bool = False):
                 line.set(color="black", linestyle="--" if mode == "fwd" else ":", linewidth=2.5, marker="")
     shape = f"{data['dtype']}, d = {d}, {'causal' if causal else 'not causal'}, B·N fixed"
     fig.suptitle(
-        f"Peak memory: standard attention grows with N (N² per sequence), fused kernels stay at what\n"
-        f"they must hold ({shape}) — {credit(record)}",
+        f"Peak memory: standard attention grows with N (N² per sequence),\n"
+        f"fused kernels stay at what they must hold: {shape}\n{credit(record)}",
         fontsize=13,
     )
     return _legend_below(fig, axes)
@@ -156,12 +159,12 @@ def plot_ladder(record: dict):
     from ..perf.plotting import bar_chart
 
     data = record["data"]
-    fig, axes = plt.subplots(1, 2, figsize=(12.5, 6.5), squeeze=False)
+    fig, axes = plt.subplots(1, 2, figsize=(9.1, 7.0), squeeze=False)
     for ax, pass_ in zip(axes[0], ("fwd", "bwd")):
         steps = [s for s in data["steps"] if s["pass_"] == pass_][1:]  # the first rung has nothing below it
         ok = [s for s in data["steps"] if s["pass_"] == pass_ and s.get("status") == "ok"]
         best = max(ok, key=lambda s: s["tflops"], default=None)  # the last rung is not always the best
-        span = f": {ok[0]['tflops']:.3g} -> best {best['tflops']:.3g} TFLOP/s" if len(ok) > 1 else ""
+        span = f":\n{ok[0]['tflops']:.3g} -> best {best['tflops']:.3g} TFLOP/s" if len(ok) > 1 else ""
         gains = {
             "predicted": [s["predicted_gain"] for s in steps],
             "measured": [s.get("measured_gain") for s in steps],

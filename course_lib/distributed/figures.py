@@ -17,7 +17,7 @@ def work_figure(panels: dict[str, list[list[float]]], unit: str, title: str):
 
     panels: {"contiguous": work[rank][step], "zigzag": ...}; unit: the y-axis label."""
     fig, axes = plt.subplots(
-        1, len(panels), figsize=(5.2 * len(panels), 4.6), layout="constrained", sharey=True
+        1, len(panels), figsize=(min(9.2, 4.6 * len(panels)), 4.6), layout="constrained", sharey=True
     )
     axes = np.atleast_1d(axes)
     for ax, (scheme, work) in zip(axes, panels.items()):
@@ -45,7 +45,7 @@ def speedup_figure(data: dict, source: str):
         ("contiguous_s", "ring, contiguous"),
         ("context_parallel_s", "torch CP"),
     ]
-    fig, ax = plt.subplots(figsize=(9.5, 5), layout="constrained")
+    fig, ax = plt.subplots(figsize=(9.0, 5), layout="constrained")
     width = 0.8 / len(methods)
     for i, (key, name) in enumerate(methods):
         vals = [r["one_gpu_s"] / r[key] if r.get(key) and r.get("one_gpu_s") else np.nan for r in rows]
@@ -55,7 +55,7 @@ def speedup_figure(data: dict, source: str):
     ax.set_xticks(range(len(rows)), [f"{r['N'] // 1024}k" for r in rows])
     ax.set_xlabel("total sequence length N (tokens)", fontsize=FONT["label"])
     ax.set_ylabel("throughput over one GPU (x)", fontsize=FONT["label"])
-    ax.set_title(f"Causal fwd+bwd on 2 GPUs vs 1 ({source})", fontsize=FONT["title"] - 2)
+    ax.set_title(f"Causal fwd+bwd on 2 GPUs vs 1\n({source})", fontsize=FONT["title"] - 2)
     ax.tick_params(labelsize=FONT["ticks"])
     ax.legend(fontsize=FONT["legend"] - 1)
     ax.grid(True, axis="y", alpha=0.35)
@@ -64,7 +64,7 @@ def speedup_figure(data: dict, source: str):
 
 def timeline_figure(summary: dict, title: str):
     """Compute and communication kernels of one traced step as bars on a time axis (ms)."""
-    fig, ax = plt.subplots(figsize=(11, 2.8), layout="constrained")
+    fig, ax = plt.subplots(figsize=(9.2, 2.8), layout="constrained")
     for y, (kind, colour) in enumerate((("compute", "tab:blue"), ("comm", "tab:orange"))):
         spans = [(a, b - a) for a, b in summary["timeline"][kind]]
         ax.broken_barh(spans, (y - 0.35, 0.7), color=colour)

@@ -7,23 +7,44 @@ topic) and large fonts, and returns the Axes. Call `plt.show()` after it.
 
 Importing this module sets matplotlib's defaults to `READABLE` (fonts that stay legible when a notebook
 is projected), so figures drawn with plain `plt` after it read the same; `use_readable_defaults()`
-applies them again (after `plt.rcdefaults()`, say). Keep a notebook figure at most 12.5 inches wide:
-JupyterLab shrinks a wider one to the cell's width, and its labels with it.
+applies them again (after `plt.rcdefaults()`, say).
+
+The readable-figure rule, checked on every figure a notebook shows (`install_figure_check`, which
+`use_readable_defaults` installs in an IPython kernel): the figure as displayed (the inline backend's PNG,
+cropped to its content, at the figure's dpi) is at most `COLUMN_PX` (934) pixels wide, JupyterLab's output
+column on a 1366 x 768 screen, so JupyterLab never shrinks it and its labels with it (a 9.3-inch figure at
+the default 100 dpi); and its smallest text is at least `MIN_FONT_PT` (9) points at 100 dpi, 12.5 pixels, as
+shown. With COURSE_STRICT_FIGURES=1 (as `make test` sets) a figure that breaks the rule fails its cell with
+a message naming it; without it, a `FigureReadabilityWarning`.
 """
 
 from __future__ import annotations
 
+import base64
 import math
+import os
+import sys
+import warnings
 from collections.abc import Mapping
 
 import matplotlib.pyplot as plt
 import numpy as np
+from matplotlib.axis import Axis
+from matplotlib.figure import Figure
+from matplotlib.text import Text
 
 from course_lib.checks import check_real
 
 FONT = {"title": 15, "label": 14, "ticks": 12, "legend": 12, "note": 11}
-FIGSIZE = (9.5, 5.5)
-MAX_WIDTH = 12.5  # inches: wider figures are scaled down in JupyterLab, and so are their fonts
+FIGSIZE = (9.0, 5.5)
+# JupyterLab 4's output area (the notebook column less its 64-pixel prompt) in a 1366 x 768 window with the
+# default layout (file browser open), measured in Chromium (tests/test_browser.py measures it again). A
+# wider image is scaled down to it, and its text with it: 1136 pixels showed at 82 %.
+COLUMN_PX = 934
+MIN_FONT_PT = 9  # points at 100 dpi, the size text reads at on a laptop's screen
+MIN_FONT_PX = MIN_FONT_PT * 100 / 72  # 12.5 pixels as displayed
+MAX_WIDTH = COLUMN_PX / 100  # inches at the default 100 dpi, as displayed (the PNG is cropped to its content)
+STRICT_ENV = "COURSE_STRICT_FIGURES"
 READABLE = {
     "font.size": 14,
     "axes.titlesize": FONT["title"],
@@ -37,8 +58,139 @@ READABLE = {
 
 def use_readable_defaults() -> None:
     """Set matplotlib's rcParams to `READABLE` (font sizes 14 / 15 / 14 / 12 / 12 / 12 for text, titles,
-    axis labels, tick labels and legends). Called when this module is imported (notebook 00 on)."""
+    axis labels, tick labels and legends), and in an IPython kernel check every figure it shows against the
+    readable-figure rule (`install_figure_check`). Called when this module is imported (notebook 00 on)."""
     plt.rcParams.update(READABLE)
+    install_figure_check()
+
+
+class FigureReadabilityWarning(UserWarning):
+    """A figure a notebook shows is wider than JupyterLab's column at 1366 x 768, or its text is too small."""
+
+
+class FigureReadabilityError(ValueError):
+    """A figure breaks the readable-figure rule while COURSE_STRICT_FIGURES is set (as in `make test`)."""
+
+
+def strict_figures() -> bool:
+    """True when COURSE_STRICT_FIGURES is set to anything but "", "0", "false" or "no"."""
+    return os.environ.get(STRICT_ENV, "").strip().lower() not in ("", "0", "false", "no")
+
+
+def figure_name(fig) -> str:
+    """The figure as a reader finds it: its suptitle, else its axes' titles, else its label or number."""
+    texts = []
+    if getattr(fig, "_suptitle", None) is not None:
+        texts.append(fig._suptitle.get_text())
+    if not any(t.strip() for t in texts):
+        texts = [t.get_text() for ax in fig.axes for t in (ax.title, ax._left_title, ax._right_title)]
+    texts = [" ".join(t.split()) for t in texts if t.strip()]
+    name = (
+        texts[0] + (f" (and {len(texts) - 1} more panel titles)" if len(texts) > 1 else "") if texts else ""
+    )
+    if not name:
+        number = getattr(fig, "number", None)
+        name = fig.get_label() or (f"Figure {number}" if number is not None else "a figure") + " (no title)"
+    return name if len(name) <= 100 else name[:97] + "..."
+
+
+def _drawn_texts(artist):
+    """The non-empty texts of `artist` that are drawn: visible, and not on an axis turned off."""
+    for child in artist.get_children():
+        if not child.get_visible() or (isinstance(child, Axis) and not child.axes.axison):
+            continue
+        if isinstance(child, Text):
+            if child.get_text().strip():
+                yield child
+        else:
+            yield from _drawn_texts(child)
+
+
+def _png_width(data: Mapping, metadata: Mapping) -> int | None:
+    """The displayed width in pixels of a formatted figure: the PNG's width metadata (set for 'retina'),
+    else the width in the PNG's header; None without a PNG."""
+    meta = metadata.get("image/png") if isinstance(metadata, Mapping) else None
+    if isinstance(meta, Mapping) and isinstance(meta.get("width"), (int, float)):
+        return int(meta["width"])
+    png = data.get("image/png") if isinstance(data, Mapping) else None
+    if isinstance(png, str):
+        png = base64.b64decode(png[:44])
+    if isinstance(png, (bytes, bytearray)) and png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) >= 24:
+        return int.from_bytes(png[16:20], "big")
+    return None
+
+
+def figure_problems(fig, width_px: int | None = None) -> list[str]:
+    """What makes `fig` hard to read in JupyterLab at 1366 x 768: wider than `COLUMN_PX` as displayed
+    (`width_px`, the inline backend's PNG width; without it, the figure's size at its dpi), or text smaller
+    than `MIN_FONT_PX` as displayed. [] when it reads well."""
+    dpi = plt.rcParams["savefig.dpi"]
+    dpi = fig.dpi if dpi == "figure" else float(dpi)
+    if width_px is None:  # not displayed: lay the figure out, so that its tick labels have their text
+        fig.draw_without_rendering()
+        width_px = round(fig.get_figwidth() * dpi)
+    shown = min(1.0, COLUMN_PX / width_px) if width_px > 0 else 1.0
+    problems = []
+    if width_px > COLUMN_PX:
+        problems.append(
+            f"it is {width_px} px wide ({width_px / dpi:.2f} in at {dpi:g} dpi; figsize width "
+            f"{fig.get_figwidth():.2f} in), wider than JupyterLab's column at 1366x768 ({COLUMN_PX} px = "
+            f"{COLUMN_PX / dpi:.2f} in), so it shows at {shown:.0%} and its text with it"
+        )
+    texts = list(_drawn_texts(fig))
+    if texts:
+        smallest = min(texts, key=lambda t: t.get_fontsize())
+        px = smallest.get_fontsize() * dpi / 72 * shown
+        if px < MIN_FONT_PX - 0.01:
+            label = " ".join(smallest.get_text().split())
+            label = label if len(label) <= 30 else label[:27] + "..."
+            problems.append(
+                f"its smallest text ({label!r}, {smallest.get_fontsize():g} pt) shows at {px:.1f} px, under "
+                f"{MIN_FONT_PX:.1f} px ({MIN_FONT_PT} pt at 100 dpi)"
+            )
+    return problems
+
+
+def check_figure(fig, width_px: int | None = None) -> None:
+    """Apply the readable-figure rule to `fig` (see `figure_problems`): with COURSE_STRICT_FIGURES set,
+    raise FigureReadabilityError naming the figure; else warn (FigureReadabilityWarning)."""
+    problems = figure_problems(fig, width_px)
+    if not problems:
+        return
+    message = (
+        f"figure {figure_name(fig)!r}: " + "; ".join(problems) + f". Keep a figure at most {COLUMN_PX} px "
+        f"wide as shown (figsize width about {COLUMN_PX / 100 - 0.1:.1f} in at 100 dpi with "
+        f"layout='constrained') and its text at least {MIN_FONT_PT} pt (course_lib.perf.plotting)."
+    )
+    if strict_figures():
+        raise FigureReadabilityError(message)
+    warnings.warn(message, FigureReadabilityWarning, stacklevel=3)
+
+
+def install_figure_check(shell=None) -> bool:
+    """Check every matplotlib figure that IPython `shell` (default: the running one) displays, however it
+    is shown (`plt.show()`, the inline backend's display at the end of a cell, `display(fig)`, a figure as a
+    cell's value): wrap the shell's display formatter so that a Figure, once formatted, goes through
+    `check_figure` with the width of its PNG. Idempotent; False when no IPython shell runs."""
+    if shell is None:
+        ipython = sys.modules.get("IPython")
+        shell = ipython.get_ipython() if ipython is not None else None
+    formatter = getattr(shell, "display_formatter", None)
+    if formatter is None:
+        return False
+    original = formatter.format
+    if getattr(original, "course_figure_check", False):
+        return True
+
+    def format(obj, include=None, exclude=None):
+        data, metadata = original(obj, include=include, exclude=exclude)
+        if isinstance(obj, Figure):
+            check_figure(obj, _png_width(data, metadata))
+        return data, metadata
+
+    format.course_figure_check = True
+    formatter.format = format
+    return True
 
 
 use_readable_defaults()
@@ -204,7 +356,7 @@ def roofline(
         hi = max(intensities + ridges) * 4
     else:
         lo, hi = _intensity_range(intensity_range)
-    ax = _axes(ax, figsize=(11, 8.5))
+    ax = _axes(ax, figsize=(9.0, 7.5))
     xs = np.logspace(math.log10(lo), math.log10(hi), 200)
     for i, ((label, peak, bw), ridge) in enumerate(zip(ceilings, ridges)):
         color = f"C{i}"
