@@ -2,7 +2,21 @@
 the shell's COURSE_RECORDS says; a test of COURSE_RECORDS=off sets it itself. On a GPU each test hands
 the memory it cached back to the device, so that the other test processes sharing the GPU can use it."""
 
+import os
+
 import pytest
+
+
+def pytest_configure(config):
+    """Under pytest-xdist, share the machine's cores among the workers: torch's default (one thread per
+    core in every worker) oversubscribes the CPU, two workers x two threads on a 2-core machine, and its
+    threads then wait for each other. Left alone where the user set OMP_NUM_THREADS."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1 and "PYTEST_XDIST_WORKER" in os.environ and "OMP_NUM_THREADS" not in os.environ:
+        import torch
+
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        torch.set_num_threads(max(1, cores // workers))
 
 
 @pytest.fixture(autouse=True)
