@@ -33,6 +33,15 @@ from course_lib.speculative import (
 PROMPTS = [[1, 2, 3, 4, 1, 2, 3], [5, 6, 7, 8, 9, 10, 11, 12, 5, 6], [30, 3]]  # repeats for n-gram lookup
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One CPU thread: the models' small matrices run several times faster on a shared machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def toy():
     model = ToyModel("cpu")
@@ -42,7 +51,9 @@ def toy():
 @pytest.fixture(scope="module")
 def llama():
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=64, dim=64, n_layers=4, n_heads=4, n_kv_heads=2, hidden_dim=96, max_seq_len=128)
+    config = LlamaConfig(
+        vocab_size=64, dim=64, n_layers=4, n_heads=4, n_kv_heads=2, hidden_dim=96, max_seq_len=128
+    )
     model = Llama(config)
     model.reset_parameters(std=0.1)
     return model
@@ -69,7 +80,9 @@ def test_greedy_model_draft_matches_greedy_with_different_acceptances(toy, gamma
     r = speculative_generate(model, draft, PROMPTS, 12, gamma=gamma, attention="torch")
     assert r.tokens == expected, f"gamma={gamma}"
     # a draft that is the target itself: every draft kept, gamma + 1 tokens a round
-    r = speculative_generate(model, ModelDraft(model, attention="torch"), PROMPTS, 12, gamma=gamma, attention="torch")
+    r = speculative_generate(
+        model, ModelDraft(model, attention="torch"), PROMPTS, 12, gamma=gamma, attention="torch"
+    )
     assert r.tokens == expected
     assert r.rounds[0][0] == (gamma, gamma) and r.target_steps == math.ceil(12 / (gamma + 1))
 
@@ -109,7 +122,9 @@ def test_rejection_rule_keeps_the_target_distribution():
         x0 = int(torch.multinomial(q0, 1, generator=g))
         x1 = int(torch.multinomial(q1[x0], 1, generator=g))
         n, token = accept_sampled(torch.stack([p0, p1[x0], p2[x1]]), torch.stack([q0, q1[x0]]), [x0, x1], g)
-        if n == 0:  # y0 = the resampled token; y1 from a next round: draft x from q1[y0], verify against p1[y0]
+        if (
+            n == 0
+        ):  # y0 = the resampled token; y1 from a next round: draft x from q1[y0], verify against p1[y0]
             y0 = token
             x = int(torch.multinomial(q1[y0], 1, generator=g))
             kept, t = accept_sampled(torch.stack([p1[y0], p2[x]]), q1[y0][None], [x], g)
@@ -145,7 +160,9 @@ def test_sampled_speculative_generation_matches_the_target_distribution():
     )  # fmt: skip
     assert 0 < r.acceptance_rate < 1
     p = torch.softmax(target.table.double() / T, -1)
-    expected = (p[0][:, None, None] * p[:, :, None] * p[None, :, :]).flatten() * B  # p(y0|0) p(y1|y0) p(y2|y1)
+    expected = (
+        p[0][:, None, None] * p[:, :, None] * p[None, :, :]
+    ).flatten() * B  # p(y0|0) p(y1|y0) p(y2|y1)
     counts = torch.zeros(V**3, dtype=torch.float64)
     for y0, y1, y2 in r.tokens:
         counts[(y0 * V + y1) * V + y2] += 1
@@ -166,7 +183,8 @@ def test_truncate_releases_pages_and_respects_shared_ones():
     assert cache.allocator.num_free == free and cache.allocator.refs[pages0[2]] == 1
     cache.append(1, 1)  # writing into the shared, partly filled page copies it first
     assert cache.seqs[1].pages[1] != pages0[1] and cache.allocator.refs[pages0[1]] == 1
-    assert truncate(cache, 0, 4) == 2 and cache.allocator.num_free == free + 1  # pages0[1] and pages0[2]: only [2] freed... by refs
+    # sequence 0 keeps one page: pages0[1] (its own since the copy) and pages0[2] return to the pool
+    assert truncate(cache, 0, 4) == 2 and cache.allocator.num_free == free + 1  # (the copy took one)
     assert cache.allocator.refs[pages0[0]] == 2 and cache.allocator.refs[pages0[2]] == 0
     assert truncate(cache, 0, 0) == 1 and cache.seqs[0].pages == [] and cache.allocator.refs[pages0[0]] == 1
     with pytest.raises(ValueError, match="more than"):

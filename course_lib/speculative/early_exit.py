@@ -45,7 +45,10 @@ def propagate_kv(model, h: torch.Tensor, positions: torch.Tensor, kv, layers) ->
         x = layer.attention_norm(h)
         k = layer.attention.wk(x).view(-1, c.n_kv_heads, c.head_dim)
         v = layer.attention.wv(x).view(-1, c.n_kv_heads, c.head_dim)
-        cos, sin = model.rope_cos.to(k.dtype)[positions][:, None], model.rope_sin.to(k.dtype)[positions][:, None]
+        cos, sin = (
+            model.rope_cos.to(k.dtype)[positions][:, None],
+            model.rope_sin.to(k.dtype)[positions][:, None],
+        )
         k, _ = rope_torch(k, k, cos, sin)
         kv.cache.write(i, kv.slots, k, v)
 

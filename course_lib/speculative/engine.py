@@ -96,7 +96,9 @@ def speculative_generate(
     check_attention(where, attention)
     if not isinstance(draft, (NGramDraft, ModelDraft)):
         if not hasattr(draft, "forward_step"):
-            raise TypeError(f"{where}: draft must be an NGramDraft, a ModelDraft or a model with forward_step")
+            raise TypeError(
+                f"{where}: draft must be an NGramDraft, a ModelDraft or a model with forward_step"
+            )
         pages = _pages(prompts, max_new_tokens, gamma + 1, page_size)
         draft = ModelDraft(draft, pages, page_size, attention)
     if draft.vocab_size is not None and vocab is not None and draft.vocab_size != vocab:

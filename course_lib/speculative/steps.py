@@ -41,7 +41,9 @@ class TorchPagedKV(PagedKV):
         table = self.block_table.long()  # (B, max_pages) -> (B, max_pages * page_size, Hkv, d)
         k_seq = self.cache.k_pages[layer][table].flatten(1, 2)
         v_seq = self.cache.v_pages[layer][table].flatten(1, 2)
-        o, _ = decode_reference(padded.view(self.batch, self.tq, *q.shape[1:]), k_seq, v_seq, self.cache_seqlens)
+        o, _ = decode_reference(
+            padded.view(self.batch, self.tq, *q.shape[1:]), k_seq, v_seq, self.cache_seqlens
+        )
         return o.to(q.device, q.dtype).view(self.batch * self.tq, *q.shape[1:])[self.rows]
 
 
