@@ -229,7 +229,8 @@ def test_overlap_summary_of_a_small_trace():
 
 def test_run_ranks_retries_a_port_taken_after_it_was_found(monkeypatch):
     """`free_port` can hand out a port that another process binds before rank 0 listens on it: run_ranks
-    then starts again on a new port instead of failing (seen on a busy 2-core CI machine)."""
+    then starts again on a new port instead of failing (seen on a busy 2-core CI machine). One rank is
+    enough: rank 0 is the one that listens on the port (two processes fewer to start than a ring of 2)."""
     import socket
 
     from course_lib.distributed import launch
@@ -241,7 +242,7 @@ def test_run_ranks_retries_a_port_taken_after_it_was_found(monkeypatch):
     real = launch.free_port
     monkeypatch.setattr(launch, "free_port", lambda: ports.pop() if ports else real())
     try:
-        assert run_ranks(compare_with_reference, 2, ([],), timeout=120) == [[], []]
+        assert run_ranks(compare_with_reference, 1, ([],), timeout=120) == [[]]
     finally:
         taken.close()
     assert ports == []  # the taken port was tried first
