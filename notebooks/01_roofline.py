@@ -108,7 +108,7 @@ assert all(r["HBM / SRAM capacity"] > 1000 and r["SRAM / HBM bandwidth"] > 5 for
 # %%
 levels = perf.hierarchy("H200")
 h200_ratios = next(r for r in ratio_rows if r["GPU"] == "H200")
-fig, (ax_size, ax_bw) = plt.subplots(1, 2, figsize=(15, 5.5), layout="constrained")
+fig, (ax_size, ax_bw) = plt.subplots(2, 1, figsize=(9.0, 8.5), layout="constrained")
 short = ["registers", "SRAM", "L2", "HBM", "host link"]
 bar_chart(
     short,
