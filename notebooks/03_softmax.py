@@ -344,7 +344,7 @@ assert np.isclose(ls[-1], np.exp(trace_row - trace_row.max()).sum())  # the safe
 # %%
 steps = np.arange(1, N_TRACE + 1)
 grew = np.array(factors) < 1
-fig, axes = plt.subplots(3, 1, figsize=(9.8, 8), sharex=True, constrained_layout=True)
+fig, axes = plt.subplots(3, 1, figsize=(9.0, 8), sharex=True, constrained_layout=True)
 axes[0].plot(steps, trace_row, "o", color="#555555", label="entry $x_j$")
 axes[0].step(steps, ms, where="post", color="#d94801", linewidth=2, label="running max $m_j$")
 axes[0].set_ylabel("value")
@@ -358,7 +358,7 @@ axes[1].legend(loc="upper left")
 axes[2].bar(steps, factors, color=np.where(grew, "#d94801", "#9ecae1"))
 axes[2].set_ylabel(r"factor $e^{m_{j-1}-m_j}$")
 axes[2].set_xlabel("entries seen, j")
-axes[0].set_title("Online softmax: whenever the running max grows, the running sum is rescaled down")
+axes[0].set_title("Online softmax: whenever the running max grows,\nthe running sum is rescaled down")
 plt.show()
 
 # %% [markdown]
