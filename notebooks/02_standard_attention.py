@@ -260,9 +260,9 @@ print_table(
 done = [r for r in sweep if not r.get("oom")]
 ns_done = [r["N"] for r in done]
 fig, axes = plt.subplots(
-    1,
     2 if course_lib.ON_GPU else 1,
-    figsize=(16 if course_lib.ON_GPU else 9.5, 5.5),
+    1,
+    figsize=(9.0, 9.5 if course_lib.ON_GPU else 5.5),
     layout="constrained",
     squeeze=False,
 )
@@ -287,7 +287,7 @@ if course_lib.ON_GPU:
         ylabel="memory (MB)",
         logx=True,
         logy=True,
-        ax=axes[0][1],
+        ax=axes[1][0],
         title="Memory grows as N²"
         + (f"; out of memory at N={sweep[-1]['N']}" if sweep[-1].get("oom") else ""),
     )
@@ -314,7 +314,7 @@ else:
         f"shape B*H={shape['batch_heads']}, d={shape['head_dim']}, {shape['dtype']}, causal, "
         f"dropout {shape['dropout_p']}" + (f"; out of memory at N={r_oom[0]}" if r_oom else "")
     )
-    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(16, 5.5), layout="constrained")
+    fig, (ax_t, ax_m) = plt.subplots(2, 1, figsize=(9.0, 9.5), layout="constrained")
     elem_bytes = torch.finfo(getattr(torch, shape["dtype"])).bits // 8  # bytes per element of the recorded run
     ns_rec = [r["N"] for r in r_done]
     ms_rec = [r["ms"] for r in r_done]
@@ -327,7 +327,7 @@ else:
         logy=True,
         xlabel="sequence length N",
         ylabel="time per forward (ms)",
-        title=f"{rec['meta']['gpu']} (recorded): each doubling of N costs "
+        title=f"{rec['meta']['gpu']} (recorded): each doubling of N costs\n"
         f"{', '.join(f'{r:.1f}x' for r in doublings)} (N²: 4x)",
     )
     plot_series(
@@ -393,14 +393,14 @@ def breakdown_chart(step_ms, costs, title, ax):
 
 
 panels = 1 if rec is None or course_lib.ON_GPU else 2
-fig, axes = plt.subplots(1, panels, figsize=(9.5 * panels, 5.5), layout="constrained", squeeze=False)
+fig, axes = plt.subplots(panels, 1, figsize=(9.0, 5.0 * panels), layout="constrained", squeeze=False)
 profile_costs = profiling.attention_step_costs(BH, N_PROFILE, D, ELEM)
 breakdown_chart(
     breakdown["steps"], profile_costs, f"This {DEVICE.type}, N={N_PROFILE}: where the time goes", axes[0][0]
 )
 if panels == 2:
     b = rec["data"]["breakdown"]
-    breakdown_chart(b["steps"], b["costs"], f"{rec['meta']['gpu']} (recorded), N={b['N']}", axes[0][1])
+    breakdown_chart(b["steps"], b["costs"], f"{rec['meta']['gpu']} (recorded), N={b['N']}", axes[1][0])
 plt.show()
 middle_time = sum(ms for s, ms in breakdown["steps"].items() if s in ("mask", "softmax", "dropout"))
 middle_flops = sum(c["flops"] for c in profile_costs if c["kind"] == "element-wise")
