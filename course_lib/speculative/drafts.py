@@ -18,7 +18,7 @@ import torch
 
 from ..checks import check_int
 from .acceptance import probabilities
-from .steps import check_attention, forward_tokens, new_cache, truncate
+from .steps import check_attention, forward_tokens, new_cache, truncate, vocab_size
 
 
 class NGramDraft:
@@ -72,8 +72,6 @@ class ModelDraft:
 
     @property
     def vocab_size(self) -> int | None:
-        from .steps import vocab_size
-
         return vocab_size(self.model)
 
     def propose(self, batch, temperature: float = 0.0, generator=None, vocab: int | None = None):

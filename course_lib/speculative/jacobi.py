@@ -17,6 +17,7 @@ place of the paper's special attention mask. The branch that settles the most to
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -71,8 +72,6 @@ def _start(where, model, prompt, max_new_tokens, n, page_size, extra_seqs=0):
 def jacobi_generate(model, prompt, max_new_tokens: int, n: int = 4, page_size: int = 16, attention="kernel"):
     """Greedy continuation of one prompt by Jacobi iteration over a window of n guesses (initial guesses:
     the prompt's last token repeated). Returns a `ParallelResult`: the tokens equal greedy decoding's."""
-    import time
-
     start = time.perf_counter()
     check_attention("jacobi_generate", attention)
     prompt, max_new_tokens, n, cache = _start("jacobi_generate", model, prompt, max_new_tokens, n, page_size)
@@ -102,8 +101,6 @@ def lookahead_generate(
     """Greedy continuation of one prompt by lookahead decoding (module docstring): a Jacobi window of n
     guesses plus up to `candidates` pooled n-grams of `ngram` tokens verified in the same step. Returns a
     `ParallelResult` whose tokens equal greedy decoding's."""
-    import time
-
     start = time.perf_counter()
     where = "lookahead_generate"
     check_attention(where, attention)
