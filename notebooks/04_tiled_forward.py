@@ -756,7 +756,7 @@ ratio_fa1 = curves["standard"][-1] / curves[f"FA1, paper blocks {b_r} x {b_c}"][
 ratio_fa2 = curves["standard"][-1] / curves[FA2_IO][-1]
 
 GIB = 2**30
-fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(9.8, 9.5), layout="constrained")  # stacked: 1000 px wide
+fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(9.0, 9.5), layout="constrained")  # stacked, within the column
 ax1.plot(N_IO, [12 * n**2 * D_IO**2 / M_IO * BYTES / GIB for n in N_IO], "k:", label="12 N²d²/M")
 plot_series(
     N_IO,
