@@ -245,7 +245,9 @@ def causal_mask(n_q, n_k, alignment):
 
 
 panels = [(4, 10, "top_left"), (4, 10, "bottom_right"), (10, 4, "bottom_right")]
-fig, axes = plt.subplots(1, 3, figsize=(13, 4.2), gridspec_kw={"width_ratios": [10, 10, 4]})
+fig, axes = plt.subplots(
+    1, 3, figsize=(8.8, 4.2), gridspec_kw={"width_ratios": [10, 10, 4]}, layout="constrained"
+)
 for ax, (n_q, n_k, alignment) in zip(axes, panels):
     ax.imshow(causal_mask(n_q, n_k, alignment), cmap="Blues", vmin=0, vmax=1.4)
     ax.set_title(f"{alignment.replace('_', '-')}\nNq={n_q}, Nk={n_k}")
@@ -253,8 +255,7 @@ for ax, (n_q, n_k, alignment) in zip(axes, panels):
     ax.set_ylabel("query i")
     ax.set_xticks(range(n_k))
     ax.set_yticks(range(n_q))
-fig.suptitle("A KV cache needs bottom-right: the new queries see every earlier key (blue = visible)")
-fig.tight_layout()
+fig.suptitle("A KV cache needs bottom-right: the new queries see every earlier key\n(blue = visible)")
 plt.show()
 
 # %% [markdown]
