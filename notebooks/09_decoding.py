@@ -132,7 +132,7 @@ assert 0.2 < kv_bytes_read_per_step(32768) / (kv_bytes_read_per_step(32768) + WE
 # %%
 batches = np.array([1, 2, 4, 8, 16, 32, 64, 128, 256])
 fits = h200.hbm_gb * 1e9 - WEIGHT_BYTES  # bytes left for KV caches
-fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+fig, axes = plt.subplots(1, 2, figsize=(9.0, 4.6), layout="constrained")
 for n_ctx, color in ((1024, "tab:blue"), (8192, "tab:orange"), (32768, "tab:red")):
     step_ms = (WEIGHT_BYTES + batches * kv_bytes_read_per_step(n_ctx)) / (read_gbps * 1e9) * 1e3
     ok = batches * kv_bytes_read_per_step(n_ctx) <= fits
@@ -149,9 +149,8 @@ for ax in axes:
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("batch B (sequences)")
-    ax.legend(fontsize=9)
-fig.suptitle(f"A Llama-3-8B-sized model decoding at {read_gbps:.0f} GB/s (faint: the caches do not fit in 141 GB)")
-plt.tight_layout()
+fig.legend(*axes[0].get_legend_handles_labels(), loc="outside lower center", ncol=4, fontsize=11)
+fig.suptitle(f"A Llama-3-8B-sized model decoding at {read_gbps:.0f} GB/s\n(faint: the caches do not fit in 141 GB)")
 plt.show()
 
 # %% [markdown]
@@ -245,11 +244,10 @@ def draw_mask(ax, tq, n, bottom_right):
     ax.set_title(("bottom-right: j ≤ n − Tq + t" if bottom_right else "top-left: j ≤ t"), fontsize=11)
 
 
-fig, axes = plt.subplots(1, 2, figsize=(10, 2.6))
+fig, axes = plt.subplots(1, 2, figsize=(9.0, 2.6), layout="constrained")
 draw_mask(axes[0], 3, 10, False)
 draw_mask(axes[1], 3, 10, True)
 fig.suptitle("3 new tokens against a cache of 10: only bottom-right lets them see their past")
-plt.tight_layout()
 plt.show()
 
 # %% [markdown]
