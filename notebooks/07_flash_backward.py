@@ -723,11 +723,10 @@ if ready:
 
 # %%
 def plot_dq_modes(data, source):
-    fig, axes = plt.subplots(
-        1, len(data["d"]), figsize=(12.5, 5.5), sharey=True, layout="constrained", squeeze=False
-    )
+    rows = len(data["d"])  # one head dim per row, stacked to fit the notebook's column
+    fig, axes = plt.subplots(rows, 1, figsize=(9.0, 1.5 + 4.5 * rows), sharey=True, layout="constrained", squeeze=False)
     ratios = []
-    for ax, d in zip(axes[0], data["d"]):
+    for ax, d in zip(axes[:, 0], data["d"]):
         modes = [(c, m) for c in (False, True) for m in ("two_kernel", "atomic")]
         tf = {(c, m): data["tflops"][f"d={d}, causal={c}, {m}"] for c, m in modes}
         r = [a / t for c in (False, True) for a, t in zip(tf[c, "atomic"], tf[c, "two_kernel"])]
@@ -738,7 +737,7 @@ def plot_dq_modes(data, source):
             title=f"d = {d}: atomic at {min(r):.2f}-{max(r):.2f}x the speed of two kernels", logx=True, ax=ax,
         )  # fmt: skip
         ax.set_xticks(data["N"], [f"{n // 1024}k" for n in data["N"]])
-    fig.suptitle(f"course_lib backward: two kernels or atomic dQ ({dkdv_kernels(data)})\n{source}", fontsize=14)
+    fig.suptitle(f"course_lib backward: two kernels or atomic dQ\n({dkdv_kernels(data)})\n{source}", fontsize=14)
     plt.show()
     return ratios
 
