@@ -157,7 +157,7 @@ def schedule(n_tiles: int, m: float, s: float, consumers: int) -> tuple[list, fl
 
 
 M, S = step_clocks(128)
-fig, axes = plt.subplots(2, 1, figsize=(11, 4.8), sharex=True, layout="constrained")
+fig, axes = plt.subplots(2, 1, figsize=(9.0, 4.8), sharex=True, layout="constrained")
 for ax, consumers in zip(axes, (1, 2)):
     bars, end = schedule(8, M, S, consumers)
     for c, kind, start, length in bars:
@@ -411,10 +411,12 @@ def measure_hopper_forward() -> dict:
 
 
 def plot_hopper_forward(data: dict, source: str) -> None:
-    """One panel per head dimension: TFLOP/s of each kernel per N; then choose's pick against the fastest."""
+    """One panel per head dimension, stacked: TFLOP/s of each kernel per N; then choose's pick against the
+    fastest."""
     heads = sorted({r["d"] for r in data["results"]})
-    fig, axes = plt.subplots(1, len(heads), figsize=(12.5, 7.5), squeeze=False, layout="constrained")
-    for ax, d_head in zip(axes[0], heads):
+    rows = len(heads)
+    fig, axes = plt.subplots(rows, 1, figsize=(9.0, 0.8 + 6.4 * rows), squeeze=False, layout="constrained")
+    for ax, d_head in zip(axes[:, 0], heads):
         rows = [r for r in data["results"] if r["d"] == d_head]
         ns = sorted({r["N"] for r in rows})
         kernels = list(dict.fromkeys(r["kernel"] for r in rows))
