@@ -45,7 +45,8 @@ def measure_stream(kind: str, lengths, chunk: int = 2048, heads: int = 8, d: int
     `segment` tokens, carrying (M, z) from chunk to chunk (`chunk` a multiple of `segment`); kind "full":
     flash_attention of each chunk's queries over a KV cache of every token so far (bottom-right causal).
     Each chunk's q, k, v are drawn fresh (they would come from the layer's projections). Returns one dict per
-    N: n, peak_bytes (above what was allocated before), seconds. A CUDA GPU only (peak memory is CUDA's
+    N: n, peak_bytes (above what was allocated before), seconds. A first run of one chunk, not recorded,
+    compiles the kernels. A CUDA GPU only (peak memory is CUDA's
     allocator statistics); on a CPU it raises RuntimeError."""
     if not torch.cuda.is_available():
         raise RuntimeError("measure_stream measures CUDA memory: it runs on a GPU only")
@@ -56,7 +57,7 @@ def measure_stream(kind: str, lengths, chunk: int = 2048, heads: int = 8, d: int
 
     device = torch.device("cuda")
     rows = []
-    for n in lengths:
+    for n in [chunk, *lengths]:  # the first, one chunk, compiles the kernels and is not recorded
         if n % chunk or (kind == "infini" and chunk % segment):
             raise ValueError(f"measure_stream: N = {n} must be a multiple of chunk {chunk}, chunk of segment")
         torch.cuda.synchronize()
@@ -79,6 +80,8 @@ def measure_stream(kind: str, lengths, chunk: int = 2048, heads: int = 8, d: int
         torch.cuda.synchronize()
         seconds = time.perf_counter() - start
         rows.append(dict(n=n, peak_bytes=torch.cuda.max_memory_allocated() - base, seconds=seconds))
+        if len(rows) == 1:
+            rows.clear()
         if kind == "full":
             del cache
         del memory
