@@ -190,7 +190,7 @@ print("continuation:", repr(data.decode(prompts[1]) + data.decode(reference.toke
 # target's own token (blue):
 
 # %%
-fig, ax = plt.subplots(figsize=(9.5, 3.2))
+fig, ax = plt.subplots(figsize=(9, 3.2))
 for row, r in enumerate((ngram, small)):
     x = 0
     for proposed, kept in r.rounds[1]:
@@ -340,7 +340,7 @@ for name, proposer, cost in (("1-layer draft", draft_model, c), ("n-gram draft",
 ax.axhline(1, color="0.6", lw=1)
 ax.set(xlabel="gamma (drafts per round)", ylabel="speed-up over plain decoding", xticks=GAMMAS,
        title="the speed-up follows alpha and the draft's cost c")
-ax.legend(fontsize=9, loc="center left", bbox_to_anchor=(1, 0.5))
+ax.legend(fontsize=9, loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=2)
 plt.show()
 
 # %% [markdown]
@@ -432,13 +432,13 @@ plt.show()
 thresholds = (1.0, 0.5, 0.3, 0.2)
 early = {t: early_exit_generate(target, prompts[1], NEW, t, attention=ATTENTION) for t in thresholds}
 same_tokens("threshold 1 (every layer, the full model)", early[1.0].tokens, reference.tokens[1])
-fig, ax = plt.subplots(figsize=(9, 3.8))
+fig, ax = plt.subplots(figsize=(9, 4))
 for t, r in early.items():
     same = sum(a == b for a, b in zip(r.tokens, reference.tokens[1])) / NEW
     ax.plot(r.layers, ".-", label=f"threshold {t}: {sum(r.layers) / NEW:.1f} layers, {same:.0%} tokens as full")
 ax.set(xlabel="generated token", ylabel="layers run", yticks=range(1, CONFIG.n_layers + 1),
        title="early exit: a lower threshold leaves earlier")
-ax.legend(fontsize=9, loc="center left", bbox_to_anchor=(1, 0.5))
+ax.legend(fontsize=9, loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=2)
 plt.show()
 
 # %% [markdown]
