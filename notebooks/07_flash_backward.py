@@ -724,7 +724,9 @@ if ready:
 # %%
 def plot_dq_modes(data, source):
     rows = len(data["d"])  # one head dim per row, stacked to fit the notebook's column
-    fig, axes = plt.subplots(rows, 1, figsize=(9.0, 1.5 + 4.5 * rows), sharey=True, layout="constrained", squeeze=False)
+    fig, axes = plt.subplots(
+        rows, 1, figsize=(9.0, 1.5 + 4.5 * rows), sharey=True, layout="constrained", squeeze=False
+    )
     ratios = []
     for ax, d in zip(axes[:, 0], data["d"]):
         modes = [(c, m) for c in (False, True) for m in ("two_kernel", "atomic")]

@@ -150,7 +150,9 @@ for ax in axes:
     ax.set_yscale("log")
     ax.set_xlabel("batch B (sequences)")
 fig.legend(*axes[0].get_legend_handles_labels(), loc="outside lower center", ncol=4, fontsize=11)
-fig.suptitle(f"A Llama-3-8B-sized model decoding at {read_gbps:.0f} GB/s\n(faint: the caches do not fit in 141 GB)")
+fig.suptitle(
+    f"A Llama-3-8B-sized model decoding at {read_gbps:.0f} GB/s\n(faint: the caches do not fit in 141 GB)"
+)
 plt.show()
 
 # %% [markdown]
