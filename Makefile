@@ -110,12 +110,15 @@ grade: $(if $(filter $(STUDENT),$(DIR)),student,)
 # The notebooks run once, as the verification edition: the student edition (exercises blank, predictions
 # blank) with each instructor answer run after its check cell in a copy of the namespace
 # (course_lib.tools.verify). It shows that the student edition runs to the end and that every answer passes.
+# COURSE_STRICT_FIGURES=1: a figure wider than JupyterLab's column at 1366x768, or with text under 9 pt, fails
+# its cell (course_lib.perf.plotting).
 test:
 	@echo "==> make test: doctor, then course_lib tests + every notebook under nbval ($(JOBS) workers, $(THREADS) thread(s) each, CPU)"
 	@$(PYTHON) -m course_lib doctor
 	@rm -rf $(VERIFY)
 	@$(PYTHON) -m course_lib.tools.notebooks verify $(VERIFY) > /dev/null
-	COURSE_DEVICE=cpu OMP_NUM_THREADS=$(THREADS) $(PYTHON) -m pytest -q -n $(JOBS) --dist loadfile --durations=20 \
+	COURSE_STRICT_FIGURES=1 COURSE_DEVICE=cpu OMP_NUM_THREADS=$(THREADS) $(PYTHON) -m pytest -q -n $(JOBS) \
+		--dist loadfile --durations=20 \
 		-m "not gpu" $(NBVAL) tests $(VERIFY)
 
 test-gpu:
