@@ -99,6 +99,8 @@ def test_an_ipython_shell_fails_a_wide_figure_shown_either_way():
     """Under IPython's inline backend: plt.show() of a wide figure raises in the cell; a wide figure shown
     implicitly at the end of a cell shows the error (a kernel sends it as an error, which fails nbval); a
     narrow one shows."""
+    pytest.importorskip("IPython", reason="the inline backend needs IPython (a GPU image may have none)")
+    pytest.importorskip("matplotlib_inline", reason="the inline backend needs matplotlib-inline")
     script = textwrap.dedent(
         """
         from IPython.core.interactiveshell import InteractiveShell

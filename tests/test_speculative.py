@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+import course_lib
 from course_lib.decode.cache import PagedKVCache
 from course_lib.decode.toy_model import ToyModel
 from course_lib.models import Llama, LlamaConfig
@@ -30,6 +31,7 @@ from course_lib.speculative import (
     truncate,
 )
 
+DEV = course_lib.DEVICE  # the toy models live where the kernels run (the kernel-path tests call them)
 PROMPTS = [[1, 2, 3, 4, 1, 2, 3], [5, 6, 7, 8, 9, 10, 11, 12, 5, 6], [30, 3]]  # repeats for n-gram lookup
 
 
@@ -44,7 +46,7 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def toy():
-    model = ToyModel("cpu")
+    model = ToyModel(DEV)
     return model, [model.generate_full(p, 12) for p in PROMPTS]
 
 
@@ -76,7 +78,7 @@ def test_greedy_ngram_draft_matches_greedy(toy, gamma):
 @pytest.mark.parametrize("gamma", [3])
 def test_greedy_model_draft_matches_greedy_with_different_acceptances(toy, gamma):
     model, expected = toy
-    draft = ToyModel("cpu", seed=8)
+    draft = ToyModel(DEV, seed=8)
     r = speculative_generate(model, draft, PROMPTS, 12, gamma=gamma, attention="torch")
     assert r.tokens == expected, f"gamma={gamma}"
     # a draft that is the target itself: every draft kept, gamma + 1 tokens a round
@@ -89,8 +91,9 @@ def test_greedy_model_draft_matches_greedy_with_different_acceptances(toy, gamma
 
 def test_batch_with_different_acceptance_lengths_through_the_kernel(toy):
     model, expected = toy
-    draft = ToyModel("cpu")  # the target with a perturbed head: agrees often, not always
-    draft.head = draft.head + 0.05 * torch.randn(draft.head.shape, generator=torch.Generator().manual_seed(0))
+    draft = ToyModel(DEV)  # the target with a perturbed head: agrees often, not always
+    noise = torch.randn(draft.head.shape, generator=torch.Generator().manual_seed(0)).to(draft.head)
+    draft.head = draft.head + 0.05 * noise
     r = speculative_generate(model, ModelDraft(draft, 16, 8), PROMPTS[:2], 8, gamma=3, attention="kernel")
     assert r.tokens == [e[:8] for e in expected[:2]]
     accepted = [[a for _, a in rounds] for rounds in r.rounds]
