@@ -470,9 +470,9 @@ def dkdv_backward(do, q, k, v, o, L, causal=False, block_m=BLOCK_M, block_n=BLOC
 def backward_case(n_q, n_k, causal, dtype=torch.float32):
     """Inputs of one case, (B, H, n_q, d) and (B, H, n_k, d) in `dtype`, the same at every call: q, k, v, dO,
     O and L (from float64, O rounded to dtype), and the float64 gradients (dQ, dK, dV)."""
-    g = torch.Generator(device=DEVICE).manual_seed(1000 * n_q + n_k)
+    g = torch.Generator().manual_seed(1000 * n_q + n_k)  # on the CPU: the same draws on every machine
     q, k, v = random_qkv((B, H, n_q, D), n_k, dtype=dtype, device=DEVICE, generator=g)
-    do = torch.randn(q.shape, generator=g, device=DEVICE).to(dtype)
+    do = torch.randn(q.shape, generator=g).to(DEVICE, dtype)
     o64, lse64 = attention(q.double(), k.double(), v.double(), causal=causal, return_lse=True)
     _, grads64 = reference_outputs(q.double(), k.double(), v.double(), causal, grad_out=do.double())
     return (do, q, k, v, o64.to(dtype), lse64.float()), grads64

@@ -200,7 +200,9 @@ def test_truncate_releases_pages_and_respects_shared_ones():
 
 def test_rolled_back_sequence_decodes_as_if_never_extended(toy):
     model, expected = toy
-    cache = PagedKVCache(model.num_layers, 16, 4, model.num_kv_heads, model.head_dim, model.dtype, "cpu")
+    cache = PagedKVCache(
+        model.num_layers, 16, 4, model.num_kv_heads, model.head_dim, model.dtype, model.device
+    )
     cache.add_sequence(0)
     prompt = PROMPTS[1]
     forward_tokens(model, cache, [(0, prompt + [9, 9, 9, 9, 9])], attention="torch")  # 5 wrong drafts

@@ -57,7 +57,7 @@ def measure_stream(kind: str, lengths, chunk: int = 2048, heads: int = 8, d: int
 
     device = torch.device("cuda")
     rows = []
-    for n in [chunk, *lengths]:  # the first, one chunk, compiles the kernels and is not recorded
+    for i, n in enumerate([chunk, *lengths]):  # the first, one chunk, compiles the kernels: not recorded
         if n % chunk or (kind == "infini" and chunk % segment):
             raise ValueError(f"measure_stream: N = {n} must be a multiple of chunk {chunk}, chunk of segment")
         torch.cuda.synchronize()
@@ -79,9 +79,8 @@ def measure_stream(kind: str, lengths, chunk: int = 2048, heads: int = 8, d: int
                                     causal="bottom_right")  # fmt: skip
         torch.cuda.synchronize()
         seconds = time.perf_counter() - start
-        rows.append(dict(n=n, peak_bytes=torch.cuda.max_memory_allocated() - base, seconds=seconds))
-        if len(rows) == 1:
-            rows.clear()
+        if i > 0:
+            rows.append(dict(n=n, peak_bytes=torch.cuda.max_memory_allocated() - base, seconds=seconds))
         if kind == "full":
             del cache
         del memory
