@@ -117,7 +117,8 @@ ratio_guess = predict("KV cache (bf16, 64k tokens) / Infini memory (float32), on
 # σ(q)·σ(k), here σ(x) = ELU(x) + 1 (x + 1 above zero, eˣ below). Then attention over all past keys factors:
 #
 # $$A_{mem}(q) = \frac{\sum_i \big(\sigma(q)\cdot\sigma(k_i)\big)\, v_i}{\sum_i \sigma(q)\cdot\sigma(k_i)}
-#             = \frac{\sigma(q)\, M}{\sigma(q)\, z}, \qquad M = \sum_i \sigma(k_i)^\top v_i,\quad z = \sum_i \sigma(k_i).$$
+#             = \frac{\sigma(q)\, M}{\sigma(q)\, z}, \qquad
+#   M = \sum_i \sigma(k_i)^\top v_i,\quad z = \sum_i \sigma(k_i).$$
 #
 # M (d × d_v) and z (d) are all there is to keep: storing a pair adds σ(k)ᵀv to M and σ(k) to z, and a query
 # reads a weighted mean of every stored value. One pair comes back exactly; several come back blended, and
@@ -155,7 +156,8 @@ assert retrieval_error(1) < 1e-12 and retrieval_error(64) > 0.5
 # **The delta rule.** Storing a pair the memory already holds adds it a second time. The paper's delta rule
 # first reads what M returns for the new keys and stores only the difference:
 #
-# $$M \leftarrow M + \sigma(K)^\top \Big(V - \frac{\sigma(K)\, M}{\sigma(K)\, z}\Big), \qquad z \leftarrow z + \textstyle\sum_t \sigma(K_t),$$
+# $$M \leftarrow M + \sigma(K)^\top \Big(V - \frac{\sigma(K)\, M}{\sigma(K)\, z}\Big), \qquad
+#   z \leftarrow z + \textstyle\sum_t \sigma(K_t),$$
 #
 # with M and z on the right-hand side those from before the segment.
 #

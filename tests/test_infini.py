@@ -71,7 +71,9 @@ def test_first_segment_reads_an_empty_memory_as_zero():
     a_dot = segment_attention(q, k, v, 16)
     assert torch.isfinite(o).all()
     assert_near(o, (1 - torch.sigmoid(torch.tensor(0.7))) * a_dot, "first segment")
-    a_mem, M, z = infini_memory_reference(q.cpu(), k.cpu(), v.cpu(), torch.zeros(1, 2, 16, 16), torch.zeros(1, 2, 16))
+    a_mem, M, z = infini_memory_reference(
+        q.cpu(), k.cpu(), v.cpu(), torch.zeros(1, 2, 16, 16), torch.zeros(1, 2, 16)
+    )
     assert torch.equal(a_mem, torch.zeros_like(a_mem))
 
 
@@ -82,7 +84,9 @@ def test_a_stream_in_two_calls_equals_one_call():
         first, mem = infini_attention(q[:, :, :24], k[:, :, :24], v[:, :, :24], 8, delta=delta, gate=0.3)
         second, (M2, z2) = infini_attention(q[:, :, 24:], k[:, :, 24:], v[:, :, 24:], 8, memory=mem, delta=delta,
                                             gate=0.3)  # fmt: skip
-        assert_near(torch.cat([first, second], 2), whole, f"two calls (delta={delta}): O", rtol=1e-6, atol=1e-6)
+        assert_near(
+            torch.cat([first, second], 2), whole, f"two calls (delta={delta}): O", rtol=1e-6, atol=1e-6
+        )
         assert_near(M2, M, f"two calls (delta={delta}): M", rtol=1e-6, atol=1e-6)
         assert_near(z2, z, f"two calls (delta={delta}): z", rtol=1e-6, atol=1e-6)
 
@@ -116,19 +120,46 @@ BAD = [  # (what, call, error, words the message must contain)
     ("segment -3", lambda q: infini_attention(q, q, q, -3), ValueError, "segment"),
     ("segment 4.5", lambda q: infini_attention(q, q, q, 4.5), TypeError, "segment"),
     ("segment True", lambda q: infini_attention(q, q, q, True), TypeError, "segment"),
-    ("head dim 12", lambda q: infini_attention(*(torch.zeros(1, 1, 8, 12, device=DEVICE),) * 3, 4), ValueError,
-     "head dim"),  # fmt: skip
+    (
+        "head dim 12",
+        lambda q: infini_attention(*(torch.zeros(1, 1, 8, 12, device=DEVICE),) * 3, 4),
+        ValueError,
+        "head dim",
+    ),  # fmt: skip
     ("3-dim q", lambda q: infini_attention(q[0], q[0], q[0], 4), ValueError, "(B, H, N, d)"),
     ("k of another length", lambda q: infini_attention(q, q[:, :, :5], q, 4), ValueError, "shape"),
     ("integer inputs", lambda q: infini_attention(*(q.long(),) * 3, 4), TypeError, "dtype"),
     ("mixed dtypes", lambda q: infini_attention(q, q.double(), q, 4), TypeError, "dtype"),
-    ("memory M of the wrong shape", lambda q: infini_attention(q, q, q, 4, memory=(torch.zeros(1, 2, 16, 8,
-     device=DEVICE), torch.zeros(1, 2, 16, device=DEVICE))), ValueError, "memory M"),  # fmt: skip
-    ("memory in float16", lambda q: infini_attention(q, q, q, 4, memory=(torch.zeros(1, 2, 16, 16, device=DEVICE,
-     dtype=torch.float16), torch.zeros(1, 2, 16, device=DEVICE))), TypeError, "memory M"),  # fmt: skip
+    (
+        "memory M of the wrong shape",
+        lambda q: infini_attention(
+            q, q, q, 4, memory=(torch.zeros(1, 2, 16, 8, device=DEVICE), torch.zeros(1, 2, 16, device=DEVICE))
+        ),
+        ValueError,
+        "memory M",
+    ),  # fmt: skip
+    (
+        "memory in float16",
+        lambda q: infini_attention(
+            q,
+            q,
+            q,
+            4,
+            memory=(
+                torch.zeros(1, 2, 16, 16, device=DEVICE, dtype=torch.float16),
+                torch.zeros(1, 2, 16, device=DEVICE),
+            ),
+        ),
+        TypeError,
+        "memory M",
+    ),  # fmt: skip
     ("memory not a pair", lambda q: infini_attention(q, q, q, 4, memory=torch.zeros(3)), TypeError, "memory"),
-    ("gate of 3 heads", lambda q: infini_attention(q, q, q, 4, gate=torch.zeros(3, device=DEVICE)), ValueError,
-     "gate"),  # fmt: skip
+    (
+        "gate of 3 heads",
+        lambda q: infini_attention(q, q, q, 4, gate=torch.zeros(3, device=DEVICE)),
+        ValueError,
+        "gate",
+    ),  # fmt: skip
     ("gate a string", lambda q: infini_attention(q, q, q, 4, gate="open"), TypeError, "gate"),
     ("delta 1", lambda q: infini_attention(q, q, q, 4, delta=1), TypeError, "delta"),
     ("no tokens", lambda q: infini_attention(*(q[:, :, :0],) * 3, 4), ValueError, "no tokens"),

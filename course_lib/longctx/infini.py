@@ -93,7 +93,9 @@ def _check(q, k, v, segment, memory, delta, gate, local, where: str):
         if t.dim() != 4:
             raise ValueError(f"{where}: {name} must be (B, H, N, d); got shape {tuple(t.shape)}")
         if not t.dtype.is_floating_point:
-            raise TypeError(f"{where}: {name} has dtype {t.dtype}; Infini-attention needs floating-point inputs")
+            raise TypeError(
+                f"{where}: {name} has dtype {t.dtype}; Infini-attention needs floating-point inputs"
+            )
     if not (q.shape == k.shape and q.shape[:-1] == v.shape[:-1]):
         raise ValueError(
             f"{where}: q and k must have one shape (B, H, N, d) and v (B, H, N, d_v); got q {tuple(q.shape)}, "
@@ -214,7 +216,10 @@ def infini_memory_reference(q, k, v, M, z, delta: bool = False):
     for t in range(n):
         sk, vt = elu_plus_one(k[:, :, t]), v[:, :, t]
         if delta:
-            old = torch.einsum("bhi,bhij->bhj", sk, M) / torch.einsum("bhi,bhi->bh", sk, z).clamp_min(EPS)[..., None]
+            old = (
+                torch.einsum("bhi,bhij->bhj", sk, M)
+                / torch.einsum("bhi,bhi->bh", sk, z).clamp_min(EPS)[..., None]
+            )
             vt = vt - old
         M_new = M_new + torch.einsum("bhi,bhj->bhij", sk, vt)
         z_new = z_new + sk

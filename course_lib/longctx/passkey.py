@@ -89,7 +89,9 @@ class PasskeyModel(nn.Module):
             return self.local(q, k, v)
         if self.kind == "local":
             return segment_attention(q, k, v, self.task.segment, self.local)
-        return infini_attention(q, k, v, self.task.segment, delta=self.delta, gate=self.beta, local=self.local)[0]
+        return infini_attention(
+            q, k, v, self.task.segment, delta=self.delta, gate=self.beta, local=self.local
+        )[0]
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens (B, N) int64 -> logits (B, n_values) of the last position."""

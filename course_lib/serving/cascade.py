@@ -76,7 +76,9 @@ def cascade_decode_attention(
     _check(q, k_pages, prefix_pages, prefix_len, block_table, suffix_lens, where)
     B, Tq, Hq, d = q.shape
     rows = q.reshape(1, B * Tq, Hq, d)  # every query of the batch: one multi-query pass over the prefix
-    prefix_len_t = torch.full((1,), prefix_len, dtype=torch.int32, device=q.device)  # a fill: graph-capturable
+    prefix_len_t = torch.full(
+        (1,), prefix_len, dtype=torch.int32, device=q.device
+    )  # a fill: graph-capturable
     o_p, lse_p = paged_decode_attention(
         rows, k_pages, v_pages, prefix_pages.view(1, -1), prefix_len_t, causal=False, scale=scale,
         num_splits=num_splits, return_lse=True,
