@@ -1,5 +1,6 @@
 """`python -m course_lib grade`: a learner's notebook run headless gives a scorecard (solved / attempted / total,
-predictions made and scored), the learner's file is not written, and an unsolved notebook grades to zero."""
+predictions made and scored), the learner's file is not written, and an unsolved notebook grades to zero.
+Names with an apostrophe and f-string names (matched against what the run formatted) are counted too."""
 
 import json
 
@@ -15,10 +16,11 @@ def _notebook(solved: bool, predicted: bool):
     cells = [
         cell("from course_lib.exercises import check, predict"),
         cell(f"def double(x):\n{answer}"),
-        cell('check("double", lambda: double(3), 6)', metadata={"tags": ["check"]}),
+        cell('check("double\'s answer", lambda: double(3), 6)', metadata={"tags": ["check"]}),
         cell("def triple(x):\n    return 4 * x  # wrong"),
         cell('check("triple", lambda: triple(3), 9)', metadata={"tags": ["check"]}),
-        cell(f'guess = predict("a ratio", {3.0 if predicted else None}, unit="x")'),
+        cell("N = 4"),
+        cell(f'guess = predict(f"a ratio at {{N}} ranks", {3.0 if predicted else None}, unit="x")'),
         cell("guess.score(4.0)"),
     ]
     return nbformat.v4.new_notebook(
@@ -41,10 +43,10 @@ def test_scorecard_counts_solved_attempted_and_predictions(tmp_path, capsys):
     assert (a["exercises"]["solved"], a["exercises"]["attempted"], a["exercises"]["total"]) == (1, 2, 2)
     assert a["predictions"] == {
         "total": 1, "made": 1, "good": 1,
-        "each": {"a ratio": {"predicted": 3.0, "measured": 4.0, "ratio": pytest.approx(4 / 3)}},
+        "each": {"a ratio at {N} ranks": {"predicted": 3.0, "measured": 4.0, "ratio": pytest.approx(4 / 3)}},
     }  # fmt: skip
     assert (b["exercises"]["solved"], b["exercises"]["attempted"]) == (0, 1)  # triple runs, and is wrong
-    assert b["exercises"]["each"] == {"double": "not_done", "triple": "wrong"}
+    assert b["exercises"]["each"] == {"double's answer": "not_done", "triple": "wrong"}
     assert b["predictions"]["made"] == 0 and b["error"] is None
     assert (folder / "02_b.ipynb").read_text() == before, "grading wrote the learner's notebook"
     assert "1 of 4 exercises solved" in capsys.readouterr().out

@@ -31,8 +31,31 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_DIR = ROOT / "build" / "student"
-CHECK_NAME = re.compile(r"\bcheck(?:_cases)?\(\s*(?:name\s*=\s*)?[\"']([^\"']+)[\"']")
-PREDICT_NAME = re.compile(r"\bpredict\(\s*f?[\"']([^\"']+)[\"']")
+# a call's first argument when it is a string literal: (f-prefix, quote, text); an apostrophe inside double quotes
+# is part of the name, and an f-string's {fields} match whatever the run formatted into them
+_CALL = r"\b{fn}\(\s*(?:name\s*=\s*)?(f?)([\"'])(.*?)(?<!\\)\2"
+CHECK_NAME = re.compile(_CALL.format(fn=r"check\w*"))  # check, check_cases, check_merge, ...
+PREDICT_NAME = re.compile(_CALL.format(fn="predict"))
+TIMED_NAME = re.compile(_CALL.format(fn="time_kernels"))
+
+
+def _names(pattern: re.Pattern, source: str) -> list[str]:
+    """The names of the calls `pattern` finds; an f-string's keeps its "f" in front (see `_matcher`)."""
+    return [("f" if f else "") + text for f, _, text in pattern.findall(source)]
+
+
+def _matcher(name: str):
+    """A test of whether a logged name is `name` (an f-string template: its {fields} match anything)."""
+    if not name.startswith("f"):
+        return lambda logged: logged == name
+    parts = re.split(r"(\{[^}]*\})", name[1:])
+    regex = re.compile("".join(".+?" if part.startswith("{") else re.escape(part) for part in parts) + "$")
+    return lambda logged: bool(regex.match(logged))
+
+
+def _shown(name: str) -> str:
+    return name[1:] if name.startswith("f") else name
+
 
 __all__ = ["grade_notebook", "main"]
 
@@ -44,11 +67,9 @@ def _inventory(nb) -> tuple[list[str], list[str], list[str]]:
         if cell.cell_type != "code":
             continue
         if "check" in cell.metadata.get("tags", []):
-            exercises += [n for n in CHECK_NAME.findall(cell.source) if n not in exercises]
-        kernels += [
-            n for n in re.findall(r"\btime_kernels\(\s*[\"']([^\"']+)[\"']", cell.source) if n not in kernels
-        ]
-        predictions += [n for n in PREDICT_NAME.findall(cell.source) if n not in predictions]
+            exercises += [n for n in _names(CHECK_NAME, cell.source) if n not in exercises]
+        kernels += [n for n in _names(TIMED_NAME, cell.source) if n not in kernels]
+        predictions += [n for n in _names(PREDICT_NAME, cell.source) if n not in predictions]
     return exercises, kernels, predictions
 
 
@@ -80,14 +101,16 @@ def grade_notebook(path: Path, timeout: int = 900) -> dict:
                 os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
         events = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
     seconds = time.perf_counter() - t0
-    status = {}
-    for e in events:
-        if e["event"] == "check":
-            best = {"correct": 2, "wrong": 1, "not_done": 0}
-            old = status.get(e["name"], "not_done")
-            status[e["name"]] = e["status"] if best[e["status"]] >= best[old] else old
-    scores = {e["name"]: e for e in events if e["event"] == "score"}
-    timings = {e["name"]: e for e in events if e["event"] == "timing"}
+
+    def named(event: str) -> dict:
+        """{inventory name: the events of kind `event` logged under it}"""
+        return {n: [e for e in events if e["event"] == event and _matcher(n)(e["name"])] for n in names}
+
+    names = {*exercises, *kernels, *predictions}
+    rank = {"correct": 2, "wrong": 1, "not_done": 0}
+    status = {n: max((e["status"] for e in es), key=rank.get) for n, es in named("check").items() if es}
+    scores = {n: es[-1] for n, es in named("score").items() if es}
+    timings = {n: es[-1] for n, es in named("timing").items() if es}
     made = [n for n in predictions if scores.get(n, {}).get("predicted") is not None]
     return {
         "notebook": path.name,
@@ -97,19 +120,21 @@ def grade_notebook(path: Path, timeout: int = 900) -> dict:
             "total": len(exercises),
             "solved": sum(status.get(n) == "correct" for n in exercises),
             "attempted": sum(status.get(n) in ("correct", "wrong") for n in exercises),
-            "each": {n: status.get(n, "not run") for n in exercises},
+            "each": {_shown(n): status.get(n, "not run") for n in exercises},
         },
         "predictions": {
             "total": len(predictions),
             "made": len(made),
             "good": sum(bool(scores[n].get("good")) for n in made),
             "each": {
-                n: {k: scores[n].get(k) for k in ("predicted", "measured", "ratio")} if n in scores else None
+                _shown(n): {k: scores[n].get(k) for k in ("predicted", "measured", "ratio")}
+                if n in scores
+                else None
                 for n in predictions
             },
         },
         "kernels": {
-            n: {
+            _shown(n): {
                 "passes": status.get(n) == "correct",
                 **{k: v for k, v in timings.get(n, {}).items() if k.endswith("_ms")},
             }
