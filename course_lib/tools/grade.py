@@ -83,7 +83,8 @@ def grade_notebook(path: Path, timeout: int = 900) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         log = Path(tmp) / "grade.jsonl"
         log.touch()
-        env = {"COURSE_GRADE_LOG": str(log), "COURSE_GRADE_NOTEBOOK": path.stem}
+        # COURSE_HEADLESS: no widgets (a slider in a headless kernel once held a cell until its timeout)
+        env = {"COURSE_GRADE_LOG": str(log), "COURSE_GRADE_NOTEBOOK": path.stem, "COURSE_HEADLESS": "1"}
         saved = {k: os.environ.get(k) for k in env}
         os.environ.update(env)
         t0 = time.perf_counter()
