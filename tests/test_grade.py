@@ -18,7 +18,7 @@ def _notebook(solved: bool, predicted: bool):
         cell(f"def double(x):\n{answer}"),
         cell('check("double\'s answer", lambda: double(3), 6)', metadata={"tags": ["check"]}),
         cell("def triple(x):\n    return 4 * x  # wrong"),
-        cell('check("triple", lambda: triple(3), 9)', metadata={"tags": ["check"]}),
+        cell('check("fused triple", lambda: triple(3), 9)', metadata={"tags": ["check"]}),
         cell("N = 4"),
         cell(f'guess = predict(f"a ratio at {{N}} ranks", {3.0 if predicted else None}, unit="x")'),
         cell("guess.score(4.0)"),
@@ -46,7 +46,7 @@ def test_scorecard_counts_solved_attempted_and_predictions(tmp_path, capsys):
         "each": {"a ratio at {N} ranks": {"predicted": 3.0, "measured": 4.0, "ratio": pytest.approx(4 / 3)}},
     }  # fmt: skip
     assert (b["exercises"]["solved"], b["exercises"]["attempted"]) == (0, 1)  # triple runs, and is wrong
-    assert b["exercises"]["each"] == {"double's answer": "not_done", "triple": "wrong"}
+    assert b["exercises"]["each"] == {"double's answer": "not_done", "fused triple": "wrong"}
     assert b["predictions"]["made"] == 0 and b["error"] is None
     assert (folder / "02_b.ipynb").read_text() == before, "grading wrote the learner's notebook"
     assert "1 of 4 exercises solved" in capsys.readouterr().out

@@ -39,14 +39,17 @@ PREDICT_NAME = re.compile(_CALL.format(fn="predict"))
 TIMED_NAME = re.compile(_CALL.format(fn="time_kernels"))
 
 
+F_STRING = "\x1f"  # in front of an f-string's name (a character no exercise name holds)
+
+
 def _names(pattern: re.Pattern, source: str) -> list[str]:
-    """The names of the calls `pattern` finds; an f-string's keeps its "f" in front (see `_matcher`)."""
-    return [("f" if f else "") + text for f, _, text in pattern.findall(source)]
+    """The names of the calls `pattern` finds; an f-string's marked with F_STRING in front (see `_matcher`)."""
+    return [(F_STRING if f else "") + text for f, _, text in pattern.findall(source)]
 
 
 def _matcher(name: str):
     """A test of whether a logged name is `name` (an f-string template: its {fields} match anything)."""
-    if not name.startswith("f"):
+    if not name.startswith(F_STRING):
         return lambda logged: logged == name
     parts = re.split(r"(\{[^}]*\})", name[1:])
     regex = re.compile("".join(".+?" if part.startswith("{") else re.escape(part) for part in parts) + "$")
@@ -54,7 +57,7 @@ def _matcher(name: str):
 
 
 def _shown(name: str) -> str:
-    return name[1:] if name.startswith("f") else name
+    return name.removeprefix(F_STRING)
 
 
 __all__ = ["grade_notebook", "main"]
