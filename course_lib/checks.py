@@ -210,6 +210,16 @@ def check_eps(where: str, name: str, eps) -> float:
     return eps
 
 
+def vocab_size(model) -> int | None:
+    """A model's vocabulary size where it says (`vocab_size`, `vocab` or `config.vocab_size`), else None: what the
+    batcher (notebook 10) and speculative decoding (notebook 15) check token ids and drafts against."""
+    for value in (getattr(model, "vocab_size", None), getattr(model, "vocab", None)):
+        if isinstance(value, int):
+            return value
+    size = getattr(getattr(model, "config", None), "vocab_size", None)
+    return size if isinstance(size, int) else None
+
+
 def token_ids(where: str, prompt, vocab: int | None = None) -> list[int]:
     """A prompt as a list of ints in [0, vocab) (any iterable of ids, or a 1-D integer tensor); a TypeError
     when it is not one, a ValueError naming the ids that are not such ints (vocab None: any id >= 0)."""

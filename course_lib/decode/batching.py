@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..checks import as_int, check_generation_fits, check_int, token_ids
+from ..checks import as_int, check_generation_fits, check_int, token_ids, vocab_size
 from .cache import OutOfPages, PagedKVCache
 from .graphs import DecodeGraphs
 from .paged_kv import PagedKV
@@ -58,15 +58,6 @@ class Request:
 def _max_positions(model) -> int | None:
     """The most positions the model can run at (`config.max_seq_len`, its RoPE table) where it says, else None."""
     size = getattr(getattr(model, "config", None), "max_seq_len", None)
-    return size if isinstance(size, int) else None
-
-
-def _vocab_size(model) -> int | None:
-    """The model's vocabulary size where it says (`vocab_size`, `vocab` or `config.vocab_size`), else None."""
-    for value in (getattr(model, "vocab_size", None), getattr(model, "vocab", None)):
-        if isinstance(value, int):
-            return value
-    size = getattr(getattr(model, "config", None), "vocab_size", None)
     return size if isinstance(size, int) else None
 
 
@@ -124,7 +115,7 @@ class ContinuousBatcher:
         """Queue a request (prompt: a non-empty list of token ids); returns its id. A request whose
         prompt and new tokens could never fit in the page pool, even alone, is refused here."""
         where = "ContinuousBatcher.submit"
-        prompt = token_ids(where, prompt, _vocab_size(self.model))
+        prompt = token_ids(where, prompt, vocab_size(self.model))
         max_new_tokens = check_int(where, "max_new_tokens", max_new_tokens, 1)
         if len(prompt) == 0:
             raise ValueError(f"{where}: a request needs a non-empty prompt")
@@ -138,7 +129,7 @@ class ContinuousBatcher:
             )
         check_generation_fits(where, len(prompt), max_new_tokens, _max_positions(self.model))
         if eos_id is not None:
-            eos, vocab = as_int(eos_id), _vocab_size(self.model)
+            eos, vocab = as_int(eos_id), vocab_size(self.model)
             if eos is None or eos < 0 or (vocab is not None and eos >= vocab):
                 raise ValueError(
                     f"{where}: eos_id must be None or a token id of the vocabulary; got {eos_id!r}"

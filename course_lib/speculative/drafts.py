@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import torch
 
-from ..checks import check_int
+from ..checks import check_int, vocab_size
 from .acceptance import probabilities
-from .steps import check_attention, forward_tokens, new_cache, truncate, vocab_size
+from .steps import check_attention, forward_tokens, new_cache, truncate
 
 
 class NGramDraft:

@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..checks import check_generation_fits, check_int, check_real, token_ids
+from ..checks import check_generation_fits, check_int, check_real, token_ids, vocab_size
 from .acceptance import accept_greedy, accept_sampled, probabilities
 from .drafts import ModelDraft, NGramDraft
-from .steps import check_attention, forward_tokens, new_cache, truncate, vocab_size
+from .steps import check_attention, forward_tokens, new_cache, truncate
 
 
 @dataclass

@@ -60,15 +60,6 @@ def new_cache(model, num_pages: int, page_size: int = 16) -> PagedKVCache:
     )
 
 
-def vocab_size(model) -> int | None:
-    """The model's vocabulary size where it says (`vocab_size`, `vocab` or `config.vocab_size`), else None."""
-    for value in (getattr(model, "vocab_size", None), getattr(model, "vocab", None)):
-        if isinstance(value, int):
-            return value
-    size = getattr(getattr(model, "config", None), "vocab_size", None)
-    return size if isinstance(size, int) else None
-
-
 @torch.no_grad()
 def forward_tokens(model, cache: PagedKVCache, feeds, attention: str = "kernel") -> list[torch.Tensor]:
     """One `model.forward_step` over every sequence of `feeds`, a list of (seq_id, new tokens); each
