@@ -552,7 +552,7 @@ from course_lib.exercises import predict
 # (1) the fused version's speed-up over eager, on any device
 fusion_guess = predict("fusion speed-up (4 element-wise ops)", 4.0, unit="x")
 # (2) the eager chain's time on an H200, N = 2**28 fp32 elements, at its datasheet bandwidth
-h200_eager_guess = predict("eager 4-op chain on an H200, 2**28 fp32 elements", 1.8, unit=" ms")
+h200_eager_guess = predict("eager 4-op chain on an H200 at 2**28 fp32 elements", 1.8, unit=" ms")
 
 # %%
 fusion = perf.measure_fusion(FUSION_NUMEL, compile_fn=None if course_lib.ON_GPU else fuse_by_chunks)

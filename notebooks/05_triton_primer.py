@@ -544,7 +544,7 @@ if hw is not None:
 
 # %%
 # Your prediction, in microseconds: the fused kernel's time for (M, N) = (4096, 12032), float32.
-softmax_guess = predict("fused softmax time, 4096 rows of 12,032 floats", 92.0, unit=" us")
+softmax_guess = predict("fused softmax time at 4096 rows of 12032 floats", 92.0, unit=" us")
 
 # %% [markdown]
 # **Measure (GPU only).** We time the naive version, the fused kernel (`course_lib.primer.softmax`) and

@@ -208,7 +208,7 @@ torch.testing.assert_close(o_gqa.double(), o_rep, rtol=TOL, atol=TOL)
 
 # %%
 # Your prediction: GiB of KV cache saved by 8 K/V heads instead of 32, 8192 tokens, 32 layers, d = 128, bf16.
-gqa_guess = predict("KV cache saved by GQA (8 of 32 heads), 8192 tokens", 3.0, unit=" GiB")
+gqa_guess = predict("KV cache saved by GQA (8 of 32 heads) at 8192 tokens", 3.0, unit=" GiB")
 
 # %%
 layers, hq_model, d_model, bytes_per = 32, 32, 128, 2  # bf16

@@ -681,7 +681,7 @@ assert choose_num_splits(64 * 8, 64, 132) == 1
 
 # %%
 # Your prediction: µs per decoding step (batch 1, 32k tokens, 32/8 heads, d = 128, bf16), best split count.
-decode_guess = predict("decode step, 32k tokens, one layer", 38.0, unit=" µs")
+decode_guess = predict("decode step at 32k tokens (one layer)", 38.0, unit=" µs")
 
 # %%
 if course_lib.ON_GPU:

@@ -390,9 +390,9 @@ steps_guess.score(static_steps / continuous_steps)
 # %%
 model = toy if DEV.type == "cpu" else None
 if model is None:
-    from course_lib.bench.serving import _model
+    from course_lib.bench.serving import serving_model
 
-    model = _model(True)
+    model = serving_model(True)
 vocab = model.vocab if hasattr(model, "vocab") else model.config.vocab_size
 work = draw_workload(
     N_REQ, vocab, prompt_lens=course_lib.pick(cpu=(3, 10), gpu=(16, 256)),

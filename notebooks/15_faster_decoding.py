@@ -161,7 +161,7 @@ for n in widths:
 # estimate in place of the value (the instructor's worked figure: drafts kept about 60 % of the time).
 
 # %%
-tokens_guess = predict("tokens per target step, 1-layer draft, gamma 4", 2.3, unit=" tokens")
+tokens_guess = predict("tokens per target step (1-layer draft at gamma 4)", 2.3, unit=" tokens")
 
 # %%
 def same_tokens(name, got, expected):

@@ -108,7 +108,7 @@ assert kv_cache_bytes(1, KV_HEADS, D_HEAD, layers=LAYERS) == 128 * 1024
 # shapes above. Type your estimate in place of the value in `predict(...)` in the next cell; section 5 scores it.
 
 # %%
-ratio_guess = predict("KV cache (bf16, 64k tokens) / Infini memory (float32), one layer", 500, unit="x")
+ratio_guess = predict("KV cache (bf16 at 64k tokens) / Infini memory (float32) for one layer", 500, unit="x")
 
 # %% [markdown]
 # ## 2. A matrix as a memory

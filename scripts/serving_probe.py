@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from course_lib.bench.serving import HKV, _model
+from course_lib.bench.serving import HKV, serving_model
 from course_lib.decode import paged_decode_attention
 from course_lib.perf.timing import graph_ms
 from course_lib.serving.prefix_cache import PrefixCachingBatcher
@@ -41,7 +41,7 @@ def prefix_pass_rows():
 
 
 def ttft_profile():
-    model = _model(True)
+    model = serving_model(True)
     vocab = model.config.vocab_size
     g = torch.Generator().manual_seed(1)
     for n in (256, 1024, 4096):

@@ -136,7 +136,9 @@ def batching(model, n, max_batch, quick) -> dict:
             "predicted_gain": predicted, "measured_gain": measured}  # fmt: skip
 
 
-def _model(gpu: bool):
+def serving_model(gpu: bool):
+    """The capstone-shaped Llama the serving benchmark measures (random weights): 8 layers of width 1024 on a
+    GPU in bf16, a tiny one on the CPU. Notebook 14 and scripts/serving_probe.py use it too."""
     from ..models.llama import Llama, LlamaConfig
 
     if gpu:
@@ -178,7 +180,7 @@ def run(quick: bool = False) -> dict:
         print(
             f"serving: cascade B={B} P={P}: {row['speedup']:.2f}x paged, {row['of_bound']:.0%} of its bound"
         )
-    model = _model(gpu)
+    model = serving_model(gpu)
     g = torch.Generator().manual_seed(2)
     prompt = torch.randint(0, model.config.vocab_size, (4096 if gpu else 96,), generator=g).tolist()
     data["ttft"] = ttft(model, prompt, 0.9, 5 if gpu else 1)
