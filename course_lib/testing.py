@@ -8,6 +8,8 @@ allows, not against a tolerance picked to make it pass.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from . import runtime
@@ -205,3 +207,85 @@ def run_cases(check, cases, threads: int | None = None) -> list:
 
     with ThreadPoolExecutor(threads) as pool:
         return list(pool.map(on_device, cases))
+
+
+# Decoding (notebooks 09-10): the inputs and the rule every decode kernel's (out, lse) is judged by.
+# Max |lse - reference lse|, every dtype. The kernels compute the scores and the logsumexp in fp32 from the
+# inputs as stored (on a GPU the 16-bit products accumulate in fp32 on the tensor cores), so what is left is
+# fp32 rounding: about 1e-6 on the CPU for fp32, fp16 and bf16 alike. Absolute rather than relative to |lse|,
+# because lse is used through exp(lse) (merging splits, the backward pass): an error e scales those weights by
+# exp(e) ~ 1 + e, whatever the size of lse.
+LSE_TOL = 1e-4
+
+
+def make_cache(B, n_max, hq, hkv, d, tq, dtype, seed=0, device=None):
+    """A decoding step's q (B, tq, hq, d) and a contiguous cache k, v (B, n_max, hkv, d), standard normal,
+    drawn on the CPU from `seed` (the same values on every device), in `dtype`, on `device` (default:
+    course_lib's)."""
+    device = runtime.DEVICE if device is None else device
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, tq, hq, d, generator=g).to(dtype=dtype, device=device)
+    k = torch.randn(B, n_max, hkv, d, generator=g).to(dtype=dtype, device=device)
+    v = torch.randn(B, n_max, hkv, d, generator=g).to(dtype=dtype, device=device)
+    return q, k, v
+
+
+def to_pages(k, v, page_size, seed=0):
+    """Scatter contiguous caches (B, Nmax, Hkv, d) into a shuffled page pool with a spare page.
+
+    Returns k_pages, v_pages (num_pages, page_size, Hkv, d), random values outside the sequences' pages,
+    and the block table (B, ceil(Nmax / page_size)) int32, on the caches' device."""
+    B, n_max, hkv, d = k.shape
+    max_pages = math.ceil(n_max / page_size)
+    num_pages = B * max_pages + 3
+    perm = torch.randperm(num_pages, generator=torch.Generator().manual_seed(seed))[: B * max_pages]
+    table = perm.reshape(B, max_pages).to(torch.int32)
+    pools = []
+    for x in (k, v):
+        pool = torch.randn(num_pages, page_size, hkv, d).to(dtype=x.dtype, device=x.device)  # junk elsewhere
+        padded = torch.zeros(B, max_pages * page_size, hkv, d, dtype=x.dtype, device=x.device)
+        padded[:, :n_max] = x
+        pool[table.long().to(x.device)] = padded.view(B, max_pages, page_size, hkv, d)
+        pools.append(pool)
+    return pools[0], pools[1], table.to(k.device)
+
+
+def same_dtype_baseline(q, k_cache, v_cache, cache_seqlens, causal=True):
+    """Plain PyTorch attention (`attention.reference.attention`) in the inputs' dtype, on their device: what
+    `decode_reference` computes, one sequence at a time over its valid keys, the kv heads repeated for GQA and
+    the bottom-right causal mask, at the precision the dtype allows. Rows that see no key: out 0."""
+    out = torch.zeros_like(q)
+    for b, n in enumerate(cache_seqlens.tolist()):
+        if n:
+            qb = q[b : b + 1].transpose(1, 2)  # (1, Hq, Tq, d)
+            kb, vb = (x[b : b + 1, :n].transpose(1, 2) for x in (k_cache, v_cache))  # (1, Hkv, n, d)
+            out[b] = attention(qb, kb, vb, causal="bottom_right" if causal else False)[0].transpose(0, 1)
+    return out
+
+
+def decode_references(q, k_cache, v_cache, cache_seqlens, causal=True):
+    """(out, lse) of the float64 reference and plain PyTorch's out in the inputs' dtype: what `assert_matches`
+    judges a decode kernel's result by."""
+    from .decode.reference import decode_reference
+
+    ref_out, ref_lse = decode_reference(q, k_cache, v_cache, cache_seqlens, causal=causal)
+    return ref_out, ref_lse, same_dtype_baseline(q, k_cache, v_cache, cache_seqlens, causal)
+
+
+def assert_matches(out, lse, refs, case):
+    """A decode kernel's out within twice plain PyTorch's error in the inputs' dtype plus a floor, lse within
+    LSE_TOL of the float64 reference (`decode_references`), and rows that see no key give out 0 and lse -inf.
+
+    The floor is the dtype's (`FLOOR`, set for outputs of order 1) times the largest |output|: the outputs
+    shrink as the cache grows (about 0.05 at 16k keys), and a floor of fixed size would let a result that
+    misses keys pass. It still covers rounding the output to the dtype (half an ulp: 2**-9 of |out| in bf16,
+    2**-11 in fp16) twice over on its own."""
+    ref_out, ref_lse, baseline = refs
+    floor = FLOOR[out.dtype] * ref_out.abs().max().item()
+    assert_close_to_reference(out, ref_out, baseline, f"{case}: out", floor=floor)
+    empty = torch.isneginf(ref_lse)
+    assert torch.equal(torch.isneginf(lse.cpu()), empty), f"{case}: -inf rows differ"
+    assert (out.cpu()[empty] == 0).all(), f"{case}: a row that sees no key is not 0"
+    if not empty.all():
+        lerr = max_error(lse.cpu()[~empty], ref_lse[~empty])
+        assert lerr <= LSE_TOL, f"{case}: max |lse - ref| = {lerr:.3g} > {LSE_TOL}"

@@ -255,3 +255,57 @@ def test_command_line_passes_the_names(monkeypatch):
     )
     assert cli.main(["bench", "decode", "fused", "--quick", "--out", "/tmp/x"]) == 0
     assert seen == {"names": ["decode", "fused"], "quick": True}, seen
+
+
+def test_bench_report_and_plots_on_a_synthetic_record(tmp_path):
+    from course_lib.bench import decode as bench
+
+    def timing(ms, nbytes):
+        return {"plain_ms": ms * 2, "graph_ms": ms, "graph_read_fraction": nbytes / ms / 1e6 / 4000,
+                "plain_read_fraction": nbytes / ms / 2e6 / 4000}  # fmt: skip
+
+    cells = []
+    for (B, n), (split_ms, paged_ms, sdpa_ms) in zip(
+        [(1, 65536), (16, 32768)], [(0.075, 0.08, 0.1), (0.6, 0.9, 0.55)]
+    ):
+        nbytes = bench.kv_bytes([n] * B)
+        cells.append({
+            "name": f"B={B} N={n // 1024}k", "batch": B, "n_max": n, "kv_bytes": nbytes, "num_splits": 1,
+            "split_kv": timing(split_ms, nbytes), "paged": timing(paged_ms, nbytes),
+            "sdpa": dict(timing(sdpa_ms, nbytes), backend="flash/gqa"),
+        })  # fmt: skip
+    data = {
+        "ceilings": {"read_gbps": 4000.0, "copy_gbps": 3900.0},
+        "cells": cells,
+        "page_sweep": [
+            {"batch": 1, "n": 32768, "page_size": p, "vs_contiguous": 1 - 0.01 * i}
+            for i, p in enumerate((1, 16))
+        ],
+        "split_curve": [
+            {
+                "batch": 1,
+                "n": 32768,
+                "num_splits": s,
+                "graph_ms": 0.1 / s,
+                "predicted_ms": 0.09 / s,
+                "chosen": s == 2,
+            }
+            for s in (1, 2)
+        ],  # fmt: skip
+    }
+    table = bench.format_table(data)
+    assert "B=1 N=64k" in table and "1.33x" in table, table
+    misses = bench.target_misses(data)
+    assert any("B=16 N=32k: split-KV 0.92x SDPA" in m for m in misses), misses
+    assert any("B=16 N=32k: paged 0.67x" in m for m in misses), misses
+    assert not any(m.startswith("B=1 N=64k") for m in misses), misses
+    # the even cell measured without lengths too: that call against SDPA, the paged one against the call
+    # with lengths
+    cells[1].update(full_num_splits=1, split_kv_full=timing(0.5, cells[1]["kv_bytes"]))
+    table = bench.format_table(data)
+    assert "| 1 no lengths [1] / " in table and "| 1.10x [0.92x] |" in table, table
+    misses = bench.target_misses(data)
+    assert not any("B=16 N=32k: split-KV" in m for m in misses), misses
+    assert any("B=16 N=32k: paged 0.67x" in m for m in misses), misses
+    paths = bench.save_plots(data, tmp_path, "test")
+    assert len(paths) == 3 and all(p.exists() for p in paths)

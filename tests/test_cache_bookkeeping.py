@@ -352,3 +352,31 @@ def test_write_refuses_slots_outside_held_pages():
         assert torch.equal(p, q)
     cache.write(0, slots, kv, 3 * kv)  # the slots append gave are taken
     assert torch.equal(cache.v_pages[0].view(-1, 1, 8)[slots], 3 * kv)
+
+
+def test_allocator_shares_and_copies_on_write():
+    alloc = PageAllocator(3)
+    a = alloc.allocate()
+    alloc.share(a)
+    alloc.release(a)
+    assert alloc.refs[a] == 1 and alloc.num_free == 2
+    cache = PagedKVCache(1, 6, 4, 1, 16, torch.float32, "cpu")
+    cache.add_sequence(0)
+    slots = cache.append(0, 6)  # pages p0 (full) and p1 (2 of 4 slots)
+    cache.write(0, slots, torch.randn(6, 1, 16), torch.randn(6, 1, 16))
+    cache.fork(0, 1)
+    shared_last = cache.seqs[1].pages[-1]
+    assert cache.allocator.refs[shared_last] == 2
+    before = cache.k_pages[0][shared_last].clone()
+    new = cache.append(1, 1)  # writes into the shared, partly filled page: copy first
+    assert cache.seqs[1].pages[0] == cache.seqs[0].pages[0]  # the full page stays shared
+    assert cache.seqs[1].pages[-1] != shared_last
+    torch.testing.assert_close(cache.k_pages[0][cache.seqs[1].pages[-1]], before)
+    assert int(new[0]) == cache.seqs[1].pages[-1] * 4 + 2
+    cache.free(0)
+    cache.free(1)
+    assert cache.allocator.num_free == 6
+    cache.add_sequence(2)
+    with pytest.raises(OutOfPages, match="^sequence 2 needs 7 pages for 25 tokens$"):
+        cache.append(2, 25)  # 7 pages of 4 tokens, 6 free: refused before any page is taken
+    assert cache.allocator.num_free == 6 and cache.seqs[2].pages == [] and cache.seqs[2].length == 0

@@ -1,0 +1,90 @@
+"""course_lib.decode.batching and decode.graphs: the continuous-batching loop with a toy model against a
+reference that recomputes full attention each step, what it refuses before a step, and decode steps
+replayed as CUDA graphs on a GPU."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import course_lib
+from course_lib.decode.batching import ContinuousBatcher
+from course_lib.decode.graphs import table_width
+from course_lib.decode.toy_model import ToyModel
+
+DEV = course_lib.DEVICE
+
+
+# --------------------------------------------------------------------------------------------------
+# Continuous batching with a toy model, against a reference that recomputes full attention each step
+# --------------------------------------------------------------------------------------------------
+def test_continuous_batching_equals_step_by_step_reference():
+    model = ToyModel(DEV)
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(0, model.vocab, (n,), generator=g).tolist() for n in (5, 9, 3, 14)]
+    new = [3, 2, 4, 2]
+    # 9 pages of 4 tokens and at most 3 sequences: requests wait, join and leave; a budget of 8 tokens
+    # per step chunks the 14-token prompt's prefill, which then shares steps with decoding requests.
+    batcher = ContinuousBatcher(model, num_pages=9, page_size=4, max_batch=3, max_step_tokens=8)
+    ids = [batcher.submit(p, n) for p, n in zip(prompts, new)]
+    got = batcher.run()
+    for i, p, n in zip(ids, prompts, new):
+        assert got[i] == model.generate_full(p, n), f"request {i} (prompt {len(p)} tokens)"
+    assert batcher.cache.allocator.num_free == 9
+
+
+def test_graph_table_width_is_the_next_power_of_two():
+    assert [table_width(p) for p in (0, 1, 2, 3, 4, 5, 129, 256)] == [1, 1, 2, 4, 4, 8, 256, 256]
+
+
+def test_cuda_graphs_need_a_cuda_model():
+    with pytest.raises(ValueError, match="CUDA"):
+        ContinuousBatcher(ToyModel("cpu"), num_pages=4, page_size=4, cuda_graphs=True)
+
+
+def test_the_batcher_refuses_what_it_could_not_serve_before_a_step():
+    """A model the kernel cannot serve (float64, a head dim of 12) is refused when the loop is made, where
+    it once failed at the first step with its pages already appended; a bad eos_id at submit."""
+    with pytest.raises(ValueError, match="cannot serve this model: dtype torch.float64 is unsupported"):
+        ContinuousBatcher(ToyModel("cpu", torch.float64), num_pages=4, page_size=4)
+    odd = ToyModel("cpu")
+    odd.head_dim = 12
+    with pytest.raises(ValueError, match="cannot serve this model: head dim d=12 is unsupported"):
+        ContinuousBatcher(odd, num_pages=4, page_size=4)
+    batcher = ContinuousBatcher(ToyModel("cpu"), num_pages=4, page_size=4)
+    for eos in ("2", -1, ToyModel.vocab, 1.0, True):
+        with pytest.raises(ValueError, match="eos_id must be None or a token id of the vocabulary"):
+            batcher.submit([1, 2], 3, eos_id=eos)
+    assert not batcher.waiting
+    batcher.submit([1, 2], 3, eos_id=np.int64(5))  # any integer type
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not course_lib.ON_GPU, reason="CUDA graphs need a GPU")
+def test_continuous_batching_replays_decode_steps_as_cuda_graphs():
+    """Decode-only steps replayed as CUDA graphs give the reference's tokens: batches that shrink as
+    requests leave (one graph per batch size) and block tables that outgrow a power of two (page size
+    4: 9-24 tokens cross 4 and 8 pages), prefill steps run as they are in between."""
+    model = ToyModel(DEV)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, model.vocab, (n,), generator=g).tolist() for n in (5, 9, 3, 14, 2)]
+    new = [12, 6, 9, 10, 4]
+    batcher = ContinuousBatcher(
+        model, num_pages=40, page_size=4, max_batch=3, max_step_tokens=8, cuda_graphs=True
+    )
+    ids = [batcher.submit(p, n) for p, n in zip(prompts, new)]
+    got = batcher.run()
+    for i, p, n in zip(ids, prompts, new):
+        assert got[i] == model.generate_full(p, n), f"request {i} (prompt {len(p)} tokens)"
+    graphs = batcher.graphs
+    assert graphs.replays > 10 and len(graphs.graphs) >= 3, (graphs.replays, sorted(graphs.graphs))
+    assert {b for b, _ in graphs.graphs} >= {2, 3} and len({w for _, w in graphs.graphs}) >= 2
+    assert batcher.cache.allocator.num_free == 40
+    # the same loop serves the same requests again: each step shape replays a graph captured above
+    captured, replays = dict(graphs.graphs), graphs.replays
+    ids = [batcher.submit(p, n) for p, n in zip(prompts, new)]
+    got = batcher.run()
+    for i, p, n in zip(ids, prompts, new):
+        assert got[i] == model.generate_full(p, n), f"request {i} (prompt {len(p)} tokens), second run"
+    assert graphs.graphs == captured and graphs.replays > replays, sorted(graphs.graphs)
