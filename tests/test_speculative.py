@@ -19,12 +19,16 @@ from course_lib.speculative import (
     ModelDraft,
     NGramDraft,
     accept_sampled,
+    alpha_for_tokens,
+    cost_model_speedup,
     early_exit_generate,
     expected_tokens,
+    expected_tokens_of_rounds,
     forward_tokens,
     jacobi_generate,
     jacobi_update,
     lookahead_generate,
+    measured_cost_speedup,
     plain_generate,
     predicted_speedup,
     speculative_generate,
@@ -236,6 +240,29 @@ def test_expected_tokens_and_speedup_formulas():
     assert predicted_speedup(0.8, 4, 0.05) == pytest.approx((1 - 0.8**5) / 0.2 / 1.2)
 
 
+def test_measured_cost_model_is_the_textbook_formula_at_its_assumptions():
+    """t_verify = t_step, t_draft = gamma c t_step, no rollback: the textbook speed-up; dearer parts lower it."""
+    t_step = 0.02
+    for alpha, gamma, c in ((0.8, 4, 0.05), (0.5, 1, 0.3), (0.0, 3, 0.0), (1.0, 2, 0.1)):
+        textbook = predicted_speedup(alpha, gamma, c)
+        got = measured_cost_speedup(alpha, gamma, t_step, t_draft=gamma * c * t_step, t_verify=t_step)
+        assert got == pytest.approx(textbook, rel=1e-12), (alpha, gamma, c)
+        tokens = expected_tokens(alpha, gamma)
+        assert cost_model_speedup(tokens, t_step, gamma * c * t_step, t_step, 0.0) == pytest.approx(textbook)
+    got = measured_cost_speedup(0.8, 4, t_step, 0.2 * t_step, 1.5 * t_step, 0.1 * t_step)
+    assert got == pytest.approx(expected_tokens(0.8, 4) / (0.2 + 1.5 + 0.1))
+    with pytest.raises(ValueError, match="t_verify"):
+        cost_model_speedup(2.0, t_step, 0.0, 0.0)
+
+
+def test_expected_tokens_of_rounds_and_the_alpha_a_speedup_needs():
+    assert expected_tokens_of_rounds(0.7, [4, 4, 4]) == pytest.approx(expected_tokens(0.7, 4))
+    assert expected_tokens_of_rounds(0.7, [0, 2]) == pytest.approx((1 + expected_tokens(0.7, 2)) / 2)
+    for alpha, gamma in ((0.3, 2), (0.8, 4), (0.95, 6)):
+        assert alpha_for_tokens(expected_tokens(alpha, gamma), gamma) == pytest.approx(alpha, abs=1e-9)
+    assert alpha_for_tokens(0.9, 3) == 0.0 and alpha_for_tokens(4.5, 3) is None
+
+
 # ---------------------------------------------------------------- Jacobi and lookahead decoding
 def test_jacobi_update():
     assert jacobi_update([7, 1, 2, 3], [1, 2, 5, 6]) == ([1, 2, 5], [6, 6, 6])
@@ -250,6 +277,7 @@ def test_jacobi_and_lookahead_match_greedy(toy):
         assert j.tokens == expected[0] and j.steps <= 12, f"Jacobi n={n}"
     look = lookahead_generate(model, PROMPTS[1], 12, n=3, ngram=3, candidates=3, attention="torch")
     assert look.tokens == expected[1]
+    assert len(look.branches) == look.steps and all(0 <= b <= 3 for b in look.branches), look.branches
     look = lookahead_generate(model, PROMPTS[0], 6, n=2, ngram=3, candidates=2, attention="kernel")
     assert look.tokens == expected[0][:6]
 

@@ -45,10 +45,12 @@ def jacobi_update(window: list[int], outputs: list[int]) -> tuple[list[int], lis
 
 @dataclass
 class ParallelResult:
-    """tokens: the new tokens; settled: tokens settled per forward step; steps: forward steps."""
+    """tokens: the new tokens; settled: tokens settled per forward step; steps: forward steps; branches: the
+    pooled n-grams verified beside the window per step (lookahead; 0 for Jacobi), what a step's cost grows with."""
 
     tokens: list[int]
     settled: list[int] = field(default_factory=list)
+    branches: list[int] = field(default_factory=list)
     seconds: float = 0.0
 
     @property
@@ -88,6 +90,7 @@ def jacobi_generate(model, prompt, max_new_tokens: int, n: int = 4, page_size: i
         seq += settled
         out.tokens += settled
         out.settled.append(len(settled))
+        out.branches.append(0)
     cache.free(0)
     out.seconds = time.perf_counter() - start
     return out
@@ -148,6 +151,7 @@ def lookahead_generate(
         seq += settled
         out.tokens += settled
         out.settled.append(len(settled))
+        out.branches.append(len(grams))
     cache.free(0)
     out.seconds = time.perf_counter() - start
     return out
