@@ -23,6 +23,7 @@ BENCHMARKS = {
     "fused": "fused RMSNorm and RoPE kernels, in GB/s of the copy ceiling",
     "train": "a training step of the capstone model",
     "serving": "cascade over a shared prefix, a cached prompt's time to first token, static vs continuous batching",
+    "speculative": "speculative decoding and lookahead at batch 1 and 8 against the measured-cost prediction",
 }
 
 

@@ -167,3 +167,18 @@ def record_and_report(kind: str, run, save_plots, format_table, target_misses, q
         else f"bench {kind}: targets missed:\n  " + "\n  ".join(misses)
     )
     return 0
+
+
+def command_line(main, doc: str, argv=None) -> int:
+    """The command line of a benchmark module, `python -m course_lib.bench.<name> [--quick] [--out DIR]`:
+    parses `argv` (default: the process's arguments) and returns `main(quick, out)`. `doc`: the module's
+    docstring, whose first line describes the command."""
+    import argparse
+
+    from .. import records
+
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a small grid, for a smoke test")
+    parser.add_argument("--out", default=str(records.ASSETS), help="folder for the record")
+    args = parser.parse_args(argv)
+    return main(args.quick, args.out)
