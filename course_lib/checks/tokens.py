@@ -1,0 +1,90 @@
+"""Checks of token ids against a model's vocabulary, and of a generation against its positions (notebooks
+10, 12, 15).
+
+One answer to a model's vocabulary size (`vocab_size`); token ids as Python lists (`token_ids`, `prompt_lists`,
+`token_id`) and as tensors (`check_token_ids`); a prompt and its new tokens within the model's positions
+(`check_generation_fits`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .tensors import as_int
+
+
+def vocab_size(model) -> int | None:
+    """A model's vocabulary size where it says (`vocab_size`, `vocab` or `config.vocab_size`), else None: what the
+    batcher (notebook 10) and speculative decoding (notebook 15) check token ids and drafts against."""
+    for value in (getattr(model, "vocab_size", None), getattr(model, "vocab", None)):
+        if isinstance(value, int):
+            return value
+    size = getattr(getattr(model, "config", None), "vocab_size", None)
+    return size if isinstance(size, int) else None
+
+
+def token_ids(where: str, prompt, vocab: int | None = None) -> list[int]:
+    """A prompt as a list of ints in [0, vocab) (any iterable of ids, or a 1-D integer tensor); a TypeError
+    when it is not one, a ValueError naming the ids that are not such ints (vocab None: any id >= 0)."""
+    if isinstance(prompt, torch.Tensor) and prompt.dim() == 1 and not prompt.is_floating_point():
+        prompt = prompt.tolist()
+    if isinstance(prompt, (str, bytes, torch.Tensor)) or not hasattr(prompt, "__iter__"):
+        raise TypeError(f"{where}: prompt must be a list of token ids, got {type(prompt).__name__}")
+    prompt = list(prompt)  # any iterable, a one-pass iterator too: read once
+    ids = [as_int(t) for t in prompt]
+    bad = [t for t, i in zip(prompt, ids) if i is None or i < 0 or (vocab is not None and i >= vocab)]
+    if bad:
+        raise ValueError(
+            f"{where}: prompt token ids must be ints in [0, {vocab or 'vocab size'}); got {bad[:5]}"
+        )
+    return ids
+
+
+def prompt_lists(where: str, prompts, vocab: int | None = None) -> list[list[int]]:
+    """Prompts as lists of ints in [0, vocab): a non-empty list of token-id lists (or 1-D integer tensors),
+    none of them empty (`token_ids` checks each); a TypeError or ValueError naming what is wrong."""
+    if isinstance(prompts, (str, bytes, torch.Tensor)) or not hasattr(prompts, "__iter__"):
+        raise TypeError(f"{where}: prompts must be a list of token-id lists, got {type(prompts).__name__}")
+    out = [token_ids(where, p, vocab) for p in prompts]
+    if not out or any(len(p) == 0 for p in out):
+        raise ValueError(f"{where}: generation needs at least one prompt, and no prompt may be empty")
+    return out
+
+
+def token_id(where: str, name: str, value, vocab: int | None = None) -> int:
+    """One token id (an end-of-sequence id, say) as an int in [0, vocab) (vocab None: any id >= 0); else a
+    ValueError naming `name`."""
+    index = as_int(value)
+    if index is None or index < 0 or (vocab is not None and index >= vocab):
+        raise ValueError(f"{where}: {name} must be None or a token id of the vocabulary; got {value!r}")
+    return index
+
+
+def check_token_ids(where: str, ids: torch.Tensor, vocab_size: int, ignore: int | None = None) -> None:
+    """Token ids (a tensor) must lie in [0, vocab_size) (`ignore`, e.g. cross-entropy's -100, allowed too).
+    Checked where the ids are on the CPU only: reading them from a GPU would sync every step (there an id out
+    of range is a device-side assert of the embedding)."""
+    if ids.device.type != "cpu" or ids.numel() == 0 or torch.compiler.is_compiling():
+        return  # (under torch.compile a value check would break the graph)
+    bad = (ids < 0) | (ids >= vocab_size)
+    if ignore is not None:
+        bad &= ids != ignore
+    if bool(bad.any()):
+        raise ValueError(
+            f"{where}: token ids must lie in [0, {vocab_size}) (the vocabulary); got {ids[bad][:5].tolist()}"
+        )
+
+
+def check_generation_fits(
+    where: str, prompt_length: int, max_new_tokens: int, max_seq_len: int | None
+) -> None:
+    """A prompt and `max_new_tokens` new tokens within a model's `max_seq_len` positions (its RoPE table;
+    None: no limit), else a ValueError. The model runs at the prompt's positions and at every new
+    token's but the last, which is returned, never fed back."""
+    positions = prompt_length + max(max_new_tokens - 1, 0)
+    if max_seq_len is not None and positions > max_seq_len:
+        raise ValueError(
+            f"{where}: a prompt of {prompt_length} tokens and {max_new_tokens} new ones run the model at "
+            f"{positions} positions (the last new token is not fed back); the model has max_seq_len = "
+            f"{max_seq_len}"
+        )
