@@ -327,10 +327,12 @@ t_draft = plain_generate(draft_model, one, NEW, attention=ATTENTION).seconds / N
 c = t_draft / t_target
 print(f"c = {t_draft * 1e3:.2f} ms / {t_target * 1e3:.2f} ms = {c:.2f}")
 fig, ax = plt.subplots(figsize=(9, 4.5))
+spec_runs = {}  # (draft, gamma) -> (run, c), for the measured-cost model below
 for name, proposer, cost in (("1-layer draft", draft_model, c), ("n-gram draft", NGramDraft(), 0.0)):
     measured, predicted = [], []
     for g_ in GAMMAS:
         r = speculative_generate(target, proposer, one, NEW, gamma=g_, attention=ATTENTION)
+        spec_runs[name, g_] = r, cost
         measured.append(t_target * NEW / r.seconds)
         predicted.append(predicted_speedup(r.acceptance_rate, g_, cost))
         print(f"{name}, gamma {g_}: alpha {r.acceptance_rate:.2f}, measured {measured[-1]:.2f}x, "
@@ -342,6 +344,17 @@ ax.set(xlabel="gamma (drafts per round)", ylabel="speed-up over plain decoding",
        title="the speed-up follows alpha and the draft's cost c")
 ax.legend(fontsize=9, loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=2)
 plt.show()
+
+# %%
+# The measured-cost model (`course_lib.speculative.cost_model_speedup`): the verification step timed per gamma
+# (section 1's `step_time`) in place of "one step", the tokens per round as measured (n-gram look-ups left out).
+from course_lib.speculative import cost_model_speedup
+
+t_one, t_verify = step_time(target, 1), {g_: step_time(target, g_ + 1) for g_ in GAMMAS}
+for (name, g_), (r, cost) in spec_runs.items():
+    print(f"{name}, gamma {g_}: measured {t_target * NEW / r.seconds:.2f}x, textbook "
+          f"{predicted_speedup(r.acceptance_rate, g_, cost):.2f}x, measured costs "
+          f"{cost_model_speedup(r.tokens_per_round, t_one, g_ * cost * t_one, t_verify[g_]):.2f}x")
 
 # %% [markdown]
 # Read it: the gain needs a high alpha **and** a small c. A one-layer draft of a model of a few layers has c
