@@ -658,7 +658,7 @@ print("tile rows of kv head 0:", rows, "... padded to", max(16, 1 << (G - 1).bit
 # contiguous kernel's blocks of `BLOCK_N` keys (128 at d = 128):
 
 # %%
-BLOCK_N = tile_for(128).BLOCK_N  # keys per block of the contiguous kernel at d = 128
+BLOCK_N = tile_for(128).block_n  # keys per block of the contiguous kernel at d = 128
 for batch, n_ctx in ((1, 1024), (1, 32768), (8, 8192), (16, 32768), (64, 4096)):
     s = choose_num_splits(batch * 8, math.ceil(n_ctx / BLOCK_N), 132)
     eff = wave_efficiency(batch * 8 * s, 132)
@@ -911,9 +911,9 @@ one_wave, tile = heuristics.one_wave_plan(8, 32768), tile_for(128, programs=8, c
 gbps_per_sm = heuristics.peak_gbps_per_sm()  # a stand-in under the interpreter
 takes_it = one_wave and gbps_per_sm < heuristics.ONE_WAVE_MAX_GBPS_PER_SM
 print(f"{gbps_per_sm:.1f} GB/s per SM (the one-wave tile below {heuristics.ONE_WAVE_MAX_GBPS_PER_SM:g}); "
-      f"batch 1, 32k tokens: one wave {one_wave}, blocks of {tile.BLOCK_N} keys, {tile.num_warps} warps")  # fmt: skip
+      f"batch 1, 32k tokens: one wave {one_wave}, blocks of {tile.block_n} keys, {tile.num_warps} warps")  # fmt: skip
 one_wave_tile = heuristics.ONE_WAVE_TILES[128]
-assert ((tile.BLOCK_N, tile.num_warps) == (one_wave_tile.BLOCK_N, one_wave_tile.num_warps)) == takes_it
+assert ((tile.block_n, tile.num_warps) == (one_wave_tile.block_n, one_wave_tile.num_warps)) == takes_it
 for programs in (192, 256, 512):
     waves = programs / 132
     last = waves - math.ceil(waves) + 1
@@ -953,7 +953,7 @@ for programs, paged_tile in ((sms * 3 // 2, True), (2 * sms, False)):
 import heapq
 
 splits = heuristics.split_grid(16, 8, 1, 32768, 128)
-sliced_block_n = tile_for(128, paged=True).BLOCK_N
+sliced_block_n = tile_for(128, paged=True).block_n
 print(f"16 sequences of up to 32k keys: sliced plan {heuristics.sliced(16, 32768)}, {splits} splits")
 assert heuristics.sliced(16, 32768) and splits * heuristics.SLICE_KEYS >= 32768
 

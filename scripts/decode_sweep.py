@@ -65,7 +65,9 @@ def main() -> int:
         results = []
         try:
             for name, (block_n, warps, stages) in TILES.items():
-                heuristics.TILES[D] = DecodeTile(block_n, usual.BLOCK_M_MAX, warps, stages)
+                heuristics.TILES[D] = DecodeTile(
+                    block_n=block_n, block_m_max=usual.block_m_max, num_warps=warps, num_stages=stages
+                )
                 rule = num_splits_for(B, HKV, 1, N, D)
                 for splits in sorted({max(1, rule // 2), rule, 2 * rule, 4 * rule, 8 * rule, 1, 2, 4}):
                     if splits <= 256 and splits * block_n <= N:

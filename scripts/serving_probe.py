@@ -1,6 +1,6 @@
 """Where the serving benchmark's time goes (notes/serving.md): two probes on a GPU.
 
-1. The cascade's prefix pass runs on the paged decoding kernel, whose programs take at most BLOCK_M_MAX = 64
+1. The cascade's prefix pass runs on the paged decoding kernel, whose programs take at most block_m_max = 64
    (query token x head) rows: B x Hq / Hkv rows over one K/V stream need ceil(rows / 64) row tiles, launched as
    the slowest grid axis, so each tile re-reads the prefix. Time the prefix pass alone against the number of
    query rows: if the re-reading is the cost, the time grows with the row tiles, not with the FLOPs.

@@ -53,7 +53,7 @@ def fits(q4: torch.Tensor, k4: torch.Tensor, alignment: str | None) -> bool:
     if q4.dtype not in DTYPES or alignment not in (None, "bottom_right"):
         return False
     group = q4.shape[1] // k4.shape[1]
-    return q4.shape[2] * group <= tile_for(q4.shape[3]).BLOCK_M_MAX
+    return q4.shape[2] * group <= tile_for(q4.shape[3]).block_m_max
 
 
 def takes(q4: torch.Tensor, k4: torch.Tensor, alignment: str | None) -> bool:

@@ -77,6 +77,7 @@ from typing import NamedTuple
 import torch
 
 from .. import runtime
+from ..kernels.launch import Launch, keyword
 from ..runtime import tl, triton
 
 # Stand-in SM count under the interpreter, so that the CPU path splits as a mid-size GPU would.
@@ -84,19 +85,20 @@ CPU_SM_COUNT = 16
 
 
 @dataclass(frozen=True)
-class DecodeTile:
-    """Launch sizes of the split-KV kernel for one head dim: BLOCK_N keys per step of the inner loop,
-    at most BLOCK_M_MAX (query token x head) rows per program, warps and pipeline stages."""
+class DecodeTile(Launch):
+    """Launch sizes of the split-KV kernel for one head dim: block_n keys per step of the inner loop
+    (BLOCK_N), at most block_m_max (query token x head) rows per program (BLOCK_M: a launch's rows,
+    padded to a power of two, up to this), warps and pipeline stages."""
 
-    BLOCK_N: int
-    BLOCK_M_MAX: int
-    num_warps: int
-    num_stages: int
+    block_n: int = keyword("BLOCK_N")
+    block_m_max: int
+    num_warps: int = keyword("num_warps")
+    num_stages: int = keyword("num_stages")
     programs_per_sm: int = 1  # slots per SM for the split rule (module docstring)
 
     def shared_bytes(self, head_dim: int, elem_bytes: int) -> int:
-        """Shared memory the pipelined K and V blocks take: stages x 2 x BLOCK_N x d x element size."""
-        return self.num_stages * 2 * self.BLOCK_N * head_dim * elem_bytes
+        """Shared memory the pipelined K and V blocks take: stages x 2 x block_n x d x element size."""
+        return self.num_stages * 2 * self.block_n * head_dim * elem_bytes
 
 
 # Named per head dim (padded to a power of two). Decoding is bandwidth-bound: BLOCK_N x num_stages sets how
@@ -104,19 +106,19 @@ class DecodeTile:
 # entries are the fastest of a sweep on an H200 (BLOCK_N 64/128, stages 2-4, 4/8 warps, 1-4x the splits),
 # measured as CUDA-graph replays at batch 1-64 and 4k-128k tokens.
 TILES = {
-    16: DecodeTile(BLOCK_N=128, BLOCK_M_MAX=64, num_warps=4, num_stages=3),
-    32: DecodeTile(BLOCK_N=128, BLOCK_M_MAX=64, num_warps=4, num_stages=3),
-    64: DecodeTile(BLOCK_N=128, BLOCK_M_MAX=64, num_warps=4, num_stages=3),
-    128: DecodeTile(BLOCK_N=128, BLOCK_M_MAX=64, num_warps=8, num_stages=3),
-    256: DecodeTile(BLOCK_N=32, BLOCK_M_MAX=32, num_warps=4, num_stages=2),
+    16: DecodeTile(block_n=128, block_m_max=64, num_warps=4, num_stages=3),
+    32: DecodeTile(block_n=128, block_m_max=64, num_warps=4, num_stages=3),
+    64: DecodeTile(block_n=128, block_m_max=64, num_warps=4, num_stages=3),
+    128: DecodeTile(block_n=128, block_m_max=64, num_warps=8, num_stages=3),
+    256: DecodeTile(block_n=32, block_m_max=32, num_warps=4, num_stages=2),
 }
 # The paged kernel: shorter pipelines (its loads wait on the block table anyway) and 4 programs per SM.
 PAGED_TILES = {
-    16: DecodeTile(BLOCK_N=64, BLOCK_M_MAX=64, num_warps=4, num_stages=2, programs_per_sm=4),
-    32: DecodeTile(BLOCK_N=64, BLOCK_M_MAX=64, num_warps=4, num_stages=2, programs_per_sm=4),
-    64: DecodeTile(BLOCK_N=64, BLOCK_M_MAX=64, num_warps=4, num_stages=2, programs_per_sm=4),
-    128: DecodeTile(BLOCK_N=64, BLOCK_M_MAX=64, num_warps=4, num_stages=2, programs_per_sm=4),
-    256: DecodeTile(BLOCK_N=32, BLOCK_M_MAX=32, num_warps=4, num_stages=2, programs_per_sm=4),
+    16: DecodeTile(block_n=64, block_m_max=64, num_warps=4, num_stages=2, programs_per_sm=4),
+    32: DecodeTile(block_n=64, block_m_max=64, num_warps=4, num_stages=2, programs_per_sm=4),
+    64: DecodeTile(block_n=64, block_m_max=64, num_warps=4, num_stages=2, programs_per_sm=4),
+    128: DecodeTile(block_n=64, block_m_max=64, num_warps=4, num_stages=2, programs_per_sm=4),
+    256: DecodeTile(block_n=32, block_m_max=32, num_warps=4, num_stages=2, programs_per_sm=4),
 }
 
 
@@ -140,7 +142,7 @@ TABLE_ROW_MAX = 4096
 # tile's key blocks): a 96 KB pipeline lets two programs share an SM, so one fills its pipeline while the
 # other streams. Measured on an H200 (bf16, d = 128, CUDA-graph replays): batch 256 at 1k tokens went
 # from 0.98x to 1.00x cuDNN; with fewer or longer programs the usual tile stays as fast or faster.
-SHORT_TILES = {128: DecodeTile(BLOCK_N=64, BLOCK_M_MAX=64, num_warps=4, num_stages=3, programs_per_sm=2)}
+SHORT_TILES = {128: DecodeTile(block_n=64, block_m_max=64, num_warps=4, num_stages=3, programs_per_sm=2)}
 SHORT_WAVES = 4
 SHORT_BLOCKS = 8
 
@@ -154,7 +156,7 @@ SHORT_BLOCKS = 8
 # 128k 183.6 / 180.2 (182.6). With two waves or more the usual tile was as fast or faster (B = 32 at
 # 16k 697.2 / 699.9, B = 48 at 8k 526.5 / 530.3). 64 keys x 2 stages ran 25-30 % slower, 128 keys x 4
 # warps x 2 stages 3-5 %, 8 warps as fast.
-ONE_WAVE_TILES = {128: DecodeTile(BLOCK_N=64, BLOCK_M_MAX=64, num_warps=4, num_stages=3)}
+ONE_WAVE_TILES = {128: DecodeTile(block_n=64, block_m_max=64, num_warps=4, num_stages=3)}
 # On an H200 the same tile lost (same setup, us, the usual tile / this one; cuDNN): batch 1 at 16k 24.8 /
 # 26.0 (25.1), 32k 39.4 / 42.9 (40.2), 64k 68.2 / 75.8 (69.3), 128k 125.6 / 142.3 (127.3); even batches
 # without lengths B = 8 at 8k 68.4 / 75.9 (68.7), B = 16 at 32k 467.0 / 557.2 (465.4). The H200 has the
@@ -204,7 +206,7 @@ def tile_for(
         and padded in SHORT_TILES
         and capacity is not None
         and programs >= SHORT_WAVES * sm_count()
-        and capacity <= SHORT_BLOCKS * tile.BLOCK_N
+        and capacity <= SHORT_BLOCKS * tile.block_n
     ):
         tile = SHORT_TILES[padded]
     elif (
@@ -220,11 +222,11 @@ def tile_for(
     elif not (paged or table_row) and _ragged_last_wave(programs, tile, PAGED_TILES[padded]):
         tile = PAGED_TILES[padded]
     limit = shared_memory_bytes()
-    while tile.shared_bytes(head_dim, elem_bytes) > limit and (tile.num_stages > 2 or tile.BLOCK_N > 16):
+    while tile.shared_bytes(head_dim, elem_bytes) > limit and (tile.num_stages > 2 or tile.block_n > 16):
         if tile.num_stages > 2:
             tile = dataclasses.replace(tile, num_stages=tile.num_stages - 1)
         else:
-            tile = dataclasses.replace(tile, BLOCK_N=tile.BLOCK_N // 2)
+            tile = dataclasses.replace(tile, block_n=tile.block_n // 2)
     return tile
 
 
@@ -343,7 +345,7 @@ def num_splits_for(
 def _rule_splits(programs: int, capacity: int, tile: DecodeTile) -> int:
     """`choose_num_splits`, then `fill_wave`, for `programs` unsplit programs of `tile` over a cache of
     `capacity` keys."""
-    n_key_blocks = math.ceil(capacity / tile.BLOCK_N)
+    n_key_blocks = math.ceil(capacity / tile.block_n)
     rule = choose_num_splits(programs, n_key_blocks, slots(tile))
     return fill_wave(rule, programs, n_key_blocks, slots(tile))
 
