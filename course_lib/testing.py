@@ -289,3 +289,46 @@ def assert_matches(out, lse, refs, case):
     if not empty.all():
         lerr = max_error(lse.cpu()[~empty], ref_lse[~empty])
         assert lerr <= LSE_TOL, f"{case}: max |lse - ref| = {lerr:.3g} > {LSE_TOL}"
+
+
+# Fused kernels (notebook 11): elementwise results against float64 within about 2 units in the last place of
+# the dtype, relative and near 1 (rtol, atol). The interpreter rounds float32 -> bfloat16 towards zero where a
+# GPU rounds to nearest, so bf16's allows 2 units.
+ULP_TOL = {
+    torch.float64: (1e-12, 1e-12),
+    torch.float32: (1e-5, 1e-5),
+    torch.float16: (2e-3, 2e-3),
+    torch.bfloat16: (1.6e-2, 1.6e-2),
+}
+
+
+def dtype_name(dtype) -> str:
+    """'bfloat16' for torch.bfloat16: a test id."""
+    return str(dtype).replace("torch.", "")
+
+
+def assert_close_in_ulps(actual, expected, dtype, what: str, scale: float = 1.0) -> None:
+    """actual (any dtype, any device) against a float64 expected, within ULP_TOL[dtype] x scale."""
+    rtol, atol = ULP_TOL[dtype]
+    torch.testing.assert_close(
+        actual.detach().double().cpu(),
+        expected.detach().double().cpu(),
+        rtol=rtol * scale,
+        atol=atol * scale,
+        msg=lambda m: f"{what}: {m}",
+    )
+
+
+def eager_and_compiled(fn, inputs, grad_out):
+    """(outputs, input gradients) of fn eagerly, then under torch.compile(fullgraph=True) (the aot_eager
+    backend: on the CPU the kernels are interpreted; a graph break raises). `inputs`: tensors fn takes,
+    `grad_out`: a tuple of gradients, one per output."""
+    results = []
+    torch._dynamo.reset()
+    for run in (fn, torch.compile(fn, fullgraph=True, backend="aot_eager")):
+        leaves = [t.detach().clone().requires_grad_() for t in inputs]
+        outs = run(*leaves)
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        torch.autograd.backward(outs, grad_out)
+        results.append((tuple(o.detach() for o in outs), tuple(t.grad for t in leaves)))
+    return results

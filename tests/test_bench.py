@@ -309,3 +309,81 @@ def test_bench_report_and_plots_on_a_synthetic_record(tmp_path):
     assert any("B=16 N=32k: paged 0.67x" in m for m in misses), misses
     paths = bench.save_plots(data, tmp_path, "test")
     assert len(paths) == 3 and all(p.exists() for p in paths)
+
+
+def test_bench_tables_and_targets_read_a_record(tmp_path):
+    """format_table, target_misses and save_plots on a made-up record (the measuring needs a GPU)."""
+    from course_lib.bench import fused as bench
+
+    def row(kernel, provider, mode, gbps, **cell):
+        return {"kernel": kernel, "provider": provider, "mode": mode, "status": "ok", "ms": 1.0, "gbps": gbps,
+                "copy_fraction": gbps / 4000, "timing": "graph", "graph_gbps": gbps, "plain_gbps": gbps / 2,
+                **cell}  # fmt: skip
+
+    data = {"dtype": "bfloat16", "copy_gbps": 4000.0, "targets": bench.TARGETS, "quick": True, "dw_modes": []}
+    data["rms_norm"] = [
+        row("rms_norm", p, m, g, T=16384, D=4096)
+        for m in ("fwd", "bwd")
+        for p, g in zip(bench.RMS_PROVIDERS, (500, 2000, 3000, 3600 if m == "fwd" else 2900))
+    ]
+    data["rope"] = [
+        row("rope", p, m, g, T=16384)
+        for m in ("fwd", "bwd")
+        for p, g in zip(bench.ROPE_PROVIDERS, (900, 3000, 3300))
+    ]
+    table = bench.format_table(data)
+    assert (
+        "| fwd | 16384 | 4096 | 500 (250) | 2000 (1000) | 3000 (1500) | 3600 (1800) | 1.20x | 90 % |" in table
+    )
+    assert "CUDA-graph replay" in table.splitlines()[0], table
+    misses = bench.target_misses(data)
+    assert misses == [
+        "rms_norm mode=bwd T=16384 D=4096: 0.97x torch.compile (target >= 1.0x; CUDA-graph replay)",
+        "rms_norm mode=bwd T=16384 D=4096: 72% of the copy ceiling (target 85 %; CUDA-graph replay)",
+    ], misses
+    for r in data["rms_norm"] + data["rope"]:  # a record without graph figures: plain numbers, said so
+        r.pop("timing"), r.pop("plain_gbps")
+    assert "| fwd | 16384 | 4096 | 500 | 2000 | 3000 | 3600 | 1.20x | 90 % |" in bench.format_table(data)
+    assert bench.target_misses(data)[0].endswith("(target >= 1.0x; plain launches)")
+    paths = bench.save_plots(data, tmp_path, "test")
+    assert all(p.exists() and p.stat().st_size > 0 for p in paths)
+    assert bench.rms_norm_bytes(4, 8, "fwd") == (2 * 32 + 8) * 2 + 16
+    assert bench.rope_bytes(1) == (2 * 40 * 128 + 2 * 128) * 2
+
+
+def test_bench_backward_figure_subtracts_the_training_forward(monkeypatch):
+    """The backward's graph time is (forward + backward) - the forward with grad enabled (what a training
+    step runs; torch.compile compiles it apart from the no_grad forward), not - the no_grad forward.
+    The timers are stand-ins that say which forward they were given (the real ones need a GPU)."""
+    from course_lib.bench import fused as bench
+
+    seen = []
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            seen.append("train")
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, g):
+            seen.append("backward")
+            return g * 2
+
+    def fn(x):
+        if torch.is_grad_enabled():
+            return Probe.apply(x)
+        seen.append("no_grad")
+        return x * 2
+
+    def fake_graph_ms(f):
+        seen.clear()
+        f()
+        return {("no_grad",): 1.0, ("train",): 2.0, ("train", "backward"): 5.0}[tuple(seen)]
+
+    monkeypatch.setattr(bench, "graph_ms", fake_graph_ms)
+    monkeypatch.setattr(bench, "benchmark", lambda f: (f(), 1.0)[1])
+    x, dy = torch.randn(8, requires_grad=True), torch.randn(8)
+    fwd, bwd = bench._measure_fwd_bwd(fn, (x,), (dy,), {"fwd": 10**6, "bwd": 10**6}, 1.0)
+    assert fwd["graph_ms"] == 1.0, fwd
+    assert (bwd["graph_fwd_bwd_ms"], bwd["graph_train_fwd_ms"], bwd["graph_ms"]) == (5.0, 2.0, 3.0), bwd
