@@ -41,6 +41,8 @@ exponentials, every block masked) from `teaching.py` through `config=`.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from .. import runtime
@@ -65,9 +67,10 @@ from ..kernels.blocks import (
     window_kv_range,
     window_q_range,
 )
+from ..kernels.launch import Launch, PerDevice, keyword
 from ..kernels.softmax import LOG2E
 from ..runtime import tl, triton
-from .configs import DKDV, DQ, PREPROCESS_BLOCK_M, split_config, teaching_hooks
+from .configs import DKDV, DQ, PREPROCESS, split_config, teaching_hooks
 from .forward import hopper_kernels, run_gluon
 from .inputs import as_4d, check_inputs, kernel_flags, strides4, within_offsets
 from .launch import (
@@ -483,7 +486,17 @@ def _group_sum_kernel(PK, PV, DK, DV, n_elements, SHARE: tl.constexpr, BLOCK: tl
     tl.store(dst + g * n_elements + offs, acc.to(dst.dtype.element_ty), mask=mask)
 
 
-GROUP_SUM_BLOCK = {"cpu": 256, "gpu": 2048}  # elements per group-sum program
+@dataclass(frozen=True)
+class GroupSumLaunch(Launch):
+    """The group-sum kernel: elements per program, warps."""
+
+    block: int = keyword("BLOCK")
+    num_warps: int = keyword("num_warps")
+
+
+GROUP_SUM = PerDevice(  # elements per group-sum program
+    interpreter=GroupSumLaunch(block=256, num_warps=4), gpu=GroupSumLaunch(block=2048, num_warps=4)
+)
 
 
 _TUNE_KEY = ["N_BUCKET", "HEAD_DIM", "CAUSAL"]
@@ -762,9 +775,9 @@ def _backward(
     kv_grid = lambda c: (runtime.cdiv(n_k, c.block_n) * B * (H // on_chip),)
     kv_shape = dkdv_shape_class(n_q, n_k, d, causal, q.dtype, atomic, on_chip)
     kv_tuner = _dkdv_atomic_tuned if atomic else _dkdv_tuned
-    sum_block = GROUP_SUM_BLOCK["cpu" if runtime.INTERPRET else "gpu"]
+    sum_launch = GROUP_SUM.current()
     sum_args = (dk_out, dv_out, dk4, dv4, n_k * d)
-    sum_meta = dict(SHARE=share, BLOCK=sum_block, num_warps=4)
+    sum_meta = dict(SHARE=share, **sum_launch.kwargs())
     sum_name = ("group sum", share, acc_dtype, q.dtype)  # what its compilation depends on
 
     with cuda_device(q):
@@ -780,10 +793,10 @@ def _backward(
                     compile_kernel_ahead(sum_name, _group_sum_kernel, (1,), sum_args, sum_meta)
                 return None
         if atomic:
-            pre_m = PREPROCESS_BLOCK_M["cpu" if runtime.INTERPRET else "gpu"]
-            _preprocess_kernel[(runtime.cdiv(n_q, pre_m) * B * H,)](
+            pre = PREPROCESS.current()
+            _preprocess_kernel[(runtime.cdiv(n_q, pre.block_m) * B * H,)](
                 o4, do4, delta, *strides4(o4), *strides4(do4), H, n_q,
-                HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=pre_m,
+                HEAD_DIM=d, BLOCK_D=block_d, **pre.kwargs(),
                 UPCAST=flags["UPCAST"], ACC_DTYPE=flags["ACC_DTYPE"],
             )  # fmt: skip
         elif launch_cfg is None:
@@ -808,7 +821,7 @@ def _backward(
     if share > 1:  # grouped-query attention: each K/V head's dK, dV is the sum of its `share` partials
         wait_compiled(sum_name)  # compiled ahead during the forward, if it was
         with cuda_device(q):
-            _group_sum_kernel[(B * H_kv, runtime.cdiv(n_k * d, sum_block), 2)](*sum_args, **sum_meta)
+            _group_sum_kernel[(B * H_kv, runtime.cdiv(n_k * d, sum_launch.block), 2)](*sum_args, **sum_meta)
     if sinks is None:
         dsinks = None
     elif seqs is None:

@@ -1,8 +1,9 @@
 """Launch configurations of the Triton attention kernels, as named data in one place (notebook 08).
 
-A `Launch` is what a kernel launch needs beyond its arguments: BLOCK_M query rows and BLOCK_N key
-rows per tile (the paper's B_r and B_c), warps per program and the software-pipelining depth of the
-loads. Each kernel has a `KernelConfigs` table:
+A `Launch` (`AttentionLaunch`: like every launch-table entry of course_lib, a `kernels.launch.Launch`) is
+what a kernel launch needs beyond its arguments: BLOCK_M query rows and BLOCK_N key rows per tile (the
+paper's B_r and B_c), warps per program and the software-pipelining depth of the loads. Each kernel has a
+`KernelConfigs` table:
 
 - `candidates`: what the autotuner times on a GPU (kept from sweeps on an H200, notes/performance.md);
 - `choose(d, causal, n, dtype)`: the configuration used without autotuning, from those sweeps;
@@ -23,26 +24,26 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..kernels.launch import Launch as KernelLaunch
+from ..kernels.launch import PerDevice, keyword
 from . import teaching
 
 
 @dataclass(frozen=True)
-class Launch:
+class AttentionLaunch(KernelLaunch):
     """One launch configuration: tile shape (block_m x block_n), warps, pipeline stages."""
 
-    block_m: int
-    block_n: int
-    num_warps: int
-    num_stages: int
-
-    def kwargs(self) -> dict:
-        """The keyword arguments of a kernel launch."""
-        return dict(
-            BLOCK_M=self.block_m, BLOCK_N=self.block_n, num_warps=self.num_warps, num_stages=self.num_stages
-        )
+    block_m: int = keyword("BLOCK_M")
+    block_n: int = keyword("BLOCK_N")
+    num_warps: int = keyword("num_warps")
+    num_stages: int = keyword("num_stages")
 
     def as_list(self) -> list[int]:
-        return [self.block_m, self.block_n, self.num_warps, self.num_stages]
+        """[block_m, block_n, num_warps, num_stages]: an entry of the GPU's record (`launch.record_choice`)."""
+        return list(self)
+
+
+Launch = AttentionLaunch  # the name the launcher, the GPU's records and the sweeps use
 
 
 @dataclass(frozen=True)
@@ -74,7 +75,7 @@ class KernelConfigs:
         return self.long(d, causal, n)
 
 
-L = Launch
+L = AttentionLaunch
 
 # Forward in float32 (tests, the fp32 generation of notebook 08b): its products are fp32 FMAs ("ieee"), and
 # at d = 128 a 64 x 32 block with 4 warps took 8280 FMAs a thread and spilled 4 KB (ptxas for sm_90); 32 x 32
@@ -154,8 +155,15 @@ DQ = KernelConfigs(
     long=lambda d, causal, n: L(64, 64, 4, 3) if d <= 64 and causal else L(128, 64, 8, 3),
 )
 
-# The preprocessing kernel of the atomic backward (D = rowsum(dO * O)): rows per program.
-PREPROCESS_BLOCK_M = {"gpu": 64, "cpu": 32}
+
+@dataclass(frozen=True)
+class PreprocessLaunch(KernelLaunch):
+    """The preprocessing kernel of the atomic backward (D = rowsum(dO * O)): rows per program."""
+
+    block_m: int = keyword("BLOCK_M")
+
+
+PREPROCESS = PerDevice(interpreter=PreprocessLaunch(block_m=32), gpu=PreprocessLaunch(block_m=64))
 
 # --------------------------------------------------------------------------------------------------
 # A `config` dict (notebook 08's ladder): launch keys fix the launch, switches choose teaching variants
@@ -194,10 +202,7 @@ def split_config(config: dict | None, fixed: Launch | None) -> tuple[dict | None
         switches[upper] = bool(value)
     if not config and switches["EXP2"] and switches["SKIP_MASKED"]:
         return None, switches
-    launch = {
-        "BLOCK_M": fixed.block_m, "BLOCK_N": fixed.block_n,
-        "num_warps": fixed.num_warps, "num_stages": fixed.num_stages,
-    }  # fmt: skip
+    launch = fixed.kwargs()
     launch.update(config)
     for key, value in launch.items():
         if key.startswith("BLOCK") and (value < 16 or value & (value - 1)):
