@@ -196,7 +196,7 @@ def _prepare_triton_driver() -> threading.Thread | None:
     the system's C compiler the first time a Triton cache sees them (0.3-0.4 s on an H200 host; a few
     milliseconds once cached). Built here, that overlaps whatever the program does between
     `import course_lib` and its first kernel, instead of adding to the first kernel's wait (measured in
-    notes/performance.md, "the first call"). Nothing here touches the GPU itself. The process waits for
+    notes/attention.md, "Why it is so"). Nothing here touches the GPU itself. The process waits for
     the thread at exit, so a script that imports and ends never stops it midway."""
     if INTERPRET or triton is None:
         return None

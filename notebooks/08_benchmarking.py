@@ -361,12 +361,12 @@ if hw is not None:
 # How to tell: time many calls back to back with one synchronisation at the end (wall time per call), time
 # how long the loop took to *issue* them, and compare both with the kernels' time from `torch.profiler`.
 # Issue time close to wall time means CPU-bound. `scripts/launch_overhead.py` does this for course_lib and
-# SDPA; `notes/performance.md` has what it measured on the H200. course_lib's answer: its backward is two
+# SDPA; `notes/attention.md` ("Open") has what it measured on the H200. course_lib's answer: its backward is two
 # launches (the dQ kernel also computes D = rowsum(dO * O)), a tuned kernel launches the autotuner's
 # remembered choice directly, a call with nothing to differentiate (inference, `torch.no_grad()`) runs the
 # forward alone, without an autograd node, and `make bench` measures `torch.compile` after every other
 # provider of the attention grid, because after it had run, Python launches in that process were measured
-# slower (`notes/performance.md`). What is left of the host's time per call (`scripts/launch_overhead.py`
+# slower (`notes/attention.md`). What is left of the host's time per call (`scripts/launch_overhead.py`
 # measures it against SDPA's on your GPU) is one reason serving engines replay decoding steps as CUDA graphs:
 # a replay issues every kernel of the step from one CPU call.
 
@@ -787,7 +787,7 @@ if att_rec is not None:
 # cuDNN's lead over a Triton kernel comes from overlapping the softmax with the matrix products, which
 # needs warps with different jobs: course_lib's forward does that on Hopper with a Gluon kernel wherever
 # it measured faster (`hopper.choose`). Notebook 08c (optional) explains that kernel and compares it with
-# the Triton one; `notes/performance.md` records each attempt, predicted and measured.
+# the Triton one; `notes/attention.md` records each attempt and the number that decided it.
 #
 # **Why notebook 06's comparison may disagree with this one.** Notebook 06 ranks its fixed-config kernel,
 # `course_lib.flash_attention` and SDPA at d = 64, and re-records that comparison each time it runs on a

@@ -186,7 +186,7 @@ for g_c, g_e in zip(grads_compiled, grads_eager):
 # and below beyond 4096 keys, or from 4096 keys when not causal; on Hopper at d = 128, non-causal rows of 4096
 # keys or more), one program per query head writing an fp32 partial sum that a small kernel then adds
 # (`backward.dkdv_heads_per_program`, `hopper_backward.heads_per_program`; their docstrings and
-# notes/performance.md hold the measurements).
+# notes/attention.md hold the measurements).
 
 # %%
 q, k, v = (torch.randn(B, h, N, D, device=DEV, dtype=DTYPE) for h in (HQ, HKV, HKV))
@@ -598,7 +598,7 @@ assert err < 10 * TOL * max(1.0, logits["sdpa"][real].abs().max().item())
 # of each integer argument (equal to 1, a multiple of 16, anything else), because knowing that a length is
 # a multiple of 16 can make better code; Nq = 1 is one class, and as Nk grows by one a step, Nk and the
 # causal offset Nk - Nq pass through three combinations. Telling Triton not to specialise the lengths
-# would leave one decoding kernel, but when it was tried on an H100 (notes/performance.md, eighteenth round)
+# would leave one decoding kernel, but when it was tried on an H100 (notes/attention.md, "Tried and rejected")
 # the bf16 forward at training sizes (causal, d = 128) ran slower, and the fp32 kernel spilled its registers
 # and ran several times slower, so the course keeps the specialisation and pays these seconds once.
 

@@ -132,7 +132,7 @@ else:
 #
 # Triton's language has no way to say "these warps run this function, those warps that one" (Triton 3.6's
 # automatic `warp_specialize=True` failed to compile for this kernel with 4 warps and ran slower with 8,
-# `notes/performance.md`). Gluon keeps Triton's Python syntax but exposes the layout of every tensor,
+# `notes/attention.md`). Gluon keeps Triton's Python syntax but exposes the layout of every tensor,
 # shared-memory allocation, mbarriers, TMA copies, `warpgroup_mma` with explicit waits and
 # `gl.warp_specialize` (a function per role). course_lib's kernel is about 450 lines of it.
 #
@@ -245,7 +245,7 @@ check(
 # %% [markdown]
 # Every variant fits, and the d = 128 ones use nearly all of it: a fourth stage would not fit, which is
 # why stages, not consumers, were the knob that mattered most in the sweeps (a third stage at d = 128
-# gained more than any change of consumers; the sweeps are in `notes/performance.md`).
+# gained more than any change of consumers; the sweeps are in `notes/attention.md`).
 
 # %%
 for d_head, variants in hopper.VARIANTS.items():
@@ -335,8 +335,8 @@ assert max(schedules["longest first, snake"]) < max(schedules["round-robin"])
 # 132 is a multiple of the 22 query blocks per head, so round-robin gives each program the *same* query
 # block of every head it visits: the program holding the last (longest) blocks does far more than the
 # mean, and the whole grid waits for it. The longest-first snake order is nearly balanced. (On the H200 the
-# round-robin schedule measured far slower at this cell than one program per tile; `notes/performance.md`,
-# fourth round.) Balanced on paper is not the same as fast: at d = 128 the snake-dealt persistent grid
+# round-robin schedule measured far slower at this cell than one program per tile; `notes/attention.md`,
+# "Tried and rejected".) Balanced on paper is not the same as fast: at d = 128 the snake-dealt persistent grid
 # still trailed one program per tile on causal rows in repeated timings (section 3).
 #
 # ## 4. The Gluon kernel against the Triton kernel
@@ -455,7 +455,7 @@ if got is not None:
 # ahead, and where it runs a variant, that variant should be at or near the top. The printed shares say how
 # near. A pick a few per cent behind the fastest is worth a second run: between runs, clocks and temperature
 # move figures by a few per cent. One timing per cell cannot settle which way a line should go. The
-# sweeps behind `choose` (`notes/performance.md`, fourth and twenty-fourth rounds) timed every candidate
+# sweeps behind `choose` (`notes/attention.md`, "Why it is so") timed every candidate
 # several times per cell, each first in turn (`course_lib.perf.timing.interleaved`). An earlier H200
 # record had `choose` taking the persistent grid for causal rows of 2k keys, 5 % behind the plain ping-pong
 # kernel. Repeated timings showed the same gap in two more runs, so `choose` now takes the plain kernel
@@ -478,7 +478,7 @@ if got is not None:
 #
 # That is 256, one more than a thread may have (255), before a single address or loop counter: the
 # compiler spills to local memory (Nsight Compute's counters on an H200 show the spill requests,
-# `notes/performance.md`). FlashAttention-3's backward (`course_lib/attention/hopper_backward.py`) keeps
+# `notes/attention.md`). FlashAttention-3's backward (`course_lib/attention/hopper_backward.py`) keeps
 # the same 128 keys per program but arranges the work differently:
 #
 # - two consumer warpgroups each own 64 of the keys, so each thread holds the same 128 accumulator

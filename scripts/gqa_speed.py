@@ -8,7 +8,7 @@ graph, as transformers' `repeat_kv`; its backward sums dK, dV over the copies). 
 of each over --passes timings, each call first in turn (single timings vary by 1-2 % over a run),
 the ratios to the grouped call, and the first ratio of each pass. --graphs times CUDA-graph replays of
 each forward + backward instead: the GPU's work alone, without the CPU's launch cost, which at 1k keys
-is about as long as the GPU's work and makes plain timings vary (notes/performance.md, "Twelfth round").
+is about as long as the GPU's work and makes plain timings vary (notes/attention.md, "Open").
 
     COURSE_DEVICE=cuda python3 scripts/gqa_speed.py [--out file.json]
 

@@ -2,7 +2,7 @@
 
     COURSE_DEVICE=cuda python3 scripts/hopper_gluon_forward.py [--ns 1024,4096,16384]
 
-notes/performance.md ("Third round") says why it exists and what it measured: the course_lib forward
+notes/attention.md ("Tried and rejected") says why it exists and what it measured: the course_lib forward
 (`course_lib/attention/forward.py`) runs each K/V step's three stages one after the other
 (S = Q K^T on the tensor cores, the softmax on the ordinary cores, O += P V on the tensor cores).
 Gluon, Triton's lower-level dialect, lets a kernel schedule them itself:

@@ -8,13 +8,13 @@ K/V with as many heads as Q and with one: grouped-query attention), then times e
 shapes next to SDPA's default backend (cuDNN on an H200) and the Triton forward
 (`course_lib.attention.attention_forward(..., config={"hopper": False})`), all in the same run; the check and
 the timing loop are `scripts/hopper_gluon_forward.py`'s. What it measured, and how `hopper.choose`
-follows from it: notes/performance.md, "Fourth round".
+follows from it: notes/attention.md, "Why it is so".
 
 With `--passes P` it times only the kernels `hopper.choose` picks between (every variant below and the
 Triton forward), P times per cell, each first in turn (`perf.timing.interleaved`), and prints each
 one's median TFLOP/s, the fastest, and the share of the fastest that `choose`'s pick reaches: one
-timing per kernel cannot tell apart kernels a few per cent apart (notes/performance.md,
-"Twenty-fourth round").
+timing per kernel cannot tell apart kernels a few per cent apart (notes/attention.md,
+"Why it is so").
 """
 
 from __future__ import annotations

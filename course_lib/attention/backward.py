@@ -14,7 +14,7 @@ The kernels:
 Splitting dQ from dK/dV costs recomputing S and dP (7 matrix products instead of 5) but needs no
 atomics: that is `dq_mode="two_kernel"` (the default). There the dQ kernel runs first and computes D
 itself (FUSE_D: it holds dO already and reads O once more), storing D for the dK/dV kernel, so the
-backward is two launches, not three (launches cost CPU time, notes/performance.md).
+backward is two launches, not three (launches cost CPU time, notes/attention.md, "Open").
 `dq_mode="atomic"` instead adds each program's dQ contribution into an fp32 buffer with
 `tl.atomic_add` inside the dK/dV kernel (one pass, 5 products, but Nk / BLOCK_N read-modify-writes of
 every dQ element), after the preprocessing kernel.
@@ -570,7 +570,7 @@ def dkdv_heads_per_program(group: int, causal: bool, n_k: int, head_dim: int) ->
     causal d = 64: 4k 2387 / 2458 (2310), 8k 4638 / 4539 (4551), 16k 9074 / 8598 (8795); causal
     d = 128: 4k 1997 / 2209 (2102), 8k 3585 / 3809 (3789), 16k 6900 / 7048 (7196); non-causal d = 64,
     16k: 15480 / 15045 (14935), d = 128, 4k: 3702 / 3853 (3557). Up to 2k keys on chip won every cell
-    (notes/performance.md). Since the partials are added by one Triton kernel, non-causal d = 64 at 4k
+    (notes/attention.md). Since the partials are added by one Triton kernel, non-causal d = 64 at 4k
     keys joined them (forward + backward against repeated K/V, medians of four alternating passes:
     on chip 0.976x, partials 1.005x; at 2k 0.986x / 0.972x)."""
     if head_dim <= 64 and (n_k > 4096 or (not causal and n_k == 4096)):

@@ -5,7 +5,7 @@ what a kernel launch needs beyond its arguments: BLOCK_M query rows and BLOCK_N 
 paper's B_r and B_c), warps per program and the software-pipelining depth of the loads. Each kernel has a
 `KernelConfigs` table:
 
-- `candidates`: what the autotuner times on a GPU (kept from sweeps on an H200, notes/performance.md);
+- `candidates`: what the autotuner times on a GPU (kept from sweeps on an H200, notes/attention.md);
 - `choose(d, causal, n, dtype)`: the configuration used without autotuning, from those sweeps;
 - `cpu`: the one configuration of the interpreter (it cannot time several; small tiles keep its
   Python loop short).
@@ -110,7 +110,7 @@ FORWARD = KernelConfigs(
 # the transposed tiles small. 32 x 128 / 4 warps wins d = 64; 64 x 128 / 8 warps wins d = 128 at long
 # sequences; 64 x 64 / 4 warps wins causal at short ones. 32 x 64 / 4 warps / 2 stages wins causal
 # grouped-query programs that sum 4 query heads on chip at d = 128 (H200, N = 1k-4k: 5-9 % faster than
-# the multi-head choice; notes/performance.md); 64 x 64 / 4 warps / 3 stages won two grouped cells at
+# the multi-head choice; notes/attention.md); 64 x 64 / 4 warps / 3 stages won two grouped cells at
 # d = 64 (causal 1k, non-causal 4k) once causal programs walk the group's heads in one loop
 # (`scripts/gqa_speed.py --tune` records the grouped choices).
 DKDV = KernelConfigs(

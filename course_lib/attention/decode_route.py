@@ -14,7 +14,7 @@ Plain launches (no CUDA graph) pay the host's time too, and there the split-KV p
 launches two kernels (the splits and their merge; then also a fill of a lengths tensor, since dropped:
 the whole cache needs none), and a plain call of `flash_attention` took 190-260 us of host time on that
 machine, whichever kernel ran (SDPA: 33 us; since cut to 96-175 us without a gradient,
-notes/performance.md, twentieth round). Plain, batch 1: 8k keys 226 us by the forward / 236 us split-KV,
+notes/attention.md, "Open"). Plain, batch 1: 8k keys 226 us by the forward / 236 us split-KV,
 16k 264 / 253, 32k 520 / 254; but batch 32 at 2k 196 / 250. So `takes` hands over only where the
 forward's own GPU time is about as long as that host time: `waves x Nk >= MIN_WORK`, waves being the
 forward grid's rounds over the SMs at two programs per SM (batch 1 with 32 heads from 16k keys; batch 8

@@ -3,7 +3,7 @@
 The Triton forward (`forward.py`) has every warp do everything, one step after the other: load a K/V
 tile, S = Q K^T on the tensor cores, the softmax on the ordinary cores, O += P V on the tensor cores.
 While the softmax runs, the tensor cores wait; at d = 128 that caps it near 500 of the H200's
-~800 TFLOP/s (notes/performance.md). This kernel gives the warps of one program different jobs
+~800 TFLOP/s (notes/attention.md). This kernel gives the warps of one program different jobs
 (Shah et al. 2024, FlashAttention-3, sections 3.1-3.2), written in Gluon, Triton's lower-level
 dialect, which exposes what the hardware does asynchronously:
 
@@ -374,8 +374,8 @@ VARIANTS = {
 def choose(d: int, causal: bool, n_q: int, n_k: int) -> tuple | None:
     """The variant to run for this shape, or None where the Triton kernel was faster.
 
-    From `scripts/hopper_ws_forward.py` on an H200 (notes/performance.md, "Fourth round" and
-    "Twenty-fourth round"): at d = 128 this kernel wins everywhere but on short causal rows. Without
+    From `scripts/hopper_ws_forward.py` on an H200 (notes/attention.md, "Why it is so": the sweeps
+    and repeated timings): at d = 128 this kernel wins everywhere but on short causal rows. Without
     the mask, one program per SM (persistent) while rows are short (<= 32 K/V blocks of 128: the
     epilogue of one tile overlaps the next one's loads), one program per tile beyond. With the mask,
     one program per tile at every length (3-7 % faster at 2k keys in each of five runs): the hardware

@@ -5,7 +5,7 @@ registers of 8 warps and computes the transposed tiles S^T = K Q^T and dP^T = V 
 dS^T come out ready to be the left operand of dV += P^T dO and dK += dS^T Q. At d = 128 that is
 128 accumulator registers per thread, another 64 for the two score tiles, and one value of L and of D
 per *column* of the tiles (16 each per thread): more than the 255 registers a thread may have, so the
-kernel spills to local memory (notes/performance.md, "Ninth round"). This kernel arranges the same work
+kernel spills to local memory (notes/attention.md, "Why it is so"). This kernel arranges the same work
 as FlashAttention-3's backward does (Shah et al. 2024, section 3 and its code):
 
 * producer (1 warp, 24 registers per thread): loads the program's K and V block once with TMA, then,
@@ -333,7 +333,7 @@ def compile_ahead(q4, k4, v4, l3, delta, dk4, offset: int, causal: bool, scale: 
 def choose(d: int, causal: bool, n_q: int, n_k: int, group: int) -> bool:
     """Whether this kernel, rather than the Triton dK/dV kernel, runs for this shape (`group` query
     heads per K/V head). Measured on an H200 (bf16, B x N = 16k tokens, 2048 / d query heads; the
-    backward alone, Triton dQ kernel included, notebook 08c and notes/performance.md "Tenth round"):
+    backward alone, Triton dQ kernel included, notebook 08c and notes/attention.md, "Why it is so"):
     at d = 128 it is 3-11 % faster with one query head per K/V head and 6-16 % with four, except for
     causal rows of 1024 keys or fewer (688-692 against 699-716 us at 1k). At d = 64 its products are
     small (K = 64) and the Triton kernel, which does not spill there, wins non-causal cells (by 4-17 %)
@@ -349,7 +349,7 @@ def heads_per_program(group: int, causal: bool, n_k: int) -> int:
     (dK, dV written once), except non-causal rows of 4096 keys or more, where each query head gets its
     own programs, as on repeated K/V: they write partial dK, dV (fp32) that `backward._group_sum_kernel`
     adds up. A program that walks a whole group runs `group` times longer, and its L2 hit rate was
-    lower (85 % against 92 % at 8k keys; notes/performance.md, "Tenth round"). Measured on an H200
+    lower (85 % against 92 % at 8k keys, hardware counters). Measured on an H200
     (bf16, d = 128, 4 query heads per K/V head, B x N = 16k tokens, forward + backward against the same
     call on repeated K/V, best of three passes), whole group / one head per program: 1k 1.013x /
     0.949x, 2k 1.006x / 0.988x, 4k 0.984x / 1.011x, 8k 0.961x / 0.994x, 16k 0.973x / 0.995x. Causal

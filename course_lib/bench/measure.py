@@ -120,7 +120,7 @@ def run_attention(quick: bool = False) -> dict:
     jobs = [(cell, p) for cell in cells for p in PROVIDERS]
     bar = tqdm(total=len(jobs), desc="attention", unit="run")
     # torch.compile leaves state behind in the process (dynamo, inductor's caches and graphs), and after it
-    # has run, the per-call CPU cost of Python-launched kernels rose 1.3-1.5x (notes/performance.md). So it
+    # has run, the per-call CPU cost of Python-launched kernels rose 1.3-1.5x (notes/attention.md). So it
     # is measured in a second pass, after every other provider has been measured on every cell.
     passes = [[p for p in PROVIDERS if p != "compiled"], ["compiled"]]
     for providers, cell in ((group, cell) for group in passes for cell in cells):
