@@ -3,7 +3,8 @@
 Both are memory-bound: a program should own enough bytes to keep many loads in flight, and no more
 registers than it needs. The named tables below are the one place where launch sizes are chosen; each
 kernel's host function reads them through the helpers and also takes the value as a keyword argument,
-so a sweep can try other settings without editing the tables.
+so a sweep can try other settings without editing the tables. Each entry is a `kernels.launch.Launch`,
+whose `kwargs()` are its kernel's launch keywords.
 
 - `WARPS`: threads per program for a tile of `block` elements where no measured setting applies (more
   warps for bigger tiles, so that each thread holds a few 16-byte vectors, not dozens);
@@ -20,11 +21,12 @@ first guesses from the sizes involved.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from dataclasses import dataclass
 
 import torch
 
 from .. import runtime
+from ..kernels.launch import Launch, keyword
 
 # Longest row (elements) that one program keeps in registers: the kernels read a row once.
 MAX_ROW = 1 << 16
@@ -33,30 +35,40 @@ MAX_ROW = 1 << 16
 WARPS = ((1024, 4), (4096, 8), (16384, 16), (MAX_ROW, 32))
 
 
-class RowLaunch(NamedTuple):
+@dataclass(frozen=True)
+class RowLaunch(Launch):
     """RMSNorm forward: rows per program (a (rows, BLOCK_D) tile) and warps; chunk > 0: the chunked
     kernel instead, one row per program in pieces of `chunk` elements."""
 
-    rows: int
-    warps: int
-    chunk: int = 0
+    rows: int = keyword("ROWS")
+    warps: int = keyword("num_warps")
+    chunk: int = keyword("CHUNK", default=0)
+
+    def kwargs(self) -> dict:
+        """The launch keywords of the kernel this runs: ROWS for `rms_norm_fwd_kernel`, CHUNK (chunk > 0)
+        for `rms_norm_fwd_chunked_kernel`; num_warps for both."""
+        kwargs = super().kwargs()
+        del kwargs["ROWS" if self.chunk else "CHUNK"]
+        return kwargs
 
 
-class BackwardLaunch(NamedTuple):
+@dataclass(frozen=True)
+class BackwardLaunch(Launch):
     """RMSNorm backward: rows per loop iteration, programs per SM, warps; stream: x and dy loaded
     evict_first and dx stored with the streaming hint (.cs)."""
 
-    rows: int
+    rows: int = keyword("ROWS")
     programs_per_sm: int
-    warps: int
-    stream: bool = False
+    warps: int = keyword("num_warps")
+    stream: bool = keyword("STREAM", default=False)
 
 
-class RopeLaunch(NamedTuple):
+@dataclass(frozen=True)
+class RopeLaunch(Launch):
     """RoPE: tokens per program and warps."""
 
-    tokens: int
-    warps: int
+    tokens: int = keyword("TOKENS")
+    warps: int = keyword("num_warps")
 
 
 # BLOCK_D -> launch; the first entry whose bound is >= BLOCK_D wins.
@@ -82,12 +94,13 @@ RMS_BACKWARD = (
 # 16k 107.0 / 110.7, 64k 395.6 / 423.5; D = 2048 (4 x 8): 16k 55.9 / 57.0, 64k 198.6 / 209.5.
 
 
-class ColumnSumTile(NamedTuple):
+@dataclass(frozen=True)
+class ColumnSumTile(Launch):
     """The (BLOCK_R, BLOCK_C) tile the column-sum kernel loads per loop step, and its warps."""
 
-    block_r: int
-    block_c: int
-    warps: int
+    block_r: int = keyword("BLOCK_R")
+    block_c: int = keyword("BLOCK_C")
+    warps: int = keyword("num_warps")
 
 
 # measured: 528 x 2048 partial rows summed in 7.0 us (the 64 x 32 tile, 64 programs: 16.8 us)
