@@ -203,19 +203,21 @@ check(
 #
 # ## 3. The variants, and which one runs
 #
-# A variant is a tuple `(BLOCK_N, NUM_STAGES, NUM_CONSUMERS, PINGPONG, PERSISTENT)`. `hopper.VARIANTS`
-# lists the ones the tests check for each head dimension; `hopper.choose(d, causal, n_q, n_k)` returns the
-# one to run for a shape, or None where the Triton kernel measured faster.
+# A variant is a `hopper.Variant`, the kernel's constants `(BLOCK_N, NUM_STAGES, NUM_CONSUMERS, PINGPONG,
+# PERSISTENT)` as named fields (`v.block_n`, `v.num_stages`, `v.num_consumers`, `v.pingpong`,
+# `v.persistent`; it also unpacks as that tuple). `hopper.VARIANTS` lists the ones the tests check for each
+# head dimension; `hopper.choose(d, causal, n_q, n_k)` returns the one to run for a shape, or None where the
+# Triton kernel measured faster.
 
 # %%
 FIELDS = ("BLOCK_N", "NUM_STAGES", "NUM_CONSUMERS", "PINGPONG", "PERSISTENT")
 for d_head, variants in hopper.VARIANTS.items():
     for v in variants:
-        opts = hopper.launch_options(v[2])
-        warps = 4 * v[2] + 4
+        opts = hopper.launch_options(v.num_consumers)
+        warps = 4 * v.num_consumers + 4
         fields = ", ".join(f"{name}={val}" for name, val in zip(FIELDS, v))
         print(f"d = {d_head:3}: {fields}")
-        print(f"         {v[2] * hopper.QUERY_ROWS} query rows per program, {warps} warps, "
+        print(f"         {v.num_consumers * hopper.QUERY_ROWS} query rows per program, {warps} warps, "
               f"{opts['CONSUMER_REGS']} registers per worker consumer thread")  # fmt: skip
 
 # %% [markdown]
@@ -250,7 +252,7 @@ check(
 # %%
 for d_head, variants in hopper.VARIANTS.items():
     for v in variants:
-        used = (hopper.QUERY_ROWS * v[2] + 2 * v[1] * v[0]) * d_head * 2
+        used = (hopper.QUERY_ROWS * v.num_consumers + 2 * v.num_stages * v.block_n) * d_head * 2
         assert used <= SMEM_PER_PROGRAM, (d_head, v, used)
         print(f"d = {d_head:3}, {v}: {used / 1024:5.0f} KB of {SMEM_PER_PROGRAM // 1024} KB")
 
@@ -531,8 +533,8 @@ check(
 # consumer:
 
 # %%
-stages, rows, keys = hopper_backward.STAGES[128], hopper_backward.QUERY_ROWS, hopper_backward.KEY_ROWS
-consumers = hopper_backward.NUM_CONSUMERS
+stages, consumers = hopper_backward.LAUNCHES[128].num_stages, hopper_backward.LAUNCHES[128].num_consumers
+rows, keys = hopper_backward.QUERY_ROWS, hopper_backward.KEY_ROWS
 ring, kv_block, p_ds = stages * 2 * rows * 128, 2 * consumers * keys * 128, consumers * 2 * rows * keys
 smem_bwd = (ring + kv_block + p_ds) * 2  # 16-bit elements
 print(f"dK/dV program at d = 128: {smem_bwd // 1024} KB of shared memory ({stages} stages); "

@@ -34,20 +34,21 @@ from course_lib.attention import attention_forward, hopper  # noqa: E402
 from course_lib.bench import summarise  # noqa: E402
 from course_lib.perf.timing import attention_flops, interleaved  # noqa: E402
 
-# (BLOCK_N, NUM_STAGES, NUM_CONSUMERS, PINGPONG, PERSISTENT) per head dim.
+# hopper.Variant(BLOCK_N, NUM_STAGES, NUM_CONSUMERS, PINGPONG, PERSISTENT) per head dim.
 # Shared memory: (NUM_CONSUMERS * 64 + 2 * NUM_STAGES * BLOCK_N) * d * 2 bytes, at most ~227 KB.
+V = hopper.Variant
 VARIANTS = {
     128: [
-        (128, 3, 2, True, False),
-        (128, 3, 2, True, True),
-        (128, 3, 2, False, False),
-        (128, 3, 2, False, True),
+        V(128, 3, 2, True, False),
+        V(128, 3, 2, True, True),
+        V(128, 3, 2, False, False),
+        V(128, 3, 2, False, True),
     ],
     64: [
-        (128, 3, 3, True, True),
-        (128, 3, 3, False, True),
-        (128, 3, 3, True, False),
-        (128, 4, 2, True, True),
+        V(128, 3, 3, True, True),
+        V(128, 3, 3, False, True),
+        V(128, 3, 3, True, False),
+        V(128, 4, 2, True, True),
     ],
 }
 

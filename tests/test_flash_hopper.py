@@ -37,8 +37,8 @@ def test_variants_fit_an_sm():
             assert _smem(variant, d) <= SMEM_BYTES, (
                 f"d={d} {variant}: {_smem(variant, d)} bytes of shared memory"
             )
-            opts = hopper.launch_options(variant[2])
-            warps = 4 * variant[2] + 4
+            opts = hopper.launch_options(variant.num_consumers)
+            warps = 4 * variant.num_consumers + 4
             assert opts["maxnreg"] * warps * 32 <= 65536, f"{variant}: {opts} exceeds 64K registers"
             assert opts["CONSUMER_REGS"] % 8 == 0 and 24 < opts["CONSUMER_REGS"] <= 240, f"{variant}: {opts}"
     for d in (64, 128):

@@ -32,6 +32,7 @@ Triton kernel; everything else takes the Triton kernel. No CPU path: Gluon has n
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 from triton.experimental import gluon
@@ -45,6 +46,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from ..kernels.launch import Launch, keyword
 from ..runtime import cdiv, sm_count  # sm_count: the persistent grid's size
 
 LOG2E = 1.4426950408889634
@@ -360,18 +362,34 @@ def fwd_ws_kernel(
 # --------------------------------------------------------------------------------------------------
 # Host side
 # --------------------------------------------------------------------------------------------------
-# A variant: (BLOCK_N, NUM_STAGES, NUM_CONSUMERS, PINGPONG, PERSISTENT).
-D128_SHORT = (128, 3, 2, True, True)  # d = 128, no mask, rows of <= 32 K/V blocks
-D128_LONG = (128, 3, 2, True, False)
-D64 = (128, 3, 3, True, True)
+@dataclass(frozen=True)
+class Variant(Launch):
+    """A variant of the kernel: BLOCK_N keys per K/V block, NUM_STAGES ring slots, NUM_CONSUMERS
+    warpgroups of 64 query rows, PINGPONG, PERSISTENT (module docstring). It unpacks as the tuple
+    (block_n, num_stages, num_consumers, pingpong, persistent)."""
+
+    block_n: int = keyword("BLOCK_N")
+    num_stages: int = keyword("NUM_STAGES")
+    num_consumers: int = keyword("NUM_CONSUMERS")
+    pingpong: bool = keyword("PINGPONG")
+    persistent: bool = keyword("PERSISTENT")
+
+    def kwargs(self) -> dict:
+        """The kernel's constants of the variant, and its warps and registers (`launch_options`)."""
+        return {**super().kwargs(), **launch_options(self.num_consumers)}
+
+
+D128_SHORT = Variant(128, 3, 2, True, True)  # d = 128, no mask, rows of <= 32 K/V blocks
+D128_LONG = Variant(128, 3, 2, True, False)
+D64 = Variant(128, 3, 3, True, True)
 # Every variant the tests check: the chosen ones and a few others (each fits in 227 KB of shared memory).
 VARIANTS = {
-    128: (D128_SHORT, D128_LONG, (128, 3, 2, False, True)),
-    64: (D64, (128, 3, 3, False, False), (128, 4, 2, True, True)),
+    128: (D128_SHORT, D128_LONG, Variant(128, 3, 2, False, True)),
+    64: (D64, Variant(128, 3, 3, False, False), Variant(128, 4, 2, True, True)),
 }
 
 
-def choose(d: int, causal: bool, n_q: int, n_k: int) -> tuple | None:
+def choose(d: int, causal: bool, n_q: int, n_k: int) -> Variant | None:
     """The variant to run for this shape, or None where the Triton kernel was faster.
 
     From `scripts/hopper_ws_forward.py` on an H200 (notes/attention.md, "Why it is so": the sweeps
@@ -434,21 +452,19 @@ def capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
-def forward(q4, k4, v4, o4, lse3, causal: bool, scale: float, variant: tuple) -> None:
+def forward(q4, k4, v4, o4, lse3, causal: bool, scale: float, variant: Variant) -> None:
     """Write O into o4 (B, H, Nq, d) and L into lse3 (B, H, Nq) float32, for q4 (B, H, Nq, d) and
     k4, v4 (B, Hkv, Nk, d) that pass `supports` (H a multiple of Hkv: grouped-query attention);
     variant from `choose` (or any of VARIANTS, for tests).
     The caller makes q4's GPU current."""
     B, H, n_q, d = q4.shape
     n_k = k4.shape[2]
-    block_n, stages, consumers, pingpong, persistent = variant
-    tiles = cdiv(n_q, QUERY_ROWS * consumers) * B * H
-    grid = (min(tiles, sm_count(q4.device.index)) if persistent else tiles,)
+    tiles = cdiv(n_q, QUERY_ROWS * variant.num_consumers) * B * H
+    grid = (min(tiles, sm_count(q4.device.index)) if variant.persistent else tiles,)
     fwd_ws_kernel[grid](
-        descriptor(q4, QUERY_ROWS), descriptor(k4, block_n), descriptor(v4, block_n),
+        descriptor(q4, QUERY_ROWS), descriptor(k4, variant.block_n), descriptor(v4, variant.block_n),
         o4, lse3, scale * LOG2E,
         o4.stride(0), o4.stride(1), o4.stride(2), lse3.stride(0), lse3.stride(1),
         B * H, H, H // k4.shape[1], n_q, n_k,
-        CAUSAL=causal, HEAD_DIM=d, BLOCK_N=block_n, NUM_STAGES=stages, NUM_CONSUMERS=consumers,
-        PINGPONG=pingpong, PERSISTENT=persistent, **launch_options(consumers),
+        CAUSAL=causal, HEAD_DIM=d, **variant.kwargs(),
     )  # fmt: skip

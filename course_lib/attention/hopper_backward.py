@@ -30,6 +30,8 @@ dQ stays with the Triton dQ kernel, which runs first and also writes D = rowsum(
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -41,6 +43,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from ..kernels.launch import Launch, keyword
 from ..runtime import cdiv
 from . import hopper
 from .hopper import LOG2E, descriptor, launch_options
@@ -267,8 +270,22 @@ def dkdv_ws_kernel(
 # --------------------------------------------------------------------------------------------------
 # Host side
 # --------------------------------------------------------------------------------------------------
-NUM_CONSUMERS = 2
-STAGES = {64: 2, 128: 2}  # Q, dO ring slots by head dim
+NUM_CONSUMERS = 2  # warpgroups of 64 keys: the kernel's `gl.warp_specialize` lists two consumer partitions
+
+
+@dataclass(frozen=True)
+class DkdvLaunch(Launch):
+    """The kernel's launch for one head dim: NUM_STAGES Q, dO ring slots, NUM_CONSUMERS warpgroups."""
+
+    num_stages: int = keyword("NUM_STAGES")
+    num_consumers: int = keyword("NUM_CONSUMERS", default=NUM_CONSUMERS)
+
+    def kwargs(self) -> dict:
+        """The kernel's constants of the launch, and its warps and registers (`hopper.launch_options`)."""
+        return {**super().kwargs(), **launch_options(self.num_consumers)}
+
+
+LAUNCHES = {64: DkdvLaunch(num_stages=2), 128: DkdvLaunch(num_stages=2)}  # Q, dO ring slots by head dim
 
 
 def supports(q4, k4, v4, do4) -> bool:
@@ -283,7 +300,8 @@ def _launch(q4, k4, v4, do4, l3, delta, dk4, dv4, offset: int, causal: bool, sca
     n_k = k4.shape[2]
     slices = dk4.shape[1]  # K/V heads, or SHARE slices of each (fp32 partials)
     share = slices // k4.shape[1]
-    grid = (cdiv(n_k, KEY_ROWS * NUM_CONSUMERS) * B * slices,)
+    setting = LAUNCHES[d]
+    grid = (cdiv(n_k, KEY_ROWS * setting.num_consumers) * B * slices,)
     kernel = dkdv_ws_kernel.warmup if warmup else dkdv_ws_kernel[grid]
     extra = {"grid": grid} if warmup else {}
     return kernel(
@@ -292,8 +310,7 @@ def _launch(q4, k4, v4, do4, l3, delta, dk4, dv4, offset: int, causal: bool, sca
         l3, delta, dk4, dv4, scale * LOG2E, scale,
         l3.stride(0), l3.stride(1), l3.stride(2), dk4.stride(0), dk4.stride(1), dk4.stride(2),
         H, H // slices, share, n_q, n_k, offset, B * slices,
-        CAUSAL=causal, HEAD_DIM=d, NUM_STAGES=STAGES[d], NUM_CONSUMERS=NUM_CONSUMERS,
-        **launch_options(NUM_CONSUMERS), **extra,
+        CAUSAL=causal, HEAD_DIM=d, **setting.kwargs(), **extra,
     )  # fmt: skip
 
 
