@@ -48,7 +48,7 @@ def test_gradients_flow_in_float64():
 def test_large_logits_stay_finite():
     """Logits in the thousands: float32 stays finite and near float64. Float32 rounds a logit s by about
     eps * |s|, which moves P by that much relatively and O by that times |v|: the bound is 8 times
-    eps * max|logit| * max|v| (the rule of test_flash_triton's test_large_logits)."""
+    eps * max|logit| * max|v| (the rule of test_attention_forward_backward's test_large_logits)."""
     q, k, v = random_qkv((1, 33, 16), dtype=torch.float32, scale=40.0)
     o = attention(q, k, v, causal=True)
     assert torch.isfinite(o).all()

@@ -1,4 +1,6 @@
-"""Tests of course_lib.attention: the Triton FlashAttention-2 forward and backward.
+"""Tests of course_lib.attention's Triton FlashAttention-2 forward and backward (attention/forward.py,
+attention/backward.py; notebooks 06-08), each test checking both, through `flash_attention`,
+`FlashAttentionTriton` and notebook 08's configurations.
 
 Every result is held to the course's accuracy rule (`course_lib.testing.assert_close_to_reference`):
 error against the float64 reference at most 2x plain PyTorch's error in the same dtype, plus a floor.
@@ -261,128 +263,6 @@ def test_gradcheck_float64():
     )
     q, k, v = random_qkv((1, 3, 16), 3, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(lambda q, k, v: FlashAttentionTriton.apply(q, k, v, False), (q, k, v))
-
-
-def test_launch_configs_well_formed():
-    """The named launch tables: every candidate and every default choice has blocks >= 16 and powers of
-    two; the choice without autotuning is the table's for each kind of input (the CPU's one config
-    under the interpreter)."""
-    from course_lib.attention import configs
-
-    for table in (configs.FORWARD, configs.DKDV, configs.DQ):
-        launches = list(table.candidates) + [table.cpu, table.fixed, table.fp32, table.wide_head, table.short]
-        launches += [
-            table.long(d, c, n) for d in (64, 128) for c in (False, True) for n in (1024, 4096, 16384)
-        ]
-        for c in launches:
-            assert min(c.block_m, c.block_n) >= 16 and not (
-                c.block_m & (c.block_m - 1) or c.block_n & (c.block_n - 1)
-            ), f"{table.name}: {c}"
-        assert table.choose(64, True, 4096, torch.bfloat16, interpret=True) == table.cpu
-        assert table.choose(64, True, 4096, torch.float32, interpret=False) == table.fp32
-        assert table.choose(256, True, 4096, torch.bfloat16, interpret=False) == table.wide_head
-        assert table.choose(64, True, 256, torch.bfloat16, interpret=False) == table.short
-        assert table.choose(128, False, 16384, torch.bfloat16, interpret=False) == table.long(
-            128, False, 16384
-        )
-    assert configs.split_config(None, configs.FORWARD.fixed) == (
-        None,
-        {"EXP2": True, "SKIP_MASKED": True, "HOPPER": True},
-    )
-
-
-def test_teaching_variants_are_function_arguments_with_a_fixed_launch():
-    """The ladder's first rungs swap teaching.py's variants into the production kernels (no switch
-    inside a kernel), and always with a fixed launch: never through the tuned choice or the Hopper
-    path, whose shape keys know nothing of them."""
-    from course_lib.attention import configs, teaching
-
-    for kernel in (fwd_mod._fwd_kernel, bwd_mod._dq_kernel, bwd_mod._dkdv_kernel):
-        assert not {"EXP2", "SKIP_MASKED"} & set(kernel.arg_names), f"{kernel.__name__}: {kernel.arg_names}"
-    _, fast = configs.split_config(None, configs.FORWARD.fixed)
-    for names in (fwd_mod._HOOKS, bwd_mod._DQ_HOOKS, bwd_mod._DKDV_HOOKS):
-        assert configs.teaching_hooks(fast, names) == {}, f"{names}: the production helpers are the defaults"
-    launch, switches = configs.split_config({"exp2": False}, configs.FORWARD.fixed)
-    assert launch == configs.FORWARD.fixed.kwargs(), f"exp2=False alone must fix the launch; got {launch}"
-    assert configs.teaching_hooks(switches, fwd_mod._HOOKS) == {
-        "SOFTMAX_STEP": teaching.softmax_step_natural,
-        "LOGSUMEXP": teaching.logsumexp_natural,
-    }
-    assert configs.teaching_hooks(switches, bwd_mod._DKDV_HOOKS) == {
-        "PROBABILITIES": teaching.probabilities_natural
-    }
-    launch, switches = configs.split_config({"skip_masked_blocks": False, "BLOCK_M": 32}, configs.DKDV.fixed)
-    assert launch["BLOCK_M"] == 32 and launch["BLOCK_N"] == configs.DKDV.fixed.block_n, launch
-    assert configs.teaching_hooks(switches, bwd_mod._DQ_HOOKS) == {"KV_RANGE": teaching.every_kv_block}
-    assert configs.teaching_hooks(switches, bwd_mod._DKDV_HOOKS) == {"Q_RANGE": teaching.every_q_block}
-
-
-# ---------------------------------------------------------------------------------------------------
-# Bad input
-# ---------------------------------------------------------------------------------------------------
-def _qkv(shape_q=(1, 2, 8, 16), n_k=8, dtype=torch.float32, device=DEVICE):
-    return random_qkv(shape_q, n_k, dtype=dtype, device=device)
-
-
-def test_bad_shapes_and_head_dims():
-    q, k, v = _qkv()
-    with pytest.raises(ValueError, match="head dims differ"):
-        flash_attention(q, k[..., :8], v)
-    with pytest.raises(ValueError, match="same number of keys"):
-        flash_attention(q, k, v[..., :5, :])
-    with pytest.raises(ValueError, match="leading"):
-        flash_attention(q, torch.cat([k, k]), torch.cat([v, v]))  # batch 2 against q's 1
-    with pytest.raises(ValueError, match="multiple of k's and v's"):
-        flash_attention(torch.cat([q, q[:, :1]], dim=1), k, v)  # 3 query heads, 2 key/value heads
-    with pytest.raises(ValueError, match="v must have the head dim"):
-        flash_attention(q, k, torch.cat([v, v], dim=-1))
-    with pytest.raises(ValueError, match="at least 2 dims"):
-        flash_attention(q[0, 0, 0], k[0, 0, 0], v[0, 0, 0])
-    for d in (8, 12, 264):
-        q, k, v = _qkv((1, 4, d), 4)
-        with pytest.raises(ValueError, match=f"head dim d={d} is not supported"):
-            flash_attention(q, k, v)
-
-
-def test_bad_dtypes():
-    q, k, v = _qkv()
-    with pytest.raises(TypeError, match="share one dtype"):
-        flash_attention(q, k.half(), v)
-    with pytest.raises(TypeError, match="floating-point"):
-        flash_attention(*(torch.ones(1, 8, 16, dtype=torch.int32, device=DEVICE) for _ in range(3)))
-    if ON_GPU:
-        with pytest.raises(TypeError, match="float64 runs only under the Triton interpreter"):
-            flash_attention(q.double(), k.double(), v.double())
-
-
-def test_bad_devices():
-    q, k, v = _qkv()
-    with pytest.raises(ValueError, match="one device"):
-        flash_attention(q, k.to("meta"), v)
-    if course_lib.INTERPRET:
-        # A tensor on another device (meta stands in for CUDA on a machine without a GPU).
-        with pytest.raises(ValueError, match="interpreter on the CPU"):
-            flash_attention(*(t.to("meta") for t in (q, k, v)))
-    if ON_GPU:
-        with pytest.raises(ValueError, match="compiled for the GPU"):
-            flash_attention(*(t.cpu() for t in (q, k, v)))
-
-
-def test_bad_config_and_dq_mode():
-    q, k, v = _qkv()
-    with pytest.raises(ValueError, match="unknown config keys"):
-        fwd_mod.forward(q, k, v, config={"BLOCK_K": 32})
-    with pytest.raises(ValueError, match="powers of two"):
-        fwd_mod.forward(q, k, v, config={"BLOCK_M": 24})
-    with pytest.raises(TypeError, match="config must be a dict"):
-        fwd_mod.forward(q, k, v, config="fast")
-    with pytest.raises(TypeError, match="config switch exp2 must be True or False; got 'no'"):
-        fwd_mod.forward(q, k, v, config={"exp2": "no"})  # a truthy string once meant True
-    o, lse = fwd_mod.forward(q, k, v)
-    with pytest.raises(ValueError, match="dq_mode"):
-        bwd_mod.backward(o, q, k, v, o, lse, dq_mode="fused")
-    with pytest.raises(ValueError, match="L must have shape"):
-        bwd_mod.backward(o, q, k, v, o, lse[..., :3])
 
 
 # ---------------------------------------------------------------------------------------------------
