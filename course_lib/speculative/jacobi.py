@@ -50,8 +50,8 @@ class ParallelResult:
 
     tokens: list[int]
     settled: list[int] = field(default_factory=list)
-    branches: list[int] = field(default_factory=list)
     seconds: float = 0.0
+    branches: list[int] = field(default_factory=list)
 
     @property
     def steps(self) -> int:
