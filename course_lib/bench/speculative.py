@@ -369,6 +369,7 @@ def run(quick: bool = False) -> dict:
         print(f"speculative: plain greedy, B={B}: {plain[B]['tokens_per_s']:.0f} tokens/s")
     rows = _speculative_rows(target, draft_model, prompts, plain, s, _log)
     rows.append(_lookahead_row(target, prompts, plain, s, _log))
+    print(f"speculative: measured in {time.perf_counter() - t0:.0f} s")
     return {
         "config": s["config"].as_dict(),
         "sizes": {k: v for k, v in s.items() if k != "config"},
