@@ -25,7 +25,8 @@ autotuned choices in `attention/tuned/` are lists in the order block_m, block_n,
 the fused kernels launch with Triton's default stages and name their warps `warps`, as their host
 functions' keyword does; the Gluon kernels always launch 4 warps (`hopper.launch_options`).
 
-A launch unpacks as the tuple it replaces, fields in order (`block_n, stages, consumers, *_ = variant`).
+A launch unpacks and indexes as the tuple it replaces, fields in order (`block_n, stages, consumers, *_ =
+variant`, `variant[2]`).
 
 `PerDevice` holds a setting that differs under the interpreter (small programs keep its Python loop short)
 and on a GPU; `current()` picks the one for where the kernels run.
@@ -59,6 +60,10 @@ class Launch:
 
     def __iter__(self):
         return iter(tuple(getattr(self, f.name) for f in dataclasses.fields(self)))
+
+    def __getitem__(self, index):
+        """Indexing as the tuple it replaces (`variant[2]`), so code written against the tuples still runs."""
+        return tuple(self)[index]
 
 
 T = TypeVar("T", bound=Launch)
