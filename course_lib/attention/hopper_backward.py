@@ -286,6 +286,7 @@ class DkdvLaunch(Launch):
 
 
 LAUNCHES = {64: DkdvLaunch(num_stages=2), 128: DkdvLaunch(num_stages=2)}  # Q, dO ring slots by head dim
+STAGES = {d: launch.num_stages for d, launch in LAUNCHES.items()}  # the ring slots alone (older 08c copies)
 
 
 def supports(q4, k4, v4, do4) -> bool:
