@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from . import runtime
-from .checks import accumulator_dtype, check_tensor
+from .checks import accumulator_dtype, check_dtype, check_tensor
 from .runtime import tl, triton
 
 runtime.require_triton()
@@ -31,9 +31,7 @@ def _check_tensors(where: str, dtypes: tuple[torch.dtype, ...], **tensors: torch
     """Kind, dtype and device checks shared by the primer's public functions."""
     for name, t in tensors.items():
         check_tensor(where, name, t)
-        if t.dtype not in dtypes:
-            names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
-            raise TypeError(f"{where}: {name} has dtype {t.dtype}; supported: {names}")
+        check_dtype(where, name, t, dtypes)
         if t.device.type != runtime.DEVICE.type:
             raise ValueError(
                 f"{where}: {name} is on {t.device} but Triton kernels run on {runtime.DEVICE} here "

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import torch
 
-from ..checks import accumulator_dtype, check_sinks, check_window, default_scale
+from ..checks import accumulator_dtype, causal_alignment, check_sinks, check_window, default_scale
 from ..second_derivative import refuse_second_derivative
 from .backward import _backward as _launch_backward
 from .backward import backward as _attention_backward
@@ -44,12 +44,10 @@ from .forward import _forward
 from .inputs import check_call, check_inputs
 from .packed import check_packed, check_padded, pack_rows, padded_sequences, sequences
 
-CAUSAL_CHOICES = ("none", "top_left", "bottom_right")
 
-
-def _check_causal(causal: str, where: str) -> None:
-    if causal not in CAUSAL_CHOICES:
-        raise ValueError(f"{where}: causal must be one of {CAUSAL_CHOICES}, got {causal!r}")
+def _alignment(causal: str, where: str) -> str | None:
+    """An operator's causal string ("none" or an alignment's name) as an alignment (`checks.causal_alignment`)."""
+    return causal_alignment(causal, where, strings=True)
 
 
 def _outputs_fake(q):
@@ -81,8 +79,7 @@ def forward_op(
     bfloat16 or float32. causal: "none", "top_left" or "bottom_right". window: 0, or a sliding window
     of that many keys (`flash_attention`). sinks: None or (Hq,) attention-sink logits. Returns O (q's
     shape and dtype, contiguous) and L (q.shape[:-1], float32)."""
-    _check_causal(causal, "course_lib::flash_attention_forward")
-    alignment = None if causal == "none" else causal
+    alignment = _alignment(causal, "course_lib::flash_attention_forward")
     return _attention_forward(q, k, v, alignment, scale, window=window or None, sinks=sinks)
 
 
@@ -92,8 +89,8 @@ def _forward_fake(q, k, v, causal, scale, window=0, sinks=None):
     # Meta tensors (no device at all) skip the check, which also asks for the kernels' device.
     if q.device.type != "meta":
         check_inputs(q, k, v, where="course_lib::flash_attention_forward")
-    _check_causal(causal, "course_lib::flash_attention_forward")
-    check_window(window or None, None if causal == "none" else causal, "course_lib::flash_attention_forward")
+    alignment = _alignment(causal, "course_lib::flash_attention_forward")
+    check_window(window or None, alignment, "course_lib::flash_attention_forward")
     check_sinks(sinks, q, "course_lib::flash_attention_forward")
     return _outputs_fake(q)
 
@@ -116,8 +113,7 @@ def backward_op(
     do, o: q's shape; lse: q.shape[:-1], as returned by `forward_op`. Returns dq, dk, dv with the
     shapes and dtypes of q, k, v (contiguous); with grouped-query attention dk, dv are summed over the
     query heads that share each K/V head; dsinks with the sinks' shape and dtype (empty without sinks)."""
-    _check_causal(causal, "course_lib::flash_attention_backward")
-    alignment = None if causal == "none" else causal
+    alignment = _alignment(causal, "course_lib::flash_attention_backward")
     grads = _attention_backward(do, q, k, v, o, lse, alignment, scale, window=window or None, sinks=sinks)
     return grads if sinks is not None else (*grads, q.new_empty(0))
 
@@ -174,9 +170,8 @@ def _packed(
     """The checked pieces of a packed call: (alignment, `packed.Sequences`, float32 sinks). q, k, v,
     scale and window are checked as `flash_attention_varlen` checks them: the operators are public
     (torch.ops.course_lib), and the kernels trust what they get."""
-    _check_causal(causal, where)
+    alignment = _alignment(causal, where)
     check_packed(q, k, v, where)
-    alignment = None if causal == "none" else causal
     check_window(window or None, alignment, where)
     default_scale(q.shape[-1], scale)
     seqs = sequences(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, k, where)
@@ -289,9 +284,8 @@ varlen_forward_op.register_autograd(_varlen_backward, setup_context=_varlen_setu
 def _check_padded(q, k, v, padding, causal: str, window: int, sinks, where: str) -> None:
     """The operators' arguments as `flash_attention_padded` checks its own; causal "none" or "bottom_right"
     (the queries are the last positions of the keys: top-left has no meaning here)."""
-    if causal not in ("none", "bottom_right"):
-        raise ValueError(f"{where}: causal must be 'none' or 'bottom_right'; got {causal!r}")
-    check_padded(q, k, v, padding, causal == "bottom_right", window or None, sinks, where)
+    alignment = causal_alignment(causal, where, ("bottom_right",), strings=True)
+    check_padded(q, k, v, padding, alignment, window or None, sinks, where)
 
 
 @torch.library.custom_op("course_lib::flash_attention_padded_forward", mutates_args=())

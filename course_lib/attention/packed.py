@@ -151,9 +151,11 @@ def check_packed(q, k, v, where: str) -> None:
     check_inputs(*(t.transpose(0, 1)[None] for t in (q, k, v)), where=where)
 
 
-def check_padded(q, k, v, padding, causal, window, sinks, where: str) -> None:
+def check_padded(q, k, v, padding, causal, window, sinks, where: str) -> str | None:
     """`flash_attention_padded`'s checks (its operators' too), each error naming `where`: q, k, v dense
-    (B, heads, N, d) tensors, padding (B, Nk) bool or 0/1 integers, Nq <= Nk, the window and the sinks."""
+    (B, heads, N, d) tensors, padding (B, Nk) bool or 0/1 integers, Nq <= Nk, causal (False, or True /
+    "bottom_right": the queries are the last positions of the keys), the window and the sinks. Returns the
+    alignment, None or "bottom_right" (`checks.causal_alignment`)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
@@ -177,8 +179,10 @@ def check_padded(q, k, v, padding, causal, window, sinks, where: str) -> None:
         )
     if n_q > n_k:
         raise ValueError(f"{where}: the queries are the last positions of the keys: Nq={n_q} > Nk={n_k}")
-    check_window(window, causal_alignment("bottom_right" if causal else False), where)
+    alignment = causal_alignment(causal, where, ("bottom_right",))
+    check_window(window, alignment, where)
     check_sinks(sinks, q, where)
+    return alignment
 
 
 def padded_sequences(padding: torch.Tensor, n_q: int):

@@ -113,7 +113,7 @@ def flash_attention_varlen(
     Returns O (total_q, Hq, d) in q's dtype; differentiable in q, k, v and sinks."""
     where = "flash_attention_varlen"
     check_packed(q, k, v, where)
-    alignment = causal_alignment(causal)
+    alignment = causal_alignment(causal, where)
     window = check_window(window, alignment, where)
     sinks32 = check_sinks(sinks, q.transpose(0, 1)[None], where)
     scale = default_scale(q.shape[-1], scale)
@@ -149,13 +149,11 @@ def flash_attention_padded(q, k, v, padding, causal=False, scale=None, window=No
     depend on values cannot be traced, the whole call is one custom operator
     (`op.padded_forward_op`, with its backward)."""
     where = "flash_attention_padded"
-    check_padded(q, k, v, padding, causal, window, sinks, where)
+    alignment = check_padded(q, k, v, padding, causal, window, sinks, where)
     B, n_q = q.shape[0], q.shape[2]
-    alignment = "bottom_right" if causal else False
     if torch.compiler.is_compiling():  # the real tokens' count decides shapes: one opaque node (`op.py`)
-        name = "bottom_right" if causal else "none"
         return padded_forward_op(
-            q, k, v, padding, name, default_scale(q.shape[-1], scale), window or 0, sinks
+            q, k, v, padding, alignment or "none", default_scale(q.shape[-1], scale), window or 0, sinks
         )[0]
     real_q, real_k, cu_q, cu_k, max_q, max_k = padded_sequences(padding.to(q.device), n_q)
     out = q.new_zeros(B, n_q, q.shape[1], q.shape[3])

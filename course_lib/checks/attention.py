@@ -175,8 +175,8 @@ _CAUSAL_CHOICES = {
         False,
     ): "False, True (= 'top_left': query i sees keys j <= i) or 'bottom_right' (query i sees "
     "keys j <= i + Nk - Nq, the KV-cache alignment)",
-    (("bottom_right",), False): "True / 'bottom_right' or False (the new tokens are the last of the keys: "
-    "'top_left' has no meaning there)",
+    (("bottom_right",), False): "True / 'bottom_right' or False (the queries are the last positions of the "
+    "keys: 'top_left' has no meaning there)",
     (ALIGNMENTS, True): "one of ('none', 'top_left', 'bottom_right')",
     (("bottom_right",), True): "'none' or 'bottom_right' (the queries are the last positions of the keys: "
     "top-left has no meaning here)",

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from ..checks import check_int
+from ..checks import check_cache_seqlens, check_int
 from .paged import check_paged, paged_checked
 from .split_kv import check_decode, decode_checked
 
@@ -57,12 +57,7 @@ def decode_attention_op(
 def _out_fake(q, cache_seqlens, where):
     """out as the operators allocate it, after the checks of cache_seqlens' dtype and shape. Shapes only
     (this runs on fake tensors while torch.compile traces), so bad input fails there too."""
-    if cache_seqlens.dtype != torch.int32:
-        raise TypeError(f"{where}: cache_seqlens must be int32, got {cache_seqlens.dtype}")
-    if cache_seqlens.shape != (q.shape[0],):
-        raise ValueError(
-            f"{where}: cache_seqlens must have shape (B,) = ({q.shape[0]},); got {tuple(cache_seqlens.shape)}"
-        )
+    check_cache_seqlens(where, cache_seqlens, q.shape[0], None)
     return torch.empty_like(q)  # as `split_kv.launch` allocates it: q's strides
 
 

@@ -16,31 +16,8 @@ The entry point, `paged_decode_attention`, is in `api.py`.
 
 from __future__ import annotations
 
-import torch
-
-from .split_kv import (
-    check_inference,
-    check_kv_pair,
-    check_lengths,
-    check_query_and_lengths,
-    launch,
-    normalise_causal,
-    should_validate,
-)
-
-
-def check_block_table(block_table, cache_seqlens, num_pages: int, page_size: int, where: str) -> None:
-    """Every page a sequence uses (the first cdiv(cache_seqlens[b], page_size) entries of its row) must
-    be a page id in [0, num_pages). Reads values: syncs on a GPU."""
-    pages_used = (cache_seqlens.to(torch.int64) + page_size - 1) // page_size  # (B,)
-    used = torch.arange(block_table.shape[1], device=block_table.device)[None, :] < pages_used[:, None]
-    bad = used & ((block_table < 0) | (block_table >= num_pages))
-    if bool(bad.any()):
-        b, p = (int(x) for x in bad.nonzero()[0])
-        raise ValueError(
-            f"{where}: block_table[{b}, {p}] = {int(block_table[b, p])} is not a page id in [0, {num_pages}) "
-            f"(sequence {b} has {int(cache_seqlens[b])} tokens, so it uses its first {int(pages_used[b])} pages)"
-        )
+from ..checks import check_block_table, check_lengths, check_page_ids, should_validate
+from .split_kv import check_inference, check_kv_pair, check_query_and_lengths, launch, normalise_causal
 
 
 def check_paged(q, k_pages, v_pages, block_table, cache_seqlens, where: str) -> None:
@@ -49,14 +26,7 @@ def check_paged(q, k_pages, v_pages, block_table, cache_seqlens, where: str) -> 
     num_pages, page_size, hkv, d = k_pages.shape
     check_query_and_lengths(q, cache_seqlens, hkv, d, k_pages.dtype, k_pages.device, where)
     check_inference(where, q=q, k_pages=k_pages, v_pages=v_pages)
-    if not isinstance(block_table, torch.Tensor) or block_table.dim() != 2:
-        raise ValueError(f"{where}: block_table must be a (B, max_pages) int32 tensor")
-    if block_table.dtype != torch.int32:
-        raise TypeError(f"{where}: block_table must be int32, got {block_table.dtype}")
-    if block_table.shape[0] != q.shape[0]:
-        raise ValueError(f"{where}: block_table has {block_table.shape[0]} rows, q has batch {q.shape[0]}")
-    if block_table.device != q.device:
-        raise ValueError(f"{where}: block_table is on {block_table.device}, q on {q.device}")
+    check_block_table(where, block_table, q.shape[0], q.device)
     if page_size == 0 or num_pages == 0:
         raise ValueError(f"{where}: empty page pool {tuple(k_pages.shape)}")
 
@@ -69,8 +39,8 @@ def paged_checked(
     num_pages, page_size = k_pages.shape[:2]
     capacity = block_table.shape[1] * page_size
     if should_validate(validate, q.device):
-        check_lengths(cache_seqlens, capacity, where)
-        check_block_table(block_table, cache_seqlens, num_pages, page_size, where)
+        check_lengths(where, cache_seqlens, capacity)
+        check_page_ids(where, block_table, cache_seqlens, num_pages, page_size)
     return launch(
         q, k_pages, v_pages, block_table, cache_seqlens,
         page_size=page_size, capacity=capacity, causal=normalise_causal(causal, where), scale=scale,

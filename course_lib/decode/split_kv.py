@@ -54,12 +54,19 @@ import torch
 
 from .. import pdl, runtime
 from ..checks import (
+    KERNEL_DTYPES,
     KERNEL_HEAD_DIMS,
     MAX_HEAD_DIM,
     causal_alignment,
+    check_cache_seqlens,
+    check_dtype,
     check_int,
     check_kernel_device,
+    check_lengths,
+    check_tensor,
     default_scale,
+    kernel_support,
+    should_validate,
 )
 from ..kernels.softmax import LN2
 from ..pdl import allow_dependents
@@ -231,22 +238,20 @@ def check_query_and_lengths(
 ):
     """Raise TypeError / ValueError naming the problem for q (B, Tq, Hq, d) and cache_seqlens (B,)
     (None with full: every sequence holds the whole cache)."""
-    if not isinstance(q, torch.Tensor):
-        raise TypeError(f"{where}: q must be a torch.Tensor, got {type(q).__name__}")
+    check_tensor(where, "q", q)
     if q.dim() != 4:
         raise ValueError(
             f"{where}: q must be (B, Tq, Hq, d) (tokens before heads); got shape {tuple(q.shape)}"
         )
     B, Tq, Hq, d = q.shape
-    if q.dtype not in DTYPES:
-        raise TypeError(f"{where}: q has dtype {q.dtype}; supported: float16, bfloat16, float32")
+    check_dtype(where, "q", q, KERNEL_DTYPES)
     if q.dtype != dtype:
         raise TypeError(f"{where}: q ({q.dtype}) and the K/V cache ({dtype}) must share one dtype")
     if q.device != device:
         raise ValueError(f"{where}: q is on {q.device} but the K/V cache is on {device}")
     if d != head_dim:
         raise ValueError(f"{where}: q has head dim {d}, the K/V cache {head_dim}")
-    if problem := unsupported(q.dtype, d):
+    if problem := kernel_support(q.dtype, d):
         raise ValueError(f"{where}: {problem}")
     if kv_heads == 0 or Hq % kv_heads:
         raise ValueError(
@@ -255,20 +260,8 @@ def check_query_and_lengths(
     if Tq == 0:
         raise ValueError(f"{where}: q has no query token (Tq = 0); q {tuple(q.shape)}")
     check_kernel_device(where, q=q)
-    if full and cache_seqlens is None:
-        return
-    if not isinstance(cache_seqlens, torch.Tensor):
-        raise TypeError(
-            f"{where}: cache_seqlens must be a (B,) int32 tensor, got {type(cache_seqlens).__name__}"
-        )
-    if cache_seqlens.dtype != torch.int32:
-        raise TypeError(f"{where}: cache_seqlens must be int32, got {cache_seqlens.dtype}")
-    if cache_seqlens.shape != (B,):
-        raise ValueError(
-            f"{where}: cache_seqlens must have shape (B,) = ({B},); got {tuple(cache_seqlens.shape)}"
-        )
-    if cache_seqlens.device != q.device:
-        raise ValueError(f"{where}: cache_seqlens is on {cache_seqlens.device}, q on {q.device}")
+    if not (full and cache_seqlens is None):
+        check_cache_seqlens(where, cache_seqlens, B, q.device)
 
 
 def check_kv_pair(k, v, names: tuple[str, str], layout: str, where: str) -> None:
@@ -286,25 +279,6 @@ def check_kv_pair(k, v, names: tuple[str, str], layout: str, where: str) -> None
         )
 
 
-def should_validate(validate: bool, device: torch.device) -> bool:
-    """Checks that read tensor values run on the CPU always, on a GPU when `validate` (they sync), and
-    never during CUDA-graph capture (a sync there is illegal; capture with validate=False)."""
-    if device.type == "cpu":
-        return True
-    return bool(validate) and not torch.cuda.is_current_stream_capturing()
-
-
-def check_lengths(cache_seqlens: torch.Tensor, capacity: int, where: str) -> None:
-    """cache_seqlens must lie in [0, capacity] (values are read: syncs on a GPU)."""
-    bad = (cache_seqlens < 0) | (cache_seqlens > capacity)
-    if bool(bad.any()):
-        i = int(bad.nonzero()[0, 0])
-        raise ValueError(
-            f"{where}: cache_seqlens[{i}] = {int(cache_seqlens[i])} is outside [0, {capacity}] "
-            "(the keys the cache or its block table covers)"
-        )
-
-
 def check_inference(where: str, **tensors: torch.Tensor) -> None:
     """Decoding has no backward: refuse inputs that ask for a gradient (grad mode on and one of them
     requires grad) rather than return an output that silently drops it."""
@@ -319,15 +293,10 @@ def check_inference(where: str, **tensors: torch.Tensor) -> None:
 
 
 def normalise_causal(causal, where: str) -> bool:
-    """causal: True or 'bottom_right' (the decoding alignment), or False. 'top_left' makes no sense for
-    new tokens at the end of a cache and is refused."""
-    problem = ValueError(f"{where}: causal must be True / 'bottom_right' or False; got {causal!r}")
-    if isinstance(causal, str) and causal == "top_left":
-        raise problem
-    try:
-        return causal_alignment(causal) is not None  # the flag's spellings (numpy bools, 0/1) as elsewhere
-    except ValueError:
-        raise problem from None
+    """The kernel's CAUSAL flag: True for True or 'bottom_right' (the decoding alignment), False for False
+    (`checks.causal_alignment` with decoding's one alignment: 'top_left' makes no sense for new tokens at
+    the end of a cache and is refused)."""
+    return causal_alignment(causal, where, ("bottom_right",)) is not None
 
 
 def launch(
@@ -412,7 +381,7 @@ def decode_checked(q, k_cache, v_cache, cache_seqlens, causal, scale, num_splits
     full = cache_seqlens is None
     capacity = k_cache.shape[1]
     if not full and should_validate(validate, q.device):
-        check_lengths(cache_seqlens, capacity, where)
+        check_lengths(where, cache_seqlens, capacity)
     return launch(
         q, k_cache, v_cache, None, cache_seqlens,
         page_size=1, capacity=capacity, causal=normalise_causal(causal, where), scale=scale,

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from ..attention.merge import merge_attention_states
-from ..checks import FLOAT_DTYPES, accumulator_dtype, check_tensor, default_scale
+from ..checks import FLOAT_DTYPES, accumulator_dtype, check_dtype, check_tensor, default_scale
 from ..second_derivative import refuse_second_derivative
 from .local import block_backward, block_forward, resolve_backend
 from .plan import plan_step
@@ -60,8 +60,7 @@ def _check(q, k, v, causal, sharding, world, seq_len) -> None:
         check_tensor("ring_attention", name, t)
         if t.dim() != 4:
             raise ValueError(f"ring_attention: {name} must be (B, H, N_local, d); got shape {tuple(t.shape)}")
-        if t.dtype not in FLOAT_DTYPES:
-            raise TypeError(f"ring_attention: {name} has dtype {t.dtype}; expected one of {FLOAT_DTYPES}")
+        check_dtype("ring_attention", name, t, FLOAT_DTYPES)
     if not (q.dtype == k.dtype == v.dtype) or not (q.device == k.device == v.device):
         raise TypeError(
             f"ring_attention: q, k, v must share dtype and device; got {q.dtype}/{q.device}, "

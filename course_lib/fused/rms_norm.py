@@ -52,7 +52,7 @@ from __future__ import annotations
 import torch
 
 from .. import runtime
-from ..checks import accumulator_dtype, check_eps, check_kernel_device
+from ..checks import accumulator_dtype, check_dtype, check_eps, check_kernel_device
 from ..runtime import tl, triton
 from ..second_derivative import refuse_second_derivative
 from . import launch
@@ -420,10 +420,7 @@ def check_rms_norm(x, weight, eps, dw_mode) -> None:
     where = "rms_norm"
     check_kernel_device(where, x=x, weight=weight)
     for name, t in (("x", x), ("weight", weight)):
-        if t.dtype not in DTYPES:
-            raise TypeError(
-                f"{where}: {name} has dtype {t.dtype}; supported: {', '.join(map(launch.dtype_name, DTYPES))}"
-            )
+        check_dtype(where, name, t, DTYPES)
     if weight.dtype == torch.float64 and x.dtype != torch.float64:
         # the kernels compute in x's accumulator (float32): y would be float64 with float32 digits
         raise TypeError(

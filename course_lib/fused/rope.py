@@ -39,7 +39,7 @@ import numbers
 import torch
 
 from .. import runtime
-from ..checks import OFFSET_LIMIT, accumulator_dtype, check_int, check_kernel_device, check_real
+from ..checks import OFFSET_LIMIT, accumulator_dtype, check_dtype, check_int, check_kernel_device, check_real
 from ..runtime import tl, triton
 from ..second_derivative import refuse_second_derivative
 from . import launch
@@ -330,10 +330,7 @@ def check_rope(q, k, cos, sin, layout) -> None:
     where = "rope"
     check_kernel_device(where, q=q, k=k, cos=cos, sin=sin)
     for name, t in (("q", q), ("k", k), ("cos", cos), ("sin", sin)):
-        if t.dtype not in DTYPES:
-            raise TypeError(
-                f"{where}: {name} has dtype {t.dtype}; supported: {', '.join(map(launch.dtype_name, DTYPES))}"
-            )
+        check_dtype(where, name, t, DTYPES)
     if q.dtype != k.dtype:
         raise TypeError(f"{where}: q and k must share one dtype; got q {q.dtype}, k {k.dtype}")
     if len({q.device, k.device, cos.device, sin.device}) != 1:

@@ -21,19 +21,14 @@ from collections.abc import Iterator
 
 import torch
 
-from ..checks import check_generation_fits, check_int, check_real, token_ids
+from ..checks import check_generation_fits, check_int, check_real, prompt_lists
 from .llama import KVCache
 
 
 def _prompts(model, prompts, where: str) -> list[list[int]]:
     """Prompts as lists of ints in the model's vocabulary: a list of token-id lists (or 1-D tensors),
     checked on the host (on a GPU a bad id would be a device-side assert of the embedding)."""
-    if isinstance(prompts, (str, bytes, torch.Tensor)) or not hasattr(prompts, "__iter__"):
-        raise TypeError(f"{where}: prompts must be a list of token-id lists, got {type(prompts).__name__}")
-    out = [token_ids(where, p, model.config.vocab_size) for p in prompts]
-    if not out or any(len(p) == 0 for p in out):
-        raise ValueError(f"{where}: generation needs at least one prompt, and no prompt may be empty")
-    return out
+    return prompt_lists(where, prompts, model.config.vocab_size)
 
 
 def _check_fits(model, prompts, max_new_tokens: int, where: str) -> int:

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..checks import check_eps, check_int, check_real, shape_and_dtype
+from ..checks import check_eps, check_int, check_real, check_token_ids, shape_and_dtype
 
 BACKENDS = ("course_lib", "sdpa", "eager")
 
@@ -270,21 +270,6 @@ class TransformerBlock(nn.Module):
     def forward(self, x, cos, sin, cache=None, layer=0, start_pos=0):
         h = x + self.attention(self.attention_norm(x), cos, sin, cache, layer, start_pos)
         return h + self.feed_forward(self.ffn_norm(h))
-
-
-def check_token_ids(where: str, ids: torch.Tensor, vocab_size: int, ignore: int | None = None) -> None:
-    """Token ids must lie in [0, vocab_size) (`ignore`, e.g. cross-entropy's -100, allowed too). Checked
-    where the ids are on the CPU only: reading them from a GPU would sync every step (there an id out of
-    range is a device-side assert of the embedding)."""
-    if ids.device.type != "cpu" or ids.numel() == 0 or torch.compiler.is_compiling():
-        return  # (under torch.compile a value check would break the graph)
-    bad = (ids < 0) | (ids >= vocab_size)
-    if ignore is not None:
-        bad &= ids != ignore
-    if bool(bad.any()):
-        raise ValueError(
-            f"{where}: token ids must lie in [0, {vocab_size}) (the vocabulary); got {ids[bad][:5].tolist()}"
-        )
 
 
 class KVCache:

@@ -16,9 +16,8 @@ import matplotlib.pyplot as plt
 import torch
 from tqdm.auto import tqdm
 
-from ..checks import check_int, check_real, shape_and_dtype
+from ..checks import check_int, check_real, check_token_ids, shape_and_dtype
 from .data import get_batch
-from .llama import check_token_ids
 
 
 def make_optimizer(model: torch.nn.Module, lr: float, weight_decay: float = 0.1) -> torch.optim.AdamW:

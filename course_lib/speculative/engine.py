@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..checks import check_generation_fits, check_int, check_real, token_ids, vocab_size
+from ..checks import check_generation_fits, check_int, check_real, prompt_lists, vocab_size
 from .acceptance import accept_greedy, accept_sampled, probabilities
 from .drafts import ModelDraft, NGramDraft
 from .steps import check_attention, forward_tokens, new_cache, truncate
@@ -54,11 +54,7 @@ class SpecResult:
 
 def _check(where, target, prompts, max_new_tokens, temperature):
     vocab = vocab_size(target)
-    if isinstance(prompts, (str, bytes, torch.Tensor)) or not hasattr(prompts, "__iter__"):
-        raise TypeError(f"{where}: prompts must be a list of token-id lists, got {type(prompts).__name__}")
-    prompts = [token_ids(where, p, vocab) for p in prompts]
-    if not prompts or any(len(p) == 0 for p in prompts):
-        raise ValueError(f"{where}: generation needs at least one prompt, and no prompt may be empty")
+    prompts = prompt_lists(where, prompts, vocab)
     max_new_tokens = check_int(where, "max_new_tokens", max_new_tokens, 1)
     max_len = getattr(getattr(target, "config", None), "max_seq_len", None)
     for p in prompts:
