@@ -1,5 +1,6 @@
 """Cascade attention (course_lib.serving.cascade, notebook 14) against float64 attention over each full sequence:
-the shared prefix read once by every query row, each suffix with the paged kernel, the states merged."""
+the shared prefix read once by every query row, each suffix with the paged kernel, the states merged. The
+batcher's choice of it (`CascadeChoice`): the same greedy tokens as the paged kernel alone."""
 
 from __future__ import annotations
 
@@ -7,7 +8,16 @@ import pytest
 import torch
 
 import course_lib
-from course_lib.serving import cascade_decode_attention, cascade_reference
+from course_lib.decode.batching import ContinuousBatcher
+from course_lib.decode.cache import PagedKVCache
+from course_lib.decode.toy_model import ToyModel
+from course_lib.serving import PrefixCachingBatcher, cascade_decode_attention, cascade_reference
+from course_lib.serving.cascade import (
+    CASCADE_MIN_SAVED_BYTES,
+    CascadeChoice,
+    cascade_min_prefix,
+    shared_prefix,
+)
 
 DEV = course_lib.DEVICE
 
@@ -68,3 +78,78 @@ def test_bad_input_is_refused_by_name():
         cascade_decode_attention(q, k, v, pp.long(), plen, table, torch.tensor([4, 4], dtype=torch.int32))
     with pytest.raises(ValueError, match="q must be"):
         cascade_decode_attention(q[0], k, v, pp, plen, table, lens)
+
+
+# --------------------------------------------------------------------------------------------------
+# The batcher's choice: cascade for a decode step whose sequences share a long enough prefix of pages
+# --------------------------------------------------------------------------------------------------
+def _shared_prompts(vocab, shared, tails, seed=11):
+    g = torch.Generator().manual_seed(seed)
+    prefix = torch.randint(0, vocab, (shared,), generator=g).tolist()
+    return [prefix + torch.randint(0, vocab, (n,), generator=g).tolist() for n in tails]
+
+
+def _serve_sharing(model, kv_view, prompts, other):
+    """The first prompt alone for one step (its prefix pages get cached), then the others sharing them and one
+    prompt of its own, all decoding side by side. Returns (tokens per prompt, the batcher)."""
+    batcher = PrefixCachingBatcher(model, num_pages=40, page_size=4, max_batch=4, max_step_tokens=64,
+                                   kv_view=kv_view)  # fmt: skip
+    ids = [batcher.submit(prompts[0], 5)]
+    batcher.step()
+    ids += [batcher.submit(p, 5) for p in prompts[1:] + [other]]
+    batcher.run()
+    return [batcher.finished[i].generated for i in ids], batcher
+
+
+def test_the_batcher_takes_cascade_over_a_shared_prefix_with_the_same_greedy_tokens():
+    """Three requests on the cached pages of a 13-token prefix (3 full pages of 4) and one of their own: with a
+    threshold of 8 tokens the decode steps take cascade for the three and the paged kernel for the fourth, and
+    every request generates exactly the tokens of the paged kernel alone and of full attention."""
+    model = ToyModel(DEV)
+    prompts = _shared_prompts(model.vocab, 13, (2, 5, 3))
+    other = _shared_prompts(model.vocab, 6, (1,), seed=12)[0]
+    choice = CascadeChoice(min_prefix=8)
+    with_cascade, batcher = _serve_sharing(model, choice, prompts, other)
+    paged, plain = _serve_sharing(model, None, prompts, other)
+    assert choice.steps >= 3, "the set-up must reach decode steps over the shared prefix"
+    assert plain.kv_view is None
+    assert with_cascade == paged
+    for p, got in zip(prompts + [other], with_cascade):
+        assert got == model.generate_full(p, 5)
+    assert batcher.cache.allocator.num_free == 40
+
+
+def test_the_measured_threshold_keeps_short_prefixes_on_the_paged_kernel():
+    """By default the threshold is the bench's crossover (CASCADE_MIN_SAVED_BYTES): a 12-token prefix of the toy
+    model (2 heads of 16 floats: 256 bytes of K and V a token) is far below it."""
+    model = ToyModel(DEV)
+    prompts = _shared_prompts(model.vocab, 13, (2, 5, 3))
+    other = _shared_prompts(model.vocab, 6, (1,), seed=12)[0]
+    _, batcher = _serve_sharing(model, CascadeChoice(), prompts, other)
+    assert batcher.kv_view.steps == 0
+    assert isinstance(PrefixCachingBatcher(model, num_pages=4, page_size=4).kv_view, CascadeChoice)
+    assert cascade_min_prefix(8, 1024) == 46812 and cascade_min_prefix(64, 1024) == 5202
+    assert cascade_min_prefix(2, 4096) == 80 * 1024 == CASCADE_MIN_SAVED_BYTES // 4096
+
+
+def test_shared_prefix_finds_the_largest_group_and_its_common_full_pages():
+    cache = PagedKVCache(1, 32, 4, 1, 16, torch.float32, "cpu")
+    cache.add_sequence(0)
+    cache.append(0, 10)  # pages a b c (c half full)
+    for child in (1, 2):
+        cache.fork(0, child)
+    cache.append(1, 3)  # copy-on-write of c: 1 owns its third page
+    cache.add_sequence(3)
+    cache.append(3, 5)
+    members, pages = shared_prefix(cache, [3, 0, 1, 2])
+    assert members == [1, 2, 3] and pages == cache.seqs[0].pages[:2]  # c is not full in 0 and 2
+    assert shared_prefix(cache, [3, 0]) == ([], [])
+
+
+def test_bad_choices_are_refused():
+    with pytest.raises(ValueError, match="min_prefix must be >= 1"):
+        CascadeChoice(min_prefix=0)
+    with pytest.raises(ValueError, match="batch must be >= 2"):
+        cascade_min_prefix(1, 1024)
+    with pytest.raises(TypeError, match="kv_view must be None or a callable"):
+        ContinuousBatcher(ToyModel(DEV), num_pages=8, page_size=4, kv_view="cascade")

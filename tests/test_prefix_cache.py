@@ -82,17 +82,23 @@ def test_eviction_under_pressure_keeps_live_sequences_right():
     _accounted(batcher)
 
 
-def test_preemption_recomputes_from_the_cached_pages():
-    """With one more request than the pool can hold, the batcher preempts; the preempted request comes back on
-    its own cached pages and still generates the greedy tokens."""
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemption_with_the_prefix_cache(mode):
+    """With one more request than the pool can hold, the batcher preempts. Recompute: the preempted request comes
+    back on its own cached pages; swap: its pages come back from host memory. Either way it still generates the
+    greedy tokens, and every page is accounted for after each step."""
     model = ToyModel(DEV)
     prompts = _prompts(model.vocab, 8, (7, 7, 7), seed=9)
-    batcher = PrefixCachingBatcher(model, num_pages=9, page_size=4, max_batch=3, max_step_tokens=64)
+    batcher = PrefixCachingBatcher(
+        model, num_pages=9, page_size=4, max_batch=3, max_step_tokens=64, preemption=mode
+    )
     ids = [batcher.submit(p, 6) for p in prompts]
-    got = batcher.run()
+    while batcher.waiting or batcher.running:
+        batcher.step()
+        _accounted(batcher)
     for i, p in zip(ids, prompts):
-        assert got[i] == model.generate_full(p, 6)
-    _accounted(batcher)
+        assert batcher.finished[i].generated == model.generate_full(p, 6)
+    assert batcher.preemptions > 0 and not batcher.swapped
 
 
 def test_a_hash_collision_is_not_trusted(monkeypatch):

@@ -13,6 +13,11 @@ sequence's keys in two disjoint sets and merges the partial results with noteboo
 
 Bytes: paged decoding reads B (P + S) tokens of K and V; cascade reads P + B S. Checked against float64
 attention over each full sequence (`cascade_reference`, tests/test_cascade.py).
+
+The batcher's choice (`CascadeChoice`, a `kv_view` of `decode.ContinuousBatcher`): in a decode step, the largest
+group of sequences whose block tables start with the same pages (shared by reference count: a cached prompt
+prefix, a fork) takes cascade attention when the prefix re-reads it saves, (G - 1) x P tokens of K and V, reach
+`CASCADE_MIN_SAVED_BYTES`; the other sequences, and every other step, take the paged kernel.
 """
 
 from __future__ import annotations
@@ -22,10 +27,27 @@ import math
 import torch
 
 from ..attention.merge import merge_attention_states
-from ..checks import check_tensor
+from ..checks import check_int, check_tensor
 from ..decode import paged_decode_attention
 
-__all__ = ["cascade_decode_attention", "cascade_reference"]
+__all__ = [
+    "CASCADE_MIN_SAVED_BYTES",
+    "CascadeChoice",
+    "CascadeKV",
+    "cascade_decode_attention",
+    "cascade_min_prefix",
+    "cascade_reference",
+    "shared_prefix",
+]
+
+# Where cascade starts to win, from the cascade grid of bench/serving.py (H200, 2026-11-29; Hq = 32, Hkv = 8,
+# d = 128, bf16: 4 KiB of K and V per token and layer, suffixes of 1024). Cascade's cost over paged decoding
+# is a second pass and the merge, about the same at every size; what it saves is the B - 1 extra reads of the
+# prefix. The grid crosses 1x between (B - 1) x P = 61k tokens (B = 16, P = 4k: 0.83x) and 246k (P = 16k:
+# 2.70x), and between 63k (B = 64, P = 1k: 0.88x) and 252k (P = 4k: 1.74x); log-interpolated, at 75k and 82k
+# tokens, and B = 4 at 16k (48k tokens) loses (0.84x). So: cascade from 80k tokens of re-reads saved, 320 MiB
+# per layer (`cascade_crossover` in the bench computes the crossing from each record).
+CASCADE_MIN_SAVED_BYTES = 80 * 1024 * 4096
 
 
 def _check(q, k_pages, prefix_pages, prefix_len, block_table, suffix_lens, where: str):
@@ -62,8 +84,9 @@ def _check(q, k_pages, prefix_pages, prefix_len, block_table, suffix_lens, where
 
 
 def cascade_decode_attention(
-    q, k_pages, v_pages, prefix_pages, prefix_len: int, block_table, suffix_lens, scale=None, num_splits=None
-):
+    q, k_pages, v_pages, prefix_pages, prefix_len: int, block_table, suffix_lens, scale=None, num_splits=None,
+    *, validate: bool = True,
+):  # fmt: skip
     """Decoding attention of B sequences that share a prefix, the prefix read once.
 
     q (B, Tq, Hq, d): the last Tq tokens of each sequence; k_pages, v_pages (num_pages, page_size, Hkv, d): the
@@ -71,7 +94,8 @@ def cascade_decode_attention(
     the prefix; block_table (B, max_pages) int32 and suffix_lens (B,) int32 (each >= Tq): each sequence's own
     tokens after the prefix, as `paged_decode_attention` takes them. Sequence b is prefix + its suffix; query t
     of it sees the whole prefix and suffix keys j <= suffix_lens[b] - Tq + t. Returns out (B, Tq, Hq, d) in q's
-    dtype. Not differentiable (serving)."""
+    dtype. Not differentiable (serving). validate: as `paged_decode_attention`'s (False: no sync per call, for a
+    batcher whose cache built the tables)."""
     where = "cascade_decode_attention"
     _check(q, k_pages, prefix_pages, prefix_len, block_table, suffix_lens, where)
     B, Tq, Hq, d = q.shape
@@ -81,14 +105,125 @@ def cascade_decode_attention(
     )  # a fill: graph-capturable
     o_p, lse_p = paged_decode_attention(
         rows, k_pages, v_pages, prefix_pages.view(1, -1), prefix_len_t, causal=False, scale=scale,
-        num_splits=num_splits, return_lse=True,
+        num_splits=num_splits, return_lse=True, validate=validate,
     )  # fmt: skip
     o_s, lse_s = paged_decode_attention(
         q, k_pages, v_pages, block_table, suffix_lens, causal=True, scale=scale, num_splits=num_splits,
-        return_lse=True,
+        return_lse=True, validate=validate,
     )  # fmt: skip
     out, _ = merge_attention_states(o_p.view(B, Tq, Hq, d), lse_p.view(B, Tq, Hq), o_s, lse_s)
     return out
+
+
+def cascade_min_prefix(batch: int, token_bytes: int) -> int:
+    """The shortest shared prefix, in tokens, from which `batch` sequences take cascade attention: the prefix
+    re-reads it saves, (batch - 1) x prefix x token_bytes (K and V of one token in one layer), reach
+    CASCADE_MIN_SAVED_BYTES. The capstone-shaped model of the serving bench (Hkv = 4, d = 64, bf16: 1 KiB a
+    token) needs a 46 812-token prefix at batch 8 and 5 202 at batch 64."""
+    batch = check_int("cascade_min_prefix", "batch", batch, 2)
+    token_bytes = check_int("cascade_min_prefix", "token_bytes", token_bytes, 1)
+    return -(-CASCADE_MIN_SAVED_BYTES // ((batch - 1) * token_bytes))
+
+
+def shared_prefix(cache, seq_ids) -> tuple[list[int], list[int]]:
+    """(members, pages): the largest group of sequences `seq_ids` of `cache` (a `decode.cache.PagedKVCache`) whose
+    block tables start with the same page, as indices into seq_ids, and the pages they all start with, up to
+    the last full page before each member's last token (so every member keeps at least one token of its own).
+    ([], []) when no two sequences start on the same page."""
+    groups: dict[int, list[int]] = {}
+    for b, seq_id in enumerate(seq_ids):
+        pages = cache.seqs[seq_id].pages
+        if pages:
+            groups.setdefault(pages[0], []).append(b)
+    members = max(groups.values(), key=len, default=[])
+    if len(members) < 2:
+        return [], []
+    seqs = [cache.seqs[seq_ids[b]] for b in members]
+    limit = min((s.length - 1) // cache.page_size for s in seqs)
+    rows = [s.pages[:limit] for s in seqs]
+    low, high = min(rows), max(rows)  # what all rows share, the first and the last in list order share
+    n = next((i for i, (a, b) in enumerate(zip(low, high)) if a != b), limit)
+    return members, rows[0][:n]
+
+
+def _table(rows: list[list[int]], device) -> torch.Tensor:
+    width = max([len(r) for r in rows] + [1])
+    table = torch.zeros(len(rows), width, dtype=torch.int32)
+    for b, r in enumerate(rows):
+        table[b, : len(r)] = torch.tensor(r, dtype=torch.int32)
+    return table.to(device)
+
+
+class CascadeKV:
+    """A decode step's view of the paged cache (the `attend` of `decode.paged_kv.PagedKV`) in which the sequences
+    `members` (indices into seq_ids) share the pages `prefix_pages` and take `cascade_decode_attention`; the
+    others take the paged kernel. One new token per sequence; its K/V go to `slots` (B,)."""
+
+    def __init__(self, cache, seq_ids: list[int], members: list[int], prefix_pages: list[int], slots):
+        device, size = cache.device, cache.page_size
+        self.cache, self.batch = cache, len(seq_ids)
+        self.slots = slots.to(device)
+        self.prefix_pages = torch.tensor(prefix_pages, dtype=torch.int32, device=device)
+        self.prefix_len = len(prefix_pages) * size
+        seqs = [cache.seqs[seq_ids[b]] for b in members]
+        self.suffix_table = _table([s.pages[len(prefix_pages) :] for s in seqs], device)
+        suffix_lens = [s.length - self.prefix_len for s in seqs]
+        self.suffix_lens = torch.tensor(suffix_lens, dtype=torch.int32).to(device)
+        rest = sorted(set(range(self.batch)) - set(members))
+        self.members = self.rest = None
+        if rest:  # part of the batch: cascade rows and paged rows gathered, then put back in place
+            self.members = torch.tensor(members, dtype=torch.int64, device=device)
+            self.rest = torch.tensor(rest, dtype=torch.int64, device=device)
+            self.rest_table = cache.block_table([seq_ids[b] for b in rest])
+            self.rest_lens = cache.seqlens([seq_ids[b] for b in rest])
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Write k, v (B, Hkv, d) into layer `layer`'s pages, then attend: q (B, Hq, d) -> o (B, Hq, d)."""
+        self.cache.write(layer, self.slots, k, v)
+        k_pages, v_pages = self.cache.k_pages[layer], self.cache.v_pages[layer]
+        shared = q if self.members is None else q[self.members]
+        o_shared = cascade_decode_attention(
+            shared.unsqueeze(1), k_pages, v_pages, self.prefix_pages, self.prefix_len, self.suffix_table,
+            self.suffix_lens, validate=False,
+        ).squeeze(1)  # fmt: skip
+        if self.members is None:
+            return o_shared
+        o = torch.empty_like(q)
+        o[self.members] = o_shared
+        if self.rest is not None:
+            o[self.rest] = paged_decode_attention(
+                q[self.rest].unsqueeze(1), k_pages, v_pages, self.rest_table, self.rest_lens, validate=False
+            ).squeeze(1)
+        return o
+
+
+class CascadeChoice:
+    """A `kv_view` for `decode.ContinuousBatcher` (notebook 14): in a step where every sequence decodes one token,
+    the `shared_prefix` group takes cascade attention when its shared prefix holds at least `min_prefix` tokens
+    (None: `cascade_min_prefix` for the group's size and the cache's bytes per token, the measured crossover);
+    every other step gets None (the batcher's paged view). `steps` counts the steps it took cascade in."""
+
+    def __init__(self, min_prefix: int | None = None):
+        if min_prefix is not None:
+            min_prefix = check_int("CascadeChoice", "min_prefix", min_prefix, 1)
+        self.min_prefix = min_prefix
+        self.steps = 0
+
+    def threshold(self, cache, group: int) -> int:
+        """The shortest shared prefix, in tokens, for which a group of `group` sequences of `cache` takes cascade."""
+        if self.min_prefix is not None:
+            return self.min_prefix
+        pool = cache.k_pages[0]
+        return cascade_min_prefix(group, 2 * pool[0, 0].numel() * pool.element_size())
+
+    def __call__(self, cache, seq_ids: list[int], new_lens: list[int], slots) -> CascadeKV | None:
+        if len(seq_ids) < 2 or any(n != 1 for n in new_lens):
+            return None
+        members, pages = shared_prefix(cache, seq_ids)
+        if len(members) < 2 or len(pages) * cache.page_size < self.threshold(cache, len(members)):
+            return None
+        self.steps += 1
+        return CascadeKV(cache, seq_ids, members, pages, slots)
 
 
 def cascade_reference(q, k_pages, v_pages, prefix_pages, prefix_len, block_table, suffix_lens, scale=None):

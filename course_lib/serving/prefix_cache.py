@@ -14,7 +14,12 @@ recomputing them.
   cached page lives as long as nobody needs the memory, and a page still read by a sequence is never evicted.
 - `PrefixCachingBatcher`: `decode.ContinuousBatcher` whose admission starts a request on the cached pages of its
   prompt and marks them computed, so its prefill runs only over the rest. Greedy output is the same as without the
-  cache (tests/test_prefix_cache.py).
+  cache (tests/test_prefix_cache.py). Its decode steps take cascade attention where the batch shares a long
+  enough prefix of pages (`cascade.CascadeChoice`).
+
+The host's share: a prompt is hashed page by page (each page's ids as one int64 row of a NumPy array, not one
+Python int at a time), and a running sequence's pages are registered incrementally (the pages filled since the
+last step), so a step's bookkeeping follows its new tokens, not the sequence's length.
 
 Not here: pages of a sequence that rolls back (speculative decoding) are never cached partial, so rollback
 never touches a cached page; SGLang's radix tree answers the same question with a tree of token runs (the hash
@@ -31,10 +36,17 @@ import numpy as np
 
 from ..decode.batching import ContinuousBatcher
 from ..decode.cache import OutOfPages, PageAllocator, PagedKVCache, SequencePages
+from .cascade import CascadeChoice
 
 __all__ = ["CachingPageAllocator", "PrefixCache", "PrefixCachingBatcher", "block_hash"]
 
 ROOT_HASH = b""
+
+
+def _pages_of(tokens: Sequence[int], n: int, page_size: int, first: int = 0) -> np.ndarray:
+    """Pages first..n-1 of `tokens` as rows of an (n - first, page_size) int64 array."""
+    rows = np.asarray(tokens[first * page_size : n * page_size], dtype=np.int64)
+    return rows.reshape(n - first, page_size)
 
 
 def block_hash(parent: bytes, tokens: Sequence[int]) -> bytes:
@@ -65,8 +77,10 @@ class CachingPageAllocator(PageAllocator):
 class PrefixCache:
     """The table of cached full pages of one `PagedKVCache` (whose allocator must be a `CachingPageAllocator`).
 
-    by_hash: block hash -> page; for each cached page its hash, its parent's hash and its tokens; idle: the cached
-    pages no sequence holds (reference count 1: the cache's own), least recently used first."""
+    by_hash: block hash -> page; entry: for each cached page its hash, its parent's hash and its token ids (int64
+    bytes); idle: the cached pages no sequence holds (reference count 1: the cache's own), least recently used
+    first; chain: for each running sequence, how many of its first pages are registered and the last one's
+    hash (where `insert` goes on from)."""
 
     def __init__(self, cache: PagedKVCache):
         if not isinstance(cache.allocator, CachingPageAllocator):
@@ -79,31 +93,34 @@ class PrefixCache:
         self.page_size = cache.page_size
         cache.allocator.prefix = self
         self.by_hash: dict[bytes, int] = {}
-        self.entry: dict[
-            int, tuple[bytes, bytes, tuple[int, ...]]
-        ] = {}  # page -> (hash, parent hash, tokens)
+        self.entry: dict[int, tuple[bytes, bytes, bytes]] = {}  # page -> (hash, parent hash, token bytes)
         self.idle: OrderedDict[int, None] = OrderedDict()
+        self.chain: dict[object, tuple[int, bytes]] = {}  # sequence -> (pages registered, last hash)
         self.hits = self.lookups = self.evictions = 0  # tokens found / tokens asked for, pages evicted
+
+    def walk(self, tokens: Sequence[int], limit: int | None = None) -> tuple[list[int], bytes]:
+        """(`match`'s pages, the hash of the last of them (b"" for none))."""
+        pages, parent = [], ROOT_HASH
+        n_full = len(tokens) // self.page_size if limit is None else min(limit, len(tokens) // self.page_size)
+        for row in _pages_of(tokens, n_full, self.page_size):
+            h = block_hash(parent, row)
+            page = self.by_hash.get(h)
+            if page is None or self.entry[page][1:] != (parent, row.tobytes()):  # absent, or a collision
+                break
+            pages.append(page)
+            parent = h
+        return pages, parent
 
     def match(self, tokens: Sequence[int], limit: int | None = None) -> list[int]:
         """The cached pages that hold the first full pages of `tokens`, in order, stopping at the first page not
         cached (or at `limit` pages). Each hit is checked against the page's stored tokens and parent hash."""
-        pages, parent = [], ROOT_HASH
-        n_full = len(tokens) // self.page_size if limit is None else min(limit, len(tokens) // self.page_size)
-        for i in range(n_full):
-            block = tuple(int(t) for t in tokens[i * self.page_size : (i + 1) * self.page_size])
-            h = block_hash(parent, block)
-            page = self.by_hash.get(h)
-            if page is None or self.entry[page][1:] != (parent, block):  # absent, or a collision
-                break
-            pages.append(page)
-            parent = h
-        return pages
+        return self.walk(tokens, limit)[0]
 
-    def start(self, seq_id, tokens: Sequence[int]) -> int:
+    def start(self, seq_id, tokens: Sequence[int], found: tuple[list[int], bytes] | None = None) -> int:
         """Add sequence `seq_id` to the cache, starting on the cached pages of `tokens` (at least its last token
-        is left to compute: its logits give the next token). Returns how many tokens are already in the cache."""
-        pages = self.match(tokens, limit=(len(tokens) - 1) // self.page_size)
+        is left to compute: its logits give the next token); `found`: what `walk` gave for these tokens and
+        that limit, if the caller has it. Returns how many tokens are already in the cache."""
+        pages, parent = found or self.walk(tokens, limit=(len(tokens) - 1) // self.page_size)
         self.lookups += len(tokens)
         self.hits += len(pages) * self.page_size
         self.cache.add_sequence(seq_id)
@@ -111,23 +128,27 @@ class PrefixCache:
             self.idle.pop(page, None)  # in use again: not evictable
             self.cache.allocator.share(page)
         self.cache.seqs[seq_id] = SequencePages(list(pages), len(pages) * self.page_size)
+        self.chain[seq_id] = (len(pages), parent)
         return len(pages) * self.page_size
 
     def insert(self, seq_id, tokens: Sequence[int]) -> None:
         """Register the full pages of sequence `seq_id`, whose cache holds `tokens` (its first tokens), so later
         requests find them. A page whose hash is already cached (another copy of the same prefix) is left as the
-        sequence's own."""
+        sequence's own. Goes on from the pages registered before (`chain`): a full page never changes."""
         seq = self.cache.seqs[seq_id]
-        parent = ROOT_HASH
-        for i in range(min(len(tokens), seq.length) // self.page_size):
-            block = tuple(int(t) for t in tokens[i * self.page_size : (i + 1) * self.page_size])
-            h = block_hash(parent, block)
+        n_full = min(len(tokens), seq.length) // self.page_size
+        done, parent = self.chain.get(seq_id, (0, ROOT_HASH))
+        if n_full < done:  # fewer full pages than registered: walk again from the first
+            done, parent = 0, ROOT_HASH
+        for i, row in enumerate(_pages_of(tokens, n_full, self.page_size, done), start=done):
+            h = block_hash(parent, row)
             page = seq.pages[i]
             if h not in self.by_hash and page not in self.entry:
                 self.by_hash[h] = page
-                self.entry[page] = (h, parent, block)
+                self.entry[page] = (h, parent, row.tobytes())
                 self.cache.allocator.share(page)  # the cache's own reference
             parent = h
+        self.chain[seq_id] = (n_full, parent)
 
     def release(self, seq_id, tokens: Sequence[int] | None = None) -> None:
         """Free sequence `seq_id`, first registering its full pages if `tokens` (what its cache holds) is given.
@@ -136,6 +157,7 @@ class PrefixCache:
         if tokens is not None:
             self.insert(seq_id, tokens)
         pages = list(self.cache.seqs[seq_id].pages)
+        self.chain.pop(seq_id, None)
         self._free(seq_id)
         for page in pages:
             if page in self.entry and self.cache.allocator.refs[page] == 1:
@@ -165,9 +187,12 @@ class PrefixCache:
 class PrefixCachingBatcher(ContinuousBatcher):
     """`ContinuousBatcher` with prefix caching: a request starts on the cached pages of its prompt, and its
     prefill runs only over what is not cached. Pages are registered as they fill (so requests running side by
-    side share them) and kept after their request ends until the pool needs them. Notebook 14."""
+    side share them) and kept after their request ends until the pool needs them. Its decode steps choose
+    cascade attention by themselves where the batch shares a long enough prefix (kv_view defaults to
+    `CascadeChoice()`; kv_view=None keeps the paged kernel). Notebook 14."""
 
     def __init__(self, model, num_pages: int, page_size: int = 16, **kwargs):
+        kwargs.setdefault("kv_view", CascadeChoice())
         super().__init__(model, num_pages, page_size, **kwargs)
         self.cache.allocator = CachingPageAllocator(num_pages)
         self.prefix = PrefixCache(self.cache)
@@ -182,15 +207,28 @@ class PrefixCachingBatcher(ContinuousBatcher):
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.max_batch:
             req = self.waiting[0]
-            cached = self.prefix.match(req.tokens, limit=(len(req.tokens) - 1) // self.cache.page_size)
+            if req.id in self.swapped:  # back from host memory: its own pages, no lookup
+                need = -(-(len(req.tokens) + 1) // self.cache.page_size)
+                if need > self.cache.allocator.num_free:
+                    break
+                self.waiting.pop(0)
+                self._swap_in(req)
+                self.running.append(req)
+                continue
+            found = self.prefix.walk(req.tokens, limit=(len(req.tokens) - 1) // self.cache.page_size)
+            cached = found[0]
             need = -(-(len(req.tokens) + 1) // self.cache.page_size) - len(cached)
             idle_reused = sum(page in self.prefix.idle for page in cached)
             if need > self.cache.allocator.num_free - idle_reused:
                 break
             self.waiting.pop(0)
-            req.computed = self.prefix.start(req.id, req.tokens)
+            req.computed = self.prefix.start(req.id, req.tokens, found)
             self._requests[req.id] = req
             self.running.append(req)
+
+    def _swap_in(self, req) -> None:
+        super()._swap_in(req)
+        self._requests[req.id] = req  # its full pages are registered again as it goes on
 
     def step(self) -> dict[int, int]:
         out = super().step()
