@@ -1,5 +1,5 @@
 """Tests of course_lib.attention.launch's choice of a launch configuration (CPU: the GPU's record is
-stubbed), and of the recorded H200 choices' keys."""
+stubbed), of the recorded H200 choices' keys, and of kernels compiled ahead in the background."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import textwrap
 import pytest
 import torch
 
+import course_lib
 from course_lib import runtime
 from course_lib.attention import configs, launch
 from course_lib.attention.configs import Launch
@@ -120,3 +121,30 @@ def test_background_compilation_finishes_before_exit(tmp_path):
     launch.compile_in_background(("test", 2), lambda: seen.append(1))
     launch.wait_compiled(("test", 2))
     assert seen == [1] and ("test", 2) not in launch._COMPILING
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not course_lib.ON_GPU, reason="needs a CUDA GPU")
+def test_compiled_ahead_kernel_is_loaded_in_the_background(tmp_path, monkeypatch):
+    """A kernel compiled ahead (`launch.compile_kernel_ahead`) comes back with its launcher built and
+    its binary loaded on the GPU (`launch.load_compiled`), so its first launch does neither, and that
+    launch computes the right result."""
+    from course_lib.attention import launch
+    from course_lib.runtime import tl, triton
+
+    @triton.jit
+    def add_one(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(y_ptr + offs, tl.load(x_ptr + offs, mask=offs < n) + 1.0, mask=offs < n)
+
+    loaded = []
+    real = launch.load_compiled
+    monkeypatch.setattr(launch, "load_compiled", lambda compiled: (real(compiled), loaded.append(compiled)))
+    x = torch.randn(1000, device="cuda")
+    y = torch.empty_like(x)
+    name = ("test load ahead", tmp_path.name)
+    launch.compile_kernel_ahead(name, add_one, (4,), (x, y, x.numel()), {"BLOCK": 256})
+    launch.wait_compiled(name)
+    assert len(loaded) == 1 and loaded[0].module is not None, "the compiled kernel was not loaded ahead"
+    add_one[(4,)](x, y, x.numel(), BLOCK=256)
+    assert torch.equal(y, x + 1.0)

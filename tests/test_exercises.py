@@ -318,3 +318,29 @@ def test_the_merge_exercise_refuses_an_unstable_merge():
 
     with pytest.raises(exercises.ExerciseWrong, match="logaddexp"):
         check_merge("merge", unstable)
+
+
+def test_exercise_check_messages():
+    exercises.check("sum", lambda: 3, 3)
+
+    def unsolved():
+        raise NotImplementedError
+
+    with pytest.raises(exercises.ExerciseNotDone, match="'todo' is not done yet"):
+        exercises.check("todo", unsolved, 1)
+
+    def wrapped():
+        try:
+            unsolved()
+        except NotImplementedError as exc:
+            raise RuntimeError("kernel failed") from exc
+
+    with pytest.raises(exercises.ExerciseNotDone, match="'kernel' is not done yet"):
+        exercises.check("kernel", wrapped, 1)
+    with pytest.raises(exercises.ExerciseWrong, match="your code raised ZeroDivisionError") as caught:
+        exercises.check("crash", lambda: 1 / 0, 1)  # a wrong attempt; the error stays as its cause
+    assert isinstance(caught.value.__cause__, ZeroDivisionError)
+    with pytest.raises(exercises.ExerciseWrong, match="'wrong' is not right yet"):
+        exercises.check("wrong", lambda: torch.ones(3), torch.zeros(3))
+    with pytest.raises(exercises.ExerciseWrong, match="shape"):
+        exercises.check("shape", lambda: [1, 2], [1, 2, 3])

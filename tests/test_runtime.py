@@ -1,17 +1,16 @@
-"""The runtime decision, the doctor, recorded figures, exercises and timing helpers."""
+"""The runtime decision (course_lib.runtime): the device and the interpreter chosen before any kernel is
+defined, kernels that run whatever the import order, bf16 casts as PyTorch rounds them, what imports
+without Triton, and the worker counts for compiling and for the GPU tests."""
 
-import json
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
 
 import course_lib
-from course_lib import doctor, exercises, records, runtime
-from course_lib.perf import timing
+from course_lib import runtime
 
 
 def run_python(code, **env):
@@ -54,167 +53,6 @@ def test_bad_course_device_value_is_named():
 def test_forcing_cuda_without_gpu_explains():
     out = run_python("import course_lib", COURSE_DEVICE="cuda")
     assert out.returncode != 0 and "sees no CUDA GPU" in out.stderr
-
-
-def test_doctor_command_exits_zero_and_names_the_mode():
-    out = subprocess.run(
-        [sys.executable, "-m", "course_lib", "doctor"], capture_output=True, text=True, timeout=120
-    )
-    assert out.returncode == 0, out.stdout + out.stderr
-    assert "triton interpreted" in out.stdout
-    assert ("yes" if course_lib.INTERPRET else "no") in out.stdout.split("triton interpreted")[
-        1
-    ].splitlines()[0]
-    assert "All good" in out.stdout
-
-
-def test_doctor_flags_old_triton_with_new_numpy(monkeypatch):
-    monkeypatch.setattr(runtime.triton, "__version__", "3.6.0")
-    monkeypatch.setattr(doctor.np, "__version__", "2.4.1")
-    monkeypatch.setattr(runtime, "INTERPRET", True)
-    found = doctor.problems()
-    assert any("numpy" in p and "triton" in p and "Fix" in p for p in found), found
-
-
-def test_doctor_flags_mismatched_torch_triton(monkeypatch):
-    monkeypatch.setattr(doctor, "_torch_triton_requirement", lambda: "3.9.0")
-    monkeypatch.setattr(runtime.triton, "__version__", "3.7.1")
-    assert any("built for triton 3.9.0" in p for p in doctor.problems())
-
-
-def test_records_round_trip(tmp_path):
-    path = records.save_record("demo", {"x": [1, 2]}, folder=tmp_path)
-    rec = json.loads(path.read_text())
-    assert rec["kind"] == "demo" and rec["data"] == {"x": [1, 2]}
-    for key in ("date", "torch", "triton", "gpu"):
-        assert key in rec["meta"]
-    assert records.load_record("demo", folder=tmp_path)["data"]["x"] == [1, 2]
-    assert records.load_record("absent", folder=tmp_path) is None
-    assert "recorded on" in records.label(rec)
-    # a file that is not a record is named, not a bare JSONDecodeError or KeyError from every load
-    (tmp_path / "demo-broken.json").write_text("{not json")
-    with pytest.raises(ValueError, match=r"demo-broken\.json is not a record of course_lib"):
-        records.load_record("demo", folder=tmp_path)
-    (tmp_path / "demo-broken.json").write_text('{"kind": "demo", "data": {}}')
-    with pytest.raises(ValueError, match=r"demo-broken\.json is not a record .*KeyError"):
-        records.load_record("demo", folder=tmp_path)
-    if not course_lib.ON_GPU:
-        with pytest.raises(ValueError, match="measure_here=True needs a GPU"):
-            records.measured_or_recorded("demo", lambda: {"x": 1}, "none", folder=tmp_path, measure_here=True)
-
-
-def test_records_off_writes_nothing(tmp_path, monkeypatch):
-    monkeypatch.setenv("COURSE_RECORDS", "off")
-    assert records.save_record("demo", {"x": [1]}, folder=tmp_path) is None
-    assert list(tmp_path.iterdir()) == []
-
-
-def test_measured_or_recorded_shows_the_record_on_the_cpu(tmp_path, capsys):
-    if course_lib.ON_GPU:
-        pytest.skip("the CPU path")
-
-    def measure():
-        raise AssertionError("measure() must not run on the CPU")
-
-    assert records.measured_or_recorded("demo", measure, "no record yet", folder=tmp_path) is None
-    assert "no record yet" in capsys.readouterr().out
-    records.save_record("demo", {"x": [1, 2]}, folder=tmp_path)
-    data, source = records.measured_or_recorded("demo", measure, "no record yet", folder=tmp_path)
-    assert data == {"x": [1, 2]} and source.startswith("recorded on"), (data, source)
-    with pytest.raises(TypeError, match="measure"):
-        records.measured_or_recorded("demo", {"x": 1}, "", folder=tmp_path)
-    with pytest.raises(ValueError, match="kind"):
-        records.measured_or_recorded("", measure, "", folder=tmp_path)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not course_lib.ON_GPU, reason="needs a CUDA GPU")
-def test_measured_or_recorded_measures_and_saves_on_a_gpu(tmp_path, monkeypatch):
-    monkeypatch.delenv("COURSE_RECORDS", raising=False)
-    data, source = records.measured_or_recorded("demo", lambda: {"x": [3]}, "unused", folder=tmp_path)
-    assert data == {"x": [3]} and source.startswith("measured now on"), source
-    assert records.load_record("demo", folder=tmp_path)["data"] == {"x": [3]}
-
-
-def test_measured_or_recorded_measure_here_false_shows_the_record(tmp_path, capsys):
-    """measure_here=False (a figure this GPU cannot measure) shows the record on any machine."""
-
-    def measure():
-        raise AssertionError("measure() must not run with measure_here=False")
-
-    got = records.measured_or_recorded("demo", measure, "no record yet", folder=tmp_path, measure_here=False)
-    assert got is None and "no record yet" in capsys.readouterr().out
-    records.save_record("demo", {"x": [4]}, folder=tmp_path)
-    data, source = records.measured_or_recorded("demo", measure, "", folder=tmp_path, measure_here=False)
-    assert data == {"x": [4]} and source.startswith("recorded on"), (data, source)
-
-
-def test_committed_records_are_stamped():
-    for path in records.ASSETS.glob("*.json"):
-        meta = json.loads(path.read_text())["meta"]
-        assert meta.get("gpu") and meta.get("date") and meta.get("torch"), f"{path.name}: incomplete stamp"
-
-
-def test_exercise_check_messages():
-    exercises.check("sum", lambda: 3, 3)
-
-    def unsolved():
-        raise NotImplementedError
-
-    with pytest.raises(exercises.ExerciseNotDone, match="'todo' is not done yet"):
-        exercises.check("todo", unsolved, 1)
-
-    def wrapped():
-        try:
-            unsolved()
-        except NotImplementedError as exc:
-            raise RuntimeError("kernel failed") from exc
-
-    with pytest.raises(exercises.ExerciseNotDone, match="'kernel' is not done yet"):
-        exercises.check("kernel", wrapped, 1)
-    with pytest.raises(exercises.ExerciseWrong, match="your code raised ZeroDivisionError") as caught:
-        exercises.check("crash", lambda: 1 / 0, 1)  # a wrong attempt; the error stays as its cause
-    assert isinstance(caught.value.__cause__, ZeroDivisionError)
-    with pytest.raises(exercises.ExerciseWrong, match="'wrong' is not right yet"):
-        exercises.check("wrong", lambda: torch.ones(3), torch.zeros(3))
-    with pytest.raises(exercises.ExerciseWrong, match="shape"):
-        exercises.check("shape", lambda: [1, 2], [1, 2, 3])
-
-
-def test_timing_and_flops():
-    assert timing.benchmark(lambda: torch.randn(64, 64) @ torch.randn(64, 64)) > 0
-    if not course_lib.ON_GPU:  # the CPU timer's unit: a 2 ms sleep reads as 2 ms, not 2e-3 or 2000
-        slept = timing.benchmark(lambda: time.sleep(0.002), cpu_reps=3)
-        assert 2.0 <= slept < 50.0, slept
-    assert timing.attention_flops(1, 1, 128, 128, 64) == 4 * 128 * 128 * 64
-    assert (
-        timing.attention_flops(2, 4, 128, 128, 64, causal=True, mode="fwd_bwd")
-        == 3.5 * 0.5 * 4 * 8 * 128**2 * 64
-    )
-    with pytest.raises(ValueError, match="mode"):
-        timing.attention_flops(1, 1, 8, 8, 8, mode="sideways")
-    with pytest.raises(ValueError, match="Nq = Nk only"):  # top-left 1 x 1024 sees 1 key, bottom-right all
-        timing.attention_flops(1, 1, 1, 1024, 64, causal=True)
-
-
-def test_interleaved_timings_put_each_call_first_in_turn():
-    order = []
-
-    def timer(fn):
-        order.append(fn())
-        return float(len(order))
-
-    calls = {name: (lambda name=name: name) for name in "abc"}
-    times = timing.interleaved(calls, 4, timer)
-    assert "".join(order) == "abc" + "bca" + "cab" + "abc", order  # each pass starts one call later
-    assert times == {"a": [1.0, 6.0, 8.0, 10.0], "b": [2.0, 4.0, 9.0, 11.0], "c": [3.0, 5.0, 7.0, 12.0]}
-    real = timing.interleaved({"matmul": lambda: torch.randn(8, 8) @ torch.randn(8, 8)}, 2)  # benchmark
-    assert len(real["matmul"]) == 2 and min(real["matmul"]) > 0, real
-    with pytest.raises(ValueError, match="passes"):
-        timing.interleaved(calls, 0, timer)
-    for bad in ({}, {"a": 1}):
-        with pytest.raises(TypeError, match="functions"):
-            timing.interleaved(bad, 1, timer)
 
 
 IMPORT_ORDERS = {
@@ -338,33 +176,6 @@ def test_triton_driver_prepared_at_import_on_a_gpu_only():
     thread.join(timeout=120)
     assert not thread.is_alive(), "the driver's build did not finish in 120 s"
     assert runtime.triton.runtime.driver.active.get_current_target().backend == "cuda"
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not course_lib.ON_GPU, reason="needs a CUDA GPU")
-def test_compiled_ahead_kernel_is_loaded_in_the_background(tmp_path, monkeypatch):
-    """A kernel compiled ahead (`launch.compile_kernel_ahead`) comes back with its launcher built and
-    its binary loaded on the GPU (`launch.load_compiled`), so its first launch does neither, and that
-    launch computes the right result."""
-    from course_lib.attention import launch
-    from course_lib.runtime import tl, triton
-
-    @triton.jit
-    def add_one(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
-        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        tl.store(y_ptr + offs, tl.load(x_ptr + offs, mask=offs < n) + 1.0, mask=offs < n)
-
-    loaded = []
-    real = launch.load_compiled
-    monkeypatch.setattr(launch, "load_compiled", lambda compiled: (real(compiled), loaded.append(compiled)))
-    x = torch.randn(1000, device="cuda")
-    y = torch.empty_like(x)
-    name = ("test load ahead", tmp_path.name)
-    launch.compile_kernel_ahead(name, add_one, (4,), (x, y, x.numel()), {"BLOCK": 256})
-    launch.wait_compiled(name)
-    assert len(loaded) == 1 and loaded[0].module is not None, "the compiled kernel was not loaded ahead"
-    add_one[(4,)](x, y, x.numel(), BLOCK=256)
-    assert torch.equal(y, x + 1.0)
 
 
 @pytest.mark.parametrize(
