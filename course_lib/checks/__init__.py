@@ -56,6 +56,7 @@ from .tensors import (
 from .tokens import (
     check_generation_fits,
     check_token_ids,
+    max_positions,
     prompt_lists,
     token_id,
     token_ids,
@@ -94,6 +95,7 @@ __all__ = [
     "kernel_support",
     "kernel_window",
     "kv_group",
+    "max_positions",
     "prompt_lists",
     "shape_and_dtype",
     "should_validate",

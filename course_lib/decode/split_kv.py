@@ -55,8 +55,6 @@ import torch
 from .. import pdl, runtime
 from ..checks import (
     KERNEL_DTYPES,
-    KERNEL_HEAD_DIMS,
-    MAX_HEAD_DIM,
     causal_alignment,
     check_cache_seqlens,
     check_dtype,
@@ -76,16 +74,7 @@ from .heuristics import decode_plan, longest_first, longest_first_block, tile_fo
 
 runtime.require_triton()
 
-DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
-
-def unsupported(dtype: torch.dtype, head_dim: int) -> str | None:
-    """What the decoding kernels cannot take about a cache of `dtype` and `head_dim` (None: nothing)."""
-    if dtype not in DTYPES:
-        return f"dtype {dtype} is unsupported; supported: float16, bfloat16, float32"
-    if head_dim not in KERNEL_HEAD_DIMS:
-        return f"head dim d={head_dim} is unsupported; supported: multiples of 8 from 16 to {MAX_HEAD_DIM}"
-    return None
+DTYPES = KERNEL_DTYPES  # what the kernels take (`checks.kernel_support` is the rule, with the head dims)
 
 
 @triton.jit

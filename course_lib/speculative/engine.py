@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..checks import check_generation_fits, check_int, check_real, prompt_lists, vocab_size
+from ..checks import check_generation_fits, check_int, check_real, max_positions, prompt_lists, vocab_size
 from .acceptance import accept_greedy, accept_sampled, probabilities
 from .drafts import ModelDraft, NGramDraft
 from .steps import check_attention, forward_tokens, new_cache, truncate
@@ -56,7 +56,7 @@ def _check(where, target, prompts, max_new_tokens, temperature):
     vocab = vocab_size(target)
     prompts = prompt_lists(where, prompts, vocab)
     max_new_tokens = check_int(where, "max_new_tokens", max_new_tokens, 1)
-    max_len = getattr(getattr(target, "config", None), "max_seq_len", None)
+    max_len = max_positions(target)
     for p in prompts:
         check_generation_fits(where, len(p), max_new_tokens, max_len)
     temperature = check_real(where, "temperature (0 is greedy)", temperature, low=0)
