@@ -74,7 +74,7 @@ def test_bad_input_is_refused_by_name():
         cascade_decode_attention(q, k, v, pp, plen, table, lens.cpu())
     with pytest.raises(ValueError, match="prefix_len 99 must be in 1..24"):
         cascade_decode_attention(q, k, v, pp, 99, table, torch.tensor([4, 4], dtype=torch.int32, device=DEV))
-    with pytest.raises(TypeError, match="prefix_pages must be a"):
+    with pytest.raises(TypeError, match="prefix_pages must be int32"):
         cascade_decode_attention(q, k, v, pp.long(), plen, table, torch.tensor([4, 4], dtype=torch.int32))
     with pytest.raises(ValueError, match="q must be"):
         cascade_decode_attention(q[0], k, v, pp, plen, table, lens)

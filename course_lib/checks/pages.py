@@ -20,20 +20,21 @@ def should_validate(validate: bool, device: torch.device) -> bool:
     return bool(validate) and not torch.cuda.is_current_stream_capturing()
 
 
-def check_cache_seqlens(where: str, cache_seqlens, batch: int, device: torch.device) -> None:
-    """cache_seqlens: a (B,) int32 tensor (B = `batch`) on `device`; no value read."""
+def check_cache_seqlens(
+    where: str, cache_seqlens, batch: int, device: torch.device | None, name: str = "cache_seqlens"
+) -> None:
+    """Lengths of a batch's caches: a (B,) int32 tensor (B = `batch`) on `device` where given; no value
+    read. A TypeError or ValueError naming `name`."""
     if not isinstance(cache_seqlens, torch.Tensor):
-        raise TypeError(
-            f"{where}: cache_seqlens must be a (B,) int32 tensor, got {type(cache_seqlens).__name__}"
-        )
+        raise TypeError(f"{where}: {name} must be a (B,) int32 tensor, got {type(cache_seqlens).__name__}")
     if cache_seqlens.dtype != torch.int32:
-        raise TypeError(f"{where}: cache_seqlens must be int32, got {cache_seqlens.dtype}")
+        raise TypeError(f"{where}: {name} must be int32, got {cache_seqlens.dtype}")
     if cache_seqlens.shape != (batch,):
         raise ValueError(
-            f"{where}: cache_seqlens must have shape (B,) = ({batch},); got {tuple(cache_seqlens.shape)}"
+            f"{where}: {name} must have shape (B,) = ({batch},); got {tuple(cache_seqlens.shape)}"
         )
     if device is not None and cache_seqlens.device != device:
-        raise ValueError(f"{where}: cache_seqlens is on {cache_seqlens.device}, q on {device}")
+        raise ValueError(f"{where}: {name} is on {cache_seqlens.device}, q on {device}")
 
 
 def check_lengths(where: str, cache_seqlens: torch.Tensor, capacity: int) -> None:

@@ -27,7 +27,7 @@ import math
 import torch
 
 from ..attention.merge import merge_attention_states
-from ..checks import check_int, check_tensor
+from ..checks import check_block_table, check_cache_seqlens, check_int, check_tensor
 from ..decode import paged_decode_attention
 
 __all__ = [
@@ -51,31 +51,19 @@ CASCADE_MIN_SAVED_BYTES = 80 * 1024 * 4096
 
 
 def _check(q, k_pages, prefix_pages, prefix_len, block_table, suffix_lens, where: str):
-    for name, t in (
-        ("q", q),
-        ("prefix_pages", prefix_pages),
-        ("block_table", block_table),
-        ("suffix_lens", suffix_lens),
-    ):
-        check_tensor(where, name, t)
+    check_tensor(where, "q", q)
     if q.dim() != 4:
         raise ValueError(f"{where}: q must be (B, Tq, Hq, d), got shape {tuple(q.shape)}")
-    if prefix_pages.dim() != 1 or prefix_pages.dtype != torch.int32:
-        raise TypeError(f"{where}: prefix_pages must be a (P_pages,) int32 tensor, got {prefix_pages.dtype} "
-                        f"of shape {tuple(prefix_pages.shape)}")  # fmt: skip
-    if isinstance(prefix_len, bool) or not isinstance(prefix_len, int):
-        raise TypeError(
-            f"{where}: prefix_len must be an int (tokens of the shared prefix), got {prefix_len!r}"
-        )
+    check_block_table(where, prefix_pages, name="prefix_pages", row=True)
+    check_tensor(where, "block_table", block_table)  # the rest of it: paged_decode_attention's checks
+    prefix_len = check_int(where, "prefix_len (tokens of the shared prefix)", prefix_len, 0)
     page_size = k_pages.shape[1]
     if not 0 < prefix_len <= prefix_pages.numel() * page_size:
         raise ValueError(
             f"{where}: prefix_len {prefix_len} must be in 1..{prefix_pages.numel() * page_size} "
             f"({prefix_pages.numel()} prefix pages of {page_size} tokens)"
         )
-    if suffix_lens.shape != (q.shape[0],):
-        raise ValueError(f"{where}: suffix_lens must be ({q.shape[0]},), one length per sequence, "
-                         f"got shape {tuple(suffix_lens.shape)}")  # fmt: skip
+    check_cache_seqlens(where, suffix_lens, q.shape[0], None, name="suffix_lens")
     if suffix_lens.device.type == "cpu" and bool((suffix_lens < q.shape[1]).any()):
         raise ValueError(
             f"{where}: every suffix must hold at least the Tq = {q.shape[1]} query tokens (they are its last "
