@@ -193,13 +193,15 @@ def test_main_refuses_cpu_figures_in_assets(capsys):
 
 
 def test_a_failing_recorder_does_not_stop_the_rest(tmp_path, monkeypatch, capsys):
-    def boom():
+    from course_lib.perf import ceilings, profiling
+
+    def boom(**sizes):
         raise RuntimeError("no ceiling today")
 
-    monkeypatch.setattr(attention_bench, "_hardware_record", lambda quick: boom())
+    monkeypatch.setattr(ceilings, "measure_record", boom)
     monkeypatch.setattr(attention_bench, "run_attention", lambda quick: _synthetic({}, {}, {}))
     monkeypatch.setattr(attention_bench, "ladder", lambda quick: {"steps": []})
-    monkeypatch.setattr(attention_bench, "_standard_attention_record", lambda quick: {"ok": True})
+    monkeypatch.setattr(profiling, "standard_attention_record", lambda **sizes: {"ok": True})
     monkeypatch.setattr(attention_bench, "save_plots", lambda *paths: [])
     rc = attention_bench.main(quick=True, out=tmp_path)
     printed = capsys.readouterr().out

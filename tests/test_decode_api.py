@@ -17,8 +17,9 @@ DEV = course_lib.DEVICE
 def test_decode_operator_matches_the_function_and_compiles_whole():
     """course_lib::decode_attention: the function's result from strided views (a model's (B, H, N, d)
     tensors transposed), torch.library.opcheck (schema, fake implementation), one node of a
-    torch.compile(fullgraph=True) graph, and a clear error for a backward through it."""
-    from course_lib.decode.op import _fake, decode_attention_op
+    torch.compile(fullgraph=True) graph, and a clear error for a backward through it. The fake
+    implementation (what meta tensors run) checks cache_seqlens by name too."""
+    from course_lib.decode.op import decode_attention_op
 
     q, k, v = make_cache(2, 40, 4, 2, 16, 1, torch.float32, seed=3)
     qt, kt, vt = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (q, k, v))  # (B, H, N, d) memory
@@ -39,10 +40,12 @@ def test_decode_operator_matches_the_function_and_compiles_whole():
         decode_attention_op(grad_q, k, v, seqlens, True, None).sum().backward()
     with pytest.raises(TypeError, match="cache_seqlens must be int32"):
         decode_attention_op(q, k, v, seqlens.long(), True, None)
+    meta = [t.to("meta") for t in (q, k, v, seqlens)]
+    assert decode_attention_op(*meta, True, None).shape == q.shape
     with pytest.raises(TypeError, match="course_lib::decode_attention: cache_seqlens must be int32"):
-        _fake(q, k, v, seqlens.long())
+        decode_attention_op(*meta[:3], meta[3].long(), True, None)
     with pytest.raises(ValueError, match=r"cache_seqlens must have shape \(B,\) = \(2,\)"):
-        _fake(q, k, v, seqlens[:1])
+        decode_attention_op(*meta[:3], meta[3][:1], True, None)
 
 
 def test_errors_name_the_problem():
