@@ -22,7 +22,7 @@ def _version_tuple(v: str) -> tuple[int, ...]:
     return tuple(int(x) for x in re.findall(r"\d+", v.split("+")[0])[:3])
 
 
-def _torch_triton_requirement() -> str | None:
+def torch_triton_requirement() -> str | None:
     """The triton version torch's own wheel asks for ('3.7.1'), or None (CPU builds ask for none)."""
     try:
         reqs = md.requires("torch") or []
@@ -53,7 +53,7 @@ def problems() -> list[str]:
                 "on numpy >= 2.4 before triton 3.7 (loops over a runtime length fail). "
                 "Fix: pip install 'numpy<2.4', or triton >= 3.7.1 with a matching torch (`make setup`)."
             )
-        want = _torch_triton_requirement()
+        want = torch_triton_requirement()
         if want is not None and _version_tuple(want)[:2] != tv[:2]:
             found.append(
                 f"torch {torch.__version__} was built for triton {want}, but triton {runtime.triton.__version__} "

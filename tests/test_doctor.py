@@ -29,6 +29,6 @@ def test_doctor_flags_old_triton_with_new_numpy(monkeypatch):
 
 
 def test_doctor_flags_mismatched_torch_triton(monkeypatch):
-    monkeypatch.setattr(doctor, "_torch_triton_requirement", lambda: "3.9.0")
+    monkeypatch.setattr(doctor, "torch_triton_requirement", lambda: "3.9.0")
     monkeypatch.setattr(runtime.triton, "__version__", "3.7.1")
     assert any("built for triton 3.9.0" in p for p in doctor.problems())
