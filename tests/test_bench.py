@@ -386,6 +386,6 @@ def test_bench_backward_figure_subtracts_the_training_forward(monkeypatch):
     monkeypatch.setattr(bench, "graph_ms", fake_graph_ms)
     monkeypatch.setattr(bench, "benchmark", lambda f: (f(), 1.0)[1])
     x, dy = torch.randn(8, requires_grad=True), torch.randn(8)
-    fwd, bwd = bench._measure_fwd_bwd(fn, (x,), (dy,), {"fwd": 10**6, "bwd": 10**6}, 1.0)
+    fwd, bwd = bench.measure_fwd_bwd(fn, (x,), (dy,), {"fwd": 10**6, "bwd": 10**6}, 1.0)
     assert fwd["graph_ms"] == 1.0, fwd
     assert (bwd["graph_fwd_bwd_ms"], bwd["graph_train_fwd_ms"], bwd["graph_ms"]) == (5.0, 2.0, 3.0), bwd

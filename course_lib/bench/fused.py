@@ -108,7 +108,7 @@ def _failed(exc: Exception) -> dict:
     return {"status": "error", "reason": f"{type(exc).__name__}: {exc}"[:300]}
 
 
-def _measure_fwd_bwd(fn, inputs, grads, nbytes: dict, copy_gbps: float) -> list[dict]:
+def measure_fwd_bwd(fn, inputs, grads, nbytes: dict, copy_gbps: float) -> list[dict]:
     """Forward and backward of fn(*inputs) (a tensor or a tuple of tensors), plain and graphed.
 
     Plain: the forward under no_grad; the backward as `autograd.grad` of an output made once outside
@@ -158,7 +158,7 @@ def measure_rms_norm(tokens: int, hidden: int, provider: str, copy_gbps: float, 
         fn = _rms_fns(provider)
     except Exception as exc:
         return [{**cell, "mode": m, **_failed(exc)} for m in ("fwd", "bwd")]
-    return [{**cell, **r} for r in _measure_fwd_bwd(fn, (x, w), (dy,), nbytes, copy_gbps)]
+    return [{**cell, **r} for r in measure_fwd_bwd(fn, (x, w), (dy,), nbytes, copy_gbps)]
 
 
 def measure_dw_modes(tokens: int, hidden: int, copy_gbps: float, dtype, device) -> list[dict]:
@@ -209,7 +209,7 @@ def measure_rope(tokens: int, provider: str, copy_gbps: float, dtype, device) ->
         fn = compiled_for_shape(lambda q, k: eager_rope(q, k, cos, sin))
     cell = {"kernel": "rope", "T": tokens, "provider": provider}
     nbytes = {m: rope_bytes(tokens) for m in ("fwd", "bwd")}
-    return [{**cell, **r} for r in _measure_fwd_bwd(fn, (q, k), (dq, dk), nbytes, copy_gbps)]
+    return [{**cell, **r} for r in measure_fwd_bwd(fn, (q, k), (dq, dk), nbytes, copy_gbps)]
 
 
 def _freed(rows: list[dict]) -> list[dict]:
