@@ -29,7 +29,7 @@ def record(monkeypatch):
         "dq": {"4096/128/True/bfloat16": [128, 64, 8, 3]},
     }
     monkeypatch.setattr(launch, "tuned_record", lambda: rec)
-    monkeypatch.setattr(launch, "_CHOSEN", {})
+    monkeypatch.setattr(launch, "CHOSEN", {})
     monkeypatch.setattr(launch, "autotune_enabled", lambda: False)
     return rec
 
@@ -120,7 +120,7 @@ def test_background_compilation_finishes_before_exit(tmp_path):
     seen = []
     launch.compile_in_background(("test", 2), lambda: seen.append(1))
     launch.wait_compiled(("test", 2))
-    assert seen == [1] and ("test", 2) not in launch._COMPILING
+    assert seen == [1] and ("test", 2) not in launch.COMPILING
 
 
 @pytest.mark.gpu

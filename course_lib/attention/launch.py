@@ -113,8 +113,8 @@ def make_tuner(kernel, table: KernelConfigs, key: list[str], **kwargs):
     )(kernel)
 
 
-_CHOSEN: dict = {}  # (kernel table, shape class) -> the Launch this process uses
-_COMPILING: dict = {}  # (kernel table, shape class) -> a thread compiling that launch ahead of its first use
+CHOSEN: dict = {}  # (kernel table, shape class) -> the Launch this process uses
+COMPILING: dict = {}  # (kernel table, shape class) -> a thread compiling that launch ahead of its first use
 _SEEN: set = set()  # (kernel table, shape class) compiled, compiling or launched in this process
 
 
@@ -123,7 +123,7 @@ def chosen(table: KernelConfigs, shape: tuple) -> Launch | None:
     this GPU, else (dK/dV, grouped-query) the one recorded for group 1, else the table's rule; None when
     COURSE_AUTOTUNE=1 is to choose it (first use only). shape = (n_bucket, d, causal, dtype), and for
     the dK/dV kernel (n_bucket, d, causal, dtype, atomic, group): what the choice may depend on."""
-    config = _CHOSEN.get((table.name, shape))
+    config = CHOSEN.get((table.name, shape))
     if config is None:
         n, d, causal, dtype = shape[:4]
         record = tuned_record().get(table.name, {})
@@ -139,7 +139,7 @@ def chosen(table: KernelConfigs, shape: tuple) -> Launch | None:
             # grouped-query: the multi-head choice of the same shape is a better start than the rule
             recorded = record.get(shape_key(shape[:-1] + (1,)))
         config = Launch(*recorded) if recorded else table.choose(d, causal, n, dtype, runtime.INTERPRET)
-        _CHOSEN[(table.name, shape)] = config
+        CHOSEN[(table.name, shape)] = config
     return config
 
 
@@ -148,16 +148,16 @@ def trying(table: KernelConfigs, shape: tuple, config: Launch):
     """Within the block, this process launches `config` for the shape class (a sweep timing its
     candidates, e.g. `scripts/gqa_speed.py --tune`); afterwards, what it chose before."""
     name = (table.name, shape)
-    before = _CHOSEN.get(name)
-    _CHOSEN[name] = config
+    before = CHOSEN.get(name)
+    CHOSEN[name] = config
     _SEEN.add(name)  # nothing to compile ahead: the launch compiles it
     try:
         yield
     finally:
         if before is None:
-            _CHOSEN.pop(name, None)
+            CHOSEN.pop(name, None)
         else:
-            _CHOSEN[name] = before
+            CHOSEN[name] = before
 
 
 def shape_key(shape: tuple) -> str:
@@ -177,7 +177,7 @@ def launch(kernel, tuner, table: KernelConfigs, grid, args: tuple, meta: dict, s
         best = tuner.best_config
         config = Launch(best.kwargs["BLOCK_M"], best.kwargs["BLOCK_N"], best.num_warps, best.num_stages)
         record_choice(table.name, shape_key(shape), config)
-        _CHOSEN[name] = config
+        CHOSEN[name] = config
         _SEEN.add(name)
         return
     wait_compiled(name)  # if compiled ahead, its compilation is in Triton's cache now: this launch finds it
@@ -237,7 +237,7 @@ def compile_in_background(name, work) -> None:
 
     thread = threading.Thread(target=run, name=f"compile {name}", daemon=True)
     thread.start()
-    _COMPILING[name] = thread
+    COMPILING[name] = thread
 
 
 def load_compiled(compiled) -> None:
@@ -251,7 +251,7 @@ def load_compiled(compiled) -> None:
 
 def wait_compiled(name) -> None:
     """Wait for the compilation started under `name` by `compile_in_background`, if there is one."""
-    pending = _COMPILING.pop(name, None)
+    pending = COMPILING.pop(name, None)
     if pending is not None:
         pending.join()
 
@@ -260,7 +260,7 @@ def wait_compiled(name) -> None:
 def finish_compiling() -> int:
     """Wait for every compilation `compile_in_background` still runs (at exit, and for a tool that
     times what a script left compiling); returns how many were still running."""
-    pending = [thread for thread in list(_COMPILING.values()) if thread.is_alive()]
+    pending = [thread for thread in list(COMPILING.values()) if thread.is_alive()]
     for thread in pending:
         thread.join()
     return len(pending)
