@@ -144,7 +144,7 @@ def test_a_full_cache_whose_programs_fill_the_sms_is_not_sliced(monkeypatch):
     # `ONE_WAVE_TILES`; few whose rule's plan is several waves stay sliced.
     for programs in range(2, sms):
         plan = heuristics.decode_plan(programs, 1, 1, 32768, 128, full=True)
-        splits = heuristics._rule_splits(programs, 32768, heuristics.TILES[128])
+        splits = heuristics.rule_splits(programs, 32768, heuristics.TILES[128])
         one_wave = heuristics.unsplit_one_wave(programs * splits)
         assert heuristics.one_wave_plan(programs, 32768) == one_wave
         assert plan.sliced != one_wave, programs

@@ -270,10 +270,10 @@ def unsplit_one_wave(programs: int) -> bool:
 def one_wave_plan(programs: int, capacity: int, head_dim: int = 128) -> bool:
     """Whether the rule's plan for `programs` unsplit contiguous programs (batch x kv heads x query tiles)
     over a cache of `capacity` keys is one wave that fills ONE_SPLIT_FILL of the SMs: its programs times
-    its split count (`_rule_splits` on the usual tile) pass `unsplit_one_wave`. Batch 1 with 8 kv heads
+    its split count (`rule_splits` on the usual tile) pass `unsplit_one_wave`. Batch 1 with 8 kv heads
     and a long cache (16 splits, 128 programs) is such a plan; so is one split of 120 programs."""
     tile = TILES[max(16, runtime.next_power_of_2(head_dim))]
-    return unsplit_one_wave(programs * _rule_splits(programs, capacity, tile))
+    return unsplit_one_wave(programs * rule_splits(programs, capacity, tile))
 
 
 def _ragged_last_wave(programs: int, tile: DecodeTile, one_wave_tile: DecodeTile) -> bool:
@@ -339,10 +339,10 @@ def num_splits_for(
     over SMs x the tile's programs per SM. A launch may take another plan (a sliced batch, a paged grid
     that reads its table rows whole): `split_grid` gives the count it launches."""
     programs = batch * kv_heads * m_tiles
-    return _rule_splits(programs, capacity, tile_for(head_dim, paged, programs=programs, capacity=capacity))
+    return rule_splits(programs, capacity, tile_for(head_dim, paged, programs=programs, capacity=capacity))
 
 
-def _rule_splits(programs: int, capacity: int, tile: DecodeTile) -> int:
+def rule_splits(programs: int, capacity: int, tile: DecodeTile) -> int:
     """`choose_num_splits`, then `fill_wave`, for `programs` unsplit programs of `tile` over a cache of
     `capacity` keys."""
     n_key_blocks = math.ceil(capacity / tile.block_n)
@@ -459,7 +459,7 @@ def _splits(batch, kv_heads, m_tiles, capacity, head_dim, paged, table_row=False
     long_batch = sliced(batch, capacity, full, programs, head_dim)
     if not (long_batch or table_row):
         return num_splits_for(batch, kv_heads, m_tiles, capacity, head_dim, paged)
-    rule = _rule_splits(programs, capacity, tile_for(head_dim, paged=True, table_row=table_row))
+    rule = rule_splits(programs, capacity, tile_for(head_dim, paged=True, table_row=table_row))
     return max(rule, slice_splits(capacity)) if long_batch else rule
 
 
