@@ -19,8 +19,11 @@ A sliding *window* of W keys adds a lower bound, j > i + causal_offset - W (quer
 ending at its own position): `window_kv_range` and `window_q_range` cut the causal ranges down to it, and
 add a third, masked stage where the window's edge crosses a block.
 
-A *split* cuts one program's key range into `num_splits` nearly equal runs of whole blocks, one per
-program, as split-KV decoding does (notebook 09); split 0 of 1 is the whole range.
+A *split* cuts a key range into `num_splits` nearly equal runs of whole blocks, one per program
+(`split_range`; FlashAttention's split of `get_n_block_min_max`); split 0 of 1 is the whole range.
+`kv_block_range` splits the keys its query block sees. Split-KV decoding (notebook 09) splits a
+sequence's whole cache instead, the same boundaries for every query tile of it, then cuts the causal
+end (`split_kv_range`).
 
 Each function exists twice, with the same arguments and results: a `@triton.jit` helper that the
 kernels call, and a plain-Python twin (`*_py`) that the plots, the notebooks and the tests use.
@@ -106,11 +109,39 @@ def kv_block_range(
         lo = 0
         mid = tl.minimum(mid, hi)
     else:
-        per_split = tl.cdiv(tl.cdiv(hi, BLOCK_N), NUM_SPLITS) * BLOCK_N
-        lo = tl.minimum(split * per_split, hi)
-        hi = tl.minimum(hi, lo + per_split)
+        lo, hi = split_range(hi, split, NUM_SPLITS, BLOCK_N)
+        lo = tl.minimum(lo, hi)
         mid = tl.minimum(tl.maximum(mid, lo), hi)
     return lo, mid, hi
+
+
+@triton.jit
+def split_range(n_k, split, NUM_SPLITS, BLOCK_N: tl.constexpr):
+    """Keys [lo, hi) of split `split` of NUM_SPLITS over keys [0, n_k): P = cdiv(cdiv(n_k, BLOCK_N),
+    NUM_SPLITS) whole blocks of BLOCK_N each, lo = split * P * BLOCK_N, hi cut at n_k. NUM_SPLITS may
+    be a run-time value (one compiled kernel for every split count). lo is not clamped: a split past the
+    last block has lo >= hi (its loop runs no step), and lo stays a product of BLOCK_N that the compiler
+    sees as such, as the loop's start."""
+    per_split = tl.cdiv(tl.cdiv(n_k, BLOCK_N), NUM_SPLITS)
+    lo = split * per_split * BLOCK_N
+    hi = tl.minimum(lo + per_split * BLOCK_N, n_k)
+    return lo, hi
+
+
+@triton.jit
+def split_kv_range(
+    n_k, offset, last_row, split, NUM_SPLITS, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr
+):  # fmt: skip
+    """Keys [lo, hi) that split `split` of NUM_SPLITS visits for a tile of query rows whose last row is
+    `last_row`, as split-KV decoding cuts a sequence of n_k keys (notebook 09): the sequence's blocks are
+    shared out first (`split_range`: the same boundaries for every query tile, every split at most P
+    blocks), then CAUSAL cuts hi after the last key the tile's last row sees, last_row + offset (the
+    bottom-right offset n_k - Nq of a KV cache). Every key of [lo, hi) is masked in the loop (rows
+    before the last see fewer keys; `visible_keys`). lo >= hi: the split sees no key."""
+    lo, hi = split_range(n_k, split, NUM_SPLITS, BLOCK_N)
+    if CAUSAL:
+        hi = tl.minimum(hi, offset + last_row + 1)
+    return lo, hi
 
 
 @triton.jit
@@ -233,11 +264,27 @@ def kv_block_range_py(
     if causal:
         hi = min(n_k, max(min(m_start + block_m, n_q) + offset, 0))
         mid = min(mid, (max(m_start + offset + 1, 0) // block_n) * block_n)
-    per_split = _cdiv(_cdiv(hi, block_n), num_splits) * block_n
-    lo = min(split * per_split, hi)
-    hi = min(hi, lo + per_split)
+    lo, hi = split_range_py(hi, split, num_splits, block_n)
+    lo = min(lo, hi)
     mid = min(max(mid, lo), hi)
     return lo, mid, hi
+
+
+def split_range_py(n_k: int, split: int, num_splits: int, block_n: int) -> tuple[int, int]:
+    """`split_range` in Python: (lo, hi) of split `split` over keys [0, n_k); lo >= hi when it has none."""
+    per_split = _cdiv(_cdiv(n_k, block_n), num_splits)
+    lo = split * per_split * block_n
+    return lo, min(lo + per_split * block_n, n_k)
+
+
+def split_kv_range_py(
+    n_k: int, offset: int, last_row: int, split: int, num_splits: int, block_n: int, causal: bool
+) -> tuple[int, int]:
+    """`split_kv_range` in Python: (lo, hi) for a query tile whose last row is `last_row`."""
+    lo, hi = split_range_py(n_k, split, num_splits, block_n)
+    if causal:
+        hi = min(hi, offset + last_row + 1)
+    return lo, hi
 
 
 def q_block_range_py(
