@@ -66,11 +66,14 @@ from ..checks import (
     kernel_support,
     should_validate,
 )
-from ..kernels.softmax import LN2
+from ..kernels.blocks import split_kv_range, visible_keys
+from ..kernels.softmax import logsumexp, softmax_step
 from ..pdl import allow_dependents
 from ..runtime import tl, triton
 from .combine import combine
 from .heuristics import decode_plan, longest_first, longest_first_block, tile_for
+from .pack_gqa import packed_offsets, packed_rows
+from .paged_lookup import kv_rows, table_row
 
 runtime.require_triton()
 
@@ -97,14 +100,21 @@ def split_kv_kernel(
     PAGED=False: K, V are (B, Nmax, Hkv, d) caches; stride_kb steps sequences, stride_kn keys.
     PAGED=True: K, V are (num_pages, PAGE_SIZE, Hkv, d) pools; key j of sequence b lives in page
     BLOCK_TABLE[b, j // PAGE_SIZE] at slot j % PAGE_SIZE; stride_kb steps pages, stride_kn slots.
-    qk_scale = softmax scale x log2(e): scores go straight into base 2. PAGE_SIZE is a compile-time
-    constant: a power of two makes the page lookup a shift and a mask.
+    qk_scale = softmax scale x log2(e): scores go straight into base 2.
     Grid (B * Hkv, NUM_SPLITS, M tiles), the last split of every (sequence, kv head) first (against the
     first split first: within +-5 us on an H200, the sign changing between machines). SORT_B > 0 (a
     sliced batch): the programs take their (sequence, kv head, split) longest sequence first instead
     (`longest_first`; SORT_B is the batch padded to a power of two).
     PDL: the combine may be scheduled as soon as every program here has stored its partial
-    (`course_lib.pdl`). FULL: every sequence holds all CAPACITY keys; SEQLENS is never read."""
+    (`course_lib.pdl`). FULL: every sequence holds all CAPACITY keys; SEQLENS is never read.
+
+    Each piece in its own file, beside this loop (FlashAttention-3's layout):
+      the tile's rows, packed GQA          `pack_gqa.py`: packed_rows, packed_offsets
+      the split's keys, the causal cut     `kernels/blocks.py`: split_kv_range (NUM_SPLITS a run-time value)
+      the mask of a tile                   `kernels/blocks.py`: visible_keys
+      where a block of keys lives          `paged_lookup.py`: table_row, kv_rows (contiguous or paged)
+      the online softmax and its finish    `kernels/softmax.py`: softmax_step, logsumexp
+      the order of the programs            `heuristics.py`: longest_first"""
     pid_bh = tl.program_id(0)
     split = tl.num_programs(1) - 1 - tl.program_id(1)  # the last splits launch first (docstring)
     pid_m = tl.program_id(2)
@@ -121,40 +131,28 @@ def split_kv_kernel(
         # the wrappers check the lengths; the clamp keeps reads in bounds
         seqlen = tl.minimum(tl.load(SEQLENS + b), CAPACITY)
 
-    if PAGED and TABLE_ROW > 0:
-        # the sequence's whole block-table row, loaded beside its length rather than after it
-        t_offs = tl.arange(0, TABLE_ROW)
-        table_row = tl.load(
-            BLOCK_TABLE + b * stride_tb + t_offs * stride_tp, mask=t_offs < CAPACITY // PAGE_SIZE, other=0
-        )
+    if PAGED and TABLE_ROW > 0:  # the sequence's whole block-table row, loaded beside its length
+        row = table_row(BLOCK_TABLE, b, stride_tb, stride_tp, CAPACITY // PAGE_SIZE, TABLE_ROW)
+    else:  # none: `kv_rows` loads each block's page ids (or reads a contiguous cache)
+        row = 0
 
     # Rows of the tile: (token t, head g of the group), r = t * GROUP + g; query head kvh * GROUP + g.
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    t = rows // GROUP
-    h = kvh * GROUP + rows % GROUP
-    row_ok = rows < T_Q * GROUP
+    t, h, row_ok, t_last = packed_rows(pid_m, kvh, T_Q, GROUP, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
     # Q tile: HBM -> registers once, BLOCK_M x d.
+    q_rows = packed_offsets(b, t, h, stride_qb, stride_qt, stride_qh)
     q = tl.load(
-        Q + b * stride_qb + t[:, None] * stride_qt + h[:, None] * stride_qh + offs_d[None, :] * stride_qd,
-        mask=row_ok[:, None] & d_ok[None, :],
-        other=0.0,
+        Q + q_rows[:, None] + offs_d[None, :] * stride_qd, mask=row_ok[:, None] & d_ok[None, :], other=0.0
     )
     if UPCAST:
         q = q.to(tl.float32)
 
-    # This split's keys: whole BLOCK_N blocks [lo, hi), hi cut at the sequence's length.
-    per_split = tl.cdiv(tl.cdiv(seqlen, BLOCK_N), NUM_SPLITS)
-    lo = split * per_split * BLOCK_N
-    hi = tl.minimum(lo + per_split * BLOCK_N, seqlen)
-    # Bottom-right causal: row t sees keys j <= seqlen - T_Q + t.
-    last = seqlen - T_Q + t
-    if CAUSAL:
-        # the tile's last token sees the most keys: none past seqlen - T_Q + t_max is loaded
-        t_max = (tl.minimum((pid_m + 1) * BLOCK_M, T_Q * GROUP) - 1) // GROUP
-        hi = tl.minimum(hi, seqlen - T_Q + t_max + 1)
+    # This split's keys: whole BLOCK_N blocks [lo, hi), hi cut at the sequence's length and, causal,
+    # after the tile's last token's last key: bottom-right, row t sees keys j <= seqlen - T_Q + t.
+    offset = seqlen - T_Q
+    lo, hi = split_kv_range(seqlen, offset, t_last, split, NUM_SPLITS, CAUSAL, BLOCK_N)
 
     # Running state in registers: row max m (base 2), row sum l, unnormalised output acc.
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -163,20 +161,11 @@ def split_kv_kernel(
     for start in range(lo, hi, BLOCK_N):
         cols = start + offs_n
         col_ok = cols < hi
-        if PAGED:
-            # One page id per key: the indirection a paged cache pays (from the row in registers, or
-            # loaded: int32, mostly from L1/L2).
-            if TABLE_ROW > 0:
-                page = tl.gather(table_row, tl.minimum(cols // PAGE_SIZE, TABLE_ROW - 1), 0).to(tl.int64)
-            else:
-                page = tl.load(
-                    BLOCK_TABLE + b * stride_tb + (cols // PAGE_SIZE) * stride_tp, mask=col_ok, other=0
-                ).to(tl.int64)
-            k_rows = page * stride_kb + (cols % PAGE_SIZE) * stride_kn
-            v_rows = page * stride_vb + (cols % PAGE_SIZE) * stride_vn
-        else:
-            k_rows = b * stride_kb + cols.to(tl.int64) * stride_kn
-            v_rows = b * stride_vb + cols.to(tl.int64) * stride_vn
+        # Where the block's keys live (a paged cache pays one page id per key).
+        k_rows, v_rows = kv_rows(
+            cols, col_ok, b, BLOCK_TABLE, row, stride_tb, stride_tp, stride_kb, stride_kn, stride_vb, stride_vn,
+            PAGED, PAGE_SIZE, TABLE_ROW,
+        )  # fmt: skip
         kv_mask = col_ok[:, None] & d_ok[None, :]
         # K block: HBM -> on chip, BLOCK_N x d elements of this kv head.
         k = tl.load(
@@ -185,17 +174,9 @@ def split_kv_kernel(
         if UPCAST:
             k = k.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N) fp32
-        visible = col_ok[None, :]
-        if CAUSAL:
-            visible = visible & (cols[None, :] <= last[:, None])
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no visible key yet: no NaN
-        p = tl.math.exp2(s - m_safe[:, None])
-        alpha = tl.math.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        s = tl.where(visible_keys(t[:, None], cols[None, :], hi, offset, 0, CAUSAL, False), s, float("-inf"))
+        p, alpha, l_i, m_i = softmax_step(s, m_i, l_i, qk_scale, True, True)  # s is scaled already
         acc = acc * alpha[:, None]
-        m_i = m_new
         # V block: HBM -> on chip; acc += P V in fp32.
         v = tl.load(
             V + v_rows[:, None] + kvh * stride_vh + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0
@@ -206,15 +187,17 @@ def split_kv_kernel(
 
     # Partial result of this split: O = acc / l and L = m + log l, or (0, -inf) if it saw no key.
     empty = l_i == 0.0
-    o = acc / tl.where(empty, 1.0, l_i)[:, None]
-    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * LN2)
+    l_safe = tl.where(empty, 1.0, l_i)
+    o = acc / l_safe[:, None]
+    lse = tl.where(empty, float("-inf"), logsumexp(m_i, l_safe))
+    o_rows = packed_offsets(b, t, h, stride_ob, stride_ot, stride_oh)
     tl.store(
-        O_PART + split * stride_os + b * stride_ob + t[:, None] * stride_ot + h[:, None] * stride_oh
-        + offs_d[None, :] * stride_od,
+        O_PART + split * stride_os + o_rows[:, None] + offs_d[None, :] * stride_od,
         o.to(O_PART.dtype.element_ty),
         mask=row_ok[:, None] & d_ok[None, :],
-    )  # fmt: skip
-    tl.store(L_PART + split * stride_ls + b * stride_lb + t * stride_lt + h * stride_lh, lse, mask=row_ok)
+    )
+    l_rows = packed_offsets(b, t, h, stride_lb, stride_lt, stride_lh)
+    tl.store(L_PART + split * stride_ls + l_rows, lse, mask=row_ok)
     if PDL:  # this program's partial is stored: the combine may be scheduled once every program is here
         allow_dependents()
 
