@@ -47,18 +47,18 @@ def test_teaching_variants_are_function_arguments_with_a_fixed_launch():
     for kernel in (fwd_mod._fwd_kernel, bwd_mod._dq_kernel, bwd_mod._dkdv_kernel):
         assert not {"EXP2", "SKIP_MASKED"} & set(kernel.arg_names), f"{kernel.__name__}: {kernel.arg_names}"
     _, fast = configs.split_config(None, configs.FORWARD.fixed)
-    for names in (fwd_mod._HOOKS, bwd_mod._DQ_HOOKS, bwd_mod._DKDV_HOOKS):
+    for names in (fwd_mod.HOOKS, bwd_mod.DQ_HOOKS, bwd_mod.DKDV_HOOKS):
         assert configs.teaching_hooks(fast, names) == {}, f"{names}: the production helpers are the defaults"
     launch, switches = configs.split_config({"exp2": False}, configs.FORWARD.fixed)
     assert launch == configs.FORWARD.fixed.kwargs(), f"exp2=False alone must fix the launch; got {launch}"
-    assert configs.teaching_hooks(switches, fwd_mod._HOOKS) == {
+    assert configs.teaching_hooks(switches, fwd_mod.HOOKS) == {
         "SOFTMAX_STEP": teaching.softmax_step_natural,
         "LOGSUMEXP": teaching.logsumexp_natural,
     }
-    assert configs.teaching_hooks(switches, bwd_mod._DKDV_HOOKS) == {
+    assert configs.teaching_hooks(switches, bwd_mod.DKDV_HOOKS) == {
         "PROBABILITIES": teaching.probabilities_natural
     }
     launch, switches = configs.split_config({"skip_masked_blocks": False, "BLOCK_M": 32}, configs.DKDV.fixed)
     assert launch["BLOCK_M"] == 32 and launch["BLOCK_N"] == configs.DKDV.fixed.block_n, launch
-    assert configs.teaching_hooks(switches, bwd_mod._DQ_HOOKS) == {"KV_RANGE": teaching.every_kv_block}
-    assert configs.teaching_hooks(switches, bwd_mod._DKDV_HOOKS) == {"Q_RANGE": teaching.every_q_block}
+    assert configs.teaching_hooks(switches, bwd_mod.DQ_HOOKS) == {"KV_RANGE": teaching.every_kv_block}
+    assert configs.teaching_hooks(switches, bwd_mod.DKDV_HOOKS) == {"Q_RANGE": teaching.every_q_block}

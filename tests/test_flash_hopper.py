@@ -117,7 +117,7 @@ def test_forward_takes_it_where_chosen(monkeypatch):
     fwd_mod.forward(q, k, v, True, config={"BLOCK_M": 64})
     fwd_mod.forward(q[..., :64].contiguous(), k[..., :64].contiguous(), v[..., :64].contiguous(), True)
     assert len(calls) == 2, f"the Gluon kernel ran where it should not: {calls}"
-    assert not fwd_mod._HOPPER_FAILED, fwd_mod._HOPPER_FAILED
+    assert not fwd_mod.HOPPER_FAILED, fwd_mod.HOPPER_FAILED
 
 
 @hopper_gpu

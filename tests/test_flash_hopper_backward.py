@@ -54,7 +54,7 @@ def test_cpu_never_takes_it():
         pytest.skip("a GPU run")
     q, k, v = random_qkv((1, 2, 16, 64), 16)
     switches = {"HOPPER": True}
-    assert bwd_mod._hopper_dkdv(q, k, v, torch.randn_like(q), False, 16, 16, switches) is None
+    assert bwd_mod.hopper_dkdv(q, k, v, torch.randn_like(q), False, 16, 16, switches) is None
 
 
 # (name, q shape (B, H, Nq, d), Nk, K/V heads, causal): key blocks of 128, query blocks of 64.
@@ -96,7 +96,7 @@ def _check_gluon_gradients(monkeypatch, name, shape, n_k, kv_heads, causal, dtyp
     for grad, g, r, b in zip(("dq", "dk", "dv"), grads, ref, base):
         assert torch.isfinite(g).all(), f"{grad}, {name}: not finite"
         assert_close_to_reference(g, r, b, what=f"{grad}, {name}, {what}")
-    assert not bwd_mod._HOPPER_FAILED, bwd_mod._HOPPER_FAILED
+    assert not bwd_mod.HOPPER_FAILED, bwd_mod.HOPPER_FAILED
 
 
 @hopper_gpu
@@ -160,7 +160,7 @@ def test_backward_takes_it_where_chosen(monkeypatch):
 def test_a_failing_kernel_falls_back_to_triton(monkeypatch):
     """If the Gluon kernel raises (a Triton whose Gluon cannot compile it), the backward warns once and
     the Triton kernel gives the gradients, then and in later calls."""
-    monkeypatch.setattr(bwd_mod, "_HOPPER_FAILED", [])
+    monkeypatch.setattr(bwd_mod, "HOPPER_FAILED", [])
 
     def broken(*args):
         raise RuntimeError("no Gluon here")
@@ -172,7 +172,7 @@ def test_a_failing_kernel_falls_back_to_triton(monkeypatch):
     o, lse = attention_forward(q, k, v, False)
     with pytest.warns(RuntimeWarning, match="Hopper dK/dV kernel failed"):
         grads = bwd_mod.backward(do, q, k, v, o, lse, False)
-    assert bwd_mod._HOPPER_FAILED and "no Gluon here" in bwd_mod._HOPPER_FAILED[0]
+    assert bwd_mod.HOPPER_FAILED and "no Gluon here" in bwd_mod.HOPPER_FAILED[0]
     expected = bwd_mod.backward(do, q, k, v, o, lse, False, config={"hopper": False})
     for g, e in zip(grads, expected):
         torch.testing.assert_close(g, e, rtol=0, atol=0)

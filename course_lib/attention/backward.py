@@ -504,8 +504,8 @@ _dkdv_tuned = make_tuner(_dkdv_kernel, DKDV, key=_TUNE_KEY + ["ATOMIC", "GROUP"]
 # The atomic variant adds into DQ: the tuner must zero it before each timed run.
 _dkdv_atomic_tuned = make_tuner(_dkdv_kernel, DKDV, key=_TUNE_KEY + ["ATOMIC", "GROUP"], reset_to_zero=["DQ"])
 _dq_tuned = make_tuner(_dq_kernel, DQ, key=_TUNE_KEY + ["FUSE_D"])
-_DKDV_HOOKS = ("PROBABILITIES", "Q_RANGE")  # the kernels' function arguments (teaching variants)
-_DQ_HOOKS = ("PROBABILITIES", "KV_RANGE")
+DKDV_HOOKS = ("PROBABILITIES", "Q_RANGE")  # the kernels' function arguments (teaching variants)
+DQ_HOOKS = ("PROBABILITIES", "KV_RANGE")
 
 
 def backward(
@@ -605,14 +605,14 @@ def dkdv_block_major(on_chip: int, causal: bool) -> bool:
     return causal and on_chip > 1
 
 
-_HOPPER_FAILED: list[str] = []  # why the Gluon dK/dV kernel could not be used in this process, if it failed
+HOPPER_FAILED: list[str] = []  # why the Gluon dK/dV kernel could not be used in this process, if it failed
 
 
-def _hopper_dkdv(q4, k4, v4, do4, causal: bool, n_q: int, n_k: int, switches: dict):
+def hopper_dkdv(q4, k4, v4, do4, causal: bool, n_q: int, n_k: int, switches: dict):
     """The `hopper_backward` module if its warp-specialised dK/dV kernel should run here (hopper switch
     on, a GPU run with Gluon, a Hopper GPU, contiguous 16-bit inputs, a shape where
     `hopper_backward.choose` found it faster than the Triton kernel), else None."""
-    if not switches["HOPPER"] or _HOPPER_FAILED or hopper_kernels() is None:
+    if not switches["HOPPER"] or HOPPER_FAILED or hopper_kernels() is None:
         return None
     from . import hopper_backward
 
@@ -720,7 +720,7 @@ def _backward(
     fixed_launch = launch_cfg is not None
     # (the Gluon kernel has no sliding window and no packed sequences)
     use_gluon = not (fixed_launch or atomic or window or seqs is not None)
-    gluon = _hopper_dkdv(q4, k4, v4, do4, causal, n_q, n_k, switches) if use_gluon else None
+    gluon = hopper_dkdv(q4, k4, v4, do4, causal, n_q, n_k, switches) if use_gluon else None
     if gluon is not None:
         on_chip = gluon.heads_per_program(group, causal, n_k)
     elif seqs is not None:  # packed: dK, dV are strided views, which the partials' sum does not take
@@ -805,17 +805,17 @@ def _backward(
         else:
             bm, bn = fixed.get("BLOCK_M2", fixed["BLOCK_M"]), fixed.get("BLOCK_N2", fixed["BLOCK_N"])
             _dq_kernel[(runtime.cdiv(n_q, bm) * B * H,)](
-                *q_args, **q_meta, **teaching_hooks(switches, _DQ_HOOKS), BLOCK_M=bm, BLOCK_N=bn,
+                *q_args, **q_meta, **teaching_hooks(switches, DQ_HOOKS), BLOCK_M=bm, BLOCK_N=bn,
                 num_warps=fixed["num_warps"], num_stages=fixed["num_stages"],
             )  # fmt: skip
         gluon_args = (q4, k4, v4, do4, l3, delta, dk_out, dv_out, offset, causal, scale)
-        if gluon is None or not run_gluon("dK/dV kernel", _HOPPER_FAILED, gluon.dkdv, *gluon_args):
+        if gluon is None or not run_gluon("dK/dV kernel", HOPPER_FAILED, gluon.dkdv, *gluon_args):
             if launch_cfg is None:
                 launch(_dkdv_kernel, kv_tuner, DKDV, kv_grid, kv_args, kv_meta, kv_shape)
             else:
                 bm, bn = fixed.get("BLOCK_M1", fixed["BLOCK_M"]), fixed.get("BLOCK_N1", fixed["BLOCK_N"])
                 _dkdv_kernel[(runtime.cdiv(n_k, bn) * B * (H // on_chip),)](
-                    *kv_args, **kv_meta, **teaching_hooks(switches, _DKDV_HOOKS), BLOCK_M=bm, BLOCK_N=bn,
+                    *kv_args, **kv_meta, **teaching_hooks(switches, DKDV_HOOKS), BLOCK_M=bm, BLOCK_N=bn,
                     num_warps=fixed["num_warps"], num_stages=fixed["num_stages"],
                 )  # fmt: skip
     if share > 1:  # grouped-query attention: each K/V head's dK, dV is the sum of its `share` partials

@@ -71,7 +71,7 @@ __all__ = ["SUPPORTED_HEAD_DIMS", "forward"]
 # --------------------------------------------------------------------------------------------------
 # FlashAttention-3's warp-specialised forward (`hopper.py`, Gluon): taken on Hopper GPUs where faster
 # --------------------------------------------------------------------------------------------------
-_HOPPER_FAILED: list[str] = []  # why the Gluon kernel could not be used in this process, if it failed
+HOPPER_FAILED: list[str] = []  # why the Gluon kernel could not be used in this process, if it failed
 
 
 @functools.cache
@@ -94,7 +94,7 @@ def _try_hopper(
     Hopper GPU, contiguous 16-bit inputs, a shape where `hopper.choose` found it faster); True if it ran.
     A Triton whose Gluon cannot compile the kernel gets one warning, and the Triton kernel from then on."""
     hopper = hopper_kernels()
-    if hopper is None or _HOPPER_FAILED or not switches["HOPPER"]:
+    if hopper is None or HOPPER_FAILED or not switches["HOPPER"]:
         return False
     if hooks or not hopper.supports(q4, k4, v4):  # a teaching variant runs in the Triton kernel only
         return False
@@ -103,7 +103,7 @@ def _try_hopper(
     variant = hopper.choose(q4.shape[-1], causal, q4.shape[2], k4.shape[2])
     if variant is None:
         return False
-    return run_gluon("forward", _HOPPER_FAILED, hopper.forward, q4, k4, v4, o4, l3, causal, scale, variant)
+    return run_gluon("forward", HOPPER_FAILED, hopper.forward, q4, k4, v4, o4, l3, causal, scale, variant)
 
 
 def run_gluon(what: str, failed: list[str], kernel, *args) -> bool:
@@ -256,7 +256,7 @@ def _fwd_kernel(
 
 
 _fwd_tuned = make_tuner(_fwd_kernel, FORWARD, key=["N_BUCKET", "HEAD_DIM", "CAUSAL"])
-_HOOKS = ("SOFTMAX_STEP", "LOGSUMEXP", "KV_RANGE")  # the kernel's function arguments (teaching variants)
+HOOKS = ("SOFTMAX_STEP", "LOGSUMEXP", "KV_RANGE")  # the kernel's function arguments (teaching variants)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -344,7 +344,7 @@ def _forward(q, k, v, alignment, scale, launch_cfg, switches, window=0, sinks=No
         meta["HAS_SINKS"] = True
     if seqs is not None:
         meta["VARLEN"] = seqs.mode(alignment)
-    hooks = teaching_hooks(switches, _HOOKS)  # {} unless a ladder rung asks for a teaching variant
+    hooks = teaching_hooks(switches, HOOKS)  # {} unless a ladder rung asks for a teaching variant
     with cuda_device(q):
         if plain and _try_hopper(q4, k4, v4, o4, l3, causal, offset, scale, switches, hooks):
             return o, lse
