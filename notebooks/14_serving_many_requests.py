@@ -357,6 +357,8 @@ if got:
 # (notebook 06's, many query rows per tile) reads the prefix at the speed of its arithmetic. The serving record
 # (`make bench BENCH=serving`) also sweeps B and P to show where cascade starts to win: at small B the prefix
 # is read only a few times over, and the second pass and the merge cost more than they save.
+# `PrefixCachingBatcher` takes cascade by itself for the decode steps past that crossover
+# (`serving.cascade.CascadeChoice`).
 #
 # ## 6. Static against continuous batching
 #
@@ -435,10 +437,12 @@ plt.show()
 #
 # **Preemption.** When the page pool runs out in the middle of a step, the batcher **preempts** the most
 # recently admitted request: its pages are freed and it goes back to the front of the queue, to be
-# recomputed from its prompt and the tokens it had generated (vLLM's "recompute" mode; the other is to swap
-# its pages to host memory). With prefix caching, the recomputation starts on the pages it just gave back,
-# which stay cached until another request needs them (tests/test_prefix_cache.py checks that the tokens are
-# still exactly the greedy ones).
+# recomputed from its prompt and the tokens it had generated (vLLM's "recompute" mode). With
+# `preemption="swap"` the batcher copies its pages to host memory instead (pinned, so the copy is queued without
+# waiting) and back into free pages when it is admitted again: no token is computed twice, for two copies over
+# PCIe. With prefix caching, the recomputation starts on the pages it just gave back, which stay cached until
+# another request needs them (tests/test_prefix_cache.py and tests/test_scheduling.py check that the tokens are
+# still exactly the greedy ones in both modes).
 #
 # ## 7. Summary
 #

@@ -44,7 +44,7 @@ __all__ = [
 # d = 128, bf16: 4 KiB of K and V per token and layer, suffixes of 1024). Cascade's cost over paged decoding
 # is a second pass and the merge, about the same at every size; what it saves is the B - 1 extra reads of the
 # prefix. The grid crosses 1x between (B - 1) x P = 61k tokens (B = 16, P = 4k: 0.83x) and 246k (P = 16k:
-# 2.70x), and between 63k (B = 64, P = 1k: 0.88x) and 252k (P = 4k: 1.74x); log-interpolated, at 75k and 82k
+# 2.70x), and between 63k (B = 64, P = 1k: 0.88x) and 252k (P = 4k: 1.74x); log-interpolated, at 76k and 84k
 # tokens, and B = 4 at 16k (48k tokens) loses (0.84x). So: cascade from 80k tokens of re-reads saved, 320 MiB
 # per layer (`cascade_crossover` in the bench computes the crossing from each record).
 CASCADE_MIN_SAVED_BYTES = 80 * 1024 * 4096
