@@ -693,11 +693,14 @@ def _backward(
             return None
         do = o = torch.empty(q.shape, dtype=q.dtype, device=where)  # as the forward allocates O
         L = torch.empty(q.shape[:-1], dtype=accumulator_dtype(q.dtype), device=where)
-    dk = torch.empty(k.shape, dtype=k.dtype, device=where)
-    dv = torch.empty(v.shape, dtype=v.dtype, device=where)
+        dk = torch.empty(k.shape, dtype=k.dtype, device=where)
+        dv = torch.empty(v.shape, dtype=v.dtype, device=where)
+    else:  # empty_like: 1.2 us of host time against torch.empty(shape, ...)'s 2.9 (a 2-core CPU)
+        dk = torch.empty_like(k, memory_format=torch.contiguous_format)
+        dv = torch.empty_like(v, memory_format=torch.contiguous_format)
     if seqs is None:
         q4, k4, v4, o4, do4, dk4, dv4 = (as_4d(t) for t in (q, k, v, o, do, dk, dv))
-        l3 = L.reshape(q4.shape[:-1])
+        l3 = L if q4 is q and L.dim() == 3 else L.reshape(q4.shape[:-1])  # a reshape to its own shape: 2.3 us
         B, H, n_q, d = q4.shape
         H_kv, n_k = k4.shape[1], k4.shape[2]
     else:  # packed rows viewed as one batch of (heads, rows), as in the forward
@@ -734,7 +737,10 @@ def _backward(
     if atomic:
         dq_acc = torch.zeros(q4.shape, dtype=acc_dtype, device=where)  # fp32 dQ, added to atomically
     else:
-        dq = torch.empty(q.shape, dtype=q.dtype, device=where)
+        if compile_only:
+            dq = torch.empty(q.shape, dtype=q.dtype, device=where)
+        else:
+            dq = torch.empty_like(q, memory_format=torch.contiguous_format)
         dq_acc = as_4d(dq) if seqs is None else dq.transpose(0, 1)[None]
         within_offsets(dq_acc, n_q, "dq", "attention.backward", copy=False)
     flags = kernel_flags(q.dtype)

@@ -310,11 +310,13 @@ def _forward(q, k, v, alignment, scale, launch_cfg, switches, window=0, sinks=No
     (total rows, heads, d) and O, L come back as (total_q, Hq, d) and (total_q, Hq)."""
     # the Gluon kernel (and, above this module, the split-KV route) take only these calls
     plain = launch_cfg is None and not window and sinks is None and seqs is None
-    o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    # Host time per call on a 2-core CPU: torch.empty(q.shape, ...) 2.9 us against empty_like's 1.2; a view
+    # of L to the shape it has 3.2 us, skipped for a 4-D q
+    o = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty(q.shape[:-1], dtype=accumulator_dtype(q.dtype), device=q.device)
     if seqs is None:
         q4, k4, v4, o4 = as_4d(q), as_4d(k), as_4d(v), as_4d(o)
-        l3 = lse.view(q4.shape[:-1])
+        l3 = lse if q4 is q else lse.view(q4.shape[:-1])
         B, H, n_q, d = q4.shape
         n_k = k4.shape[2]
     else:  # packed rows viewed as one batch of (heads, rows): the kernels read every stride

@@ -7,6 +7,8 @@ anything the kernels cannot take.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .. import runtime
@@ -27,6 +29,24 @@ from ..runtime import tl
 SUPPORTED_HEAD_DIMS = KERNEL_HEAD_DIMS
 
 
+# (shapes, dtypes, devices) of q, k, v that `check_inputs` accepted, with the runtime it accepted them in:
+# what it checks is a function of these alone, so a call with the same ones is accepted at once. Checking
+# in full costs 8 us of host time per call (a 2-core CPU), the look-up 1.4 us (`scripts/host_time.py`).
+_ACCEPTED: set = set()
+_ACCEPTED_MAX = 4096  # distinct kinds of calls remembered (forgotten all at once past this)
+
+
+def _accepted_key(q, k, v):
+    """What `check_inputs` decides on, as a set key; None for anything but three tensors, and while
+    torch.compile traces (a set changed during the trace would fail the guards it sets on it)."""
+    if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)):
+        return None
+    if torch.compiler.is_compiling():
+        return None
+    return (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, runtime.DEVICE,
+            runtime.INTERPRET)  # fmt: skip
+
+
 def check_inputs(q, k, v, where: str) -> None:
     """Raise a clear error for anything the kernels cannot take (see `course_lib.checks`).
 
@@ -34,7 +54,14 @@ def check_inputs(q, k, v, where: str) -> None:
     dim -3, dividing q's: grouped-query attention), dtype and device; float16, bfloat16 or float32
     (float64 only under the interpreter, for gradcheck); d a multiple of 8 in [16, 256]; Nk = 0
     allowed (every row then sees no key); tensors on the device where the kernels run
-    (`course_lib.DEVICE`)."""
+    (`course_lib.DEVICE`). Shapes, dtypes and devices accepted once are accepted at once after
+    (`_ACCEPTED`)."""
+    key = _accepted_key(q, k, v)
+    try:
+        if key is not None and key in _ACCEPTED:
+            return
+    except TypeError:  # symbolic sizes (torch.compile's fake tensors with dynamic shapes) do not hash
+        key = None
     dtypes = (torch.float16, torch.bfloat16, torch.float32)
     if runtime.INTERPRET:
         dtypes = dtypes + (torch.float64,)
@@ -52,6 +79,10 @@ def check_inputs(q, k, v, where: str) -> None:
             f"from 16 to {MAX_HEAD_DIM} (tuned: 16, 32, 64, 128); q {tuple(q.shape)}"
         )
     check_kernel_device(where, q=q, k=k, v=v)
+    if key is not None:
+        if len(_ACCEPTED) >= _ACCEPTED_MAX:
+            _ACCEPTED.clear()
+        _ACCEPTED.add(key)
 
 
 def check_call(q, k, v, causal, scale, window, sinks, where: str):
@@ -70,25 +101,27 @@ def as_4d(t: torch.Tensor) -> torch.Tensor:
 
     0 or 1 leading dims become (1, 1, ...) or (B, 1, ...); 2 stay; more are merged into the first of
     two by `reshape`, which copies only when the merged dims cannot share one stride."""
-    lead = t.shape[:-2]
-    if len(lead) == 0:
-        return t[None, None]
-    if len(lead) == 1:
-        return t[:, None]
-    if len(lead) == 2:
+    dims = t.dim()
+    if dims == 4:
         return t
-    return t.reshape(-1, lead[-1], *t.shape[-2:])
+    if dims == 3:
+        return t[:, None]
+    if dims <= 2:
+        return t[None, None]
+    shape = t.shape
+    return t.reshape(-1, shape[-3], shape[-2], shape[-1])
 
 
 def strides4(t: torch.Tensor) -> tuple[int, int, int, int]:
     """(batch, head, row, column) strides of a 4-D view, in elements (what the kernels index with)."""
-    return tuple(t.stride())
+    return t.stride()
 
 
 def slice_span(t4: torch.Tensor, rows: int) -> int:
     """Elements between the first and the last that a kernel addresses in one (batch, head) slice of a
     4-D view (B, H, N, d) when it reads `rows` rows (N, or a packed call's longest sequence)."""
-    return max(rows - 1, 0) * abs(t4.stride(2)) + max(t4.shape[3] - 1, 0) * abs(t4.stride(3))
+    _, _, row_stride, col_stride = t4.stride()
+    return max(rows - 1, 0) * abs(row_stride) + max(t4.shape[3] - 1, 0) * abs(col_stride)
 
 
 def within_offsets(t4: torch.Tensor, rows: int, name: str, where: str, copy: bool = True) -> torch.Tensor:
@@ -99,7 +132,8 @@ def within_offsets(t4: torch.Tensor, rows: int, name: str, where: str, copy: boo
     H * d elements apart: at 32 heads of 128 a slice of 524288 rows passes 2**31, and its offsets
     would wrap and read the wrong memory. What still does not fit (an output, which must be written
     where it is, or d * rows >= 2**31) is refused by name."""
-    span = slice_span(t4, rows)
+    _, _, row_stride, col_stride = t4.stride()  # `slice_span`, inlined: it runs on every tensor of every call
+    span = max(rows - 1, 0) * abs(row_stride) + max(t4.shape[3] - 1, 0) * abs(col_stride)
     if span < OFFSET_LIMIT:
         return t4
     if copy and rows * t4.shape[3] < OFFSET_LIMIT:
@@ -117,10 +151,16 @@ def kernel_flags(dtype: torch.dtype) -> dict:
 
     UPCAST: bf16 under the interpreter (its bf16 `tl.dot` is wrong), so tiles go to fp32 after loading.
     DOT_PRECISION: "ieee" for fp32/fp64 inputs (a GPU would otherwise use tf32, ~1e-3 relative error);
-    for fp16/bf16 it changes nothing. ACC_DTYPE: fp32 accumulators, fp64 for fp64 inputs (gradcheck)."""
+    for fp16/bf16 it changes nothing. ACC_DTYPE: fp32 accumulators, fp64 for fp64 inputs (gradcheck).
+    One dict per (dtype, mode), made once: read it or unpack it, never change it."""
+    return _kernel_flags(dtype, runtime.INTERPRET)
+
+
+@functools.cache
+def _kernel_flags(dtype: torch.dtype, interpret: bool) -> dict:
     wide = dtype in (torch.float32, torch.float64)
     return dict(
-        UPCAST=bool(runtime.INTERPRET and dtype == torch.bfloat16),
+        UPCAST=bool(interpret and dtype == torch.bfloat16),
         DOT_PRECISION="ieee" if wide else "tf32",
         ACC_DTYPE=tl.float64 if dtype == torch.float64 else tl.float32,
     )
