@@ -120,8 +120,9 @@ def split_range(n_k, split, NUM_SPLITS, BLOCK_N: tl.constexpr):
     """Keys [lo, hi) of split `split` of NUM_SPLITS over keys [0, n_k): P = cdiv(cdiv(n_k, BLOCK_N),
     NUM_SPLITS) whole blocks of BLOCK_N each, lo = split * P * BLOCK_N, hi cut at n_k. NUM_SPLITS may
     be a run-time value (one compiled kernel for every split count). lo is not clamped: a split past the
-    last block has lo >= hi (its loop runs no step), and lo stays a product of BLOCK_N that the compiler
-    sees as such, as the loop's start."""
+    last block has lo >= hi (its loop runs no step). Clamped, min(lo, n_k) (as `kv_block_range` takes
+    it), the split-KV kernel compiled differently for sm_90 (Triton 3.7.1; bf16, d = 128): paged with the
+    table row 119 registers instead of 96 and 1672 SASS instructions instead of 1528."""
     per_split = tl.cdiv(tl.cdiv(n_k, BLOCK_N), NUM_SPLITS)
     lo = split * per_split * BLOCK_N
     hi = tl.minimum(lo + per_split * BLOCK_N, n_k)
