@@ -2,7 +2,9 @@
 
 - `api`: the entry points, `decode_attention(q, k_cache, v_cache, cache_seqlens, ...)` over a contiguous
   cache (09) and `paged_decode_attention(q, k_pages, v_pages, block_table, cache_seqlens, ...)` (10).
-- `split_kv`: the split-KV kernel over a contiguous cache, its checks and its launch (09).
+- `split_kv`: the split-KV kernel over a contiguous cache, its checks and its launch (09); beside it
+  `pack_gqa` (a kv head's query heads and tokens as the rows of one tile) and `paged_lookup` (where a
+  block of keys lives: a contiguous cache, page ids, or a block-table row in registers) (09, 10).
 - `op`: both as PyTorch custom operators, for compiled graphs (a static cache in transformers, 08b).
 - `combine`: the merge of the splits' partial (O, L) (09).
 - `heuristics`: how many splits, and the tile sizes per head dim (09).
