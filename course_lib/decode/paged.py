@@ -11,7 +11,8 @@ Layout of a paged cache (vLLM's Triton-backend layout):
 Key j of sequence b is k_pages[block_table[b, j // page_size], j % page_size]. q, out, lse, GQA and the
 causal alignment are those of `api.decode_attention`. Any page size >= 1 works: the kernel looks
 up one page id per key, so a BLOCK_N-key block may span many small pages or part of a large one.
-The entry point, `paged_decode_attention`, is in `api.py`.
+This module holds the checks and the call; the kernel is `split_kv.py`'s, and it finds a block's K/V
+rows through `paged_lookup.py`. The entry point, `paged_decode_attention`, is in `api.py`.
 """
 
 from __future__ import annotations
