@@ -70,3 +70,18 @@ def test_table_row_gives_the_same_bits_as_page_id_loads(monkeypatch, page_size, 
         assert_matches(
             *outs[0], decode_references(q, k, v, lens), f"table row, page {page_size}, lengths {lengths}"
         )
+
+
+def test_many_query_rows_take_128_row_programs_and_match_the_reference():
+    """A cascade's prefix pass: many (query token x head) rows of one kv head over one K/V stream, no causal
+    mask (`heuristics.many_rows_tile`): 128-row programs, the same attention as the float64 reference,
+    ragged lengths included. Causal calls and fewer rows keep the usual tile."""
+    d, hq, hkv, tq = 128, 8, 2, 64  # 4 heads a group x 64 tokens = 256 rows per (sequence, kv head)
+    assert heuristics.many_rows_tile(d, 4 * tq, causal=False).block_m_max == 128
+    assert heuristics.many_rows_tile(d, 4 * tq, causal=True) is None
+    assert heuristics.many_rows_tile(d, heuristics.MANY_ROWS - 1, causal=False) is None
+    q, k, v = make_cache(2, 70, hq, hkv, d, tq, torch.float32, seed=5)
+    k_pages, v_pages, table = to_pages(k, v, 16, seed=5)
+    seqlens = torch.tensor([70, 33], dtype=torch.int32, device=DEV)
+    out, lse = paged_decode_attention(q, k_pages, v_pages, table, seqlens, causal=False, return_lse=True)
+    assert_matches(out, lse, decode_references(q, k, v, seqlens, causal=False), "many rows, paged")

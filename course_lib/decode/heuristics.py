@@ -179,6 +179,26 @@ CPU_GBPS_PER_SM = 25.4
 LAST_WAVE_MIN = 0.9
 
 
+# Many query rows over one K/V stream with no causal cut: at least MANY_ROWS (query token x head) rows of one
+# (sequence, kv head), as in cascade attention's prefix pass (notebook 14: every query of a batch against
+# the shared prefix, B x Tq x Hq / Hkv rows per kv head). The work is compute-bound there, and 128-row
+# programs do each K/V block's products for twice the rows per load. Measured on an H200 (bf16, d = 128,
+# 32/8 heads, 64 sequences' queries over a 32k-key prefix in pages of 64, the split kernel alone, do_bench,
+# us): 64-row tiles (4 per kv head) 118.7-196.5 by split count (the paged tile's plan: 145), 128-row tiles of
+# 64 keys, 4 warps, 2 stages, 16 splits 93.8 (366 TFLOP/s); 128 keys or 8 warps or 3 stages 101-172; the
+# order of the row tiles in the grid (row tile fastest or slowest) within 2-7 us either way.
+MANY_ROWS = 256
+MANY_ROWS_TILES = {128: DecodeTile(block_n=64, block_m_max=128, num_warps=4, num_stages=2, programs_per_sm=2)}
+
+
+def many_rows_tile(head_dim: int, rows: int, causal: bool) -> DecodeTile | None:
+    """`MANY_ROWS_TILES`' tile for a call with `rows` (query tokens x query heads per kv head) rows per
+    (sequence, kv head) and no causal mask, where it was measured (MANY_ROWS rows or more); else None."""
+    if causal or rows < MANY_ROWS:
+        return None
+    return MANY_ROWS_TILES.get(max(16, runtime.next_power_of_2(head_dim)))
+
+
 def tile_for(
     head_dim: int,
     paged: bool = False,
@@ -417,14 +437,18 @@ def decode_plan(
     elem_bytes: int = 2,
     num_splits: int | None = None,
     full: bool = False,
+    tile: DecodeTile | None = None,
 ) -> DecodePlan:
     """The launch of a batch shape: batch, kv heads, query tiles per (sequence, kv head), cache capacity
     in keys (Nmax, or max_pages x page_size), head dim; paged with table_width entries per block-table
     row; element size; num_splits to force a count; full: every sequence holds all `capacity` keys
     (`sliced`). A paged launch that reads its table rows whole
     (`table_row_plan`) runs on the row tile; a `sliced` batch on the paged tile, with the rule's count
-    for its slots but at least `slice_splits`; any other on its own tile with the rule's count."""
+    for its slots but at least `slice_splits`; any other on its own tile with the rule's count. tile: a
+    tile chosen by the call (`many_rows_tile`), with the rule's count for its slots."""
     programs = batch * kv_heads * m_tiles
+    if tile is not None:
+        return DecodePlan(tile, num_splits or rule_splits(programs, capacity, tile), False, False)
     long_batch = sliced(batch, capacity, full, programs, head_dim)
     row_splits = (
         table_row_plan(batch, kv_heads, m_tiles, capacity, head_dim, table_width, num_splits) if paged else 0

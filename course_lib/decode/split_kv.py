@@ -71,7 +71,7 @@ from ..kernels.softmax import logsumexp, softmax_step
 from ..pdl import allow_dependents
 from ..runtime import tl, triton
 from .combine import combine
-from .heuristics import decode_plan, longest_first, longest_first_block, tile_for
+from .heuristics import decode_plan, longest_first, longest_first_block, many_rows_tile, tile_for
 from .pack_gqa import packed_offsets, packed_rows
 from .paged_lookup import kv_rows, table_row
 
@@ -285,7 +285,8 @@ def launch(
     Hkv = k.shape[2]
     group = Hq // Hkv
     paged = block_table is not None
-    block_m = min(tile_for(d, paged).block_m_max, max(16, runtime.next_power_of_2(group * Tq)))
+    many_rows = many_rows_tile(d, group * Tq, causal)  # a cascade's prefix pass: 128-row programs
+    block_m = min((many_rows or tile_for(d, paged)).block_m_max, max(16, runtime.next_power_of_2(group * Tq)))
     m_tiles = runtime.cdiv(group * Tq, block_m)
     if num_splits is not None:
         num_splits = check_int(where, "num_splits", num_splits, 1)
@@ -301,7 +302,7 @@ def launch(
     width = block_table.shape[1] if paged else 0
     plan = decode_plan(
         B, Hkv, m_tiles, capacity, d, paged, width, q.element_size(),
-        num_splits, full,
+        num_splits, full, many_rows,
     )  # fmt: skip
     tile, num_splits = plan.tile, plan.num_splits
     if num_splits == 1:
