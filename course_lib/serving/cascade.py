@@ -10,6 +10,7 @@ sequence's keys in two disjoint sets and merges the partial results with noteboo
 2. suffix: each sequence attends to its own pages with the paged decoding kernel, causal bottom-right (the
    queries are the last Tq tokens of the suffix);
 3. (O, L) = merge((O_prefix, L_prefix), (O_suffix, L_suffix)): L = logaddexp, O weighted by exp(L_part - L).
+On a GPU passes 1 and 2 run on two CUDA streams (`OVERLAP`): each may fill the SMs the other leaves idle.
 
 Bytes: paged decoding reads B (P + S) tokens of K and V; cascade reads P + B S. Checked against float64
 attention over each full sequence (`cascade_reference`, tests/test_cascade.py).
@@ -22,6 +23,8 @@ prefix, a fork) takes cascade attention when the prefix re-reads it saves, (G - 
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
 
 import torch
@@ -91,16 +94,38 @@ def cascade_decode_attention(
     prefix_len_t = torch.full(
         (1,), prefix_len, dtype=torch.int32, device=q.device
     )  # a fill: graph-capturable
-    o_p, lse_p = paged_decode_attention(
-        rows, k_pages, v_pages, prefix_pages.view(1, -1), prefix_len_t, causal=False, scale=scale,
-        num_splits=num_splits, return_lse=True, validate=validate,
-    )  # fmt: skip
+    side = side_stream(q.device) if OVERLAP else None
+    if side is not None:  # the prefix pass (compute-bound) beside the suffix pass (bandwidth-bound)
+        main = torch.cuda.current_stream(q.device)
+        side.wait_stream(main)
+    with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+        o_p, lse_p = paged_decode_attention(
+            rows, k_pages, v_pages, prefix_pages.view(1, -1), prefix_len_t, causal=False, scale=scale,
+            num_splits=num_splits, return_lse=True, validate=validate,
+        )  # fmt: skip
     o_s, lse_s = paged_decode_attention(
         q, k_pages, v_pages, block_table, suffix_lens, causal=True, scale=scale, num_splits=num_splits,
         return_lse=True, validate=validate,
     )  # fmt: skip
+    if side is not None:
+        main.wait_stream(side)
+        for t in (o_p, lse_p):  # made on the side stream, read and freed on this one
+            t.record_stream(main)
     out, _ = merge_attention_states(o_p.view(B, Tq, Hq, d), lse_p.view(B, Tq, Hq), o_s, lse_s)
     return out
+
+
+# The prefix and suffix passes on two CUDA streams, so that one's programs fill the SMs the other leaves idle
+# (its last wave, its tail); under CUDA-graph capture the fork and join are captured too.
+OVERLAP = True
+
+
+@functools.cache
+def side_stream(device: torch.device):
+    """A second CUDA stream of `device` for the prefix pass (None off CUDA): one per device, made once."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.Stream(device=device)
 
 
 def cascade_min_prefix(batch: int, token_bytes: int) -> int:
