@@ -46,3 +46,15 @@ def _gpu_memory_returned():
 
     if torch.cuda.is_initialized():
         torch.cuda.empty_cache()
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One CPU thread for a module's tests (`pytestmark = pytest.mark.usefixtures("one_thread")`): small
+    models' matrices run several times faster on a shared machine than with a thread per core."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

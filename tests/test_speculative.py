@@ -39,13 +39,7 @@ DEV = course_lib.DEVICE  # the toy models live where the kernels run (the kernel
 PROMPTS = [[1, 2, 3, 4, 1, 2, 3], [5, 6, 7, 8, 9, 10, 11, 12, 5, 6], [30, 3]]  # repeats for n-gram lookup
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One CPU thread: the models' small matrices run several times faster on a shared machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")

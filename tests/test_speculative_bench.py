@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 import course_lib
 from course_lib import records
@@ -12,14 +11,7 @@ from course_lib.bench import registry
 from course_lib.bench import speculative as bench
 from course_lib.bench.report import command_line
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One CPU thread: the models' small matrices run several times faster on a shared machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @pytest.mark.skipif(course_lib.ON_GPU, reason="the GPU run is `make bench BENCH=speculative` itself")
