@@ -14,13 +14,16 @@ kernel in Python, on a GPU it would bind the arguments and enqueue the work), an
 - forward + backward: `torch.autograd.grad` of that forward (the backward's launches are no-ops too);
 - decode step: `decode_attention` of one new token over a contiguous cache;
 - paged decode step: `paged_decode_attention` of one new token per sequence over a paged cache;
+- the two decode steps again with their lengths and page ids unread (`values_unread`), as a GPU runs a
+  step with validate=False (on the CPU the values are always read; on a GPU reading them syncs);
 at a tiny shape (the launch is gone, so the size matters only through the allocations). Each row is the
 best of five rounds of `--calls` calls, in CPU microseconds of this process per call (the machine may
 be shared: CPU time leaves out the time another process holds the core); with --profile, cProfile's
 top entries (own time) of each. Only the CPU path is timed: branches taken on a GPU alone (the split-KV
 route of a long decoding step, compiling ahead) are not.
 The floor rows are what any attention call pays at least: its outputs' allocations, and autograd's own
-cost of a Function's forward and backward.
+cost of a Function's forward and backward. SDPA's rows are PyTorch's CPU kernel at (1, 4, 16, 16) and one
+query row: its computation is included, so they bound its host time from above.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ import time
 os.environ.setdefault("COURSE_DEVICE", "cpu")
 
 import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
 import course_lib  # noqa: E402
 import course_lib.decode  # noqa: E402
@@ -59,6 +63,22 @@ def no_launch():
     finally:
         for cls, run in saved:
             cls.run = run
+
+
+@contextlib.contextmanager
+def values_unread():
+    """Within the block, decoding reads no lengths or page ids (`checks.should_validate` answers
+    `validate`): on the CPU it always reads them, on a GPU only with validate=True, which syncs."""
+    from course_lib.decode import paged, split_kv
+
+    saved = split_kv.should_validate
+    for module in (split_kv, paged):
+        module.should_validate = lambda validate, device: False
+    try:
+        yield
+    finally:
+        for module in (split_kv, paged):
+            module.should_validate = saved
 
 
 class _Floor(torch.autograd.Function):
@@ -112,6 +132,23 @@ def cases() -> dict:
         with torch.no_grad():
             return course_lib.decode.paged_decode_attention(qd, k_pages, v_pages, table, seqlens)
 
+    # SDPA's CPU kernel at a smaller shape (computation included: an upper bound of its host time)
+    qs, ks, vs = (torch.randn(1, HQ, 16, 16, generator=g).requires_grad_(True) for _ in range(3))
+    dos, qs1 = torch.randn(1, HQ, 16, 16, generator=g), torch.randn(1, HQ, 1, 16, generator=g)
+
+    def sdpa_forward():
+        with torch.no_grad():
+            return F.scaled_dot_product_attention(qs, ks, vs, is_causal=True)
+
+    def sdpa_forward_backward():
+        return torch.autograd.grad(
+            F.scaled_dot_product_attention(qs, ks, vs, is_causal=True), (qs, ks, vs), dos
+        )
+
+    def sdpa_decode():
+        with torch.no_grad():
+            return F.scaled_dot_product_attention(qs1, ks, vs)
+
     def floor_forward():  # what any forward does at least: allocate O and L
         return torch.empty_like(q), torch.empty(q.shape[:-1], device=dev)
 
@@ -124,6 +161,11 @@ def cases() -> dict:
         "forward + backward": forward_backward,
         "decode step": decode,
         "paged decode step": paged_decode,
+        "decode step, values unread": decode,  # measured within `values_unread`
+        "paged decode step, values unread": paged_decode,
+        "SDPA forward, CPU kernel, (1, 4, 16, 16)": sdpa_forward,
+        "SDPA forward + backward, CPU kernel": sdpa_forward_backward,
+        "SDPA decode step, CPU kernel": sdpa_decode,
         "floor: allocate O and L": floor_forward,
         "floor: empty autograd.Function + grad": floor_forward_backward,
     }
@@ -169,10 +211,12 @@ def main():
     with no_launch():
         rows = {name: fn for name, fn in cases().items() if args.only in name}
         for name, fn in rows.items():
-            print(f"  {name:<36} {per_call_us(fn, args.calls):8.1f} us")
+            with values_unread() if "unread" in name else contextlib.nullcontext():
+                print(f"  {name:<42} {per_call_us(fn, args.calls):8.1f} us")
         if args.profile:
             for name, fn in rows.items():
-                profile(name, fn, args.calls, args.top)
+                with values_unread() if "unread" in name else contextlib.nullcontext():
+                    profile(name, fn, args.calls, args.top)
 
 
 if __name__ == "__main__":

@@ -16,12 +16,14 @@ from ..checks import (
     KERNEL_HEAD_DIMS,
     MAX_HEAD_DIM,
     OFFSET_LIMIT,
+    AcceptedCalls,
     causal_alignment,
     check_attention_inputs,
     check_kernel_device,
     check_sinks,
     check_window,
     default_scale,
+    tensors_key,
 )
 from ..runtime import tl
 
@@ -29,22 +31,9 @@ from ..runtime import tl
 SUPPORTED_HEAD_DIMS = KERNEL_HEAD_DIMS
 
 
-# (shapes, dtypes, devices) of q, k, v that `check_inputs` accepted, with the runtime it accepted them in:
-# what it checks is a function of these alone, so a call with the same ones is accepted at once. Checking
-# in full costs 8 us of host time per call (a 2-core CPU), the look-up 1.4 us (`scripts/host_time.py`).
-_ACCEPTED: set = set()
-_ACCEPTED_MAX = 4096  # distinct kinds of calls remembered (forgotten all at once past this)
-
-
-def _accepted_key(q, k, v):
-    """What `check_inputs` decides on, as a set key; None for anything but three tensors, and while
-    torch.compile traces (a set changed during the trace would fail the guards it sets on it)."""
-    if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)):
-        return None
-    if torch.compiler.is_compiling():
-        return None
-    return (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, runtime.DEVICE,
-            runtime.INTERPRET)  # fmt: skip
+# q, k, v's shapes, dtypes and devices that `check_inputs` accepted: what it checks is a function of these
+# alone. Checking in full costs 8.1 us of host time per call, a kind accepted before 1.6 (a 2-core CPU).
+_ACCEPTED = AcceptedCalls()
 
 
 def check_inputs(q, k, v, where: str) -> None:
@@ -56,12 +45,9 @@ def check_inputs(q, k, v, where: str) -> None:
     allowed (every row then sees no key); tensors on the device where the kernels run
     (`course_lib.DEVICE`). Shapes, dtypes and devices accepted once are accepted at once after
     (`_ACCEPTED`)."""
-    key = _accepted_key(q, k, v)
-    try:
-        if key is not None and key in _ACCEPTED:
-            return
-    except TypeError:  # symbolic sizes (torch.compile's fake tensors with dynamic shapes) do not hash
-        key = None
+    key = tensors_key(q, k, v)
+    if _ACCEPTED.seen(key):
+        return
     dtypes = (torch.float16, torch.bfloat16, torch.float32)
     if runtime.INTERPRET:
         dtypes = dtypes + (torch.float64,)
@@ -79,10 +65,7 @@ def check_inputs(q, k, v, where: str) -> None:
             f"from 16 to {MAX_HEAD_DIM} (tuned: 16, 32, 64, 128); q {tuple(q.shape)}"
         )
     check_kernel_device(where, q=q, k=k, v=v)
-    if key is not None:
-        if len(_ACCEPTED) >= _ACCEPTED_MAX:
-            _ACCEPTED.clear()
-        _ACCEPTED.add(key)
+    _ACCEPTED.add(key)
 
 
 def check_call(q, k, v, causal, scale, window, sinks, where: str):
@@ -132,7 +115,9 @@ def within_offsets(t4: torch.Tensor, rows: int, name: str, where: str, copy: boo
     H * d elements apart: at 32 heads of 128 a slice of 524288 rows passes 2**31, and its offsets
     would wrap and read the wrong memory. What still does not fit (an output, which must be written
     where it is, or d * rows >= 2**31) is refused by name."""
-    _, _, row_stride, col_stride = t4.stride()  # `slice_span`, inlined: it runs on every tensor of every call
+    if t4.numel() < OFFSET_LIMIT and t4.is_contiguous():  # rows <= N: a slice spans less than the whole
+        return t4  # (0.2 us of host time against 0.8 for the span: this runs on every tensor of every call)
+    _, _, row_stride, col_stride = t4.stride()  # `slice_span`, inlined
     span = max(rows - 1, 0) * abs(row_stride) + max(t4.shape[3] - 1, 0) * abs(col_stride)
     if span < OFFSET_LIMIT:
         return t4

@@ -41,6 +41,7 @@ from .tensors import (
     FLOAT_DTYPES,
     KERNEL_DTYPES,
     OFFSET_LIMIT,
+    AcceptedCalls,
     accumulator_dtype,
     as_int,
     check_dtype,
@@ -52,6 +53,7 @@ from .tensors import (
     describe,
     dtype_names,
     shape_and_dtype,
+    tensors_key,
 )
 from .tokens import (
     check_generation_fits,
@@ -65,6 +67,7 @@ from .tokens import (
 
 __all__ = [
     "ALIGNMENTS",
+    "AcceptedCalls",
     "FLOAT_DTYPES",
     "KERNEL_DTYPES",
     "KERNEL_HEAD_DIMS",
@@ -99,6 +102,7 @@ __all__ = [
     "prompt_lists",
     "shape_and_dtype",
     "should_validate",
+    "tensors_key",
     "token_id",
     "token_ids",
     "vocab_size",

@@ -120,6 +120,54 @@ def check_eps(where: str, name: str, eps) -> float:
     return eps
 
 
+def tensors_key(*tensors) -> tuple | None:
+    """What a check of tensors' kinds decides on: each one's shape, dtype, device and whether it requires grad,
+    with the device the kernels run on (`runtime.DEVICE`) and the grad mode; None when one is not a tensor, or
+    while torch.compile traces (`AcceptedCalls`)."""
+    if torch.compiler.is_compiling():
+        return None
+    key = [runtime.DEVICE, runtime.INTERPRET, torch.is_grad_enabled()]
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            key += (t.shape, t.dtype, t.device, t.requires_grad)
+        elif t is None:
+            key.append(None)
+        else:
+            return None
+    return tuple(key)
+
+
+class AcceptedCalls:
+    """The kinds of calls a check accepted, so that a call of a kind accepted before is accepted at once:
+    `seen(key)`, then after the check passed `add(key)`, `key` being everything the check decides on
+    (`tensors_key`, and any other argument it reads). A check of shapes, dtypes and devices in full costs
+    several microseconds of host time per call, the look-up about one (a 2-core CPU, `scripts/host_time.py`).
+    A None key is never seen (not a tensor, symbolic sizes, torch.compile tracing: a set changed during a
+    trace would fail the guards the trace set on it). At most `limit` kinds, forgotten all at once past it."""
+
+    def __init__(self, limit: int = 4096):
+        self.keys: set = set()
+        self.limit = limit
+
+    def seen(self, key) -> bool:
+        if key is None:
+            return False
+        try:
+            return key in self.keys
+        except TypeError:  # symbolic sizes (torch.compile's fake tensors with dynamic shapes) do not hash
+            return False
+
+    def add(self, key) -> None:
+        if key is None:
+            return
+        if len(self.keys) >= self.limit:
+            self.keys.clear()
+        try:
+            self.keys.add(key)
+        except TypeError:
+            pass
+
+
 def accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
     """Where softmax statistics and sums accumulate: float64 for float64 inputs, else float32."""
     return torch.float64 if dtype == torch.float64 else torch.float32

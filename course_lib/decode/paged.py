@@ -17,12 +17,26 @@ rows through `paged_lookup.py`. The entry point, `paged_decode_attention`, is in
 
 from __future__ import annotations
 
-from ..checks import check_block_table, check_lengths, check_page_ids, should_validate
+from ..checks import (
+    AcceptedCalls,
+    check_block_table,
+    check_lengths,
+    check_page_ids,
+    should_validate,
+    tensors_key,
+)
 from .split_kv import check_inference, check_kv_pair, check_query_and_lengths, launch, normalise_causal
+
+# kinds of calls `check_paged` accepted: 5.6 us of host time a call checked in full, 3.5 seen before (a 2-core CPU)
+_PAGED_CALLS = AcceptedCalls()
 
 
 def check_paged(q, k_pages, v_pages, block_table, cache_seqlens, where: str) -> None:
-    """`paged_decode_attention`'s checks of what the shapes, dtypes and devices say (no values read)."""
+    """`paged_decode_attention`'s checks of what the shapes, dtypes and devices say (no values read); a
+    kind of call accepted before is accepted at once (`checks.AcceptedCalls`)."""
+    key = tensors_key(q, k_pages, v_pages, block_table, cache_seqlens)
+    if _PAGED_CALLS.seen(key):
+        return
     check_kv_pair(k_pages, v_pages, ("k_pages", "v_pages"), "(num_pages, page_size, Hkv, d)", where)
     num_pages, page_size, hkv, d = k_pages.shape
     check_query_and_lengths(q, cache_seqlens, hkv, d, k_pages.dtype, k_pages.device, where)
@@ -30,6 +44,7 @@ def check_paged(q, k_pages, v_pages, block_table, cache_seqlens, where: str) -> 
     check_block_table(where, block_table, q.shape[0], q.device)
     if page_size == 0 or num_pages == 0:
         raise ValueError(f"{where}: empty page pool {tuple(k_pages.shape)}")
+    _PAGED_CALLS.add(key)
 
 
 def paged_checked(
