@@ -63,8 +63,8 @@ class FlashAttentionTriton(torch.autograd.Function):
         alignment, window, sinks32, scale = check_call(
             q, k, v, is_causal, scale, window, sinks, "FlashAttentionTriton"
         )
-        shape = (q.shape, k.shape, q.dtype, alignment, bool(window))
-        if runtime.ON_GPU and any(ctx.needs_input_grad[:3]) and shape not in _PREPARED:
+        shape = (q.shape, k.shape, q.dtype, alignment, bool(window)) if runtime.ON_GPU else None
+        if shape is not None and any(ctx.needs_input_grad[:3]) and shape not in _PREPARED:
             # a new shape's backward kernels start compiling now, alongside the forward's
             _PREPARED.add(shape)
             _backward(
