@@ -79,7 +79,7 @@ TRAIN_SECONDS = course_lib.pick(cpu=(7, 3), gpu=(20, 8))  # target, draft
 BATCH, SEQ_LEN = course_lib.pick(cpu=(16, 64), gpu=(32, 256))  # training sequences per step
 STEPS = course_lib.pick(cpu=400, gpu=800)  # the learning-rate schedule's length; the time cap stops first
 NEW = course_lib.pick(cpu=40, gpu=160)  # tokens generated per prompt
-GAMMAS = course_lib.pick(cpu=(1, 2, 4), gpu=(1, 2, 3, 4, 6))
+GAMMAS = course_lib.pick(cpu=(1, 2, 4), gpu=(1, 2, 4, 6))
 DEVICE = course_lib.DEVICE
 if not course_lib.ON_GPU:
     torch.set_num_threads(1)  # one CPU thread: small matrices run 8x faster on a shared 2-core machine
