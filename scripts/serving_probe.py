@@ -1,9 +1,8 @@
 """Where the serving benchmark's time goes (notes/serving.md): two probes on a GPU.
 
-1. The cascade's prefix pass runs on the paged decoding kernel, whose programs take at most block_m_max = 64
-   (query token x head) rows: B x Hq / Hkv rows over one K/V stream need ceil(rows / 64) row tiles, launched as
-   the slowest grid axis, so each tile re-reads the prefix. Time the prefix pass alone against the number of
-   query rows: if the re-reading is the cost, the time grows with the row tiles, not with the FLOPs.
+1. The pieces of a cascade step at B = 64 over a 32k prefix (S = 1024): the prefix pass alone against the number
+   of query rows (row tiles of `block_m_max` rows each), then the prefix pass, the suffix pass and the merge of
+   the full step, and the whole step with the two passes on one stream and on two (`serving.cascade.OVERLAP`).
 2. The time to first token of a prompt on the capstone-shaped model of `bench/serving.py`, for prompts of
    several lengths, cached and not: where a prefill step's time goes (a profile of the 4096-token step).
 
@@ -38,6 +37,45 @@ def prefix_pass_rows():
         tiles = -(-rows * HQ // HKV // 64)
         print(f"prefix pass, {rows:3d} query tokens ({rows * HQ // HKV} rows per K/V head, {tiles} row tiles): "
               f"{ms * 1e3:7.1f} us, {kv_bytes / (ms * 1e-3) / 1e9:6.0f} GB/s of distinct K/V")  # fmt: skip
+
+
+def cascade_pieces():
+    from course_lib.attention.merge import merge_attention_states
+    from course_lib.serving import cascade
+
+    gen = torch.Generator().manual_seed(2)
+    b, s = 64, 1024
+    pages = (P + b * s) // PAGE
+    k = torch.randn(pages, PAGE, HKV, D, generator=gen).to("cuda", torch.bfloat16)
+    v = torch.randn(pages, PAGE, HKV, D, generator=gen).to("cuda", torch.bfloat16)
+    perm = torch.randperm(pages, generator=gen).to(torch.int32).cuda()
+    prefix_pages, table = perm[: P // PAGE], perm[P // PAGE :].view(b, -1)
+    q = torch.randn(b, 1, HQ, D, generator=gen).to("cuda", torch.bfloat16)
+    lens = torch.full((b,), s, dtype=torch.int32, device="cuda")
+    plen = torch.full((1,), P, dtype=torch.int32, device="cuda")
+    rows = q.reshape(1, b, HQ, D)
+
+    def prefix():
+        return paged_decode_attention(
+            rows, k, v, prefix_pages.view(1, -1), plen, causal=False, return_lse=True, validate=False
+        )
+
+    def suffix():
+        return paged_decode_attention(q, k, v, table, lens, causal=True, return_lse=True, validate=False)
+
+    (o_p, l_p), (o_s, l_s) = prefix(), suffix()
+
+    def merge():
+        return merge_attention_states(o_p.view(b, 1, HQ, D), l_p.view(b, 1, HQ), o_s, l_s)
+
+    def step():
+        return cascade.cascade_decode_attention(q, k, v, prefix_pages, P, table, lens, validate=False)
+
+    for name, fn in (("prefix pass", prefix), ("suffix pass", suffix), ("merge in PyTorch ops", merge)):
+        print(f"cascade piece, {name}: {graph_ms(fn) * 1e3:7.1f} us")
+    for overlap in (False, True):
+        cascade.OVERLAP = overlap
+        print(f"cascade step, {'two streams' if overlap else 'one stream '}: {graph_ms(step) * 1e3:7.1f} us")
 
 
 def ttft_profile():
@@ -75,4 +113,5 @@ def ttft_profile():
 
 if __name__ == "__main__":
     prefix_pass_rows()
+    cascade_pieces()
     ttft_profile()
