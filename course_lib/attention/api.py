@@ -68,20 +68,9 @@ class FlashAttentionTriton(torch.autograd.Function):
             # a new shape's backward kernels start compiling now, alongside the forward's
             _PREPARED.add(shape)
             _backward(
-                None,
-                q,
-                k,
-                v,
-                None,
-                None,
-                alignment,
-                scale,
-                DEFAULT_LAUNCH,
-                DEFAULT_SWITCHES,
-                "two_kernel",
-                True,
-                window,
-            )
+                None, q, k, v, None, None, alignment, scale, DEFAULT_LAUNCH, DEFAULT_SWITCHES, "two_kernel",
+                compile_only=True, window=window,
+            )  # fmt: skip
         o, lse = routed_forward(q, k, v, alignment, scale, DEFAULT_LAUNCH, DEFAULT_SWITCHES, window, sinks32)
         save_tensors(ctx, q, k, v, o, lse, sinks32)
         ctx.alignment = alignment

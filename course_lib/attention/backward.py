@@ -672,6 +672,7 @@ def _backward(
     launch_cfg,
     switches,
     dq_mode,
+    *,
     compile_only=False,
     window=0,
     sinks=None,

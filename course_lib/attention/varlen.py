@@ -64,7 +64,7 @@ class FlashAttentionVarlen(torch.autograd.Function):
             # a new kind of call's backward kernels start compiling now, alongside the forward's
             _PREPARED.add(kind)
             _backward(None, q, k, v, None, None, alignment, scale, DEFAULT_LAUNCH, DEFAULT_SWITCHES,
-                      "two_kernel", True, window, seqs=seqs)  # fmt: skip
+                      "two_kernel", compile_only=True, window=window, seqs=seqs)  # fmt: skip
         o, lse = _forward(q, k, v, alignment, scale, DEFAULT_LAUNCH, DEFAULT_SWITCHES, window, sinks32, seqs)
         save_tensors(ctx, q, k, v, o, lse, sinks32, seqs.bounds)
         ctx.meta = (seqs, alignment, scale, window, sinks_dtype)
