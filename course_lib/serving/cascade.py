@@ -46,12 +46,12 @@ __all__ = [
 
 # Where cascade starts to win, from the cascade grid of bench/serving.py (H200, 2026-11-29; Hq = 32, Hkv = 8,
 # d = 128, bf16: 4 KiB of K and V per token and layer, suffixes of 1024). Cascade's cost over paged decoding
-# is a second pass and the merge, about the same at every size; what it saves is the B - 1 extra reads of the
-# prefix. The grid crosses 1x between (B - 1) x P = 61k tokens (B = 16, P = 4k: 0.83x) and 246k (P = 16k:
-# 2.70x), and between 63k (B = 64, P = 1k: 0.88x) and 252k (P = 4k: 1.74x); log-interpolated, at 76k and 84k
-# tokens, and B = 4 at 16k (48k tokens) loses (0.84x). So: cascade from 80k tokens of re-reads saved, 320 MiB
-# per layer (`cascade_crossover` in the bench computes the crossing from each record).
-CASCADE_MIN_SAVED_BYTES = 80 * 1024 * 4096
+# is a second pass and the merge; what it saves is the B - 1 extra reads of the prefix. The bench's
+# `cascade_crossover` (log-interpolated between grid cells) put the crossing at (B - 1) x P = 18k tokens
+# (B = 4), 28k (B = 16) and 70k (B = 64) with this round's kernels (76k and 84k at B = 16 and 64 before the
+# 128-row prefix tile and the combine merge). So: cascade from 72k tokens of re-reads saved, 288 MiB per layer,
+# above every crossing measured (at small B it would win earlier: the rule stays on the safe side).
+CASCADE_MIN_SAVED_BYTES = 72 * 1024 * 4096
 
 
 def _check(q, k_pages, prefix_pages, prefix_len, block_table, suffix_lens, where: str):
@@ -137,7 +137,7 @@ def cascade_min_prefix(batch: int, token_bytes: int) -> int:
     """The shortest shared prefix, in tokens, from which `batch` sequences take cascade attention: the prefix
     re-reads it saves, (batch - 1) x prefix x token_bytes (K and V of one token in one layer), reach
     CASCADE_MIN_SAVED_BYTES. The capstone-shaped model of the serving bench (Hkv = 4, d = 64, bf16: 1 KiB a
-    token) needs a 46 812-token prefix at batch 8 and 5 202 at batch 64."""
+    token) needs a 42 131-token prefix at batch 8 and 4 682 at batch 64."""
     batch = check_int("cascade_min_prefix", "batch", batch, 2)
     token_bytes = check_int("cascade_min_prefix", "token_bytes", token_bytes, 1)
     return -(-CASCADE_MIN_SAVED_BYTES // ((batch - 1) * token_bytes))
