@@ -9,8 +9,8 @@ Taught in notebook 08. One module per concern of the attention benchmark:
 - `plots` ...... figures of the records, written next to them as PNGs
 - `attention` .. the attention benchmark: `run(quick)` and `main(quick, out)` (grid, ladder, ceilings)
 - `registry` ... `main(names, quick, out)`: runs every benchmark module present (attention, decode,
-  fused, train, serving, speculative) or the ones named; each new benchmark is a module `course_lib/bench/<name>.py` with
-  `run(quick) -> dict` and `main(quick, out)`.
+  fused, train, serving, speculative) or the ones named; each new benchmark is a module
+  `course_lib/bench/<name>.py` with `run(quick) -> dict` and `main(quick, out)`.
 The names below stay reachable as `course_lib.bench.<name>`, as before the split.
 """
 

@@ -21,7 +21,6 @@ Saves the record kind "decode" and its plots in assets/benchmarks/.
 
 from __future__ import annotations
 
-import argparse
 import math
 import time
 from pathlib import Path
@@ -36,7 +35,7 @@ from ..perf.ceilings import measure_read_time
 from ..perf.timing import describe
 from ..perf.timing import graphed as _graphed
 from .plots import save_figure
-from .report import record_and_report
+from .report import command_line, record_and_report
 
 HQ, HKV, D = 32, 8, 128
 CELLS = [(1, 1024), (1, 8192), (1, 32768), (1, 131072), (8, 8192), (16, 32768), (64, 4096), (256, 1024)]
@@ -450,8 +449,4 @@ def main(quick: bool = False, out: str | Path = records.ASSETS) -> int:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--out", default=str(records.ASSETS))
-    args = parser.parse_args()
-    raise SystemExit(main(args.quick, args.out))
+    raise SystemExit(command_line(main, __doc__))

@@ -24,7 +24,6 @@ Saves the record kind "fused" and its plots in assets/benchmarks/.
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 import torch
@@ -35,7 +34,7 @@ from ..fused import rms_norm, rope, rope_cache
 from ..perf.ceilings import measure_copy_bandwidth, measure_copy_time
 from ..perf.timing import benchmark, describe, free_memory, graph_ms
 from .plots import save_figure
-from .report import record_and_report
+from .report import command_line, record_and_report
 
 TOKENS = (4096, 16384, 65536)
 HIDDEN = (2048, 4096, 8192)
@@ -430,13 +429,5 @@ def main(quick: bool = False, out: str | Path = records.ASSETS) -> int:
     return record_and_report("fused", run, save_plots, format_table, target_misses, quick, out)
 
 
-def _cli() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="the smallest cell only")
-    parser.add_argument("--out", default=str(records.ASSETS), help="folder for the record and plots")
-    args = parser.parse_args()
-    return main(quick=args.quick, out=args.out)
-
-
 if __name__ == "__main__":
-    raise SystemExit(_cli())
+    raise SystemExit(command_line(main, __doc__))

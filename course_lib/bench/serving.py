@@ -18,7 +18,6 @@ to first token of a cached prompt, and static against continuous batching on the
 
 from __future__ import annotations
 
-import argparse
 import math
 import statistics
 import time
@@ -35,7 +34,7 @@ from ..perf.timing import describe, graph_ms
 from ..serving.cascade import cascade_decode_attention
 from ..serving.prefix_cache import PrefixCachingBatcher
 from ..serving.scheduling import StaticBatcher, draw_workload, predict_steps, serve_workload
-from .report import record_and_report
+from .report import command_line, record_and_report
 
 HQ, HKV, D, S = 32, 8, 128, 1024
 MAIN = (64, 32768)  # the cell: batch 64, a shared prefix of 32k tokens
@@ -349,8 +348,4 @@ def main(quick: bool = False, out: str | Path = records.ASSETS) -> int:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--out", default=str(records.ASSETS))
-    args = parser.parse_args()
-    raise SystemExit(main(args.quick, args.out))
+    raise SystemExit(command_line(main, __doc__))

@@ -19,7 +19,6 @@ Records "train" and "serve" (`course_lib.records`), plots next to them. Keep it 
 
 from __future__ import annotations
 
-import argparse
 import gc
 import time
 from pathlib import Path
@@ -32,6 +31,7 @@ from ..models import Llama, LlamaConfig, convert, count_parameters, data, genera
 from ..models import train as training
 from ..perf import timing
 from .plots import save_figure
+from .report import command_line
 
 CONFIG = LlamaConfig(
     vocab_size=256, dim=768, n_layers=16, n_heads=6, n_kv_heads=2, hidden_dim=2048, max_seq_len=4096
@@ -411,8 +411,4 @@ def main(quick: bool = False, out: str | Path = records.ASSETS) -> int:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer steps and tokens (about a minute)")
-    parser.add_argument("--out", default=str(records.ASSETS), help="folder for the records and plots")
-    args = parser.parse_args()
-    raise SystemExit(main(args.quick, args.out))
+    raise SystemExit(command_line(main, __doc__))
