@@ -236,7 +236,74 @@ check_cases(
 )
 
 # %% [markdown]
-# From here on the notebook runs course_lib's `infini_attention`, whatever the check said.
+# ### Your layer
+#
+# **Exercise 2 (the layer from its pieces).** Write `infini_layer(q, k, v, segment, beta, delta)`: q, k, v are
+# (B, H, N, d) float64, N not always a multiple of `segment`; beta is (H,), one gate per head. Start from an
+# empty memory and follow the four steps of section 3 for every segment in order, with course_lib's pieces
+# (so that a slip in Exercise 1 does not carry over): `segment_attention(q, k, v, segment, sdpa_local_attention)`
+# gives A_dot for all segments at once; `memory_step(σ(Q_s), σ(K_s), V_s, M, z, delta)` does one segment's
+# retrieval and update from the features and returns (A_mem, M, z), what your `memory_segment` returns; the
+# gate is `torch.sigmoid(beta)`, shaped to broadcast over (B, H, N, d). Return the output (B, H, N, d).
+#
+# The check compares it with `infini_reference` (float64, one token at a time) for a ragged last segment,
+# segments of one token, a single short segment, both rules and several heads.
+
+# %%
+from course_lib.longctx import memory_step, sdpa_local_attention, segment_attention
+
+
+def infini_layer(q, k, v, segment, beta, delta=False):
+    """Infini-attention over q, k, v (B, H, N, d) float64 from an empty memory, gate sigmoid(beta) per head (H,)."""
+    ### BEGIN SOLUTION
+    B, H, N, d = q.shape
+    a_dot = segment_attention(q, k, v, segment, sdpa_local_attention)
+    M, z = q.new_zeros(B, H, d, v.shape[-1]), q.new_zeros(B, H, d)
+    sq, sk = elu_plus_one(q), elu_plus_one(k)
+    a_mem = []
+    for start in range(0, N, segment):
+        s = slice(start, start + segment)
+        a, M, z = memory_step(sq[:, :, s], sk[:, :, s], v[:, :, s], M, z, delta)
+        a_mem.append(a)
+    g = torch.sigmoid(beta).view(1, H, 1, 1)
+    return g * torch.cat(a_mem, dim=2) + (1 - g) * a_dot
+    ### END SOLUTION
+
+
+# %% tags=["check"]
+def layer_case(B, H, N, d, segment, delta, seed=0):
+    """The inputs of one case, float64 on the CPU: q, k, v (B, H, N, d) and a gate beta (H,)."""
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(B, H, N, d, generator=g, dtype=torch.float64) for _ in range(3))
+    return q, k, v, segment, torch.randn(H, generator=g, dtype=torch.float64), delta
+
+
+layer_cases = [
+    dict(B=1, H=1, N=8, d=16, segment=4, delta=False),  # two whole segments
+    dict(B=2, H=3, N=11, d=16, segment=4, delta=False, seed=1),  # a ragged last segment
+    dict(B=1, H=2, N=11, d=16, segment=4, delta=True, seed=2),  # the delta rule
+    dict(B=1, H=2, N=5, d=8, segment=8, delta=True, seed=3),  # one short segment: the memory never read
+    dict(B=1, H=2, N=6, d=8, segment=1, delta=False, seed=4),  # every token a segment
+]
+
+
+def layer_reference(**c):
+    q, k, v, segment, beta, delta = layer_case(**c)
+    return infini_reference(q, k, v, segment, delta=delta, gate=beta)[0]
+
+
+check_cases(
+    "infini layer",
+    layer_cases,
+    lambda **c: infini_layer(*layer_case(**c)),
+    layer_reference,
+    rtol=1e-10,
+    atol=1e-10,
+    outputs=("O",),
+)
+
+# %% [markdown]
+# From here on the notebook runs course_lib's `infini_attention`, whatever the checks said.
 #
 # ## 4. The whole layer
 #

@@ -11,4 +11,16 @@ HINTS = {
         "The delta rule changes only the values stored: V - (sigma(K) @ M) / (sigma(K) @ z.unsqueeze(-1)), with "
         "the old M and z and the same clamp; the z update is the same for both rules.",
     ],
+    "infini layer": [
+        "Three pieces, in this order: A_dot for the whole sequence with segment_attention(q, k, v, segment, "
+        "sdpa_local_attention); then a loop over start = 0, segment, 2 * segment, ... that calls memory_step on "
+        "the slice [start, start + segment) of elu_plus_one(q), elu_plus_one(k) and v, carrying (M, z) from one "
+        "segment to the next; then the gate.",
+        "The empty memory: M = q.new_zeros(B, H, d, d_v) and z = q.new_zeros(B, H, d). memory_step returns "
+        "(A_mem, M, z): keep each segment's A_mem in a list and torch.cat them along the token dim (2). A slice "
+        "past N stops at N, so the last, shorter segment needs nothing special.",
+        "The gate is per head: g = torch.sigmoid(beta).view(1, H, 1, 1), and the output g * A_mem + (1 - g) * "
+        "A_dot. Reading A_mem and updating M in the wrong order (the update before the read) is the mistake the "
+        "check's multi-segment cases catch.",
+    ],
 }

@@ -19,6 +19,7 @@ from .infini import (
     infini_memory_reference,
     infini_reference,
     kernel_local_attention,
+    memory_step,
     sdpa_local_attention,
     segment_attention,
 )
@@ -33,6 +34,7 @@ __all__ = [
     "infini_memory_reference",
     "infini_reference",
     "kernel_local_attention",
+    "memory_step",
     "kv_cache_bytes",
     "measure_stream",
     "passkey_accuracy",

@@ -41,6 +41,7 @@ __all__ = [
     "infini_memory_reference",
     "infini_reference",
     "kernel_local_attention",
+    "memory_step",
     "sdpa_local_attention",
     "segment_attention",
 ]
@@ -66,6 +67,18 @@ def sdpa_local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> t
     """The same causal attention with PyTorch's scaled_dot_product_attention (fast on a CPU, where the
     kernel runs in Triton's interpreter)."""
     return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def memory_step(sq, sk, v, M, z, delta: bool = False):
+    """One segment of the memory from its features: (A_mem, M_new, z_new) (notebook 16, section 3).
+
+    sq = sigma(Q), sk = sigma(K) (B, H, n, d), v (B, H, n, d_v) of the segment; M (B, H, d, d_v) and z (B, H, d)
+    from before it. A_mem (B, H, n, d_v) is read from that memory (an empty one reads as 0: the EPS clamp); the
+    update is linear, or with delta=True the delta rule (only what M does not already return for these keys)."""
+    a_mem = (sq @ M) / (sq @ z.unsqueeze(-1)).clamp_min(EPS)  # retrieval from the past
+    if delta:
+        v = v - (sk @ M) / (sk @ z.unsqueeze(-1)).clamp_min(EPS)
+    return a_mem, M + sk.transpose(-1, -2) @ v, z + sk.sum(dim=2)
 
 
 def segment_attention(q, k, v, segment: int, local: LocalAttention | None = None) -> torch.Tensor:
@@ -186,12 +199,8 @@ def infini_attention(
     a_mem = []
     for start in range(0, N, segment):  # the memory is sequential: one segment after another
         s = slice(start, min(start + segment, N))
-        sq_s, sk_s, v_s = sq[:, :, s], sk[:, :, s], vs[:, :, s]
-        a_mem.append((sq_s @ M) / (sq_s @ z.unsqueeze(-1)).clamp_min(EPS))  # retrieval from the past
-        if delta:  # store only what M does not already return for these keys
-            v_s = v_s - (sk_s @ M) / (sk_s @ z.unsqueeze(-1)).clamp_min(EPS)
-        M = M + sk_s.transpose(-1, -2) @ v_s
-        z = z + sk_s.sum(dim=2)
+        a_s, M, z = memory_step(sq[:, :, s], sk[:, :, s], vs[:, :, s], M, z, delta)
+        a_mem.append(a_s)
     g = _gate(gate, H, M)
     out = g * torch.cat(a_mem, dim=2) + (1 - g) * a_dot.to(state)
     return out.to(q.dtype), (M, z)
