@@ -388,6 +388,48 @@ print(f"output lengths {lengths}: static {static_steps} steps, continuous {conti
 steps_guess.score(static_steps / continuous_steps)
 
 # %% [markdown]
+# **Exercise 3 (counting the steps).** Write `count_steps(new_tokens, max_batch)`, what `predict_steps` just
+# computed: requests all waiting at the start, in order, with `new_tokens[i]` decoding steps each, at most
+# `max_batch` running at once. Return `(static, continuous)`: static batching takes the requests `max_batch` at
+# a time and each batch lasts as long as its longest request; continuous batching gives each request, in order,
+# to the slot that frees up first (ties: the lowest slot), and ends when the last slot does.
+#
+# The check compares with `predict_steps` on one slot, more slots than requests, equal lengths, a long request
+# last and a drawn workload.
+
+# %%
+def count_steps(new_tokens, max_batch):
+    """(static, continuous): decoding steps of the two schedules for requests needing new_tokens[i] steps each."""
+    ### BEGIN SOLUTION
+    static = sum(max(new_tokens[i : i + max_batch]) for i in range(0, len(new_tokens), max_batch))
+    slots = [0] * max_batch
+    for need in new_tokens:
+        k = slots.index(min(slots))
+        slots[k] += need
+    return static, max(slots)
+    ### END SOLUTION
+
+
+# %% tags=["check"]
+steps_cases = [
+    dict(new_tokens=[5, 1, 1, 1], max_batch=2),
+    dict(new_tokens=[3, 7, 2], max_batch=1),  # one slot: both schedules are the sum
+    dict(new_tokens=[4, 9, 2], max_batch=8),  # more slots than requests: both are the longest
+    dict(new_tokens=[6, 6, 6, 6, 6], max_batch=2),
+    dict(new_tokens=[1, 1, 1, 1, 1, 1, 30], max_batch=3),  # a long request last
+    dict(new_tokens=draw_workload(24, 10, new_tokens=(2, 40), seed=11).new_tokens, max_batch=4),
+]
+check_cases(
+    "batching steps",
+    steps_cases,
+    count_steps,
+    predict_steps,
+    rtol=0,
+    atol=0,
+    outputs=("static", "continuous"),
+)
+
+# %% [markdown]
 # Now serve a request stream for real and measure throughput (generated tokens per second), **time to first
 # token** (TTFT: arrival to first token) and **time per output token** (TPOT) for three batchers at the same
 # page pool: static, continuous, and continuous with **chunked prefill** (a long prompt's prefill split over

@@ -204,6 +204,72 @@ ax.set(xlabel="tokens fed to the target: kept (green), the target's own (blue), 
 plt.show()
 
 # %% [markdown]
+# **Exercise 1 (the rollback).** After a round, a sequence that held `length` tokens in its pages keeps only the
+# first `new_length` (its kept drafts and the target's token), and its rejected tail leaves the cache. `pages`
+# lists the page ids holding its tokens in order, `page_size` tokens each (the last page may be partly full).
+# Write `rollback(pages, new_length, page_size)`, returning `(kept, released)` as int64 tensors: the pages that
+# still hold one of the first `new_length` tokens, in order, and the pages that no longer hold any, in order.
+# (`course_lib.speculative.truncate` does this on the cache, and hands the released pages back to the
+# allocator: a page another sequence shares only loses one reference.)
+#
+# The check builds a real paged cache, two sequences filled turn by turn (so page ids are not consecutive),
+# and compares with `truncate`: cuts inside a page, on a page boundary, to zero tokens, no cut, one-token pages.
+
+# %%
+def rollback(pages, new_length, page_size):
+    """(kept, released) int64 tensors: the pages still holding one of the first new_length tokens, the rest."""
+    ### BEGIN SOLUTION
+    keep = -(-new_length // page_size)  # pages needed for new_length tokens, rounded up
+    return torch.tensor(pages[:keep], dtype=torch.int64), torch.tensor(pages[keep:], dtype=torch.int64)
+    ### END SOLUTION
+
+
+# %% tags=["check"]
+from course_lib.decode.cache import PagedKVCache
+
+
+def rollback_case(length, new_length, page_size):
+    """A cache of two sequences appended one token each in turn; sequence 1's pages before the cut and after."""
+    cache = PagedKVCache(1, 2 * (length // page_size + 2), page_size, 1, 8, torch.float32, "cpu")
+    cache.add_sequence(0)
+    cache.add_sequence(1)
+    for _ in range(length):
+        cache.append(0, 1)
+        cache.append(1, 1)
+    before = list(cache.seqs[1].pages)
+    truncate(cache, 1, new_length)
+    return before, cache
+
+
+def rollback_reference(length, new_length, page_size):
+    before, cache = rollback_case(length, new_length, page_size)
+    kept = list(cache.seqs[1].pages)
+    return torch.tensor(kept, dtype=torch.int64), torch.tensor(before[len(kept) :], dtype=torch.int64)
+
+
+rollback_cases = [
+    dict(length=37, new_length=20, page_size=8),  # a cut inside a page: that page stays
+    dict(length=37, new_length=16, page_size=8),  # a cut on a page boundary
+    dict(length=37, new_length=37, page_size=8),  # every draft kept: nothing leaves
+    dict(length=12, new_length=0, page_size=4),  # everything leaves
+    dict(length=5, new_length=3, page_size=1),  # one token a page
+    dict(length=16, new_length=15, page_size=16),  # one page, partly kept
+]
+def rollback_learner(length, new_length, page_size):
+    return rollback(rollback_case(length, new_length, page_size)[0], new_length, page_size)
+
+
+check_cases(
+    "rollback",
+    rollback_cases,
+    rollback_learner,
+    rollback_reference,
+    rtol=0,
+    atol=0,
+    outputs=("kept", "released"),
+)
+
+# %% [markdown]
 # ## 3. Sampling: the rejection rule
 #
 # With temperature > 0 we want the **same distribution** as the target's own sampling, not the same tokens.
@@ -216,7 +282,7 @@ plt.show()
 # min(p(y), q(y)), or from the residual after a rejection, whose probability is 1 − Σ min(p, q) = Σ max(0, p − q);
 # the two add up to min(p(y), q(y)) + max(0, p(y) − q(y)) = p(y).
 #
-# **Exercise 1 (the acceptance rule).** `p` is (k + 1, V), the target's probabilities at the k + 1 positions,
+# **Exercise 2 (the acceptance rule).** `p` is (k + 1, V), the target's probabilities at the k + 1 positions,
 # `q` is (k, V), the draft's, `draft` the k drafted ids. Return `(kept, token)`: how many drafts are kept and
 # the token the target adds. Draw with `torch.rand((), dtype=torch.float64, generator=generator)` and
 # `torch.multinomial(probs, 1, generator=generator)`. (Where p equals q at a rejected position the residual is
@@ -373,7 +439,7 @@ for (name, g_), (r, cost) in spec_runs.items():
 # too, and so on: each step settles the agreeing prefix plus one token, and the fixed point is exactly the
 # greedy output.
 #
-# **Exercise 2 (the Jacobi update).** `window = [t, g₁, ..., g_n]` is what was fed (the last settled token and
+# **Exercise 3 (the Jacobi update).** `window = [t, g₁, ..., g_n]` is what was fed (the last settled token and
 # the guesses), `outputs` the n + 1 greedy choices after each fed token. Return `(settled, next_guesses)`:
 # `settled` = outputs[0..k], where g₁..g_k agreed with outputs[0..k-1]; `next_guesses` = the n guesses for
 # the positions after the settled ones: the outputs not settled, then the last output repeated to make n.

@@ -236,12 +236,75 @@ check_cases(
 )
 
 # %% [markdown]
+# ### Your local attention
+#
+# **Exercise 2 (attention inside the segments).** Step 1, A_dot, is causal attention in which no token sees
+# another segment. Write `segment_local(q, k, v, segment, local)`: q, k, v are (B, H, N, d), `local(q, k, v)`
+# is causal attention over the last two dims of any (..., n, d) tensors (course_lib's kernel, or
+# `sdpa_local_attention` here), and N need not be a multiple of `segment`. Call `local` **once for all the
+# whole segments**, as a (B, H, N // segment, segment, d) batch (a reshape: each segment becomes a sequence of
+# its own), and once more for a shorter last segment if there is one; return (B, H, N, d). One call per
+# segment would work too, but N / segment kernel launches cost more than the arithmetic of a short segment.
+#
+# The check compares with float64 attention computed segment by segment (`attention(..., causal=True)` of
+# notebook 02): whole segments only, a short last one, a single short segment, one-token segments.
+
+# %%
+def segment_local(q, k, v, segment, local):
+    """Causal attention inside each segment of `segment` tokens of q, k, v (B, H, N, d), `local` doing the work."""
+    ### BEGIN SOLUTION
+    B, H, N, d = q.shape
+    full = N // segment * segment
+    parts = []
+    if full:
+        cut = [t[:, :, :full].reshape(B, H, full // segment, segment, t.shape[-1]) for t in (q, k, v)]
+        parts.append(local(*cut).reshape(B, H, full, v.shape[-1]))
+    if full < N:
+        parts.append(local(q[:, :, full:], k[:, :, full:], v[:, :, full:]))
+    return torch.cat(parts, dim=2)
+    ### END SOLUTION
+
+
+# %% tags=["check"]
+from course_lib.attention.reference import attention as attention64
+from course_lib.longctx import sdpa_local_attention
+
+
+def local_case(B, H, N, d, segment, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(B, H, N, d, generator=g, dtype=torch.float64) for _ in range(3)] + [segment]
+
+
+def local_reference(**c):
+    q, k, v, segment = local_case(**c)
+    cuts = range(0, q.shape[2], segment)
+    return torch.cat([attention64(q[:, :, i : i + segment], k[:, :, i : i + segment], v[:, :, i : i + segment],
+                                  causal=True) for i in cuts], dim=2)  # fmt: skip
+
+
+local_cases = [
+    dict(B=1, H=1, N=8, d=8, segment=4),  # whole segments only
+    dict(B=2, H=3, N=11, d=16, segment=4, seed=1),  # a short last segment
+    dict(B=1, H=2, N=3, d=8, segment=8, seed=2),  # one segment, shorter than `segment`
+    dict(B=1, H=2, N=5, d=8, segment=1, seed=3),  # one token a segment: each sees only itself
+]
+check_cases(
+    "infini segment attention",
+    local_cases,
+    lambda **c: segment_local(*local_case(**c), sdpa_local_attention),
+    local_reference,
+    rtol=1e-10,
+    atol=1e-10,
+    outputs=("A_dot",),
+)
+
+# %% [markdown]
 # ### Your layer
 #
-# **Exercise 2 (the layer from its pieces).** Write `infini_layer(q, k, v, segment, beta, delta)`: q, k, v are
+# **Exercise 3 (the layer from its pieces).** Write `infini_layer(q, k, v, segment, beta, delta)`: q, k, v are
 # (B, H, N, d) float64, N not always a multiple of `segment`; beta is (H,), one gate per head. Start from an
 # empty memory and follow the four steps of section 3 for every segment in order, with course_lib's pieces
-# (so that a slip in Exercise 1 does not carry over): `segment_attention(q, k, v, segment, sdpa_local_attention)`
+# (so that a slip in Exercises 1 or 2 does not carry over): `segment_attention(q, k, v, segment, sdpa_local_attention)`
 # gives A_dot for all segments at once; `memory_step(σ(Q_s), σ(K_s), V_s, M, z, delta)` does one segment's
 # retrieval and update from the features and returns (A_mem, M, z), what your `memory_segment` returns; the
 # gate is `torch.sigmoid(beta)`, shaped to broadcast over (B, H, N, d). Return the output (B, H, N, d).

@@ -16,4 +16,11 @@ HINTS = {
         "multiplies the (..., d) output.",
         "Do the weighted sum in float32 (o_p.float(), o_s.float()) and convert back with .to(o_s.dtype).",
     ],
+    "batching steps": [
+        "Static: cut new_tokens into consecutive batches of max_batch (the last may be shorter) and add up each "
+        "batch's max. Continuous: keep, for each of the max_batch slots, the step at which it frees up.",
+        "Continuous: start every slot at 0; for each request in order, find the slot with the smallest free-up "
+        "step (slots.index(min(slots)) takes the lowest on a tie) and add the request's steps to it.",
+        "The continuous count is the step at which the last slot frees up: max(slots), not their sum.",
+    ],
 }

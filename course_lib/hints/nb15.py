@@ -16,4 +16,12 @@ HINTS = {
         "The next guesses are outputs[k + 1:], padded to n with its last element (or with outputs[k] when "
         "nothing is left).",
     ],
+    "rollback": [
+        "Token j lives in page pages[j // page_size]. The first new_length tokens therefore need the first "
+        "ceil(new_length / page_size) pages; every page after those holds only rolled-back tokens.",
+        "keep = -(-new_length // page_size) rounds up without floats; kept = pages[:keep], released = "
+        "pages[keep:]. A cut inside a page keeps that page (it still holds kept tokens).",
+        "Return tensors: torch.tensor(pages[:keep], dtype=torch.int64) and the same for the rest (an empty list "
+        "gives an empty tensor, which the check accepts).",
+    ],
 }

@@ -23,4 +23,13 @@ HINTS = {
         "A_dot. Reading A_mem and updating M in the wrong order (the update before the read) is the mistake the "
         "check's multi-segment cases catch.",
     ],
+    "infini segment attention": [
+        "full = N // segment * segment tokens make whole segments. Reshape q[:, :, :full] (and k, v) to "
+        "(B, H, full // segment, segment, d): the segments become a batch dimension, and local's causal mask then "
+        "stays inside each one.",
+        "local(*cut) returns (B, H, full // segment, segment, d): reshape it back to (B, H, full, d). If full < N, "
+        "the last tokens q[:, :, full:] (and k, v) are one more, shorter segment: a second call of local.",
+        "torch.cat the parts along the token dim (2). With no whole segment (N < segment) the first part is empty: "
+        "skip it rather than reshape zero tokens.",
+    ],
 }
