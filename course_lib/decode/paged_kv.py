@@ -8,6 +8,7 @@ calls `kv.attend(layer, q, k, v)`, which writes the new K/V into the cache's pag
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from .api import paged_decode_attention
@@ -40,8 +41,13 @@ class PagedKV:
         """The view of a step that feeds new_lens[i] tokens of sequence seq_ids[i], whose K/V go to `slots`."""
         device = cache.device
         tq = max(new_lens)
-        rows = [b * tq + tq - n + i for b, n in enumerate(new_lens) for i in range(n)]
-        rows = torch.tensor(rows, dtype=torch.int64, device=device)  # token -> padded row
+        # token -> padded row: sequence b's n tokens go to rows b * tq + tq - n ... b * tq + tq - 1 (left-padded).
+        # In NumPy, one pass: a 32k-token prefill's rows took 4.5 ms as a Python list, 65 us here (a 2-core CPU;
+        # a step of 8 decoding tokens 6.2 -> 8.4 us).
+        lens = np.asarray(new_lens, dtype=np.int64)
+        ends = np.cumsum(lens)
+        rows = np.repeat(np.arange(len(lens)) * tq + tq - ends, lens) + np.arange(ends[-1])
+        rows = torch.from_numpy(rows).to(device)
         return cls(cache, cache.block_table(seq_ids), cache.seqlens(seq_ids), slots.to(device), rows, tq)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
