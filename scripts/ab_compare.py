@@ -28,7 +28,7 @@ import course_lib
 from course_lib.perf.timing import graph_ms
 
 
-def cells(lib):
+def cells():
     """[(name, fn factory(lib) -> callable, eager too)] on fresh random inputs."""
     dev, bf16 = "cuda", torch.bfloat16
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -123,7 +123,7 @@ def main() -> None:
     columns = f"{'graph before':>12s} {'after':>9s} {'ratio':>6s}"
     print(f"{'cell':40s} {columns}  {columns.replace('graph', 'eager')}")
     ratios = []
-    for name, factory, eager in cells(course_lib):
+    for name, factory, eager in cells():
         fns = {key: factory(lib) for key, lib in libs.items()}
         graph = {key: [] for key in libs}
         host = {key: [] for key in libs}
