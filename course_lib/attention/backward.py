@@ -56,6 +56,7 @@ from ..checks import (
     kernel_window,
     kv_group,
 )
+from ..kernels import bound
 from ..kernels.blocks import (
     kv_block_range,
     load_rows,
@@ -801,7 +802,7 @@ def _backward(
                 return None
         if atomic:
             pre = PREPROCESS.current()
-            _preprocess_kernel[(runtime.cdiv(n_q, pre.block_m) * B * H,)](
+            bound.launch(_preprocess_kernel, (runtime.cdiv(n_q, pre.block_m) * B * H,),
                 o4, do4, delta, *strides4(o4), *strides4(do4), H, n_q,
                 HEAD_DIM=d, BLOCK_D=block_d, **pre.kwargs(),
                 UPCAST=flags["UPCAST"], ACC_DTYPE=flags["ACC_DTYPE"],
@@ -811,7 +812,7 @@ def _backward(
             launch(_dq_kernel, _dq_tuned, DQ, q_grid, q_args, q_meta, shape)
         else:
             bm, bn = fixed.get("BLOCK_M2", fixed["BLOCK_M"]), fixed.get("BLOCK_N2", fixed["BLOCK_N"])
-            _dq_kernel[(runtime.cdiv(n_q, bm) * B * H,)](
+            bound.launch(_dq_kernel, (runtime.cdiv(n_q, bm) * B * H,),
                 *q_args, **q_meta, **teaching_hooks(switches, DQ_HOOKS), BLOCK_M=bm, BLOCK_N=bn,
                 num_warps=fixed["num_warps"], num_stages=fixed["num_stages"],
             )  # fmt: skip
@@ -821,14 +822,15 @@ def _backward(
                 launch(_dkdv_kernel, kv_tuner, DKDV, kv_grid, kv_args, kv_meta, kv_shape)
             else:
                 bm, bn = fixed.get("BLOCK_M1", fixed["BLOCK_M"]), fixed.get("BLOCK_N1", fixed["BLOCK_N"])
-                _dkdv_kernel[(runtime.cdiv(n_k, bn) * B * (H // on_chip),)](
+                bound.launch(_dkdv_kernel, (runtime.cdiv(n_k, bn) * B * (H // on_chip),),
                     *kv_args, **kv_meta, **teaching_hooks(switches, DKDV_HOOKS), BLOCK_M=bm, BLOCK_N=bn,
                     num_warps=fixed["num_warps"], num_stages=fixed["num_stages"],
                 )  # fmt: skip
     if share > 1:  # grouped-query attention: each K/V head's dK, dV is the sum of its `share` partials
         wait_compiled(sum_name)  # compiled ahead during the forward, if it was
         with cuda_device(q):
-            _group_sum_kernel[(B * H_kv, runtime.cdiv(n_k * d, sum_launch.block), 2)](*sum_args, **sum_meta)
+            sum_grid = (B * H_kv, runtime.cdiv(n_k * d, sum_launch.block), 2)
+            bound.launch(_group_sum_kernel, sum_grid, *sum_args, **sum_meta)
     if sinks is None:
         dsinks = None
     elif seqs is None:

@@ -46,6 +46,7 @@ from ..checks import (
     kernel_window,
     kv_group,
 )
+from ..kernels import bound
 from ..kernels.blocks import (
     kv_block_range,
     load_rows,
@@ -355,5 +356,5 @@ def _forward(q, k, v, alignment, scale, launch_cfg, switches, window=0, sinks=No
             launch(_fwd_kernel, _fwd_tuned, FORWARD, grid, args, meta, (bucket, d, causal, q.dtype))
         else:
             grid = (runtime.cdiv(n_q, launch_cfg["BLOCK_M"]) * B * H,)
-            _fwd_kernel[grid](*args, **meta, **hooks, **launch_cfg)
+            bound.launch(_fwd_kernel, grid, *args, **meta, **hooks, **launch_cfg)
     return o, lse

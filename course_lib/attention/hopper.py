@@ -46,6 +46,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from ..kernels import bound
 from ..kernels.launch import Launch, keyword
 from ..runtime import cdiv, sm_count  # sm_count: the persistent grid's size
 
@@ -461,7 +462,7 @@ def forward(q4, k4, v4, o4, lse3, causal: bool, scale: float, variant: Variant) 
     n_k = k4.shape[2]
     tiles = cdiv(n_q, QUERY_ROWS * variant.num_consumers) * B * H
     grid = (min(tiles, sm_count(q4.device.index)) if variant.persistent else tiles,)
-    fwd_ws_kernel[grid](
+    bound.launch(fwd_ws_kernel, grid,
         descriptor(q4, QUERY_ROWS), descriptor(k4, variant.block_n), descriptor(v4, variant.block_n),
         o4, lse3, scale * LOG2E,
         o4.stride(0), o4.stride(1), o4.stride(2), lse3.stride(0), lse3.stride(1),

@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from .. import runtime
+from ..kernels import bound
 from ..runtime import triton
 from .configs import KernelConfigs, Launch
 
@@ -182,7 +183,7 @@ def launch(kernel, tuner, table: KernelConfigs, grid, args: tuple, meta: dict, s
         return
     wait_compiled(name)  # if compiled ahead, its compilation is in Triton's cache now: this launch finds it
     _SEEN.add(name)
-    kernel[grid(config)](*args, **meta, **config.kwargs())
+    bound.launch(kernel, grid(config), *args, **meta, **config.kwargs())
 
 
 def compile_ahead(kernel, tuner, table: KernelConfigs, grid, args: tuple, meta: dict, shape: tuple) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from .. import runtime
+from ..kernels import bound
 from ..kernels.softmax import LN2, LOG2E
 from ..pdl import launch_options, wait_for_prior_grid
 from ..runtime import tl, triton
@@ -92,7 +93,7 @@ def combine(
     S, B, T, H, d = o_part.shape
     if B * T * H == 0:
         return
-    combine_kernel[(B * T * H,)](
+    bound.launch(combine_kernel, (B * T * H,),
         o_part, lse_part, out, lse,
         *o_part.stride(), *lse_part.stride(), *out.stride(), *lse.stride(),
         T, H, S,

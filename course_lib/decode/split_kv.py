@@ -68,6 +68,7 @@ from ..checks import (
     should_validate,
     tensors_key,
 )
+from ..kernels import bound
 from ..kernels.blocks import split_kv_range, visible_keys
 from ..kernels.softmax import logsumexp, softmax_step
 from ..pdl import allow_dependents
@@ -322,7 +323,7 @@ def launch(
     programs = B * Hkv * num_splits * m_tiles
     sort_b = longest_first_block(B, programs, tile) if plan.sliced and num_splits > 1 and not full else 0
     use_pdl = num_splits > 1 and pdl.enabled(q.device)  # the combine is launched while the splits end
-    split_kv_kernel[grid](
+    bound.launch(split_kv_kernel, grid,
         q, k, v, table, cache_seqlens, o_part, l_part, scale * 1.4426950408889634,
         *q.stride(), *k.stride(), *v.stride(), *table_strides, *o_part.stride(), *l_part.stride(),
         Hkv, Tq, capacity, num_splits,

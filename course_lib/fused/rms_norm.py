@@ -53,6 +53,7 @@ import torch
 
 from .. import runtime
 from ..checks import accumulator_dtype, check_dtype, check_eps, check_kernel_device
+from ..kernels import bound
 from ..runtime import tl, triton
 from ..second_derivative import refuse_second_derivative
 from . import launch
@@ -311,14 +312,14 @@ def rms_norm_forward(
         setting = launch.rms_forward(block)
         chunk = setting.chunk if chunk is None else chunk
         if chunk:
-            rms_norm_fwd_chunked_kernel[(n_rows,)](
+            bound.launch(rms_norm_fwd_chunked_kernel, (n_rows,),
                 x2, weight, y, rstd, x2.stride(0), y.stride(0), eps,
                 N_COLS=n_cols, CHUNK=_power_of_two("chunk", chunk), KEEP=launch.keep_hint(x2.nbytes, x.device),
                 STORE_RSTD=store_rstd, num_warps=warps or setting.warps,
             )  # fmt: skip
         else:
             rows = _power_of_two("rows", rows or setting.rows)
-            rms_norm_fwd_kernel[(runtime.cdiv(n_rows, rows),)](
+            bound.launch(rms_norm_fwd_kernel, (runtime.cdiv(n_rows, rows),),
                 x2, weight, y, rstd, n_rows, n_cols, x2.stride(0), y.stride(0), eps,
                 BLOCK_D=block, ROWS=rows, STORE_RSTD=store_rstd, num_warps=warps or setting.warps,
             )  # fmt: skip
@@ -335,9 +336,11 @@ def column_sum(
     buffer = buffer.contiguous()  # the kernel reads row r at buf + r * D
     n_rows, n_cols = buffer.shape
     out = torch.empty(n_cols, device=buffer.device, dtype=dtype)
-    column_sum_kernel[(runtime.cdiv(n_cols, tile.block_c),)](
-        buffer, out, n_rows, n_cols, BLOCK_R=tile.block_r, BLOCK_C=tile.block_c, num_warps=tile.warps
-    )
+    grid = (runtime.cdiv(n_cols, tile.block_c),)
+    bound.launch(
+        column_sum_kernel, grid, buffer, out, n_rows, n_cols,
+        BLOCK_R=tile.block_r, BLOCK_C=tile.block_c, num_warps=tile.warps,
+    )  # fmt: skip
     return out
 
 
@@ -383,7 +386,7 @@ def rms_norm_backward(
     dw_buffer = empty_or_zeros((n_buffers, n_cols), device=x.device, dtype=acc)
     # the locks only where they are taken: zeroing them is one more kernel launch
     locks = torch.zeros(n_buffers, device=x.device, dtype=torch.int32) if dw_mode == "locked" else dw_buffer
-    rms_norm_bwd_kernel[(n_programs,)](
+    bound.launch(rms_norm_bwd_kernel, (n_programs,),
         dy2, x2, weight, rstd, dx, dw_buffer, locks,
         n_rows, n_cols, dy2.stride(0), x2.stride(0), dx.stride(0), n_buffers,
         BLOCK_D=block, ROWS=rows, DW_MODE=_MODE_ID[dw_mode], num_warps=warps or setting.warps,

@@ -40,6 +40,7 @@ import torch
 
 from .. import runtime
 from ..checks import OFFSET_LIMIT, accumulator_dtype, check_dtype, check_int, check_kernel_device, check_real
+from ..kernels import bound
 from ..runtime import tl, triton
 from ..second_derivative import refuse_second_derivative
 from . import launch
@@ -237,7 +238,7 @@ def rotate(
     if tokens < 1 or tokens & (tokens - 1):
         raise ValueError(f"rope: tokens per program must be a power of two >= 1, got {tokens}")
     n_token_tiles = runtime.cdiv(n_tokens, tokens)
-    rope_kernel[(n_batch * n_token_tiles,)](
+    bound.launch(rope_kernel, (n_batch * n_token_tiles,),
         q, k, q_out, k_out, cos, sin, positions if has_positions else cos,
         n_tokens, n_token_tiles, n_q_heads, k.shape[1], n_pairs,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),

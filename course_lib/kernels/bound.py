@@ -1,0 +1,215 @@
+"""Kernel launches bound once per specialisation: Triton's launch without its per-call Python (notebook 08).
+
+`kernel[grid](*args, **kwargs)` costs the CPU 30-40 us in Triton's Python before the launch itself
+(notes/attention.md, "Host time per call"): it binds every argument to the kernel's signature, works out
+how each one specialises the compiled code (a pointer's dtype and 16-byte alignment, an integer equal to 1,
+divisible by 16, or past 32 bits), hashes that into a cache key, looks the compiled kernel up, and only
+then calls the C launcher. A model calls the same kernels with the same kinds of arguments thousands of
+times; `launch` does that work once per kind:
+
+- the first call with a given `key` launches through Triton as usual and keeps what it compiled (the
+  `CompiledKernel`) and the order of the kernel's parameters with the constants filled in;
+- a later call with the same key puts its arguments into that order and calls the launcher directly.
+
+The key is at least as fine as Triton's specialisation, so a call never runs code compiled for other
+arguments: every compile-time constant by value, a tensor by dtype and whether its address is a multiple of
+16, an integer by (== 1, divisible by 16, fits 32 bits, fits 64), a float or a bool by type, a TMA
+descriptor by its dtype, shape, strides, block and layout, plus the current device and the launch keywords
+(warps, stages). An argument of any other kind, a grid given as a function of the constants, or a profiler's
+launch hook sends the call through Triton every time. `COURSE_BOUND_LAUNCH=0` sends every call through
+Triton (for comparison); `COURSE_BOUND_LAUNCH=check` also asks Triton, on every bound call, which kernel it
+would have run and raises if it differs (the GPU tests run a workload so).
+
+On the CPU, Triton's interpreter runs the kernels and nothing is bound: `launch` is `kernel[grid](...)`.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .. import runtime
+
+MODE = os.environ.get("COURSE_BOUND_LAUNCH", "1").strip().lower()
+if MODE not in ("0", "1", "check"):
+    raise ValueError(f"COURSE_BOUND_LAUNCH must be 0, 1 or check, got {MODE!r}")
+ACTIVE = MODE != "0" and runtime.ON_GPU and not runtime.INTERPRET
+_I32 = (-(2**31), 2**31)
+_I64 = (-(2**63), 2**63)
+
+
+class _Unbound(Exception):
+    """An argument whose specialisation `launch` does not know how to key: the call goes through Triton."""
+
+
+def _int_key(a: int):
+    return (a == 1, a % 16 == 0, _I32[0] <= a < _I32[1], _I64[0] <= a < _I64[1])
+
+
+def _descriptor_key(a):
+    base = a.base
+    return (
+        type(a), base.dtype, base.data_ptr() % 16 == 0, tuple(a.shape), tuple(a.strides),
+        tuple(a.block_shape), a.layout, getattr(a, "padding", None),
+    )  # fmt: skip
+
+
+def _runtime_key(a):
+    """How a runtime (non-constexpr) argument specialises a kernel (module docstring)."""
+    t = type(a)
+    if t is torch.Tensor or isinstance(a, torch.Tensor):
+        return (a.dtype, a.data_ptr() % 16 == 0)
+    if t is int:
+        return _int_key(a)
+    if t is float or t is bool or a is None:
+        return t
+    if hasattr(a, "block_shape") and hasattr(a, "base"):  # a TMA descriptor (Gluon's host-side descriptor)
+        return _descriptor_key(a)
+    raise _Unbound(t)
+
+
+def _constant_key(a):
+    """A compile-time constant keys by value (hashable ones; anything else is not bound)."""
+    try:
+        hash(a)
+    except TypeError as exc:
+        raise _Unbound(type(a)) from exc
+    return a
+
+
+class _Signature:
+    """What `launch` reads once per kernel: which parameters are compile-time constants, by position and
+    by name."""
+
+    def __init__(self, kernel):
+        params = kernel.params
+        self.constant = tuple(p.is_constexpr for p in params)
+        self.index = {p.name: i for i, p in enumerate(params)}
+        self.entries: dict = {}
+
+    def key(self, args: tuple, kwargs: dict) -> tuple:
+        constant = self.constant
+        key = [_constant_key(a) if constant[i] else _runtime_key(a) for i, a in enumerate(args)]
+        index = self.index
+        for name, value in kwargs.items():
+            i = index.get(name)
+            key.append(
+                (name, _runtime_key(value) if i is not None and not constant[i] else _constant_key(value))
+            )
+        return tuple(key)
+
+
+class _Entry:
+    """A bound launch: the compiled kernel, and the full argument list (in signature order, constants and
+    defaults filled in) into which each call's runtime arguments go."""
+
+    __slots__ = ("compiled", "template", "keyword_slots", "n_args")
+
+    def __init__(self, compiled, template: list, keyword_slots: tuple, n_args: int):
+        self.compiled, self.template, self.keyword_slots, self.n_args = (
+            compiled,
+            template,
+            keyword_slots,
+            n_args,
+        )
+
+
+_current_stream = torch._C._cuda_getCurrentRawStream if ACTIVE else None  # what Triton's launch asks too
+_SIGNATURES: dict = {}
+_NOT_BOUND: set = set()  # kernels for which binding failed once: always launched through Triton
+MAX_ENTRIES = 4096  # per kernel; past it, the table starts again (shapes that never repeat)
+
+
+def _signature(kernel) -> _Signature:
+    sig = _SIGNATURES.get(kernel)
+    if sig is None:
+        sig = _SIGNATURES[kernel] = _Signature(kernel)
+    return sig
+
+
+def _bind(kernel, sig: _Signature, compiled, device: int, args: tuple, kwargs: dict) -> _Entry:
+    binder = kernel.device_caches[device][-1]  # (kernel cache, [key cache,] target, backend, binder)
+    bound_args, _, _ = binder(*args, **kwargs)
+    names = list(bound_args)
+    if names[: len(args)] != [p.name for p in kernel.params[: len(args)]]:
+        raise _Unbound("argument order")
+    keyword_slots = tuple(
+        (name, names.index(name))
+        for name in kwargs
+        if name in sig.index and not sig.constant[sig.index[name]]
+    )
+    template = list(bound_args.values())
+    for slot in [*range(len(args)), *(slot for _, slot in keyword_slots)]:
+        template[slot] = None  # every call fills these: the entry keeps no tensor of the first call alive
+    if not callable(compiled.run) or compiled.function is None:
+        raise _Unbound("compiled kernel")
+    return _Entry(compiled, template, keyword_slots, len(args))
+
+
+def _hooks_set() -> bool:
+    """Whether a launch hook is installed (a profiler's: Triton must run it, so the call is not bound)."""
+    triton = runtime.triton
+    if hasattr(triton, "knobs"):
+        hooks = triton.knobs.runtime
+        return hooks.launch_enter_hook is not None or hooks.launch_exit_hook is not None
+    compiled = triton.compiler.CompiledKernel
+    return getattr(compiled, "launch_enter_hook", None) is not None or getattr(
+        compiled, "launch_exit_hook", None
+    )
+
+
+def _triton_would_run(kernel, device: int, args: tuple, kwargs: dict):
+    """The compiled kernel Triton's own lookup finds for this call (COURSE_BOUND_LAUNCH=check)."""
+    from triton.runtime import jit
+
+    caches = kernel.device_caches[device]
+    knobs = runtime.triton.knobs
+    kwargs = dict(kwargs)
+    kwargs["debug"] = kwargs.get("debug", kernel.debug) or knobs.runtime.debug
+    if hasattr(knobs.compilation, "instrumentation_mode"):
+        kwargs["instrumentation_mode"] = knobs.compilation.instrumentation_mode
+    _, specialization, options = caches[-1](*args, **kwargs)
+    if hasattr(jit, "compute_cache_key"):
+        return caches[0].get(jit.compute_cache_key(caches[1], specialization, options))
+    return caches[0].get(str(specialization) + str(options))
+
+
+def launch(kernel, grid, *args, **kwargs) -> None:
+    """Launch Triton (or Gluon) kernel `kernel` on `grid` (a tuple of 1-3 ints) with `args` and `kwargs`,
+    as `kernel[grid](*args, **kwargs)` does, binding the arguments once per specialisation on a GPU."""
+    if not ACTIVE or kernel in _NOT_BOUND or callable(grid) or _hooks_set():
+        kernel[grid](*args, **kwargs)
+        return
+    sig = _signature(kernel)
+    device = torch.cuda.current_device()
+    try:
+        key = (device, sig.key(args, kwargs))
+    except _Unbound:
+        kernel[grid](*args, **kwargs)
+        return
+    entry = sig.entries.get(key)
+    if entry is None:
+        compiled = kernel[grid](*args, **kwargs)
+        try:
+            entry = _bind(kernel, sig, compiled, device, args, kwargs)
+        except Exception:  # another Triton's internals: this kernel goes through Triton from now on
+            _NOT_BOUND.add(kernel)
+            return
+        if len(sig.entries) >= MAX_ENTRIES:
+            sig.entries.clear()
+        sig.entries[key] = entry
+        return
+    if MODE == "check" and _triton_would_run(kernel, device, args, kwargs) is not entry.compiled:
+        raise RuntimeError(f"bound launch of {kernel}: Triton would run another compiled kernel for {key}")
+    values = entry.template.copy()
+    values[: entry.n_args] = args
+    for name, slot in entry.keyword_slots:
+        values[slot] = kwargs[name]
+    compiled = entry.compiled
+    n = len(grid)
+    compiled.run(
+        grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1,
+        _current_stream(device), compiled.function, compiled.packed_metadata,
+        None, None, None, *values,
+    )  # fmt: skip

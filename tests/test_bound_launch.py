@@ -1,0 +1,136 @@
+"""course_lib.kernels.bound: launches bound once per specialisation (notebook 08).
+
+On the CPU: the key is at least as fine as Triton's own specialisation (two arguments with one key always
+specialise a kernel alike), arguments of unknown kinds are not bound, and `launch` is `kernel[grid](...)`
+under the interpreter. On a GPU: bound launches give the same results as Triton's, and under
+COURSE_BOUND_LAUNCH=check every bound call is the kernel Triton would have run.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from course_lib import runtime
+from course_lib.kernels import bound
+from course_lib.runtime import tl, triton
+
+INTS = [0, 1, 2, 15, 16, 17, 32, 48, -1, -16, -17, 2**31 - 16, 2**31 - 1, 2**31, 2**31 + 16, 2**40 + 3]
+INTS += [-(2**31), -(2**31) - 1, 2**63 - 16, 2**63, 2**64 - 16]
+
+
+def _triton_specialize():
+    from triton.runtime import jit
+
+    fn = getattr(jit, "native_specialize_impl", None) or getattr(jit, "specialize_impl", None)
+    if fn is None:
+        pytest.skip("this Triton has no specialize_impl to compare with")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+
+    backend = make_backend(GPUTarget("cuda", 90, 32))
+    return lambda value: fn(backend, value, False, True, True)
+
+
+def test_integer_key_is_at_least_as_fine_as_triton():
+    specialize = _triton_specialize()
+    by_key = {}
+    for value in INTS:
+        by_key.setdefault(bound._runtime_key(value), set()).add(specialize(value))
+    assert all(len(kinds) == 1 for kinds in by_key.values()), by_key
+    assert len(by_key) >= 5  # 1, divisible by 16, neither, 64-bit, unsigned: told apart
+
+
+def test_tensor_key_is_at_least_as_fine_as_triton():
+    specialize = _triton_specialize()
+    base = torch.zeros(64, dtype=torch.float32)
+    cases = [
+        base,
+        base[1:],
+        base[4:],
+        torch.zeros(8, dtype=torch.bfloat16),
+        torch.zeros(8, dtype=torch.bfloat16)[3:],
+    ]
+    by_key = {}
+    for t in cases:
+        by_key.setdefault(bound._runtime_key(t), set()).add(specialize(t))
+    assert all(len(kinds) == 1 for kinds in by_key.values()), by_key
+    assert bound._runtime_key(base) != bound._runtime_key(base[1:])  # alignment is part of the key
+
+
+def test_floats_bools_and_none_key_by_kind():
+    assert bound._runtime_key(0.5) is bound._runtime_key(2.0) is float
+    assert bound._runtime_key(True) is bound._runtime_key(False) is bool
+    assert bound._runtime_key(True) != bound._runtime_key(1)
+    assert bound._runtime_key(None) is type(None)
+
+
+def test_unknown_arguments_are_not_bound():
+    with pytest.raises(bound._Unbound):
+        bound._runtime_key("a string")
+    with pytest.raises(bound._Unbound):
+        bound._constant_key([1, 2])
+
+
+@triton.jit
+def _scale_kernel(x_ptr, out_ptr, n, factor, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    tl.store(out_ptr + offs, tl.load(x_ptr + offs, mask=mask) * factor, mask=mask)
+
+
+def _scale(x, factor, block=64):
+    out = torch.empty_like(x)
+    bound.launch(_scale_kernel, (runtime.cdiv(x.numel(), block),), x, out, x.numel(), factor, BLOCK=block)
+    return out
+
+
+def test_launch_matches_the_plain_launch():
+    """Through the interpreter (CPU) or bound (GPU): every call, first or repeated, computes its own result."""
+    device = runtime.DEVICE
+    for n in (100, 64, 100, 1, 100):
+        x = torch.randn(n, device=device)
+        for factor in (0.5, 3.0):
+            torch.testing.assert_close(_scale(x, factor), x * factor, rtol=0, atol=0)
+        torch.testing.assert_close(_scale(x[1:], 2.0), x[1:] * 2.0, rtol=0, atol=0)  # unaligned start
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not runtime.ON_GPU, reason="binding happens on a GPU only")
+def test_bound_calls_run_what_triton_would_run():
+    """The kernels of a forward, a backward, decoding, RMSNorm and RoPE, twice each with new tensors and
+    new lengths, in a process with COURSE_BOUND_LAUNCH=check: each bound call asks Triton which kernel it
+    would run and fails if it is another."""
+    code = """
+import torch
+from course_lib import flash_attention, rms_norm
+from course_lib.decode import decode_attention
+from course_lib.fused.api import rope
+from course_lib.fused.rope import rope_cache
+from course_lib.kernels import bound
+assert bound.MODE == "check" and bound.ACTIVE
+for n in (256, 300, 256, 1000):
+    for dtype in (torch.bfloat16, torch.float16):
+        q, k, v = (torch.randn(2, 4, n, 64, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
+        for causal in (False, True):
+            o = flash_attention(q, k, v, causal=causal)
+            o.backward(torch.randn_like(o))
+        qd = torch.randn(2, 1, 4, 64, device="cuda", dtype=dtype)
+        kc, vc = (torch.randn(2, n, 2, 64, device="cuda", dtype=dtype) for _ in range(2))
+        decode_attention(qd, kc, vc, torch.tensor([n, n // 2], device="cuda", dtype=torch.int32))
+        x = torch.randn(3, n, 64, device="cuda", dtype=dtype)
+        rms_norm(x, torch.ones(64, device="cuda", dtype=dtype))
+        cos, sin = rope_cache(n, 64, device="cuda", dtype=dtype)
+        qr, kr = (torch.randn(2, h, n, 64, device="cuda", dtype=dtype) for h in (4, 2))
+        rope(qr, kr, cos, sin)
+torch.cuda.synchronize()
+print("bound", sum(len(s.entries) for s in bound._SIGNATURES.values()), "not bound", len(bound._NOT_BOUND))
+"""
+    env = dict(os.environ, COURSE_BOUND_LAUNCH="check")
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "not bound 0" in done.stdout, done.stdout
