@@ -20,7 +20,7 @@ from tqdm import tqdm
 from .. import runtime
 from ..perf import timing
 from .providers import LABELS, PROVIDERS, SDPA_BACKENDS, attention_fns, skip_reason
-from .report import check_targets, ratio_rows, report_columns, summarise
+from .report import check_targets, graph_summary, ratio_rows, report_columns, summarise
 from .shapes import MAX_SCORE_BYTES, MODEL_DIM, MODES, TOKENS, standard_cells
 
 # The timer's budget per measurement (ms of warm-up, ms of timed repetitions): about 400 measurements
@@ -46,8 +46,25 @@ def _nbytes(*tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def _measure(call, resident: int, ideal: int, timer, provider: str) -> dict:
-    """One mode of one provider: {"status": "ok", "ms", "peak_bytes", "ideal_bytes"} or a failure.
+def _graph_ms(call, timer) -> float | None:
+    """The median time of `call` replayed as a CUDA graph (no host time between its kernels), or None
+    where it cannot be captured (off the GPU; a provider that refuses capture)."""
+    if not runtime.ON_GPU:
+        return None
+    try:
+        replay = timing.graphed(call)
+        ms = timer(replay)
+    except Exception:
+        return None
+    finally:
+        replay = None
+        torch.cuda.empty_cache()
+    return ms
+
+
+def _measure(call, resident: int, ideal: int, timer, provider: str, graph: bool = False) -> dict:
+    """One mode of one provider: {"status": "ok", "ms", "peak_bytes", "ideal_bytes"} or a failure; with
+    graph=True also "graph_ms", the same call replayed as a CUDA graph (`_graph_ms`).
 
     `resident`: bytes already allocated that the call needs (its inputs); peak_memory adds what the
     call allocates on top of everything allocated before it."""
@@ -63,7 +80,10 @@ def _measure(call, resident: int, ideal: int, timer, provider: str) -> dict:
     finally:
         if runtime.ON_GPU:
             torch.cuda.empty_cache()
-    return dict(status="ok", ms=ms, peak_bytes=None if peak is None else resident + peak, ideal_bytes=ideal)
+    out = dict(status="ok", ms=ms, peak_bytes=None if peak is None else resident + peak, ideal_bytes=ideal)
+    if graph:
+        out["graph_ms"] = _graph_ms(call, timer)
+    return out
 
 
 def measure_provider(fn, q, k, v, do, causal: bool, timer, provider: str = "") -> dict:
@@ -82,8 +102,8 @@ def measure_provider(fn, q, k, v, do, causal: bool, timer, provider: str = "") -
 
     # What each mode cannot avoid holding: q, k, v, O (forward); also dO, dQ, dK, dV (with a backward).
     out = {
-        "fwd": _measure(fwd, 3 * size, 4 * size, timer, provider),
-        "fwd_bwd": _measure(fwd_bwd, 4 * size, 8 * size, timer, provider),
+        "fwd": _measure(fwd, 3 * size, 4 * size, timer, provider, graph=provider != "compiled"),
+        "fwd_bwd": _measure(fwd_bwd, 4 * size, 8 * size, timer, provider, graph=provider != "compiled"),
     }
     try:
         before = torch.cuda.memory_allocated() if runtime.ON_GPU else 0
@@ -159,6 +179,8 @@ def run_attention(quick: bool = False) -> dict:
                     if entry["status"] == "ok":
                         flops = timing.attention_flops(B, H, N, N, d, causal=causal, mode=m)
                         entry.update(tflops=flops / (entry["ms"] * 1e-3) / 1e12, max_abs_diff_vs_sdpa=err)
+                        if entry.get("graph_ms"):
+                            entry["graph_tflops"] = flops / (entry["graph_ms"] * 1e-3) / 1e12
                     results.append(entry)
             if on_gpu:
                 torch.cuda.empty_cache()
@@ -185,5 +207,6 @@ def run_attention(quick: bool = False) -> dict:
         col: dict(zip(("min", "geomean"), summarise(r[col] for r in data["ratios"])))
         for col in report_columns()
     }
+    data["graph_summary"] = graph_summary(data)
     data["targets"] = check_targets(data)
     return data

@@ -54,6 +54,25 @@ def ratios(data: dict, mode: str, baseline: str) -> list[float | None]:
     return out
 
 
+# The same ratios with both sides replayed as CUDA graphs (no host time between kernels): "graph_tflops".
+GRAPH_COLUMNS = (("fwd", "sdpa_default"), ("fwd_bwd", "sdpa_default"))
+
+
+def graph_summary(data: dict) -> dict:
+    """{"fwd/sdpa_default": {"min", "geomean", "cells"}, ...}: course_lib's TFLOP/s over the baseline's
+    with both replayed as CUDA graphs, per column of GRAPH_COLUMNS (cells: the per-cell ratios)."""
+    out = {}
+    for mode, base in GRAPH_COLUMNS:
+        cells = []
+        for c in data["cells"]:
+            ours, theirs = (lookup(data, p, mode, c["d"], c["causal"], c["N"]) for p in ("course_lib", base))
+            a, b = ((r or {}).get("graph_tflops") for r in (ours, theirs))
+            cells.append(a / b if a and b else None)
+        lo, geo = summarise(cells)
+        out[f"{mode}/{base}"] = {"min": lo, "geomean": geo, "cells": cells}
+    return out
+
+
 def ratio_rows(data: dict) -> list[dict]:
     """Per cell: d, causal, N and course_lib's TFLOP/s over each baseline's, for the columns of
     RATIO_COLUMNS (keys "fwd/sdpa_flash", ...); None where either figure is missing."""
@@ -134,6 +153,9 @@ def format_report(data: dict) -> str:
         )
     for i, stat in enumerate(("min", "geomean")):
         lines.append(f"{stat:>18} " + "".join(fmt(summarise(r[c] for r in rows)[i]) for c in cols))
+    for col, g in graph_summary(data).items():
+        if g["geomean"] is not None:
+            lines.append(f"CUDA-graph replays, {col}: min {g['min']:.2f}x, geomean {g['geomean']:.2f}x")
     lines.append("targets:")
     for t in targets:
         mark = {True: "met   ", False: "MISSED", None: "n/a   "}[t["met"]]

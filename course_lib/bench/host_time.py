@@ -1,0 +1,111 @@
+"""Host time per call: the CPU time to issue one attention call, course_lib against SDPA (notebook 08).
+
+A model run eagerly (a transformers model, a training loop without CUDA graphs) pays, for every attention
+call, the Python and C++ that issue its kernels; at short sequences that host time, not the GPU, sets the
+pace. Measured on tiny shapes (B=1, H=2, N=128, d=64, bf16: the GPU finishes each call long before the
+CPU has issued the next), `CALLS` calls back to back, wall clock per call after a sync, best of `REPEATS`:
+
+- forward: `flash_attention(q, k, v, causal=True)` under `torch.no_grad()` against SDPA's default;
+- forward+backward: `torch.autograd.grad` of the same call's output with a given dO, against SDPA;
+- decode step: one query token over a 256-token cache, `flash_attention` (routed to split-KV decoding)
+  against SDPA (is_causal=False: a single bottom-right query sees every key).
+
+The target (issue "as fast as cuDNN"): at most 1.5x SDPA's time per call. `make bench BENCH=attention`
+records it as `host_time`; `python -m course_lib.bench.host_time` prints it (GPU only). Setting
+COURSE_BOUND_LAUNCH=0 launches through Triton's own path (`kernels.bound`), for the comparison.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import torch
+import torch.nn.functional as F
+
+from .. import runtime
+
+CALLS = 2000
+REPEATS = 3
+TARGET = 1.5
+
+
+def _per_call_us(fn, calls: int, repeats: int) -> float:
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+        best = min(best, (time.perf_counter() - t0) / calls * 1e6)
+    return best
+
+
+def _calls(device) -> dict:
+    from .. import flash_attention
+
+    def rand(*shape, grad=False):
+        return torch.randn(*shape, device=device, dtype=torch.bfloat16, requires_grad=grad)
+
+    q, k, v = (rand(1, 2, 128, 64, grad=True) for _ in range(3))
+    do = rand(1, 2, 128, 64)
+    q1, kc, vc = rand(1, 2, 1, 64), rand(1, 2, 256, 64), rand(1, 2, 256, 64)
+    sdpa = F.scaled_dot_product_attention
+
+    def no_grad(fn):
+        def run():
+            with torch.no_grad():
+                fn()
+
+        return run
+
+    return {
+        "forward": {
+            "course_lib": no_grad(lambda: flash_attention(q, k, v, causal=True)),
+            "sdpa": no_grad(lambda: sdpa(q, k, v, is_causal=True)),
+        },
+        "forward+backward": {
+            "course_lib": lambda: torch.autograd.grad(flash_attention(q, k, v, causal=True), (q, k, v), do),
+            "sdpa": lambda: torch.autograd.grad(sdpa(q, k, v, is_causal=True), (q, k, v), do),
+        },
+        "decode step": {
+            "course_lib": no_grad(lambda: flash_attention(q1, kc, vc, causal=True)),
+            "sdpa": no_grad(lambda: sdpa(q1, kc, vc)),
+        },
+    }
+
+
+def measure(quick: bool = False) -> dict:
+    """{"rows": [{call, course_lib_us, sdpa_us, ratio}], "calls", "target"}: the record's data (GPU)."""
+    if not runtime.ON_GPU:
+        raise RuntimeError("host_time: a GPU is needed (the CPU time to issue GPU work)")
+    from ..kernels import bound
+
+    calls = CALLS // 4 if quick else CALLS
+    rows = []
+    for call, providers in _calls(torch.device("cuda")).items():
+        us = {name: _per_call_us(fn, calls, REPEATS) for name, fn in providers.items()}
+        rows.append(
+            {"call": call, "course_lib_us": us["course_lib"], "sdpa_us": us["sdpa"],
+             "ratio": us["course_lib"] / us["sdpa"]}
+        )  # fmt: skip
+    return {"rows": rows, "calls": calls, "repeats": REPEATS, "target": TARGET, "bound_launch": bound.MODE}
+
+
+def format_table(data: dict) -> str:
+    lines = [
+        f"host time per call ({data['calls']} calls, best of {data['repeats']}; target <= {data['target']}x SDPA)"
+    ]
+    lines.append(f"{'call':<18} {'course_lib us':>14} {'SDPA us':>9} {'ratio':>6}")
+    for r in data["rows"]:
+        lines.append(f"{r['call']:<18} {r['course_lib_us']:>14.1f} {r['sdpa_us']:>9.1f} {r['ratio']:>6.2f}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    result = measure()
+    print(format_table(result))
+    print(json.dumps(result))
