@@ -1,8 +1,10 @@
 """Where the serving benchmark's time goes (notes/serving.md): two probes on a GPU.
 
 1. The pieces of a cascade step at B = 64 over a 32k prefix (S = 1024): the prefix pass alone against the number
-   of query rows (row tiles of `block_m_max` rows each), then the prefix pass, the suffix pass and the merge of
-   the full step, and the whole step with the two passes on one stream and on two (`serving.cascade.OVERLAP`).
+   of query rows (row tiles of `block_m_max` rows each), then the three launches of the full step
+   (`serving.cascade.cascade_passes`: the prefix pass and the suffix pass, each writing its splits' partials
+   into one buffer, and the one combine of them all), and the whole step with the two passes on one stream
+   and on two (`serving.cascade.OVERLAP`).
 2. The time to first token of a prompt on the capstone-shaped model of `bench/serving.py`, for prompts of
    several lengths, cached and not: where a prefill step's time goes (a profile of the 4096-token step).
 
@@ -40,7 +42,6 @@ def prefix_pass_rows():
 
 
 def cascade_pieces():
-    from course_lib.attention.merge import merge_attention_states
     from course_lib.serving import cascade
 
     gen = torch.Generator().manual_seed(2)
@@ -52,26 +53,13 @@ def cascade_pieces():
     prefix_pages, table = perm[: P // PAGE], perm[P // PAGE :].view(b, -1)
     q = torch.randn(b, 1, HQ, D, generator=gen).to("cuda", torch.bfloat16)
     lens = torch.full((b,), s, dtype=torch.int32, device="cuda")
-    plen = torch.full((1,), P, dtype=torch.int32, device="cuda")
-    rows = q.reshape(1, b, HQ, D)
-
-    def prefix():
-        return paged_decode_attention(
-            rows, k, v, prefix_pages.view(1, -1), plen, causal=False, return_lse=True, validate=False
-        )
-
-    def suffix():
-        return paged_decode_attention(q, k, v, table, lens, causal=True, return_lse=True, validate=False)
-
-    (o_p, l_p), (o_s, l_s) = prefix(), suffix()
-
-    def merge():
-        return merge_attention_states(o_p.view(b, 1, HQ, D), l_p.view(b, 1, HQ), o_s, l_s)
+    prefix, suffix, merge, _ = cascade.cascade_passes(q, k, v, prefix_pages, P, table, lens, validate=False)
 
     def step():
         return cascade.cascade_decode_attention(q, k, v, prefix_pages, P, table, lens, validate=False)
 
-    for name, fn in (("prefix pass", prefix), ("suffix pass", suffix), ("merge in PyTorch ops", merge)):
+    prefix(), suffix()  # the partials the combine reads when timed alone
+    for name, fn in (("prefix pass", prefix), ("suffix pass", suffix), ("the one combine", merge)):
         print(f"cascade piece, {name}: {graph_ms(fn) * 1e3:7.1f} us")
     for overlap in (False, True):
         cascade.OVERLAP = overlap

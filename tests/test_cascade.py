@@ -68,6 +68,51 @@ def test_cascade_matches_float64_attention_over_each_full_sequence(
     torch.testing.assert_close(out.cpu().double(), ref, rtol=tol, atol=tol)
 
 
+class _Calls:
+    """A launcher (`combine`, `write_partials`) that records argument `index` of each call: its partials."""
+
+    def __init__(self, fn, index):
+        self.fn, self.index, self.buffers = fn, index, []
+
+    def __call__(self, *args, **kwargs):
+        self.buffers.append(args[self.index])
+        return self.fn(*args, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "B,Tq,Hq,Hkv,prefix_len,suffix_lens,num_splits,dtype",
+    [
+        (3, 2, 4, 2, 300, [2, 9, 17], None, torch.float32),  # the prefix split several ways, GQA, Tq = 2
+        (4, 1, 8, 1, 50, [7, 3, 2, 20], 3, torch.float16),  # MQA; 3 splits each, some suffix splits empty
+    ],
+)
+def test_both_passes_write_one_partial_buffer_and_one_combine_merges_it(
+    B, Tq, Hq, Hkv, prefix_len, suffix_lens, num_splits, dtype, monkeypatch
+):
+    """The two passes write into one (S_p + S_s, B, Tq, Hq, d) float32 buffer, and ONE combine launch reads it:
+    no combine of the prefix's splits alone, no stacked copy of the two results. Every module that launches
+    the combine is watched (split-KV decoding's own, after a split pass, and cascade's)."""
+    from course_lib.decode import split_kv
+    from course_lib.serving import cascade
+
+    combines = _Calls(cascade.combine, 0)  # combine(o_part, lse_part, out, lse)
+    passes = _Calls(cascade.write_partials, 6)  # write_partials(run, q, k, v, table, lens, o_part, ...)
+    monkeypatch.setattr(cascade, "combine", combines)
+    monkeypatch.setattr(split_kv, "combine", combines)
+    monkeypatch.setattr(cascade, "write_partials", passes)
+    args = _setup(B, Tq, Hq, Hkv, 16, prefix_len, suffix_lens, 8, dtype, seed=3)
+    out = cascade_decode_attention(*args, num_splits=num_splits)
+    assert len(passes.buffers) == 2 and len(combines.buffers) == 1
+    (merged,) = combines.buffers
+    assert merged.dtype == torch.float32 and merged.shape[1:] == (B, Tq, Hq, 16)
+    for written in passes.buffers:  # each pass writes its slots of the buffer the combine reads
+        assert written.untyped_storage().data_ptr() == merged.untyped_storage().data_ptr()
+    # the prefix's splits, then the suffix's: 3 + 3 forced; the prefix alone split several ways when chosen
+    assert merged.shape[0] == 6 if num_splits else merged.shape[0] > 2
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(out.cpu().double(), cascade_reference(*args), rtol=tol, atol=tol)
+
+
 def test_bad_input_is_refused_by_name():
     q, k, v, pp, plen, table, lens = _setup(2, 2, 2, 2, 16, 20, [4, 1], 8, torch.float32)
     with pytest.raises(ValueError, match="at least the Tq = 2 query tokens"):

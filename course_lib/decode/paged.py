@@ -25,7 +25,15 @@ from ..checks import (
     should_validate,
     tensors_key,
 )
-from .split_kv import check_inference, check_kv_pair, check_query_and_lengths, launch, normalise_causal
+from .split_kv import (
+    SplitLaunch,
+    check_inference,
+    check_kv_pair,
+    check_query_and_lengths,
+    launch,
+    normalise_causal,
+    plan_launch,
+)
 
 # kinds of calls `check_paged` accepted: 5.6 us of host time a call checked in full, 3.5 seen before (a 2-core CPU)
 _PAGED_CALLS = AcceptedCalls()
@@ -52,13 +60,34 @@ def paged_checked(
 ):
     """`paged_decode_attention` after `check_paged`: the lengths and page ids checked (`should_validate`),
     then the kernels; returns (out, lse). The body of its operator too (`op.py`)."""
+    page_size, capacity = _checked_values(q, k_pages, block_table, cache_seqlens, validate, where)
+    return launch(
+        q, k_pages, v_pages, block_table, cache_seqlens,
+        page_size=page_size, capacity=capacity, causal=normalise_causal(causal, where), scale=scale,
+        num_splits=num_splits, where=where,
+    )  # fmt: skip
+
+
+def _checked_values(q, k_pages, block_table, cache_seqlens, validate, where: str) -> tuple[int, int]:
+    """(page size, capacity in keys) of a paged call, after checking the lengths and page ids it uses where
+    `should_validate` allows."""
     num_pages, page_size = k_pages.shape[:2]
     capacity = block_table.shape[1] * page_size
     if should_validate(validate, q.device):
         check_lengths(where, cache_seqlens, capacity)
         check_page_ids(where, block_table, cache_seqlens, num_pages, page_size)
-    return launch(
-        q, k_pages, v_pages, block_table, cache_seqlens,
-        page_size=page_size, capacity=capacity, causal=normalise_causal(causal, where), scale=scale,
-        num_splits=num_splits, where=where,
+    return page_size, capacity
+
+
+def paged_plan(
+    q, k_pages, v_pages, block_table, cache_seqlens, causal, num_splits, validate, where: str
+) -> SplitLaunch:
+    """`paged_decode_attention`'s checks (`check_paged`, then the lengths and page ids) and the plan of its
+    split-KV launch, not run: for a caller that gives the kernel its own partial buffers
+    (`split_kv.write_partials`; cascade attention writes both of its passes into one, notebook 14)."""
+    check_paged(q, k_pages, v_pages, block_table, cache_seqlens, where)
+    page_size, capacity = _checked_values(q, k_pages, block_table, cache_seqlens, validate, where)
+    return plan_launch(
+        q, k_pages, block_table, page_size=page_size, capacity=capacity,
+        causal=normalise_causal(causal, where), num_splits=num_splits, where=where,
     )  # fmt: skip

@@ -25,6 +25,8 @@ by the shapes alone, so a step can be captured once as a CUDA graph and replayed
   fit on the GPU at once (`heuristics.longest_first`): whatever its lengths, its longest sequence does
   not stream alone at the end.
 - Each split writes its partial (O, L) in fp32; `combine` merges them (S = 1 writes the result directly).
+  `plan_launch` and `write_partials` run the kernel alone into a buffer the caller gives: cascade
+  attention's two passes write one buffer, merged by one combine (`serving.cascade`, notebook 14).
   On Hopper the combine is launched early (`course_lib.pdl`): the split programs let it be scheduled
   once each has stored its partial. Measured on an H200 (bf16, d = 128, 32/8 heads, graph replays, us;
   plain launches / trigger at each program's start / at its end): batch 1 at 4k 14.2 (trigger at the end)
@@ -50,6 +52,8 @@ at 32k 44.8 -> 42.1 (40.2). Many waves of short programs ran slower with the row
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from .. import pdl, runtime
@@ -74,7 +78,7 @@ from ..kernels.softmax import logsumexp, softmax_step
 from ..pdl import allow_dependents
 from ..runtime import tl, triton
 from .combine import combine
-from .heuristics import decode_plan, longest_first, longest_first_block, many_rows_tile, tile_for
+from .heuristics import DecodePlan, decode_plan, longest_first, longest_first_block, many_rows_tile, tile_for
 from .pack_gqa import packed_offsets, packed_rows
 from .paged_lookup import kv_rows, table_row
 
@@ -274,16 +278,28 @@ def normalise_causal(causal, where: str) -> bool:
     return causal_alignment(causal, where, ("bottom_right",)) is not None
 
 
-def launch(
-    q, k, v, block_table, cache_seqlens, *, page_size, capacity, causal, scale, num_splits, full=False,
-    where: str = "decode",
-):  # fmt: skip
-    """Run the split-KV kernel (and the combine if S > 1); returns (out, lse). Inputs already checked
-    (num_splits, None or an integer >= 1, is checked here; errors name `where`).
+class SplitLaunch(NamedTuple):
+    """A launch of `split_kv_kernel` planned from the shapes alone (`plan_launch`): its plan (tile, split
+    count, sliced or not, table rows whole or not: `heuristics.DecodePlan`), the query tile's rows
+    `block_m` and tiles per (sequence, kv head) `m_tiles`, and the kernel's flags."""
 
-    k, v: (B, Nmax, Hkv, d) caches (block_table None) or (num_pages, page_size, Hkv, d) pools.
-    full: every sequence holds all `capacity` keys (`heuristics.sliced`); cache_seqlens is then None
-    (or holds `capacity` for every sequence) and is never read."""
+    plan: DecodePlan
+    block_m: int
+    m_tiles: int
+    causal: bool
+    page_size: int  # 0: a contiguous cache
+    capacity: int
+    full: bool
+
+    @property
+    def num_splits(self) -> int:
+        """Splits of the grid: the partials it writes per (sequence, query token, head)."""
+        return self.plan.num_splits
+
+
+def plan_launch(q, k, block_table, *, page_size, capacity, causal, num_splits, full=False, where="decode"):
+    """The `SplitLaunch` of q (B, Tq, Hq, d) over k (a cache or, with a block_table, a page pool); num_splits,
+    None or an integer >= 1, is checked here (errors name `where`). Reads no tensor's values."""
     B, Tq, Hq, d = q.shape
     Hkv = k.shape[2]
     group = Hq // Hkv
@@ -298,42 +314,78 @@ def launch(
                 f"{where}: num_splits={num_splits} is more than the cache holds keys ({capacity} per sequence); "
                 "give at most that many, or None to choose"
             )
+    width = block_table.shape[1] if paged else 0
+    if B == 0:  # nothing to launch (the plan's wave arithmetic would divide by 0)
+        plan = DecodePlan(tile_for(d, paged), num_splits or 1, False, False)
+    else:
+        plan = decode_plan(
+            B, Hkv, m_tiles, capacity, d, paged, width, q.element_size(),
+            num_splits, full, many_rows,
+        )  # fmt: skip
+    return SplitLaunch(plan, block_m, m_tiles, causal, page_size if paged else 0, capacity, full)
+
+
+def write_partials(run: SplitLaunch, q, k, v, block_table, cache_seqlens, o_part, l_part, scale, pdl=False):
+    """Launch `run`'s split-KV kernel: split s writes its partial (O, L) of every row into o_part[s]
+    (B, Tq, Hq, d) and l_part[s] (B, Tq, Hq) float32, any strides (o_part float32; with one split it is the
+    result itself, in any float dtype). The inputs are `launch`'s. pdl: a kernel launched next with PDL
+    (`combine`) may be scheduled once every program has stored its partial."""
+    B, Tq, Hq, d = q.shape
+    Hkv = k.shape[2]
+    if B == 0:
+        return
+    tile, num_splits, paged = run.plan.tile, run.plan.num_splits, block_table is not None
+    # the kernel reads lengths[b] at SEQLENS + b; with full, none (any tensor stands in, never read)
+    cache_seqlens = l_part if run.full else cache_seqlens.contiguous()
+    table = block_table if paged else cache_seqlens  # any tensor: never read when PAGED=False
+    table_strides = block_table.stride() if paged else (0, 0)
+    scale = default_scale(d, scale)
+    wide = q.dtype == torch.float32
+    grid = (B * Hkv, num_splits, run.m_tiles)
+    programs = B * Hkv * num_splits * run.m_tiles
+    longest = run.plan.sliced and num_splits > 1 and not run.full
+    sort_b = longest_first_block(B, programs, tile) if longest else 0
+    width = block_table.shape[1] if paged else 0
+    bound.launch(split_kv_kernel, grid,
+        q, k, v, table, cache_seqlens, o_part, l_part, scale * 1.4426950408889634,
+        *q.stride(), *k.stride(), *v.stride(), *table_strides, *o_part.stride(), *l_part.stride(),
+        Hkv, Tq, run.capacity, num_splits,
+        PAGE_SIZE=run.page_size or 1, GROUP=Hq // Hkv, CAUSAL=run.causal, PAGED=paged,
+        HEAD_DIM=d, BLOCK_D=runtime.next_power_of_2(d), BLOCK_M=run.block_m, BLOCK_N=tile.block_n,
+        UPCAST=bool(runtime.INTERPRET and q.dtype == torch.bfloat16),
+        DOT_PRECISION="ieee" if wide else "tf32",
+        SORT_B=sort_b, PDL=pdl, TABLE_ROW=runtime.next_power_of_2(width) if run.plan.table_row else 0,
+        FULL=run.full, num_warps=tile.num_warps, num_stages=tile.num_stages,
+    )  # fmt: skip
+
+
+def launch(
+    q, k, v, block_table, cache_seqlens, *, page_size, capacity, causal, scale, num_splits, full=False,
+    where: str = "decode",
+):  # fmt: skip
+    """Run the split-KV kernel (and the combine if S > 1); returns (out, lse). Inputs already checked
+    (num_splits, None or an integer >= 1, is checked here; errors name `where`).
+
+    k, v: (B, Nmax, Hkv, d) caches (block_table None) or (num_pages, page_size, Hkv, d) pools.
+    full: every sequence holds all `capacity` keys (`heuristics.sliced`); cache_seqlens is then None
+    (or holds `capacity` for every sequence) and is never read."""
+    B, Tq, Hq, d = q.shape
+    run = plan_launch(
+        q, k, block_table, page_size=page_size, capacity=capacity, causal=causal, num_splits=num_splits,
+        full=full, where=where,
+    )  # fmt: skip
     out = torch.empty_like(q)
     lse = torch.empty((B, Tq, Hq), dtype=torch.float32, device=q.device)
     if B == 0:
         return out, lse
-    width = block_table.shape[1] if paged else 0
-    plan = decode_plan(
-        B, Hkv, m_tiles, capacity, d, paged, width, q.element_size(),
-        num_splits, full, many_rows,
-    )  # fmt: skip
-    tile, num_splits = plan.tile, plan.num_splits
+    num_splits = run.num_splits
     if num_splits == 1:
         o_part, l_part = out.unsqueeze(0), lse.unsqueeze(0)  # the one split writes the result itself
     else:
         o_part = torch.empty((num_splits, B, Tq, Hq, d), dtype=torch.float32, device=q.device)
         l_part = torch.empty((num_splits, B, Tq, Hq), dtype=torch.float32, device=q.device)
-    # the kernel reads lengths[b] at SEQLENS + b; with full, none (any tensor stands in, never read)
-    cache_seqlens = lse if full else cache_seqlens.contiguous()
-    table = block_table if paged else cache_seqlens  # any tensor: never read when PAGED=False
-    table_strides = block_table.stride() if paged else (0, 0)
-    scale = default_scale(d, scale)
-    wide = q.dtype == torch.float32
-    grid = (B * Hkv, num_splits, m_tiles)
-    programs = B * Hkv * num_splits * m_tiles
-    sort_b = longest_first_block(B, programs, tile) if plan.sliced and num_splits > 1 and not full else 0
     use_pdl = num_splits > 1 and pdl.enabled(q.device)  # the combine is launched while the splits end
-    bound.launch(split_kv_kernel, grid,
-        q, k, v, table, cache_seqlens, o_part, l_part, scale * 1.4426950408889634,
-        *q.stride(), *k.stride(), *v.stride(), *table_strides, *o_part.stride(), *l_part.stride(),
-        Hkv, Tq, capacity, num_splits,
-        PAGE_SIZE=page_size if paged else 1, GROUP=group, CAUSAL=causal, PAGED=paged,
-        HEAD_DIM=d, BLOCK_D=runtime.next_power_of_2(d), BLOCK_M=block_m, BLOCK_N=tile.block_n,
-        UPCAST=bool(runtime.INTERPRET and q.dtype == torch.bfloat16),
-        DOT_PRECISION="ieee" if wide else "tf32",
-        SORT_B=sort_b, PDL=use_pdl, TABLE_ROW=runtime.next_power_of_2(width) if plan.table_row else 0,
-        FULL=full, num_warps=tile.num_warps, num_stages=tile.num_stages,
-    )  # fmt: skip
+    write_partials(run, q, k, v, block_table, cache_seqlens, o_part, l_part, scale, pdl=use_pdl)
     if num_splits > 1:
         combine(o_part, l_part, out, lse, pdl=use_pdl)
     return out, lse

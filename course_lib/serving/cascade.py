@@ -9,9 +9,12 @@ sequence's keys in two disjoint sets and merges the partial results with noteboo
    no mask (the prefix lies wholly before every query);
 2. suffix: each sequence attends to its own pages with the paged decoding kernel, causal bottom-right (the
    queries are the last Tq tokens of the suffix);
-3. (O, L) = merge((O_prefix, L_prefix), (O_suffix, L_suffix)): L = logaddexp, O weighted by exp(L_part - L)
-   (split-KV decoding's combine kernel with two parts, `decode.combine`).
-On a GPU passes 1 and 2 run on two CUDA streams (`OVERLAP`): each may fill the SMs the other leaves idle.
+3. the merge, over every part at once: each pass writes its splits' partial (O_s, L_s) into its slots of ONE
+   float32 buffer (the prefix's S_p splits, then the suffix's S_s; with S_s = 1 the suffix's final state),
+   and ONE launch of split-KV decoding's combine (`decode.combine`) takes L = log sum_s exp(L_s),
+   O = sum_s exp(L_s - L) O_s over all S_p + S_s parts (`cascade_passes`).
+On a GPU passes 1 and 2 run on two CUDA streams (`OVERLAP`): each may fill the SMs the other leaves idle; the
+combine waits for both.
 
 Bytes: paged decoding reads B (P + S) tokens of K and V; cascade reads P + B S. Checked against float64
 attention over each full sequence (`cascade_reference`, tests/test_cascade.py).
@@ -33,6 +36,9 @@ import torch
 from ..checks import check_block_table, check_cache_seqlens, check_int, check_tensor
 from ..decode import paged_decode_attention
 from ..decode.combine import combine
+from ..decode.paged import paged_plan
+from ..decode.split_kv import write_partials
+from ..pdl import enabled as pdl_enabled
 
 __all__ = [
     "CASCADE_MIN_SAVED_BYTES",
@@ -40,6 +46,7 @@ __all__ = [
     "CascadeKV",
     "cascade_decode_attention",
     "cascade_min_prefix",
+    "cascade_passes",
     "cascade_reference",
     "shared_prefix",
 ]
@@ -87,37 +94,75 @@ def cascade_decode_attention(
     tokens after the prefix, as `paged_decode_attention` takes them. Sequence b is prefix + its suffix; query t
     of it sees the whole prefix and suffix keys j <= suffix_lens[b] - Tq + t. Returns out (B, Tq, Hq, d) in q's
     dtype. Not differentiable (serving). validate: as `paged_decode_attention`'s (False: no sync per call, for a
-    batcher whose cache built the tables)."""
+    batcher whose cache built the tables). Three launches (`cascade_passes`): the prefix pass and the suffix
+    pass, on two streams with `OVERLAP`, then the one combine once both are done."""
+    side = side_stream(q.device) if OVERLAP else None
+    prefix, suffix, merge, out = cascade_passes(
+        q, k_pages, v_pages, prefix_pages, prefix_len, block_table, suffix_lens, scale, num_splits,
+        validate=validate, pdl=side is None and pdl_enabled(q.device),
+    )  # fmt: skip
+    if side is not None:  # the prefix pass (compute-bound) beside the suffix pass (bandwidth-bound)
+        main = torch.cuda.current_stream(q.device)
+        side.wait_stream(main)  # the buffers, made on this stream, are ready before the side writes them
+    with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+        prefix()
+    suffix()
+    if side is not None:
+        main.wait_stream(side)  # the combine reads both passes' partials; nothing made on the side stream
+    merge()
+    return out
+
+
+def cascade_passes(
+    q, k_pages, v_pages, prefix_pages, prefix_len: int, block_table, suffix_lens, scale=None, num_splits=None,
+    *, validate: bool = True, pdl: bool = False,
+):  # fmt: skip
+    """`cascade_decode_attention`'s arguments checked and its three launches planned, not run:
+    (prefix, suffix, merge, out), three functions of no argument and the output (B, Tq, Hq, d) in q's dtype
+    that merge() fills. Each pass writes its splits' partial (O, L) into its own slots of ONE buffer
+    (S_p + S_s, B, Tq, Hq, d) float32 and (S_p + S_s, B, Tq, Hq) float32 (S_p splits of the prefix pass
+    first, its B x Tq query rows laid out as (B, Tq); then the suffix pass's S_s, its final (O, L) when
+    S_s = 1), and merge() is ONE `combine` of all S_p + S_s parts: no stacked copy, no second pass over O.
+    merge() must run after both passes. pdl: the combine is launched with PDL, for a caller that runs the
+    three in this order on one stream (the suffix pass then lets the combine be scheduled early).
+    `scripts/serving_probe.py` times the three one by one."""
     where = "cascade_decode_attention"
     _check(q, k_pages, prefix_pages, prefix_len, block_table, suffix_lens, where)
     B, Tq, Hq, d = q.shape
     rows = q.reshape(1, B * Tq, Hq, d)  # every query of the batch: one multi-query pass over the prefix
+    prefix_table = prefix_pages.view(1, -1)
     prefix_len_t = torch.full(
         (1,), prefix_len, dtype=torch.int32, device=q.device
     )  # a fill: graph-capturable
-    side = side_stream(q.device) if OVERLAP else None
-    if side is not None:  # the prefix pass (compute-bound) beside the suffix pass (bandwidth-bound)
-        main = torch.cuda.current_stream(q.device)
-        side.wait_stream(main)
-    with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-        o_p, lse_p = paged_decode_attention(
-            rows, k_pages, v_pages, prefix_pages.view(1, -1), prefix_len_t, causal=False, scale=scale,
-            num_splits=num_splits, return_lse=True, validate=validate,
-        )  # fmt: skip
-    o_s, lse_s = paged_decode_attention(
-        q, k_pages, v_pages, block_table, suffix_lens, causal=True, scale=scale, num_splits=num_splits,
-        return_lse=True, validate=validate,
+    prefix_run = paged_plan(
+        rows, k_pages, v_pages, prefix_table, prefix_len_t, False, num_splits, validate, where
     )  # fmt: skip
-    if side is not None:
-        main.wait_stream(side)
-        for t in (o_p, lse_p):  # made on the side stream, read and freed on this one
-            t.record_stream(main)
-    # the merge: notebook 09's combine of split partials, with two parts (one launch; the merge of
-    # attention.merge in PyTorch ops took 35 us here on an H200 at B = 64, Hq = 32, d = 128)
+    suffix_run = paged_plan(q, k_pages, v_pages, block_table, suffix_lens, True, num_splits, validate, where)
+    s_p, s_s = prefix_run.num_splits, suffix_run.num_splits
+    o_part = torch.empty((s_p + s_s, B, Tq, Hq, d), dtype=torch.float32, device=q.device)
+    l_part = torch.empty((s_p + s_s, B, Tq, Hq), dtype=torch.float32, device=q.device)
     out = torch.empty_like(q)
     lse = torch.empty((B, Tq, Hq), dtype=torch.float32, device=q.device)
-    combine(torch.stack((o_p.view(B, Tq, Hq, d), o_s)), torch.stack((lse_p.view(B, Tq, Hq), lse_s)), out, lse)
-    return out
+
+    def prefix():
+        write_partials(
+            prefix_run, rows, k_pages, v_pages, prefix_table, prefix_len_t,
+            o_part[:s_p].view(s_p, 1, B * Tq, Hq, d), l_part[:s_p].view(s_p, 1, B * Tq, Hq), scale,
+        )  # fmt: skip
+
+    def suffix():
+        write_partials(
+            suffix_run, q, k_pages, v_pages, block_table, suffix_lens, o_part[s_p:], l_part[s_p:], scale,
+            pdl=pdl,
+        )  # fmt: skip
+
+    def merge():
+        # notebook 09's combine of split partials over both passes' splits (the merge of attention.merge in
+        # PyTorch ops took 35 us here on an H200 at B = 64, Hq = 32, d = 128; a combine of the two passes'
+        # results after each pass's own, 209 us a step in all)
+        combine(o_part, l_part, out, lse, pdl=pdl)
+
+    return prefix, suffix, merge, out
 
 
 # The prefix and suffix passes on two CUDA streams, so that one's programs fill the SMs the other leaves idle
