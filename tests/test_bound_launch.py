@@ -129,6 +129,8 @@ for n in (256, 300, 256, 1000):
         rope(qr, kr, cos, sin)
 torch.cuda.synchronize()
 print("bound", sum(len(s.entries) for s in bound._SIGNATURES.values()), "not bound", len(bound._NOT_BOUND))
+for kernel, why in bound._NOT_BOUND.items():
+    print(getattr(kernel, "__name__", kernel), why)
 """
     env = dict(os.environ, COURSE_BOUND_LAUNCH="check")
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)

@@ -105,7 +105,30 @@ def format_table(data: dict) -> str:
     return "\n".join(lines)
 
 
+def profile(call: str, calls: int = 500, top: int = 25) -> None:
+    """Print where the CPU time of `calls` calls of `call` ("forward", "forward+backward", "decode step")
+    goes: cProfile, by own time."""
+    import cProfile
+    import pstats
+
+    fn = _calls(torch.device("cuda"))[call]["course_lib"]
+    _per_call_us(fn, 10, 1)
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    prof.disable()
+    torch.cuda.synchronize()
+    print(f"cProfile of {calls} course_lib {call} calls, by own time:")
+    pstats.Stats(prof).sort_stats("tottime").print_stats(top)
+
+
 if __name__ == "__main__":
+    import sys
+
+    if "--profile" in sys.argv:
+        for call in ("forward", "forward+backward", "decode step"):
+            profile(call)
     result = measure()
     print(format_table(result))
     print(json.dumps(result))

@@ -117,7 +117,7 @@ class _Entry:
 
 _current_stream = torch._C._cuda_getCurrentRawStream if ACTIVE else None  # what Triton's launch asks too
 _SIGNATURES: dict = {}
-_NOT_BOUND: set = set()  # kernels for which binding failed once: always launched through Triton
+_NOT_BOUND: dict = {}  # kernel -> why binding it failed once: such kernels always launch through Triton
 MAX_ENTRIES = 4096  # per kernel; past it, the table starts again (shapes that never repeat)
 
 
@@ -185,16 +185,16 @@ def launch(kernel, grid, *args, **kwargs) -> None:
     device = torch.cuda.current_device()
     try:
         key = (device, sig.key(args, kwargs))
-    except _Unbound:
+        entry = sig.entries.get(key)  # hashes the key: an unhashable constant is not bound either
+    except (_Unbound, TypeError):
         kernel[grid](*args, **kwargs)
         return
-    entry = sig.entries.get(key)
     if entry is None:
         compiled = kernel[grid](*args, **kwargs)
         try:
             entry = _bind(kernel, sig, compiled, device, args, kwargs)
-        except Exception:  # another Triton's internals: this kernel goes through Triton from now on
-            _NOT_BOUND.add(kernel)
+        except Exception as exc:  # another Triton's internals: this kernel goes through Triton from now on
+            _NOT_BOUND[kernel] = f"{type(exc).__name__}: {exc}"
             return
         if len(sig.entries) >= MAX_ENTRIES:
             sig.entries.clear()
