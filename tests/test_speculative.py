@@ -10,6 +10,7 @@ import torch
 
 import course_lib
 from course_lib.decode.cache import PagedKVCache
+from course_lib.decode.graphs import DecodeGraphs, StepGraphs, step_key
 from course_lib.decode.toy_model import ToyModel
 from course_lib.models import Llama, LlamaConfig
 from course_lib.models.generate import greedy_reference
@@ -21,10 +22,13 @@ from course_lib.speculative import (
     accept_sampled,
     alpha_for_tokens,
     cost_model_speedup,
+    drafts,
     early_exit_generate,
+    engine,
     expected_tokens,
     expected_tokens_of_rounds,
     forward_tokens,
+    jacobi,
     jacobi_generate,
     jacobi_update,
     lookahead_generate,
@@ -32,8 +36,10 @@ from course_lib.speculative import (
     plain_generate,
     predicted_speedup,
     speculative_generate,
+    steps,
     truncate,
 )
+from course_lib.speculative.steps import TorchPagedKV, kept_pages, padded_step
 
 DEV = course_lib.DEVICE  # the toy models live where the kernels run (the kernel-path tests call them)
 PROMPTS = [[1, 2, 3, 4, 1, 2, 3], [5, 6, 7, 8, 9, 10, 11, 12, 5, 6], [30, 3]]  # repeats for n-gram lookup
@@ -311,3 +317,149 @@ def test_self_speculative_matches_greedy(llama):
     for gamma in (1, 3):
         r = speculative_generate(llama, LayerDraft(llama, 2), [prompt], 10, gamma=gamma, attention="torch")
         assert r.tokens[0] == greedy, f"gamma={gamma}"
+
+
+# ---------------------------------------------------------------- steps replayed as CUDA graphs
+def test_cuda_graphs_are_refused_on_a_cpu_model():
+    model = ToyModel("cpu")
+    calls = {
+        "plain_generate": lambda: plain_generate(model, PROMPTS, 4, cuda_graphs=True),
+        "speculative_generate": lambda: speculative_generate(
+            model, NGramDraft(), PROMPTS, 4, cuda_graphs=True
+        ),
+        "jacobi_generate": lambda: jacobi_generate(model, PROMPTS[0], 4, cuda_graphs=True),
+        "lookahead_generate": lambda: lookahead_generate(model, PROMPTS[0], 4, cuda_graphs=True),
+        "ModelDraft": lambda: ModelDraft(model, cuda_graphs=True),
+    }
+    for where, call in calls.items():
+        with pytest.raises(ValueError, match=f"{where}: cuda_graphs=True .* need a model on a CUDA device"):
+            call()
+    with pytest.raises(TypeError, match="cuda_graphs must be True or False"):
+        plain_generate(model, PROMPTS, 4, cuda_graphs="yes")
+    with pytest.raises(ValueError, match="StepGraphs: CUDA graphs need a model on a CUDA device"):
+        StepGraphs(model, PagedKVCache(2, 4, 4, 2, 16, torch.float32, "cpu"))
+    assert not hasattr(model, steps.KEPT)  # nothing was kept for the refused calls
+
+
+def test_graph_keys_and_the_padding_of_ragged_steps():
+    cache = PagedKVCache(1, 16, 4, 1, 16, torch.float32, "cpu")
+    for s, n in ((0, 3), (1, 9), (2, 17)):  # 1, 3 and 5 pages
+        cache.add_sequence(s)
+        cache.append(s, n)
+    assert step_key(cache, [0, 1, 2], 4) == (3, 4, 8) and step_key(cache, [1, 0], 1) == (2, 1, 4)
+    assert step_key(cache, [0], 1) == (1, 1, 1)
+    assert StepGraphs.key(None, (3, 4, 8)) == (3, 4, 8)  # keyed by (B, T, width)
+    assert DecodeGraphs.key(None, (3, 1, 8)) == (3, 8)  # notebook 10's keys: (B, width), T = 1
+    with pytest.raises(ValueError, match="one token per sequence"):
+        DecodeGraphs.key(None, (3, 2, 8))
+    # three sequences bringing 2, 1, 3 tokens, padded to 3 each by their last token at its position
+    ids, pos, keep = padded_step([(0, [5, 6]), (1, [7]), (2, [8, 9, 10])], [3, 9, 17], 3)
+    assert ids == [5, 6, 6, 7, 7, 7, 8, 9, 10] and pos == [3, 4, 4, 9, 9, 9, 17, 18, 19]
+    assert keep == [0, 1, 3, 6, 7, 8]
+    assert padded_step([(4, [1, 2])], [0], 2) == ([1, 2], [0, 1], [0, 1])
+    assert [kept_pages(n) for n in (1, 2, 3, 14, 16, 17)] == [1, 2, 4, 16, 16, 32]
+
+
+class EagerStepGraphs:
+    """`StepGraphs`' contract without a GPU: each step of B sequences x T tokens runs as it is, in the
+    uniform layout a graph replays (`TorchPagedKV`, no padding rows), and is counted under its key."""
+
+    def __init__(self, model, cache, max_tokens: int = 64):
+        self.model, self.cache, self.max_tokens, self.graphs, self.replays = model, cache, max_tokens, {}, 0
+
+    def step(self, seq_ids, tokens, positions, slots):
+        B, T = len(seq_ids), len(tokens) // len(seq_ids)
+        assert B * T == len(tokens) == len(positions) == len(slots)
+        key = step_key(self.cache, seq_ids, T)
+        self.graphs[key] = self.graphs.get(key, 0) + 1
+        self.replays += 1
+        kv = TorchPagedKV.for_step(self.cache, seq_ids, [T] * B, slots)
+        ids, pos = (torch.tensor(x, device=self.model.device) for x in (tokens, positions))
+        return self.model.forward_step(ids, pos, kv)
+
+
+def generations(model, draft, own) -> dict:
+    """name -> (run(cuda_graphs) -> the new tokens of each prompt it decodes, those prompts' indices):
+    plain, speculative with ragged verification steps (n-gram), a bare draft model, a ModelDraft with
+    its own graphs (`own`; eager: a fresh one), Jacobi and lookahead."""
+    spec = lambda g, d, gamma: speculative_generate(model, d, PROMPTS, 12, gamma=gamma, cuda_graphs=g).tokens
+    look = lambda g: lookahead_generate(model, PROMPTS[1], 12, n=3, ngram=3, candidates=3, cuda_graphs=g)
+    return {
+        "plain": (lambda g: plain_generate(model, PROMPTS, 12, cuda_graphs=g).tokens, [0, 1, 2]),
+        "n-gram": (lambda g: spec(g, NGramDraft(), 3), [0, 1, 2]),
+        "draft model": (lambda g: spec(g, draft, 3), [0, 1, 2]),
+        "ModelDraft": (lambda g: spec(g, own if g else ModelDraft(draft, 64, 16), 2), [0, 1, 2]),
+        "jacobi": (lambda g: [jacobi_generate(model, PROMPTS[0], 12, n=4, cuda_graphs=g).tokens], [0]),
+        "lookahead": (lambda g: [look(g).tokens], [1]),
+    }
+
+
+def kept_graphs(*models) -> list:
+    """The caches (with their graphs) that cuda_graphs=True kept on these models (`steps.step_cache`)."""
+    return [k for m in models for k in getattr(m, steps.KEPT)]
+
+
+def test_graphed_path_pads_rolls_back_and_keeps_its_graphs(monkeypatch):
+    """The bookkeeping of cuda_graphs=True, checkable without a GPU: StepGraphs replaced by a stand-in
+    that runs each uniform step as it is. Ragged steps are padded (the n-gram draft proposes different
+    counts; prompts of different lengths) and the pads rolled back: greedy's tokens; the caches and their
+    graphs kept on the model, empty after each call; a second identical call meets no new step shape."""
+    for module in (steps, drafts):
+        monkeypatch.setattr(module, "StepGraphs", EagerStepGraphs)
+    for module in (engine, jacobi, drafts):
+        monkeypatch.setattr(module, "check_graphs", lambda where, model, attention, cuda_graphs: cuda_graphs)
+    pads, padded = [], steps.padded_step
+    count = lambda live, a, n: pads.append(sum(n - len(t) for _, t in live)) or padded(live, a, n)
+    monkeypatch.setattr(steps, "padded_step", count)
+    model, draft = ToyModel(DEV), ToyModel(DEV, seed=8)
+    expected = [model.generate_full(p, 12) for p in PROMPTS]
+    own = ModelDraft(draft, 64, 16, cuda_graphs=True)
+    runs = generations(model, draft, own)
+    for name, (run, which) in runs.items():
+        assert run(True) == [expected[i] for i in which], name
+    assert max(pads) > 0, pads
+    kept = kept_graphs(model, draft)
+    assert all(not k.busy and not k.cache.seqs for k in kept)
+    assert all(k.cache.allocator.num_free == k.cache.allocator.num_pages for k in kept)
+    assert {4, 1} <= {T for k in kept for _, T, _ in k.graphs.graphs}  # gamma + 1 and decode steps
+    assert own.graphs.replays > 0 and own.cache.seqs == {}
+    shapes = [dict(k.graphs.graphs) for k in kept + [own]]
+    for name, (run, which) in runs.items():  # again: every step shape was met the first time
+        assert run(True) == [expected[i] for i in which], f"{name}, second run"
+    assert kept_graphs(model, draft) == kept
+    for k, before in zip(kept + [own], shapes):
+        assert set(k.graphs.graphs) == set(before), "a second identical call met a new step shape"
+        assert all(k.graphs.graphs[key] > n for key, n in before.items())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not course_lib.ON_GPU, reason="CUDA graphs need a GPU")
+def test_cuda_graphs_give_the_tokens_of_eager_steps():
+    """Every generation of `generations` gives the same tokens (greedy's) with cuda_graphs=True as without,
+    and so does self-speculation (`LayerDraft` of a Llama); a second run captures no new graph."""
+    model, draft = ToyModel(DEV), ToyModel(DEV, seed=8)
+    expected = [model.generate_full(p, 12) for p in PROMPTS]
+    own = ModelDraft(draft, 64, 16, cuda_graphs=True)
+    runs = generations(model, draft, own)
+    for name, (run, which) in runs.items():
+        assert run(False) == [expected[i] for i in which], f"{name}, eager"
+        assert run(True) == [expected[i] for i in which], f"{name}, CUDA graphs"
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=64, dim=64, n_layers=4, n_heads=4, n_kv_heads=2, hidden_dim=96, max_seq_len=128
+    )
+    llama = Llama(config).to(DEV)
+    llama.reset_parameters(std=0.1)
+    layers, prompts = LayerDraft(llama, 2), [[3, 4, 5, 6, 3, 4], [7, 8, 9]]
+    selfspec = lambda g: speculative_generate(llama, layers, prompts, 10, gamma=3, cuda_graphs=g).tokens
+    assert selfspec(True) == selfspec(False) == plain_generate(llama, prompts, 10).tokens
+    kept = kept_graphs(model, draft, llama, layers) + [own]
+    assert {4, 1} <= {T for k in kept for _, T, _ in k.graphs.graphs}
+    captured = [set(k.graphs.graphs) for k in kept]
+    for name, (run, which) in runs.items():
+        assert run(True) == [expected[i] for i in which], f"{name}, CUDA graphs, second run"
+    assert selfspec(True) == selfspec(False)
+    assert [set(k.graphs.graphs) for k in kept] == captured, "a second run captured a new step shape"
+    assert own.graphs.replays > 0 and sum(k.graphs.replays for k in kept) > 100
+    with pytest.raises(ValueError, match="attention must be 'kernel'"):
+        plain_generate(model, PROMPTS, 4, attention="torch", cuda_graphs=True)

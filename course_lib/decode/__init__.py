@@ -13,7 +13,8 @@
 - `cache`: the page pool and its allocator (free list, reference counts, copy-on-write) (10).
 - `paged_kv`: `PagedKV`, one serving step's view of the paged cache, which a model's layers attend through (10).
 - `batching`: the continuous-batching loop and the model interface it serves (10).
-- `graphs`: `DecodeGraphs`, decode steps captured once per batch shape and replayed as CUDA graphs (10).
+- `graphs`: `DecodeGraphs`, decode steps captured once per batch shape and replayed as CUDA graphs (10);
+  `StepGraphs`, the same for steps of T tokens per sequence (speculative verification, 15).
 - `toy_model`: `ToyModel`, a two-layer model with random weights that follows the serving interface (10).
 The read ceiling decoding is judged against is `course_lib.perf.ceilings.measure_read_bandwidth`.
 """

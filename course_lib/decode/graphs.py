@@ -16,6 +16,12 @@ page ids and positions are read by the kernels from those tensors at replay, so 
 every step of that shape. Only steps in which every sequence brings one token are replayed; a step
 with a prefill chunk runs as it is (its token count changes from step to step).
 
+`StepGraphs`, which `DecodeGraphs` specialises to T = 1, replays steps in which each of B sequences
+brings the same number T of tokens, one graph per (B, T, width): notebook 15's verification steps (the
+pending token and gamma drafts, T = gamma + 1 query rows per sequence, `PagedKV`'s Tq) and its draft
+models' steps. Every sequence of a replayed step brings exactly T tokens; a step with ragged counts
+is not replayed (`speculative.steps.forward_tokens` pads it to its longest sequence, or runs it as usual).
+
 Capturing a shape (`course_lib.perf.timing.graphed`): the step first runs twice as usual on the fixed
 tensors (which compiles any kernel not yet compiled and writes the step's K/V into the cache), is then
 recorded, and is replayed for its result; each run writes the same K/V. All graphs share one memory
@@ -38,20 +44,21 @@ def table_width(pages: int) -> int:
 
 
 class _Graph:
-    """One captured decode step of B sequences over a block table `width` pages wide."""
+    """One captured step of B sequences, T tokens each, over a block table `width` pages wide."""
 
-    def __init__(self, model, cache: PagedKVCache, batch: int, width: int, pool):
+    def __init__(self, model, cache: PagedKVCache, batch: int, tokens: int, width: int, pool):
         device = model.device
-        self.tokens = torch.zeros(batch, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(batch, dtype=torch.int64, device=device)
-        self.slots = torch.zeros(batch, dtype=torch.int64, device=device)
+        n = batch * tokens
+        self.tokens = torch.zeros(n, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
+        self.slots = torch.zeros(n, dtype=torch.int64, device=device)
         self.kv = PagedKV(
             cache,
             torch.zeros(batch, width, dtype=torch.int32, device=device),
             torch.zeros(batch, dtype=torch.int32, device=device),
             self.slots,
-            torch.arange(batch, dtype=torch.int64, device=device),  # one token per sequence: row b
-            1,
+            torch.arange(n, dtype=torch.int64, device=device),  # T tokens per sequence: no padding rows
+            tokens,
         )
         self.model, self.pool, self.replay, self.logits = model, pool, None, None
 
@@ -75,7 +82,55 @@ class _Graph:
         return self.logits
 
 
-class DecodeGraphs:
+def step_key(cache: PagedKVCache, seq_ids: list[int], tokens: int) -> tuple[int, int, int]:
+    """(B, T, width): the shape that fixes a captured step in which each of the sequences `seq_ids`
+    brings `tokens` tokens, their slots already appended (width: `table_width` of the most pages)."""
+    return len(seq_ids), tokens, table_width(max(len(cache.seqs[i].pages) for i in seq_ids))
+
+
+class StepGraphs:
+    """CUDA graphs of a model's steps over a paged cache in which every sequence brings the same number T
+    of tokens, one graph per (batch size B, T, table width): T = 1 for decode steps, T = gamma + 1 for a
+    speculative verification step (notebook 15). A step whose sequences bring different numbers of
+    tokens is not replayed here: its caller runs it as usual, or pads it (`speculative.steps`).
+
+    `step(seq_ids, tokens, positions, slots)`: sequence seq_ids[b] brings tokens[b*T : (b+1)*T] at those
+    positions, their K/V going to those slots (as `PagedKVCache.append` gave), len(tokens) = B*T; returns
+    the logits (B*T, vocab) (fixed memory: read them before the next step). max_tokens: the largest T
+    its users replay (longer steps are prefills, one-off shapes whose capture costs three runs)."""
+
+    def __init__(self, model, cache: PagedKVCache, max_tokens: int = 16):
+        if torch.device(model.device).type != "cuda":
+            raise ValueError(
+                f"{type(self).__name__}: CUDA graphs need a model on a CUDA device, got {model.device}"
+            )
+        self.model, self.cache, self.max_tokens = model, cache, max_tokens
+        self.graphs: dict[tuple[int, ...], _Graph] = {}
+        self.pool = torch.cuda.graph_pool_handle()
+        self.replays = 0  # steps served by a replay
+
+    def key(self, shape: tuple[int, int, int]) -> tuple[int, ...]:
+        """The key of `graphs` for a step of shape (B, T, width) (`step_key`)."""
+        return shape
+
+    def step(self, seq_ids: list[int], tokens: list[int], positions: list[int], slots: torch.Tensor):
+        batch = len(seq_ids)
+        if batch == 0 or len(tokens) % batch or len(positions) != len(tokens) or len(slots) != len(tokens):
+            raise ValueError(
+                f"{type(self).__name__}.step: {len(tokens)} tokens, {len(positions)} positions and "
+                f"{len(slots)} slots for {batch} sequences; each sequence must bring the same number"
+            )
+        shape = step_key(self.cache, seq_ids, len(tokens) // batch)
+        key = self.key(shape)
+        if key not in self.graphs:
+            self.graphs[key] = _Graph(self.model, self.cache, *shape, self.pool)
+        graph = self.graphs[key]
+        graph.fill(seq_ids, tokens, positions, slots)
+        self.replays += 1
+        return graph.run()
+
+
+class DecodeGraphs(StepGraphs):
     """CUDA graphs of a model's decode steps over a paged cache, one per (batch size, table width).
 
     `step(seq_ids, tokens, positions, slots)` runs the step in which sequence seq_ids[i] brings token
@@ -83,19 +138,12 @@ class DecodeGraphs:
     and returns the logits (B, vocab) (fixed memory: read them before the next step)."""
 
     def __init__(self, model, cache: PagedKVCache):
-        if torch.device(model.device).type != "cuda":
-            raise ValueError(f"DecodeGraphs: CUDA graphs need a model on a CUDA device, got {model.device}")
-        self.model, self.cache = model, cache
-        self.graphs: dict[tuple[int, int], _Graph] = {}
-        self.pool = torch.cuda.graph_pool_handle()
-        self.replays = 0  # steps served by a replay
+        super().__init__(model, cache, max_tokens=1)
 
-    def step(self, seq_ids: list[int], tokens: list[int], positions: list[int], slots: torch.Tensor):
-        width = table_width(max(len(self.cache.seqs[i].pages) for i in seq_ids))
-        key = (len(seq_ids), width)
-        if key not in self.graphs:
-            self.graphs[key] = _Graph(self.model, self.cache, *key, self.pool)
-        graph = self.graphs[key]
-        graph.fill(seq_ids, tokens, positions, slots)
-        self.replays += 1
-        return graph.run()
+    def key(self, shape: tuple[int, int, int]) -> tuple[int, ...]:
+        batch, tokens, width = shape
+        if tokens != 1:
+            raise ValueError(
+                f"DecodeGraphs.step: one token per sequence, got {tokens} (StepGraphs takes more)"
+            )
+        return batch, width

@@ -9,7 +9,8 @@ the sequence are now settled; `finish(seq_id)` forgets the sequence.
 - `NGramDraft`: prompt lookup (vLLM's "ngram" proposer): find the latest earlier occurrence of the
   sequence's last n tokens and propose what followed it. No model, no cost; deterministic, so q is one-hot.
 - `ModelDraft`: a smaller model of the same vocabulary (the capstone's architecture with fewer layers,
-  or `LayerDraft`, the target's own first layers), with its own paged cache, run one token per step.
+  or `LayerDraft`, the target's own first layers), with its own paged cache, run one token per step
+  (cuda_graphs=True: its steps replayed as CUDA graphs, `steps.forward_tokens`).
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ from __future__ import annotations
 import torch
 
 from ..checks import check_int, vocab_size
+from ..decode.graphs import StepGraphs
 from .acceptance import probabilities
-from .steps import check_attention, forward_tokens, new_cache, truncate
+from .steps import check_attention, check_graphs, forward_tokens, new_cache, truncate
 
 
 class NGramDraft:
@@ -62,13 +64,29 @@ class NGramDraft:
 class ModelDraft:
     """A draft model (any model of the serving interface) with its own paged cache. Each `propose` feeds
     every sequence's tokens not yet in the draft's cache, then one drafted token per step: k draft steps
-    for k proposals, all the batch's sequences in each step."""
+    for k proposals, all the batch's sequences in each step. cuda_graphs=True (a model on a GPU, the
+    kernel path): those steps replayed as CUDA graphs (`StepGraphs` over its cache), kept as long as the
+    draft: one ModelDraft serves several generations, its cache empty after each (`finish`)."""
 
-    def __init__(self, model, num_pages: int = 256, page_size: int = 16, attention: str = "kernel"):
-        self.model = model
+    def __init__(
+        self, model, num_pages: int = 256, page_size: int = 16, attention: str = "kernel",
+        cuda_graphs: bool = False,
+    ):  # fmt: skip
+        check_graphs("ModelDraft", model, check_attention("ModelDraft", attention), cuda_graphs)
+        cache = new_cache(model, num_pages, page_size)
+        self._attach(model, cache, StepGraphs(model, cache) if cuda_graphs else None, attention)
+
+    @classmethod
+    def over(cls, model, cache, graphs: StepGraphs | None = None, attention: str = "kernel") -> ModelDraft:
+        """A ModelDraft of `model` over a cache it is lent (and `graphs`, the StepGraphs over it, or None):
+        what `speculative_generate` builds for a bare draft model (`steps.step_cache`)."""
+        return cls.__new__(cls)._attach(model, cache, graphs, attention)
+
+    def _attach(self, model, cache, graphs, attention: str) -> ModelDraft:
+        self.model, self.cache, self.graphs = model, cache, graphs
         self.attention = check_attention("ModelDraft", attention)
-        self.cache = new_cache(model, num_pages, page_size)
         self.steps = 0  # forward steps run, for the cost accounting
+        return self
 
     @property
     def vocab_size(self) -> int | None:
@@ -85,7 +103,8 @@ class ModelDraft:
                 feeds[s] = list(tokens[self.cache.seqs[s].length :])
         todo = {s: k for s, _, k in batch if k > 0}
         while todo:
-            logits = forward_tokens(self.model, self.cache, [(s, feeds[s]) for s in todo], self.attention)
+            feed = [(s, feeds[s]) for s in todo]
+            logits = forward_tokens(self.model, self.cache, feed, self.attention, self.graphs)
             self.steps += 1
             for (s, _), rows in zip(list(todo.items()), logits):
                 last = rows[-1]

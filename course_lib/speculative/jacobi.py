@@ -13,6 +13,7 @@ also verifies up to `candidates` n-grams from the pool that start with the last 
 candidates ride in the same forward step as extra sequences of the batch, forked from the main one
 (`PagedKVCache.fork`: they share its pages; the first write copies the partly filled last page), in
 place of the paper's special attention mask. The branch that settles the most tokens wins; exact.
+cuda_graphs=True replays their steps as CUDA graphs, as the engine's (`steps.forward_tokens`).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import torch
 
 from ..checks import check_int
 from .engine import _check, _pages
-from .steps import check_attention, forward_tokens, new_cache, truncate
+from .steps import check_attention, check_graphs, forward_tokens, step_cache, truncate
 
 
 def jacobi_update(window: list[int], outputs: list[int]) -> tuple[list[int], list[int]]:
@@ -65,33 +66,36 @@ class ParallelResult:
 def _start(where, model, prompt, max_new_tokens, n, page_size, extra_seqs=0):
     (prompt,), max_new_tokens, _, vocab = _check(where, model, [prompt], max_new_tokens, 0.0)
     n = check_int(where, "n (the window)", n, 1)
-    cache = new_cache(model, (1 + extra_seqs) * _pages([prompt], max_new_tokens, n + 1, page_size), page_size)
-    cache.add_sequence(0)
-    return prompt, max_new_tokens, n, cache
+    return prompt, max_new_tokens, n, (1 + extra_seqs) * _pages([prompt], max_new_tokens, n + 1, page_size)
 
 
 @torch.no_grad()
-def jacobi_generate(model, prompt, max_new_tokens: int, n: int = 4, page_size: int = 16, attention="kernel"):
+def jacobi_generate(
+    model, prompt, max_new_tokens: int, n: int = 4, page_size: int = 16, attention="kernel",
+    cuda_graphs: bool = False,
+):  # fmt: skip
     """Greedy continuation of one prompt by Jacobi iteration over a window of n guesses (initial guesses:
     the prompt's last token repeated). Returns a `ParallelResult`: the tokens equal greedy decoding's."""
     start = time.perf_counter()
-    check_attention("jacobi_generate", attention)
-    prompt, max_new_tokens, n, cache = _start("jacobi_generate", model, prompt, max_new_tokens, n, page_size)
+    check_graphs("jacobi_generate", model, check_attention("jacobi_generate", attention), cuda_graphs)
+    prompt, max_new_tokens, n, pages = _start("jacobi_generate", model, prompt, max_new_tokens, n, page_size)
     seq, out = list(prompt), ParallelResult([])
     guess = [prompt[-1]] * n
-    while len(out.tokens) < max_new_tokens:
-        width = min(n, max_new_tokens - len(out.tokens) - 1)
-        pending = seq[cache.seqs[0].length :]
-        (rows,) = forward_tokens(model, cache, [(0, pending + guess[:width])], attention)
-        outputs = rows[-(width + 1) :].argmax(-1).tolist()
-        settled, guess = jacobi_update([seq[-1]] + guess[:width], outputs)
-        guess = (guess + [guess[-1] if guess else settled[-1]] * n)[:n]
-        truncate(cache, 0, len(seq) + len(settled) - 1)
-        seq += settled
-        out.tokens += settled
-        out.settled.append(len(settled))
-        out.branches.append(0)
-    cache.free(0)
+    with step_cache(model, pages, page_size, cuda_graphs) as (cache, graphs):
+        cache.add_sequence(0)
+        while len(out.tokens) < max_new_tokens:
+            width = min(n, max_new_tokens - len(out.tokens) - 1)
+            pending = seq[cache.seqs[0].length :]
+            (rows,) = forward_tokens(model, cache, [(0, pending + guess[:width])], attention, graphs)
+            outputs = rows[-(width + 1) :].argmax(-1).tolist()
+            settled, guess = jacobi_update([seq[-1]] + guess[:width], outputs)
+            guess = (guess + [guess[-1] if guess else settled[-1]] * n)[:n]
+            truncate(cache, 0, len(seq) + len(settled) - 1)
+            seq += settled
+            out.tokens += settled
+            out.settled.append(len(settled))
+            out.branches.append(0)
+        cache.free(0)
     out.seconds = time.perf_counter() - start
     return out
 
@@ -99,59 +103,62 @@ def jacobi_generate(model, prompt, max_new_tokens: int, n: int = 4, page_size: i
 @torch.no_grad()
 def lookahead_generate(
     model, prompt, max_new_tokens: int, n: int = 4, ngram: int = 4, candidates: int = 4, page_size: int = 16,
-    attention: str = "kernel",
+    attention: str = "kernel", cuda_graphs: bool = False,
 ):  # fmt: skip
     """Greedy continuation of one prompt by lookahead decoding (module docstring): a Jacobi window of n
     guesses plus up to `candidates` pooled n-grams of `ngram` tokens verified in the same step. Returns a
     `ParallelResult` whose tokens equal greedy decoding's."""
     start = time.perf_counter()
     where = "lookahead_generate"
-    check_attention(where, attention)
+    check_graphs(where, model, check_attention(where, attention), cuda_graphs)
     ngram = check_int(where, "ngram", ngram, 2)
     candidates = check_int(where, "candidates", candidates, 0)
-    prompt, max_new_tokens, n, cache = _start(where, model, prompt, max_new_tokens, n, page_size, candidates)
+    prompt, max_new_tokens, n, pages = _start(where, model, prompt, max_new_tokens, n, page_size, candidates)
     pool: dict[int, list[tuple[int, ...]]] = {}
     seq, out = list(prompt), ParallelResult([])
     guess = [prompt[-1]] * n
-    while len(out.tokens) < max_new_tokens:
-        room = max_new_tokens - len(out.tokens) - 1
-        width = min(n, room)
-        pending = seq[cache.seqs[0].length :]
-        grams = [list(g[:room]) for g in pool.get(seq[-1], [])[:candidates] if room > 0]
-        for b in range(len(grams)):
-            cache.fork(0, b + 1)
-        feeds = [(0, pending + guess[:width])] + [(b + 1, pending + g) for b, g in enumerate(grams)]
-        logits = forward_tokens(model, cache, feeds, attention)
-        outputs = logits[0][-(width + 1) :].argmax(-1).tolist()
-        settled, guess = jacobi_update([seq[-1]] + guess[:width], outputs)
-        best = 0
-        for b, g in enumerate(grams):  # a verified n-gram: the same greedy acceptance
-            got, _ = jacobi_update([seq[-1]] + g, logits[b + 1][-(len(g) + 1) :].argmax(-1).tolist())
-            if len(got) > len(settled):
-                settled, best = got, b + 1
-        window = [seq[-1]] + guess[:width]
-        for j in range(len(outputs) - ngram + 2):  # pool (fed token, outputs after it) from the Jacobi branch
-            key, rest = window[j], tuple(outputs[j : j + ngram - 1])
-            if len(rest) == ngram - 1:
-                grams_for = pool.setdefault(key, [])
-                if rest in grams_for:
-                    grams_for.remove(rest)
-                grams_for.insert(0, rest)
-        if best:  # the winning fork's cache becomes the sequence's
-            cache.free(0)
-            cache.seqs[0] = cache.seqs.pop(best)
-        for b in range(len(grams)):
-            if b + 1 in cache.seqs:
-                cache.free(b + 1)
-        truncate(cache, 0, len(seq) + len(settled) - 1)
-        if best:  # the Jacobi outputs were for positions now settled otherwise: shift them
-            shift = len(settled) - 1
-            guess = (outputs[1 + shift :] + [outputs[-1]] * n)[:n]
-        guess = (guess + [guess[-1] if guess else settled[-1]] * n)[:n]
-        seq += settled
-        out.tokens += settled
-        out.settled.append(len(settled))
-        out.branches.append(len(grams))
-    cache.free(0)
+    with step_cache(model, pages, page_size, cuda_graphs) as (cache, graphs):
+        cache.add_sequence(0)
+        while len(out.tokens) < max_new_tokens:
+            room = max_new_tokens - len(out.tokens) - 1
+            width = min(n, room)
+            pending = seq[cache.seqs[0].length :]
+            grams = [list(g[:room]) for g in pool.get(seq[-1], [])[:candidates] if room > 0]
+            for b in range(len(grams)):
+                cache.fork(0, b + 1)
+            feeds = [(0, pending + guess[:width])] + [(b + 1, pending + g) for b, g in enumerate(grams)]
+            logits = forward_tokens(model, cache, feeds, attention, graphs)
+            outputs = logits[0][-(width + 1) :].argmax(-1).tolist()
+            settled, guess = jacobi_update([seq[-1]] + guess[:width], outputs)
+            best = 0
+            for b, g in enumerate(grams):  # a verified n-gram: the same greedy acceptance
+                got, _ = jacobi_update([seq[-1]] + g, logits[b + 1][-(len(g) + 1) :].argmax(-1).tolist())
+                if len(got) > len(settled):
+                    settled, best = got, b + 1
+            window = [seq[-1]] + guess[:width]
+            # pool (fed token, outputs after it) from the Jacobi branch
+            for j in range(len(outputs) - ngram + 2):
+                key, rest = window[j], tuple(outputs[j : j + ngram - 1])
+                if len(rest) == ngram - 1:
+                    grams_for = pool.setdefault(key, [])
+                    if rest in grams_for:
+                        grams_for.remove(rest)
+                    grams_for.insert(0, rest)
+            if best:  # the winning fork's cache becomes the sequence's
+                cache.free(0)
+                cache.seqs[0] = cache.seqs.pop(best)
+            for b in range(len(grams)):
+                if b + 1 in cache.seqs:
+                    cache.free(b + 1)
+            truncate(cache, 0, len(seq) + len(settled) - 1)
+            if best:  # the Jacobi outputs were for positions now settled otherwise: shift them
+                shift = len(settled) - 1
+                guess = (outputs[1 + shift :] + [outputs[-1]] * n)[:n]
+            guess = (guess + [guess[-1] if guess else settled[-1]] * n)[:n]
+            seq += settled
+            out.tokens += settled
+            out.settled.append(len(settled))
+            out.branches.append(len(grams))
+        cache.free(0)
     out.seconds = time.perf_counter() - start
     return out
