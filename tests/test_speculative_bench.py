@@ -50,3 +50,8 @@ def test_registered_for_make_bench_and_the_shared_command_line():
     got = command_line(lambda quick, out: (quick, out), "doc line\nmore", ["--quick", "--out", "/tmp/x"])
     assert got == (True, "/tmp/x")
     assert command_line(lambda quick, out: (quick, out), "doc", [])[0] is False
+    # a module's own switch (speculative's --eager: no CUDA graphs), passed on as a keyword
+    echo = lambda quick, out, eager: (quick, out, eager)
+    flags = {"eager": "no CUDA graphs"}
+    assert command_line(echo, "doc", ["--eager"], flags) == (False, str(records.ASSETS), True)
+    assert command_line(echo, "doc", ["--quick"], flags) == (True, str(records.ASSETS), False)

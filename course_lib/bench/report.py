@@ -191,10 +191,11 @@ def record_and_report(kind: str, run, save_plots, format_table, target_misses, q
     return 0
 
 
-def command_line(main, doc: str, argv=None) -> int:
+def command_line(main, doc: str, argv=None, flags: dict | None = None) -> int:
     """The command line of a benchmark module, `python -m course_lib.bench.<name> [--quick] [--out DIR]`:
     parses `argv` (default: the process's arguments) and returns `main(quick, out)`. `doc`: the module's
-    docstring, whose first line describes the command."""
+    docstring, whose first line describes the command. flags: {name: help} of a module's own switches,
+    passed on as keywords (`--eager` -> main(quick, out, eager=True))."""
     import argparse
 
     from .. import records
@@ -202,5 +203,7 @@ def command_line(main, doc: str, argv=None) -> int:
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a small grid, for a smoke test")
     parser.add_argument("--out", default=str(records.ASSETS), help="folder for the record")
+    for name, text in (flags or {}).items():
+        parser.add_argument(f"--{name}", action="store_true", help=text)
     args = parser.parse_args(argv)
-    return main(args.quick, args.out)
+    return main(args.quick, args.out, **{name: getattr(args, name) for name in flags or {}})

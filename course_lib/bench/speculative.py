@@ -24,7 +24,13 @@ recorded).
 
 `speculative_generate` runs a batch whose sequences keep different numbers of drafts per round; batch 8
 is measured with it. `lookahead_generate` decodes one prompt, so lookahead has no batch-8 row.
-Record "speculative". `make bench BENCH=speculative`; `--quick` for one gamma and shorter training.
+
+On a GPU every generation and every part replays its steps as CUDA graphs (cuda_graphs=True: eager, a
+plain step was 24.9 ms of host launches for a few ms of GPU work, and the verification steps scattered
+18-33 ms), so the prediction and the measurement are made of the same kind of step; each timed call
+comes after an identical one, which captures every graph it replays. `--eager` measures without graphs
+(the CPU always does). Record "speculative". `make bench BENCH=speculative`; `--quick` for one gamma and
+shorter training; `python -m course_lib.bench.speculative --eager` for eager steps.
 """
 
 from __future__ import annotations
@@ -53,7 +59,7 @@ from ..speculative import (
     speculative_generate,
 )
 from ..speculative.acceptance import accept_greedy
-from ..speculative.steps import forward_tokens, new_cache, truncate
+from ..speculative.steps import forward_tokens, step_cache, truncate
 from .report import command_line, record_and_report
 from .train import CONFIG as CAPSTONE
 
@@ -137,84 +143,90 @@ def _pages(seqs, extra: int) -> int:
     return sum(-(-(len(x) + extra) // PAGE) + 1 for x in seqs)
 
 
-def round_parts(target, make_draft, states, gamma: int, attention: str, repeats: int) -> dict:
+def round_parts(
+    target, make_draft, states, gamma: int, attention: str, repeats: int, cuda_graphs=False
+) -> dict:
     """The parts of one speculative round, in seconds, each timed apart (median of `repeats`, mean over the
     `states`): t_draft (the draft's `propose` of gamma tokens), t_verify (the target's step over the pending
     token and the drafts, and the greedy acceptance of each sequence) and t_rollback (`truncate` of the
     target's cache and the draft's `rollback`, back to the state). Each state is a batch of sequences (lists
     of token ids): the target's cache holds all but each one's last (pending) token, as in a round, and the
-    draft's the same. `make_draft(num_pages)` builds a fresh draft."""
+    draft's the same. `make_draft(num_pages)` builds a fresh draft. cuda_graphs: the target's steps replayed
+    as CUDA graphs (`step_cache`; the draft's as `make_draft` made it); an untimed round first captures
+    every graph the timed ones replay."""
     vocab = target.config.vocab_size
     parts = {"t_draft": [], "t_verify": [], "t_rollback": [], "drafted": []}
     for seqs in states:
         pages = _pages(seqs, gamma + 2)
-        cache, draft = new_cache(target, pages, PAGE), make_draft(pages)
-        for i in range(len(seqs)):
-            cache.add_sequence(i)
-        forward_tokens(target, cache, [(i, x[:-1]) for i, x in enumerate(seqs)], attention)
-        # the draft's cache: its prefill, then back to all but the pending token
-        draft.propose([(i, x, 1) for i, x in enumerate(seqs)], 0.0, None, vocab)
-        for i, x in enumerate(seqs):
-            draft.rollback(i, len(x) - 1)
-        times = {k: [] for k in parts}
-        for _ in range(repeats):
-            _sync()
-            t0 = time.perf_counter()
-            proposals = draft.propose([(i, x, gamma) for i, x in enumerate(seqs)], 0.0, None, vocab)
-            _sync()
-            t1 = time.perf_counter()
-            feeds = [(i, [x[-1]] + d) for (i, x), (d, _) in zip(enumerate(seqs), proposals)]
-            logits = forward_tokens(target, cache, feeds, attention)
-            for (d, _), rows in zip(proposals, logits):
-                accept_greedy(d, rows[-(len(d) + 1) :].argmax(-1).tolist())
-            _sync()
-            t2 = time.perf_counter()
+        with step_cache(target, pages, PAGE, cuda_graphs) as (cache, graphs):
+            draft = make_draft(pages)
+            for i in range(len(seqs)):
+                cache.add_sequence(i)
+            forward_tokens(target, cache, [(i, x[:-1]) for i, x in enumerate(seqs)], attention, graphs)
+            # the draft's cache: its prefill, then back to all but the pending token
+            draft.propose([(i, x, 1) for i, x in enumerate(seqs)], 0.0, None, vocab)
             for i, x in enumerate(seqs):
-                truncate(cache, i, len(x) - 1)
                 draft.rollback(i, len(x) - 1)
-            _sync()
-            t3 = time.perf_counter()
-            for k, v in zip(
-                parts, (t1 - t0, t2 - t1, t3 - t2, sum(len(d) for d, _ in proposals) / len(seqs))
-            ):
-                times[k].append(v)
-        for i in range(len(seqs)):
-            cache.free(i)
-            draft.finish(i)
+            times = {k: [] for k in parts}
+            for repeat in range(repeats + 1):  # repeat 0: the untimed round
+                _sync()
+                t0 = time.perf_counter()
+                proposals = draft.propose([(i, x, gamma) for i, x in enumerate(seqs)], 0.0, None, vocab)
+                _sync()
+                t1 = time.perf_counter()
+                feeds = [(i, [x[-1]] + d) for (i, x), (d, _) in zip(enumerate(seqs), proposals)]
+                logits = forward_tokens(target, cache, feeds, attention, graphs)
+                for (d, _), rows in zip(proposals, logits):
+                    accept_greedy(d, rows[-(len(d) + 1) :].argmax(-1).tolist())
+                _sync()
+                t2 = time.perf_counter()
+                for i, x in enumerate(seqs):
+                    truncate(cache, i, len(x) - 1)
+                    draft.rollback(i, len(x) - 1)
+                _sync()
+                t3 = time.perf_counter()
+                drafted = sum(len(d) for d, _ in proposals) / len(seqs)
+                if repeat:
+                    for k, v in zip(parts, (t1 - t0, t2 - t1, t3 - t2, drafted)):
+                        times[k].append(v)
+            for i in range(len(seqs)):
+                cache.free(i)
+                draft.finish(i)
         for k in parts:
             parts[k].append(statistics.median(times[k]))
     return {k: statistics.fmean(v) for k, v in parts.items()}
 
 
-def lookahead_parts(target, states, attention: str, repeats: int) -> list[float]:
+def lookahead_parts(target, states, attention: str, repeats: int, cuda_graphs: bool = False) -> list[float]:
     """Seconds of one lookahead step with j = 0..candidates pooled n-grams verified beside the Jacobi window
     (index j): fork j sequences, one step over the window and the n-grams, each branch's greedy outputs,
-    free the forks, roll the window back. Median of `repeats`, mean over the `states` (single sequences)."""
+    free the forks, roll the window back. Median of `repeats` (after an untimed one: with cuda_graphs, the
+    steps replayed as CUDA graphs, it captures them), mean over the `states` (single sequences)."""
     n, ngram, candidates = LOOKAHEAD["n"], LOOKAHEAD["ngram"], LOOKAHEAD["candidates"]
     out = [[] for _ in range(candidates + 1)]
     for seq in states:
-        cache = new_cache(target, (1 + candidates) * _pages([seq], n + ngram + 2), PAGE)
-        cache.add_sequence(0)
-        forward_tokens(target, cache, [(0, seq[:-1])], attention)
-        window, gram = (seq * n)[-n:], (seq * ngram)[-(ngram - 1) :]
-        for j in range(candidates + 1):
-            times = []
-            for _ in range(repeats):
-                _sync()
-                t0 = time.perf_counter()
-                for b in range(j):
-                    cache.fork(0, b + 1)
-                feeds = [(0, [seq[-1]] + window)] + [(b + 1, [seq[-1]] + gram) for b in range(j)]
-                logits = forward_tokens(target, cache, feeds, attention)
-                for rows in logits:
-                    rows.argmax(-1).tolist()
-                for b in range(j):
-                    cache.free(b + 1)
-                truncate(cache, 0, len(seq) - 1)
-                _sync()
-                times.append(time.perf_counter() - t0)
-            out[j].append(statistics.median(times))
-        cache.free(0)
+        pages = (1 + candidates) * _pages([seq], n + ngram + 2)
+        with step_cache(target, pages, PAGE, cuda_graphs) as (cache, graphs):
+            cache.add_sequence(0)
+            forward_tokens(target, cache, [(0, seq[:-1])], attention, graphs)
+            window, gram = (seq * n)[-n:], (seq * ngram)[-(ngram - 1) :]
+            for j in range(candidates + 1):
+                times = []
+                for _ in range(repeats + 1):
+                    _sync()
+                    t0 = time.perf_counter()
+                    for b in range(j):
+                        cache.fork(0, b + 1)
+                    feeds = [(0, [seq[-1]] + window)] + [(b + 1, [seq[-1]] + gram) for b in range(j)]
+                    logits = forward_tokens(target, cache, feeds, attention, graphs)
+                    for rows in logits:
+                        rows.argmax(-1).tolist()
+                    for b in range(j):
+                        cache.free(b + 1)
+                    truncate(cache, 0, len(seq) - 1)
+                    _sync()
+                    times.append(time.perf_counter() - t0)
+                out[j].append(statistics.median(times[1:]))
     return [statistics.fmean(t) for t in out]
 
 
@@ -244,16 +256,16 @@ def _interpolate(parts: dict, b: int, B: int) -> float:
 
 
 def _speculative_rows(target, draft_model, prompts, plain, s, log) -> list[dict]:
-    attention, new = s["attention"], s["new"]
+    attention, new, graphs = s["attention"], s["new"], s["cuda_graphs"]
     k = max(1, s["config"].n_layers // 2)
+    layers = LayerDraft(target, k)  # one object: the graphs of its steps are kept on it between runs
     drafts = {  # name -> (what speculative_generate takes, a fresh draft for the parts, the model for c)
         "n-gram": (NGramDraft, lambda pages: NGramDraft(), None),
         f"{s['draft_layers']}-layer model": (
-            lambda: draft_model, lambda pages: ModelDraft(draft_model, pages, PAGE, attention), draft_model
+            lambda: draft_model, lambda pages: ModelDraft(draft_model, pages, PAGE, attention, graphs), draft_model
         ),
         f"first {k} of {s['config'].n_layers} layers": (
-            lambda: LayerDraft(target, k), lambda pages: ModelDraft(LayerDraft(target, k), pages, PAGE, attention),
-            LayerDraft(target, k),
+            lambda: layers, lambda pages: ModelDraft(layers, pages, PAGE, attention, graphs), layers,
         ),
     }  # fmt: skip
     c_of = {}
@@ -263,9 +275,9 @@ def _speculative_rows(target, draft_model, prompts, plain, s, log) -> list[dict]
                 c_of[name, B] = 0.0
                 continue
             few = max(2, new // 2)
-            plain_generate(model, prompts[:B], 2, attention=attention)  # warm-up
-            t = plain_generate(model, prompts[:B], few, attention=attention).seconds / few
-            c_of[name, B] = t / plain[B]["t_step"]
+            for _ in range(2):  # the first run: the warm-up
+                t = plain_generate(model, prompts[:B], few, attention=attention, cuda_graphs=graphs).seconds
+            c_of[name, B] = t / few / plain[B]["t_step"]
     rows, parts = [], {}
     for gamma in s["gammas"]:
         for name, (make, make_for_parts, _) in drafts.items():
@@ -274,13 +286,15 @@ def _speculative_rows(target, draft_model, prompts, plain, s, log) -> list[dict]
                 # warm-up: the whole run once, so that every verification shape it meets (a round may propose
                 # fewer drafts than gamma: other row counts) is compiled before the timed run (with a short
                 # warm-up the first n-gram row ran 45 ms a round against the 29.5 its parts sum to)
-                speculative_generate(target, make(), batch, new, gamma=gamma, attention=attention)
-                r = speculative_generate(target, make(), batch, new, gamma=gamma, attention=attention)
+                for _ in range(2):  # the first run: the warm-up
+                    r = speculative_generate(
+                        target, make(), batch, new, gamma=gamma, attention=attention, cuda_graphs=graphs
+                    )
                 for b in sorted({1, B}):
                     if (name, gamma, b) not in parts:
                         states = _states(prompts, plain[max(s["batches"])]["tokens"], b, s)
                         parts[name, gamma, b] = round_parts(
-                            target, make_for_parts, states, gamma, attention, s["repeats"]
+                            target, make_for_parts, states, gamma, attention, s["repeats"], graphs
                         )
                 p = {b: parts[name, gamma, b] for b in (1, B)}
                 t_step = plain[B]["t_step"]
@@ -320,13 +334,14 @@ def _costs(p: dict) -> dict:
 
 
 def _lookahead_row(target, prompts, plain, s, log) -> dict:
-    attention, new = s["attention"], s["new"]
+    attention, new, graphs = s["attention"], s["new"], s["cuda_graphs"]
     prompt = prompts[0]
-    lookahead_generate(target, prompt, new, attention=attention, page_size=PAGE, **LOOKAHEAD)  # warm-up
-    r = lookahead_generate(target, prompt, new, attention=attention, page_size=PAGE, **LOOKAHEAD)
-    t_look = lookahead_parts(
-        target, [x[0] for x in _states(prompts, plain[1]["tokens"], 1, s)], attention, s["repeats"]
-    )
+    for _ in range(2):  # the first run: the warm-up
+        r = lookahead_generate(
+            target, prompt, new, attention=attention, page_size=PAGE, cuda_graphs=graphs, **LOOKAHEAD
+        )
+    states = [x[0] for x in _states(prompts, plain[1]["tokens"], 1, s)]
+    t_look = lookahead_parts(target, states, attention, s["repeats"], graphs)
     t_step = plain[1]["t_step"]
     differ = _first_difference([r.tokens], plain[1]["tokens"][:1])
     speedup = plain[1]["seconds"] / r.seconds
@@ -354,20 +369,21 @@ def _log(row: dict) -> None:
     )
 
 
-def run(quick: bool = False) -> dict:
-    """Measure everything in the module docstring; the record's data."""
+def run(quick: bool = False, eager: bool = False) -> dict:
+    """Measure everything in the module docstring; the record's data. eager: no CUDA graphs on a GPU."""
     t0 = time.perf_counter()
-    s = sizes(quick)
+    s = {**sizes(quick), "cuda_graphs": runtime.ON_GPU and not eager}
     target, draft_model, trained, text = build_models(s)
     prompts = prompts_from(text, max(s["batches"]), s["prompt_len"])
-    attention, new = s["attention"], s["new"]
+    attention, new, graphs = s["attention"], s["new"], s["cuda_graphs"]
     plain = {}
     for B in s["batches"]:
-        plain_generate(target, prompts[:B], new, attention=attention)  # warm-up: the whole run once
-        r = plain_generate(target, prompts[:B], new, attention=attention)
+        for _ in range(2):  # the first run: the warm-up (compiles; captures every graph the second replays)
+            r = plain_generate(target, prompts[:B], new, attention=attention, cuda_graphs=graphs)
         plain[B] = {"seconds": r.seconds, "t_step": r.seconds / new, "tokens_per_s": B * new / r.seconds,
                     "tokens": r.tokens}  # fmt: skip
-        print(f"speculative: plain greedy, B={B}: {plain[B]['tokens_per_s']:.0f} tokens/s")
+        steps = "CUDA graphs" if graphs else "eager steps"
+        print(f"speculative: plain greedy, B={B} ({steps}): {plain[B]['tokens_per_s']:.0f} tokens/s")
     rows = _speculative_rows(target, draft_model, prompts, plain, s, _log)
     rows.append(_lookahead_row(target, prompts, plain, s, _log))
     print(f"speculative: measured in {time.perf_counter() - t0:.0f} s")
@@ -456,10 +472,14 @@ def save_plots(data: dict, out: Path, slug: str) -> list[Path]:
     return []
 
 
-def main(quick: bool = False, out: str | Path = records.ASSETS) -> int:
-    """Measure (`run`), save the record "speculative" in `out`, print the tables and the targets missed."""
-    return record_and_report("speculative", run, save_plots, format_table, target_misses, quick, out)
+def main(quick: bool = False, out: str | Path = records.ASSETS, eager: bool = False) -> int:
+    """Measure (`run`), save the record "speculative" in `out`, print the tables and the targets missed.
+    eager: steps launched one kernel at a time, no CUDA graphs (the record's sizes say which)."""
+    measure = lambda q: run(q, eager)
+    return record_and_report("speculative", measure, save_plots, format_table, target_misses, quick, out)
 
 
 if __name__ == "__main__":
-    raise SystemExit(command_line(main, __doc__))
+    raise SystemExit(
+        command_line(main, __doc__, flags={"eager": "no CUDA graphs: every step launched eagerly"})
+    )
