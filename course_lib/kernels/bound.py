@@ -47,11 +47,23 @@ def _int_key(a: int):
     return (a == 1, a % 16 == 0, _I32[0] <= a < _I32[1], _I64[0] <= a < _I64[1])
 
 
+_LAYOUTS: dict = {}  # id(layout) -> (layout, its text): a layout may hold a list, so it has no hash
+
+
+def _layout_key(layout) -> str:
+    known = _LAYOUTS.get(id(layout))
+    if known is None or known[0] is not layout:  # kept alive in the dict: its id cannot be reused
+        if len(_LAYOUTS) >= 1024:
+            _LAYOUTS.clear()
+        known = _LAYOUTS[id(layout)] = (layout, repr(layout))
+    return known[1]
+
+
 def _descriptor_key(a):
     base = a.base
     return (
         type(a), base.dtype, base.data_ptr() % 16 == 0, tuple(a.shape), tuple(a.strides),
-        tuple(a.block_shape), a.layout, getattr(a, "padding", None),
+        tuple(a.block_shape), _layout_key(a.layout), getattr(a, "padding", None),
     )  # fmt: skip
 
 
@@ -117,14 +129,15 @@ class _Entry:
 
 _current_stream = torch._C._cuda_getCurrentRawStream if ACTIVE else None  # what Triton's launch asks too
 _SIGNATURES: dict = {}
-_NOT_BOUND: dict = {}  # kernel -> why binding it failed once: such kernels always launch through Triton
+_NOT_BOUND: dict = {}  # id(kernel) -> (name, why binding it failed once): launched through Triton from then on
+UNBOUND_CALLS: dict = {}  # (kernel name, why its arguments could not be keyed) -> calls
 MAX_ENTRIES = 4096  # per kernel; past it, the table starts again (shapes that never repeat)
 
 
 def _signature(kernel) -> _Signature:
-    sig = _SIGNATURES.get(kernel)
+    sig = _SIGNATURES.get(id(kernel))  # by identity: a JITFunction's own hash walks its source's key
     if sig is None:
-        sig = _SIGNATURES[kernel] = _Signature(kernel)
+        sig = _SIGNATURES[id(kernel)] = _Signature(kernel)
     return sig
 
 
@@ -178,7 +191,7 @@ def _triton_would_run(kernel, device: int, args: tuple, kwargs: dict):
 def launch(kernel, grid, *args, **kwargs) -> None:
     """Launch Triton (or Gluon) kernel `kernel` on `grid` (a tuple of 1-3 ints) with `args` and `kwargs`,
     as `kernel[grid](*args, **kwargs)` does, binding the arguments once per specialisation on a GPU."""
-    if not ACTIVE or kernel in _NOT_BOUND or callable(grid) or _hooks_set():
+    if not ACTIVE or id(kernel) in _NOT_BOUND or callable(grid) or _hooks_set():
         kernel[grid](*args, **kwargs)
         return
     sig = _signature(kernel)
@@ -186,7 +199,9 @@ def launch(kernel, grid, *args, **kwargs) -> None:
     try:
         key = (device, sig.key(args, kwargs))
         entry = sig.entries.get(key)  # hashes the key: an unhashable constant is not bound either
-    except (_Unbound, TypeError):
+    except (_Unbound, TypeError) as exc:
+        why = (getattr(kernel, "__name__", "?"), f"{type(exc).__name__}: {exc}")
+        UNBOUND_CALLS[why] = UNBOUND_CALLS.get(why, 0) + 1
         kernel[grid](*args, **kwargs)
         return
     if entry is None:
@@ -194,7 +209,7 @@ def launch(kernel, grid, *args, **kwargs) -> None:
         try:
             entry = _bind(kernel, sig, compiled, device, args, kwargs)
         except Exception as exc:  # another Triton's internals: this kernel goes through Triton from now on
-            _NOT_BOUND[kernel] = f"{type(exc).__name__}: {exc}"
+            _NOT_BOUND[id(kernel)] = (getattr(kernel, "__name__", "?"), f"{type(exc).__name__}: {exc}")
             return
         if len(sig.entries) >= MAX_ENTRIES:
             sig.entries.clear()
