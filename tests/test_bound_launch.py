@@ -69,6 +69,16 @@ def test_floats_bools_and_none_key_by_kind():
     assert bound._runtime_key(None) is type(None)
 
 
+def test_an_empty_chain_of_hooks_is_no_hook():
+    class Chain:
+        calls = []
+
+    assert not bound._hook_set(None) and not bound._hook_set(Chain())
+    Chain.calls = [print]
+    assert bound._hook_set(Chain()) and bound._hook_set(print)
+    assert not bound._hooks_set()  # nothing installed in this process
+
+
 def test_unknown_arguments_are_not_bound():
     with pytest.raises(bound._Unbound):
         bound._runtime_key("a string")
@@ -107,9 +117,9 @@ def test_bound_calls_run_what_triton_would_run():
     would run and fails if it is another."""
     code = """
 import torch
-from course_lib import flash_attention, rms_norm
+from course_lib import flash_attention
 from course_lib.decode import decode_attention
-from course_lib.fused.api import rope
+from course_lib.fused.api import rms_norm, rope
 from course_lib.fused.rope import rope_cache
 from course_lib.kernels import bound
 assert bound.MODE == "check" and bound.ACTIVE
