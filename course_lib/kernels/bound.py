@@ -165,11 +165,16 @@ def _hooks_set() -> bool:
     triton = runtime.triton
     if hasattr(triton, "knobs"):
         hooks = triton.knobs.runtime
-        return hooks.launch_enter_hook is not None or hooks.launch_exit_hook is not None
+        return _hook_set(hooks.launch_enter_hook) or _hook_set(hooks.launch_exit_hook)
     compiled = triton.compiler.CompiledKernel
-    return getattr(compiled, "launch_enter_hook", None) is not None or getattr(
-        compiled, "launch_exit_hook", None
+    return _hook_set(getattr(compiled, "launch_enter_hook", None)) or _hook_set(
+        getattr(compiled, "launch_exit_hook", None)
     )
+
+
+def _hook_set(hook) -> bool:
+    """A hook is set: a function, or Triton's chain of hooks (`knobs.HookChain`, never None) holding one."""
+    return hook is not None and bool(getattr(hook, "calls", True))
 
 
 def _triton_would_run(kernel, device: int, args: tuple, kwargs: dict):
