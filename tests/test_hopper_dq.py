@@ -1,4 +1,4 @@
-"""Tests of course_lib.attention.hopper_dq: a warp-specialised dQ kernel in Gluon (not used by the backward yet).
+"""Tests of course_lib.attention.hopper_dq: a warp-specialised dQ kernel in Gluon (the backward's on Hopper at d = 128).
 
 On any machine: the launch table is well formed (`DqLaunch` entries, keywords of the kernel, tiles that fit
 an SM's shared memory), and each entry of `LAUNCHES` compiles for sm_90 (`scripts/hopper_dq_probe.py

@@ -607,6 +607,17 @@ def dkdv_block_major(on_chip: int, causal: bool) -> bool:
 
 
 HOPPER_FAILED: list[str] = []  # why the Gluon dK/dV kernel could not be used in this process, if it failed
+HOPPER_DQ_FAILED: list[str] = []  # likewise for the Gluon dQ kernel
+
+
+def hopper_dq(d: int):
+    """The `hopper_dq` module if its warp-specialised dQ kernel should run (it runs beside the Gluon dK/dV
+    kernel, whose checks it shares, where `hopper_dq.choose` found it faster), else None."""
+    if HOPPER_DQ_FAILED:
+        return None
+    from . import hopper_dq as module
+
+    return module if module.choose(d) else None
 
 
 def hopper_dkdv(q4, k4, v4, do4, causal: bool, n_q: int, n_k: int, switches: dict):
@@ -726,6 +737,8 @@ def _backward(
     # (the Gluon kernel has no sliding window and no packed sequences)
     use_gluon = not (fixed_launch or atomic or window or seqs is not None)
     gluon = hopper_dkdv(q4, k4, v4, do4, causal, n_q, n_k, switches) if use_gluon else None
+    # the warp-specialised dQ kernel (Hopper, beside the Gluon dK/dV kernel), or None
+    gluon_dq = hopper_dq(d) if gluon is not None else None
     if gluon is not None:
         on_chip = gluon.heads_per_program(group, causal, n_k)
     elif seqs is not None:  # packed: dK, dV are strided views, which the partials' sum does not take
@@ -787,6 +800,13 @@ def _backward(
     sum_args = (dk_out, dv_out, dk4, dv4, n_k * d)
     sum_meta = dict(SHARE=share, **sum_launch.kwargs())
     sum_name = ("group sum", share, acc_dtype, q.dtype)  # what its compilation depends on
+    pre = PREPROCESS.current()  # D = rowsum(dO * O) by itself: for the atomic dQ and the Gluon dQ kernel
+    pre_grid = (runtime.cdiv(n_q, pre.block_m) * B * H,)
+    pre_args = (o4, do4, delta, *strides4(o4), *strides4(do4), H, n_q)
+    pre_meta = dict(
+        HEAD_DIM=d, BLOCK_D=block_d, **pre.kwargs(), UPCAST=flags["UPCAST"], ACC_DTYPE=flags["ACC_DTYPE"]
+    )
+    pre_name = ("preprocess", d, q.dtype)
 
     with cuda_device(q):
         if launch_cfg is None and not atomic:
@@ -795,18 +815,23 @@ def _backward(
                 compile_ahead(_dkdv_kernel, kv_tuner, DKDV, kv_grid, kv_args, kv_meta, kv_shape)
             elif runtime.ON_GPU:
                 gluon.compile_ahead(q4, k4, v4, l3, delta, dk_out, offset, causal, scale)
+            if gluon_dq is not None and runtime.ON_GPU:
+                gluon_dq.compile_ahead(q4, k4, v4, l3, delta, dq_acc, offset, causal, scale)
+                compile_kernel_ahead(pre_name, _preprocess_kernel, pre_grid, pre_args, pre_meta)
             if compile_only:
-                compile_ahead(_dq_kernel, _dq_tuned, DQ, q_grid, q_args, q_meta, shape)
+                if gluon_dq is None:
+                    compile_ahead(_dq_kernel, _dq_tuned, DQ, q_grid, q_args, q_meta, shape)
                 if share > 1:
                     compile_kernel_ahead(sum_name, _group_sum_kernel, (1,), sum_args, sum_meta)
                 return None
         if atomic:
-            pre = PREPROCESS.current()
-            bound.launch(_preprocess_kernel, (runtime.cdiv(n_q, pre.block_m) * B * H,),
-                o4, do4, delta, *strides4(o4), *strides4(do4), H, n_q,
-                HEAD_DIM=d, BLOCK_D=block_d, **pre.kwargs(),
-                UPCAST=flags["UPCAST"], ACC_DTYPE=flags["ACC_DTYPE"],
-            )  # fmt: skip
+            bound.launch(_preprocess_kernel, pre_grid, *pre_args, **pre_meta)
+        elif gluon_dq is not None:  # D first (the Gluon dQ kernel reads it), then dQ
+            wait_compiled(pre_name)
+            bound.launch(_preprocess_kernel, pre_grid, *pre_args, **pre_meta)
+            dq_args = (q4, k4, v4, do4, l3, delta, dq_acc, offset, causal, scale)
+            if not run_gluon("dQ kernel", HOPPER_DQ_FAILED, gluon_dq.dq, *dq_args):
+                launch(_dq_kernel, _dq_tuned, DQ, q_grid, q_args, dict(q_meta, FUSE_D=False), shape)
         elif launch_cfg is None:
             # dQ first: it also computes D, which the dK/dV kernel needs (stream order keeps them apart).
             launch(_dq_kernel, _dq_tuned, DQ, q_grid, q_args, q_meta, shape)

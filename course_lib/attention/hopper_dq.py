@@ -1,6 +1,7 @@
 """A warp-specialised dQ kernel for Hopper GPUs (H100, H200), in Gluon: the counterpart of the dK/dV kernel
-of notebook 08c, section 5 (`hopper_backward`). Not used by `backward.backward` yet:
-`scripts/hopper_dq_probe.py` checks it against float64 and times it against the Triton dQ kernel.
+of notebook 08c, section 5 (`hopper_backward`). `backward.backward` runs it beside the Gluon dK/dV kernel
+where `choose` measured it faster (d = 128); `scripts/hopper_dq_probe.py` checks it against float64 and times
+it against the Triton dQ kernel.
 
 The backward on Hopper runs the Gluon dK/dV kernel (`hopper_backward`) and the Triton dQ kernel
 (`backward._dq_kernel`), which recomputes S and dP for every (query block, key block) pair: 44 % of the
@@ -30,8 +31,8 @@ h // (H // H_kv); dQ has one writer per row, so nothing is summed.
 
 dQ = scale * dS K is written in the dtype of the given output (the Triton kernel writes the same, in
 q's dtype). D = rowsum(dO * O) is read, not computed: the Triton dQ kernel computes it (FUSE_D) for the
-dK/dV kernel, which runs second; with this kernel first, D must come before it (a separate pass, or the
-dK/dV kernel's). No CPU path: Gluon has no interpreter.
+dK/dV kernel, which runs second; with this kernel, the backward computes D first in a pass of its own
+(`backward._preprocess_kernel`: reads O and dO once). No CPU path: Gluon has no interpreter.
 """
 
 from __future__ import annotations
@@ -48,9 +49,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from ..kernels import bound
 from ..kernels.launch import Launch, keyword
 from ..runtime import cdiv
 from .hopper import LOG2E, descriptor, launch_options
+from .launch import compile_in_background, wait_compiled
 
 QUERY_ROWS = 64  # query rows per consumer warpgroup: one wgmma's M
 ROWS = gl.constexpr(QUERY_ROWS)
@@ -352,4 +355,28 @@ def dq(
     unless given (one of VARIANTS, say). The caller makes q4's GPU current."""
     launch = LAUNCHES[q4.shape[-1]] if launch is None else launch
     grid, args, kwargs = arguments(q4, k4, v4, do4, l3, delta, dq4, offset, causal, scale, launch)
-    dq_ws_kernel[grid](*args, **kwargs)
+    wait_compiled(_key(q4, k4, dq4, offset, causal))  # compiled ahead during the forward, if it was
+    bound.launch(dq_ws_kernel, grid, *args, **kwargs)
+
+
+def _key(q4, k4, dq4, offset: int, causal: bool) -> tuple:
+    return ("dQ (Gluon)", tuple(q4.shape), tuple(k4.shape), q4.dtype, dq4.dtype, offset, causal)
+
+
+def choose(d: int) -> bool:
+    """Whether this kernel, after the D pass (`backward._preprocess_kernel`), replaces the Triton dQ kernel
+    (which computes D itself) when the Gluon dK/dV kernel runs. Measured on an H200 (`scripts/hopper_dq_probe.py`,
+    bf16, B x N = 16k tokens, 2048 / d query heads, 1 or 4 per K/V head, 2026-11-29): at d = 128 the Triton
+    launch over this kernel is 1.19-1.26x with no mask and 1.22-1.41x causal (both alignments), N = 1k-16k;
+    at d = 64, 0.92-0.93x at 1k, 1.01-1.03x at 4k, 1.09-1.11x at 16k: too close for the D pass it needs."""
+    return d == 128
+
+
+def compile_ahead(q4, k4, v4, l3, delta, dq4, offset: int, causal: bool, scale: float) -> None:
+    """Compile what `dq` will launch for these shapes in a background thread, once per process (as
+    `hopper_backward.compile_ahead` does for the dK/dV kernel); q4 stands in for dO."""
+    launch = LAUNCHES[q4.shape[-1]]
+    grid, args, kwargs = arguments(q4, k4, v4, q4, l3, delta, dq4, offset, causal, scale, launch)
+    compile_in_background(
+        _key(q4, k4, dq4, offset, causal), lambda: dq_ws_kernel.warmup(*args, grid=grid, **kwargs)
+    )
