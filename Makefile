@@ -73,6 +73,7 @@ setup:
 		$(VENV)/bin/python -m pip install --quiet -e ".[$(EXTRAS)]"; \
 	fi
 	@$(VENV)/bin/python -m course_lib doctor
+	@$(VENV)/bin/python -m course_lib.attention.precompile --setup
 	@echo "==> done. Next: make lab   (or: make test)"
 
 # make lab: the instructor edition (notebooks/, solved, paired with the .py sources for authors);

@@ -5,6 +5,10 @@ is compiled from scratch, as on a new machine. Times the first forward and the f
 shape, then the first forward+backward of a second shape in the same process (new shape class, kernels
 already compiled for the first), and SDPA's first call for comparison.
 
+The last row runs first what `make setup` runs on a GPU machine (`python -m course_lib.attention.precompile
+--setup`, timed apart as setup_precompile_s) into the same empty cache: the first call a learner meets
+after setting the course up.
+
 `import course_lib` (after torch) is timed too: on a GPU it starts building Triton's driver in a
 background thread (`course_lib.runtime`), which a first call made at once would wait for.
 
@@ -24,6 +28,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 
 CHILD = r"""
 import json, sys, time
@@ -56,24 +61,41 @@ print(json.dumps({"provider": provider, "import_course_lib_s": import_s, "pytorc
 """
 
 
-def measure(provider: str, env_extra: dict) -> dict:
+def measure(provider: str, env_extra: dict, setup: bool = False) -> dict:
     with tempfile.TemporaryDirectory() as cache:
         env = dict(os.environ, TRITON_CACHE_DIR=cache, COURSE_DEVICE="cuda", **env_extra)
+        setup_s = None
+        if setup:  # what `make setup` does on a GPU machine, into the same (empty) cache, timed apart
+            t0 = time.perf_counter()
+            done = subprocess.run(
+                [sys.executable, "-m", "course_lib.attention.precompile", "--setup"], env=env
+            )
+            setup_s = time.perf_counter() - t0
+            if done.returncode:
+                return {"provider": provider, "error": "precompile --setup failed"}
         out = subprocess.run([sys.executable, "-c", CHILD, provider], env=env, capture_output=True, text=True)
         if out.returncode:
             return {"provider": provider, "error": out.stderr[-2000:]}
-        return json.loads(out.stdout.strip().splitlines()[-1])
+        row = json.loads(out.stdout.strip().splitlines()[-1])
+        return row if setup_s is None else dict(row, setup_precompile_s=setup_s)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None)
+    parser.add_argument("--rows", default="sdpa,default,autotune,setup", help="which rows, comma-separated")
     args = parser.parse_args()
-    rows = [
-        measure("sdpa", {}),
-        dict(measure("course_lib", {}), mode="default (recorded or rule-chosen config)"),
-        dict(measure("course_lib", {"COURSE_AUTOTUNE": "1"}), mode="COURSE_AUTOTUNE=1 (no precompile)"),
-    ]
+    runs = {
+        "sdpa": lambda: measure("sdpa", {}),
+        "default": lambda: dict(measure("course_lib", {}), mode="default (recorded or rule-chosen config)"),
+        "autotune": lambda: dict(
+            measure("course_lib", {"COURSE_AUTOTUNE": "1"}), mode="COURSE_AUTOTUNE=1 (no precompile)"
+        ),
+        "setup": lambda: dict(
+            measure("course_lib", {}, setup=True), mode="after make setup's precompile (--setup)"
+        ),
+    }
+    rows = [runs[name]() for name in args.rows.split(",")]
     for r in rows:
         print(json.dumps(r))
     if args.out:

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 import course_lib
-from course_lib.runtime import ON_GPU
 from course_lib import bench, records
 from course_lib.bench import attention as attention_bench
 from course_lib.bench import registry
 from course_lib.perf import timing
+from course_lib.runtime import ON_GPU
 
 
 def _synthetic(ours: dict, flash: dict, default: dict, peak_ratio: float = 1.02) -> dict:

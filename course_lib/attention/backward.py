@@ -738,7 +738,7 @@ def _backward(
     use_gluon = not (fixed_launch or atomic or window or seqs is not None)
     gluon = hopper_dkdv(q4, k4, v4, do4, causal, n_q, n_k, switches) if use_gluon else None
     # the warp-specialised dQ kernel (Hopper, beside the Gluon dK/dV kernel), or None
-    gluon_dq = hopper_dq(d) if gluon is not None else None
+    gluon_dq = hopper_dq(d) if gluon is not None and switches.get("HOPPER_DQ", True) else None
     if gluon is not None:
         on_chip = gluon.heads_per_program(group, causal, n_k)
     elif seqs is not None:  # packed: dK, dV are strided views, which the partials' sum does not take

@@ -7,7 +7,12 @@ Here worker processes each compile one candidate per kernel by running it once, 
 small input shaped like the real ones (same dtype, same divisibility of sizes and strides, so the same
 specialisation). Triton's on-disk cache then serves the main process, which only has to time them.
 
-    python -m course_lib.attention.precompile      # bf16, d in {64, 128}, causal and not
+    python -m course_lib.attention.precompile          # bf16, d in {64, 128}, causal and not
+    python -m course_lib.attention.precompile --setup  # what `make setup` runs: first calls' launches
+
+`--setup` (`precompile_setup`) compiles instead what course_lib itself launches (no autotuning candidates) for
+a forward and backward of bf16 and fp16, d in {64, 128}, causal and not, at every size class: a first call
+on that machine then reads its kernels from Triton's cache. On a CPU it does nothing.
 """
 
 from __future__ import annotations
@@ -63,7 +68,69 @@ def precompile(
     return time.perf_counter() - t0, errors
 
 
+# What `make setup` compiles on a GPU machine: the launches course_lib itself chooses (no autotuning
+# candidates) for these calls, every size class of `launch.n_bucket` (16 ... 16384 keys).
+SETUP_DTYPES = ("bfloat16", "float16")
+SETUP_HEAD_DIMS = (64, 128)
+
+
+def _compile_setup(job):
+    """Worker: run forward + backward once at every size class for one (dtype, d, causal): each launch
+    course_lib chooses is compiled into Triton's on-disk cache (a class whose launch is already there
+    costs a cache read). Returns errors, if any."""
+    import torch
+
+    from course_lib import flash_attention
+
+    dtype_name, d, causal = job
+    dtype, errors = getattr(torch, dtype_name), []
+    n = 16
+    while n <= 16384:
+        try:
+            q, k, v = (
+                torch.randn(1, 2, n, d, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3)
+            )
+            o = flash_attention(q, k, v, causal=causal)
+            o.backward(torch.randn_like(o))
+            torch.cuda.synchronize()
+        except Exception as exc:
+            errors.append(
+                f"{dtype_name}, d={d}, causal={causal}, N={n}: {type(exc).__name__}: {str(exc)[:160]}"
+            )
+        n *= 2
+    return errors
+
+
+def precompile_setup(workers: int | None = None):
+    """Compile, in parallel worker processes, what a first call of `flash_attention` (forward and
+    backward) would compile for bf16 and fp16, d in SETUP_HEAD_DIMS, causal and not, at every size class
+    of sequence length: `make setup` runs it on a GPU machine, so that a first call finds its kernels in
+    Triton's cache (notes/attention.md, "First call"). Returns (seconds, error messages); on a CPU it
+    compiles nothing (the interpreter compiles nothing)."""
+    from course_lib import runtime
+
+    if not runtime.ON_GPU:
+        return 0.0, []
+    jobs = [(t, d, c) for t in SETUP_DTYPES for d in SETUP_HEAD_DIMS for c in (False, True)]
+    workers = workers or runtime.compile_workers(len(jobs))
+    t0 = time.perf_counter()
+    with mp.get_context("spawn").Pool(workers) as pool:
+        errors = [e for errs in pool.map(_compile_setup, jobs, chunksize=1) for e in errs]
+    return time.perf_counter() - t0, errors
+
+
 if __name__ == "__main__":
+    if "--setup" in sys.argv[1:]:
+        from course_lib import runtime
+
+        if not runtime.ON_GPU:
+            print("no GPU: nothing to precompile (the CPU runs the kernels in Triton's interpreter)")
+            sys.exit(0)
+        seconds, errors = precompile_setup()
+        for e in errors:
+            print("  could not compile:", e)
+        print(f"precompiled course_lib's FlashAttention launches for first calls in {seconds:.0f} s")
+        sys.exit(0)
     seconds, errors = precompile()
     for e in errors:
         print("  could not compile:", e)
