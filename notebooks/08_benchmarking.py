@@ -538,7 +538,10 @@ for d_head in (64, 128, 256):
 # - *dK/dV without spills (backward, Gluon)*: the Triton dK/dV kernel needs about 256 registers per thread at
 #   d = 128 and spills to local memory; the Gluon one about 196 (notebook 08c, section 5). The dK/dV kernel
 #   is about 60 % of the backward.
-# - *One pass, atomic dQ*: notebook 07, section 7 (this rung's gain is over the Gluon rung before it).
+# - *Warp-specialised dQ (backward, Gluon)*: the dQ kernel's warps take jobs too: one warp streams K and V
+#   while two warpgroups keep S, dP and dQ's products in flight behind the softmax. It reads D = rowsum(dO·O),
+#   which the Triton dQ kernel computed as it went, from a pass of its own over O and dO.
+# - *One pass, atomic dQ*: notebook 07, section 7 (this rung's gain is over the Gluon rungs before it).
 
 # %%
 if hw is not None:  # the ridge the block-shape rung is compared with
@@ -567,7 +570,8 @@ rung_guesses = {  # (pass, rung): your predicted gain over the rung before it
     ("bwd", "tall resident blocks, 8 warps"): predict("backward: tall resident blocks", 1.3, unit="x"),
     ("bwd", "3 pipeline stages"): predict("backward: 3 pipeline stages", 1.2, unit="x"),
     ("bwd", "autotuned (Triton)"): predict("backward: autotuned (Triton)", 1.05, unit="x"),
-    ("bwd", "dK/dV without spills (Gluon, Hopper; course_lib)"): predict("backward: dK/dV, no spills", 1.1, unit="x"),
+    ("bwd", "dK/dV without spills (Gluon, Hopper)"): predict("backward: dK/dV, no spills", 1.1, unit="x"),
+    ("bwd", "warp-specialised dQ (Gluon, Hopper; course_lib)"): predict("backward: warp-specialised dQ", 1.1, unit="x"),
     ("bwd", "one pass, atomic dQ"): predict("backward: one pass, atomic dQ", 0.4, unit="x"),
 }
 
@@ -700,6 +704,11 @@ if ladder_rec is not None:
 #   non-causal rows gain more (notebook 08c's record: the whole backward at d = 128, N = 16k). At this
 #   causal shape a block of keys sees 32 query blocks on average, so the program's fixed costs (loading K
 #   and V, filling the pipeline, storing dK and dV) weigh more.
+# - *Warp-specialised dQ.* Predicted 1.1x; the recorded run measured about 1.06x. Timed alone on this shape
+#   (`scripts/hopper_dq_probe.py`, causal, 4096 keys), the Gluon dQ kernel took 0.64 ms where the Triton dQ
+#   launch took 0.88: 0.24 ms less, which over this backward's 1.90 ms predicts 1.13x even after the pass
+#   for D; in the backward it saved 0.11 ms. Where the rest went is not measured yet: the D pass (one more
+#   launch, a read of O and dO) and what the dK/dV kernel finds in the L2 after it are the first suspects.
 #
 # The figures these words read, from the records, and the words checked against them (a new record that
 # tells another story stops this notebook until its words are rewritten):
@@ -719,10 +728,12 @@ if ladder_rec is not None:
     tuned_fwd, _ = rung_gain(ladder_rec, "fwd", "autotuned")
     tuned_bwd, _ = rung_gain(ladder_rec, "bwd", "autotuned")
     no_spills, no_spills_predicted = rung_gain(ladder_rec, "bwd", "dK/dV without spills")
+    ws_dq, ws_dq_predicted = rung_gain(ladder_rec, "bwd", "warp-specialised dQ")
     assert tile < 1.05 and stages > stages_predicted, "128-row blocks bought nothing; 3 stages beat the prediction"
     assert atomic < 0.8, "atomic dQ measured far slower"
     assert 0.95 < tuned_fwd < 1.1 and tuned_bwd < 1.0, "autotuned: within a few % of 1.0x forward, below 1.0x backward"
     assert no_spills < 1.05 * no_spills_predicted, "dK/dV without spills: no better than predicted, within noise"
+    assert 1.0 < ws_dq < ws_dq_predicted, "warp-specialised dQ: faster, by less than predicted"
     hb_rec = records.load_record("hopper_backward")
     if hb_rec is not None:
         cell = [r for r in hb_rec["data"]["results"] if (r["d"], r["N"], r["causal"]) == (128, 16384, False)]
@@ -778,11 +789,11 @@ if att_rec is not None:
 # **Reading the comparison.** Against FlashAttention-2 (SDPA's FLASH_ATTENTION backend) course_lib's
 # kernels are ahead in every cell of the recorded run. Against cuDNN, PyTorch's default on Hopper, the
 # forward is level or ahead on long sequences and trails on short ones, causal or not, where each
-# program's tile has few K/V blocks to amortise its start and end. The forward+backward trails cuDNN: the backward's dQ
-# kernel (and, at d = 64, its dK/dV kernel) is still notebook 07's Triton kernel, where every warp does
-# everything in turn; at d = 128 the dK/dV kernel is FlashAttention-3's layout in Gluon, which no longer
-# spills registers (notebook 08c, section 5) but overlaps no more than the Triton one (except causal at
-# N = 1k, where the Triton dK/dV kernel runs).
+# program's tile has few K/V blocks to amortise its start and end. The forward+backward trails cuDNN: at
+# d = 64 the backward is still notebook 07's Triton kernels, where every warp does everything in turn; at
+# d = 128 both backward kernels are warp-specialised Gluon kernels (the dK/dV kernel FlashAttention-3's
+# layout, which no longer spills registers, notebook 08c, section 5; the dQ kernel with a producer warp),
+# except causal at N = 1k, where the Triton kernels run, and they still trail cuDNN's backward.
 #
 # cuDNN's lead over a Triton kernel comes from overlapping the softmax with the matrix products, which
 # needs warps with different jobs: course_lib's forward does that on Hopper with a Gluon kernel wherever
