@@ -4,6 +4,7 @@ greedy decoding, the sampled distribution against the target's, the paged cache'
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 import torch
@@ -25,6 +26,7 @@ from course_lib.speculative import (
     drafts,
     early_exit_generate,
     engine,
+    expected_batch_time,
     expected_tokens,
     expected_tokens_of_rounds,
     forward_tokens,
@@ -37,6 +39,7 @@ from course_lib.speculative import (
     predicted_speedup,
     speculative_generate,
     steps,
+    still_running,
     truncate,
 )
 from course_lib.speculative.steps import TorchPagedKV, kept_pages, padded_step
@@ -261,6 +264,37 @@ def test_expected_tokens_of_rounds_and_the_alpha_a_speedup_needs():
     for alpha, gamma in ((0.3, 2), (0.8, 4), (0.95, 6)):
         assert alpha_for_tokens(expected_tokens(alpha, gamma), gamma) == pytest.approx(alpha, abs=1e-9)
     assert alpha_for_tokens(0.9, 3) == 0.0 and alpha_for_tokens(4.5, 3) is None
+
+
+def test_a_batch_runs_until_its_slowest_sequence():
+    """`still_running` and `expected_batch_time` against their limits and a simulation of the rounds."""
+    assert still_running(1.0, [2], 10) == [1.0] * 4  # 3 tokens a round: ceil(10 / 3) rounds
+    assert still_running(0.0, [4], 7) == [1.0] * 7  # one token a round
+    rounds = expected_batch_time(0.6, [3], 300, 1, lambda a: 1.0)
+    assert rounds == pytest.approx(300 / expected_tokens(0.6, 3), rel=0.02)  # the last round truncated
+    rng = random.Random(0)
+
+    def rounds_of_one(alpha, gamma, tokens):
+        n = r = 0
+        while n < tokens:
+            k = 1
+            while k <= gamma and rng.random() < alpha:
+                k += 1
+            n, r = n + k, r + 1
+        return r
+
+    for alpha, gamma, proposed, tokens, batch in ((0.5, 2, [2], 40, 4), (0.8, 4, [4], 64, 8)):
+        trials = [[rounds_of_one(alpha, gamma, tokens) for _ in range(batch)] for _ in range(4000)]
+        # time of a round with a active sequences: 1 + a (so the active count matters, not only the last)
+        simulated = sum(sum(1 + sum(r > k for r in t) for k in range(max(t))) for t in trials) / len(trials)
+        predicted = expected_batch_time(alpha, proposed, tokens, batch, lambda a: 1.0 + a)
+        assert predicted == pytest.approx(simulated, rel=0.02)
+        one = expected_batch_time(alpha, proposed, tokens, 1, lambda a, b=batch: 1.0 + b)
+        assert predicted > one  # E[the slowest of the batch's rounds] > E[one sequence's rounds]
+    with pytest.raises(ValueError, match="tokens"):
+        still_running(0.5, [2], 0)
+    with pytest.raises(ValueError, match="no rounds"):
+        still_running(0.5, [], 10)
 
 
 # ---------------------------------------------------------------- Jacobi and lookahead decoding

@@ -8,10 +8,12 @@ greedy, for each draft and gamma: the n-gram draft (prompt lookup), the one-laye
 Per row: plain greedy tokens/s and speculative tokens/s through the same paged step code, the measured
 speed-up, and three predictions (`speculative.metrics`):
 - textbook: `predicted_speedup(alpha, gamma, c)`, c = the draft's plain step time over the target's;
-- cost model from alpha: `cost_model_speedup` with `expected_tokens_of_rounds(alpha, the drafts each round
-  proposed)` tokens per round and the parts measured apart: t_step (the plain run's time per step),
-  t_draft(gamma), t_verify(gamma), t_rollback (`round_parts`: the engine's own calls on the run's sequences
-  at a few lengths, each part timed between syncs, median of repeats);
+- cost model from alpha: the plain run's time (new tokens x t_step) over `expected_batch_time(alpha, the drafts
+  each round proposed, new tokens, B, a round's time at a active sequences)`: every sequence's rounds keep
+  drafts independently, and a batch runs until its slowest sequence (at batch 1 this is the expected tokens
+  per round x t_step / the round's time, `cost_model_speedup`); the parts measured apart: t_step (the plain
+  run's time per step), t_draft(gamma), t_verify(gamma), t_rollback (`round_parts`: the engine's own calls on
+  the run's sequences at a few lengths, each part timed between syncs, median of repeats);
 - cost model from the rounds: the plain run's time over the predicted time of the rounds the speculative run
   took, each round costed at its number of active sequences (a batch runs until its slowest sequence is
   done: the last rounds carry fewer sequences; a round's cost is taken as linear in its sequences between
@@ -50,7 +52,7 @@ from ..speculative import (
     ModelDraft,
     NGramDraft,
     alpha_for_tokens,
-    cost_model_speedup,
+    expected_batch_time,
     expected_tokens,
     expected_tokens_of_rounds,
     lookahead_generate,
@@ -304,7 +306,10 @@ def _speculative_rows(target, draft_model, prompts, plain, s, log) -> list[dict]
                 speedup = plain[B]["seconds"] / r.seconds
                 proposed = [k_ for rounds in r.rounds for k_, _ in rounds]
                 expected = expected_tokens_of_rounds(alpha, proposed) if ok else None
-                pred_alpha = cost_model_speedup(expected, t_step, **_costs(p[B])) if ok else None
+                round_time = lambda a, p=p, B=B: _interpolate(p, a, B)  # noqa: E731
+                pred_alpha = (
+                    new * t_step / expected_batch_time(alpha, proposed, new, B, round_time) if ok else None
+                )
                 pred_rounds = new * t_step / sum(_interpolate(p, a, B) for a in _active(r.rounds))
                 need = alpha_for_tokens(TARGETS["speedup_batch_1"] * t_round / t_step, gamma)
                 differ = _first_difference(r.tokens, plain[B]["tokens"])

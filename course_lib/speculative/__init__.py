@@ -25,10 +25,12 @@ from .metrics import (
     alpha_for_tokens,
     best_gamma,
     cost_model_speedup,
+    expected_batch_time,
     expected_tokens,
     expected_tokens_of_rounds,
     measured_cost_speedup,
     predicted_speedup,
+    still_running,
 )
 from .steps import TorchPagedKV, forward_tokens, truncate
 
@@ -44,6 +46,7 @@ __all__ = [
     "best_gamma",
     "cost_model_speedup",
     "early_exit_generate",
+    "expected_batch_time",
     "expected_tokens",
     "expected_tokens_of_rounds",
     "forward_tokens",
@@ -57,5 +60,6 @@ __all__ = [
     "propagate_kv",
     "residual",
     "speculative_generate",
+    "still_running",
     "truncate",
 ]

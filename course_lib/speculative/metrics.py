@@ -18,11 +18,15 @@ gamma tokens), t_rollback (the caches' truncation), and
 
 with tokens per round either `expected_tokens(alpha, gamma)` (`measured_cost_speedup`), its mean over the
 drafts each round actually proposed (`expected_tokens_of_rounds`), or the mean measured over the rounds. With
-t_verify = t_step, t_draft = gamma c t_step and no rollback it is the textbook formula.
+t_verify = t_step, t_draft = gamma c t_step and no rollback it is the textbook formula. A batch of B sequences
+runs until its slowest one is done, its last rounds with fewer sequences: `expected_batch_time` sums the
+rounds' expected costs, each at its expected active sequences (`still_running`), from alpha alone.
 `course_lib.bench.speculative` measures the parts and sets the two predictions beside the measurement.
 """
 
 from __future__ import annotations
+
+import math
 
 from ..checks import check_int, check_real
 
@@ -45,6 +49,47 @@ def expected_tokens_of_rounds(alpha: float, proposed) -> float:
     if not proposed:
         raise ValueError("expected_tokens_of_rounds: no rounds")
     return sum(expected_tokens(alpha, k) for k in proposed) / len(proposed)
+
+
+def still_running(alpha: float, proposed, tokens: int) -> list[float]:
+    """P(a sequence is still generating at round r), r = 1, 2, ...: for a sequence of `tokens` new tokens
+    whose rounds keep each draft independently with probability alpha, a round proposing k drafts with k
+    drawn from `proposed` (ints: the counts the rounds proposed), and emitting the kept drafts plus one
+    token. The list ends where the probability falls below 1e-9. A batch runs until its slowest sequence:
+    with B sequences, round r runs Binomial(B, p_r) of them (`expected_batch_time`)."""
+    tokens = check_int("still_running", "tokens", tokens, 1)
+    alpha = check_real("still_running", "alpha", alpha, low=0, high=1 + 1e-12)
+    proposed = list(proposed)
+    if not proposed:
+        raise ValueError("still_running: no rounds")
+    step = [0.0] * (max(proposed) + 2)  # P(a round emits k tokens), k = 1 ... max + 1
+    for g in proposed:
+        for k in range(1, g + 2):
+            step[k] += (alpha ** (k - 1) * (1 - alpha) if k <= g else alpha**g) / len(proposed)
+    emitted = [1.0] + [0.0] * tokens  # P(emitted so far = s), s capped at `tokens`
+    out = []
+    while (p := sum(emitted[:tokens])) >= 1e-9:
+        out.append(p)
+        after = [0.0] * tokens + [emitted[tokens]]
+        for s_, ps in enumerate(emitted[:tokens]):
+            if ps:
+                for k in range(1, len(step)):
+                    after[min(tokens, s_ + k)] += ps * step[k]
+        emitted = after
+    return out
+
+
+def expected_batch_time(alpha: float, proposed, tokens: int, batch: int, round_time) -> float:
+    """Expected seconds for a batch of `batch` sequences of `tokens` new tokens each, acceptances independent
+    (`still_running`), a round with a active sequences taking round_time(a) seconds: the sum over rounds of
+    E[round_time(A_r)], A_r ~ Binomial(batch, p_r), rounds with no active sequence costing nothing. At
+    batch 1 it is the expected number of rounds times round_time(1)."""
+    batch = check_int("expected_batch_time", "batch", batch, 1)
+    total = 0.0
+    for p in still_running(alpha, proposed, tokens):
+        for a in range(1, batch + 1):
+            total += math.comb(batch, a) * p**a * (1 - p) ** (batch - a) * round_time(a)
+    return total
 
 
 def predicted_speedup(alpha: float, gamma: int, c: float) -> float:
