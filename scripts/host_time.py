@@ -30,9 +30,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import cProfile
 import os
-import pstats
 import time
 
 os.environ.setdefault("COURSE_DEVICE", "cpu")
@@ -42,6 +40,7 @@ import torch.nn.functional as F  # noqa: E402
 
 import course_lib  # noqa: E402
 import course_lib.decode  # noqa: E402
+from course_lib.perf.profiling import print_host_profile  # noqa: E402
 from course_lib.runtime import triton  # noqa: E402
 
 B, HQ, HKV, N, D = 1, 4, 2, 64, 64  # a tiny shape: (batch, query heads, K/V heads, tokens, head dim)
@@ -186,13 +185,7 @@ def per_call_us(fn, calls: int, rounds: int = 5) -> float:
 
 
 def profile(name: str, fn, calls: int, top: int) -> None:
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(calls):
-        fn()
-    prof.disable()
-    print(f"\ncProfile of {calls} calls of {name}, by own time:")
-    pstats.Stats(prof).sort_stats("tottime").print_stats(top)
+    print_host_profile(fn, calls, f"\ncProfile of {calls} calls of {name}, by own time:", top)
 
 
 def main():

@@ -21,6 +21,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 import course_lib  # noqa: E402
 from course_lib.attention import FlashAttentionTriton, attention_backward, attention_forward  # noqa: E402
+from course_lib.perf.profiling import print_host_profile  # noqa: E402
 from course_lib.runtime import sm_count, tl, triton  # noqa: E402
 
 
@@ -71,9 +72,6 @@ def table(title):
 
 def profile_issue(n=1024, d=128, calls=300):
     """Where the CPU time of issuing one course_lib forward+backward goes (cProfile, cumulative)."""
-    import cProfile
-    import pstats
-
     b, h = 16384 // n, 2048 // d
     q, k, v = (
         torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3)
@@ -82,14 +80,8 @@ def profile_issue(n=1024, d=128, calls=300):
     for _ in range(5):
         fn()
     torch.cuda.synchronize()
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(calls):
-        fn()
-    prof.disable()
-    torch.cuda.synchronize()
-    print(f"\ncProfile of {calls} course_lib forward+backward calls (N={n}, d={d}, causal), by own time:")
-    pstats.Stats(prof).sort_stats("tottime").print_stats(18)
+    title = f"\ncProfile of {calls} course_lib forward+backward calls (N={n}, d={d}, causal), by own time:"
+    print_host_profile(fn, calls, title, 18)
 
 
 @triton.jit
@@ -256,9 +248,6 @@ class _Identity(torch.autograd.Function):
 def hopper_breakdown(d=128, n=1024, calls=300):
     """CPU cost of each layer of one forward with the warp-specialised Gluon kernel (Hopper only), on
     (1, 16, n, d), non-causal, and the Python functions that take it (cProfile, own time)."""
-    import cProfile
-    import pstats
-
     from course_lib.attention import hopper
 
     q, k, v = (torch.randn(1, 16, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
@@ -297,14 +286,8 @@ def hopper_breakdown(d=128, n=1024, calls=300):
     )
     for name, fn in rows.items():
         print(f"  {name:<42} " + " ".join(f"{x:7.1f}" for x in per_call_us(fn)))
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(calls):
-        rows["hopper.forward (descriptors + launch)"]()
-    prof.disable()
-    torch.cuda.synchronize()
-    print(f"\ncProfile of {calls} hopper.forward calls, by own time:")
-    pstats.Stats(prof).sort_stats("tottime").print_stats(14)
+    fn = rows["hopper.forward (descriptors + launch)"]
+    print_host_profile(fn, calls, f"\ncProfile of {calls} hopper.forward calls, by own time:", 14)
 
 
 def main():

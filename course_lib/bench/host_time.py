@@ -108,19 +108,11 @@ def format_table(data: dict) -> str:
 def profile(call: str, calls: int = 500, top: int = 25) -> None:
     """Print where the CPU time of `calls` calls of `call` ("forward", "forward+backward", "decode step")
     goes: cProfile, by own time."""
-    import cProfile
-    import pstats
+    from ..perf.profiling import print_host_profile
 
     fn = _calls(torch.device("cuda"))[call]["course_lib"]
     _per_call_us(fn, 10, 1)
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(calls):
-        fn()
-    prof.disable()
-    torch.cuda.synchronize()
-    print(f"cProfile of {calls} course_lib {call} calls, by own time:")
-    pstats.Stats(prof).sort_stats("tottime").print_stats(top)
+    print_host_profile(fn, calls, f"cProfile of {calls} course_lib {call} calls, by own time:", top)
 
 
 if __name__ == "__main__":

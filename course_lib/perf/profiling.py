@@ -301,3 +301,21 @@ def largest_fitting_n(
     if n_max < 1:
         raise ValueError(f"not even N=1 fits in {budget_bytes} bytes")
     return 2 ** int(math.log2(n_max))
+
+
+def print_host_profile(fn, calls: int, title: str, top: int = 20) -> None:
+    """Run fn() `calls` times under cProfile and print its `top` entries by own time under `title`: where a
+    call's host time goes (scripts/host_time.py, scripts/launch_overhead.py, `bench.host_time`). On a GPU the
+    queued work is waited for after the profiled calls."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    prof.disable()
+    if runtime.ON_GPU:
+        torch.cuda.synchronize()
+    print(title)
+    pstats.Stats(prof).sort_stats("tottime").print_stats(top)
