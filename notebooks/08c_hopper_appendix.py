@@ -49,7 +49,7 @@ import torch.nn.functional as F
 
 import course_lib
 from course_lib import records
-from course_lib.attention import backward, forward, hopper, hopper_backward
+from course_lib.attention import backward, forward, hopper, hopper_backward, hopper_dq
 from course_lib.exercises import check, predict
 from course_lib.perf import timing
 from course_lib.perf.plotting import bar_chart
@@ -528,7 +528,7 @@ check(
 # %% [markdown]
 # At d = 64 the Triton layout fits (192), and there the small products (K = 64) favour Triton: course_lib
 # runs the Gluon dK/dV kernel where `hopper_backward.choose` measured it faster (d = 128 except short causal
-# rows; d = 64 only on long causal rows with grouped K/V heads), with the Triton dQ kernel before it.
+# rows; d = 64 only on long causal rows with grouped K/V heads), with a dQ kernel before it (section 6).
 # Its shared memory, at d = 128: the ring of Q and dO blocks, the K and V block, and a P and a dS tile per
 # consumer:
 
@@ -592,9 +592,41 @@ if got_bwd is not None:
 # %% [markdown]
 # The gain is at d = 128, where the Triton kernel spills, and most on rows without the causal mask, where
 # the dK/dV kernel is most of the backward; at d = 64 the Triton kernel does not spill, and `choose` leaves
-# the cells measured here to it.
-# What remains is the dQ kernel (Triton), which FlashAttention-3 folds into the same program with atomic
-# additions.
+# the cells measured here to it. (A record taken before section 6's dQ kernel existed times the Triton dQ
+# kernel in both columns: its date says which.)
+#
+# ## 6. The backward: dQ with warps that take jobs
+#
+# The dQ kernel recomputes S = Q Kᵀ and dP = dO Vᵀ for its block of query rows against every block of keys,
+# then dS = P ∘ (dP − D) and dQ += dS K: three products a step and the softmax's exponentials between them,
+# the same shape of work as the forward, and in Triton every warp does all of it in turn.
+# FlashAttention-3 folds dQ into the dK/dV program with atomic additions (notebook 07, section 7 measured
+# what those cost); course_lib keeps two kernels and gives the dQ kernel the forward's layout instead
+# (`course_lib/attention/hopper_dq.py`):
+#
+# - a producer warp loads the program's Q and dO blocks once, then K and V blocks into a ring of stages;
+# - each of two consumer warpgroups owns 64 query rows, with their L, D and dQ (64 x d fp32) in registers.
+#   Step j issues S_j = Q K_jᵀ, dP_j = dO V_jᵀ and dQ += dS_{j−1} K_{j−1} as asynchronous `wgmma`s, waits
+#   for S_j alone and computes P_j while the other two run, then waits for dP_j and computes dS_j while the
+#   dQ product still runs. dS_j stays in registers, in 16 bits, as the left operand of the next step's
+#   product (K_j as stored is already its right operand: no shared-memory round trip).
+#
+# The Triton dQ kernel computed D = rowsum(dO ∘ O) on the way (it holds dO); this one reads D, so the
+# backward runs a small pass for D first (it reads O and dO once). Its shared memory at d = 128:
+
+# %%
+dq_launch = hopper_dq.LAUNCHES[128]
+smem_dq = dq_launch.shared_bytes(128)
+print(f"dQ program at d = 128: Q and dO for {dq_launch.num_consumers} consumers, a ring of "
+      f"{dq_launch.num_stages} K/V blocks of {dq_launch.block_n} keys: {smem_dq // 1024} KB of shared memory "
+      f"({SMEM_PER_PROGRAM // 1024} KB available)")  # fmt: skip
+assert smem_dq <= SMEM_PER_PROGRAM
+
+# %% [markdown]
+# course_lib runs it beside the Gluon dK/dV kernel where `hopper_dq.choose` measured it faster: d = 128
+# (timed alone, 1.19-1.41x the Triton dQ kernel's launch on the H200; at d = 64 0.92-1.11x, not enough to
+# pay for the D pass, `notes/attention.md`). Notebook 08's ladder records what it gained in the whole
+# backward — less than the kernel alone promised, and its reading says where to look.
 #
 # ## Summary
 # - In the Triton forward every warp loads, multiplies and exponentiates in turn, so the tensor cores idle
@@ -615,6 +647,8 @@ if got_bwd is not None:
 #   column, 16-bit operands in registers) and spills; FlashAttention-3's layout (untransposed tiles, P and
 #   dS through shared memory, 240 registers for each consumer) needs about 196, and runs the backward
 #   faster there.
+# - The dQ kernel takes the forward's layout: a producer warp streams K and V, two consumer warpgroups keep
+#   S, dP and dQ's products in flight behind the softmax; it reads D from a pass of its own (d = 128).
 #
 # ## Exercises
 # 5. On a Hopper GPU, time `hopper.forward` with each of `hopper.VARIANTS` at d = 128, causal, N = 2k and
