@@ -704,11 +704,11 @@ if ladder_rec is not None:
 #   non-causal rows gain more (notebook 08c's record: the whole backward at d = 128, N = 16k). At this
 #   causal shape a block of keys sees 32 query blocks on average, so the program's fixed costs (loading K
 #   and V, filling the pipeline, storing dK and dV) weigh more.
-# - *Warp-specialised dQ.* Predicted 1.1x; the recorded run measured about 1.06x. Timed alone on this shape
-#   (`scripts/hopper_dq_probe.py`, causal, 4096 keys), the Gluon dQ kernel took 0.64 ms where the Triton dQ
-#   launch took 0.88: 0.24 ms less, which over this backward's 1.90 ms predicts 1.13x even after the pass
-#   for D; in the backward it saved 0.11 ms. Where the rest went is not measured yet: the D pass (one more
-#   launch, a read of O and dO) and what the dK/dV kernel finds in the L2 after it are the first suspects.
+# - *Warp-specialised dQ.* Predicted 1.1x; the recorded run measured about 1.06x. Timed by itself at this
+#   shape (`scripts/hopper_dq_probe.py`; its figures are in `notes/attention.md`, not in a record), the
+#   kernel saves about twice what it saved inside this backward. Where the rest went is not measured yet:
+#   the pass for D (one more launch, a read of O and dO) and what the dK/dV kernel finds in the L2 after it
+#   are the first suspects.
 #
 # The figures these words read, from the records, and the words checked against them (a new record that
 # tells another story stops this notebook until its words are rewritten):

@@ -623,10 +623,11 @@ print(f"dQ program at d = 128: Q and dO for {dq_launch.num_consumers} consumers,
 assert smem_dq <= SMEM_PER_PROGRAM
 
 # %% [markdown]
-# course_lib runs it beside the Gluon dK/dV kernel where `hopper_dq.choose` measured it faster: d = 128
-# (timed alone, 1.19-1.41x the Triton dQ kernel's launch on the H200; at d = 64 0.92-1.11x, not enough to
-# pay for the D pass, `notes/attention.md`). Notebook 08's ladder records what it gained in the whole
-# backward — less than the kernel alone promised, and its reading says where to look.
+# course_lib runs it beside the Gluon dK/dV kernel where `hopper_dq.choose` measured it faster: d = 128.
+# At d = 64 the kernel alone ran about as fast as the Triton one, too little to pay for the D pass (the
+# probe's figures, `scripts/hopper_dq_probe.py`, are in `notes/attention.md`). Notebook 08's ladder records
+# what it gained in the whole backward — less than the kernel alone promised, and its reading says where
+# to look.
 #
 # ## Summary
 # - In the Triton forward every warp loads, multiplies and exponentiates in turn, so the tensor cores idle
