@@ -1,6 +1,7 @@
 """Probe of the warp-specialised Gluon dQ kernel (`course_lib/attention/hopper_dq.py`) on a Hopper GPU.
 
     python3 scripts/hopper_dq_probe.py --out build/hopper_dq_probe.json      # a Hopper GPU
+    python3 scripts/hopper_dq_probe.py --record                              # ... and record `hopper_dq`
     python3 scripts/hopper_dq_probe.py --compile-only [--variants]           # any machine, a CPU too
 
 On the GPU, for every cell of the standard grid (bf16, B * Nk = 16k tokens, H * d = 2048, d in {64, 128},
@@ -328,7 +329,7 @@ def _fmt(row: dict) -> str:
     )
 
 
-def probe(out: str | None, variants: bool, hang_s: float) -> int:
+def probe(out: str | None, variants: bool, hang_s: float, keep: bool = False) -> int:
     import triton
 
     record = dict(
@@ -386,6 +387,10 @@ def probe(out: str | None, variants: bool, hang_s: float) -> int:
     current["cell"] = None
     record["seconds"] = round(time.perf_counter() - t0, 1)
     save()
+    if keep:  # the record notebooks read, with the GPU, versions and date (`course_lib.records`)
+        from course_lib import records
+
+        print(f"record -> {records.save_record('hopper_dq', record)}")
     rows = record["rows"]
     good = [r for r in rows if r.get("ok")]
     print(f"{len(good)} of {len(rows)} cells correct; {record['seconds']} s")
@@ -404,6 +409,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compile-only", action="store_true", help="compile for sm_90 only (no GPU needed)")
     parser.add_argument("--variants", action="store_true", help="also the VARIANTS (timed on the GPU)")
     parser.add_argument(
+        "--record", action="store_true", help="also save the record `hopper_dq` in assets/benchmarks/"
+    )
+    parser.add_argument(
         "--hang-s", type=float, default=120.0, help="seconds after which a cell counts as hung"
     )
     args = parser.parse_args(argv)
@@ -416,7 +424,7 @@ def main(argv: list[str] | None = None) -> int:
     if not runtime.ON_GPU or torch.cuda.get_device_capability()[0] != 9:
         print("hopper_dq_probe: needs a Hopper GPU (compute capability 9.x); --compile-only runs anywhere")
         return 2
-    return probe(args.out, args.variants, args.hang_s)
+    return probe(args.out, args.variants, args.hang_s, keep=args.record)
 
 
 if __name__ == "__main__":
