@@ -155,3 +155,132 @@ def test_a_tma_descriptor_keys_and_hashes():
     a, b = hopper.descriptor(q, 64), hopper.descriptor(q.clone(), 64)
     assert hash(bound._runtime_key(a)) == hash(bound._runtime_key(b))
     assert bound._runtime_key(a) != bound._runtime_key(hopper.descriptor(q, 128))  # another block
+
+
+# ---------------------------------------------------------------- the binding itself, with a stand-in kernel
+class _Param:
+    def __init__(self, name, constexpr):
+        self.name, self.is_constexpr = name, constexpr
+
+
+class _Compiled:
+    """A compiled kernel's stand-in: records what its launcher receives."""
+
+    function, packed_metadata = "function", "metadata"
+
+    def __init__(self):
+        self.launches = []
+
+    def run(self, *launch):
+        self.launches.append(launch)
+
+
+class _Kernel:
+    """A JITFunction's stand-in with the signature (x, n, scale, out=None, BLOCK: constexpr, FLAG: constexpr)
+    and Triton's specialisation of its runtime arguments: the slow path (`kernel[grid](...)`) returns the
+    compiled kernel of that specialisation, as Triton's run does."""
+
+    __name__ = "stand_in"
+
+    def __init__(self, binder_fails=False):
+        self.params = [
+            _Param(n, c) for n, c in (("x", 0), ("n", 0), ("scale", 0), ("out", 0), ("BLOCK", 1), ("FLAG", 1))
+        ]
+        self.slow, self.compiled, self.binder_fails = [], {}, binder_fails
+        self.device_caches = {0: ({}, {}, None, None, self.binder)}
+
+    @staticmethod
+    def bind(x, n, scale, out=None, BLOCK=16, FLAG=False, **options):
+        return dict(x=x, n=n, scale=scale, out=out, BLOCK=BLOCK, FLAG=FLAG), None, options
+
+    def binder(self, *args, **kwargs):  # what `bound` reads from Triton's caches
+        if self.binder_fails:
+            raise AttributeError("another Triton")
+        return self.bind(*args, **kwargs)
+
+    def __getitem__(self, grid):
+        def run(*args, **kwargs):
+            self.slow.append(grid)  # not the arguments: the test checks that no tensor is kept
+            bound_args = self.bind(*args, **kwargs)[0]
+            spec = tuple(
+                (t.dtype, t.data_ptr() % 16 == 0)
+                if isinstance(t, torch.Tensor)
+                else (t == 1, t % 16 == 0)
+                if isinstance(t, int)
+                else type(t).__name__
+                for t in (bound_args["x"], bound_args["n"])
+            ) + (repr(bound_args["BLOCK"]), bound_args["FLAG"], kwargs.get("num_warps"))
+            return self.compiled.setdefault(spec, _Compiled())
+
+        return run
+
+
+class _Pointer:
+    """What Triton takes as a pointer besides a tensor: any object with data_ptr() (and a dtype)."""
+
+    dtype = torch.float32
+
+    def data_ptr(self):
+        return 1024
+
+
+@pytest.fixture
+def binding(monkeypatch):
+    """`bound.launch` taking its GPU path on this machine, with fresh tables."""
+    monkeypatch.setattr(bound, "ACTIVE", True)
+    monkeypatch.setattr(bound, "_current_stream", lambda device: 7)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    for table in ("_SIGNATURES", "_NOT_BOUND", "UNBOUND_CALLS"):
+        monkeypatch.setattr(bound, table, {})
+    return bound
+
+
+def test_a_repeated_call_goes_to_the_launcher_with_its_own_arguments(binding):
+    kernel = _Kernel()
+    x1, x2, out = torch.zeros(32), torch.ones(32), torch.zeros(32)
+    binding.launch(kernel, (4,), x1, 64, 0.5, out, BLOCK=32, num_warps=4)
+    assert len(kernel.slow) == 1  # first of its kind: through Triton, which compiles it
+    binding.launch(kernel, (6, 2), x2, 96, 2.0, out, BLOCK=32, num_warps=4)  # 96: divisible by 16 too
+    assert len(kernel.slow) == 1
+    (compiled,) = kernel.compiled.values()
+    (launch,) = compiled.launches
+    assert launch[:9] == (6, 2, 1, 7, "function", "metadata", None, None, None)
+    assert launch[9] is x2 and launch[10:] == (96, 2.0, out, 32, False)  # the defaults filled in
+    binding.launch(kernel, (4,), x2[1:], 96, 2.0, out, BLOCK=32, num_warps=4)  # another alignment
+    binding.launch(kernel, (4,), x2, 1, 2.0, out, BLOCK=32, num_warps=4)  # n == 1: Triton specialises it
+    binding.launch(kernel, (4,), x2, 96, 2.0, out, BLOCK=64, num_warps=4)  # another constant
+    binding.launch(kernel, (4,), x2, 96, 2.0, out, BLOCK=32, num_warps=8)  # another launch option
+    assert len(kernel.slow) == 5 and len(compiled.launches) == 1
+
+
+def test_a_keyword_argument_lands_in_its_slot_and_no_tensor_is_kept(binding):
+    import gc
+    import weakref
+
+    kernel = _Kernel()
+    first = torch.zeros(32)
+    alive = weakref.ref(first)
+    binding.launch(kernel, (1,), first, 16, 1.0, out=first, FLAG=True)
+    second, out2 = torch.ones(32), torch.full((32,), 3.0)
+    binding.launch(kernel, (1,), second, 32, 1.0, out=out2, FLAG=True)
+    (compiled,) = kernel.compiled.values()
+    launch = compiled.launches[0]
+    assert launch[9] is second and launch[12] is out2 and launch[13:] == (16, True)
+    del first
+    gc.collect()
+    assert alive() is None  # the bound entry holds no tensor of the call that made it
+
+
+def test_what_cannot_be_keyed_or_bound_goes_through_triton(binding):
+    kernel = _Kernel()
+    x = torch.zeros(32)
+    for _ in range(2):
+        binding.launch(kernel, (1,), x, 16, 1.0, BLOCK=[16])  # an unhashable constant
+        binding.launch(kernel, (1,), _Pointer(), 16, 1.0)  # a pointer Triton takes, of no kind keyed here
+        binding.launch(kernel, lambda meta: (1,), x, 16, 1.0)  # a grid of the constants
+    assert len(kernel.slow) == 6 and not any(c.launches for c in kernel.compiled.values())
+    assert sum(binding.UNBOUND_CALLS.values()) == 4
+    broken = _Kernel(binder_fails=True)
+    for _ in range(3):
+        binding.launch(broken, (1,), x, 16, 1.0)
+    assert len(broken.slow) == 3 and id(broken) in binding._NOT_BOUND
