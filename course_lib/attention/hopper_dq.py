@@ -376,7 +376,9 @@ def compile_ahead(q4, k4, v4, l3, delta, dq4, offset: int, causal: bool, scale: 
     """Compile what `dq` will launch for these shapes in a background thread, once per process (as
     `hopper_backward.compile_ahead` does for the dK/dV kernel); q4 stands in for dO."""
     launch = LAUNCHES[q4.shape[-1]]
-    grid, args, kwargs = arguments(q4, k4, v4, q4, l3, delta, dq4, offset, causal, scale, launch)
-    compile_in_background(
-        _key(q4, k4, dq4, offset, causal), lambda: dq_ws_kernel.warmup(*args, grid=grid, **kwargs)
-    )
+
+    def work():  # the descriptors are made in the thread, once: this runs before every backward's dQ
+        grid, args, kwargs = arguments(q4, k4, v4, q4, l3, delta, dq4, offset, causal, scale, launch)
+        return dq_ws_kernel.warmup(*args, grid=grid, **kwargs)
+
+    compile_in_background(_key(q4, k4, dq4, offset, causal), work)
