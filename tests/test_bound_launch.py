@@ -284,3 +284,16 @@ def test_what_cannot_be_keyed_or_bound_goes_through_triton(binding):
     for _ in range(3):
         binding.launch(broken, (1,), x, 16, 1.0)
     assert len(broken.slow) == 3 and id(broken) in binding._NOT_BOUND
+
+
+def test_a_table_entry_never_serves_another_kernel_at_the_same_address(binding):
+    """The tables are keyed by id(kernel); an entry made for one kernel object (here planted under another's
+    id, as a freed kernel's address could be reused) is not taken for it."""
+    old, new = _Kernel(), _Kernel()
+    x = torch.zeros(32)
+    binding.launch(old, (1,), x, 16, 1.0)
+    binding._SIGNATURES[id(new)] = binding._SIGNATURES[id(old)]
+    binding.launch(new, (1,), x, 16, 1.0)
+    binding.launch(new, (1,), x, 16, 1.0)
+    assert len(new.slow) == 1 and sum(len(c.launches) for c in new.compiled.values()) == 1
+    assert not any(c.launches for c in old.compiled.values())

@@ -95,6 +95,7 @@ class _Signature:
     by name."""
 
     def __init__(self, kernel):
+        self.kernel = kernel  # held: the tables are keyed by id(kernel), which must not be reused
         params = kernel.params
         self.constant = tuple(p.is_constexpr for p in params)
         self.index = {p.name: i for i, p in enumerate(params)}
@@ -129,14 +130,14 @@ class _Entry:
 
 _current_stream = torch._C._cuda_getCurrentRawStream if ACTIVE else None  # what Triton's launch asks too
 _SIGNATURES: dict = {}
-_NOT_BOUND: dict = {}  # id(kernel) -> (name, why binding it failed once): launched through Triton from then on
+_NOT_BOUND: dict = {}  # id(kernel) -> (kernel, why binding it failed once): launched through Triton from then on
 UNBOUND_CALLS: dict = {}  # (kernel name, why its arguments could not be keyed) -> calls
 MAX_ENTRIES = 4096  # per kernel; past it, the table starts again (shapes that never repeat)
 
 
 def _signature(kernel) -> _Signature:
     sig = _SIGNATURES.get(id(kernel))  # by identity: a JITFunction's own hash walks its source's key
-    if sig is None:
+    if sig is None or sig.kernel is not kernel:
         sig = _SIGNATURES[id(kernel)] = _Signature(kernel)
     return sig
 
@@ -214,7 +215,7 @@ def launch(kernel, grid, *args, **kwargs) -> None:
         try:
             entry = _bind(kernel, sig, compiled, device, args, kwargs)
         except Exception as exc:  # another Triton's internals: this kernel goes through Triton from now on
-            _NOT_BOUND[id(kernel)] = (getattr(kernel, "__name__", "?"), f"{type(exc).__name__}: {exc}")
+            _NOT_BOUND[id(kernel)] = (kernel, f"{type(exc).__name__}: {exc}")  # the kernel held, as above
             return
         if len(sig.entries) >= MAX_ENTRIES:
             sig.entries.clear()
