@@ -800,13 +800,14 @@ def _backward(
     sum_args = (dk_out, dv_out, dk4, dv4, n_k * d)
     sum_meta = dict(SHARE=share, **sum_launch.kwargs())
     sum_name = ("group sum", share, acc_dtype, q.dtype)  # what its compilation depends on
-    pre = PREPROCESS.current()  # D = rowsum(dO * O) by itself: for the atomic dQ and the Gluon dQ kernel
-    pre_grid = (runtime.cdiv(n_q, pre.block_m) * B * H,)
-    pre_args = (o4, do4, delta, *strides4(o4), *strides4(do4), H, n_q)
-    pre_meta = dict(
-        HEAD_DIM=d, BLOCK_D=block_d, **pre.kwargs(), UPCAST=flags["UPCAST"], ACC_DTYPE=flags["ACC_DTYPE"]
-    )
-    pre_name = ("preprocess", d, q.dtype)
+    if atomic or gluon_dq is not None:  # D = rowsum(dO * O) by itself: the atomic dQ and the Gluon dQ read it
+        pre = PREPROCESS.current()
+        pre_grid = (runtime.cdiv(n_q, pre.block_m) * B * H,)
+        pre_args = (o4, do4, delta, *strides4(o4), *strides4(do4), H, n_q)
+        pre_meta = dict(
+            HEAD_DIM=d, BLOCK_D=block_d, **pre.kwargs(), UPCAST=flags["UPCAST"], ACC_DTYPE=flags["ACC_DTYPE"]
+        )
+        pre_name = ("preprocess", d, q.dtype)
 
     with cuda_device(q):
         if launch_cfg is None and not atomic:
