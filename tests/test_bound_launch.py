@@ -251,6 +251,9 @@ def test_a_repeated_call_goes_to_the_launcher_with_its_own_arguments(binding):
     binding.launch(kernel, (4,), x2, 96, 2.0, out, BLOCK=64, num_warps=4)  # another constant
     binding.launch(kernel, (4,), x2, 96, 2.0, out, BLOCK=32, num_warps=8)  # another launch option
     assert len(kernel.slow) == 5 and len(compiled.launches) == 1
+    for flag in (False, False, 0):  # 0 == False in Python, not to Triton's cache: a kind of its own
+        binding.launch(kernel, (4,), x2, 96, 2.0, out, BLOCK=32, FLAG=flag, num_warps=4)
+    assert len(kernel.slow) == 7 and len(compiled.launches) == 2
 
 
 def test_a_keyword_argument_lands_in_its_slot_and_no_tensor_is_kept(binding):

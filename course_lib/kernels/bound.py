@@ -82,12 +82,13 @@ def _runtime_key(a):
 
 
 def _constant_key(a):
-    """A compile-time constant keys by value (hashable ones; anything else is not bound)."""
+    """A compile-time constant keys by type and value (True and 1 are equal in Python, not to Triton's cache);
+    hashable ones only: anything else is not bound."""
     try:
         hash(a)
     except TypeError as exc:
         raise _Unbound(type(a)) from exc
-    return a
+    return (type(a), a)
 
 
 class _Signature:
@@ -120,12 +121,8 @@ class _Entry:
     __slots__ = ("compiled", "template", "keyword_slots", "n_args")
 
     def __init__(self, compiled, template: list, keyword_slots: tuple, n_args: int):
-        self.compiled, self.template, self.keyword_slots, self.n_args = (
-            compiled,
-            template,
-            keyword_slots,
-            n_args,
-        )
+        self.compiled, self.template = compiled, template
+        self.keyword_slots, self.n_args = keyword_slots, n_args
 
 
 _current_stream = torch._C._cuda_getCurrentRawStream if ACTIVE else None  # what Triton's launch asks too
