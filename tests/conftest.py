@@ -37,6 +37,17 @@ def _random_draws_follow_the_test(request):
 
 
 @pytest.fixture(autouse=True)
+def _no_plans_from_other_tests():
+    """Attention plans (`course_lib.attention.plans`) remember the decisions of calls seen before; a test that
+    patches a decision (a route, a launch rule) must not meet a plan another test left."""
+    import sys
+
+    plans = sys.modules.get("course_lib.attention.plans")
+    if plans is not None:
+        plans.clear()
+
+
+@pytest.fixture(autouse=True)
 def _gpu_memory_returned():
     """PyTorch's caching allocator keeps a process's freed GPU memory for that process: after a test
     with a large float64 reference, a worker of `make test-gpu` (pytest -n) would hold gigabytes the

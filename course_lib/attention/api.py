@@ -23,6 +23,7 @@ except ImportError:  # pragma: no cover - a PyTorch without it: every tensor rea
 
 from .. import runtime
 from ..second_derivative import refuse_second_derivative
+from . import plans
 from .backward import _backward, save_tensors, saved_tensors
 from .configs import DEFAULT_LAUNCH, DEFAULT_SWITCHES
 from .decode_route import routed_forward
@@ -60,36 +61,79 @@ class FlashAttentionTriton(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, is_causal=False, scale=None, window=None, sinks=None):
+        needs_grad = any(ctx.needs_input_grad[:3])
+        key = plans.call_key(q, k, v, is_causal, scale, window, sinks)
+        plan = plans.find(plans.FORWARD, key)
+        if plan is not None and (plan.grad_ready or not needs_grad):  # a call seen before (plans.py)
+            o, lse = plan.run(q, k, v)
+            ctx.save_for_backward(q, k, v, o, lse)
+            ctx.saved_present = _PRESENT
+            ctx.alignment, ctx.scale, ctx.window = plan.call
+            ctx.sinks_dtype, ctx.plan = None, plan
+            return o
         alignment, window, sinks32, scale = check_call(
             q, k, v, is_causal, scale, window, sinks, "FlashAttentionTriton"
         )
         shape = (q.shape, k.shape, q.dtype, alignment, bool(window)) if runtime.ON_GPU else None
-        if shape is not None and any(ctx.needs_input_grad[:3]) and shape not in _PREPARED:
+        if shape is not None and needs_grad and shape not in _PREPARED:
             # a new shape's backward kernels start compiling now, alongside the forward's
             _PREPARED.add(shape)
             _backward(
                 None, q, k, v, None, None, alignment, scale, DEFAULT_LAUNCH, DEFAULT_SWITCHES, "two_kernel",
                 compile_only=True, window=window,
             )  # fmt: skip
-        o, lse = routed_forward(q, k, v, alignment, scale, DEFAULT_LAUNCH, DEFAULT_SWITCHES, window, sinks32)
+        plan_out = None if key is None else []
+        o, lse = routed_forward(
+            q, k, v, alignment, scale, DEFAULT_LAUNCH, DEFAULT_SWITCHES, window, sinks32, plan_out=plan_out
+        )  # fmt: skip
+        plan = _keep(key, plan_out, (alignment, scale, window))
+        if plan is not None:
+            plan.grad_ready = needs_grad or plan.grad_ready
         save_tensors(ctx, q, k, v, o, lse, sinks32)
         ctx.alignment = alignment
         ctx.scale = scale
         ctx.window = window
         ctx.sinks_dtype = None if sinks is None else sinks.dtype
+        ctx.plan = plan
         return o
 
     @staticmethod
     def backward(ctx, do):
         q, k, v, o, lse, sinks32 = saved_tensors(ctx)
+        plan = ctx.plan
         with torch.no_grad():
-            dq, dk, dv, dsinks = _backward(
-                do, q, k, v, o, lse, ctx.alignment, ctx.scale, DEFAULT_LAUNCH, DEFAULT_SWITCHES, "two_kernel",
-                window=ctx.window, sinks=sinks32,
-            )  # fmt: skip
-            dsinks = None if dsinks is None else dsinks.to(ctx.sinks_dtype)
+            if plan is not None and plan.generation != plans.generation():
+                plan = None  # a launch choice changed since the forward: the full path
+            key = None if plan is None else (do.stride(), do.data_ptr() % 16, do.dtype)  # do's shape is O's
+            backward_plan = plans.find(plan.backward, key) if plan is not None else None
+            if backward_plan is not None:  # a backward seen before (plans.py)
+                dq, dk, dv = backward_plan.run(do, q, k, v, o, lse)
+                dsinks = None
+            else:
+                plan_out = None if plan is None else []
+                dq, dk, dv, dsinks = _backward(
+                    do, q, k, v, o, lse, ctx.alignment, ctx.scale, DEFAULT_LAUNCH, DEFAULT_SWITCHES,
+                    "two_kernel", window=ctx.window, sinks=sinks32, plan_out=plan_out,
+                )  # fmt: skip
+                if plan_out:
+                    plans.store(plan.backward, key, plan_out[0])
+                dsinks = None if dsinks is None else dsinks.to(ctx.sinks_dtype)
         dq, dk, dv, dsinks = refuse_second_derivative((dq, dk, dv, dsinks), (do, q, k, v, sinks32))
         return dq, dk, dv, None, None, None, dsinks
+
+
+_PRESENT = (True,) * 5 + (False,)  # `save_tensors`'s record of a call without sinks
+
+
+def _keep(key, plan_out, call: tuple):
+    """Keep the plan a call left in `plan_out` under its key (`plans.py`), with the checked (alignment, scale,
+    window) it ran with; return it (None when it left none)."""
+    if not plan_out:
+        return None
+    plan = plan_out[0]
+    plan.call = call
+    plans.store(plans.FORWARD, key, plan)
+    return plan
 
 
 def flash_attention(
@@ -134,5 +178,14 @@ def flash_attention(
     if _recorded(q, k, v, sinks):
         return FlashAttentionTriton.apply(q, k, v, causal, scale, window, sinks)
     # nothing to differentiate (inference, no_grad): the forward alone, without an autograd node
+    key = plans.call_key(q, k, v, causal, scale, window, sinks)
+    plan = plans.find(plans.FORWARD, key)
+    if plan is not None:  # a call seen before: allocate and launch (plans.py)
+        return plan.run(q, k, v)[0]
     alignment, window, sinks32, scale = check_call(q, k, v, causal, scale, window, sinks, "flash_attention")
-    return routed_forward(q, k, v, alignment, scale, DEFAULT_LAUNCH, DEFAULT_SWITCHES, window, sinks32)[0]
+    plan_out = None if key is None else []
+    o, _ = routed_forward(
+        q, k, v, alignment, scale, DEFAULT_LAUNCH, DEFAULT_SWITCHES, window, sinks32, plan_out=plan_out
+    )  # fmt: skip
+    _keep(key, plan_out, (alignment, scale, window))
+    return o

@@ -81,6 +81,7 @@ from .launch import (
     launch,
     make_tuner,
     n_bucket,
+    on_current_device,
     wait_compiled,
 )
 
@@ -689,6 +690,7 @@ def _backward(
     window=0,
     sinks=None,
     seqs=None,
+    plan_out=None,
 ):
     """Launch the kernels on validated inputs (no checks here): dQ (with D) then dK/dV, or, atomic,
     the preprocessing then dK/dV with dQ. window: `checks.check_window`'s (0: none); sinks:
@@ -699,7 +701,9 @@ def _backward(
 
     compile_only=True (the autograd forward, before its own launch): launch nothing; start compiling
     the default backward's two kernels for this shape (`launch.compile_ahead`). do, o and L may then be
-    None: their stand-ins, and every buffer, live on the meta device (shapes and strides, no memory)."""
+    None: their stand-ins, and every buffer, live on the meta device (shapes and strides, no memory).
+    plan_out: None, or a list to which a `BackwardPlan` of this call is appended where it can be repeated
+    so (`plans.py`: the Triton kernels' default launches, no window's copy, sinks or packing)."""
     where = "meta" if compile_only else q.device
     if compile_only:
         if launch_cfg is not None or dq_mode != "two_kernel":
@@ -721,6 +725,7 @@ def _backward(
         l3 = L.t()[None]
         B, H, d, H_kv, n_q, n_k = seqs.count, q.shape[1], q.shape[2], k.shape[1], seqs.max_q, seqs.max_k
     rows = dict(q=n_q, o=n_q, do=n_q, k=n_k, v=n_k)
+    viewed = (q4, k4, v4, o4, do4)
     q4, k4, v4, o4, do4 = (
         within_offsets(t, rows[name], name, "attention.backward")
         for t, name in ((q4, "q"), (k4, "k"), (v4, "v"), (o4, "o"), (do4, "do"))
@@ -796,6 +801,17 @@ def _backward(
     kv_grid = lambda c: (runtime.cdiv(n_k, c.block_n) * B * (H // on_chip),)
     kv_shape = dkdv_shape_class(n_q, n_k, d, causal, q.dtype, atomic, on_chip)
     kv_tuner = _dkdv_atomic_tuned if atomic else _dkdv_tuned
+    names = None  # id(tensor) -> name, for a plan of this call (`BackwardPlan`)
+    if (
+        plan_out is not None and not compile_only and launch_cfg is None and not atomic and gluon is None
+        and seqs is None and sinks is None and viewed == (q4, k4, v4, o4, do4) and on_current_device(q)
+    ):  # fmt: skip
+        tensors = dict(q4=q4, k4=k4, v4=v4, o4=o4, do4=do4, l3=l3, delta=delta, dq_acc=dq_acc)
+        tensors.update(dk4=dk4, dv4=dv4)
+        if share > 1:
+            tensors.update(dk_out=dk_out, dv_out=dv_out)
+        names = {id(t): name for name, t in tensors.items()}
+        prepared = []
     sum_launch = GROUP_SUM.current()
     sum_args = (dk_out, dv_out, dk4, dv4, n_k * d)
     sum_meta = dict(SHARE=share, **sum_launch.kwargs())
@@ -835,7 +851,9 @@ def _backward(
                 launch(_dq_kernel, _dq_tuned, DQ, q_grid, q_args, dict(q_meta, FUSE_D=False), shape)
         elif launch_cfg is None:
             # dQ first: it also computes D, which the dK/dV kernel needs (stream order keeps them apart).
-            launch(_dq_kernel, _dq_tuned, DQ, q_grid, q_args, q_meta, shape)
+            made = launch(_dq_kernel, _dq_tuned, DQ, q_grid, q_args, q_meta, shape, names)
+            if names is not None:
+                prepared.append(made)
         else:
             bm, bn = fixed.get("BLOCK_M2", fixed["BLOCK_M"]), fixed.get("BLOCK_N2", fixed["BLOCK_N"])
             bound.launch(_dq_kernel, (runtime.cdiv(n_q, bm) * B * H,),
@@ -845,7 +863,9 @@ def _backward(
         gluon_args = (q4, k4, v4, do4, l3, delta, dk_out, dv_out, offset, causal, scale)
         if gluon is None or not run_gluon("dK/dV kernel", HOPPER_FAILED, gluon.dkdv, *gluon_args):
             if launch_cfg is None:
-                launch(_dkdv_kernel, kv_tuner, DKDV, kv_grid, kv_args, kv_meta, kv_shape)
+                made = launch(_dkdv_kernel, kv_tuner, DKDV, kv_grid, kv_args, kv_meta, kv_shape, names)
+                if names is not None:
+                    prepared.append(made)
             else:
                 bm, bn = fixed.get("BLOCK_M1", fixed["BLOCK_M"]), fixed.get("BLOCK_N1", fixed["BLOCK_N"])
                 bound.launch(_dkdv_kernel, (runtime.cdiv(n_k, bn) * B * (H // on_chip),),
@@ -857,15 +877,54 @@ def _backward(
         with cuda_device(q):
             sum_grid = (B * H_kv, runtime.cdiv(n_k * d, sum_launch.block), 2)
             bound.launch(_group_sum_kernel, sum_grid, *sum_args, **sum_meta)
+            if names is not None:
+                prepared.append(bound.prepare(_group_sum_kernel, sum_grid, sum_args, sum_meta, names))
     if sinks is None:
         dsinks = None
     elif seqs is None:
         dsinks = sink_gradient(sinks, L.reshape(B, H, n_q), delta.view(B, H, n_q))
     else:  # D back from (sequences, H, longest) to the packed rows
         dsinks = sink_gradient(sinks, l3, seqs.pack(delta.view(B, H, n_q))[None])
+    if names is not None and all(p is not None for p in prepared):
+        plan_out.append(BackwardPlan(prepared, q, q4, L, l3, delta, dk_out if share > 1 else None))
     if atomic:
         return dq_acc.to(q.dtype).view(q.shape), dk, dv, dsinks
     return dq, dk, dv, dsinks
+
+
+class BackwardPlan:
+    """A backward call to repeat (`plans.py`): the Triton kernels' launches (dQ with D, dK/dV, and for
+    grouped-query attention with per-head partials their sum) with every non-tensor argument fixed, and how
+    to allocate dQ, dK, dV, D and the partials and view the tensors as the kernels take them.
+    `run(do, q, k, v, o, L)` gives (dq, dk, dv) as `_backward` does, for a call with the same key."""
+
+    __slots__ = ("prepared", "four_d", "l3_shape", "delta_shape", "acc_dtype", "partial_shape")
+
+    def __init__(self, prepared: list, q, q4, L, l3, delta, partial):
+        self.prepared = tuple(prepared)
+        self.four_d = q4 is q and l3 is L
+        self.l3_shape, self.delta_shape, self.acc_dtype = tuple(l3.shape), tuple(delta.shape), delta.dtype
+        self.partial_shape = None if partial is None else tuple(partial.shape)
+
+    def run(self, do, q, k, v, o, L):
+        contiguous = torch.contiguous_format
+        dk = torch.empty_like(k, memory_format=contiguous)
+        dv = torch.empty_like(v, memory_format=contiguous)
+        dq = torch.empty_like(q, memory_format=contiguous)
+        delta = torch.empty(self.delta_shape, dtype=self.acc_dtype, device=q.device)
+        if self.four_d:
+            tensors = dict(q4=q, k4=k, v4=v, o4=o, do4=do, l3=L, delta=delta, dq_acc=dq, dk4=dk, dv4=dv)
+        else:
+            tensors = dict(
+                q4=as_4d(q), k4=as_4d(k), v4=as_4d(v), o4=as_4d(o), do4=as_4d(do), l3=L.reshape(self.l3_shape),
+                delta=delta, dq_acc=as_4d(dq), dk4=as_4d(dk), dv4=as_4d(dv),
+            )  # fmt: skip
+        if self.partial_shape is not None:
+            tensors["dk_out"] = torch.empty(self.partial_shape, dtype=self.acc_dtype, device=q.device)
+            tensors["dv_out"] = torch.empty(self.partial_shape, dtype=self.acc_dtype, device=q.device)
+        for launch_ in self.prepared:
+            launch_(tensors)
+        return dq, dk, dv
 
 
 def sink_gradient(sinks: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:

@@ -80,15 +80,17 @@ def forward(q, k, v, alignment: str | None, scale: float):
     return o, lse.transpose(1, 2).contiguous().view(q.shape[:-1])
 
 
-def routed_forward(q, k, v, alignment, scale, launch_cfg, switches, window=0, sinks=None, seqs=None):
-    """`forward._forward` (its checked arguments, its (O, L)), with a decoding step that `takes` accepts
-    handed to the split-KV kernel: only a call with the default launch, no window, no sinks and no packed
-    sequences is ever handed over."""
+def routed_forward(
+    q, k, v, alignment, scale, launch_cfg, switches, window=0, sinks=None, seqs=None, plan_out=None
+):
+    """`forward._forward` (its checked arguments, its (O, L), its plan_out), with a decoding step that
+    `takes` accepts handed to the split-KV kernel: only a call with the default launch, no window, no sinks
+    and no packed sequences is ever handed over (and such a call leaves no plan)."""
     plain = launch_cfg is None and not window and sinks is None and seqs is None
     if plain and takes(as_4d(q), as_4d(k), alignment):
         with cuda_device(q):
             return forward(q, k, v, alignment, scale)
-    return _forward(q, k, v, alignment, scale, launch_cfg, switches, window, sinks, seqs)
+    return _forward(q, k, v, alignment, scale, launch_cfg, switches, window, sinks, seqs, plan_out)
 
 
 def attention_forward(

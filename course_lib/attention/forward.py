@@ -58,9 +58,10 @@ from ..kernels.blocks import (
 )
 from ..kernels.softmax import LOG2E, logsumexp, softmax_step
 from ..runtime import tl, triton
+from . import plans
 from .configs import FORWARD, split_config, teaching_hooks
 from .inputs import SUPPORTED_HEAD_DIMS, as_4d, check_call, kernel_flags, strides4, within_offsets
-from .launch import cuda_device, launch, make_tuner, n_bucket
+from .launch import cuda_device, launch, make_tuner, n_bucket, on_current_device
 
 runtime.require_triton()
 
@@ -304,11 +305,13 @@ def forward_call(q, k, v, causal, scale, config, window, sinks) -> tuple:
     return q, k, v, alignment, scale, launch_cfg, switches, window, sinks
 
 
-def _forward(q, k, v, alignment, scale, launch_cfg, switches, window=0, sinks=None, seqs=None):
+def _forward(q, k, v, alignment, scale, launch_cfg, switches, window=0, sinks=None, seqs=None, plan_out=None):
     """Launch the forward kernel on validated inputs (no checks here); alignment from
     `checks.causal_alignment`, window from `checks.check_window` (0: none), sinks from
     `checks.check_sinks`. seqs: None, or packed sequences (`packed.Sequences`): q, k, v are then
-    (total rows, heads, d) and O, L come back as (total_q, Hq, d) and (total_q, Hq)."""
+    (total rows, heads, d) and O, L come back as (total_q, Hq, d) and (total_q, Hq).
+    plan_out: None, or a list to which a `ForwardPlan` of this call is appended where it can be repeated so
+    (`plans.py`: the Triton kernel's default launch, no sinks, no packing, no copy of an input)."""
     # the Gluon kernel (and, above this module, the split-KV route) take only these calls
     plain = launch_cfg is None and not window and sinks is None and seqs is None
     # Host time per call on a 2-core CPU: torch.empty(q.shape, ...) 2.9 us against empty_like's 1.2; a view
@@ -324,9 +327,13 @@ def _forward(q, k, v, alignment, scale, launch_cfg, switches, window=0, sinks=No
         q4, k4, v4, o4 = (t.transpose(0, 1)[None] for t in (q, k, v, o))
         l3 = lse.t()[None]
         B, H, d, n_q, n_k = seqs.count, q.shape[1], q.shape[2], seqs.max_q, seqs.max_k
+    viewed = (q4, k4, v4)
     q4, k4, v4 = (
         within_offsets(t, rows, name, "attention.forward")
         for t, rows, name in ((q4, n_q, "q"), (k4, n_k, "k"), (v4, n_k, "v"))
+    )
+    plannable = (
+        plan_out is not None and plain and seqs is None and viewed == (q4, k4, v4) and on_current_device(q)
     )
     within_offsets(o4, n_q, "O", "attention.forward", copy=False)  # written where it is: checked only
     causal = alignment is not None
@@ -353,8 +360,47 @@ def _forward(q, k, v, alignment, scale, launch_cfg, switches, window=0, sinks=No
             return o, lse
         if launch_cfg is None:  # the production kernel (teaching variants always come with a fixed launch)
             grid = lambda c: (runtime.cdiv(n_q, c.block_m) * B * H,)
-            launch(_fwd_kernel, _fwd_tuned, FORWARD, grid, args, meta, (bucket, d, causal, q.dtype))
+            names = None
+            if plannable:
+                names = {id(t): name for name, t in dict(q4=q4, k4=k4, v4=v4, o4=o4, l3=l3).items()}
+            shape = (bucket, d, causal, q.dtype)
+            prepared = launch(_fwd_kernel, _fwd_tuned, FORWARD, grid, args, meta, shape, names)
+            if prepared is not None:
+                plan_out.append(ForwardPlan(prepared, q, q4, lse, l3))
         else:
             grid = (runtime.cdiv(n_q, launch_cfg["BLOCK_M"]) * B * H,)
             bound.launch(_fwd_kernel, grid, *args, **meta, **hooks, **launch_cfg)
     return o, lse
+
+
+class ForwardPlan:
+    """A forward call to repeat (`plans.py`): the Triton kernel's launch with every non-tensor argument
+    fixed, and how to allocate O and L and view q, k, v, O, L as the kernel takes them. `run(q, k, v)` gives
+    (O, L) as `_forward` does, for a call with the same key. `backward` holds the backward plans of the calls
+    it made ({dO's key: `backward.BackwardPlan`}); `grad_ready`, whether the backward's kernels were started
+    compiling (`api.FlashAttentionTriton`)."""
+
+    __slots__ = (
+        "prepared", "four_d", "lse_shape", "lse_dtype", "l3_shape", "generation", "backward", "grad_ready", "call"
+    )  # fmt: skip
+
+    def __init__(self, prepared, q, q4, lse, l3):
+        self.prepared = prepared
+        self.four_d = q4 is q and l3 is lse
+        self.lse_shape, self.lse_dtype, self.l3_shape = tuple(lse.shape), lse.dtype, tuple(l3.shape)
+        self.generation = plans.generation()
+        self.backward: dict = {}
+        self.grad_ready = False
+        self.call = (
+            None  # the checked (alignment, scale, window): what the autograd Function keeps for backward
+        )
+
+    def run(self, q, k, v):
+        o = torch.empty_like(q, memory_format=torch.contiguous_format)
+        lse = torch.empty(self.lse_shape, dtype=self.lse_dtype, device=q.device)
+        if self.four_d:
+            self.prepared({"q4": q, "k4": k, "v4": v, "o4": o, "l3": lse})
+        else:
+            l3 = lse.view(self.l3_shape)
+            self.prepared({"q4": as_4d(q), "k4": as_4d(k), "v4": as_4d(v), "o4": as_4d(o), "l3": l3})
+        return o, lse

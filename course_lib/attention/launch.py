@@ -61,6 +61,11 @@ def cuda_device(t: torch.Tensor):
 _NO_DEVICE = contextlib.nullcontext()  # reusable: it holds no state
 
 
+def on_current_device(t: torch.Tensor) -> bool:
+    """Whether t needs no change of the current GPU to be launched on (a CPU tensor: yes)."""
+    return not t.is_cuda or t.device.index == torch.cuda.current_device()
+
+
 # --------------------------------------------------------------------------------------------------
 # The GPU's record of autotuned choices
 # --------------------------------------------------------------------------------------------------
@@ -150,15 +155,12 @@ def trying(table: KernelConfigs, shape: tuple, config: Launch):
     candidates, e.g. `scripts/gqa_speed.py --tune`); afterwards, what it chose before."""
     name = (table.name, shape)
     before = CHOSEN.get(name)
-    CHOSEN[name] = config
+    choose(name, config)
     _SEEN.add(name)  # nothing to compile ahead: the launch compiles it
     try:
         yield
     finally:
-        if before is None:
-            CHOSEN.pop(name, None)
-        else:
-            CHOSEN[name] = before
+        choose(name, before)
 
 
 def shape_key(shape: tuple) -> str:
@@ -167,8 +169,10 @@ def shape_key(shape: tuple) -> str:
     return "/".join(map(str, shape)).replace("torch.", "")
 
 
-def launch(kernel, tuner, table: KernelConfigs, grid, args: tuple, meta: dict, shape: tuple) -> None:
+def launch(kernel, tuner, table: KernelConfigs, grid, args: tuple, meta: dict, shape: tuple, names=None):
     """Launch `kernel` on `grid(launch)` with the configuration chosen for this shape class (`chosen`).
+    With `names` (id(tensor) -> name), return the launch as a `bound.Prepared` to repeat (None where it
+    cannot be: an autotuned first call, say); else None.
 
     Fixed launches (a `config` dict) do not come here; they call the kernel directly."""
     name = (table.name, shape)
@@ -178,12 +182,28 @@ def launch(kernel, tuner, table: KernelConfigs, grid, args: tuple, meta: dict, s
         best = tuner.best_config
         config = Launch(best.kwargs["BLOCK_M"], best.kwargs["BLOCK_N"], best.num_warps, best.num_stages)
         record_choice(table.name, shape_key(shape), config)
-        CHOSEN[name] = config
+        choose(name, config)
         _SEEN.add(name)
-        return
+        return None
     wait_compiled(name)  # if compiled ahead, its compilation is in Triton's cache now: this launch finds it
     _SEEN.add(name)
-    bound.launch(kernel, grid(config), *args, **meta, **config.kwargs())
+    kwargs = dict(meta, **config.kwargs())
+    bound.launch(kernel, grid(config), *args, **kwargs)
+    return None if names is None else bound.prepare(kernel, grid(config), args, kwargs, names)
+
+
+CHOICE_LISTENERS: list = []  # functions called whenever a shape class's launch changes (`attention.plans`)
+
+
+def choose(name: tuple, config: Launch | None) -> None:
+    """Make `config` the launch of shape class `name` ((table name, shape)) in this process; None forgets the
+    choice. Every listener hears of it: what was planned with the old launch must be planned again."""
+    if config is None:
+        CHOSEN.pop(name, None)
+    else:
+        CHOSEN[name] = config
+    for listener in CHOICE_LISTENERS:
+        listener()
 
 
 def compile_ahead(kernel, tuner, table: KernelConfigs, grid, args: tuple, meta: dict, shape: tuple) -> None:

@@ -20,7 +20,11 @@ launch hook sends the call through Triton every time. `COURSE_BOUND_LAUNCH=0` se
 Triton (for comparison); `COURSE_BOUND_LAUNCH=check` also asks Triton, on every bound call, which kernel it
 would have run and raises if it differs (the GPU tests run a workload so).
 
-On the CPU, Triton's interpreter runs the kernels and nothing is bound: `launch` is `kernel[grid](...)`.
+`prepare` goes one step further for a caller that repeats a whole call (`attention.plans`): a launch whose
+non-tensor arguments are all fixed (a `Prepared`), run again by handing it only the tensors, by name.
+
+On the CPU, Triton's interpreter runs the kernels and nothing is bound: `launch` is `kernel[grid](...)`,
+and a `Prepared` launch is that call again with the new tensors.
 """
 
 from __future__ import annotations
@@ -231,3 +235,86 @@ def launch(kernel, grid, *args, **kwargs) -> None:
         _current_stream(device), compiled.function, compiled.packed_metadata,
         None, None, None, *values,
     )  # fmt: skip
+
+
+class Prepared:
+    """A launch to run again with other tensors of the same kinds: the kernel, the grid and every non-tensor
+    argument as the call given to `prepare` had them. `prepared(tensors)` takes a dict {name: tensor} and
+    puts each tensor where the first call had the tensor of that name (`names` maps id(tensor) to its name).
+    On a GPU it calls the compiled kernel's launcher directly (the bound entry); under the interpreter it is
+    `kernel[grid](...)` again. The caller's key must fix everything but the tensors' data: their dtypes and
+    16-byte alignment included (fresh allocations are aligned)."""
+
+    __slots__ = ("kernel", "compiled", "values", "slots", "grid", "device", "kwargs")
+
+    def __init__(self, kernel, compiled, values: list, slots: tuple, grid: tuple, device, kwargs: dict):
+        self.kernel, self.compiled, self.values, self.slots = kernel, compiled, values, slots
+        self.grid, self.device, self.kwargs = grid, device, kwargs
+
+    def __call__(self, tensors: dict) -> None:
+        values = self.values.copy()
+        for slot, name in self.slots:
+            values[slot] = tensors[name]
+        compiled = self.compiled
+        if compiled is None:  # the interpreter (or a kernel that is not bound): through Triton
+            self.kernel[self.grid](*values, **self.kwargs)
+            return
+        grid = self.grid
+        compiled.run(
+            grid[0], grid[1], grid[2], _current_stream(self.device), compiled.function, compiled.packed_metadata,
+            None, None, None, *values,
+        )  # fmt: skip
+
+
+def prepare(kernel, grid, args: tuple, kwargs: dict, names: dict) -> Prepared | None:
+    """The launch `launch(kernel, grid, *args, **kwargs)` just made, as a `Prepared` launch whose tensors are
+    found by name (`names`: id(tensor) -> name); None where it cannot be repeated so: a tensor with no name, an
+    argument `launch` does not bind, a grid given as a function, a profiler's launch hook, or (on a GPU) a
+    launch that went through Triton's own path."""
+    if callable(grid) or _hooks_set():
+        return None
+    grid = tuple(grid) + (1,) * (3 - len(grid))
+    if not ACTIVE:
+        if runtime.ON_GPU and not runtime.INTERPRET:  # COURSE_BOUND_LAUNCH=0: Triton's path, not repeated
+            return None
+        values = list(args)
+        slots = _tensor_slots(values, names)
+        return None if slots is None else Prepared(kernel, None, values, slots, grid, None, dict(kwargs))
+    if id(kernel) in _NOT_BOUND:
+        return None
+    sig = _signature(kernel)
+    device = torch.cuda.current_device()
+    try:
+        entry = sig.entries.get((device, sig.key(args, kwargs)))
+    except (_Unbound, TypeError):
+        return None
+    if entry is None:
+        return None
+    values = entry.template.copy()
+    values[: entry.n_args] = args
+    for name, slot in entry.keyword_slots:
+        values[slot] = kwargs[name]
+    slots = _tensor_slots(values, names)
+    if slots is None or any(isinstance(a, torch.Tensor) for a in entry.template):
+        return None
+    return Prepared(kernel, entry.compiled, values, slots, grid, device, {})
+
+
+def _tensor_slots(values: list, names: dict) -> tuple | None:
+    """((position, name), ...) of the tensors in `values`, each replaced by None (a Prepared launch keeps no
+    tensor alive); None if one has no name."""
+    slots = []
+    for i, a in enumerate(values):
+        if isinstance(a, torch.Tensor):
+            name = names.get(id(a))
+            if name is None:
+                return None
+            slots.append((i, name))
+            values[i] = None
+    return tuple(slots)
+
+
+def plain_launches() -> bool:
+    """Whether launches may skip Triton's own path now: no profiler's launch hook is installed (where one is,
+    every launch goes through Triton, which runs it)."""
+    return not _hooks_set()

@@ -1,0 +1,158 @@
+"""Plans (`course_lib.attention.plans`): a call seen before repeats its launches without deciding again, and
+gives exactly what the full path gives; anything that changes a decision gets a plan of its own, or none.
+CPU (the interpreter runs a plan's launches) and GPU (the bound launcher)."""
+
+import pytest
+import torch
+
+import course_lib
+from course_lib import flash_attention
+from course_lib.attention import launch, plans
+from course_lib.attention.configs import FORWARD
+from course_lib.attention.forward import ForwardPlan
+from course_lib.attention.reference import attention as reference
+from course_lib.kernels import bound
+
+DEVICE = course_lib.DEVICE
+DTYPE = torch.float32 if DEVICE.type == "cpu" else torch.bfloat16
+TOL = 2e-5 if DTYPE == torch.float32 else 2e-2
+
+
+def _inputs(q_shape, kv_shape, grad=True):
+    make = lambda shape: torch.randn(*shape, device=DEVICE, dtype=DTYPE).requires_grad_(grad)  # noqa: E731
+    return make(q_shape), make(kv_shape), make(kv_shape)
+
+
+def _run(q, k, v, do, causal, window=None):
+    """(O, dq, dk, dv) of one call through autograd, and O of one under no_grad, from fresh leaves."""
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    o = flash_attention(*leaves, causal=causal, window=window)
+    grads = torch.autograd.grad(o, leaves, do)
+    with torch.no_grad():
+        o_inference = flash_attention(*leaves, causal=causal, window=window)
+    return (o.detach(), o_inference, *grads)
+
+
+CASES = [
+    ((1, 4, 40, 32), (1, 2, 56, 32), "bottom_right"),  # GQA, Nq != Nk
+    ((2, 3, 24, 16), (2, 3, 24, 16), True),
+    ((2, 33, 32), (2, 20, 32), False),  # 3-D (batch, N, d): viewed as 4-D in the plan too
+    ((2, 1, 3, 17, 16), (2, 1, 3, 9, 16), "top_left"),  # 5-D: leading dims merged
+]
+
+
+@pytest.mark.parametrize("q_shape, kv_shape, causal", CASES)
+def test_a_repeated_call_runs_its_plan_and_matches_the_full_path(q_shape, kv_shape, causal):
+    q, k, v = _inputs(q_shape, kv_shape)
+    do = torch.randn(q_shape, device=DEVICE, dtype=DTYPE)
+    first = _run(q, k, v, do, causal)  # the full path, which leaves the plans
+    plan = plans.FORWARD[plans.call_key(q, k, v, causal, None, None, None)]
+    assert len(plan.backward) == 1
+    ran = []
+    real_run = type(plan).run
+    plan_type = type(plan)
+    plan_type.run = lambda self, *a: ran.append(1) or real_run(self, *a)
+    try:
+        again = _run(q, k, v, do, causal)
+    finally:
+        plan_type.run = real_run
+    assert len(ran) == 2  # the autograd forward and the no_grad one
+    for a, b in zip(first, again):
+        assert torch.equal(a, b)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    o64 = reference(q64, k64, v64, causal=causal)
+    grads64 = torch.autograd.grad(o64, (q64, k64, v64), do.double())
+    for got, want in zip(again, (o64, o64, *grads64)):
+        assert (got.double() - want).abs().max().item() < TOL * max(1.0, want.abs().max().item())
+
+
+def test_each_kind_of_call_gets_its_own_plan():
+    q, k, v = _inputs((1, 2, 32, 16), (1, 2, 32, 16), grad=False)
+    with torch.no_grad():
+        flash_attention(q, k, v, causal=True)
+        flash_attention(q, k, v, causal=False)
+        flash_attention(q, k, v, causal=True, scale=0.5)
+        flash_attention(q.transpose(1, 2).contiguous().transpose(1, 2), k, v, causal=True)  # other strides
+        flash_attention(q[..., :8, :], k, v, causal=True)  # another Nq
+        flash_attention(q, k, v, causal=1)  # 1 is not True to the key (it is refused or taken on its own)
+    assert len(plans.FORWARD) == 6
+
+
+def test_a_misaligned_tensor_is_not_given_an_aligned_tensors_plan():
+    """A tensor's address modulo 16 bytes specialises the compiled kernel: it is part of the key."""
+    q, k, v = _inputs((1, 2, 32, 16), (1, 2, 32, 16), grad=False)
+    storage = torch.randn(q.numel() + 1, device=DEVICE, dtype=DTYPE)
+    shifted = storage[1:].view(q.shape)  # 4 or 2 bytes past an aligned address
+    shifted.copy_(q)
+    with torch.no_grad():
+        want = flash_attention(q, k, v, causal=True)
+        got = flash_attention(shifted, k, v, causal=True)
+    assert plans.call_key(q, k, v, True, None, None, None) != plans.call_key(
+        shifted, k, v, True, None, None, None
+    )
+    assert torch.equal(want, got)
+
+
+def test_bad_arguments_still_raise_after_a_plan_exists():
+    q, k, v = _inputs((1, 2, 32, 16), (1, 2, 32, 16), grad=False)
+    with torch.no_grad():
+        flash_attention(q, k, v, causal=True)
+        with pytest.raises(ValueError, match="causal"):
+            flash_attention(q, k, v, causal="diagonal")
+        with pytest.raises(ValueError, match="scale"):
+            flash_attention(q, k, v, causal=True, scale=float("nan"))
+        with pytest.raises((TypeError, ValueError), match="dtype"):
+            flash_attention(q, k.half(), v, causal=True)
+
+
+def test_calls_with_sinks_or_windows_keep_the_full_path():
+    q, k, v = _inputs((1, 2, 32, 16), (1, 2, 32, 16), grad=False)
+    sinks = torch.zeros(2, device=DEVICE, dtype=torch.float32)
+    with torch.no_grad():
+        flash_attention(q, k, v, causal=True, sinks=sinks)
+        flash_attention(q, k, v, causal=True, window=8)
+    assert not plans.FORWARD
+
+
+def test_a_changed_launch_forgets_every_plan_and_a_pending_backward_runs_the_full_path():
+    q, k, v = _inputs((1, 2, 32, 16), (1, 2, 32, 16))
+    do = torch.randn_like(q)
+    _run(q, k, v, do, True)  # plans made
+    o = flash_attention(q, k, v, causal=True)  # forward by its plan; its backward is pending
+    assert plans.FORWARD
+    before = plans.generation()
+    shape = (launch.n_bucket(32), 16, True, DTYPE)
+    with launch.trying(FORWARD, shape, launch.chosen(FORWARD, shape)):
+        assert not plans.FORWARD and plans.generation() > before
+        grads = torch.autograd.grad(o, (q, k, v), do)  # the stale plan is not used
+    want = _run(q, k, v, do, True)
+    for a, b in zip(grads, want[2:]):
+        assert torch.equal(a, b)
+
+
+def test_no_plans_when_turned_off_or_under_a_launch_hook(monkeypatch):
+    q, k, v = _inputs((1, 2, 32, 16), (1, 2, 32, 16), grad=False)
+    monkeypatch.setattr(plans, "ENABLED", False)
+    with torch.no_grad():
+        flash_attention(q, k, v, causal=True)
+    assert not plans.FORWARD
+    monkeypatch.setattr(plans, "ENABLED", True)
+    with torch.no_grad():
+        want = flash_attention(q, k, v, causal=True)
+    assert plans.FORWARD
+    monkeypatch.setattr(plans, "plain_launches", lambda: False)  # a profiler's hook: Triton's path
+    ran = []
+    monkeypatch.setattr(ForwardPlan, "run", lambda *a: ran.append(1))
+    with torch.no_grad():
+        got = flash_attention(q, k, v, causal=True)
+    assert not ran and torch.equal(want, got)
+
+
+def test_a_prepared_launch_keeps_no_tensor_and_refuses_an_unnamed_one():
+    q, k, v = _inputs((1, 2, 32, 16), (1, 2, 32, 16), grad=False)
+    with torch.no_grad():
+        flash_attention(q, k, v, causal=True)
+    (plan,) = plans.FORWARD.values()
+    assert not any(isinstance(a, torch.Tensor) for a in plan.prepared.values)
+    assert bound._tensor_slots([q, 3, k], {id(q): "q"}) is None
+    assert bound._tensor_slots([q, 3, k], {id(q): "q", id(k): "k"}) == ((0, "q"), (2, "k"))
