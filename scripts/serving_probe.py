@@ -9,15 +9,26 @@
    several lengths, cached and not: where a prefill step's time goes (a profile of the 4096-token step).
 
     COURSE_DEVICE=cuda python3 scripts/serving_probe.py
+
+With --host, on a CPU instead: the host time of the same two first tokens (`bench.serving.ttft_host`: the prompt's
+checks, hashing, sharing pages, the batcher's step, the model's step, inserting) for prompts of 16k and 32k tokens
+(and of 160, where the model's step is its Python alone), 90 % cached and not, pages of 16 tokens as the
+benchmark's. The model is the capstone's 8 layers at a tiny width (d = 16, one head), so that what remains of its
+step is its Python and its launches' setup: the Triton launches are no-ops (`host_time.no_launch`) and no value is
+read that a GPU step leaves unread (lengths, page ids, slots).
+
+    COURSE_DEVICE=cpu python3 scripts/serving_probe.py --host [--repeats 5] [--lengths 160 16384 32768]
 """
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import time
 
 import torch
 
-from course_lib.bench.serving import HKV, serving_model
+from course_lib.bench.serving import HKV, HOST_PARTS, serving_model, ttft_host
 from course_lib.decode import paged_decode_attention
 from course_lib.perf.timing import graph_ms
 from course_lib.serving.prefix_cache import PrefixCachingBatcher
@@ -99,7 +110,64 @@ def ttft_profile():
     print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=8, max_name_column_width=60))
 
 
+@contextlib.contextmanager
+def slots_unread():
+    """Within the block, `PagedKVCache.write` reads no slots (a GPU step's slots are on the GPU: never read)."""
+    from course_lib.decode.cache import PagedKVCache
+
+    saved = PagedKVCache._check_slots
+    PagedKVCache._check_slots = lambda self, slots: None
+    try:
+        yield
+    finally:
+        PagedKVCache._check_slots = saved
+
+
+def host_model(positions: int):
+    """The capstone's 8 layers at a tiny width (d = 16, one head, vocab 256): its step's arithmetic is small."""
+    from course_lib.models.llama import Llama, LlamaConfig
+
+    config = LlamaConfig(dim=16, n_layers=8, n_heads=1, n_kv_heads=1, hidden_dim=16, max_seq_len=positions)
+    torch.manual_seed(0)
+    return Llama(config).eval()
+
+
+def ttft_host_table(lengths, repeats: int) -> None:
+    from host_time import no_launch, values_unread
+
+    torch.set_num_threads(1)
+    model = host_model(max(lengths) + 64)
+    g = torch.Generator().manual_seed(1)
+    rows = []
+    with no_launch(), values_unread(), slots_unread():
+        for n in lengths:
+            prompt = torch.randint(0, model.config.vocab_size, (n,), generator=g).tolist()
+            rows.append(ttft_host(model, prompt, 0.9, repeats))
+    print(
+        f"host time of a first token, ms of CPU time (median of {repeats}), pages of 16 tokens, 90 % cached:"
+    )
+    names = [f"{r['prompt'] // 1024}k" if r["prompt"] % 1024 == 0 else str(r["prompt"]) for r in rows]
+    print("| part | " + " | ".join(f"{n} uncached | {n} cached" for n in names) + " |")
+    print("| --- |" + " --- | --- |" * len(rows))
+    for part in (*HOST_PARTS, "total"):
+        cells = " | ".join(f"{r['uncached'][part]:.2f} | {r['cached'][part]:.2f}" for r in rows)
+        print(f"| {part} | {cells} |")
+    print(
+        "(the model step holds the tiny model's arithmetic over the step's tokens too; 160 tokens: its Python)"
+    )
+
+
 if __name__ == "__main__":
-    prefix_pass_rows()
-    cascade_pieces()
-    ttft_profile()
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "--host", action="store_true", help="the host time of a first token by part, on a CPU"
+    )
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--lengths", type=int, nargs="+", default=[160, 16384, 32768])
+    args = parser.parse_args()
+    if args.host:
+        ttft_host_table(args.lengths, args.repeats)
+    else:
+        prefix_pass_rows()
+        cascade_pieces()
+        ttft_profile()

@@ -10,7 +10,9 @@ to first token of a cached prompt, and static against continuous batching on the
    warm-up; median of repeats), for prompts from 1k to 32k tokens on a capstone-shaped model with random weights
    (the time does not depend on what the weights learnt). Beside each: the GPU's busy time in that step (kernels
    and copies, from torch.profiler), so the share of the wall clock the host takes shows, and the FLOPs ratio
-   (what a GPU-bound prefill would gain). The first tokens with and without the cache are compared.
+   (what a GPU-bound prefill would gain). The first tokens with and without the cache are compared. At 16k and
+   32k, the host's time split by part (`ttft_host`: the prompt's checks, hashing, sharing, the batcher's step,
+   the model's launches, inserting).
 3. Batching: one request stream (drawn prompt and output lengths, all waiting at the start) served by the static
    and the continuous batcher at equal KV memory, and continuous with chunked prefill: tokens / s, TTFT and TPOT
    (p50, p90), against the prediction from the step counts (`serving.scheduling.predict_steps`).
@@ -179,6 +181,80 @@ def _sync(device) -> None:
         torch.cuda.synchronize()
 
 
+HOST_PARTS = ("submit", "hash (walk)", "share (start)", "batcher step", "model step", "insert")
+
+
+def ttft_host(model, prompt, cached_fraction: float, repeats: int, page: int = 16) -> dict:
+    """Host time of `ttft`'s two requests (uncached, and with the first `cached_fraction` of `prompt` cached), split
+    by part, in ms of this process's CPU time (median of `repeats` after one untimed run of each):
+
+        submit         the prompt's checks (`ContinuousBatcher.submit`)
+        hash (walk)    `PrefixCache.walk`: the prompt's full pages hashed and looked up
+        share (start)  `PrefixCache.start`: the request started on its cached pages (a reference each)
+        batcher step   the rest of `step`: admission, the plan, the slots, token ids and positions, the step's
+                       view of the cache, the first token read from the logits
+        model step     `model.forward_step` (on a GPU its launches, not their work: the GPU is synchronised after
+                       it, untimed)
+        insert         `PrefixCache.insert` after the step: the pages it filled registered
+
+    Each part is timed by a wrapper set on the batcher's instances (the batcher passes `walk`'s answer to `start`,
+    so no part runs inside another). On a CPU the model's kernels run inside its step: there replace their
+    launches by no-ops (`scripts/serving_probe.py --host`), and its tensors' arithmetic remains. Returns
+    {"prompt", "cached_tokens", "uncached": {part: ms}, "cached": {part: ms}} with the total under "total"."""
+    pages = -(-(2 * len(prompt) + 2) // page) + 4
+    vocab = model.config.vocab_size
+    n_cached = int(len(prompt) * cached_fraction) // page * page
+    other = prompt[:n_cached] + [(t + 1) % vocab for t in prompt[n_cached:]]
+    clock = time.process_time
+    gpu = torch.device(model.device).type == "cuda"
+
+    def timed(fn, part, spent, after=None):
+        def call(*args, **kwargs):
+            t0 = clock()
+            out = fn(*args, **kwargs)
+            spent[part] += clock() - t0
+            if after is not None:
+                t1 = clock()
+                after()
+                spent["untimed"] += clock() - t1
+            return out
+
+        return call
+
+    def one(kind) -> dict[str, float]:
+        batcher = PrefixCachingBatcher(model, pages, page, max_batch=2, max_step_tokens=len(prompt) + 1)
+        if kind == "cached":
+            batcher.submit(other, 1)
+            batcher.run()
+        _sync(model.device)
+        spent = dict.fromkeys((*HOST_PARTS, "untimed"), 0.0)
+        prefix = batcher.prefix
+        for name, part in (("walk", "hash (walk)"), ("start", "share (start)"), ("insert", "insert")):
+            setattr(prefix, name, timed(getattr(prefix, name), part, spent))
+        sync = torch.cuda.synchronize if gpu else None
+        model.forward_step = timed(model.forward_step, "model step", spent, sync)
+        try:
+            t0 = clock()
+            batcher.submit(prompt, 2)
+            spent["submit"] = clock() - t0
+            t0 = clock()
+            batcher.step()
+            inner = sum(spent[p] for p in ("hash (walk)", "share (start)", "model step", "insert", "untimed"))
+            spent["batcher step"] = clock() - t0 - inner
+        finally:
+            del model.forward_step
+        del spent["untimed"]
+        spent["total"] = sum(spent.values())
+        return {part: 1e3 * s for part, s in spent.items()}
+
+    out = {"prompt": len(prompt), "cached_tokens": n_cached}
+    for kind in ("uncached", "cached"):
+        one(kind)
+        runs = [one(kind) for _ in range(repeats)]
+        out[kind] = {part: statistics.median(r[part] for r in runs) for part in runs[0]}
+    return out
+
+
 def batching(model, n, max_batch, quick) -> dict:
     vocab = model.config.vocab_size
     work = draw_workload(
@@ -264,6 +340,8 @@ def run(quick: bool = False) -> dict:
         row = ttft(model, prompt, 0.9, 3 if gpu else 1, warmup=gpu)
         data["ttft"].append(row)
         print(f"serving: TTFT of {n} tokens, 90 % cached: {row['speedup']:.2f}x faster")
+        if gpu and n >= 16384:  # where the host's share decides the speed-up: its parts (`ttft_host`)
+            data.setdefault("ttft_host", []).append(ttft_host(model, prompt, 0.9, 3))
     data["batching"] = batching(model, 32 if gpu else 4, 8 if gpu else 2, quick or not gpu)
     b = data["batching"]
     print(f"serving: continuous / static {b['measured_gain']:.2f}x (predicted {b['predicted_gain']:.2f}x)")
@@ -306,6 +384,12 @@ def format_table(data: dict) -> str:
             f"| {t['prompt']} | {t['cached_tokens']} | {busy('uncached')} | {busy('cached')} | {t['speedup']:.2f}x "
             f"| {t['flops_ratio']:.1f}x | {'yes' if t['same_first_token'] else 'NO'} |"
         )
+    hosts = data.get("ttft_host", [])
+    if hosts:
+        lines.append("host ms by part | " + " | ".join(f"{h['prompt']} uncached / cached" for h in hosts))
+        for part in (*HOST_PARTS, "total"):
+            cells = " | ".join(f"{h['uncached'][part]:.2f} / {h['cached'][part]:.2f}" for h in hosts)
+            lines.append(f"  {part} | {cells}")
     b = data["batching"]
     for name, r in b["runs"].items():
         lines.append(
