@@ -18,6 +18,13 @@ step is its Python and its launches' setup: the Triton launches are no-ops (`hos
 read that a GPU step leaves unread (lengths, page ids, slots).
 
     COURSE_DEVICE=cpu python3 scripts/serving_probe.py --host [--repeats 5] [--lengths 160 16384 32768]
+
+With --prefix-gap: the ladder of `prefix_gap.py`, from the split kernel alone on the prefix (the probe of
+`decode.heuristics.MANY_ROWS`, 93.8 us) to the cascade's prefix pass (121.2 us), one difference a rung, each a
+graph replay; --quick at tiny sizes (on a CPU: the rungs run and are checked, not timed).
+
+    COURSE_DEVICE=cuda python3 scripts/serving_probe.py --prefix-gap [--passes 3]
+    COURSE_DEVICE=cpu python3 scripts/serving_probe.py --prefix-gap --quick
 """
 
 from __future__ import annotations
@@ -164,8 +171,17 @@ if __name__ == "__main__":
     )
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--lengths", type=int, nargs="+", default=[160, 16384, 32768])
+    parser.add_argument(
+        "--prefix-gap", action="store_true", help="the ladder from the probe's prefix pass to the cascade's"
+    )
+    parser.add_argument("--quick", action="store_true", help="with --prefix-gap: tiny sizes (a CPU smoke test)")
+    parser.add_argument("--passes", type=int, default=3, help="with --prefix-gap: interleaved timing passes")
     args = parser.parse_args()
-    if args.host:
+    if args.prefix_gap:
+        from prefix_gap import prefix_gap
+
+        prefix_gap(args.quick, args.passes)
+    elif args.host:
         ttft_host_table(args.lengths, args.repeats)
     else:
         prefix_pass_rows()
