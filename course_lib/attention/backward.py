@@ -911,7 +911,7 @@ class BackwardPlan:
         dk = torch.empty_like(k, memory_format=contiguous)
         dv = torch.empty_like(v, memory_format=contiguous)
         dq = torch.empty_like(q, memory_format=contiguous)
-        delta = torch.empty(self.delta_shape, dtype=self.acc_dtype, device=q.device)
+        delta = q.new_empty(self.delta_shape, dtype=self.acc_dtype)  # 1.4 us less than torch.empty(device=)
         if self.four_d:
             tensors = dict(q4=q, k4=k, v4=v, o4=o, do4=do, l3=L, delta=delta, dq_acc=dq, dk4=dk, dv4=dv)
         else:
@@ -920,8 +920,8 @@ class BackwardPlan:
                 delta=delta, dq_acc=as_4d(dq), dk4=as_4d(dk), dv4=as_4d(dv),
             )  # fmt: skip
         if self.partial_shape is not None:
-            tensors["dk_out"] = torch.empty(self.partial_shape, dtype=self.acc_dtype, device=q.device)
-            tensors["dv_out"] = torch.empty(self.partial_shape, dtype=self.acc_dtype, device=q.device)
+            tensors["dk_out"] = q.new_empty(self.partial_shape, dtype=self.acc_dtype)
+            tensors["dv_out"] = q.new_empty(self.partial_shape, dtype=self.acc_dtype)
         for launch_ in self.prepared:
             launch_(tensors)
         return dq, dk, dv
