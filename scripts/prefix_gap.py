@@ -36,6 +36,8 @@ from __future__ import annotations
 import contextlib
 import inspect
 import statistics
+import subprocess
+import time
 
 import torch
 
@@ -45,9 +47,11 @@ from course_lib.decode.paged import paged_plan
 from course_lib.decode.split_kv import write_partials
 from course_lib.kernels import bound
 from course_lib.pdl import enabled as pdl_enabled
-from course_lib.perf.timing import graph_ms, interleaved
+from course_lib.perf.ceilings import measure_matmul_tflops
+from course_lib.perf.timing import graph_ms, graphed, interleaved
 from course_lib.serving import cascade
 
+RECORDED_MATMUL_TFLOPS = 715.0  # bf16 8192^3 on the H200 of assets/benchmarks/hardware-nvidia-h200.json
 HBM_BYTES_PER_S = 4.8e12  # an H200's datasheet bandwidth
 TENSOR_FLOPS = 800e12  # dense bf16 a tuned attention kernel reaches on an H200 (its datasheet: 989)
 # (batch, suffix tokens, prefix tokens, page size, query heads, K/V heads, head dim)
@@ -113,6 +117,47 @@ def unbound(fn):
             bound.ACTIVE = saved
 
     return call
+
+
+CLOCK_FIELDS = ("clocks.sm", "clocks.max.sm", "power.draw", "power.limit", "temperature.gpu")
+
+
+def clocks_under(fn, seconds: float = 1.5) -> str:
+    """nvidia-smi's samples (every 100 ms) of the SM clock, power and temperature while the GPU replays fn's
+    graph for about `seconds`: a compute-bound kernel's time follows the SM clock, which another run, or
+    another H200, may hold lower. Median (min-max) of each field over the samples."""
+    replay = graphed(fn)
+    until = time.perf_counter() + 0.5  # busy before the first sample
+    while time.perf_counter() < until:
+        replay()
+    try:
+        watch = subprocess.Popen(
+            ["nvidia-smi", f"--query-gpu={','.join(CLOCK_FIELDS)}", "--format=csv,noheader,nounits", "-lms", "100"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+    except OSError as exc:
+        torch.cuda.synchronize()
+        return f"nvidia-smi: {exc}"
+    until = time.perf_counter() + seconds
+    while time.perf_counter() < until:
+        replay()
+    watch.terminate()
+    out, err = watch.communicate(timeout=20)
+    torch.cuda.synchronize()
+    samples = [
+        line.split(", ") for line in out.strip().splitlines() if line.count(",") == len(CLOCK_FIELDS) - 1
+    ]
+    if not samples:
+        return f"nvidia-smi gave no sample: {err.strip()[:200]}"
+    parts = []
+    for i, field in enumerate(CLOCK_FIELDS):
+        try:
+            values = sorted(float(row[i]) for row in samples)
+        except ValueError:
+            parts.append(f"{field} {samples[-1][i]}")
+            continue
+        parts.append(f"{field} {statistics.median(values):.0f} ({values[0]:.0f}-{values[-1]:.0f})")
+    return f"{len(samples)} samples: " + ", ".join(parts)
 
 
 def _setup(sz: dict, device):
@@ -234,6 +279,13 @@ def prefix_gap(quick: bool = False, passes: int = 3) -> None:
         for _ in range(passes):
             for key, name in (("0", PROBE), ("7", SPREAD)):
                 bench.setdefault(key, []).append(do_bench(every[name][0]))
+        tflops = measure_matmul_tflops(dtype=torch.bfloat16)
+        print(
+            f"this GPU: bf16 matmul 8192^3 {tflops:.0f} TFLOP/s "
+            f"(the hardware record's H200: {RECORDED_MATMUL_TFLOPS:.0f})"
+        )
+        for name in (PROBE, SPREAD):
+            print(f"under rung {name[0]}'s replays: {clocks_under(every[name][0])}")
 
     flops = 4 * b * hq * p * d
     kv_bytes = 2 * p * hkv * d * 2 + rows.numel() * 2
