@@ -23,9 +23,12 @@ queries (so every rung computes the same attention, checked against a float32 re
   7  the cascade's launch timed by do_bench
 
 then candidate changes to the cascade's launch (rung 5), each alone: half and twice the rule's split count,
-the prefix's pages in ascending order, the block-table row in registers (`TABLE_ROW`). Each rung prints its
-time (median of interleaved passes, the passes in brackets), the bound (bytes / 4.8 TB/s, FLOPs / 800
-TFLOP/s, the larger), and what its launch differs in from the rung before (arguments recorded at launch).
+the prefix's pages in ascending order, the block-table row in registers (`TABLE_ROW`), and the launch through
+Triton's own `kernel[grid]` (the probe ran before `kernels.bound`). Each rung prints its time (median of
+interleaved passes, the passes in brackets), the bound (bytes / 4.8 TB/s, FLOPs / 800 TFLOP/s, the larger),
+and what its launch differs in from the rung before (arguments recorded at launch). The pass is bound by its
+arithmetic, so its time follows the SM clock: the run also prints this GPU's bf16 matmul rate against the
+hardware record's and nvidia-smi's SM clock, power and temperature while rungs 1 and 5 replay.
 
     COURSE_DEVICE=cuda python3 scripts/serving_probe.py --prefix-gap
     COURSE_DEVICE=cpu python3 scripts/serving_probe.py --prefix-gap --quick   (tiny sizes: the rungs run and check)
