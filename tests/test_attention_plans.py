@@ -2,6 +2,8 @@
 gives exactly what the full path gives; anything that changes a decision gets a plan of its own, or none.
 CPU (the interpreter runs a plan's launches) and GPU (the bound launcher)."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -153,6 +155,73 @@ def test_a_prepared_launch_keeps_no_tensor_and_refuses_an_unnamed_one():
     with torch.no_grad():
         flash_attention(q, k, v, causal=True)
     (plan,) = plans.FORWARD.values()
-    assert not any(isinstance(a, torch.Tensor) for a in plan.prepared.values)
-    assert bound._tensor_slots([q, 3, k], {id(q): "q"}) is None
-    assert bound._tensor_slots([q, 3, k], {id(q): "q", id(k): "k"}) == ((0, "q"), (2, "k"))
+    assert not any(isinstance(a, torch.Tensor) for launch_ in plan.launches for a in launch_.values)
+    assert bound._named_slots([q, 3, k], {"q": q}) is None
+    assert bound._named_slots([q, 3, k], {"q": q, "k": k}) == (((0, "q"), (2, "k")), ())
+
+
+def test_a_descriptor_is_made_again_over_the_new_tensor():
+    """A TMA descriptor (the Gluon kernels') whose base is a view of a named tensor is rebuilt, fields kept,
+    over the same view of the tensor a later call names; a stand-in kernel records what it is given."""
+
+    @dataclasses.dataclass
+    class Descriptor:  # the fields a Gluon host descriptor has that matter here
+        base: torch.Tensor
+        shape: list
+        block_shape: list
+
+    class Kernel:
+        def __init__(self):
+            self.calls = []
+
+        def __getitem__(self, grid):
+            return lambda *values, **kwargs: self.calls.append((grid, values, kwargs))
+
+    kernel = Kernel()
+    first, second = torch.randn(2, 3, 8, 16), torch.randn(2, 3, 8, 16)
+    out = torch.empty(4)
+    desc = Descriptor(first.view(48, 16), [48, 16], [8, 16])
+    prepared = bound.prepare(kernel, (5,), (desc, out, 7), {"FLAG": True}, {"q4": first, "o": out})
+    assert prepared is not None and prepared.descriptors and prepared.values == [None, None, 7]
+    other_out = torch.empty(4)
+    prepared({"q4": second, "o": other_out})
+    (grid, values, kwargs) = kernel.calls[-1]
+    assert grid == (5, 1, 1) and kwargs == {"FLAG": True} and values[1] is other_out and values[2] == 7
+    remade = values[0]
+    assert type(remade) is Descriptor and remade is not desc and remade.block_shape == [8, 16]
+    assert remade.base.data_ptr() == second.data_ptr() and remade.base.shape == (48, 16)
+    unnamed = Descriptor(torch.randn(48, 16), [48, 16], [8, 16])
+    assert bound.prepare(kernel, (5,), (unnamed, out, 7), {}, {"q4": first, "o": out}) is None
+
+
+def test_aliased_inputs_leave_no_plan_and_a_later_call_is_still_right():
+    """k is v: a plan made from it would put v's tensor in k's place for a later call whose k and v differ."""
+    q, k, v = _inputs((1, 2, 32, 16), (1, 2, 32, 16), grad=False)
+    with torch.no_grad():
+        flash_attention(q, k, k, causal=True)
+        assert not plans.FORWARD
+        got = flash_attention(q, k, v, causal=True)
+        again = flash_attention(q, k, v, causal=True)  # by the plan the call before left
+    assert plans.FORWARD
+    want = reference(q.double(), k.double(), v.double(), causal=True)
+    assert (got.double() - want).abs().max().item() < TOL and torch.equal(got, again)
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="the Gluon kernels run on a Hopper GPU")
+@pytest.mark.parametrize("causal, heads", [(False, (4, 4)), (True, (8, 2)), ("bottom_right", (4, 1))])
+def test_the_gluon_routes_run_their_plans_and_match_the_full_path(causal, heads):
+    """d = 128 bf16 from 2k keys: the Gluon forward, the D pass, the Gluon dQ and dK/dV on a Hopper GPU
+    (the Triton kernels elsewhere); the plan's launches, descriptors remade, give the full path's bits."""
+    hq, hkv = heads
+    q, k, v = _inputs((2, hq, 2048, 128), (2, hkv, 2048, 128))
+    do = torch.randn_like(q)
+    first = _run(q, k, v, do, causal)
+    plan = plans.FORWARD[plans.call_key(q, k, v, causal, None, None, None)]
+    assert len(plan.backward) == 1
+    again = _run(q, k, v, do, causal)
+    for a, b in zip(first, again):
+        assert torch.equal(a, b)
+    plans.clear()
+    fresh = _run(q, k, v, do, causal)  # the full path again, after the plans ran
+    for a, b in zip(first, fresh):
+        assert torch.equal(a, b)

@@ -41,6 +41,7 @@ exponentials, every block masked) from `teaching.py` through `config=`.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -703,7 +704,7 @@ def _backward(
     the default backward's two kernels for this shape (`launch.compile_ahead`). do, o and L may then be
     None: their stand-ins, and every buffer, live on the meta device (shapes and strides, no memory).
     plan_out: None, or a list to which a `BackwardPlan` of this call is appended where it can be repeated
-    so (`plans.py`: the Triton kernels' default launches, no window's copy, sinks or packing)."""
+    so (`plans.py`: the default launches, no atomic dQ, sinks, packing or copy of an input)."""
     where = "meta" if compile_only else q.device
     if compile_only:
         if launch_cfg is not None or dq_mode != "two_kernel":
@@ -801,17 +802,15 @@ def _backward(
     kv_grid = lambda c: (runtime.cdiv(n_k, c.block_n) * B * (H // on_chip),)
     kv_shape = dkdv_shape_class(n_q, n_k, d, causal, q.dtype, atomic, on_chip)
     kv_tuner = _dkdv_atomic_tuned if atomic else _dkdv_tuned
-    names = None  # id(tensor) -> name, for a plan of this call (`BackwardPlan`)
+    tensors = None  # {name: tensor} for a plan of this call (`BackwardPlan`)
     if (
-        plan_out is not None and not compile_only and launch_cfg is None and not atomic and gluon is None
+        plan_out is not None and not compile_only and launch_cfg is None and not atomic
         and seqs is None and sinks is None and viewed == (q4, k4, v4, o4, do4) and on_current_device(q)
     ):  # fmt: skip
         tensors = dict(q4=q4, k4=k4, v4=v4, o4=o4, do4=do4, l3=l3, delta=delta, dq_acc=dq_acc)
         tensors.update(dk4=dk4, dv4=dv4)
         if share > 1:
             tensors.update(dk_out=dk_out, dv_out=dv_out)
-        names = {id(t): name for name, t in tensors.items()}
-        prepared = []
     sum_launch = GROUP_SUM.current()
     sum_args = (dk_out, dv_out, dk4, dv4, n_k * d)
     sum_meta = dict(SHARE=share, **sum_launch.kwargs())
@@ -825,83 +824,81 @@ def _backward(
         )
         pre_name = ("preprocess", d, q.dtype)
 
-    with cuda_device(q):
-        if launch_cfg is None and not atomic:
-            # The dK/dV kernel compiles (first use of this shape) while the dQ kernel compiles and runs.
-            if gluon is None:
-                compile_ahead(_dkdv_kernel, kv_tuner, DKDV, kv_grid, kv_args, kv_meta, kv_shape)
-            elif runtime.ON_GPU:
-                gluon.compile_ahead(q4, k4, v4, l3, delta, dk_out, offset, causal, scale)
-            if gluon_dq is not None and runtime.ON_GPU:
-                gluon_dq.compile_ahead(q4, k4, v4, l3, delta, dq_acc, offset, causal, scale)
-                compile_kernel_ahead(pre_name, _preprocess_kernel, pre_grid, pre_args, pre_meta)
-            if compile_only:
-                if gluon_dq is None:
-                    compile_ahead(_dq_kernel, _dq_tuned, DQ, q_grid, q_args, q_meta, shape)
-                if share > 1:
-                    compile_kernel_ahead(sum_name, _group_sum_kernel, (1,), sum_args, sum_meta)
-                return None
-        if atomic:
-            bound.launch(_preprocess_kernel, pre_grid, *pre_args, **pre_meta)
-        elif gluon_dq is not None:  # D first (the Gluon dQ kernel reads it), then dQ
-            wait_compiled(pre_name)
-            bound.launch(_preprocess_kernel, pre_grid, *pre_args, **pre_meta)
-            dq_args = (q4, k4, v4, do4, l3, delta, dq_acc, offset, causal, scale)
-            if not run_gluon("dQ kernel", HOPPER_DQ_FAILED, gluon_dq.dq, *dq_args):
-                launch(_dq_kernel, _dq_tuned, DQ, q_grid, q_args, dict(q_meta, FUSE_D=False), shape)
-        elif launch_cfg is None:
-            # dQ first: it also computes D, which the dK/dV kernel needs (stream order keeps them apart).
-            made = launch(_dq_kernel, _dq_tuned, DQ, q_grid, q_args, q_meta, shape, names)
-            if names is not None:
-                prepared.append(made)
-        else:
-            bm, bn = fixed.get("BLOCK_M2", fixed["BLOCK_M"]), fixed.get("BLOCK_N2", fixed["BLOCK_N"])
-            bound.launch(_dq_kernel, (runtime.cdiv(n_q, bm) * B * H,),
-                *q_args, **q_meta, **teaching_hooks(switches, DQ_HOOKS), BLOCK_M=bm, BLOCK_N=bn,
-                num_warps=fixed["num_warps"], num_stages=fixed["num_stages"],
-            )  # fmt: skip
-        gluon_args = (q4, k4, v4, do4, l3, delta, dk_out, dv_out, offset, causal, scale)
-        if gluon is None or not run_gluon("dK/dV kernel", HOPPER_FAILED, gluon.dkdv, *gluon_args):
-            if launch_cfg is None:
-                made = launch(_dkdv_kernel, kv_tuner, DKDV, kv_grid, kv_args, kv_meta, kv_shape, names)
-                if names is not None:
-                    prepared.append(made)
+    recording = bound.recording(tensors) if tensors is not None else contextlib.nullcontext()
+    with recording as recorded:  # the launches, noted for a plan where this call can have one
+        with cuda_device(q):
+            if launch_cfg is None and not atomic:
+                # The dK/dV kernel compiles (first use of this shape) while the dQ kernel compiles and runs.
+                if gluon is None:
+                    compile_ahead(_dkdv_kernel, kv_tuner, DKDV, kv_grid, kv_args, kv_meta, kv_shape)
+                elif runtime.ON_GPU:
+                    gluon.compile_ahead(q4, k4, v4, l3, delta, dk_out, offset, causal, scale)
+                if gluon_dq is not None and runtime.ON_GPU:
+                    gluon_dq.compile_ahead(q4, k4, v4, l3, delta, dq_acc, offset, causal, scale)
+                    compile_kernel_ahead(pre_name, _preprocess_kernel, pre_grid, pre_args, pre_meta)
+                if compile_only:
+                    if gluon_dq is None:
+                        compile_ahead(_dq_kernel, _dq_tuned, DQ, q_grid, q_args, q_meta, shape)
+                    if share > 1:
+                        compile_kernel_ahead(sum_name, _group_sum_kernel, (1,), sum_args, sum_meta)
+                    return None
+            if atomic:
+                bound.launch(_preprocess_kernel, pre_grid, *pre_args, **pre_meta)
+            elif gluon_dq is not None:  # D first (the Gluon dQ kernel reads it), then dQ
+                wait_compiled(pre_name)
+                bound.launch(_preprocess_kernel, pre_grid, *pre_args, **pre_meta)
+                dq_args = (q4, k4, v4, do4, l3, delta, dq_acc, offset, causal, scale)
+                if not run_gluon("dQ kernel", HOPPER_DQ_FAILED, gluon_dq.dq, *dq_args):
+                    launch(_dq_kernel, _dq_tuned, DQ, q_grid, q_args, dict(q_meta, FUSE_D=False), shape)
+            elif launch_cfg is None:
+                # dQ first: it also computes D, which the dK/dV kernel needs (stream order keeps them apart).
+                launch(_dq_kernel, _dq_tuned, DQ, q_grid, q_args, q_meta, shape)
             else:
-                bm, bn = fixed.get("BLOCK_M1", fixed["BLOCK_M"]), fixed.get("BLOCK_N1", fixed["BLOCK_N"])
-                bound.launch(_dkdv_kernel, (runtime.cdiv(n_k, bn) * B * (H // on_chip),),
-                    *kv_args, **kv_meta, **teaching_hooks(switches, DKDV_HOOKS), BLOCK_M=bm, BLOCK_N=bn,
+                bm, bn = fixed.get("BLOCK_M2", fixed["BLOCK_M"]), fixed.get("BLOCK_N2", fixed["BLOCK_N"])
+                bound.launch(_dq_kernel, (runtime.cdiv(n_q, bm) * B * H,),
+                    *q_args, **q_meta, **teaching_hooks(switches, DQ_HOOKS), BLOCK_M=bm, BLOCK_N=bn,
                     num_warps=fixed["num_warps"], num_stages=fixed["num_stages"],
                 )  # fmt: skip
-    if share > 1:  # grouped-query attention: each K/V head's dK, dV is the sum of its `share` partials
-        wait_compiled(sum_name)  # compiled ahead during the forward, if it was
-        with cuda_device(q):
-            sum_grid = (B * H_kv, runtime.cdiv(n_k * d, sum_launch.block), 2)
-            bound.launch(_group_sum_kernel, sum_grid, *sum_args, **sum_meta)
-            if names is not None:
-                prepared.append(bound.prepare(_group_sum_kernel, sum_grid, sum_args, sum_meta, names))
+            gluon_args = (q4, k4, v4, do4, l3, delta, dk_out, dv_out, offset, causal, scale)
+            if gluon is None or not run_gluon("dK/dV kernel", HOPPER_FAILED, gluon.dkdv, *gluon_args):
+                if launch_cfg is None:
+                    launch(_dkdv_kernel, kv_tuner, DKDV, kv_grid, kv_args, kv_meta, kv_shape)
+                else:
+                    bm, bn = fixed.get("BLOCK_M1", fixed["BLOCK_M"]), fixed.get("BLOCK_N1", fixed["BLOCK_N"])
+                    bound.launch(_dkdv_kernel, (runtime.cdiv(n_k, bn) * B * (H // on_chip),),
+                        *kv_args, **kv_meta, **teaching_hooks(switches, DKDV_HOOKS), BLOCK_M=bm, BLOCK_N=bn,
+                        num_warps=fixed["num_warps"], num_stages=fixed["num_stages"],
+                    )  # fmt: skip
+        if share > 1:  # grouped-query attention: each K/V head's dK, dV is the sum of its `share` partials
+            wait_compiled(sum_name)  # compiled ahead during the forward, if it was
+            with cuda_device(q):
+                sum_grid = (B * H_kv, runtime.cdiv(n_k * d, sum_launch.block), 2)
+                bound.launch(_group_sum_kernel, sum_grid, *sum_args, **sum_meta)
     if sinks is None:
         dsinks = None
     elif seqs is None:
         dsinks = sink_gradient(sinks, L.reshape(B, H, n_q), delta.view(B, H, n_q))
     else:  # D back from (sequences, H, longest) to the packed rows
         dsinks = sink_gradient(sinks, l3, seqs.pack(delta.view(B, H, n_q))[None])
-    if names is not None and all(p is not None for p in prepared):
-        plan_out.append(BackwardPlan(prepared, q, q4, L, l3, delta, dk_out if share > 1 else None))
+    launches = recorded.prepared() if recorded is not None else None
+    if launches:
+        plan_out.append(BackwardPlan(launches, q, q4, L, l3, delta, dk_out if share > 1 else None))
     if atomic:
         return dq_acc.to(q.dtype).view(q.shape), dk, dv, dsinks
     return dq, dk, dv, dsinks
 
 
 class BackwardPlan:
-    """A backward call to repeat (`plans.py`): the Triton kernels' launches (dQ with D, dK/dV, and for
-    grouped-query attention with per-head partials their sum) with every non-tensor argument fixed, and how
+    """A backward call to repeat (`plans.py`): its launches (the Triton dQ with D, or the D pass and the
+    Gluon dQ; the Triton or Gluon dK/dV, TMA descriptors made again over the new tensors; for grouped-query
+    attention with per-head partials, their sum) with every non-tensor argument fixed, and how
     to allocate dQ, dK, dV, D and the partials and view the tensors as the kernels take them.
     `run(do, q, k, v, o, L)` gives (dq, dk, dv) as `_backward` does, for a call with the same key."""
 
-    __slots__ = ("prepared", "four_d", "l3_shape", "delta_shape", "acc_dtype", "partial_shape")
+    __slots__ = ("launches", "four_d", "l3_shape", "delta_shape", "acc_dtype", "partial_shape")
 
-    def __init__(self, prepared: list, q, q4, L, l3, delta, partial):
-        self.prepared = tuple(prepared)
+    def __init__(self, launches: tuple, q, q4, L, l3, delta, partial):
+        self.launches = launches
         self.four_d = q4 is q and l3 is L
         self.l3_shape, self.delta_shape, self.acc_dtype = tuple(l3.shape), tuple(delta.shape), delta.dtype
         self.partial_shape = None if partial is None else tuple(partial.shape)
@@ -922,7 +919,7 @@ class BackwardPlan:
         if self.partial_shape is not None:
             tensors["dk_out"] = q.new_empty(self.partial_shape, dtype=self.acc_dtype)
             tensors["dv_out"] = q.new_empty(self.partial_shape, dtype=self.acc_dtype)
-        for launch_ in self.prepared:
+        for launch_ in self.launches:
             launch_(tensors)
         return dq, dk, dv
 

@@ -34,6 +34,7 @@ Public entry point for notebooks: `forward(q, k, v, causal, scale, config=None) 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import warnings
 
@@ -311,7 +312,7 @@ def _forward(q, k, v, alignment, scale, launch_cfg, switches, window=0, sinks=No
     `checks.check_sinks`. seqs: None, or packed sequences (`packed.Sequences`): q, k, v are then
     (total rows, heads, d) and O, L come back as (total_q, Hq, d) and (total_q, Hq).
     plan_out: None, or a list to which a `ForwardPlan` of this call is appended where it can be repeated so
-    (`plans.py`: the Triton kernel's default launch, no sinks, no packing, no copy of an input)."""
+    (`plans.py`: the default launch, no window, sinks or packing, no copy of an input)."""
     # the Gluon kernel (and, above this module, the split-KV route) take only these calls
     plain = launch_cfg is None and not window and sinks is None and seqs is None
     # Host time per call on a 2-core CPU: torch.empty(q.shape, ...) 2.9 us against empty_like's 1.2; a view
@@ -355,37 +356,36 @@ def _forward(q, k, v, alignment, scale, launch_cfg, switches, window=0, sinks=No
     if seqs is not None:
         meta["VARLEN"] = seqs.mode(alignment)
     hooks = teaching_hooks(switches, HOOKS)  # {} unless a ladder rung asks for a teaching variant
-    with cuda_device(q):
+    tensors = dict(q4=q4, k4=k4, v4=v4, o4=o4, l3=l3) if plannable else None
+    with cuda_device(q), bound.recording(tensors) if plannable else contextlib.nullcontext() as recorded:
         if plain and _try_hopper(q4, k4, v4, o4, l3, causal, offset, scale, switches, hooks):
-            return o, lse
-        if launch_cfg is None:  # the production kernel (teaching variants always come with a fixed launch)
+            pass
+        elif launch_cfg is None:  # the production kernel (teaching variants always come with a fixed launch)
             grid = lambda c: (runtime.cdiv(n_q, c.block_m) * B * H,)
-            names = None
-            if plannable:
-                names = {id(t): name for name, t in dict(q4=q4, k4=k4, v4=v4, o4=o4, l3=l3).items()}
-            shape = (bucket, d, causal, q.dtype)
-            prepared = launch(_fwd_kernel, _fwd_tuned, FORWARD, grid, args, meta, shape, names)
-            if prepared is not None:
-                plan_out.append(ForwardPlan(prepared, q, q4, lse, l3))
+            launch(_fwd_kernel, _fwd_tuned, FORWARD, grid, args, meta, (bucket, d, causal, q.dtype))
         else:
             grid = (runtime.cdiv(n_q, launch_cfg["BLOCK_M"]) * B * H,)
             bound.launch(_fwd_kernel, grid, *args, **meta, **hooks, **launch_cfg)
+    launches = recorded.prepared() if recorded is not None else None
+    if launches:
+        plan_out.append(ForwardPlan(launches, q, q4, lse, l3))
     return o, lse
 
 
 class ForwardPlan:
-    """A forward call to repeat (`plans.py`): the Triton kernel's launch with every non-tensor argument
-    fixed, and how to allocate O and L and view q, k, v, O, L as the kernel takes them. `run(q, k, v)` gives
-    (O, L) as `_forward` does, for a call with the same key. `backward` holds the backward plans of the calls
+    """A forward call to repeat (`plans.py`): its launches (the Triton kernel's, or the Gluon kernel's with
+    its TMA descriptors made again over the new tensors) with every non-tensor argument fixed, and how to
+    allocate O and L and view q, k, v, O, L as the kernels take them. `run(q, k, v)` gives (O, L) as
+    `_forward` does, for a call with the same key. `backward` holds the backward plans of the calls
     it made ({dO's key: `backward.BackwardPlan`}); `grad_ready`, whether the backward's kernels were started
     compiling (`api.FlashAttentionTriton`)."""
 
     __slots__ = (
-        "prepared", "four_d", "lse_shape", "lse_dtype", "l3_shape", "generation", "backward", "grad_ready", "call"
+        "launches", "four_d", "lse_shape", "lse_dtype", "l3_shape", "generation", "backward", "grad_ready", "call"
     )  # fmt: skip
 
-    def __init__(self, prepared, q, q4, lse, l3):
-        self.prepared = prepared
+    def __init__(self, launches: tuple, q, q4, lse, l3):
+        self.launches = launches
         self.four_d = q4 is q and l3 is lse
         self.lse_shape, self.lse_dtype, self.l3_shape = tuple(lse.shape), lse.dtype, tuple(l3.shape)
         self.generation = plans.generation()
@@ -399,8 +399,10 @@ class ForwardPlan:
         o = torch.empty_like(q, memory_format=torch.contiguous_format)
         lse = q.new_empty(self.lse_shape, dtype=self.lse_dtype)  # 1.4 us less than torch.empty(device=)
         if self.four_d:
-            self.prepared({"q4": q, "k4": k, "v4": v, "o4": o, "l3": lse})
+            tensors = {"q4": q, "k4": k, "v4": v, "o4": o, "l3": lse}
         else:
             l3 = lse.view(self.l3_shape)
-            self.prepared({"q4": as_4d(q), "k4": as_4d(k), "v4": as_4d(v), "o4": as_4d(o), "l3": l3})
+            tensors = {"q4": as_4d(q), "k4": as_4d(k), "v4": as_4d(v), "o4": as_4d(o), "l3": l3}
+        for launch_ in self.launches:
+            launch_(tensors)
         return o, lse

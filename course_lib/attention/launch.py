@@ -169,27 +169,24 @@ def shape_key(shape: tuple) -> str:
     return "/".join(map(str, shape)).replace("torch.", "")
 
 
-def launch(kernel, tuner, table: KernelConfigs, grid, args: tuple, meta: dict, shape: tuple, names=None):
+def launch(kernel, tuner, table: KernelConfigs, grid, args: tuple, meta: dict, shape: tuple) -> None:
     """Launch `kernel` on `grid(launch)` with the configuration chosen for this shape class (`chosen`).
-    With `names` (id(tensor) -> name), return the launch as a `bound.Prepared` to repeat (None where it
-    cannot be: an autotuned first call, say); else None.
 
     Fixed launches (a `config` dict) do not come here; they call the kernel directly."""
     name = (table.name, shape)
     config = chosen(table, shape)
     if config is None:  # COURSE_AUTOTUNE=1 and a shape class seen for the first time
+        bound.unrepeatable()  # the autotuner's launches are not `bound.launch`'s: no plan can repeat them
         tuner[lambda META: grid(Launch(META["BLOCK_M"], META["BLOCK_N"], 0, 0))](*args, **meta)
         best = tuner.best_config
         config = Launch(best.kwargs["BLOCK_M"], best.kwargs["BLOCK_N"], best.num_warps, best.num_stages)
         record_choice(table.name, shape_key(shape), config)
         choose(name, config)
         _SEEN.add(name)
-        return None
+        return
     wait_compiled(name)  # if compiled ahead, its compilation is in Triton's cache now: this launch finds it
     _SEEN.add(name)
-    kwargs = dict(meta, **config.kwargs())
-    bound.launch(kernel, grid(config), *args, **kwargs)
-    return None if names is None else bound.prepare(kernel, grid(config), args, kwargs, names)
+    bound.launch(kernel, grid(config), *args, **meta, **config.kwargs())
 
 
 CHOICE_LISTENERS: list = []  # functions called whenever a shape class's launch changes (`attention.plans`)

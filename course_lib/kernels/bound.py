@@ -29,6 +29,7 @@ and a `Prepared` launch is that call again with the new tensors.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -198,6 +199,12 @@ def _triton_would_run(kernel, device: int, args: tuple, kwargs: dict):
 def launch(kernel, grid, *args, **kwargs) -> None:
     """Launch Triton (or Gluon) kernel `kernel` on `grid` (a tuple of 1-3 ints) with `args` and `kwargs`,
     as `kernel[grid](*args, **kwargs)` does, binding the arguments once per specialisation on a GPU."""
+    _launch(kernel, grid, args, kwargs)
+    if _RECORDINGS:  # a caller records what it launches (`recording`): this launch, once made, is part of it
+        _RECORDINGS[-1].note(kernel, grid, args, kwargs)
+
+
+def _launch(kernel, grid, args: tuple, kwargs: dict) -> None:
     if not ACTIVE or id(kernel) in _NOT_BOUND or callable(grid) or _hooks_set():
         kernel[grid](*args, **kwargs)
         return
@@ -240,23 +247,35 @@ def launch(kernel, grid, *args, **kwargs) -> None:
 class Prepared:
     """A launch to run again with other tensors of the same kinds: the kernel, the grid and every non-tensor
     argument as the call given to `prepare` had them. `prepared(tensors)` takes a dict {name: tensor} and
-    puts each tensor where the first call had the tensor of that name (`names` maps id(tensor) to its name).
-    On a GPU it calls the compiled kernel's launcher directly (the bound entry); under the interpreter it is
-    `kernel[grid](...)` again. The caller's key must fix everything but the tensors' data: their dtypes and
-    16-byte alignment included (fresh allocations are aligned)."""
+    puts each tensor where the first call had the tensor of that name, and each TMA descriptor of a named
+    tensor's view made again over the new tensor. On a GPU it calls the compiled kernel's launcher directly
+    (the bound entry); under the interpreter it is `kernel[grid](...)` again. The caller's key must fix
+    everything but the tensors' data: their dtypes and 16-byte alignment included (fresh allocations are
+    aligned)."""
 
-    __slots__ = ("kernel", "compiled", "values", "slots", "grid", "device", "kwargs")
+    __slots__ = ("kernel", "compiled", "values", "slots", "descriptors", "grid", "device", "kwargs")
 
-    def __init__(self, kernel, compiled, values: list, slots: tuple, grid: tuple, device, kwargs: dict):
+    def __init__(self, kernel, compiled, values, slots, descriptors, grid, device, kwargs):
         self.kernel, self.compiled, self.values, self.slots = kernel, compiled, values, slots
-        self.grid, self.device, self.kwargs = grid, device, kwargs
+        self.descriptors, self.grid, self.device, self.kwargs = descriptors, grid, device, kwargs
 
     def __call__(self, tensors: dict) -> None:
         values = self.values.copy()
         for slot, name in self.slots:
             values[slot] = tensors[name]
+        for (
+            slot,
+            name,
+            cls,
+            fields,
+            shape,
+        ) in self.descriptors:  # the descriptor's fields, its base over the new tensor
+            desc = object.__new__(cls)
+            desc.__dict__.update(fields)
+            desc.base = tensors[name].view(shape)
+            values[slot] = desc
         compiled = self.compiled
-        if compiled is None:  # the interpreter (or a kernel that is not bound): through Triton
+        if compiled is None:  # the interpreter: through Triton
             self.kernel[self.grid](*values, **self.kwargs)
             return
         grid = self.grid
@@ -266,11 +285,11 @@ class Prepared:
         )  # fmt: skip
 
 
-def prepare(kernel, grid, args: tuple, kwargs: dict, names: dict) -> Prepared | None:
+def prepare(kernel, grid, args: tuple, kwargs: dict, tensors: dict) -> Prepared | None:
     """The launch `launch(kernel, grid, *args, **kwargs)` just made, as a `Prepared` launch whose tensors are
-    found by name (`names`: id(tensor) -> name); None where it cannot be repeated so: a tensor with no name, an
-    argument `launch` does not bind, a grid given as a function, a profiler's launch hook, or (on a GPU) a
-    launch that went through Triton's own path."""
+    found by name (`tensors`: {name: tensor}; a TMA descriptor by its base's address among them); None where
+    it cannot be repeated so: a tensor with no name, an argument `launch` does not bind, a grid given as a
+    function, a profiler's launch hook, or (on a GPU) a launch that went through Triton's own path."""
     if callable(grid) or _hooks_set():
         return None
     grid = tuple(grid) + (1,) * (3 - len(grid))
@@ -278,8 +297,8 @@ def prepare(kernel, grid, args: tuple, kwargs: dict, names: dict) -> Prepared | 
         if runtime.ON_GPU and not runtime.INTERPRET:  # COURSE_BOUND_LAUNCH=0: Triton's path, not repeated
             return None
         values = list(args)
-        slots = _tensor_slots(values, names)
-        return None if slots is None else Prepared(kernel, None, values, slots, grid, None, dict(kwargs))
+        found = _named_slots(values, tensors)
+        return None if found is None else Prepared(kernel, None, values, *found, grid, None, dict(kwargs))
     if id(kernel) in _NOT_BOUND:
         return None
     sig = _signature(kernel)
@@ -294,24 +313,85 @@ def prepare(kernel, grid, args: tuple, kwargs: dict, names: dict) -> Prepared | 
     values[: entry.n_args] = args
     for name, slot in entry.keyword_slots:
         values[slot] = kwargs[name]
-    slots = _tensor_slots(values, names)
-    if slots is None or any(isinstance(a, torch.Tensor) for a in entry.template):
-        return None
-    return Prepared(kernel, entry.compiled, values, slots, grid, device, {})
+    found = _named_slots(values, tensors)
+    return None if found is None else Prepared(kernel, entry.compiled, values, *found, grid, device, {})
 
 
-def _tensor_slots(values: list, names: dict) -> tuple | None:
-    """((position, name), ...) of the tensors in `values`, each replaced by None (a Prepared launch keeps no
-    tensor alive); None if one has no name."""
-    slots = []
+def _named_slots(values: list, tensors: dict) -> tuple | None:
+    """(((position, name), ...), ((position, name, class, fields, view shape), ...)): where `values` holds
+    each named tensor, and each TMA descriptor over a named tensor's memory; each replaced by None (a Prepared
+    launch keeps no tensor alive). None if a tensor or a descriptor's base is not among `tensors` (by identity;
+    a base, by its address and a contiguous named tensor of as many elements)."""
+    by_id = {id(t): name for name, t in tensors.items()}
+    slots, descriptors = [], []
     for i, a in enumerate(values):
         if isinstance(a, torch.Tensor):
-            name = names.get(id(a))
+            name = by_id.get(id(a))
             if name is None:
                 return None
             slots.append((i, name))
             values[i] = None
-    return tuple(slots)
+        elif hasattr(a, "block_shape") and isinstance(getattr(a, "base", None), torch.Tensor):
+            base = a.base
+            names = [
+                name for name, t in tensors.items()
+                if t.data_ptr() == base.data_ptr() and t.numel() == base.numel() and t.is_contiguous()
+            ]  # fmt: skip
+            if len(names) != 1 or not base.is_contiguous() or not hasattr(a, "__dict__"):
+                return None
+            fields = {key: value for key, value in vars(a).items() if key != "base"}
+            descriptors.append((i, names[0], type(a), fields, tuple(base.shape)))
+            values[i] = None
+    return tuple(slots), tuple(descriptors)
+
+
+class Recording:
+    """The launches made while it is open (`recording`), each as a `Prepared` launch; `complete` turns False
+    if one could not be (then the call cannot be repeated from them)."""
+
+    def __init__(self, tensors: dict):
+        self.tensors, self.launches, self.complete = tensors, [], True
+
+    def note(self, kernel, grid, args: tuple, kwargs: dict) -> None:
+        self.launches.append((kernel, grid, args, kwargs))
+
+    def prepared(self) -> tuple | None:
+        """The launches noted, as `Prepared` launches in order, once they have run (the first call binds
+        them); None if any cannot be repeated."""
+        if not self.complete:
+            return None
+        named = [t for t in self.tensors.values() if t.numel()]
+        if len({t.data_ptr() for t in named}) < len(named):  # aliased (k is v, say): another call may not be
+            return None
+        made = tuple(
+            prepare(kernel, grid, args, kwargs, self.tensors) for kernel, grid, args, kwargs in self.launches
+        )
+        return None if any(p is None for p in made) else made
+
+    def unrepeatable(self) -> None:
+        self.complete = False
+
+
+_RECORDINGS: list = []  # the recordings open now, innermost last
+
+
+@contextlib.contextmanager
+def recording(tensors: dict):
+    """Within the block, every `launch` is noted in the `Recording` yielded (`tensors`: {name: tensor}, the
+    tensors the launches may take, by the names a later call will give them). A launch made any other way
+    inside the block (an autotuner's, say) must call `unrepeatable()` on it (`current_recording`)."""
+    rec = Recording(tensors)
+    _RECORDINGS.append(rec)
+    try:
+        yield rec
+    finally:
+        _RECORDINGS.pop()
+
+
+def unrepeatable() -> None:
+    """Mark the recording open now, if any, as not repeatable: something launched outside `launch`."""
+    if _RECORDINGS:
+        _RECORDINGS[-1].unrepeatable()
 
 
 def plain_launches() -> bool:
