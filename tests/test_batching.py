@@ -4,13 +4,18 @@ replayed as CUDA graphs on a GPU."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
 
 import course_lib
-from course_lib.decode.batching import ContinuousBatcher
+from course_lib.checks import token_ids, token_ids_array
+from course_lib.decode.batching import ContinuousBatcher, Request
+from course_lib.decode.cache import PagedKVCache
 from course_lib.decode.graphs import table_width
+from course_lib.decode.paged_kv import PagedKV
 from course_lib.decode.toy_model import ToyModel
 
 DEV = course_lib.DEVICE
@@ -58,6 +63,56 @@ def test_the_batcher_refuses_what_it_could_not_serve_before_a_step():
             batcher.submit([1, 2], 3, eos_id=eos)
     assert not batcher.waiting
     batcher.submit([1, 2], 3, eos_id=np.int64(5))  # any integer type
+
+
+@pytest.mark.parametrize("prompt", [[1, 2, 3], [np.int64(3), 4], (5, 6), torch.tensor([7, 8]), [0, 255]])
+def test_token_ids_array_is_token_ids_as_int64(prompt):
+    ids, array = token_ids_array("where", prompt, 256)
+    assert ids == token_ids("where", prompt, 256) and all(type(t) is int for t in ids)
+    assert array.dtype == np.int64 and array.tolist() == ids
+
+
+@pytest.mark.parametrize("prompt", [[1, True], [1, 2.0], [-1, 2], [1, 256], [2**70], "ab", 5, []])
+def test_token_ids_array_refuses_what_token_ids_refuses(prompt):
+    try:
+        token_ids("where", prompt, 256)
+    except (TypeError, ValueError) as error:
+        with pytest.raises(type(error), match=f"^{re.escape(str(error))}$"):
+            token_ids_array("where", prompt, 256)
+    else:
+        assert prompt == []  # an empty list is the batcher's to refuse (submit names it)
+    with pytest.raises(ValueError, match=f"^where: prompt token ids must fit in int64; got {2**70}$"):
+        token_ids_array("where", [1, 2**70])  # no vocabulary: any id >= 0, but not past int64
+
+
+def test_a_requests_ids_are_its_tokens():
+    req = Request(0, [5, 6, 7], 4)
+    req.generated += [8, 9]
+    assert req.num_tokens == 5 and [req.token_at(i) for i in range(5)] == req.tokens
+    for start in range(6):
+        for stop in range(start, 6):
+            got = req.ids(start, stop)
+            assert got.dtype == np.int64 and got.tolist() == req.tokens[start:stop], (start, stop)
+    assert np.shares_memory(req.ids(1, 3), req.prompt_ids)  # within the prompt: a view, converted once
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_a_step_without_padding_rows_attends_as_the_padded_layout(transposed):
+    """Where every sequence brings Tq tokens, `PagedKV.attend` hands q to the kernel as it is (no zeros, scatter
+    or gather): the same output as through the padded layout, for q contiguous or a transposed view."""
+    g = torch.Generator().manual_seed(3)
+    cache = PagedKVCache(1, 8, 4, 1, 16, torch.float32, DEV)
+    for seq in (0, 1):
+        cache.add_sequence(seq)
+    slots = torch.cat([cache.append(0, 5), cache.append(1, 5)])
+    kv = PagedKV.for_step(cache, [0, 1], [5, 5], slots)
+    assert not kv.padded and PagedKV.for_step(cache, [0, 1], [5, 2], slots[:7]).padded
+    q = torch.randn(2, 10, 16, generator=g).to(DEV)
+    q = q.transpose(0, 1) if transposed else q.transpose(0, 1).contiguous()  # (T, Hq, d)
+    k, v = (torch.randn(10, 1, 16, generator=g).to(DEV) for _ in range(2))
+    got = kv.attend(0, q, k, v)
+    kv.padded = True
+    assert torch.equal(got, kv.attend(0, q, k, v))
 
 
 @pytest.mark.gpu

@@ -108,6 +108,72 @@ def test_allocator_good_path():
         alloc.allocate()
 
 
+def test_page_runs_equal_one_call_per_page():
+    """allocate_pages, share_pages and release_pages (one call for many pages) leave the reference counts and the
+    free list, in order, exactly as the calls of allocate, share and release one page at a time."""
+    rng = np.random.default_rng(0)
+    runs, calls = PageAllocator(12), PageAllocator(12)
+    for _ in range(300):
+        held = [p for p in range(12) if calls.refs[p] > 0]
+        op = rng.integers(3)
+        if op == 0:
+            n = int(rng.integers(0, calls.num_free + 1))
+            assert runs.allocate_pages(n) == [calls.allocate() for _ in range(n)]
+        elif held:
+            pages = rng.choice(held, size=int(rng.integers(0, len(held) + 1)), replace=False).tolist()
+            if op == 1:
+                pages = pages + pages[:1]  # a page listed twice gains two owners
+                runs.share_pages(pages if rng.integers(2) else np.asarray(pages))
+                for p in pages:
+                    calls.share(p)
+            else:
+                if pages and calls.refs[pages[0]] >= 2:
+                    pages = pages + pages[:1]  # a page listed twice loses two owners
+                runs.release_pages(pages)
+                for p in pages:
+                    calls.release(p)
+        assert alloc_state(runs) == alloc_state(calls)
+
+
+def test_page_runs_refuse_bad_pages_and_change_nothing():
+    alloc = PageAllocator(3)
+    alloc.allocate_pages(2)
+    before = alloc_state(alloc)
+    with pytest.raises(ValueError, match=r"^page 2 is free; only a page in use can be shared$"):
+        alloc.share_pages([0, 2, 1])
+    with pytest.raises(ValueError, match=r"^page 2 is free \(released already, or never allocated\)"):
+        alloc.release_pages([1, 2])
+    for bad, error, match in (
+        (-1, ValueError, r"^PageAllocator\.share_pages: page must be >= 0, got -1$"),
+        (3, ValueError, r"page 3 is out of range; pages are 0\.\.2$"),
+        (True, TypeError, r"page must be an integer, got True \(bool\)"),
+        ("1", TypeError, r"page must be an integer, got '1' \(str\)"),
+    ):
+        with pytest.raises(error, match=match):
+            alloc.share_pages([0, bad])
+    with pytest.raises(OutOfPages, match=r"^2 pages asked for, 1 of 3 are free$"):
+        alloc.allocate_pages(2)
+    assert alloc_state(alloc) == before == ([1, 1, 0], [2])
+    alloc.share_pages([np.int64(0)])  # NumPy integers: one page at a time, as `share`
+    assert alloc.refs == [2, 1, 0]
+
+
+def test_append_slots_follow_the_pages():
+    """Each appended token's slot is pages[t // page_size] * page_size + t % page_size, whatever the page size
+    and however the tokens come (a run of pages, a part of one, none)."""
+    rng = np.random.default_rng(1)
+    for page_size in (1, 3, 4, 16):
+        cache = PagedKVCache(1, 64, page_size, 1, 8, torch.float32, "cpu")
+        cache.add_sequence(0)
+        for n in rng.integers(0, 20, size=8).tolist():
+            if cache.pages_needed(0, n) > cache.allocator.num_free:
+                break
+            slots = cache.append(0, n)
+            pages, end = cache.seqs[0].pages, cache.seqs[0].length
+            want = [pages[t // page_size] * page_size + t % page_size for t in range(end - n, end)]
+            assert slots.dtype == torch.int64 and slots.tolist() == want
+
+
 # --------------------------------------------------------------------------------------------------
 # PagedKVCache: the constructor
 # --------------------------------------------------------------------------------------------------

@@ -3,6 +3,7 @@ cache, no page leaked or freed while a sequence reads it, eviction under pressur
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -47,6 +48,45 @@ def test_block_hash_chains_over_the_previous_page():
     a = block_hash(b"", [1, 2, 3, 4])
     assert a == block_hash(b"", [1, 2, 3, 4]) and len(a) == 32
     assert block_hash(a, [5, 6, 7, 8]) != block_hash(b"", [5, 6, 7, 8])  # same tokens, another prefix
+
+
+def test_a_page_hashes_alike_from_its_ids_and_their_bytes():
+    """walk, match and insert read a prompt as one int64 buffer (a list or the batcher's NumPy ids): the same
+    hashes, pages and entries as block_hash of each page's ids."""
+    as_bytes = np.asarray([1, 2, 3, 4], dtype=np.int64).tobytes()
+    assert block_hash(b"", as_bytes) == block_hash(b"", [1, 2, 3, 4])
+    cache = PagedKVCache(1, 8, 4, 1, 16, torch.float32, "cpu")
+    cache.allocator = CachingPageAllocator(8)
+    prefix = PrefixCache(cache)
+    tokens = list(range(10, 24))  # three full pages and two tokens
+    prefix.start(0, tokens)
+    cache.append(0, len(tokens))
+    prefix.insert(0, np.asarray(tokens, dtype=np.int64))
+    parent = b""
+    for i, page in enumerate(cache.seqs[0].pages[:3]):
+        ids = tokens[4 * i : 4 * i + 4]
+        h = block_hash(parent, ids)
+        assert prefix.by_hash[h] == page and prefix.entry[page] == (h, parent, np.int64(ids).tobytes())
+        parent = h
+    assert prefix.registered(0) == 3
+    for other in (tokens[:9] + [0], np.asarray(tokens[:9] + [0], dtype=np.int64)):
+        assert prefix.walk(other) == (cache.seqs[0].pages[:2], prefix.entry[cache.seqs[0].pages[1]][0])
+        assert prefix.match(other, limit=1) == cache.seqs[0].pages[:1]
+
+
+def test_ttft_host_times_each_part_and_puts_the_model_back():
+    """bench.serving.ttft_host (scripts/serving_probe.py --host): each part's host time, cached and not, and the
+    model's own forward_step once it is done."""
+    from course_lib.bench.serving import HOST_PARTS, serving_model, ttft_host
+
+    model = serving_model(False)
+    prompt = torch.randint(0, model.config.vocab_size, (40,)).tolist()
+    got = ttft_host(model, prompt, 0.9, 1)
+    assert got["prompt"] == 40 and got["cached_tokens"] == 32
+    for kind in ("uncached", "cached"):
+        assert set(got[kind]) == {*HOST_PARTS, "total"} and min(got[kind].values()) >= 0
+        assert got[kind]["total"] == pytest.approx(sum(got[kind][p] for p in HOST_PARTS))
+    assert "forward_step" not in vars(model)
 
 
 @pytest.mark.parametrize("max_batch", [1, 3])

@@ -195,7 +195,8 @@ def ttft_host(model, prompt, cached_fraction: float, repeats: int, page: int = 1
                        view of the cache, the first token read from the logits
         model step     `model.forward_step` (on a GPU its launches, not their work: the GPU is synchronised after
                        it, untimed)
-        insert         `PrefixCache.insert` after the step: the pages it filled registered
+        insert         `PrefixCache.insert`: the pages the step fills registered (once its model step is
+                       launched, before its token is read: on a GPU, while the step computes)
 
     Each part is timed by a wrapper set on the batcher's instances (the batcher passes `walk`'s answer to `start`,
     so no part runs inside another). On a CPU the model's kernels run inside its step: there replace their

@@ -62,6 +62,7 @@ from .tokens import (
     prompt_lists,
     token_id,
     token_ids,
+    token_ids_array,
     vocab_size,
 )
 
@@ -105,5 +106,6 @@ __all__ = [
     "tensors_key",
     "token_id",
     "token_ids",
+    "token_ids_array",
     "vocab_size",
 ]

@@ -36,7 +36,7 @@ from ..checks import (
     kernel_support,
     max_positions,
     token_id,
-    token_ids,
+    token_ids_array,
     vocab_size,
 )
 from .cache import OutOfPages, PagedKVCache, SwappedSequence
@@ -54,10 +54,33 @@ class Request:
     eos_id: int | None = None
     generated: list[int] = field(default_factory=list)
     computed: int = 0  # tokens of prompt + generated already in the cache
+    prompt_ids: np.ndarray | None = field(default=None, repr=False, compare=False)  # `ids`' int64 prompt
 
     @property
     def tokens(self) -> list[int]:
+        """prompt + generated (a new list each call: `num_tokens`, `token_at` and `ids` copy nothing)."""
         return self.prompt + self.generated
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt) + len(self.generated)
+
+    def token_at(self, i: int) -> int:
+        """tokens[i] (0 <= i < num_tokens)."""
+        n = len(self.prompt)
+        return self.prompt[i] if i < n else self.generated[i - n]
+
+    def ids(self, start: int, stop: int) -> np.ndarray:
+        """tokens[start:stop] (0 <= start <= stop <= num_tokens) as an int64 NumPy array: within the prompt a view
+        of `prompt_ids`, which is made once, so a request's prompt is converted from a list once, not per step
+        (read-only: it is the request's own)."""
+        if self.prompt_ids is None:
+            self.prompt_ids = np.asarray(self.prompt, dtype=np.int64)
+        n = len(self.prompt)
+        if stop <= n:
+            return self.prompt_ids[start:stop]
+        tail = np.asarray(self.generated[max(start - n, 0) : stop - n], dtype=np.int64)
+        return tail if start >= n else np.concatenate([self.prompt_ids[start:], tail])
 
     @property
     def done(self) -> bool:
@@ -66,6 +89,18 @@ class Request:
 
 
 PREEMPTION_MODES = ("recompute", "swap")
+
+
+def _step_inputs(plan: list[tuple[Request, int]]) -> tuple:
+    """A step's token ids and positions, where request r brings n tokens from r.computed: lists in a step where
+    each brings one (a decode step: what `DecodeGraphs` takes), else int64 NumPy arrays, each request's a slice
+    of its `ids` and a range. No Python per token: a 32k-token prefill's lists and their conversion took 2 ms
+    on a 2-core CPU, and copying each request's tokens (`Request.tokens`) cost a decode step O(its length)."""
+    if all(n == 1 for _, n in plan):
+        return [r.token_at(r.computed) for r, _ in plan], [r.computed for r, _ in plan]
+    token_ids = np.concatenate([r.ids(r.computed, r.computed + n) for r, n in plan])
+    positions = np.concatenate([np.arange(r.computed, r.computed + n, dtype=np.int64) for r, n in plan])
+    return token_ids, positions
 
 
 class ContinuousBatcher:
@@ -143,7 +178,7 @@ class ContinuousBatcher:
         """Queue a request (prompt: a non-empty list of token ids); returns its id. A request whose
         prompt and new tokens could never fit in the page pool, even alone, is refused here."""
         where = "ContinuousBatcher.submit"
-        prompt = token_ids(where, prompt, vocab_size(self.model))
+        prompt, ids = token_ids_array(where, prompt, vocab_size(self.model))
         max_new_tokens = check_int(where, "max_new_tokens", max_new_tokens, 1)
         if len(prompt) == 0:
             raise ValueError(f"{where}: a request needs a non-empty prompt")
@@ -158,7 +193,7 @@ class ContinuousBatcher:
         check_generation_fits(where, len(prompt), max_new_tokens, max_positions(self.model))
         if eos_id is not None:
             eos_id = token_id(where, "eos_id", eos_id, vocab_size(self.model))
-        req = Request(self._next_id, prompt, max_new_tokens, eos_id)
+        req = Request(self._next_id, prompt, max_new_tokens, eos_id, prompt_ids=ids)
         self._next_id += 1
         self.waiting.append(req)
         return req.id
@@ -166,7 +201,7 @@ class ContinuousBatcher:
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.max_batch:
             req = self.waiting[0]
-            need = -(-(len(req.tokens) + 1) // self.cache.page_size)
+            need = -(-(req.num_tokens + 1) // self.cache.page_size)
             if need > self.cache.allocator.num_free:
                 break
             self.waiting.pop(0)
@@ -190,6 +225,12 @@ class ContinuousBatcher:
             req.computed = 0
         self.waiting.insert(0, req)
 
+    def _launched(self, plan: list[tuple[Request, int]]) -> None:
+        """Host work of a step that needs none of its results, run once its model step is launched and before its
+        logits are read (on a GPU, while the step computes). `plan`: (request, tokens it brings), its tokens
+        already appended to the cache. Nothing here; `serving.PrefixCachingBatcher` registers the pages the step
+        fills."""
+
     @torch.no_grad()
     def step(self) -> dict[int, int]:
         """Run one step (no gradients: serving); returns {request id: new token} for the requests that
@@ -201,12 +242,12 @@ class ContinuousBatcher:
             return {}
         while True:
             # Decoding requests (one token left) first, then prefill chunks from what the budget leaves.
-            decoding = [r for r in self.running if len(r.tokens) - r.computed == 1]
+            decoding = [r for r in self.running if r.num_tokens - r.computed == 1]
             budget = self.max_step_tokens - len(decoding)
             plan = [(r, 1) for r in decoding]
             for req in self.running:
-                if len(req.tokens) - req.computed > 1 and budget > 0:
-                    n = min(len(req.tokens) - req.computed, budget)
+                if req.num_tokens - req.computed > 1 and budget > 0:
+                    n = min(req.num_tokens - req.computed, budget)
                     budget -= n
                     plan.append((req, n))
             need = sum(self.cache.pages_needed(r.id, n) for r, n in plan)
@@ -215,8 +256,7 @@ class ContinuousBatcher:
             self._preempt()
         self.last_plan = [(r.id, n) for r, n in plan]
         slots = torch.cat([self.cache.append(r.id, n) for r, n in plan])
-        token_ids = [t for r, n in plan for t in r.tokens[r.computed : r.computed + n]]
-        positions = [p for r, n in plan for p in range(r.computed, r.computed + n)]
+        token_ids, positions = _step_inputs(plan)
         seq_ids, new_lens = [r.id for r, _ in plan], [n for _, n in plan]
         kv = self.kv_view(self.cache, seq_ids, new_lens, slots) if self.kv_view is not None else None
         if kv is None and self.graphs is not None and len(token_ids) == len(plan):  # all decoding: replay
@@ -224,17 +264,19 @@ class ContinuousBatcher:
         else:
             kv = kv if kv is not None else PagedKV.for_step(self.cache, seq_ids, new_lens, slots)
             device = self.model.device
-            # through NumPy: torch.tensor of a 32k-int list took 4.7 ms on a 2-core CPU, np.asarray 0.6 ms
+            # NumPy arrays but in a decode step (`_step_inputs`): torch.tensor of a 32k-int list took 4.7 ms on a
+            # 2-core CPU
             tensors = (
                 torch.from_numpy(np.asarray(x, dtype=np.int64)).to(device) for x in (token_ids, positions)
             )
             logits = self.model.forward_step(*tensors, kv)
+        self._launched(plan)
         last = torch.tensor(new_lens).cumsum(0) - 1
         next_tokens = logits[last.to(logits.device)].argmax(-1).tolist()
         out = {}
         for (req, n), tok in zip(plan, next_tokens):
             req.computed += n
-            if req.computed == len(req.tokens):  # the last token's logits predict the next one
+            if req.computed == req.num_tokens:  # the last token's logits predict the next one
                 req.generated.append(int(tok))
                 out[req.id] = int(tok)
         for req in [r for r in self.running if r.done]:

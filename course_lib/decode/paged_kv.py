@@ -21,7 +21,8 @@ class PagedKV:
     The step feeds new_lens[i] tokens of sequence seq_ids[i] (tokens laid out sequence after sequence,
     T = sum(new_lens)). For the kernel the queries are padded to (B, Tq, Hq, d), Tq = max(new_lens), each
     sequence's tokens in its last new_lens[i] rows: bottom-right causal then holds for every sequence,
-    and the padding rows' outputs are dropped.
+    and the padding rows' outputs are dropped. Where every sequence brings Tq tokens (T = B x Tq) there is
+    no padding: the rows are 0..T-1 and q goes to the kernel as it is.
 
     block_table (B, max_pages) int32, cache_seqlens (B,) int32, slots (T,) int64 (where each new token's
     K/V go) and rows (T,) int64 (each token's row of the padded queries) are tensors on the pools'
@@ -33,6 +34,10 @@ class PagedKV:
         self.block_table, self.cache_seqlens, self.slots, self.rows = block_table, cache_seqlens, slots, rows
         self.tq = tq
         self.batch = block_table.shape[0]
+        # Every sequence brings tq tokens (a prefill of one prompt, a decode step, a captured step): the rows
+        # are 0..T-1 and q is its own padded layout, so no zeros, scatter or gather per layer (three launches
+        # and three passes over q and o)
+        self.padded = rows.shape[0] != self.batch * tq
 
     @classmethod
     def for_step(
@@ -53,10 +58,13 @@ class PagedKV:
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Write k, v (T, Hkv, d) into layer `layer`'s pages, then attend: q (T, Hq, d) -> o (T, Hq, d)."""
         self.cache.write(layer, self.slots, k, v)
-        padded = q.new_zeros(self.batch * self.tq, *q.shape[1:])
-        padded[self.rows] = q
+        if self.padded:
+            rows = q.new_zeros(self.batch * self.tq, *q.shape[1:])
+            rows[self.rows] = q
+        else:
+            rows = q.contiguous()
         o = paged_decode_attention(
-            padded.view(self.batch, self.tq, *q.shape[1:]),
+            rows.view(self.batch, self.tq, *q.shape[1:]),
             self.cache.k_pages[layer],
             self.cache.v_pages[layer],
             self.block_table,
@@ -64,4 +72,5 @@ class PagedKV:
             causal=True,
             validate=False,  # the cache built the table; no sync per layer
         )
-        return o.view(self.batch * self.tq, *q.shape[1:])[self.rows]
+        o = o.view(self.batch * self.tq, *q.shape[1:])
+        return o[self.rows] if self.padded else o

@@ -17,9 +17,14 @@ recomputing them.
   cache (tests/test_prefix_cache.py). Its decode steps take cascade attention where the batch shares a long
   enough prefix of pages (`cascade.CascadeChoice`).
 
-The host's share: a prompt is hashed page by page (each page's ids as one int64 row of a NumPy array, not one
-Python int at a time), and a running sequence's pages are registered incrementally (the pages filled since the
-last step), so a step's bookkeeping follows its new tokens, not the sequence's length.
+The host's share: a prompt's pages are hashed from one bytes buffer of its int64 ids (sliced per page, not
+converted per page), the batcher hands in the request's ids as a NumPy array (`Request.ids`: no list converted
+per call), a request's pages take their references in one `share_pages` call, and a running sequence's pages are
+registered incrementally (the pages filled since the last step, from the chain's last hash, while the step
+computes: `_launched`), so a step's bookkeeping follows its new tokens, not the sequence's length. Each page is hashed once per request: `walk`
+stops at the first page not cached, and `insert` goes on from there. What is left per page is the SHA-256 itself
+(about 0.5 us a page on a 2-core CPU, 1 ms for a 32k-token prompt's 2048 pages; `scripts/serving_probe.py
+--host`).
 
 Not here: pages of a sequence that rolls back (speculative decoding) are never cached partial, so rollback
 never touches a cached page; SGLang's radix tree answers the same question with a tree of token runs (the hash
@@ -30,10 +35,10 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from collections.abc import Sequence
 
 import numpy as np
 
+from ..checks import check_int
 from ..decode.batching import ContinuousBatcher
 from ..decode.cache import OutOfPages, PageAllocator, PagedKVCache, SequencePages
 from .cascade import CascadeChoice
@@ -43,16 +48,20 @@ __all__ = ["CachingPageAllocator", "PrefixCache", "PrefixCachingBatcher", "block
 ROOT_HASH = b""
 
 
-def _pages_of(tokens: Sequence[int], n: int, page_size: int, first: int = 0) -> np.ndarray:
-    """Pages first..n-1 of `tokens` as rows of an (n - first, page_size) int64 array."""
-    rows = np.asarray(tokens[first * page_size : n * page_size], dtype=np.int64)
-    return rows.reshape(n - first, page_size)
+def _page_bytes(tokens, n: int, page_size: int, first: int = 0) -> bytes:
+    """Pages first..n-1 of `tokens` (a list of ids or an int64 NumPy array) as one buffer of int64 bytes, page i
+    at [(i - first) * page_size * 8, (i - first + 1) * page_size * 8)."""
+    rows = tokens[first * page_size : n * page_size]
+    return np.ascontiguousarray(rows, dtype=np.int64).tobytes()
 
 
-def block_hash(parent: bytes, tokens: Sequence[int]) -> bytes:
+def block_hash(parent: bytes, tokens) -> bytes:
     """The hash of a full page: SHA-256 of the previous page's hash (b"" for the first page) and the page's token
-    ids as int64. 32 bytes; the same tokens after the same prefix always give the same hash."""
-    return hashlib.sha256(parent + np.asarray(tokens, dtype=np.int64).tobytes()).digest()
+    ids as int64 (`tokens`: the ids, or their int64 bytes). 32 bytes; the same tokens after the same prefix
+    always give the same hash."""
+    if type(tokens) is not bytes:
+        tokens = np.asarray(tokens, dtype=np.int64).tobytes()
+    return hashlib.sha256(parent + tokens).digest()
 
 
 class CachingPageAllocator(PageAllocator):
@@ -72,6 +81,14 @@ class CachingPageAllocator(PageAllocator):
         if not self.free_list and self.prefix is not None:
             self.prefix.evict(1)
         return super().allocate()
+
+    def allocate_pages(self, n: int) -> list[int]:
+        """As n calls of `allocate`: the free pages first, then one evicted page at a time."""
+        n = check_int("CachingPageAllocator.allocate_pages", "n", n, 0)
+        pages = super().allocate_pages(min(n, len(self.free_list)))
+        while len(pages) < n:
+            pages.append(self.allocate())
+        return pages
 
 
 class PrefixCache:
@@ -98,25 +115,34 @@ class PrefixCache:
         self.chain: dict[object, tuple[int, bytes]] = {}  # sequence -> (pages registered, last hash)
         self.hits = self.lookups = self.evictions = 0  # tokens found / tokens asked for, pages evicted
 
-    def walk(self, tokens: Sequence[int], limit: int | None = None) -> tuple[list[int], bytes]:
-        """(`match`'s pages, the hash of the last of them (b"" for none))."""
+    def walk(self, tokens, limit: int | None = None) -> tuple[list[int], bytes]:
+        """(`match`'s pages, the hash of the last of them (b"" for none)). `tokens`: a list of ids or an int64
+        NumPy array (the batcher's `Request.ids`, converted once per request)."""
         pages, parent = [], ROOT_HASH
         n_full = len(tokens) // self.page_size if limit is None else min(limit, len(tokens) // self.page_size)
-        for row in _pages_of(tokens, n_full, self.page_size):
+        if n_full == 0 or not self.by_hash:
+            return pages, parent
+        data, step = _page_bytes(tokens, n_full, self.page_size), 8 * self.page_size
+        by_hash, entry = self.by_hash, self.entry
+        for at in range(0, len(data), step):
+            row = data[at : at + step]
             h = block_hash(parent, row)
-            page = self.by_hash.get(h)
-            if page is None or self.entry[page][1:] != (parent, row.tobytes()):  # absent, or a collision
+            page = by_hash.get(h)
+            if page is None:
+                break
+            _, stored_parent, stored_row = entry[page]
+            if stored_row != row or stored_parent != parent:  # a collision
                 break
             pages.append(page)
             parent = h
         return pages, parent
 
-    def match(self, tokens: Sequence[int], limit: int | None = None) -> list[int]:
+    def match(self, tokens, limit: int | None = None) -> list[int]:
         """The cached pages that hold the first full pages of `tokens`, in order, stopping at the first page not
         cached (or at `limit` pages). Each hit is checked against the page's stored tokens and parent hash."""
         return self.walk(tokens, limit)[0]
 
-    def start(self, seq_id, tokens: Sequence[int], found: tuple[list[int], bytes] | None = None) -> int:
+    def start(self, seq_id, tokens, found: tuple[list[int], bytes] | None = None) -> int:
         """Add sequence `seq_id` to the cache, starting on the cached pages of `tokens` (at least its last token
         is left to compute: its logits give the next token); `found`: what `walk` gave for these tokens and
         that limit, if the caller has it. Returns how many tokens are already in the cache."""
@@ -124,33 +150,44 @@ class PrefixCache:
         self.lookups += len(tokens)
         self.hits += len(pages) * self.page_size
         self.cache.add_sequence(seq_id)
-        for page in pages:
-            self.idle.pop(page, None)  # in use again: not evictable
-            self.cache.allocator.share(page)
+        if self.idle:
+            for page in pages:
+                self.idle.pop(page, None)  # in use again: not evictable
+        self.cache.allocator.share_pages(pages)
         self.cache.seqs[seq_id] = SequencePages(list(pages), len(pages) * self.page_size)
         self.chain[seq_id] = (len(pages), parent)
         return len(pages) * self.page_size
 
-    def insert(self, seq_id, tokens: Sequence[int]) -> None:
-        """Register the full pages of sequence `seq_id`, whose cache holds `tokens` (its first tokens), so later
-        requests find them. A page whose hash is already cached (another copy of the same prefix) is left as the
-        sequence's own. Goes on from the pages registered before (`chain`): a full page never changes."""
+    def insert(self, seq_id, tokens) -> None:
+        """Register the full pages of sequence `seq_id`, whose cache holds `tokens` (its first tokens: a list of
+        ids or an int64 NumPy array), so later requests find them. A page whose hash is already cached (another
+        copy of the same prefix) is left as the sequence's own. Goes on from the pages registered before
+        (`chain`): a full page never changes."""
         seq = self.cache.seqs[seq_id]
         n_full = min(len(tokens), seq.length) // self.page_size
         done, parent = self.chain.get(seq_id, (0, ROOT_HASH))
+        if n_full == done:
+            return
         if n_full < done:  # fewer full pages than registered: walk again from the first
             done, parent = 0, ROOT_HASH
-        for i, row in enumerate(_pages_of(tokens, n_full, self.page_size, done), start=done):
+        data, step = _page_bytes(tokens, n_full, self.page_size, done), 8 * self.page_size
+        by_hash, entry, own = self.by_hash, self.entry, []
+        for page, at in zip(seq.pages[done:n_full], range(0, len(data), step)):
+            row = data[at : at + step]
             h = block_hash(parent, row)
-            page = seq.pages[i]
-            if h not in self.by_hash and page not in self.entry:
-                self.by_hash[h] = page
-                self.entry[page] = (h, parent, row.tobytes())
-                self.cache.allocator.share(page)  # the cache's own reference
+            if h not in by_hash and page not in entry:
+                by_hash[h] = page
+                entry[page] = (h, parent, row)
+                own.append(page)
             parent = h
+        self.cache.allocator.share_pages(own)  # the cache's own reference of each page it registered
         self.chain[seq_id] = (n_full, parent)
 
-    def release(self, seq_id, tokens: Sequence[int] | None = None) -> None:
+    def registered(self, seq_id) -> int:
+        """How many of sequence `seq_id`'s first pages `insert` has gone over (0 for a sequence it does not know)."""
+        return self.chain.get(seq_id, (0, ROOT_HASH))[0]
+
+    def release(self, seq_id, tokens=None) -> None:
         """Free sequence `seq_id`, first registering its full pages if `tokens` (what its cache holds) is given.
         Its cached pages that no other sequence holds become idle (evictable, most recently used last); the rest
         return to the pool as usual."""
@@ -159,10 +196,11 @@ class PrefixCache:
         pages = list(self.cache.seqs[seq_id].pages)
         self.chain.pop(seq_id, None)
         self._free(seq_id)
+        refs, entry, idle = self.cache.allocator.refs, self.entry, self.idle
         for page in pages:
-            if page in self.entry and self.cache.allocator.refs[page] == 1:
-                self.idle[page] = None
-                self.idle.move_to_end(page)
+            if page in entry and refs[page] == 1:
+                idle[page] = None
+                idle.move_to_end(page)
 
     def evict(self, n: int) -> int:
         """Free up to `n` idle cached pages, least recently used first; returns how many were freed."""
@@ -200,7 +238,7 @@ class PrefixCachingBatcher(ContinuousBatcher):
 
         def free_and_keep(seq_id):  # every path that ends a sequence (retire, preempt) keeps its full pages
             req = self._requests.pop(seq_id, None)
-            self.prefix.release(seq_id, None if req is None else req.tokens[: req.computed])
+            self.prefix.release(seq_id, None if req is None else req.ids(0, req.computed))
 
         self.cache.free = free_and_keep
 
@@ -208,21 +246,22 @@ class PrefixCachingBatcher(ContinuousBatcher):
         while self.waiting and len(self.running) < self.max_batch:
             req = self.waiting[0]
             if req.id in self.swapped:  # back from host memory: its own pages, no lookup
-                need = -(-(len(req.tokens) + 1) // self.cache.page_size)
+                need = -(-(req.num_tokens + 1) // self.cache.page_size)
                 if need > self.cache.allocator.num_free:
                     break
                 self.waiting.pop(0)
                 self._swap_in(req)
                 self.running.append(req)
                 continue
-            found = self.prefix.walk(req.tokens, limit=(len(req.tokens) - 1) // self.cache.page_size)
+            ids = req.ids(0, req.num_tokens)
+            found = self.prefix.walk(ids, limit=(len(ids) - 1) // self.cache.page_size)
             cached = found[0]
-            need = -(-(len(req.tokens) + 1) // self.cache.page_size) - len(cached)
-            idle_reused = sum(page in self.prefix.idle for page in cached)
+            need = -(-(len(ids) + 1) // self.cache.page_size) - len(cached)
+            idle_reused = len(self.prefix.idle.keys() & cached)
             if need > self.cache.allocator.num_free - idle_reused:
                 break
             self.waiting.pop(0)
-            req.computed = self.prefix.start(req.id, req.tokens, found)
+            req.computed = self.prefix.start(req.id, ids, found)
             self._requests[req.id] = req
             self.running.append(req)
 
@@ -230,8 +269,13 @@ class PrefixCachingBatcher(ContinuousBatcher):
         super()._swap_in(req)
         self._requests[req.id] = req  # its full pages are registered again as it goes on
 
-    def step(self) -> dict[int, int]:
-        out = super().step()
-        for req in self.running:  # pages that filled this step, found by requests admitted later
-            self.prefix.insert(req.id, req.tokens[: req.computed])
-        return out
+    def _launched(self, plan) -> None:
+        """Register the pages the step fills (found by requests admitted later) while it computes: after its
+        launches, before its first tokens are read, so a prompt's hashing is not added to its time to first
+        token on a GPU. Its K/V are written by then for any later step (the same stream). Every running request
+        is looked at, as a step ends: one swapped in and left out of the step registers its pages too."""
+        fed = {req.id: n for req, n in plan}
+        for req in self.running:
+            end = req.computed + fed.get(req.id, 0)
+            if end // self.cache.page_size != self.prefix.registered(req.id):
+                self.prefix.insert(req.id, req.ids(0, end))
