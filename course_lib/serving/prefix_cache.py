@@ -21,10 +21,10 @@ The host's share: a prompt's pages are hashed from one bytes buffer of its int64
 converted per page), the batcher hands in the request's ids as a NumPy array (`Request.ids`: no list converted
 per call), a request's pages take their references in one `share_pages` call, and a running sequence's pages are
 registered incrementally (the pages filled since the last step, from the chain's last hash, while the step
-computes: `_launched`), so a step's bookkeeping follows its new tokens, not the sequence's length. Each page is hashed once per request: `walk`
-stops at the first page not cached, and `insert` goes on from there. What is left per page is the SHA-256 itself
-(about 0.5 us a page on a 2-core CPU, 1 ms for a 32k-token prompt's 2048 pages; `scripts/serving_probe.py
---host`).
+computes: `_launched`), so a step's bookkeeping follows its new tokens, not the sequence's length. Each page is
+hashed once per request: `walk` stops at the first page not cached, and `insert` goes on from there. What is
+left per page is the SHA-256 itself (about 0.5 us a page on a 2-core CPU, 1 ms for a 32k-token prompt's 2048
+pages; `scripts/serving_probe.py --host`).
 
 Not here: pages of a sequence that rolls back (speculative decoding) are never cached partial, so rollback
 never touches a cached page; SGLang's radix tree answers the same question with a tree of token runs (the hash
