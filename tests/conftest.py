@@ -38,13 +38,16 @@ def _random_draws_follow_the_test(request):
 
 @pytest.fixture(autouse=True)
 def _no_plans_from_other_tests():
-    """Attention plans (`course_lib.attention.plans`) remember the decisions of calls seen before; a test that
-    patches a decision (a route, a launch rule) must not meet a plan another test left."""
+    """Plans (`course_lib.kernels.plans`: attention's, decoding's) remember the decisions of calls seen before;
+    a test that patches a decision (a route, a launch rule) must not meet a plan another test left."""
     import sys
 
-    plans = sys.modules.get("course_lib.attention.plans")
-    if plans is not None:
-        plans.clear()
+    for name in ("course_lib.attention.plans", "course_lib.kernels.plans"):
+        plans = sys.modules.get(name)
+        if plans is not None and hasattr(plans, "clear"):
+            plans.clear()
+        elif plans is not None:
+            plans.clear_all()
 
 
 @pytest.fixture(autouse=True)

@@ -14,6 +14,7 @@ from course_lib.attention.configs import FORWARD
 from course_lib.attention.forward import ForwardPlan
 from course_lib.attention.reference import attention as reference
 from course_lib.kernels import bound
+from course_lib.kernels import plans as kernel_plans
 
 DEVICE = course_lib.DEVICE
 DTYPE = torch.float32 if DEVICE.type == "cpu" else torch.bfloat16
@@ -142,7 +143,7 @@ def test_no_plans_when_turned_off_or_under_a_launch_hook(monkeypatch):
     with torch.no_grad():
         want = flash_attention(q, k, v, causal=True)
     assert plans.FORWARD
-    monkeypatch.setattr(plans, "plain_launches", lambda: False)  # a profiler's hook: Triton's path
+    monkeypatch.setattr(kernel_plans, "plain_launches", lambda: False)  # a profiler's hook: Triton's path
     ran = []
     monkeypatch.setattr(ForwardPlan, "run", lambda *a: ran.append(1))
     with torch.no_grad():
@@ -228,3 +229,37 @@ def test_the_gluon_routes_run_their_plans_and_match_the_full_path(causal, heads)
     fresh = _run(q, k, v, do, causal)  # the full path again, after the plans ran
     for a, b in zip(first, fresh):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_a_repeated_decoding_step_runs_its_plan_with_the_new_pages_and_lengths(num_splits):
+    """decode.split_kv's plans: the split kernel (and the combine when S > 1) again, over the block table and
+    lengths of the call that runs it, equal to the full path's result and to float64 attention."""
+    from course_lib.decode import paged_decode_attention, split_kv
+    from course_lib.decode.reference import decode_reference, gather_pages
+
+    B, Hq, Hkv, d, page, pages = 2, 4, 2, 32, 16, 8
+    k_pages = torch.randn(pages, page, Hkv, d, device=DEVICE, dtype=DTYPE)
+    v_pages = torch.randn(pages, page, Hkv, d, device=DEVICE, dtype=DTYPE)
+    q = torch.randn(B, 1, Hq, d, device=DEVICE, dtype=DTYPE)
+    calls = []
+    for seed in range(3):
+        gen = torch.Generator().manual_seed(seed)
+        table = torch.randperm(pages, generator=gen)[: 2 * 3].view(B, 3).to(DEVICE, torch.int32)
+        lens = torch.randint(1, 3 * page + 1, (B,), generator=gen).to(DEVICE, torch.int32)
+        calls.append((table, lens))
+    ran = []
+    real_run = split_kv.CallPlan.run
+    split_kv.CallPlan.run = lambda self, *a: ran.append(1) or real_run(self, *a)
+    try:
+        got = [paged_decode_attention(q, k_pages, v_pages, t, n, num_splits=num_splits) for t, n in calls]
+    finally:
+        split_kv.CallPlan.run = real_run
+    assert len(ran) == 2 and len(split_kv.PLANS) == 1  # the second and third calls ran the first one's plan
+    kernel_plans.clear_all()
+    for (table, lens), out in zip(calls, got):
+        assert torch.equal(out, paged_decode_attention(q, k_pages, v_pages, table, lens, num_splits=num_splits))
+        capacity = 3 * page
+        k_flat, v_flat = gather_pages(k_pages, table, capacity), gather_pages(v_pages, table, capacity)
+        want, _ = decode_reference(q, k_flat, v_flat, lens.cpu())
+        assert (out.double().cpu() - want).abs().max().item() < TOL

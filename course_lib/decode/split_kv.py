@@ -47,11 +47,14 @@ heads, page size 16, CUDA-graph replays, us, page-id loads -> table row, both on
 contiguous kernel): batch 1 at 1k keys 11.4 -> 10.5 (9.1-10.5), 4k 17.2 -> 15.9 (15.4), 8k 21.2 ->
 19.6 (18.7), 16k 29.0 -> 27.9 (25.5); B = 64 at 4k 250.8 -> 248.6 (248.3); on the row tile, batch 1
 at 32k 44.8 -> 42.1 (40.2). Many waves of short programs ran slower with the row (B = 256 at 1k: 254 ->
-264.5), where the pipeline's own look-ahead at the page ids already hides them.
+264.5), where the pipeline's own look-ahead at the page ids already hides them. Long programs gained in
+more than one wave: cascade attention's prefix pass (B = 64 x 32 heads over a 32k prefix in pages of 64,
+16 splits of 2048 keys, 128-row tiles) 121.7 -> 114.5 us, so it reads its row in any waves (`paged_plan`).
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import NamedTuple
 
 import torch
@@ -72,7 +75,7 @@ from ..checks import (
     should_validate,
     tensors_key,
 )
-from ..kernels import bound
+from ..kernels import bound, plans
 from ..kernels.blocks import split_kv_range, visible_keys
 from ..kernels.softmax import logsumexp, softmax_step
 from ..pdl import allow_dependents
@@ -297,9 +300,12 @@ class SplitLaunch(NamedTuple):
         return self.plan.num_splits
 
 
-def plan_launch(q, k, block_table, *, page_size, capacity, causal, num_splits, full=False, where="decode"):
+def plan_launch(
+    q, k, block_table, *, page_size, capacity, causal, num_splits, full=False, where="decode", table_row=None
+):  # fmt: skip
     """The `SplitLaunch` of q (B, Tq, Hq, d) over k (a cache or, with a block_table, a page pool); num_splits,
-    None or an integer >= 1, is checked here (errors name `where`). Reads no tensor's values."""
+    None or an integer >= 1, is checked here (errors name `where`); table_row: `heuristics.decode_plan`'s
+    (None: decoding's rule). Reads no tensor's values."""
     B, Tq, Hq, d = q.shape
     Hkv = k.shape[2]
     group = Hq // Hkv
@@ -320,7 +326,7 @@ def plan_launch(q, k, block_table, *, page_size, capacity, causal, num_splits, f
     else:
         plan = decode_plan(
             B, Hkv, m_tiles, capacity, d, paged, width, q.element_size(),
-            num_splits, full, many_rows,
+            num_splits, full, many_rows, table_row,
         )  # fmt: skip
     return SplitLaunch(plan, block_m, m_tiles, causal, page_size if paged else 0, capacity, full)
 
@@ -370,6 +376,16 @@ def launch(
     full: every sequence holds all `capacity` keys (`heuristics.sliced`); cache_seqlens is then None
     (or holds `capacity` for every sequence) and is never read."""
     B, Tq, Hq, d = q.shape
+    key = None
+    if plans.ENABLED:  # a call seen before runs its plan (`CallPlan`)
+        key = (
+            plans.tensor_key(q), plans.tensor_key(k), plans.tensor_key(v), plans.tensor_key(block_table),
+            plans.tensor_key(cache_seqlens), page_size, capacity, causal, type(scale), scale,
+            type(num_splits), num_splits, full, plans.current_gpu(),
+        )  # fmt: skip
+        plan = plans.find(PLANS, key)
+        if plan is not None:
+            return plan.run(q, k, v, block_table, cache_seqlens)
     run = plan_launch(
         q, k, block_table, page_size=page_size, capacity=capacity, causal=causal, num_splits=num_splits,
         full=full, where=where,
@@ -381,14 +397,56 @@ def launch(
     num_splits = run.num_splits
     if num_splits == 1:
         o_part, l_part = out.unsqueeze(0), lse.unsqueeze(0)  # the one split writes the result itself
+        tensors = dict(o_part=o_part, l_part=l_part)
     else:
         o_part = torch.empty((num_splits, B, Tq, Hq, d), dtype=torch.float32, device=q.device)
         l_part = torch.empty((num_splits, B, Tq, Hq), dtype=torch.float32, device=q.device)
+        tensors = dict(o_part=o_part, l_part=l_part, out=out, lse=lse)
+    tensors.update(q=q, k=k, v=v, table=block_table, lens=cache_seqlens)
+    tensors = {name: t for name, t in tensors.items() if t is not None}
     use_pdl = num_splits > 1 and pdl.enabled(q.device)  # the combine is launched while the splits end
-    write_partials(run, q, k, v, block_table, cache_seqlens, o_part, l_part, scale, pdl=use_pdl)
-    if num_splits > 1:
-        combine(o_part, l_part, out, lse, pdl=use_pdl)
+    with bound.recording(tensors) if key is not None else contextlib.nullcontext() as recorded:
+        write_partials(run, q, k, v, block_table, cache_seqlens, o_part, l_part, scale, pdl=use_pdl)
+        if num_splits > 1:
+            combine(o_part, l_part, out, lse, pdl=use_pdl)
+    launches = recorded.prepared() if recorded is not None and on_current_device(q) else None
+    if launches:
+        plans.store(PLANS, key, CallPlan(launches, out, lse, o_part, l_part, num_splits))
     return out, lse
+
+
+PLANS = plans.table()  # a decoding call's key (`launch`) -> its CallPlan
+
+
+class CallPlan:
+    """A split-KV call to repeat (`kernels.plans`): the split kernel's launch and the combine's (S > 1) with
+    every non-tensor argument fixed, and the shapes of the result and the partials to allocate. `run(q, k, v,
+    block_table, cache_seqlens)` gives (out, lse) as `launch` does, for a call with the same key."""
+
+    __slots__ = ("launches", "lse_shape", "o_part_shape", "l_part_shape", "num_splits")
+
+    def __init__(self, launches: tuple, out, lse, o_part, l_part, num_splits: int):
+        self.launches, self.lse_shape, self.num_splits = launches, tuple(lse.shape), num_splits
+        self.o_part_shape, self.l_part_shape = tuple(o_part.shape), tuple(l_part.shape)
+
+    def run(self, q, k, v, block_table, cache_seqlens):
+        out = torch.empty_like(q)
+        lse = q.new_empty(self.lse_shape, dtype=torch.float32)
+        tensors = dict(q=q, k=k, v=v, table=block_table, lens=cache_seqlens)
+        if self.num_splits == 1:
+            tensors.update(o_part=out.unsqueeze(0), l_part=lse.unsqueeze(0))
+        else:
+            o_part = q.new_empty(self.o_part_shape, dtype=torch.float32)
+            l_part = q.new_empty(self.l_part_shape, dtype=torch.float32)
+            tensors.update(o_part=o_part, l_part=l_part, out=out, lse=lse)
+        for launch_ in self.launches:
+            launch_(tensors)
+        return out, lse
+
+
+def on_current_device(t: torch.Tensor) -> bool:
+    """Whether t needs no change of the current GPU to be launched on (a CPU tensor: yes)."""
+    return not t.is_cuda or t.device.index == torch.cuda.current_device()
 
 
 # kinds of calls `check_decode` accepted: 5.3 us of host time a call checked in full, 3.0 seen before (a 2-core CPU)
