@@ -258,7 +258,9 @@ def test_a_repeated_decoding_step_runs_its_plan_with_the_new_pages_and_lengths(n
     assert len(ran) == 2 and len(split_kv.PLANS) == 1  # the second and third calls ran the first one's plan
     kernel_plans.clear_all()
     for (table, lens), out in zip(calls, got):
-        assert torch.equal(out, paged_decode_attention(q, k_pages, v_pages, table, lens, num_splits=num_splits))
+        assert torch.equal(
+            out, paged_decode_attention(q, k_pages, v_pages, table, lens, num_splits=num_splits)
+        )
         capacity = 3 * page
         k_flat, v_flat = gather_pages(k_pages, table, capacity), gather_pages(v_pages, table, capacity)
         want, _ = decode_reference(q, k_flat, v_flat, lens.cpu())
