@@ -265,3 +265,19 @@ def test_a_repeated_decoding_step_runs_its_plan_with_the_new_pages_and_lengths(n
         k_flat, v_flat = gather_pages(k_pages, table, capacity), gather_pages(v_pages, table, capacity)
         want, _ = decode_reference(q, k_flat, v_flat, lens.cpu())
         assert (out.double().cpu() - want).abs().max().item() < TOL
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="partial dK, dV per query head from 4096 keys: GPU sizes")
+@pytest.mark.parametrize("d", [64, 128])
+def test_a_grouped_backward_with_partials_runs_its_plan(d):
+    """Grouped-query attention whose dK, dV are summed from fp32 partials (d <= 64 beyond 4096 keys in
+    Triton, non-causal rows from 4096 keys in Gluon): the plan allocates the partials and sums them too."""
+    q, k, v = _inputs((1, 8, 8192, d), (1, 2, 8192, d))
+    do = torch.randn_like(q)
+    first = _run(q, k, v, do, False)
+    plan = plans.FORWARD[plans.call_key(q, k, v, False, None, None, None)]
+    (backward_plan,) = plan.backward.values()
+    assert backward_plan.partial_shape is not None
+    again = _run(q, k, v, do, False)
+    for a, b in zip(first, again):
+        assert torch.equal(a, b)
