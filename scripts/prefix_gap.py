@@ -2,12 +2,15 @@
 
 The split-KV kernel alone over a 32k-token prefix, 64 query tokens x 32 heads against 8 K/V heads in 128-row
 programs, ran 93.8 us in the probe behind `decode.heuristics.MANY_ROWS` (do_bench); the prefix pass of
-`serving.cascade.cascade_passes` at batch 64 runs 121.2 us (graph replays, `serving_probe.py`). Read on the
+`serving.cascade.cascade_passes` at batch 64 ran 121.2 us (graph replays, `serving_probe.py`). Read on the
 CPU at the real sizes, the two launches have one grid, (8 K/V heads, 16 splits, 2 row tiles), and the same
 constants, strides and lengths read; what differs is how they were timed, PDL (`decode.split_kv.launch`
 sets it on Hopper, the prefix pass does not), the partial buffer (16 splits of their own, or the first 16
 slots of the cascade's 17, same strides) and the page pool: the probe's holds the prefix's 512 pages alone,
 the cascade's holds the 1024 suffix pages too, the prefix's pages spread among them in random order.
+Its first run on an H200 (graph replays, us): the probe's launch 121.9 (the 93.8 did not reproduce), the
+cascade's 121.7; with the table row in registers 114.5, 8 and 32 splits 175.4 and 136.6, the pages ascending
+121.7. Since then the cascade's prefix pass reads its table row (rung 6).
 
 This ladder goes from the probe's launch to the cascade's, one difference a rung, on the same K/V values and
 queries (so every rung computes the same attention, checked against a float32 reference after the combine):
@@ -18,9 +21,11 @@ queries (so every rung computes the same attention, checked against a float32 re
   2  PDL off (the prefix pass is launched without it)
   3  the partials in the first S_p slots of one (S_p + 1, B, 1, Hq, d) buffer (the cascade's layout)
   4  the pool grown to the cascade's (prefix pages first, then the suffixes' pages): its size alone
-  5  the prefix's pages spread over that pool in random order (the cascade's page ids)
-  6  the cascade's own launch, `cascade_passes(...)[0]`, on the same tensors
-  7  the cascade's launch timed by do_bench
+  5  the prefix's pages spread over that pool in random order (the cascade's page ids, looked up block by
+     block: the cascade's launch before it read its table row)
+  6  the cascade's own launch, `cascade_passes(...)[0]`, on the same tensors: rung 5 with the block-table
+     row in registers (`TABLE_ROW`), the candidate below; the run prints what their launches differ in
+  7  the cascade's own launch timed by do_bench
 
 then candidate changes to the cascade's launch (rung 5), each alone: half and twice the rule's split count,
 the prefix's pages in ascending order, the block-table row in registers (`TABLE_ROW`), and the launch through
@@ -193,6 +198,7 @@ def _reference(q, k_pool, v_pool, prefix_pages, p: int) -> torch.Tensor:
 
 
 PROBE, SPREAD = "1 the probe's launch, graph replay", "5 the prefix's pages spread (cascade)"
+CASCADE, ROW = "6 cascade_passes' prefix pass itself", "5 with the table row in registers"
 
 
 def prefix_gap(quick: bool = False, passes: int = 3) -> None:
@@ -214,8 +220,10 @@ def prefix_gap(quick: bool = False, passes: int = 3) -> None:
     k_ascending[ascending.long()] = k_pool[prefix_pages.long()]  # logical page i at the i-th lowest id
     v_ascending[ascending.long()] = v_pool[prefix_pages.long()]
 
-    def plan(k, v, table, num_splits=None):
-        return paged_plan(rows, k, v, table.view(1, -1), plen, False, num_splits, False, "prefix gap")
+    def plan(k, v, table, num_splits=None, table_row=None):
+        return paged_plan(
+            rows, k, v, table.view(1, -1), plen, False, num_splits, False, "prefix gap", table_row=table_row
+        )  # fmt: skip
 
     def rung(run, k, v, table, one_buffer=True, pdl=False):
         """(launch, its partial buffers, its plan): run's split kernel into a buffer of its own or into the
@@ -242,14 +250,15 @@ def prefix_gap(quick: bool = False, passes: int = 3) -> None:
     prefix = cascade.cascade_passes(
         q, k_pool, v_pool, prefix_pages, p, suffix_table, suffix_lens, validate=False
     )[0]
-    ladder["6 cascade_passes' prefix pass itself"] = (prefix, None, cascade_run)
+    cascade_own = plan(k_pool, v_pool, prefix_pages, table_row=True)  # as cascade_passes plans its prefix
+    ladder[CASCADE] = (prefix, None, cascade_own)
     row_run = cascade_run._replace(plan=cascade_run.plan._replace(table_row=True))
     candidates = {
         f"5 with {n} splits": rung(plan(k_pool, v_pool, prefix_pages, n), k_pool, v_pool, prefix_pages)
         for n in (max(1, s_p // 2), 2 * s_p)
     }
     candidates["5 with the prefix's pages ascending"] = rung(cascade_run, k_ascending, v_ascending, ascending)
-    candidates["5 with the table row in registers"] = rung(row_run, k_pool, v_pool, prefix_pages)
+    candidates[ROW] = rung(row_run, k_pool, v_pool, prefix_pages)
     fn, buffers, _ = ladder[SPREAD]
     candidates["5 through Triton's own launch (no bound launch)"] = (unbound(fn), buffers, cascade_run)
     every = {**ladder, **candidates}
@@ -273,6 +282,7 @@ def prefix_gap(quick: bool = False, passes: int = 3) -> None:
         f"{sz['page']}; pool {prefix_pages.numel()} pages (probe) / {k_pool.shape[0]} (cascade); every rung's "
         "combined partials match the float32 reference within 2e-2"
     )
+    print(f"rung 6's launch differs from '{ROW}' in: {_differences(launches[ROW], launches[CASCADE])}")
 
     times, bench = {}, {}
     if runtime.ON_GPU:
@@ -280,7 +290,7 @@ def prefix_gap(quick: bool = False, passes: int = 3) -> None:
 
         times = interleaved({name: fn for name, (fn, _, _) in every.items()}, passes, graph_ms)
         for _ in range(passes):
-            for key, name in (("0", PROBE), ("7", SPREAD)):
+            for key, name in (("0", PROBE), ("7", CASCADE)):
                 bench.setdefault(key, []).append(do_bench(every[name][0]))
         tflops = measure_matmul_tflops(dtype=torch.bfloat16)
         print(
@@ -315,6 +325,6 @@ def prefix_gap(quick: bool = False, passes: int = 3) -> None:
     for name, (_, _, run) in ladder.items():
         line(name, times.get(name), run, _differences(before, launches[name]))
         before = launches[name]
-    line("7 the cascade's launch, do_bench", bench.get("7"), cascade_run, "-")
+    line("7 the cascade's launch, do_bench", bench.get("7"), cascade_own, "-")
     for name, (_, _, run) in candidates.items():
         line(name, times.get(name), run, "(from rung 5) " + _differences(launches[SPREAD], launches[name]))

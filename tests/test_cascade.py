@@ -113,6 +113,44 @@ def test_both_passes_write_one_partial_buffer_and_one_combine_merges_it(
     torch.testing.assert_close(out.cpu().double(), cascade_reference(*args), rtol=tol, atol=tol)
 
 
+def test_the_prefix_pass_reads_its_table_row_in_any_waves_and_decoding_keeps_its_rule(monkeypatch):
+    """The prefix pass, on its 128-row tile, reads its block-table row whole (TABLE_ROW > 0) in a grid of
+    more than one wave (`cascade_passes`: 121.7 -> 114.5 us on an H200), and still matches float64
+    attention; the suffix pass and a plain paged decoding launch of the same rows keep decoding's rule
+    (`table_row_plan`: page ids block by block in a grid of more than one wave, never on a call's own tile)."""
+    from course_lib.decode import heuristics, paged_decode_attention
+    from course_lib.decode.paged import paged_plan
+    from course_lib.kernels import bound
+
+    monkeypatch.setattr(heuristics, "CPU_SM_COUNT", 2)  # 4 slots of the 128-row tile: 2 row tiles x 3 splits
+    launches = []
+    real = bound.launch
+
+    def recorded(kernel, grid, *args, **kwargs):
+        launches.append((kernel.fn.__name__, tuple(grid), kwargs))
+        return real(kernel, grid, *args, **kwargs)
+
+    monkeypatch.setattr(bound, "launch", recorded)
+    B, Hq, Hkv, d, prefix_len = 64, 4, 1, 128, 200  # 64 x 4 = 256 query rows of the one K/V head
+    suffix_lens = [1 + (7 * b) % 19 for b in range(B)]
+    args = _setup(B, 1, Hq, Hkv, d, prefix_len, suffix_lens, 16, torch.float32, seed=4)
+    out = cascade_decode_attention(*args, num_splits=3)
+    torch.testing.assert_close(out.cpu().double(), cascade_reference(*args), rtol=1e-5, atol=1e-5)
+    prefix, suffix = [(grid, kw) for name, grid, kw in launches if name == "split_kv_kernel"]
+    assert prefix[1]["BLOCK_M"] == 128 and prefix[1]["TABLE_ROW"] == 16  # 13 prefix pages: a row of 16
+    tile = heuristics.many_rows_tile(d, B * Hq // Hkv, causal=False)
+    assert not heuristics.one_wave(prefix[0][0] * prefix[0][1] * prefix[0][2], tile)
+    assert suffix[1]["TABLE_ROW"] == 0  # 64 sequences x 3 splits: many waves of short programs
+    q, k_pages, v_pages, prefix_pages = args[:4]
+    rows = q.reshape(1, B, Hq, d)
+    plen = torch.full((1,), prefix_len, dtype=torch.int32, device=DEV)
+    plain = paged_plan(rows, k_pages, v_pages, prefix_pages.view(1, -1), plen, False, 3, True, "decode")
+    assert plain.plan.tile == tile and not plain.plan.table_row
+    launches.clear()
+    paged_decode_attention(rows, k_pages, v_pages, prefix_pages.view(1, -1), plen, False, num_splits=3)
+    assert launches[0][2]["TABLE_ROW"] == 0
+
+
 def test_bad_input_is_refused_by_name():
     q, k, v, pp, plen, table, lens = _setup(2, 2, 2, 2, 16, 20, [4, 1], 8, torch.float32)
     with pytest.raises(ValueError, match="at least the Tq = 2 query tokens"):

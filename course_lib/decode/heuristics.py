@@ -186,7 +186,8 @@ LAST_WAVE_MIN = 0.9
 # 32/8 heads, 64 sequences' queries over a 32k-key prefix in pages of 64, the split kernel alone, do_bench,
 # us): 64-row tiles (4 per kv head) 118.7-196.5 by split count (the paged tile's plan: 145), 128-row tiles of
 # 64 keys, 4 warps, 2 stages, 16 splits 93.8 (366 TFLOP/s); 128 keys or 8 warps or 3 stages 101-172; the
-# order of the row tiles in the grid (row tile fastest or slowest) within 2-7 us either way.
+# order of the row tiles in the grid (row tile fastest or slowest) within 2-7 us either way. The 93.8 did not
+# reproduce: the same launch ran 121.9 us in scripts/prefix_gap.py (graph replays), 114.5 with its table row.
 MANY_ROWS = 256
 MANY_ROWS_TILES = {128: DecodeTile(block_n=64, block_m_max=128, num_warps=4, num_stages=2, programs_per_sm=2)}
 
@@ -438,6 +439,7 @@ def decode_plan(
     num_splits: int | None = None,
     full: bool = False,
     tile: DecodeTile | None = None,
+    table_row: bool | None = None,
 ) -> DecodePlan:
     """The launch of a batch shape: batch, kv heads, query tiles per (sequence, kv head), cache capacity
     in keys (Nmax, or max_pages x page_size), head dim; paged with table_width entries per block-table
@@ -445,13 +447,23 @@ def decode_plan(
     (`sliced`). A paged launch that reads its table rows whole
     (`table_row_plan`) runs on the row tile; a `sliced` batch on the paged tile, with the rule's count
     for its slots but at least `slice_splits`; any other on its own tile with the rule's count. tile: a
-    tile chosen by the call (`many_rows_tile`), with the rule's count for its slots."""
+    tile chosen by the call (`many_rows_tile`), with the rule's count for its slots.
+    table_row: None, decoding's rule (`table_row_plan`: the row only in a grid of one wave; a call's own
+    tile, never); True, a paged launch reads its rows whole whenever they hold at most TABLE_ROW_MAX
+    entries, whatever its waves, on its own tile or the row tile (cascade attention's prefix pass, whose
+    programs are long: `serving.cascade.cascade_passes`); False, never."""
     programs = batch * kv_heads * m_tiles
+    fits = paged and 0 < table_width <= TABLE_ROW_MAX
     if tile is not None:
-        return DecodePlan(tile, num_splits or rule_splits(programs, capacity, tile), False, False)
+        splits = num_splits or rule_splits(programs, capacity, tile)
+        return DecodePlan(tile, splits, False, bool(table_row) and fits)
     long_batch = sliced(batch, capacity, full, programs, head_dim)
     row_splits = (
-        table_row_plan(batch, kv_heads, m_tiles, capacity, head_dim, table_width, num_splits) if paged else 0
+        table_row_plan(
+            batch, kv_heads, m_tiles, capacity, head_dim, table_width, num_splits, any_waves=bool(table_row)
+        )
+        if paged and table_row is not False
+        else 0
     )
     if row_splits:
         return DecodePlan(tile_for(head_dim, True, elem_bytes, table_row=True), row_splits, long_batch, True)
@@ -495,16 +507,18 @@ def table_row_plan(
     head_dim: int,
     table_width: int,
     num_splits: int | None = None,
+    any_waves: bool = False,
 ) -> int:
     """Splits for a paged launch whose programs read their sequence's block-table row whole (rows of at
     most TABLE_ROW_MAX entries; `ROW_TILES`), or 0 when it should look up page ids block by block: the
     rule's count for the row tile's slots (`num_splits` if given), kept only if the grid fits in one
-    wave of them (measured: many waves of short programs ran slower with the row)."""
+    wave of them (measured: many waves of short programs ran slower with the row), or in any number of
+    waves with any_waves (`decode_plan`'s table_row=True)."""
     if not 0 < table_width <= TABLE_ROW_MAX:
         return 0
     tile = tile_for(head_dim, paged=True, table_row=True)
     splits = num_splits or _splits(batch, kv_heads, m_tiles, capacity, head_dim, True, table_row=True)
-    return splits if one_wave(batch * kv_heads * m_tiles * splits, tile) else 0
+    return splits if any_waves or one_wave(batch * kv_heads * m_tiles * splits, tile) else 0
 
 
 # Longest first: a sliced batch's programs in order of their sequence's length (`longest_first`), for

@@ -80,14 +80,17 @@ def _checked_values(q, k_pages, block_table, cache_seqlens, validate, where: str
 
 
 def paged_plan(
-    q, k_pages, v_pages, block_table, cache_seqlens, causal, num_splits, validate, where: str
-) -> SplitLaunch:
+    q, k_pages, v_pages, block_table, cache_seqlens, causal, num_splits, validate, where: str,
+    table_row: bool | None = None,
+) -> SplitLaunch:  # fmt: skip
     """`paged_decode_attention`'s checks (`check_paged`, then the lengths and page ids) and the plan of its
     split-KV launch, not run: for a caller that gives the kernel its own partial buffers
-    (`split_kv.write_partials`; cascade attention writes both of its passes into one, notebook 14)."""
+    (`split_kv.write_partials`; cascade attention writes both of its passes into one, notebook 14).
+    table_row: None, decoding's choice of reading the block-table rows whole (`heuristics.table_row_plan`);
+    True, whenever they fit (`heuristics.decode_plan`: cascade attention's prefix pass)."""
     check_paged(q, k_pages, v_pages, block_table, cache_seqlens, where)
     page_size, capacity = _checked_values(q, k_pages, block_table, cache_seqlens, validate, where)
     return plan_launch(
         q, k_pages, block_table, page_size=page_size, capacity=capacity,
-        causal=normalise_causal(causal, where), num_splits=num_splits, where=where,
+        causal=normalise_causal(causal, where), num_splits=num_splits, where=where, table_row=table_row,
     )  # fmt: skip

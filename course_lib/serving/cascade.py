@@ -125,7 +125,14 @@ def cascade_passes(
     S_s = 1), and merge() is ONE `combine` of all S_p + S_s parts: no stacked copy, no second pass over O.
     merge() must run after both passes. pdl: the combine is launched with PDL, for a caller that runs the
     three in this order on one stream (the suffix pass then lets the combine be scheduled early).
-    `scripts/serving_probe.py` times the three one by one."""
+    `scripts/serving_probe.py` times the three one by one.
+
+    The prefix pass reads its block-table row whole (`paged_plan`'s table_row=True), though its grid is more
+    than one wave, where decoding's rule would look up page ids block by block: that rule was measured on
+    short programs, and the prefix pass's are long (2048 keys each at 32k and 16 splits). Measured on an
+    H200 (B = 64 queries x 32 heads, 8 K/V heads, d = 128, a 32k-token prefix in pages of 64, bf16, graph
+    replays, `scripts/prefix_gap.py`): 121.7 us with page-id loads, 114.5 with the row (16 splits and
+    128-row programs both)."""
     where = "cascade_decode_attention"
     _check(q, k_pages, prefix_pages, prefix_len, block_table, suffix_lens, where)
     B, Tq, Hq, d = q.shape
@@ -135,7 +142,7 @@ def cascade_passes(
         (1,), prefix_len, dtype=torch.int32, device=q.device
     )  # a fill: graph-capturable
     prefix_run = paged_plan(
-        rows, k_pages, v_pages, prefix_table, prefix_len_t, False, num_splits, validate, where
+        rows, k_pages, v_pages, prefix_table, prefix_len_t, False, num_splits, validate, where, table_row=True
     )  # fmt: skip
     suffix_run = paged_plan(q, k_pages, v_pages, block_table, suffix_lens, True, num_splits, validate, where)
     s_p, s_s = prefix_run.num_splits, suffix_run.num_splits
