@@ -361,14 +361,28 @@ if hw is not None:
 # How to tell: time many calls back to back with one synchronisation at the end (wall time per call), time
 # how long the loop took to *issue* them, and compare both with the kernels' time from `torch.profiler`.
 # Issue time close to wall time means CPU-bound. `scripts/launch_overhead.py` does this for course_lib and
-# SDPA; `notes/attention.md` ("Open") has what it measured on the H200. course_lib's answer: its backward is two
-# launches (the dQ kernel also computes D = rowsum(dO * O)), a tuned kernel launches the autotuner's
-# remembered choice directly, a call with nothing to differentiate (inference, `torch.no_grad()`) runs the
-# forward alone, without an autograd node, and `make bench` measures `torch.compile` after every other
-# provider of the attention grid, because after it had run, Python launches in that process were measured
-# slower (`notes/attention.md`). What is left of the host's time per call (`scripts/launch_overhead.py`
-# measures it against SDPA's on your GPU) is one reason serving engines replay decoding steps as CUDA graphs:
-# a replay issues every kernel of the step from one CPU call.
+# SDPA; `make bench` records the CPU time of one call on a tiny shape (`course_lib.bench.host_time`, read
+# below). course_lib's answer: its backward is two launches (the dQ kernel also computes D = rowsum(dO * O)),
+# a call with nothing to differentiate (inference, `torch.no_grad()`) runs the forward alone, without an
+# autograd node, and a call seen before runs its **plan** (`course_lib/attention/plans.py`): everything the
+# first call of that kind decided (checks passed, route, launch, and each kernel's forty arguments bound
+# once, `course_lib/kernels/bound.py`) is kept per key (shapes, strides, dtypes, devices, alignment, causal,
+# scale), so the call only allocates its outputs and launches. `make bench` also measures `torch.compile`
+# after every other provider, because after it had run, Python launches in that process were measured
+# slower (`notes/attention.md`). What is left of the host's time per call is one reason serving engines
+# replay decoding steps as CUDA graphs: a replay issues every kernel of the step from one CPU call.
+
+# %%
+host_rec = records.load_record("host_time")
+if host_rec is None:
+    print("No host-time record yet: `make bench BENCH=attention` on a GPU writes one.")
+else:
+    meta = host_rec["meta"]
+    print(f"CPU time to issue one call, tiny shape, {host_rec['data']['calls']} calls "
+          f"({meta['gpu']}, torch {meta['torch']}, {meta['date']}):")
+    for row in host_rec["data"]["rows"]:
+        print(f"  {row['call']:<18} course_lib {row['course_lib_us']:6.1f} us   SDPA {row['sdpa_us']:6.1f} us   "
+              f"ratio {row['ratio']:.2f}")
 
 # %% [markdown]
 # ## 2. Profiling: where does the time go?
