@@ -805,7 +805,8 @@ def _backward(
     tensors = None  # {name: tensor} for a plan of this call (`BackwardPlan`)
     if (
         plan_out is not None and not compile_only and launch_cfg is None and not atomic
-        and seqs is None and sinks is None and viewed == (q4, k4, v4, o4, do4) and on_current_device(q)
+        and seqs is None and sinks is None and on_current_device(q)
+        and all(a is b for a, b in zip(viewed, (q4, k4, v4, o4, do4)))  # nothing copied (`within_offsets`)
     ):  # fmt: skip
         tensors = dict(q4=q4, k4=k4, v4=v4, o4=o4, do4=do4, l3=l3, delta=delta, dq_acc=dq_acc)
         tensors.update(dk4=dk4, dv4=dv4)

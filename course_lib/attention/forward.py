@@ -334,7 +334,11 @@ def _forward(q, k, v, alignment, scale, launch_cfg, switches, window=0, sinks=No
         for t, rows, name in ((q4, n_q, "q"), (k4, n_k, "k"), (v4, n_k, "v"))
     )
     plannable = (
-        plan_out is not None and plain and seqs is None and viewed == (q4, k4, v4) and on_current_device(q)
+        plan_out is not None
+        and plain
+        and seqs is None
+        and on_current_device(q)
+        and all(a is b for a, b in zip(viewed, (q4, k4, v4)))  # nothing copied (`within_offsets`)
     )
     within_offsets(o4, n_q, "O", "attention.forward", copy=False)  # written where it is: checked only
     causal = alignment is not None
