@@ -281,3 +281,24 @@ def test_a_grouped_backward_with_partials_runs_its_plan(d):
     again = _run(q, k, v, do, False)
     for a, b in zip(first, again):
         assert torch.equal(a, b)
+
+
+def test_a_recording_notes_only_its_own_threads_launches(monkeypatch):
+    """Autograd runs a CUDA backward on a thread of its own: a launch there must not land in a recording the
+    main thread has open (nor the other way round)."""
+    import threading
+
+    monkeypatch.setattr(bound, "ACTIVE", False)  # a stand-in kernel: launched as the interpreter's are
+    calls = []
+
+    class Kernel:
+        def __getitem__(self, grid):
+            return lambda *values, **kwargs: calls.append(grid)
+
+    kernel, x = Kernel(), torch.zeros(4)
+    with bound.recording({"x": x}) as mine:
+        other = threading.Thread(target=lambda: bound.launch(kernel, (1,), x))
+        other.start()
+        other.join()
+        bound.launch(kernel, (2,), x)
+    assert calls == [(1,), (2,)] and [grid for _, grid, _, _ in mine.launches] == [(2,)]

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 
 import torch
 
@@ -200,8 +201,9 @@ def launch(kernel, grid, *args, **kwargs) -> None:
     """Launch Triton (or Gluon) kernel `kernel` on `grid` (a tuple of 1-3 ints) with `args` and `kwargs`,
     as `kernel[grid](*args, **kwargs)` does, binding the arguments once per specialisation on a GPU."""
     _launch(kernel, grid, args, kwargs)
-    if _RECORDINGS:  # a caller records what it launches (`recording`): this launch, once made, is part of it
-        _RECORDINGS[-1].note(kernel, grid, args, kwargs)
+    recordings = _OPEN.recordings
+    if recordings:  # a caller records what it launches (`recording`): this launch, once made, is part of it
+        recordings[-1].note(kernel, grid, args, kwargs)
 
 
 def _launch(kernel, grid, args: tuple, kwargs: dict) -> None:
@@ -372,7 +374,15 @@ class Recording:
         self.complete = False
 
 
-_RECORDINGS: list = []  # the recordings open now, innermost last
+class _Open(threading.local):
+    """The recordings open in this thread, innermost last: a thread's launches (autograd runs a CUDA backward on
+    a thread of its own) are never noted in another thread's recording."""
+
+    def __init__(self):
+        self.recordings: list = []
+
+
+_OPEN = _Open()
 
 
 @contextlib.contextmanager
@@ -381,17 +391,17 @@ def recording(tensors: dict):
     tensors the launches may take, by the names a later call will give them). A launch made any other way
     inside the block (an autotuner's, say) must call `unrepeatable()` on it (`current_recording`)."""
     rec = Recording(tensors)
-    _RECORDINGS.append(rec)
+    _OPEN.recordings.append(rec)
     try:
         yield rec
     finally:
-        _RECORDINGS.pop()
+        _OPEN.recordings.pop()
 
 
 def unrepeatable() -> None:
     """Mark the recording open now, if any, as not repeatable: something launched outside `launch`."""
-    if _RECORDINGS:
-        _RECORDINGS[-1].unrepeatable()
+    if _OPEN.recordings:
+        _OPEN.recordings[-1].unrepeatable()
 
 
 def plain_launches() -> bool:
