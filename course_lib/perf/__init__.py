@@ -8,6 +8,8 @@
 - `timing` ........... `benchmark`, `interleaved`, `peak_memory`, `kernel_stats`,
                        `attention_flops` ............................................. notebook 08
 - `plotting` ......... series, bars, the roofline, tables ............................ notebooks 00-08
+- `syncs` ............ where a step would wait for the GPU, its copies and launches, found
+                       on a CPU (`watch`) ........................ scripts/serving_probe.py --step
 
 The names of `hardware`, `roofline`, `ceilings` and `training_memory` are also reachable here
 (`course_lib.perf.roofline_ms`). `profiling` and `plotting` load on first use (matplotlib is slow to import).
