@@ -19,6 +19,15 @@ read that a GPU step leaves unread (lengths, page ids, slots).
 
     COURSE_DEVICE=cpu python3 scripts/serving_probe.py --host [--repeats 5] [--lengths 160 16384 32768]
 
+With --step, on a CPU too: one serving step of the same 8-layer model (the bench's TTFT prefill of a 16k prompt, 90 %
+cached and not, and a decode step of 8 sequences) under `course_lib.perf.syncs.watch`: where a GPU run of it would
+wait for the GPU (values read, sizes set by values, blocking copies to the GPU), its copies to the GPU, its PyTorch
+and Triton launches, in the whole step and in the model's step (`forward_step`), then its CPU time with the
+launches as no-ops, median of --repeats (the decode step: of as many consecutive steps). --dtype bfloat16 counts the
+launches a bf16 model makes (its dtype casts); --backend course_lib the fused RMSNorm and RoPE kernels.
+
+    COURSE_DEVICE=cpu python3 scripts/serving_probe.py --step [--lengths 16384] [--backend sdpa] [--sites]
+
 With --prefix-gap: the ladder of `prefix_gap.py`, from the split kernel alone on the prefix (the probe of
 `decode.heuristics.MANY_ROWS`, 93.8 us) to the cascade's prefix pass (121.2 us), one difference a rung, each a
 graph replay; --quick at tiny sizes (on a CPU: the rungs run and are checked, not timed).
@@ -122,12 +131,12 @@ def slots_unread():
     """Within the block, `PagedKVCache.write` reads no slots (a GPU step's slots are on the GPU: never read)."""
     from course_lib.decode.cache import PagedKVCache
 
-    saved = PagedKVCache._check_slots
-    PagedKVCache._check_slots = lambda self, slots: None
+    saved = PagedKVCache.check_slots
+    PagedKVCache.check_slots = lambda self, slots: None
     try:
         yield
     finally:
-        PagedKVCache._check_slots = saved
+        PagedKVCache.check_slots = saved
 
 
 def host_model(positions: int):
@@ -164,25 +173,128 @@ def ttft_host_table(lengths, repeats: int) -> None:
     )
 
 
+def _first_token_batcher(model, prompt, cached: bool, page: int = 16):
+    """`bench.serving.ttft`'s batcher, the prompt submitted: cached, an earlier request left its first 90 % cached."""
+    n = len(prompt)
+    n_cached = int(n * 0.9) // page * page
+    b = PrefixCachingBatcher(model, -(-(2 * n + 2) // page) + 4, page, max_batch=2, max_step_tokens=n + 1)
+    if cached:
+        b.submit(prompt[:n_cached] + [(t + 1) % model.config.vocab_size for t in prompt[n_cached:]], 1)
+        b.run()
+    b.submit(prompt, 2)
+    return b
+
+
+def _decode_batcher(model, batch: int, gen):
+    """A ContinuousBatcher whose `batch` requests (prompts of 200-270 tokens) are all decoding."""
+    from course_lib.decode.batching import ContinuousBatcher
+
+    b = ContinuousBatcher(model, batch * 24, 16, max_batch=batch, max_step_tokens=4096)
+    for i in range(batch):
+        b.submit(torch.randint(0, model.config.vocab_size, (200 + 10 * i,), generator=gen).tolist(), 100)
+    while any(r.num_tokens - r.computed > 1 for r in b.running + b.waiting):
+        b.step()
+    return b
+
+
+def _timed_step(batcher) -> tuple[float, float]:
+    """(CPU ms of `batcher.step()`, of the model's step within it)."""
+    model, spent = batcher.model, [0.0]
+    forward = model.forward_step
+
+    def timed(*args):
+        t0 = time.process_time()
+        out = forward(*args)
+        spent[0] += time.process_time() - t0
+        return out
+
+    model.forward_step = timed
+    try:
+        t0 = time.process_time()
+        batcher.step()
+        return 1e3 * (time.process_time() - t0), 1e3 * spent[0]
+    finally:
+        del model.forward_step
+
+
+def step_table(lengths, batch: int, repeats: int, backend: str, dtype: str, sites: bool) -> None:
+    """The --step table (module docstring)."""
+    import statistics
+
+    from host_time import no_launch
+
+    from course_lib.perf.syncs import on_gpu_branches, watch
+
+    torch.set_num_threads(1)
+    model = host_model(max(*lengths, 400) + 64).to(getattr(torch, dtype))  # the decode step: 370 positions
+    model.backend = backend
+    gen = torch.Generator().manual_seed(1)
+    cases = {}
+    for n in lengths:
+        prompt = torch.randint(0, model.config.vocab_size, (n,), generator=gen).tolist()
+        for cached in (False, True):
+            cases[f"prefill {n} {'90 % cached' if cached else 'uncached'}"] = (
+                lambda prompt=prompt, cached=cached: _first_token_batcher(model, prompt, cached), 1
+            )
+    cases[f"decode B = {batch}"] = (lambda: _decode_batcher(model, batch, gen), repeats)
+    print(
+        f"one serving step, {model.config.n_layers} layers of width {model.config.dim}, {dtype}, backend {backend}: "
+        "syncs and launches a GPU run would make (step / within the model's step), CPU ms with no-op launches "
+        f"(median of {repeats})"
+    )
+    print("| step | syncs | copies to the GPU | PyTorch launches | Triton launches | CPU ms step | CPU ms model |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    with no_launch(), on_gpu_branches(), slots_unread():
+        for name, (make, steps) in cases.items():
+            batcher = make()
+            if steps == 1:  # a first step of this shape before (plans kept, as after the bench's warm-up)
+                batcher.step()
+                batcher = make()
+            with watch(depth=10, launches=False) as seen:
+                batcher.step()
+            inner = seen.within("forward_step")
+            times = []
+            for _ in range(repeats if steps == 1 else 1):
+                b = make() if steps == 1 else batcher
+                times += [_timed_step(b) for _ in range(steps)]
+            step_ms = statistics.median(t[0] for t in times)
+            model_ms = statistics.median(t[1] for t in times)
+            print(
+                f"| {name} | {seen.num_syncs} / {inner.num_syncs} | {seen.num_copies} / {inner.num_copies} "
+                f"| {seen.num_ops} / {inner.num_ops} | {seen.num_kernels} | {step_ms:.2f} | {model_ms:.2f} |"
+            )
+            if sites:
+                print(seen.table(top=40))
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument(
         "--host", action="store_true", help="the host time of a first token by part, on a CPU"
     )
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--lengths", type=int, nargs="+", default=[160, 16384, 32768])
+    parser.add_argument(
+        "--lengths", type=int, nargs="+", default=None, help="prompts (--host: 160 16384 32768; --step: 16384)"
+    )
     parser.add_argument(
         "--prefix-gap", action="store_true", help="the ladder from the probe's prefix pass to the cascade's"
     )
     parser.add_argument("--quick", action="store_true", help="with --prefix-gap: tiny sizes (a CPU smoke test)")
     parser.add_argument("--passes", type=int, default=3, help="with --prefix-gap: interleaved timing passes")
+    parser.add_argument("--step", action="store_true", help="one serving step's syncs, launches and CPU time")
+    parser.add_argument("--batch", type=int, default=8, help="with --step: the decode step's sequences")
+    parser.add_argument("--backend", default="sdpa", help="with --step: the model's backend")
+    parser.add_argument("--dtype", default="bfloat16", help="with --step: the model's dtype")
+    parser.add_argument("--sites", action="store_true", help="with --step: every sync, copy and launch by site")
     args = parser.parse_args()
-    if args.prefix_gap:
+    if args.step:
+        step_table(args.lengths or [16384], args.batch, args.repeats, args.backend, args.dtype, args.sites)
+    elif args.prefix_gap:
         from prefix_gap import prefix_gap
 
         prefix_gap(args.quick, args.passes)
     elif args.host:
-        ttft_host_table(args.lengths, args.repeats)
+        ttft_host_table(args.lengths or [160, 16384, 32768], args.repeats)
     else:
         prefix_pass_rows()
         cascade_pieces()

@@ -15,7 +15,7 @@ from course_lib.checks import token_ids, token_ids_array
 from course_lib.decode.batching import ContinuousBatcher, Request
 from course_lib.decode.cache import PagedKVCache
 from course_lib.decode.graphs import table_width
-from course_lib.decode.paged_kv import PagedKV
+from course_lib.decode.paged_kv import PagedKV, to_device
 from course_lib.decode.toy_model import ToyModel
 
 DEV = course_lib.DEVICE
@@ -113,6 +113,34 @@ def test_a_step_without_padding_rows_attends_as_the_padded_layout(transposed):
     got = kv.attend(0, q, k, v)
     kv.padded = True
     assert torch.equal(got, kv.attend(0, q, k, v))
+
+
+def test_a_steps_host_arrays_reach_the_device_in_one_buffer():
+    """`to_device`: each array's values, dtype and shape, read-only and empty ones too, every tensor a view of one
+    buffer at a 16-byte boundary; `PagedKV.for_step` through it builds what the cache's own tensors hold."""
+    prompt = np.arange(7, dtype=np.int64)
+    prompt.flags.writeable = False
+    arrays = [
+        prompt[2:5],
+        np.arange(6, dtype=np.int32).reshape(2, 3),
+        np.zeros(0, np.int64),
+        np.array([-1, 2**40]),
+    ]
+    got = to_device(arrays, DEV)
+    for a, t in zip(arrays, got):
+        assert t.device.type == torch.device(DEV).type and t.shape == a.shape
+        assert t.cpu().numpy().dtype == a.dtype and t.cpu().tolist() == a.tolist()
+    storage = {t.untyped_storage().data_ptr() for t in got}
+    assert len(storage) == 1 and all(t.data_ptr() % 16 == 0 for t in got)
+    cache = PagedKVCache(1, 8, 4, 1, 16, torch.float32, DEV)
+    for seq in (0, 1):
+        cache.add_sequence(seq)
+    slots = torch.cat([cache.append(0, 5), cache.append(1, 2)])
+    kv = PagedKV.for_step(cache, [0, 1], [5, 2], slots)
+    assert torch.equal(kv.block_table, cache.block_table([0, 1])) and torch.equal(
+        kv.cache_seqlens, cache.seqlens([0, 1])
+    )
+    assert kv.slots.cpu().tolist() == slots.tolist() and kv.rows.cpu().tolist() == [0, 1, 2, 3, 4, 8, 9]
 
 
 @pytest.mark.gpu

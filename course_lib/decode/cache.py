@@ -315,10 +315,14 @@ class PagedKVCache:
             v_pool[index] = swapped.v[layer].to(self.device, non_blocking=gpu)
         self.seqs[seq_id] = SequencePages(pages, swapped.length)
 
-    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    def write(
+        self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, validate: bool = True
+    ) -> None:
         """Store k, v (T, Hkv, d) of T new tokens at `slots` (T,) of layer `layer`. Slots on the CPU (as
-        `append` returns them) are checked to lie in pages that a sequence holds; slots already on a GPU
-        are not (reading them would sync, and a step replayed as a CUDA graph writes through here)."""
+        `append` returns them) are checked to lie in pages that a sequence holds (`check_slots`); slots already on
+        a GPU are not (reading them would sync, and a step replayed as a CUDA graph writes through here).
+        validate=False skips that check: a step's view whose slots were checked once for every layer
+        (`paged_kv.PagedKV`)."""
         layer = check_int("PagedKVCache.write", "layer", layer, 0)
         if layer >= len(self.k_pages):
             raise ValueError(
@@ -338,13 +342,14 @@ class PagedKVCache:
                     f"PagedKVCache.write: {name} must have shape (T, Hkv, d) = {expected} for {slots.shape[0]} "
                     f"slots; got {tuple(getattr(x, 'shape', ())) or type(x).__name__}"
                 )
-        if slots.device.type == "cpu":
-            self._check_slots(slots)
+        if validate and slots.device.type == "cpu":
+            self.check_slots(slots)
         for pool, x in ((self.k_pages[layer], k), (self.v_pages[layer], v)):
             pool.view(-1, *pool.shape[2:])[slots.to(pool.device)] = x.to(pool.dtype)
 
-    def _check_slots(self, slots: torch.Tensor) -> None:
-        """Every slot in [0, num_pages x page_size), in a page some sequence holds (a ValueError otherwise)."""
+    def check_slots(self, slots: torch.Tensor) -> None:
+        """Every slot of `slots` (a CPU tensor) in [0, num_pages x page_size), in a page some sequence holds (a
+        ValueError otherwise)."""
         total, ids = self.allocator.num_pages * self.page_size, slots.tolist()
         bad = [i for i in ids if not 0 <= i < total]
         if bad:
@@ -362,6 +367,11 @@ class PagedKVCache:
     def block_table(self, seq_ids, max_pages: int | None = None, device=None) -> torch.Tensor:
         """(B, max_pages) int32 block table of the sequences (unused entries 0; max_pages defaults to the
         longest row), on `device` (default: the pools' device)."""
+        table = self.block_table_array(seq_ids, max_pages)
+        return torch.from_numpy(table).to(self.device if device is None else device)
+
+    def block_table_array(self, seq_ids, max_pages: int | None = None) -> np.ndarray:
+        """`block_table` as a NumPy array on the host (what `paged_kv.to_device` copies with a step's other arrays)."""
         where = "PagedKVCache.block_table"
         rows = [self._seq(i, where).pages for i in seq_ids]
         if max_pages is None:
@@ -377,9 +387,12 @@ class PagedKVCache:
         table = np.zeros((len(rows), width), dtype=np.int32)
         for b, r in enumerate(rows):
             table[b, : len(r)] = r
-        return torch.from_numpy(table).to(self.device if device is None else device)
+        return table
 
     def seqlens(self, seq_ids, device=None) -> torch.Tensor:
         """(B,) int32 lengths of the sequences, on `device` (default: the pools' device)."""
-        lens = [self._seq(i, "PagedKVCache.seqlens").length for i in seq_ids]
-        return torch.tensor(lens, dtype=torch.int32).to(self.device if device is None else device)
+        return torch.from_numpy(self.seqlens_array(seq_ids)).to(self.device if device is None else device)
+
+    def seqlens_array(self, seq_ids) -> np.ndarray:
+        """`seqlens` as a NumPy array on the host."""
+        return np.asarray([self._seq(i, "PagedKVCache.seqlens").length for i in seq_ids], dtype=np.int32)

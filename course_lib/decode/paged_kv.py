@@ -39,12 +39,14 @@ class PagedKV:
         # and three passes over q and o)
         self.padded = rows.shape[0] != self.batch * tq
 
-    @classmethod
-    def for_step(
-        cls, cache: PagedKVCache, seq_ids: list[int], new_lens: list[int], slots: torch.Tensor
-    ) -> PagedKV:
-        """The view of a step that feeds new_lens[i] tokens of sequence seq_ids[i], whose K/V go to `slots`."""
-        device = cache.device
+    @staticmethod
+    def step_arrays(
+        cache: PagedKVCache, seq_ids: list[int], new_lens: list[int], slots: torch.Tensor
+    ) -> tuple[list[np.ndarray], int]:
+        """The host arrays of a step that feeds new_lens[i] tokens of sequence seq_ids[i], whose K/V go to `slots`
+        (a CPU tensor, as `PagedKVCache.append` gives): [block_table, cache_seqlens, slots, rows] in NumPy (the
+        class docstring's dtypes), and Tq; `to_device` takes them to the GPU in one copy. Slots are checked here
+        once a step where the pools are on the CPU (`attend` writes without checking them again)."""
         tq = max(new_lens)
         # token -> padded row: sequence b's n tokens go to rows b * tq + tq - n ... b * tq + tq - 1 (left-padded).
         # In NumPy, one pass: a 32k-token prefill's rows took 4.5 ms as a Python list, 65 us here (a 2-core CPU;
@@ -52,12 +54,23 @@ class PagedKV:
         lens = np.asarray(new_lens, dtype=np.int64)
         ends = np.cumsum(lens)
         rows = np.repeat(np.arange(len(lens)) * tq + tq - ends, lens) + np.arange(ends[-1])
-        rows = torch.from_numpy(rows).to(device)
-        return cls(cache, cache.block_table(seq_ids), cache.seqlens(seq_ids), slots.to(device), rows, tq)
+        if cache.device.type == "cpu":  # on a GPU the slots were never read (it would sync every layer)
+            cache.check_slots(slots)
+        arrays = [cache.block_table_array(seq_ids), cache.seqlens_array(seq_ids), slots.numpy(), rows]
+        return arrays, tq
+
+    @classmethod
+    def for_step(
+        cls, cache: PagedKVCache, seq_ids: list[int], new_lens: list[int], slots: torch.Tensor
+    ) -> PagedKV:
+        """The view of a step that feeds new_lens[i] tokens of sequence seq_ids[i], whose K/V go to `slots`: its
+        `step_arrays` on the pools' device in one copy."""
+        arrays, tq = cls.step_arrays(cache, seq_ids, new_lens, slots)
+        return cls(cache, *to_device(arrays, cache.device), tq)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Write k, v (T, Hkv, d) into layer `layer`'s pages, then attend: q (T, Hq, d) -> o (T, Hq, d)."""
-        self.cache.write(layer, self.slots, k, v)
+        self.cache.write(layer, self.slots, k, v, validate=False)  # checked once a step (`step_arrays`)
         if self.padded:
             rows = q.new_zeros(self.batch * self.tq, *q.shape[1:])
             rows[self.rows] = q
@@ -74,3 +87,31 @@ class PagedKV:
         )
         o = o.view(self.batch * self.tq, *q.shape[1:])
         return o[self.rows] if self.padded else o
+
+
+def to_device(arrays, device) -> list[torch.Tensor]:
+    """NumPy arrays (any shapes, int64 or int32; what a step's host bookkeeping makes) as tensors on `device`, with
+    their dtypes: on a GPU through one pinned host buffer and one copy that does not wait, each tensor a view of the
+    copy. Copying each array with `.to(device)` waits for the GPU to finish its queued work every time (PyTorch's
+    blocking copy from host memory ends in `cudaStreamSynchronize`): a serving step made 7 of those. On the CPU the
+    tensors are views of one buffer too (the arrays are copied once: they may be read-only views of a prompt)."""
+    device = torch.device(device)
+    arrays = [np.ascontiguousarray(a) for a in arrays]
+    starts, nbytes = [], 0
+    for a in arrays:
+        starts.append(nbytes)
+        # each array at a multiple of 16 bytes, as a tensor of its own would be: a kernel specialises on a pointer's
+        # 16-byte alignment, and a plan's key holds it (`kernels.plans.tensor_key`)
+        nbytes += -(-a.nbytes // 16) * 16
+    host = torch.empty(max(nbytes, 16), dtype=torch.uint8, pin_memory=device.type == "cuda")
+    buffer = host.numpy()
+    for a, start in zip(arrays, starts):
+        buffer[start : start + a.nbytes] = a.view(np.uint8).ravel()
+    moved = host.to(device, non_blocking=True)
+    return [
+        moved[start : start + a.nbytes].view(_DTYPES[a.dtype]).view(a.shape)
+        for a, start in zip(arrays, starts)
+    ]
+
+
+_DTYPES = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32}

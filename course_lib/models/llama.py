@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..checks import check_eps, check_int, check_real, check_token_ids, shape_and_dtype
+from ..checks import check_eps, check_int, check_real, check_token_ids, shape_and_dtype, should_validate
 
 BACKENDS = ("course_lib", "sdpa", "eager")
 
@@ -220,10 +220,10 @@ class Attention(nn.Module):
         return attention_torch(q, k, v, True, backend)
 
     def step(self, x, positions, cos, sin, kv, layer: int):
-        """One serving step over T new tokens of several sequences: x (T, dim), positions (T,) int64,
-        cos/sin the (max_seq_len, d) tables; `kv` is the step's `course_lib.decode.paged_kv.PagedKV`,
-        which writes K/V into the paged cache and runs the paged split-KV decode kernel (notebook 10).
-        Returns (T, dim)."""
+        """One serving step over T new tokens of several sequences: x (T, dim), positions (T,) int64 with cos/sin the
+        (max_seq_len, d) tables, or positions None with cos/sin the (T, d) rows of the tokens' positions, looked up
+        once a step (`Llama.forward_step`); `kv` is the step's `course_lib.decode.paged_kv.PagedKV`, which writes
+        K/V into the paged cache and runs the paged split-KV decode kernel (notebook 10). Returns (T, dim)."""
         t, c = x.shape[0], self.c
         q = self.wq(x).view(t, c.n_heads, c.head_dim)
         k = self.wk(x).view(t, c.n_kv_heads, c.head_dim)
@@ -232,7 +232,9 @@ class Attention(nn.Module):
             q, k = _course_lib_kernels()[2](q.transpose(0, 1), k.transpose(0, 1), cos, sin, positions)
             q, k = q.transpose(0, 1), k.transpose(0, 1)
         else:
-            q, k = rope_torch(q, k, cos[positions][:, None, :], sin[positions][:, None, :])
+            if positions is not None:
+                cos, sin = cos[positions], sin[positions]
+            q, k = rope_torch(q, k, cos[:, None, :], sin[:, None, :])
         return self.wo(kv.attend(layer, q, k, v).reshape(t, -1))
 
     def forward(self, x, cos, sin, cache=None, layer=0, start_pos=0):
@@ -386,11 +388,25 @@ class Llama(nn.Module):
     @torch.no_grad()
     def forward_step(self, token_ids, positions, kv):
         """One continuous-batching step: token_ids and positions (T,) int64 (the new tokens of every
-        running sequence, one sequence after another), kv a `PagedKV`. Returns logits (T, vocab), fp32."""
+        running sequence, one sequence after another), kv a `PagedKV`. Returns logits (T, vocab), fp32.
+
+        The RoPE rows of the positions are looked up once for every layer: looked up in each, the PyTorch path
+        launched 2 gathers a layer, and the fused kernel checked the positions in every layer (on a GPU a sync
+        each, waiting for the layers before). Positions outside 0..max_seq_len - 1 raise here where they are on
+        the CPU (`should_validate`); on a GPU the lookup's device-side assert catches those past the end, as the
+        embedding does token ids (reading them would sync every step)."""
         x = self.tok_embeddings(token_ids)
-        cos, sin = self.rope_cos.to(x.dtype), self.rope_sin.to(x.dtype)
+        n = self.rope_cos.shape[0]
+        if should_validate(False, positions.device) and positions.numel():  # the CPU: reading them is free
+            low, high = torch.stack(torch.aminmax(positions)).tolist()
+            if low < 0 or high >= n:
+                raise ValueError(
+                    f"Llama.forward_step: positions run from {low} to {high}, but the model has positions 0..{n - 1} "
+                    "(max_seq_len)"
+                )
+        cos, sin = self.rope_cos[positions].to(x.dtype), self.rope_sin[positions].to(x.dtype)
         for i, layer in enumerate(self.layers):
-            h = x + layer.attention.step(layer.attention_norm(x), positions, cos, sin, kv, i)
+            h = x + layer.attention.step(layer.attention_norm(x), None, cos, sin, kv, i)
             x = h + layer.feed_forward(layer.ffn_norm(h))
         return self.output(self.norm(x)).float()
 

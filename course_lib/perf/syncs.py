@@ -28,7 +28,8 @@ the host. A tensor made before the block is on the GPU unless it is listed in `h
 
 Only the branches a CPU run takes are seen: code that asks `t.is_cuda` or `device.type` takes its CPU branch
 here. `on_gpu_branches()` makes `checks.should_validate` answer as on a GPU (`validate`, instead of always
-True), so a call with validate=True shows its syncs and one with validate=False none.
+True), so a call with validate=True shows its syncs and one with validate=False none; a check that reads values
+only where that is free asks `should_validate(False, device)`, and is seen as a GPU skips it.
 
     with watch() as seen:
         model.forward_step(tokens, positions, kv)

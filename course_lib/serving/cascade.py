@@ -31,12 +31,14 @@ import contextlib
 import functools
 import math
 
+import numpy as np
 import torch
 
-from ..checks import check_block_table, check_cache_seqlens, check_int, check_tensor
+from ..checks import check_block_table, check_cache_seqlens, check_int, check_tensor, should_validate
 from ..decode import paged_decode_attention
 from ..decode.combine import combine
 from ..decode.paged import paged_plan
+from ..decode.paged_kv import to_device
 from ..decode.split_kv import write_partials
 from ..pdl import enabled as pdl_enabled
 
@@ -75,7 +77,7 @@ def _check(q, k_pages, prefix_pages, prefix_len, block_table, suffix_lens, where
             f"({prefix_pages.numel()} prefix pages of {page_size} tokens)"
         )
     check_cache_seqlens(where, suffix_lens, q.shape[0], None, name="suffix_lens")
-    if suffix_lens.device.type == "cpu" and bool((suffix_lens < q.shape[1]).any()):
+    if should_validate(False, suffix_lens.device) and bool((suffix_lens < q.shape[1]).any()):  # the CPU: free
         raise ValueError(
             f"{where}: every suffix must hold at least the Tq = {q.shape[1]} query tokens (they are its last "
             f"tokens), got suffix_lens {suffix_lens.tolist()}"
@@ -216,40 +218,44 @@ def shared_prefix(cache, seq_ids) -> tuple[list[int], list[int]]:
     return members, rows[0][:n]
 
 
-def _table(rows: list[list[int]], device) -> torch.Tensor:
-    width = max([len(r) for r in rows] + [1])
-    table = torch.zeros(len(rows), width, dtype=torch.int32)
+def _table(rows: list[list[int]]) -> np.ndarray:
+    table = np.zeros((len(rows), max([len(r) for r in rows] + [1])), dtype=np.int32)
     for b, r in enumerate(rows):
-        table[b, : len(r)] = torch.tensor(r, dtype=torch.int32)
-    return table.to(device)
+        table[b, : len(r)] = r
+    return table
 
 
 class CascadeKV:
     """A decode step's view of the paged cache (the `attend` of `decode.paged_kv.PagedKV`) in which the sequences
     `members` (indices into seq_ids) share the pages `prefix_pages` and take `cascade_decode_attention`; the
-    others take the paged kernel. One new token per sequence; its K/V go to `slots` (B,)."""
+    others take the paged kernel. One new token per sequence; its K/V go to `slots` (B,), on the host as the
+    batcher gives them. Its tensors reach the GPU in one copy that does not wait (`decode.paged_kv.to_device`;
+    one by one, 8 copies that each waited for the GPU)."""
 
     def __init__(self, cache, seq_ids: list[int], members: list[int], prefix_pages: list[int], slots):
-        device, size = cache.device, cache.page_size
+        size = cache.page_size
         self.cache, self.batch = cache, len(seq_ids)
-        self.slots = slots.to(device)
-        self.prefix_pages = torch.tensor(prefix_pages, dtype=torch.int32, device=device)
         self.prefix_len = len(prefix_pages) * size
         seqs = [cache.seqs[seq_ids[b]] for b in members]
-        self.suffix_table = _table([s.pages[len(prefix_pages) :] for s in seqs], device)
-        suffix_lens = [s.length - self.prefix_len for s in seqs]
-        self.suffix_lens = torch.tensor(suffix_lens, dtype=torch.int32).to(device)
+        suffix_table = _table([s.pages[len(prefix_pages) :] for s in seqs])
+        suffix_lens = np.asarray([s.length - self.prefix_len for s in seqs], dtype=np.int32)
+        arrays = [slots.numpy(), np.asarray(prefix_pages, dtype=np.int32), suffix_table, suffix_lens]
         rest = sorted(set(range(self.batch)) - set(members))
-        self.members = self.rest = None
         if rest:  # part of the batch: cascade rows and paged rows gathered, then put back in place
-            self.members = torch.tensor(members, dtype=torch.int64, device=device)
-            self.rest = torch.tensor(rest, dtype=torch.int64, device=device)
-            self.rest_table = cache.block_table([seq_ids[b] for b in rest])
-            self.rest_lens = cache.seqlens([seq_ids[b] for b in rest])
+            others = [seq_ids[b] for b in rest]
+            arrays += [np.asarray(members, dtype=np.int64), np.asarray(rest, dtype=np.int64)]
+            arrays += [cache.block_table_array(others), cache.seqlens_array(others)]
+        if cache.device.type == "cpu":  # once for every layer, as `PagedKV` (on a GPU never read)
+            cache.check_slots(slots)
+        tensors = to_device(arrays, cache.device)
+        self.slots, self.prefix_pages, self.suffix_table, self.suffix_lens = tensors[:4]
+        self.members = self.rest = None
+        if rest:
+            self.members, self.rest, self.rest_table, self.rest_lens = tensors[4:]
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Write k, v (B, Hkv, d) into layer `layer`'s pages, then attend: q (B, Hq, d) -> o (B, Hq, d)."""
-        self.cache.write(layer, self.slots, k, v)
+        self.cache.write(layer, self.slots, k, v, validate=False)  # checked once a step (`__init__`)
         k_pages, v_pages = self.cache.k_pages[layer], self.cache.v_pages[layer]
         shared = q if self.members is None else q[self.members]
         o_shared = cascade_decode_attention(
