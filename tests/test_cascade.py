@@ -113,7 +113,9 @@ def test_both_passes_write_one_partial_buffer_and_one_combine_merges_it(
     torch.testing.assert_close(out.cpu().double(), cascade_reference(*args), rtol=tol, atol=tol)
 
 
-@pytest.mark.skipif(DEV.type == "cuda", reason="the CPU's SM count is set to 2 here, to make this grid two waves")
+@pytest.mark.skipif(
+    DEV.type == "cuda", reason="the CPU's SM count is set to 2 here, to make this grid two waves"
+)
 def test_the_prefix_pass_reads_its_table_row_in_any_waves_and_decoding_keeps_its_rule(monkeypatch):
     """The prefix pass, on its 128-row tile, reads its block-table row whole (TABLE_ROW > 0) in a grid of
     more than one wave (`cascade_passes`: 121.7 -> 114.5 us on an H200), and still matches float64
