@@ -367,9 +367,10 @@ def on_gpu_branches():
     from .. import checks
 
     original = checks.should_validate
-    patched = [
-        module for module in list(sys.modules.values())
-        if getattr(module, "should_validate", None) is original
+    patched = [  # course_lib's modules only: another package's lazy attributes import on access (transformers')
+        module for name, module in list(sys.modules.items())
+        if (name == "course_lib" or name.startswith("course_lib.")) and module is not None
+        and getattr(module, "should_validate", None) is original
     ]  # fmt: skip
     for module in patched:
         module.should_validate = lambda validate, device: bool(validate)
