@@ -70,6 +70,7 @@ from ..kernels.blocks import (
     window_q_range,
 )
 from ..kernels.launch import Launch, PerDevice, keyword
+from ..kernels.plans import on_current_device
 from ..kernels.softmax import LOG2E
 from ..runtime import tl, triton
 from .configs import DKDV, DQ, PREPROCESS, split_config, teaching_hooks
@@ -82,7 +83,6 @@ from .launch import (
     launch,
     make_tuner,
     n_bucket,
-    on_current_device,
     wait_compiled,
 )
 

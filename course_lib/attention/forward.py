@@ -57,12 +57,13 @@ from ..kernels.blocks import (
     visible_keys,
     window_kv_range,
 )
+from ..kernels.plans import on_current_device
 from ..kernels.softmax import LOG2E, logsumexp, softmax_step
 from ..runtime import tl, triton
 from . import plans
 from .configs import FORWARD, split_config, teaching_hooks
 from .inputs import SUPPORTED_HEAD_DIMS, as_4d, check_call, kernel_flags, strides4, within_offsets
-from .launch import cuda_device, launch, make_tuner, n_bucket, on_current_device
+from .launch import cuda_device, launch, make_tuner, n_bucket
 
 runtime.require_triton()
 

@@ -61,11 +61,6 @@ def cuda_device(t: torch.Tensor):
 _NO_DEVICE = contextlib.nullcontext()  # reusable: it holds no state
 
 
-def on_current_device(t: torch.Tensor) -> bool:
-    """Whether t needs no change of the current GPU to be launched on (a CPU tensor: yes)."""
-    return not t.is_cuda or t.device.index == torch.cuda.current_device()
-
-
 # --------------------------------------------------------------------------------------------------
 # The GPU's record of autotuned choices
 # --------------------------------------------------------------------------------------------------

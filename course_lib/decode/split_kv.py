@@ -409,7 +409,7 @@ def launch(
         write_partials(run, q, k, v, block_table, cache_seqlens, o_part, l_part, scale, pdl=use_pdl)
         if num_splits > 1:
             combine(o_part, l_part, out, lse, pdl=use_pdl)
-    launches = recorded.prepared() if recorded is not None and on_current_device(q) else None
+    launches = recorded.prepared() if recorded is not None and plans.on_current_device(q) else None
     if launches:
         plans.store(PLANS, key, CallPlan(launches, out, lse, o_part, l_part, num_splits))
     return out, lse
@@ -442,11 +442,6 @@ class CallPlan:
         for launch_ in self.launches:
             launch_(tensors)
         return out, lse
-
-
-def on_current_device(t: torch.Tensor) -> bool:
-    """Whether t needs no change of the current GPU to be launched on (a CPU tensor: yes)."""
-    return not t.is_cuda or t.device.index == torch.cuda.current_device()
 
 
 # kinds of calls `check_decode` accepted: 5.3 us of host time a call checked in full, 3.0 seen before (a 2-core CPU)

@@ -50,6 +50,12 @@ def current_gpu() -> int:
     return get() if get is not None else torch.cuda.current_device()
 
 
+def on_current_device(t: torch.Tensor) -> bool:
+    """Whether t needs no change of the current GPU to be launched on (a CPU tensor: yes): a plan records
+    launches made on the current GPU, so a call that switches devices for its launch keeps the full path."""
+    return not t.is_cuda or t.device.index == torch.cuda.current_device()
+
+
 def tensor_key(t) -> tuple | None:
     """What a launch's decisions may read of a tensor: shape, strides, dtype, device and whether its address
     is a multiple of 16 bytes (what a compiled kernel specialises on); None for None."""
