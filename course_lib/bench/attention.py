@@ -105,7 +105,7 @@ def main(quick: bool = False, out: str | Path = records.ASSETS) -> int:
     if runtime.ON_GPU:
         from . import host_time
 
-        part("host_time", lambda: host_time.measure(quick))
+        part("host_time", lambda: host_time.measure(quick, fresh=True))
     part("hardware", lambda: _hardware_record(quick))
     part("standard_attention", lambda: _standard_attention_record(quick))
     try:
