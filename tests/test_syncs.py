@@ -9,12 +9,20 @@ import numpy as np
 import pytest
 import torch
 
+from course_lib import ON_GPU
 from course_lib.decode import paged_decode_attention
 from course_lib.decode.batching import ContinuousBatcher
 from course_lib.models.llama import Llama, LlamaConfig
 from course_lib.perf.syncs import on_gpu_branches, watch
 from course_lib.serving.cascade import CascadeChoice
 from course_lib.serving.prefix_cache import PrefixCachingBatcher
+
+# `watch` reads a CPU run as a GPU would take it: the tests marked so run course_lib's kernels and model on the CPU,
+# which the Triton kernels refuse once they are compiled for a GPU (COURSE_DEVICE=cuda); there, run the block on
+# the GPU and profile it.
+kernels_on_the_cpu = pytest.mark.skipif(
+    ON_GPU, reason="runs course_lib's kernels on the CPU (the interpreter)"
+)
 
 
 def test_values_read_from_gpu_tensors_are_syncs_and_host_reads_are_not():
@@ -80,6 +88,7 @@ def test_launches_are_counted_views_are_not_and_mixed_tensors_are_named():
     assert seen.by("mixed", 0) == Counter({"add": 1})
 
 
+@kernels_on_the_cpu
 def test_triton_launches_are_counted_and_the_validate_switch_reads_as_on_a_gpu():
     """A paged decoding call: its kernels counted (not run); under `on_gpu_branches` validate=True reads the
     lengths and page ids (syncs on a GPU), validate=False reads nothing."""
@@ -106,6 +115,7 @@ def _llama(backend: str) -> Llama:
     return Llama(config, backend).eval()
 
 
+@kernels_on_the_cpu
 @pytest.mark.parametrize("backend", ["sdpa", "course_lib"])
 def test_a_serving_step_waits_once_for_its_tokens(backend):
     """A prefill step and a decode step of the continuous batcher, as a GPU would run them: one copy of the step's
@@ -130,6 +140,7 @@ def test_a_serving_step_waits_once_for_its_tokens(backend):
             assert gathers == Counter({"forward_step": 2}), (step, seen.table())
 
 
+@kernels_on_the_cpu
 def test_forward_step_refuses_positions_past_the_model_on_the_cpu():
     model = _llama("sdpa")
     batcher = ContinuousBatcher(model, num_pages=8, page_size=4)
@@ -144,6 +155,7 @@ def test_forward_step_refuses_positions_past_the_model_on_the_cpu():
         model.forward_step(torch.tensor([1, 2]), torch.tensor([95, 96]), kv)
 
 
+@kernels_on_the_cpu
 def test_a_cascade_step_waits_once_too():
     """A decode step that takes cascade attention over a shared prefix (`serving.cascade.CascadeKV`): its view's
     tensors in one copy that does not wait, the step's token ids in another, one read of the new tokens."""
