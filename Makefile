@@ -34,7 +34,7 @@ help:
 	@echo "make doctor    report versions and device; fail on known-bad combinations"
 	@echo "make test      CPU: course_lib tests, and every notebook under nbval (the student edition, each answer checked)"
 	@echo "make test-gpu  CUDA GPU: the tests with compiled kernels and GPU sizes, then every notebook"
-	@echo "make bench     benchmark course_lib against PyTorch (BENCH=attention|decode|fused|train|serving|speculative for one); records to assets/benchmarks/"
+	@echo "make bench     benchmark course_lib against PyTorch (BENCH=attention|host_time|decode|fused|train|serving|speculative for one); records to assets/benchmarks/"
 	@echo "make bench-decode  the decoding benchmark alone (split-KV and paged vs SDPA)"
 	@echo "make lint      ruff, and notebooks in sync with their sources and free of outputs"
 	@echo "make notebooks regenerate notebooks/*.ipynb from their sources notebooks/*.py"
@@ -133,7 +133,7 @@ test-gpu:
 # so that later processes on that GPU launch the measured kernels without tuning. BENCH=decode (etc.) runs one.
 BENCH ?=
 bench:
-	@echo "==> make bench: course_lib vs PyTorch (attention, decode, fused, train, serving, speculative); records written to assets/benchmarks/"
+	@echo "==> make bench: course_lib vs PyTorch (attention, host_time, decode, fused, train, serving, speculative); records written to assets/benchmarks/"
 	COURSE_AUTOTUNE=1 COURSE_DEVICE=cuda $(PYTHON) -m course_lib bench $(BENCH)
 
 bench-decode:

@@ -369,10 +369,9 @@ if hw is not None:
 # once, `course_lib/kernels/bound.py`) is kept per key (shapes, strides, dtypes, devices, alignment, causal,
 # scale), so the call only allocates its outputs and launches. `make bench` also measures `torch.compile`
 # after every other provider, because after it had run, Python launches in that process were measured
-# slower (`notes/attention.md`); the host-time record is therefore measured in a fresh process, as an eager
-# caller runs, and keeps the bench process's figures beside it. What is left of the host's time per call
-# is one reason serving engines replay decoding steps as CUDA graphs: a replay issues every kernel of the
-# step from one CPU call.
+# slower (`notes/attention.md`); the host-time record (`make bench BENCH=host_time`) is therefore measured in
+# a fresh process, as an eager caller runs. What is left of the host's time per call is one reason serving
+# engines replay decoding steps as CUDA graphs: a replay issues every kernel of the step from one CPU call.
 
 # %%
 host_rec = records.load_record("host_time")
@@ -385,8 +384,6 @@ else:
     for row in host_rec["data"]["rows"]:
         print(f"  {row['call']:<18} course_lib {row['course_lib_us']:6.1f} us   SDPA {row['sdpa_us']:6.1f} us   "
               f"ratio {row['ratio']:.2f}")
-    for row in host_rec["data"].get("after_compile", []):
-        print(f"  after torch.compile ran in the same process, {row['call']}: ratio {row['ratio']:.2f}")
 
 # %% [markdown]
 # ## 2. Profiling: where does the time go?

@@ -8,8 +8,8 @@ Taught in notebook 08. One module per concern of the attention benchmark:
 - `ladder` ..... the optimisation ladder, predicted then measured
 - `plots` ...... figures of the records, written next to them as PNGs
 - `attention` .. the attention benchmark: `run(quick)` and `main(quick, out)` (grid, ladder, ceilings)
-- `registry` ... `main(names, quick, out)`: runs every benchmark module present (attention, decode,
-  fused, train, serving, speculative) or the ones named; each new benchmark is a module
+- `registry` ... `main(names, quick, out)`: runs every benchmark module present (attention, host_time,
+  decode, fused, train, serving, speculative) or the ones named; each new benchmark is a module
   `course_lib/bench/<name>.py` with `run(quick) -> dict` and `main(quick, out)`.
 The names below stay reachable as `course_lib.bench.<name>`, as before the split.
 """

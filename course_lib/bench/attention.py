@@ -102,10 +102,6 @@ def main(quick: bool = False, out: str | Path = records.ASSETS) -> int:
 
     part("attention", lambda: run_attention(quick))
     part("ladder", lambda: ladder(quick))
-    if runtime.ON_GPU:
-        from . import host_time
-
-        part("host_time", lambda: host_time.measure(quick, fresh=True))
     part("hardware", lambda: _hardware_record(quick))
     part("standard_attention", lambda: _standard_attention_record(quick))
     try:
@@ -120,10 +116,6 @@ def main(quick: bool = False, out: str | Path = records.ASSETS) -> int:
         print(format_report(data))
         if not runtime.ON_GPU:
             print("(CPU: interpreted kernels; these ratios only show that the benchmark runs)")
-        if "host_time" in saved:
-            from .host_time import format_table
-
-            print(format_table(json.loads(saved["host_time"].read_text())["data"]))
         spent = ", ".join(f"{p} {t:.0f} s" for p, t in data.get("seconds_per_provider", {}).items())
         print(f"time per provider (compilation and autotuning included): {spent}")
     print(

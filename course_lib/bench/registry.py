@@ -19,6 +19,7 @@ from .. import records, runtime
 # name -> what it measures; run in this order.
 BENCHMARKS = {
     "attention": "FlashAttention forward/backward vs SDPA and standard attention; the ladder; ceilings",
+    "host_time": "CPU time to issue a tiny attention call (forward, fwd+bwd, decode step) against SDPA's",
     "decode": "decoding one token against a KV cache: split-KV and paged, in GB/s of the read ceiling",
     "fused": "fused RMSNorm and RoPE kernels, in GB/s of the copy ceiling",
     "train": "a training step of the capstone model",
