@@ -3,8 +3,9 @@
 Each measurement runs in a fresh Python process whose Triton cache is an empty folder, so every kernel
 is compiled from scratch, as on a new machine. Times the first forward and the first backward of a
 shape, then the first forward+backward of a second shape in the same process (new shape class, kernels
-already compiled for the first), then of a model's shape (12 heads, 1000 tokens: counts that do not
-divide by 16, which `attention/specialise.py` keeps from costing a compile), and SDPA's first call.
+already compiled for the first), then of a model's head count (12: `attention/specialise.py` keeps it
+from costing a compile) and of a 1000-token prompt (a length is specialised on: it compiles), and SDPA's
+first call.
 
 The last row runs first what `make setup` runs on a GPU machine (`python -m course_lib.attention.precompile
 --setup`, timed apart as setup_precompile_s) into the same empty cache: the first call a learner meets
@@ -56,10 +57,12 @@ def one(shape, causal):
 
 fwd, bwd = one((4, 16, 4096, 128), True)
 fwd2, bwd2 = one((2, 16, 2048, 64), False)
-fwd3, bwd3 = one((1, 12, 1000, 128), True)  # a model's shape: 12 heads, a 1000-token prompt (neither divides by 16)
+fwd3, bwd3 = one((1, 12, 1024, 128), True)  # a model's head count: 12 (not a multiple of 16)
+fwd4, bwd4 = one((1, 12, 1000, 128), True)  # and a prompt of 1000 tokens (not a multiple of 16 either)
 print(json.dumps({"provider": provider, "import_course_lib_s": import_s, "pytorch_first_backward_s": first_backward,
                   "first_fwd_s": fwd, "first_bwd_s": bwd, "first_fwd_bwd_s": fwd + bwd,
-                  "second_shape_fwd_bwd_s": fwd2 + bwd2, "model_shape_fwd_bwd_s": fwd3 + bwd3}))
+                  "second_shape_fwd_bwd_s": fwd2 + bwd2, "heads_12_fwd_bwd_s": fwd3 + bwd3,
+                  "tokens_1000_fwd_bwd_s": fwd4 + bwd4}))
 """
 
 
