@@ -3,9 +3,9 @@
 Each measurement runs in a fresh Python process whose Triton cache is an empty folder, so every kernel
 is compiled from scratch, as on a new machine. Times the first forward and the first backward of a
 shape, then the first forward+backward of a second shape in the same process (new shape class, kernels
-already compiled for the first), then of a model's head count (12: `attention/specialise.py` keeps it
-from costing a compile) and of a 1000-token prompt (a length is specialised on: it compiles), and SDPA's
-first call.
+already compiled for the first), then of a model's head count (12) and of a 1000-token prompt (Triton
+compiles apart for integers that divide by 16 and those that do not: `make setup` covers 16 heads and
+power-of-two lengths), and SDPA's first call.
 
 The last row runs first what `make setup` runs on a GPU machine (`python -m course_lib.attention.precompile
 --setup`, timed apart as setup_precompile_s) into the same empty cache: the first call a learner meets

@@ -85,7 +85,6 @@ from .launch import (
     n_bucket,
     wait_compiled,
 )
-from .specialise import unspecialised
 
 DQ_MODES = ("two_kernel", "atomic")
 
@@ -107,7 +106,7 @@ def probabilities(s, lse2, qk_scale):
     return tl.math.exp2(s * qk_scale - lse2)
 
 
-@unspecialised(triton.jit)
+@triton.jit
 def _preprocess_kernel(
     O, DO, Dlt,
     stride_ob, stride_oh, stride_om, stride_od,
@@ -223,7 +222,7 @@ def _dkdv_inner(
     return dk, dv
 
 
-@unspecialised(triton.jit)
+@triton.jit
 def _dkdv_kernel(
     Q, K, V, DO, L, Dlt, DQ, DK, DV, SEQ, sm_scale,
     stride_qb, stride_qh, stride_qm, stride_qd,
@@ -369,7 +368,7 @@ def _dq_inner(
     return dq
 
 
-@unspecialised(triton.jit)
+@triton.jit
 def _dq_kernel(
     Q, K, V, O, DO, L, Dlt, DQ, SEQ, sm_scale,
     stride_qb, stride_qh, stride_qm, stride_qd,

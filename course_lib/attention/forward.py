@@ -64,7 +64,6 @@ from . import plans
 from .configs import FORWARD, split_config, teaching_hooks
 from .inputs import SUPPORTED_HEAD_DIMS, as_4d, check_call, kernel_flags, strides4, within_offsets
 from .launch import cuda_device, launch, make_tuner, n_bucket
-from .specialise import unspecialised
 
 runtime.require_triton()
 
@@ -170,7 +169,7 @@ def _fwd_inner(
     return acc, l_i, m_i
 
 
-@unspecialised(triton.jit)
+@triton.jit
 def _fwd_kernel(
     Q, K, V, O, L, SINKS, SEQ, sm_scale,
     stride_qb, stride_qh, stride_qm, stride_qd,

@@ -49,7 +49,6 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from ..kernels import bound
 from ..kernels.launch import Launch, keyword
 from ..runtime import cdiv, sm_count  # sm_count: the persistent grid's size
-from .specialise import unspecialised
 
 LOG2E = 1.4426950408889634
 HEAD_DIMS = (64, 128)
@@ -290,7 +289,7 @@ def _consumer(args, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.co
             )  # fmt: skip
 
 
-@unspecialised(gluon.jit)
+@gluon.jit
 def fwd_ws_kernel(
     q_desc, k_desc, v_desc, O, L, qk_scale,
     stride_ob, stride_oh, stride_om, stride_lb, stride_lh,

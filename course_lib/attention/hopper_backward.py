@@ -49,7 +49,6 @@ from ..runtime import cdiv
 from . import hopper
 from .hopper import LOG2E, descriptor, launch_options
 from .launch import compile_in_background, wait_compiled
-from .specialise import unspecialised
 
 KEY_ROWS = 64  # keys per consumer warpgroup: one wgmma's M
 QUERY_ROWS = 64  # query rows per step
@@ -217,7 +216,7 @@ def _consumer(args, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl
     gl.store(DV + ptrs, dv.to(out_dtype), mask=mask)
 
 
-@unspecialised(gluon.jit)
+@gluon.jit
 def dkdv_ws_kernel(
     q_desc, do_desc, k_desc, v_desc, L, Dlt, DK, DV, qk_scale, sm_scale,
     stride_lb, stride_lh, stride_lm, stride_kb, stride_kh, stride_kn,

@@ -54,7 +54,6 @@ from ..kernels.launch import Launch, keyword
 from ..runtime import cdiv
 from .hopper import LOG2E, descriptor, launch_options
 from .launch import compile_in_background, wait_compiled
-from .specialise import unspecialised
 
 QUERY_ROWS = 64  # query rows per consumer warpgroup: one wgmma's M
 ROWS = gl.constexpr(QUERY_ROWS)
@@ -226,7 +225,7 @@ def _consumer(args, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.co
     gl.store(ptrs, (dq * sm_scale).to(out_dtype), mask=gl.expand_dims(o_rows < N_Q, 1))
 
 
-@unspecialised(gluon.jit)
+@gluon.jit
 def dq_ws_kernel(
     q_desc, do_desc, k_desc, v_desc, L, Dlt, DQ, qk_scale, sm_scale,
     stride_lb, stride_lh, stride_lm, stride_dqb, stride_dqh, stride_dqm,
