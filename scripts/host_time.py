@@ -2,8 +2,8 @@
 
 On a GPU a small attention call is bound by the host: on an H200 a forward call once cost 147.5 us of host
 time against SDPA's 27.4, forward + backward 1133 against 227.5 us, a decoding step 122.8 against 20.7;
-with plans (`course_lib/attention/plans.py`) `make bench`'s `host_time` record reads about SDPA's time for a
-forward and 1.7-1.9x for the other two. All of that but the launch itself is Python that runs the same on any
+with plans (`course_lib/attention/plans.py`) the `host_time` record (`make bench BENCH=host_time`) reads
+1.15x, 1.43x and 1.31x SDPA's. All of that but the launch itself is Python that runs the same on any
 machine: the checks, the choice of a launch, the allocations, autograd (a call seen before runs its plan). Here
 the Triton kernels' launch is replaced by a no-op (`no_launch`: under the interpreter it would run the
 kernel in Python, on a GPU it would bind the arguments and enqueue the work), and what remains is timed:
