@@ -65,14 +65,40 @@ def test_the_batcher_refuses_what_it_could_not_serve_before_a_step():
     batcher.submit([1, 2], 3, eos_id=np.int64(5))  # any integer type
 
 
-@pytest.mark.parametrize("prompt", [[1, 2, 3], [np.int64(3), 4], (5, 6), torch.tensor([7, 8]), [0, 255]])
+@pytest.mark.parametrize(
+    "prompt",
+    [
+        [1, 2, 3],
+        [np.int64(3), 4],
+        (5, 6),
+        torch.tensor([7, 8]),
+        [0, 255],
+        [1, torch.tensor(0)],
+        list(range(256)),
+    ],
+)
 def test_token_ids_array_is_token_ids_as_int64(prompt):
     ids, array = token_ids_array("where", prompt, 256)
     assert ids == token_ids("where", prompt, 256) and all(type(t) is int for t in ids)
     assert array.dtype == np.int64 and array.tolist() == ids
 
 
-@pytest.mark.parametrize("prompt", [[1, True], [1, 2.0], [-1, 2], [1, 256], [2**70], "ab", 5, []])
+@pytest.mark.parametrize(
+    "prompt",
+    [
+        [1, True],
+        [7, 0, False],
+        [5] * 8 + [True],
+        [1, 2.0],
+        [-1, 2],
+        [1, 256],
+        [2**70],
+        [1, None],
+        "ab",
+        5,
+        [],
+    ],
+)
 def test_token_ids_array_refuses_what_token_ids_refuses(prompt):
     try:
         token_ids("where", prompt, 256)

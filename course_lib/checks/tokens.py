@@ -8,6 +8,8 @@ tokens within the model's positions (`check_generation_fits`).
 
 from __future__ import annotations
 
+import struct
+
 import numpy as np
 import torch
 
@@ -55,21 +57,38 @@ def token_ids(where: str, prompt, vocab: int | None = None) -> list[int]:
 
 def token_ids_array(where: str, prompt, vocab: int | None = None) -> tuple[list[int], np.ndarray]:
     """`token_ids`' list and the same ids as an int64 NumPy array (what a serving step feeds the model), with
-    its errors. A list of plain ints is converted once and its range read from the array: a 32k-token prompt
-    took 2.2 ms for `token_ids` and the conversion after it, 1.3 ms here (a 2-core CPU). Ids past int64 are
-    refused (a ValueError)."""
-    if type(prompt) is list and prompt and set(map(type, prompt)) == {int}:
-        try:
-            ids = np.asarray(prompt, dtype=np.int64)
-        except OverflowError:
-            ids = None
-        if ids is not None and ids.min() >= 0 and (vocab is None or ids.max() < vocab):
-            return list(prompt), ids
+    its errors. A list is packed into the array in one pass (`struct`'s "q": an int, or an integer type through
+    `operator.index` as `token_ids` takes it; a float, a string or an id past int64 fails it), bools are looked
+    for only among the ids that read 0 or 1, the range is read from the array, and the list is the array's
+    `tolist()` (plain ints). Anything the fast path does not take goes through `token_ids`, for its errors;
+    ids past int64 are refused (a ValueError). A 32k-token prompt, with the type of each id read before the
+    conversion / here: ids below 32000 1.34 / 0.78 ms, below 256 1.39 / 0.46 (`tolist` makes no new object for
+    an int up to 256), every id 0 1.44 / 1.28 (a 2-core CPU, 2026-11-29)."""
+    if type(prompt) is list and prompt and (ids := _packed_int64(prompt, vocab)) is not None:
+        return ids.tolist(), ids
     prompt = token_ids(where, prompt, vocab)
     try:
         return prompt, np.asarray(prompt, dtype=np.int64)
     except OverflowError:
         raise ValueError(f"{where}: prompt token ids must fit in int64; got {max(prompt)}") from None
+
+
+def _packed_int64(prompt: list, vocab: int | None) -> np.ndarray | None:
+    """`prompt` (a non-empty list) as an int64 array (n,) if every id is an integer, not a bool, in [0, vocab)
+    (vocab None: >= 0) and within int64; else None (`token_ids` says what is wrong)."""
+    ids = np.empty(len(prompt), dtype=np.int64)
+    try:
+        struct.pack_into(f"{len(prompt)}q", ids, 0, *prompt)
+    except Exception:  # struct.error (not an integer, past int64) or what an id's __index__ raised
+        return None
+    if ids.min() < 0 or (vocab is not None and ids.max() >= vocab):
+        return None
+    low = np.flatnonzero(ids <= 1)  # True and False pack as 1 and 0
+    if low.size:  # the type of each id that reads 0 or 1 (of each id, where they are many: a cheaper pass)
+        maybe_bool = prompt if 4 * low.size > len(prompt) else map(prompt.__getitem__, low.tolist())
+        if bool in set(map(type, maybe_bool)):
+            return None
+    return ids
 
 
 def prompt_lists(where: str, prompts, vocab: int | None = None) -> list[list[int]]:
