@@ -29,7 +29,8 @@ def _prompts(vocab, shared, tails, seed=3):
 
 
 def _accounted(batcher):
-    """Every page is free, idle in the prefix cache, or held: the reference counts add up, none leaked."""
+    """Every page is free, idle in the prefix cache, or held: the reference counts add up, none leaked; the
+    cache's tables agree."""
     alloc, prefix = batcher.cache.allocator, batcher.prefix
     held = [0] * alloc.num_pages
     for seq in batcher.cache.seqs.values():
@@ -42,6 +43,9 @@ def _accounted(batcher):
         )
         assert (page in alloc.free_list) == (alloc.refs[page] == 0), f"page {page}"
         assert (page in prefix.idle) == (own == 1 and held[page] == 0), f"page {page}"
+    # the tables walk and insert read name the same pages: by hash, and by parent hash + token bytes
+    assert prefix.by_hash == {h: page for page, (h, _, _) in prefix.entry.items()}
+    assert prefix.by_key == {parent + row: page for page, (_, parent, row) in prefix.entry.items()}
 
 
 def test_block_hash_chains_over_the_previous_page():
