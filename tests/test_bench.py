@@ -389,3 +389,11 @@ def test_bench_backward_figure_subtracts_the_training_forward(monkeypatch):
     fwd, bwd = bench.measure_fwd_bwd(fn, (x,), (dy,), {"fwd": 10**6, "bwd": 10**6}, 1.0)
     assert fwd["graph_ms"] == 1.0, fwd
     assert (bwd["graph_fwd_bwd_ms"], bwd["graph_train_fwd_ms"], bwd["graph_ms"]) == (5.0, 2.0, 3.0), bwd
+
+
+@pytest.mark.skipif(course_lib.ON_GPU, reason="on a GPU `make bench BENCH=host_time` measures")
+def test_host_time_bench_skips_on_a_cpu(tmp_path, capsys):
+    from course_lib.bench import host_time
+
+    assert host_time.main(quick=True, out=tmp_path) == 0
+    assert "skipped" in capsys.readouterr().out and not list(tmp_path.iterdir())
