@@ -11,8 +11,9 @@ sync) is recorded beside it:
 
 - forward: `flash_attention(q, k, v, causal=True)` under `torch.no_grad()` against SDPA's default;
 - forward+backward: `torch.autograd.grad` of the same call's output with a given dO, against SDPA;
-- decode step: one query token over a 256-token cache, `flash_attention` (routed to split-KV decoding)
-  against SDPA (is_causal=False: a single bottom-right query sees every key).
+- decode step: one query token over a 256-token cache, `flash_attention` against SDPA (is_causal=False: a
+  single bottom-right query sees every key); at this length the FlashAttention-2 forward keeps the call, one
+  launch (`attention.decode_route` hands longer ones to split-KV decoding, two launches).
 
 The target: at most 1.5x SDPA's time per call. `make bench BENCH=host_time` (and `make bench`, after the
 attention benchmark) records it as `host_time`; `python -m course_lib.bench.host_time` prints it (GPU only). Setting
