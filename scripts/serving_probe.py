@@ -28,6 +28,15 @@ launches a bf16 model makes (its dtype casts); --backend course_lib the fused RM
 
     COURSE_DEVICE=cpu python3 scripts/serving_probe.py --step [--lengths 16384] [--backend sdpa] [--sites]
 
+With --batching: the benchmark's batching stream (32 requests, at most 8 running, a third of their pages) through
+the static and the continuous batcher, each step timed: steps, tokens/s, and each scheduler's decode-only steps
+(median CPU ms, median wall ms, mean sequences a step) against the prediction from step counts. On a GPU the
+bench's model (the timed run after a warm-up on the whole stream, as the bench's); on a CPU the 8 layers at width
+16 with the launches as no-ops (the host's time alone). Where static's steps cost more than continuous ones, the
+two clocks say whether the host or the GPU is the cause.
+
+    COURSE_DEVICE=cpu python3 scripts/serving_probe.py --batching
+
 With --prefix-gap: the ladder of `prefix_gap.py`, from the split kernel alone on the prefix (the probe of
 `decode.heuristics.MANY_ROWS`, 93.8 us) to the cascade's prefix pass (121.2 us), one difference a rung, each a
 graph replay; --quick at tiny sizes (on a CPU: the rungs run and are checked, not timed).
@@ -234,7 +243,8 @@ def step_table(lengths, batch: int, repeats: int, backend: str, dtype: str, site
         prompt = torch.randint(0, model.config.vocab_size, (n,), generator=gen).tolist()
         for cached in (False, True):
             cases[f"prefill {n} {'90 % cached' if cached else 'uncached'}"] = (
-                lambda prompt=prompt, cached=cached: _first_token_batcher(model, prompt, cached), 1
+                lambda prompt=prompt, cached=cached: _first_token_batcher(model, prompt, cached),
+                1,
             )
     cases[f"decode B = {batch}"] = (lambda: _decode_batcher(model, batch, gen), repeats)
     print(
@@ -242,7 +252,9 @@ def step_table(lengths, batch: int, repeats: int, backend: str, dtype: str, site
         "syncs and launches a GPU run would make (step / within the model's step), CPU ms with no-op launches "
         f"(median of {repeats})"
     )
-    print("| step | syncs | copies to the GPU | PyTorch launches | Triton launches | CPU ms step | CPU ms model |")
+    print(
+        "| step | syncs | copies to the GPU | PyTorch launches | Triton launches | CPU ms step | CPU ms model |"
+    )
     print("| --- | --- | --- | --- | --- | --- | --- |")
     with no_launch(), on_gpu_branches(), slots_unread():
         for name, (make, steps) in cases.items():
@@ -267,6 +279,60 @@ def step_table(lengths, batch: int, repeats: int, backend: str, dtype: str, site
                 print(seen.table(top=40))
 
 
+def batching_table() -> None:
+    """The --batching table (module docstring)."""
+    import statistics
+
+    from host_time import no_launch, values_unread
+
+    from course_lib import runtime
+    from course_lib.bench.serving import batching_workload
+    from course_lib.decode.batching import ContinuousBatcher
+    from course_lib.serving.scheduling import StaticBatcher, predict_steps, serve_workload
+
+    gpu = runtime.ON_GPU
+    model = serving_model(True) if gpu else host_model(512)
+    torch.set_num_threads(torch.get_num_threads() if gpu else 1)
+    work, pages = batching_workload(32, model.config.vocab_size, gpu=True)  # the GPU's stream, on a CPU too
+    predicted = predict_steps(work.new_tokens, 8)
+    where = "GPU" if gpu else "CPU, no-op launches"
+    print(f"batching: 32 requests, at most 8 running, {pages} pages of 16 tokens; {where}")
+    print("| scheduler | steps (predicted) | tokens/s | decode steps | CPU ms | wall ms | sequences a step |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    with contextlib.ExitStack() as stack:
+        if not gpu:  # the host's time alone
+            for context in (no_launch(), values_unread(), slots_unread()):
+                stack.enter_context(context)
+        for (name, cls), steps in zip(
+            (("static", StaticBatcher), ("continuous", ContinuousBatcher)), predicted
+        ):
+            if gpu:  # the bench's warm-up: every step shape compiled before the timed run
+                serve_workload(cls(model, pages, 16, max_batch=8, max_step_tokens=4096), work)
+            batcher, log = cls(model, pages, 16, max_batch=8, max_step_tokens=4096), []
+            step = batcher.step
+
+            def timed(step=step, batcher=batcher, log=log):
+                c0, w0 = time.process_time(), time.perf_counter()
+                out = step()
+                if gpu:
+                    torch.cuda.synchronize()
+                if all(n == 1 for _, n in batcher.last_plan):  # a decode-only step
+                    log.append((time.process_time() - c0, time.perf_counter() - w0, len(batcher.last_plan)))
+                return out
+
+            batcher.step = timed
+            served = serve_workload(batcher, work)
+            cpu, wall, rows = zip(*log)
+            print(
+                f"| {name} | {served.steps} ({steps}) | {served.throughput:.0f} | {len(log)} | "
+                f"{1e3 * statistics.median(cpu):.2f} | {1e3 * statistics.median(wall):.2f} | "
+                f"{statistics.mean(rows):.1f} |"
+            )
+    print(
+        f"predicted continuous / static from step counts: {predicted[0] / predicted[1]:.2f}x (CPU and wall ms: medians)"
+    )
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument(
@@ -274,20 +340,33 @@ if __name__ == "__main__":
     )
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument(
-        "--lengths", type=int, nargs="+", default=None, help="prompts (--host: 160 16384 32768; --step: 16384)"
+        "--lengths",
+        type=int,
+        nargs="+",
+        default=None,
+        help="prompts (--host: 160 16384 32768; --step: 16384)",
     )
     parser.add_argument(
         "--prefix-gap", action="store_true", help="the ladder from the probe's prefix pass to the cascade's"
     )
-    parser.add_argument("--quick", action="store_true", help="with --prefix-gap: tiny sizes (a CPU smoke test)")
+    parser.add_argument(
+        "--quick", action="store_true", help="with --prefix-gap: tiny sizes (a CPU smoke test)"
+    )
     parser.add_argument("--passes", type=int, default=3, help="with --prefix-gap: interleaved timing passes")
     parser.add_argument("--step", action="store_true", help="one serving step's syncs, launches and CPU time")
     parser.add_argument("--batch", type=int, default=8, help="with --step: the decode step's sequences")
     parser.add_argument("--backend", default="sdpa", help="with --step: the model's backend")
     parser.add_argument("--dtype", default="bfloat16", help="with --step: the model's dtype")
-    parser.add_argument("--sites", action="store_true", help="with --step: every sync, copy and launch by site")
+    parser.add_argument(
+        "--sites", action="store_true", help="with --step: every sync, copy and launch by site"
+    )
+    parser.add_argument(
+        "--batching", action="store_true", help="static and continuous batching, step by step"
+    )
     args = parser.parse_args()
-    if args.step:
+    if args.batching:
+        batching_table()
+    elif args.step:
         step_table(args.lengths or [16384], args.batch, args.repeats, args.backend, args.dtype, args.sites)
     elif args.prefix_gap:
         from prefix_gap import prefix_gap

@@ -256,17 +256,20 @@ def ttft_host(model, prompt, cached_fraction: float, repeats: int, page: int = 1
     return out
 
 
+def batching_workload(n: int, vocab: int, gpu: bool, quick: bool = False):
+    """(workload, pages): the batching measurement's request stream (`n` requests, seed 1; prompts of 16-256
+    tokens on a GPU, 4-24 on a CPU; 8-128 new tokens, 2-16 when quick) and its KV pages of 16 tokens: a third
+    of what every request at once would hold (at least one request's), so the schedulers compete for memory."""
+    work = draw_workload(
+        n, vocab, prompt_lens=(16, 256) if gpu else (4, 24), new_tokens=(8, 128) if not quick else (2, 16), seed=1
+    )  # fmt: skip
+    need = [-(-(len(p) + m + 1) // 16) for p, m in zip(work.prompts, work.new_tokens)]
+    return work, max(sum(need) // 3, max(need))
+
+
 def batching(model, n, max_batch, quick) -> dict:
     vocab = model.config.vocab_size
-    work = draw_workload(
-        n,
-        vocab,
-        prompt_lens=(16, 256) if runtime.ON_GPU else (4, 24),
-        new_tokens=(8, 128) if not quick else (2, 16),
-        seed=1,
-    )
-    pages = sum(-(-(len(p) + m + 1) // 16) for p, m in zip(work.prompts, work.new_tokens))
-    pages = max(pages // 3, max(-(-(len(p) + m + 1) // 16) for p, m in zip(work.prompts, work.new_tokens)))
+    work, pages = batching_workload(n, vocab, runtime.ON_GPU, quick)
     runs = {}
     for name, cls, step_tokens in (
         ("static", StaticBatcher, 4096), ("continuous", ContinuousBatcher, 4096),
