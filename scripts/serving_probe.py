@@ -292,7 +292,8 @@ def batching_table() -> None:
 
     gpu = runtime.ON_GPU
     model = serving_model(True) if gpu else host_model(512)
-    torch.set_num_threads(torch.get_num_threads() if gpu else 1)
+    if not gpu:
+        torch.set_num_threads(1)  # as --host and --step: the host's time on one core
     work, pages = batching_workload(32, model.config.vocab_size, gpu=True)  # the GPU's stream, on a CPU too
     predicted = predict_steps(work.new_tokens, 8)
     where = "GPU" if gpu else "CPU, no-op launches"
