@@ -37,6 +37,13 @@ two clocks say whether the host or the GPU is the cause.
 
     COURSE_DEVICE=cpu python3 scripts/serving_probe.py --batching
 
+With --prefill: one attention layer of a prefill step of the bench's model (16 query / 4 K/V heads, d = 64, bf16,
+pages of 16, scattered), each prompt cached or not: the paged kernel against the dense route
+(`decode.paged_kv.PagedKV.prefill_plan`: K/V gathered, the FlashAttention-2 forward), each timed with
+`perf.timing.benchmark`, in TFLOP/s; on a CPU the two checked against each other at tiny sizes.
+
+    COURSE_DEVICE=cuda python3 scripts/serving_probe.py --prefill
+
 With --prefix-gap: the ladder of `prefix_gap.py`, from the split kernel alone on the prefix (the probe of
 `decode.heuristics.MANY_ROWS`, 93.8 us) to the cascade's prefix pass (121.2 us), one difference a rung, each a
 graph replay; --quick at tiny sizes (on a CPU: the rungs run and are checked, not timed).
@@ -51,6 +58,7 @@ import argparse
 import contextlib
 import time
 
+import numpy as np
 import torch
 
 from course_lib.bench.serving import HKV, HOST_PARTS, serving_model, ttft_host
@@ -279,6 +287,51 @@ def step_table(lengths, batch: int, repeats: int, backend: str, dtype: str, site
                 print(seen.table(top=40))
 
 
+def prefill_table() -> None:
+    """The --prefill table (module docstring)."""
+    from course_lib import runtime
+    from course_lib.decode.cache import PagedKVCache
+    from course_lib.decode.paged_kv import PagedKV
+    from course_lib.perf.timing import benchmark
+
+    gpu = runtime.ON_GPU
+    hq, hkv, d, page = (16, 4, 64, 16) if gpu else (4, 2, 16, 4)
+    dtype = torch.bfloat16 if gpu else torch.float32
+    cells = [(n, n) for n in (256, 512, 1024, 4096, 16384, 32768)] + [
+        (128, 1024),
+        (416, 4096),
+        (1648, 16384),
+        (3280, 32768),
+    ]
+    cells = cells if gpu else [(8, 8), (12, 40)]
+    g = torch.Generator().manual_seed(4)
+    print(f"prefill attention, one layer: {hq} / {hkv} heads, d = {d}, pages of {page}; ms (TFLOP/s)")
+    print("| new tokens | keys | paged kernel | dense route | paged / dense |")
+    print("| --- | --- | --- | --- | --- |")
+    for n, length in cells:
+        pages = -(-length // page) + 1
+        cache = PagedKVCache(1, pages + 1, page, hkv, d, dtype, runtime.DEVICE)
+        cache.add_sequence(0)
+        slots = cache.append(0, length)
+        perm = torch.randperm(pages + 1, generator=g)
+        cache.k_pages[0].copy_(torch.randn(cache.k_pages[0].shape, generator=g).to(cache.k_pages[0])[perm])
+        cache.v_pages[0].copy_(torch.randn(cache.v_pages[0].shape, generator=g).to(cache.v_pages[0])[perm])
+        kv = PagedKV.for_step(cache, [0], [n], slots[length - n :])
+        plan = PagedKV.prefill_plan([n], np.array([length]), page)
+        q = torch.randn(n, hq, d, generator=g).to(runtime.DEVICE, dtype)
+        k, v = (torch.randn(n, hkv, d, generator=g).to(runtime.DEVICE, dtype) for _ in range(2))
+        times, outs = [], []
+        for route in (None, plan):
+            kv.prefill = route
+            outs.append(kv.attend(0, q, k, v))
+            times.append(benchmark(lambda kv=kv, q=q, k=k, v=v: kv.attend(0, q, k, v)))
+        err = (outs[0].float() - outs[1].float()).abs().max().item()
+        flops = 4 * hq * d * (n * (length - n) + n * (n + 1) / 2)
+        cell = [f"{t:.3f} ({flops / t / 1e9:.0f})" for t in times]
+        print(f"| {n} | {length} | {cell[0]} | {cell[1]} | {times[0] / times[1]:.2f}x | (max diff {err:.1e})")
+        assert err < (0.05 if gpu else 1e-4), err
+
+
 def batching_table() -> None:
     """The --batching table (module docstring)."""
     import statistics
@@ -364,8 +417,11 @@ if __name__ == "__main__":
     parser.add_argument(
         "--batching", action="store_true", help="static and continuous batching, step by step"
     )
+    parser.add_argument("--prefill", action="store_true", help="a prefill layer: paged kernel against dense")
     args = parser.parse_args()
-    if args.batching:
+    if args.prefill:
+        prefill_table()
+    elif args.batching:
         batching_table()
     elif args.step:
         step_table(args.lengths or [16384], args.batch, args.repeats, args.backend, args.dtype, args.sites)

@@ -141,6 +141,82 @@ def test_a_step_without_padding_rows_attends_as_the_padded_layout(transposed):
     assert torch.equal(got, kv.attend(0, q, k, v))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_a_prefill_step_attends_densely_as_the_paged_kernel_and_float64(monkeypatch, dtype):
+    """A step whose every sequence brings >= DENSE_PREFILL_MIN new tokens attends each with the dense forward over
+    its gathered K/V (`PagedKV.prefill_plan`): against float64 attention over each sequence's keys and against the
+    paged kernel, for a sequence whose earlier tokens are cached (bottom-right) and one wholly new (top-left),
+    ragged lengths, pages scattered, grouped heads (Hq = 4, Hkv = 2); a step with a short sequence keeps the
+    paged kernel."""
+    from course_lib.decode import paged_kv
+
+    monkeypatch.setattr(paged_kv, "DENSE_PREFILL_MIN", 6)
+    g = torch.Generator().manual_seed(5)
+    hq, hkv, d = 4, 2, 16
+    cache = PagedKVCache(1, 16, 4, hkv, d, dtype, DEV)
+    cache.add_sequence(9)  # holds pages first, so that the others' pages are not in order
+    cache.append(9, 6)
+    for seq in (0, 1):
+        cache.add_sequence(seq)
+    earlier = cache.append(0, 7)  # sequence 0: 7 tokens cached before the step
+    cache.write(0, earlier, *(torch.randn(7, hkv, d, generator=g).to(DEV, dtype) for _ in range(2)))
+    new_lens = [9, 6]
+    slots = torch.cat([cache.append(0, 9), cache.append(1, 6)])
+    dense = PagedKV.for_step(cache, [0, 1], new_lens, slots)
+    assert dense.prefill == [(9, 16, 4), (6, 6, 2)]
+    assert PagedKV.for_step(cache, [0, 1], [9, 5], slots[:14]).prefill is None  # 5 < 6: the paged kernel
+    paged = PagedKV.for_step(cache, [0, 1], new_lens, slots)
+    paged.prefill = None
+    q = torch.randn(15, hq, d, generator=g).to(DEV, dtype)
+    k, v = (torch.randn(15, hkv, d, generator=g).to(DEV, dtype) for _ in range(2))
+    got = dense.attend(0, q, k, v)
+    want_paged = paged.attend(0, q, k, v)
+    tol = 2e-3 if dtype == torch.float16 else 1e-5
+    start = 0
+    for b, (n, length) in enumerate([(9, 16), (6, 6)]):
+        ids = cache.block_table([0, 1])[b].long()
+        keys = cache.k_pages[0][ids].flatten(0, 1)[:length].double().repeat_interleave(hq // hkv, 1)
+        values = cache.v_pages[0][ids].flatten(0, 1)[:length].double().repeat_interleave(hq // hkv, 1)
+        rows = q[start : start + n].double()
+        s = torch.einsum("nhd,khd->hnk", rows, keys) / d**0.5
+        visible = (
+            torch.arange(length, device=s.device)[None, :]
+            <= torch.arange(n, device=s.device)[:, None] + length - n
+        )
+        ref = torch.einsum("hnk,khd->nhd", s.masked_fill(~visible, float("-inf")).softmax(-1), values)
+        assert (got[start : start + n].double() - ref).abs().max() < tol, b
+        start += n
+    assert (got.double() - want_paged.double()).abs().max() < 2 * tol
+
+
+@pytest.mark.parametrize("max_batch, budget", [(2, 20), (1, 8)])
+def test_prefill_steps_through_the_dense_route_generate_the_same_tokens(monkeypatch, max_batch, budget):
+    """The batcher with the dense prefill route on from 6 new tokens: the toy model's tokens equal full
+    attention's. (2, 20): two prompts prefilled in one dense step; (1, 8): a prompt in chunks of 8, the later
+    chunks over the cached earlier ones (bottom-right)."""
+    from course_lib.decode import paged_kv
+
+    monkeypatch.setattr(paged_kv, "DENSE_PREFILL_MIN", 6)
+    plans = []
+    dense = paged_kv.PagedKV._attend_dense
+    monkeypatch.setattr(
+        paged_kv.PagedKV, "_attend_dense", lambda self, *a: plans.append(self.prefill) or dense(self, *a)
+    )
+    model = ToyModel(DEV)
+    g = torch.Generator().manual_seed(12)
+    prompts = [torch.randint(0, model.vocab, (n,), generator=g).tolist() for n in (13, 7, 21)]
+    batcher = ContinuousBatcher(model, num_pages=20, page_size=4, max_batch=max_batch, max_step_tokens=budget)
+    ids = [batcher.submit(p, 3) for p in prompts]
+    got = batcher.run()
+    for i, p in zip(ids, prompts):
+        assert got[i] == model.generate_full(p, 3)
+    seen = {tuple(plan) for plan in plans}
+    if max_batch == 2:
+        assert ((13, 13, 4), (7, 7, 2)) in seen
+    else:
+        assert ((8, 8, 2),) in seen and ((8, 16, 4),) in seen
+
+
 def test_a_steps_host_arrays_reach_the_device_in_one_buffer():
     """`to_device`: each array's values, dtype and shape, read-only and empty ones too, every tensor a view of one
     buffer at a 16-byte boundary; `PagedKV.for_step` through it builds what the cache's own tensors hold."""

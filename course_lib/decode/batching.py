@@ -271,8 +271,9 @@ class ContinuousBatcher:
             arrays = [np.asarray(x, dtype=np.int64) for x in (token_ids, positions)] + [last]
             if kv is None:
                 view, tq = PagedKV.step_arrays(self.cache, seq_ids, new_lens, slots)
+                prefill = PagedKV.prefill_plan(new_lens, view[1], self.cache.page_size)
                 *view, token_ids, positions, last = to_device(view + arrays, self.model.device)
-                kv = PagedKV(self.cache, *view, tq)
+                kv = PagedKV(self.cache, *view, tq, prefill)
             else:
                 token_ids, positions, last = to_device(arrays, self.model.device)
             logits = self.model.forward_step(token_ids, positions, kv)

@@ -4,6 +4,13 @@
 `DecodeGraphs` (`graphs.py`) holds one over fixed tensors per captured batch shape. Each attention layer
 calls `kv.attend(layer, q, k, v)`, which writes the new K/V into the cache's pages and runs
 `paged_decode_attention` over them (the model interface is in `batching.py`'s docstring).
+
+A prefill step, whose every sequence brings at least `DENSE_PREFILL_MIN` new tokens (a long prompt, or the
+uncached rest of a cached one), attends each sequence with the FlashAttention-2 forward (notebook 06) over its
+K/V gathered from its pages in one copy (`PagedKV.prefill_plan`): the paged kernel is a decoding kernel (64-key
+blocks read page by page through the block table, tiles of 64 rows) and ran such steps at ~55 TFLOP/s on an
+H200 (`scripts/serving_probe.py --prefill` times both routes). Steps that mix prefill and decoding rows, and
+decoding steps, take the paged kernel.
 """
 
 from __future__ import annotations
@@ -11,8 +18,13 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ..attention import flash_attention
 from .api import paged_decode_attention
 from .cache import PagedKVCache
+
+# The fewest new tokens every sequence of a step must bring for the step to attend with the dense forward over
+# gathered K/V (module docstring). Chosen from `scripts/serving_probe.py --prefill` on an H200 (notes/serving.md).
+DENSE_PREFILL_MIN = 512
 
 
 class PagedKV:
@@ -27,12 +39,15 @@ class PagedKV:
     block_table (B, max_pages) int32, cache_seqlens (B,) int32, slots (T,) int64 (where each new token's
     K/V go) and rows (T,) int64 (each token's row of the padded queries) are tensors on the pools'
     device; `for_step` builds them from the cache's bookkeeping. A step replayed as a CUDA graph
-    (`graphs.DecodeGraphs`) holds one PagedKV over fixed tensors and refills them in place."""
+    (`graphs.DecodeGraphs`) holds one PagedKV over fixed tensors and refills them in place.
 
-    def __init__(self, cache: PagedKVCache, block_table, cache_seqlens, slots, rows, tq: int):
+    prefill: None, or `prefill_plan`'s host list of (new tokens, length, pages) per sequence: the step attends
+    each sequence with the dense forward over its gathered K/V instead (module docstring)."""
+
+    def __init__(self, cache: PagedKVCache, block_table, cache_seqlens, slots, rows, tq: int, prefill=None):
         self.cache = cache
         self.block_table, self.cache_seqlens, self.slots, self.rows = block_table, cache_seqlens, slots, rows
-        self.tq = tq
+        self.tq, self.prefill = tq, prefill
         self.batch = block_table.shape[0]
         # Every sequence brings tq tokens (a prefill of one prompt, a decode step, a captured step): the rows
         # are 0..T-1 and q is its own padded layout, so no zeros, scatter or gather per layer (three launches
@@ -66,11 +81,25 @@ class PagedKV:
         """The view of a step that feeds new_lens[i] tokens of sequence seq_ids[i], whose K/V go to `slots`: its
         `step_arrays` on the pools' device in one copy."""
         arrays, tq = cls.step_arrays(cache, seq_ids, new_lens, slots)
-        return cls(cache, *to_device(arrays, cache.device), tq)
+        prefill = cls.prefill_plan(new_lens, arrays[1], cache.page_size)
+        return cls(cache, *to_device(arrays, cache.device), tq, prefill)
+
+    @staticmethod
+    def prefill_plan(
+        new_lens: list[int], seqlens: np.ndarray, page_size: int
+    ) -> list[tuple[int, int, int]] | None:
+        """For a step whose every sequence brings at least DENSE_PREFILL_MIN new tokens: (new tokens, length
+        after the step, pages) of each sequence, from the host's arrays (`step_arrays`' cache_seqlens); else
+        None (the paged kernel)."""
+        if min(new_lens) < DENSE_PREFILL_MIN:
+            return None
+        return [(int(n), int(length), -(-int(length) // page_size)) for n, length in zip(new_lens, seqlens)]
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Write k, v (T, Hkv, d) into layer `layer`'s pages, then attend: q (T, Hq, d) -> o (T, Hq, d)."""
         self.cache.write(layer, self.slots, k, v, validate=False)  # checked once a step (`step_arrays`)
+        if self.prefill is not None:
+            return self._attend_dense(layer, q)
         if self.padded:
             rows = q.new_zeros(self.batch * self.tq, *q.shape[1:])
             rows[self.rows] = q
@@ -87,6 +116,22 @@ class PagedKV:
         )
         o = o.view(self.batch * self.tq, *q.shape[1:])
         return o[self.rows] if self.padded else o
+
+    def _attend_dense(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """A prefill step (`prefill_plan`): sequence by sequence, its K/V gathered from its pages (one copy each,
+        (length, Hkv, d), read as (1, Hkv, length, d) through strides) and the dense FlashAttention-2 forward
+        of its new tokens' queries, causal bottom-right (they are its last tokens). q (T, Hq, d) -> (T, Hq, d)."""
+        k_pages, v_pages = self.cache.k_pages[layer], self.cache.v_pages[layer]
+        outs, start = [], 0
+        for b, (n, length, pages) in enumerate(self.prefill):
+            ids = self.block_table[b, :pages]  # on the pools' device: no copy from the host, no wait
+            k = k_pages.index_select(0, ids).flatten(0, 1)[:length].unsqueeze(0).transpose(1, 2)
+            v = v_pages.index_select(0, ids).flatten(0, 1)[:length].unsqueeze(0).transpose(1, 2)
+            rows = q[start : start + n].unsqueeze(0).transpose(1, 2)  # (1, Hq, n, d)
+            o = flash_attention(rows, k, v, causal=True if n == length else "bottom_right")
+            outs.append(o[0].transpose(0, 1))
+            start += n
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
 def to_device(arrays, device) -> list[torch.Tensor]:
