@@ -143,14 +143,15 @@ def test_a_step_without_padding_rows_attends_as_the_padded_layout(transposed):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_a_prefill_step_attends_densely_as_the_paged_kernel_and_float64(monkeypatch, dtype):
-    """A step whose every sequence brings >= DENSE_PREFILL_MIN new tokens attends each with the dense forward over
-    its gathered K/V (`PagedKV.prefill_plan`): against float64 attention over each sequence's keys and against the
-    paged kernel, for a sequence whose earlier tokens are cached (bottom-right) and one wholly new (top-left),
-    ragged lengths, pages scattered, grouped heads (Hq = 4, Hkv = 2); a step with a short sequence keeps the
-    paged kernel."""
+    """A step whose every sequence brings enough new tokens and (new token, key) pairs (`DENSE_PREFILL_MIN_*`)
+    attends each with the dense forward over its gathered K/V (`PagedKV.prefill_plan`): against float64
+    attention over each sequence's keys and against the paged kernel, for a sequence whose earlier tokens are
+    cached (bottom-right) and one wholly new (top-left), ragged lengths, pages scattered, grouped heads (Hq = 4,
+    Hkv = 2); a step with a short sequence keeps the paged kernel."""
     from course_lib.decode import paged_kv
 
-    monkeypatch.setattr(paged_kv, "DENSE_PREFILL_MIN", 6)
+    monkeypatch.setattr(paged_kv, "DENSE_PREFILL_MIN_ROWS", 6)
+    monkeypatch.setattr(paged_kv, "DENSE_PREFILL_MIN_PAIRS", 30)
     g = torch.Generator().manual_seed(5)
     hq, hkv, d = 4, 2, 16
     cache = PagedKVCache(1, 16, 4, hkv, d, dtype, DEV)
@@ -165,6 +166,7 @@ def test_a_prefill_step_attends_densely_as_the_paged_kernel_and_float64(monkeypa
     dense = PagedKV.for_step(cache, [0, 1], new_lens, slots)
     assert dense.prefill == [(9, 16, 4), (6, 6, 2)]
     assert PagedKV.for_step(cache, [0, 1], [9, 5], slots[:14]).prefill is None  # 5 < 6: the paged kernel
+    assert PagedKV.prefill_plan([9, 6], np.array([16, 4]), 4) is None  # 6 x 4 < 30 pairs
     paged = PagedKV.for_step(cache, [0, 1], new_lens, slots)
     paged.prefill = None
     q = torch.randn(15, hq, d, generator=g).to(DEV, dtype)
@@ -196,7 +198,8 @@ def test_prefill_steps_through_the_dense_route_generate_the_same_tokens(monkeypa
     chunks over the cached earlier ones (bottom-right)."""
     from course_lib.decode import paged_kv
 
-    monkeypatch.setattr(paged_kv, "DENSE_PREFILL_MIN", 6)
+    monkeypatch.setattr(paged_kv, "DENSE_PREFILL_MIN_ROWS", 6)
+    monkeypatch.setattr(paged_kv, "DENSE_PREFILL_MIN_PAIRS", 30)
     plans = []
     dense = paged_kv.PagedKV._attend_dense
     monkeypatch.setattr(

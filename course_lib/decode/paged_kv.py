@@ -5,12 +5,11 @@
 calls `kv.attend(layer, q, k, v)`, which writes the new K/V into the cache's pages and runs
 `paged_decode_attention` over them (the model interface is in `batching.py`'s docstring).
 
-A prefill step, whose every sequence brings at least `DENSE_PREFILL_MIN` new tokens (a long prompt, or the
-uncached rest of a cached one), attends each sequence with the FlashAttention-2 forward (notebook 06) over its
-K/V gathered from its pages in one copy (`PagedKV.prefill_plan`): the paged kernel is a decoding kernel (64-key
-blocks read page by page through the block table, tiles of 64 rows) and ran such steps at ~55 TFLOP/s on an
-H200 (`scripts/serving_probe.py --prefill` times both routes). Steps that mix prefill and decoding rows, and
-decoding steps, take the paged kernel.
+A prefill step whose every sequence brings many new tokens over many keys (a long prompt, or the uncached
+rest of a cached one: `DENSE_PREFILL_MIN_ROWS`, `DENSE_PREFILL_MIN_PAIRS`) attends each sequence with the
+FlashAttention-2 forward (notebook 06) over its K/V gathered from its pages in one copy (`PagedKV.prefill_plan`):
+the paged kernel is a decoding kernel (64-key blocks read page by page through the block table, tiles of 64
+rows). Steps that mix prefill and decoding rows, short prefills and decoding steps take the paged kernel.
 """
 
 from __future__ import annotations
@@ -22,9 +21,16 @@ from ..attention import flash_attention
 from .api import paged_decode_attention
 from .cache import PagedKVCache
 
-# The fewest new tokens every sequence of a step must bring for the step to attend with the dense forward over
-# gathered K/V (module docstring). Chosen from `scripts/serving_probe.py --prefill` on an H200 (notes/serving.md).
-DENSE_PREFILL_MIN = 512
+# When a step attends densely (module docstring): every sequence brings at least DENSE_PREFILL_MIN_ROWS new tokens
+# and (new tokens) x (keys) >= DENSE_PREFILL_MIN_PAIRS. Measured on an H200 (`scripts/serving_probe.py --prefill`:
+# one layer of the serving bench's model, 16 / 4 heads, d = 64, bf16, pages of 16; paged kernel ms / dense route
+# ms, 2026-11-29): new tokens x keys 256 x 256 0.086 / 0.081, 512 x 512 0.082 / 0.127, 1024 x 1024 0.063 /
+# 0.082, 128 x 1024 0.041 / 0.043, 416 x 4096 0.108 / 0.101, 4096 x 4096 0.191 / 0.155, 1648 x 16384 0.495 /
+# 0.339, 3280 x 32768 1.888 / 1.217 (221 / 344 TFLOP/s), 32768 x 32768 8.487 / 5.226 (259 / 421). Below a
+# million pairs the dense route's three launches (two gathers, the forward) and its grid of
+# cdiv(rows, 128) x heads programs lose; from 1.7 million on it won every cell.
+DENSE_PREFILL_MIN_ROWS = 384
+DENSE_PREFILL_MIN_PAIRS = 3 << 19  # 1.57 million
 
 
 class PagedKV:
@@ -88,12 +94,15 @@ class PagedKV:
     def prefill_plan(
         new_lens: list[int], seqlens: np.ndarray, page_size: int
     ) -> list[tuple[int, int, int]] | None:
-        """For a step whose every sequence brings at least DENSE_PREFILL_MIN new tokens: (new tokens, length
-        after the step, pages) of each sequence, from the host's arrays (`step_arrays`' cache_seqlens); else
-        None (the paged kernel)."""
-        if min(new_lens) < DENSE_PREFILL_MIN:
-            return None
-        return [(int(n), int(length), -(-int(length) // page_size)) for n, length in zip(new_lens, seqlens)]
+        """For a step whose every sequence brings at least DENSE_PREFILL_MIN_ROWS new tokens and at least
+        DENSE_PREFILL_MIN_PAIRS (new token, key) pairs: (new tokens, length after the step, pages) of each
+        sequence, from the host's arrays (`step_arrays`' cache_seqlens); else None (the paged kernel)."""
+        plan = [(int(n), int(length), -(-int(length) // page_size)) for n, length in zip(new_lens, seqlens)]
+        if all(
+            n >= DENSE_PREFILL_MIN_ROWS and n * length >= DENSE_PREFILL_MIN_PAIRS for n, length, _ in plan
+        ):
+            return plan
+        return None
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Write k, v (T, Hkv, d) into layer `layer`'s pages, then attend: q (T, Hq, d) -> o (T, Hq, d)."""
