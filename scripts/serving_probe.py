@@ -44,6 +44,11 @@ pages of 16, scattered), each prompt cached or not: the paged kernel against the
 
     COURSE_DEVICE=cuda python3 scripts/serving_probe.py --prefill
 
+With --dense-prefix: the cascade step of probe 1 with its prefix gathered once and the prefix pass on the
+warp-specialised forward (`serving.cascade.dense_prefix_pass`), by the number of slices of the prefix.
+
+    COURSE_DEVICE=cuda python3 scripts/serving_probe.py --dense-prefix
+
 With --prefix-gap: the ladder of `prefix_gap.py`, from the split kernel alone on the prefix (the probe of
 `decode.heuristics.MANY_ROWS`, 93.8 us) to the cascade's prefix pass (121.2 us), one difference a rung, each a
 graph replay; --quick at tiny sizes (on a CPU: the rungs run and are checked, not timed).
@@ -108,6 +113,46 @@ def cascade_pieces():
     for overlap in (False, True):
         cascade.OVERLAP = overlap
         print(f"cascade step, {'two streams' if overlap else 'one stream '}: {graph_ms(step) * 1e3:7.1f} us")
+
+
+def dense_prefix(splits_tried=(8, 16, 32)):
+    """--dense-prefix: the cascade step of `cascade_pieces` with its prefix gathered once (`gather_prefix`) and the
+    prefix pass on the warp-specialised forward (`dense_prefix_pass`), by DENSE_PREFIX_SPLITS: the pass alone, the
+    step on one stream and two, and the step's largest difference from the paged prefix pass's."""
+    from course_lib.perf.timing import benchmark
+    from course_lib.serving import cascade
+
+    gen = torch.Generator().manual_seed(2)
+    b, s = 64, 1024
+    pages = (P + b * s) // PAGE
+    k = torch.randn(pages, PAGE, HKV, D, generator=gen).to("cuda", torch.bfloat16)
+    v = torch.randn(pages, PAGE, HKV, D, generator=gen).to("cuda", torch.bfloat16)
+    perm = torch.randperm(pages, generator=gen).to(torch.int32).cuda()
+    prefix_pages, table = perm[: P // PAGE], perm[P // PAGE :].view(b, -1)
+    q = torch.randn(b, 1, HQ, D, generator=gen).to("cuda", torch.bfloat16)
+    lens = torch.full((b,), s, dtype=torch.int32, device="cuda")
+    args = (q, k, v, prefix_pages, P, table, lens)
+    gather_ms = benchmark(lambda: cascade.gather_prefix(k, v, prefix_pages, P))
+    print(f"gather_prefix (once a group): {gather_ms * 1e3:.1f} us")
+    prefix_kv = cascade.gather_prefix(k, v, prefix_pages, P)
+    want = cascade.cascade_decode_attention(*args, validate=False).float()
+    paged_ms = graph_ms(lambda: cascade.cascade_decode_attention(*args, validate=False))
+    print(f"paged prefix pass step, two streams: {paged_ms * 1e3:.1f} us")
+    for splits in splits_tried:
+        cascade.DENSE_PREFIX_SPLITS = splits
+        prefix, suffix, merge, out = cascade.cascade_passes(*args, validate=False, prefix_kv=prefix_kv)
+        prefix(), suffix(), merge()
+        err = (out.float() - want).abs().max().item()
+        line = [f"splits {splits:2d}: prefix pass {graph_ms(prefix) * 1e3:6.1f} us"]
+        for overlap in (False, True):
+            cascade.OVERLAP = overlap
+
+            def step():
+                return cascade.cascade_decode_attention(*args, validate=False, prefix_kv=prefix_kv)
+
+            line.append(f"step {'two streams' if overlap else 'one stream'} {graph_ms(step) * 1e3:6.1f} us")
+        print(", ".join(line) + f", max diff from the paged pass {err:.1e}")
+    cascade.DENSE_PREFIX_SPLITS, cascade.OVERLAP = 16, True
 
 
 def ttft_profile():
@@ -418,8 +463,13 @@ if __name__ == "__main__":
         "--batching", action="store_true", help="static and continuous batching, step by step"
     )
     parser.add_argument("--prefill", action="store_true", help="a prefill layer: paged kernel against dense")
+    parser.add_argument(
+        "--dense-prefix", action="store_true", help="cascade's prefix pass on the Gluon forward"
+    )
     args = parser.parse_args()
-    if args.prefill:
+    if args.dense_prefix:
+        dense_prefix()
+    elif args.prefill:
         prefill_table()
     elif args.batching:
         batching_table()

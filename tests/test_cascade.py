@@ -16,6 +16,8 @@ from course_lib.serving.cascade import (
     CASCADE_MIN_SAVED_BYTES,
     CascadeChoice,
     cascade_min_prefix,
+    dense_prefix_pass,
+    gather_prefix,
     shared_prefix,
 )
 
@@ -66,6 +68,46 @@ def test_cascade_matches_float64_attention_over_each_full_sequence(
     assert out.shape == (B, Tq, Hq, 16) and out.dtype == dtype
     tol = 1e-5 if dtype == torch.float32 else 2e-3
     torch.testing.assert_close(out.cpu().double(), ref, rtol=tol, atol=tol)
+
+
+def test_gather_prefix_copies_the_prefix_keys_head_major():
+    """`gather_prefix`: the prefix's first prefix_len tokens of K and V from its scattered pages, (Hkv, P, d)."""
+    q, k, v, pages, plen, _, _ = _setup(2, 1, 4, 2, 16, 37, [3, 4], 8, torch.float32)
+    gk, gv = gather_prefix(k, v, pages, plen)
+    idx = torch.arange(plen, device=k.device)
+    rows = pages.long()[idx // 8]
+    assert gk.is_contiguous() and gk.shape == (2, plen, 16)
+    assert torch.equal(gk, k[rows, idx % 8].transpose(0, 1)) and torch.equal(
+        gv, v[rows, idx % 8].transpose(0, 1)
+    )
+
+
+def _hopper() -> bool:
+    return DEV.type == "cuda" and torch.cuda.get_device_capability()[0] == 9
+
+
+@pytest.mark.skipif(not _hopper(), reason="the dense prefix pass runs the Gluon forward: Hopper GPUs only")
+@pytest.mark.parametrize(
+    "B,Tq,Hq,Hkv,d,prefix_len,suffix_lens,dtype",
+    [
+        (4, 1, 32, 8, 128, 4096, [1, 70, 300, 65], torch.bfloat16),  # the bench's heads, ragged suffixes
+        (8, 2, 16, 4, 64, 8192, [2, 9, 17, 64, 65, 3, 128, 40], torch.float16),  # d = 64, Tq = 2
+        (3, 1, 8, 8, 128, 2048, [5, 1, 12], torch.bfloat16),  # no grouping
+    ],
+)
+def test_the_dense_prefix_pass_matches_float64_attention(B, Tq, Hq, Hkv, d, prefix_len, suffix_lens, dtype):
+    """With the prefix gathered once (`gather_prefix`), the prefix pass runs the warp-specialised forward over its
+    DENSE_PREFIX_SPLITS slices (`dense_prefix_pass`); the step against float64 attention over each full sequence,
+    and the plan taken (not the paged pass)."""
+    args = _setup(B, Tq, Hq, Hkv, d, prefix_len, suffix_lens, 64, dtype)
+    q, k, v, pages, plen = args[:5]
+    prefix_kv = gather_prefix(k, v, pages, plen)
+    assert dense_prefix_pass(q, prefix_kv, plen) is not None
+    out = cascade_decode_attention(*args, prefix_kv=prefix_kv)
+    ref = cascade_reference(*args)
+    torch.testing.assert_close(out.cpu().double(), ref, rtol=2e-2, atol=2e-2)
+    paged = cascade_decode_attention(*args).cpu().double()
+    assert (out.cpu().double() - ref).abs().max() <= 2 * (paged - ref).abs().max() + 4e-3
 
 
 class _Calls:

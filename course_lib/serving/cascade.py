@@ -50,6 +50,8 @@ __all__ = [
     "cascade_min_prefix",
     "cascade_passes",
     "cascade_reference",
+    "dense_prefix_pass",
+    "gather_prefix",
     "shared_prefix",
 ]
 
@@ -86,7 +88,7 @@ def _check(q, k_pages, prefix_pages, prefix_len, block_table, suffix_lens, where
 
 def cascade_decode_attention(
     q, k_pages, v_pages, prefix_pages, prefix_len: int, block_table, suffix_lens, scale=None, num_splits=None,
-    *, validate: bool = True,
+    *, validate: bool = True, prefix_kv=None,
 ):  # fmt: skip
     """Decoding attention of B sequences that share a prefix, the prefix read once.
 
@@ -97,11 +99,13 @@ def cascade_decode_attention(
     of it sees the whole prefix and suffix keys j <= suffix_lens[b] - Tq + t. Returns out (B, Tq, Hq, d) in q's
     dtype. Not differentiable (serving). validate: as `paged_decode_attention`'s (False: no sync per call, for a
     batcher whose cache built the tables). Three launches (`cascade_passes`): the prefix pass and the suffix
-    pass, on two streams with `OVERLAP`, then the one combine once both are done."""
+    pass, on two streams with `OVERLAP`, then the one combine once both are done. prefix_kv: None, or the
+    prefix's K and V gathered once (`gather_prefix`), which a Hopper GPU's prefix pass reads with the
+    warp-specialised forward (`dense_prefix_pass`)."""
     side = side_stream(q.device) if OVERLAP else None
     prefix, suffix, merge, out = cascade_passes(
         q, k_pages, v_pages, prefix_pages, prefix_len, block_table, suffix_lens, scale, num_splits,
-        validate=validate, pdl=side is None and pdl_enabled(q.device),
+        validate=validate, pdl=side is None and pdl_enabled(q.device), prefix_kv=prefix_kv,
     )  # fmt: skip
     if side is not None:  # the prefix pass (compute-bound) beside the suffix pass (bandwidth-bound)
         main = torch.cuda.current_stream(q.device)
@@ -117,7 +121,7 @@ def cascade_decode_attention(
 
 def cascade_passes(
     q, k_pages, v_pages, prefix_pages, prefix_len: int, block_table, suffix_lens, scale=None, num_splits=None,
-    *, validate: bool = True, pdl: bool = False,
+    *, validate: bool = True, pdl: bool = False, prefix_kv=None,
 ):  # fmt: skip
     """`cascade_decode_attention`'s arguments checked and its three launches planned, not run:
     (prefix, suffix, merge, out), three functions of no argument and the output (B, Tq, Hq, d) in q's dtype
@@ -143,17 +147,22 @@ def cascade_passes(
     prefix_len_t = torch.full(
         (1,), prefix_len, dtype=torch.int32, device=q.device
     )  # a fill: graph-capturable
-    prefix_run = paged_plan(
-        rows, k_pages, v_pages, prefix_table, prefix_len_t, False, num_splits, validate, where, table_row=True
-    )  # fmt: skip
+    dense = None if prefix_kv is None else dense_prefix_pass(q, prefix_kv, prefix_len, scale)
+    if dense is None:
+        prefix_run = paged_plan(
+            rows, k_pages, v_pages, prefix_table, prefix_len_t, False, num_splits, validate, where, table_row=True
+        )  # fmt: skip
     suffix_run = paged_plan(q, k_pages, v_pages, block_table, suffix_lens, True, num_splits, validate, where)
-    s_p, s_s = prefix_run.num_splits, suffix_run.num_splits
+    s_p, s_s = (prefix_run.num_splits if dense is None else dense.splits), suffix_run.num_splits
     o_part = torch.empty((s_p + s_s, B, Tq, Hq, d), dtype=torch.float32, device=q.device)
     l_part = torch.empty((s_p + s_s, B, Tq, Hq), dtype=torch.float32, device=q.device)
     out = torch.empty_like(q)
     lse = torch.empty((B, Tq, Hq), dtype=torch.float32, device=q.device)
 
     def prefix():
+        if dense is not None:
+            dense(o_part[:s_p], l_part[:s_p])
+            return
         write_partials(
             prefix_run, rows, k_pages, v_pages, prefix_table, prefix_len_t,
             o_part[:s_p].view(s_p, 1, B * Tq, Hq, d), l_part[:s_p].view(s_p, 1, B * Tq, Hq), scale,
@@ -172,6 +181,81 @@ def cascade_passes(
         combine(o_part, l_part, out, lse, pdl=pdl)
 
     return prefix, suffix, merge, out
+
+
+def gather_prefix(k_pages, v_pages, prefix_pages, prefix_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The shared prefix's K and V, each (Hkv, prefix_len, d) contiguous, gathered from its pages once: what a
+    group's decode steps read in `dense_prefix_pass` (prefix_pages (P_pages,) int32, on the pools' device). A
+    prefix's full pages do not change while they are shared, so one gather serves every step of the group."""
+
+    def one(pool):
+        return pool.index_select(0, prefix_pages).flatten(0, 1)[:prefix_len].transpose(0, 1).contiguous()
+
+    return one(k_pages), one(v_pages)
+
+
+# Splits of the prefix in `dense_prefix_pass`: the warp-specialised forward has no split of its own, so the
+# prefix's keys are cut into DENSE_PREFIX_SPLITS slices read as that many K/V heads, each with its own copy of
+# the queries (B x Tq x Hq / Hkv rows per K/V head: 256 at B = 64, 32 / 8 heads), and the slices' (O, L) join the
+# combine as the paged pass's splits do.
+DENSE_PREFIX_SPLITS = 16
+
+
+class _DensePrefix:
+    """`dense_prefix_pass`'s plan: buffers made once, the launch recorded; call it with the prefix's slots of
+    the partial buffers (o (S, B, Tq, Hq, d) fp32, l (S, B, Tq, Hq) fp32)."""
+
+    def __init__(self, q, k, v, splits: int, variant, scale: float):
+        B, Tq, Hq, d = q.shape
+        hkv, p = k.shape[0], k.shape[1]
+        self.q, self.splits, self.variant, self.scale = q, splits, variant, scale
+        self.shape = (
+            hkv,
+            splits,
+            Hq // hkv,
+            B * Tq,
+            d,
+        )  # the queries' copies: K/V head, slice, group row, row
+        rows = self.shape[2] * self.shape[3]
+        self.q4 = torch.empty((1, hkv * splits, rows, d), dtype=q.dtype, device=q.device)
+        self.k4 = k.view(1, hkv * splits, p // splits, d)
+        self.v4 = v.view(1, hkv * splits, p // splits, d)
+        self.o4 = torch.empty_like(self.q4)
+        self.l3 = torch.empty((1, hkv * splits, rows), dtype=torch.float32, device=q.device)
+
+    def __call__(self, o_part, l_part) -> None:
+        from ..attention import hopper
+
+        hkv, splits, g, bt, d = self.shape
+        self.q4.view(self.shape).copy_(
+            self.q.view(bt, hkv, g, d).permute(1, 2, 0, 3).unsqueeze(1).expand(self.shape)
+        )
+        hopper.forward(self.q4, self.k4, self.v4, self.o4, self.l3, False, self.scale, self.variant)
+        o_part.view(splits, bt, hkv, g, d).copy_(self.o4.view(self.shape).permute(1, 3, 0, 2, 4))
+        l_part.view(splits, bt, hkv, g).copy_(self.l3.view(self.shape[:4]).permute(1, 3, 0, 2))
+
+
+def dense_prefix_pass(q, prefix_kv, prefix_len: int, scale=None) -> _DensePrefix | None:
+    """The prefix pass with the warp-specialised Gluon forward (`attention.hopper`, notebook 08c) over the
+    prefix gathered once (`gather_prefix`), on a Hopper GPU: every query row of the batch (q (B, Tq, Hq, d))
+    against DENSE_PREFIX_SPLITS slices of the prefix, no mask. None where it does not apply (not a Hopper GPU,
+    a dtype or head dim the kernel lacks, a prefix not cut evenly, or a shape where `hopper.choose` found the
+    Triton kernel faster): the caller keeps the paged prefix pass."""
+    from ..attention import forward as attention_forward
+
+    k, v = prefix_kv
+    if attention_forward.hopper_kernels() is None or k.shape[1] != prefix_len:
+        return None
+    from ..attention import hopper
+
+    splits = DENSE_PREFIX_SPLITS
+    B, Tq, Hq, d = q.shape
+    if prefix_len % splits or not hopper.supports(q, k, v):
+        return None
+    variant = hopper.choose(d, False, B * Tq * Hq // k.shape[0], prefix_len // splits)
+    if variant is None:
+        return None
+    return _DensePrefix(q, k, v, splits, variant, 1 / math.sqrt(d) if scale is None else scale)
 
 
 # The prefix and suffix passes on two CUDA streams, so that one's programs fill the SMs the other leaves idle
