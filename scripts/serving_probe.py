@@ -115,7 +115,7 @@ def cascade_pieces():
         print(f"cascade step, {'two streams' if overlap else 'one stream '}: {graph_ms(step) * 1e3:7.1f} us")
 
 
-def dense_prefix(splits_tried=(8, 16, 32)):
+def dense_prefix(splits_tried=(4, 8, 16)):
     """--dense-prefix: the cascade step of `cascade_pieces` with its prefix gathered once (`gather_prefix`) and the
     prefix pass on the warp-specialised forward (`dense_prefix_pass`), by DENSE_PREFIX_SPLITS: the pass alone, the
     step on one stream and two, and the step's largest difference from the paged prefix pass's."""

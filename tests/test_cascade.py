@@ -90,9 +90,9 @@ def _hopper() -> bool:
 @pytest.mark.parametrize(
     "B,Tq,Hq,Hkv,d,prefix_len,suffix_lens,dtype",
     [
-        (4, 1, 32, 8, 128, 4096, [1, 70, 300, 65], torch.bfloat16),  # the bench's heads, ragged suffixes
-        (8, 2, 16, 4, 64, 8192, [2, 9, 17, 64, 65, 3, 128, 40], torch.float16),  # d = 64, Tq = 2
-        (3, 1, 8, 8, 128, 2048, [5, 1, 12], torch.bfloat16),  # no grouping
+        (4, 1, 32, 8, 128, 16384, [1, 70, 300, 65], torch.bfloat16),  # the bench's heads, ragged suffixes
+        (8, 2, 16, 4, 64, 16384, [2, 9, 17, 64, 65, 3, 128, 40], torch.float16),  # d = 64, Tq = 2
+        (3, 1, 8, 8, 128, 8192, [5, 1, 12], torch.bfloat16),  # no grouping
     ],
 )
 def test_the_dense_prefix_pass_matches_float64_attention(B, Tq, Hq, Hkv, d, prefix_len, suffix_lens, dtype):
@@ -108,6 +108,39 @@ def test_the_dense_prefix_pass_matches_float64_attention(B, Tq, Hq, Hkv, d, pref
     torch.testing.assert_close(out.cpu().double(), ref, rtol=2e-2, atol=2e-2)
     paged = cascade_decode_attention(*args).cpu().double()
     assert (out.cpu().double() - ref).abs().max() <= 2 * (paged - ref).abs().max() + 4e-3
+    assert dense_prefix_pass(q, prefix_kv, plen - 1) is None  # a prefix that is not the gathered one: paged
+
+
+def test_the_batcher_gathers_a_groups_prefix_once_and_drops_it_after(monkeypatch):
+    """`CascadeChoice` where the dense prefix pass may run (made so here on any device: the toy model's head dim
+    then keeps the paged pass): the group's prefix gathered at its first cascade step, once per layer, kept for
+    its later steps, dropped at a step without cascade; greedy tokens as the paged kernel alone."""
+    from course_lib.serving import cascade
+
+    monkeypatch.setattr(cascade, "dense_prefix_possible", lambda pool: True)
+    calls = []
+    monkeypatch.setattr(cascade, "gather_prefix", lambda *a: calls.append(a[3]) or gather_prefix(*a))
+    model = ToyModel(DEV)
+    prompts = _shared_prompts(model.vocab, 13, (2, 5, 3))
+    other = _shared_prompts(model.vocab, 6, (1,), seed=12)[0]
+    choice = CascadeChoice(min_prefix=8)
+    kept = []
+    step = cascade.CascadeChoice.__call__
+
+    def watched(self, *args):
+        view = step(self, *args)
+        kept.append(None if self._store is None else (view.store is self._store, len(self._store)))
+        return view
+
+    monkeypatch.setattr(cascade.CascadeChoice, "__call__", watched)
+    with_cascade, _ = _serve_sharing(model, choice, prompts, other)
+    paged, _ = _serve_sharing(model, None, prompts, other)
+    assert with_cascade == paged and choice.steps >= 3
+    # each cascade step hands the view the kept store, filled by the step's layers (it reads 0 before the first)
+    assert all(k[0] for k in kept if k)
+    runs = sum(1 for a, b in zip([None] + kept, kept) if a is None and b)
+    assert runs >= 1 and calls == [12] * (model.num_layers * runs)
+    assert kept[-1] is not None and choice(None, [0, 1], [2, 1], None) is None and choice._store is None
 
 
 class _Calls:

@@ -197,8 +197,11 @@ def gather_prefix(k_pages, v_pages, prefix_pages, prefix_len: int) -> tuple[torc
 # Splits of the prefix in `dense_prefix_pass`: the warp-specialised forward has no split of its own, so the
 # prefix's keys are cut into DENSE_PREFIX_SPLITS slices read as that many K/V heads, each with its own copy of
 # the queries (B x Tq x Hq / Hkv rows per K/V head: 256 at B = 64, 32 / 8 heads), and the slices' (O, L) join the
-# combine as the paged pass's splits do.
-DENSE_PREFIX_SPLITS = 16
+# combine as the paged pass's splits do. Measured on an H200 (`scripts/serving_probe.py --dense-prefix`: B = 64,
+# 32 / 8 heads, d = 128, a 32k prefix in pages of 64, S = 1024, bf16, graph replays, 2026-11-29): 8 slices, the
+# prefix pass 86.8 us and the step 164.5 us on two streams; 16: 108.2 / 188.2; 32: 147.7 / 234.4; the paged
+# prefix pass's step 191.3. Gathering the prefix took 241 us, once for the group's steps.
+DENSE_PREFIX_SPLITS = 8
 
 
 class _DensePrefix:
@@ -233,6 +236,20 @@ class _DensePrefix:
         hopper.forward(self.q4, self.k4, self.v4, self.o4, self.l3, False, self.scale, self.variant)
         o_part.view(splits, bt, hkv, g, d).copy_(self.o4.view(self.shape).permute(1, 3, 0, 2, 4))
         l_part.view(splits, bt, hkv, g).copy_(self.l3.view(self.shape[:4]).permute(1, 3, 0, 2))
+
+
+def dense_prefix_possible(pool: torch.Tensor) -> bool:
+    """Whether `dense_prefix_pass` can run on a cache whose pages are `pool` (num_pages, page_size, Hkv, d): a
+    Hopper GPU with Gluon, a dtype and head dim the kernel has. Where not, `CascadeChoice` gathers no prefix."""
+    from ..attention import forward as attention_forward
+
+    if pool.device.type != "cuda" or attention_forward.hopper_kernels() is None:
+        return False
+    from ..attention import hopper
+
+    if pool.dtype not in hopper.DTYPES or pool.shape[-1] not in hopper.HEAD_DIMS:
+        return False
+    return hopper.capability(pool.device.index)[0] == 9
 
 
 def dense_prefix_pass(q, prefix_kv, prefix_len: int, scale=None) -> _DensePrefix | None:
@@ -316,7 +333,12 @@ class CascadeKV:
     batcher gives them. Its tensors reach the GPU in one copy that does not wait (`decode.paged_kv.to_device`;
     one by one, 8 copies that each waited for the GPU)."""
 
-    def __init__(self, cache, seq_ids: list[int], members: list[int], prefix_pages: list[int], slots):
+    def __init__(
+        self, cache, seq_ids: list[int], members: list[int], prefix_pages: list[int], slots, store=None
+    ):
+        self.store = (
+            store  # None, or {layer: the prefix gathered} kept by `CascadeChoice` for the group's steps
+        )
         size = cache.page_size
         self.cache, self.batch = cache, len(seq_ids)
         self.prefix_len = len(prefix_pages) * size
@@ -342,9 +364,18 @@ class CascadeKV:
         self.cache.write(layer, self.slots, k, v, validate=False)  # checked once a step (`__init__`)
         k_pages, v_pages = self.cache.k_pages[layer], self.cache.v_pages[layer]
         shared = q if self.members is None else q[self.members]
+        prefix_kv = None
+        if self.store is not None:
+            prefix_kv = self.store.get(layer)
+            if (
+                prefix_kv is None
+            ):  # the group's first step: its prefix gathered once for the steps that follow
+                prefix_kv = self.store[layer] = gather_prefix(
+                    k_pages, v_pages, self.prefix_pages, self.prefix_len
+                )
         o_shared = cascade_decode_attention(
             shared.unsqueeze(1), k_pages, v_pages, self.prefix_pages, self.prefix_len, self.suffix_table,
-            self.suffix_lens, validate=False,
+            self.suffix_lens, validate=False, prefix_kv=prefix_kv,
         ).squeeze(1)  # fmt: skip
         if self.members is None:
             return o_shared
@@ -361,13 +392,18 @@ class CascadeChoice:
     """A `kv_view` for `decode.ContinuousBatcher` (notebook 14): in a step where every sequence decodes one token,
     the `shared_prefix` group takes cascade attention when its shared prefix holds at least `min_prefix` tokens
     (None: `cascade_min_prefix` for the group's size and the cache's bytes per token, the measured crossover);
-    every other step gets None (the batcher's paged view). `steps` counts the steps it took cascade in."""
+    every other step gets None (the batcher's paged view). `steps` counts the steps it took cascade in.
+
+    On a Hopper GPU the group's prefix is gathered once per layer at its first cascade step and kept while the
+    group's steps last (`gather_prefix`, `dense_prefix_pass`: one more copy of the prefix's K and V per layer);
+    a step that takes no cascade, or another prefix, drops it (a page freed since may hold other tokens)."""
 
     def __init__(self, min_prefix: int | None = None):
         if min_prefix is not None:
             min_prefix = check_int("CascadeChoice", "min_prefix", min_prefix, 1)
         self.min_prefix = min_prefix
         self.steps = 0
+        self._key, self._store = None, None  # the prefix's pages and, per layer, the prefix gathered
 
     def threshold(self, cache, group: int) -> int:
         """The shortest shared prefix, in tokens, for which a group of `group` sequences of `cache` takes cascade."""
@@ -377,13 +413,24 @@ class CascadeChoice:
         return cascade_min_prefix(group, 2 * pool[0, 0].numel() * pool.element_size())
 
     def __call__(self, cache, seq_ids: list[int], new_lens: list[int], slots) -> CascadeKV | None:
+        view = self._choose(cache, seq_ids, new_lens, slots)
+        if view is None:
+            self._key, self._store = None, None
+        return view
+
+    def _choose(self, cache, seq_ids, new_lens, slots) -> CascadeKV | None:
         if len(seq_ids) < 2 or any(n != 1 for n in new_lens):
             return None
         members, pages = shared_prefix(cache, seq_ids)
         if len(members) < 2 or len(pages) * cache.page_size < self.threshold(cache, len(members)):
             return None
         self.steps += 1
-        return CascadeKV(cache, seq_ids, members, pages, slots)
+        store = None
+        if dense_prefix_possible(cache.k_pages[0]):
+            if self._key != tuple(pages):
+                self._key, self._store = tuple(pages), {}
+            store = self._store
+        return CascadeKV(cache, seq_ids, members, pages, slots, store)
 
 
 def cascade_reference(q, k_pages, v_pages, prefix_pages, prefix_len, block_table, suffix_lens, scale=None):
