@@ -90,9 +90,18 @@ def _hopper() -> bool:
 @pytest.mark.parametrize(
     "B,Tq,Hq,Hkv,d,prefix_len,suffix_lens,dtype",
     [
-        (4, 1, 32, 8, 128, 16384, [1, 70, 300, 65], torch.bfloat16),  # the bench's heads, ragged suffixes
-        (8, 2, 16, 4, 64, 16384, [2, 9, 17, 64, 65, 3, 128, 40], torch.float16),  # d = 64, Tq = 2
-        (3, 1, 8, 8, 128, 8192, [5, 1, 12], torch.bfloat16),  # no grouping
+        (
+            64,
+            1,
+            32,
+            8,
+            128,
+            16384,
+            [1, 70, 300, 65] * 16,
+            torch.bfloat16,
+        ),  # the bench's heads, ragged suffixes
+        (32, 2, 16, 4, 64, 16384, [2, 9, 17, 64, 65, 3, 128, 40] * 4, torch.float16),  # d = 64, Tq = 2
+        (256, 1, 8, 8, 128, 8192, [5, 1, 12, 7] * 64, torch.bfloat16),  # no grouping
     ],
 )
 def test_the_dense_prefix_pass_matches_float64_attention(B, Tq, Hq, Hkv, d, prefix_len, suffix_lens, dtype):
@@ -109,6 +118,7 @@ def test_the_dense_prefix_pass_matches_float64_attention(B, Tq, Hq, Hkv, d, pref
     paged = cascade_decode_attention(*args).cpu().double()
     assert (out.cpu().double() - ref).abs().max() <= 2 * (paged - ref).abs().max() + 4e-3
     assert dense_prefix_pass(q, prefix_kv, plen - 1) is None  # a prefix that is not the gathered one: paged
+    assert dense_prefix_pass(q[: B // 2], prefix_kv, plen) is None  # 128 rows per K/V head: paged
 
 
 def test_the_batcher_gathers_a_groups_prefix_once_and_drops_it_after(monkeypatch):

@@ -202,6 +202,10 @@ def gather_prefix(k_pages, v_pages, prefix_pages, prefix_len: int) -> tuple[torc
 # prefix pass 86.8 us and the step 164.5 us on two streams; 16: 108.2 / 188.2; 32: 147.7 / 234.4; the paged
 # prefix pass's step 191.3. Gathering the prefix took 241 us, once for the group's steps.
 DENSE_PREFIX_SPLITS = 8
+# The fewest query rows per K/V head (B x Tq x Hq / Hkv) for the dense prefix pass: its tiles hold 128 rows, and
+# fewer rows leave them part empty. Measured in the serving bench (H200, 16k prefix, graph replays, us, paged
+# prefix pass / dense): B = 4 (16 rows) 33.6 / 62.5, B = 16 (64 rows) 55.6 / 76.7, B = 64 (256 rows) 146.2 / 139.6.
+DENSE_PREFIX_MIN_ROWS = 256
 
 
 class _DensePrefix:
@@ -256,8 +260,9 @@ def dense_prefix_pass(q, prefix_kv, prefix_len: int, scale=None) -> _DensePrefix
     """The prefix pass with the warp-specialised Gluon forward (`attention.hopper`, notebook 08c) over the
     prefix gathered once (`gather_prefix`), on a Hopper GPU: every query row of the batch (q (B, Tq, Hq, d))
     against DENSE_PREFIX_SPLITS slices of the prefix, no mask. None where it does not apply (not a Hopper GPU,
-    a dtype or head dim the kernel lacks, a prefix not cut evenly, or a shape where `hopper.choose` found the
-    Triton kernel faster): the caller keeps the paged prefix pass."""
+    a dtype or head dim the kernel lacks, fewer than DENSE_PREFIX_MIN_ROWS query rows per K/V head, a prefix not
+    cut evenly, or a shape where `hopper.choose` found the Triton kernel faster): the caller keeps the paged
+    prefix pass."""
     from ..attention import forward as attention_forward
 
     k, v = prefix_kv
@@ -267,9 +272,10 @@ def dense_prefix_pass(q, prefix_kv, prefix_len: int, scale=None) -> _DensePrefix
 
     splits = DENSE_PREFIX_SPLITS
     B, Tq, Hq, d = q.shape
-    if prefix_len % splits or not hopper.supports(q, k, v):
+    rows = B * Tq * Hq // k.shape[0]  # query rows per K/V head
+    if rows < DENSE_PREFIX_MIN_ROWS or prefix_len % splits or not hopper.supports(q, k, v):
         return None
-    variant = hopper.choose(d, False, B * Tq * Hq // k.shape[0], prefix_len // splits)
+    variant = hopper.choose(d, False, rows, prefix_len // splits)
     if variant is None:
         return None
     return _DensePrefix(q, k, v, splits, variant, 1 / math.sqrt(d) if scale is None else scale)
