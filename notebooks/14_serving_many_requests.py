@@ -352,13 +352,15 @@ if got:
     cascade_guess.score(cell["speedup"])
 
 # %% [markdown]
-# Where the measured speed-up falls short of the bytes ratio, look at the three pieces: the prefix pass (the
-# decoding kernel, with 128-row programs for its 256 query rows per K/V head, `decode.heuristics.many_rows_tile`),
-# the suffix pass, and the merge: both passes write their splits' partials into one buffer, and one combine
-# merges them all (`serving.cascade.cascade_passes`). The two passes run on two CUDA
-# streams, yet each fills the GPU, so they overlap only at their edges and their times add up, where the
+# Where the measured speed-up falls short of the bytes ratio, look at the three pieces: the prefix pass, the
+# suffix pass, and the merge: both passes write their splits' partials into one buffer, and one combine merges
+# them all (`serving.cascade.cascade_passes`). The prefix pass is prefill-like work (256 query rows per K/V
+# head at B = 64): on a Hopper GPU it runs notebook 08c's warp-specialised forward over the prefix gathered
+# once for the group's steps, its keys cut into 8 slices (`serving.cascade.dense_prefix_pass`); elsewhere the
+# paged decoding kernel with 128-row programs (`decode.heuristics.many_rows_tile`). The two passes run on two
+# CUDA streams, yet each fills the GPU, so they overlap only at their edges and their times add up, where the
 # bound assumes the prefix's arithmetic and the suffixes' reads run at once (notes/serving.md has the time
-# of each piece). A prefill-style kernel for the prefix (notebook 06's) is the next step. The serving record
+# of each piece). The serving record
 # (`make bench BENCH=serving`) also sweeps B and P to show where cascade starts to win: at small B the prefix
 # is read only a few times over, and the second pass and the merge cost more than they save.
 # `PrefixCachingBatcher` takes cascade by itself for the decode steps past that crossover
