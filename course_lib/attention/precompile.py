@@ -11,8 +11,9 @@ specialisation). Triton's on-disk cache then serves the main process, which only
     python -m course_lib.attention.precompile --setup  # what `make setup` runs: first calls' launches
 
 `--setup` (`precompile_setup`) compiles instead what course_lib itself launches (no autotuning candidates) for
-a forward and backward of bf16 and fp16, d in {64, 128}, causal and not, at every size class: a first call
-on that machine then reads its kernels from Triton's cache. On a CPU it does nothing.
+a forward and backward of bf16 and fp16, d in {64, 128}, causal and not, at every size class, for the head
+counts and lengths of `SETUP_SHAPES`: a first call on that machine then reads its kernels from Triton's cache.
+On a CPU it does nothing.
 """
 
 from __future__ import annotations
@@ -72,25 +73,28 @@ def precompile(
 # candidates) for these calls, every size class of `launch.n_bucket` (16 ... 16384 keys).
 SETUP_DTYPES = ("bfloat16", "float16")
 SETUP_HEAD_DIMS = (64, 128)
+# Triton compiles a kernel apart for each pattern of its integer arguments that divide by 16 or not (B x H, H,
+# lengths, strides). bf16 calls, the models' dtype, are compiled for four: 16 heads (or a multiple: Llama's 32)
+# and 12 (GPT-2's; any count that 16 does not divide), each with lengths that 16 divides (powers of two) and
+# lengths 8 short of them (a prompt of any length). fp16 for the first alone. (heads, tokens short of n):
+SETUP_SHAPES = {"bfloat16": ((16, 0), (12, 0), (16, 8), (12, 8)), "float16": ((16, 0),)}
 
 
 def _compile_setup(job):
-    """Worker: run forward + backward once at every size class for one (dtype, d, causal): each launch
-    course_lib chooses is compiled into Triton's on-disk cache (a class whose launch is already there
-    costs a cache read). Returns errors, if any."""
+    """Worker: run forward + backward once at every size class for one (dtype, d, causal, heads, tokens short of
+    the class's power of two): each launch course_lib chooses is compiled into Triton's on-disk cache (a class
+    whose launch is already there costs a cache read). Returns errors, if any."""
     import torch
 
     from course_lib import flash_attention
 
-    dtype_name, d, causal = job
+    dtype_name, d, causal, heads, short = job
     dtype, errors = getattr(torch, dtype_name), []
     n = 16
     while n <= 16384:
         try:
-            q, k, v = (
-                # 16 heads: Triton specialises an integer on whether it divides by 16 (B x H, H, strides), so these
-                # are the kernels of the many models whose head counts divide by 16
-                torch.randn(1, 16, n, d, device="cuda", dtype=dtype, requires_grad=True)
+            q, k, v = (  # SETUP_SHAPES says which heads and lengths, and why
+                torch.randn(1, heads, n - short, d, device="cuda", dtype=dtype, requires_grad=True)
                 for _ in range(3)
             )
             o = flash_attention(q, k, v, causal=causal)
@@ -98,7 +102,8 @@ def _compile_setup(job):
             torch.cuda.synchronize()
         except Exception as exc:
             errors.append(
-                f"{dtype_name}, d={d}, causal={causal}, N={n}: {type(exc).__name__}: {str(exc)[:160]}"
+                f"{dtype_name}, d={d}, causal={causal}, H={heads}, N={n - short}: {type(exc).__name__}: "
+                f"{str(exc)[:160]}"
             )
         n *= 2
     return errors
@@ -114,7 +119,13 @@ def precompile_setup(workers: int | None = None):
 
     if not runtime.ON_GPU:
         return 0.0, []
-    jobs = [(t, d, c) for t in SETUP_DTYPES for d in SETUP_HEAD_DIMS for c in (False, True)]
+    jobs = [
+        (t, d, c, h, short)
+        for t in SETUP_DTYPES
+        for h, short in SETUP_SHAPES[t]
+        for d in SETUP_HEAD_DIMS
+        for c in (False, True)
+    ]
     workers = workers or runtime.compile_workers(len(jobs))
     t0 = time.perf_counter()
     with mp.get_context("spawn").Pool(workers) as pool:
