@@ -121,37 +121,6 @@ def test_the_dense_prefix_pass_matches_float64_attention(B, Tq, Hq, Hkv, d, pref
     assert dense_prefix_pass(q[: B // 2], prefix_kv, plen) is None  # 128 rows per K/V head: paged
 
 
-def test_the_batcher_gathers_a_groups_prefix_once_and_drops_it_after(monkeypatch):
-    """`CascadeChoice` where the dense prefix pass may run (made so here on any device: the toy model's head dim
-    then keeps the paged pass): the group's prefix gathered at its first cascade step, once per layer, kept for
-    its later steps, dropped at a step without cascade; greedy tokens as the paged kernel alone."""
-    from course_lib.serving import cascade
-
-    monkeypatch.setattr(cascade, "dense_prefix_possible", lambda pool: True)
-    calls = []
-    monkeypatch.setattr(cascade, "gather_prefix", lambda *a: calls.append(a[3]) or gather_prefix(*a))
-    model = ToyModel(DEV)
-    prompts = _shared_prompts(model.vocab, 13, (2, 5, 3))
-    other = _shared_prompts(model.vocab, 6, (1,), seed=12)[0]
-    choice = CascadeChoice(min_prefix=8)
-    kept = []
-    step = cascade.CascadeChoice.__call__
-
-    def watched(self, *args):
-        view = step(self, *args)
-        kept.append(None if self._store is None else (view.store is self._store, len(self._store)))
-        return view
-
-    monkeypatch.setattr(cascade.CascadeChoice, "__call__", watched)
-    _serve_sharing(model, choice, prompts, other)  # its tokens: the test above, with the same set-up
-    assert choice.steps >= 3
-    # each cascade step hands the view the kept store, filled by the step's layers (it reads 0 before the first)
-    assert all(k[0] for k in kept if k)
-    runs = sum(1 for a, b in zip([None] + kept, kept) if a is None and b)
-    assert runs >= 1 and calls == [12] * (model.num_layers * runs)
-    assert kept[-1] is not None and choice(None, [0, 1], [2, 1], None) is None and choice._store is None
-
-
 class _Calls:
     """A launcher (`combine`, `write_partials`) that records argument `index` of each call: its partials."""
 
@@ -271,10 +240,27 @@ def _serve_sharing(model, kv_view, prompts, other):
     return [batcher.finished[i].generated for i in ids], batcher
 
 
-def test_the_batcher_takes_cascade_over_a_shared_prefix_with_the_same_greedy_tokens():
+def test_the_batcher_takes_cascade_over_a_shared_prefix_with_the_same_greedy_tokens(monkeypatch):
     """Three requests on the cached pages of a 13-token prefix (3 full pages of 4) and one of their own: with a
     threshold of 8 tokens the decode steps take cascade for the three and the paged kernel for the fourth, and
-    every request generates exactly the tokens of the paged kernel alone and of full attention."""
+    every request generates exactly the tokens of the paged kernel alone and of full attention.
+
+    With the dense prefix pass taken as possible (on any device here: the toy model's head dim then keeps the
+    paged pass), the group's prefix is gathered at its first cascade step, once per layer, handed to the
+    steps that follow, and dropped at a step without cascade."""
+    from course_lib.serving import cascade
+
+    monkeypatch.setattr(cascade, "dense_prefix_possible", lambda pool: True)
+    calls, kept = [], []
+    monkeypatch.setattr(cascade, "gather_prefix", lambda *a: calls.append(a[3]) or gather_prefix(*a))
+    choose = cascade.CascadeChoice.__call__
+
+    def watched(self, *args):
+        view = choose(self, *args)
+        kept.append(None if self._store is None else view.store is self._store)
+        return view
+
+    monkeypatch.setattr(cascade.CascadeChoice, "__call__", watched)
     model = ToyModel(DEV)
     prompts = _shared_prompts(model.vocab, 13, (2, 5, 3))
     other = _shared_prompts(model.vocab, 6, (1,), seed=12)[0]
@@ -282,6 +268,9 @@ def test_the_batcher_takes_cascade_over_a_shared_prefix_with_the_same_greedy_tok
     with_cascade, batcher = _serve_sharing(model, choice, prompts, other)
     paged, plain = _serve_sharing(model, None, prompts, other)
     assert choice.steps >= 3, "the set-up must reach decode steps over the shared prefix"
+    runs = sum(1 for a, b in zip([None, *kept], kept) if a is None and b is not None)
+    assert all(k is not False for k in kept) and runs >= 1 and calls == [12] * (model.num_layers * runs)
+    assert choice(None, [0, 1], [2, 1], None) is None and choice._store is None
     assert plain.kv_view is None
     assert with_cascade == paged
     for p, got in zip(prompts + [other], with_cascade):

@@ -209,20 +209,16 @@ DENSE_PREFIX_MIN_ROWS = 256
 
 
 class _DensePrefix:
-    """`dense_prefix_pass`'s plan: buffers made once, the launch recorded; call it with the prefix's slots of
-    the partial buffers (o (S, B, Tq, Hq, d) fp32, l (S, B, Tq, Hq) fp32)."""
+    """`dense_prefix_pass`'s plan, its buffers made once: called with the prefix's slots of the partial buffers
+    (o (S, B, Tq, Hq, d) fp32, l (S, B, Tq, Hq) fp32), it copies the queries once per slice, runs the Gluon
+    forward over the slices as K/V heads, and permutes its (O, L) into those slots (three copies, one launch)."""
 
     def __init__(self, q, k, v, splits: int, variant, scale: float):
         B, Tq, Hq, d = q.shape
         hkv, p = k.shape[0], k.shape[1]
         self.q, self.splits, self.variant, self.scale = q, splits, variant, scale
-        self.shape = (
-            hkv,
-            splits,
-            Hq // hkv,
-            B * Tq,
-            d,
-        )  # the queries' copies: K/V head, slice, group row, row
+        # the queries' copies: (K/V head, slice, query head within the group, query row, d)
+        self.shape = (hkv, splits, Hq // hkv, B * Tq, d)
         rows = self.shape[2] * self.shape[3]
         self.q4 = torch.empty((1, hkv * splits, rows, d), dtype=q.dtype, device=q.device)
         self.k4 = k.view(1, hkv * splits, p // splits, d)
@@ -342,9 +338,8 @@ class CascadeKV:
     def __init__(
         self, cache, seq_ids: list[int], members: list[int], prefix_pages: list[int], slots, store=None
     ):
-        self.store = (
-            store  # None, or {layer: the prefix gathered} kept by `CascadeChoice` for the group's steps
-        )
+        # None, or {layer: the prefix gathered} that `CascadeChoice` keeps for the group's steps
+        self.store = store
         size = cache.page_size
         self.cache, self.batch = cache, len(seq_ids)
         self.prefix_len = len(prefix_pages) * size
@@ -373,12 +368,9 @@ class CascadeKV:
         prefix_kv = None
         if self.store is not None:
             prefix_kv = self.store.get(layer)
-            if (
-                prefix_kv is None
-            ):  # the group's first step: its prefix gathered once for the steps that follow
-                prefix_kv = self.store[layer] = gather_prefix(
-                    k_pages, v_pages, self.prefix_pages, self.prefix_len
-                )
+            if prefix_kv is None:  # the group's first step: the prefix gathered for the steps that follow
+                gathered = gather_prefix(k_pages, v_pages, self.prefix_pages, self.prefix_len)
+                prefix_kv = self.store[layer] = gathered
         o_shared = cascade_decode_attention(
             shared.unsqueeze(1), k_pages, v_pages, self.prefix_pages, self.prefix_len, self.suffix_table,
             self.suffix_lens, validate=False, prefix_kv=prefix_kv,
