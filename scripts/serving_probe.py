@@ -90,9 +90,9 @@ def prefix_pass_rows():
               f"{ms * 1e3:7.1f} us, {kv_bytes / (ms * 1e-3) / 1e9:6.0f} GB/s of distinct K/V")  # fmt: skip
 
 
-def cascade_pieces():
-    from course_lib.serving import cascade
-
+def cascade_step_args():
+    """The cascade step both probes time: (q, k_pages, v_pages, prefix_pages, P, block_table, suffix_lens) of
+    B = 64 sequences sharing a P-token prefix, S = 1024 of their own, pages scattered."""
     gen = torch.Generator().manual_seed(2)
     b, s = 64, 1024
     pages = (P + b * s) // PAGE
@@ -102,6 +102,13 @@ def cascade_pieces():
     prefix_pages, table = perm[: P // PAGE], perm[P // PAGE :].view(b, -1)
     q = torch.randn(b, 1, HQ, D, generator=gen).to("cuda", torch.bfloat16)
     lens = torch.full((b,), s, dtype=torch.int32, device="cuda")
+    return q, k, v, prefix_pages, P, table, lens
+
+
+def cascade_pieces():
+    from course_lib.serving import cascade
+
+    q, k, v, prefix_pages, _, table, lens = cascade_step_args()
     prefix, suffix, merge, _ = cascade.cascade_passes(q, k, v, prefix_pages, P, table, lens, validate=False)
 
     def step():
@@ -122,16 +129,8 @@ def dense_prefix(splits_tried=(4, 8, 16)):
     from course_lib.perf.timing import benchmark
     from course_lib.serving import cascade
 
-    gen = torch.Generator().manual_seed(2)
-    b, s = 64, 1024
-    pages = (P + b * s) // PAGE
-    k = torch.randn(pages, PAGE, HKV, D, generator=gen).to("cuda", torch.bfloat16)
-    v = torch.randn(pages, PAGE, HKV, D, generator=gen).to("cuda", torch.bfloat16)
-    perm = torch.randperm(pages, generator=gen).to(torch.int32).cuda()
-    prefix_pages, table = perm[: P // PAGE], perm[P // PAGE :].view(b, -1)
-    q = torch.randn(b, 1, HQ, D, generator=gen).to("cuda", torch.bfloat16)
-    lens = torch.full((b,), s, dtype=torch.int32, device="cuda")
-    args = (q, k, v, prefix_pages, P, table, lens)
+    args = cascade_step_args()
+    q, k, v, prefix_pages = args[:4]
     gather_ms = benchmark(lambda: cascade.gather_prefix(k, v, prefix_pages, P))
     print(f"gather_prefix (once a group): {gather_ms * 1e3:.1f} us")
     prefix_kv = cascade.gather_prefix(k, v, prefix_pages, P)
