@@ -137,12 +137,12 @@ def dense_prefix(splits_tried=(4, 8, 16)):
     want = cascade.cascade_decode_attention(*args, validate=False).float()
     paged_ms = graph_ms(lambda: cascade.cascade_decode_attention(*args, validate=False))
     print(f"paged prefix pass step, two streams: {paged_ms * 1e3:.1f} us")
-    for splits, priority in [(n, 0) for n in splits_tried] + [(4, -1), (8, -1)]:
-        cascade.DENSE_PREFIX_SPLITS, cascade.PREFIX_PRIORITY = splits, priority
+    for splits in splits_tried:
+        cascade.DENSE_PREFIX_SPLITS = splits
         prefix, suffix, merge, out = cascade.cascade_passes(*args, validate=False, prefix_kv=prefix_kv)
         prefix(), suffix(), merge()
         err = (out.float() - want).abs().max().item()
-        line = [f"splits {splits:2d}, priority {priority:2d}: prefix pass {graph_ms(prefix) * 1e3:6.1f} us"]
+        line = [f"splits {splits:2d}: prefix pass {graph_ms(prefix) * 1e3:6.1f} us"]
         for overlap in (False, True):
             cascade.OVERLAP = overlap
 
@@ -151,7 +151,7 @@ def dense_prefix(splits_tried=(4, 8, 16)):
 
             line.append(f"step {'two streams' if overlap else 'one stream'} {graph_ms(step) * 1e3:6.1f} us")
         print(", ".join(line) + f", max diff from the paged pass {err:.1e}")
-    cascade.DENSE_PREFIX_SPLITS, cascade.OVERLAP, cascade.PREFIX_PRIORITY = 8, True, 0
+    cascade.DENSE_PREFIX_SPLITS, cascade.OVERLAP = 16, True
 
 
 def ttft_profile():

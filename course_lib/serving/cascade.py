@@ -282,22 +282,12 @@ def dense_prefix_pass(q, prefix_kv, prefix_len: int, scale=None) -> _DensePrefix
 OVERLAP = True
 
 
-# The side stream's priority (CUDA: lower is higher; 0 the default): a higher one lets the prefix pass's programs
-# take SMs before the suffix pass's when both wait for them.
-PREFIX_PRIORITY = 0
-
-
 @functools.cache
-def _side_stream(device: torch.device, priority: int):
-    return torch.cuda.Stream(device=device, priority=priority)
-
-
 def side_stream(device: torch.device):
-    """A second CUDA stream of `device` for the prefix pass, at PREFIX_PRIORITY (None off CUDA): one per device
-    and priority, made once."""
+    """A second CUDA stream of `device` for the prefix pass (None off CUDA): one per device, made once."""
     if device.type != "cuda":
         return None
-    return _side_stream(device, PREFIX_PRIORITY)
+    return torch.cuda.Stream(device=device)
 
 
 def cascade_min_prefix(batch: int, token_bytes: int) -> int:
