@@ -6,7 +6,8 @@ sequence's keys in two disjoint sets and merges the partial results with noteboo
 
 1. prefix: every query row of the batch, B * Tq of them, attends to the shared prefix's pages in ONE pass of the
    paged kernel: one K/V stream read once, many query rows against it (compute-friendly, like a prefill);
-   no mask (the prefix lies wholly before every query);
+   no mask (the prefix lies wholly before every query). On a Hopper GPU, with the prefix gathered once for a
+   group's steps, the pass is notebook 08c's warp-specialised forward over slices of it (`dense_prefix_pass`);
 2. suffix: each sequence attends to its own pages with the paged decoding kernel, causal bottom-right (the
    queries are the last Tq tokens of the suffix);
 3. the merge, over every part at once: each pass writes its splits' partial (O_s, L_s) into its slots of ONE
