@@ -260,10 +260,8 @@ def dense_prefix_pass(q, prefix_kv, prefix_len: int, scale=None) -> _DensePrefix
     a dtype or head dim the kernel lacks, fewer than DENSE_PREFIX_MIN_ROWS query rows per K/V head, a prefix not
     cut evenly, or a shape where `hopper.choose` found the Triton kernel faster): the caller keeps the paged
     prefix pass."""
-    from ..attention import forward as attention_forward
-
     k, v = prefix_kv
-    if attention_forward.hopper_kernels() is None or k.shape[1] != prefix_len:
+    if k.shape[1] != prefix_len or not dense_prefix_possible(k):
         return None
     from ..attention import hopper
 
