@@ -2,6 +2,7 @@
 
     COURSE_DEVICE=cuda python3 scripts/hopper_ws_forward.py [--ns 1024,4096,16384]
     COURSE_DEVICE=cuda python3 scripts/hopper_ws_forward.py --passes 4 [--heads 128]
+    COURSE_DEVICE=cuda python3 scripts/hopper_ws_forward.py --bottom-right 3280x32768,1024x8192 [--passes 4]
 
 Checks every variant below against a float32 reference (ragged, causal, Nq != Nk, bf16 and fp16,
 K/V with as many heads as Q and with one: grouped-query attention), then times each on the standard
@@ -97,13 +98,60 @@ def repeated(heads: list[int], ns: list[int], passes: int) -> None:
     print(f"choose's pick over the fastest: min {min(shares):.3f}, geomean {summarise(shares)[1]:.3f}")
 
 
+def bottom_right(heads: list[int], pairs: list[tuple[int, int]], passes: int) -> None:
+    """`repeated` for causal bottom-right calls (Nq queries at the end of Nk keys: a chunk of a prompt over its
+    KV cache), Nq x Nk pairs, bf16, H * d = 2048 query heads over a quarter as many K/V heads, B * Nq ~ 8k
+    rows; FLOPs counted over the visible (query, key) pairs. Each kernel is checked against the float32
+    reference first."""
+    bench = lambda fn: triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")  # noqa: E731
+    for d in heads:
+        for n_q, n_k in pairs:
+            b, h, offset = max(1, 8192 // n_q), 2048 // d, n_k - n_q
+            q = torch.randn(b, h, n_q, d, device="cuda", dtype=torch.bfloat16)
+            k, v = (torch.randn(b, h // 4, n_k, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+            flops = 4.0 * b * h * d * (n_q * offset + n_q * (n_q + 1) / 2)
+            kernels = [None, *VARIANTS[d]]
+
+            def run(t, q=q, k=k, v=v, offset=offset, d=d):
+                if t is None:
+                    return attention_forward(q, k, v, "bottom_right", config={"hopper": False})
+                o, lse = torch.empty_like(q), torch.empty(q.shape[:-1], device="cuda", dtype=torch.float32)
+                hopper.forward(q, k, v, o, lse, True, d**-0.5, t, offset)
+                return o, lse
+
+            ref = torch.nn.functional.scaled_dot_product_attention(
+                q[:1].float(), k[:1].float(), v[:1].float(), enable_gqa=True,
+                attn_mask=torch.ones(n_q, n_k, dtype=torch.bool, device="cuda").tril(offset),
+            )  # fmt: skip
+            for t in kernels:
+                err = (run(t)[0][:1].float() - ref).abs().max().item()
+                assert err < 2e-2, f"d={d} {n_q}x{n_k} {t}: max error {err}"
+            times = interleaved({t: (lambda t=t: run(t)) for t in kernels}, passes, bench)
+            tflops = {t: flops / statistics.median(ms) * 1e-9 for t, ms in times.items()}
+            best = max(tflops, key=tflops.get)
+            pick = hopper.choose(d, True, n_q, n_k, offset)
+            print(
+                f"d={d:3d} bottom-right {n_q}x{n_k} B={b} | "
+                + " ".join(f"{'Triton' if t is None else t}:{x:4.0f}" for t, x in tflops.items())
+                + f" | best {'Triton' if best is None else best}, pick {'Triton' if pick is None else pick}"
+                f" at {tflops[pick] / tflops[best]:.3f} of it",
+                flush=True,
+            )
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--ns", default="1024,2048,4096,8192,16384")
     ap.add_argument("--passes", type=int, default=0, help="time only choose's candidates, this many passes")
     ap.add_argument("--heads", default="64,128", help="head dims for --passes")
+    ap.add_argument("--bottom-right", default="", help="NqxNk,... : time bottom-right causal calls")
     args = ap.parse_args()
     t0 = time.time()
+    if args.bottom_right:
+        pairs = [tuple(map(int, p.split("x"))) for p in args.bottom_right.split(",")]
+        bottom_right(list(map(int, args.heads.split(","))), pairs, args.passes or 3)
+        print(f"total {time.time() - t0:.0f} s")
+        return
     if args.passes:
         repeated(list(map(int, args.heads.split(","))), list(map(int, args.ns.split(","))), args.passes)
         print(f"total {time.time() - t0:.0f} s")

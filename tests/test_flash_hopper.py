@@ -1,9 +1,10 @@
 """Tests of course_lib.attention.hopper: FlashAttention-3's warp-specialised forward in Gluon.
 
 The kernel runs only on a Hopper GPU (Gluon has no interpreter): there every variant is compared with
-the float64 reference (ragged lengths, Nq != Nk, causal, bf16 and fp16, d = 64 and 128, one or several
-tiles per program), and `forward.forward` is checked to take it where `hopper.choose` says and to
-leave it otherwise. On any machine: the launch parameters fit the hardware, and the CPU never takes it.
+the float64 reference (ragged lengths, Nq != Nk, causal top-left and bottom-right, bf16 and fp16,
+d = 64 and 128, one or several tiles per program), and `forward.forward` is checked to take it where
+`hopper.choose` says and to leave it otherwise. On any machine: the launch parameters fit the
+hardware, and the CPU never takes it.
 """
 
 from __future__ import annotations
@@ -56,12 +57,16 @@ def test_cpu_never_takes_it():
     assert fwd_mod.hopper_kernels() is None
 
 
-# (name, q shape (B, H, Nq, d), Nk, causal): a tile of 128 or 192 query rows, K/V blocks of 128.
+# (name, q shape (B, H, Nq, d), Nk, causal): a tile of 128 or 192 query rows, K/V blocks of 128. Bottom-right
+# offsets (Nk - Nq) that 64 does not divide, below Nq and above it (`choose`'s two rules).
 CASES = [
     ("N=1000, Nk=1531", (2, 3, 1000, None), 1531, False),
     ("N=1000, Nk=1531, causal", (2, 3, 1000, None), 1531, True),
     ("Nq=77 < Nk=300, causal", (2, 3, 77, None), 300, True),
     ("Nq=300 > Nk=77, causal", (2, 3, 300, None), 77, True),
+    ("Nq=77 < Nk=300, bottom-right", (2, 3, 77, None), 300, "bottom_right"),
+    ("Nq=700 < Nk=1531, bottom-right", (2, 3, 700, None), 1531, "bottom_right"),
+    ("Nq=200 < Nk=2345, bottom-right", (1, 4, 200, None), 2345, "bottom_right"),
     ("N=130 ragged", (1, 5, 130, None), 130, False),
     ("N=4096, causal, many tiles per SM", (1, 40, 4096, None), 4096, True),
     ("N=1, one query", (3, 2, 1, None), 1, True),
@@ -81,7 +86,8 @@ def test_every_variant_matches_reference(name, shape, n_k, causal, dtype, d):
     for variant in hopper.VARIANTS[d]:
         o = torch.empty_like(q)
         lse = torch.empty(q.shape[:-1], dtype=torch.float32, device="cuda")
-        hopper.forward(q, k, v, o, lse, causal, d**-0.5, variant)
+        offset = n_k - shape[2] if causal == "bottom_right" else 0
+        hopper.forward(q, k, v, o, lse, bool(causal), d**-0.5, variant, offset)
         what = f"{name}, d={d}, {dtype}, variant {variant}"
         assert_close_to_reference(o, ref_o, base_o, what=f"O, {what}")
         torch.testing.assert_close(lse.cpu().double(), ref_l, rtol=1e-4, atol=1e-4, msg=f"L, {what}")
@@ -117,6 +123,20 @@ def test_forward_takes_it_where_chosen(monkeypatch):
     fwd_mod.forward(q, k, v, True, config={"BLOCK_M": 64})
     fwd_mod.forward(q[..., :64].contiguous(), k[..., :64].contiguous(), v[..., :64].contiguous(), True)
     assert len(calls) == 2, f"the Gluon kernel ran where it should not: {calls}"
+    # Bottom-right (a chunk of queries at the end of a KV cache) takes it; with Nq > Nk (rows that see no
+    # key) it does not.
+    chosen = hopper.choose(128, True, 700, 1500, 800)
+    assert chosen is not None, "the test needs a bottom-right shape where the Gluon kernel is chosen"
+    o_br, lse_br = fwd_mod.forward(q, k, v, "bottom_right")
+    assert calls[2:] == [chosen], f"bottom-right: Gluon kernel calls {calls[2:]}"
+    ref_o, ref_l = reference_attention(
+        *(t.cpu().double() for t in (q, k, v)), "bottom_right", return_lse=True
+    )
+    base_o, _ = reference_outputs(q, k, v, "bottom_right")
+    assert_close_to_reference(o_br, ref_o, base_o, what="O, Gluon, (2, 4, 700 / 1500, 128) bottom-right")
+    torch.testing.assert_close(lse_br.cpu().double(), ref_l, rtol=1e-4, atol=1e-4, msg="L, bottom-right")
+    fwd_mod.forward(k[:, :, :700].contiguous(), q, v[:, :, :700].contiguous(), "bottom_right")
+    assert len(calls) == 3, f"bottom-right with Nq > Nk ran the Gluon kernel: {calls}"
     assert not fwd_mod.HOPPER_FAILED, fwd_mod.HOPPER_FAILED
 
 

@@ -102,12 +102,14 @@ def _try_hopper(
         return False
     if hooks or not hopper.supports(q4, k4, v4):  # a teaching variant runs in the Triton kernel only
         return False
-    if causal and offset != 0:  # the Gluon kernel masks top-left only (bottom-right with Nq = Nk is that)
+    if causal and offset < 0:  # bottom-right with Nq > Nk: rows that see no key stay with the Triton kernel
         return False
-    variant = hopper.choose(q4.shape[-1], causal, q4.shape[2], k4.shape[2])
+    variant = hopper.choose(q4.shape[-1], causal, q4.shape[2], k4.shape[2], offset if causal else 0)
     if variant is None:
         return False
-    return run_gluon("forward", HOPPER_FAILED, hopper.forward, q4, k4, v4, o4, l3, causal, scale, variant)
+    return run_gluon(
+        "forward", HOPPER_FAILED, hopper.forward, q4, k4, v4, o4, l3, causal, scale, variant, offset
+    )
 
 
 def run_gluon(what: str, failed: list[str], kernel, *args) -> bool:

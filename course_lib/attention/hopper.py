@@ -75,18 +75,19 @@ def _online_softmax(s, m_i, l_i, qk_scale, DTYPE: gl.constexpr, p_layout: gl.con
 @gluon.jit
 def softmax_step(
     s, m_i, l_i, cols, rows, n_k, qk_scale, masked,
-    CAUSAL: gl.constexpr, DTYPE: gl.constexpr, p_layout: gl.constexpr,
+    CAUSAL: gl.constexpr, DTYPE: gl.constexpr, p_layout: gl.constexpr, offset,
 ):  # fmt: skip
-    """`_online_softmax` of s, with invisible scores (key past n_k; key after query when CAUSAL)
-    set to -inf first when `masked`. A run-time branch: only the last block and the causal
-    diagonal pay for masks. Each branch holds a whole softmax, which keeps the exponentials in
-    their own basic block, ahead of the wgmma wait that follows: the assembler schedules within a
-    block, and a PTX wgmma wait names no registers, so it would otherwise be free to hoist the
-    wait above the exponentials and nothing would overlap (seen in the machine code)."""
+    """`_online_softmax` of s, with invisible scores (key past n_k; under CAUSAL, key j after query
+    row i + offset: 0 top-left, n_k - n_q bottom-right) set to -inf first when `masked`. A run-time
+    branch: only the last block and the causal diagonal pay for masks. Each branch holds a whole
+    softmax, which keeps the exponentials in their own basic block, ahead of the wgmma wait that
+    follows: the assembler schedules within a block, and a PTX wgmma wait names no registers, so it
+    would otherwise be free to hoist the wait above the exponentials and nothing would overlap (seen
+    in the machine code)."""
     if masked:
         visible = gl.expand_dims(cols, 0) < n_k
         if CAUSAL:
-            visible = visible & (gl.expand_dims(rows, 1) >= gl.expand_dims(cols, 0))
+            visible = visible & (gl.expand_dims(rows + offset, 1) >= gl.expand_dims(cols, 0))
         s = gl.where(visible, s, float("-inf"))
         p_op, m_new, l_new, alpha = _online_softmax(s, m_i, l_i, qk_scale, DTYPE, p_layout)
     else:
@@ -143,11 +144,12 @@ def _tile(k, BH, num_m, num_tiles, CAUSAL: gl.constexpr, PERSISTENT: gl.constexp
 
 
 @gluon.jit
-def _n_blocks(start_m, N_K, CTA_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
-    """How many K/V blocks the query block start_m visits (causal: none past its last row)."""
+def _n_blocks(start_m, N_K, OFFSET, CTA_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+    """How many K/V blocks the query block start_m visits (causal: none past the key its last row
+    sees, row + OFFSET)."""
     n = gl.cdiv(N_K, BLOCK_N)
     if CAUSAL:
-        n = gl.minimum(n, gl.cdiv((start_m + 1) * CTA_M, BLOCK_N))
+        n = gl.minimum(n, gl.cdiv((start_m + 1) * CTA_M + OFFSET, BLOCK_N))
     return n
 
 
@@ -160,13 +162,13 @@ def _producer(args, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.
     of the program's tiles. Rows past a head's end are the next head's (or zeros past the tensor):
     the consumers mask those keys and never store those queries."""
     (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_bar, v_bar, empty_bar,
-     BH, H, GROUP, N_Q, N_K, num_m, num_tiles) = args  # fmt: skip
+     BH, H, GROUP, N_Q, N_K, OFFSET, num_m, num_tiles) = args  # fmt: skip
     CTA_M: gl.constexpr = ROWS * NUM_CONSUMERS
     it = 0
     tcount = 0
     for k in range(gl.cdiv(num_tiles, gl.num_programs(0))):
         valid, off_hz, start_m = _tile(k, BH, num_m, num_tiles, CAUSAL, PERSISTENT)
-        n_blocks = gl.where(valid, _n_blocks(start_m, N_K, CTA_M, BLOCK_N, CAUSAL), 0)
+        n_blocks = gl.where(valid, _n_blocks(start_m, N_K, OFFSET, CTA_M, BLOCK_N, CAUSAL), 0)
         q_row = off_hz * N_Q + start_m * CTA_M
         # K/V head of query head h: h // GROUP (grouped-query attention), of the same batch
         kv_row = ((off_hz // H) * (H // GROUP) + (off_hz % H) // GROUP) * N_K
@@ -199,7 +201,7 @@ def _consumer(args, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.co
     args: the run-time values every consumer shares (see `fwd_ws_kernel`)."""
     (q_smem, k_smem, v_smem, q_bar, q_empty, k_bar, v_bar, empty_bar, turn_bar,
      O, L, qk_scale, stride_ob, stride_oh, stride_om, stride_lb, stride_lh,
-     BH, H, N_Q, N_K, num_m, num_tiles) = args  # fmt: skip
+     BH, H, N_Q, N_K, OFFSET, num_m, num_tiles) = args  # fmt: skip
     dtype: gl.constexpr = q_smem.dtype
     CTA_M: gl.constexpr = ROWS * NUM_CONSUMERS
     # Register layouts of the two products' results: wgmma tiles of 16 rows x N columns per warp.
@@ -222,11 +224,11 @@ def _consumer(args, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.co
     for k in range(gl.cdiv(num_tiles, gl.num_programs(0))):
         valid, off_hz, start_m = _tile(k, BH, num_m, num_tiles, CAUSAL, PERSISTENT)
         if valid:
-            n_blocks = _n_blocks(start_m, N_K, CTA_M, BLOCK_N, CAUSAL)
+            n_blocks = _n_blocks(start_m, N_K, OFFSET, CTA_M, BLOCK_N, CAUSAL)
             m_start = start_m * CTA_M + WG * ROWS
             first_masked = N_K // BLOCK_N  # blocks from here on need the mask
             if CAUSAL:
-                first_masked = gl.minimum(first_masked, m_start // BLOCK_N)
+                first_masked = gl.minimum(first_masked, (m_start + OFFSET) // BLOCK_N)
             rows = m_start + gl.arange(0, ROWS, layout=row_layout)
             m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=row_layout)
             l_i = gl.zeros([ROWS], gl.float32, layout=row_layout)
@@ -243,7 +245,7 @@ def _consumer(args, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.co
                 mbarrier.arrive(turn_bar.index(NEXT), count=1)
             s = warpgroup_mma_wait(0, deps=[s_tok])
             p_op, m_i, l_i, alpha = softmax_step(
-                s, m_i, l_i, offs_n, rows, N_K, qk_scale, first_masked == 0, CAUSAL, dtype, p_layout
+                s, m_i, l_i, offs_n, rows, N_K, qk_scale, first_masked == 0, CAUSAL, dtype, p_layout, OFFSET
             )
 
             for j in range(1, n_blocks):
@@ -265,7 +267,7 @@ def _consumer(args, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.co
                 s = warpgroup_mma_wait(1, deps=[s_tok])
                 p_next, m_i, l_i, alpha = softmax_step(
                     s, m_i, l_i, j * BLOCK_N + offs_n, rows, N_K, qk_scale, j >= first_masked, CAUSAL, dtype,
-                    p_layout,
+                    p_layout, OFFSET,
                 )  # fmt: skip
                 # p_next through the wait: the softmax must finish before it (see softmax_step).
                 acc, p_op, p_next = warpgroup_mma_wait(0, deps=[acc_tok, p_op, p_next])
@@ -289,11 +291,11 @@ def _consumer(args, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.co
             )  # fmt: skip
 
 
-@gluon.jit
+@gluon.jit(do_not_specialize=["OFFSET"])  # an offset's divisibility changes no instruction: one binary
 def fwd_ws_kernel(
     q_desc, k_desc, v_desc, O, L, qk_scale,
     stride_ob, stride_oh, stride_om, stride_lb, stride_lh,
-    BH, H, GROUP, N_Q, N_K,
+    BH, H, GROUP, N_Q, N_K, OFFSET,
     CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
     NUM_CONSUMERS: gl.constexpr, PINGPONG: gl.constexpr, PERSISTENT: gl.constexpr,
     CONSUMER_REGS: gl.constexpr,
@@ -302,7 +304,9 @@ def fwd_ws_kernel(
 
     q_desc, k_desc, v_desc: TMA descriptors of the (B*H*N, d) matrices with blocks (64, d) and
     (BLOCK_N, d). O (B, H, N_Q, d) with strides stride_o*, unit last stride; L (B, H, N_Q) float32.
-    qk_scale = softmax scale * log2(e). Grid: one program per tile, or (PERSISTENT) one per SM.
+    qk_scale = softmax scale * log2(e). OFFSET: under CAUSAL, query row i sees keys j <= i + OFFSET (0
+    top-left, N_K - N_Q >= 0 bottom-right: every row sees a key). Grid: one program per tile, or
+    (PERSISTENT) one per SM.
     Launched with num_warps=4: the kernel's own four warps are consumer 0; the other consumers and
     the producer are worker partitions of `gl.warp_specialize`."""
     dtype: gl.constexpr = q_desc.dtype
@@ -336,9 +340,9 @@ def fwd_ws_kernel(
     # in a variable turns its constexpr entries into run-time values).
     shared = (q_smem, k_smem, v_smem, q_bar, q_empty, k_bar, v_bar, empty_bar, turn_bar,
               O, L, qk_scale, stride_ob, stride_oh, stride_om, stride_lb, stride_lh,
-              BH, H, N_Q, N_K, num_m, num_tiles)  # fmt: skip
+              BH, H, N_Q, N_K, OFFSET, num_m, num_tiles)  # fmt: skip
     loads = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_bar, v_bar, empty_bar,
-             BH, H, GROUP, N_Q, N_K, num_m, num_tiles)  # fmt: skip
+             BH, H, GROUP, N_Q, N_K, OFFSET, num_m, num_tiles)  # fmt: skip
     if NUM_CONSUMERS == 2:
         gl.warp_specialize(
             [
@@ -390,7 +394,7 @@ VARIANTS = {
 }
 
 
-def choose(d: int, causal: bool, n_q: int, n_k: int) -> Variant | None:
+def choose(d: int, causal: bool, n_q: int, n_k: int, offset: int = 0) -> Variant | None:
     """The variant to run for this shape, or None where the Triton kernel was faster.
 
     From `scripts/hopper_ws_forward.py` on an H200 (notes/attention.md, "Why it is so": the sweeps
@@ -400,7 +404,12 @@ def choose(d: int, causal: bool, n_q: int, n_k: int) -> Variant | None:
     one program per tile at every length (3-7 % faster at 2k keys in each of five runs): the hardware
     hands each free SM the next tile, while the persistent grid deals tiles of unequal work in a fixed
     order. At d = 64 the exponentials, not the tensor cores, set the pace; three consumers win on long
-    rows, the Triton kernel on short and causal ones."""
+    rows, the Triton kernel on short and causal ones. A causal offset (bottom-right: a chunk of queries at
+    the end of a KV cache) at least n_q puts most of each row's keys before the diagonal: such shapes
+    follow the unmasked rule, at the keys a row sees on average, with the one-program-per-tile variant."""
+    if causal and offset >= n_q:
+        unmasked = choose(d, False, n_q, offset + n_q // 2)
+        return None if unmasked is None else D128_LONG if d == 128 else unmasked
     blocks = cdiv(n_k, 128) / (2 if causal else 1)  # K/V blocks per tile, on average
     if d == 128:
         if blocks <= 4:  # causal N <= 1k: tiles of 1-8 blocks, no faster than Triton (3 runs)
@@ -453,19 +462,24 @@ def capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
-def forward(q4, k4, v4, o4, lse3, causal: bool, scale: float, variant: Variant) -> None:
+def forward(q4, k4, v4, o4, lse3, causal: bool, scale: float, variant: Variant, offset: int = 0) -> None:
     """Write O into o4 (B, H, Nq, d) and L into lse3 (B, H, Nq) float32, for q4 (B, H, Nq, d) and
     k4, v4 (B, Hkv, Nk, d) that pass `supports` (H a multiple of Hkv: grouped-query attention);
-    variant from `choose` (or any of VARIANTS, for tests).
+    variant from `choose` (or any of VARIANTS, for tests); offset: the causal offset, 0 (top-left) or
+    Nk - Nq >= 0 (bottom-right; `kernels.blocks`).
     The caller makes q4's GPU current."""
     B, H, n_q, d = q4.shape
     n_k = k4.shape[2]
+    if causal and offset < 0:
+        raise ValueError(
+            f"hopper.forward: causal offset {offset} < 0 (rows that see no key) is not supported"
+        )
     tiles = cdiv(n_q, QUERY_ROWS * variant.num_consumers) * B * H
     grid = (min(tiles, sm_count(q4.device.index)) if variant.persistent else tiles,)
     bound.launch(fwd_ws_kernel, grid,
         descriptor(q4, QUERY_ROWS), descriptor(k4, variant.block_n), descriptor(v4, variant.block_n),
         o4, lse3, scale * LOG2E,
         o4.stride(0), o4.stride(1), o4.stride(2), lse3.stride(0), lse3.stride(1),
-        B * H, H, H // k4.shape[1], n_q, n_k,
+        B * H, H, H // k4.shape[1], n_q, n_k, offset if causal else 0,
         CAUSAL=causal, HEAD_DIM=d, **variant.kwargs(),
     )  # fmt: skip
