@@ -98,15 +98,17 @@ def repeated(heads: list[int], ns: list[int], passes: int) -> None:
     print(f"choose's pick over the fastest: min {min(shares):.3f}, geomean {summarise(shares)[1]:.3f}")
 
 
-def bottom_right(heads: list[int], pairs: list[tuple[int, int]], passes: int) -> None:
+def bottom_right(
+    heads: list[int], pairs: list[tuple[int, int]], passes: int, batch: int, q_heads: int
+) -> None:
     """`repeated` for causal bottom-right calls (Nq queries at the end of Nk keys: a chunk of a prompt over its
     KV cache), Nq x Nk pairs, bf16, H * d = 2048 query heads over a quarter as many K/V heads, B * Nq ~ 8k
-    rows; FLOPs counted over the visible (query, key) pairs. Each kernel is checked against the float32
-    reference first."""
+    rows (or `batch` sequences of `q_heads` heads, where given); FLOPs counted over the visible (query,
+    key) pairs. Each kernel is checked against the float32 reference first."""
     bench = lambda fn: triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")  # noqa: E731
     for d in heads:
         for n_q, n_k in pairs:
-            b, h, offset = max(1, 8192 // n_q), 2048 // d, n_k - n_q
+            b, h, offset = batch or max(1, 8192 // n_q), q_heads or 2048 // d, n_k - n_q
             q = torch.randn(b, h, n_q, d, device="cuda", dtype=torch.bfloat16)
             k, v = (torch.randn(b, h // 4, n_k, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
             flops = 4.0 * b * h * d * (n_q * offset + n_q * (n_q + 1) / 2)
@@ -145,11 +147,13 @@ def main():
     ap.add_argument("--passes", type=int, default=0, help="time only choose's candidates, this many passes")
     ap.add_argument("--heads", default="64,128", help="head dims for --passes")
     ap.add_argument("--bottom-right", default="", help="NqxNk,... : time bottom-right causal calls")
+    ap.add_argument("--batch", type=int, default=0, help="--bottom-right: sequences (default ~8k rows)")
+    ap.add_argument("--q-heads", type=int, default=0, help="--bottom-right: query heads (default 2048 / d)")
     args = ap.parse_args()
     t0 = time.time()
     if args.bottom_right:
         pairs = [tuple(map(int, p.split("x"))) for p in args.bottom_right.split(",")]
-        bottom_right(list(map(int, args.heads.split(","))), pairs, args.passes or 3)
+        bottom_right(list(map(int, args.heads.split(","))), pairs, args.passes or 3, args.batch, args.q_heads)
         print(f"total {time.time() - t0:.0f} s")
         return
     if args.passes:

@@ -99,7 +99,7 @@ def test_forward_takes_it_where_chosen(monkeypatch):
     and the Triton kernel for strided inputs, other head dims, `hopper=False` and fixed launches."""
     calls = []
     real = hopper.forward
-    monkeypatch.setattr(hopper, "forward", lambda *a: calls.append(a[-1]) or real(*a))
+    monkeypatch.setattr(hopper, "forward", lambda *a: calls.append(a[7]) or real(*a))  # the variant
     torch.manual_seed(7)
     q, k, v = random_qkv((2, 4, 700, 128), 1500, dtype=torch.bfloat16, device="cuda")
     chosen = hopper.choose(128, True, 700, 1500)
