@@ -7,8 +7,7 @@ calls `kv.attend(layer, q, k, v)`, which writes the new K/V into the cache's pag
 
 A prefill step whose every sequence brings many new tokens over many keys (a long prompt, or the uncached
 rest of a cached one: `DENSE_PREFILL_MIN_ROWS`, `DENSE_PREFILL_MIN_PAIRS`) attends each sequence with the
-FlashAttention-2 forward (notebook 06) over its K/V gathered from its pages, head-major (`gather_kv`), its
-queries copied head-major too, so that a Hopper GPU runs the warp-specialised forward (08c) (`PagedKV.prefill_plan`):
+FlashAttention-2 forward (notebook 06) over its K/V gathered from its pages in one copy (`PagedKV.prefill_plan`):
 the paged kernel is a decoding kernel (64-key blocks read page by page through the block table, tiles of 64
 rows). Steps that mix prefill and decoding rows, short prefills and decoding steps take the paged kernel.
 """
@@ -128,31 +127,20 @@ class PagedKV:
         return o[self.rows] if self.padded else o
 
     def _attend_dense(self, layer: int, q: torch.Tensor) -> torch.Tensor:
-        """A prefill step (`prefill_plan`): sequence by sequence, its K/V gathered from its pages (`gather_kv`,
-        (1, Hkv, length, d) contiguous), its new tokens' queries copied to (1, Hq, n, d), and the dense
-        FlashAttention-2 forward of them, causal bottom-right (they are its last tokens). Contiguous, so that
-        a Hopper GPU runs the warp-specialised forward (notebook 08c; strided views take the Triton one): one
-        layer of 3280 new tokens over 32k keys (16 / 4 heads, d = 64, bf16, H200) PREFILL_GLUON_NOTE.
-        q (T, Hq, d) -> (T, Hq, d)."""
+        """A prefill step (`prefill_plan`): sequence by sequence, its K/V gathered from its pages (one copy each,
+        (length, Hkv, d), read as (1, Hkv, length, d) through strides) and the dense FlashAttention-2 forward
+        of its new tokens' queries, causal bottom-right (they are its last tokens). q (T, Hq, d) -> (T, Hq, d)."""
+        k_pages, v_pages = self.cache.k_pages[layer], self.cache.v_pages[layer]
         outs, start = [], 0
         for b, (n, length, pages) in enumerate(self.prefill):
             ids = self.block_table[b, :pages]  # on the pools' device: no copy from the host, no wait
-            k, v = (
-                gather_kv(pool[layer], ids, length)[None] for pool in (self.cache.k_pages, self.cache.v_pages)
-            )
-            rows = q[start : start + n].transpose(0, 1).contiguous()[None]  # (1, Hq, n, d)
+            k = k_pages.index_select(0, ids).flatten(0, 1)[:length].unsqueeze(0).transpose(1, 2)
+            v = v_pages.index_select(0, ids).flatten(0, 1)[:length].unsqueeze(0).transpose(1, 2)
+            rows = q[start : start + n].unsqueeze(0).transpose(1, 2)  # (1, Hq, n, d)
             o = flash_attention(rows, k, v, causal=True if n == length else "bottom_right")
             outs.append(o[0].transpose(0, 1))
             start += n
         return outs[0] if len(outs) == 1 else torch.cat(outs)
-
-
-def gather_kv(pool: torch.Tensor, pages: torch.Tensor, length: int) -> torch.Tensor:
-    """The first `length` tokens held by `pages` ((n_pages,) int32 or int64 page ids, on the pool's device) of
-    one layer's page pool (num_pages, page_size, Hkv, d), gathered head-major: (Hkv, length, d) contiguous (two
-    copies: the pages, then their tokens head by head). What the dense prefill route (`PagedKV`) and cascade
-    attention's dense prefix pass (`serving.cascade.gather_prefix`) read."""
-    return pool.index_select(0, pages).flatten(0, 1)[:length].transpose(0, 1).contiguous()
 
 
 def to_device(arrays, device) -> list[torch.Tensor]:

@@ -39,7 +39,7 @@ from ..checks import check_block_table, check_cache_seqlens, check_int, check_te
 from ..decode import paged_decode_attention
 from ..decode.combine import combine
 from ..decode.paged import paged_plan
-from ..decode.paged_kv import gather_kv, to_device
+from ..decode.paged_kv import to_device
 from ..decode.split_kv import write_partials
 from ..pdl import enabled as pdl_enabled
 
@@ -188,7 +188,11 @@ def gather_prefix(k_pages, v_pages, prefix_pages, prefix_len: int) -> tuple[torc
     """The shared prefix's K and V, each (Hkv, prefix_len, d) contiguous, gathered from its pages once: what a
     group's decode steps read in `dense_prefix_pass` (prefix_pages (P_pages,) int32, on the pools' device). A
     prefix's full pages do not change while they are shared, so one gather serves every step of the group."""
-    return gather_kv(k_pages, prefix_pages, prefix_len), gather_kv(v_pages, prefix_pages, prefix_len)
+
+    def one(pool):
+        return pool.index_select(0, prefix_pages).flatten(0, 1)[:prefix_len].transpose(0, 1).contiguous()
+
+    return one(k_pages), one(v_pages)
 
 
 # Splits of the prefix in `dense_prefix_pass`: the warp-specialised forward has no split of its own, so the
