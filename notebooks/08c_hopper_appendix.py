@@ -273,6 +273,12 @@ for d_head in (64, 128):
 # sweeps had it ahead, and its margin there is small (the record printed in section 4 has the measured
 # cells).
 #
+# A chunk of a prompt attending to its KV cache is causal **bottom-right**: query row i sees keys up to
+# i + (N_k − N_q). The kernel takes that offset as one more run-time integer: it moves the last K/V block a
+# tile loads, the first block that needs the mask, and the mask's comparison (`rows + offset >= cols`).
+# With an offset at least N_q most of a row's keys lie before the diagonal, so `choose` treats such calls
+# as unmasked ones over the keys a row sees on average (the sweep behind it: notes/attention.md).
+#
 # ### The persistent grid's schedule
 #
 # With one program per SM (132 on an H200), program `pid` must be given its tiles. The first attempt dealt

@@ -148,7 +148,7 @@ def _fwd_hopper_kernel(
     s_tok = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
     s = warpgroup_mma_wait(0, deps=[s_tok])
     p_op, m_i, l_i, alpha = softmax_step(
-        s, m_i, l_i, offs_n, rows, N_K, qk_scale, first_masked == 0, CAUSAL, dtype, p_layout
+        s, m_i, l_i, offs_n, rows, N_K, qk_scale, first_masked == 0, CAUSAL, dtype, p_layout, 0
     )
 
     for j in range(1, n_blocks):
@@ -164,8 +164,9 @@ def _fwd_hopper_kernel(
         # Wait for S_j only (the older of the two); the softmax below overlaps P_{j-1} V_{j-1}.
         s = warpgroup_mma_wait(1, deps=[s_tok])
         p_next, m_i, l_i, alpha = softmax_step(
-            s, m_i, l_i, j * BLOCK_N + offs_n, rows, N_K, qk_scale, j >= first_masked, CAUSAL, dtype, p_layout
-        )
+            s, m_i, l_i, j * BLOCK_N + offs_n, rows, N_K, qk_scale, j >= first_masked, CAUSAL, dtype,
+            p_layout, 0,
+        )  # fmt: skip
         # Passing p_next through the wait makes the softmax finish before it: without that
         # dependency the assembler may schedule the exponentials after the wait, and nothing
         # overlaps. p_op: the registers the running product still reads.
