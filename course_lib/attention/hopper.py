@@ -408,10 +408,10 @@ def choose(d: int, causal: bool, n_q: int, n_k: int, offset: int = 0) -> Variant
     rows, the Triton kernel on short and causal ones. A causal offset (bottom-right: a chunk of queries at
     the end of a KV cache) at least n_q puts most of each row's keys before the diagonal: such shapes
     follow the unmasked rule, at the keys a row sees on average, and at d = 64 take tiles of 128 rows
-    (`scripts/hopper_ws_forward.py --bottom-right`, H200, 2026-11-29: cells from 256 x 8192 to
-    3280 x 32768, 8k rows; d = 128 Gluon 1.26-1.37x the Triton kernel; d = 64 with 128-row tiles 1.00-1.05x
-    Triton and within 0.97 of the fastest variant everywhere, 192-row tiles up to 28 % slower on
-    few rows, and at 16 heads of one sequence 0.73-0.94 of it)."""
+    (`scripts/hopper_ws_forward.py --bottom-right`, H200, 2026-11-29, Nq x Nk from 256 x 8192 to
+    3280 x 32768 over ~8k query rows, and at 16 heads of one sequence: the pick 1.29-1.35x the Triton
+    kernel at d = 128, 1.00-1.05x at d = 64, within 0.96 of the fastest variant in every cell; the
+    192-row tiles of D64 lost up to 28 % where the rows are few)."""
     if causal and offset >= n_q:
         unmasked = choose(d, False, n_q, offset + n_q // 2)
         return D64_ROWS_128 if d == 64 and unmasked is not None else unmasked
