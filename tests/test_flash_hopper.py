@@ -47,6 +47,12 @@ def test_variants_fit_an_sm():
             for n in (1, 100, 1024, 4096, 16384, 65536):
                 variant = hopper.choose(d, causal, n, n)
                 assert variant is None or variant in hopper.VARIANTS[d], f"d={d} N={n}: {variant}"
+        # bottom-right: a chunk of n_q queries at the end of n_k keys (offset n_k - n_q)
+        for n_q, n_k in ((256, 8192), (1024, 2048), (3280, 32768), (4096, 4096), (1000, 1500)):
+            variant = hopper.choose(d, True, n_q, n_k, n_k - n_q)
+            assert variant is None or variant in hopper.VARIANTS[d], f"d={d} {n_q} x {n_k}: {variant}"
+            if d == 64 and n_k - n_q >= n_q and variant is not None:
+                assert variant.num_consumers == 2, f"{n_q} x {n_k}: bottom-right at d = 64 takes 128-row tiles"
     assert hopper.choose(32, False, 4096, 4096) is None and hopper.choose(256, True, 4096, 4096) is None
 
 
