@@ -52,7 +52,9 @@ def test_variants_fit_an_sm():
             variant = hopper.choose(d, True, n_q, n_k, n_k - n_q)
             assert variant is None or variant in hopper.VARIANTS[d], f"d={d} {n_q} x {n_k}: {variant}"
             if d == 64 and n_k - n_q >= n_q and variant is not None:
-                assert variant.num_consumers == 2, f"{n_q} x {n_k}: bottom-right at d = 64 takes 128-row tiles"
+                assert variant.num_consumers == 2, (
+                    f"{n_q} x {n_k}: bottom-right at d = 64 takes 128-row tiles"
+                )
     assert hopper.choose(32, False, 4096, 4096) is None and hopper.choose(256, True, 4096, 4096) is None
 
 
