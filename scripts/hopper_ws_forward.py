@@ -69,10 +69,27 @@ def run_kernel(variant, q, k, v, causal: bool):
     return attention(q, k, v, causal, variant)
 
 
+def timed_cell(label: str, runs: dict, flops: float, pick, passes: int) -> float:
+    """Time `runs` (kernel -> call; None: the Triton forward) in `passes` rotated passes, print each one's median
+    TFLOP/s, the fastest and `pick`'s share of it (returned), and the passes' spread."""
+    bench = lambda fn: triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")  # noqa: E731
+    times = interleaved(runs, passes, bench)
+    tflops = {t: flops / statistics.median(ms) * 1e-9 for t, ms in times.items()}
+    best = max(tflops, key=tflops.get)
+    print(
+        f"{label} | "
+        + " ".join(f"{'Triton' if t is None else t}:{x:4.0f}" for t, x in tflops.items())
+        + f" | best {'Triton' if best is None else best}, pick {'Triton' if pick is None else pick}"
+        f" at {tflops[pick] / tflops[best]:.3f} of it"
+        + f" | spread {max(max(ms) / min(ms) for ms in times.values()) - 1:.1%}",
+        flush=True,
+    )
+    return tflops[pick] / tflops[best]
+
+
 def repeated(heads: list[int], ns: list[int], passes: int) -> None:
     """Median TFLOP/s of each variant and the Triton forward over `passes` rotated passes per cell
     (bf16, B*N = 16k, H*d = 2048), and the share of the fastest that `hopper.choose`'s pick reaches."""
-    bench = lambda fn: triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")  # noqa: E731
     shares = []
     for d in heads:
         kernels = [None, *VARIANTS[d]]
@@ -80,21 +97,10 @@ def repeated(heads: list[int], ns: list[int], passes: int) -> None:
             for n in ns:
                 b, h = 16384 // n, 2048 // d
                 q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-                flops = attention_flops(b, h, n, n, d, causal)
                 runs = {t: (lambda t=t: run_kernel(t, q, k, v, causal)) for t in kernels}  # noqa: B023
-                times = interleaved(runs, passes, bench)
-                tflops = {t: flops / statistics.median(ms) * 1e-9 for t, ms in times.items()}
-                best = max(tflops, key=tflops.get)
-                pick = hopper.choose(d, causal, n, n)
-                shares.append(tflops[pick] / tflops[best])
-                print(
-                    f"d={d:3d} causal={int(causal)} N={n:5d} | "
-                    + " ".join(f"{'Triton' if t is None else t}:{x:4.0f}" for t, x in tflops.items())
-                    + f" | best {'Triton' if best is None else best}, pick {'Triton' if pick is None else pick}"
-                    f" at {tflops[pick] / tflops[best]:.3f} of it"
-                    + f" | spread {max(max(ms) / min(ms) for ms in times.values()) - 1:.1%}",
-                    flush=True,
-                )
+                label = f"d={d:3d} causal={int(causal)} N={n:5d}"
+                flops = attention_flops(b, h, n, n, d, causal)
+                shares.append(timed_cell(label, runs, flops, hopper.choose(d, causal, n, n), passes))
     print(f"choose's pick over the fastest: min {min(shares):.3f}, geomean {summarise(shares)[1]:.3f}")
 
 
@@ -105,7 +111,6 @@ def bottom_right(
     KV cache), Nq x Nk pairs, bf16, H * d = 2048 query heads over a quarter as many K/V heads, B * Nq ~ 8k
     rows (or `batch` sequences of `q_heads` heads, where given); FLOPs counted over the visible (query,
     key) pairs. Each kernel is checked against the float32 reference first."""
-    bench = lambda fn: triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")  # noqa: E731
     for d in heads:
         for n_q, n_k in pairs:
             b, h, offset = batch or max(1, 8192 // n_q), q_heads or 2048 // d, n_k - n_q
@@ -128,17 +133,9 @@ def bottom_right(
             for t in kernels:
                 err = (run(t)[0][:1].float() - ref).abs().max().item()
                 assert err < 2e-2, f"d={d} {n_q}x{n_k} {t}: max error {err}"
-            times = interleaved({t: (lambda t=t: run(t)) for t in kernels}, passes, bench)
-            tflops = {t: flops / statistics.median(ms) * 1e-9 for t, ms in times.items()}
-            best = max(tflops, key=tflops.get)
+            runs = {t: (lambda t=t: run(t)) for t in kernels}
             pick = hopper.choose(d, True, n_q, n_k, offset)
-            print(
-                f"d={d:3d} bottom-right {n_q}x{n_k} B={b} | "
-                + " ".join(f"{'Triton' if t is None else t}:{x:4.0f}" for t, x in tflops.items())
-                + f" | best {'Triton' if best is None else best}, pick {'Triton' if pick is None else pick}"
-                f" at {tflops[pick] / tflops[best]:.3f} of it",
-                flush=True,
-            )
+            timed_cell(f"d={d:3d} bottom-right {n_q}x{n_k} B={b}", runs, flops, pick, passes)
 
 
 def main():
