@@ -697,7 +697,11 @@ if ready:
 # Your kernels make the backward that needs no atomics. The other way is one kernel: the dK/dV loop also
 # computes each query block's contribution to dQ, $s \cdot dS\,K$ (its $dS^\top$ is already in registers),
 # and adds it into a float32 dQ with `tl.atomic_add`. course_lib has it as `dq_mode="atomic"` (the `ATOMIC`
-# branch of `_dkdv_block` in `course_lib/attention/backward.py`). It masks every block in that mode:
+# branch of `_dkdv_block` in `course_lib/attention/backward.py`). Its adds are `sem="relaxed"`:
+# `tl.atomic_add` by default orders each add against every other memory access of its thread
+# (`"acq_rel"`, what a lock needs), and a sum needs no order at all, since nothing reads dQ before the
+# kernel ends. On an H200 the ordered adds ran several times slower (`scripts/atomic_throughput.py`;
+# the figures are in `notes/attention.md`). It masks every block in that mode:
 # a padding key (K = 0) adds $0 \cdot e^{-L}$ to dQ, which is NaN once $e^{-L}$ overflows, for a row whose
 # scores are all below about -88.
 #

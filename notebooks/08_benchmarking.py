@@ -706,10 +706,11 @@ if ladder_rec is not None:
 #   each K/V tile and then waits for it with nothing else to do, so doubling the tile bought nothing; three
 #   stages then paid more than predicted, because they hide exactly those waits. Two steps that interact
 #   should be predicted together: their product is what to compare.
-# - *Atomic dQ.* Predicted faster (5 tile products instead of 7), measured far slower: every K/V program
+# - *Atomic dQ.* Predicted faster (5 tile products instead of 7), measured slower: every K/V program
 #   adds a BLOCK_M x d float32 tile into dQ at every step, and those read-modify-writes in L2 cost more than
 #   the two products they save. The byte count the prediction left out is the atomics' traffic — notebook 07
-#   measures the same trade-off across shapes.
+#   measures the same trade-off across shapes. The adds are relaxed (notebook 07 says why); with the
+#   default, ordered ones this rung ran at about half the speed it runs now (notes/attention.md).
 # - *Autotuned.* Within a few per cent of 1.0x in the forward: the launch recorded for this shape (64 x 64
 #   tiles, 4 warps) runs about as fast as the hand-picked rung (128 x 64, 8 warps); which of the two leads
 #   has changed from one recorded run to the next. In the backward below 1.0x: here the recorded launch
@@ -719,9 +720,10 @@ if ladder_rec is not None:
 #   non-causal rows gain more (notebook 08c's record: the whole backward at d = 128, N = 16k). At this
 #   causal shape a block of keys sees 32 query blocks on average, so the program's fixed costs (loading K
 #   and V, filling the pipeline, storing dK and dV) weigh more.
-# - *Warp-specialised dQ.* Predicted 1.1x; the recorded run measured about 1.06x. Timed by itself at this
-#   shape (`scripts/hopper_dq_probe.py`; its figures are in `notes/attention.md`, not in a record), the
-#   kernel saves about twice what it saved inside this backward. Where the rest went is not measured yet:
+# - *Warp-specialised dQ.* Predicted 1.1x; recorded runs measured 1.06-1.11x: about as predicted, within
+#   the few per cent by which runs differ. Timed by itself at this shape (`scripts/hopper_dq_probe.py`;
+#   its figures are in `notes/attention.md`, not in a record), the kernel saves more than it saved inside
+#   this backward. Where the rest went is not measured yet:
 #   the pass for D (one more launch, a read of O and dO) and what the dK/dV kernel finds in the L2 after it
 #   are the first suspects.
 #
@@ -745,10 +747,10 @@ if ladder_rec is not None:
     no_spills, no_spills_predicted = rung_gain(ladder_rec, "bwd", "dK/dV without spills")
     ws_dq, ws_dq_predicted = rung_gain(ladder_rec, "bwd", "warp-specialised dQ")
     assert tile < 1.05 and stages > stages_predicted, "128-row blocks bought nothing; 3 stages beat the prediction"
-    assert atomic < 0.8, "atomic dQ measured far slower"
+    assert atomic < 0.8, "atomic dQ measured slower"
     assert 0.95 < tuned_fwd < 1.1 and tuned_bwd < 1.0, "autotuned: within a few % of 1.0x forward, below 1.0x backward"
     assert no_spills < 1.05 * no_spills_predicted, "dK/dV without spills: no better than predicted, within noise"
-    assert 1.0 < ws_dq < ws_dq_predicted, "warp-specialised dQ: faster, by less than predicted"
+    assert 1.0 < ws_dq < 1.05 * ws_dq_predicted, "warp-specialised dQ: faster, about as predicted"
     hb_rec = records.load_record("hopper_backward")
     if hb_rec is not None:
         cell = [r for r in hb_rec["data"]["results"] if (r["d"], r["N"], r["causal"]) == (128, 16384, False)]
