@@ -720,7 +720,7 @@ if ladder_rec is not None:
 #   non-causal rows gain more (notebook 08c's record: the whole backward at d = 128, N = 16k). At this
 #   causal shape a block of keys sees 32 query blocks on average, so the program's fixed costs (loading K
 #   and V, filling the pipeline, storing dK and dV) weigh more.
-# - *Warp-specialised dQ.* Predicted 1.1x; recorded runs measured 1.06-1.11x: about as predicted, within
+# - *Warp-specialised dQ.* Predicted 1.1x; recorded runs measured 1.06-1.12x: about as predicted, within
 #   the few per cent by which runs differ. Timed by itself at this shape (`scripts/hopper_dq_probe.py`;
 #   its figures are in `notes/attention.md`, not in a record), the kernel saves more than it saved inside
 #   this backward. Where the rest went is not measured yet:
