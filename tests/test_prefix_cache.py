@@ -3,6 +3,8 @@ cache, no page leaked or freed while a sequence reads it, eviction under pressur
 
 from __future__ import annotations
 
+import types
+
 import numpy as np
 import pytest
 import torch
@@ -76,6 +78,81 @@ def test_a_page_hashes_alike_from_its_ids_and_their_bytes():
     for other in (tokens[:9] + [0], np.asarray(tokens[:9] + [0], dtype=np.int64)):
         assert prefix.walk(other) == (cache.seqs[0].pages[:2], prefix.entry[cache.seqs[0].pages[1]][0])
         assert prefix.match(other, limit=1) == cache.seqs[0].pages[:1]
+
+
+def _walk_page_by_page(prefix, tokens, limit=None):
+    """Notebook 14's lookup over the cache's tables: each full page's block hash looked up, the hit checked against
+    the page's stored parent and tokens. (pages, hash of the last)."""
+    ids, size = np.asarray(tokens, dtype=np.int64), prefix.page_size
+    n = len(ids) // size if limit is None else min(limit, len(ids) // size)
+    pages, parent = [], b""
+    for i in range(n):
+        row = ids[i * size : (i + 1) * size].tobytes()
+        h = prefix_cache.block_hash(parent, row)
+        page = prefix.by_hash.get(h)
+        if page is None or prefix.entry[page][1:] != (parent, row):
+            break
+        pages.append(page)
+        parent = h
+    return pages, parent
+
+
+@pytest.mark.parametrize("weak_hash", [False, True])
+def test_walk_finds_what_the_page_by_page_lookup_finds(weak_hash, monkeypatch):
+    """`walk` (a dict keyed by parent hash and token bytes, no hash computed) finds the same pages and last hash
+    as the page-by-page lookup (notebook 14's), for prompts that branch off each other, stop inside a page or
+    on a page's end, after evictions and with pages registered again, and with a 1-byte hash that collides all the
+    time (weak_hash). Sequences register their pages a few at a time, as the batcher's steps do. The idle pages
+    keep an LRU order: they go idle in the order their sequence held them, and the oldest is evicted first."""
+    import hashlib
+
+    if weak_hash:
+        monkeypatch.setattr(
+            prefix_cache, "block_hash", lambda p, t: hashlib.sha256(p + bytes(t)).digest()[:1]
+        )
+    rng = np.random.default_rng(7)
+    size, num_pages = 3, 40
+    cache = PagedKVCache(1, num_pages, size, 1, 16, torch.float32, "cpu")
+    cache.allocator = CachingPageAllocator(num_pages)
+    prefix = PrefixCache(cache)
+    seen = [rng.integers(0, 2, 12).tolist()]
+    live, lru = {}, []
+
+    def idle_after(event, pages=()):
+        """The idle pages after `event`: those before, less the ones evicted (the oldest) or in use again, then the
+        ones a released sequence left idle."""
+        nonlocal lru
+        now = list(prefix.idle)
+        if event == "evicted":
+            assert now == lru[len(lru) - len(now) :]
+        else:
+            assert now == [p for p in lru if p in now] + [p for p in pages if p in now and p not in lru]
+        lru = now
+
+    for seq in range(60):
+        base = seen[rng.integers(len(seen))]
+        prompt = base[: rng.integers(len(base) + 1)] + rng.integers(0, 2, rng.integers(1, 9)).tolist()
+        seen.append(prompt)
+        for query in (prompt, base, prompt[:-1], prompt + [5]):  # lists and arrays, each limit
+            for limit in (None, 1, (len(query) - 1) // size):
+                want = _walk_page_by_page(prefix, query, limit)
+                assert prefix.walk(query, limit) == want
+                assert prefix.walk(np.asarray(query, dtype=np.int64), limit) == want
+        if len(live) == 3 or cache.allocator.num_free < -(-len(prompt) // size) + 1:
+            done = min(live)
+            pages = list(cache.seqs[done].pages)
+            prefix.release(done, live.pop(done))
+            idle_after("released", pages)
+        prefix.start(seq, prompt)
+        idle_after("started")
+        ids, have = np.asarray(prompt, dtype=np.int64), cache.seqs[seq].length
+        for stop in sorted({*rng.integers(have, len(prompt) + 1, 2).tolist(), len(prompt)}):
+            cache.append(seq, stop - cache.seqs[seq].length)
+            idle_after("evicted")
+            prefix.insert(seq, ids[:stop])
+        live[seq] = prompt
+        _accounted(types.SimpleNamespace(cache=cache, prefix=prefix))
+    assert prefix.evictions > 0 and len(prefix.entry) > 10, "the set-up must evict and keep pages"
 
 
 def test_ttft_host_times_each_part_and_puts_the_model_back():

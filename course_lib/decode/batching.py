@@ -98,9 +98,15 @@ def _step_inputs(plan: list[tuple[Request, int]]) -> tuple:
     on a 2-core CPU, and copying each request's tokens (`Request.tokens`) cost a decode step O(its length)."""
     if all(n == 1 for _, n in plan):
         return [r.token_at(r.computed) for r, _ in plan], [r.computed for r, _ in plan]
-    token_ids = np.concatenate([r.ids(r.computed, r.computed + n) for r, n in plan])
-    positions = np.concatenate([np.arange(r.computed, r.computed + n, dtype=np.int64) for r, n in plan])
+    token_ids = _joined([r.ids(r.computed, r.computed + n) for r, n in plan])
+    positions = _joined([np.arange(r.computed, r.computed + n, dtype=np.int64) for r, n in plan])
     return token_ids, positions
+
+
+def _joined(arrays: list[np.ndarray]) -> np.ndarray:
+    """`arrays` one after another: the one array itself where there is one (a prefill of one request: not
+    copied here, `paged_kv.to_device` copies it once)."""
+    return arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
 
 
 class ContinuousBatcher:
@@ -255,7 +261,8 @@ class ContinuousBatcher:
                 break
             self._preempt()
         self.last_plan = [(r.id, n) for r, n in plan]
-        slots = torch.cat([self.cache.append(r.id, n) for r, n in plan])
+        slots = [self.cache.append(r.id, n) for r, n in plan]
+        slots = slots[0] if len(slots) == 1 else torch.cat(slots)  # one sequence (a prefill): no copy
         token_ids, positions = _step_inputs(plan)
         seq_ids, new_lens = [r.id for r, _ in plan], [n for _, n in plan]
         last = np.cumsum(new_lens) - 1  # each sequence's last new token: its row of the logits
