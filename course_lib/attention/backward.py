@@ -16,8 +16,8 @@ atomics: that is `dq_mode="two_kernel"` (the default). There the dQ kernel runs 
 itself (FUSE_D: it holds dO already and reads O once more), storing D for the dK/dV kernel, so the
 backward is two launches, not three (launches cost CPU time, notes/attention.md, "Open").
 `dq_mode="atomic"` instead adds each program's dQ contribution into an fp32 buffer with
-`tl.atomic_add` inside the dK/dV kernel (one pass, 5 products, but Nk / BLOCK_N read-modify-writes of
-every dQ element), after the preprocessing kernel.
+`tl.atomic_add` (relaxed) inside the dK/dV kernel (one pass, 5 products, but Nk / BLOCK_N read-modify-writes
+of every dQ element), after the preprocessing kernel: 0.65-0.78x the default's speed on an H200 (notes/attention.md).
 
 Causal (top-left or bottom-right aligned): blocks wholly above the diagonal are skipped; only diagonal
 blocks are masked (separate loop stages), as in the forward pass; `blocks.q_block_range` and
@@ -172,7 +172,7 @@ def _dkdv_block(
         dq = tl.dot(tl.trans(dsT.to(k.dtype)), k, input_precision=DOT_PRECISION, out_dtype=ACC_DTYPE)
         dq_ptrs = dq_base + rows[:, None] * stride_dqm + offs_d[None, :] * stride_dqd
         # relaxed: an accumulation needs no ordering against the thread's other memory accesses
-        # (the default, acq_rel, orders each add and ran ~4x slower: scripts/atomic_throughput.py)
+        # (the default, acq_rel, orders each add: 6-7x slower in scripts/atomic_throughput.py on an H200)
         dq_mask = row_mask(rows, N_Q, offs_d, HEAD_DIM, BLOCK_D)
         tl.atomic_add(dq_ptrs, dq * sm_scale, mask=dq_mask, sem="relaxed")
     return dk, dv
