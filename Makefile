@@ -118,8 +118,7 @@ grade: $(if $(filter $(STUDENT),$(DIR)),student,)
 # blank) with each instructor answer run after its check cell in a copy of the namespace
 # (course_lib.tools.verify). It shows that the student edition runs to the end and that every answer passes.
 # COURSE_STRICT_FIGURES=1: a figure wider than JupyterLab's column at 1366x768, or with text under 9 pt, fails
-# its cell (course_lib.perf.plotting). The notebooks come first: they are the longest files, and a worker that
-# takes one last keeps the other idle (on a 2-core CPU 7 min 42 s against 7 min 57 s with them last).
+# its cell (course_lib.perf.plotting). The files run in TEST_FILES' order (above).
 test:
 	@echo "==> make test: doctor, then course_lib tests + every notebook under nbval ($(JOBS) workers, $(THREADS) thread(s) each, CPU)"
 	@$(PYTHON) -m course_lib doctor
