@@ -356,11 +356,13 @@ if got:
 # suffix pass, and the merge: both passes write their splits' partials into one buffer, and one combine merges
 # them all (`serving.cascade.cascade_passes`). The prefix pass is prefill-like work (256 query rows per K/V
 # head at B = 64): on a Hopper GPU it runs notebook 08c's warp-specialised forward over the prefix gathered
-# once for the group's steps, its keys cut into 8 slices (`serving.cascade.dense_prefix_pass`); elsewhere the
+# once for the group's steps, its keys cut into slices (`serving.cascade.dense_prefix_pass`); elsewhere the
 # paged decoding kernel with 128-row programs (`decode.heuristics.many_rows_tile`). The two passes run on two
-# CUDA streams, yet each fills the GPU, so they overlap only at their edges and their times add up, where the
-# bound assumes the prefix's arithmetic and the suffixes' reads run at once (notes/serving.md has the time
-# of each piece). The serving record
+# CUDA streams. The bound assumes the prefix's arithmetic and the suffixes' reads run at once; they can only
+# if neither pass fills the GPU by itself, so the prefix is cut into just enough slices for its tiles to take
+# half the SMs (`serving.cascade.prefix_splits`), and the suffix pass takes the other half at the same time.
+# Even so the prefix pass on half the GPU takes longer than the suffix pass, and the merge comes after both
+# (notes/serving.md has the time of each piece). The serving record
 # (`make bench BENCH=serving`) also sweeps B and P to show where cascade starts to win: at small B the prefix
 # is read only a few times over, and the second pass and the merge cost more than they save.
 # `PrefixCachingBatcher` takes cascade by itself for the decode steps past that crossover

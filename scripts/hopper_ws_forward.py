@@ -50,6 +50,7 @@ VARIANTS = {
         V(128, 3, 3, False, True),
         V(128, 3, 3, True, False),
         V(128, 4, 2, True, True),
+        V(128, 4, 2, True, False),
     ],
 }
 

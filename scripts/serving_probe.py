@@ -49,6 +49,11 @@ warp-specialised forward (`serving.cascade.dense_prefix_pass`), by the number of
 
     COURSE_DEVICE=cuda python3 scripts/serving_probe.py --dense-prefix
 
+With --partition: the same step with the dense prefix pass's persistent grid smaller than the SM count, so that
+the suffix pass takes the other SMs at the same time, by slices, programs and the side stream's priority.
+
+    COURSE_DEVICE=cuda python3 scripts/serving_probe.py --partition
+
 With --prefix-gap: the ladder of `prefix_gap.py`, from the split kernel alone on the prefix (the probe of
 `decode.heuristics.MANY_ROWS`, 93.8 us) to the cascade's prefix pass (121.2 us), one difference a rung, each a
 graph replay; --quick at tiny sizes (on a CPU: the rungs run and are checked, not timed).
@@ -90,19 +95,19 @@ def prefix_pass_rows():
               f"{ms * 1e3:7.1f} us, {kv_bytes / (ms * 1e-3) / 1e9:6.0f} GB/s of distinct K/V")  # fmt: skip
 
 
-def cascade_step_args():
+def cascade_step_args(b: int = 64, p: int = P):
     """The cascade step both probes time: (q, k_pages, v_pages, prefix_pages, P, block_table, suffix_lens) of
-    B = 64 sequences sharing a P-token prefix, S = 1024 of their own, pages scattered."""
+    B = 64 sequences (or b) sharing a P-token prefix (or p), S = 1024 of their own, pages scattered."""
     gen = torch.Generator().manual_seed(2)
-    b, s = 64, 1024
-    pages = (P + b * s) // PAGE
+    s = 1024
+    pages = (p + b * s) // PAGE
     k = torch.randn(pages, PAGE, HKV, D, generator=gen).to("cuda", torch.bfloat16)
     v = torch.randn(pages, PAGE, HKV, D, generator=gen).to("cuda", torch.bfloat16)
     perm = torch.randperm(pages, generator=gen).to(torch.int32).cuda()
-    prefix_pages, table = perm[: P // PAGE], perm[P // PAGE :].view(b, -1)
+    prefix_pages, table = perm[: p // PAGE], perm[p // PAGE :].view(b, -1)
     q = torch.randn(b, 1, HQ, D, generator=gen).to("cuda", torch.bfloat16)
     lens = torch.full((b,), s, dtype=torch.int32, device="cuda")
-    return q, k, v, prefix_pages, P, table, lens
+    return q, k, v, prefix_pages, p, table, lens
 
 
 def cascade_pieces():
@@ -122,23 +127,30 @@ def cascade_pieces():
         print(f"cascade step, {'two streams' if overlap else 'one stream '}: {graph_ms(step) * 1e3:7.1f} us")
 
 
-def dense_prefix(splits_tried=(4, 8, 16)):
+def dense_prefix(splits_tried=(2, 4, 8, 16), cells=((64, P), (64, P // 2), (128, P), (128, P // 2))):
     """--dense-prefix: the cascade step of `cascade_pieces` with its prefix gathered once (`gather_prefix`) and the
-    prefix pass on the warp-specialised forward (`dense_prefix_pass`), by DENSE_PREFIX_SPLITS: the pass alone, the
-    step on one stream and two, and the step's largest difference from the paged prefix pass's."""
+    prefix pass on the warp-specialised forward (`dense_prefix_pass`), by the slices of the prefix: the pass alone,
+    the step on one stream and two, and the step's largest difference from the paged prefix pass's; at B = 64 and
+    128 sequences, 32k and 16k prefixes."""
+    for b, p in cells:
+        print(f"B = {b}, P = {p}:")
+        _dense_prefix(cascade_step_args(b, p), splits_tried)
+
+
+def _dense_prefix(args, splits_tried):
     from course_lib.perf.timing import benchmark
     from course_lib.serving import cascade
 
-    args = cascade_step_args()
-    q, k, v, prefix_pages = args[:4]
-    gather_ms = benchmark(lambda: cascade.gather_prefix(k, v, prefix_pages, P))
+    q, k, v, prefix_pages, p = args[:5]
+    gather_ms = benchmark(lambda: cascade.gather_prefix(k, v, prefix_pages, p))
     print(f"gather_prefix (once a group): {gather_ms * 1e3:.1f} us")
-    prefix_kv = cascade.gather_prefix(k, v, prefix_pages, P)
     want = cascade.cascade_decode_attention(*args, validate=False).float()
     paged_ms = graph_ms(lambda: cascade.cascade_decode_attention(*args, validate=False))
     print(f"paged prefix pass step, two streams: {paged_ms * 1e3:.1f} us")
     for splits in splits_tried:
-        cascade.DENSE_PREFIX_SPLITS = splits
+        prefix_kv = cascade.gather_prefix(k, v, prefix_pages, p, splits)
+        if cascade.dense_prefix_pass(q, prefix_kv, p) is None:
+            continue
         prefix, suffix, merge, out = cascade.cascade_passes(*args, validate=False, prefix_kv=prefix_kv)
         prefix(), suffix(), merge()
         err = (out.float() - want).abs().max().item()
@@ -146,12 +158,139 @@ def dense_prefix(splits_tried=(4, 8, 16)):
         for overlap in (False, True):
             cascade.OVERLAP = overlap
 
-            def step():
+            def step(prefix_kv=prefix_kv):
                 return cascade.cascade_decode_attention(*args, validate=False, prefix_kv=prefix_kv)
 
             line.append(f"step {'two streams' if overlap else 'one stream'} {graph_ms(step) * 1e3:6.1f} us")
         print(", ".join(line) + f", max diff from the paged pass {err:.1e}")
-    cascade.DENSE_PREFIX_SPLITS, cascade.OVERLAP = 8, True  # as they were
+    cascade.OVERLAP = True  # as it was
+
+
+def partition(splits_tried=(8, 16, 32), programs_tried=(None, 112, 96, 88, 80, 64), priorities=(0, -1)):
+    """--partition: the cascade step with the dense prefix pass on fewer SMs than the GPU has (its persistent
+    grid, `cascade.DENSE_PREFIX_PROGRAMS`), so that the suffix pass, on the other stream, takes the rest at the
+    same time; by slices of the prefix, programs and the side stream's priority. Each line: the prefix pass
+    alone, the suffix pass alone, the combine alone, the step, and how much of the passes the step overlapped."""
+    from course_lib.attention import hopper
+    from course_lib.serving import cascade
+
+    args = cascade_step_args()
+    q, k, v, prefix_pages = args[:4]
+    want = cascade.cascade_decode_attention(*args, validate=False).float()
+    chosen = hopper.choose
+    hopper.choose = lambda *a, **kw: hopper.D128_SHORT  # persistent at every slice length: its grid is set
+    try:
+        for splits in splits_tried:
+            prefix_kv = cascade.gather_prefix(k, v, prefix_pages, P, splits)
+            for programs in programs_tried:
+                cascade.DENSE_PREFIX_PROGRAMS = programs
+                prefix, suffix, merge, out = cascade.cascade_passes(
+                    *args, validate=False, prefix_kv=prefix_kv
+                )
+                prefix(), suffix(), merge()
+                err = (out.float() - want).abs().max().item()
+                parts = [graph_ms(fn) * 1e3 for fn in (prefix, suffix, merge)]
+                for priority in priorities:
+                    cascade.SIDE_PRIORITY = priority
+
+                    def step(prefix_kv=prefix_kv):
+                        return cascade.cascade_decode_attention(*args, validate=False, prefix_kv=prefix_kv)
+
+                    ms = graph_ms(step) * 1e3
+                    print(f"splits {splits:2d} programs {programs or 'all':>3} priority {priority:2d}: prefix "
+                          f"{parts[0]:6.1f} suffix {parts[1]:6.1f} combine {parts[2]:5.1f} step {ms:6.1f} us "
+                          f"(overlap {sum(parts) - ms:5.1f}), max diff {err:.1e}", flush=True)  # fmt: skip
+    finally:
+        hopper.choose = chosen
+        cascade.DENSE_PREFIX_PROGRAMS, cascade.SIDE_PRIORITY = None, 0
+
+
+def prefill_split(cells=((3280, 32768), (1648, 16384)), cuts=(0.25, 0.5, 0.75, 0.9)):
+    """--prefill-split: the cached prefill's attention (16 query / 4 K/V heads, d = 64, bf16, K/V strided as the
+    dense route reads them) with its keys cut in two, the keys before the cut (no mask) on a second stream beside
+    the rest (bottom-right causal), the two (O, L) merged: so that one call's programs fill the other's last wave.
+    Against the one call of the dense route; eager calls (`benchmark`) and graph replays."""
+    from course_lib.attention import attention_forward
+    from course_lib.perf.timing import benchmark
+
+    hq, hkv, d = 16, 4, 64
+    g = torch.Generator().manual_seed(5)
+    side = torch.cuda.Stream()
+    for n, length in cells:
+        q = torch.randn(n, hq, d, generator=g).to("cuda", torch.bfloat16).transpose(0, 1).unsqueeze(0)
+        kv = torch.randn(2, length, hkv, d, generator=g).to("cuda", torch.bfloat16)
+        k, v = (t.transpose(0, 1).unsqueeze(0) for t in kv)  # (1, Hkv, N, d), strided as the dense route's
+        flops = 4 * hq * d * (n * (length - n) + n * (n + 1) / 2)
+
+        def whole(q=q, k=k, v=v):
+            return attention_forward(q, k, v, causal="bottom_right")[0]
+
+        def split(cut, q=q, k=k, v=v):
+            main = torch.cuda.current_stream()
+            side.wait_stream(main)
+            with torch.cuda.stream(side):
+                o_a, l_a = attention_forward(q, k[:, :, :cut], v[:, :, :cut], causal=False)
+            o_b, l_b = attention_forward(q, k[:, :, cut:], v[:, :, cut:], causal="bottom_right")
+            main.wait_stream(side)
+            lse = torch.logaddexp(l_a, l_b)
+            return (o_a * (l_a - lse).exp().unsqueeze(-1) + o_b * (l_b - lse).exp().unsqueeze(-1)).to(q.dtype)
+
+        want = whole().float()
+        t_whole = (benchmark(whole), graph_ms(whole))
+        print(f"{n} x {length}: one call {t_whole[0]:.3f} ms eager ({flops / t_whole[0] / 1e9:.0f} TFLOP/s), "
+              f"{t_whole[1]:.3f} graph", flush=True)  # fmt: skip
+        for frac in cuts:
+            cut = int(length * frac) // 128 * 128
+            if cut >= length - n:
+                continue
+            err = (split(cut).float() - want).abs().max().item()
+            t = (benchmark(lambda cut=cut: split(cut)), graph_ms(lambda cut=cut: split(cut)))
+            print(f"  cut at {cut}: {t[0]:.3f} ms eager ({t_whole[0] / t[0]:.2f}x), {t[1]:.3f} graph "
+                  f"({t_whole[1] / t[1]:.2f}x), max diff {err:.1e}", flush=True)  # fmt: skip
+
+
+def ttft_cprofile(n: int = 32768, cached_fraction: float = 0.9) -> None:
+    """--ttft-cprofile: where the host's time goes in the bench's first token of an n-token prompt, 90 % cached, on
+    the bench's model (`bench.serving.serving_model`): wall ms of five runs, then Python's profiler over one (the
+    functions with the most time of their own, and the most in all)."""
+    import cProfile
+    import pstats
+
+    model = serving_model(True)
+    vocab, page = model.config.vocab_size, 16
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, vocab, (n,), generator=g).tolist()
+    n_cached = int(n * cached_fraction) // page * page
+    other = prompt[:n_cached] + [(t + 1) % vocab for t in prompt[n_cached:]]
+
+    def ready():
+        b = PrefixCachingBatcher(model, -(-(2 * n + 2) // page) + 4, page, max_batch=2, max_step_tokens=n + 1)
+        b.submit(other, 1)
+        b.run()
+        torch.cuda.synchronize()
+        return b
+
+    def first(b):
+        request = b.submit(prompt, 2)
+        token = b.step()[request]
+        torch.cuda.synchronize()
+        return token
+
+    walls = []
+    for _ in range(6):
+        b = ready()
+        t0 = time.perf_counter()
+        first(b)
+        walls.append((time.perf_counter() - t0) * 1e3)
+    print("first token, wall ms:", " ".join(f"{w:.2f}" for w in walls), flush=True)
+    b = ready()
+    prof = cProfile.Profile()
+    prof.enable()
+    first(b)
+    prof.disable()
+    stats = pstats.Stats(prof)
+    stats.sort_stats("tottime").print_stats(30)
+    stats.sort_stats("cumulative").print_stats(40)
 
 
 def ttft_profile():
@@ -465,8 +604,21 @@ if __name__ == "__main__":
     parser.add_argument(
         "--dense-prefix", action="store_true", help="cascade's prefix pass on the Gluon forward"
     )
+    parser.add_argument("--partition", action="store_true", help="cascade's prefix pass on fewer SMs")
+    parser.add_argument(
+        "--prefill-split", action="store_true", help="the cached prefill, keys cut, 2 streams"
+    )
+    parser.add_argument(
+        "--ttft-cprofile", action="store_true", help="the host's time in a cached first token"
+    )
     args = parser.parse_args()
-    if args.dense_prefix:
+    if args.ttft_cprofile:
+        ttft_cprofile()
+    elif args.prefill_split:
+        prefill_split()
+    elif args.partition:
+        partition()
+    elif args.dense_prefix:
         dense_prefix()
     elif args.prefill:
         prefill_table()

@@ -18,6 +18,7 @@ from course_lib.serving.cascade import (
     cascade_min_prefix,
     dense_prefix_pass,
     gather_prefix,
+    prefix_splits,
     shared_prefix,
 )
 
@@ -70,16 +71,40 @@ def test_cascade_matches_float64_attention_over_each_full_sequence(
     torch.testing.assert_close(out.cpu().double(), ref, rtol=tol, atol=tol)
 
 
-def test_gather_prefix_copies_the_prefix_keys_head_major():
-    """`gather_prefix`: the prefix's first prefix_len tokens of K and V from its scattered pages, (Hkv, P, d)."""
-    q, k, v, pages, plen, _, _ = _setup(2, 1, 4, 2, 16, 37, [3, 4], 8, torch.float32)
-    gk, gv = gather_prefix(k, v, pages, plen)
+@pytest.mark.parametrize("plen,splits,want", [(37, None, 1), (32, 8, 8), (36, 4, 4), (36, 1, 1)])
+def test_gather_prefix_copies_the_prefix_keys_slice_major(plen, splits, want):
+    """`gather_prefix`: the prefix's first prefix_len tokens of K and V from its scattered pages, cut into S slices
+    of K/V heads, (S, Hkv, P / S, d) (S = 1 unless given)."""
+    q, k, v, pages, plen, _, _ = _setup(2, 1, 4, 2, 16, plen, [3, 4], 8, torch.float32)
+    gk, gv = gather_prefix(k, v, pages, plen) if splits is None else gather_prefix(k, v, pages, plen, splits)
     idx = torch.arange(plen, device=k.device)
     rows = pages.long()[idx // 8]
-    assert gk.is_contiguous() and gk.shape == (2, plen, 16)
-    assert torch.equal(gk, k[rows, idx % 8].transpose(0, 1)) and torch.equal(
-        gv, v[rows, idx % 8].transpose(0, 1)
-    )
+    assert gk.is_contiguous() and gk.shape == (want, 2, plen // want, 16)
+    for got, pool in ((gk, k), (gv, v)):
+        assert torch.equal(got, pool[rows, idx % 8].view(want, plen // want, 2, 16).transpose(1, 2))
+    with pytest.raises(ValueError, match="splits 5 must divide prefix_len"):
+        gather_prefix(k, v, pages, plen, 5)
+
+
+@pytest.mark.parametrize(
+    "B,Hq,Hkv,prefix_len,sms,want",
+    [
+        (64, 32, 8, 32768, 132, 4),  # 256 rows per K/V head, 2 tiles: 16 a slice, 64 tiles <= 66
+        (128, 32, 8, 32768, 132, 2),  # 4 tiles a K/V head: 32 a slice
+        (64, 32, 8, 32768, 264, 8),  # twice the SMs, twice the slices
+        (64, 32, 8, 384, 132, 2),  # slices of at least 128 keys
+        (64, 32, 8, 32766, 132, 2),  # slices divide the prefix: 32766 = 2 x 16383
+        (512, 32, 8, 32768, 132, 1),  # 128 tiles a slice: one slice, however many SMs that fills
+    ],
+)
+def test_prefix_splits_fills_half_the_sms_with_tiles(B, Hq, Hkv, prefix_len, sms, want):
+    """`prefix_splits`: the most slices (a power of 2 dividing the prefix, 128 keys or more each) whose 128-row
+    tiles take at most half the SMs, so that the suffix pass runs beside the prefix pass (the H200's steps in its
+    docstring); one slice off CUDA."""
+    q = torch.empty(B, 1, Hq, 128)
+    pool = torch.empty(4, 16, Hkv, 128)
+    assert prefix_splits(q, pool, prefix_len, sms) == want
+    assert prefix_splits(q, pool, prefix_len) == 1  # a CPU pool
 
 
 def _hopper() -> bool:
@@ -110,13 +135,14 @@ def test_the_dense_prefix_pass_matches_float64_attention(B, Tq, Hq, Hkv, d, pref
     and the plan taken (not the paged pass)."""
     args = _setup(B, Tq, Hq, Hkv, d, prefix_len, suffix_lens, 64, dtype)
     q, k, v, pages, plen = args[:5]
-    prefix_kv = gather_prefix(k, v, pages, plen)
-    assert dense_prefix_pass(q, prefix_kv, plen) is not None
-    out = cascade_decode_attention(*args, prefix_kv=prefix_kv)
     ref = cascade_reference(*args)
-    torch.testing.assert_close(out.cpu().double(), ref, rtol=2e-2, atol=2e-2)
     paged = cascade_decode_attention(*args).cpu().double()
-    assert (out.cpu().double() - ref).abs().max() <= 2 * (paged - ref).abs().max() + 4e-3
+    for splits in sorted({1, 8, prefix_splits(q, k, plen)}):
+        prefix_kv = gather_prefix(k, v, pages, plen, splits)
+        assert dense_prefix_pass(q, prefix_kv, plen) is not None
+        out = cascade_decode_attention(*args, prefix_kv=prefix_kv)
+        torch.testing.assert_close(out.cpu().double(), ref, rtol=2e-2, atol=2e-2)
+        assert (out.cpu().double() - ref).abs().max() <= 2 * (paged - ref).abs().max() + 4e-3
     assert dense_prefix_pass(q, prefix_kv, plen - 1) is None  # a prefix that is not the gathered one: paged
     assert dense_prefix_pass(q[: B // 2], prefix_kv, plen) is None  # 128 rows per K/V head: paged
 

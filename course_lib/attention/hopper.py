@@ -102,10 +102,11 @@ def store_o_l(
     BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, DTYPE: gl.constexpr, o_layout: gl.constexpr,
 ):  # fmt: skip
     """The epilogue of BLOCK_M query rows row0 ... of head off_hz (registers -> HBM, rows past N_Q
-    masked): O = acc / l in DTYPE, and L = (m + log2 l) * ln 2 (float32, natural-log units).
+    masked): O = acc / l in O's dtype (DTYPE, or float32: cascade attention's partials), and
+    L = (m + log2 l) * ln 2 (float32, natural-log units).
     acc: (BLOCK_M, HEAD_DIM) fp32 in o_layout; m_i, l_i and their row indices `rows`: BLOCK_M each."""
     l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
-    out = (acc / gl.expand_dims(l_o, 1)).to(DTYPE)
+    out = (acc / gl.expand_dims(l_o, 1)).to(O.dtype.element_ty)
     o_rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
     o_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
     off_b = off_hz // H
@@ -467,12 +468,25 @@ def capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
-def forward(q4, k4, v4, o4, lse3, causal: bool, scale: float, variant: Variant, offset: int = 0) -> None:
-    """Write O into o4 (B, H, Nq, d) and L into lse3 (B, H, Nq) float32, for q4 (B, H, Nq, d) and
+def forward(
+    q4,
+    k4,
+    v4,
+    o4,
+    lse3,
+    causal: bool,
+    scale: float,
+    variant: Variant,
+    offset: int = 0,
+    programs: int | None = None,
+) -> None:
+    """Write O into o4 (B, H, Nq, d; q's dtype or float32, contiguous rows: any strides of B and H) and L into
+    lse3 (B, H, Nq) float32, for q4 (B, H, Nq, d) and
     k4, v4 (B, Hkv, Nk, d) that pass `supports` (H a multiple of Hkv: grouped-query attention);
     variant from `choose` (or any of VARIANTS, for tests); offset: the causal offset, 0 (top-left) or
-    Nk - Nq >= 0 (bottom-right; `kernels.blocks`).
-    The caller makes q4's GPU current."""
+    Nk - Nq >= 0 (bottom-right; `kernels.blocks`). programs: a persistent variant's grid, at most the SM count
+    (None: the SM count); fewer leave SMs to a kernel on another stream (cascade attention's suffix pass,
+    `serving.cascade`). The caller makes q4's GPU current."""
     B, H, n_q, d = q4.shape
     n_k = k4.shape[2]
     if causal and offset < 0:
@@ -480,7 +494,10 @@ def forward(q4, k4, v4, o4, lse3, causal: bool, scale: float, variant: Variant, 
             f"hopper.forward: causal offset {offset} < 0 (rows that see no key) is not supported"
         )
     tiles = cdiv(n_q, QUERY_ROWS * variant.num_consumers) * B * H
-    grid = (min(tiles, sm_count(q4.device.index)) if variant.persistent else tiles,)
+    sms = sm_count(q4.device.index)
+    grid = (
+        min(tiles, sms if programs is None else max(1, min(programs, sms))) if variant.persistent else tiles,
+    )
     bound.launch(fwd_ws_kernel, grid,
         descriptor(q4, QUERY_ROWS), descriptor(k4, variant.block_n), descriptor(v4, variant.block_n),
         o4, lse3, scale * LOG2E,

@@ -40,6 +40,7 @@ from ..serving.cascade import (
     dense_prefix_pass,
     dense_prefix_possible,
     gather_prefix,
+    prefix_splits,
 )
 from ..serving.prefix_cache import PrefixCachingBatcher
 from ..serving.scheduling import StaticBatcher, draw_workload, predict_steps, serve_workload
@@ -79,9 +80,10 @@ def cascade_cell(B, P, read_gbps, tflops, dtype, device, gen, page_size=64) -> d
 
     # On a Hopper GPU the prefix gathered once, as the batcher's `CascadeChoice` keeps it for a group's steps
     # (its time, once a group and layer, recorded beside the step's), and the prefix pass on the Gluon forward
-    prefix_kv = gather_prefix(k, v, prefix, P) if dense_prefix_possible(k) else None
+    splits = prefix_splits(q, k, P)
+    prefix_kv = gather_prefix(k, v, prefix, P, splits) if dense_prefix_possible(k) else None
     dense = prefix_kv is not None and dense_prefix_pass(q, prefix_kv, P) is not None
-    gather_ms = benchmark(lambda: gather_prefix(k, v, prefix, P)) if dense else None
+    gather_ms = benchmark(lambda: gather_prefix(k, v, prefix, P, splits)) if dense else None
 
     def cascade():
         return cascade_decode_attention(
@@ -100,7 +102,7 @@ def cascade_cell(B, P, read_gbps, tflops, dtype, device, gen, page_size=64) -> d
         "paged_ms": t_paged, "cascade_ms": t_cascade, "speedup": t_paged / t_cascade,
         "bytes_ratio": paged_bytes / cascade_bytes, "bound_ms": bound_ms, "of_bound": bound_ms / t_cascade,
         "paged_read_fraction": paged_bytes / (t_paged * 1e-3) / (read_gbps * 1e9), "max_abs_diff": err,
-        "dense_prefix": dense, "gather_ms": gather_ms,
+        "dense_prefix": dense, "gather_ms": gather_ms, "prefix_slices": splits if dense else None,
     }  # fmt: skip
 
 
@@ -396,7 +398,8 @@ def format_table(data: dict) -> str:
     ]
     for r in data["cascade"]:
         gather = r.get("gather_ms")
-        how = f"Gluon ({gather * 1e3:.0f})" if r.get("dense_prefix") and gather is not None else "paged"
+        slices = f", {r['prefix_slices']} slices" if r.get("prefix_slices") else ""
+        how = f"Gluon{slices} ({gather * 1e3:.0f})" if r.get("dense_prefix") and gather is not None else "paged"
         lines.append(
             f"| {r['B']} | {r['P']} | {r['paged_ms'] * 1e3:.1f} | {r['cascade_ms'] * 1e3:.1f} | {r['speedup']:.2f}x "
             f"| {r['bytes_ratio']:.1f}x | {r['of_bound']:.0%} | {how} |"

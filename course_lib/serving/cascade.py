@@ -15,7 +15,8 @@ sequence's keys in two disjoint sets and merges the partial results with noteboo
    and ONE launch of split-KV decoding's combine (`decode.combine`) takes L = log sum_s exp(L_s),
    O = sum_s exp(L_s - L) O_s over all S_p + S_s parts (`cascade_passes`).
 On a GPU passes 1 and 2 run on two CUDA streams (`OVERLAP`): each may fill the SMs the other leaves idle; the
-combine waits for both.
+combine waits for both. The dense prefix pass's copies of the queries run before the fork, so that its kernel is
+the side stream's first launch.
 
 Bytes: paged decoding reads B (P + S) tokens of K and V; cascade reads P + B S. Checked against float64
 attention over each full sequence (`cascade_reference`, tests/test_cascade.py).
@@ -42,6 +43,7 @@ from ..decode.paged import paged_plan
 from ..decode.paged_kv import to_device
 from ..decode.split_kv import write_partials
 from ..pdl import enabled as pdl_enabled
+from ..runtime import sm_count
 
 __all__ = [
     "CASCADE_MIN_SAVED_BYTES",
@@ -53,6 +55,7 @@ __all__ = [
     "cascade_reference",
     "dense_prefix_pass",
     "gather_prefix",
+    "prefix_splits",
     "shared_prefix",
 ]
 
@@ -108,11 +111,14 @@ def cascade_decode_attention(
         q, k_pages, v_pages, prefix_pages, prefix_len, block_table, suffix_lens, scale, num_splits,
         validate=validate, pdl=side is None and pdl_enabled(q.device), prefix_kv=prefix_kv,
     )  # fmt: skip
+    staged = getattr(prefix, "stage", None)
+    if staged is not None:  # the dense prefix pass's copies of the queries, before the fork (`_DensePrefix`)
+        staged()
     if side is not None:  # the prefix pass (compute-bound) beside the suffix pass (bandwidth-bound)
         main = torch.cuda.current_stream(q.device)
         side.wait_stream(main)  # the buffers, made on this stream, are ready before the side writes them
     with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-        prefix()
+        prefix(staged=staged is not None)
     suffix()
     if side is not None:
         main.wait_stream(side)  # the combine reads both passes' partials; nothing made on the side stream
@@ -127,9 +133,10 @@ def cascade_passes(
     """`cascade_decode_attention`'s arguments checked and its three launches planned, not run:
     (prefix, suffix, merge, out), three functions of no argument and the output (B, Tq, Hq, d) in q's dtype
     that merge() fills. Each pass writes its splits' partial (O, L) into its own slots of ONE buffer
-    (S_p + S_s, B, Tq, Hq, d) float32 and (S_p + S_s, B, Tq, Hq) float32 (S_p splits of the prefix pass
-    first, its B x Tq query rows laid out as (B, Tq); then the suffix pass's S_s, its final (O, L) when
-    S_s = 1), and merge() is ONE `combine` of all S_p + S_s parts: no stacked copy, no second pass over O.
+    (S_p + S_s, B, Tq, Hq, d) float32 and (S_p + S_s, B, Tq, Hq) float32, in memory (S, Hq, B x Tq, d) and
+    (S, Hq, B x Tq) (S_p splits of the prefix pass first, its B x Tq query rows laid out as (B, Tq); then the
+    suffix pass's S_s, its final (O, L) when S_s = 1), and merge() is ONE `combine` of all S_p + S_s parts: no
+    stacked copy, no second pass over O.
     merge() must run after both passes. pdl: the combine is launched with PDL, for a caller that runs the
     three in this order on one stream (the suffix pass then lets the combine be scheduled early).
     `scripts/serving_probe.py` times the three one by one.
@@ -155,14 +162,18 @@ def cascade_passes(
         )  # fmt: skip
     suffix_run = paged_plan(q, k_pages, v_pages, block_table, suffix_lens, True, num_splits, validate, where)
     s_p, s_s = (prefix_run.num_splits if dense is None else dense.splits), suffix_run.num_splits
-    o_part = torch.empty((s_p + s_s, B, Tq, Hq, d), dtype=torch.float32, device=q.device)
-    l_part = torch.empty((s_p + s_s, B, Tq, Hq), dtype=torch.float32, device=q.device)
+    # the partials in memory as (S, Hq, B * Tq, d), read as (S, B, Tq, Hq, d): the dense prefix pass's kernel
+    # writes its slots as they are (`_DensePrefix`); the split-KV kernel and the combine take any strides
+    o_buf = torch.empty((s_p + s_s, Hq, B * Tq, d), dtype=torch.float32, device=q.device)
+    l_buf = torch.empty((s_p + s_s, Hq, B * Tq), dtype=torch.float32, device=q.device)
+    o_part = o_buf.view(s_p + s_s, Hq, B, Tq, d).permute(0, 2, 3, 1, 4)
+    l_part = l_buf.view(s_p + s_s, Hq, B, Tq).permute(0, 2, 3, 1)
     out = torch.empty_like(q)
     lse = torch.empty((B, Tq, Hq), dtype=torch.float32, device=q.device)
 
-    def prefix():
+    def prefix(staged: bool = False):
         if dense is not None:
-            dense(o_part[:s_p], l_part[:s_p])
+            dense(o_buf[:s_p], l_buf[:s_p], staged=staged)
             return
         write_partials(
             prefix_run, rows, k_pages, v_pages, prefix_table, prefix_len_t,
@@ -181,62 +192,109 @@ def cascade_passes(
         # results after each pass's own, 209 us a step in all)
         combine(o_part, l_part, out, lse, pdl=pdl)
 
+    if dense is not None:
+        prefix.stage = dense.stage
     return prefix, suffix, merge, out
 
 
-def gather_prefix(k_pages, v_pages, prefix_pages, prefix_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The shared prefix's K and V, each (Hkv, prefix_len, d) contiguous, gathered from its pages once: what a
-    group's decode steps read in `dense_prefix_pass` (prefix_pages (P_pages,) int32, on the pools' device). A
-    prefix's full pages do not change while they are shared, so one gather serves every step of the group."""
+def gather_prefix(
+    k_pages, v_pages, prefix_pages, prefix_len: int, splits: int = 1
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The shared prefix's K and V gathered from its pages once, each (S, Hkv, prefix_len / S, d) contiguous: its
+    tokens cut into S = splits slices (`prefix_splits`), slice-major (slice s holds tokens s * prefix_len / S
+    ...). What a group's decode steps read in `dense_prefix_pass`, as S x Hkv heads of K/V (prefix_pages
+    (P_pages,) int32, on the pools' device). A prefix's full pages do not change while they are shared, so one
+    gather serves every step of the group."""
+    splits = check_int("gather_prefix", "splits", splits, 1)
+    if prefix_len % splits:
+        raise ValueError(f"gather_prefix: splits {splits} must divide prefix_len {prefix_len}")
 
     def one(pool):
-        return pool.index_select(0, prefix_pages).flatten(0, 1)[:prefix_len].transpose(0, 1).contiguous()
+        rows = pool.index_select(0, prefix_pages).flatten(0, 1)[:prefix_len]  # (P, Hkv, d)
+        return rows.view(splits, prefix_len // splits, *rows.shape[1:]).transpose(1, 2).contiguous()
 
     return one(k_pages), one(v_pages)
 
 
-# Splits of the prefix in `dense_prefix_pass`: the warp-specialised forward has no split of its own, so the
-# prefix's keys are cut into DENSE_PREFIX_SPLITS slices read as that many K/V heads, each with its own copy of
-# the queries (B x Tq x Hq / Hkv rows per K/V head: 256 at B = 64, 32 / 8 heads), and the slices' (O, L) join the
-# combine as the paged pass's splits do. Measured on an H200 (`scripts/serving_probe.py --dense-prefix`: B = 64,
-# 32 / 8 heads, d = 128, a 32k prefix in pages of 64, S = 1024, bf16, graph replays, 2026-11-29): 8 slices, the
-# prefix pass 86.8 us and the step 164.5 us on two streams; 16: 108.2 / 188.2; 32: 147.7 / 234.4; the paged
-# prefix pass's step 191.3. Gathering the prefix took 241 us, once for the group's steps.
-DENSE_PREFIX_SPLITS = 8
+def prefix_splits(q: torch.Tensor, pool: torch.Tensor, prefix_len: int, sms: int | None = None) -> int:
+    """How many slices `gather_prefix` cuts a shared prefix into for `dense_prefix_pass`, whose warp-specialised
+    forward has no split of its own: the slices are read as S x Hkv K/V heads, each with its own copy of the
+    queries (B x Tq x Hq / Hkv rows per K/V head), and their (O, L) join the combine as the paged pass's splits
+    do. The most slices, a power of 2 dividing prefix_len, whose tiles of 128 query rows, S x Hkv x
+    ceil(rows / 128), take at most half the SMs (`sms`, default the GPU's; 1 off CUDA): the suffix pass, on the
+    other stream, takes the other half at the same time. q (B, Tq, Hq, d); pool (num_pages, page_size, Hkv, d).
+
+    Measured on an H200 (`scripts/serving_probe.py --dense-prefix`: 32 / 8 heads, d = 128, pages of 64, own
+    suffixes of 1024, bf16, graph replays, 2026-11-29), the step on two streams in us by slices (2 / 4 / 8 / 16),
+    the pick in brackets, 64 tiles in each: B = 64, 32k: 225.5 / [134.3] / 150.5 / 165.5; B = 64, 16k: 133.9 /
+    [126.3] / 126.7 / 141.0; B = 128, 32k: [238.6] / 267.5 / 277.5 / 297.8; B = 128, 16k: [198.5] / 216.6 /
+    227.5 / 248.2. The paged prefix pass's steps: 190.9, 144.8, 339.1, 251.5. With all 128 tiles on the GPU
+    (B = 64, 32k, 8 slices) the suffix pass waited for the prefix pass: 150.5 us, both one after the other."""
+    if sms is None:
+        sms = sm_count(pool.device.index) if pool.device.type == "cuda" else 1
+    B, Tq, Hq, _ = q.shape
+    hkv = pool.shape[2]
+    tiles = hkv * -(-(B * Tq * Hq // hkv) // 128)  # of one slice
+    splits = 1
+    while prefix_len % (2 * splits) == 0 and 2 * splits * tiles <= sms // 2 and prefix_len // (2 * splits) >= 128:
+        splits *= 2
+    return splits
+
+
 # The fewest query rows per K/V head (B x Tq x Hq / Hkv) for the dense prefix pass: its tiles hold 128 rows, and
 # fewer rows leave them part empty. Measured in the serving bench (H200, 16k prefix, graph replays, us, paged
 # prefix pass / dense): B = 4 (16 rows) 33.6 / 62.5, B = 16 (64 rows) 55.6 / 76.7, B = 64 (256 rows) 146.2 / 139.6.
 DENSE_PREFIX_MIN_ROWS = 256
+# The dense prefix pass's persistent grid (None: one program per SM) and the side stream's priority (lower is
+# higher; 0 the default): knobs of `scripts/serving_probe.py --partition`, measured no better (`_DensePrefix`).
+DENSE_PREFIX_PROGRAMS = None
+SIDE_PRIORITY = 0
 
 
 class _DensePrefix:
     """`dense_prefix_pass`'s plan, its buffers made once: called with the prefix's slots of the partial buffers
-    (o (S, B, Tq, Hq, d) fp32, l (S, B, Tq, Hq) fp32), it copies the queries once per slice, runs the Gluon
-    forward over the slices as K/V heads, and permutes its (O, L) into those slots (three copies, one launch)."""
+    in memory (o (S, Hq, B x Tq, d) fp32, l (S, Hq, B x Tq) fp32), it copies the queries once per slice
+    (`stage`, unless staged=True: `cascade_decode_attention` runs it before the fork) and runs the Gluon forward
+    over the slices as K/V heads, which writes its (O, L) straight into those slots: one copy, one launch.
 
-    def __init__(self, q, k, v, splits: int, variant, scale: float):
+    Measured on an H200 (B = 64, 32k prefix, 8 slices, graph replays, 2026-11-29; `scripts/serving_probe.py
+    --partition` and `--dense-prefix`): the queries staged before the fork, the step 164.5 -> 156.8 us (the
+    kernel was queued behind a copy while the suffix pass's programs took every SM); O and L written in place,
+    where two copies permuted them before, the prefix pass 87.0 -> 70.5 us and the step 150.0. Then half the SMs'
+    worth of tiles (`prefix_splits`: 4 slices here) let the suffix pass run beside it: 134.3. A smaller persistent
+    grid on the 128 tiles of 8 slices (DENSE_PREFIX_PROGRAMS, 64-112 programs) took two rounds (prefix pass 87 ->
+    134-136 us; step 156-159 us, before the in-place write); the side stream's priority changed nothing
+    (SIDE_PRIORITY)."""
+
+    def __init__(self, q, k, v, variant, scale: float):
         B, Tq, Hq, d = q.shape
-        hkv, p = k.shape[0], k.shape[1]
+        splits, hkv, p = k.shape[:3]
         self.q, self.splits, self.variant, self.scale = q, splits, variant, scale
-        # the queries' copies: (K/V head, slice, query head within the group, query row, d)
-        self.shape = (hkv, splits, Hq // hkv, B * Tq, d)
-        rows = self.shape[2] * self.shape[3]
-        self.q4 = torch.empty((1, hkv * splits, rows, d), dtype=q.dtype, device=q.device)
-        self.k4 = k.view(1, hkv * splits, p // splits, d)
-        self.v4 = v.view(1, hkv * splits, p // splits, d)
-        self.o4 = torch.empty_like(self.q4)
-        self.l3 = torch.empty((1, hkv * splits, rows), dtype=torch.float32, device=q.device)
+        self.programs = DENSE_PREFIX_PROGRAMS
+        # K/V head (s, h) of the kernel is slice s of K/V head h; its query rows are the group's query heads, each
+        # over every query of the batch: (query head in the group, query row). Slice-major, so that its O is the
+        # partials' memory order (S, Hq, B x Tq, d) as `cascade_passes` lays them out.
+        self.rows = (Hq // hkv) * B * Tq
+        self.q4 = torch.empty((1, splits * hkv, self.rows, d), dtype=q.dtype, device=q.device)
+        self.k4, self.v4 = k.view(1, splits * hkv, p, d), v.view(1, splits * hkv, p, d)
 
-    def __call__(self, o_part, l_part) -> None:
+    def stage(self) -> None:
+        """The queries' copies, one per slice: (slice, query head, query row, d)."""
+        bt, hq, d = self.q.shape[0] * self.q.shape[1], self.q.shape[2], self.q.shape[3]
+        shape = (self.splits, hq, bt, d)
+        self.q4.view(shape).copy_(self.q.view(bt, hq, d).transpose(0, 1).expand(shape))
+
+    def __call__(self, o_buf, l_buf, staged: bool = False) -> None:
+        """o_buf (S, Hq, B x Tq, d) and l_buf (S, Hq, B x Tq), float32, contiguous: written by the kernel itself."""
         from ..attention import hopper
 
-        hkv, splits, g, bt, d = self.shape
-        self.q4.view(self.shape).copy_(
-            self.q.view(bt, hkv, g, d).permute(1, 2, 0, 3).unsqueeze(1).expand(self.shape)
-        )
-        hopper.forward(self.q4, self.k4, self.v4, self.o4, self.l3, False, self.scale, self.variant)
-        o_part.view(splits, bt, hkv, g, d).copy_(self.o4.view(self.shape).permute(1, 3, 0, 2, 4))
-        l_part.view(splits, bt, hkv, g).copy_(self.l3.view(self.shape[:4]).permute(1, 3, 0, 2))
+        if not staged:
+            self.stage()
+        heads, d = self.q4.shape[1], self.q4.shape[3]
+        hopper.forward(
+            self.q4, self.k4, self.v4, o_buf.view(1, heads, self.rows, d), l_buf.view(1, heads, self.rows), False,
+            self.scale, self.variant, programs=self.programs,
+        )  # fmt: skip
 
 
 def dense_prefix_possible(pool: torch.Tensor) -> bool:
@@ -256,24 +314,23 @@ def dense_prefix_possible(pool: torch.Tensor) -> bool:
 def dense_prefix_pass(q, prefix_kv, prefix_len: int, scale=None) -> _DensePrefix | None:
     """The prefix pass with the warp-specialised Gluon forward (`attention.hopper`, notebook 08c) over the
     prefix gathered once (`gather_prefix`), on a Hopper GPU: every query row of the batch (q (B, Tq, Hq, d))
-    against DENSE_PREFIX_SPLITS slices of the prefix, no mask. None where it does not apply (not a Hopper GPU,
-    a dtype or head dim the kernel lacks, fewer than DENSE_PREFIX_MIN_ROWS query rows per K/V head, a prefix not
-    cut evenly, or a shape where `hopper.choose` found the Triton kernel faster): the caller keeps the paged
+    against the slices `gather_prefix` cut the prefix into, no mask. None where it does not apply (not a Hopper GPU,
+    a dtype or head dim the kernel lacks, fewer than DENSE_PREFIX_MIN_ROWS query rows per K/V head, prefix_kv not
+    this prefix, or a shape where `hopper.choose` found the Triton kernel faster): the caller keeps the paged
     prefix pass."""
     k, v = prefix_kv
-    if k.shape[1] != prefix_len or not dense_prefix_possible(k):
+    if k.shape[0] * k.shape[2] != prefix_len or not dense_prefix_possible(k):
         return None
     from ..attention import hopper
 
-    splits = DENSE_PREFIX_SPLITS
     B, Tq, Hq, d = q.shape
-    rows = B * Tq * Hq // k.shape[0]  # query rows per K/V head
-    if rows < DENSE_PREFIX_MIN_ROWS or prefix_len % splits or not hopper.supports(q, k, v):
+    rows = B * Tq * Hq // k.shape[1]  # query rows per K/V head
+    if rows < DENSE_PREFIX_MIN_ROWS or not hopper.supports(q, k, v):
         return None
-    variant = hopper.choose(d, False, rows, prefix_len // splits)
+    variant = hopper.choose(d, False, rows, k.shape[2])
     if variant is None:
         return None
-    return _DensePrefix(q, k, v, splits, variant, 1 / math.sqrt(d) if scale is None else scale)
+    return _DensePrefix(q, k, v, variant, 1 / math.sqrt(d) if scale is None else scale)
 
 
 # The prefix and suffix passes on two CUDA streams, so that one's programs fill the SMs the other leaves idle
@@ -281,12 +338,17 @@ def dense_prefix_pass(q, prefix_kv, prefix_len: int, scale=None) -> _DensePrefix
 OVERLAP = True
 
 
-@functools.cache
 def side_stream(device: torch.device):
-    """A second CUDA stream of `device` for the prefix pass (None off CUDA): one per device, made once."""
+    """A second CUDA stream of `device` for the prefix pass (None off CUDA): one per device and SIDE_PRIORITY,
+    made once."""
     if device.type != "cuda":
         return None
-    return torch.cuda.Stream(device=device)
+    return _stream(device, SIDE_PRIORITY)
+
+
+@functools.cache
+def _stream(device: torch.device, priority: int):
+    return torch.cuda.Stream(device=device, priority=priority)
 
 
 def cascade_min_prefix(batch: int, token_bytes: int) -> int:
@@ -368,7 +430,8 @@ class CascadeKV:
         if self.store is not None:
             prefix_kv = self.store.get(layer)
             if prefix_kv is None:  # the group's first step: the prefix gathered for the steps that follow
-                gathered = gather_prefix(k_pages, v_pages, self.prefix_pages, self.prefix_len)
+                splits = prefix_splits(shared.unsqueeze(1), k_pages, self.prefix_len)
+                gathered = gather_prefix(k_pages, v_pages, self.prefix_pages, self.prefix_len, splits)
                 prefix_kv = self.store[layer] = gathered
         o_shared = cascade_decode_attention(
             shared.unsqueeze(1), k_pages, v_pages, self.prefix_pages, self.prefix_len, self.suffix_table,
