@@ -62,10 +62,11 @@ __all__ = [
 # Where cascade starts to win, from the cascade grid of bench/serving.py (H200, 2026-11-29; Hq = 32, Hkv = 8,
 # d = 128, bf16: 4 KiB of K and V per token and layer, suffixes of 1024). Cascade's cost over paged decoding
 # is a second pass and the merge; what it saves is the B - 1 extra reads of the prefix. The bench's
-# `cascade_crossover` (log-interpolated between grid cells) put the crossing at (B - 1) x P = 18k tokens
-# (B = 4), 28k (B = 16) and 70k (B = 64) with this round's kernels (76k and 84k at B = 16 and 64 before the
-# 128-row prefix tile and the combine merge). So: cascade from 72k tokens of re-reads saved, 288 MiB per layer,
-# above every crossing measured (at small B it would win earlier: the rule stays on the safe side).
+# `cascade_crossover` (log-interpolated between grid cells) put the crossing at (B - 1) x P = 9k tokens
+# (B = 4) and 15k (B = 16), and at B = 64 cascade won from the grid's shortest prefix (1k), with the two passes
+# side by side (`prefix_splits`); 18k / 28k / 70k with the record before, 76k and 84k at B = 16 and 64 before
+# the 128-row prefix tile and the combine merge. So: cascade from 72k tokens of re-reads saved, 288 MiB per
+# layer, above every crossing measured (at small B it would win earlier: the rule stays on the safe side).
 CASCADE_MIN_SAVED_BYTES = 72 * 1024 * 4096
 
 
