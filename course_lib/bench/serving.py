@@ -399,7 +399,9 @@ def format_table(data: dict) -> str:
     for r in data["cascade"]:
         gather = r.get("gather_ms")
         slices = f", {r['prefix_slices']} slices" if r.get("prefix_slices") else ""
-        how = f"Gluon{slices} ({gather * 1e3:.0f})" if r.get("dense_prefix") and gather is not None else "paged"
+        how = (
+            f"Gluon{slices} ({gather * 1e3:.0f})" if r.get("dense_prefix") and gather is not None else "paged"
+        )
         lines.append(
             f"| {r['B']} | {r['P']} | {r['paged_ms'] * 1e3:.1f} | {r['cascade_ms'] * 1e3:.1f} | {r['speedup']:.2f}x "
             f"| {r['bytes_ratio']:.1f}x | {r['of_bound']:.0%} | {how} |"

@@ -237,7 +237,11 @@ def prefix_splits(q: torch.Tensor, pool: torch.Tensor, prefix_len: int, sms: int
     hkv = pool.shape[2]
     tiles = hkv * -(-(B * Tq * Hq // hkv) // 128)  # of one slice
     splits = 1
-    while prefix_len % (2 * splits) == 0 and 2 * splits * tiles <= sms // 2 and prefix_len // (2 * splits) >= 128:
+    while (
+        prefix_len % (2 * splits) == 0
+        and 2 * splits * tiles <= sms // 2
+        and prefix_len // (2 * splits) >= 128
+    ):
         splits *= 2
     return splits
 
