@@ -252,7 +252,8 @@ def prefill_split(cells=((3280, 32768), (1648, 16384)), cuts=(0.25, 0.5, 0.75, 0
 def ttft_cprofile(n: int = 32768, cached_fraction: float = 0.9) -> None:
     """--ttft-cprofile: where the host's time goes in the bench's first token of an n-token prompt, 90 % cached, on
     the bench's model (`bench.serving.serving_model`): wall ms of five runs, then Python's profiler over one (the
-    functions with the most time of their own, and the most in all)."""
+    functions with the most time of their own) and PyTorch's profiler over another (CPU time by operator and
+    CUDA call: launches, allocations, copies, waits)."""
     import cProfile
     import pstats
 
@@ -284,13 +285,19 @@ def ttft_cprofile(n: int = 32768, cached_fraction: float = 0.9) -> None:
         walls.append((time.perf_counter() - t0) * 1e3)
     print("first token, wall ms:", " ".join(f"{w:.2f}" for w in walls), flush=True)
     b = ready()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as tprof:
+        t0 = time.perf_counter()
+        first(b)
+        wall = (time.perf_counter() - t0) * 1e3
+    print(f"PyTorch's profiler, CPU side, one first token ({wall:.2f} ms with the profiler):")
+    print(tprof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=50))
+    b = ready()
     prof = cProfile.Profile()
     prof.enable()
     first(b)
     prof.disable()
     stats = pstats.Stats(prof)
-    stats.sort_stats("tottime").print_stats(30)
-    stats.sort_stats("cumulative").print_stats(40)
+    stats.sort_stats("tottime").print_stats(25)
 
 
 def ttft_profile():

@@ -131,8 +131,8 @@ def _hopper() -> bool:
 )
 def test_the_dense_prefix_pass_matches_float64_attention(B, Tq, Hq, Hkv, d, prefix_len, suffix_lens, dtype):
     """With the prefix gathered once (`gather_prefix`), the prefix pass runs the warp-specialised forward over its
-    DENSE_PREFIX_SPLITS slices (`dense_prefix_pass`); the step against float64 attention over each full sequence,
-    and the plan taken (not the paged pass)."""
+    slices (`dense_prefix_pass`: 1, 8 and `prefix_splits`' count), writing its partials in place; the step against
+    float64 attention over each full sequence, and the plan taken (not the paged pass)."""
     args = _setup(B, Tq, Hq, Hkv, d, prefix_len, suffix_lens, 64, dtype)
     q, k, v, pages, plen = args[:5]
     ref = cascade_reference(*args)
