@@ -107,6 +107,17 @@ def test_prefix_splits_fills_half_the_sms_with_tiles(B, Hq, Hkv, prefix_len, sms
     assert prefix_splits(q, pool, prefix_len) == 1  # a CPU pool
 
 
+def test_dense_prefix_pass_names_a_prefix_kv_of_the_wrong_layout():
+    """A prefix_kv that is not `gather_prefix`'s (S, Hkv, P / S, d) pair (the (Hkv, P, d) of a plain gather, K and V
+    of different shapes, another head dim) is refused by name, on any device, before any kernel reads it."""
+    q, k, v, pages, plen, _, _ = _setup(2, 1, 4, 2, 16, 32, [3, 4], 8, torch.float32)
+    gk, gv = gather_prefix(k, v, pages, plen, 2)
+    for bad in ((gk[0], gv[0]), (gk, gv[:1]), (gk[..., :8], gv[..., :8])):
+        with pytest.raises(ValueError, match="dense_prefix_pass: prefix_kv must be gather_prefix's"):
+            dense_prefix_pass(q, bad, plen)
+    assert dense_prefix_pass(q, (gk, gv), plen) is None  # the right layout, off a Hopper GPU: the paged pass
+
+
 def _hopper() -> bool:
     return DEV.type == "cuda" and torch.cuda.get_device_capability()[0] == 9
 

@@ -324,6 +324,11 @@ def dense_prefix_pass(q, prefix_kv, prefix_len: int, scale=None) -> _DensePrefix
     this prefix, or a shape where `hopper.choose` found the Triton kernel faster): the caller keeps the paged
     prefix pass."""
     k, v = prefix_kv
+    if k.dim() != 4 or v.shape != k.shape or k.shape[3] != q.shape[3]:
+        raise ValueError(
+            f"dense_prefix_pass: prefix_kv must be gather_prefix's (K, V), each (S, Hkv, prefix_len / S, d) with q's "
+            f"d = {q.shape[3]}, got shapes {tuple(k.shape)} and {tuple(v.shape)}"
+        )
     if k.shape[0] * k.shape[2] != prefix_len or not dense_prefix_possible(k):
         return None
     from ..attention import hopper
