@@ -45,7 +45,8 @@ pages of 16, scattered), each prompt cached or not: the paged kernel against the
     COURSE_DEVICE=cuda python3 scripts/serving_probe.py --prefill
 
 With --dense-prefix: the cascade step of probe 1 with its prefix gathered once and the prefix pass on the
-warp-specialised forward (`serving.cascade.dense_prefix_pass`), by the number of slices of the prefix.
+warp-specialised forward (`serving.cascade.dense_prefix_pass`), by the number of slices of the prefix, at B = 64 and 128,
+16k and 32k prefixes (the table in `serving.cascade.prefix_splits`).
 
     COURSE_DEVICE=cuda python3 scripts/serving_probe.py --dense-prefix
 
@@ -53,6 +54,13 @@ With --partition: the same step with the dense prefix pass's persistent grid sma
 the suffix pass takes the other SMs at the same time, by slices, programs and the side stream's priority.
 
     COURSE_DEVICE=cuda python3 scripts/serving_probe.py --partition
+
+With --prefill-split: the cached prefill's attention (3280 x 32k, 1648 x 16k) with its keys cut in two, the halves on
+two streams and merged, against one call. With --ttft-cprofile: a cached 32k first token on the bench's model,
+its wall time, then where its host time goes (Python's profiler, PyTorch's profiler on the CPU side).
+
+    COURSE_DEVICE=cuda python3 scripts/serving_probe.py --prefill-split
+    COURSE_DEVICE=cuda python3 scripts/serving_probe.py --ttft-cprofile
 
 With --prefix-gap: the ladder of `prefix_gap.py`, from the split kernel alone on the prefix (the probe of
 `decode.heuristics.MANY_ROWS`, 93.8 us) to the cascade's prefix pass (121.2 us), one difference a rung, each a
