@@ -45,15 +45,10 @@ pages of 16, scattered), each prompt cached or not: the paged kernel against the
     COURSE_DEVICE=cuda python3 scripts/serving_probe.py --prefill
 
 With --dense-prefix: the cascade step of probe 1 with its prefix gathered once and the prefix pass on the
-warp-specialised forward (`serving.cascade.dense_prefix_pass`), by the number of slices of the prefix, at B = 64 and 128,
-16k and 32k prefixes (the table in `serving.cascade.prefix_splits`).
+warp-specialised forward (`serving.cascade.dense_prefix_pass`), by the number of slices of the prefix, at B = 64
+and 128, 16k and 32k prefixes (the table in `serving.cascade.prefix_splits`).
 
     COURSE_DEVICE=cuda python3 scripts/serving_probe.py --dense-prefix
-
-With --partition: the same step with the dense prefix pass's persistent grid smaller than the SM count, so that
-the suffix pass takes the other SMs at the same time, by slices, programs and the side stream's priority.
-
-    COURSE_DEVICE=cuda python3 scripts/serving_probe.py --partition
 
 With --prefill-split: the cached prefill's attention (3280 x 32k, 1648 x 16k) with its keys cut in two, the halves on
 two streams and merged, against one call. With --ttft-cprofile: a cached 32k first token on the bench's model,
@@ -172,45 +167,6 @@ def _dense_prefix(args, splits_tried):
             line.append(f"step {'two streams' if overlap else 'one stream'} {graph_ms(step) * 1e3:6.1f} us")
         print(", ".join(line) + f", max diff from the paged pass {err:.1e}")
     cascade.OVERLAP = True  # as it was
-
-
-def partition(splits_tried=(8, 16, 32), programs_tried=(None, 112, 96, 88, 80, 64), priorities=(0, -1)):
-    """--partition: the cascade step with the dense prefix pass on fewer SMs than the GPU has (its persistent
-    grid, `cascade.DENSE_PREFIX_PROGRAMS`), so that the suffix pass, on the other stream, takes the rest at the
-    same time; by slices of the prefix, programs and the side stream's priority. Each line: the prefix pass
-    alone, the suffix pass alone, the combine alone, the step, and how much of the passes the step overlapped."""
-    from course_lib.attention import hopper
-    from course_lib.serving import cascade
-
-    args = cascade_step_args()
-    q, k, v, prefix_pages = args[:4]
-    want = cascade.cascade_decode_attention(*args, validate=False).float()
-    chosen = hopper.choose
-    hopper.choose = lambda *a, **kw: hopper.D128_SHORT  # persistent at every slice length: its grid is set
-    try:
-        for splits in splits_tried:
-            prefix_kv = cascade.gather_prefix(k, v, prefix_pages, P, splits)
-            for programs in programs_tried:
-                cascade.DENSE_PREFIX_PROGRAMS = programs
-                prefix, suffix, merge, out = cascade.cascade_passes(
-                    *args, validate=False, prefix_kv=prefix_kv
-                )
-                prefix(), suffix(), merge()
-                err = (out.float() - want).abs().max().item()
-                parts = [graph_ms(fn) * 1e3 for fn in (prefix, suffix, merge)]
-                for priority in priorities:
-                    cascade.SIDE_PRIORITY = priority
-
-                    def step(prefix_kv=prefix_kv):
-                        return cascade.cascade_decode_attention(*args, validate=False, prefix_kv=prefix_kv)
-
-                    ms = graph_ms(step) * 1e3
-                    print(f"splits {splits:2d} programs {programs or 'all':>3} priority {priority:2d}: prefix "
-                          f"{parts[0]:6.1f} suffix {parts[1]:6.1f} combine {parts[2]:5.1f} step {ms:6.1f} us "
-                          f"(overlap {sum(parts) - ms:5.1f}), max diff {err:.1e}", flush=True)  # fmt: skip
-    finally:
-        hopper.choose = chosen
-        cascade.DENSE_PREFIX_PROGRAMS, cascade.SIDE_PRIORITY = None, 0
 
 
 def prefill_split(cells=((3280, 32768), (1648, 16384)), cuts=(0.25, 0.5, 0.75, 0.9)):
@@ -619,7 +575,6 @@ if __name__ == "__main__":
     parser.add_argument(
         "--dense-prefix", action="store_true", help="cascade's prefix pass on the Gluon forward"
     )
-    parser.add_argument("--partition", action="store_true", help="cascade's prefix pass on fewer SMs")
     parser.add_argument(
         "--prefill-split", action="store_true", help="the cached prefill, keys cut, 2 streams"
     )
@@ -631,8 +586,6 @@ if __name__ == "__main__":
         ttft_cprofile()
     elif args.prefill_split:
         prefill_split()
-    elif args.partition:
-        partition()
     elif args.dense_prefix:
         dense_prefix()
     elif args.prefill:

@@ -468,25 +468,12 @@ def capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
-def forward(
-    q4,
-    k4,
-    v4,
-    o4,
-    lse3,
-    causal: bool,
-    scale: float,
-    variant: Variant,
-    offset: int = 0,
-    programs: int | None = None,
-) -> None:
+def forward(q4, k4, v4, o4, lse3, causal: bool, scale: float, variant: Variant, offset: int = 0) -> None:
     """Write O into o4 (B, H, Nq, d; q's dtype or float32, contiguous rows: any strides of B and H) and L into
     lse3 (B, H, Nq) float32, for q4 (B, H, Nq, d) and
     k4, v4 (B, Hkv, Nk, d) that pass `supports` (H a multiple of Hkv: grouped-query attention);
     variant from `choose` (or any of VARIANTS, for tests); offset: the causal offset, 0 (top-left) or
-    Nk - Nq >= 0 (bottom-right; `kernels.blocks`). programs: a persistent variant's grid, at most the SM count
-    (None: the SM count); fewer leave SMs to a kernel on another stream (cascade attention's suffix pass,
-    `serving.cascade`). The caller makes q4's GPU current."""
+    Nk - Nq >= 0 (bottom-right; `kernels.blocks`). The caller makes q4's GPU current."""
     B, H, n_q, d = q4.shape
     n_k = k4.shape[2]
     if causal and offset < 0:
@@ -494,10 +481,7 @@ def forward(
             f"hopper.forward: causal offset {offset} < 0 (rows that see no key) is not supported"
         )
     tiles = cdiv(n_q, QUERY_ROWS * variant.num_consumers) * B * H
-    sms = sm_count(q4.device.index)
-    grid = (
-        min(tiles, sms if programs is None else max(1, min(programs, sms))) if variant.persistent else tiles,
-    )
+    grid = (min(tiles, sm_count(q4.device.index)) if variant.persistent else tiles,)
     bound.launch(fwd_ws_kernel, grid,
         descriptor(q4, QUERY_ROWS), descriptor(k4, variant.block_n), descriptor(v4, variant.block_n),
         o4, lse3, scale * LOG2E,

@@ -137,13 +137,21 @@ class PagedKV:
         outs, start = [], 0
         for b, (n, length, pages) in enumerate(self.prefill):
             ids = self.block_table[b, :pages]  # on the pools' device: no copy from the host, no wait
-            k = k_pages.index_select(0, ids).flatten(0, 1)[:length].unsqueeze(0).transpose(1, 2)
-            v = v_pages.index_select(0, ids).flatten(0, 1)[:length].unsqueeze(0).transpose(1, 2)
+            k, v = (
+                gather_tokens(pool, ids, length).unsqueeze(0).transpose(1, 2) for pool in (k_pages, v_pages)
+            )
             rows = q[start : start + n].unsqueeze(0).transpose(1, 2)  # (1, Hq, n, d)
             o = flash_attention(rows, k, v, causal=True if n == length else "bottom_right")
             outs.append(o[0].transpose(0, 1))
             start += n
         return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+def gather_tokens(pool: torch.Tensor, pages: torch.Tensor, length: int) -> torch.Tensor:
+    """The first `length` tokens held by `pages` ((n_pages,) int32 or int64 page ids, on the pool's device) of one
+    layer's page pool (num_pages, page_size, Hkv, d), in one copy: (length, Hkv, d) contiguous. What the dense
+    prefill route (`PagedKV`) and cascade attention's `serving.cascade.gather_prefix` read."""
+    return pool.index_select(0, pages).flatten(0, 1)[:length]
 
 
 def to_device(arrays, device) -> list[torch.Tensor]:

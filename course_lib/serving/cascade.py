@@ -40,7 +40,7 @@ from ..checks import check_block_table, check_cache_seqlens, check_int, check_te
 from ..decode import paged_decode_attention
 from ..decode.combine import combine
 from ..decode.paged import paged_plan
-from ..decode.paged_kv import to_device
+from ..decode.paged_kv import gather_tokens, to_device
 from ..decode.split_kv import write_partials
 from ..pdl import enabled as pdl_enabled
 from ..runtime import sm_count
@@ -211,7 +211,7 @@ def gather_prefix(
         raise ValueError(f"gather_prefix: splits {splits} must divide prefix_len {prefix_len}")
 
     def one(pool):
-        rows = pool.index_select(0, prefix_pages).flatten(0, 1)[:prefix_len]  # (P, Hkv, d)
+        rows = gather_tokens(pool, prefix_pages, prefix_len)  # (P, Hkv, d)
         return rows.view(splits, prefix_len // splits, *rows.shape[1:]).transpose(1, 2).contiguous()
 
     return one(k_pages), one(v_pages)
@@ -250,10 +250,6 @@ def prefix_splits(q: torch.Tensor, pool: torch.Tensor, prefix_len: int, sms: int
 # fewer rows leave them part empty. Measured in the serving bench (H200, 16k prefix, graph replays, us, paged
 # prefix pass / dense): B = 4 (16 rows) 33.6 / 62.5, B = 16 (64 rows) 55.6 / 76.7, B = 64 (256 rows) 146.2 / 139.6.
 DENSE_PREFIX_MIN_ROWS = 256
-# The dense prefix pass's persistent grid (None: one program per SM) and the side stream's priority (lower is
-# higher; 0 the default): knobs of `scripts/serving_probe.py --partition`, measured no better (`_DensePrefix`).
-DENSE_PREFIX_PROGRAMS = None
-SIDE_PRIORITY = 0
 
 
 class _DensePrefix:
@@ -263,19 +259,18 @@ class _DensePrefix:
     over the slices as K/V heads, which writes its (O, L) straight into those slots: one copy, one launch.
 
     Measured on an H200 (B = 64, 32k prefix, 8 slices, graph replays, 2026-11-29; `scripts/serving_probe.py
-    --partition` and `--dense-prefix`): the queries staged before the fork, the step 164.5 -> 156.8 us (the
-    kernel was queued behind a copy while the suffix pass's programs took every SM); O and L written in place,
-    where two copies permuted them before, the prefix pass 87.0 -> 70.5 us and the step 150.0. Then half the SMs'
-    worth of tiles (`prefix_splits`: 4 slices here) let the suffix pass run beside it: 134.3. A smaller persistent
-    grid on the 128 tiles of 8 slices (DENSE_PREFIX_PROGRAMS, 64-112 programs) took two rounds (prefix pass 87 ->
-    134-136 us; step 156-159 us, before the in-place write); the side stream's priority changed nothing
-    (SIDE_PRIORITY)."""
+    --dense-prefix`): the queries staged before the fork, the step 164.5 -> 156.8 us (the kernel was queued
+    behind a copy while the suffix pass's programs took every SM); O and L written in place, where two copies
+    permuted them before, the prefix pass 87.0 -> 70.5 us and the step 150.0. Then half the SMs' worth of tiles
+    (`prefix_splits`: 4 slices here) let the suffix pass run beside it: 134.3. A smaller persistent grid on the
+    128 tiles of 8 slices (64-112 programs) took two rounds (prefix pass 87 -> 134-136 us; step 156-159 us,
+    before the in-place write), and the side stream at a higher priority changed nothing (the probe:
+    `serving_probe.py --partition` at commit 011d203)."""
 
     def __init__(self, q, k, v, variant, scale: float):
         B, Tq, Hq, d = q.shape
         splits, hkv, p = k.shape[:3]
         self.q, self.splits, self.variant, self.scale = q, splits, variant, scale
-        self.programs = DENSE_PREFIX_PROGRAMS
         # K/V head (s, h) of the kernel is slice s of K/V head h; its query rows are the group's query heads, each
         # over every query of the batch: (query head in the group, query row). Slice-major, so that its O is the
         # partials' memory order (S, Hq, B x Tq, d) as `cascade_passes` lays them out.
@@ -298,7 +293,7 @@ class _DensePrefix:
         heads, d = self.q4.shape[1], self.q4.shape[3]
         hopper.forward(
             self.q4, self.k4, self.v4, o_buf.view(1, heads, self.rows, d), l_buf.view(1, heads, self.rows), False,
-            self.scale, self.variant, programs=self.programs,
+            self.scale, self.variant,
         )  # fmt: skip
 
 
@@ -348,17 +343,12 @@ def dense_prefix_pass(q, prefix_kv, prefix_len: int, scale=None) -> _DensePrefix
 OVERLAP = True
 
 
+@functools.cache
 def side_stream(device: torch.device):
-    """A second CUDA stream of `device` for the prefix pass (None off CUDA): one per device and SIDE_PRIORITY,
-    made once."""
+    """A second CUDA stream of `device` for the prefix pass (None off CUDA): one per device, made once."""
     if device.type != "cuda":
         return None
-    return _stream(device, SIDE_PRIORITY)
-
-
-@functools.cache
-def _stream(device: torch.device, priority: int):
-    return torch.cuda.Stream(device=device, priority=priority)
+    return torch.cuda.Stream(device=device)
 
 
 def cascade_min_prefix(batch: int, token_bytes: int) -> int:
