@@ -56,6 +56,7 @@ its wall time, then where its host time goes (Python's profiler, PyTorch's profi
 
     COURSE_DEVICE=cuda python3 scripts/serving_probe.py --prefill-split
     COURSE_DEVICE=cuda python3 scripts/serving_probe.py --ttft-cprofile
+    COURSE_DEVICE=cuda python3 scripts/serving_probe.py --ttft-syncs    # the host's waits for the GPU in it
 
 With --prefix-gap: the ladder of `prefix_gap.py`, from the split kernel alone on the prefix (the probe of
 `decode.heuristics.MANY_ROWS`, 93.8 us) to the cascade's prefix pass (121.2 us), one difference a rung, each a
@@ -262,6 +263,54 @@ def ttft_cprofile(n: int = 32768, cached_fraction: float = 0.9) -> None:
     prof.disable()
     stats = pstats.Stats(prof)
     stats.sort_stats("tottime").print_stats(25)
+
+
+def ttft_syncs(n: int = 32768, cached_fraction: float = 0.9) -> None:
+    """--ttft-syncs: every operation that makes the host wait for the GPU during a cached first token (PyTorch's
+    sync debug mode), each with where it was called from, and the step's wall time (sync debug mode on), three
+    times."""
+    import traceback
+    import warnings
+
+    model = serving_model(True)
+    vocab, page = model.config.vocab_size, 16
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, vocab, (n,), generator=g).tolist()
+    n_cached = int(n * cached_fraction) // page * page
+    other = prompt[:n_cached] + [(t + 1) % vocab for t in prompt[n_cached:]]
+    for attempt in range(3):
+        b = PrefixCachingBatcher(model, -(-(2 * n + 2) // page) + 4, page, max_batch=2, max_step_tokens=n + 1)
+        b.submit(other, 1)
+        b.run()
+        torch.cuda.synchronize()
+        request = b.submit(prompt, 2)
+        seen = []
+        original = warnings.showwarning
+
+        def keep(message, category, filename, lineno, file=None, line=None, seen=seen):
+            stack = [
+                f
+                for f in traceback.extract_stack()[:-1]
+                if "course_lib" in f.filename or "scripts" in f.filename
+            ]
+            where = " < ".join(f"{f.filename.split('/')[-1]}:{f.lineno}" for f in stack[::-1][:5])
+            seen.append((str(message)[:60], where))
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")  # every sync, not the first at each line
+            warnings.showwarning = keep
+            torch.cuda.set_sync_debug_mode("warn")
+            t0 = time.perf_counter()
+            try:
+                b.step()[request]
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+                warnings.showwarning = original
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t0) * 1e3
+        print(f"first token {attempt}: {wall:.2f} ms (sync debug mode on), {len(seen)} syncs:")
+        for message, where in seen:
+            print("   ", message, "|", where)
 
 
 def ttft_profile():
@@ -581,8 +630,11 @@ if __name__ == "__main__":
     parser.add_argument(
         "--ttft-cprofile", action="store_true", help="the host's time in a cached first token"
     )
+    parser.add_argument("--ttft-syncs", action="store_true", help="the host's waits in a cached first token")
     args = parser.parse_args()
-    if args.ttft_cprofile:
+    if args.ttft_syncs:
+        ttft_syncs()
+    elif args.ttft_cprofile:
         ttft_cprofile()
     elif args.prefill_split:
         prefill_split()

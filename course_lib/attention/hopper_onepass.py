@@ -1,0 +1,288 @@
+"""FlashAttention-3's one-pass backward on Hopper GPUs, in Gluon: dK, dV and dQ from one kernel
+(notebook 08c, section 5).
+
+The two-kernel backward (`hopper_backward` for dK, dV; a dQ kernel) computes S and dP twice: 7 products
+where the algorithm needs 5. Here the dK/dV kernel of `hopper_backward` also computes dQ, as
+FlashAttention-3 does (Shah et al. 2024, section 3.3):
+
+* the two consumer warpgroups each own 64 keys of the program's block (dK, dV in registers) and each
+  computes half of dQ's columns for the step's 64 query rows: dQ[:, cols_w] = dS K[:, cols_w], over both
+  warpgroups' dS tiles in shared memory (`ds_bar`: an mbarrier between the two warpgroups);
+* each warpgroup puts its half of dQ (fp32) in shared memory and TMA adds it into a float32 dQ
+  accumulator in global memory (`cp.reduce.async.bulk.tensor ... .add`): the tensor cores' partners
+  never hold an address or wait for an atomic. dQ = scale * accumulator, cast to Q's dtype, afterwards.
+* FA3_ORDER: FlashAttention-3's order within a step (P and dS stored together behind one barrier, then
+  the dV, dQ and dK products, dQ collected while dK runs), else `hopper_backward`'s (dV as soon as P is
+  stored, dK as soon as this warpgroup's dS is, dQ last).
+
+Not chosen by `backward.backward`: it is correct (tests/test_hopper_onepass.py) but slower than the two
+kernels there. Measured on an H200 (bf16, B x N = 16k, H x d = 2048; `scripts/hopper_onepass_probe.py
+--variants`, the kernel alone, TFLOP/s of the backward's 2.5 x forward FLOPs, d = 128, 16k non-causal /
+causal): dQ added from shared memory by a writer warp of its own with `gl.atomic_add` (`atom.add.v4.f32`)
+323 / 345, with `red.add.v4.f32` 331 / 345; TMA's reduce from the consumers 470-487 / 363-384, in
+FlashAttention-3's order 476 / 421; with no dQ product at all (its TMA reduce of zeros kept) 636 / 540. The
+default backward (both kernels, D included) 486 / 443; D, the zeroed accumulator and dQ's cast add ~3 %
+to the one pass. notes/attention.md, "Open", says what would close the gap.
+"""
+
+from __future__ import annotations
+
+import torch
+from triton._C.libtriton import ir as _ir
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language._core import builtin
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_init,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from ..runtime import cdiv
+from .hopper import LOG2E, descriptor, launch_options
+from .hopper_backward import KROWS, QROWS, _partition_barrier, _producer, _program, _q_range, _step
+
+
+@builtin
+def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
+    """TMA's reduce-add: global[coord ...] += the shared-memory tile src, asynchronously, as
+    `tma.async_copy_shared_to_global` stores; `tma.store_wait` waits until it has read src. Gluon has the
+    operation (its builder's `create_async_tma_reduce`) but no function for it."""
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(
+        _ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle
+    )
+
+
+@gluon.jit
+def _add_dq(dq, dq_w, dq_desc, row, col, dq_full):
+    """This warpgroup's half of a step's dQ: into its shared-memory tile (once TMA has read the last one),
+    then added to the accumulator at (row, col) by TMA; dq_full counts the warpgroups done with the step."""
+    tma.store_wait(0)
+    dq_w.store(dq)
+    fence_async_shared()
+    _partition_barrier()
+    _tma_reduce_add(dq_desc, [row, col], dq_w)
+    mbarrier.arrive(dq_full, count=1)
+
+
+@gluon.jit
+def _consumer(args, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr,
+              NUM_CONSUMERS: gl.constexpr, WG: gl.constexpr, FA3_ORDER: gl.constexpr):  # fmt: skip
+    """Warpgroup WG: dK, dV of keys n_start + 64 WG ... + 63 (registers), and columns
+    WG * HALF ... of each step's dQ (added by TMA)."""
+    (q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, dq_smem, kv_bar, ready_bar, empty_bar,
+     ds_bar, dq_full, dq_desc,
+     L, Dlt, DK, DV, qk_scale, sm_scale, stride_lb, stride_lh, stride_lm,
+     stride_kb, stride_kh, stride_kn, H, GROUP, N_Q, N_K, OFFSET, num_n, BHKV) = args  # fmt: skip
+    dtype: gl.constexpr = q_smem.dtype
+    out_dtype: gl.constexpr = DK.dtype.element_ty
+    CTA_N: gl.constexpr = KROWS * NUM_CONSUMERS
+    HALF: gl.constexpr = HEAD_DIM // NUM_CONSUMERS
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, KROWS, 16]
+    )
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16]
+    )
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF, 16]
+    )
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
+
+    bhk, n_blk = _program(num_n, BHKV, CAUSAL)
+    n_start = n_blk * CTA_N
+    lo, mid, hi = _q_range(n_start, N_Q, OFFSET, CAUSAL, CTA_N)
+    n_m = hi - lo
+    H_KV = H // GROUP
+    off_b = bhk // H_KV
+    first_head = off_b * H + (bhk % H_KV) * GROUP
+    k_w = k_smem.index(WG)
+    v_w = v_smem.index(WG)
+    p_w = p_smem.index(WG)
+    ds_w = ds_smem.index(WG)
+    dq_w = dq_smem.index(WG)
+    s_zero = gl.zeros([QROWS, KROWS], gl.float32, layout=s_layout)
+    dq_zero = gl.zeros([QROWS, HALF], gl.float32, layout=dq_layout)
+    dk = gl.zeros([KROWS, HEAD_DIM], gl.float32, layout=acc_layout)
+    dv = gl.zeros([KROWS, HEAD_DIM], gl.float32, layout=acc_layout)
+    offs_m = gl.arange(0, QROWS, layout=row_layout)
+    cols = n_start + WG * KROWS + gl.arange(0, KROWS, layout=col_layout)
+
+    mbarrier.wait(kv_bar, 0)
+    dk_tok = warpgroup_mma_init(dk)
+    dv_tok = warpgroup_mma_init(dv)
+    dq_tok = warpgroup_mma_init(dq_zero)
+    for step in range(GROUP * n_m):
+        g, m_blk = _step(step, lo, n_m, GROUP, CAUSAL)
+        head = first_head + g
+        slot = step % NUM_STAGES
+        rows = m_blk * QROWS + offs_m
+        mbarrier.wait(ready_bar.index(slot), (step // NUM_STAGES) & 1)
+        q = q_smem.index(slot)
+        do = do_smem.index(slot)
+        s_tok = warpgroup_mma(q, k_w.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        dp_tok = warpgroup_mma(do, v_w.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        l_row = L + (head // H).to(gl.int64) * stride_lb + (head % H).to(gl.int64) * stride_lh
+        lse = gl.load(l_row + rows * stride_lm, mask=rows < N_Q, other=float("inf"))
+        lse2 = gl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634
+        delta = gl.load(Dlt + head.to(gl.int64) * N_Q + rows, mask=rows < N_Q, other=0.0)
+        s, dk, dv = warpgroup_mma_wait(1, deps=[s_tok, dk_tok, dv_tok])
+        if step > 0:
+            mbarrier.arrive(empty_bar.index((step - 1) % NUM_STAGES), count=1)
+        if CAUSAL:
+            if m_blk < mid:
+                visible = gl.expand_dims(rows + OFFSET, 1) >= gl.expand_dims(cols, 0)
+                s = gl.where(visible, s, float("-inf"))
+        if n_start + CTA_N > N_K:  # the last block: keys past N_K (the next head's, or zeros) get P = 0,
+            keys = gl.arange(0, KROWS, layout=col_layout)  # else dS K would carry them into dQ
+            s = gl.where(gl.expand_dims(keys < N_K - n_start - WG * KROWS, 0), s, float("-inf"))
+        p = gl.exp2(s * qk_scale - gl.expand_dims(lse2, 1))
+        if FA3_ORDER:  # FlashAttention-3's order: P and dS stored together, one barrier, then dV, dQ, dK
+            dp = warpgroup_mma_wait(0, deps=[dp_tok])
+            ds = p * (dp - gl.expand_dims(delta, 1))
+            if step > 0:  # both warpgroups' dQ products of the previous step, which read dS, are done
+                mbarrier.wait(dq_full, (step - 1) & 1)
+            p_w.store(p.to(dtype))
+            ds_w.store(ds.to(dtype))
+            fence_async_shared()
+            _partition_barrier()
+            mbarrier.arrive(ds_bar, count=1)
+            dv_tok = warpgroup_mma(p_w.permute((1, 0)), do, dv, is_async=True)
+            mbarrier.wait(ds_bar, step & 1)
+            dq_tok = warpgroup_mma(ds_smem.index(0), k_smem.index(0).slice(WG * HALF, HALF, dim=1), dq_zero,
+                                   use_acc=False, is_async=True)  # fmt: skip
+            for c in gl.static_range(1, NUM_CONSUMERS):
+                dq_tok = warpgroup_mma(ds_smem.index(c), k_smem.index(c).slice(WG * HALF, HALF, dim=1), dq_tok,
+                                       is_async=True)  # fmt: skip
+            dk_tok = warpgroup_mma(ds_w.permute((1, 0)), q, dk, is_async=True)
+        else:
+            p_w.store(p.to(dtype))
+            fence_async_shared()
+            _partition_barrier()
+            dv_tok = warpgroup_mma(p_w.permute((1, 0)), do, dv, is_async=True)
+            dp = warpgroup_mma_wait(1, deps=[dp_tok])
+            ds = p * (dp - gl.expand_dims(delta, 1))
+            if step > 0:  # both warpgroups' dQ products of the previous step, which read this tile, are done
+                mbarrier.wait(dq_full, (step - 1) & 1)
+            ds_w.store(ds.to(dtype))
+            fence_async_shared()
+            _partition_barrier()
+            mbarrier.arrive(ds_bar, count=1)
+            dk_tok = warpgroup_mma(ds_w.permute((1, 0)), q, dk, is_async=True)
+            mbarrier.wait(ds_bar, step & 1)  # both dS tiles of the step are in shared memory
+            dq_tok = warpgroup_mma(ds_smem.index(0), k_smem.index(0).slice(WG * HALF, HALF, dim=1), dq_zero,
+                                   use_acc=False, is_async=True)  # fmt: skip
+            for c in gl.static_range(1, NUM_CONSUMERS):
+                dq_tok = warpgroup_mma(ds_smem.index(c), k_smem.index(c).slice(WG * HALF, HALF, dim=1), dq_tok,
+                                       is_async=True)  # fmt: skip
+        if FA3_ORDER:  # dQ done, dK still running
+            dq = warpgroup_mma_wait(1, deps=[dq_tok])
+        else:
+            dq = warpgroup_mma_wait(0, deps=[dq_tok])
+        _add_dq(dq, dq_w, dq_desc, head * N_Q + m_blk * QROWS, WG * HALF, dq_full)
+    dk, dv = warpgroup_mma_wait(0, deps=[dk_tok, dv_tok])
+    tma.store_wait(0)
+
+    key_rows = n_start + WG * KROWS + gl.arange(0, KROWS, layout=gl.SliceLayout(1, acc_layout))
+    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
+    off_kh = bhk % H_KV
+    base = off_b.to(gl.int64) * stride_kb + off_kh.to(gl.int64) * stride_kh
+    ptrs = base + gl.expand_dims(key_rows, 1) * stride_kn + gl.expand_dims(offs_d, 0)
+    mask = gl.expand_dims(key_rows < N_K, 1)
+    gl.store(DK + ptrs, (dk * sm_scale).to(out_dtype), mask=mask)
+    gl.store(DV + ptrs, dv.to(out_dtype), mask=mask)
+
+
+@gluon.jit
+def bwd_ws_kernel(
+    q_desc, do_desc, k_desc, v_desc, dq_desc, L, Dlt, DK, DV, qk_scale, sm_scale,
+    stride_lb, stride_lh, stride_lm, stride_kb, stride_kh, stride_kn,
+    H, GROUP, SHARE, N_Q, N_K, OFFSET, BHKV,
+    CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, FA3_ORDER: gl.constexpr,
+):  # fmt: skip
+    """`hopper_backward.dkdv_ws_kernel`'s arguments, and dq_desc: a TMA descriptor of a zeroed float32
+    (B * H * N_Q, d) accumulator in blocks of (64, d / NUM_CONSUMERS), which receives the sum over key
+    blocks of dS K (unscaled). Rows of a step past N_Q add zeros (P = 0 there) to the next head's rows, or
+    fall outside the tensor, where TMA drops them."""
+    dtype: gl.constexpr = q_desc.dtype
+    CTA_N: gl.constexpr = KROWS * NUM_CONSUMERS
+    HALF: gl.constexpr = HEAD_DIM // NUM_CONSUMERS
+    num_n = gl.cdiv(N_K, CTA_N)
+    q_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, QROWS, HEAD_DIM], q_desc.layout)
+    do_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, QROWS, HEAD_DIM], do_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, KROWS, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, KROWS, HEAD_DIM], v_desc.layout)
+    pds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([QROWS, KROWS], dtype)
+    p_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, QROWS, KROWS], pds_layout)
+    ds_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, QROWS, KROWS], pds_layout)
+    dq_smem = gl.allocate_shared_memory(gl.float32, [NUM_CONSUMERS, QROWS, HALF], dq_desc.layout)
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ready_bar = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    empty_bar = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    ds_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    dq_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar, count=1)
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(ready_bar.index(i), count=1)
+        mbarrier.init(empty_bar.index(i), count=NUM_CONSUMERS)
+    mbarrier.init(ds_bar, count=NUM_CONSUMERS)
+    mbarrier.init(dq_full, count=NUM_CONSUMERS)
+    fence_async_shared()
+
+    shared = (q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, dq_smem, kv_bar, ready_bar, empty_bar,
+              ds_bar, dq_full, dq_desc,
+              L, Dlt, DK, DV, qk_scale, sm_scale, stride_lb, stride_lh, stride_lm,
+              stride_kb, stride_kh, stride_kn, H, GROUP, N_Q, N_K, OFFSET, num_n, BHKV)  # fmt: skip
+    loads = (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, ready_bar, empty_bar,
+             H, GROUP, SHARE, N_Q, N_K, OFFSET, num_n, BHKV)  # fmt: skip
+    gl.warp_specialize(
+        [
+            (_consumer, (shared, CAUSAL, HEAD_DIM, NUM_STAGES, NUM_CONSUMERS, 0, FA3_ORDER)),
+            (_consumer, (shared, CAUSAL, HEAD_DIM, NUM_STAGES, NUM_CONSUMERS, 1, FA3_ORDER)),
+            (_producer, (loads, CAUSAL, NUM_STAGES, NUM_CONSUMERS)),
+        ],
+        [4, 1], [CONSUMER_REGS, 24],
+    )  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------------------
+# Host side
+# --------------------------------------------------------------------------------------------------
+NUM_CONSUMERS = 2
+NUM_STAGES = 2  # Q, dO ring slots: d = 128 takes 197 KB of shared memory with two
+
+
+def backward(q4, k4, v4, o4, do4, l3, offset: int, causal: bool, scale: float, fa3_order: bool | None = None):
+    """(dQ, dK, dV) of attention from one kernel, for q4, do4, o4 (B, H, N_Q, d) and k4, v4 (B, H_kv, N_K, d)
+    that pass `hopper_backward.supports` (a Hopper GPU, 16-bit, contiguous, d 64 or 128); l3 (B, H, N_Q) the
+    forward's L (float32, natural log); offset: the causal alignment's `checks.causal_offset`. dK, dV are
+    summed over the H / H_kv query heads of each K/V head. fa3_order: the order within a step (None: the
+    faster one measured, FlashAttention-3's for causal rows). The caller makes q4's GPU current."""
+    B, H, n_q, d = q4.shape
+    h_kv, n_k = k4.shape[1], k4.shape[2]
+    delta = (do4.float() * o4.float()).sum(-1).reshape(B * H, n_q)  # D = rowsum(dO * O)
+    dq_acc = torch.zeros(B * H * n_q, d, dtype=torch.float32, device=q4.device)
+    dk, dv = torch.empty_like(k4), torch.empty_like(v4)
+    half = d // NUM_CONSUMERS
+    dq_desc = TensorDescriptor(
+        dq_acc, [B * H * n_q, d], [d, 1], [QROWS.value, half],
+        gl.NVMMASharedLayout.get_default_for([QROWS.value, half], gl.float32),
+    )  # fmt: skip
+    grid = (cdiv(n_k, KROWS.value * NUM_CONSUMERS) * B * h_kv,)
+    bwd_ws_kernel[grid](
+        descriptor(q4, QROWS.value), descriptor(do4, QROWS.value),
+        descriptor(k4, KROWS.value), descriptor(v4, KROWS.value), dq_desc,
+        l3, delta, dk, dv, scale * LOG2E, scale,
+        l3.stride(0), l3.stride(1), l3.stride(2), dk.stride(0), dk.stride(1), dk.stride(2),
+        H, H // h_kv, 1, n_q, n_k, offset, B * h_kv,
+        CAUSAL=causal, HEAD_DIM=d, NUM_STAGES=NUM_STAGES, NUM_CONSUMERS=NUM_CONSUMERS,
+        FA3_ORDER=causal if fa3_order is None else fa3_order, **launch_options(NUM_CONSUMERS),
+    )  # fmt: skip
+    return (dq_acc.view(q4.shape) * scale).to(q4.dtype), dk, dv

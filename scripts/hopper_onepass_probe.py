@@ -1,0 +1,89 @@
+"""Probe of the one-pass Gluon backward (`course_lib/attention/hopper_onepass.py`) against the default backward
+and SDPA's on a Hopper GPU.
+
+    python3 scripts/hopper_onepass_probe.py --out build/onepass.json [--ns 1024,4096,16384] [--ds 128,64]
+
+For each cell (bf16, B * N = 16k tokens, H * d = 2048, causal and not, one query head per K/V head): dQ, dK, dV
+of `hopper_onepass.backward` in both orders within a step (`fa3_order`) against the default backward
+(`attention.backward`, largest difference), then the time of each whole backward (the one pass with its D,
+zeroed accumulator and dQ cast; the default's two kernels with D; SDPA's, cuDNN) as TFLOP/s of the
+backward's 2.5 x forward FLOPs. Correctness against float64 is tests/test_hopper_onepass.py's. A cell that runs
+past --hang-s seconds (a deadlocked kernel) ends the run with what was measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import threading
+import traceback
+from pathlib import Path
+
+import torch
+
+from course_lib.attention import backward as bwd
+from course_lib.attention import forward as fwd
+from course_lib.attention import hopper_onepass as onepass
+from course_lib.perf.timing import benchmark
+
+TOKENS, WIDTH = 16384, 2048
+
+
+def cell(d: int, n: int, causal: bool) -> dict:
+    B, H = TOKENS // n, WIDTH // d
+    q, k, v, do = (torch.randn(B, H, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    scale = d**-0.5
+    o, L = fwd.forward(q, k, v, causal=causal)
+    flops = 2.5 * 4 * B * H * n * n * d * (0.5 if causal else 1.0)
+    row = dict(d=d, n=n, causal=causal)
+    default = bwd.backward(do, q, k, v, o, L, causal=causal)
+    row["default_tflops"] = round(
+        flops / benchmark(lambda: bwd.backward(do, q, k, v, o, L, causal=causal)) / 1e9, 1
+    )
+    for order in (False, True):
+        name = "onepass_fa3_order" if order else "onepass"
+        grads = onepass.backward(q, k, v, o, do, L, 0, causal, scale, fa3_order=order)
+        for g, new, old in zip("qkv", grads, default):
+            row[f"{name}_d{g}_diff"] = (new.float() - old.float()).abs().max().item()
+        call = lambda order=order: onepass.backward(q, k, v, o, do, L, 0, causal, scale, fa3_order=order)  # noqa: E731
+        row[f"{name}_tflops"] = round(flops / benchmark(call) / 1e9, 1)
+    qs, ks, vs = (t.detach().requires_grad_() for t in (q, k, v))
+    out = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=causal)
+    sdpa = lambda: torch.autograd.grad(out, (qs, ks, vs), do, retain_graph=True)  # noqa: E731
+    row["sdpa_tflops"] = round(flops / benchmark(sdpa) / 1e9, 1)
+    return row
+
+
+def _hang(d: int, n: int, causal: bool) -> None:
+    print("HANG", d, n, causal, flush=True)
+    os._exit(3)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default="build/onepass.json")
+    p.add_argument("--ns", default="1024,4096,16384")
+    p.add_argument("--ds", default="128,64")
+    p.add_argument("--hang-s", type=float, default=120)
+    a = p.parse_args()
+    rows = []
+    for d in map(int, a.ds.split(",")):
+        for n in map(int, a.ns.split(",")):
+            for causal in (False, True):
+                timer = threading.Timer(a.hang_s, _hang, (d, n, causal))
+                timer.start()
+                try:
+                    row = cell(d, n, causal)
+                except Exception as e:  # noqa: BLE001 (a failed cell is a row with its error)
+                    row = dict(d=d, n=n, causal=causal, error=f"{type(e).__name__}: {e}"[:400])
+                    traceback.print_exc()
+                timer.cancel()
+                print(json.dumps(row), flush=True)
+                rows.append(row)
+                Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+                Path(a.out).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
