@@ -55,6 +55,7 @@ two streams and merged, against one call. With --ttft-cprofile: a cached 32k fir
 its wall time, then where its host time goes (Python's profiler, PyTorch's profiler on the CPU side).
 
     COURSE_DEVICE=cuda python3 scripts/serving_probe.py --prefill-split
+    COURSE_DEVICE=cuda python3 scripts/serving_probe.py --prefill-tiles   # ... by each of the forward's launches
     COURSE_DEVICE=cuda python3 scripts/serving_probe.py --ttft-cprofile
     COURSE_DEVICE=cuda python3 scripts/serving_probe.py --ttft-syncs    # the host's waits for the GPU in it
 
@@ -168,6 +169,43 @@ def _dense_prefix(args, splits_tried):
             line.append(f"step {'two streams' if overlap else 'one stream'} {graph_ms(step) * 1e3:6.1f} us")
         print(", ".join(line) + f", max diff from the paged pass {err:.1e}")
     cascade.OVERLAP = True  # as it was
+
+
+def prefill_tiles(cells=((3280, 32768), (1648, 16384), (416, 4096))):
+    """--prefill-tiles: the cached prefill's attention (16 query / 4 K/V heads, d = 64, bf16, K/V strided as the
+    dense route reads them, bottom-right causal) with each launch of the forward's candidates (`configs.FORWARD`)
+    against the default choice: whether smaller tiles fill the last wave of 416 programs better."""
+    from course_lib.attention import attention_forward
+    from course_lib.attention.configs import FORWARD
+    from course_lib.attention.forward import forward
+    from course_lib.perf.timing import benchmark
+
+    hq, hkv, d = 16, 4, 64
+    g = torch.Generator().manual_seed(5)
+    for n, length in cells:
+        q = torch.randn(n, hq, d, generator=g).to("cuda", torch.bfloat16).transpose(0, 1).unsqueeze(0)
+        kv = torch.randn(2, length, hkv, d, generator=g).to("cuda", torch.bfloat16)
+        k, v = (t.transpose(0, 1).unsqueeze(0) for t in kv)
+        flops = 4 * hq * d * (n * (length - n) + n * (n + 1) / 2)
+        want = attention_forward(q, k, v, causal="bottom_right")[0]
+        base = benchmark(lambda q=q, k=k, v=v: attention_forward(q, k, v, causal="bottom_right"))
+        print(f"{n} x {length}: default {base:.3f} ms ({flops / base / 1e9:.0f} TFLOP/s)", flush=True)
+        for c in FORWARD.candidates + (
+            FORWARD.fixed.__class__(64, 128, 4, 3),
+            FORWARD.fixed.__class__(64, 32, 4, 4),
+        ):
+            config = dict(
+                BLOCK_M=c.block_m, BLOCK_N=c.block_n, num_warps=c.num_warps, num_stages=c.num_stages
+            )
+            try:
+                got = forward(q, k, v, causal="bottom_right", config=config)[0]
+                t = benchmark(
+                    lambda q=q, k=k, v=v, config=config: forward(q, k, v, "bottom_right", config=config)
+                )
+                err = (got.float() - want.float()).abs().max().item()
+                print(f"  {config}: {t:.3f} ms ({base / t:.2f}x the default), max diff {err:.1e}", flush=True)
+            except Exception as e:  # noqa: BLE001 (a launch that does not fit is a line)
+                print(f"  {config}: {type(e).__name__}: {str(e)[:120]}", flush=True)
 
 
 def prefill_split(cells=((3280, 32768), (1648, 16384)), cuts=(0.25, 0.5, 0.75, 0.9)):
@@ -631,8 +669,13 @@ if __name__ == "__main__":
         "--ttft-cprofile", action="store_true", help="the host's time in a cached first token"
     )
     parser.add_argument("--ttft-syncs", action="store_true", help="the host's waits in a cached first token")
+    parser.add_argument(
+        "--prefill-tiles", action="store_true", help="the cached prefill by the forward's launches"
+    )
     args = parser.parse_args()
-    if args.ttft_syncs:
+    if args.prefill_tiles:
+        prefill_tiles()
+    elif args.ttft_syncs:
         ttft_syncs()
     elif args.ttft_cprofile:
         ttft_cprofile()
