@@ -97,6 +97,85 @@ def _step(step, lo, n_m, GROUP, CAUSAL: gl.constexpr):
 
 
 @gluon.jit
+def _block(num_n, BHKV, H, GROUP, N_Q, OFFSET, CAUSAL: gl.constexpr, CTA_N: gl.constexpr):
+    """This program's (batch * K/V head, first key, query blocks lo, mid (`_q_range`), their number, batch * H +
+    the first query head of its group)."""
+    bhk, n_blk = _program(num_n, BHKV, CAUSAL)
+    n_start = n_blk * CTA_N
+    lo, mid, hi = _q_range(n_start, N_Q, OFFSET, CAUSAL, CTA_N)
+    H_KV = H // GROUP
+    first_head = (bhk // H_KV) * H + (bhk % H_KV) * GROUP
+    return bhk, n_start, lo, mid, hi - lo, first_head
+
+
+@gluon.jit
+def _scores(q_smem, do_smem, ready_bar, k_w, v_w, s_zero, step, NUM_STAGES: gl.constexpr):
+    """Once the step's Q and dO are in their ring slot: S = Q K_w^T and dP = dO V_w^T issued to the tensor
+    cores (right behind the previous step's products). Returns (Q, dO, S's token, dP's token)."""
+    slot = step % NUM_STAGES
+    mbarrier.wait(ready_bar.index(slot), (step // NUM_STAGES) & 1)
+    q = q_smem.index(slot)
+    do = do_smem.index(slot)
+    s_tok = warpgroup_mma(q, k_w.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    dp_tok = warpgroup_mma(do, v_w.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    return q, do, s_tok, dp_tok
+
+
+@gluon.jit
+def _row_stats(L, Dlt, head, rows, H, N_Q, stride_lb, stride_lh, stride_lm):
+    """L (base 2; a row that saw no key, L = -inf, reads +inf: P = 0) and D of the step's rows, loaded while
+    the products run. Rows past N_Q: L = +inf, so they add nothing."""
+    l_row = L + (head // H).to(gl.int64) * stride_lb + (head % H).to(gl.int64) * stride_lh
+    lse = gl.load(l_row + rows * stride_lm, mask=rows < N_Q, other=float("inf"))
+    lse2 = gl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634
+    delta = gl.load(Dlt + head.to(gl.int64) * N_Q + rows, mask=rows < N_Q, other=0.0)
+    return lse2, delta
+
+
+@gluon.jit
+def _probabilities(s, rows, cols, m_blk, mid, OFFSET, lse2, qk_scale, CAUSAL: gl.constexpr):
+    """P = exp2(S scale log2 e - L log2 e), keys hidden by the causal mask on the diagonal blocks: key j is
+    visible to row i when i + OFFSET >= j."""
+    if CAUSAL:
+        if m_blk < mid:
+            visible = gl.expand_dims(rows + OFFSET, 1) >= gl.expand_dims(cols, 0)
+            s = gl.where(visible, s, float("-inf"))
+    return gl.exp2(s * qk_scale - gl.expand_dims(lse2, 1))
+
+
+@gluon.jit
+def _tiles(key_start, HEAD_DIM: gl.constexpr):
+    """A consumer's register tiles, in wgmma's accumulator layouts: a zero score tile (64 query rows x 64 keys;
+    what products with use_acc=False are given), dK and dV (64 keys x d, zero), the query rows of a step's tile
+    (from 0) and the keys key_start ... + 63 of its columns."""
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, KROWS, 16]
+    )
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16]
+    )
+    s_zero = gl.zeros([QROWS, KROWS], gl.float32, layout=s_layout)
+    dk = gl.zeros([KROWS, HEAD_DIM], gl.float32, layout=acc_layout)
+    dv = gl.zeros([KROWS, HEAD_DIM], gl.float32, layout=acc_layout)
+    offs_m = gl.arange(0, QROWS, layout=gl.SliceLayout(1, s_layout))
+    cols = key_start + gl.arange(0, KROWS, layout=gl.SliceLayout(0, s_layout))
+    return s_zero, dk, dv, offs_m, cols
+
+
+@gluon.jit
+def _store_dkdv(dk, dv, DK, DV, sm_scale, key_start, bhk, H_KV, N_K, stride_kb, stride_kh, stride_kn):
+    """dK = dS^T Q * scale and dV of keys key_start ... + 63: registers -> HBM once (keys past N_K masked)."""
+    acc_layout: gl.constexpr = dk.type.layout
+    key_rows = key_start + gl.arange(0, KROWS, layout=gl.SliceLayout(1, acc_layout))
+    offs_d = gl.arange(0, dk.shape[1], layout=gl.SliceLayout(0, acc_layout))
+    base = (bhk // H_KV).to(gl.int64) * stride_kb + (bhk % H_KV).to(gl.int64) * stride_kh
+    ptrs = base + gl.expand_dims(key_rows, 1) * stride_kn + gl.expand_dims(offs_d, 0)
+    mask = gl.expand_dims(key_rows < N_K, 1)
+    gl.store(DK + ptrs, (dk * sm_scale).to(DK.dtype.element_ty), mask=mask)
+    gl.store(DV + ptrs, dv.to(DV.dtype.element_ty), mask=mask)
+
+
+@gluon.jit
 def _producer(args, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr):
     """One warp issues every TMA copy: the K and V blocks of the program once (one 64-row half per
     consumer), then Q and dO of each (query head, query block) step into ring slot step % NUM_STAGES,
@@ -134,65 +213,28 @@ def _consumer(args, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl
      L, Dlt, DK, DV, qk_scale, sm_scale, stride_lb, stride_lh, stride_lm,
      stride_kb, stride_kh, stride_kn, H, GROUP, N_Q, N_K, OFFSET, num_n, BHKV) = args  # fmt: skip
     dtype: gl.constexpr = q_smem.dtype
-    out_dtype: gl.constexpr = DK.dtype.element_ty
     CTA_N: gl.constexpr = KROWS * NUM_CONSUMERS
-    # Register layouts: the score tiles (64 query rows x 64 keys) and the accumulators (64 keys x d).
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, KROWS, 16]
-    )
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16]
-    )
-    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
-    col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
-
-    bhk, n_blk = _program(num_n, BHKV, CAUSAL)
-    n_start = n_blk * CTA_N
-    lo, mid, hi = _q_range(n_start, N_Q, OFFSET, CAUSAL, CTA_N)
-    n_m = hi - lo
-    H_KV = H // GROUP
-    off_b = bhk // H_KV
-    first_head = off_b * H + (bhk % H_KV) * GROUP
+    bhk, n_start, lo, mid, n_m, first_head = _block(num_n, BHKV, H, GROUP, N_Q, OFFSET, CAUSAL, CTA_N)
     k_w = k_smem.index(WG)
     v_w = v_smem.index(WG)
     p_w = p_smem.index(WG)
     ds_w = ds_smem.index(WG)
-    s_zero = gl.zeros([QROWS, KROWS], gl.float32, layout=s_layout)
-    dk = gl.zeros([KROWS, HEAD_DIM], gl.float32, layout=acc_layout)
-    dv = gl.zeros([KROWS, HEAD_DIM], gl.float32, layout=acc_layout)
-    offs_m = gl.arange(0, QROWS, layout=row_layout)
-    cols = n_start + WG * KROWS + gl.arange(0, KROWS, layout=col_layout)
-
+    s_zero, dk, dv, offs_m, cols = _tiles(n_start + WG * KROWS, HEAD_DIM)
     mbarrier.wait(kv_bar, 0)
     dk_tok = warpgroup_mma_init(dk)  # the accumulators as in-flight products (none issued yet)
     dv_tok = warpgroup_mma_init(dv)
     for step in range(GROUP * n_m):
         g, m_blk = _step(step, lo, n_m, GROUP, CAUSAL)
         head = first_head + g  # batch * H + query head
-        slot = step % NUM_STAGES
         rows = m_blk * QROWS + offs_m
-        mbarrier.wait(ready_bar.index(slot), (step // NUM_STAGES) & 1)
-        q = q_smem.index(slot)
-        do = do_smem.index(slot)
-        # S and dP go to the tensor cores right behind the previous step's dV and dK products.
-        s_tok = warpgroup_mma(q, k_w.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        dp_tok = warpgroup_mma(do, v_w.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        # L (base 2; a row that saw no key, L = -inf, reads +inf: P = 0) and D of the step's rows,
-        # loaded while the products run. Rows past N_Q: L = +inf, so they add nothing.
-        l_row = L + (head // H).to(gl.int64) * stride_lb + (head % H).to(gl.int64) * stride_lh
-        lse = gl.load(l_row + rows * stride_lm, mask=rows < N_Q, other=float("inf"))
-        lse2 = gl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634
-        delta = gl.load(Dlt + head.to(gl.int64) * N_Q + rows, mask=rows < N_Q, other=0.0)
+        q, do, s_tok, dp_tok = _scores(q_smem, do_smem, ready_bar, k_w, v_w, s_zero, step, NUM_STAGES)
+        lse2, delta = _row_stats(L, Dlt, head, rows, H, N_Q, stride_lb, stride_lh, stride_lm)
         # Products complete in issue order: S done means the previous step's dV and dK are too, so
         # its Q, dO slot, P and dS tiles are free again.
         s, dk, dv = warpgroup_mma_wait(1, deps=[s_tok, dk_tok, dv_tok])
         if step > 0:
             mbarrier.arrive(empty_bar.index((step - 1) % NUM_STAGES), count=1)
-        if CAUSAL:
-            if m_blk < mid:  # the diagonal: key j is visible to row i when i + OFFSET >= j
-                visible = gl.expand_dims(rows + OFFSET, 1) >= gl.expand_dims(cols, 0)
-                s = gl.where(visible, s, float("-inf"))
-        p = gl.exp2(s * qk_scale - gl.expand_dims(lse2, 1))
+        p = _probabilities(s, rows, cols, m_blk, mid, OFFSET, lse2, qk_scale, CAUSAL)
         p_w.store(p.to(dtype))
         fence_async_shared()
         _partition_barrier()
@@ -204,16 +246,33 @@ def _consumer(args, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl
         _partition_barrier()
         dk_tok = warpgroup_mma(ds_w.permute((1, 0)), q, dk, is_async=True)
     dk, dv = warpgroup_mma_wait(0, deps=[dk_tok, dv_tok])
+    _store_dkdv(
+        dk, dv, DK, DV, sm_scale, n_start + WG * KROWS, bhk, H // GROUP, N_K, stride_kb, stride_kh, stride_kn
+    )
 
-    # dK = dS^T Q * scale and dV: registers -> HBM once (keys past N_K masked).
-    key_rows = n_start + WG * KROWS + gl.arange(0, KROWS, layout=gl.SliceLayout(1, acc_layout))
-    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
-    off_kh = bhk % H_KV
-    base = off_b.to(gl.int64) * stride_kb + off_kh.to(gl.int64) * stride_kh
-    ptrs = base + gl.expand_dims(key_rows, 1) * stride_kn + gl.expand_dims(offs_d, 0)
-    mask = gl.expand_dims(key_rows < N_K, 1)
-    gl.store(DK + ptrs, (dk * sm_scale).to(out_dtype), mask=mask)
-    gl.store(DV + ptrs, dv.to(out_dtype), mask=mask)
+
+@gluon.jit
+def _shared(q_desc, do_desc, k_desc, v_desc, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr,
+            NUM_CONSUMERS: gl.constexpr):  # fmt: skip
+    """The kernel's shared memory: the Q, dO ring (NUM_STAGES slots of 64 rows), K and V (a 64-key half per
+    consumer), P and dS tiles (one per consumer), and the barriers: K/V loaded, a slot ready, a slot free
+    (counting the consumers done with it), initialised."""
+    dtype: gl.constexpr = q_desc.dtype
+    q_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, QROWS, HEAD_DIM], q_desc.layout)
+    do_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, QROWS, HEAD_DIM], do_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, KROWS, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, KROWS, HEAD_DIM], v_desc.layout)
+    pds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([QROWS, KROWS], dtype)
+    p_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, QROWS, KROWS], pds_layout)
+    ds_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, QROWS, KROWS], pds_layout)
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ready_bar = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    empty_bar = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar, count=1)
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(ready_bar.index(i), count=1)
+        mbarrier.init(empty_bar.index(i), count=NUM_CONSUMERS)
+    return q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, kv_bar, ready_bar, empty_bar
 
 
 @gluon.jit
@@ -234,23 +293,11 @@ def dkdv_ws_kernel(
     stride_k* (unit last): dK, dV in K's dtype when SHARE = 1, else one fp32 partial per slice.
     qk_scale = scale * log2(e). Grid: cdiv(N_K, 64 * NUM_CONSUMERS) * BHKV programs, BHKV =
     B * H // GROUP, launched with num_warps=4 (the kernel's own warps are consumer 0)."""
-    dtype: gl.constexpr = q_desc.dtype
     CTA_N: gl.constexpr = KROWS * NUM_CONSUMERS
     num_n = gl.cdiv(N_K, CTA_N)
-    q_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, QROWS, HEAD_DIM], q_desc.layout)
-    do_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, QROWS, HEAD_DIM], do_desc.layout)
-    k_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, KROWS, HEAD_DIM], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, KROWS, HEAD_DIM], v_desc.layout)
-    pds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([QROWS, KROWS], dtype)
-    p_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, QROWS, KROWS], pds_layout)
-    ds_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, QROWS, KROWS], pds_layout)
-    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    ready_bar = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    empty_bar = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(kv_bar, count=1)
-    for i in gl.static_range(NUM_STAGES):
-        mbarrier.init(ready_bar.index(i), count=1)
-        mbarrier.init(empty_bar.index(i), count=NUM_CONSUMERS)
+    q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, kv_bar, ready_bar, empty_bar = _shared(
+        q_desc, do_desc, k_desc, v_desc, HEAD_DIM, NUM_STAGES, NUM_CONSUMERS
+    )
     fence_async_shared()
 
     shared = (q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, kv_bar, ready_bar, empty_bar,

@@ -44,7 +44,20 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..runtime import cdiv
 from .hopper import LOG2E, descriptor, launch_options
-from .hopper_backward import KROWS, QROWS, _partition_barrier, _producer, _program, _q_range, _step
+from .hopper_backward import (
+    KROWS,
+    QROWS,
+    _block,
+    _partition_barrier,
+    _probabilities,
+    _producer,
+    _row_stats,
+    _scores,
+    _shared,
+    _step,
+    _store_dkdv,
+    _tiles,
+)
 
 
 @builtin
@@ -71,6 +84,19 @@ def _add_dq(dq, dq_w, dq_desc, row, col, dq_full):
 
 
 @gluon.jit
+def _dq_product(ds_smem, k_smem, dq_zero, WG: gl.constexpr, NUM_CONSUMERS: gl.constexpr):
+    """Issue dQ[:, cols_WG] = sum over the warpgroups c of dS_c K_c[:, cols_WG] (both dS tiles in shared memory):
+    this warpgroup's half of the step's dQ columns. Returns the product's token."""
+    HALF: gl.constexpr = dq_zero.shape[1]
+    dq_tok = warpgroup_mma(ds_smem.index(0), k_smem.index(0).slice(WG * HALF, HALF, dim=1), dq_zero,
+                           use_acc=False, is_async=True)  # fmt: skip
+    for c in gl.static_range(1, NUM_CONSUMERS):
+        dq_tok = warpgroup_mma(ds_smem.index(c), k_smem.index(c).slice(WG * HALF, HALF, dim=1), dq_tok,
+                               is_async=True)  # fmt: skip
+    return dq_tok
+
+
+@gluon.jit
 def _consumer(args, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr,
               NUM_CONSUMERS: gl.constexpr, WG: gl.constexpr, FA3_ORDER: gl.constexpr):  # fmt: skip
     """Warpgroup WG: dK, dV of keys n_start + 64 WG ... + 63 (registers), and columns
@@ -80,39 +106,20 @@ def _consumer(args, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl
      L, Dlt, DK, DV, qk_scale, sm_scale, stride_lb, stride_lh, stride_lm,
      stride_kb, stride_kh, stride_kn, H, GROUP, N_Q, N_K, OFFSET, num_n, BHKV) = args  # fmt: skip
     dtype: gl.constexpr = q_smem.dtype
-    out_dtype: gl.constexpr = DK.dtype.element_ty
     CTA_N: gl.constexpr = KROWS * NUM_CONSUMERS
     HALF: gl.constexpr = HEAD_DIM // NUM_CONSUMERS
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, KROWS, 16]
-    )
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16]
-    )
     dq_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF, 16]
     )
-    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
-    col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
 
-    bhk, n_blk = _program(num_n, BHKV, CAUSAL)
-    n_start = n_blk * CTA_N
-    lo, mid, hi = _q_range(n_start, N_Q, OFFSET, CAUSAL, CTA_N)
-    n_m = hi - lo
-    H_KV = H // GROUP
-    off_b = bhk // H_KV
-    first_head = off_b * H + (bhk % H_KV) * GROUP
+    bhk, n_start, lo, mid, n_m, first_head = _block(num_n, BHKV, H, GROUP, N_Q, OFFSET, CAUSAL, CTA_N)
     k_w = k_smem.index(WG)
     v_w = v_smem.index(WG)
     p_w = p_smem.index(WG)
     ds_w = ds_smem.index(WG)
     dq_w = dq_smem.index(WG)
-    s_zero = gl.zeros([QROWS, KROWS], gl.float32, layout=s_layout)
+    s_zero, dk, dv, offs_m, cols = _tiles(n_start + WG * KROWS, HEAD_DIM)
     dq_zero = gl.zeros([QROWS, HALF], gl.float32, layout=dq_layout)
-    dk = gl.zeros([KROWS, HEAD_DIM], gl.float32, layout=acc_layout)
-    dv = gl.zeros([KROWS, HEAD_DIM], gl.float32, layout=acc_layout)
-    offs_m = gl.arange(0, QROWS, layout=row_layout)
-    cols = n_start + WG * KROWS + gl.arange(0, KROWS, layout=col_layout)
 
     mbarrier.wait(kv_bar, 0)
     dk_tok = warpgroup_mma_init(dk)
@@ -121,28 +128,18 @@ def _consumer(args, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl
     for step in range(GROUP * n_m):
         g, m_blk = _step(step, lo, n_m, GROUP, CAUSAL)
         head = first_head + g
-        slot = step % NUM_STAGES
         rows = m_blk * QROWS + offs_m
-        mbarrier.wait(ready_bar.index(slot), (step // NUM_STAGES) & 1)
-        q = q_smem.index(slot)
-        do = do_smem.index(slot)
-        s_tok = warpgroup_mma(q, k_w.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        dp_tok = warpgroup_mma(do, v_w.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        l_row = L + (head // H).to(gl.int64) * stride_lb + (head % H).to(gl.int64) * stride_lh
-        lse = gl.load(l_row + rows * stride_lm, mask=rows < N_Q, other=float("inf"))
-        lse2 = gl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634
-        delta = gl.load(Dlt + head.to(gl.int64) * N_Q + rows, mask=rows < N_Q, other=0.0)
+        q, do, s_tok, dp_tok = _scores(q_smem, do_smem, ready_bar, k_w, v_w, s_zero, step, NUM_STAGES)
+        lse2, delta = _row_stats(L, Dlt, head, rows, H, N_Q, stride_lb, stride_lh, stride_lm)
         s, dk, dv = warpgroup_mma_wait(1, deps=[s_tok, dk_tok, dv_tok])
         if step > 0:
             mbarrier.arrive(empty_bar.index((step - 1) % NUM_STAGES), count=1)
-        if CAUSAL:
-            if m_blk < mid:
-                visible = gl.expand_dims(rows + OFFSET, 1) >= gl.expand_dims(cols, 0)
-                s = gl.where(visible, s, float("-inf"))
         if n_start + CTA_N > N_K:  # the last block: keys past N_K (the next head's, or zeros) get P = 0,
-            keys = gl.arange(0, KROWS, layout=col_layout)  # else dS K would carry them into dQ
+            keys = gl.arange(
+                0, KROWS, layout=gl.SliceLayout(0, s_zero.type.layout)
+            )  # else dS K carries them to dQ
             s = gl.where(gl.expand_dims(keys < N_K - n_start - WG * KROWS, 0), s, float("-inf"))
-        p = gl.exp2(s * qk_scale - gl.expand_dims(lse2, 1))
+        p = _probabilities(s, rows, cols, m_blk, mid, OFFSET, lse2, qk_scale, CAUSAL)
         if FA3_ORDER:  # FlashAttention-3's order: P and dS stored together, one barrier, then dV, dQ, dK
             dp = warpgroup_mma_wait(0, deps=[dp_tok])
             ds = p * (dp - gl.expand_dims(delta, 1))
@@ -155,11 +152,7 @@ def _consumer(args, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl
             mbarrier.arrive(ds_bar, count=1)
             dv_tok = warpgroup_mma(p_w.permute((1, 0)), do, dv, is_async=True)
             mbarrier.wait(ds_bar, step & 1)
-            dq_tok = warpgroup_mma(ds_smem.index(0), k_smem.index(0).slice(WG * HALF, HALF, dim=1), dq_zero,
-                                   use_acc=False, is_async=True)  # fmt: skip
-            for c in gl.static_range(1, NUM_CONSUMERS):
-                dq_tok = warpgroup_mma(ds_smem.index(c), k_smem.index(c).slice(WG * HALF, HALF, dim=1), dq_tok,
-                                       is_async=True)  # fmt: skip
+            dq_tok = _dq_product(ds_smem, k_smem, dq_zero, WG, NUM_CONSUMERS)
             dk_tok = warpgroup_mma(ds_w.permute((1, 0)), q, dk, is_async=True)
         else:
             p_w.store(p.to(dtype))
@@ -176,11 +169,7 @@ def _consumer(args, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl
             mbarrier.arrive(ds_bar, count=1)
             dk_tok = warpgroup_mma(ds_w.permute((1, 0)), q, dk, is_async=True)
             mbarrier.wait(ds_bar, step & 1)  # both dS tiles of the step are in shared memory
-            dq_tok = warpgroup_mma(ds_smem.index(0), k_smem.index(0).slice(WG * HALF, HALF, dim=1), dq_zero,
-                                   use_acc=False, is_async=True)  # fmt: skip
-            for c in gl.static_range(1, NUM_CONSUMERS):
-                dq_tok = warpgroup_mma(ds_smem.index(c), k_smem.index(c).slice(WG * HALF, HALF, dim=1), dq_tok,
-                                       is_async=True)  # fmt: skip
+            dq_tok = _dq_product(ds_smem, k_smem, dq_zero, WG, NUM_CONSUMERS)
         if FA3_ORDER:  # dQ done, dK still running
             dq = warpgroup_mma_wait(1, deps=[dq_tok])
         else:
@@ -189,14 +178,9 @@ def _consumer(args, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl
     dk, dv = warpgroup_mma_wait(0, deps=[dk_tok, dv_tok])
     tma.store_wait(0)
 
-    key_rows = n_start + WG * KROWS + gl.arange(0, KROWS, layout=gl.SliceLayout(1, acc_layout))
-    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
-    off_kh = bhk % H_KV
-    base = off_b.to(gl.int64) * stride_kb + off_kh.to(gl.int64) * stride_kh
-    ptrs = base + gl.expand_dims(key_rows, 1) * stride_kn + gl.expand_dims(offs_d, 0)
-    mask = gl.expand_dims(key_rows < N_K, 1)
-    gl.store(DK + ptrs, (dk * sm_scale).to(out_dtype), mask=mask)
-    gl.store(DV + ptrs, dv.to(out_dtype), mask=mask)
+    _store_dkdv(
+        dk, dv, DK, DV, sm_scale, n_start + WG * KROWS, bhk, H // GROUP, N_K, stride_kb, stride_kh, stride_kn
+    )
 
 
 @gluon.jit
@@ -211,27 +195,15 @@ def bwd_ws_kernel(
     (B * H * N_Q, d) accumulator in blocks of (64, d / NUM_CONSUMERS), which receives the sum over key
     blocks of dS K (unscaled). Rows of a step past N_Q add zeros (P = 0 there) to the next head's rows, or
     fall outside the tensor, where TMA drops them."""
-    dtype: gl.constexpr = q_desc.dtype
     CTA_N: gl.constexpr = KROWS * NUM_CONSUMERS
     HALF: gl.constexpr = HEAD_DIM // NUM_CONSUMERS
     num_n = gl.cdiv(N_K, CTA_N)
-    q_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, QROWS, HEAD_DIM], q_desc.layout)
-    do_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, QROWS, HEAD_DIM], do_desc.layout)
-    k_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, KROWS, HEAD_DIM], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, KROWS, HEAD_DIM], v_desc.layout)
-    pds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([QROWS, KROWS], dtype)
-    p_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, QROWS, KROWS], pds_layout)
-    ds_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, QROWS, KROWS], pds_layout)
+    q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, kv_bar, ready_bar, empty_bar = _shared(
+        q_desc, do_desc, k_desc, v_desc, HEAD_DIM, NUM_STAGES, NUM_CONSUMERS
+    )
     dq_smem = gl.allocate_shared_memory(gl.float32, [NUM_CONSUMERS, QROWS, HALF], dq_desc.layout)
-    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    ready_bar = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    empty_bar = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     ds_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     dq_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    mbarrier.init(kv_bar, count=1)
-    for i in gl.static_range(NUM_STAGES):
-        mbarrier.init(ready_bar.index(i), count=1)
-        mbarrier.init(empty_bar.index(i), count=NUM_CONSUMERS)
     mbarrier.init(ds_bar, count=NUM_CONSUMERS)
     mbarrier.init(dq_full, count=NUM_CONSUMERS)
     fence_async_shared()
