@@ -16,13 +16,13 @@ FlashAttention-3 does (Shah et al. 2024, section 3.3):
   stored, dK as soon as this warpgroup's dS is, dQ last).
 
 Not chosen by `backward.backward`: it is correct (tests/test_hopper_onepass.py) but slower than the two
-kernels there. Measured on an H200 (bf16, B x N = 16k, H x d = 2048; `scripts/hopper_onepass_probe.py
---variants`, the kernel alone, TFLOP/s of the backward's 2.5 x forward FLOPs, d = 128, 16k non-causal /
-causal): dQ added from shared memory by a writer warp of its own with `gl.atomic_add` (`atom.add.v4.f32`)
-323 / 345, with `red.add.v4.f32` 331 / 345; TMA's reduce from the consumers 470-487 / 363-384, in
-FlashAttention-3's order 476 / 421; with no dQ product at all (its TMA reduce of zeros kept) 636 / 540. The
-default backward (both kernels, D included) 486 / 443; D, the zeroed accumulator and dQ's cast add ~3 %
-to the one pass. notes/attention.md, "Open", says what would close the gap.
+kernels, and its dQ is not deterministic (the order of TMA's adds varies). Measured on an H200 (bf16, B x N =
+16k, H x d = 2048, d = 128, 16k non-causal / causal, TFLOP/s of the backward's 2.5 x forward FLOPs): the whole
+backward (`scripts/hopper_onepass_probe.py`: D, the zeroed accumulator and the cast included) 412 / 368, in
+FlashAttention-3's order 394 / 383, against the default's 500 / 449. The kernel alone, in versions of this file
+not kept (notes/attention.md, "Open"): dQ added from shared memory by a writer warp of its own with
+`gl.atomic_add` (`atom.add.v4.f32`) 323 / 345, with `red.add.v4.f32` 331 / 345; by TMA from the consumers, as
+here, 470-487 / 363-384 (before the last block's key mask); with no dQ product at all 636 / 540.
 """
 
 from __future__ import annotations
