@@ -16,13 +16,14 @@ FlashAttention-3 does (Shah et al. 2024, section 3.3):
   stored, dK as soon as this warpgroup's dS is, dQ last).
 
 Not chosen by `backward.backward`: it is correct (tests/test_hopper_onepass.py) but slower than the two
-kernels, and its dQ is not deterministic (the order of TMA's adds varies). Measured on an H200 (bf16, B x N =
-16k, H x d = 2048, d = 128, 16k non-causal / causal, TFLOP/s of the backward's 2.5 x forward FLOPs): the whole
-backward (`scripts/hopper_onepass_probe.py`: D, the zeroed accumulator and the cast included) 412 / 368, in
-FlashAttention-3's order 394 / 383, against the default's 500 / 449. The kernel alone, in versions of this file
-not kept (notes/attention.md, "Open"): dQ added from shared memory by a writer warp of its own with
-`gl.atomic_add` (`atom.add.v4.f32`) 323 / 345, with `red.add.v4.f32` 331 / 345; by TMA from the consumers, as
-here, 470-487 / 363-384 (before the last block's key mask); with no dQ product at all 636 / 540.
+kernels in all but one cell, and its dQ is not deterministic (the order of TMA's adds varies). Measured on an
+H200 (bf16, B x N = 16k, H x d = 2048, TFLOP/s of the backward's 2.5 x forward FLOPs; the whole backward with
+its D pass, zeroed accumulator and cast; `scripts/hopper_onepass_probe.py`, 2026-11-30): d = 128, 16k
+non-causal / causal 469 / 378 against the default's 496 / 447; d = 64 16k 344 / 324 against 367 / 315 (the one
+cell it wins, 1.03x); 1k-4k 0.74-0.92x. The kernel alone, in versions of this file not kept
+(notes/attention.md, "Open"): dQ added from shared memory by a writer warp of its own with `gl.atomic_add`
+(`atom.add.v4.f32`) 323 / 345 at d = 128, with `red.add.v4.f32` 331 / 345; by TMA from the consumers, as
+here, 470-487 / 363-384; with no dQ product at all 636 / 540.
 """
 
 from __future__ import annotations
@@ -42,7 +43,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from ..kernels import bound
 from ..runtime import cdiv
+from .backward import _preprocess_kernel  # the backward's D pass
+from .configs import PREPROCESS
 from .hopper import LOG2E, descriptor, launch_options
 from .hopper_backward import (
     KROWS,
@@ -58,6 +62,7 @@ from .hopper_backward import (
     _store_dkdv,
     _tiles,
 )
+from .inputs import kernel_flags, strides4
 
 
 @builtin
@@ -97,31 +102,15 @@ def _dq_product(ds_smem, k_smem, dq_zero, WG: gl.constexpr, NUM_CONSUMERS: gl.co
 
 
 @gluon.jit
-def _consumer(args, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr,
-              NUM_CONSUMERS: gl.constexpr, WG: gl.constexpr, FA3_ORDER: gl.constexpr):  # fmt: skip
-    """Warpgroup WG: dK, dV of keys n_start + 64 WG ... + 63 (registers), and columns
-    WG * HALF ... of each step's dQ (added by TMA)."""
-    (q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, dq_smem, kv_bar, ready_bar, empty_bar,
-     ds_bar, dq_full, dq_desc,
-     L, Dlt, DK, DV, qk_scale, sm_scale, stride_lb, stride_lh, stride_lm,
-     stride_kb, stride_kh, stride_kn, H, GROUP, N_Q, N_K, OFFSET, num_n, BHKV) = args  # fmt: skip
+def _steps(loop, dk, dv, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
+           WG: gl.constexpr, FA3_ORDER: gl.constexpr, KEY_MASK: gl.constexpr):  # fmt: skip
+    """A consumer's loop over its steps; returns dK, dV. KEY_MASK: the program's block holds keys past N_K
+    (a loop of its own, so that the others carry no mask and no register for it)."""
+    (q_smem, do_smem, k_smem, ds_smem, ready_bar, empty_bar, ds_bar, dq_full, dq_desc, k_w, v_w, p_w, ds_w,
+     dq_w, s_zero, dq_zero, offs_m, cols, L, Dlt, stride_lb, stride_lh, stride_lm, qk_scale,
+     H, GROUP, N_Q, N_K, OFFSET, n_start, lo, mid, n_m, first_head) = loop  # fmt: skip
     dtype: gl.constexpr = q_smem.dtype
-    CTA_N: gl.constexpr = KROWS * NUM_CONSUMERS
-    HALF: gl.constexpr = HEAD_DIM // NUM_CONSUMERS
-    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF, 16]
-    )
-
-    bhk, n_start, lo, mid, n_m, first_head = _block(num_n, BHKV, H, GROUP, N_Q, OFFSET, CAUSAL, CTA_N)
-    k_w = k_smem.index(WG)
-    v_w = v_smem.index(WG)
-    p_w = p_smem.index(WG)
-    ds_w = ds_smem.index(WG)
-    dq_w = dq_smem.index(WG)
-    s_zero, dk, dv, offs_m, cols = _tiles(n_start + WG * KROWS, HEAD_DIM)
-    dq_zero = gl.zeros([QROWS, HALF], gl.float32, layout=dq_layout)
-
-    mbarrier.wait(kv_bar, 0)
+    HALF: gl.constexpr = dq_zero.shape[1]
     dk_tok = warpgroup_mma_init(dk)
     dv_tok = warpgroup_mma_init(dv)
     dq_tok = warpgroup_mma_init(dq_zero)
@@ -134,10 +123,10 @@ def _consumer(args, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl
         s, dk, dv = warpgroup_mma_wait(1, deps=[s_tok, dk_tok, dv_tok])
         if step > 0:
             mbarrier.arrive(empty_bar.index((step - 1) % NUM_STAGES), count=1)
-        if n_start + CTA_N > N_K:  # the last block: keys past N_K (the next head's, or zeros) get P = 0,
-            keys = gl.arange(
-                0, KROWS, layout=gl.SliceLayout(0, s_zero.type.layout)
-            )  # else dS K carries them to dQ
+        if (
+            KEY_MASK
+        ):  # the last block: keys past N_K (the next head's, or zeros) get P = 0, else dS K takes them
+            keys = gl.arange(0, KROWS, layout=gl.SliceLayout(0, s_zero.type.layout))  # into dQ
             s = gl.where(gl.expand_dims(keys < N_K - n_start - WG * KROWS, 0), s, float("-inf"))
         p = _probabilities(s, rows, cols, m_blk, mid, OFFSET, lse2, qk_scale, CAUSAL)
         if FA3_ORDER:  # FlashAttention-3's order: P and dS stored together, one barrier, then dV, dQ, dK
@@ -176,6 +165,41 @@ def _consumer(args, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl
             dq = warpgroup_mma_wait(0, deps=[dq_tok])
         _add_dq(dq, dq_w, dq_desc, head * N_Q + m_blk * QROWS, WG * HALF, dq_full)
     dk, dv = warpgroup_mma_wait(0, deps=[dk_tok, dv_tok])
+    return dk, dv
+
+
+@gluon.jit
+def _consumer(args, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr,
+              NUM_CONSUMERS: gl.constexpr, WG: gl.constexpr, FA3_ORDER: gl.constexpr):  # fmt: skip
+    """Warpgroup WG: dK, dV of keys n_start + 64 WG ... + 63 (registers), and columns
+    WG * HALF ... of each step's dQ (added by TMA)."""
+    (q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, dq_smem, kv_bar, ready_bar, empty_bar,
+     ds_bar, dq_full, dq_desc,
+     L, Dlt, DK, DV, qk_scale, sm_scale, stride_lb, stride_lh, stride_lm,
+     stride_kb, stride_kh, stride_kn, H, GROUP, N_Q, N_K, OFFSET, num_n, BHKV) = args  # fmt: skip
+    CTA_N: gl.constexpr = KROWS * NUM_CONSUMERS
+    HALF: gl.constexpr = HEAD_DIM // NUM_CONSUMERS
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF, 16]
+    )
+
+    bhk, n_start, lo, mid, n_m, first_head = _block(num_n, BHKV, H, GROUP, N_Q, OFFSET, CAUSAL, CTA_N)
+    k_w = k_smem.index(WG)
+    v_w = v_smem.index(WG)
+    p_w = p_smem.index(WG)
+    ds_w = ds_smem.index(WG)
+    dq_w = dq_smem.index(WG)
+    s_zero, dk, dv, offs_m, cols = _tiles(n_start + WG * KROWS, HEAD_DIM)
+    dq_zero = gl.zeros([QROWS, HALF], gl.float32, layout=dq_layout)
+
+    mbarrier.wait(kv_bar, 0)
+    loop = (q_smem, do_smem, k_smem, ds_smem, ready_bar, empty_bar, ds_bar, dq_full, dq_desc, k_w, v_w, p_w, ds_w,
+            dq_w, s_zero, dq_zero, offs_m, cols, L, Dlt, stride_lb, stride_lh, stride_lm, qk_scale,
+            H, GROUP, N_Q, N_K, OFFSET, n_start, lo, mid, n_m, first_head)  # fmt: skip
+    if n_start + CTA_N > N_K:
+        dk, dv = _steps(loop, dk, dv, CAUSAL, NUM_STAGES, NUM_CONSUMERS, WG, FA3_ORDER, True)
+    else:
+        dk, dv = _steps(loop, dk, dv, CAUSAL, NUM_STAGES, NUM_CONSUMERS, WG, FA3_ORDER, False)
     tma.store_wait(0)
 
     _store_dkdv(
@@ -231,15 +255,21 @@ NUM_CONSUMERS = 2
 NUM_STAGES = 2  # Q, dO ring slots: d = 128 takes 197 KB of shared memory with two
 
 
-def backward(q4, k4, v4, o4, do4, l3, offset: int, causal: bool, scale: float, fa3_order: bool | None = None):
+def backward(q4, k4, v4, o4, do4, l3, offset: int, causal: bool, scale: float, fa3_order: bool = False):
     """(dQ, dK, dV) of attention from one kernel, for q4, do4, o4 (B, H, N_Q, d) and k4, v4 (B, H_kv, N_K, d)
     that pass `hopper_backward.supports` (a Hopper GPU, 16-bit, contiguous, d 64 or 128); l3 (B, H, N_Q) the
     forward's L (float32, natural log); offset: the causal alignment's `checks.causal_offset`. dK, dV are
-    summed over the H / H_kv query heads of each K/V head. fa3_order: the order within a step (None: the
-    faster one measured, FlashAttention-3's for causal rows). The caller makes q4's GPU current."""
+    summed over the H / H_kv query heads of each K/V head. fa3_order: FlashAttention-3's order within a step
+    (no faster in the whole backward: d = 128 16k causal 377 against 378 TFLOP/s, d = 64 252 against 324).
+    The caller makes q4's GPU current."""
     B, H, n_q, d = q4.shape
     h_kv, n_k = k4.shape[1], k4.shape[2]
-    delta = (do4.float() * o4.float()).sum(-1).reshape(B * H, n_q)  # D = rowsum(dO * O)
+    delta = torch.empty(B * H, n_q, dtype=torch.float32, device=q4.device)  # D = rowsum(dO * O)
+    pre, flags = PREPROCESS.current(), kernel_flags(q4.dtype)
+    bound.launch(
+        _preprocess_kernel, (cdiv(n_q, pre.block_m) * B * H,), o4, do4, delta, *strides4(o4), *strides4(do4), H, n_q,
+        HEAD_DIM=d, BLOCK_D=d, **pre.kwargs(), UPCAST=flags["UPCAST"], ACC_DTYPE=flags["ACC_DTYPE"],
+    )  # fmt: skip
     dq_acc = torch.zeros(B * H * n_q, d, dtype=torch.float32, device=q4.device)
     dk, dv = torch.empty_like(k4), torch.empty_like(v4)
     half = d // NUM_CONSUMERS
@@ -255,6 +285,6 @@ def backward(q4, k4, v4, o4, do4, l3, offset: int, causal: bool, scale: float, f
         l3.stride(0), l3.stride(1), l3.stride(2), dk.stride(0), dk.stride(1), dk.stride(2),
         H, H // h_kv, 1, n_q, n_k, offset, B * h_kv,
         CAUSAL=causal, HEAD_DIM=d, NUM_STAGES=NUM_STAGES, NUM_CONSUMERS=NUM_CONSUMERS,
-        FA3_ORDER=causal if fa3_order is None else fa3_order, **launch_options(NUM_CONSUMERS),
+        FA3_ORDER=fa3_order, **launch_options(NUM_CONSUMERS),
     )  # fmt: skip
     return (dq_acc.view(q4.shape) * scale).to(q4.dtype), dk, dv
