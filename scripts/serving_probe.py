@@ -252,14 +252,9 @@ def prefill_split(cells=((3280, 32768), (1648, 16384)), cuts=(0.25, 0.5, 0.75, 0
                   f"({t_whole[1] / t[1]:.2f}x), max diff {err:.1e}", flush=True)  # fmt: skip
 
 
-def ttft_cprofile(n: int = 32768, cached_fraction: float = 0.9) -> None:
-    """--ttft-cprofile: where the host's time goes in the bench's first token of an n-token prompt, 90 % cached, on
-    the bench's model (`bench.serving.serving_model`): wall ms of five runs, then Python's profiler over one (the
-    functions with the most time of their own) and PyTorch's profiler over another (CPU time by operator and
-    CUDA call: launches, allocations, copies, waits)."""
-    import cProfile
-    import pstats
-
+def _cached_prompt(n: int, cached_fraction: float):
+    """An n-token prompt for the bench's model, and `ready()`: a fresh batcher that has served another prompt
+    sharing its first `cached_fraction` (whole pages), so that the prompt's first token starts on cached pages."""
     model = serving_model(True)
     vocab, page = model.config.vocab_size, 16
     g = torch.Generator().manual_seed(1)
@@ -273,6 +268,19 @@ def ttft_cprofile(n: int = 32768, cached_fraction: float = 0.9) -> None:
         b.run()
         torch.cuda.synchronize()
         return b
+
+    return prompt, ready
+
+
+def ttft_cprofile(n: int = 32768, cached_fraction: float = 0.9) -> None:
+    """--ttft-cprofile: where the host's time goes in the bench's first token of an n-token prompt, 90 % cached, on
+    the bench's model (`bench.serving.serving_model`): wall ms of five runs, then Python's profiler over one (the
+    functions with the most time of their own) and PyTorch's profiler over another (CPU time by operator and
+    CUDA call: launches, allocations, copies, waits)."""
+    import cProfile
+    import pstats
+
+    prompt, ready = _cached_prompt(n, cached_fraction)
 
     def first(b):
         request = b.submit(prompt, 2)
@@ -310,17 +318,9 @@ def ttft_syncs(n: int = 32768, cached_fraction: float = 0.9) -> None:
     import traceback
     import warnings
 
-    model = serving_model(True)
-    vocab, page = model.config.vocab_size, 16
-    g = torch.Generator().manual_seed(1)
-    prompt = torch.randint(0, vocab, (n,), generator=g).tolist()
-    n_cached = int(n * cached_fraction) // page * page
-    other = prompt[:n_cached] + [(t + 1) % vocab for t in prompt[n_cached:]]
+    prompt, ready = _cached_prompt(n, cached_fraction)
     for attempt in range(3):
-        b = PrefixCachingBatcher(model, -(-(2 * n + 2) // page) + 4, page, max_batch=2, max_step_tokens=n + 1)
-        b.submit(other, 1)
-        b.run()
-        torch.cuda.synchronize()
+        b = ready()
         request = b.submit(prompt, 2)
         seen = []
         original = warnings.showwarning
