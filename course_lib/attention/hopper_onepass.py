@@ -20,7 +20,7 @@ kernels in all but one cell, and its dQ is not deterministic (the order of TMA's
 H200 (bf16, B x N = 16k, H x d = 2048, TFLOP/s of the backward's 2.5 x forward FLOPs; the whole backward with
 its D pass, zeroed accumulator and cast; `scripts/hopper_onepass_probe.py`, 2026-11-30): d = 128, 16k
 non-causal / causal 469 / 378 against the default's 496 / 447; d = 64 16k 344 / 324 against 367 / 315 (the one
-cell it wins, 1.03x); 1k-4k 0.74-0.92x. The kernel alone, in versions of this file not kept
+cell it wins, 1.03x); 1k-4k 0.73-0.92x. The kernel alone, in versions of this file not kept
 (notes/attention.md, "Open"): dQ added from shared memory by a writer warp of its own with `gl.atomic_add`
 (`atom.add.v4.f32`) 323 / 345 at d = 128, with `red.add.v4.f32` 331 / 345; by TMA from the consumers, as
 here, 470-487 / 363-384; with no dQ product at all 636 / 540.
