@@ -4,7 +4,7 @@ and SDPA's on a Hopper GPU.
     python3 scripts/hopper_onepass_probe.py --out build/onepass.json [--ns 1024,4096,16384] [--ds 128,64]
 
 For each cell (bf16, B * N = 16k tokens, H * d = 2048, causal and not, one query head per K/V head): dQ, dK, dV
-of `hopper_onepass.backward` in both orders within a step (`fa3_order`) against the default backward
+of `hopper_onepass.backward` against the default backward
 (`attention.backward`, largest difference), then the time of each whole backward (the one pass with its D,
 zeroed accumulator and dQ cast; the default's two kernels with D; SDPA's, cuDNN) as TFLOP/s of the
 backward's 2.5 x forward FLOPs. Correctness against float64 is tests/test_hopper_onepass.py's. A cell that runs
@@ -41,13 +41,11 @@ def cell(d: int, n: int, causal: bool) -> dict:
     row["default_tflops"] = round(
         flops / benchmark(lambda: bwd.backward(do, q, k, v, o, L, causal=causal)) / 1e9, 1
     )
-    for order in (False, True):
-        name = "onepass_fa3_order" if order else "onepass"
-        grads = onepass.backward(q, k, v, o, do, L, 0, causal, scale, fa3_order=order)
-        for g, new, old in zip("qkv", grads, default):
-            row[f"{name}_d{g}_diff"] = (new.float() - old.float()).abs().max().item()
-        call = lambda order=order: onepass.backward(q, k, v, o, do, L, 0, causal, scale, fa3_order=order)  # noqa: E731
-        row[f"{name}_tflops"] = round(flops / benchmark(call) / 1e9, 1)
+    grads = onepass.backward(q, k, v, o, do, L, 0, causal, scale)
+    for g, new, old in zip("qkv", grads, default):
+        row[f"onepass_d{g}_diff"] = (new.float() - old.float()).abs().max().item()
+    call = lambda: onepass.backward(q, k, v, o, do, L, 0, causal, scale)  # noqa: E731
+    row["onepass_tflops"] = round(flops / benchmark(call) / 1e9, 1)
     qs, ks, vs = (t.detach().requires_grad_() for t in (q, k, v))
     out = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=causal)
     sdpa = lambda: torch.autograd.grad(out, (qs, ks, vs), do, retain_graph=True)  # noqa: E731

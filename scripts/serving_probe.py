@@ -171,29 +171,33 @@ def _dense_prefix(args, splits_tried):
     cascade.OVERLAP = True  # as it was
 
 
+def _prefill_inputs(n: int, length: int, g: torch.Generator) -> tuple:
+    """The cached prefill's attention inputs on the bench's model (16 query / 4 K/V heads, d = 64, bf16): q (1, 16,
+    n, d) and k, v (1, 4, length, d) strided as the dense prefill route reads them, and its FLOPs (bottom-right
+    causal: the n queries are the last of `length`)."""
+    hq, hkv, d = 16, 4, 64
+    q = torch.randn(n, hq, d, generator=g).to("cuda", torch.bfloat16).transpose(0, 1).unsqueeze(0)
+    kv = torch.randn(2, length, hkv, d, generator=g).to("cuda", torch.bfloat16)
+    k, v = (t.transpose(0, 1).unsqueeze(0) for t in kv)
+    return q, k, v, 4 * hq * d * (n * (length - n) + n * (n + 1) / 2)
+
+
 def prefill_tiles(cells=((3280, 32768), (1648, 16384), (416, 4096))):
     """--prefill-tiles: the cached prefill's attention (16 query / 4 K/V heads, d = 64, bf16, K/V strided as the
     dense route reads them, bottom-right causal) with each launch of the forward's candidates (`configs.FORWARD`)
     against the default choice: whether smaller tiles fill the last wave of 416 programs better."""
     from course_lib.attention import attention_forward
-    from course_lib.attention.configs import FORWARD
+    from course_lib.attention.configs import FORWARD, AttentionLaunch
     from course_lib.attention.forward import forward
     from course_lib.perf.timing import benchmark
 
-    hq, hkv, d = 16, 4, 64
     g = torch.Generator().manual_seed(5)
     for n, length in cells:
-        q = torch.randn(n, hq, d, generator=g).to("cuda", torch.bfloat16).transpose(0, 1).unsqueeze(0)
-        kv = torch.randn(2, length, hkv, d, generator=g).to("cuda", torch.bfloat16)
-        k, v = (t.transpose(0, 1).unsqueeze(0) for t in kv)
-        flops = 4 * hq * d * (n * (length - n) + n * (n + 1) / 2)
+        q, k, v, flops = _prefill_inputs(n, length, g)
         want = attention_forward(q, k, v, causal="bottom_right")[0]
         base = benchmark(lambda q=q, k=k, v=v: attention_forward(q, k, v, causal="bottom_right"))
         print(f"{n} x {length}: default {base:.3f} ms ({flops / base / 1e9:.0f} TFLOP/s)", flush=True)
-        for c in FORWARD.candidates + (
-            FORWARD.fixed.__class__(64, 128, 4, 3),
-            FORWARD.fixed.__class__(64, 32, 4, 4),
-        ):
+        for c in FORWARD.candidates + (AttentionLaunch(64, 128, 4, 3), AttentionLaunch(64, 32, 4, 4)):
             config = dict(
                 BLOCK_M=c.block_m, BLOCK_N=c.block_n, num_warps=c.num_warps, num_stages=c.num_stages
             )
@@ -216,14 +220,10 @@ def prefill_split(cells=((3280, 32768), (1648, 16384)), cuts=(0.25, 0.5, 0.75, 0
     from course_lib.attention import attention_forward
     from course_lib.perf.timing import benchmark
 
-    hq, hkv, d = 16, 4, 64
     g = torch.Generator().manual_seed(5)
     side = torch.cuda.Stream()
     for n, length in cells:
-        q = torch.randn(n, hq, d, generator=g).to("cuda", torch.bfloat16).transpose(0, 1).unsqueeze(0)
-        kv = torch.randn(2, length, hkv, d, generator=g).to("cuda", torch.bfloat16)
-        k, v = (t.transpose(0, 1).unsqueeze(0) for t in kv)  # (1, Hkv, N, d), strided as the dense route's
-        flops = 4 * hq * d * (n * (length - n) + n * (n + 1) / 2)
+        q, k, v, flops = _prefill_inputs(n, length, g)
 
         def whole(q=q, k=k, v=v):
             return attention_forward(q, k, v, causal="bottom_right")[0]

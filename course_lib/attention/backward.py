@@ -615,6 +615,20 @@ HOPPER_FAILED: list[str] = []  # why the Gluon dK/dV kernel could not be used in
 HOPPER_DQ_FAILED: list[str] = []  # likewise for the Gluon dQ kernel
 
 
+def preprocess_launch(o4, do4, delta, B: int, H: int, n_q: int, d: int, dtype: torch.dtype) -> tuple:
+    """The D pass's launch, `_preprocess_kernel` (grid, arguments, constants): D = rowsum(dO * O) into delta
+    (B * H, n_q) float32 for o4, do4 (B, H, n_q, d) of `dtype`, any strides. What the atomic dQ and the Gluon dQ
+    read, and the one-pass backward (`hopper_onepass`)."""
+    pre, flags = PREPROCESS.current(), kernel_flags(dtype)
+    grid = (runtime.cdiv(n_q, pre.block_m) * B * H,)
+    args = (o4, do4, delta, *strides4(o4), *strides4(do4), H, n_q)
+    meta = dict(
+        HEAD_DIM=d, BLOCK_D=max(16, runtime.next_power_of_2(d)), **pre.kwargs(),
+        UPCAST=flags["UPCAST"], ACC_DTYPE=flags["ACC_DTYPE"],
+    )  # fmt: skip
+    return grid, args, meta
+
+
 def hopper_dq(d: int):
     """The `hopper_dq` module if its warp-specialised dQ kernel should run (it runs beside the Gluon dK/dV
     kernel, whose checks it shares, where `hopper_dq.choose` found it faster), else None."""
@@ -820,12 +834,7 @@ def _backward(
     sum_meta = dict(SHARE=share, **sum_launch.kwargs())
     sum_name = ("group sum", share, acc_dtype, q.dtype)  # what its compilation depends on
     if atomic or gluon_dq is not None:  # D = rowsum(dO * O) by itself: the atomic dQ and the Gluon dQ read it
-        pre = PREPROCESS.current()
-        pre_grid = (runtime.cdiv(n_q, pre.block_m) * B * H,)
-        pre_args = (o4, do4, delta, *strides4(o4), *strides4(do4), H, n_q)
-        pre_meta = dict(
-            HEAD_DIM=d, BLOCK_D=block_d, **pre.kwargs(), UPCAST=flags["UPCAST"], ACC_DTYPE=flags["ACC_DTYPE"]
-        )
+        pre_grid, pre_args, pre_meta = preprocess_launch(o4, do4, delta, B, H, n_q, d, q.dtype)
         pre_name = ("preprocess", d, q.dtype)
 
     recording = bound.recording(tensors) if tensors is not None else contextlib.nullcontext()

@@ -11,9 +11,10 @@ FlashAttention-3 does (Shah et al. 2024, section 3.3):
 * each warpgroup puts its half of dQ (fp32) in shared memory and TMA adds it into a float32 dQ
   accumulator in global memory (`cp.reduce.async.bulk.tensor ... .add`): the tensor cores' partners
   never hold an address or wait for an atomic. dQ = scale * accumulator, cast to Q's dtype, afterwards.
-* FA3_ORDER: FlashAttention-3's order within a step (P and dS stored together behind one barrier, then
-  the dV, dQ and dK products, dQ collected while dK runs), else `hopper_backward`'s (dV as soon as P is
-  stored, dK as soon as this warpgroup's dS is, dQ last).
+* the order within a step is `hopper_backward`'s (dV as soon as P is stored, dK as soon as this warpgroup's dS
+  is), dQ last. FlashAttention-3's (P and dS stored together behind one barrier, then dV, dQ, dK; dQ collected
+  while dK runs) was no faster in the whole backward (d = 128, 16k causal: 377 against 378 TFLOP/s; d = 64:
+  252 against 324; at 441f0eb).
 
 Not chosen by `backward.backward`: it is correct (tests/test_hopper_onepass.py) but slower than the two
 kernels in all but one cell, and its dQ is not deterministic (the order of TMA's adds varies). Measured on an
@@ -45,8 +46,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..kernels import bound
 from ..runtime import cdiv
-from .backward import _preprocess_kernel  # the backward's D pass
-from .configs import PREPROCESS
+from .backward import _preprocess_kernel, preprocess_launch  # the backward's D pass
 from .hopper import LOG2E, descriptor, launch_options
 from .hopper_backward import (
     KROWS,
@@ -62,7 +62,6 @@ from .hopper_backward import (
     _store_dkdv,
     _tiles,
 )
-from .inputs import kernel_flags, strides4
 
 
 @builtin
@@ -103,7 +102,7 @@ def _dq_product(ds_smem, k_smem, dq_zero, WG: gl.constexpr, NUM_CONSUMERS: gl.co
 
 @gluon.jit
 def _steps(loop, dk, dv, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
-           WG: gl.constexpr, FA3_ORDER: gl.constexpr, KEY_MASK: gl.constexpr):  # fmt: skip
+           WG: gl.constexpr, KEY_MASK: gl.constexpr):  # fmt: skip
     """A consumer's loop over its steps; returns dK, dV. KEY_MASK: the program's block holds keys past N_K
     (a loop of its own, so that the others carry no mask and no register for it)."""
     (q_smem, do_smem, k_smem, ds_smem, ready_bar, empty_bar, ds_bar, dq_full, dq_desc, k_w, v_w, p_w, ds_w,
@@ -123,46 +122,26 @@ def _steps(loop, dk, dv, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_CON
         s, dk, dv = warpgroup_mma_wait(1, deps=[s_tok, dk_tok, dv_tok])
         if step > 0:
             mbarrier.arrive(empty_bar.index((step - 1) % NUM_STAGES), count=1)
-        if (
-            KEY_MASK
-        ):  # the last block: keys past N_K (the next head's, or zeros) get P = 0, else dS K takes them
-            keys = gl.arange(0, KROWS, layout=gl.SliceLayout(0, s_zero.type.layout))  # into dQ
+        if KEY_MASK:  # keys past N_K (the next head's, or zeros) get P = 0, else dS K takes them into dQ
+            keys = gl.arange(0, KROWS, layout=gl.SliceLayout(0, s_zero.type.layout))
             s = gl.where(gl.expand_dims(keys < N_K - n_start - WG * KROWS, 0), s, float("-inf"))
         p = _probabilities(s, rows, cols, m_blk, mid, OFFSET, lse2, qk_scale, CAUSAL)
-        if FA3_ORDER:  # FlashAttention-3's order: P and dS stored together, one barrier, then dV, dQ, dK
-            dp = warpgroup_mma_wait(0, deps=[dp_tok])
-            ds = p * (dp - gl.expand_dims(delta, 1))
-            if step > 0:  # both warpgroups' dQ products of the previous step, which read dS, are done
-                mbarrier.wait(dq_full, (step - 1) & 1)
-            p_w.store(p.to(dtype))
-            ds_w.store(ds.to(dtype))
-            fence_async_shared()
-            _partition_barrier()
-            mbarrier.arrive(ds_bar, count=1)
-            dv_tok = warpgroup_mma(p_w.permute((1, 0)), do, dv, is_async=True)
-            mbarrier.wait(ds_bar, step & 1)
-            dq_tok = _dq_product(ds_smem, k_smem, dq_zero, WG, NUM_CONSUMERS)
-            dk_tok = warpgroup_mma(ds_w.permute((1, 0)), q, dk, is_async=True)
-        else:
-            p_w.store(p.to(dtype))
-            fence_async_shared()
-            _partition_barrier()
-            dv_tok = warpgroup_mma(p_w.permute((1, 0)), do, dv, is_async=True)
-            dp = warpgroup_mma_wait(1, deps=[dp_tok])
-            ds = p * (dp - gl.expand_dims(delta, 1))
-            if step > 0:  # both warpgroups' dQ products of the previous step, which read this tile, are done
-                mbarrier.wait(dq_full, (step - 1) & 1)
-            ds_w.store(ds.to(dtype))
-            fence_async_shared()
-            _partition_barrier()
-            mbarrier.arrive(ds_bar, count=1)
-            dk_tok = warpgroup_mma(ds_w.permute((1, 0)), q, dk, is_async=True)
-            mbarrier.wait(ds_bar, step & 1)  # both dS tiles of the step are in shared memory
-            dq_tok = _dq_product(ds_smem, k_smem, dq_zero, WG, NUM_CONSUMERS)
-        if FA3_ORDER:  # dQ done, dK still running
-            dq = warpgroup_mma_wait(1, deps=[dq_tok])
-        else:
-            dq = warpgroup_mma_wait(0, deps=[dq_tok])
+        p_w.store(p.to(dtype))
+        fence_async_shared()
+        _partition_barrier()
+        dv_tok = warpgroup_mma(p_w.permute((1, 0)), do, dv, is_async=True)
+        dp = warpgroup_mma_wait(1, deps=[dp_tok])
+        ds = p * (dp - gl.expand_dims(delta, 1))
+        if step > 0:  # both warpgroups' dQ products of the previous step, which read this tile, are done
+            mbarrier.wait(dq_full, (step - 1) & 1)
+        ds_w.store(ds.to(dtype))
+        fence_async_shared()
+        _partition_barrier()
+        mbarrier.arrive(ds_bar, count=1)
+        dk_tok = warpgroup_mma(ds_w.permute((1, 0)), q, dk, is_async=True)
+        mbarrier.wait(ds_bar, step & 1)  # both dS tiles of the step are in shared memory
+        dq_tok = _dq_product(ds_smem, k_smem, dq_zero, WG, NUM_CONSUMERS)
+        dq = warpgroup_mma_wait(0, deps=[dq_tok])
         _add_dq(dq, dq_w, dq_desc, head * N_Q + m_blk * QROWS, WG * HALF, dq_full)
     dk, dv = warpgroup_mma_wait(0, deps=[dk_tok, dv_tok])
     return dk, dv
@@ -170,7 +149,7 @@ def _steps(loop, dk, dv, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_CON
 
 @gluon.jit
 def _consumer(args, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr,
-              NUM_CONSUMERS: gl.constexpr, WG: gl.constexpr, FA3_ORDER: gl.constexpr):  # fmt: skip
+              NUM_CONSUMERS: gl.constexpr, WG: gl.constexpr):  # fmt: skip
     """Warpgroup WG: dK, dV of keys n_start + 64 WG ... + 63 (registers), and columns
     WG * HALF ... of each step's dQ (added by TMA)."""
     (q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, dq_smem, kv_bar, ready_bar, empty_bar,
@@ -197,9 +176,9 @@ def _consumer(args, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl
             dq_w, s_zero, dq_zero, offs_m, cols, L, Dlt, stride_lb, stride_lh, stride_lm, qk_scale,
             H, GROUP, N_Q, N_K, OFFSET, n_start, lo, mid, n_m, first_head)  # fmt: skip
     if n_start + CTA_N > N_K:
-        dk, dv = _steps(loop, dk, dv, CAUSAL, NUM_STAGES, NUM_CONSUMERS, WG, FA3_ORDER, True)
+        dk, dv = _steps(loop, dk, dv, CAUSAL, NUM_STAGES, NUM_CONSUMERS, WG, True)
     else:
-        dk, dv = _steps(loop, dk, dv, CAUSAL, NUM_STAGES, NUM_CONSUMERS, WG, FA3_ORDER, False)
+        dk, dv = _steps(loop, dk, dv, CAUSAL, NUM_STAGES, NUM_CONSUMERS, WG, False)
     tma.store_wait(0)
 
     _store_dkdv(
@@ -213,7 +192,7 @@ def bwd_ws_kernel(
     stride_lb, stride_lh, stride_lm, stride_kb, stride_kh, stride_kn,
     H, GROUP, SHARE, N_Q, N_K, OFFSET, BHKV,
     CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr, FA3_ORDER: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr,
 ):  # fmt: skip
     """`hopper_backward.dkdv_ws_kernel`'s arguments, and dq_desc: a TMA descriptor of a zeroed float32
     (B * H * N_Q, d) accumulator in blocks of (64, d / NUM_CONSUMERS), which receives the sum over key
@@ -240,8 +219,8 @@ def bwd_ws_kernel(
              H, GROUP, SHARE, N_Q, N_K, OFFSET, num_n, BHKV)  # fmt: skip
     gl.warp_specialize(
         [
-            (_consumer, (shared, CAUSAL, HEAD_DIM, NUM_STAGES, NUM_CONSUMERS, 0, FA3_ORDER)),
-            (_consumer, (shared, CAUSAL, HEAD_DIM, NUM_STAGES, NUM_CONSUMERS, 1, FA3_ORDER)),
+            (_consumer, (shared, CAUSAL, HEAD_DIM, NUM_STAGES, NUM_CONSUMERS, 0)),
+            (_consumer, (shared, CAUSAL, HEAD_DIM, NUM_STAGES, NUM_CONSUMERS, 1)),
             (_producer, (loads, CAUSAL, NUM_STAGES, NUM_CONSUMERS)),
         ],
         [4, 1], [CONSUMER_REGS, 24],
@@ -255,21 +234,16 @@ NUM_CONSUMERS = 2
 NUM_STAGES = 2  # Q, dO ring slots: d = 128 takes 197 KB of shared memory with two
 
 
-def backward(q4, k4, v4, o4, do4, l3, offset: int, causal: bool, scale: float, fa3_order: bool = False):
+def backward(q4, k4, v4, o4, do4, l3, offset: int, causal: bool, scale: float):
     """(dQ, dK, dV) of attention from one kernel, for q4, do4, o4 (B, H, N_Q, d) and k4, v4 (B, H_kv, N_K, d)
     that pass `hopper_backward.supports` (a Hopper GPU, 16-bit, contiguous, d 64 or 128); l3 (B, H, N_Q) the
     forward's L (float32, natural log); offset: the causal alignment's `checks.causal_offset`. dK, dV are
-    summed over the H / H_kv query heads of each K/V head. fa3_order: FlashAttention-3's order within a step
-    (no faster in the whole backward: d = 128 16k causal 377 against 378 TFLOP/s, d = 64 252 against 324).
-    The caller makes q4's GPU current."""
+    summed over the H / H_kv query heads of each K/V head. The caller makes q4's GPU current."""
     B, H, n_q, d = q4.shape
     h_kv, n_k = k4.shape[1], k4.shape[2]
     delta = torch.empty(B * H, n_q, dtype=torch.float32, device=q4.device)  # D = rowsum(dO * O)
-    pre, flags = PREPROCESS.current(), kernel_flags(q4.dtype)
-    bound.launch(
-        _preprocess_kernel, (cdiv(n_q, pre.block_m) * B * H,), o4, do4, delta, *strides4(o4), *strides4(do4), H, n_q,
-        HEAD_DIM=d, BLOCK_D=d, **pre.kwargs(), UPCAST=flags["UPCAST"], ACC_DTYPE=flags["ACC_DTYPE"],
-    )  # fmt: skip
+    grid, args, meta = preprocess_launch(o4, do4, delta, B, H, n_q, d, q4.dtype)
+    bound.launch(_preprocess_kernel, grid, *args, **meta)
     dq_acc = torch.zeros(B * H * n_q, d, dtype=torch.float32, device=q4.device)
     dk, dv = torch.empty_like(k4), torch.empty_like(v4)
     half = d // NUM_CONSUMERS
@@ -285,6 +259,6 @@ def backward(q4, k4, v4, o4, do4, l3, offset: int, causal: bool, scale: float, f
         l3.stride(0), l3.stride(1), l3.stride(2), dk.stride(0), dk.stride(1), dk.stride(2),
         H, H // h_kv, 1, n_q, n_k, offset, B * h_kv,
         CAUSAL=causal, HEAD_DIM=d, NUM_STAGES=NUM_STAGES, NUM_CONSUMERS=NUM_CONSUMERS,
-        FA3_ORDER=fa3_order, **launch_options(NUM_CONSUMERS),
+        **launch_options(NUM_CONSUMERS),
     )  # fmt: skip
     return (dq_acc.view(q4.shape) * scale).to(q4.dtype), dk, dv
