@@ -209,10 +209,29 @@ print(f"prompt tokens found in the cache: {cached.prefix.hits} of {prompt_tokens
 assert same and cached.prefix.hits == 3 * 3 * PAGE  # requests 2-4 each found the 3 shared full pages
 
 # %% [markdown]
-# Time to first token is the prefill's time, and the prefill's work is proportional to the tokens it computes:
-# a prompt 90 % cached computes a tenth of them. On a GPU a small prefill does not shrink all the way (each
-# layer still launches its kernels), so the speed-up is below 10x; the serving record measures it (section 6).
-#
+# Time to first token is the prefill's time. A prompt 90 % cached computes a tenth of its tokens, but each of
+# them still attends to every key before it, cached or not, so its FLOPs fall less than 10x: about 6x at 32k
+# tokens, where attention is most of the work (`bench.serving.prefill_flops`). On a GPU the time falls less
+# still: every layer launches its kernels whatever their size, and for a small model that host time is a large
+# part of a short prefill. The serving record (`make bench BENCH=serving`) measures both first tokens.
+
+# %%
+serving_record = records.load_record("serving")
+if serving_record is None:
+    print("No recorded GPU run yet. What to look for in it: the speed-up of a 90 % cached first token against "
+          "its FLOPs ratio, and the GPU's busy time against the wall clock.")  # fmt: skip
+else:
+    print(f"{records.label(serving_record)}: time to first token, prompt 90 % cached or not")
+    for row in serving_record["data"]["ttft"]:
+        print(
+            f"  {row['prompt']:6d} tokens: {row['uncached_ms']:6.2f} ms uncached, {row['cached_ms']:6.2f} ms cached: "
+            f"{row['speedup']:.2f}x (FLOPs {row['flops_ratio']:.1f}x)", end=""
+        )  # fmt: skip
+        if row.get("cached_gpu_ms") is not None:
+            print(f"; the GPU busy {row['uncached_gpu_ms']:.2f} / {row['cached_gpu_ms']:.2f} ms", end="")
+        print()
+
+# %% [markdown]
 # ## 4. Cascade attention from the merge
 #
 # Prefix caching stores the prefix once; a paged decoding step still **reads** it once per request. Cascade

@@ -265,7 +265,7 @@ def hopper_breakdown(d=128, n=1024, calls=300):
     def launch_only():  # B * H = 16 programs' heads, H = 16, GROUP = 1 (as many K/V heads as query heads)
         hopper.fwd_ws_kernel[grid](
             *descs, o, lse, scale * hopper.LOG2E,
-            o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1),
+            o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1), lse.stride(2),
             16, 16, 1, n, n, 0, CAUSAL=False, HEAD_DIM=d, BLOCK_N=block_n, NUM_STAGES=stages,
             NUM_CONSUMERS=consumers, PINGPONG=pingpong, PERSISTENT=persistent, **hopper.launch_options(consumers),
         )  # fmt: skip

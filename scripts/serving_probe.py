@@ -58,6 +58,9 @@ its wall time, then where its host time goes (Python's profiler, PyTorch's profi
     COURSE_DEVICE=cuda python3 scripts/serving_probe.py --prefill-tiles   # ... by each of the forward's launches
     COURSE_DEVICE=cuda python3 scripts/serving_probe.py --ttft-cprofile
     COURSE_DEVICE=cuda python3 scripts/serving_probe.py --ttft-syncs    # the host's waits for the GPU in it
+    COURSE_DEVICE=cuda python3 scripts/serving_probe.py --prefill-key-splits   # its keys split in 1-8 runs
+    COURSE_DEVICE=cuda python3 scripts/serving_probe.py --ttft-split-ab   # first tokens with the split and without
+    COURSE_DEVICE=cuda python3 scripts/serving_probe.py --prefill-split-host   # the host's time of its calls
 
 With --prefix-gap: the ladder of `prefix_gap.py`, from the split kernel alone on the prefix (the probe of
 `decode.heuristics.MANY_ROWS`, 93.8 us) to the cascade's prefix pass (121.2 us), one difference a rung, each a
@@ -212,6 +215,74 @@ def prefill_tiles(cells=((3280, 32768), (1648, 16384), (416, 4096))):
                 print(f"  {config}: {type(e).__name__}: {str(e)[:120]}", flush=True)
 
 
+def prefill_key_splits(
+    cells=((3280, 32768), (1648, 16384)), heads=((16, 4, 64), (32, 8, 128)), profile=(1, 3)
+):
+    """--prefill-key-splits: a cached prefill's attention as a serving step runs it, K/V in pages of 16 (scattered),
+    bf16: the dense route (K/V gathered token-major, the forward through strides, O made token-major for the output
+    projection) against `decode.prefill_split` with its keys in 1 ... 8 runs (K/V gathered head-major, the
+    warp-specialised forward, the combine writing token-major), each timed eagerly (`perf.timing.benchmark`: the
+    host's launches included) and as a CUDA-graph replay (`graph_ms`: the GPU's work alone); `hopper.key_splits`'
+    pick; then the GPU's time by kernel (PyTorch's profiler, 5 calls) of the dense route and of `profile`'s runs.
+    Heads: (query heads, K/V heads, d): the bench's model, and 32 / 8 at d = 128."""
+    from course_lib.attention import flash_attention, hopper
+    from course_lib.decode.paged_kv import gather_tokens
+    from course_lib.decode.prefill_split import split_prefill
+    from course_lib.perf.timing import benchmark
+    from course_lib.runtime import sm_count
+
+    g = torch.Generator().manual_seed(6)
+    for hq, hkv, d in heads:
+        for n, length in cells:
+            n_pages = -(-length // 16)
+            k_pool, v_pool = (
+                torch.randn(n_pages + 8, 16, hkv, d, generator=g).to("cuda", torch.bfloat16) for _ in range(2)
+            )
+            pages = torch.randperm(n_pages + 8, generator=g)[:n_pages].to("cuda", torch.int32)
+            q = torch.randn(n, hq, d, generator=g).to("cuda", torch.bfloat16)
+
+            def dense(q=q, k_pool=k_pool, v_pool=v_pool, pages=pages, n=n, length=length):
+                k, v = (
+                    gather_tokens(p, pages, length).unsqueeze(0).transpose(1, 2) for p in (k_pool, v_pool)
+                )
+                o = flash_attention(q.unsqueeze(0).transpose(1, 2), k, v, causal="bottom_right")
+                return o[0].transpose(0, 1).reshape(n, -1)  # the output projection's input
+
+            def split(splits, q=q, k_pool=k_pool, v_pool=v_pool, pages=pages, length=length):
+                return split_prefill(q, k_pool, v_pool, pages, length, splits=splits)
+
+            want = dense()
+            flops = 4 * hq * d * (n * (length - n) + n * (n + 1) / 2)
+            t0, g0 = benchmark(dense), graph_ms(dense)
+            variant = hopper.choose(d, True, n, length, length - n)
+            pick = hopper.key_splits(variant, hq, n, length, True, length - n, sm_count(0))
+            print(f"{hq}/{hkv} heads, d = {d}, {n} x {length}: dense route {t0:.3f} ms eager, {g0:.3f} graph "
+                  f"({flops / g0 / 1e9:.0f} TFLOP/s); {variant}, key_splits picks {pick}", flush=True)  # fmt: skip
+            for splits in range(1, 9):
+                got = split(splits)
+                err = (got.reshape(n, -1).float() - want.float()).abs().max().item()
+                t, gt = (
+                    benchmark(lambda splits=splits: split(splits)),
+                    graph_ms(lambda splits=splits: split(splits)),
+                )
+                print(f"  {splits} runs: {t:.3f} ms eager ({t0 / t:.2f}x), {gt:.3f} graph ({g0 / gt:.2f}x, "
+                      f"{flops / gt / 1e9:.0f} TFLOP/s), max diff {err:.1e}", flush=True)  # fmt: skip
+            for name, fn in [("dense", dense)] + [(f"{s} runs", lambda s=s: split(s)) for s in profile]:
+                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                    for _ in range(5):
+                        fn()
+                    torch.cuda.synchronize()
+                kernels = sorted(
+                    (
+                        (e.key, e.device_time_total / 5e3)
+                        for e in prof.key_averages()
+                        if e.device_time_total > 0
+                    ),
+                    key=lambda kv: -kv[1],
+                )
+                print(f"    {name}: " + "; ".join(f"{k[:40]} {ms:.3f}" for k, ms in kernels[:6]), flush=True)
+
+
 def prefill_split(cells=((3280, 32768), (1648, 16384)), cuts=(0.25, 0.5, 0.75, 0.9)):
     """--prefill-split: the cached prefill's attention (16 query / 4 K/V heads, d = 64, bf16, K/V strided as the
     dense route reads them) with its keys cut in two, the keys before the cut (no mask) on a second stream beside
@@ -296,12 +367,34 @@ def ttft_cprofile(n: int = 32768, cached_fraction: float = 0.9) -> None:
         walls.append((time.perf_counter() - t0) * 1e3)
     print("first token, wall ms:", " ".join(f"{w:.2f}" for w in walls), flush=True)
     b = ready()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as tprof:
+    host_stats = getattr(torch.cuda, "host_memory_stats", dict)  # PyTorch >= 2.7
+    before, host_before = torch.cuda.memory_stats(), host_stats()
+    first(b)
+    after, host_after = torch.cuda.memory_stats(), host_stats()
+    counts = {
+        k: after[k] - before.get(k, 0) for k in after if k.startswith("num_") and after[k] != before.get(k, 0)
+    }
+    counts |= {
+        "host " + k: host_after[k] - host_before.get(k, 0)
+        for k in host_after
+        if k.startswith("num_") and host_after[k] != host_before.get(k, 0)
+    }
+    print("the caching allocators' counters over one first token (changed ones):", counts or "none")
+    b = ready()
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities, record_shapes=True) as tprof:
         t0 = time.perf_counter()
         first(b)
         wall = (time.perf_counter() - t0) * 1e3
-    print(f"PyTorch's profiler, CPU side, one first token ({wall:.2f} ms with the profiler):")
-    print(tprof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=50))
+    print(f"PyTorch's profiler, CPU side and CUDA calls, one first token ({wall:.2f} ms with the profiler):")
+    print(tprof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=50))
+    print("aten::empty and the allocator's CUDA calls by input shape:")
+    rows = [
+        e for e in tprof.key_averages(group_by_input_shape=True)
+        if e.key in ("aten::empty", "aten::empty_strided", "cudaMalloc", "cudaFree", "cudaHostAlloc")
+    ]  # fmt: skip
+    for e in sorted(rows, key=lambda e: -e.self_cpu_time_total)[:20]:
+        print(f"  {e.key:20s} {e.count:4d} calls {e.self_cpu_time_total / 1e3:7.3f} ms  {e.input_shapes}")
     b = ready()
     prof = cProfile.Profile()
     prof.enable()
@@ -309,6 +402,101 @@ def ttft_cprofile(n: int = 32768, cached_fraction: float = 0.9) -> None:
     prof.disable()
     stats = pstats.Stats(prof)
     stats.sort_stats("tottime").print_stats(25)
+
+
+def prefill_split_host(n: int = 416, length: int = 4096, calls: int = 300) -> None:
+    """--prefill-split-host: the host's time of one call of the dense prefill route and of `decode.prefill_split`
+    (1 and 2 runs) on the bench's model's heads (16 / 4, d = 64, bf16), a shape where the GPU's work is shorter
+    than the host's: wall us a call over `calls` calls, then Python's profiler over the 2-run calls."""
+    import cProfile
+    import pstats
+
+    from course_lib.attention import flash_attention
+    from course_lib.decode.paged_kv import gather_tokens
+    from course_lib.decode.prefill_split import split_prefill
+
+    g = torch.Generator().manual_seed(7)
+    n_pages = -(-length // 16)
+    k_pool, v_pool = (
+        torch.randn(n_pages + 8, 16, 4, 64, generator=g).to("cuda", torch.bfloat16) for _ in range(2)
+    )
+    pages = torch.randperm(n_pages + 8, generator=g)[:n_pages].to("cuda", torch.int32)
+    q = torch.randn(n, 16, 64, generator=g).to("cuda", torch.bfloat16)
+
+    def dense():
+        k, v = (gather_tokens(p, pages, length).unsqueeze(0).transpose(1, 2) for p in (k_pool, v_pool))
+        o = flash_attention(q.unsqueeze(0).transpose(1, 2), k, v, causal="bottom_right")
+        return o[0].transpose(0, 1).reshape(n, -1)
+
+    runs = {
+        "dense route": dense,
+        "split, 1 run": lambda: split_prefill(q, k_pool, v_pool, pages, length, splits=1),
+        "split, 2 runs": lambda: split_prefill(q, k_pool, v_pool, pages, length, splits=2),
+    }
+    for name, fn in runs.items():
+        for _ in range(20):
+            fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+        print(
+            f"{name}: {(time.perf_counter() - t0) / calls * 1e6:.1f} us a call (wall, {n} x {length})",
+            flush=True,
+        )
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        runs["split, 2 runs"]()
+    prof.disable()
+    torch.cuda.synchronize()
+    pstats.Stats(prof).sort_stats("tottime").print_stats(18)
+
+
+def ttft_split_ab(lengths=(16384, 32768), cached_fraction: float = 0.9, rounds: int = 8) -> None:
+    """--ttft-split-ab: the bench's first token of a prompt 90 % cached, with the prefill's attention on
+    `decode.prefill_split` where it applies and with the dense route alone, taken in turn in one process (the host's
+    pace drifts between runs): median wall ms of `rounds` each after one of each, and the GPU's busy ms of one."""
+    import statistics
+
+    from course_lib.bench.serving import _gpu_busy
+    from course_lib.decode import paged_kv
+
+    real = paged_kv.split_prefill
+    for n in lengths:
+        prompt, ready = _cached_prompt(n, cached_fraction)
+        walls, busy = {"split": [], "dense": []}, {}
+
+        def first(b, prompt=prompt):
+            request = b.submit(prompt, 2)
+            token = b.step()[request]
+            torch.cuda.synchronize()
+            return token
+
+        try:
+            for i in range(rounds + 1):
+                for name in walls:
+                    paged_kv.split_prefill = real if name == "split" else (lambda *a, **k: None)
+                    b = ready()
+                    t0 = time.perf_counter()
+                    first(b)
+                    if i:
+                        walls[name].append((time.perf_counter() - t0) * 1e3)
+            for name in walls:
+                paged_kv.split_prefill = real if name == "split" else (lambda *a, **k: None)
+                b = ready()
+                busy[name] = _gpu_busy(lambda b=b: first(b))[0]
+        finally:
+            paged_kv.split_prefill = real
+        print(
+            f"{n}-token prompt, 90 % cached, first token: "
+            + "; ".join(
+                f"{name} {statistics.median(w):.2f} ms wall ({min(w):.2f}-{max(w):.2f}), GPU busy {busy[name]:.2f}"
+                for name, w in walls.items()
+            ),
+            flush=True,
+        )
 
 
 def ttft_syncs(n: int = 32768, cached_fraction: float = 0.9) -> None:
@@ -672,8 +860,23 @@ if __name__ == "__main__":
     parser.add_argument(
         "--prefill-tiles", action="store_true", help="the cached prefill by the forward's launches"
     )
+    parser.add_argument(
+        "--prefill-key-splits", action="store_true", help="the cached prefill with its keys split"
+    )
+    parser.add_argument(
+        "--ttft-split-ab", action="store_true", help="first tokens with and without the split prefill"
+    )
+    parser.add_argument(
+        "--prefill-split-host", action="store_true", help="the host's time of a split prefill's call"
+    )
     args = parser.parse_args()
-    if args.prefill_tiles:
+    if args.prefill_key_splits:
+        prefill_key_splits()
+    elif args.ttft_split_ab:
+        ttft_split_ab()
+    elif args.prefill_split_host:
+        prefill_split_host()
+    elif args.prefill_tiles:
         prefill_tiles()
     elif args.ttft_syncs:
         ttft_syncs()

@@ -165,3 +165,63 @@ def test_training_step_through_it():
         assert_close_to_reference(o, ref_o, base_o, what=f"O, d={d}, N={n}")
         for name, t, r, b in zip(("dq", "dk", "dv"), (q, k, v), ref_g, base_g):
             assert_close_to_reference(t.grad, r, b, what=f"{name}, d={d}, N={n}")
+
+
+def test_key_splits_fill_the_waves():
+    """`key_splits`: no split where the tiles fill their waves (every cell of the standard grid); a cached
+    prompt's rest (3280 rows over 32k keys at 16 heads: 416 tiles of 128 rows, 3.15 waves of 132 SMs) is split
+    so that its waves are fuller, never into more runs than its shortest tile has key blocks."""
+    for d in (64, 128):
+        for n in (1024, 4096, 16384):
+            for causal in (False, True):
+                variant = hopper.choose(d, causal, n, n) or hopper.VARIANTS[d][0]
+                heads = 16384 // n * 2048 // d
+                assert hopper.key_splits(variant, heads, n, n, causal, 0, 132) == 1, (d, n, causal)
+        variant = hopper.choose(d, True, 3280, 32768, 32768 - 3280)
+        splits = hopper.key_splits(variant, 16, 3280, 32768, True, 32768 - 3280, 132)
+        tiles = -(-3280 // (hopper.QUERY_ROWS * variant.num_consumers)) * 16
+        waves = splits * tiles / 132
+        assert splits > 1 and waves / -(-waves // 1) > 0.9, (d, splits, waves)
+        # 200 rows over 300 keys: the shortest tile (rows 0-127) sees 3 blocks of 128 at most
+        short = hopper.key_splits(hopper.VARIANTS[d][0], 4, 200, 300, True, 100, 132)
+        assert 1 <= short <= 3, short
+
+
+# (q shape (B, H, Nq), Hkv, Nk, causal, splits): bottom-right (offsets 64 does not divide), non-causal, grouped
+SPLIT_CASES = [
+    ((1, 4, 200), 2, 2345, "bottom_right", 2),
+    ((2, 3, 300), 3, 1531, "bottom_right", 3),
+    ((1, 4, 77), 1, 1200, "bottom_right", 5),
+    ((2, 2, 1000), 2, 1531, False, 3),
+]
+
+
+@hopper_gpu
+@pytest.mark.parametrize("d", (64, 128))
+@pytest.mark.parametrize("case", SPLIT_CASES, ids=[f"{c[0]}x{c[2]} {c[3]} S={c[4]}" for c in SPLIT_CASES])
+def test_key_splits_match_reference(case, d):
+    """Every variant with its keys cut into S runs (`forward`'s key_splits), the partials merged by notebook
+    09's combine: O and L against float64, bf16."""
+    from course_lib.decode.combine import combine
+
+    (B, H, n_q), hkv, n_k, causal, splits = case
+    torch.manual_seed(n_q * 7 + n_k + d)
+    q = torch.randn(B, H, n_q, d, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(B, hkv, n_k, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    g = H // hkv
+    k64, v64 = (t.cpu().double().repeat_interleave(g, 1) for t in (k, v))
+    ref_o, ref_l = reference_attention(q.cpu().double(), k64, v64, causal, return_lse=True)
+    base_o, _ = reference_outputs(q, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1), causal)
+    offset = n_k - n_q if causal else 0
+    for variant in hopper.VARIANTS[d]:
+        o_part = torch.full((splits, B, H, n_q, d), float("nan"), device="cuda")
+        l_part = torch.full((splits, B, H, n_q), float("nan"), device="cuda")
+        hopper.forward(q, k, v, o_part, l_part, bool(causal), d**-0.5, variant, offset, splits)
+        o = torch.empty(B, n_q, H, d, device="cuda", dtype=q.dtype)
+        lse = torch.empty(B, n_q, H, device="cuda")
+        combine(o_part.permute(0, 1, 3, 2, 4), l_part.permute(0, 1, 3, 2), o, lse)
+        what = f"{(B, H, n_q, d)} x {n_k} {causal}, {splits} splits, variant {variant}"
+        assert_close_to_reference(o.transpose(1, 2), ref_o, base_o, what=f"O, {what}")
+        torch.testing.assert_close(
+            lse.transpose(1, 2).cpu().double(), ref_l, rtol=1e-4, atol=1e-4, msg=f"L, {what}"
+        )

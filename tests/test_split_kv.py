@@ -78,6 +78,29 @@ def test_combine_kernel_equals_merge_many():
     assert (out[1, 0, 2] == 0).all() and torch.isneginf(lse[1, 0, 2])
 
 
+def test_combine_of_many_rows_equals_merge_many(monkeypatch):
+    """From `MANY_ROWS` rows on, blocks of rows a program (`combine_rows_kernel`, the splits merged one after
+    another): against merge_many, with empty splits, a row no split saw, a block's last rows past the end and
+    partials in a permuted layout (a prefill's (S, B, Hq, T, d), read as (S, B, T, Hq, d))."""
+    from course_lib.decode import combine as combine_mod
+
+    monkeypatch.setattr(combine_mod, "MANY_ROWS", 8)
+    g = torch.Generator().manual_seed(4)
+    S, B, T, H, d = 3, 2, 5, 3, 48  # 30 rows: two blocks of 16, the second part empty
+    o_part = torch.randn(S, B, H, T, d, generator=g).transpose(2, 3)
+    l_part = torch.randn(S, B, H, T, generator=g).transpose(2, 3)
+    l_part[1] = float("-inf")  # an empty split
+    l_part[:, 1, 4, 2] = float("-inf")  # a row no split saw
+    o_part[:, 1, 4, 2] = 0.0
+    out = torch.empty(B, T, H, d, device=DEV, dtype=torch.float16)
+    lse = torch.empty(B, T, H, device=DEV)
+    combine(o_part.to(DEV), l_part.to(DEV), out, lse)
+    ref_o, ref_l = merge_many(o_part.double(), l_part.double(), dim=0)
+    torch.testing.assert_close(out.double().cpu(), ref_o, rtol=2e-3, atol=2e-3)
+    torch.testing.assert_close(lse.double().cpu(), ref_l, rtol=1e-5, atol=1e-5)
+    assert (out[1, 4, 2] == 0).all() and torch.isneginf(lse[1, 4, 2])
+
+
 def assert_whole_cache_matches(q, k, v, what):
     """decode_attention without lengths (cache_seqlens=None) against the float64 reference given every
     length as Nmax."""

@@ -19,6 +19,9 @@ dialect, which exposes what the hardware does asynchronously:
   the ring), so one warpgroup's softmax runs while another's products occupy the tensor cores.
 * PERSISTENT: one program per SM loops over tiles, so one tile's epilogue and the next tile's
   first loads overlap; otherwise one program per tile.
+* KEY_SPLITS: each tile's key blocks cut into runs, a program each, writing partial (O, L) that notebook
+  09's combine merges: for few query rows over many keys, whose tiles leave the last wave part idle
+  (`key_splits`; a cached prompt's prefill, `decode.prefill_split`).
 
 Shared memory per program: (64 * consumers + 2 * NUM_STAGES * BLOCK_N) * d * 2 bytes (224 KB for
 d = 128 with 3 stages: one program per SM). HBM traffic is the Triton forward's: Q, O once, K and
@@ -98,7 +101,7 @@ def softmax_step(
 @gluon.jit
 def store_o_l(
     acc, m_i, l_i, rows, row0, O, L, off_hz, H, N_Q,
-    stride_ob, stride_oh, stride_om, stride_lb, stride_lh,
+    stride_ob, stride_oh, stride_om, stride_lb, stride_lh, stride_lm,
     BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, DTYPE: gl.constexpr, o_layout: gl.constexpr,
 ):  # fmt: skip
     """The epilogue of BLOCK_M query rows row0 ... of head off_hz (registers -> HBM, rows past N_Q
@@ -115,13 +118,13 @@ def store_o_l(
     o_ptrs = o_base + gl.expand_dims(o_rows, 1) * stride_om + gl.expand_dims(o_cols, 0)
     gl.store(o_ptrs, out, mask=gl.expand_dims(o_rows < N_Q, 1))
     lse = (m_i + gl.log2(l_i)) * 0.6931471805599453
-    l_ptrs = L + off_b.to(gl.int64) * stride_lb + off_h.to(gl.int64) * stride_lh + rows
+    l_ptrs = L + off_b.to(gl.int64) * stride_lb + off_h.to(gl.int64) * stride_lh + rows * stride_lm
     gl.store(l_ptrs, lse, mask=rows < N_Q)
 
 
 @gluon.jit
-def _tile(k, BH, num_m, num_tiles, CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr):
-    """The tile of this program's round k: (valid, batch*head index, query-block index).
+def _tile(k, BH, num_m, num_tiles, CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr, KEY_SPLITS: gl.constexpr):
+    """The tile of this program's round k: (valid, batch*head index, query-block index, key split).
 
     One program per tile (not PERSISTENT): round 0 only, tile = program id; tiles of one head are
     adjacent (its K and V stay in L2) and, under CAUSAL, its longest query blocks come first.
@@ -129,10 +132,17 @@ def _tile(k, BH, num_m, num_tiles, CAUSAL: gl.constexpr, PERSISTENT: gl.constexp
     G-1-pid on odd rounds). Under CAUSAL the tiles are then ordered longest first over all heads, so
     that each program gets long and short ones: a static round-robin over head-major tiles gives
     program pid the same query block of every head whenever G is a multiple of the blocks per head,
-    and 1.5-1.8x the average work at the standard shapes (a simulation)."""
+    and 1.5-1.8x the average work at the standard shapes (a simulation).
+    KEY_SPLITS > 1: the num_m * BH tiles of split 0 first, then those of split 1, ... (a split's tiles of
+    one head read the same K/V blocks, so they run together)."""
     G = gl.num_programs(0)
     pid = gl.program_id(0)
     t = k * G + gl.where(k % 2 == 0, pid, G - 1 - pid)
+    valid = t < num_tiles
+    split = 0
+    if KEY_SPLITS > 1:
+        split = t // (num_m * BH)
+        t = t % (num_m * BH)
     if CAUSAL and PERSISTENT:
         off_hz = t % BH
         start_m = num_m - 1 - t // BH
@@ -141,7 +151,14 @@ def _tile(k, BH, num_m, num_tiles, CAUSAL: gl.constexpr, PERSISTENT: gl.constexp
         start_m = t % num_m
         if CAUSAL:
             start_m = num_m - 1 - start_m
-    return t < num_tiles, off_hz, start_m
+    return valid, off_hz, start_m, split
+
+
+@gluon.jit
+def _split_range(split, n_blocks, KEY_SPLITS: gl.constexpr):
+    """Key blocks lo ... hi - 1 of split `split` (KEY_SPLITS > 1) of a tile's n_blocks: its share of
+    them, in order (the host sees that every tile has at least KEY_SPLITS blocks: no split is empty)."""
+    return split * n_blocks // KEY_SPLITS, (split + 1) * n_blocks // KEY_SPLITS
 
 
 @gluon.jit
@@ -156,7 +173,7 @@ def _n_blocks(start_m, N_K, OFFSET, CTA_M: gl.constexpr, BLOCK_N: gl.constexpr, 
 
 @gluon.jit
 def _producer(args, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-              NUM_CONSUMERS: gl.constexpr, PERSISTENT: gl.constexpr):  # fmt: skip
+              NUM_CONSUMERS: gl.constexpr, PERSISTENT: gl.constexpr, KEY_SPLITS: gl.constexpr):  # fmt: skip
     """One warp issues every TMA copy (HBM -> shared memory) of the program. Per tile: the Q blocks,
     once the consumers are done with the previous tile's; then K_j, V_j into ring slot
     it % NUM_STAGES, once every consumer has released that slot. `it` counts K/V blocks over all
@@ -168,8 +185,12 @@ def _producer(args, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.
     it = 0
     tcount = 0
     for k in range(gl.cdiv(num_tiles, gl.num_programs(0))):
-        valid, off_hz, start_m = _tile(k, BH, num_m, num_tiles, CAUSAL, PERSISTENT)
+        valid, off_hz, start_m, split = _tile(k, BH, num_m, num_tiles, CAUSAL, PERSISTENT, KEY_SPLITS)
         n_blocks = gl.where(valid, _n_blocks(start_m, N_K, OFFSET, CTA_M, BLOCK_N, CAUSAL), 0)
+        lo = 0
+        hi = n_blocks
+        if KEY_SPLITS > 1:
+            lo, hi = _split_range(split, n_blocks, KEY_SPLITS)
         q_row = off_hz * N_Q + start_m * CTA_M
         # K/V head of query head h: h // GROUP (grouped-query attention), of the same batch
         kv_row = ((off_hz // H) * (H // GROUP) + (off_hz % H) // GROUP) * N_K
@@ -181,7 +202,7 @@ def _producer(args, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.
             tma.async_copy_global_to_shared(
                 q_desc, [q_row + c * ROWS, 0], q_bar.index(c), q_smem.index(c), pred=valid
             )
-        for j in range(n_blocks):
+        for j in range(lo, hi):
             slot = it % NUM_STAGES
             mbarrier.wait(empty_bar.index(slot), ((it // NUM_STAGES) & 1) ^ 1)
             row = kv_row + j * BLOCK_N
@@ -196,12 +217,12 @@ def _producer(args, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.
 @gluon.jit
 def _consumer(args, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
               NUM_CONSUMERS: gl.constexpr, PINGPONG: gl.constexpr, PERSISTENT: gl.constexpr,
-              WG: gl.constexpr):  # fmt: skip
+              WG: gl.constexpr, KEY_SPLITS: gl.constexpr):  # fmt: skip
     """Warpgroup WG: for each of the program's tiles, O and L of the tile's query rows
     64 * WG ... 64 * WG + 63 (m, l: 64 floats, acc: 64 x HEAD_DIM fp32, all in registers).
     args: the run-time values every consumer shares (see `fwd_ws_kernel`)."""
     (q_smem, k_smem, v_smem, q_bar, q_empty, k_bar, v_bar, empty_bar, turn_bar,
-     O, L, qk_scale, stride_ob, stride_oh, stride_om, stride_lb, stride_lh,
+     O, L, qk_scale, stride_ob, stride_oh, stride_om, stride_lb, stride_lh, stride_lm,
      BH, H, N_Q, N_K, OFFSET, num_m, num_tiles) = args  # fmt: skip
     dtype: gl.constexpr = q_smem.dtype
     CTA_M: gl.constexpr = ROWS * NUM_CONSUMERS
@@ -223,9 +244,17 @@ def _consumer(args, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.co
     it = 0  # K/V blocks consumed over all tiles: gives ring slot, ring phase and turn parity
     tcount = 0
     for k in range(gl.cdiv(num_tiles, gl.num_programs(0))):
-        valid, off_hz, start_m = _tile(k, BH, num_m, num_tiles, CAUSAL, PERSISTENT)
+        valid, off_hz, start_m, split = _tile(k, BH, num_m, num_tiles, CAUSAL, PERSISTENT, KEY_SPLITS)
         if valid:
             n_blocks = _n_blocks(start_m, N_K, OFFSET, CTA_M, BLOCK_N, CAUSAL)
+            lo = 0
+            hi = n_blocks
+            o_ptr = O
+            l_ptr = L
+            if KEY_SPLITS > 1:  # this split's key blocks; its partial (O, L) in its slot of the buffers
+                lo, hi = _split_range(split, n_blocks, KEY_SPLITS)
+                o_ptr = O + split.to(gl.int64) * BH * N_Q * HEAD_DIM
+                l_ptr = L + split.to(gl.int64) * BH * N_Q
             m_start = start_m * CTA_M + WG * ROWS
             first_masked = N_K // BLOCK_N  # blocks from here on need the mask
             if CAUSAL:
@@ -245,12 +274,31 @@ def _consumer(args, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.co
             if PINGPONG:
                 mbarrier.arrive(turn_bar.index(NEXT), count=1)
             s = warpgroup_mma_wait(0, deps=[s_tok])
-            p_op, m_i, l_i, alpha = softmax_step(
-                s, m_i, l_i, offs_n, rows, N_K, qk_scale, first_masked == 0, CAUSAL, dtype, p_layout, OFFSET
-            )
+            if KEY_SPLITS > 1:
+                p_op, m_i, l_i, alpha = softmax_step(
+                    s, m_i, l_i, lo * BLOCK_N + offs_n, rows, N_K, qk_scale, lo >= first_masked, CAUSAL, dtype,
+                    p_layout, OFFSET,
+                )  # fmt: skip
+            else:
+                p_op, m_i, l_i, alpha = softmax_step(
+                    s,
+                    m_i,
+                    l_i,
+                    offs_n,
+                    rows,
+                    N_K,
+                    qk_scale,
+                    first_masked == 0,
+                    CAUSAL,
+                    dtype,
+                    p_layout,
+                    OFFSET,
+                )
 
-            for j in range(1, n_blocks):
+            for j in range(lo + 1, hi):
                 g = it + j
+                if KEY_SPLITS > 1:
+                    g = it + j - lo
                 slot = g % NUM_STAGES
                 prev = (g - 1) % NUM_STAGES
                 # Issue S_j = Q K_j^T and O += P_{j-1} V_{j-1}; both run on the tensor cores.
@@ -278,7 +326,10 @@ def _consumer(args, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.co
 
             # Every S of this tile is done: the producer may load the next tile's Q.
             mbarrier.arrive(q_empty.index(WG), count=1)
-            it += n_blocks
+            if KEY_SPLITS > 1:
+                it += hi - lo
+            else:
+                it += n_blocks
             last = (it - 1) % NUM_STAGES
             mbarrier.wait(v_bar.index(last), ((it - 1) // NUM_STAGES) & 1)
             acc_tok = warpgroup_mma(p_op, v_smem.index(last), acc, is_async=True)
@@ -287,24 +338,25 @@ def _consumer(args, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.co
             tcount += 1
 
             store_o_l(
-                acc, m_i, l_i, rows, m_start, O, L, off_hz, H, N_Q,
-                stride_ob, stride_oh, stride_om, stride_lb, stride_lh, ROWS, HEAD_DIM, dtype, o_layout,
+                acc, m_i, l_i, rows, m_start, o_ptr, l_ptr, off_hz, H, N_Q,
+                stride_ob, stride_oh, stride_om, stride_lb, stride_lh, stride_lm, ROWS, HEAD_DIM, dtype, o_layout,
             )  # fmt: skip
 
 
 @gluon.jit(do_not_specialize=["OFFSET"])  # an offset's divisibility changes no instruction: one binary
 def fwd_ws_kernel(
     q_desc, k_desc, v_desc, O, L, qk_scale,
-    stride_ob, stride_oh, stride_om, stride_lb, stride_lh,
+    stride_ob, stride_oh, stride_om, stride_lb, stride_lh, stride_lm,
     BH, H, GROUP, N_Q, N_K, OFFSET,
     CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
     NUM_CONSUMERS: gl.constexpr, PINGPONG: gl.constexpr, PERSISTENT: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, KEY_SPLITS: gl.constexpr = 1,
 ):  # fmt: skip
     """O and L for tiles of CTA_M = 64 * NUM_CONSUMERS query rows of one (batch, head).
 
     q_desc, k_desc, v_desc: TMA descriptors of the (B*H*N, d) matrices with blocks (64, d) and
-    (BLOCK_N, d). O (B, H, N_Q, d) with strides stride_o*, unit last stride; L (B, H, N_Q) float32.
+    (BLOCK_N, d). O (B, H, N_Q, d) with strides stride_o*, unit last stride; L (B, H, N_Q) float32 with
+    strides stride_l* (stride_lm 1 but for `forward`'s token_major).
     qk_scale = softmax scale * log2(e). OFFSET: under CAUSAL, query row i sees keys j <= i + OFFSET (0
     top-left, N_K - N_Q >= 0 bottom-right: every row sees a key). Grid: one program per tile, or
     (PERSISTENT) one per SM.
@@ -313,7 +365,7 @@ def fwd_ws_kernel(
     dtype: gl.constexpr = q_desc.dtype
     CTA_M: gl.constexpr = ROWS * NUM_CONSUMERS
     num_m = gl.cdiv(N_Q, CTA_M)
-    num_tiles = num_m * BH
+    num_tiles = num_m * BH * KEY_SPLITS
 
     # Shared memory: Q (one 64 x d block per consumer), the K and V rings, and the mbarriers.
     q_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, ROWS, HEAD_DIM], q_desc.layout)
@@ -340,26 +392,31 @@ def fwd_ws_kernel(
     # Run-time arguments go in a tuple; the compile-time ones are passed one by one (a tuple built
     # in a variable turns its constexpr entries into run-time values).
     shared = (q_smem, k_smem, v_smem, q_bar, q_empty, k_bar, v_bar, empty_bar, turn_bar,
-              O, L, qk_scale, stride_ob, stride_oh, stride_om, stride_lb, stride_lh,
+              O, L, qk_scale, stride_ob, stride_oh, stride_om, stride_lb, stride_lh, stride_lm,
               BH, H, N_Q, N_K, OFFSET, num_m, num_tiles)  # fmt: skip
     loads = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_bar, v_bar, empty_bar,
              BH, H, GROUP, N_Q, N_K, OFFSET, num_m, num_tiles)  # fmt: skip
     if NUM_CONSUMERS == 2:
         gl.warp_specialize(
             [
-                (_consumer, (shared, CAUSAL, HEAD_DIM, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, PINGPONG, PERSISTENT, 0)),
-                (_consumer, (shared, CAUSAL, HEAD_DIM, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, PINGPONG, PERSISTENT, 1)),
-                (_producer, (loads, CAUSAL, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, PERSISTENT)),
+                (_consumer, (shared, CAUSAL, HEAD_DIM, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, PINGPONG, PERSISTENT, 0,
+                             KEY_SPLITS)),
+                (_consumer, (shared, CAUSAL, HEAD_DIM, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, PINGPONG, PERSISTENT, 1,
+                             KEY_SPLITS)),
+                (_producer, (loads, CAUSAL, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, PERSISTENT, KEY_SPLITS)),
             ],
             [4, 1], [CONSUMER_REGS, 24],
         )  # fmt: skip
     else:
         gl.warp_specialize(
             [
-                (_consumer, (shared, CAUSAL, HEAD_DIM, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, PINGPONG, PERSISTENT, 0)),
-                (_consumer, (shared, CAUSAL, HEAD_DIM, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, PINGPONG, PERSISTENT, 1)),
-                (_consumer, (shared, CAUSAL, HEAD_DIM, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, PINGPONG, PERSISTENT, 2)),
-                (_producer, (loads, CAUSAL, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, PERSISTENT)),
+                (_consumer, (shared, CAUSAL, HEAD_DIM, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, PINGPONG, PERSISTENT, 0,
+                             KEY_SPLITS)),
+                (_consumer, (shared, CAUSAL, HEAD_DIM, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, PINGPONG, PERSISTENT, 1,
+                             KEY_SPLITS)),
+                (_consumer, (shared, CAUSAL, HEAD_DIM, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, PINGPONG, PERSISTENT, 2,
+                             KEY_SPLITS)),
+                (_producer, (loads, CAUSAL, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, PERSISTENT, KEY_SPLITS)),
             ],
             [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24],
         )  # fmt: skip
@@ -468,24 +525,87 @@ def capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
-def forward(q4, k4, v4, o4, lse3, causal: bool, scale: float, variant: Variant, offset: int = 0) -> None:
+def forward(
+    q4,
+    k4,
+    v4,
+    o4,
+    lse3,
+    causal: bool,
+    scale: float,
+    variant: Variant,
+    offset: int = 0,
+    key_splits: int = 1,
+    token_major: bool = False,
+) -> None:
     """Write O into o4 (B, H, Nq, d; q's dtype or float32, contiguous rows: any strides of B and H) and L into
     lse3 (B, H, Nq) float32, for q4 (B, H, Nq, d) and
     k4, v4 (B, Hkv, Nk, d) that pass `supports` (H a multiple of Hkv: grouped-query attention);
     variant from `choose` (or any of VARIANTS, for tests); offset: the causal offset, 0 (top-left) or
-    Nk - Nq >= 0 (bottom-right; `kernels.blocks`). The caller makes q4's GPU current."""
+    Nk - Nq >= 0 (bottom-right; `kernels.blocks`). The caller makes q4's GPU current.
+
+    token_major: o4 is (B, Nq, H, d) and lse3 (B, Nq, H) instead (any strides, d's unit), the layout a model's
+    output projection reads. key_splits S > 1 (from `key_splits`): each tile's key blocks are cut into S runs, a
+    program each, and o4 and lse3 hold a leading split dimension, float32, each split's slot B * H * Nq rows
+    after the one before ((S, B, H, Nq, d) and (S, B, H, Nq) contiguous, or token-major (S, B, Nq, H, d) and (S,
+    B, Nq, H)): each run's partial (O_s divided by its own row sums, L_s its logsumexp), which notebook 09's
+    combine merges (`decode.combine`). Every tile must have at least S key blocks (`key_splits` sees to it)."""
     B, H, n_q, d = q4.shape
     n_k = k4.shape[2]
     if causal and offset < 0:
         raise ValueError(
             f"hopper.forward: causal offset {offset} < 0 (rows that see no key) is not supported"
         )
-    tiles = cdiv(n_q, QUERY_ROWS * variant.num_consumers) * B * H
+    tiles = cdiv(n_q, QUERY_ROWS * variant.num_consumers) * B * H * key_splits
     grid = (min(tiles, sm_count(q4.device.index)) if variant.persistent else tiles,)
+    splits = {}
+    if key_splits > 1:
+        if not (o4.is_contiguous() and lse3.is_contiguous() and o4.shape[0] == lse3.shape[0] == key_splits):
+            raise ValueError(
+                f"hopper.forward: key_splits={key_splits} needs contiguous partials with {key_splits} splits first; "
+                f"got o4 {tuple(o4.shape)} and lse3 {tuple(lse3.shape)}"
+            )
+        splits = {"KEY_SPLITS": key_splits}
+    o_strides, l_strides = (
+        o4.stride()[-4:-1],
+        lse3.stride()[-3:],
+    )  # (batch, then the two others), split 0's slot
+    if token_major:  # (B, Nq, H, ...): batch, head, row
+        o_strides, l_strides = (
+            (o_strides[0], o_strides[2], o_strides[1]),
+            (l_strides[0], l_strides[2], l_strides[1]),
+        )
     bound.launch(fwd_ws_kernel, grid,
         descriptor(q4, QUERY_ROWS), descriptor(k4, variant.block_n), descriptor(v4, variant.block_n),
-        o4, lse3, scale * LOG2E,
-        o4.stride(0), o4.stride(1), o4.stride(2), lse3.stride(0), lse3.stride(1),
+        o4, lse3, scale * LOG2E, *o_strides, *l_strides,
         B * H, H, H // k4.shape[1], n_q, n_k, offset if causal else 0,
-        CAUSAL=causal, HEAD_DIM=d, **variant.kwargs(),
+        CAUSAL=causal, HEAD_DIM=d, **variant.kwargs(), **splits,
     )  # fmt: skip
+
+
+# What a split adds to the time of a prefill's attention, as a fraction of it per split (its partials written and
+# merged, a tile's start and end once more): fitted to `scripts/serving_probe.py --prefill-key-splits` (H200,
+# 2026-11-30; 3280 x 32k and 1648 x 16k, 16 / 4 heads at d = 64 and 32 / 8 at d = 128, 1-8 splits, graph
+# replays): with it `key_splits` picks a split count within 2 % of the fastest in each of the four cells.
+SPLIT_COST = 0.03
+MAX_KEY_SPLITS = 8
+
+
+def key_splits(
+    variant: Variant, batch_heads: int, n_q: int, n_k: int, causal: bool, offset: int, sms: int
+) -> int:
+    """How many runs `forward` cuts each tile's keys into, so that the tiles fill their waves: few query rows
+    over many keys (a cached prompt's prefill: 3280 rows over 32k keys at 16 heads is 416 tiles of 128 rows,
+    3.15 waves on 132 SMs, the last one 85 % idle). The S (at most MAX_KEY_SPLITS and the shortest tile's key
+    blocks, so that no run is empty) whose time, ceil(S x waves) / S rounds of a whole tile's work, each split
+    adding SPLIT_COST, is least; 1 where the tiles fill their waves already."""
+    cta_m = QUERY_ROWS * variant.num_consumers
+    tiles = cdiv(n_q, cta_m) * batch_heads
+    shortest = cdiv(n_k, variant.block_n)
+    if causal:
+        shortest = min(shortest, cdiv(cta_m + offset, variant.block_n))
+
+    def time(s: int) -> float:
+        return cdiv(s * tiles, sms) / s * (1 + SPLIT_COST * s)
+
+    return min(range(1, max(1, min(MAX_KEY_SPLITS, shortest)) + 1), key=lambda s: (time(s), s))

@@ -9,7 +9,10 @@ A prefill step whose every sequence brings many new tokens over many keys (a lon
 rest of a cached one: `DENSE_PREFILL_MIN_ROWS`, `DENSE_PREFILL_MIN_PAIRS`) attends each sequence with the
 FlashAttention-2 forward (notebook 06) over its K/V gathered from its pages in one copy (`PagedKV.prefill_plan`):
 the paged kernel is a decoding kernel (64-key blocks read page by page through the block table, tiles of 64
-rows). Steps that mix prefill and decoding rows, short prefills and decoding steps take the paged kernel.
+rows). Steps that mix prefill and decoding rows, short prefills and decoding steps take the paged kernel. On a
+Hopper GPU a sequence whose new tokens follow cached ones (the rest of a cached prompt, a later chunk) takes
+`prefill_split` instead, from its `MIN_PAIRS` on: K/V gathered head-major, the warp-specialised forward with its keys
+split where the tiles would leave the GPU's last wave part idle, the combine writing token-major.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import torch
 from ..attention import flash_attention
 from .api import paged_decode_attention
 from .cache import PagedKVCache
+from .prefill_split import split_prefill
 
 # When a step attends densely (module docstring): every sequence brings at least DENSE_PREFILL_MIN_ROWS new tokens
 # and (new tokens) x (keys) >= DENSE_PREFILL_MIN_PAIRS. Measured on an H200 (`scripts/serving_probe.py --prefill`:
@@ -132,11 +136,18 @@ class PagedKV:
     def _attend_dense(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         """A prefill step (`prefill_plan`): sequence by sequence, its K/V gathered from its pages (one copy each,
         (length, Hkv, d), read as (1, Hkv, length, d) through strides) and the dense FlashAttention-2 forward
-        of its new tokens' queries, causal bottom-right (they are its last tokens). q (T, Hq, d) -> (T, Hq, d)."""
+        of its new tokens' queries, causal bottom-right (they are its last tokens); or, for new tokens after cached
+        ones on a Hopper GPU, `prefill_split.split_prefill`. q (T, Hq, d) -> (T, Hq, d)."""
         k_pages, v_pages = self.cache.k_pages[layer], self.cache.v_pages[layer]
         outs, start = [], 0
         for b, (n, length, pages) in enumerate(self.prefill):
             ids = self.block_table[b, :pages]  # on the pools' device: no copy from the host, no wait
+            if n < length and k_pages.is_cuda:  # after cached tokens: on a Hopper GPU, the keys split
+                o = split_prefill(q[start : start + n], k_pages, v_pages, ids, length)
+                if o is not None:
+                    outs.append(o)
+                    start += n
+                    continue
             k, v = (
                 gather_tokens(pool, ids, length).unsqueeze(0).transpose(1, 2) for pool in (k_pages, v_pages)
             )

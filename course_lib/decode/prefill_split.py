@@ -1,0 +1,189 @@
+"""A cached prompt's prefill attention on the warp-specialised forward, its keys split (notebook 14; the kernel:
+notebook 08c).
+
+The rest of a prompt whose first 90 % are cached brings few query rows over many keys: 3280 new tokens over
+32k keys at 16 heads is 416 tiles of 128 query rows, 3.15 waves of the H200's 132 SMs, the last of them 85 %
+idle. On a Hopper GPU `split_prefill` gathers the sequence's K and V head-major in one launch (`gather_heads`),
+runs the warp-specialised forward (`attention.hopper`) with each tile's keys cut into S runs, a program each
+(`hopper.key_splits` picks S so that the waves are full: 1 where they are already), and merges the runs' partial
+(O_s, L_s) with split-KV decoding's combine (`decode.combine`, notebook 09), straight into the token-major
+(T, Hq, d) layout the output projection reads. A call seen before runs its plan (`SplitPlan`).
+
+Used by `paged_kv.PagedKV` for a prefill step's sequence whose new tokens follow cached ones (bottom-right), from
+MIN_PAIRS (new token, key) pairs on; `split_prefill` returns None where it does not apply (no Hopper GPU or Gluon,
+a dtype or head dim the kernel does not take, a shape `hopper.choose` leaves to the Triton kernel), and the dense
+FlashAttention-2 route runs instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch
+
+from ..attention.forward import HOPPER_FAILED, hopper_kernels, run_gluon
+from ..kernels import bound, plans
+from ..runtime import sm_count, tl, triton
+from .combine import combine
+
+
+@triton.jit
+def _gather_heads_kernel(
+    K_POOL, V_POOL, PAGES, K_OUT, V_OUT, LENGTH,
+    stride_page, stride_slot, stride_head,
+    PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr,
+):  # fmt: skip
+    """K and V of tokens BLOCK_T * i ... of K/V head h (program (i, h)): token t lies in slot t % PAGE_SIZE of
+    page PAGES[t // PAGE_SIZE]; its d values go to row t of head h of K_OUT, V_OUT (Hkv, LENGTH, d)."""
+    h = tl.program_id(1)
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    ok = t < LENGTH
+    page = tl.load(PAGES + t // PAGE_SIZE, mask=ok, other=0).to(tl.int64)
+    offs_d = tl.arange(0, HEAD_DIM)
+    src = (page * stride_page + (t % PAGE_SIZE) * stride_slot + h * stride_head)[:, None] + offs_d[None, :]
+    dst = (h * LENGTH + t).to(tl.int64)[:, None] * HEAD_DIM + offs_d[None, :]
+    tl.store(K_OUT + dst, tl.load(K_POOL + src, mask=ok[:, None]), mask=ok[:, None])
+    tl.store(V_OUT + dst, tl.load(V_POOL + src, mask=ok[:, None]), mask=ok[:, None])
+
+
+GATHER_TOKENS = 64  # tokens a program of `gather_heads`
+
+
+def gather_heads(k_pool: torch.Tensor, v_pool: torch.Tensor, pages: torch.Tensor, length: int):
+    """A sequence's first `length` tokens in one layer's page pools (num_pages, page_size, Hkv, d) (d a power of
+    two), held by `pages` ((n_pages,) page ids on the pools' device), head-major and contiguous: K and V as
+    (1, Hkv, length, d) each, as the warp-specialised forward's TMA descriptors read them. One launch for both
+    (the token-major gather and a transposed copy took 0.27 ms at 32k tokens, 8 K/V heads, d = 128 on an H200:
+    PyTorch's copy of the transpose ran at 0.7 TB/s; this kernel 0.065 ms)."""
+    _, _, hkv, d = k_pool.shape
+    k_out, v_out = k_pool.new_empty((1, hkv, length, d)), v_pool.new_empty((1, hkv, length, d))
+    _gather(k_pool, v_pool, pages, k_out, v_out, length)
+    return k_out, v_out
+
+
+def _gather(k_pool, v_pool, pages, k_out, v_out, length: int) -> None:
+    bound.launch(_gather_heads_kernel, (triton.cdiv(length, GATHER_TOKENS), k_pool.shape[2]),
+        k_pool, v_pool, pages, k_out, v_out, length, k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
+        PAGE_SIZE=k_pool.shape[1], HEAD_DIM=k_pool.shape[3], BLOCK_T=GATHER_TOKENS,
+    )  # fmt: skip
+
+
+@functools.lru_cache(maxsize=256)
+def _choice(d: int, hq: int, n: int, length: int, device_index: int):
+    """(variant, splits) of a prefill's shape: `hopper.choose`, then `hopper.key_splits` ((None, 1) where the
+    kernel is not chosen)."""
+    hopper = hopper_kernels()
+    variant = hopper.choose(d, True, n, length, length - n)
+    if variant is None:
+        return None, 1
+    return variant, hopper.key_splits(variant, hq, n, length, True, length - n, sm_count(device_index))
+
+
+def _buffers(q, k_pool, v_pool, pages, length: int, splits: int) -> dict:
+    """The tensors of one call by name: the inputs, Q head-major (its one copy), K and V gathered, the output
+    (1, n, Hq, d) token-major and its L, and with splits the partials (S, 1, n, Hq, ...) float32, token-major."""
+    n, hq, d = q.shape
+    f32 = torch.float32
+    t = dict(
+        q4=q.transpose(0, 1).contiguous().unsqueeze(0), k_pool=k_pool, v_pool=v_pool, pages=pages,
+        k4=k_pool.new_empty((1, k_pool.shape[2], length, d)), v4=v_pool.new_empty((1, v_pool.shape[2], length, d)),
+        out=q.new_empty((1, n, hq, d)), lse=q.new_empty((1, n, hq), dtype=f32),
+    )  # fmt: skip
+    if splits > 1:
+        t.update(
+            o_part=q.new_empty((splits, 1, n, hq, d), dtype=f32),
+            l_part=q.new_empty((splits, 1, n, hq), dtype=f32),
+        )
+    return t
+
+
+def _launches(t: dict, variant, splits: int, length: int, scale: float) -> None:
+    """Gather K, V; the forward (its output, or its partials and the combine), all on the tensors of `_buffers`."""
+    hopper = hopper_kernels()
+    offset = length - t["q4"].shape[2]
+    _gather(t["k_pool"], t["v_pool"], t["pages"], t["k4"], t["v4"], length)
+    if splits == 1:
+        hopper.forward(
+            t["q4"], t["k4"], t["v4"], t["out"], t["lse"], True, scale, variant, offset, token_major=True
+        )
+        return
+    o_part, l_part = t["o_part"], t["l_part"]
+    hopper.forward(
+        t["q4"], t["k4"], t["v4"], o_part, l_part, True, scale, variant, offset, splits, token_major=True
+    )
+    combine(o_part, l_part, t["out"], t["lse"])
+
+
+class SplitPlan:
+    """A call to repeat (`kernels.plans`): its launches with every non-tensor argument fixed (the TMA descriptors
+    made again over the new tensors), and its split count; `run` allocates and launches."""
+
+    __slots__ = ("launches", "splits", "length")
+
+    def __init__(self, launches: tuple, splits: int, length: int):
+        self.launches, self.splits, self.length = launches, splits, length
+
+    def run(self, q, k_pool, v_pool, pages):
+        t = _buffers(q, k_pool, v_pool, pages, self.length, self.splits)
+        for launch_ in self.launches:
+            launch_(t)
+        return t["out"][0]
+
+
+PLANS = plans.table()  # a call's key -> its SplitPlan, or NOT_SPLIT
+
+# The route from this many (new token, key) pairs on. The GPU's time of a graph replay against the dense route's
+# (H200, 2026-11-30, `--prefill-key-splits`, the split count `key_splits` picks): 3280 x 32k 1.20x (d = 64, 16 / 4
+# heads) and 1.29x (d = 128, 32 / 8), 1648 x 16k 1.14x and 1.30x; 416 x 4096 (1.7M pairs), unsplit, 1.01x and 0.91x.
+MIN_PAIRS = 16 << 20
+NOT_SPLIT = "not split"
+
+
+def split_prefill(
+    q: torch.Tensor,
+    k_pool,
+    v_pool,
+    pages: torch.Tensor,
+    length: int,
+    scale: float | None = None,
+    splits: int | None = None,
+):
+    """Attention of q (n, Hq, d) (a sequence's n new tokens, token-major) over its first `length` keys, held by
+    `pages` of the pools (`gather_heads`), causal bottom-right (the new tokens are the last n of the length), on
+    the warp-specialised forward, its keys split where that fills the GPU; None where the route does not apply
+    (module docstring). Returns (n, Hq, d) in q's dtype, contiguous. splits: None (from MIN_PAIRS pairs of a new
+    token and a key on, `hopper.key_splits`' choice), or the number of runs to take (1: the kernel writes the
+    output itself, no combine; `scripts/serving_probe.py --prefill-key-splits` times each). A call seen before
+    runs its plan (`SplitPlan`: launches bound once)."""
+    key = None
+    if plans.ENABLED:
+        key = (
+            plans.tensor_key(q), plans.tensor_key(k_pool), plans.tensor_key(v_pool), plans.tensor_key(pages),
+            length, scale, splits, plans.current_gpu(),
+        )  # fmt: skip
+        plan = plans.find(PLANS, key)
+        if plan is not None:
+            return None if plan is NOT_SPLIT else plan.run(q, k_pool, v_pool, pages)
+    n, hq, d = q.shape
+    hopper = hopper_kernels()
+    variant = None
+    if (
+        hopper is not None and not HOPPER_FAILED and q.is_cuda and n < length and (splits or n * length >= MIN_PAIRS)
+        and q.dtype in hopper.DTYPES and d in hopper.HEAD_DIMS and k_pool.dtype == q.dtype
+    ):  # fmt: skip
+        variant, chosen = _choice(d, hq, n, length, q.device.index)
+        splits = splits or chosen
+    if variant is None:
+        if key is not None:
+            plans.store(PLANS, key, NOT_SPLIT)
+        return None
+    t = _buffers(q, k_pool, v_pool, pages, length, splits)
+    args = (t, variant, splits, length, d**-0.5 if scale is None else scale)
+    with bound.recording(t) if key is not None else contextlib.nullcontext() as recorded:
+        if not run_gluon("forward", HOPPER_FAILED, _launches, *args):
+            return None
+    launches = recorded.prepared() if recorded is not None and plans.on_current_device(q) else None
+    if launches:
+        plans.store(PLANS, key, SplitPlan(launches, splits, length))
+    return t["out"][0]
