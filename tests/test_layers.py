@@ -3,7 +3,8 @@ inside a function, goes down the layers, and no module imports itself back throu
 
     notebooks, scripts
     5 users of the kernels: models, integrations, distributed, serving, speculative, longctx, bench, tools,
-      doctor, testing, exercises, hints, and decoding's serving loop (decode.batching, decode.graphs, decode.paged_kv)
+      doctor, testing, exercises, hints, and decoding's serving loop (decode.batching, decode.graphs, decode.paged_kv,
+      decode.prefill_split)
     4 faces: each kernel package's __init__ and api.py (attention also varlen.py, precompile.py)
     3 operators: each kernel package's op.py (attention also decode_route.py, which both its face and
       its operator call)
@@ -43,7 +44,7 @@ USER_MODULES = ("doctor", "__main__", "testing", "exercises", "hints")
 BASE_MODULES = ("perf", "checks", "runtime", "pdl", "records", "second_derivative", "softmax")
 FACE_MODULES = {"attention": ("api", "varlen", "precompile"), "decode": ("api",), "fused": ("api",)}
 OPERATOR_MODULES = {"attention": ("op", "decode_route"), "decode": ("op",), "fused": ("op",)}
-SERVING_MODULES = {"decode": ("batching", "graphs", "paged_kv")}  # users of decoding's face
+SERVING_MODULES = {"decode": ("batching", "graphs", "paged_kv", "prefill_split")}  # users of decoding's face
 
 
 def modules() -> dict[str, Path]:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import course_lib
-from course_lib.decode import paged_kv, prefill_split
+from course_lib.decode import gather, paged_kv, prefill_split
 from course_lib.decode.cache import PagedKVCache
 from course_lib.decode.paged_kv import PagedKV
 
@@ -21,14 +21,14 @@ ON_HOPPER = course_lib.ON_GPU and torch.cuda.get_device_capability()[0] == 9
 
 
 def test_head_major_gather():
-    """`gather_heads` reads a sequence's first tokens, page by page, as (1, Hkv, length, d) each of K and V,
+    """`gather.gather_heads` reads a sequence's first tokens, page by page, as (1, Hkv, length, d) each of K and V,
     contiguous: the tokens of its pages, head by head, cut at a length no page boundary ends."""
     g = torch.Generator().manual_seed(3)
     k_pool, v_pool = (
         torch.randn(7, 4, 3, 8, generator=g).to(DEV) for _ in range(2)
     )  # (pages, page_size, Hkv, d)
     pages = torch.tensor([5, 2, 6], dtype=torch.int32, device=DEV)
-    k, v = prefill_split.gather_heads(k_pool, v_pool, pages, 10)
+    k, v = gather.gather_heads(k_pool, v_pool, pages, 10)
     for got, pool in ((k, k_pool), (v, v_pool)):
         assert got.shape == (1, 3, 10, 8) and got.is_contiguous()
         want = torch.cat([pool[5], pool[2], pool[6, :2]]).transpose(0, 1)

@@ -3,7 +3,7 @@ notebook 08c).
 
 The rest of a prompt whose first 90 % are cached brings few query rows over many keys: 3280 new tokens over
 32k keys at 16 heads is 416 tiles of 128 query rows, 3.15 waves of the H200's 132 SMs, the last of them 85 %
-idle. On a Hopper GPU `split_prefill` gathers the sequence's K and V head-major in one launch (`gather_heads`),
+idle. On a Hopper GPU `split_prefill` gathers the sequence's K and V head-major in one launch (`gather.gather_heads`),
 runs the warp-specialised forward (`attention.hopper`) with each tile's keys cut into S runs, a program each
 (`hopper.key_splits` picks S so that the waves are full: 1 where they are already), and merges the runs' partial
 (O_s, L_s) with split-KV decoding's combine (`decode.combine`, notebook 09), straight into the token-major
@@ -24,49 +24,9 @@ import torch
 
 from ..attention.forward import HOPPER_FAILED, hopper_kernels, run_gluon
 from ..kernels import bound, plans
-from ..runtime import sm_count, tl, triton
+from ..runtime import sm_count
 from .combine import combine
-
-
-@triton.jit
-def _gather_heads_kernel(
-    K_POOL, V_POOL, PAGES, K_OUT, V_OUT, LENGTH,
-    stride_page, stride_slot, stride_head,
-    PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr,
-):  # fmt: skip
-    """K and V of tokens BLOCK_T * i ... of K/V head h (program (i, h)): token t lies in slot t % PAGE_SIZE of
-    page PAGES[t // PAGE_SIZE]; its d values go to row t of head h of K_OUT, V_OUT (Hkv, LENGTH, d)."""
-    h = tl.program_id(1)
-    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    ok = t < LENGTH
-    page = tl.load(PAGES + t // PAGE_SIZE, mask=ok, other=0).to(tl.int64)
-    offs_d = tl.arange(0, HEAD_DIM)
-    src = (page * stride_page + (t % PAGE_SIZE) * stride_slot + h * stride_head)[:, None] + offs_d[None, :]
-    dst = (h * LENGTH + t).to(tl.int64)[:, None] * HEAD_DIM + offs_d[None, :]
-    tl.store(K_OUT + dst, tl.load(K_POOL + src, mask=ok[:, None]), mask=ok[:, None])
-    tl.store(V_OUT + dst, tl.load(V_POOL + src, mask=ok[:, None]), mask=ok[:, None])
-
-
-GATHER_TOKENS = 64  # tokens a program of `gather_heads`
-
-
-def gather_heads(k_pool: torch.Tensor, v_pool: torch.Tensor, pages: torch.Tensor, length: int):
-    """A sequence's first `length` tokens in one layer's page pools (num_pages, page_size, Hkv, d) (d a power of
-    two), held by `pages` ((n_pages,) page ids on the pools' device), head-major and contiguous: K and V as
-    (1, Hkv, length, d) each, as the warp-specialised forward's TMA descriptors read them. One launch for both
-    (the token-major gather and a transposed copy took 0.27 ms at 32k tokens, 8 K/V heads, d = 128 on an H200:
-    PyTorch's copy of the transpose ran at 0.7 TB/s; this kernel 0.065 ms)."""
-    _, _, hkv, d = k_pool.shape
-    k_out, v_out = k_pool.new_empty((1, hkv, length, d)), v_pool.new_empty((1, hkv, length, d))
-    _gather(k_pool, v_pool, pages, k_out, v_out, length)
-    return k_out, v_out
-
-
-def _gather(k_pool, v_pool, pages, k_out, v_out, length: int) -> None:
-    bound.launch(_gather_heads_kernel, (triton.cdiv(length, GATHER_TOKENS), k_pool.shape[2]),
-        k_pool, v_pool, pages, k_out, v_out, length, k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
-        PAGE_SIZE=k_pool.shape[1], HEAD_DIM=k_pool.shape[3], BLOCK_T=GATHER_TOKENS,
-    )  # fmt: skip
+from .gather import gather_into
 
 
 @functools.lru_cache(maxsize=256)
@@ -102,7 +62,7 @@ def _launches(t: dict, variant, splits: int, length: int, scale: float) -> None:
     """Gather K, V; the forward (its output, or its partials and the combine), all on the tensors of `_buffers`."""
     hopper = hopper_kernels()
     offset = length - t["q4"].shape[2]
-    _gather(t["k_pool"], t["v_pool"], t["pages"], t["k4"], t["v4"], length)
+    gather_into(t["k_pool"], t["v_pool"], t["pages"], t["k4"], t["v4"], length)
     if splits == 1:
         hopper.forward(
             t["q4"], t["k4"], t["v4"], t["out"], t["lse"], True, scale, variant, offset, token_major=True
@@ -150,7 +110,7 @@ def split_prefill(
     splits: int | None = None,
 ):
     """Attention of q (n, Hq, d) (a sequence's n new tokens, token-major) over its first `length` keys, held by
-    `pages` of the pools (`gather_heads`), causal bottom-right (the new tokens are the last n of the length), on
+    `pages` of the pools (`gather.gather_heads`), causal bottom-right (the new tokens are the last n of the length), on
     the warp-specialised forward, its keys split where that fills the GPU; None where the route does not apply
     (module docstring). Returns (n, Hq, d) in q's dtype, contiguous. splits: None (from MIN_PAIRS pairs of a new
     token and a key on, `hopper.key_splits`' choice), or the number of runs to take (1: the kernel writes the
