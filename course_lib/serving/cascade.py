@@ -267,21 +267,23 @@ class _DensePrefix:
     before the in-place write), and the side stream at a higher priority changed nothing (the probe:
     `serving_probe.py --partition` at commit 011d203)."""
 
-    def __init__(self, q, k, v, variant, scale: float):
+    def __init__(self, q, k, v, variant, scale: float, key_splits: int = 1):
         B, Tq, Hq, d = q.shape
-        splits, hkv, p = k.shape[:3]
-        self.q, self.splits, self.variant, self.scale = q, splits, variant, scale
+        slices, hkv, p = k.shape[:3]
+        self.q, self.variant, self.scale, self.key_splits = q, variant, scale, key_splits
+        self.splits = slices * key_splits  # the partials this pass writes
         # K/V head (s, h) of the kernel is slice s of K/V head h; its query rows are the group's query heads, each
         # over every query of the batch: (query head in the group, query row). Slice-major, so that its O is the
-        # partials' memory order (S, Hq, B x Tq, d) as `cascade_passes` lays them out.
+        # partials' memory order (S, Hq, B x Tq, d) as `cascade_passes` lays them out. key_splits > 1 (one slice,
+        # `scripts/serving_probe.py --dense-prefix`): the kernel's own key splits write the S partials instead.
         self.rows = (Hq // hkv) * B * Tq
-        self.q4 = torch.empty((1, splits * hkv, self.rows, d), dtype=q.dtype, device=q.device)
-        self.k4, self.v4 = k.view(1, splits * hkv, p, d), v.view(1, splits * hkv, p, d)
+        self.q4 = torch.empty((1, slices * hkv, self.rows, d), dtype=q.dtype, device=q.device)
+        self.k4, self.v4 = k.view(1, slices * hkv, p, d), v.view(1, slices * hkv, p, d)
 
     def stage(self) -> None:
         """The queries' copies, one per slice: (slice, query head, query row, d)."""
         bt, hq, d = self.q.shape[0] * self.q.shape[1], self.q.shape[2], self.q.shape[3]
-        shape = (self.splits, hq, bt, d)
+        shape = (self.splits // self.key_splits, hq, bt, d)
         self.q4.view(shape).copy_(self.q.view(bt, hq, d).transpose(0, 1).expand(shape))
 
     def __call__(self, o_buf, l_buf, staged: bool = False) -> None:
@@ -291,6 +293,13 @@ class _DensePrefix:
         if not staged:
             self.stage()
         heads, d = self.q4.shape[1], self.q4.shape[3]
+        if self.key_splits > 1:
+            hopper.forward(
+                self.q4, self.k4, self.v4, o_buf.view(self.key_splits, 1, heads, self.rows, d),
+                l_buf.view(self.key_splits, 1, heads, self.rows), False, self.scale, self.variant,
+                key_splits=self.key_splits,
+            )  # fmt: skip
+            return
         hopper.forward(
             self.q4, self.k4, self.v4, o_buf.view(1, heads, self.rows, d), l_buf.view(1, heads, self.rows), False,
             self.scale, self.variant,
@@ -311,13 +320,15 @@ def dense_prefix_possible(pool: torch.Tensor) -> bool:
     return hopper.capability(pool.device.index)[0] == 9
 
 
-def dense_prefix_pass(q, prefix_kv, prefix_len: int, scale=None) -> _DensePrefix | None:
+def dense_prefix_pass(q, prefix_kv, prefix_len: int, scale=None, key_splits: int = 1) -> _DensePrefix | None:
     """The prefix pass with the warp-specialised Gluon forward (`attention.hopper`, notebook 08c) over the
     prefix gathered once (`gather_prefix`), on a Hopper GPU: every query row of the batch (q (B, Tq, Hq, d))
     against the slices `gather_prefix` cut the prefix into, no mask. None where it does not apply (not a Hopper GPU,
     a dtype or head dim the kernel lacks, fewer than DENSE_PREFIX_MIN_ROWS query rows per K/V head, prefix_kv not
     this prefix, or a shape where `hopper.choose` found the Triton kernel faster): the caller keeps the paged
-    prefix pass."""
+    prefix pass. key_splits > 1: the prefix gathered in one slice, the kernel cuts its keys into that many runs
+    itself (`hopper.forward`'s key_splits: any count, and one copy of the queries; not measured as the default
+    yet: `scripts/serving_probe.py --dense-prefix` times it against the slices)."""
     k, v = prefix_kv
     if k.dim() != 4 or v.shape != k.shape or k.shape[3] != q.shape[3]:
         raise ValueError(
@@ -335,7 +346,12 @@ def dense_prefix_pass(q, prefix_kv, prefix_len: int, scale=None) -> _DensePrefix
     variant = hopper.choose(d, False, rows, k.shape[2])
     if variant is None:
         return None
-    return _DensePrefix(q, k, v, variant, 1 / math.sqrt(d) if scale is None else scale)
+    if key_splits > 1 and (k.shape[0] != 1 or key_splits > -(-prefix_len // variant.block_n)):
+        raise ValueError(
+            f"dense_prefix_pass: key_splits={key_splits} takes the prefix gathered in one slice and at most one split "
+            f"per key block; got {k.shape[0]} slices of a {prefix_len}-token prefix"
+        )
+    return _DensePrefix(q, k, v, variant, 1 / math.sqrt(d) if scale is None else scale, key_splits)
 
 
 # The prefix and suffix passes on two CUDA streams, so that one's programs fill the SMs the other leaves idle
