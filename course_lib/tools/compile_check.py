@@ -206,6 +206,18 @@ def workload() -> None:
         paged_decode_attention(randn(batch, 1, 4, 32), k_pages, v_pages, table, lengths)
     finally:
         heuristics.SLICED_MIN_KEYS, heuristics.SLICE_KEYS = limits
+    # a cached prefill's pieces (`decode.prefill_split`): K/V gathered head-major, the combine of many rows
+    from course_lib.decode import combine as combine_module
+    from course_lib.decode.gather import gather_heads
+
+    gather_heads(k_pages, v_pages, table[0], 40)
+    many = combine_module.MANY_ROWS
+    combine_module.MANY_ROWS = 8
+    try:
+        out = torch.empty(1, 5, 4, 32)
+        combine_module.combine(randn(3, 1, 5, 4, 32), randn(3, 1, 5, 4), out, torch.empty(1, 5, 4))
+    finally:
+        combine_module.MANY_ROWS = many
 
     # fused: RMSNorm (whole rows; pieces that divide the row and pieces that do not; the three dW
     # reductions; the streaming hints), RoPE (both layouts, an offset and a positions tensor, the backward)
