@@ -214,6 +214,13 @@ assert same and cached.prefix.hits == 3 * 3 * PAGE  # requests 2-4 each found th
 # tokens, where attention is most of the work (`bench.serving.prefill_flops`). On a GPU the time falls less
 # still: every layer launches its kernels whatever their size, and for a small model that host time is a large
 # part of a short prefill. The serving record (`make bench BENCH=serving`) measures both first tokens.
+#
+# **Predict first.** A 32k-token prompt, 90 % of it cached: how many times faster is its first token than the
+# same prompt's uncached? The FLOPs ratio (6x) is the most it could be; the host's launches take some of it
+# back. Type your estimate.
+
+# %%
+ttft_guess = predict("first token of a 32k prompt, 90 % cached, over uncached", 6.0, unit="x")
 
 # %%
 serving_record = records.load_record("serving")
@@ -230,6 +237,8 @@ else:
         if row.get("cached_gpu_ms") is not None:
             print(f"; the GPU busy {row['uncached_gpu_ms']:.2f} / {row['cached_gpu_ms']:.2f} ms", end="")
         print()
+    longest = max(serving_record["data"]["ttft"], key=lambda row: row["prompt"])
+    ttft_guess.score(longest["speedup"])
 
 # %% [markdown]
 # ## 4. Cascade attention from the merge
