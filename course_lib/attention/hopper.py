@@ -556,6 +556,16 @@ def forward(
         raise ValueError(
             f"hopper.forward: causal offset {offset} < 0 (rows that see no key) is not supported"
         )
+    if isinstance(key_splits, bool) or not isinstance(key_splits, int) or key_splits < 1:
+        raise ValueError(f"hopper.forward: key_splits must be an int >= 1, got {key_splits!r}")
+    rows = (B, n_q, H) if token_major else (B, H, n_q)
+    lead = (key_splits,) if key_splits > 1 else ()
+    if tuple(o4.shape) != (*lead, *rows, d) or tuple(lse3.shape) != (*lead, *rows):
+        raise ValueError(
+            f"hopper.forward: o4 must be {(*lead, *rows, d)} and lse3 {(*lead, *rows)} for q4 {tuple(q4.shape)} "
+            f"({'token-major' if token_major else 'head-major'}, {key_splits} key splits); got {tuple(o4.shape)} "
+            f"and {tuple(lse3.shape)}"
+        )
     tiles = cdiv(n_q, QUERY_ROWS * variant.num_consumers) * B * H * key_splits
     grid = (min(tiles, sm_count(q4.device.index)) if variant.persistent else tiles,)
     splits = {}

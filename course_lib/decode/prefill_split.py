@@ -131,6 +131,7 @@ def split_prefill(
     if (
         hopper is not None and not HOPPER_FAILED and q.is_cuda and n < length and (splits or n * length >= MIN_PAIRS)
         and q.dtype in hopper.DTYPES and d in hopper.HEAD_DIMS and k_pool.dtype == q.dtype
+        and hopper.capability(q.device.index)[0] == 9  # a Hopper GPU (others would fail to compile it)
     ):  # fmt: skip
         variant, chosen = _choice(d, hq, n, length, q.device.index)
         splits = splits or chosen
