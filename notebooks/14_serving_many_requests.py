@@ -220,7 +220,7 @@ assert same and cached.prefix.hits == 3 * 3 * PAGE  # requests 2-4 each found th
 # back. Type your estimate.
 
 # %%
-ttft_guess = predict("first token of a 32k prompt, 90 % cached, over uncached", 6.0, unit="x")
+ttft_guess = predict("speed-up of a 32k prompt's first token when 90 % of it is cached", 6.0, unit="x")
 
 # %%
 serving_record = records.load_record("serving")

@@ -478,7 +478,7 @@ def ttft_split_ab(lengths=(16384, 32768), cached_fraction: float = 0.9, rounds: 
     pace drifts between runs): median wall ms of `rounds` each after one of each, and the GPU's busy ms of one."""
     import statistics
 
-    from course_lib.bench.serving import _gpu_busy
+    from course_lib.bench.serving import gpu_busy
     from course_lib.decode import paged_kv
 
     real = paged_kv.split_prefill
@@ -504,7 +504,7 @@ def ttft_split_ab(lengths=(16384, 32768), cached_fraction: float = 0.9, rounds: 
             for name in walls:
                 paged_kv.split_prefill = real if name == "split" else (lambda *a, **k: None)
                 b = ready()
-                busy[name] = _gpu_busy(lambda b=b: first(b))[0]
+                busy[name] = gpu_busy(lambda b=b: first(b))[0]
         finally:
             paged_kv.split_prefill = real
         print(

@@ -132,7 +132,7 @@ def prefill_flops(config, new: int, past: int = 0) -> float:
     return 2 * count_parameters(config) * new + 4 * config.n_layers * config.n_heads * config.head_dim * pairs
 
 
-def _gpu_busy(fn) -> tuple[float, int]:
+def gpu_busy(fn) -> tuple[float, int]:
     """(ms the GPU spends in kernels and copies during fn(), how many there are), from torch.profiler."""
     from torch.autograd import DeviceType
 
@@ -181,7 +181,7 @@ def ttft(model, prompt, cached_fraction: float, repeats: int, warmup: bool = Tru
     busy = dict.fromkeys(times, (None, None))  # the CPU: no GPU time to tell apart
     for kind in times if runtime.ON_GPU else ():
         batcher = ready(kind)
-        busy[kind] = _gpu_busy(lambda batcher=batcher: tokens.add(first_token(batcher)))
+        busy[kind] = gpu_busy(lambda batcher=batcher: tokens.add(first_token(batcher)))
     u, c = statistics.median(times["uncached"]), statistics.median(times["cached"])
     flops_u = prefill_flops(model.config, len(prompt))
     flops_c = prefill_flops(model.config, len(prompt) - n_cached, n_cached)
