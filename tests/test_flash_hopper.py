@@ -225,3 +225,24 @@ def test_key_splits_match_reference(case, d):
         torch.testing.assert_close(
             lse.transpose(1, 2).cpu().double(), ref_l, rtol=1e-4, atol=1e-4, msg=f"L, {what}"
         )
+
+
+def test_forward_names_wrong_outputs_and_split_counts():
+    """`forward` refuses, by name and before any launch, a split count that is not an int >= 1 and outputs whose
+    shapes do not match q's (head-major, token-major, with a leading split dimension)."""
+    q = torch.zeros(1, 4, 200, 64)
+    k = torch.zeros(1, 2, 300, 64)
+    variant = hopper.VARIANTS[64][0]
+    o, lse = torch.zeros(1, 4, 200, 64), torch.zeros(1, 4, 200)
+    bad = [
+        (dict(key_splits=0), o, lse, "key_splits"),
+        (dict(key_splits=2.0), o, lse, "key_splits"),
+        (dict(key_splits=True), o, lse, "key_splits"),
+        (dict(token_major=True), o, lse, "token-major"),  # (B, H, Nq, d) given where (B, Nq, H, d) is asked
+        (dict(key_splits=2), o, lse, "2 key splits"),  # no split dimension
+        ({}, torch.zeros(1, 4, 200, 32), lse, "head-major"),
+        ({}, o, torch.zeros(1, 4, 199), "head-major"),
+    ]
+    for kwargs, o4, lse3, words in bad:
+        with pytest.raises(ValueError, match=words):
+            hopper.forward(q, k, k, o4, lse3, True, 0.125, variant, 100, **kwargs)
