@@ -274,31 +274,14 @@ def _consumer(args, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.co
             if PINGPONG:
                 mbarrier.arrive(turn_bar.index(NEXT), count=1)
             s = warpgroup_mma_wait(0, deps=[s_tok])
-            if KEY_SPLITS > 1:
-                p_op, m_i, l_i, alpha = softmax_step(
-                    s, m_i, l_i, lo * BLOCK_N + offs_n, rows, N_K, qk_scale, lo >= first_masked, CAUSAL, dtype,
-                    p_layout, OFFSET,
-                )  # fmt: skip
-            else:
-                p_op, m_i, l_i, alpha = softmax_step(
-                    s,
-                    m_i,
-                    l_i,
-                    offs_n,
-                    rows,
-                    N_K,
-                    qk_scale,
-                    first_masked == 0,
-                    CAUSAL,
-                    dtype,
-                    p_layout,
-                    OFFSET,
-                )
+            # the first block: its keys from lo * BLOCK_N, masked from first_masked on (lo = 0 unless KEY_SPLITS)
+            p_op, m_i, l_i, alpha = softmax_step(
+                s, m_i, l_i, lo * BLOCK_N + offs_n, rows, N_K, qk_scale, first_masked <= lo, CAUSAL, dtype,
+                p_layout, OFFSET,
+            )  # fmt: skip
 
             for j in range(lo + 1, hi):
-                g = it + j
-                if KEY_SPLITS > 1:
-                    g = it + j - lo
+                g = it + j - lo
                 slot = g % NUM_STAGES
                 prev = (g - 1) % NUM_STAGES
                 # Issue S_j = Q K_j^T and O += P_{j-1} V_{j-1}; both run on the tensor cores.
@@ -326,10 +309,7 @@ def _consumer(args, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.co
 
             # Every S of this tile is done: the producer may load the next tile's Q.
             mbarrier.arrive(q_empty.index(WG), count=1)
-            if KEY_SPLITS > 1:
-                it += hi - lo
-            else:
-                it += n_blocks
+            it += hi - lo
             last = (it - 1) % NUM_STAGES
             mbarrier.wait(v_bar.index(last), ((it - 1) // NUM_STAGES) & 1)
             acc_tok = warpgroup_mma(p_op, v_smem.index(last), acc, is_async=True)
@@ -568,18 +548,13 @@ def forward(
         )
     tiles = cdiv(n_q, QUERY_ROWS * variant.num_consumers) * B * H * key_splits
     grid = (min(tiles, sm_count(q4.device.index)) if variant.persistent else tiles,)
-    splits = {}
-    if key_splits > 1:
-        if not (o4.is_contiguous() and lse3.is_contiguous() and o4.shape[0] == lse3.shape[0] == key_splits):
-            raise ValueError(
-                f"hopper.forward: key_splits={key_splits} needs contiguous partials with {key_splits} splits first; "
-                f"got o4 {tuple(o4.shape)} and lse3 {tuple(lse3.shape)}"
-            )
-        splits = {"KEY_SPLITS": key_splits}
-    o_strides, l_strides = (
-        o4.stride()[-4:-1],
-        lse3.stride()[-3:],
-    )  # (batch, then the two others), split 0's slot
+    if key_splits > 1 and not (o4.is_contiguous() and lse3.is_contiguous()):
+        raise ValueError(
+            f"hopper.forward: key_splits={key_splits} needs contiguous partials (a slot a split)"
+        )
+    splits = {"KEY_SPLITS": key_splits} if key_splits > 1 else {}
+    # strides of the batch, then of the other two dims (split 0's slot)
+    o_strides, l_strides = o4.stride()[-4:-1], lse3.stride()[-3:]
     if token_major:  # (B, Nq, H, ...): batch, head, row
         o_strides, l_strides = (
             (o_strides[0], o_strides[2], o_strides[1]),

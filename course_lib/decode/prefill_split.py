@@ -59,20 +59,16 @@ def _buffers(q, k_pool, v_pool, pages, length: int, splits: int) -> dict:
 
 
 def _launches(t: dict, variant, splits: int, length: int, scale: float) -> None:
-    """Gather K, V; the forward (its output, or its partials and the combine), all on the tensors of `_buffers`."""
-    hopper = hopper_kernels()
-    offset = length - t["q4"].shape[2]
+    """Gather K, V; the forward into the output itself (one split) or into its partials, then the combine; all on
+    the tensors of `_buffers`."""
+    o4, l3 = (t["out"], t["lse"]) if splits == 1 else (t["o_part"], t["l_part"])
     gather_into(t["k_pool"], t["v_pool"], t["pages"], t["k4"], t["v4"], length)
-    if splits == 1:
-        hopper.forward(
-            t["q4"], t["k4"], t["v4"], t["out"], t["lse"], True, scale, variant, offset, token_major=True
-        )
-        return
-    o_part, l_part = t["o_part"], t["l_part"]
-    hopper.forward(
-        t["q4"], t["k4"], t["v4"], o_part, l_part, True, scale, variant, offset, splits, token_major=True
+    offset = length - t["q4"].shape[2]
+    hopper_kernels().forward(
+        t["q4"], t["k4"], t["v4"], o4, l3, True, scale, variant, offset, splits, token_major=True
     )
-    combine(o_part, l_part, t["out"], t["lse"])
+    if splits > 1:
+        combine(o4, l3, t["out"], t["lse"])
 
 
 class SplitPlan:

@@ -270,7 +270,7 @@ class _DensePrefix:
     def __init__(self, q, k, v, variant, scale: float, key_splits: int = 1):
         B, Tq, Hq, d = q.shape
         slices, hkv, p = k.shape[:3]
-        self.q, self.variant, self.scale, self.key_splits = q, variant, scale, key_splits
+        self.q, self.variant, self.scale, self.slices, self.key_splits = q, variant, scale, slices, key_splits
         self.splits = slices * key_splits  # the partials this pass writes
         # K/V head (s, h) of the kernel is slice s of K/V head h; its query rows are the group's query heads, each
         # over every query of the batch: (query head in the group, query row). Slice-major, so that its O is the
@@ -283,7 +283,7 @@ class _DensePrefix:
     def stage(self) -> None:
         """The queries' copies, one per slice: (slice, query head, query row, d)."""
         bt, hq, d = self.q.shape[0] * self.q.shape[1], self.q.shape[2], self.q.shape[3]
-        shape = (self.splits // self.key_splits, hq, bt, d)
+        shape = (self.slices, hq, bt, d)
         self.q4.view(shape).copy_(self.q.view(bt, hq, d).transpose(0, 1).expand(shape))
 
     def __call__(self, o_buf, l_buf, staged: bool = False) -> None:
@@ -293,16 +293,10 @@ class _DensePrefix:
         if not staged:
             self.stage()
         heads, d = self.q4.shape[1], self.q4.shape[3]
-        if self.key_splits > 1:
-            hopper.forward(
-                self.q4, self.k4, self.v4, o_buf.view(self.key_splits, 1, heads, self.rows, d),
-                l_buf.view(self.key_splits, 1, heads, self.rows), False, self.scale, self.variant,
-                key_splits=self.key_splits,
-            )  # fmt: skip
-            return
+        lead = (self.key_splits,) if self.key_splits > 1 else ()  # the kernel's own splits: a slot each
         hopper.forward(
-            self.q4, self.k4, self.v4, o_buf.view(1, heads, self.rows, d), l_buf.view(1, heads, self.rows), False,
-            self.scale, self.variant,
+            self.q4, self.k4, self.v4, o_buf.view(*lead, 1, heads, self.rows, d),
+            l_buf.view(*lead, 1, heads, self.rows), False, self.scale, self.variant, key_splits=self.key_splits,
         )  # fmt: skip
 
 
