@@ -342,8 +342,9 @@ def prefill_split(cells=((3280, 32768), (1648, 16384)), cuts=(0.25, 0.5, 0.75, 0
 
 
 def _cached_prompt(n: int, cached_fraction: float):
-    """An n-token prompt for the bench's model, and `ready()`: a fresh batcher that has served another prompt
-    sharing its first `cached_fraction` (whole pages), so that the prompt's first token starts on cached pages."""
+    """An n-token prompt for the bench's model, `ready()`: a fresh batcher that has served another prompt sharing
+    its first `cached_fraction` (whole pages), so that the prompt's first token starts on cached pages, and
+    `first(batcher)`: the prompt submitted and its first token computed (the GPU waited for)."""
     model = serving_model(True)
     vocab, page = model.config.vocab_size, 16
     g = torch.Generator().manual_seed(1)
@@ -358,7 +359,13 @@ def _cached_prompt(n: int, cached_fraction: float):
         torch.cuda.synchronize()
         return b
 
-    return prompt, ready
+    def first(b):
+        request = b.submit(prompt, 2)
+        token = b.step()[request]
+        torch.cuda.synchronize()
+        return token
+
+    return prompt, ready, first
 
 
 def ttft_cprofile(n: int = 32768, cached_fraction: float = 0.9) -> None:
@@ -369,14 +376,7 @@ def ttft_cprofile(n: int = 32768, cached_fraction: float = 0.9) -> None:
     import cProfile
     import pstats
 
-    prompt, ready = _cached_prompt(n, cached_fraction)
-
-    def first(b):
-        request = b.submit(prompt, 2)
-        token = b.step()[request]
-        torch.cuda.synchronize()
-        return token
-
+    _, ready, first = _cached_prompt(n, cached_fraction)
     walls = []
     for _ in range(6):
         b = ready()
@@ -426,12 +426,10 @@ def prefill_split_host(n: int = 416, length: int = 4096, calls: int = 300) -> No
     """--prefill-split-host: the host's time of one call of the dense prefill route and of `decode.prefill_split`
     (1 and 2 runs) on the bench's model's heads (16 / 4, d = 64, bf16), a shape where the GPU's work is shorter
     than the host's: wall us a call over `calls` calls, then Python's profiler over the 2-run calls."""
-    import cProfile
-    import pstats
-
     from course_lib.attention import flash_attention
     from course_lib.decode.paged_kv import gather_tokens
     from course_lib.decode.prefill_split import split_prefill
+    from course_lib.perf.profiling import print_host_profile
 
     g = torch.Generator().manual_seed(7)
     n_pages = -(-length // 16)
@@ -463,13 +461,9 @@ def prefill_split_host(n: int = 416, length: int = 4096, calls: int = 300) -> No
             f"{name}: {(time.perf_counter() - t0) / calls * 1e6:.1f} us a call (wall, {n} x {length})",
             flush=True,
         )
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(calls):
-        runs["split, 2 runs"]()
-    prof.disable()
-    torch.cuda.synchronize()
-    pstats.Stats(prof).sort_stats("tottime").print_stats(18)
+    print_host_profile(
+        runs["split, 2 runs"], calls, f"\ncProfile of {calls} calls of the split route, 2 runs:", 18
+    )
 
 
 def ttft_split_ab(lengths=(16384, 32768), cached_fraction: float = 0.9, rounds: int = 8) -> None:
@@ -483,15 +477,8 @@ def ttft_split_ab(lengths=(16384, 32768), cached_fraction: float = 0.9, rounds: 
 
     real = paged_kv.split_prefill
     for n in lengths:
-        prompt, ready = _cached_prompt(n, cached_fraction)
+        _, ready, first = _cached_prompt(n, cached_fraction)
         walls, busy = {"split": [], "dense": []}, {}
-
-        def first(b, prompt=prompt):
-            request = b.submit(prompt, 2)
-            token = b.step()[request]
-            torch.cuda.synchronize()
-            return token
-
         try:
             for i in range(rounds + 1):
                 for name in walls:
@@ -504,7 +491,7 @@ def ttft_split_ab(lengths=(16384, 32768), cached_fraction: float = 0.9, rounds: 
             for name in walls:
                 paged_kv.split_prefill = real if name == "split" else (lambda *a, **k: None)
                 b = ready()
-                busy[name] = gpu_busy(lambda b=b: first(b))[0]
+                busy[name] = gpu_busy(lambda b=b, first=first: first(b))[0]
         finally:
             paged_kv.split_prefill = real
         print(
@@ -524,7 +511,7 @@ def ttft_syncs(n: int = 32768, cached_fraction: float = 0.9) -> None:
     import traceback
     import warnings
 
-    prompt, ready = _cached_prompt(n, cached_fraction)
+    prompt, ready, _ = _cached_prompt(n, cached_fraction)
     for attempt in range(3):
         b = ready()
         request = b.submit(prompt, 2)

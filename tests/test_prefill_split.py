@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import course_lib
+from course_lib.attention.reference import attention as reference_attention
 from course_lib.decode import gather, paged_kv, prefill_split
 from course_lib.decode.cache import PagedKVCache
 from course_lib.decode.paged_kv import PagedKV
@@ -81,12 +82,14 @@ def test_a_cached_prompts_prefill_splits_its_keys(monkeypatch, d):
     length = cached + n
     ids = cache.block_table([0])[0].long()
     pools = (cache.k_pages[0], cache.v_pages[0])
-    keys, values = (
-        pool[ids].flatten(0, 1)[:length].double().cpu().repeat_interleave(hq // hkv, 1) for pool in pools
-    )
-    s = torch.einsum("nhd,khd->hnk", q.double().cpu(), keys) / d**0.5
-    visible = torch.arange(length)[None, :] <= torch.arange(n)[:, None] + cached
-    ref = torch.einsum("hnk,khd->nhd", s.masked_fill(~visible, float("-inf")).softmax(-1), values)
+    keys, values = (pool[ids].flatten(0, 1)[:length].double().cpu() for pool in pools)
+
+    def heads(t):  # (tokens, heads, d) -> (1, heads, tokens, d)
+        return t.transpose(0, 1).unsqueeze(0)
+
+    ref = reference_attention(heads(q.double().cpu()), heads(keys), heads(values), "bottom_right")[
+        0
+    ].transpose(0, 1)
     err_dense = (dense.double().cpu() - ref).abs().max().item()
     assert got.shape == (n, hq, d) and got.is_contiguous()
     ids = cache.block_table([0])[0].to("cuda")
