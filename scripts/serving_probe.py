@@ -58,6 +58,7 @@ its wall time, then where its host time goes (Python's profiler, PyTorch's profi
     COURSE_DEVICE=cuda python3 scripts/serving_probe.py --prefill-tiles   # ... by each of the forward's launches
     COURSE_DEVICE=cuda python3 scripts/serving_probe.py --ttft-cprofile
     COURSE_DEVICE=cuda python3 scripts/serving_probe.py --ttft-syncs    # the host's waits for the GPU in it
+    COURSE_DEVICE=cuda python3 scripts/serving_probe.py --ttft-timeline   # host and GPU on one clock
     COURSE_DEVICE=cuda python3 scripts/serving_probe.py --prefill-key-splits   # its keys split in 1-8 runs
     COURSE_DEVICE=cuda python3 scripts/serving_probe.py --ttft-split-ab   # first tokens with the split and without
     COURSE_DEVICE=cuda python3 scripts/serving_probe.py --prefill-split-host   # the host's time of its calls
@@ -420,6 +421,58 @@ def ttft_cprofile(n: int = 32768, cached_fraction: float = 0.9) -> None:
     prof.disable()
     stats = pstats.Stats(prof)
     stats.sort_stats("tottime").print_stats(25)
+
+
+def ttft_timeline(n: int = 32768, cached_fraction: float = 0.9) -> None:
+    """--ttft-timeline: the bench's cached first token of an n-token prompt on one clock (PyTorch's profiler,
+    CPU and GPU): from `submit` to the first GPU work, the GPU's idle gaps (the largest, with the kernels either
+    side), from the last GPU work to the token's return, and the GPU's time by kernel name."""
+    from torch.autograd import DeviceType
+
+    _, ready, first = _cached_prompt(n, cached_fraction)
+    for _ in range(3):
+        first(ready())
+    b = ready()
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        with torch.profiler.record_function("first_token"):
+            first(b)
+    events = prof.events()
+    mark = next(e for e in events if e.name == "first_token")
+    t0, t1 = mark.time_range.start, mark.time_range.end
+    gpu = sorted((e for e in events if e.device_type == DeviceType.CUDA), key=lambda e: e.time_range.start)
+    busy = sum(e.time_range.end - e.time_range.start for e in gpu)
+    print(
+        f"cached first token, {n} tokens: {(t1 - t0) / 1e3:.2f} ms under the profiler, GPU busy {busy / 1e3:.2f} ms"
+    )
+    print(f"  submit -> first GPU work {(gpu[0].time_range.start - t0) / 1e3:.2f} ms ({gpu[0].name[:60]})")
+    print(f"  last GPU work -> token returned {(t1 - gpu[-1].time_range.end) / 1e3:.2f} ms")
+    gaps, end = [], gpu[0].time_range.end
+    for prev, e in zip(gpu, gpu[1:]):
+        if e.time_range.start > end:
+            gaps.append((e.time_range.start - end, prev.name, e.name))
+        end = max(end, e.time_range.end)
+    print(
+        f"  GPU idle between its first and last work: {sum(g for g, *_ in gaps) / 1e3:.2f} ms in {len(gaps)} gaps"
+    )
+    for g, a, c in sorted(gaps, reverse=True)[:8]:
+        print(f"    {g:7.1f} us after {a[:45]!r} before {c[:45]!r}")
+    cpu = [
+        e
+        for e in events
+        if e.device_type == DeviceType.CPU and e.name.startswith("cuda") and "Launch" in e.name
+    ]
+    if cpu:
+        first, last = ((e.time_range.start - t0) / 1e3 for e in (cpu[0], cpu[-1]))
+        print(f"  launches: {len(cpu)}, the first at {first:.2f} ms, the last at {last:.2f} ms")
+    by_name = {}
+    for e in gpu:
+        k = e.name[:60]
+        c, t = by_name.get(k, (0, 0.0))
+        by_name[k] = (c + 1, t + e.time_range.end - e.time_range.start)
+    print("  GPU time by kernel:")
+    for k, (c, t) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:14]:
+        print(f"    {t / 1e3:7.3f} ms {c:4d}x {k}")
 
 
 def prefill_split_host(n: int = 416, length: int = 4096, calls: int = 300) -> None:
@@ -862,6 +915,7 @@ if __name__ == "__main__":
         "--ttft-cprofile", action="store_true", help="the host's time in a cached first token"
     )
     parser.add_argument("--ttft-syncs", action="store_true", help="the host's waits in a cached first token")
+    parser.add_argument("--ttft-timeline", action="store_true", help="a cached first token on one clock")
     parser.add_argument(
         "--prefill-tiles", action="store_true", help="the cached prefill by the forward's launches"
     )
@@ -883,6 +937,9 @@ if __name__ == "__main__":
         prefill_split_host()
     elif args.prefill_tiles:
         prefill_tiles()
+    elif args.ttft_timeline:
+        for n in args.lengths or [32768]:
+            ttft_timeline(n)
     elif args.ttft_syncs:
         ttft_syncs()
     elif args.ttft_cprofile:
