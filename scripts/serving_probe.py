@@ -302,6 +302,45 @@ def prefill_key_splits(
                 print(f"    {name}: " + "; ".join(f"{k[:40]} {ms:.3f}" for k, ms in kernels[:6]), flush=True)
 
 
+def prefill_variants(cells=((3280, 32768), (1648, 16384)), hq: int = 16, hkv: int = 4, d: int = 64) -> None:
+    """--prefill-variants: the bench model's cached prefill attention (`decode.prefill_split`, K/V in scattered pages
+    of 16, bf16) on each of the Gluon forward's variants at this head dim, its keys in 1 ... 6 runs: graph replays,
+    TFLOP/s over the visible (query, key) pairs; the variant `hopper.choose` gives and `key_splits`' pick."""
+    from course_lib.attention import hopper
+    from course_lib.decode import prefill_split as ps
+    from course_lib.runtime import sm_count
+
+    g = torch.Generator().manual_seed(6)
+    real = ps._choice
+    try:
+        for n, length in cells:
+            n_pages = -(-length // 16)
+            k_pool, v_pool = (
+                torch.randn(n_pages + 8, 16, hkv, d, generator=g).to("cuda", torch.bfloat16) for _ in range(2)
+            )
+            pages = torch.randperm(n_pages + 8, generator=g)[:n_pages].to("cuda", torch.int32)
+            q = torch.randn(n, hq, d, generator=g).to("cuda", torch.bfloat16)
+            flops = 4 * hq * d * (n * (length - n) + n * (n + 1) / 2)
+            want = ps.split_prefill(q, k_pool, v_pool, pages, length, splits=1).float()
+            print(
+                f"{hq}/{hkv} heads, d = {d}, {n} x {length}: {hopper.choose(d, True, n, length, length - n)!s}"
+            )
+            for variant in hopper.VARIANTS[d]:
+                ps._choice = lambda *a, variant=variant: (variant, 1)
+                ps.PLANS.clear()
+                pick = hopper.key_splits(variant, hq, n, length, True, length - n, sm_count(0))
+                cells_ms = []
+                for splits in range(1, 7):
+                    fn = functools.partial(ps.split_prefill, q, k_pool, v_pool, pages, length, splits=splits)
+                    err = (fn().float() - want).abs().max().item()
+                    ms = graph_ms(fn)
+                    cells_ms.append(f"{splits}: {ms:.3f} ms {flops / ms / 1e9:.0f} ({err:.0e})")
+                print(f"  {variant} (picks {pick}): " + "; ".join(cells_ms), flush=True)
+    finally:
+        ps._choice = real
+        ps.PLANS.clear()
+
+
 def prefill_split(cells=((3280, 32768), (1648, 16384)), cuts=(0.25, 0.5, 0.75, 0.9)):
     """--prefill-split: the cached prefill's attention (16 query / 4 K/V heads, d = 64, bf16, K/V strided as the
     dense route reads them) with its keys cut in two, the keys before the cut (no mask) on a second stream beside
@@ -423,48 +462,71 @@ def ttft_cprofile(n: int = 32768, cached_fraction: float = 0.9) -> None:
     stats.sort_stats("tottime").print_stats(25)
 
 
-def ttft_timeline(n: int = 32768, cached_fraction: float = 0.9) -> None:
-    """--ttft-timeline: the bench's cached first token of an n-token prompt on one clock (PyTorch's profiler,
-    CPU and GPU): from `submit` to the first GPU work, the GPU's idle gaps (the largest, with the kernels either
-    side), from the last GPU work to the token's return, and the GPU's time by kernel name."""
+def ttft_timeline(n: int = 32768, cached_fraction: float = 0.9, runs: int = 5) -> None:
+    """--ttft-timeline: where the bench's cached first token of an n-token prompt waits. Without a profiler (median
+    of `runs`): the host's ms before the model's step (submit, lookup, admission, the step's arrays), the step's
+    launches, and after them; CUDA events at the step's start and end give the GPU's elapsed time of the step
+    (its busy time plus any idle gap where the host fell behind). Then PyTorch's profiler over one (its own
+    overhead slows the host): the GPU's idle gaps between its first and last work and its time by kernel."""
+    import statistics
+
     from torch.autograd import DeviceType
 
     _, ready, first = _cached_prompt(n, cached_fraction)
-    for _ in range(3):
+    for _ in range(2):
         first(ready())
+    rows = []
+    for _ in range(runs):
+        b = ready()
+        model, marks = b.model, {}
+        step = model.forward_step
+
+        def timed_step(*args, step=step, marks=marks, **kwargs):
+            marks["h0"], marks["e0"] = time.perf_counter(), torch.cuda.Event(enable_timing=True)
+            marks["e0"].record()
+            out = step(*args, **kwargs)
+            marks["e1"] = torch.cuda.Event(enable_timing=True)
+            marks["e1"].record()
+            marks["h1"] = time.perf_counter()
+            return out
+
+        model.forward_step = timed_step
+        try:
+            t0 = time.perf_counter()
+            first(b)
+            t1 = time.perf_counter()
+        finally:
+            del model.forward_step
+        rows.append(
+            (
+                1e3 * (marks["h0"] - t0), 1e3 * (marks["h1"] - marks["h0"]), marks["e0"].elapsed_time(marks["e1"]),
+                1e3 * (t1 - marks["h1"]), 1e3 * (t1 - t0),
+            )
+        )  # fmt: skip
+    pre, launch, gpu_step, after, wall = (statistics.median(c) for c in zip(*rows))
+    print(
+        f"cached first token, {n} tokens (median of {runs}): wall {wall:.2f} ms = host before the model's step "
+        f"{pre:.2f} + the step's launches {launch:.2f} + after them {after:.2f}; the GPU's time of the step "
+        f"(events) {gpu_step:.2f}"
+    )
     b = ready()
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=activities) as prof:
-        with torch.profiler.record_function("first_token"):
-            first(b)
-    events = prof.events()
-    mark = next(e for e in events if e.name == "first_token")
-    t0, t1 = mark.time_range.start, mark.time_range.end
-    gpu = sorted((e for e in events if e.device_type == DeviceType.CUDA), key=lambda e: e.time_range.start)
+        first(b)
+    gpu = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    gpu.sort(key=lambda e: e.time_range.start)
     busy = sum(e.time_range.end - e.time_range.start for e in gpu)
-    print(
-        f"cached first token, {n} tokens: {(t1 - t0) / 1e3:.2f} ms under the profiler, GPU busy {busy / 1e3:.2f} ms"
-    )
-    print(f"  submit -> first GPU work {(gpu[0].time_range.start - t0) / 1e3:.2f} ms ({gpu[0].name[:60]})")
-    print(f"  last GPU work -> token returned {(t1 - gpu[-1].time_range.end) / 1e3:.2f} ms")
     gaps, end = [], gpu[0].time_range.end
     for prev, e in zip(gpu, gpu[1:]):
         if e.time_range.start > end:
             gaps.append((e.time_range.start - end, prev.name, e.name))
         end = max(end, e.time_range.end)
     print(
-        f"  GPU idle between its first and last work: {sum(g for g, *_ in gaps) / 1e3:.2f} ms in {len(gaps)} gaps"
+        f"  under the profiler: GPU busy {busy / 1e3:.2f} ms, idle {sum(g for g, *_ in gaps) / 1e3:.2f} ms in "
+        f"{len(gaps)} gaps between its first and last work"
     )
-    for g, a, c in sorted(gaps, reverse=True)[:8]:
+    for g, a, c in sorted(gaps, reverse=True)[:5]:
         print(f"    {g:7.1f} us after {a[:45]!r} before {c[:45]!r}")
-    cpu = [
-        e
-        for e in events
-        if e.device_type == DeviceType.CPU and e.name.startswith("cuda") and "Launch" in e.name
-    ]
-    if cpu:
-        first, last = ((e.time_range.start - t0) / 1e3 for e in (cpu[0], cpu[-1]))
-        print(f"  launches: {len(cpu)}, the first at {first:.2f} ms, the last at {last:.2f} ms")
     by_name = {}
     for e in gpu:
         k = e.name[:60]
@@ -915,6 +977,9 @@ if __name__ == "__main__":
         "--ttft-cprofile", action="store_true", help="the host's time in a cached first token"
     )
     parser.add_argument("--ttft-syncs", action="store_true", help="the host's waits in a cached first token")
+    parser.add_argument(
+        "--prefill-variants", action="store_true", help="the cached prefill by kernel variant"
+    )
     parser.add_argument("--ttft-timeline", action="store_true", help="a cached first token on one clock")
     parser.add_argument(
         "--prefill-tiles", action="store_true", help="the cached prefill by the forward's launches"
@@ -937,6 +1002,8 @@ if __name__ == "__main__":
         prefill_split_host()
     elif args.prefill_tiles:
         prefill_tiles()
+    elif args.prefill_variants:
+        prefill_variants()
     elif args.ttft_timeline:
         for n in args.lengths or [32768]:
             ttft_timeline(n)
