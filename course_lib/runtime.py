@@ -248,6 +248,17 @@ def _multiprocessors(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+@functools.cache
+def _l2_bytes(index: int) -> int:
+    return torch.cuda.get_device_properties(index).L2_cache_size
+
+
+def l2_cache_size(index: int | None = None) -> int:
+    """Bytes of L2 cache of CUDA device `index` (default: the current device), cached per device (60 MiB on an
+    H200): what the fused kernels' cache hint compares their inputs with (`fused.launch.keep_hint`)."""
+    return _l2_bytes(torch.cuda.current_device() if index is None else int(index))
+
+
 def sm_count(index: int | None = None) -> int:
     """Streaming multiprocessors of CUDA device `index` (default: the current device), cached per
     device: 132 on an H100 or H200. The size of persistent grids and of decoding's split rule."""

@@ -504,11 +504,15 @@ def ttft_timeline(n: int = 32768, cached_fraction: float = 0.9, runs: int = 5) -
             )
         )  # fmt: skip
     pre, launch, gpu_step, after, wall = (statistics.median(c) for c in zip(*rows))
+    marks_host, marks_gpu = _layer_marks(ready, first)
     print(
         f"cached first token, {n} tokens (median of {runs}): wall {wall:.2f} ms = host before the model's step "
         f"{pre:.2f} + the step's launches {launch:.2f} + after them {after:.2f}; the GPU's time of the step "
         f"(events) {gpu_step:.2f}"
     )
+    print("  by layer, ms after the step's first launch: the host reaching a point, the GPU reaching it")
+    for name in marks_host:
+        print(f"    {name:28s} host {marks_host[name]:6.2f}  GPU {marks_gpu[name]:6.2f}")
     b = ready()
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=activities) as prof:
@@ -535,6 +539,103 @@ def ttft_timeline(n: int = 32768, cached_fraction: float = 0.9, runs: int = 5) -
     print("  GPU time by kernel:")
     for k, (c, t) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:14]:
         print(f"    {t / 1e3:7.3f} ms {c:4d}x {k}")
+
+
+def _layer_marks(ready, first) -> tuple[dict, dict]:
+    """One cached first token with a mark (host clock and CUDA event) where each layer of the model starts, where
+    its attention's output projection starts, and at the end: ({mark: host ms}, {mark: GPU ms}), both from the
+    model step's start. Where the GPU reaches a mark as soon as the host does, the GPU had been waiting."""
+    b = ready()
+    model, handles, marks = b.model, [], []
+
+    def mark(name):
+        def hook(*_):
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            marks.append((name, time.perf_counter(), event))
+
+        return hook
+
+    handles.append(model.tok_embeddings.register_forward_pre_hook(mark("step start (embedding)")))
+    for i, layer in enumerate(model.layers):
+        handles.append(layer.attention_norm.register_forward_pre_hook(mark(f"layer {i}")))
+        handles.append(layer.attention.wo.register_forward_pre_hook(mark(f"layer {i} after attention")))
+    handles.append(model.output.register_forward_hook(mark("logits")))
+    try:
+        first(b)
+    finally:
+        for h in handles:
+            h.remove()
+    _, h0, e0 = marks[0]
+    return (
+        {name: 1e3 * (h - h0) for name, h, _ in marks},
+        {name: e0.elapsed_time(e) for name, _, e in marks},
+    )
+
+
+def ttft_host_calls(n: int = 32768, cached_fraction: float = 0.9, runs: int = 5) -> None:
+    """--ttft-host-calls: the host's microseconds in each call a cached first token's model step makes, layer 0
+    (while the GPU waits for it: the step's first launches) against the mean of layers 1-7 (median of `runs`
+    first tokens). Each function is wrapped with a timer for the run; nested ones count inside their callers."""
+    import statistics
+    from collections import defaultdict
+
+    import course_lib.models.llama as llama
+    from course_lib.decode import paged_kv
+    from course_lib.decode.cache import PagedKVCache
+
+    _, ready, first = _cached_prompt(n, cached_fraction)
+    for _ in range(2):
+        first(ready())
+    per_run = []
+    for _ in range(runs):
+        b = ready()
+        model, spent = b.model, defaultdict(list)
+
+        def timer(name, fn, spent=spent):
+            def call(*args, **kwargs):
+                t0 = time.perf_counter()
+                out = fn(*args, **kwargs)
+                spent[name].append(1e6 * (time.perf_counter() - t0))
+                return out
+
+            return call
+
+        saved = {
+            "write": (PagedKVCache, "write", PagedKVCache.write),
+            "attend": (paged_kv.PagedKV, "attend", paged_kv.PagedKV.attend),
+            "split_prefill": (paged_kv, "split_prefill", paged_kv.split_prefill),
+            "kernels": (llama, "_course_lib_kernels", llama._course_lib_kernels),
+        }
+        flash, rms, rope = llama._course_lib_kernels()
+        wrapped = (flash, timer("rms_norm", rms), timer("rope", rope))
+        for name, (owner, attr, fn) in saved.items():
+            setattr(owner, attr, (lambda w=wrapped: w) if name == "kernels" else timer(name, fn))
+        for lay in model.layers:
+            for name, target in (
+                ("wq", lay.attention.wq),
+                ("wo", lay.attention.wo),
+                ("mlp", lay.feed_forward),
+            ):
+                target.forward = timer(name, target.forward)
+        try:
+            first(b)
+        finally:
+            for owner, attr, fn in saved.values():
+                setattr(owner, attr, fn)
+            for lay in model.layers:
+                for target in (lay.attention.wq, lay.attention.wo, lay.feed_forward):
+                    del target.forward
+        per_run.append(
+            {k: (v[0], statistics.mean(v[1:]) if len(v) > 1 else 0.0, len(v)) for k, v in spent.items()}
+        )
+    print(
+        f"cached first token, {n} tokens: host us per call, layer 0 / mean of the others (median of {runs})"
+    )
+    for name in per_run[0]:
+        first_us = statistics.median(r[name][0] for r in per_run)
+        rest_us = statistics.median(r[name][1] for r in per_run)
+        print(f"  {name:14s} {first_us:8.1f} / {rest_us:8.1f}   ({per_run[0][name][2]} calls)")
 
 
 def prefill_split_host(n: int = 416, length: int = 4096, calls: int = 300) -> None:
@@ -980,6 +1081,7 @@ if __name__ == "__main__":
     parser.add_argument(
         "--prefill-variants", action="store_true", help="the cached prefill by kernel variant"
     )
+    parser.add_argument("--ttft-host-calls", action="store_true", help="host us by call in a first token")
     parser.add_argument("--ttft-timeline", action="store_true", help="a cached first token on one clock")
     parser.add_argument(
         "--prefill-tiles", action="store_true", help="the cached prefill by the forward's launches"
@@ -1004,6 +1106,8 @@ if __name__ == "__main__":
         prefill_tiles()
     elif args.prefill_variants:
         prefill_variants()
+    elif args.ttft_host_calls:
+        ttft_host_calls()
     elif args.ttft_timeline:
         for n in args.lengths or [32768]:
             ttft_timeline(n)

@@ -185,6 +185,7 @@ def test_rms_norm_matches_transformers_llama_rms_norm():
         (lambda: rms_norm(_randn(2, 8), _randn(8), eps="1e-6"), TypeError, "eps must be a number"),
         (lambda: rms_norm(_randn(2, 8), _randn(8), eps=0.0), ValueError, "eps must be a finite number > 0"),
         (lambda: rms_norm(_randn(2, 8), _randn(8), eps=1e-50), ValueError, "eps=1e-50 is 0 in float32"),
+        (lambda: rms_norm(_randn(2, 8), _randn(8), eps=2.0**-150), ValueError, "is 0 in float32"),
         (lambda: RMSNorm(-1), ValueError, "^RMSNorm: hidden must be >= 1, got -1"),
         (lambda: RMSNorm(8.0), TypeError, "^RMSNorm: hidden must be an integer"),
         (lambda: RMSNorm(8, eps=-1e-6), ValueError, "^RMSNorm: eps must be a finite number > 0"),
@@ -198,7 +199,7 @@ def test_rms_norm_matches_transformers_llama_rms_norm():
         ),
     ],
     ids=["weight shape", "int dtype", "device", "dw_mode", "eps", "eps inf", "eps nan", "eps bool", "eps str",
-         "eps 0 (0/0 on a zero row)", "eps 0 in float32", "module hidden", "module hidden float", "module eps",
+         "eps 0 (0/0 on a zero row)", "eps 0 in float32", "eps half the least subnormal", "module hidden", "module hidden float", "module eps",
          "empty D", "not a tensor", "float64 weight",
          "float64 weight, bf16 x"],
 )  # fmt: skip

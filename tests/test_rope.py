@@ -301,6 +301,28 @@ def test_rope_clear_errors(make, error, words):
         make()
 
 
+def test_rope_repeat_kinds_and_the_path_without_autograd():
+    """A call of a kind checked before skips the check (`fused.api._ROPE_CALLS`), but any argument the check reads
+    makes a new kind: the same tensors with another layout, or cos of another length, are checked again. With
+    nothing to differentiate (no_grad, or inputs that need no gradient) the kernel runs without autograd's
+    Function: the same values, no graph."""
+    q, k = _qk()
+    q.requires_grad_(True)
+    cos, sin = rope_cache(8, 16, device=DEVICE)
+    with_grad = rope(q, k, cos, sin)
+    assert with_grad[0].grad_fn is not None
+    with torch.no_grad():
+        for _ in range(2):
+            without = rope(q, k, cos, sin)
+            assert without[0].grad_fn is None and not without[0].requires_grad
+            for got, want in zip(without, with_grad):
+                torch.testing.assert_close(got, want.detach(), rtol=0, atol=0)
+        with pytest.raises(ValueError, match="layout"):
+            rope(q, k, cos, sin, layout="neox")
+        with pytest.raises(ValueError, match="d=16"):
+            rope(q, k, cos[:, :8], sin[:, :8])
+
+
 def test_cache_and_module_arguments():
     """rope_cache and RMSNorm refuse a dtype that cannot hold cos, sin or a learned weight, by name; a NumPy
     base is a number like any other."""

@@ -111,11 +111,15 @@ def check_real(where: str, name: str, value, low=None, high=None, low_open: bool
     return value
 
 
+# Half the smallest float32 subnormal (2**-149): a float up to it rounds to 0 in float32 (to nearest, ties to even).
+FLOAT32_ROUNDS_TO_ZERO = 2.0**-150
+
+
 def check_eps(where: str, name: str, eps) -> float:
     """A normalisation's epsilon as a float: finite and > 0, also once rounded to float32, where the kernels
     add it (at 0 an all-zero row would be 0 / 0 = NaN); else a TypeError or ValueError naming `name`."""
     eps = check_real(where, name, eps, low=0, low_open=True)
-    if float(torch.tensor(eps, dtype=torch.float32)) == 0:
+    if abs(eps) <= FLOAT32_ROUNDS_TO_ZERO:  # float32 rounding without a tensor (one took 6 us a call)
         raise ValueError(f"{where}: {name}={eps!r} is 0 in float32, where it is added; give a larger one")
     return eps
 

@@ -168,8 +168,7 @@ def keep_hint(nbytes: int, device: torch.device) -> str:
     "evict_last" on a GPU whose L2 they overflow that many times, else none ("")."""
     if device.type != "cuda":
         return ""
-    l2 = torch.cuda.get_device_properties(device).L2_cache_size
-    return "evict_last" if nbytes > KEEP_L2_MULTIPLE * l2 else ""
+    return "evict_last" if nbytes > KEEP_L2_MULTIPLE * runtime.l2_cache_size(device.index) else ""
 
 
 def persistent_programs(n_rows: int, block: int, device: torch.device, per_sm: int | None = None) -> int:
