@@ -374,7 +374,7 @@ def run(quick: bool = False) -> dict:
     data["ttft"] = []
     for n in TTFT_LENGTHS if gpu else (96,):  # the CPU: one short prompt, a smoke test of the path
         prompt = torch.randint(0, model.config.vocab_size, (n,), generator=g).tolist()
-        row = ttft(model, prompt, 0.9, 3 if gpu else 1, warmup=gpu)
+        row = ttft(model, prompt, 0.9, 7 if gpu else 1, warmup=gpu)  # 7: the host's pace varies between runs
         data["ttft"].append(row)
         print(f"serving: TTFT of {n} tokens, 90 % cached: {row['speedup']:.2f}x faster")
         if gpu and n >= 16384:  # where the host's share decides the speed-up: its parts (`ttft_host`)
