@@ -150,7 +150,12 @@ def ttft(model, prompt, cached_fraction: float, repeats: int, warmup: bool = Tru
     the token (synchronised), the request asking for 2 tokens (so retiring it is not timed). Median of `repeats`
     after one untimed run of each (`warmup`: kernels compiled for these shapes, the allocator grown). Then, on a
     GPU, one profiled run of each for the GPU's busy time. Returns the times, speed-up, GPU ms and counts of
-    kernels and copies, the FLOPs of each prefill, and whether the first tokens agree in every run."""
+    kernels and copies, the FLOPs of each prefill, and whether the first tokens agree in every run; and where
+    each first token's time goes (medians): `{kind}_before_step_ms`, the host's time from submit to the model's
+    step (the prompt's checks, the lookup, admission, the step's arrays: the GPU has nothing to do yet), and on
+    a GPU `{kind}_step_gpu_ms`, the GPU's time from the step's first launch to its last kernel's end (CUDA
+    events): its busy time plus the waits for the host's launches (the first layer's, before its attention has
+    queued enough work to keep the GPU ahead of the host)."""
     page, vocab = 16, model.config.vocab_size
     pages = -(-(2 * len(prompt) + 2) // page) + 4
     n_cached = int(len(prompt) * cached_fraction) // page * page
@@ -164,25 +169,43 @@ def ttft(model, prompt, cached_fraction: float, repeats: int, warmup: bool = Tru
         _sync(model.device)
         return batcher
 
-    def first_token(batcher):
-        request = batcher.submit(prompt, 2)
-        token = batcher.step()[request]
+    def first_token(batcher, marks=None):
+        own = model.__dict__.get("forward_step")  # a wrapper set on the instance, if any, is put back
+        if marks is not None:  # the model's step's start on the host, and on a GPU its start and end there
+            model.forward_step = _marked(model.forward_step, marks)
+        try:
+            request = batcher.submit(prompt, 2)
+            token = batcher.step()[request]
+        finally:
+            if marks is not None:
+                if own is None:
+                    del model.forward_step
+                else:
+                    model.forward_step = own
         _sync(model.device)
         return token
 
     times, tokens = {"uncached": [], "cached": []}, set()
+    before, step_gpu = {"uncached": [], "cached": []}, {"uncached": [], "cached": []}
     for i in range(repeats + warmup):
         for kind in times:
-            batcher = ready(kind)
+            batcher, marks = ready(kind), {}
             t0 = time.perf_counter()
-            tokens.add(first_token(batcher))
+            tokens.add(first_token(batcher, marks))
             if i >= warmup:
                 times[kind].append(time.perf_counter() - t0)
+                before[kind].append(marks["host"] - t0)
+                if "start" in marks:
+                    step_gpu[kind].append(marks["start"].elapsed_time(marks["end"]))
     busy = dict.fromkeys(times, (None, None))  # the CPU: no GPU time to tell apart
     for kind in times if runtime.ON_GPU else ():
         batcher = ready(kind)
         busy[kind] = gpu_busy(lambda batcher=batcher: tokens.add(first_token(batcher)))
     u, c = statistics.median(times["uncached"]), statistics.median(times["cached"])
+    split = {}
+    for kind in times:
+        split[f"{kind}_before_step_ms"] = 1e3 * statistics.median(before[kind])
+        split[f"{kind}_step_gpu_ms"] = statistics.median(step_gpu[kind]) if step_gpu[kind] else None
     flops_u = prefill_flops(model.config, len(prompt))
     flops_c = prefill_flops(model.config, len(prompt) - n_cached, n_cached)
     return {
@@ -190,8 +213,28 @@ def ttft(model, prompt, cached_fraction: float, repeats: int, warmup: bool = Tru
         "speedup": u / c, "uncached_gpu_ms": busy["uncached"][0], "cached_gpu_ms": busy["cached"][0],
         "uncached_kernels": busy["uncached"][1], "cached_kernels": busy["cached"][1],
         "uncached_tflop": flops_u / 1e12, "cached_tflop": flops_c / 1e12, "flops_ratio": flops_u / flops_c,
-        "same_first_token": len(tokens) == 1,
+        "same_first_token": len(tokens) == 1, **split,
     }  # fmt: skip
+
+
+def _marked(forward_step, marks: dict):
+    """forward_step, noting in `marks` the host's clock as it starts ("host") and, on a GPU, CUDA events as its
+    work starts and ends there ("start", "end"): their elapsed time is the GPU's time of the step, its busy time
+    plus any wait for the host's launches."""
+
+    def call(token_ids, positions, kv):
+        marks["host"] = time.perf_counter()
+        gpu = torch.device(token_ids.device).type == "cuda"
+        if gpu:
+            marks["start"] = torch.cuda.Event(enable_timing=True)
+            marks["start"].record()
+        out = forward_step(token_ids, positions, kv)
+        if gpu:
+            marks["end"] = torch.cuda.Event(enable_timing=True)
+            marks["end"].record()
+        return out
+
+    return call
 
 
 def _sync(device) -> None:
@@ -426,6 +469,13 @@ def format_table(data: dict) -> str:
             f"| {t['prompt']} | {t['cached_tokens']} | {busy('uncached')} | {busy('cached')} | {t['speedup']:.2f}x "
             f"| {t['flops_ratio']:.1f}x | {'yes' if t['same_first_token'] else 'NO'} |"
         )
+    for t in data["ttft"]:
+        if t.get("cached_step_gpu_ms") is not None:
+            lines.append(
+                f"{t['prompt']} tokens, ms: host before the model's step {t['uncached_before_step_ms']:.2f} / "
+                f"{t['cached_before_step_ms']:.2f}, the step on the GPU {t['uncached_step_gpu_ms']:.2f} / "
+                f"{t['cached_step_gpu_ms']:.2f} (uncached / cached)"
+            )
     hosts = data.get("ttft_host", [])
     if hosts:
         lines.append("host ms by part | " + " | ".join(f"{h['prompt']} uncached / cached" for h in hosts))
