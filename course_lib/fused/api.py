@@ -1,6 +1,7 @@
 """The fused kernels' public entry points (notebook 11): `rms_norm` and the module `RMSNorm`, and `rope`.
 
-Each checks its arguments once (`rms_norm.check_rms_norm`, `rope.check_rope`), then runs the kernels
+Each checks its arguments (`rms_norm.check_rms_norm`, `rope.check_rope`; once for each kind of call, with the
+kinds it accepted kept in a `checks.AcceptedCalls`), then runs the kernels
 through an autograd Function (`RMSNormFunction`, `RoPEFunction`) or, with nothing to differentiate,
 the forward alone; under torch.compile it is one opaque node instead, the custom operators of `op.py`.
 The kernels, their launches and their numerics are `rms_norm.py`'s and `rope.py`'s.
