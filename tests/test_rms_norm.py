@@ -199,7 +199,8 @@ def test_rms_norm_matches_transformers_llama_rms_norm():
         ),
     ],
     ids=["weight shape", "int dtype", "device", "dw_mode", "eps", "eps inf", "eps nan", "eps bool", "eps str",
-         "eps 0 (0/0 on a zero row)", "eps 0 in float32", "eps half the least subnormal", "module hidden", "module hidden float", "module eps",
+         "eps 0 (0/0 on a zero row)", "eps 0 in float32", "eps half the least subnormal",
+         "module hidden", "module hidden float", "module eps",
          "empty D", "not a tensor", "float64 weight",
          "float64 weight, bf16 x"],
 )  # fmt: skip
