@@ -170,6 +170,25 @@ def test_ttft_host_times_each_part_and_puts_the_model_back():
     assert "forward_step" not in vars(model)
 
 
+def test_ttft_splits_each_first_token_and_puts_the_model_back():
+    """bench.serving.ttft: each first token's host time before the model's step is part of its wall time (on a CPU
+    there is no GPU time of the step: None), the same first token with the cache and without, and the model's own
+    forward_step afterwards, also where a wrapper was set on the instance before."""
+    from course_lib.bench.serving import serving_model, ttft
+
+    model = serving_model(False)
+    prompt = torch.randint(0, model.config.vocab_size, (40,), generator=torch.Generator().manual_seed(4)).tolist()
+    own = model.forward_step
+    model.forward_step = own  # an instance attribute the timing wraps and then puts back
+    got = ttft(model, prompt, 0.9, 2, warmup=False)
+    assert vars(model)["forward_step"] is own
+    del model.forward_step
+    assert got["same_first_token"] and got["cached_tokens"] == 32
+    for kind in ("uncached", "cached"):
+        assert 0 < got[f"{kind}_before_step_ms"] < got[f"{kind}_ms"]
+        assert got[f"{kind}_step_gpu_ms"] is None
+
+
 @pytest.mark.parametrize("max_batch", [1, 3])
 def test_greedy_tokens_identical_with_and_without_the_cache(max_batch):
     """Requests sharing a 13-token prompt prefix (3 full pages of 4): the cached run computes fewer prompt tokens
