@@ -204,6 +204,19 @@ def _prefill_inputs(n: int, length: int, g: torch.Generator) -> tuple:
     return q, k, v, 4 * hq * d * (n * (length - n) + n * (n + 1) / 2)
 
 
+def _paged_prefill_inputs(n: int, length: int, hq: int, hkv: int, d: int, g: torch.Generator) -> tuple:
+    """A cached prefill's attention inputs as a serving step holds them (bf16): q (n, hq, d) token-major, K and V
+    pools of pages of 16 tokens (hkv heads) with the sequence's `length` tokens on scattered pages (`pages`, int32),
+    and its FLOPs (bottom-right causal: the n queries are the last of `length`)."""
+    n_pages = -(-length // 16)
+    k_pool, v_pool = (
+        torch.randn(n_pages + 8, 16, hkv, d, generator=g).to("cuda", torch.bfloat16) for _ in range(2)
+    )
+    pages = torch.randperm(n_pages + 8, generator=g)[:n_pages].to("cuda", torch.int32)
+    q = torch.randn(n, hq, d, generator=g).to("cuda", torch.bfloat16)
+    return q, k_pool, v_pool, pages, 4 * hq * d * (n * (length - n) + n * (n + 1) / 2)
+
+
 def prefill_tiles(cells=((3280, 32768), (1648, 16384), (416, 4096))):
     """--prefill-tiles: the cached prefill's attention (16 query / 4 K/V heads, d = 64, bf16, K/V strided as the
     dense route reads them, bottom-right causal) with each launch of the forward's candidates (`configs.FORWARD`)
@@ -253,12 +266,7 @@ def prefill_key_splits(
     g = torch.Generator().manual_seed(6)
     for hq, hkv, d in heads:
         for n, length in cells:
-            n_pages = -(-length // 16)
-            k_pool, v_pool = (
-                torch.randn(n_pages + 8, 16, hkv, d, generator=g).to("cuda", torch.bfloat16) for _ in range(2)
-            )
-            pages = torch.randperm(n_pages + 8, generator=g)[:n_pages].to("cuda", torch.int32)
-            q = torch.randn(n, hq, d, generator=g).to("cuda", torch.bfloat16)
+            q, k_pool, v_pool, pages, flops = _paged_prefill_inputs(n, length, hq, hkv, d, g)
 
             def dense(q=q, k_pool=k_pool, v_pool=v_pool, pages=pages, n=n, length=length):
                 k, v = (
@@ -271,7 +279,6 @@ def prefill_key_splits(
                 return split_prefill(q, k_pool, v_pool, pages, length, splits=splits)
 
             want = dense()
-            flops = 4 * hq * d * (n * (length - n) + n * (n + 1) / 2)
             t0, g0 = benchmark(dense), graph_ms(dense)
             variant = hopper.choose(d, True, n, length, length - n)
             pick = hopper.key_splits(variant, hq, n, length, True, length - n, sm_count(0))
@@ -314,13 +321,7 @@ def prefill_variants(cells=((3280, 32768), (1648, 16384)), hq: int = 16, hkv: in
     real = ps._choice
     try:
         for n, length in cells:
-            n_pages = -(-length // 16)
-            k_pool, v_pool = (
-                torch.randn(n_pages + 8, 16, hkv, d, generator=g).to("cuda", torch.bfloat16) for _ in range(2)
-            )
-            pages = torch.randperm(n_pages + 8, generator=g)[:n_pages].to("cuda", torch.int32)
-            q = torch.randn(n, hq, d, generator=g).to("cuda", torch.bfloat16)
-            flops = 4 * hq * d * (n * (length - n) + n * (n + 1) / 2)
+            q, k_pool, v_pool, pages, flops = _paged_prefill_inputs(n, length, hq, hkv, d, g)
             want = ps.split_prefill(q, k_pool, v_pool, pages, length, splits=1).float()
             print(
                 f"{hq}/{hkv} heads, d = {d}, {n} x {length}: {hopper.choose(d, True, n, length, length - n)!s}"
