@@ -81,7 +81,7 @@ import time
 import numpy as np
 import torch
 
-from course_lib.bench.serving import HKV, HOST_PARTS, serving_model, ttft_host
+from course_lib.bench.serving import HKV, HOST_PARTS, marked_step, serving_model, ttft_host
 from course_lib.decode import paged_decode_attention
 from course_lib.perf.timing import graph_ms
 from course_lib.serving.prefix_cache import PrefixCachingBatcher
@@ -480,18 +480,7 @@ def ttft_timeline(n: int = 32768, cached_fraction: float = 0.9, runs: int = 5) -
     for _ in range(runs):
         b = ready()
         model, marks = b.model, {}
-        step = model.forward_step
-
-        def timed_step(*args, step=step, marks=marks, **kwargs):
-            marks["h0"], marks["e0"] = time.perf_counter(), torch.cuda.Event(enable_timing=True)
-            marks["e0"].record()
-            out = step(*args, **kwargs)
-            marks["e1"] = torch.cuda.Event(enable_timing=True)
-            marks["e1"].record()
-            marks["h1"] = time.perf_counter()
-            return out
-
-        model.forward_step = timed_step
+        model.forward_step = marked_step(model.forward_step, marks)
         try:
             t0 = time.perf_counter()
             first(b)
@@ -500,8 +489,8 @@ def ttft_timeline(n: int = 32768, cached_fraction: float = 0.9, runs: int = 5) -
             del model.forward_step
         rows.append(
             (
-                1e3 * (marks["h0"] - t0), 1e3 * (marks["h1"] - marks["h0"]), marks["e0"].elapsed_time(marks["e1"]),
-                1e3 * (t1 - marks["h1"]), 1e3 * (t1 - t0),
+                1e3 * (marks["host"] - t0), 1e3 * (marks["host_end"] - marks["host"]),
+                marks["start"].elapsed_time(marks["end"]), 1e3 * (t1 - marks["host_end"]), 1e3 * (t1 - t0),
             )
         )  # fmt: skip
     pre, launch, gpu_step, after, wall = (statistics.median(c) for c in zip(*rows))

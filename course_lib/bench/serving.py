@@ -172,7 +172,7 @@ def ttft(model, prompt, cached_fraction: float, repeats: int, warmup: bool = Tru
     def first_token(batcher, marks=None):
         own = model.__dict__.get("forward_step")  # a wrapper set on the instance, if any, is put back
         if marks is not None:  # the model's step's start on the host, and on a GPU its start and end there
-            model.forward_step = _marked(model.forward_step, marks)
+            model.forward_step = marked_step(model.forward_step, marks)
         try:
             request = batcher.submit(prompt, 2)
             token = batcher.step()[request]
@@ -217,10 +217,11 @@ def ttft(model, prompt, cached_fraction: float, repeats: int, warmup: bool = Tru
     }  # fmt: skip
 
 
-def _marked(forward_step, marks: dict):
-    """forward_step, noting in `marks` the host's clock as it starts ("host") and, on a GPU, CUDA events as its
-    work starts and ends there ("start", "end"): their elapsed time is the GPU's time of the step, its busy time
-    plus any wait for the host's launches."""
+def marked_step(forward_step, marks: dict):
+    """forward_step, noting in `marks` the host's clock as it starts ("host") and as it returns ("host_end"), and on
+    a GPU CUDA events as its work starts and ends there ("start", "end"): their elapsed time is the GPU's time of
+    the step, its busy time plus any wait for the host's launches (`ttft`; `scripts/serving_probe.py
+    --ttft-timeline`)."""
 
     def call(token_ids, positions, kv):
         marks["host"] = time.perf_counter()
@@ -232,6 +233,7 @@ def _marked(forward_step, marks: dict):
         if gpu:
             marks["end"] = torch.cuda.Event(enable_timing=True)
             marks["end"].record()
+        marks["host_end"] = time.perf_counter()
         return out
 
     return call
