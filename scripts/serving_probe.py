@@ -59,6 +59,8 @@ its wall time, then where its host time goes (Python's profiler, PyTorch's profi
     COURSE_DEVICE=cuda python3 scripts/serving_probe.py --ttft-cprofile
     COURSE_DEVICE=cuda python3 scripts/serving_probe.py --ttft-syncs    # the host's waits for the GPU in it
     COURSE_DEVICE=cuda python3 scripts/serving_probe.py --ttft-timeline   # host and GPU on one clock
+    COURSE_DEVICE=cuda python3 scripts/serving_probe.py --ttft-host-calls   # host us a call, GPU idle or busy
+    COURSE_DEVICE=cuda python3 scripts/serving_probe.py --prefill-variants   # the prefill on each Gluon variant
     COURSE_DEVICE=cuda python3 scripts/serving_probe.py --prefill-key-splits   # its keys split in 1-8 runs
     COURSE_DEVICE=cuda python3 scripts/serving_probe.py --ttft-split-ab   # first tokens with the split and without
     COURSE_DEVICE=cuda python3 scripts/serving_probe.py --prefill-split-host   # the host's time of its calls
@@ -563,10 +565,27 @@ def _layer_marks(ready, first) -> tuple[dict, dict]:
     )
 
 
-def ttft_host_calls(n: int = 32768, cached_fraction: float = 0.9, runs: int = 5) -> None:
+def _gpu_cycles_per_ms() -> float:
+    """`torch.cuda._sleep`'s cycles per millisecond on this GPU, timed once with CUDA events."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(10_000_000)
+    end.record()
+    end.synchronize()
+    return 10_000_000 / start.elapsed_time(end)
+
+
+def ttft_host_calls(n: int = 32768, cached_fraction: float = 0.9, runs: int = 5, busy_ms=(0, 30)) -> None:
     """--ttft-host-calls: the host's microseconds in each call a cached first token's model step makes, layer 0
     (while the GPU waits for it: the step's first launches) against the mean of layers 1-7 (median of `runs`
-    first tokens). Each function is wrapped with a timer for the run; nested ones count inside their callers."""
+    first tokens). Each function is wrapped with a timer for the run; nested ones count inside their callers.
+    Once for each of `busy_ms`: the GPU first given that many ms of a spin (`torch.cuda._sleep`), so that with 30
+    it is busy through the whole step's launches: whether layer 0's calls cost more because the GPU is idle."""
+    for busy in busy_ms:
+        _ttft_host_calls(n, cached_fraction, runs, busy)
+
+
+def _ttft_host_calls(n: int, cached_fraction: float, runs: int, busy_ms: float) -> None:
     import statistics
     from collections import defaultdict
 
@@ -577,6 +596,7 @@ def ttft_host_calls(n: int = 32768, cached_fraction: float = 0.9, runs: int = 5)
     _, ready, first = _cached_prompt(n, cached_fraction)
     for _ in range(2):
         first(ready())
+    cycles = _gpu_cycles_per_ms() if busy_ms else 0.0
     per_run = []
     for _ in range(runs):
         b = ready()
@@ -609,6 +629,8 @@ def ttft_host_calls(n: int = 32768, cached_fraction: float = 0.9, runs: int = 5)
             ):
                 target.forward = timer(name, target.forward)
         try:
+            if busy_ms:
+                torch.cuda._sleep(int(busy_ms * cycles))
             first(b)
         finally:
             for owner, attr, fn in saved.values():
@@ -620,7 +642,8 @@ def ttft_host_calls(n: int = 32768, cached_fraction: float = 0.9, runs: int = 5)
             {k: (v[0], statistics.mean(v[1:]) if len(v) > 1 else 0.0, len(v)) for k, v in spent.items()}
         )
     print(
-        f"cached first token, {n} tokens: host us per call, layer 0 / mean of the others (median of {runs})"
+        f"cached first token, {n} tokens, the GPU first given {busy_ms} ms of work: host us per call, layer 0 / mean "
+        f"of the others (median of {runs})"
     )
     for name in per_run[0]:
         first_us = statistics.median(r[name][0] for r in per_run)
