@@ -177,7 +177,9 @@ def test_ttft_splits_each_first_token_and_puts_the_model_back():
     from course_lib.bench.serving import serving_model, ttft
 
     model = serving_model(False)
-    prompt = torch.randint(0, model.config.vocab_size, (40,), generator=torch.Generator().manual_seed(4)).tolist()
+    prompt = torch.randint(
+        0, model.config.vocab_size, (40,), generator=torch.Generator().manual_seed(4)
+    ).tolist()
     own = model.forward_step
     model.forward_step = own  # an instance attribute the timing wraps and then puts back
     got = ttft(model, prompt, 0.9, 2, warmup=False)
