@@ -176,23 +176,6 @@ def _dense_prefix(args, splits_tried):
             line.append(f"step {'two streams' if overlap else 'one stream'} {graph_ms(step) * 1e3:6.1f} us")
         print(", ".join(line) + f", max diff from the paged pass {err:.1e}")
     cascade.OVERLAP = True  # as it was
-    # The kernel's own key splits over the prefix gathered whole (one copy of the queries, any count of splits)
-    whole = cascade.gather_prefix(k, v, prefix_pages, p)
-    real = cascade.dense_prefix_pass
-    try:
-        for key_splits in (3, 4, 5, 6, 8):
-            cascade.dense_prefix_pass = functools.partial(real, key_splits=key_splits)
-            prefix, suffix, merge, out = cascade.cascade_passes(*args, validate=False, prefix_kv=whole)
-            prefix(), suffix(), merge()
-            err = (out.float() - want).abs().max().item()
-
-            def step(whole=whole):
-                return cascade.cascade_decode_attention(*args, validate=False, prefix_kv=whole)
-
-            print(f"key splits {key_splits}: prefix pass {graph_ms(prefix) * 1e3:6.1f} us, step two streams "
-                  f"{graph_ms(step) * 1e3:6.1f} us, max diff from the paged pass {err:.1e}", flush=True)  # fmt: skip
-    finally:
-        cascade.dense_prefix_pass = real
 
 
 def _prefill_inputs(n: int, length: int, g: torch.Generator) -> tuple:

@@ -267,23 +267,21 @@ class _DensePrefix:
     before the in-place write), and the side stream at a higher priority changed nothing (the probe:
     `serving_probe.py --partition` at commit 011d203)."""
 
-    def __init__(self, q, k, v, variant, scale: float, key_splits: int = 1):
+    def __init__(self, q, k, v, variant, scale: float):
         B, Tq, Hq, d = q.shape
-        slices, hkv, p = k.shape[:3]
-        self.q, self.variant, self.scale, self.slices, self.key_splits = q, variant, scale, slices, key_splits
-        self.splits = slices * key_splits  # the partials this pass writes
+        splits, hkv, p = k.shape[:3]
+        self.q, self.splits, self.variant, self.scale = q, splits, variant, scale
         # K/V head (s, h) of the kernel is slice s of K/V head h; its query rows are the group's query heads, each
         # over every query of the batch: (query head in the group, query row). Slice-major, so that its O is the
-        # partials' memory order (S, Hq, B x Tq, d) as `cascade_passes` lays them out. key_splits > 1 (one slice,
-        # `scripts/serving_probe.py --dense-prefix`): the kernel's own key splits write the S partials instead.
+        # partials' memory order (S, Hq, B x Tq, d) as `cascade_passes` lays them out.
         self.rows = (Hq // hkv) * B * Tq
-        self.q4 = torch.empty((1, slices * hkv, self.rows, d), dtype=q.dtype, device=q.device)
-        self.k4, self.v4 = k.view(1, slices * hkv, p, d), v.view(1, slices * hkv, p, d)
+        self.q4 = torch.empty((1, splits * hkv, self.rows, d), dtype=q.dtype, device=q.device)
+        self.k4, self.v4 = k.view(1, splits * hkv, p, d), v.view(1, splits * hkv, p, d)
 
     def stage(self) -> None:
         """The queries' copies, one per slice: (slice, query head, query row, d)."""
         bt, hq, d = self.q.shape[0] * self.q.shape[1], self.q.shape[2], self.q.shape[3]
-        shape = (self.slices, hq, bt, d)
+        shape = (self.splits, hq, bt, d)
         self.q4.view(shape).copy_(self.q.view(bt, hq, d).transpose(0, 1).expand(shape))
 
     def __call__(self, o_buf, l_buf, staged: bool = False) -> None:
@@ -293,10 +291,9 @@ class _DensePrefix:
         if not staged:
             self.stage()
         heads, d = self.q4.shape[1], self.q4.shape[3]
-        lead = (self.key_splits,) if self.key_splits > 1 else ()  # the kernel's own splits: a slot each
         hopper.forward(
-            self.q4, self.k4, self.v4, o_buf.view(*lead, 1, heads, self.rows, d),
-            l_buf.view(*lead, 1, heads, self.rows), False, self.scale, self.variant, key_splits=self.key_splits,
+            self.q4, self.k4, self.v4, o_buf.view(1, heads, self.rows, d), l_buf.view(1, heads, self.rows), False,
+            self.scale, self.variant,
         )  # fmt: skip
 
 
@@ -314,15 +311,13 @@ def dense_prefix_possible(pool: torch.Tensor) -> bool:
     return hopper.capability(pool.device.index)[0] == 9
 
 
-def dense_prefix_pass(q, prefix_kv, prefix_len: int, scale=None, key_splits: int = 1) -> _DensePrefix | None:
+def dense_prefix_pass(q, prefix_kv, prefix_len: int, scale=None) -> _DensePrefix | None:
     """The prefix pass with the warp-specialised Gluon forward (`attention.hopper`, notebook 08c) over the
     prefix gathered once (`gather_prefix`), on a Hopper GPU: every query row of the batch (q (B, Tq, Hq, d))
     against the slices `gather_prefix` cut the prefix into, no mask. None where it does not apply (not a Hopper GPU,
     a dtype or head dim the kernel lacks, fewer than DENSE_PREFIX_MIN_ROWS query rows per K/V head, prefix_kv not
     this prefix, or a shape where `hopper.choose` found the Triton kernel faster): the caller keeps the paged
-    prefix pass. key_splits > 1: the prefix gathered in one slice, the kernel cuts its keys into that many runs
-    itself (`hopper.forward`'s key_splits: any count, and one copy of the queries; not measured as the default
-    yet: `scripts/serving_probe.py --dense-prefix` times it against the slices)."""
+    prefix pass."""
     k, v = prefix_kv
     if k.dim() != 4 or v.shape != k.shape or k.shape[3] != q.shape[3]:
         raise ValueError(
@@ -340,12 +335,7 @@ def dense_prefix_pass(q, prefix_kv, prefix_len: int, scale=None, key_splits: int
     variant = hopper.choose(d, False, rows, k.shape[2])
     if variant is None:
         return None
-    if key_splits > 1 and (k.shape[0] != 1 or key_splits > -(-prefix_len // variant.block_n)):
-        raise ValueError(
-            f"dense_prefix_pass: key_splits={key_splits} takes the prefix gathered in one slice and at most one split "
-            f"per key block; got {k.shape[0]} slices of a {prefix_len}-token prefix"
-        )
-    return _DensePrefix(q, k, v, variant, 1 / math.sqrt(d) if scale is None else scale, key_splits)
+    return _DensePrefix(q, k, v, variant, 1 / math.sqrt(d) if scale is None else scale)
 
 
 # The prefix and suffix passes on two CUDA streams, so that one's programs fill the SMs the other leaves idle
