@@ -256,6 +256,37 @@ def test_paged_generation_equals_step_by_step_greedy(backend):
         generate.serve(tiny_model(backend=backend), prompts, 6, batcher=loop)
 
 
+def test_serving_step_stacks_projections_and_follows_weight_changes():
+    """A serving step's Q/K/V and W1/W3 matmuls run on stacked weights (`stacked_weight`), which follow the
+    separate weights: an optimiser's step in place, a weight replaced and a dtype change each remake the stack,
+    so the step's hidden states stay those of the separate matmuls."""
+    from course_lib.models.llama import stacked_weight
+
+    model = tiny_model(std=0.3)
+    layer = model.layers[0]
+    x = torch.randn(5, TINY["dim"], device=DEVICE)
+
+    def check(what):
+        att, mlp = layer.attention, layer.feed_forward
+        for module, names in ((att, ("wq", "wk", "wv")), (mlp, ("w1", "w3"))):
+            expected = torch.cat([getattr(module, n).weight for n in names])
+            assert torch.equal(stacked_weight(module, names), expected), f"{what}: stale stack of {names}"
+        with torch.no_grad():
+            close(mlp.step(x.to(mlp.w1.weight.dtype)), mlp(x.to(mlp.w1.weight.dtype)), f"{what}: MLP step")
+
+    check("first use")
+    first = stacked_weight(layer.attention, ("wq", "wk", "wv"))
+    assert stacked_weight(layer.attention, ("wq", "wk", "wv")) is first, "the stack is remade on every call"
+    loss = model(torch.randint(0, 256, (1, 9), device=DEVICE), torch.randint(0, 256, (1, 9), device=DEVICE))[1]
+    loss.backward()
+    torch.optim.SGD(model.parameters(), lr=10.0).step()
+    check("after an optimiser's step")
+    layer.feed_forward.w3.weight = torch.nn.Parameter(torch.randn_like(layer.feed_forward.w3.weight))
+    check("after a weight replaced")
+    model.to(torch.float64)
+    check("after a dtype change")
+
+
 def test_generation_may_fill_max_seq_len_and_no_more():
     """The last new token is returned, never fed back: a prompt of 3 and 6 new tokens run a model of
     max_seq_len 8 at positions 0..7, on every path; one token more is refused by name before any step

@@ -184,6 +184,26 @@ class RMSNorm(nn.Module):
         return rms_norm_torch(x, self.weight, self.eps)
 
 
+def stacked_weight(module: nn.Module, names: tuple[str, ...]) -> torch.Tensor | None:
+    """The weights of `module`'s linear layers `names` stacked along their output rows, so that a serving step makes
+    one matmul where it made len(names) (as vLLM's merged QKV and gate/up projections): ((sum of outputs), in).
+
+    Made on first use and remade when a weight changes: in place (its version counter), replaced (its storage) or
+    moved (dtype, device). Not a parameter or a buffer: `state_dict`, `convert` and training see the separate
+    weights only. None while a CUDA graph is being captured (`decode.graphs`): a captured step keeps the separate
+    weights, whose changes in place its replays see, where a stack made before them would be stale."""
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        return None
+    weights = [getattr(module, name).weight for name in names]
+    key = tuple((w._version, w.data_ptr(), w.dtype, w.device) for w in weights)
+    cached = module.__dict__.get("_stacked")
+    if cached is None or cached[0] != key:
+        with torch.no_grad():
+            cached = (key, torch.cat(weights))
+        module.__dict__["_stacked"] = cached
+    return cached[1]
+
+
 class Attention(nn.Module):
     """Grouped-query self-attention with RoPE. x: (B, N, dim) -> (B, N, dim).
 
@@ -225,9 +245,14 @@ class Attention(nn.Module):
         once a step (`Llama.forward_step`); `kv` is the step's `course_lib.decode.paged_kv.PagedKV`, which writes
         K/V into the paged cache and runs the paged split-KV decode kernel (notebook 10). Returns (T, dim)."""
         t, c = x.shape[0], self.c
-        q = self.wq(x).view(t, c.n_heads, c.head_dim)
-        k = self.wk(x).view(t, c.n_kv_heads, c.head_dim)
-        v = self.wv(x).view(t, c.n_kv_heads, c.head_dim)
+        w = stacked_weight(self, ("wq", "wk", "wv"))
+        if w is None:
+            q, k, v = self.wq(x), self.wk(x), self.wv(x)
+        else:  # one matmul; Q, K, V are column slices of its output (d contiguous, as the kernels take)
+            kv_width = c.n_kv_heads * c.head_dim
+            q, k, v = F.linear(x, w).split((c.n_heads * c.head_dim, kv_width, kv_width), dim=-1)
+        q = q.view(t, c.n_heads, c.head_dim)
+        k, v = k.view(t, c.n_kv_heads, c.head_dim), v.view(t, c.n_kv_heads, c.head_dim)
         if self.backend == "course_lib":  # heads first, (H, T, d) views; angles looked up per token
             q, k = _course_lib_kernels()[2](q.transpose(0, 1), k.transpose(0, 1), cos, sin, positions)
             q, k = q.transpose(0, 1), k.transpose(0, 1)
@@ -257,6 +282,14 @@ class FeedForward(nn.Module):
 
     def forward(self, x):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+    def step(self, x):
+        """`forward` in a serving step (no gradient): W1 and W3 in one matmul (`stacked_weight`)."""
+        w = stacked_weight(self, ("w1", "w3"))
+        if w is None:
+            return self(x)
+        gate, up = F.linear(x, w).chunk(2, dim=-1)
+        return self.w2(F.silu(gate) * up)
 
 
 class TransformerBlock(nn.Module):
@@ -407,7 +440,7 @@ class Llama(nn.Module):
         cos, sin = self.rope_cos[positions].to(x.dtype), self.rope_sin[positions].to(x.dtype)
         for i, layer in enumerate(self.layers):
             h = x + layer.attention.step(layer.attention_norm(x), None, cos, sin, kv, i)
-            x = h + layer.feed_forward(layer.ffn_norm(h))
+            x = h + layer.feed_forward.step(layer.ffn_norm(h))
         return self.output(self.norm(x)).float()
 
     def num_parameters(self) -> int:

@@ -152,5 +152,5 @@ class LayerDraft:
         cos, sin = m.rope_cos.to(x.dtype), m.rope_sin.to(x.dtype)
         for i, layer in enumerate(m.layers[: self.k]):
             h = x + layer.attention.step(layer.attention_norm(x), positions, cos, sin, kv, i)
-            x = h + layer.feed_forward(layer.ffn_norm(h))
+            x = h + layer.feed_forward.step(layer.ffn_norm(h))
         return m.output(m.norm(x)).float()

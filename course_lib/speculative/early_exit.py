@@ -84,7 +84,7 @@ def early_exit_generate(
         cos, sin = model.rope_cos.to(x.dtype), model.rope_sin.to(x.dtype)
         for i, layer in enumerate(model.layers):
             h = x + layer.attention.step(layer.attention_norm(x), positions, cos, sin, kv, i)
-            x = h + layer.feed_forward(layer.ffn_norm(h))
+            x = h + layer.feed_forward.step(layer.ffn_norm(h))
             if i + 1 in exits:
                 probs = torch.softmax(model.output(model.norm(x)).float()[0], -1)
                 if float(probs.max()) >= threshold:
