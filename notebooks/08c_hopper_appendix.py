@@ -213,12 +213,12 @@ check(
 FIELDS = ("BLOCK_N", "NUM_STAGES", "NUM_CONSUMERS", "PINGPONG", "PERSISTENT")
 for d_head, variants in hopper.VARIANTS.items():
     for v in variants:
-        opts = hopper.launch_options(v.num_consumers)
+        opts = v.kwargs()
         warps = 4 * v.num_consumers + 4
         fields = ", ".join(f"{name}={val}" for name, val in zip(FIELDS, v))
         print(f"d = {d_head:3}: {fields}")
         print(f"         {v.num_consumers * hopper.QUERY_ROWS} query rows per program, {warps} warps, "
-              f"{opts['CONSUMER_REGS']} registers per worker consumer thread")  # fmt: skip
+              f"{v.programs_per_sm} program(s) per SM, {opts['maxnreg']} registers per thread at launch")  # fmt: skip
 
 # %% [markdown]
 # Shared memory limits the variants. A program holds its Q block (64 rows per consumer) and `NUM_STAGES`
@@ -245,15 +245,17 @@ check(
 )
 
 # %% [markdown]
-# Every variant fits, and the d = 128 ones use nearly all of it: a fourth stage would not fit, which is
-# why stages, not consumers, were the knob that mattered most in the sweeps (a third stage at d = 128
-# gained more than any change of consumers; the sweeps are in `notes/attention.md`).
+# Every variant fits, and the d = 128 ones with two consumers use nearly all of it: a fourth stage would not
+# fit, which is why stages, not consumers, were the knob that mattered most in the sweeps (a third stage at
+# d = 128 gained more than any change of consumers; the sweeps are in `notes/attention.md`). The variants with
+# one consumer take at most half (112 KB with 64-key blocks at d = 128) and half the registers: two of them
+# run on an SM at once (`v.programs_per_sm`).
 
 # %%
 for d_head, variants in hopper.VARIANTS.items():
     for v in variants:
         used = (hopper.QUERY_ROWS * v.num_consumers + 2 * v.num_stages * v.block_n) * d_head * 2
-        assert used <= SMEM_PER_PROGRAM, (d_head, v, used)
+        assert used * v.programs_per_sm <= SMEM_PER_PROGRAM, (d_head, v, used)
         print(f"d = {d_head:3}, {v}: {used / 1024:5.0f} KB of {SMEM_PER_PROGRAM // 1024} KB")
 
 print("\nhopper.choose for causal attention (None: the Triton kernel runs):")
@@ -262,16 +264,21 @@ for d_head in (64, 128):
         print(f"  d = {d_head:3}, N = {n:5}: {hopper.choose(d_head, True, n, n)}")
 
 # %% [markdown]
-# The rule behind `choose` came from sweeps on an H200: at d = 128 the Gluon kernel wins except on short
-# causal rows (N <= 1k). Without the mask it runs persistent while rows are short (up to 32 K/V blocks), so
-# that one tile's epilogue overlaps the next tile's loads. With the mask it runs one program per tile at
-# every length. Causal tiles differ in work: a plain grid lets the hardware hand each free SM the next
-# tile, and in repeated timings that beat the persistent grid's fixed deal (below) by 3-7 % at 2k keys.
+# The rule behind `choose` came from sweeps on an H200: at d = 128 the Gluon kernel wins everywhere.
+# Without the mask it runs persistent while rows are short (up to 32 K/V blocks), so that one tile's
+# epilogue overlaps the next tile's loads. With the mask it runs one program per tile at every length.
+# Causal tiles differ in work: a plain grid lets the hardware hand each free SM the next tile, and in
+# repeated timings that beat the persistent grid's fixed deal (below) by 3-7 % at 2k keys. Short causal rows
+# (N <= 1k) leave each tile only 1-8 K/V blocks, too few to hide its start and its epilogue. There `choose`
+# takes one consumer of 64 rows and 64-key blocks: a program then needs half the registers and half the
+# shared memory, two programs share an SM, and one's start and epilogue overlap the other's products
+# (ping-pong between programs instead of between the consumers of one).
 # At d = 64 the exponentials take as long as the products (S = M in section 1), so two consumers overlap
 # fully only in perfect alternation: no slack is left to absorb a barrier or a late load. `choose` takes
-# the Gluon kernel at d = 64 only on long rows (from 8k keys with the causal mask, 2k without), where the
-# sweeps had it ahead, and its margin there is small (the record printed in section 4 has the measured
-# cells).
+# the Gluon kernel at d = 64 on long rows (from 8k keys with the causal mask, 2k without), where the
+# sweeps had it ahead by a small margin, and one consumer with two programs an SM on causal rows of 2k-4k
+# keys. On the shortest causal rows (1k) the Triton kernel stays ahead (the record printed in section 4
+# has the measured cells).
 #
 # A chunk of a prompt attending to its KV cache is causal **bottom-right**: query row i sees keys up to
 # i + (N_k − N_q). The kernel takes that offset as one more run-time integer: it moves the last K/V block a
@@ -648,8 +655,9 @@ assert smem_dq <= SMEM_PER_PROGRAM
 # - Shared memory (227 KB per program) bounds the variants; stages mattered most. A persistent grid needs a
 #   balanced schedule: round-robin over causal tiles can leave one program with far more than its share.
 #   Even dealt longest first, causal tiles ran faster on a plain grid, which the hardware balances.
-# - course_lib runs the Gluon kernel where `hopper.choose` says it measured faster (d = 128 except short
-#   causal rows; d = 64 on long rows) and the Triton kernel elsewhere.
+# - course_lib runs the Gluon kernel where `hopper.choose` says it measured faster (d = 128 everywhere, short
+#   causal rows with one consumer and two programs an SM; d = 64 on long rows and causal rows of 2k-4k) and
+#   the Triton kernel elsewhere.
 # - The Triton dK/dV kernel needs about 256 registers per thread at d = 128 (transposed tiles, L and D per
 #   column, 16-bit operands in registers) and spills; FlashAttention-3's layout (untransposed tiles, P and
 #   dS through shared memory, 240 registers for each consumer) needs about 196, and runs the backward

@@ -44,6 +44,10 @@ VARIANTS = {
         V(128, 3, 2, True, True),
         V(128, 3, 2, False, False),
         V(128, 3, 2, False, True),
+        # one consumer, two programs an SM (their shared memory halves it: 64-key blocks)
+        V(64, 2, 1, False, False),
+        V(64, 3, 1, False, False),
+        V(64, 2, 1, False, True),
     ],
     64: [
         V(128, 3, 3, True, True),
@@ -51,6 +55,9 @@ VARIANTS = {
         V(128, 3, 3, True, False),
         V(128, 4, 2, True, True),
         V(128, 4, 2, True, False),
+        V(64, 4, 1, False, False),
+        V(128, 3, 1, False, False),
+        V(128, 3, 1, False, True),
     ],
 }
 
@@ -88,13 +95,13 @@ def timed_cell(label: str, runs: dict, flops: float, pick, passes: int) -> float
     return tflops[pick] / tflops[best]
 
 
-def repeated(heads: list[int], ns: list[int], passes: int) -> None:
+def repeated(heads: list[int], ns: list[int], passes: int, masks=(False, True)) -> None:
     """Median TFLOP/s of each variant and the Triton forward over `passes` rotated passes per cell
     (bf16, B*N = 16k, H*d = 2048), and the share of the fastest that `hopper.choose`'s pick reaches."""
     shares = []
     for d in heads:
         kernels = [None, *VARIANTS[d]]
-        for causal in (False, True):
+        for causal in masks:
             for n in ns:
                 b, h = 16384 // n, 2048 // d
                 q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
@@ -144,6 +151,7 @@ def main():
     ap.add_argument("--ns", default="1024,2048,4096,8192,16384")
     ap.add_argument("--passes", type=int, default=0, help="time only choose's candidates, this many passes")
     ap.add_argument("--heads", default="64,128", help="head dims for --passes")
+    ap.add_argument("--causal", default="0,1", help="for --passes: 0 (no mask), 1 (causal) or both")
     ap.add_argument("--bottom-right", default="", help="NqxNk,... : time bottom-right causal calls")
     ap.add_argument("--batch", type=int, default=0, help="--bottom-right: sequences (default ~8k rows)")
     ap.add_argument("--q-heads", type=int, default=0, help="--bottom-right: query heads (default 2048 / d)")
@@ -155,7 +163,8 @@ def main():
         print(f"total {time.time() - t0:.0f} s")
         return
     if args.passes:
-        repeated(list(map(int, args.heads.split(","))), list(map(int, args.ns.split(","))), args.passes)
+        masks = [bool(int(c)) for c in args.causal.split(",")]
+        repeated(list(map(int, args.heads.split(","))), list(map(int, args.ns.split(","))), args.passes, masks)
         print(f"total {time.time() - t0:.0f} s")
         return
     bad = check(VARIANTS, attention, kv_heads=(3, 1))

@@ -35,12 +35,13 @@ def test_variants_fit_an_sm():
     """Every variant (and every choice) fits in shared memory and the register file."""
     for d, variants in hopper.VARIANTS.items():
         for variant in variants:
-            assert _smem(variant, d) <= SMEM_BYTES, (
-                f"d={d} {variant}: {_smem(variant, d)} bytes of shared memory"
+            per_sm = variant.programs_per_sm  # programs an SM runs at once, sharing its memory and registers
+            assert per_sm * _smem(variant, d) <= SMEM_BYTES, (
+                f"d={d} {variant}: {per_sm} x {_smem(variant, d)} bytes of shared memory"
             )
-            opts = hopper.launch_options(variant.num_consumers)
+            opts = variant.kwargs()
             warps = 4 * variant.num_consumers + 4
-            assert opts["maxnreg"] * warps * 32 <= 65536, f"{variant}: {opts} exceeds 64K registers"
+            assert per_sm * opts["maxnreg"] * warps * 32 <= 65536, f"{variant}: {per_sm} x {opts} exceeds 64K registers"
             assert opts["CONSUMER_REGS"] % 8 == 0 and 24 < opts["CONSUMER_REGS"] <= 240, f"{variant}: {opts}"
     for d in (64, 128):
         for causal in (False, True):

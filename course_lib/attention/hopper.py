@@ -376,7 +376,16 @@ def fwd_ws_kernel(
               BH, H, N_Q, N_K, OFFSET, num_m, num_tiles)  # fmt: skip
     loads = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_bar, v_bar, empty_bar,
              BH, H, GROUP, N_Q, N_K, OFFSET, num_m, num_tiles)  # fmt: skip
-    if NUM_CONSUMERS == 2:
+    if NUM_CONSUMERS == 1:  # two programs share an SM (`Variant.programs_per_sm`)
+        gl.warp_specialize(
+            [
+                (_consumer, (shared, CAUSAL, HEAD_DIM, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, PINGPONG, PERSISTENT, 0,
+                             KEY_SPLITS)),
+                (_producer, (loads, CAUSAL, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, PERSISTENT, KEY_SPLITS)),
+            ],
+            [1], [24],
+        )  # fmt: skip
+    elif NUM_CONSUMERS == 2:
         gl.warp_specialize(
             [
                 (_consumer, (shared, CAUSAL, HEAD_DIM, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, PINGPONG, PERSISTENT, 0,
@@ -417,19 +426,29 @@ class Variant(Launch):
     pingpong: bool = keyword("PINGPONG")
     persistent: bool = keyword("PERSISTENT")
 
+    @property
+    def programs_per_sm(self) -> int:
+        """Programs an SM runs at once: two with one consumer (half the registers each, so that one program's
+        softmax and start overlap the other's products, as ping-pong does between the consumers of one), else one."""
+        return 2 if self.num_consumers == 1 else 1
+
     def kwargs(self) -> dict:
         """The kernel's constants of the variant, and its warps and registers (`launch_options`)."""
-        return {**super().kwargs(), **launch_options(self.num_consumers)}
+        return {**super().kwargs(), **launch_options(self.num_consumers, self.programs_per_sm)}
 
 
 D128_SHORT = Variant(128, 3, 2, True, True)  # d = 128, no mask, rows of <= 32 K/V blocks
 D128_LONG = Variant(128, 3, 2, True, False)
 D64 = Variant(128, 3, 3, True, True)
 D64_ROWS_128 = Variant(128, 4, 2, True, True)  # bottom-right calls (a KV cache's chunk): 128-row tiles
-# Every variant the tests check: the chosen ones and a few others (each fits in 227 KB of shared memory).
+# One consumer, two programs an SM: causal rows of d = 128 up to 1k keys, of d = 64 from 2k to 8k.
+D128_CAUSAL_SHORT = Variant(64, 3, 1, False, False)
+D64_CAUSAL_MID = Variant(128, 3, 1, False, False)
+# Every variant the tests check: the chosen ones and a few others (each fits in 227 KB of shared memory, or its
+# share of it where two run on an SM).
 VARIANTS = {
-    128: (D128_SHORT, D128_LONG, Variant(128, 3, 2, False, True)),
-    64: (D64, Variant(128, 3, 3, False, False), D64_ROWS_128),
+    128: (D128_SHORT, D128_LONG, Variant(128, 3, 2, False, True), D128_CAUSAL_SHORT),
+    64: (D64, Variant(128, 3, 3, False, False), D64_ROWS_128, D64_CAUSAL_MID),
 }
 
 
@@ -449,16 +468,22 @@ def choose(d: int, causal: bool, n_q: int, n_k: int, offset: int = 0) -> Variant
     (`scripts/hopper_ws_forward.py --bottom-right`, H200, 2026-11-29, Nq x Nk from 256 x 8192 to
     3280 x 32768 over ~8k query rows, and at 16 heads of one sequence: the pick 1.29-1.35x the Triton
     kernel at d = 128, 1.00-1.05x at d = 64, within 0.96 of the fastest variant in every cell; the
-    192-row tiles of D64 lost up to 28 % where the rows are few)."""
+    192-row tiles of D64 lost up to 28 % where the rows are few). Short causal rows take one consumer of 64
+    rows a program and two programs an SM (`Variant.programs_per_sm`; `--passes 6 --causal 1`, H200,
+    2026-11-30, TFLOP/s against the Triton kernel): d = 128 at 1k keys with 64-key blocks 334 / 307 (the
+    two-consumer variants 304-317); d = 64 at 2k and 4k 329 / 306 and 376 / 325; not at d = 64 1k (255 / 273)
+    or 8k (402 against D64's 416)."""
     if causal and offset >= n_q:
         unmasked = choose(d, False, n_q, offset + n_q // 2)
         return D64_ROWS_128 if d == 64 and unmasked is not None else unmasked
     blocks = cdiv(n_k, 128) / (2 if causal else 1)  # K/V blocks per tile, on average
     if d == 128:
-        if blocks <= 4:  # causal N <= 1k: tiles of 1-8 blocks, no faster than Triton (3 runs)
-            return None
+        if blocks <= 4:  # causal N <= 1k: tiles of 1-8 blocks of 128
+            return D128_CAUSAL_SHORT
         return D128_SHORT if not causal and blocks <= 32 else D128_LONG
     if d == 64:
+        if causal and 2048 <= n_k < 8192:
+            return D64_CAUSAL_MID
         return D64 if n_k >= (8192 if causal else 2048) else None
     return None
 
@@ -474,12 +499,13 @@ def supports(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor) -> bool:
     return all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (q4, k4, v4))
 
 
-def launch_options(num_consumers: int) -> dict:
+def launch_options(num_consumers: int, programs_per_sm: int = 1) -> dict:
     """Warps and registers: 4 * num_consumers + 4 warps (the producer's warp is padded to a
-    warpgroup) share the SM's 64K registers. `setmaxnreg` drops the producer's warpgroup to 24 per
-    thread; the worker consumers get CONSUMER_REGS, consumer 0 (the default partition) the rest."""
+    warpgroup) share the SM's 64K registers, or their share of them where `programs_per_sm` programs run on
+    an SM at once. `setmaxnreg` drops the producer's warpgroup to 24 per thread; the worker consumers get
+    CONSUMER_REGS, consumer 0 (the default partition) the rest."""
     warps = 4 * num_consumers + 4
-    maxnreg = (65536 // (warps * 32)) // 8 * 8
+    maxnreg = (65536 // (programs_per_sm * warps * 32)) // 8 * 8
     consumer_regs = min(240, ((maxnreg * (warps // 4) - 24) // num_consumers) // 8 * 8)
     return {"num_warps": 4, "maxnreg": maxnreg, "CONSUMER_REGS": consumer_regs}
 
@@ -547,7 +573,7 @@ def forward(
             f"and {tuple(lse3.shape)}"
         )
     tiles = cdiv(n_q, QUERY_ROWS * variant.num_consumers) * B * H * key_splits
-    grid = (min(tiles, sm_count(q4.device.index)) if variant.persistent else tiles,)
+    grid = (min(tiles, variant.programs_per_sm * sm_count(q4.device.index)) if variant.persistent else tiles,)
     if key_splits > 1 and not (o4.is_contiguous() and lse3.is_contiguous()):
         raise ValueError(
             f"hopper.forward: key_splits={key_splits} needs contiguous partials (a slot a split)"
