@@ -41,7 +41,9 @@ def test_variants_fit_an_sm():
             )
             opts = variant.kwargs()
             warps = 4 * variant.num_consumers + 4
-            assert per_sm * opts["maxnreg"] * warps * 32 <= 65536, f"{variant}: {per_sm} x {opts} exceeds 64K registers"
+            assert per_sm * opts["maxnreg"] * warps * 32 <= 65536, (
+                f"{variant}: {per_sm} x {opts} exceeds 64K registers"
+            )
             assert opts["CONSUMER_REGS"] % 8 == 0 and 24 < opts["CONSUMER_REGS"] <= 240, f"{variant}: {opts}"
     for d in (64, 128):
         for causal in (False, True):

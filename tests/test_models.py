@@ -277,7 +277,9 @@ def test_serving_step_stacks_projections_and_follows_weight_changes():
     check("first use")
     first = stacked_weight(layer.attention, ("wq", "wk", "wv"))
     assert stacked_weight(layer.attention, ("wq", "wk", "wv")) is first, "the stack is remade on every call"
-    loss = model(torch.randint(0, 256, (1, 9), device=DEVICE), torch.randint(0, 256, (1, 9), device=DEVICE))[1]
+    loss = model(torch.randint(0, 256, (1, 9), device=DEVICE), torch.randint(0, 256, (1, 9), device=DEVICE))[
+        1
+    ]
     loss.backward()
     torch.optim.SGD(model.parameters(), lr=10.0).step()
     check("after an optimiser's step")
