@@ -275,10 +275,9 @@ for d_head in (64, 128):
 # (ping-pong between programs instead of between the consumers of one).
 # At d = 64 the exponentials take as long as the products (S = M in section 1), so two consumers overlap
 # fully only in perfect alternation: no slack is left to absorb a barrier or a late load. `choose` takes
-# the Gluon kernel at d = 64 on long rows (from 8k keys with the causal mask, 2k without), where the
-# sweeps had it ahead by a small margin, and one consumer with two programs an SM on causal rows of 2k-4k
-# keys. On the shortest causal rows (1k) the Triton kernel stays ahead (the record printed in section 4
-# has the measured cells).
+# the Gluon kernel at d = 64 only on long rows (from 8k keys with the causal mask, 2k without), where the
+# sweeps had it ahead, and its margin there is small (the record printed in section 4 has the measured
+# cells).
 #
 # A chunk of a prompt attending to its KV cache is causal **bottom-right**: query row i sees keys up to
 # i + (N_k − N_q). The kernel takes that offset as one more run-time integer: it moves the last K/V block a
@@ -397,7 +396,8 @@ HOPPER_GPU = course_lib.ON_GPU and torch.cuda.get_device_capability(DEVICE)[0] =
 def variant_name(variant: tuple) -> str:
     """'Gluon: 2 consumers, 3 stages, ping-pong, persistent' for a variant tuple."""
     _block_n, stages, consumers, pingpong, persistent = variant
-    return f"Gluon: {consumers} consumers, {stages} stages" + ", ping-pong" * pingpong + ", persistent" * persistent
+    name = f"Gluon: {consumers} consumer{'s' * (consumers != 1)}, {stages} stages"
+    return name + ", ping-pong" * pingpong + ", persistent" * persistent
 
 
 def measure_hopper_forward() -> dict:
@@ -656,8 +656,8 @@ assert smem_dq <= SMEM_PER_PROGRAM
 #   balanced schedule: round-robin over causal tiles can leave one program with far more than its share.
 #   Even dealt longest first, causal tiles ran faster on a plain grid, which the hardware balances.
 # - course_lib runs the Gluon kernel where `hopper.choose` says it measured faster (d = 128 everywhere, short
-#   causal rows with one consumer and two programs an SM; d = 64 on long rows and causal rows of 2k-4k) and
-#   the Triton kernel elsewhere.
+#   causal rows with one consumer and two programs an SM; d = 64 on long rows) and the Triton kernel
+#   elsewhere.
 # - The Triton dK/dV kernel needs about 256 registers per thread at d = 128 (transposed tiles, L and D per
 #   column, 16-bit operands in registers) and spills; FlashAttention-3's layout (untransposed tiles, P and
 #   dS through shared memory, 240 registers for each consumer) needs about 196, and runs the backward

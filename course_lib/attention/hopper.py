@@ -441,14 +441,13 @@ D128_SHORT = Variant(128, 3, 2, True, True)  # d = 128, no mask, rows of <= 32 K
 D128_LONG = Variant(128, 3, 2, True, False)
 D64 = Variant(128, 3, 3, True, True)
 D64_ROWS_128 = Variant(128, 4, 2, True, True)  # bottom-right calls (a KV cache's chunk): 128-row tiles
-# One consumer, two programs an SM: causal rows of d = 128 up to 1k keys, of d = 64 from 2k to 8k.
+# One consumer, two programs an SM: causal rows of d = 128 up to 1k keys.
 D128_CAUSAL_SHORT = Variant(64, 3, 1, False, False)
-D64_CAUSAL_MID = Variant(128, 3, 1, False, False)
 # Every variant the tests check: the chosen ones and a few others (each fits in 227 KB of shared memory, or its
 # share of it where two run on an SM).
 VARIANTS = {
     128: (D128_SHORT, D128_LONG, Variant(128, 3, 2, False, True), D128_CAUSAL_SHORT),
-    64: (D64, Variant(128, 3, 3, False, False), D64_ROWS_128, D64_CAUSAL_MID),
+    64: (D64, Variant(128, 3, 3, False, False), D64_ROWS_128),
 }
 
 
@@ -471,8 +470,9 @@ def choose(d: int, causal: bool, n_q: int, n_k: int, offset: int = 0) -> Variant
     192-row tiles of D64 lost up to 28 % where the rows are few). Short causal rows take one consumer of 64
     rows a program and two programs an SM (`Variant.programs_per_sm`; `--passes 6 --causal 1`, H200,
     2026-11-30, TFLOP/s against the Triton kernel): d = 128 at 1k keys with 64-key blocks 334 / 307 (the
-    two-consumer variants 304-317); d = 64 at 2k and 4k 329 / 306 and 376 / 325; not at d = 64 1k (255 / 273)
-    or 8k (402 against D64's 416)."""
+    two-consumer variants 304-317; `make bench` 340 against 325). Not at d = 64: against the untuned Triton
+    launch the sweep runs, 329 / 306 at 2k and 376 / 325 at 4k, but in `make bench`, against the tuned one, 333
+    / 339 and 387 / 383; at 1k 255 / 273, at 8k 402 against D64's 416."""
     if causal and offset >= n_q:
         unmasked = choose(d, False, n_q, offset + n_q // 2)
         return D64_ROWS_128 if d == 64 and unmasked is not None else unmasked
@@ -482,8 +482,6 @@ def choose(d: int, causal: bool, n_q: int, n_k: int, offset: int = 0) -> Variant
             return D128_CAUSAL_SHORT
         return D128_SHORT if not causal and blocks <= 32 else D128_LONG
     if d == 64:
-        if causal and 2048 <= n_k < 8192:
-            return D64_CAUSAL_MID
         return D64 if n_k >= (8192 if causal else 2048) else None
     return None
 
