@@ -287,6 +287,11 @@ def test_serving_step_stacks_projections_and_follows_weight_changes():
     check("after a weight replaced")
     model.to(torch.float64)
     check("after a dtype change")
+    with torch.inference_mode():  # weights made here count no versions: the step keeps them separate
+        made_there = tiny_model(std=0.3)
+        assert stacked_weight(made_there.layers[0].attention, ("wq", "wk", "wv")) is None
+        h = made_there.layers[0].feed_forward
+        close(h.step(x), h(x), "MLP step, weights made under inference_mode")
 
 
 def test_generation_may_fill_max_seq_len_and_no_more():

@@ -191,10 +191,13 @@ def stacked_weight(module: nn.Module, names: tuple[str, ...]) -> torch.Tensor | 
     Made on first use and remade when a weight changes: in place (its version counter), replaced (its storage) or
     moved (dtype, device). Not a parameter or a buffer: `state_dict`, `convert` and training see the separate
     weights only. None while a CUDA graph is being captured (`decode.graphs`): a captured step keeps the separate
-    weights, whose changes in place its replays see, where a stack made before them would be stale."""
+    weights, whose changes in place its replays see, where a stack made before them would be stale. None for
+    weights made under `torch.inference_mode` too: they count no versions, so a change could not be seen."""
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         return None
     weights = [getattr(module, name).weight for name in names]
+    if any(w.is_inference() for w in weights):  # made under torch.inference_mode: no version counter to follow
+        return None
     key = tuple((w._version, w.data_ptr(), w.dtype, w.device) for w in weights)
     cached = module.__dict__.get("_stacked")
     if cached is None or cached[0] != key:
