@@ -196,7 +196,9 @@ def stacked_weight(module: nn.Module, names: tuple[str, ...]) -> torch.Tensor | 
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         return None
     weights = [getattr(module, name).weight for name in names]
-    if any(w.is_inference() for w in weights):  # made under torch.inference_mode: no version counter to follow
+    if any(
+        w.is_inference() for w in weights
+    ):  # made under torch.inference_mode: no version counter to follow
         return None
     key = tuple((w._version, w.data_ptr(), w.dtype, w.device) for w in weights)
     cached = module.__dict__.get("_stacked")
