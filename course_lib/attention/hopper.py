@@ -470,9 +470,10 @@ def choose(d: int, causal: bool, n_q: int, n_k: int, offset: int = 0) -> Variant
     192-row tiles of D64 lost up to 28 % where the rows are few). Short causal rows take one consumer of 64
     rows a program and two programs an SM (`Variant.programs_per_sm`; `--passes 6 --causal 1`, H200,
     2026-11-30, TFLOP/s against the Triton kernel): d = 128 at 1k keys with 64-key blocks 334 / 307 (the
-    two-consumer variants 304-317; `make bench` 340 against 325). Not at d = 64: against the untuned Triton
-    launch the sweep runs, 329 / 306 at 2k and 376 / 325 at 4k, but in `make bench`, against the tuned one, 333
-    / 339 and 387 / 383; at 1k 255 / 273, at 8k 402 against D64's 416."""
+    two-consumer variants 304-317; `make bench` 340 against 325). Not at d = 64: the sweep had it ahead, 329 /
+    306 at 2k and 376 / 325 at 4k, but `make bench` not, 333 / 339 and 387 / 383 (the sweep's timings of the
+    Triton kernel, the same recorded launch, ran 6-10 % below the bench's, the Gluon ones' 1-2 %: unexplained); at
+    1k 255 / 273, at 8k 402 against D64's 416."""
     if causal and offset >= n_q:
         unmasked = choose(d, False, n_q, offset + n_q // 2)
         return D64_ROWS_128 if d == 64 and unmasked is not None else unmasked
