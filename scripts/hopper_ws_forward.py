@@ -33,7 +33,7 @@ from hopper_gluon_forward import check, sweep  # noqa: E402  (this script's fold
 
 from course_lib.attention import attention_forward, hopper  # noqa: E402
 from course_lib.bench import summarise  # noqa: E402
-from course_lib.perf.timing import attention_flops, interleaved  # noqa: E402
+from course_lib.perf.timing import attention_flops, benchmark, interleaved  # noqa: E402
 
 # hopper.Variant(BLOCK_N, NUM_STAGES, NUM_CONSUMERS, PINGPONG, PERSISTENT) per head dim.
 # Shared memory: (NUM_CONSUMERS * 64 + 2 * NUM_STAGES * BLOCK_N) * d * 2 bytes, at most ~227 KB.
@@ -77,11 +77,20 @@ def run_kernel(variant, q, k, v, causal: bool):
     return attention(q, k, v, causal, variant)
 
 
+TIMERS = {
+    # course_lib's timer, the one `make bench` uses (each call after a read flush of the L2)
+    "bench": lambda fn: benchmark(fn, warmup_ms=10, rep_ms=50),
+    # Triton's (a zero_() flush of the L2 before each call); the sweeps before 2026-11-30 used it. There the
+    # Triton forward timed 6-10 % below the bench's figure for the same launch, the Gluon variants 1-2 %.
+    "do_bench": lambda fn: triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median"),
+}
+TIMER = ["bench"]  # --timer
+
+
 def timed_cell(label: str, runs: dict, flops: float, pick, passes: int) -> float:
     """Time `runs` (kernel -> call; None: the Triton forward) in `passes` rotated passes, print each one's median
     TFLOP/s, the fastest and `pick`'s share of it (returned), and the passes' spread."""
-    bench = lambda fn: triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")  # noqa: E731
-    times = interleaved(runs, passes, bench)
+    times = interleaved(runs, passes, TIMERS[TIMER[0]])
     tflops = {t: flops / statistics.median(ms) * 1e-9 for t, ms in times.items()}
     best = max(tflops, key=tflops.get)
     print(
@@ -152,10 +161,14 @@ def main():
     ap.add_argument("--passes", type=int, default=0, help="time only choose's candidates, this many passes")
     ap.add_argument("--heads", default="64,128", help="head dims for --passes")
     ap.add_argument("--causal", default="0,1", help="for --passes: 0 (no mask), 1 (causal) or both")
+    ap.add_argument(
+        "--timer", default="bench", choices=sorted(TIMERS), help="for --passes and --bottom-right"
+    )
     ap.add_argument("--bottom-right", default="", help="NqxNk,... : time bottom-right causal calls")
     ap.add_argument("--batch", type=int, default=0, help="--bottom-right: sequences (default ~8k rows)")
     ap.add_argument("--q-heads", type=int, default=0, help="--bottom-right: query heads (default 2048 / d)")
     args = ap.parse_args()
+    TIMER[0] = args.timer
     t0 = time.time()
     if args.bottom_right:
         pairs = [tuple(map(int, p.split("x"))) for p in args.bottom_right.split(",")]
@@ -164,7 +177,9 @@ def main():
         return
     if args.passes:
         masks = [bool(int(c)) for c in args.causal.split(",")]
-        repeated(list(map(int, args.heads.split(","))), list(map(int, args.ns.split(","))), args.passes, masks)
+        repeated(
+            list(map(int, args.heads.split(","))), list(map(int, args.ns.split(","))), args.passes, masks
+        )
         print(f"total {time.time() - t0:.0f} s")
         return
     bad = check(VARIANTS, attention, kv_heads=(3, 1))
