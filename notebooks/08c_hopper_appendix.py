@@ -218,7 +218,7 @@ for d_head, variants in hopper.VARIANTS.items():
         fields = ", ".join(f"{name}={val}" for name, val in zip(FIELDS, v))
         print(f"d = {d_head:3}: {fields}")
         print(f"         {v.num_consumers * hopper.QUERY_ROWS} query rows per program, {warps} warps, "
-              f"{opts['CONSUMER_REGS']} registers per consumer thread, {v.programs_per_sm} program(s) per SM")  # fmt: skip
+              f"{opts['CONSUMER_REGS']} registers per consumer thread, {v.programs_per_sm} per SM")  # fmt: skip
 
 # %% [markdown]
 # Shared memory limits the variants. A program holds its Q block (64 rows per consumer) and `NUM_STAGES`
