@@ -277,6 +277,10 @@ def test_serving_step_stacks_projections_and_follows_weight_changes():
     check("first use")
     first = stacked_weight(layer.attention, ("wq", "wk", "wv"))
     assert stacked_weight(layer.attention, ("wq", "wk", "wv")) is first, "the stack is remade on every call"
+    twin = copy.deepcopy(model).layers[0].attention  # a copy has its own weights, so its own stack
+    assert stacked_weight(twin, ("wq", "wk", "wv")) is not first and torch.equal(
+        stacked_weight(twin, ("wq", "wk", "wv")), first
+    )
     loss = model(torch.randint(0, 256, (1, 9), device=DEVICE), torch.randint(0, 256, (1, 9), device=DEVICE))[
         1
     ]

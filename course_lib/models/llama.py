@@ -23,6 +23,7 @@ changed on a built model (`model.backend = "sdpa"`):
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import asdict, dataclass
 
 import torch
@@ -196,17 +197,20 @@ def stacked_weight(module: nn.Module, names: tuple[str, ...]) -> torch.Tensor | 
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         return None
     weights = [getattr(module, name).weight for name in names]
-    if any(
-        w.is_inference() for w in weights
-    ):  # made under torch.inference_mode: no version counter to follow
-        return None
+    if any(w.is_inference() for w in weights):
+        return None  # made under torch.inference_mode: no version counter to follow
     key = tuple((w._version, w.data_ptr(), w.dtype, w.device) for w in weights)
-    cached = module.__dict__.get("_stacked")
+    cached = _STACKS.get(module)
     if cached is None or cached[0] != key:
         with torch.no_grad():
             cached = (key, torch.cat(weights))
-        module.__dict__["_stacked"] = cached
+        _STACKS[module] = cached
     return cached[1]
+
+
+# module -> (its weights' versions, pointers, dtypes and devices; their stack): held beside the module, not in it,
+# so that pickling, `copy.deepcopy` and `state_dict` never carry a stack; it goes when the module does.
+_STACKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 class Attention(nn.Module):
