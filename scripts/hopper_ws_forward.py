@@ -84,13 +84,12 @@ TIMERS = {
     # Triton forward timed 6-10 % below the bench's figure for the same launch, the Gluon variants 1-2 %.
     "do_bench": lambda fn: triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median"),
 }
-TIMER = ["bench"]  # --timer
 
 
-def timed_cell(label: str, runs: dict, flops: float, pick, passes: int) -> float:
+def timed_cell(label: str, runs: dict, flops: float, pick, passes: int, timer: str = "bench") -> float:
     """Time `runs` (kernel -> call; None: the Triton forward) in `passes` rotated passes, print each one's median
     TFLOP/s, the fastest and `pick`'s share of it (returned), and the passes' spread."""
-    times = interleaved(runs, passes, TIMERS[TIMER[0]])
+    times = interleaved(runs, passes, TIMERS[timer])
     tflops = {t: flops / statistics.median(ms) * 1e-9 for t, ms in times.items()}
     best = max(tflops, key=tflops.get)
     print(
@@ -104,7 +103,7 @@ def timed_cell(label: str, runs: dict, flops: float, pick, passes: int) -> float
     return tflops[pick] / tflops[best]
 
 
-def repeated(heads: list[int], ns: list[int], passes: int, masks=(False, True)) -> None:
+def repeated(heads: list[int], ns: list[int], passes: int, masks=(False, True), timer: str = "bench") -> None:
     """Median TFLOP/s of each variant and the Triton forward over `passes` rotated passes per cell
     (bf16, B*N = 16k, H*d = 2048), and the share of the fastest that `hopper.choose`'s pick reaches."""
     shares = []
@@ -117,12 +116,17 @@ def repeated(heads: list[int], ns: list[int], passes: int, masks=(False, True)) 
                 runs = {t: (lambda t=t: run_kernel(t, q, k, v, causal)) for t in kernels}  # noqa: B023
                 label = f"d={d:3d} causal={int(causal)} N={n:5d}"
                 flops = attention_flops(b, h, n, n, d, causal)
-                shares.append(timed_cell(label, runs, flops, hopper.choose(d, causal, n, n), passes))
+                shares.append(timed_cell(label, runs, flops, hopper.choose(d, causal, n, n), passes, timer))
     print(f"choose's pick over the fastest: min {min(shares):.3f}, geomean {summarise(shares)[1]:.3f}")
 
 
 def bottom_right(
-    heads: list[int], pairs: list[tuple[int, int]], passes: int, batch: int, q_heads: int
+    heads: list[int],
+    pairs: list[tuple[int, int]],
+    passes: int,
+    batch: int,
+    q_heads: int,
+    timer: str = "bench",
 ) -> None:
     """`repeated` for causal bottom-right calls (Nq queries at the end of Nk keys: a chunk of a prompt over its
     KV cache), Nq x Nk pairs, bf16, H * d = 2048 query heads over a quarter as many K/V heads, B * Nq ~ 8k
@@ -152,7 +156,7 @@ def bottom_right(
                 assert err < 2e-2, f"d={d} {n_q}x{n_k} {t}: max error {err}"
             runs = {t: (lambda t=t: run(t)) for t in kernels}
             pick = hopper.choose(d, True, n_q, n_k, offset)
-            timed_cell(f"d={d:3d} bottom-right {n_q}x{n_k} B={b}", runs, flops, pick, passes)
+            timed_cell(f"d={d:3d} bottom-right {n_q}x{n_k} B={b}", runs, flops, pick, passes, timer)
 
 
 def main():
@@ -168,18 +172,17 @@ def main():
     ap.add_argument("--batch", type=int, default=0, help="--bottom-right: sequences (default ~8k rows)")
     ap.add_argument("--q-heads", type=int, default=0, help="--bottom-right: query heads (default 2048 / d)")
     args = ap.parse_args()
-    TIMER[0] = args.timer
     t0 = time.time()
     if args.bottom_right:
         pairs = [tuple(map(int, p.split("x"))) for p in args.bottom_right.split(",")]
-        bottom_right(list(map(int, args.heads.split(","))), pairs, args.passes or 3, args.batch, args.q_heads)
+        heads = list(map(int, args.heads.split(",")))
+        bottom_right(heads, pairs, args.passes or 3, args.batch, args.q_heads, args.timer)
         print(f"total {time.time() - t0:.0f} s")
         return
     if args.passes:
         masks = [bool(int(c)) for c in args.causal.split(",")]
-        repeated(
-            list(map(int, args.heads.split(","))), list(map(int, args.ns.split(","))), args.passes, masks
-        )
+        heads, ns = list(map(int, args.heads.split(","))), list(map(int, args.ns.split(",")))
+        repeated(heads, ns, args.passes, masks, args.timer)
         print(f"total {time.time() - t0:.0f} s")
         return
     bad = check(VARIANTS, attention, kv_heads=(3, 1))
