@@ -3,12 +3,13 @@ and SDPA's on a Hopper GPU.
 
     python3 scripts/hopper_onepass_probe.py --out build/onepass.json [--ns 1024,4096,16384] [--ds 128,64]
 
-For each cell (bf16, B * N = 16k tokens, H * d = 2048, causal and not, one query head per K/V head): dQ, dK, dV
-of `hopper_onepass.backward` against the default backward
-(`attention.backward`, largest difference), then the time of each whole backward (the one pass with its D,
-zeroed accumulator and dQ cast; the default's two kernels with D; SDPA's, cuDNN) as TFLOP/s of the
-backward's 2.5 x forward FLOPs. Correctness against float64 is tests/test_hopper_onepass.py's. A cell that runs
-past --hang-s seconds (a deadlocked kernel) ends the run with what was measured.
+For each cell (bf16, B * N = 16k tokens, H * d = 2048, causal and not, one query head per K/V head): dQ, dK, dV of
+`hopper_onepass.backward`, both ways of adding dQ (split columns, own keys), against the default backward
+(`attention.backward`, largest difference), then the time of each whole backward (the one pass with its D, zeroed
+accumulator and dQ cast; the default's two kernels with D; SDPA's, cuDNN) as TFLOP/s of the backward's 2.5 x forward
+FLOPs; and the Gluon dK/dV kernel alone as TFLOP/s of its 4 products (2 x forward). Correctness against float64 is
+tests/test_hopper_onepass.py's. A cell that runs past --hang-s seconds (a deadlocked kernel) ends the run with what
+was measured.
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ import torch
 
 from course_lib.attention import backward as bwd
 from course_lib.attention import forward as fwd
+from course_lib.attention import hopper_backward as hb
 from course_lib.attention import hopper_onepass as onepass
+from course_lib.kernels import bound
 from course_lib.perf.timing import benchmark
 
 TOKENS, WIDTH = 16384, 2048
@@ -41,11 +44,20 @@ def cell(d: int, n: int, causal: bool) -> dict:
     row["default_tflops"] = round(
         flops / benchmark(lambda: bwd.backward(do, q, k, v, o, L, causal=causal)) / 1e9, 1
     )
-    grads = onepass.backward(q, k, v, o, do, L, 0, causal, scale)
-    for g, new, old in zip("qkv", grads, default):
-        row[f"onepass_d{g}_diff"] = (new.float() - old.float()).abs().max().item()
-    call = lambda: onepass.backward(q, k, v, o, do, L, 0, causal, scale)  # noqa: E731
-    row["onepass_tflops"] = round(flops / benchmark(call) / 1e9, 1)
+    for mode, own in (("onepass", False), ("own_keys", True)):
+        grads = onepass.backward(q, k, v, o, do, L, 0, causal, scale, own_keys=own)
+        for g, new, old in zip("qkv", grads, default):
+            row[f"{mode}_d{g}_diff"] = (new.float() - old.float()).abs().max().item()
+        call = lambda own=own: onepass.backward(q, k, v, o, do, L, 0, causal, scale, own_keys=own)  # noqa: E731
+        row[f"{mode}_tflops"] = round(flops / benchmark(call) / 1e9, 1)
+    # the dK/dV kernel alone (4 of the two kernels' 7 products), as TFLOP/s of its own 4 products
+    delta = torch.empty(B * H, n, dtype=torch.float32, device="cuda")
+    grid, args, meta = bwd.preprocess_launch(o, do, delta, B, H, n, d, q.dtype)
+    bound.launch(bwd._preprocess_kernel, grid, *args, **meta)
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    if hb.supports(q, k, v, do):
+        kernel = lambda: hb.dkdv(q, k, v, do, L, delta, dk, dv, 0, causal, scale)  # noqa: E731
+        row["dkdv_raw_tflops"] = round(flops * 4 / 5 / benchmark(kernel) / 1e9, 1)
     qs, ks, vs = (t.detach().requires_grad_() for t in (q, k, v))
     out = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=causal)
     sdpa = lambda: torch.autograd.grad(out, (qs, ks, vs), do, retain_graph=True)  # noqa: E731
