@@ -49,6 +49,8 @@ warp-specialised forward (`serving.cascade.dense_prefix_pass`), by the number of
 and 128, 16k and 32k prefixes (the table in `serving.cascade.prefix_splits`).
 
     COURSE_DEVICE=cuda python3 scripts/serving_probe.py --dense-prefix
+    COURSE_DEVICE=cuda python3 scripts/serving_probe.py --dense-prefix-one-consumer   # B = 64, 32k: the prefix pass
+                                                           # on one-consumer variants (two programs an SM)
 
 With --prefill-split: the cached prefill's attention (3280 x 32k, 1648 x 16k) with its keys cut in two, the halves on
 two streams and merged, against one call. With --ttft-cprofile: a cached 32k first token on the bench's model,
@@ -147,6 +149,24 @@ def dense_prefix(splits_tried=(2, 4, 8, 16), cells=((64, P), (64, P // 2), (128,
     for b, p in cells:
         print(f"B = {b}, P = {p}:")
         _dense_prefix(cascade_step_args(b, p), splits_tried)
+
+
+def dense_prefix_one_consumer(variants=((64, 3), (64, 2), (128, 2)), splits_tried=(4, 8)):
+    """--dense-prefix-one-consumer: `--dense-prefix` at B = 64, 32k, with the prefix pass on one-consumer variants of
+    the Gluon forward (64 query rows a program, half an SM's registers and at most half its shared memory:
+    `hopper.Variant.programs_per_sm`), so that a suffix program can share an SM with a prefix program; variants as
+    (keys a block, stages), one program per tile."""
+    from course_lib.attention import hopper
+
+    chosen = hopper.choose
+    try:
+        for block_n, stages in variants:
+            variant = hopper.Variant(block_n, stages, 1, False, False)
+            hopper.choose = lambda *a, variant=variant, **k: variant
+            print(f"one consumer, {block_n}-key blocks, {stages} stages:")
+            _dense_prefix(cascade_step_args(64, P), splits_tried)
+    finally:
+        hopper.choose = chosen
 
 
 def _dense_prefix(args, splits_tried):
@@ -1068,6 +1088,9 @@ if __name__ == "__main__":
         "--dense-prefix", action="store_true", help="cascade's prefix pass on the Gluon forward"
     )
     parser.add_argument(
+        "--dense-prefix-one-consumer", action="store_true", help="--dense-prefix on one-consumer variants"
+    )
+    parser.add_argument(
         "--prefill-split", action="store_true", help="the cached prefill, keys cut, 2 streams"
     )
     parser.add_argument(
@@ -1115,6 +1138,8 @@ if __name__ == "__main__":
         prefill_split()
     elif args.dense_prefix:
         dense_prefix()
+    elif args.dense_prefix_one_consumer:
+        dense_prefix_one_consumer()
     elif args.prefill:
         prefill_table()
     elif args.batching:
