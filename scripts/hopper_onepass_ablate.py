@@ -8,7 +8,10 @@ Rows, TFLOP/s of the backward's 2.5 x forward FLOPs (bf16, B * N = 16k tokens, H
 alone with the D pass, zeroed accumulator and cast as `hopper_onepass.backward` runs them:
 split (FlashAttention-3's, as in the module), split without TMA's reduce (dQ still stored to shared memory),
 split without the dQ product, store or reduce (the two warpgroups still wait for each other's dS), the same
-without those waits; own keys, and own keys without the reduce.
+without those waits; own keys, and own keys without the reduce; one loop for every program (the key mask always
+on, where the module compiles a second loop without it for the programs whose keys all exist), alone and with
+nothing of dQ, and then with a tiny dQ tile in shared memory; and, in the same units, the two-kernel backward's
+dK/dV kernel with its D pass (the same 4 products as the rows without dQ).
 """
 
 from __future__ import annotations
@@ -20,7 +23,10 @@ from pathlib import Path
 
 import torch
 
+from course_lib.attention import backward as bwd
 from course_lib.attention import forward as fwd
+from course_lib.attention import hopper_backward as hb
+from course_lib.kernels import bound
 from course_lib.perf.timing import benchmark
 
 SOURCE = Path(__file__).resolve().parents[1] / "course_lib" / "attention" / "hopper_onepass.py"
@@ -42,6 +48,21 @@ NO_SYNC = [
     ("            mbarrier.wait(ds_bar, step & 1)  # both dS tiles of the step are in shared memory\n", ""),
     ("            mbarrier.arrive(dq_full, count=1)  # counts the warpgroups done with the step\n", ""),
 ]
+ONE_LOOP = [
+    (
+        "    if n_start + CTA_N > N_K:\n"
+        "        dk, dv = _steps(loop, dk, dv, CAUSAL, NUM_STAGES, NUM_CONSUMERS, WG, True, OWN_KEYS)\n"
+        "    else:\n"
+        "        dk, dv = _steps(loop, dk, dv, CAUSAL, NUM_STAGES, NUM_CONSUMERS, WG, False, OWN_KEYS)\n",
+        "    dk, dv = _steps(loop, dk, dv, CAUSAL, NUM_STAGES, NUM_CONSUMERS, WG, True, OWN_KEYS)\n",
+    )
+]
+SMALL_DQ_SMEM = [
+    (
+        "gl.allocate_shared_memory(gl.float32, [NUM_CONSUMERS, QROWS, DQ_COLS], dq_desc.layout)",
+        "gl.allocate_shared_memory(gl.float32, [NUM_CONSUMERS, 8, 32], dq_desc.layout)",
+    )
+]
 ABLATIONS = {
     "split": ([], False),
     "split, no reduce": (NO_REDUCE, False),
@@ -49,6 +70,12 @@ ABLATIONS = {
     "split, none of dQ, no waits": (NO_DQ + NO_SYNC, False),
     "own keys": ([], True),
     "own keys, no reduce": (NO_REDUCE, True),
+    "split, one loop": (ONE_LOOP, False),
+    "split, none of dQ, no waits, one loop": (NO_DQ + NO_SYNC + ONE_LOOP, False),
+    "split, none of dQ, no waits, one loop, small dQ tiles": (
+        NO_DQ + NO_SYNC + ONE_LOOP + SMALL_DQ_SMEM,
+        False,
+    ),
 }
 
 
@@ -79,6 +106,15 @@ def cell(modules: dict, d: int, n: int, causal: bool) -> dict:
             return mod.backward(q, k, v, o, do, L, 0, causal, d**-0.5, own_keys=own)
 
         row[name] = round(flops / benchmark(call) / 1e9, 1)
+    delta = torch.empty(B * H, n, dtype=torch.float32, device="cuda")
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
+
+    def dkdv():  # the two-kernel backward's dK/dV kernel with its D pass: the same 4 products
+        grid, args, meta = bwd.preprocess_launch(o, do, delta, B, H, n, d, q.dtype)
+        bound.launch(bwd._preprocess_kernel, grid, *args, **meta)
+        hb.dkdv(q, k, v, do, L, delta, dk, dv, 0, causal, d**-0.5)
+
+    row["dK/dV kernel and D"] = round(flops / benchmark(dkdv) / 1e9, 1)
     return row
 
 
@@ -86,8 +122,10 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--ns", default="16384")
     p.add_argument("--ds", default="128")
+    p.add_argument("--only", default="", help="the rows to time, their names joined by ';' (default: all)")
     a = p.parse_args()
-    modules = {name: (ablated(name, edits), own) for name, (edits, own) in ABLATIONS.items()}
+    names = a.only.split(";") if a.only else list(ABLATIONS)
+    modules = {name: (ablated(name, ABLATIONS[name][0]), ABLATIONS[name][1]) for name in names}
     for d in map(int, a.ds.split(",")):
         for n in map(int, a.ns.split(",")):
             for causal in (False, True):
