@@ -118,6 +118,16 @@ def cell(modules: dict, d: int, n: int, causal: bool) -> dict:
     return row
 
 
+def compiled(kernel) -> list[str]:
+    """Registers, spills (ptxas's count of spilled values) and shared memory of each binary `kernel` compiled."""
+    out = []
+    for cache in kernel.device_caches.values():
+        for binary in cache[0].values():
+            binary._init_handles()
+            out.append(f"regs {binary.n_regs}, spills {binary.n_spills}, shared {binary.metadata.shared}")
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--ns", default="16384")
@@ -130,6 +140,9 @@ def main() -> None:
         for n in map(int, a.ns.split(",")):
             for causal in (False, True):
                 print(json.dumps(cell(modules, d, n, causal)), flush=True)
+    for name, (mod, _) in modules.items():
+        print(f"{name}: {compiled(mod.bwd_ws_kernel)}")
+    print(f"dK/dV kernel: {compiled(hb.dkdv_ws_kernel)}")
 
 
 if __name__ == "__main__":
