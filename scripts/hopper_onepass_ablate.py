@@ -8,10 +8,11 @@ Rows, TFLOP/s of the backward's 2.5 x forward FLOPs (bf16, B * N = 16k tokens, H
 alone with the D pass, zeroed accumulator and cast as `hopper_onepass.backward` runs them:
 split (FlashAttention-3's, as in the module), split without TMA's reduce (dQ still stored to shared memory),
 split without the dQ product, store or reduce (the two warpgroups still wait for each other's dS), the same
-without those waits; own keys, and own keys without the reduce; one loop for every program (the key mask always
+without those waits; one loop for every program (the key mask always
 on, where the module compiles a second loop without it for the programs whose keys all exist), alone and with
 nothing of dQ, and then with a tiny dQ tile in shared memory; and, in the same units, the two-kernel backward's
-dK/dV kernel with its D pass (the same 4 products as the rows without dQ).
+dK/dV kernel with its D pass (the same 4 products as the rows without dQ); dQ in 2 chunks of columns a
+warpgroup (`backward(dq_chunks=2)`), with one loop or two. Then each binary's registers, spills, shared memory.
 """
 
 from __future__ import annotations
@@ -32,50 +33,53 @@ from course_lib.perf.timing import benchmark
 SOURCE = Path(__file__).resolve().parents[1] / "course_lib" / "attention" / "hopper_onepass.py"
 TOKENS, WIDTH = 16384, 2048
 
-NO_REDUCE = [("    _tma_reduce_add(dq_desc, [row, col], dq_w)\n", "")]
+NO_REDUCE = [("    _tma_reduce_add(dq_desc, [row, col], dq_c)\n", "")]
 NO_DQ = [
-    ("            dq_tok = _dq_product(ds_smem, k_smem, dq_zero, WG, NUM_CONSUMERS)\n", ""),
-    ("            dq = warpgroup_mma_wait(0, deps=[dq_tok])\n", ""),
-    ("            _add_dq(dq, dq_w, dq_desc, head * N_Q + m_blk * QROWS, WG * HALF)\n", ""),
+    (
+        "        for c in gl.static_range(DQ_CHUNKS):\n"
+        "            col = (WG * DQ_CHUNKS + c) * C\n"
+        "            dq_tok = _dq_product(ds_smem, k_smem, dq_zero, col, NUM_CONSUMERS)\n"
+        "            dq = warpgroup_mma_wait(0, deps=[dq_tok])\n"
+        "            _add_dq(dq, dq_w.index(c), dq_desc, head * N_Q + m_blk * QROWS, col, DQ_CHUNKS - 1)\n",
+        "",
+    )
 ]
 NO_SYNC = [
     (
-        "            if step > 0:  # both warpgroups' dQ products of the previous step, which read this tile, "
-        "are done\n                mbarrier.wait(dq_full, (step - 1) & 1)\n",
+        "        if step > 0:  # both warpgroups' dQ products of the previous step, which read this tile, are done\n"
+        "            mbarrier.wait(dq_full, (step - 1) & 1)\n",
         "",
     ),
-    ("            mbarrier.arrive(ds_bar, count=1)\n", ""),
-    ("            mbarrier.wait(ds_bar, step & 1)  # both dS tiles of the step are in shared memory\n", ""),
-    ("            mbarrier.arrive(dq_full, count=1)  # counts the warpgroups done with the step\n", ""),
+    ("        mbarrier.arrive(ds_bar, count=1)\n", ""),
+    ("        mbarrier.wait(ds_bar, step & 1)  # both dS tiles of the step are in shared memory\n", ""),
+    ("        mbarrier.arrive(dq_full, count=1)  # counts the warpgroups done with the step\n", ""),
 ]
 ONE_LOOP = [
     (
         "    if n_start + CTA_N > N_K:\n"
-        "        dk, dv = _steps(loop, dk, dv, CAUSAL, NUM_STAGES, NUM_CONSUMERS, WG, True, OWN_KEYS)\n"
+        "        dk, dv = _steps(loop, dk, dv, CAUSAL, NUM_STAGES, NUM_CONSUMERS, WG, True, DQ_CHUNKS)\n"
         "    else:\n"
-        "        dk, dv = _steps(loop, dk, dv, CAUSAL, NUM_STAGES, NUM_CONSUMERS, WG, False, OWN_KEYS)\n",
-        "    dk, dv = _steps(loop, dk, dv, CAUSAL, NUM_STAGES, NUM_CONSUMERS, WG, True, OWN_KEYS)\n",
+        "        dk, dv = _steps(loop, dk, dv, CAUSAL, NUM_STAGES, NUM_CONSUMERS, WG, False, DQ_CHUNKS)\n",
+        "    dk, dv = _steps(loop, dk, dv, CAUSAL, NUM_STAGES, NUM_CONSUMERS, WG, True, DQ_CHUNKS)\n",
     )
 ]
 SMALL_DQ_SMEM = [
     (
-        "gl.allocate_shared_memory(gl.float32, [NUM_CONSUMERS, QROWS, DQ_COLS], dq_desc.layout)",
-        "gl.allocate_shared_memory(gl.float32, [NUM_CONSUMERS, 8, 32], dq_desc.layout)",
+        "gl.allocate_shared_memory(gl.float32, [NUM_CONSUMERS, DQ_CHUNKS, QROWS, C], dq_desc.layout)",
+        "gl.allocate_shared_memory(gl.float32, [NUM_CONSUMERS, DQ_CHUNKS, 8, 32], dq_desc.layout)",
     )
 ]
+# name: (the source's edits, backward's dq_chunks)
 ABLATIONS = {
-    "split": ([], False),
-    "split, no reduce": (NO_REDUCE, False),
-    "split, no dQ product/store/reduce": (NO_DQ, False),
-    "split, none of dQ, no waits": (NO_DQ + NO_SYNC, False),
-    "own keys": ([], True),
-    "own keys, no reduce": (NO_REDUCE, True),
-    "split, one loop": (ONE_LOOP, False),
-    "split, none of dQ, no waits, one loop": (NO_DQ + NO_SYNC + ONE_LOOP, False),
-    "split, none of dQ, no waits, one loop, small dQ tiles": (
-        NO_DQ + NO_SYNC + ONE_LOOP + SMALL_DQ_SMEM,
-        False,
-    ),
+    "split": ([], 1),
+    "split, no reduce": (NO_REDUCE, 1),
+    "split, no dQ product/store/reduce": (NO_DQ, 1),
+    "split, none of dQ, no waits": (NO_DQ + NO_SYNC, 1),
+    "split, one loop": (ONE_LOOP, 1),
+    "split, none of dQ, no waits, one loop": (NO_DQ + NO_SYNC + ONE_LOOP, 1),
+    "split, none of dQ, no waits, one loop, small dQ tiles": (NO_DQ + NO_SYNC + ONE_LOOP + SMALL_DQ_SMEM, 1),
+    "split, 2 chunks": ([], 2),
+    "split, 2 chunks, one loop": (ONE_LOOP, 2),
 }
 
 
@@ -100,10 +104,10 @@ def cell(modules: dict, d: int, n: int, causal: bool) -> dict:
     o, L = fwd.forward(q, k, v, causal=causal)
     flops = 2.5 * 4 * B * H * n * n * d * (0.5 if causal else 1.0)
     row = dict(d=d, n=n, causal=causal)
-    for name, (mod, own) in modules.items():
+    for name, (mod, chunks) in modules.items():
 
-        def call(mod=mod, own=own):
-            return mod.backward(q, k, v, o, do, L, 0, causal, d**-0.5, own_keys=own)
+        def call(mod=mod, chunks=chunks):
+            return mod.backward(q, k, v, o, do, L, 0, causal, d**-0.5, dq_chunks=chunks)
 
         row[name] = round(flops / benchmark(call) / 1e9, 1)
     delta = torch.empty(B * H, n, dtype=torch.float32, device="cuda")

@@ -47,13 +47,12 @@ CASES = [
 
 
 @hopper_gpu
-@pytest.mark.parametrize("own_keys", (False, True), ids=("split", "own-keys"))
+@pytest.mark.parametrize("dq_chunks", (1, 2))
 @pytest.mark.parametrize("d", (64, 128))
 @pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=("bf16", "fp16"))
 @pytest.mark.parametrize("name,shape,n_k,kv_heads,causal", CASES, ids=[c[0] for c in CASES])
-def test_gradients_match_reference(name, shape, n_k, kv_heads, causal, dtype, d, own_keys):
-    """Both ways of adding dQ: each warpgroup half the columns over both warpgroups' keys, or (own_keys) every
-    column over its own keys."""
+def test_gradients_match_reference(name, shape, n_k, kv_heads, causal, dtype, d, dq_chunks):
+    """dq_chunks: a warpgroup's columns of dQ in one product a step, or two (`_steps`' DQ_CHUNKS)."""
     torch.manual_seed(zlib.crc32(name.encode()) + d)
     q, k, v = random_qkv((*shape, d), n_k, dtype=dtype, device="cuda", kv_heads=kv_heads)
     do = torch.randn_like(q)
@@ -61,7 +60,7 @@ def test_gradients_match_reference(name, shape, n_k, kv_heads, causal, dtype, d,
     offset = causal_offset(causal_alignment(causal), q.shape[2], n_k)
     _, ref = reference_outputs(*(t.cpu().double() for t in (q, k, v)), causal, None, do.cpu().double())
     _, base = reference_outputs(q, k, v, causal, None, do)
-    grads = onepass.backward(q, k, v, o, do, lse, offset, bool(causal), d**-0.5, own_keys=own_keys)
+    grads = onepass.backward(q, k, v, o, do, lse, offset, bool(causal), d**-0.5, dq_chunks=dq_chunks)
     for g, got, r, b in zip("qkv", grads, ref, base):
         assert got.shape == r.shape and got.dtype == dtype
         assert torch.isfinite(got).all(), f"d{g}, {name}: not finite"

@@ -76,41 +76,41 @@ def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
 
 
 @gluon.jit
-def _add_dq(dq, dq_w, dq_desc, row, col):
-    """This warpgroup's part of a step's dQ: into its shared-memory tile (once TMA has read the last one),
-    then added to the accumulator at (row, col) by TMA."""
-    tma.store_wait(0)
-    dq_w.store(dq)
+def _add_dq(dq, dq_c, dq_desc, row, col, PENDING: gl.constexpr):
+    """A chunk of this warpgroup's columns of a step's dQ: into its shared-memory tile dq_c (once TMA has read
+    what it held: at most PENDING later adds may still be reading their own tiles), then added to the
+    accumulator at (row, col) by TMA."""
+    tma.store_wait(PENDING)
+    dq_c.store(dq)
     fence_async_shared()
     _partition_barrier()
-    _tma_reduce_add(dq_desc, [row, col], dq_w)
+    _tma_reduce_add(dq_desc, [row, col], dq_c)
 
 
 @gluon.jit
-def _dq_product(ds_smem, k_smem, dq_zero, WG: gl.constexpr, NUM_CONSUMERS: gl.constexpr):
-    """Issue dQ[:, cols_WG] = sum over the warpgroups c of dS_c K_c[:, cols_WG] (both dS tiles in shared memory):
-    this warpgroup's half of the step's dQ columns. Returns the product's token."""
-    HALF: gl.constexpr = dq_zero.shape[1]
-    dq_tok = warpgroup_mma(ds_smem.index(0), k_smem.index(0).slice(WG * HALF, HALF, dim=1), dq_zero,
+def _dq_product(ds_smem, k_smem, dq_zero, col, NUM_CONSUMERS: gl.constexpr):
+    """Issue dQ[:, col ... col + C] = sum over the warpgroups c of dS_c K_c[:, col ...] (both dS tiles in shared
+    memory), C = dq_zero's columns. Returns the product's token."""
+    C: gl.constexpr = dq_zero.shape[1]
+    dq_tok = warpgroup_mma(ds_smem.index(0), k_smem.index(0).slice(col, C, dim=1), dq_zero,
                            use_acc=False, is_async=True)  # fmt: skip
     for c in gl.static_range(1, NUM_CONSUMERS):
-        dq_tok = warpgroup_mma(ds_smem.index(c), k_smem.index(c).slice(WG * HALF, HALF, dim=1), dq_tok,
+        dq_tok = warpgroup_mma(ds_smem.index(c), k_smem.index(c).slice(col, C, dim=1), dq_tok,
                                is_async=True)  # fmt: skip
     return dq_tok
 
 
 @gluon.jit
 def _steps(loop, dk, dv, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
-           WG: gl.constexpr, KEY_MASK: gl.constexpr, OWN_KEYS: gl.constexpr):  # fmt: skip
+           WG: gl.constexpr, KEY_MASK: gl.constexpr, DQ_CHUNKS: gl.constexpr):  # fmt: skip
     """A consumer's loop over its steps; returns dK, dV. KEY_MASK: the program's block holds keys past N_K
-    (a loop of its own, so that the others carry no mask and no register for it). OWN_KEYS: this warpgroup's
-    dQ is dS_WG K_WG over its own 64 keys and all d columns (no wait for the other warpgroup's dS; twice the
-    adds), else FlashAttention-3's: both warpgroups' dS, columns WG * d / 2 ... only."""
+    (a loop of its own, so that the others carry no mask and no register for it). DQ_CHUNKS: this warpgroup's
+    d / NUM_CONSUMERS columns of dQ in that many products, one after the other (fewer registers live at once)."""
     (q_smem, do_smem, k_smem, ds_smem, ready_bar, empty_bar, ds_bar, dq_full, dq_desc, k_w, v_w, p_w, ds_w,
      dq_w, s_zero, dq_zero, offs_m, cols, L, Dlt, stride_lb, stride_lh, stride_lm, qk_scale,
      H, GROUP, N_Q, N_K, OFFSET, n_start, lo, mid, n_m, first_head) = loop  # fmt: skip
     dtype: gl.constexpr = q_smem.dtype
-    HALF: gl.constexpr = dq_zero.shape[1]
+    C: gl.constexpr = dq_zero.shape[1]  # columns of a chunk
     dk_tok = warpgroup_mma_init(dk)
     dv_tok = warpgroup_mma_init(dv)
     dq_tok = warpgroup_mma_init(dq_zero)
@@ -133,44 +133,37 @@ def _steps(loop, dk, dv, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_CON
         dv_tok = warpgroup_mma(p_w.permute((1, 0)), do, dv, is_async=True)
         dp = warpgroup_mma_wait(1, deps=[dp_tok])
         ds = p * (dp - gl.expand_dims(delta, 1))
-        if OWN_KEYS:  # this warpgroup's dQ product of the previous step, the last to read ds_w, is done
-            ds_w.store(ds.to(dtype))
-            fence_async_shared()
-            _partition_barrier()
-            dq_tok = warpgroup_mma(ds_w, k_w, dq_zero, use_acc=False, is_async=True)
-            dk_tok = warpgroup_mma(ds_w.permute((1, 0)), q, dk, is_async=True)
-            dq = warpgroup_mma_wait(1, deps=[dq_tok])  # dV and dQ done; dK may still run
-            _add_dq(dq, dq_w, dq_desc, head * N_Q + m_blk * QROWS, 0)
-        else:
-            if step > 0:  # both warpgroups' dQ products of the previous step, which read this tile, are done
-                mbarrier.wait(dq_full, (step - 1) & 1)
-            ds_w.store(ds.to(dtype))
-            fence_async_shared()
-            _partition_barrier()
-            mbarrier.arrive(ds_bar, count=1)
-            dk_tok = warpgroup_mma(ds_w.permute((1, 0)), q, dk, is_async=True)
-            mbarrier.wait(ds_bar, step & 1)  # both dS tiles of the step are in shared memory
-            dq_tok = _dq_product(ds_smem, k_smem, dq_zero, WG, NUM_CONSUMERS)
+        if step > 0:  # both warpgroups' dQ products of the previous step, which read this tile, are done
+            mbarrier.wait(dq_full, (step - 1) & 1)
+        ds_w.store(ds.to(dtype))
+        fence_async_shared()
+        _partition_barrier()
+        mbarrier.arrive(ds_bar, count=1)
+        dk_tok = warpgroup_mma(ds_w.permute((1, 0)), q, dk, is_async=True)
+        mbarrier.wait(ds_bar, step & 1)  # both dS tiles of the step are in shared memory
+        for c in gl.static_range(DQ_CHUNKS):
+            col = (WG * DQ_CHUNKS + c) * C
+            dq_tok = _dq_product(ds_smem, k_smem, dq_zero, col, NUM_CONSUMERS)
             dq = warpgroup_mma_wait(0, deps=[dq_tok])
-            _add_dq(dq, dq_w, dq_desc, head * N_Q + m_blk * QROWS, WG * HALF)
-            mbarrier.arrive(dq_full, count=1)  # counts the warpgroups done with the step
+            _add_dq(dq, dq_w.index(c), dq_desc, head * N_Q + m_blk * QROWS, col, DQ_CHUNKS - 1)
+        mbarrier.arrive(dq_full, count=1)  # counts the warpgroups done with the step
     dk, dv = warpgroup_mma_wait(0, deps=[dk_tok, dv_tok])
     return dk, dv
 
 
 @gluon.jit
 def _consumer(args, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr,
-              NUM_CONSUMERS: gl.constexpr, WG: gl.constexpr, OWN_KEYS: gl.constexpr):  # fmt: skip
-    """Warpgroup WG: dK, dV of keys n_start + 64 WG ... + 63 (registers), and its part of each step's dQ
-    (added by TMA): columns WG * HALF ..., or (OWN_KEYS) every column over its own keys."""
+              NUM_CONSUMERS: gl.constexpr, WG: gl.constexpr, DQ_CHUNKS: gl.constexpr):  # fmt: skip
+    """Warpgroup WG: dK, dV of keys n_start + 64 WG ... + 63 (registers), and columns
+    WG * d / NUM_CONSUMERS ... of each step's dQ (added by TMA, in DQ_CHUNKS chunks)."""
     (q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, dq_smem, kv_bar, ready_bar, empty_bar,
      ds_bar, dq_full, dq_desc,
      L, Dlt, DK, DV, qk_scale, sm_scale, stride_lb, stride_lh, stride_lm,
      stride_kb, stride_kh, stride_kn, H, GROUP, N_Q, N_K, OFFSET, num_n, BHKV) = args  # fmt: skip
     CTA_N: gl.constexpr = KROWS * NUM_CONSUMERS
-    DQ_COLS: gl.constexpr = HEAD_DIM if OWN_KEYS else HEAD_DIM // NUM_CONSUMERS
+    C: gl.constexpr = HEAD_DIM // (NUM_CONSUMERS * DQ_CHUNKS)  # columns of a chunk of dQ
     dq_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DQ_COLS, 16]
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, C, 16]
     )
 
     bhk, n_start, lo, mid, n_m, first_head = _block(num_n, BHKV, H, GROUP, N_Q, OFFSET, CAUSAL, CTA_N)
@@ -178,18 +171,18 @@ def _consumer(args, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl
     v_w = v_smem.index(WG)
     p_w = p_smem.index(WG)
     ds_w = ds_smem.index(WG)
-    dq_w = dq_smem.index(WG)
+    dq_w = dq_smem.index(WG)  # (DQ_CHUNKS, 64, C): one tile per chunk
     s_zero, dk, dv, offs_m, cols = _tiles(n_start + WG * KROWS, HEAD_DIM)
-    dq_zero = gl.zeros([QROWS, DQ_COLS], gl.float32, layout=dq_layout)
+    dq_zero = gl.zeros([QROWS, C], gl.float32, layout=dq_layout)
 
     mbarrier.wait(kv_bar, 0)
     loop = (q_smem, do_smem, k_smem, ds_smem, ready_bar, empty_bar, ds_bar, dq_full, dq_desc, k_w, v_w, p_w, ds_w,
             dq_w, s_zero, dq_zero, offs_m, cols, L, Dlt, stride_lb, stride_lh, stride_lm, qk_scale,
             H, GROUP, N_Q, N_K, OFFSET, n_start, lo, mid, n_m, first_head)  # fmt: skip
     if n_start + CTA_N > N_K:
-        dk, dv = _steps(loop, dk, dv, CAUSAL, NUM_STAGES, NUM_CONSUMERS, WG, True, OWN_KEYS)
+        dk, dv = _steps(loop, dk, dv, CAUSAL, NUM_STAGES, NUM_CONSUMERS, WG, True, DQ_CHUNKS)
     else:
-        dk, dv = _steps(loop, dk, dv, CAUSAL, NUM_STAGES, NUM_CONSUMERS, WG, False, OWN_KEYS)
+        dk, dv = _steps(loop, dk, dv, CAUSAL, NUM_STAGES, NUM_CONSUMERS, WG, False, DQ_CHUNKS)
     tma.store_wait(0)
 
     _store_dkdv(
@@ -203,19 +196,19 @@ def bwd_ws_kernel(
     stride_lb, stride_lh, stride_lm, stride_kb, stride_kh, stride_kn,
     H, GROUP, SHARE, N_Q, N_K, OFFSET, BHKV,
     CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr, OWN_KEYS: gl.constexpr = False,
+    CONSUMER_REGS: gl.constexpr, DQ_CHUNKS: gl.constexpr = 1,
 ):  # fmt: skip
     """`hopper_backward.dkdv_ws_kernel`'s arguments, and dq_desc: a TMA descriptor of a zeroed float32
-    (B * H * N_Q, d) accumulator in blocks of (64, d / NUM_CONSUMERS) (OWN_KEYS: (64, d)), which receives
-    the sum over key blocks of dS K (unscaled). Rows of a step past N_Q add zeros (P = 0 there) to the next
-    head's rows, or fall outside the tensor, where TMA drops them."""
+    (B * H * N_Q, d) accumulator in blocks of (64, d / (NUM_CONSUMERS * DQ_CHUNKS)), which receives the sum
+    over key blocks of dS K (unscaled). Rows of a step past N_Q add zeros (P = 0 there) to the next head's rows, or
+    fall outside the tensor, where TMA drops them."""
     CTA_N: gl.constexpr = KROWS * NUM_CONSUMERS
-    DQ_COLS: gl.constexpr = HEAD_DIM if OWN_KEYS else HEAD_DIM // NUM_CONSUMERS
+    C: gl.constexpr = HEAD_DIM // (NUM_CONSUMERS * DQ_CHUNKS)
     num_n = gl.cdiv(N_K, CTA_N)
     q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, kv_bar, ready_bar, empty_bar = _shared(
         q_desc, do_desc, k_desc, v_desc, HEAD_DIM, NUM_STAGES, NUM_CONSUMERS
     )
-    dq_smem = gl.allocate_shared_memory(gl.float32, [NUM_CONSUMERS, QROWS, DQ_COLS], dq_desc.layout)
+    dq_smem = gl.allocate_shared_memory(gl.float32, [NUM_CONSUMERS, DQ_CHUNKS, QROWS, C], dq_desc.layout)
     ds_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     dq_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     mbarrier.init(ds_bar, count=NUM_CONSUMERS)
@@ -230,8 +223,8 @@ def bwd_ws_kernel(
              H, GROUP, SHARE, N_Q, N_K, OFFSET, num_n, BHKV)  # fmt: skip
     gl.warp_specialize(
         [
-            (_consumer, (shared, CAUSAL, HEAD_DIM, NUM_STAGES, NUM_CONSUMERS, 0, OWN_KEYS)),
-            (_consumer, (shared, CAUSAL, HEAD_DIM, NUM_STAGES, NUM_CONSUMERS, 1, OWN_KEYS)),
+            (_consumer, (shared, CAUSAL, HEAD_DIM, NUM_STAGES, NUM_CONSUMERS, 0, DQ_CHUNKS)),
+            (_consumer, (shared, CAUSAL, HEAD_DIM, NUM_STAGES, NUM_CONSUMERS, 1, DQ_CHUNKS)),
             (_producer, (loads, CAUSAL, NUM_STAGES, NUM_CONSUMERS)),
         ],
         [4, 1], [CONSUMER_REGS, 24],
@@ -245,12 +238,12 @@ NUM_CONSUMERS = 2
 NUM_STAGES = 2  # Q, dO ring slots: d = 128 takes 197 KB of shared memory with two
 
 
-def backward(q4, k4, v4, o4, do4, l3, offset: int, causal: bool, scale: float, own_keys: bool = False):
+def backward(q4, k4, v4, o4, do4, l3, offset: int, causal: bool, scale: float, dq_chunks: int = 1):
     """(dQ, dK, dV) of attention from one kernel, for q4, do4, o4 (B, H, N_Q, d) and k4, v4 (B, H_kv, N_K, d)
     that pass `hopper_backward.supports` (a Hopper GPU, 16-bit, contiguous, d 64 or 128); l3 (B, H, N_Q) the
     forward's L (float32, natural log); offset: the causal alignment's `checks.causal_offset`. dK, dV are
-    summed over the H / H_kv query heads of each K/V head. own_keys: each warpgroup adds dQ over its own keys,
-    every column (`_steps`' OWN_KEYS). The caller makes q4's GPU current."""
+    summed over the H / H_kv query heads of each K/V head. dq_chunks: products a warpgroup's half of a step's dQ
+    is made in (`_steps`' DQ_CHUNKS). The caller makes q4's GPU current."""
     B, H, n_q, d = q4.shape
     h_kv, n_k = k4.shape[1], k4.shape[2]
     delta = torch.empty(B * H, n_q, dtype=torch.float32, device=q4.device)  # D = rowsum(dO * O)
@@ -258,7 +251,7 @@ def backward(q4, k4, v4, o4, do4, l3, offset: int, causal: bool, scale: float, o
     bound.launch(_preprocess_kernel, grid, *args, **meta)
     dq_acc = torch.zeros(B * H * n_q, d, dtype=torch.float32, device=q4.device)
     dk, dv = torch.empty_like(k4), torch.empty_like(v4)
-    cols = d if own_keys else d // NUM_CONSUMERS
+    cols = d // (NUM_CONSUMERS * dq_chunks)
     dq_desc = TensorDescriptor(
         dq_acc, [B * H * n_q, d], [d, 1], [QROWS.value, cols],
         gl.NVMMASharedLayout.get_default_for([QROWS.value, cols], gl.float32),
@@ -270,7 +263,7 @@ def backward(q4, k4, v4, o4, do4, l3, offset: int, causal: bool, scale: float, o
         l3, delta, dk, dv, scale * LOG2E, scale,
         l3.stride(0), l3.stride(1), l3.stride(2), dk.stride(0), dk.stride(1), dk.stride(2),
         H, H // h_kv, 1, n_q, n_k, offset, B * h_kv,
-        CAUSAL=causal, HEAD_DIM=d, NUM_STAGES=NUM_STAGES, NUM_CONSUMERS=NUM_CONSUMERS, OWN_KEYS=own_keys,
+        CAUSAL=causal, HEAD_DIM=d, NUM_STAGES=NUM_STAGES, NUM_CONSUMERS=NUM_CONSUMERS, DQ_CHUNKS=dq_chunks,
         **launch_options(NUM_CONSUMERS),
     )  # fmt: skip
     return (dq_acc.view(q4.shape) * scale).to(q4.dtype), dk, dv
