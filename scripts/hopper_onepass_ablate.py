@@ -40,7 +40,9 @@ NO_DQ = [
         "            col = (WG * DQ_CHUNKS + c) * C\n"
         "            dq_tok = _dq_product(ds_smem, k_smem, dq_zero, col, NUM_CONSUMERS)\n"
         "            dq = warpgroup_mma_wait(0, deps=[dq_tok])\n"
-        "            _add_dq(dq, dq_w.index(c), dq_desc, head * N_Q + m_blk * QROWS, col, DQ_CHUNKS - 1)\n",
+        "            _add_dq(\n"
+        "                dq, dq_w.index(WG * DQ_CHUNKS + c), dq_desc, head * N_Q + m_blk * QROWS, col, DQ_CHUNKS - 1\n"
+        "            )\n",
         "",
     )
 ]
@@ -65,8 +67,8 @@ ONE_LOOP = [
 ]
 SMALL_DQ_SMEM = [
     (
-        "gl.allocate_shared_memory(gl.float32, [NUM_CONSUMERS, DQ_CHUNKS, QROWS, C], dq_desc.layout)",
-        "gl.allocate_shared_memory(gl.float32, [NUM_CONSUMERS, DQ_CHUNKS, 8, 32], dq_desc.layout)",
+        "gl.allocate_shared_memory(gl.float32, [NUM_CONSUMERS * DQ_CHUNKS, QROWS, C], dq_desc.layout)",
+        "gl.allocate_shared_memory(gl.float32, [NUM_CONSUMERS * DQ_CHUNKS, 8, 32], dq_desc.layout)",
     )
 ]
 # name: (the source's edits, backward's dq_chunks)

@@ -145,7 +145,9 @@ def _steps(loop, dk, dv, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_CON
             col = (WG * DQ_CHUNKS + c) * C
             dq_tok = _dq_product(ds_smem, k_smem, dq_zero, col, NUM_CONSUMERS)
             dq = warpgroup_mma_wait(0, deps=[dq_tok])
-            _add_dq(dq, dq_w.index(c), dq_desc, head * N_Q + m_blk * QROWS, col, DQ_CHUNKS - 1)
+            _add_dq(
+                dq, dq_w.index(WG * DQ_CHUNKS + c), dq_desc, head * N_Q + m_blk * QROWS, col, DQ_CHUNKS - 1
+            )
         mbarrier.arrive(dq_full, count=1)  # counts the warpgroups done with the step
     dk, dv = warpgroup_mma_wait(0, deps=[dk_tok, dv_tok])
     return dk, dv
@@ -171,7 +173,7 @@ def _consumer(args, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl
     v_w = v_smem.index(WG)
     p_w = p_smem.index(WG)
     ds_w = ds_smem.index(WG)
-    dq_w = dq_smem.index(WG)  # (DQ_CHUNKS, 64, C): one tile per chunk
+    dq_w = dq_smem  # (NUM_CONSUMERS * DQ_CHUNKS, 64, C): a tile per warpgroup and chunk
     s_zero, dk, dv, offs_m, cols = _tiles(n_start + WG * KROWS, HEAD_DIM)
     dq_zero = gl.zeros([QROWS, C], gl.float32, layout=dq_layout)
 
@@ -208,7 +210,7 @@ def bwd_ws_kernel(
     q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, kv_bar, ready_bar, empty_bar = _shared(
         q_desc, do_desc, k_desc, v_desc, HEAD_DIM, NUM_STAGES, NUM_CONSUMERS
     )
-    dq_smem = gl.allocate_shared_memory(gl.float32, [NUM_CONSUMERS, DQ_CHUNKS, QROWS, C], dq_desc.layout)
+    dq_smem = gl.allocate_shared_memory(gl.float32, [NUM_CONSUMERS * DQ_CHUNKS, QROWS, C], dq_desc.layout)
     ds_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     dq_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     mbarrier.init(ds_bar, count=NUM_CONSUMERS)
