@@ -88,7 +88,7 @@ def _add_dq(dq, dq_c, dq_desc, row, col, PENDING: gl.constexpr):
 
 
 @gluon.jit
-def _dq_product(ds_smem, k_smem, dq_zero, col, NUM_CONSUMERS: gl.constexpr):
+def _dq_product(ds_smem, k_smem, dq_zero, col: gl.constexpr, NUM_CONSUMERS: gl.constexpr):
     """Issue dQ[:, col ... col + C] = sum over the warpgroups c of dS_c K_c[:, col ...] (both dS tiles in shared
     memory), C = dq_zero's columns. Returns the product's token."""
     C: gl.constexpr = dq_zero.shape[1]
