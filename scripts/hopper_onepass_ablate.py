@@ -36,13 +36,13 @@ TOKENS, WIDTH = 16384, 2048
 NO_REDUCE = [("    _tma_reduce_add(dq_desc, [row, col], dq_c)\n", "")]
 NO_DQ = [
     (
-        "        for c in gl.static_range(DQ_CHUNKS):\n"
-        "            col = (WG * DQ_CHUNKS + c) * C\n"
-        "            dq_tok = _dq_product(ds_smem, k_smem, dq_zero, col, NUM_CONSUMERS)\n"
+        "        for c in gl.static_range(DQ_CHUNKS):  # the chunk's first column inline: a constant (no name bound "
+        "twice)\n"
+        "            dq_tok = _dq_product(ds_smem, k_smem, dq_zero, (WG * DQ_CHUNKS + c) * C, NUM_CONSUMERS)\n"
         "            dq = warpgroup_mma_wait(0, deps=[dq_tok])\n"
-        "            _add_dq(\n"
-        "                dq, dq_w.index(WG * DQ_CHUNKS + c), dq_desc, head * N_Q + m_blk * QROWS, col, DQ_CHUNKS - 1\n"
-        "            )\n",
+        "            row = head * N_Q + m_blk * QROWS\n"
+        "            _add_dq(dq, dq_w.index(WG * DQ_CHUNKS + c), dq_desc, row, (WG * DQ_CHUNKS + c) * C, "
+        "DQ_CHUNKS - 1)\n",
         "",
     )
 ]

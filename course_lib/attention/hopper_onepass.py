@@ -141,13 +141,13 @@ def _steps(loop, dk, dv, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_CON
         mbarrier.arrive(ds_bar, count=1)
         dk_tok = warpgroup_mma(ds_w.permute((1, 0)), q, dk, is_async=True)
         mbarrier.wait(ds_bar, step & 1)  # both dS tiles of the step are in shared memory
-        for c in gl.static_range(DQ_CHUNKS):
-            col = (WG * DQ_CHUNKS + c) * C
-            dq_tok = _dq_product(ds_smem, k_smem, dq_zero, col, NUM_CONSUMERS)
+        for c in gl.static_range(
+            DQ_CHUNKS
+        ):  # the chunk's first column inline: a constant (no name bound twice)
+            dq_tok = _dq_product(ds_smem, k_smem, dq_zero, (WG * DQ_CHUNKS + c) * C, NUM_CONSUMERS)
             dq = warpgroup_mma_wait(0, deps=[dq_tok])
-            _add_dq(
-                dq, dq_w.index(WG * DQ_CHUNKS + c), dq_desc, head * N_Q + m_blk * QROWS, col, DQ_CHUNKS - 1
-            )
+            row = head * N_Q + m_blk * QROWS
+            _add_dq(dq, dq_w.index(WG * DQ_CHUNKS + c), dq_desc, row, (WG * DQ_CHUNKS + c) * C, DQ_CHUNKS - 1)
         mbarrier.arrive(dq_full, count=1)  # counts the warpgroups done with the step
     dk, dv = warpgroup_mma_wait(0, deps=[dk_tok, dv_tok])
     return dk, dv
