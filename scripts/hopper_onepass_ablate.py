@@ -36,8 +36,7 @@ TOKENS, WIDTH = 16384, 2048
 NO_REDUCE = [("    _tma_reduce_add(dq_desc, [row, col], dq_c)\n", "")]
 NO_DQ = [
     (
-        "        for c in gl.static_range(DQ_CHUNKS):  # the chunk's first column inline: a constant (no name bound "
-        "twice)\n"
+        "        for c in gl.static_range(DQ_CHUNKS):\n"
         "            dq_tok = _dq_product(ds_smem, k_smem, dq_zero, (WG * DQ_CHUNKS + c) * C, NUM_CONSUMERS)\n"
         "            dq = warpgroup_mma_wait(0, deps=[dq_tok])\n"
         "            row = head * N_Q + m_blk * QROWS\n"

@@ -141,9 +141,8 @@ def _steps(loop, dk, dv, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_CON
         mbarrier.arrive(ds_bar, count=1)
         dk_tok = warpgroup_mma(ds_w.permute((1, 0)), q, dk, is_async=True)
         mbarrier.wait(ds_bar, step & 1)  # both dS tiles of the step are in shared memory
-        for c in gl.static_range(
-            DQ_CHUNKS
-        ):  # the chunk's first column inline: a constant (no name bound twice)
+        # each chunk's first column written inline: a constant (a name bound in every unrolled chunk is not)
+        for c in gl.static_range(DQ_CHUNKS):
             dq_tok = _dq_product(ds_smem, k_smem, dq_zero, (WG * DQ_CHUNKS + c) * C, NUM_CONSUMERS)
             dq = warpgroup_mma_wait(0, deps=[dq_tok])
             row = head * N_Q + m_blk * QROWS
