@@ -55,13 +55,13 @@ NO_SYNC = [
     ("        mbarrier.wait(ds_bar, step & 1)  # both dS tiles of the step are in shared memory\n", ""),
     ("        mbarrier.arrive(dq_full, count=1)  # counts the warpgroups done with the step\n", ""),
 ]
-ONE_LOOP = [
+ONE_LOOP = [  # non-causal programs too (causal ones have one loop already)
     (
-        "    if n_start + CTA_N > N_K:\n"
+        "    elif n_start + CTA_N > N_K:\n"
         "        dk, dv = _steps(loop, dk, dv, CAUSAL, NUM_STAGES, NUM_CONSUMERS, WG, True, DQ_CHUNKS)\n"
         "    else:\n"
         "        dk, dv = _steps(loop, dk, dv, CAUSAL, NUM_STAGES, NUM_CONSUMERS, WG, False, DQ_CHUNKS)\n",
-        "    dk, dv = _steps(loop, dk, dv, CAUSAL, NUM_STAGES, NUM_CONSUMERS, WG, True, DQ_CHUNKS)\n",
+        "    else:\n        dk, dv = _steps(loop, dk, dv, CAUSAL, NUM_STAGES, NUM_CONSUMERS, WG, True, DQ_CHUNKS)\n",
     )
 ]
 SMALL_DQ_SMEM = [

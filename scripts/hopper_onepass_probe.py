@@ -4,7 +4,7 @@ and SDPA's on a Hopper GPU.
     python3 scripts/hopper_onepass_probe.py --out build/onepass.json [--ns 1024,4096,16384] [--ds 128,64]
 
 For each cell (bf16, B * N = 16k tokens, H * d = 2048, causal and not, one query head per K/V head): dQ, dK, dV of
-`hopper_onepass.backward`, both ways of adding dQ (split columns, own keys), against the default backward
+`hopper_onepass.backward`, its dQ in 1 or 2 chunks of columns a warpgroup (`dq_chunks`), against the default backward
 (`attention.backward`, largest difference), then the time of each whole backward (the one pass with its D, zeroed
 accumulator and dQ cast; the default's two kernels with D; SDPA's, cuDNN) as TFLOP/s of the backward's 2.5 x forward
 FLOPs; and the Gluon dK/dV kernel alone as TFLOP/s of its 4 products (2 x forward). Correctness against float64 is
@@ -44,11 +44,12 @@ def cell(d: int, n: int, causal: bool) -> dict:
     row["default_tflops"] = round(
         flops / benchmark(lambda: bwd.backward(do, q, k, v, o, L, causal=causal)) / 1e9, 1
     )
-    for mode, own in (("onepass", False), ("own_keys", True)):
-        grads = onepass.backward(q, k, v, o, do, L, 0, causal, scale, own_keys=own)
+    for chunks in (1, 2):
+        mode = f"onepass_{chunks}chunk"
+        grads = onepass.backward(q, k, v, o, do, L, 0, causal, scale, dq_chunks=chunks)
         for g, new, old in zip("qkv", grads, default):
             row[f"{mode}_d{g}_diff"] = (new.float() - old.float()).abs().max().item()
-        call = lambda own=own: onepass.backward(q, k, v, o, do, L, 0, causal, scale, own_keys=own)  # noqa: E731
+        call = lambda chunks=chunks: onepass.backward(q, k, v, o, do, L, 0, causal, scale, dq_chunks=chunks)  # noqa: E731
         row[f"{mode}_tflops"] = round(flops / benchmark(call) / 1e9, 1)
     # the dK/dV kernel alone (4 of the two kernels' 7 products), as TFLOP/s of its own 4 products
     delta = torch.empty(B * H, n, dtype=torch.float32, device="cuda")
