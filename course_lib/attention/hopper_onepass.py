@@ -11,6 +11,10 @@ FlashAttention-3 does (Shah et al. 2024, section 3.3):
 * each warpgroup puts its half of dQ (fp32) in shared memory and TMA adds it into a float32 dQ
   accumulator in global memory (`cp.reduce.async.bulk.tensor ... .add`): the tensor cores' partners
   never hold an address or wait for an atomic. dQ = scale * accumulator, cast to Q's dtype, afterwards.
+  At d = 128 the half is made and added in two chunks of 32 columns (`DQ_CHUNKS`), and causal programs run
+  one loop (the key mask in it), not a second without the mask: the backward ran 4-13 % faster (values ptxas
+  spilled, non-causal / causal: 54 / 74 before, 70 / 26 now; one loop for non-causal programs too spilled 12
+  but ran 1-2 % slower).
 * the order within a step is `hopper_backward`'s (dV as soon as P is stored, dK as soon as this warpgroup's dS
   is), dQ last. FlashAttention-3's (P and dS stored together behind one barrier, then dV, dQ, dK; dQ collected
   while dK runs) was no faster in the whole backward (d = 128, 16k causal: 377 against 378 TFLOP/s; d = 64:
@@ -19,12 +23,20 @@ FlashAttention-3 does (Shah et al. 2024, section 3.3):
 Not chosen by `backward.backward`: it is correct (tests/test_hopper_onepass.py) but slower than the two
 kernels in all but one cell, and its dQ is not deterministic (the order of TMA's adds varies). Measured on an
 H200 (bf16, B x N = 16k, H x d = 2048, TFLOP/s of the backward's 2.5 x forward FLOPs; the whole backward with
-its D pass, zeroed accumulator and cast; `scripts/hopper_onepass_probe.py`, 2026-11-30): d = 128, 16k
-non-causal / causal 469 / 378 against the default's 496 / 447; d = 64 16k 344 / 324 against 367 / 315 (the one
-cell it wins, 1.03x); 1k-4k 0.73-0.92x. The kernel alone, in versions of this file not kept
-(notes/attention.md, "Open"): dQ added from shared memory by a writer warp of its own with `gl.atomic_add`
-(`atom.add.v4.f32`) 323 / 345 at d = 128, with `red.add.v4.f32` 331 / 345; by TMA from the consumers, as
-here, 470-487 / 363-384; with no dQ product at all 636 / 540.
+its D pass, zeroed accumulator and cast; `scripts/hopper_onepass_probe.py --ns 4096,16384`, 2026-11-30, one
+chunk / two): d = 128 16k non-causal 464 / 484 and causal 387 / 431 against the default's 497 / 449; 4k 438 /
+453 and 319 / 343 against 512 / 368; d = 64 (one chunk, no spills either way; two ran 2-8 % slower) 16k 345 /
+325 against 361 / 313 (the one cell it wins, 1.04x), 4k 318 / 264 against 357 / 293.
+
+Where the time goes (`scripts/hopper_onepass_ablate.py`: the source with parts taken out, d = 128 16k
+non-causal, before the chunks): the whole 472; without TMA's add 499; without dQ's product, store and add 631;
+and without the two warpgroups' waits for each other 660, where the two-kernel backward's dK/dV kernel runs
+the same 4 products at 833 (these units). So the dQ work costs about its share of the products, the adds and
+waits 5 % and 3 %, and the rest of the gap is in the loop that is left: with every dQ line gone it still
+spills (10 / 26 values) where the dK/dV kernel does not. Tried before and not kept: each warpgroup's dQ over
+its own 64 keys and all d columns, no wait for the other's dS but twice the adds (d = 128 16k 396 / 350
+against 472 / 381; aa130cc); dQ added from shared memory by a writer warp of its own with `gl.atomic_add`
+(`atom.add.v4.f32`) 323 / 345 at d = 128, with `red.add.v4.f32` 331 / 345.
 """
 
 from __future__ import annotations
@@ -241,13 +253,15 @@ NUM_CONSUMERS = 2
 NUM_STAGES = 2  # Q, dO ring slots: d = 128 takes 197 KB of shared memory with two
 
 
-def backward(q4, k4, v4, o4, do4, l3, offset: int, causal: bool, scale: float, dq_chunks: int = 2):
+def backward(q4, k4, v4, o4, do4, l3, offset: int, causal: bool, scale: float, dq_chunks: int | None = None):
     """(dQ, dK, dV) of attention from one kernel, for q4, do4, o4 (B, H, N_Q, d) and k4, v4 (B, H_kv, N_K, d)
     that pass `hopper_backward.supports` (a Hopper GPU, 16-bit, contiguous, d 64 or 128); l3 (B, H, N_Q) the
     forward's L (float32, natural log); offset: the causal alignment's `checks.causal_offset`. dK, dV are
     summed over the H / H_kv query heads of each K/V head. dq_chunks: products a warpgroup's half of a step's dQ
-    is made in (`_steps`' DQ_CHUNKS). The caller makes q4's GPU current."""
+    is made in (`_steps`' DQ_CHUNKS; None: 2 at d = 128, 1 at d = 64, the faster of each in the module docstring).
+    The caller makes q4's GPU current."""
     B, H, n_q, d = q4.shape
+    dq_chunks = dq_chunks or (2 if d == 128 else 1)
     h_kv, n_k = k4.shape[1], k4.shape[2]
     delta = torch.empty(B * H, n_q, dtype=torch.float32, device=q4.device)  # D = rowsum(dO * O)
     grid, args, meta = preprocess_launch(o4, do4, delta, B, H, n_q, d, q4.dtype)
