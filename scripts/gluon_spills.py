@@ -93,7 +93,8 @@ def main() -> None:
             dq_desc = TensorDescriptor(dq_acc, [B * H * n, d], [d, 1], [64, cols], layout)
             compiled = onepass.bwd_ws_kernel.warmup(
                 *descs, dq_desc, *rest, CAUSAL=causal, HEAD_DIM=d, NUM_STAGES=onepass.NUM_STAGES,
-                NUM_CONSUMERS=onepass.NUM_CONSUMERS, DQ_CHUNKS=chunks, **launch_options(onepass.NUM_CONSUMERS),
+                NUM_CONSUMERS=onepass.NUM_CONSUMERS, DQ_CHUNKS=chunks, EVEN_K=n % 128 == 0,
+                **launch_options(onepass.NUM_CONSUMERS),
                 grid=(1,),
             )  # fmt: skip
             print(f"one pass, d = {d}, causal {causal}, {chunks} chunk(s): {ptxas_spills(compiled)}")

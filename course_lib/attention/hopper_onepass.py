@@ -165,8 +165,8 @@ def _steps(loop, dk, dv, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_CON
 
 
 @gluon.jit
-def _consumer(args, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr,
-              NUM_CONSUMERS: gl.constexpr, WG: gl.constexpr, DQ_CHUNKS: gl.constexpr):  # fmt: skip
+def _consumer(args, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
+              WG: gl.constexpr, DQ_CHUNKS: gl.constexpr, EVEN_K: gl.constexpr):  # fmt: skip
     """Warpgroup WG: dK, dV of keys n_start + 64 WG ... + 63 (registers), and columns
     WG * d / NUM_CONSUMERS ... of each step's dQ (added by TMA, in DQ_CHUNKS chunks)."""
     (q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, dq_smem, kv_bar, ready_bar, empty_bar,
@@ -192,7 +192,9 @@ def _consumer(args, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl
     loop = (q_smem, do_smem, k_smem, ds_smem, ready_bar, empty_bar, ds_bar, dq_full, dq_desc, k_w, v_w, p_w, ds_w,
             dq_w, s_zero, dq_zero, offs_m, cols, L, Dlt, stride_lb, stride_lh, stride_lm, qk_scale,
             H, GROUP, N_Q, N_K, OFFSET, n_start, lo, mid, n_m, first_head)  # fmt: skip
-    if CAUSAL:  # one loop, the key mask in it: a second loop's code spilled more (module docstring)
+    if EVEN_K:  # every program's keys exist: one loop, no key mask
+        dk, dv = _steps(loop, dk, dv, CAUSAL, NUM_STAGES, NUM_CONSUMERS, WG, False, DQ_CHUNKS)
+    elif CAUSAL:  # one loop, the key mask in it: a second loop's code spilled more (module docstring)
         dk, dv = _steps(loop, dk, dv, CAUSAL, NUM_STAGES, NUM_CONSUMERS, WG, True, DQ_CHUNKS)
     elif n_start + CTA_N > N_K:
         dk, dv = _steps(loop, dk, dv, CAUSAL, NUM_STAGES, NUM_CONSUMERS, WG, True, DQ_CHUNKS)
@@ -211,12 +213,13 @@ def bwd_ws_kernel(
     stride_lb, stride_lh, stride_lm, stride_kb, stride_kh, stride_kn,
     H, GROUP, SHARE, N_Q, N_K, OFFSET, BHKV,
     CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr, DQ_CHUNKS: gl.constexpr = 1,
+    CONSUMER_REGS: gl.constexpr, DQ_CHUNKS: gl.constexpr = 1, EVEN_K: gl.constexpr = False,
 ):  # fmt: skip
     """`hopper_backward.dkdv_ws_kernel`'s arguments, and dq_desc: a TMA descriptor of a zeroed float32
     (B * H * N_Q, d) accumulator in blocks of (64, d / (NUM_CONSUMERS * DQ_CHUNKS)), which receives the sum
     over key blocks of dS K (unscaled). Rows of a step past N_Q add zeros (P = 0 there) to the next head's rows, or
-    fall outside the tensor, where TMA drops them."""
+    fall outside the tensor, where TMA drops them. EVEN_K: N_K is a multiple of 64 * NUM_CONSUMERS, so no program
+    needs the key mask (one loop compiled, not two)."""
     CTA_N: gl.constexpr = KROWS * NUM_CONSUMERS
     C: gl.constexpr = HEAD_DIM // (NUM_CONSUMERS * DQ_CHUNKS)
     num_n = gl.cdiv(N_K, CTA_N)
@@ -238,8 +241,8 @@ def bwd_ws_kernel(
              H, GROUP, SHARE, N_Q, N_K, OFFSET, num_n, BHKV)  # fmt: skip
     gl.warp_specialize(
         [
-            (_consumer, (shared, CAUSAL, HEAD_DIM, NUM_STAGES, NUM_CONSUMERS, 0, DQ_CHUNKS)),
-            (_consumer, (shared, CAUSAL, HEAD_DIM, NUM_STAGES, NUM_CONSUMERS, 1, DQ_CHUNKS)),
+            (_consumer, (shared, CAUSAL, HEAD_DIM, NUM_STAGES, NUM_CONSUMERS, 0, DQ_CHUNKS, EVEN_K)),
+            (_consumer, (shared, CAUSAL, HEAD_DIM, NUM_STAGES, NUM_CONSUMERS, 1, DQ_CHUNKS, EVEN_K)),
             (_producer, (loads, CAUSAL, NUM_STAGES, NUM_CONSUMERS)),
         ],
         [4, 1], [CONSUMER_REGS, 24],
@@ -281,6 +284,7 @@ def backward(q4, k4, v4, o4, do4, l3, offset: int, causal: bool, scale: float, d
         l3.stride(0), l3.stride(1), l3.stride(2), dk.stride(0), dk.stride(1), dk.stride(2),
         H, H // h_kv, 1, n_q, n_k, offset, B * h_kv,
         CAUSAL=causal, HEAD_DIM=d, NUM_STAGES=NUM_STAGES, NUM_CONSUMERS=NUM_CONSUMERS, DQ_CHUNKS=dq_chunks,
+        EVEN_K=n_k % (KROWS.value * NUM_CONSUMERS) == 0,
         **launch_options(NUM_CONSUMERS),
     )  # fmt: skip
     return (dq_acc.view(q4.shape) * scale).to(q4.dtype), dk, dv
