@@ -11,33 +11,35 @@ FlashAttention-3 does (Shah et al. 2024, section 3.3):
 * each warpgroup puts its half of dQ (fp32) in shared memory and TMA adds it into a float32 dQ
   accumulator in global memory (`cp.reduce.async.bulk.tensor ... .add`): the tensor cores' partners
   never hold an address or wait for an atomic. dQ = scale * accumulator, cast to Q's dtype, afterwards.
-  At d = 128 the half is made and added in two chunks of 32 columns (`DQ_CHUNKS`), and causal programs run
-  one loop (the key mask in it), not a second without the mask: the backward ran 4-13 % faster (values ptxas
-  spilled, non-causal / causal: 54 / 74 before, 70 / 26 now; one loop for non-causal programs too spilled 12
-  but ran 1-2 % slower).
+  At d = 128 the half is made and added in two chunks of 32 columns (`DQ_CHUNKS`), causal programs run one
+  loop (the key mask in it), and non-causal ones one loop without the mask where N_K fills every block
+  (`EVEN_K`), where one loop in each branch of the mask was compiled: the backward ran 4-13 % faster. Values
+  ptxas spilled at d = 128 (H200, non-causal / causal): 54 / 74 before; 70 / 26 with the chunks and the causal
+  loop; non-causal with EVEN_K, `scripts/gluon_spills.py`: 44 bytes of spill stores against 536.
 * the order within a step is `hopper_backward`'s (dV as soon as P is stored, dK as soon as this warpgroup's dS
   is), dQ last. FlashAttention-3's (P and dS stored together behind one barrier, then dV, dQ, dK; dQ collected
   while dK runs) was no faster in the whole backward (d = 128, 16k causal: 377 against 378 TFLOP/s; d = 64:
   252 against 324; at 441f0eb).
 
-Not chosen by `backward.backward`: it is correct (tests/test_hopper_onepass.py) but slower than the two
-kernels in all but one cell, and its dQ is not deterministic (the order of TMA's adds varies). Measured on an
-H200 (bf16, B x N = 16k, H x d = 2048, TFLOP/s of the backward's 2.5 x forward FLOPs; the whole backward with
-its D pass, zeroed accumulator and cast; `scripts/hopper_onepass_probe.py --ns 4096,16384`, 2026-11-30, one
-chunk / two): d = 128 16k non-causal 464 / 484 and causal 387 / 431 against the default's 497 / 449; 4k 438 /
-453 and 319 / 343 against 512 / 368; d = 64 (one chunk, no spills either way; two ran 2-8 % slower) 16k 345 /
-325 against 361 / 313 (the one cell it wins, 1.04x), 4k 318 / 264 against 357 / 293.
+Not chosen by `backward.backward`: it is correct (tests/test_hopper_onepass.py) but slower than the two kernels
+in all but two cells (one win, one tie), and its dQ is not deterministic (the order of TMA's adds varies).
+Measured on an H200 (bf16, B x N = 16k, H x d = 2048, TFLOP/s of the backward's 2.5 x forward FLOPs; the whole
+backward with its D pass, zeroed accumulator and cast; `scripts/hopper_onepass_probe.py --ns 4096,16384`,
+2026-11-30, one chunk / two, the default backward in the same run): d = 128 16k non-causal 471 / 493 against 491
+(a tie, with EVEN_K), causal 387 / 431 against 449; 4k non-causal 439 / 466 against 512, causal 319 / 343 against
+368; d = 64 (one chunk: no spills either way, two ran 1-9 % slower) 16k 352 / 327 against 365 / 313 (causal: the
+one cell it wins, 1.04x), 4k 327 / 262 against 355 / 293.
 
-Where the time goes (`scripts/hopper_onepass_ablate.py`: the source with parts taken out, d = 128 16k
-non-causal, before the chunks): the whole 472; without TMA's add 499; without dQ's product, store and add 631;
-and without the two warpgroups' waits for each other 660, where the two-kernel backward's dK/dV kernel runs
-the same 4 products at 833 (these units). So the dQ work costs about its share of the products, the adds and
-waits 5 % and 3 %, and the rest of the gap is in the loop that is left: with every dQ line gone it still
-spills (10 / 26 values) where the dK/dV kernel does not. Tried before and not kept: each warpgroup's dQ over
-its own 64 keys and all d columns, no wait for the other's dS but twice the adds (d = 128 16k 396 / 350
-against 472 / 381; aa130cc); dQ added from shared memory by a writer warp of its own with `gl.atomic_add`
-(`atom.add.v4.f32`) 323 / 345 at d = 128, with `red.add.v4.f32` 331 / 345.
-"""
+Where the time goes (`scripts/hopper_onepass_ablate.py`: the source with parts taken out, d = 128 16k non-causal,
+before the chunks): the whole 472; without TMA's add 499; without dQ's product, store and add 631; and without
+the two warpgroups' waits for each other 660, where the two-kernel backward's dK/dV kernel runs the same 4
+products at 833 (these units). So the dQ work costs about its share of the products, the adds and waits 5 % and 3
+%, and the rest of the gap is in the loop that is left: with every dQ line gone it still spills (10 / 26 values)
+where the dK/dV kernel does not, and compiled here (Triton 3.7's ptxas) its non-causal build, with a loop for
+each branch of the key mask, had its wgmmas serialised (ptxas's C7515). Tried before and not kept: each
+warpgroup's dQ over its own 64 keys and all d columns, no wait for the other's dS but twice the adds (d = 128 16k
+396 / 350 against 472 / 381; aa130cc); dQ added from shared memory by a writer warp of its own with
+`gl.atomic_add` (`atom.add.v4.f32`) 323 / 345 at d = 128, with `red.add.v4.f32` 331 / 345."""
 
 from __future__ import annotations
 
@@ -192,10 +194,10 @@ def _consumer(args, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl
     loop = (q_smem, do_smem, k_smem, ds_smem, ready_bar, empty_bar, ds_bar, dq_full, dq_desc, k_w, v_w, p_w, ds_w,
             dq_w, s_zero, dq_zero, offs_m, cols, L, Dlt, stride_lb, stride_lh, stride_lm, qk_scale,
             H, GROUP, N_Q, N_K, OFFSET, n_start, lo, mid, n_m, first_head)  # fmt: skip
-    if EVEN_K:  # every program's keys exist: one loop, no key mask
-        dk, dv = _steps(loop, dk, dv, CAUSAL, NUM_STAGES, NUM_CONSUMERS, WG, False, DQ_CHUNKS)
-    elif CAUSAL:  # one loop, the key mask in it: a second loop's code spilled more (module docstring)
+    if CAUSAL:  # one loop, the key mask in it: a second loop's code spilled more (module docstring)
         dk, dv = _steps(loop, dk, dv, CAUSAL, NUM_STAGES, NUM_CONSUMERS, WG, True, DQ_CHUNKS)
+    elif EVEN_K:  # every program's keys exist: one loop, no key mask
+        dk, dv = _steps(loop, dk, dv, CAUSAL, NUM_STAGES, NUM_CONSUMERS, WG, False, DQ_CHUNKS)
     elif n_start + CTA_N > N_K:
         dk, dv = _steps(loop, dk, dv, CAUSAL, NUM_STAGES, NUM_CONSUMERS, WG, True, DQ_CHUNKS)
     else:
@@ -219,7 +221,8 @@ def bwd_ws_kernel(
     (B * H * N_Q, d) accumulator in blocks of (64, d / (NUM_CONSUMERS * DQ_CHUNKS)), which receives the sum
     over key blocks of dS K (unscaled). Rows of a step past N_Q add zeros (P = 0 there) to the next head's rows, or
     fall outside the tensor, where TMA drops them. EVEN_K: N_K is a multiple of 64 * NUM_CONSUMERS, so no program
-    needs the key mask (one loop compiled, not two)."""
+    needs the key mask: non-causal calls compile one loop, not two (causal ones have one loop, masked, either way:
+    unmasked it ran 3 % slower)."""
     CTA_N: gl.constexpr = KROWS * NUM_CONSUMERS
     C: gl.constexpr = HEAD_DIM // (NUM_CONSUMERS * DQ_CHUNKS)
     num_n = gl.cdiv(N_K, CTA_N)
