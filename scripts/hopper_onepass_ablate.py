@@ -13,6 +13,8 @@ on, where the module compiles a second loop without it for the programs whose ke
 nothing of dQ, and then with a tiny dQ tile in shared memory; and, in the same units, the two-kernel backward's
 dK/dV kernel with its D pass (the same 4 products as the rows without dQ); dQ in 2 chunks of columns a
 warpgroup (`backward(dq_chunks=2)`), with one loop or two. Then each binary's registers, spills, shared memory.
+Check a stripped build with `gluon_spills.py`'s compiler first: the non-causal builds without the dQ product had
+their wgmmas serialised by ptxas (C7515), so their times measure that, not the loop left.
 """
 
 from __future__ import annotations

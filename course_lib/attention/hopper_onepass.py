@@ -33,13 +33,13 @@ one cell it wins, 1.04x), 4k 327 / 262 against 355 / 293.
 Where the time goes (`scripts/hopper_onepass_ablate.py`: the source with parts taken out, d = 128 16k non-causal,
 before the chunks): the whole 472; without TMA's add 499; without dQ's product, store and add 631; and without
 the two warpgroups' waits for each other 660, where the two-kernel backward's dK/dV kernel runs the same 4
-products at 833 (these units). So the dQ work costs about its share of the products, the adds and waits 5 and
-3 %, and the rest of the gap is in the loop that is left: with every dQ line gone it still spills (10 / 26 values)
-where the dK/dV kernel does not, and compiled here (Triton 3.7's ptxas) its non-causal build, with a loop for
-each branch of the key mask, had its wgmmas serialised (ptxas's C7515). Tried before and not kept: each
-warpgroup's dQ over its own 64 keys and all d columns, no wait for the other's dS but twice the adds (d = 128 16k
-396 / 350 against 472 / 381; aa130cc); dQ added from shared memory by a writer warp of its own with
-`gl.atomic_add` (`atom.add.v4.f32`) 323 / 345 at d = 128, with `red.add.v4.f32` 331 / 345."""
+products at 833 (these units). So the adds cost 5 %. The two builds without the product say less than they seem:
+compiled on a machine without a GPU (`scripts/gluon_spills.py`'s way, Triton 3.7's ptxas), both had their wgmmas
+serialised (ptxas's C7515), which no build of this file has; with one loop, the stripped code is the dK/dV
+kernel's, instruction for instruction but 16. Tried before and not kept: each warpgroup's dQ over its own 64 keys
+and all d columns, no wait for the other's dS but twice the adds (d = 128 16k 396 / 350 against 472 / 381;
+aa130cc); dQ added from shared memory by a writer warp of its own with `gl.atomic_add` (`atom.add.v4.f32`) 323 /
+345 at d = 128, with `red.add.v4.f32` 331 / 345."""
 
 from __future__ import annotations
 
