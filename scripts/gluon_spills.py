@@ -1,5 +1,6 @@
 """Registers and spills of the Hopper backward kernels, compiled for sm_90a on any machine (no GPU needed):
-Triton compiles the kernel as for an H100/H200 and its own ptxas reports the stack frame and spill bytes.
+Triton compiles the kernel as for an H100/H200 and its own ptxas reports the stack frame and spill bytes, and
+whether it serialised the kernel's wgmmas.
 
     python3 scripts/gluon_spills.py [--d 128] [--chunks 1,2]
 
@@ -53,7 +54,8 @@ def use_sm90_target() -> None:
 
 
 def ptxas_spills(compiled) -> str:
-    """ptxas -v's line on the kernel's stack frame and spill stores / loads, for its PTX."""
+    """ptxas -v's line on the kernel's stack frame and spill stores / loads, for its PTX, and whether ptxas
+    serialised its wgmmas (C7515: an accumulator register written by another instruction mid-pipeline)."""
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     with tempfile.TemporaryDirectory() as tmp:
         ptx = os.path.join(tmp, "kernel.ptx")
@@ -63,7 +65,8 @@ def ptxas_spills(compiled) -> str:
             [ptxas, "-v", "--gpu-name", "sm_90a", ptx, "-o", ptx + ".cubin"], capture_output=True, text=True
         )
     lines = [line.strip() for line in out.stderr.splitlines() if "spill" in line]
-    return lines[0] if lines else out.stderr.strip()[-300:]
+    serialised = "; wgmmas serialised (ptxas's C7515)" if "C7515" in out.stderr else ""
+    return (lines[0] if lines else out.stderr.strip()[-300:]) + serialised
 
 
 def main() -> None:
