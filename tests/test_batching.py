@@ -122,6 +122,20 @@ def test_a_requests_ids_are_its_tokens():
     assert np.shares_memory(req.ids(1, 3), req.prompt_ids)  # within the prompt: a view, converted once
 
 
+def test_a_request_given_its_ids_makes_its_list_only_when_read():
+    """`submit` hands a request its prompt as int64 ids alone: the steps read those, and the list is made on the
+    first read of `prompt`, equal to what was submitted."""
+    ids = np.array([300, 5, 70000], dtype=np.int64)
+    req = Request(0, None, 4, prompt_ids=ids)
+    req.generated.append(9)
+    assert req.num_tokens == 4 and req.token_at(2) == 70000 and type(req.token_at(0)) is int
+    assert req.ids(0, 4).tolist() == [300, 5, 70000, 9] and req._prompt is None  # nothing read the list yet
+    assert req.prompt == [300, 5, 70000] and req.tokens == [300, 5, 70000, 9]
+    assert "<3 tokens>" in repr(req) and req != Request(0, None, 4, prompt_ids=ids)  # equal only to itself
+    with pytest.raises(ValueError, match="give the prompt as a list, or its ids as prompt_ids"):
+        Request(1, None, 4)
+
+
 @pytest.mark.parametrize("transposed", [False, True])
 def test_a_step_without_padding_rows_attends_as_the_padded_layout(transposed):
     """Where every sequence brings Tq tokens, `PagedKV.attend` hands q to the kernel as it is (no zeros, scatter
