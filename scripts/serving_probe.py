@@ -831,6 +831,76 @@ def host_model(positions: int):
     return Llama(config).eval()
 
 
+def ttft_layer0_cpu(n: int = 32768, runs: int = 7) -> None:
+    """--ttft-layer0-cpu: is layer 0 of a cached first token's step slower on the host than the later layers without
+    any GPU? On the CPU (`host_model`, launches no-ops), host us of the first RMSNorm, cache write and attention
+    call against the mean of the later layers (median of `runs` - 1), three ways: the step once, as the batcher
+    runs it; the step run twice at once, the second timed (the Python and data warm); and twice with 64 MB touched
+    between (the CPU's caches evicted). (`wo`, a real CPU matmul on the no-op kernels' unwritten outputs, is left
+    out: its time follows what memory it reads.)"""
+    import statistics
+    from collections import defaultdict
+
+    from host_time import no_launch, values_unread
+
+    from course_lib.decode import paged_kv
+    from course_lib.decode.cache import PagedKVCache
+
+    torch.set_num_threads(1)
+    model = host_model(n + 64)
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, model.config.vocab_size, (n,), generator=g).tolist()
+    for mode in ("once", "twice", "twice, 64 MB between"):
+        rows = []
+        with no_launch(), values_unread(), slots_unread(), torch.no_grad():
+            for run in range(runs):
+                b = _first_token_batcher(model, prompt, cached=True)
+                spent = defaultdict(list)
+
+                def timer(name, fn, spent=spent):
+                    def call(*args, **kwargs):
+                        t0 = time.perf_counter()
+                        out = fn(*args, **kwargs)
+                        spent[name].append(1e6 * (time.perf_counter() - t0))
+                        return out
+
+                    return call
+
+                saved = [(PagedKVCache, "write"), (paged_kv.PagedKV, "attend")]
+                originals = [getattr(owner, attr) for owner, attr in saved]
+                for (owner, attr), fn in zip(saved, originals):
+                    setattr(owner, attr, timer(attr, fn))
+                for lay in model.layers:
+                    lay.attention_norm.forward = timer("rms_norm", lay.attention_norm.forward)
+                step = model.forward_step
+
+                def twice(*args, step=step, spent=spent, mode=mode, **kwargs):
+                    step(*args, **kwargs)
+                    if "64 MB" in mode:
+                        torch.ones(16 * 2**20).add_(1.0)
+                    spent.clear()
+                    return step(*args, **kwargs)
+
+                if mode != "once":
+                    model.forward_step = twice
+                try:
+                    b.step()
+                finally:
+                    if mode != "once":
+                        del model.forward_step
+                    for (owner, attr), fn in zip(saved, originals):
+                        setattr(owner, attr, fn)
+                    for lay in model.layers:
+                        del lay.attention_norm.forward
+                if run:
+                    rows.append({k: (v[0], statistics.mean(v[1:])) for k, v in spent.items()})
+        cells = ", ".join(
+            f"{k} {statistics.median(r[k][0] for r in rows):.0f} / {statistics.median(r[k][1] for r in rows):.0f}"
+            for k in rows[0]
+        )
+        print(f"{mode}: host us, layer 0 / later layers: {cells}")
+
+
 def ttft_host_table(lengths, repeats: int) -> None:
     from host_time import no_launch, values_unread
 
@@ -1101,6 +1171,9 @@ if __name__ == "__main__":
         "--prefill-variants", action="store_true", help="the cached prefill by kernel variant"
     )
     parser.add_argument("--ttft-host-calls", action="store_true", help="host us by call in a first token")
+    parser.add_argument(
+        "--ttft-layer0-cpu", action="store_true", help="layer 0's host time on a CPU, warm and cold"
+    )
     parser.add_argument("--ttft-timeline", action="store_true", help="a cached first token on one clock")
     parser.add_argument(
         "--prefill-tiles", action="store_true", help="the cached prefill by the forward's launches"
@@ -1127,6 +1200,8 @@ if __name__ == "__main__":
         prefill_variants()
     elif args.ttft_host_calls:
         ttft_host_calls()
+    elif args.ttft_layer0_cpu:
+        ttft_layer0_cpu()
     elif args.ttft_timeline:
         for n in args.lengths or [32768]:
             ttft_timeline(n)
