@@ -31,7 +31,7 @@
 #    registers, and which variant runs for which shape.
 # 4. Predict the Gluon kernel's gain over the Triton kernel at a cell the ladder did not measure, then
 #    compare the two from the recorded H200 run (measured live on a Hopper GPU), and explain where one wins.
-# 5. Count the registers a dK/dV program needs in two layouts, and explain why FlashAttention-3's
+# 5. Count the registers a dK/dV program needs in two layouts, and explain why course_lib's Gluon
 #    backward routes P and dS through shared memory.
 
 # %% [markdown]
@@ -493,8 +493,9 @@ if got is not None:
 #
 # That is 256, one more than a thread may have (255), before a single address or loop counter: the
 # compiler spills to local memory (Nsight Compute's counters on an H200 show the spill requests,
-# `notes/attention.md`). FlashAttention-3's backward (`course_lib/attention/hopper_backward.py`) keeps
-# the same 128 keys per program but arranges the work differently:
+# `notes/attention.md`). course_lib's Gluon dK/dV kernel (`course_lib/attention/hopper_backward.py`), with
+# FlashAttention-3's warp specialisation, keeps the same 128 keys per program but arranges the work
+# differently:
 #
 # - two consumer warpgroups each own 64 of the keys, so each thread holds the same 128 accumulator
 #   registers, but with `setmaxnreg` the consumers get 240 each while the producer warp (TMA copies of Q
@@ -503,6 +504,11 @@ if got is not None:
 #   two values each per thread;
 # - P and dS go to shared memory in 16 bits, and the tensor cores read them back transposed for
 #   dV += Pᵀ dO and dK += dSᵀ Q (a `wgmma` reads a 16-bit shared-memory tile in either orientation).
+#
+# FlashAttention-3's own code offers both layouts (its `SdP_swapAB`). At d = 128 on Hopper it takes the
+# transposed one and feeds Pᵀ and dSᵀ to dV and dK straight from registers, only dS going through shared
+# memory (for dQ): fewer round trips, with the registers counted more tightly than above. course_lib has
+# not tried that arrangement yet (`notes/attention.md`, "Open").
 
 # %% [markdown]
 # **Exercise 4 — registers of a dK/dV program.** Write `dkdv_registers(keys, d, q_rows, threads,
@@ -659,9 +665,9 @@ assert smem_dq <= SMEM_PER_PROGRAM
 #   causal rows with one consumer and two programs an SM; d = 64 on long rows) and the Triton kernel
 #   elsewhere.
 # - The Triton dK/dV kernel needs about 256 registers per thread at d = 128 (transposed tiles, L and D per
-#   column, 16-bit operands in registers) and spills; FlashAttention-3's layout (untransposed tiles, P and
-#   dS through shared memory, 240 registers for each consumer) needs about 196, and runs the backward
-#   faster there.
+#   column, 16-bit operands in registers) and spills; the Gluon kernel's layout (FlashAttention-3's warp
+#   specialisation, untransposed tiles, P and dS through shared memory, 240 registers for each consumer)
+#   needs about 196, and runs the backward faster there.
 # - The dQ kernel takes the forward's layout: a producer warp streams K and V, two consumer warpgroups keep
 #   S, dP and dQ's products in flight behind the softmax; it reads D from a pass of its own (d = 128).
 #

@@ -7,9 +7,9 @@
 - `forward`, `backward`: the Triton FlashAttention-2 kernels with their launch exposed (06, 07).
 - `hopper`: FlashAttention-3's warp-specialised forward in Gluon, which `forward.forward` runs on
   Hopper GPUs where it is faster (imported on first use there; the appendix 08c).
-- `hopper_backward`: FlashAttention-3's dK/dV kernel in Gluon, which `backward.backward` runs on
-  Hopper GPUs where it is faster (08c); `hopper_onepass`: its one-pass backward (dQ too, added by TMA),
-  tested and measured, not chosen (slower here).
+- `hopper_backward`: a warp-specialised dK/dV kernel in Gluon after FlashAttention-3, which
+  `backward.backward` runs on Hopper GPUs where it is faster (08c); `hopper_onepass`: its one-pass backward
+  (dQ too, added by TMA), tested and measured, not chosen (slower here).
 - `api`: `flash_attention(q, k, v, causal=...)` and the autograd Function `FlashAttentionTriton`.
 - `op`: the kernels as PyTorch custom operators, so `torch.compile` keeps them whole (08b).
 - `varlen`: sequences of different lengths packed into one call, and a padded batch run that way (08b).

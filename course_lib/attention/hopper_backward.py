@@ -1,4 +1,5 @@
-"""FlashAttention-3's dK/dV kernel on Hopper GPUs (H100, H200), in Gluon (notebook 08c, section 5).
+"""A warp-specialised dK/dV kernel after FlashAttention-3 on Hopper GPUs (H100, H200), in Gluon (notebook 08c,
+section 5).
 
 The Triton dK/dV kernel (`backward._dkdv_kernel`) keeps a block of 128 keys' dK and dV (fp32) in the
 registers of 8 warps and computes the transposed tiles S^T = K Q^T and dP^T = V dO^T, so that P^T and
@@ -6,7 +7,9 @@ dS^T come out ready to be the left operand of dV += P^T dO and dK += dS^T Q. At 
 128 accumulator registers per thread, another 64 for the two score tiles, and one value of L and of D
 per *column* of the tiles (16 each per thread): more than the 255 registers a thread may have, so the
 kernel spills to local memory (notes/attention.md, "Why it is so"). This kernel arranges the same work
-as FlashAttention-3's backward does (Shah et al. 2024, section 3 and its code):
+with FlashAttention-3's warp specialisation (Shah et al. 2024, section 3) and one of the two layouts its
+backward's code offers (untransposed tiles; at d = 128 on Hopper FlashAttention-3 takes the transposed one
+and feeds P^T and dS^T to dV and dK from registers, which this kernel has not tried):
 
 * producer (1 warp, 24 registers per thread): loads the program's K and V block once with TMA, then,
   for every query block that sees them, the Q and dO blocks (64 rows each) into a ring of NUM_STAGES
