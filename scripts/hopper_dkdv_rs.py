@@ -21,9 +21,13 @@ steps (GQA, both causal alignments) are `hopper_backward`'s.
 Status (2026-11-30): written and compiled for sm_90a on a machine without a GPU (`--compile-only`, Triton 3.7);
 not yet run on one. ptxas there: d = 128 non-causal 140 bytes of spill stores, and its wgmmas serialised (C7515:
 an accumulator register written by another instruction mid-pipeline), causal 76 bytes; d = 64 no spills,
-non-causal serialised too (`hopper_backward`'s kernel: 8 / 20 bytes, never serialised). Moving the loads of L and
-D after the wait for S^T, or giving dP^T a zero tile of its own, changed neither. Next: find what writes an
-accumulator in the non-causal loop, then the first GPU run, whose check against `hopper_backward.dkdv` comes
+non-causal serialised too (`hopper_backward`'s kernel: 8 / 20 bytes, never serialised). The serialisation is the
+spills': in the SASS a spilled value is reloaded (LDL) into R152, dP^T's accumulator, between two of its wgmmas.
+What crowds the registers is the per-column vectors: the step's query indices (16 values a thread), L's and D's
+64-bit addresses (32) and their masks, beside L and D (16 each). Moving the loads after the wait for S^T, or giving
+dP^T a zero tile of its own, changed nothing. FlashAttention-3 has its producer bring L and D into shared memory
+for each query block; here the D pass could write L (prescaled, +inf past N_Q, rows padded to 64) beside D, for
+the producer's TMA to load with Q and dO. Then the first GPU run, whose check against `hopper_backward.dkdv` comes
 before its times.
 """
 
