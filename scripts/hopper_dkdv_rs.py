@@ -13,22 +13,19 @@ Per consumer warpgroup (64 keys of the program's 128) and query block of 64 rows
     dS^T = P^T (dP^T - D[q])
     dK  += dS^T Q                            (A = dS^T in registers)
 
-L and D are per query, the tiles' columns: loaded for each step where they are used (16 values a thread, not
-held across the loop). Nothing of P or dS goes through shared memory, which holds only the Q / dO ring and K, V
-(128 KB at d = 128 with 2 stages, against `hopper_backward`'s 160). The producer, the program's block and its
-steps (GQA, both causal alignments) are `hopper_backward`'s.
+L and D are per query, the tiles' columns, so a thread would hold 16 values of each, their addresses and masks: the
+producer brings each step's 64 values of L2 = L log2 e (+inf past N_Q) and D into shared memory by TMA with Q and
+dO (`stats` lays them out; a library version would have the D pass write them), and the consumers read them there
+when they need them. Nothing of P or dS goes through shared memory, which holds the Q / dO ring, K, V and the two
+small vectors (129 KB at d = 128 with 2 stages, against `hopper_backward`'s 160). The program's block, its steps
+(GQA, both causal alignments) and the dK, dV store are `hopper_backward`'s.
 
-Status (2026-11-30): written and compiled for sm_90a on a machine without a GPU (`--compile-only`, Triton 3.7);
-not yet run on one. ptxas there: d = 128 non-causal 140 bytes of spill stores, and its wgmmas serialised (C7515:
-an accumulator register written by another instruction mid-pipeline), causal 76 bytes; d = 64 no spills,
-non-causal serialised too (`hopper_backward`'s kernel: 8 / 20 bytes, never serialised). The serialisation is the
-spills': in the SASS a spilled value is reloaded (LDL) into R152, dP^T's accumulator, between two of its wgmmas.
-What crowds the registers is the per-column vectors: the step's query indices (16 values a thread), L's and D's
-64-bit addresses (32) and their masks, beside L and D (16 each). Moving the loads after the wait for S^T, or giving
-dP^T a zero tile of its own, changed nothing. FlashAttention-3 has its producer bring L and D into shared memory
-for each query block; here the D pass could write L (prescaled, +inf past N_Q, rows padded to 64) beside D, for
-the producer's TMA to load with Q and dO. Then the first GPU run, whose check against `hopper_backward.dkdv` comes
-before its times.
+Status (2026-11-30): written and compiled for sm_90a on a machine without a GPU (`--compile-only`, Triton 3.7's
+ptxas): no spills and no serialised wgmmas at d = 64 and 128, causal or not, 2 or 3 stages (`hopper_backward`'s
+kernel: 8 / 20 bytes of spill stores at d = 128). Never run on a GPU: the first run is the check against
+`hopper_backward.dkdv` (its largest difference per cell), then the times. A first version that loaded L and D
+into registers spilled 140 bytes at d = 128, and ptxas serialised its wgmmas (C7515: a spilled value reloaded
+into dP^T's accumulator between two of its wgmmas).
 """
 
 from __future__ import annotations
@@ -41,10 +38,12 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
+    tma,
     warpgroup_mma,
     warpgroup_mma_init,
     warpgroup_mma_wait,
 )
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from course_lib.attention.hopper import LOG2E, descriptor, launch_options
 from course_lib.attention.hopper_backward import (
@@ -53,8 +52,8 @@ from course_lib.attention.hopper_backward import (
     QROWS,
     QUERY_ROWS,
     _block,
-    _producer,
-    _row_stats,
+    _program,
+    _q_range,
     _step,
     _store_dkdv,
 )
@@ -64,11 +63,46 @@ NUM_CONSUMERS = 2
 
 
 @gluon.jit
+def _producer(args, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr):
+    """`hopper_backward._producer`, and with each step's Q and dO its 64 values of L2 and D (`stats`) into the
+    slot's small tiles: the consumers read them from shared memory, holding no addresses for them."""
+    (q_desc, do_desc, k_desc, v_desc, l_desc, d_desc, q_smem, do_smem, k_smem, v_smem, l_smem, d_smem, kv_bar,
+     ready_bar, empty_bar, H, GROUP, SHARE, N_Q, N_K, OFFSET, num_n, BHKV, N_PAD) = args  # fmt: skip
+    CTA_N: gl.constexpr = KROWS * NUM_CONSUMERS
+    bhk, n_blk = _program(num_n, BHKV, CAUSAL)
+    n_start = n_blk * CTA_N
+    kv_row = (bhk // SHARE) * N_K + n_start
+    mbarrier.expect(kv_bar, 2 * NUM_CONSUMERS * k_desc.block_type.nbytes)
+    for c in gl.static_range(NUM_CONSUMERS):
+        tma.async_copy_global_to_shared(k_desc, [kv_row + c * KROWS, 0], kv_bar, k_smem.index(c))
+        tma.async_copy_global_to_shared(v_desc, [kv_row + c * KROWS, 0], kv_bar, v_smem.index(c))
+    lo, mid, hi = _q_range(n_start, N_Q, OFFSET, CAUSAL, CTA_N)
+    n_m = hi - lo
+    first_head = (bhk // (H // GROUP)) * H + (bhk % (H // GROUP)) * GROUP
+    nbytes: gl.constexpr = (
+        q_desc.block_type.nbytes
+        + do_desc.block_type.nbytes
+        + l_desc.block_type.nbytes
+        + d_desc.block_type.nbytes
+    )
+    for step in range(GROUP * n_m):
+        g, m_blk = _step(step, lo, n_m, GROUP, CAUSAL)
+        row = (first_head + g) * N_Q + m_blk * QROWS
+        stat = (first_head + g) * N_PAD + m_blk * QROWS
+        slot = step % NUM_STAGES
+        mbarrier.wait(empty_bar.index(slot), ((step // NUM_STAGES) & 1) ^ 1)
+        mbarrier.expect(ready_bar.index(slot), nbytes)
+        tma.async_copy_global_to_shared(q_desc, [row, 0], ready_bar.index(slot), q_smem.index(slot))
+        tma.async_copy_global_to_shared(do_desc, [row, 0], ready_bar.index(slot), do_smem.index(slot))
+        tma.async_copy_global_to_shared(l_desc, [stat], ready_bar.index(slot), l_smem.index(slot))
+        tma.async_copy_global_to_shared(d_desc, [stat], ready_bar.index(slot), d_smem.index(slot))
+
+
+@gluon.jit
 def _consumer(args, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr,
               NUM_CONSUMERS: gl.constexpr, WG: gl.constexpr):  # fmt: skip
     """Warpgroup WG: dK, dV of keys n_start + 64 WG ... + 63, from transposed tiles (module docstring)."""
-    (q_smem, do_smem, k_smem, v_smem, kv_bar, ready_bar, empty_bar,
-     L, Dlt, DK, DV, qk_scale, sm_scale, stride_lb, stride_lh, stride_lm,
+    (q_smem, do_smem, k_smem, v_smem, l_smem, d_smem, kv_bar, ready_bar, empty_bar, DK, DV, qk_scale, sm_scale,
      stride_kb, stride_kh, stride_kn, H, GROUP, N_Q, N_K, OFFSET, num_n, BHKV) = args  # fmt: skip
     dtype: gl.constexpr = q_smem.dtype
     CTA_N: gl.constexpr = KROWS * NUM_CONSUMERS
@@ -92,26 +126,27 @@ def _consumer(args, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl
     dv_tok = warpgroup_mma_init(dv)
     for step in range(GROUP * n_m):
         g, m_blk = _step(step, lo, n_m, GROUP, CAUSAL)
-        head = first_head + g
         slot = step % NUM_STAGES
         mbarrier.wait(ready_bar.index(slot), (step // NUM_STAGES) & 1)
         q = q_smem.index(slot)
         do = do_smem.index(slot)
         st_tok = warpgroup_mma(k_w, q.permute((1, 0)), st_zero, use_acc=False, is_async=True)
         dpt_tok = warpgroup_mma(v_w, do.permute((1, 0)), st_zero, use_acc=False, is_async=True)
-        rows = m_blk * QROWS + offs_q  # the step's queries
-        lse2, delta = _row_stats(L, Dlt, head, rows, H, N_Q, stride_lb, stride_lh, stride_lm)
         # S^T done means the previous step's dV and dK are too (in issue order): its ring slot is free
         st, dk, dv = warpgroup_mma_wait(1, deps=[st_tok, dk_tok, dv_tok])
         if step > 0:
             mbarrier.arrive(empty_bar.index((step - 1) % NUM_STAGES), count=1)
         if CAUSAL:
             if m_blk < mid:  # key j (a row) is visible to query i (a column) when i + OFFSET >= j
+                rows = m_blk * QROWS + offs_q  # the step's queries
                 visible = gl.expand_dims(rows + OFFSET, 0) >= gl.expand_dims(keys, 1)
                 st = gl.where(visible, st, float("-inf"))
+        # L2 = L log2 e, +inf for rows past N_Q (P = 0 there) and for rows that saw no key
+        lse2 = l_smem.index(slot).load(gl.SliceLayout(0, st_layout))
         pt = gl.exp2(st * qk_scale - gl.expand_dims(lse2, 0))
         dv_tok = warpgroup_mma(gl.convert_layout(pt.to(dtype), op_layout), do, dv, is_async=True)
         dpt = warpgroup_mma_wait(1, deps=[dpt_tok])
+        delta = d_smem.index(slot).load(gl.SliceLayout(0, st_layout))
         dst = pt * (dpt - gl.expand_dims(delta, 0))
         dk_tok = warpgroup_mma(gl.convert_layout(dst.to(dtype), op_layout), q, dk, is_async=True)
     dk, dv = warpgroup_mma_wait(0, deps=[dk_tok, dv_tok])
@@ -122,13 +157,15 @@ def _consumer(args, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl
 
 @gluon.jit
 def dkdv_rs_kernel(
-    q_desc, do_desc, k_desc, v_desc, L, Dlt, DK, DV, qk_scale, sm_scale,
-    stride_lb, stride_lh, stride_lm, stride_kb, stride_kh, stride_kn,
-    H, GROUP, SHARE, N_Q, N_K, OFFSET, BHKV,
+    q_desc, do_desc, k_desc, v_desc, l_desc, d_desc, DK, DV, qk_scale, sm_scale,
+    stride_kb, stride_kh, stride_kn,
+    H, GROUP, SHARE, N_Q, N_K, OFFSET, BHKV, N_PAD,
     CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
     CONSUMER_REGS: gl.constexpr,
 ):  # fmt: skip
-    """`hopper_backward.dkdv_ws_kernel`'s arguments and grid; shared memory without P and dS tiles."""
+    """`hopper_backward.dkdv_ws_kernel`'s arguments and grid, but L and D as TMA descriptors (l_desc, d_desc) of
+    (B * H * N_PAD,) float32 vectors in blocks of 64: L2 = L log2 e with +inf past N_Q (and for rows that saw no
+    key), D with 0 there, N_PAD = N_Q rounded up to 64 (`stats`). Shared memory without P and dS tiles."""
     CTA_N: gl.constexpr = KROWS * NUM_CONSUMERS
     num_n = gl.cdiv(N_K, CTA_N)
     dtype: gl.constexpr = q_desc.dtype
@@ -136,6 +173,8 @@ def dkdv_rs_kernel(
     do_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, QROWS, HEAD_DIM], do_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, KROWS, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, KROWS, HEAD_DIM], v_desc.layout)
+    l_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, QROWS], l_desc.layout)
+    d_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, QROWS], d_desc.layout)
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ready_bar = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     empty_bar = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
@@ -144,11 +183,10 @@ def dkdv_rs_kernel(
         mbarrier.init(ready_bar.index(i), count=1)
         mbarrier.init(empty_bar.index(i), count=NUM_CONSUMERS)
     fence_async_shared()
-    shared = (q_smem, do_smem, k_smem, v_smem, kv_bar, ready_bar, empty_bar,
-              L, Dlt, DK, DV, qk_scale, sm_scale, stride_lb, stride_lh, stride_lm,
-              stride_kb, stride_kh, stride_kn, H, GROUP, N_Q, N_K, OFFSET, num_n, BHKV)  # fmt: skip
-    loads = (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, ready_bar, empty_bar,
-             H, GROUP, SHARE, N_Q, N_K, OFFSET, num_n, BHKV)  # fmt: skip
+    shared = (q_smem, do_smem, k_smem, v_smem, l_smem, d_smem, kv_bar, ready_bar, empty_bar, DK, DV, qk_scale,
+              sm_scale, stride_kb, stride_kh, stride_kn, H, GROUP, N_Q, N_K, OFFSET, num_n, BHKV)  # fmt: skip
+    loads = (q_desc, do_desc, k_desc, v_desc, l_desc, d_desc, q_smem, do_smem, k_smem, v_smem, l_smem, d_smem,
+             kv_bar, ready_bar, empty_bar, H, GROUP, SHARE, N_Q, N_K, OFFSET, num_n, BHKV, N_PAD)  # fmt: skip
     gl.warp_specialize(
         [
             (_consumer, (shared, CAUSAL, HEAD_DIM, NUM_STAGES, NUM_CONSUMERS, 0)),
@@ -159,6 +197,22 @@ def dkdv_rs_kernel(
     )  # fmt: skip
 
 
+def stats(l3, delta, n_pad: int):
+    """L2 = L log2 e and D as (B * H * n_pad,) float32 vectors: +inf and 0 past N_Q, and L2 = +inf where L = -inf
+    (a row that saw no key): what the kernel's TMA loads reads. (In a library version the D pass would write them.)"""
+    B, H, n_q = l3.shape
+    l2 = torch.full((B * H, n_pad), float("inf"), device=l3.device)
+    l2[:, :n_q] = torch.where(l3.isneginf(), float("inf"), l3 * LOG2E).reshape(B * H, n_q)
+    d = torch.zeros((B * H, n_pad), device=l3.device)
+    d[:, :n_q] = delta
+    return l2.view(-1), d.view(-1)
+
+
+def _vector_desc(t):
+    layout = gl.NVMMASharedLayout.get_default_for([QUERY_ROWS], gl.float32)
+    return TensorDescriptor(t, [t.numel()], [1], [QUERY_ROWS], layout)
+
+
 def dkdv_rs(
     q4, k4, v4, do4, l3, delta, dk4, dv4, offset: int, causal: bool, scale: float, stages: int = 2, grid=None
 ):
@@ -166,11 +220,13 @@ def dkdv_rs(
     grid=(1,) compiles without launching (`--compile-only`); returns the kernel's compiled binary then."""
     B, H, n_q, d = q4.shape
     h_kv, n_k = k4.shape[1], k4.shape[2]
+    n_pad = cdiv(n_q, QUERY_ROWS) * QUERY_ROWS
+    l2, dv_ = stats(l3, delta, n_pad)
     args = (
         descriptor(q4, QUERY_ROWS), descriptor(do4, QUERY_ROWS), descriptor(k4, KEY_ROWS), descriptor(v4, KEY_ROWS),
-        l3, delta, dk4, dv4, scale * LOG2E, scale,
-        l3.stride(0), l3.stride(1), l3.stride(2), dk4.stride(0), dk4.stride(1), dk4.stride(2),
-        H, H // h_kv, 1, n_q, n_k, offset, B * h_kv,
+        _vector_desc(l2), _vector_desc(dv_), dk4, dv4, scale * LOG2E, scale,
+        dk4.stride(0), dk4.stride(1), dk4.stride(2),
+        H, H // h_kv, 1, n_q, n_k, offset, B * h_kv, n_pad,
     )  # fmt: skip
     meta = dict(CAUSAL=causal, HEAD_DIM=d, NUM_STAGES=stages, NUM_CONSUMERS=NUM_CONSUMERS,
                 **launch_options(NUM_CONSUMERS))  # fmt: skip
