@@ -4,6 +4,7 @@ them back; notes/attention.md, "Open").
 
     python3 scripts/hopper_dkdv_rs.py --compile-only        # any machine: ptxas's spills for sm_90a, no GPU
     python3 scripts/hopper_dkdv_rs.py [--stages 2]          # a Hopper GPU: against hopper_backward.dkdv
+    python3 scripts/hopper_dkdv_rs.py --one-pass            # ... with dQ too, against the default backward
 
 Per consumer warpgroup (64 keys of the program's 128) and query block of 64 rows:
 
@@ -20,12 +21,16 @@ when they need them. Nothing of P or dS goes through shared memory, which holds 
 small vectors (129 KB at d = 128 with 2 stages, against `hopper_backward`'s 160). The program's block, its steps
 (GQA, both causal alignments) and the dK, dV store are `hopper_backward`'s.
 
+With DQ (`onepass_rs`, `--one-pass`) the kernel also makes dQ as `hopper_onepass` does (both warpgroups' dS, d / 2
+columns each, in chunks, added to a float32 accumulator by TMA): dS^T goes to shared memory for that product alone.
+
 Status (2026-11-30): written and compiled for sm_90a on a machine without a GPU (`--compile-only`, Triton 3.7's
-ptxas): no spills and no serialised wgmmas at d = 64 and 128, causal or not, 2 or 3 stages (`hopper_backward`'s
-kernel: 8 / 20 bytes of spill stores at d = 128). Never run on a GPU: the first run is the check against
-`hopper_backward.dkdv` (its largest difference per cell), then the times. A first version that loaded L and D
-into registers spilled 140 bytes at d = 128, and ptxas serialised its wgmmas (C7515: a spilled value reloaded
-into dP^T's accumulator between two of its wgmmas).
+ptxas): dK/dV: no spills and no serialised wgmmas at d = 64 and 128, causal or not, 2 or 3 stages
+(`hopper_backward`'s kernel: 8 / 20 bytes of spill stores at d = 128); one pass at d = 128, dQ in 2 chunks: 12 / 60
+bytes non-causal / causal (`hopper_onepass`: 44 / 172), in 1 chunk 180 / 216; d = 64 none. Never run on a GPU: the
+first run is the check against `hopper_backward.dkdv` (its largest difference per cell), then the times. A first
+version that loaded L and D into registers spilled 140 bytes at d = 128, and ptxas serialised its wgmmas (C7515: a
+spilled value reloaded into dP^T's accumulator between two of its wgmmas).
 """
 
 from __future__ import annotations
@@ -52,11 +57,13 @@ from course_lib.attention.hopper_backward import (
     QROWS,
     QUERY_ROWS,
     _block,
+    _partition_barrier,
     _program,
     _q_range,
     _step,
     _store_dkdv,
 )
+from course_lib.attention.hopper_onepass import _add_dq
 from course_lib.runtime import cdiv
 
 NUM_CONSUMERS = 2
@@ -99,11 +106,27 @@ def _producer(args, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_CONSUMER
 
 
 @gluon.jit
+def _dq_product_t(ds_smem, k_smem, dq_zero, col: gl.constexpr, NUM_CONSUMERS: gl.constexpr):
+    """Issue dQ[:, col ... col + C] = sum over the warpgroups c of dS_c K_c[:, col ...], dS_c read as the transpose
+    of the dS^T tile warpgroup c stored (64 keys x 64 queries). Returns the product's token."""
+    C: gl.constexpr = dq_zero.shape[1]
+    tok = warpgroup_mma(ds_smem.index(0).permute((1, 0)), k_smem.index(0).slice(col, C, dim=1), dq_zero,
+                        use_acc=False, is_async=True)  # fmt: skip
+    for c in gl.static_range(1, NUM_CONSUMERS):
+        tok = warpgroup_mma(ds_smem.index(c).permute((1, 0)), k_smem.index(c).slice(col, C, dim=1), tok,
+                            is_async=True)  # fmt: skip
+    return tok
+
+
+@gluon.jit
 def _consumer(args, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr,
-              NUM_CONSUMERS: gl.constexpr, WG: gl.constexpr):  # fmt: skip
-    """Warpgroup WG: dK, dV of keys n_start + 64 WG ... + 63, from transposed tiles (module docstring)."""
-    (q_smem, do_smem, k_smem, v_smem, l_smem, d_smem, kv_bar, ready_bar, empty_bar, DK, DV, qk_scale, sm_scale,
-     stride_kb, stride_kh, stride_kn, H, GROUP, N_Q, N_K, OFFSET, num_n, BHKV) = args  # fmt: skip
+              NUM_CONSUMERS: gl.constexpr, WG: gl.constexpr, DQ: gl.constexpr, DQ_CHUNKS: gl.constexpr):  # fmt: skip
+    """Warpgroup WG: dK, dV of keys n_start + 64 WG ... + 63, from transposed tiles (module docstring); with DQ,
+    its columns of each step's dQ too (`hopper_onepass`'s way: both warpgroups' dS, d / 2 columns each, in
+    DQ_CHUNKS chunks, added by TMA)."""
+    (q_smem, do_smem, k_smem, v_smem, l_smem, d_smem, ds_smem, dq_smem, kv_bar, ready_bar, empty_bar, ds_bar,
+     dq_full, dq_desc, DK, DV, qk_scale, sm_scale, stride_kb, stride_kh, stride_kn, H, GROUP, N_Q, N_K, OFFSET,
+     num_n, BHKV) = args  # fmt: skip
     dtype: gl.constexpr = q_smem.dtype
     CTA_N: gl.constexpr = KROWS * NUM_CONSUMERS
     st_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -113,6 +136,11 @@ def _consumer(args, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16]
     )
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    C: gl.constexpr = HEAD_DIM // (NUM_CONSUMERS * DQ_CHUNKS)  # columns of a chunk of dQ
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, C, 16]
+    )
+    dq_zero = gl.zeros([QROWS, C], gl.float32, layout=dq_layout)
     bhk, n_start, lo, mid, n_m, first_head = _block(num_n, BHKV, H, GROUP, N_Q, OFFSET, CAUSAL, CTA_N)
     k_w = k_smem.index(WG)
     v_w = v_smem.index(WG)
@@ -126,6 +154,7 @@ def _consumer(args, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl
     dv_tok = warpgroup_mma_init(dv)
     for step in range(GROUP * n_m):
         g, m_blk = _step(step, lo, n_m, GROUP, CAUSAL)
+        head = first_head + g  # batch * H + query head
         slot = step % NUM_STAGES
         mbarrier.wait(ready_bar.index(slot), (step // NUM_STAGES) & 1)
         q = q_smem.index(slot)
@@ -141,15 +170,43 @@ def _consumer(args, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl
                 rows = m_blk * QROWS + offs_q  # the step's queries
                 visible = gl.expand_dims(rows + OFFSET, 0) >= gl.expand_dims(keys, 1)
                 st = gl.where(visible, st, float("-inf"))
+        if DQ:  # keys past N_K (the next head's, or zeros) get P = 0, else dS K takes them into dQ
+            if n_start + CTA_N > N_K:
+                st = gl.where(gl.expand_dims(keys < N_K, 1), st, float("-inf"))
         # L2 = L log2 e, +inf for rows past N_Q (P = 0 there) and for rows that saw no key
         lse2 = l_smem.index(slot).load(gl.SliceLayout(0, st_layout))
         pt = gl.exp2(st * qk_scale - gl.expand_dims(lse2, 0))
         dv_tok = warpgroup_mma(gl.convert_layout(pt.to(dtype), op_layout), do, dv, is_async=True)
         dpt = warpgroup_mma_wait(1, deps=[dpt_tok])
         delta = d_smem.index(slot).load(gl.SliceLayout(0, st_layout))
-        dst = pt * (dpt - gl.expand_dims(delta, 0))
-        dk_tok = warpgroup_mma(gl.convert_layout(dst.to(dtype), op_layout), q, dk, is_async=True)
+        ds16 = (pt * (dpt - gl.expand_dims(delta, 0))).to(dtype)  # dS^T
+        dk_tok = warpgroup_mma(gl.convert_layout(ds16, op_layout), q, dk, is_async=True)
+        if DQ:
+            if (
+                step > 0
+            ):  # both warpgroups' dQ products of the previous step, which read these tiles, are done
+                mbarrier.wait(dq_full, (step - 1) & 1)
+            ds_smem.index(WG).store(ds16)
+            fence_async_shared()
+            _partition_barrier()
+            mbarrier.arrive(ds_bar, count=1)
+            mbarrier.wait(ds_bar, step & 1)  # both warpgroups' dS^T tiles of the step are in shared memory
+            for c in gl.static_range(DQ_CHUNKS):  # each chunk's first column written inline (a constant)
+                dq_tok = _dq_product_t(ds_smem, k_smem, dq_zero, (WG * DQ_CHUNKS + c) * C, NUM_CONSUMERS)
+                dq = warpgroup_mma_wait(0, deps=[dq_tok])
+                row = head * N_Q + m_blk * QROWS
+                _add_dq(
+                    dq,
+                    dq_smem.index(WG * DQ_CHUNKS + c),
+                    dq_desc,
+                    row,
+                    (WG * DQ_CHUNKS + c) * C,
+                    DQ_CHUNKS - 1,
+                )
+            mbarrier.arrive(dq_full, count=1)
     dk, dv = warpgroup_mma_wait(0, deps=[dk_tok, dv_tok])
+    if DQ:
+        tma.store_wait(0)
     _store_dkdv(
         dk, dv, DK, DV, sm_scale, n_start + WG * KROWS, bhk, H // GROUP, N_K, stride_kb, stride_kh, stride_kn
     )
@@ -157,15 +214,17 @@ def _consumer(args, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl
 
 @gluon.jit
 def dkdv_rs_kernel(
-    q_desc, do_desc, k_desc, v_desc, l_desc, d_desc, DK, DV, qk_scale, sm_scale,
+    q_desc, do_desc, k_desc, v_desc, l_desc, d_desc, dq_desc, DK, DV, qk_scale, sm_scale,
     stride_kb, stride_kh, stride_kn,
     H, GROUP, SHARE, N_Q, N_K, OFFSET, BHKV, N_PAD,
     CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, DQ: gl.constexpr = False, DQ_CHUNKS: gl.constexpr = 1,
 ):  # fmt: skip
     """`hopper_backward.dkdv_ws_kernel`'s arguments and grid, but L and D as TMA descriptors (l_desc, d_desc) of
     (B * H * N_PAD,) float32 vectors in blocks of 64: L2 = L log2 e with +inf past N_Q (and for rows that saw no
-    key), D with 0 there, N_PAD = N_Q rounded up to 64 (`stats`). Shared memory without P and dS tiles."""
+    key), D with 0 there, N_PAD = N_Q rounded up to 64 (`stats`). Shared memory without P and dS tiles. With DQ,
+    dq_desc is `hopper_onepass.bwd_ws_kernel`'s (a zeroed float32 accumulator, blocks of 64 x d / (2 DQ_CHUNKS)),
+    and the dS^T tiles go to shared memory for dQ's products (else dq_desc is not read)."""
     CTA_N: gl.constexpr = KROWS * NUM_CONSUMERS
     num_n = gl.cdiv(N_K, CTA_N)
     dtype: gl.constexpr = q_desc.dtype
@@ -175,6 +234,18 @@ def dkdv_rs_kernel(
     v_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, KROWS, HEAD_DIM], v_desc.layout)
     l_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, QROWS], l_desc.layout)
     d_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, QROWS], d_desc.layout)
+    C: gl.constexpr = HEAD_DIM // (NUM_CONSUMERS * DQ_CHUNKS)
+    if DQ:
+        ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([KROWS, QROWS], dtype)
+        ds_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, KROWS, QROWS], ds_layout)
+        dq_smem = gl.allocate_shared_memory(gl.float32, [NUM_CONSUMERS * DQ_CHUNKS, QROWS, C], dq_desc.layout)
+    else:  # not read
+        ds_smem = l_smem
+        dq_smem = l_smem
+    ds_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    dq_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(ds_bar, count=NUM_CONSUMERS)
+    mbarrier.init(dq_full, count=NUM_CONSUMERS)
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ready_bar = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     empty_bar = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
@@ -183,14 +254,15 @@ def dkdv_rs_kernel(
         mbarrier.init(ready_bar.index(i), count=1)
         mbarrier.init(empty_bar.index(i), count=NUM_CONSUMERS)
     fence_async_shared()
-    shared = (q_smem, do_smem, k_smem, v_smem, l_smem, d_smem, kv_bar, ready_bar, empty_bar, DK, DV, qk_scale,
-              sm_scale, stride_kb, stride_kh, stride_kn, H, GROUP, N_Q, N_K, OFFSET, num_n, BHKV)  # fmt: skip
+    shared = (q_smem, do_smem, k_smem, v_smem, l_smem, d_smem, ds_smem, dq_smem, kv_bar, ready_bar, empty_bar,
+              ds_bar, dq_full, dq_desc, DK, DV, qk_scale, sm_scale, stride_kb, stride_kh, stride_kn, H, GROUP, N_Q,
+              N_K, OFFSET, num_n, BHKV)  # fmt: skip
     loads = (q_desc, do_desc, k_desc, v_desc, l_desc, d_desc, q_smem, do_smem, k_smem, v_smem, l_smem, d_smem,
              kv_bar, ready_bar, empty_bar, H, GROUP, SHARE, N_Q, N_K, OFFSET, num_n, BHKV, N_PAD)  # fmt: skip
     gl.warp_specialize(
         [
-            (_consumer, (shared, CAUSAL, HEAD_DIM, NUM_STAGES, NUM_CONSUMERS, 0)),
-            (_consumer, (shared, CAUSAL, HEAD_DIM, NUM_STAGES, NUM_CONSUMERS, 1)),
+            (_consumer, (shared, CAUSAL, HEAD_DIM, NUM_STAGES, NUM_CONSUMERS, 0, DQ, DQ_CHUNKS)),
+            (_consumer, (shared, CAUSAL, HEAD_DIM, NUM_STAGES, NUM_CONSUMERS, 1, DQ, DQ_CHUNKS)),
             (_producer, (loads, CAUSAL, NUM_STAGES, NUM_CONSUMERS)),
         ],
         [4, 1], [CONSUMER_REGS, 24],
@@ -213,27 +285,60 @@ def _vector_desc(t):
     return TensorDescriptor(t, [t.numel()], [1], [QUERY_ROWS], layout)
 
 
+def _launch(
+    q4, k4, v4, do4, l3, delta, dk4, dv4, offset, causal, scale, stages, dq_acc=None, dq_chunks=1, grid=None
+):
+    B, H, n_q, d = q4.shape
+    h_kv, n_k = k4.shape[1], k4.shape[2]
+    n_pad = cdiv(n_q, QUERY_ROWS) * QUERY_ROWS
+    l2, d2 = stats(l3, delta, n_pad)
+    dq = dq_acc is not None
+    if dq:
+        cols = d // (NUM_CONSUMERS * dq_chunks)
+        layout = gl.NVMMASharedLayout.get_default_for([QUERY_ROWS, cols], gl.float32)
+        dq_desc = TensorDescriptor(dq_acc, [B * H * n_q, d], [d, 1], [QUERY_ROWS, cols], layout)
+    else:
+        dq_desc = _vector_desc(d2)  # not read
+    args = (
+        descriptor(q4, QUERY_ROWS), descriptor(do4, QUERY_ROWS), descriptor(k4, KEY_ROWS), descriptor(v4, KEY_ROWS),
+        _vector_desc(l2), _vector_desc(d2), dq_desc, dk4, dv4, scale * LOG2E, scale,
+        dk4.stride(0), dk4.stride(1), dk4.stride(2),
+        H, H // h_kv, 1, n_q, n_k, offset, B * h_kv, n_pad,
+    )  # fmt: skip
+    meta = dict(CAUSAL=causal, HEAD_DIM=d, NUM_STAGES=stages, NUM_CONSUMERS=NUM_CONSUMERS, DQ=dq,
+                DQ_CHUNKS=dq_chunks, **launch_options(NUM_CONSUMERS))  # fmt: skip
+    if grid is not None:
+        return dkdv_rs_kernel.warmup(*args, grid=grid, **meta)
+    dkdv_rs_kernel[(cdiv(n_k, KEY_ROWS * NUM_CONSUMERS) * B * h_kv,)](*args, **meta)
+    return None
+
+
 def dkdv_rs(
     q4, k4, v4, do4, l3, delta, dk4, dv4, offset: int, causal: bool, scale: float, stages: int = 2, grid=None
 ):
     """`hopper_backward.dkdv`'s contract (dk4, dv4 in K's dtype, one slice per K/V head), with this kernel.
     grid=(1,) compiles without launching (`--compile-only`); returns the kernel's compiled binary then."""
+    return _launch(q4, k4, v4, do4, l3, delta, dk4, dv4, offset, causal, scale, stages, grid=grid)
+
+
+def onepass_rs(q4, k4, v4, o4, do4, l3, offset: int, causal: bool, scale: float, stages: int = 2, dq_chunks: int = 2,
+               grid=None):  # fmt: skip
+    """`hopper_onepass.backward`'s contract ((dQ, dK, dV)), with this kernel's DQ: its D pass, zeroed float32
+    accumulator and cast as there."""
+    from course_lib.attention.backward import _preprocess_kernel, preprocess_launch
+    from course_lib.kernels import bound
+
     B, H, n_q, d = q4.shape
-    h_kv, n_k = k4.shape[1], k4.shape[2]
-    n_pad = cdiv(n_q, QUERY_ROWS) * QUERY_ROWS
-    l2, dv_ = stats(l3, delta, n_pad)
-    args = (
-        descriptor(q4, QUERY_ROWS), descriptor(do4, QUERY_ROWS), descriptor(k4, KEY_ROWS), descriptor(v4, KEY_ROWS),
-        _vector_desc(l2), _vector_desc(dv_), dk4, dv4, scale * LOG2E, scale,
-        dk4.stride(0), dk4.stride(1), dk4.stride(2),
-        H, H // h_kv, 1, n_q, n_k, offset, B * h_kv, n_pad,
-    )  # fmt: skip
-    meta = dict(CAUSAL=causal, HEAD_DIM=d, NUM_STAGES=stages, NUM_CONSUMERS=NUM_CONSUMERS,
-                **launch_options(NUM_CONSUMERS))  # fmt: skip
+    delta = torch.empty(B * H, n_q, dtype=torch.float32, device=q4.device)
+    if grid is None:
+        g, args, meta = preprocess_launch(o4, do4, delta, B, H, n_q, d, q4.dtype)
+        bound.launch(_preprocess_kernel, g, *args, **meta)
+    dq_acc = torch.zeros(B * H * n_q, d, dtype=torch.float32, device=q4.device)
+    dk, dv = torch.empty_like(k4), torch.empty_like(v4)
+    out = _launch(q4, k4, v4, do4, l3, delta, dk, dv, offset, causal, scale, stages, dq_acc, dq_chunks, grid)
     if grid is not None:
-        return dkdv_rs_kernel.warmup(*args, grid=grid, **meta)
-    dkdv_rs_kernel[(cdiv(n_k, KEY_ROWS * NUM_CONSUMERS) * B * h_kv,)](*args, **meta)
-    return None
+        return out
+    return (dq_acc.view(q4.shape) * scale).to(q4.dtype), dk, dv
 
 
 def rs_call(stages: int):
@@ -252,7 +357,10 @@ def compile_only(stages: int) -> None:
         dk, dv = torch.empty_like(k), torch.empty_like(v)
         for causal in (False, True):
             binary = dkdv_rs(q, k, v, do, lse, delta, dk, dv, 0, causal, d**-0.5, stages, grid=(1,))
-            print(f"d = {d}, causal {causal}, {stages} stages: {gluon_spills.ptxas_spills(binary)}")
+            print(f"dK/dV, d = {d}, causal {causal}, {stages} stages: {gluon_spills.ptxas_spills(binary)}")
+            for chunks in (1, 2):
+                binary = onepass_rs(q, k, v, q, do, lse, 0, causal, d**-0.5, stages, chunks, grid=(1,))
+                print(f"one pass, dQ in {chunks} chunk(s): {gluon_spills.ptxas_spills(binary)}")
 
 
 def check_and_time(stages: int) -> None:
@@ -296,13 +404,47 @@ def check_and_time(stages: int) -> None:
             )
 
 
+def check_and_time_one_pass(stages: int) -> None:
+    """The one pass against the default backward (`attention.backward.backward`): the largest difference of dQ,
+    dK, dV, then TFLOP/s of the backward's 2.5 x forward FLOPs for the default, `hopper_onepass.backward` and
+    this kernel's (dQ in 1 and 2 chunks)."""
+    from course_lib.attention import backward as bwd
+    from course_lib.attention import forward as fwd
+    from course_lib.attention import hopper_onepass
+    from course_lib.perf.timing import benchmark
+
+    for d in (128, 64):
+        for n, causal in ((1000, False), (4096, False), (4096, True), (16384, False), (16384, True)):
+            B, H = max(16384 // n, 1), 2048 // d
+            q, k, v, do = (torch.randn(B, H, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+            o, lse = fwd.forward(q, k, v, causal=causal)
+            scale = d**-0.5
+            want = bwd.backward(do, q, k, v, o, lse, causal=causal)
+            got = {c: onepass_rs(q, k, v, o, do, lse, 0, causal, scale, stages, c) for c in (1, 2)}
+            diff = max((g.float() - w.float()).abs().max().item() for c in got for g, w in zip(got[c], want))
+            flops = 2.5 * 4 * B * H * n * n * d * (0.5 if causal else 1.0)
+            calls = {
+                "default": lambda: bwd.backward(do, q, k, v, o, lse, causal=causal),  # noqa: B023
+                "hopper_onepass": lambda: hopper_onepass.backward(q, k, v, o, do, lse, 0, causal, scale),  # noqa: B023
+                "this, 1 chunk": lambda: onepass_rs(q, k, v, o, do, lse, 0, causal, scale, stages, 1),  # noqa: B023
+                "this, 2 chunks": lambda: onepass_rs(q, k, v, o, do, lse, 0, causal, scale, stages, 2),  # noqa: B023
+            }
+            rates = ", ".join(f"{name} {flops / benchmark(call) / 1e9:.0f}" for name, call in calls.items())
+            print(f"d = {d}, N = {n}, causal {causal}: max diff {diff:.2e}; TFLOP/s {rates}", flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--compile-only", action="store_true")
     p.add_argument("--stages", type=int, default=2)
+    p.add_argument(
+        "--one-pass", action="store_true", help="the one pass (dQ too) against the default backward"
+    )
     a = p.parse_args()
     if a.compile_only:
         compile_only(a.stages)
+    elif a.one_pass:
+        check_and_time_one_pass(a.stages)
     else:
         check_and_time(a.stages)
 
