@@ -17,9 +17,9 @@ Per consumer warpgroup (64 keys of the program's 128) and query block of 64 rows
 L and D are per query, the tiles' columns, so a thread would hold 16 values of each, their addresses and masks: the
 producer brings each step's 64 values of L2 = L log2 e (+inf past N_Q) and D into shared memory by TMA with Q and
 dO (`stats` lays them out; a library version would have the D pass write them), and the consumers read them there
-when they need them. Nothing of P or dS goes through shared memory, which holds the Q / dO ring, K, V and the two
-small vectors (129 KB at d = 128 with 2 stages, against `hopper_backward`'s 160). The program's block, its steps
-(GQA, both causal alignments) and the dK, dV store are `hopper_backward`'s.
+when they need them. Nothing of P or dS goes through shared memory for dK and dV (`hopper_backward`'s shared memory is
+taken as it is, its P and dS tiles unused but for dS^T in the one pass below, plus the two small vectors). The
+program's block, its steps (GQA, both causal alignments) and the dK, dV store are `hopper_backward`'s.
 
 With DQ (`onepass_rs`, `--one-pass`) the kernel also makes dQ as `hopper_onepass` does (both warpgroups' dS, d / 2
 columns each, in chunks, added to a float32 accumulator by TMA): dS^T goes to shared memory for that product alone.
@@ -60,6 +60,7 @@ from course_lib.attention.hopper_backward import (
     _partition_barrier,
     _program,
     _q_range,
+    _shared,
     _step,
     _store_dkdv,
 )
@@ -222,37 +223,26 @@ def dkdv_rs_kernel(
 ):  # fmt: skip
     """`hopper_backward.dkdv_ws_kernel`'s arguments and grid, but L and D as TMA descriptors (l_desc, d_desc) of
     (B * H * N_PAD,) float32 vectors in blocks of 64: L2 = L log2 e with +inf past N_Q (and for rows that saw no
-    key), D with 0 there, N_PAD = N_Q rounded up to 64 (`stats`). Shared memory without P and dS tiles. With DQ,
+    key), D with 0 there, N_PAD = N_Q rounded up to 64 (`stats`). With DQ,
     dq_desc is `hopper_onepass.bwd_ws_kernel`'s (a zeroed float32 accumulator, blocks of 64 x d / (2 DQ_CHUNKS)),
     and the dS^T tiles go to shared memory for dQ's products (else dq_desc is not read)."""
     CTA_N: gl.constexpr = KROWS * NUM_CONSUMERS
     num_n = gl.cdiv(N_K, CTA_N)
-    dtype: gl.constexpr = q_desc.dtype
-    q_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, QROWS, HEAD_DIM], q_desc.layout)
-    do_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, QROWS, HEAD_DIM], do_desc.layout)
-    k_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, KROWS, HEAD_DIM], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, KROWS, HEAD_DIM], v_desc.layout)
+    # `hopper_backward`'s ring, K, V and barriers; its P tiles go unused, its dS tiles hold dS^T (64 x 64 either way)
+    q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, kv_bar, ready_bar, empty_bar = _shared(
+        q_desc, do_desc, k_desc, v_desc, HEAD_DIM, NUM_STAGES, NUM_CONSUMERS
+    )
     l_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, QROWS], l_desc.layout)
     d_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, QROWS], d_desc.layout)
     C: gl.constexpr = HEAD_DIM // (NUM_CONSUMERS * DQ_CHUNKS)
     if DQ:
-        ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([KROWS, QROWS], dtype)
-        ds_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, KROWS, QROWS], ds_layout)
         dq_smem = gl.allocate_shared_memory(gl.float32, [NUM_CONSUMERS * DQ_CHUNKS, QROWS, C], dq_desc.layout)
     else:  # not read
-        ds_smem = l_smem
         dq_smem = l_smem
     ds_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     dq_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     mbarrier.init(ds_bar, count=NUM_CONSUMERS)
     mbarrier.init(dq_full, count=NUM_CONSUMERS)
-    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    ready_bar = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    empty_bar = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(kv_bar, count=1)
-    for i in gl.static_range(NUM_STAGES):
-        mbarrier.init(ready_bar.index(i), count=1)
-        mbarrier.init(empty_bar.index(i), count=NUM_CONSUMERS)
     fence_async_shared()
     shared = (q_smem, do_smem, k_smem, v_smem, l_smem, d_smem, ds_smem, dq_smem, kv_bar, ready_bar, empty_bar,
               ds_bar, dq_full, dq_desc, DK, DV, qk_scale, sm_scale, stride_kb, stride_kh, stride_kn, H, GROUP, N_Q,

@@ -578,6 +578,21 @@ def _gpu_cycles_per_ms() -> float:
     return 10_000_000 / start.elapsed_time(end)
 
 
+def _call_timer(spent: dict):
+    """timer(name, fn): fn wrapped so that each call appends its microseconds to spent[name] (a defaultdict(list))."""
+
+    def timer(name, fn):
+        def call(*args, **kwargs):
+            t0 = time.perf_counter()
+            out = fn(*args, **kwargs)
+            spent[name].append(1e6 * (time.perf_counter() - t0))
+            return out
+
+        return call
+
+    return timer
+
+
 def ttft_host_calls(n: int = 32768, cached_fraction: float = 0.9, runs: int = 5, busy_ms=(0, 30)) -> None:
     """--ttft-host-calls: the host's microseconds in each call a cached first token's model step makes, layer 0
     (while the GPU waits for it: the step's first launches) against the mean of layers 1-7 (median of `runs`
@@ -604,15 +619,7 @@ def _ttft_host_calls(n: int, cached_fraction: float, runs: int, busy_ms: float) 
     for _ in range(runs):
         b = ready()
         model, spent = b.model, defaultdict(list)
-
-        def timer(name, fn, spent=spent):
-            def call(*args, **kwargs):
-                t0 = time.perf_counter()
-                out = fn(*args, **kwargs)
-                spent[name].append(1e6 * (time.perf_counter() - t0))
-                return out
-
-            return call
+        timer = _call_timer(spent)
 
         saved = {
             "write": (PagedKVCache, "write", PagedKVCache.write),
@@ -856,15 +863,7 @@ def ttft_layer0_cpu(n: int = 32768, runs: int = 7) -> None:
             for run in range(runs):
                 b = _first_token_batcher(model, prompt, cached=True)
                 spent = defaultdict(list)
-
-                def timer(name, fn, spent=spent):
-                    def call(*args, **kwargs):
-                        t0 = time.perf_counter()
-                        out = fn(*args, **kwargs)
-                        spent[name].append(1e6 * (time.perf_counter() - t0))
-                        return out
-
-                    return call
+                timer = _call_timer(spent)
 
                 saved = [(PagedKVCache, "write"), (paged_kv.PagedKV, "attend")]
                 originals = [getattr(owner, attr) for owner, attr in saved]
