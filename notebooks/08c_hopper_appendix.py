@@ -507,8 +507,9 @@ if got is not None:
 #
 # FlashAttention-3's own code offers both layouts (its `SdP_swapAB`). At d = 128 on Hopper it takes the
 # transposed one and feeds Pᵀ and dSᵀ to dV and dK straight from registers, only dS going through shared
-# memory (for dQ): fewer round trips, with the registers counted more tightly than above. course_lib has
-# not tried that arrangement yet (`notes/attention.md`, "Open").
+# memory (for dQ): fewer round trips. L and D, per column there, are read from shared memory when needed
+# instead of held, and the operands replace the score tiles, which keeps the count under 240. course_lib
+# has not measured that arrangement yet (`notes/attention.md`, "Open").
 
 # %% [markdown]
 # **Exercise 4 — registers of a dK/dV program.** Write `dkdv_registers(keys, d, q_rows, threads,
