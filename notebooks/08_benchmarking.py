@@ -492,8 +492,8 @@ else:
 # warp-specialised kernel written in Gluon (`course_lib/attention/hopper.py`; the optional appendix
 # notebook 08c explains it), and `{"hopper": False}` keeps the autotuned Triton kernel (on other GPUs and
 # the CPU the two rungs are the same kernel). The backward does the same for its dK/dV kernel: on a Hopper
-# GPU `config=None` runs FlashAttention-3's layout of it in Gluon (`course_lib/attention/hopper_backward.py`,
-# notebook 08c, section 5) after the Triton dQ kernel.
+# GPU `config=None` runs a warp-specialised one after FlashAttention-3 in Gluon
+# (`course_lib/attention/hopper_backward.py`, notebook 08c, section 5) after the Triton dQ kernel.
 # The shape: d = 128, N = 4096, causal, bf16, B·N = 16k tokens. Each rung carries a gain predicted from
 # bytes and FLOPs, written next to it in `course_lib.bench` *before* it was measured. You will predict each
 # rung yourself before you see those. First, what each rung changes:

@@ -30,8 +30,8 @@ walk all the heads' query blocks in one loop, `dkdv_one_loop`); where that measu
 partial sums that `_group_sum_kernel` adds up. Rows that saw no key (L = -inf) contribute nothing.
 
 On a Hopper GPU, where `hopper_backward.choose` measured it faster (d = 128 mostly), the dK/dV kernel is
-instead FlashAttention-3's layout of it in Gluon (`hopper_backward`, notebook 08c): the Triton kernel
-above spills registers at d = 128. The dQ kernel (with D) runs first either way.
+instead a warp-specialised one after FlashAttention-3, in Gluon (`hopper_backward`, notebook 08c): the Triton
+kernel above spills registers at d = 128. The dQ kernel (with D) runs first either way.
 
 How P is rebuilt (`probabilities`) and which blocks a program visits (`blocks.q_block_range`,
 `blocks.kv_block_range`) are `tl.constexpr` function arguments of the kernels, defaulting to these

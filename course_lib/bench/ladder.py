@@ -81,7 +81,7 @@ LADDER = (
          "the best of several configs for this shape"),
     Step("dK/dV without spills (Gluon, Hopper)", "bwd", {"hopper_dq": False}, 1.1,
          "the Triton dK/dV kernel needs ~256 registers per thread (transposed tiles, L and D per column, "
-         "16-bit operands in registers) and spills; FlashAttention-3's layout needs ~196 (untransposed "
+         "16-bit operands in registers) and spills; the Gluon kernel's layout needs ~196 (untransposed "
          "tiles, P and dS through shared memory): dK/dV ~1.2x, about 60 % of the backward (dQ unchanged)"),
     Step("warp-specialised dQ (Gluon, Hopper; course_lib)", "bwd", None, 1.1,
          "dQ is ~40 % of the backward now; a producer warp streams K, V while two warpgroups keep S, dP "
