@@ -56,15 +56,15 @@ from course_lib.attention.hopper_backward import (
     KROWS,
     QROWS,
     QUERY_ROWS,
-    _block,
-    _partition_barrier,
-    _program,
-    _q_range,
-    _shared,
-    _step,
-    _store_dkdv,
+    partition_barrier,
+    program_block,
+    program_index,
+    query_block_range,
+    shared_tiles,
+    step_block,
+    store_dkdv,
 )
-from course_lib.attention.hopper_onepass import _add_dq
+from course_lib.attention.hopper_onepass import add_dq
 from course_lib.runtime import cdiv
 
 NUM_CONSUMERS = 2
@@ -77,14 +77,14 @@ def _producer(args, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_CONSUMER
     (q_desc, do_desc, k_desc, v_desc, l_desc, d_desc, q_smem, do_smem, k_smem, v_smem, l_smem, d_smem, kv_bar,
      ready_bar, empty_bar, H, GROUP, SHARE, N_Q, N_K, OFFSET, num_n, BHKV, N_PAD) = args  # fmt: skip
     CTA_N: gl.constexpr = KROWS * NUM_CONSUMERS
-    bhk, n_blk = _program(num_n, BHKV, CAUSAL)
+    bhk, n_blk = program_index(num_n, BHKV, CAUSAL)
     n_start = n_blk * CTA_N
     kv_row = (bhk // SHARE) * N_K + n_start
     mbarrier.expect(kv_bar, 2 * NUM_CONSUMERS * k_desc.block_type.nbytes)
     for c in gl.static_range(NUM_CONSUMERS):
         tma.async_copy_global_to_shared(k_desc, [kv_row + c * KROWS, 0], kv_bar, k_smem.index(c))
         tma.async_copy_global_to_shared(v_desc, [kv_row + c * KROWS, 0], kv_bar, v_smem.index(c))
-    lo, mid, hi = _q_range(n_start, N_Q, OFFSET, CAUSAL, CTA_N)
+    lo, mid, hi = query_block_range(n_start, N_Q, OFFSET, CAUSAL, CTA_N)
     n_m = hi - lo
     first_head = (bhk // (H // GROUP)) * H + (bhk % (H // GROUP)) * GROUP
     nbytes: gl.constexpr = (
@@ -94,7 +94,7 @@ def _producer(args, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_CONSUMER
         + d_desc.block_type.nbytes
     )
     for step in range(GROUP * n_m):
-        g, m_blk = _step(step, lo, n_m, GROUP, CAUSAL)
+        g, m_blk = step_block(step, lo, n_m, GROUP, CAUSAL)
         row = (first_head + g) * N_Q + m_blk * QROWS
         stat = (first_head + g) * N_PAD + m_blk * QROWS
         slot = step % NUM_STAGES
@@ -142,7 +142,7 @@ def _consumer(args, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, C, 16]
     )
     dq_zero = gl.zeros([QROWS, C], gl.float32, layout=dq_layout)
-    bhk, n_start, lo, mid, n_m, first_head = _block(num_n, BHKV, H, GROUP, N_Q, OFFSET, CAUSAL, CTA_N)
+    bhk, n_start, lo, mid, n_m, first_head = program_block(num_n, BHKV, H, GROUP, N_Q, OFFSET, CAUSAL, CTA_N)
     k_w = k_smem.index(WG)
     v_w = v_smem.index(WG)
     st_zero = gl.zeros([KROWS, QROWS], gl.float32, layout=st_layout)
@@ -154,7 +154,7 @@ def _consumer(args, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl
     dk_tok = warpgroup_mma_init(dk)
     dv_tok = warpgroup_mma_init(dv)
     for step in range(GROUP * n_m):
-        g, m_blk = _step(step, lo, n_m, GROUP, CAUSAL)
+        g, m_blk = step_block(step, lo, n_m, GROUP, CAUSAL)
         head = first_head + g  # batch * H + query head
         slot = step % NUM_STAGES
         mbarrier.wait(ready_bar.index(slot), (step // NUM_STAGES) & 1)
@@ -189,14 +189,14 @@ def _consumer(args, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl
                 mbarrier.wait(dq_full, (step - 1) & 1)
             ds_smem.index(WG).store(ds16)
             fence_async_shared()
-            _partition_barrier()
+            partition_barrier()
             mbarrier.arrive(ds_bar, count=1)
             mbarrier.wait(ds_bar, step & 1)  # both warpgroups' dS^T tiles of the step are in shared memory
             for c in gl.static_range(DQ_CHUNKS):  # each chunk's first column written inline (a constant)
                 dq_tok = _dq_product_t(ds_smem, k_smem, dq_zero, (WG * DQ_CHUNKS + c) * C, NUM_CONSUMERS)
                 dq = warpgroup_mma_wait(0, deps=[dq_tok])
                 row = head * N_Q + m_blk * QROWS
-                _add_dq(
+                add_dq(
                     dq,
                     dq_smem.index(WG * DQ_CHUNKS + c),
                     dq_desc,
@@ -208,7 +208,7 @@ def _consumer(args, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl
     dk, dv = warpgroup_mma_wait(0, deps=[dk_tok, dv_tok])
     if DQ:
         tma.store_wait(0)
-    _store_dkdv(
+    store_dkdv(
         dk, dv, DK, DV, sm_scale, n_start + WG * KROWS, bhk, H // GROUP, N_K, stride_kb, stride_kh, stride_kn
     )
 
@@ -229,7 +229,7 @@ def dkdv_rs_kernel(
     CTA_N: gl.constexpr = KROWS * NUM_CONSUMERS
     num_n = gl.cdiv(N_K, CTA_N)
     # `hopper_backward`'s ring, K, V and barriers; its P tiles go unused, its dS tiles hold dS^T (64 x 64 either way)
-    q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, kv_bar, ready_bar, empty_bar = _shared(
+    q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, kv_bar, ready_bar, empty_bar = shared_tiles(
         q_desc, do_desc, k_desc, v_desc, HEAD_DIM, NUM_STAGES, NUM_CONSUMERS
     )
     l_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, QROWS], l_desc.layout)
@@ -315,14 +315,12 @@ def onepass_rs(q4, k4, v4, o4, do4, l3, offset: int, causal: bool, scale: float,
                grid=None):  # fmt: skip
     """`hopper_onepass.backward`'s contract ((dQ, dK, dV)), with this kernel's DQ: its D pass, zeroed float32
     accumulator and cast as there."""
-    from course_lib.attention.backward import _preprocess_kernel, preprocess_launch
-    from course_lib.kernels import bound
+    from course_lib.attention.backward import preprocess
 
     B, H, n_q, d = q4.shape
     delta = torch.empty(B * H, n_q, dtype=torch.float32, device=q4.device)
     if grid is None:
-        g, args, meta = preprocess_launch(o4, do4, delta, B, H, n_q, d, q4.dtype)
-        bound.launch(_preprocess_kernel, g, *args, **meta)
+        preprocess(o4, do4, delta, q4.dtype)
     dq_acc = torch.zeros(B * H * n_q, d, dtype=torch.float32, device=q4.device)
     dk, dv = torch.empty_like(k4), torch.empty_like(v4)
     out = _launch(q4, k4, v4, do4, l3, delta, dk, dv, offset, causal, scale, stages, dq_acc, dq_chunks, grid)
@@ -357,7 +355,6 @@ def check_and_time(stages: int) -> None:
     from course_lib.attention import backward as bwd
     from course_lib.attention import forward as fwd
     from course_lib.attention import hopper_backward as hb
-    from course_lib.kernels import bound
     from course_lib.perf.timing import benchmark
 
     for d in (128, 64):
@@ -373,8 +370,7 @@ def check_and_time(stages: int) -> None:
             q, k, v, do = (torch.randn(B, H, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
             o, lse = fwd.forward(q, k, v, causal=causal)
             delta = torch.empty(B * H, n, dtype=torch.float32, device="cuda")
-            grid, args, meta = bwd.preprocess_launch(o, do, delta, B, H, n, d, q.dtype)
-            bound.launch(bwd._preprocess_kernel, grid, *args, **meta)
+            bwd.preprocess(o, do, delta, q.dtype)
             ref_k, ref_v, dk, dv = (torch.empty_like(k) for _ in range(4))
             hb.dkdv(q, k, v, do, lse, delta, ref_k, ref_v, 0, causal, d**-0.5)
             dkdv_rs(q, k, v, do, lse, delta, dk, dv, 0, causal, d**-0.5, stages)

@@ -29,7 +29,6 @@ import torch
 from course_lib.attention import backward as bwd
 from course_lib.attention import forward as fwd
 from course_lib.attention import hopper_backward as hb
-from course_lib.kernels import bound
 from course_lib.perf.timing import benchmark
 
 SOURCE = Path(__file__).resolve().parents[1] / "course_lib" / "attention" / "hopper_onepass.py"
@@ -42,7 +41,7 @@ NO_DQ = [
         "            dq_tok = _dq_product(ds_smem, k_smem, dq_zero, (WG * DQ_CHUNKS + c) * C, NUM_CONSUMERS)\n"
         "            dq = warpgroup_mma_wait(0, deps=[dq_tok])\n"
         "            row = head * N_Q + m_blk * QROWS\n"
-        "            _add_dq(dq, dq_w.index(WG * DQ_CHUNKS + c), dq_desc, row, (WG * DQ_CHUNKS + c) * C, "
+        "            add_dq(dq, dq_w.index(WG * DQ_CHUNKS + c), dq_desc, row, (WG * DQ_CHUNKS + c) * C, "
         "DQ_CHUNKS - 1)\n",
         "",
     )
@@ -117,8 +116,7 @@ def cell(modules: dict, d: int, n: int, causal: bool) -> dict:
     dk, dv = torch.empty_like(k), torch.empty_like(v)
 
     def dkdv():  # the two-kernel backward's dK/dV kernel with its D pass: the same 4 products
-        grid, args, meta = bwd.preprocess_launch(o, do, delta, B, H, n, d, q.dtype)
-        bound.launch(bwd._preprocess_kernel, grid, *args, **meta)
+        bwd.preprocess(o, do, delta, q.dtype)
         hb.dkdv(q, k, v, do, L, delta, dk, dv, 0, causal, d**-0.5)
 
     row["dK/dV kernel and D"] = round(flops / benchmark(dkdv) / 1e9, 1)

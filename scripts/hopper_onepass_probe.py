@@ -27,7 +27,6 @@ from course_lib.attention import backward as bwd
 from course_lib.attention import forward as fwd
 from course_lib.attention import hopper_backward as hb
 from course_lib.attention import hopper_onepass as onepass
-from course_lib.kernels import bound
 from course_lib.perf.timing import benchmark
 
 TOKENS, WIDTH = 16384, 2048
@@ -53,8 +52,7 @@ def cell(d: int, n: int, causal: bool) -> dict:
         row[f"{mode}_tflops"] = round(flops / benchmark(call) / 1e9, 1)
     # the dK/dV kernel alone (4 of the two kernels' 7 products), as TFLOP/s of its own 4 products
     delta = torch.empty(B * H, n, dtype=torch.float32, device="cuda")
-    grid, args, meta = bwd.preprocess_launch(o, do, delta, B, H, n, d, q.dtype)
-    bound.launch(bwd._preprocess_kernel, grid, *args, **meta)
+    bwd.preprocess(o, do, delta, q.dtype)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     if hb.supports(q, k, v, do):
         kernel = lambda: hb.dkdv(q, k, v, do, L, delta, dk, dv, 0, causal, scale)  # noqa: E731

@@ -671,12 +671,7 @@ def prefill_split_host(n: int = 416, length: int = 4096, calls: int = 300) -> No
     from course_lib.perf.profiling import print_host_profile
 
     g = torch.Generator().manual_seed(7)
-    n_pages = -(-length // 16)
-    k_pool, v_pool = (
-        torch.randn(n_pages + 8, 16, 4, 64, generator=g).to("cuda", torch.bfloat16) for _ in range(2)
-    )
-    pages = torch.randperm(n_pages + 8, generator=g)[:n_pages].to("cuda", torch.int32)
-    q = torch.randn(n, 16, 64, generator=g).to("cuda", torch.bfloat16)
+    q, k_pool, v_pool, pages, _ = _paged_prefill_inputs(n, length, 16, 4, 64, g)
 
     def dense():
         k, v = (gather_tokens(p, pages, length).unsqueeze(0).transpose(1, 2) for p in (k_pool, v_pool))

@@ -629,6 +629,14 @@ def preprocess_launch(o4, do4, delta, B: int, H: int, n_q: int, d: int, dtype: t
     return grid, args, meta
 
 
+def preprocess(o4, do4, delta, dtype: torch.dtype) -> None:
+    """The D pass launched (`preprocess_launch`): D = rowsum(dO * O) into delta (B * H, n_q) float32 for o4, do4
+    (B, H, n_q, d) of `dtype`. The one-pass backward's first launch (`hopper_onepass`) and the probes'."""
+    B, H, n_q, d = o4.shape
+    grid, args, meta = preprocess_launch(o4, do4, delta, B, H, n_q, d, dtype)
+    bound.launch(_preprocess_kernel, grid, *args, **meta)
+
+
 def hopper_dq(d: int):
     """The `hopper_dq` module if its warp-specialised dQ kernel should run (it runs beside the Gluon dK/dV
     kernel, whose checks it shares, where `hopper_dq.choose` found it faster), else None."""

@@ -57,12 +57,13 @@ KEY_ROWS = 64  # keys per consumer warpgroup: one wgmma's M
 QUERY_ROWS = 64  # query rows per step
 KROWS = gl.constexpr(KEY_ROWS)
 QROWS = gl.constexpr(QUERY_ROWS)
+# The kernel's pieces below are public: `hopper_onepass` and scripts/hopper_dkdv_rs.py build their kernels on them.
 # A barrier among the warps of one partition (the name changed between Triton releases).
-_partition_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
+partition_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 
 
 @gluon.jit
-def _program(num_n, BHKV, CAUSAL: gl.constexpr):
+def program_index(num_n, BHKV, CAUSAL: gl.constexpr):
     """This program's (batch * K/V head index, key block index). Non-causal: head-major (the
     programs of one head share its Q and dO in the L2 cache). Causal: block-major, so that the
     first key blocks of every head, which the most query blocks see, start first."""
@@ -73,7 +74,7 @@ def _program(num_n, BHKV, CAUSAL: gl.constexpr):
 
 
 @gluon.jit
-def _q_range(n_start, N_Q, OFFSET, CAUSAL: gl.constexpr, CTA_N: gl.constexpr):
+def query_block_range(n_start, N_Q, OFFSET, CAUSAL: gl.constexpr, CTA_N: gl.constexpr):
     """Query blocks (of QROWS rows) that see keys n_start ... n_start + CTA_N - 1: (lo, mid, hi),
     block indices; blocks [lo, mid) see part of the keys (masked), [mid, hi) all of them.
     Row i sees key j when i + OFFSET >= j (`blocks.q_block_range`, in blocks)."""
@@ -87,7 +88,7 @@ def _q_range(n_start, N_Q, OFFSET, CAUSAL: gl.constexpr, CTA_N: gl.constexpr):
 
 
 @gluon.jit
-def _step(step, lo, n_m, GROUP, CAUSAL: gl.constexpr):
+def step_block(step, lo, n_m, GROUP, CAUSAL: gl.constexpr):
     """Step `step` of a program's loop over the GROUP query heads x n_m query blocks (from block lo):
     (head within the group, query block). Causal: head by head (a head's blocks run from the diagonal
     on). Non-causal: the heads of the group in turn for each query block, so that the group's
@@ -100,12 +101,12 @@ def _step(step, lo, n_m, GROUP, CAUSAL: gl.constexpr):
 
 
 @gluon.jit
-def _block(num_n, BHKV, H, GROUP, N_Q, OFFSET, CAUSAL: gl.constexpr, CTA_N: gl.constexpr):
-    """This program's (batch * K/V head, first key, query blocks lo, mid (`_q_range`), their number, batch * H +
-    the first query head of its group)."""
-    bhk, n_blk = _program(num_n, BHKV, CAUSAL)
+def program_block(num_n, BHKV, H, GROUP, N_Q, OFFSET, CAUSAL: gl.constexpr, CTA_N: gl.constexpr):
+    """This program's (batch * K/V head, first key, query blocks lo, mid (`query_block_range`), their number,
+    batch * H + the first query head of its group)."""
+    bhk, n_blk = program_index(num_n, BHKV, CAUSAL)
     n_start = n_blk * CTA_N
-    lo, mid, hi = _q_range(n_start, N_Q, OFFSET, CAUSAL, CTA_N)
+    lo, mid, hi = query_block_range(n_start, N_Q, OFFSET, CAUSAL, CTA_N)
     H_KV = H // GROUP
     first_head = (bhk // H_KV) * H + (bhk % H_KV) * GROUP
     return bhk, n_start, lo, mid, hi - lo, first_head
@@ -166,7 +167,7 @@ def _tiles(key_start, HEAD_DIM: gl.constexpr):
 
 
 @gluon.jit
-def _store_dkdv(dk, dv, DK, DV, sm_scale, key_start, bhk, H_KV, N_K, stride_kb, stride_kh, stride_kn):
+def store_dkdv(dk, dv, DK, DV, sm_scale, key_start, bhk, H_KV, N_K, stride_kb, stride_kh, stride_kn):
     """dK = dS^T Q * scale and dV of keys key_start ... + 63: registers -> HBM once (keys past N_K masked)."""
     acc_layout: gl.constexpr = dk.type.layout
     key_rows = key_start + gl.arange(0, KROWS, layout=gl.SliceLayout(1, acc_layout))
@@ -187,18 +188,18 @@ def _producer(args, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_CONSUMER
     (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, ready_bar, empty_bar,
      H, GROUP, SHARE, N_Q, N_K, OFFSET, num_n, BHKV) = args  # fmt: skip
     CTA_N: gl.constexpr = KROWS * NUM_CONSUMERS
-    bhk, n_blk = _program(num_n, BHKV, CAUSAL)
+    bhk, n_blk = program_index(num_n, BHKV, CAUSAL)
     n_start = n_blk * CTA_N
     kv_row = (bhk // SHARE) * N_K + n_start  # batch * H_kv + K/V head: SHARE programs per K/V head
     mbarrier.expect(kv_bar, 2 * NUM_CONSUMERS * k_desc.block_type.nbytes)
     for c in gl.static_range(NUM_CONSUMERS):
         tma.async_copy_global_to_shared(k_desc, [kv_row + c * KROWS, 0], kv_bar, k_smem.index(c))
         tma.async_copy_global_to_shared(v_desc, [kv_row + c * KROWS, 0], kv_bar, v_smem.index(c))
-    lo, mid, hi = _q_range(n_start, N_Q, OFFSET, CAUSAL, CTA_N)
+    lo, mid, hi = query_block_range(n_start, N_Q, OFFSET, CAUSAL, CTA_N)
     n_m = hi - lo
     first_head = (bhk // (H // GROUP)) * H + (bhk % (H // GROUP)) * GROUP  # batch * H + query head
     for step in range(GROUP * n_m):
-        g, m_blk = _step(step, lo, n_m, GROUP, CAUSAL)
+        g, m_blk = step_block(step, lo, n_m, GROUP, CAUSAL)
         row = (first_head + g) * N_Q + m_blk * QROWS
         slot = step % NUM_STAGES
         mbarrier.wait(empty_bar.index(slot), ((step // NUM_STAGES) & 1) ^ 1)
@@ -217,7 +218,7 @@ def _consumer(args, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl
      stride_kb, stride_kh, stride_kn, H, GROUP, N_Q, N_K, OFFSET, num_n, BHKV) = args  # fmt: skip
     dtype: gl.constexpr = q_smem.dtype
     CTA_N: gl.constexpr = KROWS * NUM_CONSUMERS
-    bhk, n_start, lo, mid, n_m, first_head = _block(num_n, BHKV, H, GROUP, N_Q, OFFSET, CAUSAL, CTA_N)
+    bhk, n_start, lo, mid, n_m, first_head = program_block(num_n, BHKV, H, GROUP, N_Q, OFFSET, CAUSAL, CTA_N)
     k_w = k_smem.index(WG)
     v_w = v_smem.index(WG)
     p_w = p_smem.index(WG)
@@ -227,7 +228,7 @@ def _consumer(args, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl
     dk_tok = warpgroup_mma_init(dk)  # the accumulators as in-flight products (none issued yet)
     dv_tok = warpgroup_mma_init(dv)
     for step in range(GROUP * n_m):
-        g, m_blk = _step(step, lo, n_m, GROUP, CAUSAL)
+        g, m_blk = step_block(step, lo, n_m, GROUP, CAUSAL)
         head = first_head + g  # batch * H + query head
         rows = m_blk * QROWS + offs_m
         q, do, s_tok, dp_tok = _scores(q_smem, do_smem, ready_bar, k_w, v_w, s_zero, step, NUM_STAGES)
@@ -240,22 +241,22 @@ def _consumer(args, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl
         p = _probabilities(s, rows, cols, m_blk, mid, OFFSET, lse2, qk_scale, CAUSAL)
         p_w.store(p.to(dtype))
         fence_async_shared()
-        _partition_barrier()
+        partition_barrier()
         dv_tok = warpgroup_mma(p_w.permute((1, 0)), do, dv, is_async=True)
         dp = warpgroup_mma_wait(1, deps=[dp_tok])
         ds = p * (dp - gl.expand_dims(delta, 1))
         ds_w.store(ds.to(dtype))
         fence_async_shared()
-        _partition_barrier()
+        partition_barrier()
         dk_tok = warpgroup_mma(ds_w.permute((1, 0)), q, dk, is_async=True)
     dk, dv = warpgroup_mma_wait(0, deps=[dk_tok, dv_tok])
-    _store_dkdv(
+    store_dkdv(
         dk, dv, DK, DV, sm_scale, n_start + WG * KROWS, bhk, H // GROUP, N_K, stride_kb, stride_kh, stride_kn
     )
 
 
 @gluon.jit
-def _shared(q_desc, do_desc, k_desc, v_desc, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr,
+def shared_tiles(q_desc, do_desc, k_desc, v_desc, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr,
             NUM_CONSUMERS: gl.constexpr):  # fmt: skip
     """The kernel's shared memory: the Q, dO ring (NUM_STAGES slots of 64 rows), K and V (a 64-key half per
     consumer), P and dS tiles (one per consumer), and the barriers: K/V loaded, a slot ready, a slot free
@@ -298,7 +299,7 @@ def dkdv_ws_kernel(
     B * H // GROUP, launched with num_warps=4 (the kernel's own warps are consumer 0)."""
     CTA_N: gl.constexpr = KROWS * NUM_CONSUMERS
     num_n = gl.cdiv(N_K, CTA_N)
-    q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, kv_bar, ready_bar, empty_bar = _shared(
+    q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, kv_bar, ready_bar, empty_bar = shared_tiles(
         q_desc, do_desc, k_desc, v_desc, HEAD_DIM, NUM_STAGES, NUM_CONSUMERS
     )
     fence_async_shared()

@@ -58,23 +58,22 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from ..kernels import bound
 from ..runtime import cdiv
-from .backward import _preprocess_kernel, preprocess_launch  # the backward's D pass
+from .backward import preprocess  # the backward's D pass
 from .hopper import LOG2E, descriptor, launch_options
 from .hopper_backward import (
     KROWS,
     QROWS,
-    _block,
-    _partition_barrier,
     _probabilities,
     _producer,
     _row_stats,
     _scores,
-    _shared,
-    _step,
-    _store_dkdv,
     _tiles,
+    partition_barrier,
+    program_block,
+    shared_tiles,
+    step_block,
+    store_dkdv,
 )
 
 
@@ -90,14 +89,14 @@ def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
 
 
 @gluon.jit
-def _add_dq(dq, dq_c, dq_desc, row, col, PENDING: gl.constexpr):
+def add_dq(dq, dq_c, dq_desc, row, col, PENDING: gl.constexpr):
     """A chunk of this warpgroup's columns of a step's dQ: into its shared-memory tile dq_c (once TMA has read
     what it held: at most PENDING later adds may still be reading their own tiles), then added to the
     accumulator at (row, col) by TMA."""
     tma.store_wait(PENDING)
     dq_c.store(dq)
     fence_async_shared()
-    _partition_barrier()
+    partition_barrier()
     _tma_reduce_add(dq_desc, [row, col], dq_c)
 
 
@@ -129,7 +128,7 @@ def _steps(loop, dk, dv, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_CON
     dv_tok = warpgroup_mma_init(dv)
     dq_tok = warpgroup_mma_init(dq_zero)
     for step in range(GROUP * n_m):
-        g, m_blk = _step(step, lo, n_m, GROUP, CAUSAL)
+        g, m_blk = step_block(step, lo, n_m, GROUP, CAUSAL)
         head = first_head + g
         rows = m_blk * QROWS + offs_m
         q, do, s_tok, dp_tok = _scores(q_smem, do_smem, ready_bar, k_w, v_w, s_zero, step, NUM_STAGES)
@@ -143,7 +142,7 @@ def _steps(loop, dk, dv, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_CON
         p = _probabilities(s, rows, cols, m_blk, mid, OFFSET, lse2, qk_scale, CAUSAL)
         p_w.store(p.to(dtype))
         fence_async_shared()
-        _partition_barrier()
+        partition_barrier()
         dv_tok = warpgroup_mma(p_w.permute((1, 0)), do, dv, is_async=True)
         dp = warpgroup_mma_wait(1, deps=[dp_tok])
         ds = p * (dp - gl.expand_dims(delta, 1))
@@ -151,7 +150,7 @@ def _steps(loop, dk, dv, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_CON
             mbarrier.wait(dq_full, (step - 1) & 1)
         ds_w.store(ds.to(dtype))
         fence_async_shared()
-        _partition_barrier()
+        partition_barrier()
         mbarrier.arrive(ds_bar, count=1)
         dk_tok = warpgroup_mma(ds_w.permute((1, 0)), q, dk, is_async=True)
         mbarrier.wait(ds_bar, step & 1)  # both dS tiles of the step are in shared memory
@@ -160,7 +159,7 @@ def _steps(loop, dk, dv, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_CON
             dq_tok = _dq_product(ds_smem, k_smem, dq_zero, (WG * DQ_CHUNKS + c) * C, NUM_CONSUMERS)
             dq = warpgroup_mma_wait(0, deps=[dq_tok])
             row = head * N_Q + m_blk * QROWS
-            _add_dq(dq, dq_w.index(WG * DQ_CHUNKS + c), dq_desc, row, (WG * DQ_CHUNKS + c) * C, DQ_CHUNKS - 1)
+            add_dq(dq, dq_w.index(WG * DQ_CHUNKS + c), dq_desc, row, (WG * DQ_CHUNKS + c) * C, DQ_CHUNKS - 1)
         mbarrier.arrive(dq_full, count=1)  # counts the warpgroups done with the step
     dk, dv = warpgroup_mma_wait(0, deps=[dk_tok, dv_tok])
     return dk, dv
@@ -181,7 +180,7 @@ def _consumer(args, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, C, 16]
     )
 
-    bhk, n_start, lo, mid, n_m, first_head = _block(num_n, BHKV, H, GROUP, N_Q, OFFSET, CAUSAL, CTA_N)
+    bhk, n_start, lo, mid, n_m, first_head = program_block(num_n, BHKV, H, GROUP, N_Q, OFFSET, CAUSAL, CTA_N)
     k_w = k_smem.index(WG)
     v_w = v_smem.index(WG)
     p_w = p_smem.index(WG)
@@ -204,7 +203,7 @@ def _consumer(args, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl
         dk, dv = _steps(loop, dk, dv, CAUSAL, NUM_STAGES, NUM_CONSUMERS, WG, False, DQ_CHUNKS)
     tma.store_wait(0)
 
-    _store_dkdv(
+    store_dkdv(
         dk, dv, DK, DV, sm_scale, n_start + WG * KROWS, bhk, H // GROUP, N_K, stride_kb, stride_kh, stride_kn
     )
 
@@ -226,7 +225,7 @@ def bwd_ws_kernel(
     CTA_N: gl.constexpr = KROWS * NUM_CONSUMERS
     C: gl.constexpr = HEAD_DIM // (NUM_CONSUMERS * DQ_CHUNKS)
     num_n = gl.cdiv(N_K, CTA_N)
-    q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, kv_bar, ready_bar, empty_bar = _shared(
+    q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, kv_bar, ready_bar, empty_bar = shared_tiles(
         q_desc, do_desc, k_desc, v_desc, HEAD_DIM, NUM_STAGES, NUM_CONSUMERS
     )
     dq_smem = gl.allocate_shared_memory(gl.float32, [NUM_CONSUMERS * DQ_CHUNKS, QROWS, C], dq_desc.layout)
@@ -270,8 +269,7 @@ def backward(q4, k4, v4, o4, do4, l3, offset: int, causal: bool, scale: float, d
     dq_chunks = dq_chunks or (2 if d == 128 else 1)
     h_kv, n_k = k4.shape[1], k4.shape[2]
     delta = torch.empty(B * H, n_q, dtype=torch.float32, device=q4.device)  # D = rowsum(dO * O)
-    grid, args, meta = preprocess_launch(o4, do4, delta, B, H, n_q, d, q4.dtype)
-    bound.launch(_preprocess_kernel, grid, *args, **meta)
+    preprocess(o4, do4, delta, q4.dtype)
     dq_acc = torch.zeros(B * H * n_q, d, dtype=torch.float32, device=q4.device)
     dk, dv = torch.empty_like(k4), torch.empty_like(v4)
     cols = d // (NUM_CONSUMERS * dq_chunks)
