@@ -75,12 +75,10 @@ def main() -> None:
     p.add_argument("--chunks", default="1,2")
     a = p.parse_args()
     use_sm90_target()
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from course_lib.attention import hopper_backward as hb
     from course_lib.attention import hopper_onepass as onepass
-    from course_lib.attention.hopper import descriptor, launch_options
+    from course_lib.attention.hopper import descriptor
 
     B, H, n, d = 1, 2, 1024, a.d
     q, k, v, do = (torch.randn(B, H, n, d).to(torch.bfloat16) for _ in range(4))
@@ -90,16 +88,7 @@ def main() -> None:
     rest = (lse, delta, dk, dv, 0.1, 0.1, *lse.stride(), *dk.stride()[:3], H, 1, 1, n, n, 0, B * H)
     for causal in (False, True):
         for chunks in map(int, a.chunks.split(",")):
-            cols = d // (onepass.NUM_CONSUMERS * chunks)
-            dq_acc = torch.zeros(B * H * n, d)
-            layout = gl.NVMMASharedLayout.get_default_for([64, cols], gl.float32)
-            dq_desc = TensorDescriptor(dq_acc, [B * H * n, d], [d, 1], [64, cols], layout)
-            compiled = onepass.bwd_ws_kernel.warmup(
-                *descs, dq_desc, *rest, CAUSAL=causal, HEAD_DIM=d, NUM_STAGES=onepass.NUM_STAGES,
-                NUM_CONSUMERS=onepass.NUM_CONSUMERS, DQ_CHUNKS=chunks, EVEN_K=n % 128 == 0,
-                **launch_options(onepass.NUM_CONSUMERS),
-                grid=(1,),
-            )  # fmt: skip
+            compiled = onepass.warmup(q, k, v, 0, causal, 0.1, dq_chunks=chunks, where="cpu")
             print(f"one pass, d = {d}, causal {causal}, {chunks} chunk(s): {ptxas_spills(compiled)}")
         compiled = hb.dkdv_ws_kernel.warmup(
             *descs, *rest, CAUSAL=causal, HEAD_DIM=d, **hb.LAUNCHES[d].kwargs(), grid=(1,)

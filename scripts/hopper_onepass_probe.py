@@ -1,13 +1,14 @@
-"""Probe of the one-pass Gluon backward (`course_lib/attention/hopper_onepass.py`) against the default backward
+"""Probe of the one-pass Gluon backward (`course_lib/attention/hopper_onepass.py`) against the two-kernel backward
 and SDPA's on a Hopper GPU.
 
-    python3 scripts/hopper_onepass_probe.py --out build/onepass.json [--ns 1024,4096,16384] [--ds 128,64]
+    python3 scripts/hopper_onepass_probe.py --out build/onepass.json [--ns 1024,4096,16384] [--ds 128,64] [--groups 1,4]
 
-For each cell (bf16, B * N = 16k tokens, H * d = 2048, causal and not, one query head per K/V head): dQ, dK, dV of
-`hopper_onepass.backward`, its dQ in 1 or 2 chunks of columns a warpgroup (`dq_chunks`), against the default backward
-(`attention.backward`, largest difference), then the time of each whole backward (the one pass with its D, zeroed
-accumulator and dQ cast; the default's two kernels with D; SDPA's, cuDNN) as TFLOP/s of the backward's 2.5 x forward
-FLOPs; and the Gluon dK/dV kernel alone as TFLOP/s of its 4 products (2 x forward). Correctness against float64 is
+For each cell (bf16, B * N = 16k tokens, H * d = 2048, causal and not, `group` query heads per K/V head): dQ, dK, dV
+of `hopper_onepass.backward`, its dQ in 1 or 2 chunks of columns a warpgroup (`dq_chunks`), against the two-kernel
+backward (`attention.backward` with hopper_onepass=False; largest difference), then the time of each whole backward
+(the one pass with its D pass, zeroed accumulator and dQ cast; the two kernels with D; the default, which is one of
+them by `hopper_onepass.choose`; SDPA's, cuDNN) as TFLOP/s of the backward's 2.5 x forward FLOPs; and the Gluon
+dK/dV kernel alone as TFLOP/s of its 4 products (2 x forward). Correctness against float64 is
 tests/test_hopper_onepass.py's. A cell that runs past --hang-s seconds (a deadlocked kernel) ends the run with what
 was measured.
 """
@@ -15,6 +16,7 @@ was measured.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import threading
@@ -32,21 +34,23 @@ from course_lib.perf.timing import benchmark
 TOKENS, WIDTH = 16384, 2048
 
 
-def cell(d: int, n: int, causal: bool) -> dict:
+def cell(d: int, n: int, causal: bool, group: int = 1) -> dict:
     B, H = TOKENS // n, WIDTH // d
-    q, k, v, do = (torch.randn(B, H, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    q, do = (torch.randn(B, H, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    k, v = (torch.randn(B, H // group, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     scale = d**-0.5
     o, L = fwd.forward(q, k, v, causal=causal)
     flops = 2.5 * 4 * B * H * n * n * d * (0.5 if causal else 1.0)
-    row = dict(d=d, n=n, causal=causal)
-    default = bwd.backward(do, q, k, v, o, L, causal=causal)
-    row["default_tflops"] = round(
-        flops / benchmark(lambda: bwd.backward(do, q, k, v, o, L, causal=causal)) / 1e9, 1
-    )
+    row = dict(d=d, n=n, causal=causal, group=group)
+    two = {"hopper_onepass": False}
+    ref = bwd.backward(do, q, k, v, o, L, causal=causal, config=two)
+    for name, config in (("two_kernel", two), ("default", None)):
+        call = lambda config=config: bwd.backward(do, q, k, v, o, L, causal=causal, config=config)  # noqa: E731
+        row[f"{name}_tflops"] = round(flops / benchmark(call) / 1e9, 1)
     for chunks in (1, 2):
         mode = f"onepass_{chunks}chunk"
         grads = onepass.backward(q, k, v, o, do, L, 0, causal, scale, dq_chunks=chunks)
-        for g, new, old in zip("qkv", grads, default):
+        for g, new, old in zip("qkv", grads, ref):
             row[f"{mode}_d{g}_diff"] = (new.float() - old.float()).abs().max().item()
         call = lambda chunks=chunks: onepass.backward(q, k, v, o, do, L, 0, causal, scale, dq_chunks=chunks)  # noqa: E731
         row[f"{mode}_tflops"] = round(flops / benchmark(call) / 1e9, 1)
@@ -58,7 +62,7 @@ def cell(d: int, n: int, causal: bool) -> dict:
         kernel = lambda: hb.dkdv(q, k, v, do, L, delta, dk, dv, 0, causal, scale)  # noqa: E731
         row["dkdv_raw_tflops"] = round(flops * 4 / 5 / benchmark(kernel) / 1e9, 1)
     qs, ks, vs = (t.detach().requires_grad_() for t in (q, k, v))
-    out = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=causal)
+    out = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=causal, enable_gqa=group > 1)
     sdpa = lambda: torch.autograd.grad(out, (qs, ks, vs), do, retain_graph=True)  # noqa: E731
     row["sdpa_tflops"] = round(flops / benchmark(sdpa) / 1e9, 1)
     return row
@@ -74,18 +78,19 @@ def main() -> None:
     p.add_argument("--out", default="build/onepass.json")
     p.add_argument("--ns", default="1024,4096,16384")
     p.add_argument("--ds", default="128,64")
+    p.add_argument("--groups", default="1")
     p.add_argument("--hang-s", type=float, default=120)
     a = p.parse_args()
     rows = []
     for d in map(int, a.ds.split(",")):
         for n in map(int, a.ns.split(",")):
-            for causal in (False, True):
+            for causal, group in itertools.product((False, True), map(int, a.groups.split(","))):
                 timer = threading.Timer(a.hang_s, _hang, (d, n, causal))
                 timer.start()
                 try:
-                    row = cell(d, n, causal)
+                    row = cell(d, n, causal, group)
                 except Exception as e:  # noqa: BLE001 (a failed cell is a row with its error)
-                    row = dict(d=d, n=n, causal=causal, error=f"{type(e).__name__}: {e}"[:400])
+                    row = dict(d=d, n=n, causal=causal, group=group, error=f"{type(e).__name__}: {e}"[:400])
                     traceback.print_exc()
                 timer.cancel()
                 print(json.dumps(row), flush=True)

@@ -34,7 +34,7 @@ def test_launch_configs_well_formed():
         )
     assert configs.split_config(None, configs.FORWARD.fixed) == (
         None,
-        {"EXP2": True, "SKIP_MASKED": True, "HOPPER": True, "HOPPER_DQ": True},
+        {"EXP2": True, "SKIP_MASKED": True, "HOPPER": True, "HOPPER_DQ": True, "HOPPER_ONEPASS": True},
     )
 
 

@@ -1,11 +1,14 @@
 """Tests of course_lib.attention.hopper_onepass: FlashAttention-3's one-pass backward in Gluon (dK, dV and dQ
-from one kernel, dQ added by TMA's reduce-add). Not the backward's default (its docstring gives the numbers);
-tested so that it stays correct for the next attempt to make it faster.
+from one kernel in the transposed layout, dQ added by TMA's reduce-add), the backward's default at d = 64 on
+Hopper GPUs (`choose`).
 
 On a Hopper GPU: dQ, dK, dV against the float64 reference for ragged lengths (the last query tile of a head
 adds zeros to the next head's rows, or falls past the tensor), Nq != Nk, both causal alignments with rows
-that see no key, grouped- and multi-query attention, bf16 and fp16, d = 64 and 128.
-Anywhere: the module imports (the Gluon builder it calls for the reduce is there).
+that see no key, grouped- and multi-query attention, bf16 and fp16, d = 64 and 128, dQ in 1 or 2 chunks; the
+default backward runs it where `choose` says (and the sinks' gradient with it), not under deterministic
+algorithms, and falls back to the two kernels if it fails.
+Anywhere: the module imports (the Gluon builder it calls for the reduce is there); `choose`; the D pass's
+padded base-2 statistics it reads.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import pytest
 import torch
 
 import course_lib
+from course_lib.attention import backward as bwd_mod
 from course_lib.attention.forward import forward as attention_forward
 from course_lib.checks import causal_alignment, causal_offset
 from course_lib.testing import assert_close_to_reference, random_qkv, reference_outputs
@@ -61,7 +65,109 @@ def test_gradients_match_reference(name, shape, n_k, kv_heads, causal, dtype, d,
     _, ref = reference_outputs(*(t.cpu().double() for t in (q, k, v)), causal, None, do.cpu().double())
     _, base = reference_outputs(q, k, v, causal, None, do)
     grads = onepass.backward(q, k, v, o, do, lse, offset, bool(causal), d**-0.5, dq_chunks=dq_chunks)
+    assert grads[3].shape == (q.shape[0] * q.shape[1], q.shape[2])  # D, for the sinks' gradient
     for g, got, r, b in zip("qkv", grads, ref, base):
         assert got.shape == r.shape and got.dtype == dtype
         assert torch.isfinite(got).all(), f"d{g}, {name}: not finite"
         assert_close_to_reference(got, r, b, what=f"d{g}, {name}, d={d}, {dtype}")
+
+
+def test_choose():
+    """d = 64 with 1024 queries and keys or more (where it was measured faster); never d = 128 (a tie)."""
+    for causal in (False, True):
+        assert onepass.choose(64, causal, 1024, 1024, 1)
+        assert onepass.choose(64, causal, 16384, 4096, 4)
+        assert not onepass.choose(64, causal, 1000, 4096, 1)
+        assert not onepass.choose(64, causal, 4096, 700, 1)
+        assert not onepass.choose(128, causal, 16384, 16384, 1)
+
+
+@pytest.mark.parametrize("n_q", (1, 70, 128))
+def test_the_d_pass_writes_padded_base2_stats(n_q):
+    """`backward.preprocess` with l3: D = rowsum(dO * O) and L2 = L log2 e in rows of 64 * k columns: D 0 and
+    L2 +inf past N_Q, L2 +inf where L = -inf (a row that saw no key), L read through its strides."""
+    torch.manual_seed(n_q)
+    device = course_lib.DEVICE
+    B, H, d = 2, 3, 64
+    o, do = (torch.randn(B, H, n_q, d, device=device).to(torch.bfloat16) for _ in range(2))
+    lse = torch.randn(B, n_q, H, device=device).transpose(1, 2)  # strided, as a (B, N, H) forward might give
+    lse[0, 1, 0] = float("-inf")
+    n_pad = -(-n_q // 64) * 64
+    stats = torch.full((2, B * H, n_pad), 7.0, device=device)
+    bwd_mod.preprocess(o, do, stats[0], o.dtype, lse, stats[1])
+    want_d = (o.float() * do.float()).sum(-1).reshape(B * H, n_q)
+    torch.testing.assert_close(stats[0, :, :n_q], want_d, rtol=1e-5, atol=1e-5)
+    assert (stats[0, :, n_q:] == 0).all()
+    want_l2 = torch.where(lse.isneginf(), float("inf"), lse * 1.4426950408889634).reshape(B * H, n_q)
+    torch.testing.assert_close(stats[1, :, :n_q], want_l2)
+    assert stats[1, 1, 0] == float("inf")
+    assert (stats[1, :, n_q:] == float("inf")).all()
+
+
+def _spy(monkeypatch) -> list:
+    """Record each `hopper_onepass.backward` call (its causal flag) while still running it."""
+    calls = []
+    real = onepass.backward
+    monkeypatch.setattr(onepass, "backward", lambda *a, **kw: calls.append(a[7]) or real(*a, **kw))
+    return calls
+
+
+@hopper_gpu
+@pytest.mark.parametrize(
+    "shape,n_k,kv_heads,causal",
+    [((1, 4, 1100), 1100, 4, False), ((1, 4, 1030), 1500, 2, "bottom_right"), ((2, 2, 1500), 1030, 1, True)],
+    ids=("ragged", "GQA bottom-right", "MQA top-left Nq > Nk"),
+)
+def test_default_backward_runs_it_at_d64(shape, n_k, kv_heads, causal, monkeypatch):
+    """`backward.backward` at d = 64, 1024 queries and keys or more: the one pass runs (once), and its gradients
+    are within PyTorch's bf16 error of float64."""
+    calls = _spy(monkeypatch)
+    torch.manual_seed(n_k)
+    q, k, v = random_qkv((*shape, 64), n_k, dtype=torch.bfloat16, device="cuda", kv_heads=kv_heads)
+    do = torch.randn_like(q)
+    o, lse = attention_forward(q, k, v, causal)
+    grads = bwd_mod.backward(do, q, k, v, o, lse, causal)
+    assert calls == [bool(causal)], calls
+    _, ref = reference_outputs(*(t.cpu().double() for t in (q, k, v)), causal, None, do.cpu().double())
+    _, base = reference_outputs(q, k, v, causal, None, do)
+    for g, got, r, b in zip("qkv", grads, ref, base):
+        assert_close_to_reference(got, r, b, what=f"d{g}, {shape}, {causal}")
+
+
+@hopper_gpu
+def test_sinks_gradient_and_the_paths_it_leaves(monkeypatch):
+    """With sinks the one pass gives the sinks' gradient (from its D) as the Triton kernels do; deterministic
+    algorithms, `hopper=False` and d = 128 keep the two kernels; a failing one pass warns and falls back."""
+    calls = _spy(monkeypatch)
+    torch.manual_seed(11)
+    q, k, v = random_qkv((2, 4, 1200, 64), 1200, dtype=torch.bfloat16, device="cuda")
+    do = torch.randn_like(q)
+    sinks = torch.randn(4, device="cuda")
+    o, lse = attention_forward(q, k, v, True, sinks=sinks)
+    got = bwd_mod.backward(do, q, k, v, o, lse, True, sinks=sinks)
+    assert calls == [True]
+    want = bwd_mod.backward(do, q, k, v, o, lse, True, sinks=sinks, config={"hopper": False})
+    assert calls == [True]
+    for name, g, w in zip(("dq", "dk", "dv", "dsinks"), got, want):
+        torch.testing.assert_close(g.float(), w.float(), rtol=2e-2, atol=2e-2, msg=name)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        bwd_mod.backward(do, q, k, v, o, lse, True)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert calls == [True], "the one pass ran under deterministic algorithms"
+    q128, k128, v128 = (torch.cat([t, t], -1) for t in (q, k, v))
+    o128, lse128 = attention_forward(q128, k128, v128, True)
+    bwd_mod.backward(torch.cat([do, do], -1), q128, k128, v128, o128, lse128, True)
+    assert calls == [True], "the one pass ran at d = 128"
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no Gluon here")
+
+    monkeypatch.setattr(onepass, "backward", broken)
+    monkeypatch.setattr(bwd_mod, "HOPPER_ONEPASS_FAILED", [])
+    with pytest.warns(RuntimeWarning, match="one-pass backward failed"):
+        grads = bwd_mod.backward(do, q, k, v, o, lse, True)
+    assert bwd_mod.HOPPER_ONEPASS_FAILED and "no Gluon here" in bwd_mod.HOPPER_ONEPASS_FAILED[0]
+    for name, g, w in zip(("dq", "dk", "dv"), grads, want):
+        torch.testing.assert_close(g.float(), w.float(), rtol=2e-2, atol=2e-2, msg=name)

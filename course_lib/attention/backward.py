@@ -108,16 +108,19 @@ def probabilities(s, lse2, qk_scale):
 
 @triton.jit
 def _preprocess_kernel(
-    O, DO, Dlt,
+    O, DO, Dlt, L, L2,
     stride_ob, stride_oh, stride_om, stride_od,
     stride_dob, stride_doh, stride_dom, stride_dod,
-    H, N_Q,
+    stride_lb, stride_lh, stride_lm,
+    H, N_Q, N_OUT,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, UPCAST: tl.constexpr,
-    ACC_DTYPE: tl.constexpr,
+    ACC_DTYPE: tl.constexpr, BASE2: tl.constexpr,
 ):  # fmt: skip
     """D[z, rows] = sum over d of dO * O for one block of BLOCK_M rows: reads 2 * BLOCK_M * d
-    elements, writes BLOCK_M floats (D is contiguous, (B * H, N_Q))."""
-    off_b, off_h, m_start = program_block(N_Q, H, BLOCK_M, False, False)
+    elements, writes BLOCK_M floats (D is contiguous, (B * H, N_OUT), N_OUT >= N_Q rows a head: 0 past N_Q).
+    BASE2: also L2 = L log2 e into L2 (laid out as D), +inf past N_Q and where L = -inf (a row that saw no
+    key), for a kernel that loads both by TMA (`hopper_onepass`); else L and L2 are not read."""
+    off_b, off_h, m_start = program_block(N_OUT, H, BLOCK_M, False, False)
     offs_m = m_start + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     mask = row_mask(offs_m, N_Q, offs_d, HEAD_DIM, BLOCK_D)
@@ -134,7 +137,13 @@ def _preprocess_kernel(
     o = tl.load(o_ptrs, mask=mask, other=0.0)
     do = tl.load(do_ptrs, mask=mask, other=0.0)
     delta = tl.sum(o.to(ACC_DTYPE) * do.to(ACC_DTYPE), axis=1)
-    tl.store(Dlt + (off_b * H + off_h) * N_Q + offs_m, delta, mask=offs_m < N_Q)
+    out = (off_b * H + off_h) * N_OUT + offs_m
+    tl.store(Dlt + out, delta, mask=offs_m < N_OUT)
+    if BASE2:
+        lse = tl.load(L + off_b * stride_lb + off_h * stride_lh + offs_m * stride_lm, mask=offs_m < N_Q,
+                      other=float("-inf"))  # fmt: skip
+        lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
+        tl.store(L2 + out, lse2, mask=offs_m < N_OUT)
 
 
 @triton.jit
@@ -613,27 +622,36 @@ def dkdv_block_major(on_chip: int, causal: bool) -> bool:
 
 HOPPER_FAILED: list[str] = []  # why the Gluon dK/dV kernel could not be used in this process, if it failed
 HOPPER_DQ_FAILED: list[str] = []  # likewise for the Gluon dQ kernel
+HOPPER_ONEPASS_FAILED: list[str] = []  # and for the one-pass backward
 
 
-def preprocess_launch(o4, do4, delta, B: int, H: int, n_q: int, d: int, dtype: torch.dtype) -> tuple:
+def preprocess_launch(
+    o4, do4, delta, B: int, H: int, n_q: int, d: int, dtype: torch.dtype, l3=None, l2=None
+) -> tuple:
     """The D pass's launch, `_preprocess_kernel` (grid, arguments, constants): D = rowsum(dO * O) into delta
-    (B * H, n_q) float32 for o4, do4 (B, H, n_q, d) of `dtype`, any strides. What the atomic dQ and the Gluon dQ
-    read, and the one-pass backward (`hopper_onepass`)."""
+    (B * H, n_out) float32, n_out = delta's columns >= n_q (zeros past n_q), for o4, do4 (B, H, n_q, d) of
+    `dtype`, any strides. What the atomic dQ and the Gluon dQ read. With l3 (B, H, n_q), the forward's L, also
+    L2 = L log2 e into l2 (as delta; +inf past n_q and where L = -inf): the one-pass backward's (`hopper_onepass`)."""
     pre, flags = PREPROCESS.current(), kernel_flags(dtype)
-    grid = (runtime.cdiv(n_q, pre.block_m) * B * H,)
-    args = (o4, do4, delta, *strides4(o4), *strides4(do4), H, n_q)
+    n_out = delta.shape[-1]
+    grid = (runtime.cdiv(n_out, pre.block_m) * B * H,)
+    base2 = l3 is not None
+    lse, lse2 = (l3, l2) if base2 else (delta, delta)  # stand-ins, not read
+    l_strides = l3.stride() if base2 else (0, 0, 0)
+    args = (o4, do4, delta, lse, lse2, *strides4(o4), *strides4(do4), *l_strides, H, n_q, n_out)
     meta = dict(
         HEAD_DIM=d, BLOCK_D=max(16, runtime.next_power_of_2(d)), **pre.kwargs(),
-        UPCAST=flags["UPCAST"], ACC_DTYPE=flags["ACC_DTYPE"],
+        UPCAST=flags["UPCAST"], ACC_DTYPE=flags["ACC_DTYPE"], BASE2=base2,
     )  # fmt: skip
     return grid, args, meta
 
 
-def preprocess(o4, do4, delta, dtype: torch.dtype) -> None:
-    """The D pass launched (`preprocess_launch`): D = rowsum(dO * O) into delta (B * H, n_q) float32 for o4, do4
-    (B, H, n_q, d) of `dtype`. The one-pass backward's first launch (`hopper_onepass`) and the probes'."""
+def preprocess(o4, do4, delta, dtype: torch.dtype, l3=None, l2=None) -> None:
+    """The D pass launched (`preprocess_launch`): D = rowsum(dO * O) into delta (B * H, n_out) float32 for o4, do4
+    (B, H, n_q, d) of `dtype`; with l3, L2 into l2 too. The one-pass backward's first launch (`hopper_onepass`)
+    and the probes'."""
     B, H, n_q, d = o4.shape
-    grid, args, meta = preprocess_launch(o4, do4, delta, B, H, n_q, d, dtype)
+    grid, args, meta = preprocess_launch(o4, do4, delta, B, H, n_q, d, dtype, l3, l2)
     bound.launch(_preprocess_kernel, grid, *args, **meta)
 
 
@@ -659,6 +677,27 @@ def hopper_dkdv(q4, k4, v4, do4, causal: bool, n_q: int, n_k: int, switches: dic
         return None
     chosen = hopper_backward.choose(q4.shape[-1], causal, n_q, n_k, kv_group(q4, k4))
     return hopper_backward if chosen else None
+
+
+def hopper_onepass(q4, k4, v4, do4, causal: bool, n_q: int, n_k: int, switches: dict):
+    """The `hopper_onepass` module if its one-pass backward (dQ, dK, dV from one Gluon kernel) should run
+    here: the hopper and hopper_onepass switches on, a GPU run with Gluon, inputs `hopper_backward.supports`
+    takes, dQ allowed to vary in its last bits from run to run (not under
+    `torch.use_deterministic_algorithms(True)`: TMA's adds come in any order), a shape where
+    `hopper_onepass.choose` found it faster than the two kernels; else None."""
+    if (
+        not (switches["HOPPER"] and switches["HOPPER_ONEPASS"])
+        or HOPPER_ONEPASS_FAILED
+        or hopper_kernels() is None
+    ):
+        return None
+    if torch.are_deterministic_algorithms_enabled():
+        return None
+    from . import hopper_onepass as module
+
+    if not module.supports(q4, k4, v4, do4):
+        return None
+    return module if module.choose(q4.shape[-1], causal, n_q, n_k, kv_group(q4, k4)) else None
 
 
 def save_tensors(ctx, *tensors) -> None:
@@ -767,6 +806,15 @@ def _backward(
     fixed_launch = launch_cfg is not None
     # (the Gluon kernel has no sliding window and no packed sequences)
     use_gluon = not (fixed_launch or atomic or window or seqs is not None)
+    onepass = hopper_onepass(q4, k4, v4, do4, causal, n_q, n_k, switches) if use_gluon else None
+    if (
+        onepass is not None
+    ):  # dQ, dK, dV from one kernel (`hopper_onepass`), or on to the two kernels if it fails
+        grads = _onepass(
+            onepass, q, k, v, q4, k4, v4, o4, do4, l3, offset, causal, scale, sinks, compile_only
+        )
+        if grads is not None or compile_only:
+            return grads
     gluon = hopper_dkdv(q4, k4, v4, do4, causal, n_q, n_k, switches) if use_gluon else None
     # the warp-specialised dQ kernel (Hopper, beside the Gluon dK/dV kernel), or None
     gluon_dq = hopper_dq(d) if gluon is not None and switches.get("HOPPER_DQ", True) else None
@@ -907,6 +955,30 @@ def _backward(
     if atomic:
         return dq_acc.to(q.dtype).view(q.shape), dk, dv, dsinks
     return dq, dk, dv, dsinks
+
+
+def _onepass(module, q, k, v, q4, k4, v4, o4, do4, l3, offset, causal, scale, sinks, compile_only):
+    """`_backward` by the one-pass kernel (`hopper_onepass`): (dq, dk, dv, dsinks) shaped as q, k, v; None if
+    it failed (`run_gluon`), or with compile_only (its kernel and D pass then compile in the background)."""
+    B, H, n_q, d = q4.shape
+    pre_name = ("preprocess", "base 2", d, q4.dtype)  # the D pass that also writes L2
+    if compile_only:
+        if runtime.ON_GPU:
+            module.compile_ahead(q4, k4, v4, offset, causal, scale)
+            stats = torch.empty((2, B * H, runtime.cdiv(n_q, 64) * 64), dtype=torch.float32, device="meta")
+            pre = preprocess_launch(q4, q4, stats[0], B, H, n_q, d, q4.dtype, l3, stats[1])
+            compile_kernel_ahead(pre_name, _preprocess_kernel, *pre)
+        return None
+    wait_compiled(pre_name)
+    grads = []
+    with cuda_device(q):
+        ran = run_gluon("one-pass backward", HOPPER_ONEPASS_FAILED, lambda *a: grads.append(module.backward(*a)),
+                        q4, k4, v4, o4, do4, l3, offset, causal, scale)  # fmt: skip
+    if not ran:
+        return None
+    dq4, dk4, dv4, delta = grads[0]
+    dsinks = None if sinks is None else sink_gradient(sinks, l3, delta.reshape(l3.shape))
+    return dq4.view(q.shape), dk4.view(k.shape), dv4.view(v.shape), dsinks
 
 
 class BackwardPlan:

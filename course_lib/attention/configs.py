@@ -173,7 +173,13 @@ LAUNCH_KEYS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")
 BACKWARD_LAUNCH_KEYS = ("BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2")
 # The one set of switch defaults: the fast choice. exp2=False and skip_masked_blocks=False are the
 # ladder's first rungs; hopper=False keeps the Triton forward and dK/dV kernels on a Hopper GPU.
-SWITCHES = {"exp2": True, "skip_masked_blocks": True, "hopper": True, "hopper_dq": True}
+SWITCHES = {
+    "exp2": True,
+    "skip_masked_blocks": True,
+    "hopper": True,
+    "hopper_dq": True,
+    "hopper_onepass": True,
+}
 
 
 def split_config(config: dict | None, fixed: Launch | None) -> tuple[dict | None, dict]:
@@ -181,7 +187,8 @@ def split_config(config: dict | None, fixed: Launch | None) -> tuple[dict | None
 
     If any launch key is given, or a switch that asks for a teaching variant (exp2=False,
     skip_masked_blocks=False), the launch is fixed (missing keys take `fixed`); otherwise the default
-    choice is used. Switches come back upper-case (EXP2, SKIP_MASKED, HOPPER, HOPPER_DQ), defaults from SWITCHES.
+    choice is used. Switches come back upper-case (EXP2, SKIP_MASKED, HOPPER, HOPPER_DQ, HOPPER_ONEPASS), defaults
+    from SWITCHES.
     BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2 (the backward's two kernels) are launch keys too."""
     if config is not None and not isinstance(config, dict):
         raise TypeError(f"config must be a dict of launch keys and switches (or None); got {config!r}")
@@ -199,8 +206,10 @@ def split_config(config: dict | None, fixed: Launch | None) -> tuple[dict | None
             ("skip_masked_blocks", "SKIP_MASKED"),
             ("hopper", "HOPPER"),
             ("hopper_dq", "HOPPER_DQ"),
+            ("hopper_onepass", "HOPPER_ONEPASS"),
         )
-    }  # HOPPER: the Gluon forward and dK/dV; HOPPER_DQ: the Gluon dQ beside that dK/dV (the ladder's last rung)
+    }  # HOPPER: the Gluon forward and dK/dV; HOPPER_DQ: the Gluon dQ beside that dK/dV (the ladder's last rung);
+    # HOPPER_ONEPASS: the one-pass Gluon backward where `hopper_onepass.choose` takes it (d = 64)
     for upper, value in switches.items():
         if not isinstance(value, (bool, int)) or value not in (0, 1):  # "no" would read as True
             raise TypeError(f"config switch {upper.lower()} must be True or False; got {value!r}")

@@ -1,45 +1,38 @@
-"""FlashAttention-3's one-pass backward on Hopper GPUs, in Gluon: dK, dV and dQ from one kernel
-(notebook 08c, section 5).
+"""FlashAttention-3's one-pass backward on Hopper GPUs, in Gluon, in its transposed layout: dK, dV and dQ from one
+kernel (notebook 08c, section 5). The backward's default at d = 64 (`choose`).
 
-The two-kernel backward (`hopper_backward` for dK, dV; a dQ kernel) computes S and dP twice: 7 products
-where the algorithm needs 5. Here the dK/dV kernel of `hopper_backward` also computes dQ, as
-FlashAttention-3 does (Shah et al. 2024, section 3.3):
+The two-kernel backward (`hopper_backward` or the Triton kernel for dK, dV; a dQ kernel) computes S and dP twice:
+7 products where the algorithm needs 5. Here one kernel makes all three gradients, as FlashAttention-3 does (Shah
+et al. 2024, section 3.3), with its tiles transposed (its `flash_bwd_launch_template.h`, `Mma_dKV_is_RS`). Per
+consumer warpgroup (64 keys of the program's 128, dK and dV in registers) and step (64 query rows):
 
-* the two consumer warpgroups each own 64 keys of the program's block (dK, dV in registers) and each
-  computes half of dQ's columns for the step's 64 query rows: dQ[:, cols_w] = dS K[:, cols_w], over both
-  warpgroups' dS tiles in shared memory (`ds_bar`: an mbarrier between the two warpgroups);
-* each warpgroup puts its half of dQ (fp32) in shared memory and TMA adds it into a float32 dQ
-  accumulator in global memory (`cp.reduce.async.bulk.tensor ... .add`): the tensor cores' partners
-  never hold an address or wait for an atomic. dQ = scale * accumulator, cast to Q's dtype, afterwards.
-  At d = 128 the half is made and added in two chunks of 32 columns (`DQ_CHUNKS`), causal programs run one
-  loop (the key mask in it), and non-causal ones one loop without the mask where N_K fills every block
-  (`EVEN_K`), where one loop in each branch of the mask was compiled: the backward ran 4-13 % faster. Values
-  ptxas spilled at d = 128 (H200, non-causal / causal): 54 / 74 before; 70 / 26 with the chunks and the causal
-  loop; non-causal with EVEN_K, `scripts/gluon_spills.py`: 44 bytes of spill stores against 536.
-* the order within a step is `hopper_backward`'s (dV as soon as P is stored, dK as soon as this warpgroup's dS
-  is), dQ last. FlashAttention-3's (P and dS stored together behind one barrier, then dV, dQ, dK; dQ collected
-  while dK runs) was no faster in the whole backward (d = 128, 16k causal: 377 against 378 TFLOP/s; d = 64:
-  252 against 324; at 441f0eb).
+    S^T  = K_w Q^T,  dP^T = V_w dO^T        (64 keys x 64 queries, fp32; both operands in shared memory)
+    P^T  = exp2(S^T scale log2 e - L2[q]),  masked on the causal diagonal and past N_K
+    dV  += P^T dO                            (A = P^T from registers, 16 bits: no trip through shared memory)
+    dS^T = P^T (dP^T - D[q])
+    dK  += dS^T Q                            (A = dS^T from registers)
+    dQ[:, cols_w] = dS K[:, cols_w]          (both warpgroups' dS^T tiles in shared memory, read transposed)
 
-Not chosen by `backward.backward`: it is correct (tests/test_hopper_onepass.py) but slower than the two kernels
-in all but two cells (one win, one tie), and its dQ is not deterministic (the order of TMA's adds varies).
-Measured on an H200 (bf16, B x N = 16k, H x d = 2048, TFLOP/s of the backward's 2.5 x forward FLOPs; the whole
-backward with its D pass, zeroed accumulator and cast; `scripts/hopper_onepass_probe.py --ns 4096,16384`,
-2026-11-30, one chunk / two, the default backward in the same run): d = 128 16k non-causal 471 / 493 against 491
-(a tie, with EVEN_K), causal 387 / 431 against 449; 4k non-causal 439 / 466 against 512, causal 319 / 343 against
-368; d = 64 (one chunk: no spills either way, two ran 1-9 % slower) 16k 352 / 327 against 365 / 313 (causal: the
-one cell it wins, 1.04x), 4k 327 / 262 against 355 / 293.
+* L and D belong to the queries, the tiles' columns: a thread would hold 16 of each with their addresses and
+  masks. The producer warp brings each step's 64 values of L2 = L log2 e (+inf past N_Q and for rows that saw no
+  key: P = 0 there) and of D into shared memory by TMA with Q and dO; the D pass writes both, padded to whole
+  steps (`backward.preprocess` with l3). Loaded into registers instead, ptxas spilled 140 bytes at d = 128 and
+  serialised the wgmmas (its C7515).
+* each warpgroup computes d / 2 columns of the step's dQ from both warpgroups' dS (`ds_bar`: an mbarrier between
+  the two), in DQ_CHUNKS products, multiplies them by the softmax scale and puts them in shared memory, and TMA
+  adds them into a zeroed float32 accumulator (`cp.reduce.async.bulk.tensor ... .add`): the consumers never hold
+  an address or wait for an atomic. dQ = the accumulator cast to Q's dtype afterwards. The order of TMA's adds
+  varies, so dQ is not bitwise deterministic: `torch.use_deterministic_algorithms(True)` keeps the two kernels.
+* the program's block, its steps (GQA: the group's query heads in turn, dK and dV summed on chip; both causal
+  alignments), the shared memory and the dK, dV store are `hopper_backward`'s.
 
-Where the time goes (`scripts/hopper_onepass_ablate.py`: the source with parts taken out, d = 128 16k non-causal,
-before the chunks): the whole 472; without TMA's add 499; without dQ's product, store and add 631; and without
-the two warpgroups' waits for each other 660, where the two-kernel backward's dK/dV kernel runs the same 4
-products at 833 (these units). So the adds cost 5 %. The two builds without the product say less than they seem:
-compiled on a machine without a GPU (`scripts/gluon_spills.py`'s way, Triton 3.7's ptxas), both had their wgmmas
-serialised (ptxas's C7515), which no build of this file has; with one loop, the stripped code is the dK/dV
-kernel's, instruction for instruction but 16. Tried before and not kept: each warpgroup's dQ over its own 64 keys
-and all d columns, no wait for the other's dS but twice the adds (d = 128 16k 396 / 350 against 472 / 381;
-aa130cc); dQ added from shared memory by a writer warp of its own with `gl.atomic_add` (`atom.add.v4.f32`) 323 /
-345 at d = 128, with `red.add.v4.f32` 331 / 345."""
+Measured on an H200 (bf16, B x N = 16k tokens, H x d = 2048, TFLOP/s of the backward's 2.5 x forward FLOPs, the
+whole backward with its D pass; `scripts/hopper_onepass_probe.py`, 2026-11-30; the same run's default of then, the
+two kernels): see `choose`. Compiled for sm_90a (`scripts/gluon_spills.py`): no spills at d = 64; at d = 128 with
+dQ in 2 chunks 12 / 60 bytes of spill stores non-causal / causal, where the earlier one-pass kernel, which stored
+P and dS to shared memory in the untransposed layout (git history before 2026-11-30), spilled 44 / 172 and ran
+at d = 64 16k 352 / 327 against this one's 407 / 374. No CPU path: Gluon has no interpreter.
+"""
 
 from __future__ import annotations
 
@@ -58,23 +51,26 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from ..kernels import bound
 from ..runtime import cdiv
-from .backward import preprocess  # the backward's D pass
+from .backward import preprocess  # the backward's D pass (here also L2, padded)
 from .hopper import LOG2E, descriptor, launch_options
 from .hopper_backward import (
     KROWS,
     QROWS,
-    _probabilities,
-    _producer,
-    _row_stats,
-    _scores,
-    _tiles,
+    QUERY_ROWS,
     partition_barrier,
     program_block,
+    program_index,
+    query_block_range,
     shared_tiles,
     step_block,
     store_dkdv,
+    supports,
 )
+from .launch import compile_in_background, wait_compiled
+
+__all__ = ["backward", "choose", "compile_ahead", "supports", "warmup"]
 
 
 @builtin
@@ -101,108 +97,139 @@ def add_dq(dq, dq_c, dq_desc, row, col, PENDING: gl.constexpr):
 
 
 @gluon.jit
-def _dq_product(ds_smem, k_smem, dq_zero, col: gl.constexpr, NUM_CONSUMERS: gl.constexpr):
-    """Issue dQ[:, col ... col + C] = sum over the warpgroups c of dS_c K_c[:, col ...] (both dS tiles in shared
-    memory), C = dq_zero's columns. Returns the product's token."""
-    C: gl.constexpr = dq_zero.shape[1]
-    dq_tok = warpgroup_mma(ds_smem.index(0), k_smem.index(0).slice(col, C, dim=1), dq_zero,
-                           use_acc=False, is_async=True)  # fmt: skip
-    for c in gl.static_range(1, NUM_CONSUMERS):
-        dq_tok = warpgroup_mma(ds_smem.index(c), k_smem.index(c).slice(col, C, dim=1), dq_tok,
-                               is_async=True)  # fmt: skip
-    return dq_tok
-
-
-@gluon.jit
-def _steps(loop, dk, dv, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
-           WG: gl.constexpr, KEY_MASK: gl.constexpr, DQ_CHUNKS: gl.constexpr):  # fmt: skip
-    """A consumer's loop over its steps; returns dK, dV. KEY_MASK: the program's block holds keys past N_K
-    (a loop of its own, so that the others carry no mask and no register for it). DQ_CHUNKS: this warpgroup's
-    d / NUM_CONSUMERS columns of dQ in that many products, one after the other (fewer registers live at once)."""
-    (q_smem, do_smem, k_smem, ds_smem, ready_bar, empty_bar, ds_bar, dq_full, dq_desc, k_w, v_w, p_w, ds_w,
-     dq_w, s_zero, dq_zero, offs_m, cols, L, Dlt, stride_lb, stride_lh, stride_lm, qk_scale,
-     H, GROUP, N_Q, N_K, OFFSET, n_start, lo, mid, n_m, first_head) = loop  # fmt: skip
-    dtype: gl.constexpr = q_smem.dtype
-    C: gl.constexpr = dq_zero.shape[1]  # columns of a chunk
-    dk_tok = warpgroup_mma_init(dk)
-    dv_tok = warpgroup_mma_init(dv)
-    dq_tok = warpgroup_mma_init(dq_zero)
+def _producer(args, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr):
+    """`hopper_backward`'s producer, and with each step's Q and dO its 64 values of L2 and D into the slot's
+    small tiles: the consumers read them from shared memory, holding no addresses for them."""
+    (q_desc, do_desc, k_desc, v_desc, l_desc, d_desc, q_smem, do_smem, k_smem, v_smem, l_smem, d_smem, kv_bar,
+     ready_bar, empty_bar, H, GROUP, N_Q, N_K, OFFSET, num_n, BHKV, N_PAD) = args  # fmt: skip
+    CTA_N: gl.constexpr = KROWS * NUM_CONSUMERS
+    bhk, n_blk = program_index(num_n, BHKV, CAUSAL)
+    n_start = n_blk * CTA_N
+    kv_row = bhk * N_K + n_start
+    mbarrier.expect(kv_bar, 2 * NUM_CONSUMERS * k_desc.block_type.nbytes)
+    for c in gl.static_range(NUM_CONSUMERS):
+        tma.async_copy_global_to_shared(k_desc, [kv_row + c * KROWS, 0], kv_bar, k_smem.index(c))
+        tma.async_copy_global_to_shared(v_desc, [kv_row + c * KROWS, 0], kv_bar, v_smem.index(c))
+    lo, mid, hi = query_block_range(n_start, N_Q, OFFSET, CAUSAL, CTA_N)
+    n_m = hi - lo
+    first_head = (bhk // (H // GROUP)) * H + (bhk % (H // GROUP)) * GROUP
+    nbytes: gl.constexpr = (
+        q_desc.block_type.nbytes
+        + do_desc.block_type.nbytes
+        + l_desc.block_type.nbytes
+        + d_desc.block_type.nbytes
+    )
     for step in range(GROUP * n_m):
         g, m_blk = step_block(step, lo, n_m, GROUP, CAUSAL)
-        head = first_head + g
-        rows = m_blk * QROWS + offs_m
-        q, do, s_tok, dp_tok = _scores(q_smem, do_smem, ready_bar, k_w, v_w, s_zero, step, NUM_STAGES)
-        lse2, delta = _row_stats(L, Dlt, head, rows, H, N_Q, stride_lb, stride_lh, stride_lm)
-        s, dk, dv = warpgroup_mma_wait(1, deps=[s_tok, dk_tok, dv_tok])
-        if step > 0:
-            mbarrier.arrive(empty_bar.index((step - 1) % NUM_STAGES), count=1)
-        if KEY_MASK:  # keys past N_K (the next head's, or zeros) get P = 0, else dS K takes them into dQ
-            keys = gl.arange(0, KROWS, layout=gl.SliceLayout(0, s_zero.type.layout))
-            s = gl.where(gl.expand_dims(keys < N_K - n_start - WG * KROWS, 0), s, float("-inf"))
-        p = _probabilities(s, rows, cols, m_blk, mid, OFFSET, lse2, qk_scale, CAUSAL)
-        p_w.store(p.to(dtype))
-        fence_async_shared()
-        partition_barrier()
-        dv_tok = warpgroup_mma(p_w.permute((1, 0)), do, dv, is_async=True)
-        dp = warpgroup_mma_wait(1, deps=[dp_tok])
-        ds = p * (dp - gl.expand_dims(delta, 1))
-        if step > 0:  # both warpgroups' dQ products of the previous step, which read this tile, are done
-            mbarrier.wait(dq_full, (step - 1) & 1)
-        ds_w.store(ds.to(dtype))
-        fence_async_shared()
-        partition_barrier()
-        mbarrier.arrive(ds_bar, count=1)
-        dk_tok = warpgroup_mma(ds_w.permute((1, 0)), q, dk, is_async=True)
-        mbarrier.wait(ds_bar, step & 1)  # both dS tiles of the step are in shared memory
-        # each chunk's first column written inline: a constant (a name bound in every unrolled chunk is not)
-        for c in gl.static_range(DQ_CHUNKS):
-            dq_tok = _dq_product(ds_smem, k_smem, dq_zero, (WG * DQ_CHUNKS + c) * C, NUM_CONSUMERS)
-            dq = warpgroup_mma_wait(0, deps=[dq_tok])
-            row = head * N_Q + m_blk * QROWS
-            add_dq(dq, dq_w.index(WG * DQ_CHUNKS + c), dq_desc, row, (WG * DQ_CHUNKS + c) * C, DQ_CHUNKS - 1)
-        mbarrier.arrive(dq_full, count=1)  # counts the warpgroups done with the step
-    dk, dv = warpgroup_mma_wait(0, deps=[dk_tok, dv_tok])
-    return dk, dv
+        row = (first_head + g) * N_Q + m_blk * QROWS
+        stat = (first_head + g) * N_PAD + m_blk * QROWS
+        slot = step % NUM_STAGES
+        mbarrier.wait(empty_bar.index(slot), ((step // NUM_STAGES) & 1) ^ 1)
+        mbarrier.expect(ready_bar.index(slot), nbytes)
+        tma.async_copy_global_to_shared(q_desc, [row, 0], ready_bar.index(slot), q_smem.index(slot))
+        tma.async_copy_global_to_shared(do_desc, [row, 0], ready_bar.index(slot), do_smem.index(slot))
+        tma.async_copy_global_to_shared(l_desc, [stat], ready_bar.index(slot), l_smem.index(slot))
+        tma.async_copy_global_to_shared(d_desc, [stat], ready_bar.index(slot), d_smem.index(slot))
 
 
 @gluon.jit
-def _consumer(args, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
-              WG: gl.constexpr, DQ_CHUNKS: gl.constexpr, EVEN_K: gl.constexpr):  # fmt: skip
-    """Warpgroup WG: dK, dV of keys n_start + 64 WG ... + 63 (registers), and columns
-    WG * d / NUM_CONSUMERS ... of each step's dQ (added by TMA, in DQ_CHUNKS chunks)."""
-    (q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, dq_smem, kv_bar, ready_bar, empty_bar,
-     ds_bar, dq_full, dq_desc,
-     L, Dlt, DK, DV, qk_scale, sm_scale, stride_lb, stride_lh, stride_lm,
-     stride_kb, stride_kh, stride_kn, H, GROUP, N_Q, N_K, OFFSET, num_n, BHKV) = args  # fmt: skip
+def _dq_product(ds_smem, k_smem, dq_zero, col: gl.constexpr, NUM_CONSUMERS: gl.constexpr):
+    """Issue dQ[:, col ... col + C] = sum over the warpgroups c of dS_c K_c[:, col ...], dS_c read as the transpose
+    of the dS^T tile warpgroup c stored (64 keys x 64 queries), C = dq_zero's columns. Returns the product's token."""
+    C: gl.constexpr = dq_zero.shape[1]
+    tok = warpgroup_mma(ds_smem.index(0).permute((1, 0)), k_smem.index(0).slice(col, C, dim=1), dq_zero,
+                        use_acc=False, is_async=True)  # fmt: skip
+    for c in gl.static_range(1, NUM_CONSUMERS):
+        tok = warpgroup_mma(ds_smem.index(c).permute((1, 0)), k_smem.index(c).slice(col, C, dim=1), tok,
+                            is_async=True)  # fmt: skip
+    return tok
+
+
+@gluon.jit
+def _consumer(args, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr,
+              NUM_CONSUMERS: gl.constexpr, WG: gl.constexpr, DQ_CHUNKS: gl.constexpr):  # fmt: skip
+    """Warpgroup WG: dK, dV of keys n_start + 64 WG ... + 63 from transposed tiles, and its columns of each step's
+    dQ (module docstring)."""
+    (q_smem, do_smem, k_smem, v_smem, l_smem, d_smem, ds_smem, dq_smem, kv_bar, ready_bar, empty_bar, ds_bar,
+     dq_full, dq_desc, DK, DV, qk_scale, sm_scale, stride_kb, stride_kh, stride_kn, H, GROUP, N_Q, N_K, OFFSET,
+     num_n, BHKV) = args  # fmt: skip
+    dtype: gl.constexpr = q_smem.dtype
     CTA_N: gl.constexpr = KROWS * NUM_CONSUMERS
+    st_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, QROWS, 16]
+    )
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16]
+    )
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     C: gl.constexpr = HEAD_DIM // (NUM_CONSUMERS * DQ_CHUNKS)  # columns of a chunk of dQ
     dq_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, C, 16]
     )
-
+    dq_zero = gl.zeros([QROWS, C], gl.float32, layout=dq_layout)
     bhk, n_start, lo, mid, n_m, first_head = program_block(num_n, BHKV, H, GROUP, N_Q, OFFSET, CAUSAL, CTA_N)
     k_w = k_smem.index(WG)
     v_w = v_smem.index(WG)
-    p_w = p_smem.index(WG)
-    ds_w = ds_smem.index(WG)
-    dq_w = dq_smem  # (NUM_CONSUMERS * DQ_CHUNKS, 64, C): a tile per warpgroup and chunk
-    s_zero, dk, dv, offs_m, cols = _tiles(n_start + WG * KROWS, HEAD_DIM)
-    dq_zero = gl.zeros([QROWS, C], gl.float32, layout=dq_layout)
-
+    st_zero = gl.zeros([KROWS, QROWS], gl.float32, layout=st_layout)
+    dk = gl.zeros([KROWS, HEAD_DIM], gl.float32, layout=acc_layout)
+    dv = gl.zeros([KROWS, HEAD_DIM], gl.float32, layout=acc_layout)
+    keys = n_start + WG * KROWS + gl.arange(0, KROWS, layout=gl.SliceLayout(1, st_layout))  # the tiles' rows
+    offs_q = gl.arange(0, QROWS, layout=gl.SliceLayout(0, st_layout))  # their columns, from the block's first
     mbarrier.wait(kv_bar, 0)
-    loop = (q_smem, do_smem, k_smem, ds_smem, ready_bar, empty_bar, ds_bar, dq_full, dq_desc, k_w, v_w, p_w, ds_w,
-            dq_w, s_zero, dq_zero, offs_m, cols, L, Dlt, stride_lb, stride_lh, stride_lm, qk_scale,
-            H, GROUP, N_Q, N_K, OFFSET, n_start, lo, mid, n_m, first_head)  # fmt: skip
-    if CAUSAL:  # one loop, the key mask in it: a second loop's code spilled more (module docstring)
-        dk, dv = _steps(loop, dk, dv, CAUSAL, NUM_STAGES, NUM_CONSUMERS, WG, True, DQ_CHUNKS)
-    elif EVEN_K:  # every program's keys exist: one loop, no key mask
-        dk, dv = _steps(loop, dk, dv, CAUSAL, NUM_STAGES, NUM_CONSUMERS, WG, False, DQ_CHUNKS)
-    elif n_start + CTA_N > N_K:
-        dk, dv = _steps(loop, dk, dv, CAUSAL, NUM_STAGES, NUM_CONSUMERS, WG, True, DQ_CHUNKS)
-    else:
-        dk, dv = _steps(loop, dk, dv, CAUSAL, NUM_STAGES, NUM_CONSUMERS, WG, False, DQ_CHUNKS)
+    dk_tok = warpgroup_mma_init(dk)
+    dv_tok = warpgroup_mma_init(dv)
+    for step in range(GROUP * n_m):
+        g, m_blk = step_block(step, lo, n_m, GROUP, CAUSAL)
+        head = first_head + g  # batch * H + query head
+        slot = step % NUM_STAGES
+        mbarrier.wait(ready_bar.index(slot), (step // NUM_STAGES) & 1)
+        q = q_smem.index(slot)
+        do = do_smem.index(slot)
+        st_tok = warpgroup_mma(k_w, q.permute((1, 0)), st_zero, use_acc=False, is_async=True)
+        dpt_tok = warpgroup_mma(v_w, do.permute((1, 0)), st_zero, use_acc=False, is_async=True)
+        # S^T done means the previous step's dV and dK are too (in issue order): its ring slot is free
+        st, dk, dv = warpgroup_mma_wait(1, deps=[st_tok, dk_tok, dv_tok])
+        if step > 0:
+            mbarrier.arrive(empty_bar.index((step - 1) % NUM_STAGES), count=1)
+        if CAUSAL:
+            if m_blk < mid:  # key j (a row) is visible to query i (a column) when i + OFFSET >= j
+                rows = m_blk * QROWS + offs_q  # the step's queries
+                visible = gl.expand_dims(rows + OFFSET, 0) >= gl.expand_dims(keys, 1)
+                st = gl.where(visible, st, float("-inf"))
+        if (
+            n_start + CTA_N > N_K
+        ):  # keys past N_K (the next head's, or zeros) get P = 0, else dS K takes them in
+            st = gl.where(gl.expand_dims(keys < N_K, 1), st, float("-inf"))
+        # L2 = L log2 e, +inf for rows past N_Q (P = 0 there) and for rows that saw no key
+        lse2 = l_smem.index(slot).load(gl.SliceLayout(0, st_layout))
+        pt = gl.exp2(st * qk_scale - gl.expand_dims(lse2, 0))
+        dv_tok = warpgroup_mma(gl.convert_layout(pt.to(dtype), op_layout), do, dv, is_async=True)
+        dpt = warpgroup_mma_wait(1, deps=[dpt_tok])
+        delta = d_smem.index(slot).load(gl.SliceLayout(0, st_layout))
+        ds16 = (pt * (dpt - gl.expand_dims(delta, 0))).to(dtype)  # dS^T
+        dk_tok = warpgroup_mma(gl.convert_layout(ds16, op_layout), q, dk, is_async=True)
+        if step > 0:  # both warpgroups' dQ products of the previous step, which read these tiles, are done
+            mbarrier.wait(dq_full, (step - 1) & 1)
+        ds_smem.index(WG).store(ds16)
+        fence_async_shared()
+        partition_barrier()
+        mbarrier.arrive(ds_bar, count=1)
+        mbarrier.wait(ds_bar, step & 1)  # both warpgroups' dS^T tiles of the step are in shared memory
+        for c in gl.static_range(DQ_CHUNKS):  # each chunk's first column written inline (a constant)
+            dq_tok = _dq_product(ds_smem, k_smem, dq_zero, (WG * DQ_CHUNKS + c) * C, NUM_CONSUMERS)
+            dq = warpgroup_mma_wait(0, deps=[dq_tok])
+            row = head * N_Q + m_blk * QROWS
+            add_dq(
+                dq * sm_scale,
+                dq_smem.index(WG * DQ_CHUNKS + c),
+                dq_desc,
+                row,
+                (WG * DQ_CHUNKS + c) * C,
+                DQ_CHUNKS - 1,
+            )
+        mbarrier.arrive(dq_full, count=1)  # counts the warpgroups done with the step
+    dk, dv = warpgroup_mma_wait(0, deps=[dk_tok, dv_tok])
     tma.store_wait(0)
-
     store_dkdv(
         dk, dv, DK, DV, sm_scale, n_start + WG * KROWS, bhk, H // GROUP, N_K, stride_kb, stride_kh, stride_kn
     )
@@ -210,41 +237,42 @@ def _consumer(args, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl
 
 @gluon.jit
 def bwd_ws_kernel(
-    q_desc, do_desc, k_desc, v_desc, dq_desc, L, Dlt, DK, DV, qk_scale, sm_scale,
-    stride_lb, stride_lh, stride_lm, stride_kb, stride_kh, stride_kn,
-    H, GROUP, SHARE, N_Q, N_K, OFFSET, BHKV,
+    q_desc, do_desc, k_desc, v_desc, l_desc, d_desc, dq_desc, DK, DV, qk_scale, sm_scale,
+    stride_kb, stride_kh, stride_kn,
+    H, GROUP, N_Q, N_K, OFFSET, BHKV, N_PAD,
     CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr, DQ_CHUNKS: gl.constexpr = 1, EVEN_K: gl.constexpr = False,
+    CONSUMER_REGS: gl.constexpr, DQ_CHUNKS: gl.constexpr,
 ):  # fmt: skip
-    """`hopper_backward.dkdv_ws_kernel`'s arguments, and dq_desc: a TMA descriptor of a zeroed float32
-    (B * H * N_Q, d) accumulator in blocks of (64, d / (NUM_CONSUMERS * DQ_CHUNKS)), which receives the sum
-    over key blocks of dS K (unscaled). Rows of a step past N_Q add zeros (P = 0 there) to the next head's rows, or
-    fall outside the tensor, where TMA drops them. EVEN_K: N_K is a multiple of 64 * NUM_CONSUMERS, so no program
-    needs the key mask: non-causal calls compile one loop, not two (causal ones have one loop, masked, either way:
-    unmasked it ran 3 % slower)."""
+    """dQ, dK, dV for one program's 128 keys of a K/V head. q_desc, do_desc, k_desc, v_desc: `hopper.descriptor`s
+    of (B * H * N, d) matrices; l_desc, d_desc: of (B * H * N_PAD,) float32 vectors in blocks of 64 (L2 and D,
+    `backward.preprocess` with l3; N_PAD = N_Q rounded up to 64); dq_desc: of a zeroed float32 (B * H * N_Q, d)
+    accumulator in blocks of (64, d / (NUM_CONSUMERS * DQ_CHUNKS)), which receives scale x the sum over key blocks
+    of dS K. Rows of a step past N_Q add zeros (P = 0 there) to the next head's rows, or fall outside the tensor,
+    where TMA drops them. DK, DV: (B, H_KV, N_K, d) in K's dtype, strides given; grid: cdiv(N_K, 128) * BHKV."""
     CTA_N: gl.constexpr = KROWS * NUM_CONSUMERS
-    C: gl.constexpr = HEAD_DIM // (NUM_CONSUMERS * DQ_CHUNKS)
     num_n = gl.cdiv(N_K, CTA_N)
+    # `hopper_backward`'s ring, K, V and barriers; its P tiles go unused, its dS tiles hold dS^T (64 x 64 either way)
     q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, kv_bar, ready_bar, empty_bar = shared_tiles(
         q_desc, do_desc, k_desc, v_desc, HEAD_DIM, NUM_STAGES, NUM_CONSUMERS
     )
+    l_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, QROWS], l_desc.layout)
+    d_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, QROWS], d_desc.layout)
+    C: gl.constexpr = HEAD_DIM // (NUM_CONSUMERS * DQ_CHUNKS)
     dq_smem = gl.allocate_shared_memory(gl.float32, [NUM_CONSUMERS * DQ_CHUNKS, QROWS, C], dq_desc.layout)
     ds_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     dq_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     mbarrier.init(ds_bar, count=NUM_CONSUMERS)
     mbarrier.init(dq_full, count=NUM_CONSUMERS)
     fence_async_shared()
-
-    shared = (q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, dq_smem, kv_bar, ready_bar, empty_bar,
-              ds_bar, dq_full, dq_desc,
-              L, Dlt, DK, DV, qk_scale, sm_scale, stride_lb, stride_lh, stride_lm,
-              stride_kb, stride_kh, stride_kn, H, GROUP, N_Q, N_K, OFFSET, num_n, BHKV)  # fmt: skip
-    loads = (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, ready_bar, empty_bar,
-             H, GROUP, SHARE, N_Q, N_K, OFFSET, num_n, BHKV)  # fmt: skip
+    shared = (q_smem, do_smem, k_smem, v_smem, l_smem, d_smem, ds_smem, dq_smem, kv_bar, ready_bar, empty_bar,
+              ds_bar, dq_full, dq_desc, DK, DV, qk_scale, sm_scale, stride_kb, stride_kh, stride_kn, H, GROUP, N_Q,
+              N_K, OFFSET, num_n, BHKV)  # fmt: skip
+    loads = (q_desc, do_desc, k_desc, v_desc, l_desc, d_desc, q_smem, do_smem, k_smem, v_smem, l_smem, d_smem,
+             kv_bar, ready_bar, empty_bar, H, GROUP, N_Q, N_K, OFFSET, num_n, BHKV, N_PAD)  # fmt: skip
     gl.warp_specialize(
         [
-            (_consumer, (shared, CAUSAL, HEAD_DIM, NUM_STAGES, NUM_CONSUMERS, 0, DQ_CHUNKS, EVEN_K)),
-            (_consumer, (shared, CAUSAL, HEAD_DIM, NUM_STAGES, NUM_CONSUMERS, 1, DQ_CHUNKS, EVEN_K)),
+            (_consumer, (shared, CAUSAL, HEAD_DIM, NUM_STAGES, NUM_CONSUMERS, 0, DQ_CHUNKS)),
+            (_consumer, (shared, CAUSAL, HEAD_DIM, NUM_STAGES, NUM_CONSUMERS, 1, DQ_CHUNKS)),
             (_producer, (loads, CAUSAL, NUM_STAGES, NUM_CONSUMERS)),
         ],
         [4, 1], [CONSUMER_REGS, 24],
@@ -254,38 +282,102 @@ def bwd_ws_kernel(
 # --------------------------------------------------------------------------------------------------
 # Host side
 # --------------------------------------------------------------------------------------------------
-NUM_CONSUMERS = 2
-NUM_STAGES = 2  # Q, dO ring slots: d = 128 takes 197 KB of shared memory with two
+NUM_CONSUMERS = 2  # warpgroups of 64 keys: the kernel's `gl.warp_specialize` lists two consumer partitions
+NUM_STAGES = 2  # Q, dO (and L2, D) ring slots: d = 128 takes 197 KB of shared memory with two
+DQ_CHUNKS = {
+    64: 1,
+    128: 2,
+}  # products a warpgroup's columns of a step's dQ are made in: the faster, by head dim
+
+
+def _vector_desc(t):
+    """A TMA descriptor of the float32 vector t in blocks of 64 (a step's L2 or D)."""
+    layout = gl.NVMMASharedLayout.get_default_for([QUERY_ROWS], gl.float32)
+    return TensorDescriptor(t, [t.numel()], [1], [QUERY_ROWS], layout)
+
+
+def _launch(q4, k4, v4, do4, stats, dq_acc, dk4, dv4, offset, causal, scale, dq_chunks, warmup):
+    B, H, n_q, d = q4.shape
+    h_kv, n_k = k4.shape[1], k4.shape[2]
+    cols = d // (NUM_CONSUMERS * dq_chunks)
+    dq_layout = gl.NVMMASharedLayout.get_default_for([QUERY_ROWS, cols], gl.float32)
+    dq_desc = TensorDescriptor(dq_acc, [B * H * n_q, d], [d, 1], [QUERY_ROWS, cols], dq_layout)
+    grid = (cdiv(n_k, KROWS.value * NUM_CONSUMERS) * B * h_kv,)
+    args = (
+        descriptor(q4, QUERY_ROWS), descriptor(do4, QUERY_ROWS), descriptor(k4, KROWS.value),
+        descriptor(v4, KROWS.value), _vector_desc(stats[1].view(-1)), _vector_desc(stats[0].view(-1)), dq_desc,
+        dk4, dv4, scale * LOG2E, scale, dk4.stride(0), dk4.stride(1), dk4.stride(2),
+        H, H // h_kv, n_q, n_k, offset, B * h_kv, stats.shape[-1],
+    )  # fmt: skip
+    meta = dict(
+        CAUSAL=causal, HEAD_DIM=d, NUM_STAGES=NUM_STAGES, NUM_CONSUMERS=NUM_CONSUMERS, DQ_CHUNKS=dq_chunks,
+        **launch_options(NUM_CONSUMERS),
+    )  # fmt: skip
+    if warmup:
+        return bwd_ws_kernel.warmup(*args, grid=grid, **meta)
+    bound.launch(bwd_ws_kernel, grid, *args, **meta)  # bound once (host time)
+    return None
+
+
+def _buffers(q4, where):
+    """The D pass's output (2, B * H, N_PAD) float32 (D, then L2; N_PAD = N_Q rounded up to 64) and the zeroed
+    float32 dQ accumulator (B * H * N_Q, d)."""
+    B, H, n_q, d = q4.shape
+    n_pad = cdiv(n_q, QUERY_ROWS) * QUERY_ROWS
+    stats = torch.empty((2, B * H, n_pad), dtype=torch.float32, device=where)
+    return stats, torch.zeros((B * H * n_q, d), dtype=torch.float32, device=where)
+
+
+def _key(q4, k4, offset: int, causal: bool, dq_chunks: int) -> tuple:
+    return (
+        "one-pass backward (Gluon)",
+        tuple(q4.shape),
+        tuple(k4.shape),
+        q4.dtype,
+        offset,
+        causal,
+        dq_chunks,
+    )
 
 
 def backward(q4, k4, v4, o4, do4, l3, offset: int, causal: bool, scale: float, dq_chunks: int | None = None):
-    """(dQ, dK, dV) of attention from one kernel, for q4, do4, o4 (B, H, N_Q, d) and k4, v4 (B, H_kv, N_K, d)
-    that pass `hopper_backward.supports` (a Hopper GPU, 16-bit, contiguous, d 64 or 128); l3 (B, H, N_Q) the
-    forward's L (float32, natural log); offset: the causal alignment's `checks.causal_offset`. dK, dV are
-    summed over the H / H_kv query heads of each K/V head. dq_chunks: products a warpgroup's half of a step's dQ
-    is made in (`_steps`' DQ_CHUNKS; None: 2 at d = 128, 1 at d = 64, the faster of each in the module docstring).
-    The caller makes q4's GPU current."""
-    B, H, n_q, d = q4.shape
-    dq_chunks = dq_chunks or (2 if d == 128 else 1)
-    h_kv, n_k = k4.shape[1], k4.shape[2]
-    delta = torch.empty(B * H, n_q, dtype=torch.float32, device=q4.device)  # D = rowsum(dO * O)
-    preprocess(o4, do4, delta, q4.dtype)
-    dq_acc = torch.zeros(B * H * n_q, d, dtype=torch.float32, device=q4.device)
+    """(dQ, dK, dV, D) of attention for q4, do4 (B, H, N_Q, d), o4 likewise (any strides) and k4, v4
+    (B, H_kv, N_K, d) that pass `supports` (a Hopper GPU, 16-bit, contiguous, d 64 or 128); l3 (B, H, N_Q) the
+    forward's L (float32, natural log); offset: the causal alignment's `checks.causal_offset`. dK, dV are summed
+    over the H / H_kv query heads of each K/V head; the gradients come back contiguous in Q's dtype, and D =
+    rowsum(dO * O) as a (B * H, N_Q) float32 view (the sinks' gradient reads it). dq_chunks: `DQ_CHUNKS[d]` if
+    None. Launches: the D pass (D and L2), a zeroed accumulator, this kernel, dQ's cast. The caller makes q4's
+    GPU current."""
+    d, n_q = q4.shape[-1], q4.shape[2]
+    dq_chunks = dq_chunks or DQ_CHUNKS[d]
+    stats, dq_acc = _buffers(q4, q4.device)
+    preprocess(o4, do4, stats[0], q4.dtype, l3, stats[1])
     dk, dv = torch.empty_like(k4), torch.empty_like(v4)
-    cols = d // (NUM_CONSUMERS * dq_chunks)
-    dq_desc = TensorDescriptor(
-        dq_acc, [B * H * n_q, d], [d, 1], [QROWS.value, cols],
-        gl.NVMMASharedLayout.get_default_for([QROWS.value, cols], gl.float32),
-    )  # fmt: skip
-    grid = (cdiv(n_k, KROWS.value * NUM_CONSUMERS) * B * h_kv,)
-    bwd_ws_kernel[grid](
-        descriptor(q4, QROWS.value), descriptor(do4, QROWS.value),
-        descriptor(k4, KROWS.value), descriptor(v4, KROWS.value), dq_desc,
-        l3, delta, dk, dv, scale * LOG2E, scale,
-        l3.stride(0), l3.stride(1), l3.stride(2), dk.stride(0), dk.stride(1), dk.stride(2),
-        H, H // h_kv, 1, n_q, n_k, offset, B * h_kv,
-        CAUSAL=causal, HEAD_DIM=d, NUM_STAGES=NUM_STAGES, NUM_CONSUMERS=NUM_CONSUMERS, DQ_CHUNKS=dq_chunks,
-        EVEN_K=n_k % (KROWS.value * NUM_CONSUMERS) == 0,
-        **launch_options(NUM_CONSUMERS),
-    )  # fmt: skip
-    return (dq_acc.view(q4.shape) * scale).to(q4.dtype), dk, dv
+    wait_compiled(_key(q4, k4, offset, causal, dq_chunks))  # compiled ahead (`compile_ahead`): not twice
+    _launch(q4, k4, v4, do4, stats, dq_acc, dk, dv, offset, causal, scale, dq_chunks, warmup=False)
+    return dq_acc.view(q4.shape).to(q4.dtype), dk, dv, stats[0, :, :n_q]
+
+
+def warmup(q4, k4, v4, offset: int, causal: bool, scale: float, dq_chunks: int | None = None, where="meta"):
+    """Compile, without launching, the kernel `backward` launches for these shapes; returns the compiled kernel.
+    q4, k4, v4 may be stand-ins on the meta device (or CPU tensors: scripts/gluon_spills.py compiles for sm_90a
+    on a machine without a GPU, `where` then "cpu")."""
+    dq_chunks = dq_chunks or DQ_CHUNKS[q4.shape[-1]]
+    stats, dq_acc = _buffers(q4, where)
+    return _launch(q4, k4, v4, q4, stats, dq_acc, k4, v4, offset, causal, scale, dq_chunks, warmup=True)
+
+
+def compile_ahead(q4, k4, v4, offset: int, causal: bool, scale: float) -> None:
+    """`warmup` in a background thread, once per process (`launch.compile_ahead` says why); `backward` waits for
+    it. (The D pass is the caller's to compile ahead.)"""
+    key = _key(q4, k4, offset, causal, DQ_CHUNKS[q4.shape[-1]])
+    compile_in_background(key, lambda: warmup(q4, k4, v4, offset, causal, scale))
+
+
+def choose(d: int, causal: bool, n_q: int, n_k: int, group: int) -> bool:
+    """Whether the backward (`backward._backward`) runs this kernel rather than its two. Measured on an H200
+    (bf16, B x N = 16k tokens, 2048 / d query heads; TFLOP/s of the backward's 2.5 x forward FLOPs against the
+    two kernels in the same run, `scripts/hopper_dkdv_rs.py --one-pass`, 2026-11-30): d = 64 non-causal 1k 276
+    against 250, 4k 373 / 355, 16k 407 / 364; causal 4k 297 / 292, 16k 374 / 313. d = 128, dQ in two chunks:
+    a tie at 4k and 16k (462 / 462, 499 / 490 non-causal; 376 / 374, 437 / 443 causal), 1k 336 / 373."""
+    return d == 64 and min(n_q, n_k) >= 1024
