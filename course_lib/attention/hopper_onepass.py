@@ -375,9 +375,13 @@ def compile_ahead(q4, k4, v4, offset: int, causal: bool, scale: float) -> None:
 
 
 def choose(d: int, causal: bool, n_q: int, n_k: int, group: int) -> bool:
-    """Whether the backward (`backward._backward`) runs this kernel rather than its two. Measured on an H200
-    (bf16, B x N = 16k tokens, 2048 / d query heads; TFLOP/s of the backward's 2.5 x forward FLOPs against the
-    two kernels in the same run, `scripts/hopper_dkdv_rs.py --one-pass`, 2026-11-30): d = 64 non-causal 1k 276
-    against 250, 4k 373 / 355, 16k 407 / 364; causal 4k 297 / 292, 16k 374 / 313. d = 128, dQ in two chunks:
-    a tie at 4k and 16k (462 / 462, 499 / 490 non-causal; 376 / 374, 437 / 443 causal), 1k 336 / 373."""
-    return d == 64 and min(n_q, n_k) >= 1024
+    """Whether the backward (`backward._backward`) runs this kernel rather than its two: d = 64 with 4096
+    queries and keys or more. Measured on an H200 (bf16, B x N = 16k tokens, 32 query heads, d = 64; the whole
+    backward, TFLOP/s of 2.5 x the forward's FLOPs, one pass against the two kernels in the same run,
+    `scripts/hopper_onepass_probe.py --ds 64 --groups 1,4`, 2026-11-30): non-causal 1k 312 / 332 (4 query heads
+    per K/V head: 338 / 325), 2k 353 / 359, 4k 380 / 358 (388 / 348), 8k 396 / 363, 16k 407 / 366 (410 / 366);
+    causal 1k 212 / 233 (244 / 250), 2k 263 / 268, 4k 302 / 294 (355 / 306), 8k 353 / 300, 16k 381 / 314
+    (402 / 331). dQ in two chunks was 6-9 % slower than in one at every cell. At d = 128 (dQ in two chunks,
+    `scripts/hopper_dkdv_rs.py`'s run of the same kernel, 2026-11-30) it ties the two kernels at 4k and 16k
+    (non-causal 462 / 462, 499 / 490; causal 376 / 374, 437 / 443) and loses at 1k (336 / 373): not taken."""
+    return d == 64 and min(n_q, n_k) >= 4096
