@@ -29,6 +29,7 @@ from course_lib.attention import backward as bwd
 from course_lib.attention import forward as fwd
 from course_lib.attention import hopper_backward as hb
 from course_lib.attention import hopper_onepass as onepass
+from course_lib.attention.d_pass import preprocess
 from course_lib.perf.timing import benchmark
 
 TOKENS, WIDTH = 16384, 2048
@@ -56,7 +57,7 @@ def cell(d: int, n: int, causal: bool, group: int = 1) -> dict:
         row[f"{mode}_tflops"] = round(flops / benchmark(call) / 1e9, 1)
     # the dK/dV kernel alone (4 of the two kernels' 7 products), as TFLOP/s of its own 4 products
     delta = torch.empty(B * H, n, dtype=torch.float32, device="cuda")
-    bwd.preprocess(o, do, delta, q.dtype)
+    preprocess(o, do, delta, q.dtype)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     if hb.supports(q, k, v, do):
         kernel = lambda: hb.dkdv(q, k, v, do, L, delta, dk, dv, 0, causal, scale)  # noqa: E731

@@ -20,6 +20,7 @@ import torch
 
 import course_lib
 from course_lib.attention import backward as bwd_mod
+from course_lib.attention.d_pass import preprocess
 from course_lib.attention.forward import forward as attention_forward
 from course_lib.checks import causal_alignment, causal_offset
 from course_lib.testing import assert_close_to_reference, random_qkv, reference_outputs
@@ -85,7 +86,7 @@ def test_choose():
 
 @pytest.mark.parametrize("n_q", (1, 70, 128))
 def test_the_d_pass_writes_padded_base2_stats(n_q):
-    """`backward.preprocess` with l3: D = rowsum(dO * O) and L2 = L log2 e in rows of 64 * k columns: D 0 and
+    """`d_pass.preprocess` with l3: D = rowsum(dO * O) and L2 = L log2 e in rows of 64 * k columns: D 0 and
     L2 +inf past N_Q, L2 +inf where L = -inf (a row that saw no key), L read through its strides."""
     torch.manual_seed(n_q)
     device = course_lib.DEVICE
@@ -95,7 +96,7 @@ def test_the_d_pass_writes_padded_base2_stats(n_q):
     lse[0, 1, 0] = float("-inf")
     n_pad = -(-n_q // 64) * 64
     stats = torch.full((2, B * H, n_pad), 7.0, device=device)
-    bwd_mod.preprocess(o, do, stats[0], o.dtype, lse, stats[1])
+    preprocess(o, do, stats[0], o.dtype, lse, stats[1])
     want_d = (o.float() * do.float()).sum(-1).reshape(B * H, n_q)
     torch.testing.assert_close(stats[0, :, :n_q], want_d, rtol=1e-5, atol=1e-5)
     assert (stats[0, :, n_q:] == 0).all()

@@ -91,7 +91,7 @@ TABLES = {
     "attention dK/dV": lambda: attention(configs.DKDV, module("attention.backward")._dkdv_kernel),
     "attention dQ": lambda: attention(configs.DQ, module("attention.backward")._dq_kernel),
     "attention preprocess": lambda: per_device(
-        configs.PREPROCESS, module("attention.backward")._preprocess_kernel
+        configs.PREPROCESS, module("attention.d_pass").preprocess_kernel
     ),
     "attention group sum": lambda: per_device(
         module("attention.backward").GROUP_SUM, module("attention.backward")._group_sum_kernel

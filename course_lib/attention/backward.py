@@ -5,7 +5,7 @@ P = exp(S * scale - L) is rebuilt tile by tile from the saved logsumexp L (no Nq
 stored) and dS = P * (dP - D) with dP = dO V^T and D = rowsum(dO * O).
 
 The kernels:
-1. `_preprocess_kernel`: D = rowsum(dO * O), one float per query row (reads dO and O once).
+1. `d_pass.preprocess_kernel`: D = rowsum(dO * O), one float per query row (reads dO and O once).
 2. `_dkdv_kernel`: one program per block of BLOCK_N key rows. K and V stay on chip (registers /
    shared memory) while the program loops over all query blocks that see them, streaming Q, dO, L
    and D from HBM; dK and dV accumulate in fp32 registers and are written once.
@@ -73,7 +73,8 @@ from ..kernels.launch import Launch, PerDevice, keyword
 from ..kernels.plans import on_current_device
 from ..kernels.softmax import LOG2E
 from ..runtime import tl, triton
-from .configs import DKDV, DQ, PREPROCESS, split_config, teaching_hooks
+from .configs import DKDV, DQ, split_config, teaching_hooks
+from .d_pass import preprocess_kernel, preprocess_launch
 from .forward import hopper_kernels, run_gluon
 from .inputs import as_4d, check_inputs, kernel_flags, strides4, within_offsets
 from .launch import (
@@ -104,46 +105,6 @@ def probabilities(s, lse2, qk_scale):
     broadcast against S). The kernels convert L once per row, before it is broadcast: one multiply-add
     and one ex2 per score. A masked score (-inf) gives P = 0."""
     return tl.math.exp2(s * qk_scale - lse2)
-
-
-@triton.jit
-def _preprocess_kernel(
-    O, DO, Dlt, L, L2,
-    stride_ob, stride_oh, stride_om, stride_od,
-    stride_dob, stride_doh, stride_dom, stride_dod,
-    stride_lb, stride_lh, stride_lm,
-    H, N_Q, N_OUT,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, UPCAST: tl.constexpr,
-    ACC_DTYPE: tl.constexpr, BASE2: tl.constexpr,
-):  # fmt: skip
-    """D[z, rows] = sum over d of dO * O for one block of BLOCK_M rows: reads 2 * BLOCK_M * d
-    elements, writes BLOCK_M floats (D is contiguous, (B * H, N_OUT), N_OUT >= N_Q rows a head: 0 past N_Q).
-    BASE2: also L2 = L log2 e into L2 (laid out as D), +inf past N_Q and where L = -inf (a row that saw no
-    key), for a kernel that loads both by TMA (`hopper_onepass`); else L and L2 are not read."""
-    off_b, off_h, m_start = program_block(N_OUT, H, BLOCK_M, False, False)
-    offs_m = m_start + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    mask = row_mask(offs_m, N_Q, offs_d, HEAD_DIM, BLOCK_D)
-    o_ptrs = (
-        O + off_b * stride_ob + off_h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od
-    )
-    do_ptrs = (
-        DO
-        + off_b * stride_dob
-        + off_h * stride_doh
-        + offs_m[:, None] * stride_dom
-        + offs_d[None, :] * stride_dod
-    )
-    o = tl.load(o_ptrs, mask=mask, other=0.0)
-    do = tl.load(do_ptrs, mask=mask, other=0.0)
-    delta = tl.sum(o.to(ACC_DTYPE) * do.to(ACC_DTYPE), axis=1)
-    out = (off_b * H + off_h) * N_OUT + offs_m
-    tl.store(Dlt + out, delta, mask=offs_m < N_OUT)
-    if BASE2:
-        lse = tl.load(L + off_b * stride_lb + off_h * stride_lh + offs_m * stride_lm, mask=offs_m < N_Q,
-                      other=float("-inf"))  # fmt: skip
-        lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
-        tl.store(L2 + out, lse2, mask=offs_m < N_OUT)
 
 
 @triton.jit
@@ -401,7 +362,7 @@ def _dq_kernel(
 
     FUSE_D=True: compute D = rowsum(dO * O) for these rows here (reading the O block once) and store
     it for the dK/dV kernel, which then runs second; FUSE_D=False: read D written by
-    `_preprocess_kernel`. PROBABILITIES, KV_RANGE, VARLEN: as in `_dkdv_kernel` and `forward._fwd_kernel`."""
+    `preprocess_kernel`. PROBABILITIES, KV_RANGE, VARLEN: as in `_dkdv_kernel` and `forward._fwd_kernel`."""
     seq_b, off_h, m_start = program_block(N_Q, H, BLOCK_M, CAUSAL, False)  # causal: the longest rows first
     off_b, q_start, n_q, k_start, n_k, offset = sequence(SEQ, seq_b, N_Q, N_K, OFFSET, VARLEN)
     off_kh = off_h // GROUP
@@ -625,36 +586,6 @@ HOPPER_DQ_FAILED: list[str] = []  # likewise for the Gluon dQ kernel
 HOPPER_ONEPASS_FAILED: list[str] = []  # and for the one-pass backward
 
 
-def preprocess_launch(
-    o4, do4, delta, B: int, H: int, n_q: int, d: int, dtype: torch.dtype, l3=None, l2=None
-) -> tuple:
-    """The D pass's launch, `_preprocess_kernel` (grid, arguments, constants): D = rowsum(dO * O) into delta
-    (B * H, n_out) float32, n_out = delta's columns >= n_q (zeros past n_q), for o4, do4 (B, H, n_q, d) of
-    `dtype`, any strides. What the atomic dQ and the Gluon dQ read. With l3 (B, H, n_q), the forward's L, also
-    L2 = L log2 e into l2 (as delta; +inf past n_q and where L = -inf): the one-pass backward's (`hopper_onepass`)."""
-    pre, flags = PREPROCESS.current(), kernel_flags(dtype)
-    n_out = delta.shape[-1]
-    grid = (runtime.cdiv(n_out, pre.block_m) * B * H,)
-    base2 = l3 is not None
-    lse, lse2 = (l3, l2) if base2 else (delta, delta)  # stand-ins, not read
-    l_strides = l3.stride() if base2 else (0, 0, 0)
-    args = (o4, do4, delta, lse, lse2, *strides4(o4), *strides4(do4), *l_strides, H, n_q, n_out)
-    meta = dict(
-        HEAD_DIM=d, BLOCK_D=max(16, runtime.next_power_of_2(d)), **pre.kwargs(),
-        UPCAST=flags["UPCAST"], ACC_DTYPE=flags["ACC_DTYPE"], BASE2=base2,
-    )  # fmt: skip
-    return grid, args, meta
-
-
-def preprocess(o4, do4, delta, dtype: torch.dtype, l3=None, l2=None) -> None:
-    """The D pass launched (`preprocess_launch`): D = rowsum(dO * O) into delta (B * H, n_out) float32 for o4, do4
-    (B, H, n_q, d) of `dtype`; with l3, L2 into l2 too. The one-pass backward's first launch (`hopper_onepass`)
-    and the probes'."""
-    B, H, n_q, d = o4.shape
-    grid, args, meta = preprocess_launch(o4, do4, delta, B, H, n_q, d, dtype, l3, l2)
-    bound.launch(_preprocess_kernel, grid, *args, **meta)
-
-
 def hopper_dq(d: int):
     """The `hopper_dq` module if its warp-specialised dQ kernel should run (it runs beside the Gluon dK/dV
     kernel, whose checks it shares, where `hopper_dq.choose` found it faster), else None."""
@@ -811,7 +742,7 @@ def _backward(
         onepass is not None
     ):  # dQ, dK, dV from one kernel (`hopper_onepass`), or on to the two kernels if it fails
         grads = _onepass(
-            onepass, q, k, v, q4, k4, v4, o4, do4, l3, offset, causal, scale, sinks, compile_only
+            onepass, q, k, v, q4, k4, v4, o4, do4, l3, dk4, dv4, offset, causal, scale, sinks, compile_only
         )
         if grads is not None or compile_only:
             return grads
@@ -904,7 +835,7 @@ def _backward(
                     gluon.compile_ahead(q4, k4, v4, l3, delta, dk_out, offset, causal, scale)
                 if gluon_dq is not None and runtime.ON_GPU:
                     gluon_dq.compile_ahead(q4, k4, v4, l3, delta, dq_acc, offset, causal, scale)
-                    compile_kernel_ahead(pre_name, _preprocess_kernel, pre_grid, pre_args, pre_meta)
+                    compile_kernel_ahead(pre_name, preprocess_kernel, pre_grid, pre_args, pre_meta)
                 if compile_only:
                     if gluon_dq is None:
                         compile_ahead(_dq_kernel, _dq_tuned, DQ, q_grid, q_args, q_meta, shape)
@@ -912,10 +843,10 @@ def _backward(
                         compile_kernel_ahead(sum_name, _group_sum_kernel, (1,), sum_args, sum_meta)
                     return None
             if atomic:
-                bound.launch(_preprocess_kernel, pre_grid, *pre_args, **pre_meta)
+                bound.launch(preprocess_kernel, pre_grid, *pre_args, **pre_meta)
             elif gluon_dq is not None:  # D first (the Gluon dQ kernel reads it), then dQ
                 wait_compiled(pre_name)
-                bound.launch(_preprocess_kernel, pre_grid, *pre_args, **pre_meta)
+                bound.launch(preprocess_kernel, pre_grid, *pre_args, **pre_meta)
                 dq_args = (q4, k4, v4, do4, l3, delta, dq_acc, offset, causal, scale)
                 if not run_gluon("dQ kernel", HOPPER_DQ_FAILED, gluon_dq.dq, *dq_args):
                     launch(_dq_kernel, _dq_tuned, DQ, q_grid, q_args, dict(q_meta, FUSE_D=False), shape)
@@ -957,9 +888,10 @@ def _backward(
     return dq, dk, dv, dsinks
 
 
-def _onepass(module, q, k, v, q4, k4, v4, o4, do4, l3, offset, causal, scale, sinks, compile_only):
+def _onepass(module, q, k, v, q4, k4, v4, o4, do4, l3, dk4, dv4, offset, causal, scale, sinks, compile_only):
     """`_backward` by the one-pass kernel (`hopper_onepass`): (dq, dk, dv, dsinks) shaped as q, k, v; None if
-    it failed (`run_gluon`), or with compile_only (its kernel and D pass then compile in the background)."""
+    it failed (`run_gluon`), or with compile_only (its kernel and D pass then compile in the background). dk4,
+    dv4: `_backward`'s dK, dV (contiguous), which it writes."""
     B, H, n_q, d = q4.shape
     pre_name = ("preprocess", "base 2", d, q4.dtype)  # the D pass that also writes L2
     if compile_only:
@@ -967,16 +899,19 @@ def _onepass(module, q, k, v, q4, k4, v4, o4, do4, l3, offset, causal, scale, si
             module.compile_ahead(q4, k4, v4, offset, causal, scale)
             stats = torch.empty((2, B * H, runtime.cdiv(n_q, 64) * 64), dtype=torch.float32, device="meta")
             pre = preprocess_launch(q4, q4, stats[0], B, H, n_q, d, q4.dtype, l3, stats[1])
-            compile_kernel_ahead(pre_name, _preprocess_kernel, *pre)
+            compile_kernel_ahead(pre_name, preprocess_kernel, *pre)
         return None
     wait_compiled(pre_name)
     grads = []
     with cuda_device(q):
-        ran = run_gluon("one-pass backward", HOPPER_ONEPASS_FAILED, lambda *a: grads.append(module.backward(*a)),
-                        q4, k4, v4, o4, do4, l3, offset, causal, scale)  # fmt: skip
+        ran = run_gluon(
+            "one-pass backward", HOPPER_ONEPASS_FAILED,
+            lambda *a: grads.append(module.backward(*a, dk4=dk4, dv4=dv4)),
+            q4, k4, v4, o4, do4, l3, offset, causal, scale,
+        )  # fmt: skip
     if not ran:
         return None
-    dq4, dk4, dv4, delta = grads[0]
+    dq4, _, _, delta = grads[0]
     dsinks = None if sinks is None else sink_gradient(sinks, l3, delta.reshape(l3.shape))
     return dq4.view(q.shape), dk4.view(k.shape), dv4.view(v.shape), dsinks
 

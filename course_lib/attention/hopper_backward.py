@@ -57,7 +57,7 @@ KEY_ROWS = 64  # keys per consumer warpgroup: one wgmma's M
 QUERY_ROWS = 64  # query rows per step
 KROWS = gl.constexpr(KEY_ROWS)
 QROWS = gl.constexpr(QUERY_ROWS)
-# The kernel's pieces below are public: `hopper_onepass` and scripts/hopper_dkdv_rs.py build their kernels on them.
+# The kernel's pieces below are public: `hopper_onepass` builds its kernel on them.
 # A barrier among the warps of one partition (the name changed between Triton releases).
 partition_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 

@@ -32,7 +32,7 @@ h // (H // H_kv); dQ has one writer per row, so nothing is summed.
 dQ = scale * dS K is written in the dtype of the given output (the Triton kernel writes the same, in
 q's dtype). D = rowsum(dO * O) is read, not computed: the Triton dQ kernel computes it (FUSE_D) for the
 dK/dV kernel, which runs second; with this kernel, the backward computes D first in a pass of its own
-(`backward._preprocess_kernel`: reads O and dO once). No CPU path: Gluon has no interpreter.
+(`d_pass.preprocess_kernel`: reads O and dO once). No CPU path: Gluon has no interpreter.
 """
 
 from __future__ import annotations
@@ -364,7 +364,7 @@ def _key(q4, k4, dq4, offset: int, causal: bool) -> tuple:
 
 
 def choose(d: int) -> bool:
-    """Whether this kernel, after the D pass (`backward._preprocess_kernel`), replaces the Triton dQ kernel
+    """Whether this kernel, after the D pass (`d_pass.preprocess_kernel`), replaces the Triton dQ kernel
     (which computes D itself) when the Gluon dK/dV kernel runs. Measured on an H200 (`scripts/hopper_dq_probe.py`,
     bf16, B x N = 16k tokens, 2048 / d query heads, 1 or 4 per K/V head, 2026-11-29): at d = 128 the Triton
     launch over this kernel is 1.19-1.26x with no mask and 1.22-1.41x causal (both alignments), N = 1k-16k;

@@ -16,7 +16,7 @@ consumer warpgroup (64 keys of the program's 128, dK and dV in registers) and st
 * L and D belong to the queries, the tiles' columns: a thread would hold 16 of each with their addresses and
   masks. The producer warp brings each step's 64 values of L2 = L log2 e (+inf past N_Q and for rows that saw no
   key: P = 0 there) and of D into shared memory by TMA with Q and dO; the D pass writes both, padded to whole
-  steps (`backward.preprocess` with l3). Loaded into registers instead, ptxas spilled 140 bytes at d = 128 and
+  steps (`d_pass.preprocess` with l3). Loaded into registers instead, ptxas spilled 140 bytes at d = 128 and
   serialised the wgmmas (its C7515).
 * each warpgroup computes d / 2 columns of the step's dQ from both warpgroups' dS (`ds_bar`: an mbarrier between
   the two), in DQ_CHUNKS products, multiplies them by the softmax scale and puts them in shared memory, and TMA
@@ -53,7 +53,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..kernels import bound
 from ..runtime import cdiv
-from .backward import preprocess  # the backward's D pass (here also L2, padded)
+from .d_pass import preprocess  # the backward's D pass (here also L2, padded)
 from .hopper import LOG2E, descriptor, launch_options
 from .hopper_backward import (
     KROWS,
@@ -245,7 +245,7 @@ def bwd_ws_kernel(
 ):  # fmt: skip
     """dQ, dK, dV for one program's 128 keys of a K/V head. q_desc, do_desc, k_desc, v_desc: `hopper.descriptor`s
     of (B * H * N, d) matrices; l_desc, d_desc: of (B * H * N_PAD,) float32 vectors in blocks of 64 (L2 and D,
-    `backward.preprocess` with l3; N_PAD = N_Q rounded up to 64); dq_desc: of a zeroed float32 (B * H * N_Q, d)
+    `d_pass.preprocess` with l3; N_PAD = N_Q rounded up to 64); dq_desc: of a zeroed float32 (B * H * N_Q, d)
     accumulator in blocks of (64, d / (NUM_CONSUMERS * DQ_CHUNKS)), which receives scale x the sum over key blocks
     of dS K. Rows of a step past N_Q add zeros (P = 0 there) to the next head's rows, or fall outside the tensor,
     where TMA drops them. DK, DV: (B, H_KV, N_K, d) in K's dtype, strides given; grid: cdiv(N_K, 128) * BHKV."""
@@ -340,19 +340,33 @@ def _key(q4, k4, offset: int, causal: bool, dq_chunks: int) -> tuple:
     )
 
 
-def backward(q4, k4, v4, o4, do4, l3, offset: int, causal: bool, scale: float, dq_chunks: int | None = None):
+def backward(
+    q4,
+    k4,
+    v4,
+    o4,
+    do4,
+    l3,
+    offset: int,
+    causal: bool,
+    scale: float,
+    dq_chunks: int | None = None,
+    dk4=None,
+    dv4=None,
+):
     """(dQ, dK, dV, D) of attention for q4, do4 (B, H, N_Q, d), o4 likewise (any strides) and k4, v4
     (B, H_kv, N_K, d) that pass `supports` (a Hopper GPU, 16-bit, contiguous, d 64 or 128); l3 (B, H, N_Q) the
     forward's L (float32, natural log); offset: the causal alignment's `checks.causal_offset`. dK, dV are summed
-    over the H / H_kv query heads of each K/V head; the gradients come back contiguous in Q's dtype, and D =
-    rowsum(dO * O) as a (B * H, N_Q) float32 view (the sinks' gradient reads it). dq_chunks: `DQ_CHUNKS[d]` if
-    None. Launches: the D pass (D and L2), a zeroed accumulator, this kernel, dQ's cast. The caller makes q4's
-    GPU current."""
+    over the H / H_kv query heads of each K/V head; the gradients come back contiguous in Q's dtype (dK, dV into
+    dk4, dv4 if given, contiguous as k4), and D = rowsum(dO * O) as a (B * H, N_Q) float32 view (the sinks'
+    gradient reads it). dq_chunks: `DQ_CHUNKS[d]` if None. Launches: the D pass (D and L2), a zeroed float32
+    accumulator (twice dQ's bytes, freed on return), this kernel, dQ's cast. The caller makes q4's GPU current."""
     d, n_q = q4.shape[-1], q4.shape[2]
     dq_chunks = dq_chunks or DQ_CHUNKS[d]
     stats, dq_acc = _buffers(q4, q4.device)
     preprocess(o4, do4, stats[0], q4.dtype, l3, stats[1])
-    dk, dv = torch.empty_like(k4), torch.empty_like(v4)
+    dk = torch.empty_like(k4) if dk4 is None else dk4
+    dv = torch.empty_like(v4) if dv4 is None else dv4
     wait_compiled(_key(q4, k4, offset, causal, dq_chunks))  # compiled ahead (`compile_ahead`): not twice
     _launch(q4, k4, v4, do4, stats, dq_acc, dk, dv, offset, causal, scale, dq_chunks, warmup=False)
     return dq_acc.view(q4.shape).to(q4.dtype), dk, dv, stats[0, :, :n_q]
