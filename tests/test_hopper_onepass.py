@@ -84,6 +84,18 @@ def test_choose():
         assert not onepass.choose(128, causal, 16384, 16384, 1)
 
 
+def test_slices_cover_every_pair_once():
+    """The launches' (batch, K/V head) pairs: at most 4 launches of equal count (the last may hold fewer),
+    together every pair once."""
+    assert onepass.slices(1) == [(0, 1)]
+    assert onepass.slices(32) == [(0, 8), (8, 8), (16, 8), (24, 8)]
+    assert onepass.slices(5) == [(0, 2), (2, 2), (4, 1)]
+    for n in range(1, 40):
+        got = onepass.slices(n)
+        assert len(got) <= 4 and len({count for _, count in got[:-1]}) <= 1
+        assert [p for first, count in got for p in range(first, first + count)] == list(range(n))
+
+
 @pytest.mark.parametrize("n_q", (1, 70, 128))
 def test_the_d_pass_writes_padded_base2_stats(n_q):
     """`d_pass.preprocess` with l3: D = rowsum(dO * O) and L2 = L log2 e in rows of 64 * k columns: D 0 and

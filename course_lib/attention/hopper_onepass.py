@@ -21,8 +21,11 @@ consumer warpgroup (64 keys of the program's 128, dK and dV in registers) and st
 * each warpgroup computes d / 2 columns of the step's dQ from both warpgroups' dS (`ds_bar`: an mbarrier between
   the two), in DQ_CHUNKS products, multiplies them by the softmax scale and puts them in shared memory, and TMA
   adds them into a zeroed float32 accumulator (`cp.reduce.async.bulk.tensor ... .add`): the consumers never hold
-  an address or wait for an atomic. dQ = the accumulator cast to Q's dtype afterwards. The order of TMA's adds
-  varies, so dQ is not bitwise deterministic: `torch.use_deterministic_algorithms(True)` keeps the two kernels.
+  an address or wait for an atomic. dQ = the accumulator cast to Q's dtype afterwards. The kernel runs in 4
+  launches over the (batch, K/V head) pairs (`slices`), each with the accumulator of its own rows: a quarter of
+  dQ's rows in float32, half dQ's bytes, not twice (a model's backward peak would otherwise rise by a quarter).
+  The order of TMA's adds varies, so dQ is not bitwise deterministic: `torch.use_deterministic_algorithms(True)`
+  keeps the two kernels.
 * the program's block, its steps (GQA: the group's query heads in turn, dK and dV summed on chip; both causal
   alignments), the shared memory and the dK, dV store are `hopper_backward`'s.
 
@@ -60,7 +63,6 @@ from .hopper_backward import (
     QROWS,
     QUERY_ROWS,
     partition_barrier,
-    program_block,
     program_index,
     query_block_range,
     shared_tiles,
@@ -70,7 +72,7 @@ from .hopper_backward import (
 )
 from .launch import compile_in_background, wait_compiled
 
-__all__ = ["backward", "choose", "compile_ahead", "supports", "warmup"]
+__all__ = ["backward", "choose", "compile_ahead", "slices", "supports", "warmup"]
 
 
 @builtin
@@ -101,9 +103,10 @@ def _producer(args, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_CONSUMER
     """`hopper_backward`'s producer, and with each step's Q and dO its 64 values of L2 and D into the slot's
     small tiles: the consumers read them from shared memory, holding no addresses for them."""
     (q_desc, do_desc, k_desc, v_desc, l_desc, d_desc, q_smem, do_smem, k_smem, v_smem, l_smem, d_smem, kv_bar,
-     ready_bar, empty_bar, H, GROUP, N_Q, N_K, OFFSET, num_n, BHKV, N_PAD) = args  # fmt: skip
+     ready_bar, empty_bar, H, GROUP, N_Q, N_K, OFFSET, num_n, BHKV, BHK0, N_PAD) = args  # fmt: skip
     CTA_N: gl.constexpr = KROWS * NUM_CONSUMERS
     bhk, n_blk = program_index(num_n, BHKV, CAUSAL)
+    bhk += BHK0  # the slice's first batch * K/V head
     n_start = n_blk * CTA_N
     kv_row = bhk * N_K + n_start
     mbarrier.expect(kv_bar, 2 * NUM_CONSUMERS * k_desc.block_type.nbytes)
@@ -112,7 +115,7 @@ def _producer(args, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_CONSUMER
         tma.async_copy_global_to_shared(v_desc, [kv_row + c * KROWS, 0], kv_bar, v_smem.index(c))
     lo, mid, hi = query_block_range(n_start, N_Q, OFFSET, CAUSAL, CTA_N)
     n_m = hi - lo
-    first_head = (bhk // (H // GROUP)) * H + (bhk % (H // GROUP)) * GROUP
+    first_head = bhk * GROUP  # batch * H + the group's first query head
     nbytes: gl.constexpr = (
         q_desc.block_type.nbytes
         + do_desc.block_type.nbytes
@@ -152,7 +155,7 @@ def _consumer(args, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl
     dQ (module docstring)."""
     (q_smem, do_smem, k_smem, v_smem, l_smem, d_smem, ds_smem, dq_smem, kv_bar, ready_bar, empty_bar, ds_bar,
      dq_full, dq_desc, DK, DV, qk_scale, sm_scale, stride_kb, stride_kh, stride_kn, H, GROUP, N_Q, N_K, OFFSET,
-     num_n, BHKV) = args  # fmt: skip
+     num_n, BHKV, BHK0) = args  # fmt: skip
     dtype: gl.constexpr = q_smem.dtype
     CTA_N: gl.constexpr = KROWS * NUM_CONSUMERS
     st_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -167,7 +170,12 @@ def _consumer(args, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, C, 16]
     )
     dq_zero = gl.zeros([QROWS, C], gl.float32, layout=dq_layout)
-    bhk, n_start, lo, mid, n_m, first_head = program_block(num_n, BHKV, H, GROUP, N_Q, OFFSET, CAUSAL, CTA_N)
+    bhk, n_blk = program_index(num_n, BHKV, CAUSAL)
+    bhk += BHK0  # the slice's first batch * K/V head
+    n_start = n_blk * CTA_N
+    lo, mid, hi = query_block_range(n_start, N_Q, OFFSET, CAUSAL, CTA_N)
+    n_m = hi - lo
+    first_head = bhk * GROUP  # batch * H + the group's first query head
     k_w = k_smem.index(WG)
     v_w = v_smem.index(WG)
     st_zero = gl.zeros([KROWS, QROWS], gl.float32, layout=st_layout)
@@ -218,7 +226,7 @@ def _consumer(args, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl
         for c in gl.static_range(DQ_CHUNKS):  # each chunk's first column written inline (a constant)
             dq_tok = _dq_product(ds_smem, k_smem, dq_zero, (WG * DQ_CHUNKS + c) * C, NUM_CONSUMERS)
             dq = warpgroup_mma_wait(0, deps=[dq_tok])
-            row = head * N_Q + m_blk * QROWS
+            row = (head - BHK0 * GROUP) * N_Q + m_blk * QROWS  # in the slice's accumulator
             add_dq(
                 dq * sm_scale,
                 dq_smem.index(WG * DQ_CHUNKS + c),
@@ -239,16 +247,17 @@ def _consumer(args, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl
 def bwd_ws_kernel(
     q_desc, do_desc, k_desc, v_desc, l_desc, d_desc, dq_desc, DK, DV, qk_scale, sm_scale,
     stride_kb, stride_kh, stride_kn,
-    H, GROUP, N_Q, N_K, OFFSET, BHKV, N_PAD,
+    H, GROUP, N_Q, N_K, OFFSET, BHKV, BHK0, N_PAD,
     CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, DQ_CHUNKS: gl.constexpr,
 ):  # fmt: skip
-    """dQ, dK, dV for one program's 128 keys of a K/V head. q_desc, do_desc, k_desc, v_desc: `hopper.descriptor`s
-    of (B * H * N, d) matrices; l_desc, d_desc: of (B * H * N_PAD,) float32 vectors in blocks of 64 (L2 and D,
-    `d_pass.preprocess` with l3; N_PAD = N_Q rounded up to 64); dq_desc: of a zeroed float32 (B * H * N_Q, d)
-    accumulator in blocks of (64, d / (NUM_CONSUMERS * DQ_CHUNKS)), which receives scale x the sum over key blocks
-    of dS K. Rows of a step past N_Q add zeros (P = 0 there) to the next head's rows, or fall outside the tensor,
-    where TMA drops them. DK, DV: (B, H_KV, N_K, d) in K's dtype, strides given; grid: cdiv(N_K, 128) * BHKV."""
+    """dQ, dK, dV for one program's 128 keys of a K/V head, in a slice of BHKV (batch, K/V head) pairs from
+    BHK0 on. q_desc, do_desc, k_desc, v_desc: `hopper.descriptor`s of (B * H * N, d) matrices; l_desc, d_desc: of
+    (B * H * N_PAD,) float32 vectors in blocks of 64 (L2 and D, `d_pass.preprocess` with l3; N_PAD = N_Q rounded
+    up to 64); dq_desc: of the slice's zeroed float32 (BHKV * GROUP * N_Q, d) accumulator in blocks of
+    (64, d / (NUM_CONSUMERS * DQ_CHUNKS)), which receives scale x the sum over key blocks of dS K. Rows of a step
+    past N_Q add zeros (P = 0 there) to the next head's rows, or fall outside the slice, where TMA drops them.
+    DK, DV: (B, H_KV, N_K, d) in K's dtype, strides given; grid: cdiv(N_K, 128) * BHKV."""
     CTA_N: gl.constexpr = KROWS * NUM_CONSUMERS
     num_n = gl.cdiv(N_K, CTA_N)
     # `hopper_backward`'s ring, K, V and barriers; its P tiles go unused, its dS tiles hold dS^T (64 x 64 either way)
@@ -266,9 +275,9 @@ def bwd_ws_kernel(
     fence_async_shared()
     shared = (q_smem, do_smem, k_smem, v_smem, l_smem, d_smem, ds_smem, dq_smem, kv_bar, ready_bar, empty_bar,
               ds_bar, dq_full, dq_desc, DK, DV, qk_scale, sm_scale, stride_kb, stride_kh, stride_kn, H, GROUP, N_Q,
-              N_K, OFFSET, num_n, BHKV)  # fmt: skip
+              N_K, OFFSET, num_n, BHKV, BHK0)  # fmt: skip
     loads = (q_desc, do_desc, k_desc, v_desc, l_desc, d_desc, q_smem, do_smem, k_smem, v_smem, l_smem, d_smem,
-             kv_bar, ready_bar, empty_bar, H, GROUP, N_Q, N_K, OFFSET, num_n, BHKV, N_PAD)  # fmt: skip
+             kv_bar, ready_bar, empty_bar, H, GROUP, N_Q, N_K, OFFSET, num_n, BHKV, BHK0, N_PAD)  # fmt: skip
     gl.warp_specialize(
         [
             (_consumer, (shared, CAUSAL, HEAD_DIM, NUM_STAGES, NUM_CONSUMERS, 0, DQ_CHUNKS)),
@@ -284,10 +293,10 @@ def bwd_ws_kernel(
 # --------------------------------------------------------------------------------------------------
 NUM_CONSUMERS = 2  # warpgroups of 64 keys: the kernel's `gl.warp_specialize` lists two consumer partitions
 NUM_STAGES = 2  # Q, dO (and L2, D) ring slots: d = 128 takes 197 KB of shared memory with two
-DQ_CHUNKS = {
-    64: 1,
-    128: 2,
-}  # products a warpgroup's columns of a step's dQ are made in: the faster, by head dim
+# products a warpgroup's columns of a step's dQ are made in (the faster, by head dim); launches over the (batch,
+# K/V head) pairs, so that the float32 dQ accumulator holds a quarter of dQ's rows (`slices`)
+DQ_CHUNKS = {64: 1, 128: 2}
+DQ_SLICES = 4
 
 
 def _vector_desc(t):
@@ -296,18 +305,21 @@ def _vector_desc(t):
     return TensorDescriptor(t, [t.numel()], [1], [QUERY_ROWS], layout)
 
 
-def _launch(q4, k4, v4, do4, stats, dq_acc, dk4, dv4, offset, causal, scale, dq_chunks, warmup):
+def _launch(q4, k4, v4, do4, stats, dq_acc, dk4, dv4, offset, causal, scale, dq_chunks, bhk0, bhkv, warmup):
+    """The kernel on the (batch, K/V head) pairs bhk0 ... bhk0 + bhkv - 1, adding their dQ into dq_acc's first
+    bhkv * group * N_Q rows."""
     B, H, n_q, d = q4.shape
     h_kv, n_k = k4.shape[1], k4.shape[2]
+    rows = bhkv * (H // h_kv) * n_q
     cols = d // (NUM_CONSUMERS * dq_chunks)
     dq_layout = gl.NVMMASharedLayout.get_default_for([QUERY_ROWS, cols], gl.float32)
-    dq_desc = TensorDescriptor(dq_acc, [B * H * n_q, d], [d, 1], [QUERY_ROWS, cols], dq_layout)
-    grid = (cdiv(n_k, KROWS.value * NUM_CONSUMERS) * B * h_kv,)
+    dq_desc = TensorDescriptor(dq_acc, [rows, d], [d, 1], [QUERY_ROWS, cols], dq_layout)
+    grid = (cdiv(n_k, KROWS.value * NUM_CONSUMERS) * bhkv,)
     args = (
         descriptor(q4, QUERY_ROWS), descriptor(do4, QUERY_ROWS), descriptor(k4, KROWS.value),
         descriptor(v4, KROWS.value), _vector_desc(stats[1].view(-1)), _vector_desc(stats[0].view(-1)), dq_desc,
         dk4, dv4, scale * LOG2E, scale, dk4.stride(0), dk4.stride(1), dk4.stride(2),
-        H, H // h_kv, n_q, n_k, offset, B * h_kv, stats.shape[-1],
+        H, H // h_kv, n_q, n_k, offset, bhkv, bhk0, stats.shape[-1],
     )  # fmt: skip
     meta = dict(
         CAUSAL=causal, HEAD_DIM=d, NUM_STAGES=NUM_STAGES, NUM_CONSUMERS=NUM_CONSUMERS, DQ_CHUNKS=dq_chunks,
@@ -319,13 +331,21 @@ def _launch(q4, k4, v4, do4, stats, dq_acc, dk4, dv4, offset, causal, scale, dq_
     return None
 
 
-def _buffers(q4, where):
+def slices(bhkv: int) -> list[tuple[int, int]]:
+    """(first, count) of the (batch, K/V head) pairs each launch takes: `DQ_SLICES` launches of equal count
+    (fewer where there are fewer pairs), so that the float32 dQ accumulator holds a quarter of dQ's rows."""
+    per = cdiv(bhkv, min(DQ_SLICES, bhkv))
+    return [(first, min(per, bhkv - first)) for first in range(0, bhkv, per)]
+
+
+def _buffers(q4, k4, where):
     """The D pass's output (2, B * H, N_PAD) float32 (D, then L2; N_PAD = N_Q rounded up to 64) and the zeroed
-    float32 dQ accumulator (B * H * N_Q, d)."""
+    float32 dQ accumulator of the largest slice ((its pairs * group * N_Q, d))."""
     B, H, n_q, d = q4.shape
     n_pad = cdiv(n_q, QUERY_ROWS) * QUERY_ROWS
     stats = torch.empty((2, B * H, n_pad), dtype=torch.float32, device=where)
-    return stats, torch.zeros((B * H * n_q, d), dtype=torch.float32, device=where)
+    per = slices(B * k4.shape[1])[0][1]
+    return stats, torch.zeros((per * (H // k4.shape[1]) * n_q, d), dtype=torch.float32, device=where)
 
 
 def _key(q4, k4, offset: int, causal: bool, dq_chunks: int) -> tuple:
@@ -359,17 +379,26 @@ def backward(
     forward's L (float32, natural log); offset: the causal alignment's `checks.causal_offset`. dK, dV are summed
     over the H / H_kv query heads of each K/V head; the gradients come back contiguous in Q's dtype (dK, dV into
     dk4, dv4 if given, contiguous as k4), and D = rowsum(dO * O) as a (B * H, N_Q) float32 view (the sinks'
-    gradient reads it). dq_chunks: `DQ_CHUNKS[d]` if None. Launches: the D pass (D and L2), a zeroed float32
-    accumulator (twice dQ's bytes, freed on return), this kernel, dQ's cast. The caller makes q4's GPU current."""
-    d, n_q = q4.shape[-1], q4.shape[2]
+    gradient reads it). dq_chunks: `DQ_CHUNKS[d]` if None. Launches: the D pass (D and L2), then for each of
+    `slices` a zeroed float32 accumulator (half dQ's bytes with 4 slices), the kernel and dQ's cast. The caller
+    makes q4's GPU current."""
+    B, H, n_q, d = q4.shape
+    group = H // k4.shape[1]
     dq_chunks = dq_chunks or DQ_CHUNKS[d]
-    stats, dq_acc = _buffers(q4, q4.device)
+    stats, dq_acc = _buffers(q4, k4, q4.device)
     preprocess(o4, do4, stats[0], q4.dtype, l3, stats[1])
     dk = torch.empty_like(k4) if dk4 is None else dk4
     dv = torch.empty_like(v4) if dv4 is None else dv4
+    dq = torch.empty_like(q4)
+    dq_rows = dq.view(B * H * n_q, d)
     wait_compiled(_key(q4, k4, offset, causal, dq_chunks))  # compiled ahead (`compile_ahead`): not twice
-    _launch(q4, k4, v4, do4, stats, dq_acc, dk, dv, offset, causal, scale, dq_chunks, warmup=False)
-    return dq_acc.view(q4.shape).to(q4.dtype), dk, dv, stats[0, :, :n_q]
+    for i, (first, count) in enumerate(slices(B * k4.shape[1])):
+        rows = count * group * n_q
+        if i:
+            dq_acc[:rows].zero_()
+        _launch(q4, k4, v4, do4, stats, dq_acc, dk, dv, offset, causal, scale, dq_chunks, first, count, False)
+        dq_rows[first * group * n_q : first * group * n_q + rows].copy_(dq_acc[:rows])
+    return dq, dk, dv, stats[0, :, :n_q]
 
 
 def warmup(q4, k4, v4, offset: int, causal: bool, scale: float, dq_chunks: int | None = None, where="meta"):
@@ -377,8 +406,11 @@ def warmup(q4, k4, v4, offset: int, causal: bool, scale: float, dq_chunks: int |
     q4, k4, v4 may be stand-ins on the meta device (or CPU tensors: scripts/gluon_spills.py compiles for sm_90a
     on a machine without a GPU, `where` then "cpu")."""
     dq_chunks = dq_chunks or DQ_CHUNKS[q4.shape[-1]]
-    stats, dq_acc = _buffers(q4, where)
-    return _launch(q4, k4, v4, q4, stats, dq_acc, k4, v4, offset, causal, scale, dq_chunks, warmup=True)
+    stats, dq_acc = _buffers(q4, k4, where)
+    first, count = slices(q4.shape[0] * k4.shape[1])[0]
+    return _launch(
+        q4, k4, v4, q4, stats, dq_acc, k4, v4, offset, causal, scale, dq_chunks, first, count, True
+    )
 
 
 def compile_ahead(q4, k4, v4, offset: int, causal: bool, scale: float) -> None:
