@@ -33,6 +33,8 @@
 #    compare the two from the recorded H200 run (measured live on a Hopper GPU), and explain where one wins.
 # 5. Count the registers a dK/dV program needs in two layouts, and explain why course_lib's Gluon
 #    backward routes P and dS through shared memory.
+# 6. Say what computing dQ in the dK/dV program (one pass) saves and what it costs, predict its gain, and
+#    read it from the record.
 
 # %% [markdown]
 # ## 0. Sizes
@@ -49,7 +51,7 @@ import torch.nn.functional as F
 
 import course_lib
 from course_lib import records
-from course_lib.attention import backward, forward, hopper, hopper_backward, hopper_dq
+from course_lib.attention import backward, forward, hopper, hopper_backward, hopper_dq, hopper_onepass
 from course_lib.exercises import check, predict
 from course_lib.perf import timing
 from course_lib.perf.plotting import bar_chart
@@ -57,6 +59,8 @@ from course_lib.perf.plotting import bar_chart
 DEVICE = course_lib.DEVICE
 # (d, N) of the live comparison, all causal; B = 16384 // N, H = 2048 // d.
 CELLS = course_lib.pick(cpu=[], gpu=[(128, 2048), (128, 16384), (64, 2048), (64, 16384)])
+# (d, N) of section 7's one pass, where the backward runs it (d = 64 from 4096 tokens), causal and not
+ONE_PASS_CELLS = course_lib.pick(cpu=[], gpu=[(64, 4096), (64, 16384)])
 SM_MATMUL_FLOPS_PER_CLOCK, SM_EX2_PER_CLOCK = 4096, 16  # H100/H200: dense bf16 tensor cores; MUFU ex2
 SMEM_PER_PROGRAM = 227 * 1024  # bytes of shared memory one Hopper program (CTA) may use
 print(f"{course_lib.RUNTIME.describe()}; live cells (d, N): {CELLS or 'none (no GPU)'}")
@@ -508,8 +512,8 @@ if got is not None:
 # FlashAttention-3's own code offers both layouts (its `SdP_swapAB`). At d = 128 on Hopper it takes the
 # transposed one and feeds Pᵀ and dSᵀ to dV and dK straight from registers, only dS going through shared
 # memory (for dQ): fewer round trips. L and D, per column there, are read from shared memory when needed
-# instead of held, and the operands replace the score tiles, which keeps the count under 240. course_lib
-# has not measured that arrangement yet (`notes/attention.md`, "Open").
+# instead of held, and the operands replace the score tiles, which keeps the count under 240. course_lib's
+# one-pass backward uses that arrangement (section 7).
 
 # %% [markdown]
 # **Exercise 4 — registers of a dK/dV program.** Write `dkdv_registers(keys, d, q_rows, threads,
@@ -565,7 +569,8 @@ assert smem_bwd <= SMEM_PER_PROGRAM
 # On a Hopper GPU the next cell times the backward alone (the dQ kernel and the dK/dV kernel) with the
 # Triton dK/dV kernel (`config={"hopper": False}`) and with the one `hopper_backward.choose` picks, at the
 # cells of section 0, causal and not, and records them (`hopper_backward`); elsewhere it shows the newest
-# record.
+# record. Both run as two kernels (`hopper_onepass=False`: section 7's one pass would otherwise take the long
+# d = 64 cells).
 
 
 # %%
@@ -580,7 +585,7 @@ def measure_hopper_backward() -> dict:
             o, lse = forward.forward(q, k, v, causal)
             chosen = "Gluon" if hopper_backward.choose(d_head, causal, n, n, 1) else "Triton"
             grads = {}
-            for name, config in (("Triton dK/dV", {"hopper": False}), ("as chosen", None)):
+            for name, config in (("Triton dK/dV", {"hopper": False}), ("as chosen", {"hopper_onepass": False})):
                 fn = lambda config=config: backward.backward(do, q, k, v, o, lse, causal, config=config)
                 grads[name] = fn()
                 ms = timing.benchmark(fn, warmup_ms=10, rep_ms=50)
@@ -649,6 +654,106 @@ assert smem_dq <= SMEM_PER_PROGRAM
 # what it gained in the whole backward — less than the kernel alone promised, and its reading says where
 # to look.
 #
+# ## 7. The backward in one pass
+#
+# Two kernels compute S and dP twice, once for dK and dV, once for dQ: 7 tile products a step where the
+# algorithm needs 5. FlashAttention-3 computes dQ in the dK/dV program instead. Each step's dS (its 64
+# query rows against the program's 128 keys) times the program's K is that step's part of those rows' dQ;
+# every key block adds its part, so the parts go into a float32 accumulator in global memory, and dQ is
+# the accumulator cast to 16 bits at the end. course_lib's one pass (`course_lib/attention/hopper_onepass.py`)
+# takes FlashAttention-3's transposed layout from section 5:
+#
+# - each consumer warpgroup computes Sᵀ = K_w Qᵀ and dPᵀ = V_w dOᵀ for its 64 keys, and feeds Pᵀ and dSᵀ to
+#   dV += Pᵀ dO and dK += dSᵀ Q from registers, in 16 bits;
+# - L and D belong to the queries, the tiles' columns: the producer warp copies each step's 64 values of
+#   each into shared memory with Q and dO (the pass for D writes L · log₂ e beside D), and the consumers
+#   read them there when they need them instead of holding 32 registers;
+# - dSᵀ goes to shared memory once, for dQ = dS K: each warpgroup computes half of dQ's columns from both
+#   warpgroups' dS tiles (an mbarrier makes each wait for the other's), then hands them to TMA, whose
+#   reduce-add puts them into the accumulator while the warps go on to the next step.
+#
+# The accumulator costs memory: float32 dQ is twice dQ's bytes, and a model's backward peak (inputs,
+# outputs and gradients) would rise by a quarter. The kernel runs in 4 launches over the (batch, K/V head)
+# pairs, each with an accumulator for its own rows, so that it holds half dQ's bytes instead.
+#
+# **Exercise 5 — what one pass buys.** If the tensor cores' products set the backward's time, how many
+# times faster is one pass (5 products a step) than two kernels (7)? The one pass also pays for what two
+# kernels never do: the warpgroups wait for each other's dS every step, and 4 bytes per dQ element go
+# through TMA's adds for every key block. Predict the one pass's speed-up over the two kernels at d = 64,
+# N = 16k, causal, where the two kernels run the Triton dK/dV kernel (section 5). Type your estimate in
+# place of the value.
+
+# %%
+onepass_guess = predict("one pass over two kernels (d = 64, causal, N = 16k)", 1.4, unit="x")
+
+# %% [markdown]
+# On a Hopper GPU the next cell times the backward alone as two kernels (`hopper_onepass=False`) and as one
+# pass (`hopper_onepass.backward`) at `ONE_PASS_CELLS` (section 0), causal and not, and records them
+# (`hopper_onepass`); elsewhere it shows the newest record, in TFLOP/s of the backward's 2.5 x the
+# forward's FLOPs.
+
+
+# %%
+def measure_one_pass() -> dict:
+    """Backward-alone TFLOP/s, bf16, per cell: two kernels and the one pass; which `backward` runs there."""
+    results = []
+    for d_head, n in ONE_PASS_CELLS:
+        b, h = 16384 // n, 2048 // d_head
+        for causal in (False, True):
+            q, k, v, do = (torch.randn(b, h, n, d_head, device=DEVICE, dtype=torch.bfloat16) for _ in range(4))
+            o, lse = forward.forward(q, k, v, causal)
+            flops = 2.5 * 4 * b * h * n * n * d_head * (0.5 if causal else 1.0)
+            two = lambda: backward.backward(do, q, k, v, o, lse, causal, config={"hopper_onepass": False})
+            one = lambda: hopper_onepass.backward(q, k, v, o, do, lse, 0, causal, d_head**-0.5)
+            for got, want in zip(one()[:3], two()):
+                assert (got - want).abs().max().item() < 5e-2, f"d={d_head}, N={n}: gradients differ"
+            chosen = "one pass" if hopper_onepass.choose(d_head, causal, n, n, 1) else "two kernels"
+            for name, fn in (("two kernels", two), ("one pass", one)):
+                tflops = flops / timing.benchmark(fn, warmup_ms=10, rep_ms=50) / 1e9
+                row = {"d": d_head, "N": n, "causal": causal, "kernel": name, "tflops": tflops, "chosen": chosen}
+                results.append(row)
+    return {"dtype": "bfloat16", "results": results}
+
+
+def show_one_pass(data: dict, source: str) -> None:
+    """Per cell: the two kernels' and the one pass's TFLOP/s, the ratio, and which one `backward` runs."""
+    rows = {(r["d"], r["N"], r["causal"], r["kernel"]): r for r in data["results"]}
+    print(f"backward alone, TFLOP/s, bf16 — {source}")
+    for d_head, n, causal in sorted({key[:3] for key in rows}):
+        two, one = rows[(d_head, n, causal, "two kernels")], rows[(d_head, n, causal, "one pass")]
+        kind = "causal    " if causal else "non-causal"
+        print(f"d = {d_head:3}, N = {n:5}, {kind}: two kernels {two['tflops']:5.0f}, one pass {one['tflops']:5.0f}: "
+              f"{one['tflops'] / two['tflops']:.2f}x (backward runs: {one['chosen']})")  # fmt: skip
+
+
+missing_one_pass = (
+    "No recorded `hopper_onepass` run in assets/benchmarks/ yet. On a Hopper GPU this cell measures it: the "
+    "backward's TFLOP/s per cell as two kernels and as one pass."
+)
+got_one_pass = records.measured_or_recorded(
+    "hopper_onepass", measure_one_pass, missing_one_pass, measure_here=HOPPER_GPU
+)
+if got_one_pass is not None:
+    show_one_pass(*got_one_pass)
+    one_pass_rows = {(r["d"], r["N"], r["causal"], r["kernel"]): r["tflops"] for r in got_one_pass[0]["results"]}
+    gains = {key[:3]: one_pass_rows[(*key[:3], "one pass")] / one_pass_rows[(*key[:3], "two kernels")]
+             for key in one_pass_rows}  # fmt: skip
+    if (64, 16384, True) in gains:
+        onepass_guess.score(gains[(64, 16384, True)])
+    assert all(1.0 < gain < 7 / 5 for gain in gains.values()), f"one pass: faster, and by less than 7 / 5: {gains}"
+    assert max(gains, key=gains.get)[2], "the largest gain is on causal rows"
+    print(f"one pass over two kernels: {min(gains.values()):.2f}x to {max(gains.values()):.2f}x")
+
+# %% [markdown]
+# Faster, but by less than 7 / 5 = 1.4x in every cell, and most on causal rows, where the Triton dK/dV kernel
+# of the two kernels is slowest (the range is printed above). At d = 128, against two Gluon kernels,
+# course_lib's probe measured a tie at 4k and 16k and a loss at 1k, and below 4096 tokens at d = 64 small
+# losses (`hopper_onepass.choose`'s docstring has the numbers). The products are not the whole step: each
+# warpgroup waits for the other's dS before dQ's product, and dQ's products and adds follow dK's in the same
+# warps, where the two kernels' dQ kernel has its warps to itself. So `backward` runs one pass at d = 64 from 4096 queries
+# and keys, two kernels elsewhere — and under `torch.use_deterministic_algorithms(True)`, since the order of
+# TMA's adds, and so the last bits of dQ, changes from run to run.
+#
 # ## Summary
 # - In the Triton forward every warp loads, multiplies and exponentiates in turn, so the tensor cores idle
 #   during each softmax: from the units' throughputs, S / M = 64 / d, so they idle S / (M + S) = 64 / (d + 64)
@@ -671,15 +776,18 @@ assert smem_dq <= SMEM_PER_PROGRAM
 #   needs about 196, and runs the backward faster there.
 # - The dQ kernel takes the forward's layout: a producer warp streams K and V, two consumer warpgroups keep
 #   S, dP and dQ's products in flight behind the softmax; it reads D from a pass of its own (d = 128).
+# - One pass (FlashAttention-3's transposed layout, dQ added into a float32 accumulator by TMA) does 5
+#   products a step instead of 7, but its warpgroups wait for each other's dS: faster at d = 64 on rows of
+#   4096 or more, a tie at d = 128. Its accumulator is run in quarters to keep the memory peak.
 #
 # ## Exercises
-# 5. On a Hopper GPU, time `hopper.forward` with each of `hopper.VARIANTS` at d = 128, causal, N = 2k and
+# 6. On a Hopper GPU, time `hopper.forward` with each of `hopper.VARIANTS` at d = 128, causal, N = 2k and
 #    16k (section 4 does it for you: change `CELLS`), several times. Which wins where, and by more than the
 #    spread between your runs? What should a persistent grid buy short tiles (section 3), and do your
 #    timings show it?
-# 6. Change `schedule` so that each consumer also overlaps its own softmax with its previous P V (split M
+# 7. Change `schedule` so that each consumer also overlaps its own softmax with its previous P V (split M
 #    into the two products, S = Q Kᵀ first). How much does one consumer gain on its own?
-# 7. Three consumers at d = 64: extend Exercise 1's reasoning to k consumers. Why could three beat two at
+# 8. Three consumers at d = 64: extend Exercise 1's reasoning to k consumers. Why could three beat two at
 #    d = 64 on long rows, but not at d = 128? (Exercise 1's model alone gives 2x for two and for three at
 #    d = 64: the answer lies in the slack it leaves, and at d = 128 in the shared memory three would need.)
 #    Check it against the recorded d = 64 variants of section 4.
