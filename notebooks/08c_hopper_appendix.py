@@ -750,9 +750,9 @@ if got_one_pass is not None:
 # course_lib's probe measured a tie at 4k and 16k and a loss at 1k, and below 4096 tokens at d = 64 small
 # losses (`hopper_onepass.choose`'s docstring has the numbers). The products are not the whole step: each
 # warpgroup waits for the other's dS before dQ's product, and dQ's products and adds follow dK's in the same
-# warps, where the two kernels' dQ kernel has its warps to itself. So `backward` runs one pass at d = 64 from 4096 queries
-# and keys, two kernels elsewhere — and under `torch.use_deterministic_algorithms(True)`, since the order of
-# TMA's adds, and so the last bits of dQ, changes from run to run.
+# warps, where the two kernels' dQ kernel has its warps to itself. So `backward` runs one pass at d = 64 from
+# 4096 queries and keys, two kernels elsewhere — and under `torch.use_deterministic_algorithms(True)`, since
+# the order of TMA's adds, and so the last bits of dQ, changes from run to run.
 #
 # ## Summary
 # - In the Triton forward every warp loads, multiplies and exponentiates in turn, so the tensor cores idle
