@@ -180,6 +180,16 @@ def store_dkdv(dk, dv, DK, DV, sm_scale, key_start, bhk, H_KV, N_K, stride_kb, s
 
 
 @gluon.jit
+def load_kv(k_desc, v_desc, k_smem, v_smem, kv_bar, kv_row, NUM_CONSUMERS: gl.constexpr):
+    """The program's K and V blocks, NUM_CONSUMERS x 64 rows from row kv_row of the (B * H_kv * N_K, d) matrices,
+    into shared memory by TMA, arriving on kv_bar (the producer's first loads)."""
+    mbarrier.expect(kv_bar, 2 * NUM_CONSUMERS * k_desc.block_type.nbytes)
+    for c in gl.static_range(NUM_CONSUMERS):
+        tma.async_copy_global_to_shared(k_desc, [kv_row + c * KROWS, 0], kv_bar, k_smem.index(c))
+        tma.async_copy_global_to_shared(v_desc, [kv_row + c * KROWS, 0], kv_bar, v_smem.index(c))
+
+
+@gluon.jit
 def _producer(args, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr):
     """One warp issues every TMA copy: the K and V blocks of the program once (one 64-row half per
     consumer), then Q and dO of each (query head, query block) step into ring slot step % NUM_STAGES,
@@ -191,10 +201,7 @@ def _producer(args, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_CONSUMER
     bhk, n_blk = program_index(num_n, BHKV, CAUSAL)
     n_start = n_blk * CTA_N
     kv_row = (bhk // SHARE) * N_K + n_start  # batch * H_kv + K/V head: SHARE programs per K/V head
-    mbarrier.expect(kv_bar, 2 * NUM_CONSUMERS * k_desc.block_type.nbytes)
-    for c in gl.static_range(NUM_CONSUMERS):
-        tma.async_copy_global_to_shared(k_desc, [kv_row + c * KROWS, 0], kv_bar, k_smem.index(c))
-        tma.async_copy_global_to_shared(v_desc, [kv_row + c * KROWS, 0], kv_bar, v_smem.index(c))
+    load_kv(k_desc, v_desc, k_smem, v_smem, kv_bar, kv_row, NUM_CONSUMERS)
     lo, mid, hi = query_block_range(n_start, N_Q, OFFSET, CAUSAL, CTA_N)
     n_m = hi - lo
     first_head = (bhk // (H // GROUP)) * H + (bhk % (H // GROUP)) * GROUP  # batch * H + query head

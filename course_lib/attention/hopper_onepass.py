@@ -32,7 +32,8 @@ consumer warpgroup (64 keys of the program's 128, dK and dV in registers) and st
 Measured on an H200 (bf16, B x N = 16k tokens, H x d = 2048, TFLOP/s of the backward's 2.5 x forward FLOPs, the
 whole backward with its D pass; `scripts/hopper_onepass_probe.py`, 2026-11-30; the same run's default of then, the
 two kernels): see `choose`. Compiled for sm_90a (`scripts/gluon_spills.py`): no spills at d = 64; at d = 128 with
-dQ in 2 chunks 12 / 60 bytes of spill stores non-causal / causal, where the earlier one-pass kernel, which stored
+dQ in 2 chunks 4 / 24 bytes of spill stores non-causal / causal (12 / 60 in one launch, before `slices`; the
+d = 128 figures in `choose` are that version's), where the earlier one-pass kernel, which stored
 P and dS to shared memory in the untransposed layout (git history before 2026-11-30), spilled 44 / 172 and ran
 at d = 64 16k 352 / 327 against this one's 407 / 374. No CPU path: Gluon has no interpreter.
 """
@@ -62,6 +63,7 @@ from .hopper_backward import (
     KROWS,
     QROWS,
     QUERY_ROWS,
+    load_kv,
     partition_barrier,
     program_index,
     query_block_range,
@@ -108,11 +110,7 @@ def _producer(args, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_CONSUMER
     bhk, n_blk = program_index(num_n, BHKV, CAUSAL)
     bhk += BHK0  # the slice's first batch * K/V head
     n_start = n_blk * CTA_N
-    kv_row = bhk * N_K + n_start
-    mbarrier.expect(kv_bar, 2 * NUM_CONSUMERS * k_desc.block_type.nbytes)
-    for c in gl.static_range(NUM_CONSUMERS):
-        tma.async_copy_global_to_shared(k_desc, [kv_row + c * KROWS, 0], kv_bar, k_smem.index(c))
-        tma.async_copy_global_to_shared(v_desc, [kv_row + c * KROWS, 0], kv_bar, v_smem.index(c))
+    load_kv(k_desc, v_desc, k_smem, v_smem, kv_bar, bhk * N_K + n_start, NUM_CONSUMERS)
     lo, mid, hi = query_block_range(n_start, N_Q, OFFSET, CAUSAL, CTA_N)
     n_m = hi - lo
     first_head = bhk * GROUP  # batch * H + the group's first query head
