@@ -7,8 +7,9 @@ whether it serialised the kernel's wgmmas.
 Rows: the one-pass backward (`attention.hopper_onepass`, each DQ_CHUNKS) and the two-kernel backward's dK/dV kernel
 (`attention.hopper_backward`), non-causal and causal. A register change to the one-pass kernel can be checked
 here in seconds before a GPU times it (the spills are not the whole story: hopper_onepass's docstring). The
-counts come from this machine's Triton and ptxas, which may differ from a GPU machine's (2026-11-30: 608 / 440
-bytes of spill stores at d = 128 for one chunk here, where the H200's Triton 3.6 reported 54 / 74 values).
+counts come from this machine's Triton and ptxas, which may differ from a GPU machine's (2026-11-30, the earlier
+one-pass kernel: 608 / 440 bytes of spill stores at d = 128 for one chunk here, where the H200's Triton 3.6
+reported 54 / 74 values). The kernels are compiled for 1 x 2 heads of 1024 tokens.
 """
 
 from __future__ import annotations

@@ -85,11 +85,18 @@ def test_choose():
 
 
 def test_slices_cover_every_pair_once():
-    """The launches' (batch, K/V head) pairs: at most 4 launches of equal count (the last may hold fewer),
-    together every pair once."""
+    """The launches' (batch, K/V head) pairs: at most 4 launches of equal count (the last may hold fewer), fewer
+    where a launch would get under two waves of programs, together every pair once."""
     assert onepass.slices(1) == [(0, 1)]
     assert onepass.slices(32) == [(0, 8), (8, 8), (16, 8), (24, 8)]
     assert onepass.slices(5) == [(0, 2), (2, 2), (4, 1)]
+    assert onepass.slices(8, 32, 132) == [(0, 8)]  # 256 programs: under two waves a launch, so one launch
+    assert onepass.slices(8, 128, 132) == [
+        (0, 3),
+        (3, 3),
+        (6, 2),
+    ]  # 1024 programs: 3 launches of 2 waves or more
+    assert onepass.slices(32, 128, 132) == [(0, 8), (8, 8), (16, 8), (24, 8)]
     for n in range(1, 40):
         got = onepass.slices(n)
         assert len(got) <= 4 and len({count for _, count in got[:-1]}) <= 1

@@ -32,7 +32,7 @@ consumer warpgroup (64 keys of the program's 128, dK and dV in registers) and st
 Measured on an H200 (bf16, B x N = 16k tokens, H x d = 2048, TFLOP/s of the backward's 2.5 x forward FLOPs, the
 whole backward with its D pass; `scripts/hopper_onepass_probe.py`, 2026-11-30; the same run's default of then, the
 two kernels): see `choose`. Compiled for sm_90a (`scripts/gluon_spills.py`): no spills at d = 64; at d = 128 with
-dQ in 2 chunks 4 / 24 bytes of spill stores non-causal / causal (12 / 60 in one launch, before `slices`; the
+dQ in 2 chunks 4 / 52 bytes of spill stores non-causal / causal (12 / 60 in one launch, before `slices`; the
 d = 128 figures in `choose` are that version's), where the earlier one-pass kernel, which stored
 P and dS to shared memory in the untransposed layout (git history before 2026-11-30), spilled 44 / 172 and ran
 at d = 64 16k 352 / 327 against this one's 407 / 374. No CPU path: Gluon has no interpreter.
@@ -55,6 +55,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from .. import runtime
 from ..kernels import bound
 from ..runtime import cdiv
 from .d_pass import preprocess  # the backward's D pass (here also L2, padded)
@@ -241,7 +242,7 @@ def _consumer(args, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl
     )
 
 
-@gluon.jit
+@gluon.jit(do_not_specialize=["BHKV", "BHK0"])  # each slice launches the same binary
 def bwd_ws_kernel(
     q_desc, do_desc, k_desc, v_desc, l_desc, d_desc, dq_desc, DK, DV, qk_scale, sm_scale,
     stride_kb, stride_kh, stride_kn,
@@ -329,20 +330,32 @@ def _launch(q4, k4, v4, do4, stats, dq_acc, dk4, dv4, offset, causal, scale, dq_
     return None
 
 
-def slices(bhkv: int) -> list[tuple[int, int]]:
-    """(first, count) of the (batch, K/V head) pairs each launch takes: `DQ_SLICES` launches of equal count
-    (fewer where there are fewer pairs), so that the float32 dQ accumulator holds a quarter of dQ's rows."""
-    per = cdiv(bhkv, min(DQ_SLICES, bhkv))
+def slices(bhkv: int, key_blocks: int = 1, sms: int = 0) -> list[tuple[int, int]]:
+    """(first, count) of the (batch, K/V head) pairs each launch takes: `DQ_SLICES` launches of equal count, so
+    that the float32 dQ accumulator holds a quarter of dQ's rows; fewer where there are fewer pairs, or where a
+    launch would get under two waves of programs (`key_blocks` a pair, on `sms` SMs; 0: not counted), which would
+    leave SMs idle: the tensors are small there, and the accumulator with them (a rule from the wave count, not
+    yet timed; the cells `choose` was measured on have 8 waves a launch or more)."""
+    n = min(DQ_SLICES, bhkv)
+    if sms:
+        n = max(1, min(n, key_blocks * bhkv // (2 * sms)))
+    per = cdiv(bhkv, n)
     return [(first, min(per, bhkv - first)) for first in range(0, bhkv, per)]
 
 
-def _buffers(q4, k4, where):
+def _slices(q4, k4) -> list[tuple[int, int]]:
+    """`slices` of this call on q4's GPU."""
+    blocks = cdiv(k4.shape[2], KROWS.value * NUM_CONSUMERS)
+    return slices(q4.shape[0] * k4.shape[1], blocks, runtime.sm_count(q4.device.index))
+
+
+def _buffers(q4, k4, where, cuts):
     """The D pass's output (2, B * H, N_PAD) float32 (D, then L2; N_PAD = N_Q rounded up to 64) and the zeroed
-    float32 dQ accumulator of the largest slice ((its pairs * group * N_Q, d))."""
+    float32 dQ accumulator of the largest of the slices `cuts` ((its pairs * group * N_Q, d))."""
     B, H, n_q, d = q4.shape
     n_pad = cdiv(n_q, QUERY_ROWS) * QUERY_ROWS
     stats = torch.empty((2, B * H, n_pad), dtype=torch.float32, device=where)
-    per = slices(B * k4.shape[1])[0][1]
+    per = cuts[0][1]
     return stats, torch.zeros((per * (H // k4.shape[1]) * n_q, d), dtype=torch.float32, device=where)
 
 
@@ -378,19 +391,20 @@ def backward(
     over the H / H_kv query heads of each K/V head; the gradients come back contiguous in Q's dtype (dK, dV into
     dk4, dv4 if given, contiguous as k4), and D = rowsum(dO * O) as a (B * H, N_Q) float32 view (the sinks'
     gradient reads it). dq_chunks: `DQ_CHUNKS[d]` if None. Launches: the D pass (D and L2), then for each of
-    `slices` a zeroed float32 accumulator (half dQ's bytes with 4 slices), the kernel and dQ's cast. The caller
+    `slices` a zeroed float32 accumulator (half dQ's bytes in 4 slices), the kernel and dQ's cast. The caller
     makes q4's GPU current."""
     B, H, n_q, d = q4.shape
     group = H // k4.shape[1]
     dq_chunks = dq_chunks or DQ_CHUNKS[d]
-    stats, dq_acc = _buffers(q4, k4, q4.device)
+    cuts = _slices(q4, k4)
+    stats, dq_acc = _buffers(q4, k4, q4.device, cuts)
     preprocess(o4, do4, stats[0], q4.dtype, l3, stats[1])
     dk = torch.empty_like(k4) if dk4 is None else dk4
     dv = torch.empty_like(v4) if dv4 is None else dv4
     dq = torch.empty_like(q4)
     dq_rows = dq.view(B * H * n_q, d)
     wait_compiled(_key(q4, k4, offset, causal, dq_chunks))  # compiled ahead (`compile_ahead`): not twice
-    for i, (first, count) in enumerate(slices(B * k4.shape[1])):
+    for i, (first, count) in enumerate(cuts):
         rows = count * group * n_q
         if i:
             dq_acc[:rows].zero_()
@@ -404,8 +418,9 @@ def warmup(q4, k4, v4, offset: int, causal: bool, scale: float, dq_chunks: int |
     q4, k4, v4 may be stand-ins on the meta device (or CPU tensors: scripts/gluon_spills.py compiles for sm_90a
     on a machine without a GPU, `where` then "cpu")."""
     dq_chunks = dq_chunks or DQ_CHUNKS[q4.shape[-1]]
-    stats, dq_acc = _buffers(q4, k4, where)
-    first, count = slices(q4.shape[0] * k4.shape[1])[0]
+    cuts = slices(q4.shape[0] * k4.shape[1])  # the binary is the same for every slice
+    stats, dq_acc = _buffers(q4, k4, where, cuts)
+    first, count = cuts[0]
     return _launch(
         q4, k4, v4, q4, stats, dq_acc, k4, v4, offset, causal, scale, dq_chunks, first, count, True
     )
