@@ -617,7 +617,7 @@ def hopper_onepass(q4, k4, v4, do4, causal: bool, n_q: int, n_k: int, switches: 
     `torch.use_deterministic_algorithms(True)`: TMA's adds come in any order), a shape where
     `hopper_onepass.choose` found it faster than the two kernels; else None."""
     if (
-        not (switches["HOPPER"] and switches["HOPPER_ONEPASS"])
+        not (switches["HOPPER"] and switches.get("HOPPER_ONEPASS", True))
         or HOPPER_ONEPASS_FAILED
         or hopper_kernels() is None
     ):
@@ -737,10 +737,9 @@ def _backward(
     fixed_launch = launch_cfg is not None
     # (the Gluon kernel has no sliding window and no packed sequences)
     use_gluon = not (fixed_launch or atomic or window or seqs is not None)
+    # dQ, dK, dV from one kernel (`hopper_onepass`) where it runs, or on to the two kernels if it fails
     onepass = hopper_onepass(q4, k4, v4, do4, causal, n_q, n_k, switches) if use_gluon else None
-    if (
-        onepass is not None
-    ):  # dQ, dK, dV from one kernel (`hopper_onepass`), or on to the two kernels if it fails
+    if onepass is not None:
         grads = _onepass(
             onepass, q, k, v, q4, k4, v4, o4, do4, l3, dk4, dv4, offset, causal, scale, sinks, compile_only
         )
