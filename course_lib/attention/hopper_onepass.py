@@ -1,5 +1,5 @@
 """FlashAttention-3's one-pass backward on Hopper GPUs, in Gluon, in its transposed layout: dK, dV and dQ from one
-kernel (notebook 08c, section 5). The backward's default at d = 64 (`choose`).
+kernel (notebook 08c, sections 5 and 7). The backward's default at d = 64 from 4096 tokens (`choose`).
 
 The two-kernel backward (`hopper_backward` or the Triton kernel for dK, dV; a dQ kernel) computes S and dP twice:
 7 products where the algorithm needs 5. Here one kernel makes all three gradients, as FlashAttention-3 does (Shah
@@ -21,7 +21,7 @@ consumer warpgroup (64 keys of the program's 128, dK and dV in registers) and st
 * each warpgroup computes d / 2 columns of the step's dQ from both warpgroups' dS (`ds_bar`: an mbarrier between
   the two), in DQ_CHUNKS products, multiplies them by the softmax scale and puts them in shared memory, and TMA
   adds them into a zeroed float32 accumulator (`cp.reduce.async.bulk.tensor ... .add`): the consumers never hold
-  an address or wait for an atomic. dQ = the accumulator cast to Q's dtype afterwards. The kernel runs in 4
+  an address or wait for an atomic. dQ = the accumulator cast to Q's dtype afterwards. The kernel runs in up to 4
   launches over the (batch, K/V head) pairs (`slices`), each with the accumulator of its own rows: a quarter of
   dQ's rows in float32, half dQ's bytes, not twice (a model's backward peak would otherwise rise by a quarter).
   The order of TMA's adds varies, so dQ is not bitwise deterministic: `torch.use_deterministic_algorithms(True)`
