@@ -674,7 +674,8 @@ assert smem_dq <= SMEM_PER_PROGRAM
 #
 # The accumulator costs memory: float32 dQ is twice dQ's bytes, and a model's backward peak (inputs,
 # outputs and gradients) would rise by a quarter. The kernel runs in 4 launches over the (batch, K/V head)
-# pairs, each with an accumulator for its own rows, so that it holds half dQ's bytes instead.
+# pairs, each with an accumulator for its own rows, so that it holds half dQ's bytes instead (in fewer
+# launches where 4 would leave SMs idle: `hopper_onepass.slices`).
 #
 # **Exercise 5 — what one pass buys.** If the tensor cores' products set the backward's time, how many
 # times faster is one pass (5 products a step) than two kernels (7)? The one pass also pays for what two
