@@ -891,16 +891,10 @@ def _onepass(module, q, k, v, q4, k4, v4, o4, do4, l3, dk4, dv4, offset, causal,
     """`_backward` by the one-pass kernel (`hopper_onepass`): (dq, dk, dv, dsinks) shaped as q, k, v; None if
     it failed (`run_gluon`), or with compile_only (its kernel and D pass then compile in the background). dk4,
     dv4: `_backward`'s dK, dV (contiguous), which it writes."""
-    B, H, n_q, d = q4.shape
-    pre_name = ("preprocess", "base 2", d, q4.dtype)  # the D pass that also writes L2
     if compile_only:
         if runtime.ON_GPU:
-            module.compile_ahead(q4, k4, v4, offset, causal, scale)
-            stats = torch.empty((2, B * H, runtime.cdiv(n_q, 64) * 64), dtype=torch.float32, device="meta")
-            pre = preprocess_launch(q4, q4, stats[0], B, H, n_q, d, q4.dtype, l3, stats[1])
-            compile_kernel_ahead(pre_name, preprocess_kernel, *pre)
+            module.compile_ahead(q4, k4, v4, l3, offset, causal, scale)
         return None
-    wait_compiled(pre_name)
     grads = []
     with cuda_device(q):
         ran = run_gluon(

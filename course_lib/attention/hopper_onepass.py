@@ -58,7 +58,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from .. import runtime
 from ..kernels import bound
 from ..runtime import cdiv
-from .d_pass import preprocess  # the backward's D pass (here also L2, padded)
+from .d_pass import preprocess, preprocess_kernel, preprocess_launch  # the D pass (here also L2, padded)
 from .hopper import LOG2E, descriptor, launch_options
 from .hopper_backward import (
     KROWS,
@@ -73,7 +73,7 @@ from .hopper_backward import (
     store_dkdv,
     supports,
 )
-from .launch import compile_in_background, wait_compiled
+from .launch import compile_in_background, compile_kernel_ahead, wait_compiled
 
 __all__ = ["backward", "choose", "compile_ahead", "slices", "supports", "warmup"]
 
@@ -90,7 +90,7 @@ def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
 
 
 @gluon.jit
-def add_dq(dq, dq_c, dq_desc, row, col, PENDING: gl.constexpr):
+def _add_dq(dq, dq_c, dq_desc, row, col, PENDING: gl.constexpr):
     """A chunk of this warpgroup's columns of a step's dQ: into its shared-memory tile dq_c (once TMA has read
     what it held: at most PENDING later adds may still be reading their own tiles), then added to the
     accumulator at (row, col) by TMA."""
@@ -102,19 +102,25 @@ def add_dq(dq, dq_c, dq_desc, row, col, PENDING: gl.constexpr):
 
 
 @gluon.jit
+def _slice_block(num_n, BHKV, BHK0, GROUP, N_Q, OFFSET, CAUSAL: gl.constexpr, CTA_N: gl.constexpr):
+    """`hopper_backward.program_block` in a slice of (batch, K/V head) pairs from BHK0 on: (batch * K/V head,
+    first key, query blocks lo, mid, their number, batch * H + the group's first query head)."""
+    bhk, n_blk = program_index(num_n, BHKV, CAUSAL)
+    bhk += BHK0
+    n_start = n_blk * CTA_N
+    lo, mid, hi = query_block_range(n_start, N_Q, OFFSET, CAUSAL, CTA_N)
+    return bhk, n_start, lo, mid, hi - lo, bhk * GROUP
+
+
+@gluon.jit
 def _producer(args, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr):
     """`hopper_backward`'s producer, and with each step's Q and dO its 64 values of L2 and D into the slot's
     small tiles: the consumers read them from shared memory, holding no addresses for them."""
     (q_desc, do_desc, k_desc, v_desc, l_desc, d_desc, q_smem, do_smem, k_smem, v_smem, l_smem, d_smem, kv_bar,
      ready_bar, empty_bar, H, GROUP, N_Q, N_K, OFFSET, num_n, BHKV, BHK0, N_PAD) = args  # fmt: skip
     CTA_N: gl.constexpr = KROWS * NUM_CONSUMERS
-    bhk, n_blk = program_index(num_n, BHKV, CAUSAL)
-    bhk += BHK0  # the slice's first batch * K/V head
-    n_start = n_blk * CTA_N
+    bhk, n_start, lo, _, n_m, first_head = _slice_block(num_n, BHKV, BHK0, GROUP, N_Q, OFFSET, CAUSAL, CTA_N)
     load_kv(k_desc, v_desc, k_smem, v_smem, kv_bar, bhk * N_K + n_start, NUM_CONSUMERS)
-    lo, mid, hi = query_block_range(n_start, N_Q, OFFSET, CAUSAL, CTA_N)
-    n_m = hi - lo
-    first_head = bhk * GROUP  # batch * H + the group's first query head
     nbytes: gl.constexpr = (
         q_desc.block_type.nbytes
         + do_desc.block_type.nbytes
@@ -169,12 +175,9 @@ def _consumer(args, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, C, 16]
     )
     dq_zero = gl.zeros([QROWS, C], gl.float32, layout=dq_layout)
-    bhk, n_blk = program_index(num_n, BHKV, CAUSAL)
-    bhk += BHK0  # the slice's first batch * K/V head
-    n_start = n_blk * CTA_N
-    lo, mid, hi = query_block_range(n_start, N_Q, OFFSET, CAUSAL, CTA_N)
-    n_m = hi - lo
-    first_head = bhk * GROUP  # batch * H + the group's first query head
+    bhk, n_start, lo, mid, n_m, first_head = _slice_block(
+        num_n, BHKV, BHK0, GROUP, N_Q, OFFSET, CAUSAL, CTA_N
+    )
     k_w = k_smem.index(WG)
     v_w = v_smem.index(WG)
     st_zero = gl.zeros([KROWS, QROWS], gl.float32, layout=st_layout)
@@ -203,9 +206,8 @@ def _consumer(args, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl
                 rows = m_blk * QROWS + offs_q  # the step's queries
                 visible = gl.expand_dims(rows + OFFSET, 0) >= gl.expand_dims(keys, 1)
                 st = gl.where(visible, st, float("-inf"))
-        if (
-            n_start + CTA_N > N_K
-        ):  # keys past N_K (the next head's, or zeros) get P = 0, else dS K takes them in
+        # keys past N_K (the next head's, or zeros) get P = 0, else dS K takes them into dQ
+        if n_start + CTA_N > N_K:
             st = gl.where(gl.expand_dims(keys < N_K, 1), st, float("-inf"))
         # L2 = L log2 e, +inf for rows past N_Q (P = 0 there) and for rows that saw no key
         lse2 = l_smem.index(slot).load(gl.SliceLayout(0, st_layout))
@@ -226,7 +228,7 @@ def _consumer(args, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl
             dq_tok = _dq_product(ds_smem, k_smem, dq_zero, (WG * DQ_CHUNKS + c) * C, NUM_CONSUMERS)
             dq = warpgroup_mma_wait(0, deps=[dq_tok])
             row = (head - BHK0 * GROUP) * N_Q + m_blk * QROWS  # in the slice's accumulator
-            add_dq(
+            _add_dq(
                 dq * sm_scale,
                 dq_smem.index(WG * DQ_CHUNKS + c),
                 dq_desc,
@@ -359,6 +361,11 @@ def _buffers(q4, k4, where, cuts):
     return stats, torch.zeros((per * (H // k4.shape[1]) * n_q, d), dtype=torch.float32, device=where)
 
 
+def _d_pass_key(q4) -> tuple:
+    """The name the D pass with L2 (`d_pass.preprocess` with l3) compiles under."""
+    return ("preprocess", "base 2", q4.shape[-1], q4.dtype)
+
+
 def _key(q4, k4, offset: int, causal: bool, dq_chunks: int) -> tuple:
     return (
         "one-pass backward (Gluon)",
@@ -398,6 +405,7 @@ def backward(
     dq_chunks = dq_chunks or DQ_CHUNKS[d]
     cuts = _slices(q4, k4)
     stats, dq_acc = _buffers(q4, k4, q4.device, cuts)
+    wait_compiled(_d_pass_key(q4))
     preprocess(o4, do4, stats[0], q4.dtype, l3, stats[1])
     dk = torch.empty_like(k4) if dk4 is None else dk4
     dv = torch.empty_like(v4) if dv4 is None else dv4
@@ -426,11 +434,16 @@ def warmup(q4, k4, v4, offset: int, causal: bool, scale: float, dq_chunks: int |
     )
 
 
-def compile_ahead(q4, k4, v4, offset: int, causal: bool, scale: float) -> None:
-    """`warmup` in a background thread, once per process (`launch.compile_ahead` says why); `backward` waits for
-    it. (The D pass is the caller's to compile ahead.)"""
+def compile_ahead(q4, k4, v4, l3, offset: int, causal: bool, scale: float) -> None:
+    """`warmup`, and the D pass `backward` launches, each in a background thread, once per process
+    (`launch.compile_ahead` says why); `backward` waits for them. q4, k4, v4, l3 may be stand-ins on the meta
+    device (q4 stands in for O and dO)."""
     key = _key(q4, k4, offset, causal, DQ_CHUNKS[q4.shape[-1]])
     compile_in_background(key, lambda: warmup(q4, k4, v4, offset, causal, scale))
+    B, H, n_q, d = q4.shape
+    stats = _buffers(q4, k4, "meta", slices(B * k4.shape[1]))[0]
+    pre = preprocess_launch(q4, q4, stats[0], B, H, n_q, d, q4.dtype, l3, stats[1])
+    compile_kernel_ahead(_d_pass_key(q4), preprocess_kernel, *pre)
 
 
 def choose(d: int, causal: bool, n_q: int, n_k: int, group: int) -> bool:
