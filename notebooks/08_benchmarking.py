@@ -807,9 +807,9 @@ if att_rec is not None:
 # kernels are ahead in every cell of the recorded run. Against cuDNN, PyTorch's default on Hopper, the
 # forward is level or ahead on long sequences and trails on short ones, causal or not, where each program's
 # tile has few K/V blocks to amortise its start and end. The forward+backward trails cuDNN. At d = 64 the
-# backward is notebook 07's Triton kernels below 4096 tokens, where every warp does everything in turn, and
-# from 4096 one warp-specialised Gluon kernel that makes dQ, dK and dV in one pass (notebook 08c, section
-# 7). At d = 128 both backward kernels are warp-specialised Gluon kernels (the dK/dV kernel after
+# backward is notebook 07's Triton kernels below 4096 tokens (2048 causal), where every warp does everything
+# in turn, and from there one warp-specialised Gluon kernel that makes dQ, dK and dV in one pass (notebook
+# 08c, section 7). At d = 128 both backward kernels are warp-specialised Gluon kernels (the dK/dV kernel after
 # FlashAttention-3, which no longer spills registers, notebook 08c, section 5; the dQ kernel with a
 # producer warp), except causal at N = 1k, where the Triton kernels run. Every one of them still trails
 # cuDNN's backward.

@@ -59,7 +59,7 @@ from course_lib.perf.plotting import bar_chart
 DEVICE = course_lib.DEVICE
 # (d, N) of the live comparison, all causal; B = 16384 // N, H = 2048 // d.
 CELLS = course_lib.pick(cpu=[], gpu=[(128, 2048), (128, 16384), (64, 2048), (64, 16384)])
-# (d, N) of section 7's one pass, where the backward runs it (d = 64 from 4096 tokens), causal and not
+# (d, N) of section 7's one pass, where the backward runs it (d = 64 from 4096 tokens, 2048 causal), causal and not
 ONE_PASS_CELLS = course_lib.pick(cpu=[], gpu=[(64, 4096), (64, 16384)])
 SM_MATMUL_FLOPS_PER_CLOCK, SM_EX2_PER_CLOCK = 4096, 16  # H100/H200: dense bf16 tensor cores; MUFU ex2
 SMEM_PER_PROGRAM = 227 * 1024  # bytes of shared memory one Hopper program (CTA) may use
@@ -741,19 +741,23 @@ if got_one_pass is not None:
              for key in one_pass_rows}  # fmt: skip
     if (64, 16384, True) in gains:
         onepass_guess.score(gains[(64, 16384, True)])
-    assert all(1.0 < gain < 7 / 5 for gain in gains.values()), f"one pass: faster, and by less than 7 / 5: {gains}"
+    assert all(0.95 < gain < 7 / 5 for gain in gains.values()), f"one pass: no slower, faster by under 7 / 5: {gains}"
+    assert all(gain > 1.0 for key, gain in gains.items() if key[2]), f"one pass: faster on causal rows: {gains}"
     assert max(gains, key=gains.get)[2], "the largest gain is on causal rows"
     print(f"one pass over two kernels: {min(gains.values()):.2f}x to {max(gains.values()):.2f}x")
 
 # %% [markdown]
-# Faster, but by less than 7 / 5 = 1.4x in every cell, and most on causal rows, where the Triton dK/dV kernel
-# of the two kernels is slowest (the range is printed above). At d = 128, against two Gluon kernels,
-# course_lib's probe measured a tie at 4k and 16k and a loss at 1k, and below 4096 tokens at d = 64 small
-# losses (`hopper_onepass.choose`'s docstring has the numbers). The products are not the whole step: each
+# Faster on causal rows, where the Triton dK/dV kernel of the two kernels is slowest, but by less than
+# 7 / 5 = 1.4x; without a mask, level or a few per cent faster (the range is printed above; at 4096 tokens
+# non-causal the two have measured within 2 % of each other, either way, from run to run). At d = 128,
+# against two Gluon kernels, course_lib's probe measured a tie at 4k and 16k and a loss at 1k; at d = 64 and
+# 2048 tokens a few per cent faster on causal rows and slower without a mask, and at 1024 slower
+# (`hopper_onepass.choose`'s docstring has the numbers). The products are not the whole step: each
 # warpgroup waits for the other's dS before dQ's product, and dQ's products and adds follow dK's in the same
 # warps, where the two kernels' dQ kernel has its warps to itself. So `backward` runs one pass at d = 64 from
-# 4096 queries and keys, two kernels elsewhere — and under `torch.use_deterministic_algorithms(True)`, since
-# the order of TMA's adds, and so the last bits of dQ, changes from run to run.
+# 4096 queries and keys (2048 with a causal mask), two kernels elsewhere — and under
+# `torch.use_deterministic_algorithms(True)`, since the order of TMA's adds, and so the last bits of dQ,
+# changes from run to run.
 #
 # ## Summary
 # - In the Triton forward every warp loads, multiplies and exponentiates in turn, so the tensor cores idle
@@ -779,7 +783,7 @@ if got_one_pass is not None:
 #   S, dP and dQ's products in flight behind the softmax; it reads D from a pass of its own (d = 128).
 # - One pass (FlashAttention-3's transposed layout, dQ added into a float32 accumulator by TMA) does 5
 #   products a step instead of 7, but its warpgroups wait for each other's dS: faster at d = 64 on rows of
-#   4096 or more, a tie at d = 128. Its accumulator is run in quarters to keep the memory peak.
+#   4096 or more (causal ones from 2048), a tie at d = 128. Its accumulator is run in quarters to keep the memory peak.
 #
 # ## Exercises
 # 6. On a Hopper GPU, time `hopper.forward` with each of `hopper.VARIANTS` at d = 128, causal, N = 2k and
