@@ -2,6 +2,7 @@
 and SDPA's on a Hopper GPU.
 
     python3 scripts/hopper_onepass_probe.py --out build/onepass.json [--ns 1024,4096,16384] [--ds 128,64] [--groups 1,4]
+    python3 scripts/hopper_onepass_probe.py --ds 64 --stages 2,3,4   # the ring's depth only
 
 For each cell (bf16, B * N = 16k tokens, H * d = 2048, causal and not, `group` query heads per K/V head): dQ, dK, dV
 of `hopper_onepass.backward`, its dQ in 1 or 2 chunks of columns a warpgroup (`dq_chunks`), against the two-kernel
@@ -69,6 +70,44 @@ def cell(d: int, n: int, causal: bool, group: int = 1) -> dict:
     return row
 
 
+def stages_cell(d: int, n: int, causal: bool, group: int, stages: list[int]) -> dict:
+    """--stages: the one pass with each ring depth (`hopper_onepass.NUM_STAGES[d]`), its largest difference from the
+    two kernels' gradients, and TFLOP/s of the whole backward, timed in two interleaved rounds (the best of each)
+    beside the two kernels'."""
+    B, H = TOKENS // n, WIDTH // d
+    q, do = (torch.randn(B, H, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    k, v = (torch.randn(B, H // group, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    scale = d**-0.5
+    o, L = fwd.forward(q, k, v, causal=causal)
+    flops = 2.5 * 4 * B * H * n * n * d * (0.5 if causal else 1.0)
+    row = dict(d=d, n=n, causal=causal, group=group)
+    ref = bwd.backward(do, q, k, v, o, L, causal=causal, config={"hopper_onepass": False})
+    saved = dict(onepass.NUM_STAGES)
+    calls = {
+        "two_kernel": lambda: bwd.backward(do, q, k, v, o, L, causal=causal, config={"hopper_onepass": False})
+    }
+    try:
+        for s in stages:
+            onepass.NUM_STAGES[d] = s
+            grads = onepass.backward(q, k, v, o, do, L, 0, causal, scale)
+            row[f"stages{s}_diff"] = max(
+                (a.float() - b.float()).abs().max().item() for a, b in zip(grads, ref)
+            )
+
+            def call(s=s):
+                onepass.NUM_STAGES[d] = s
+                return onepass.backward(q, k, v, o, do, L, 0, causal, scale)
+
+            calls[f"stages{s}"] = call
+        for _ in range(2):
+            for name, call in calls.items():
+                tf = round(flops / benchmark(call) / 1e9, 1)
+                row[f"{name}_tflops"] = max(tf, row.get(f"{name}_tflops", 0.0))
+    finally:
+        onepass.NUM_STAGES.update(saved)
+    return row
+
+
 def _hang(d: int, n: int, causal: bool) -> None:
     print("HANG", d, n, causal, flush=True)
     os._exit(3)
@@ -81,6 +120,7 @@ def main() -> None:
     p.add_argument("--ds", default="128,64")
     p.add_argument("--groups", default="1")
     p.add_argument("--hang-s", type=float, default=120)
+    p.add_argument("--stages", default="", help="e.g. 2,3,4: the one pass's ring depths only (`stages_cell`)")
     a = p.parse_args()
     rows = []
     for d in map(int, a.ds.split(",")):
@@ -89,7 +129,10 @@ def main() -> None:
                 timer = threading.Timer(a.hang_s, _hang, (d, n, causal))
                 timer.start()
                 try:
-                    row = cell(d, n, causal, group)
+                    if a.stages:
+                        row = stages_cell(d, n, causal, group, [int(s) for s in a.stages.split(",")])
+                    else:
+                        row = cell(d, n, causal, group)
                 except Exception as e:  # noqa: BLE001 (a failed cell is a row with its error)
                     row = dict(d=d, n=n, causal=causal, group=group, error=f"{type(e).__name__}: {e}"[:400])
                     traceback.print_exc()

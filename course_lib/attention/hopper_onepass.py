@@ -293,7 +293,11 @@ def bwd_ws_kernel(
 # Host side
 # --------------------------------------------------------------------------------------------------
 NUM_CONSUMERS = 2  # warpgroups of 64 keys: the kernel's `gl.warp_specialize` lists two consumer partitions
-NUM_STAGES = 2  # Q, dO (and L2, D) ring slots: d = 128 takes 197 KB of shared memory with two
+# Q, dO (and L2, D) ring slots, by head dim: d = 128 takes 197 KB of shared memory with two (three would not fit).
+# d = 64 with 2, 3, 4, 6 (`hopper_onepass_probe.py --ds 64 --ns 2048,4096,16384 --groups 1,4 --stages 2,3,4,6`,
+# H200, 2026-11-30): geomean 346.4, 342.8, 344.8, 344.1 TFLOP/s over the 12 cells, no cell 2 % apart: a slot is
+# freed as soon as the next step's S^T is done, early enough that two hide the loads.
+NUM_STAGES = {64: 2, 128: 2}
 # products a warpgroup's columns of a step's dQ are made in (the faster, by head dim); launches over the (batch,
 # K/V head) pairs, so that the float32 dQ accumulator holds a quarter of dQ's rows (`slices`)
 DQ_CHUNKS = {64: 1, 128: 2}
@@ -323,7 +327,7 @@ def _launch(q4, k4, v4, do4, stats, dq_acc, dk4, dv4, offset, causal, scale, dq_
         H, H // h_kv, n_q, n_k, offset, bhkv, bhk0, stats.shape[-1],
     )  # fmt: skip
     meta = dict(
-        CAUSAL=causal, HEAD_DIM=d, NUM_STAGES=NUM_STAGES, NUM_CONSUMERS=NUM_CONSUMERS, DQ_CHUNKS=dq_chunks,
+        CAUSAL=causal, HEAD_DIM=d, NUM_STAGES=NUM_STAGES[d], NUM_CONSUMERS=NUM_CONSUMERS, DQ_CHUNKS=dq_chunks,
         **launch_options(NUM_CONSUMERS),
     )  # fmt: skip
     if warmup:
@@ -456,7 +460,8 @@ def choose(d: int, causal: bool, n_q: int, n_k: int, group: int) -> bool:
     / 331). dQ in two chunks was 6-9 % slower than in one at every cell. In 4 launches (`slices`, as now; the same
     probe and day): 4k 380 / 372, 16k 407 / 368; causal 4k 338 / 296, 16k 393 / 316; 2k 346 / 341, causal 281 / 266;
     1k 296 / 331, causal 149 / 233. At 2k in a second run (the same day): non-causal 347 / 358 (325 / 350), causal
-    281 / 273 (296 / 281): causal rows from 2048, the others from 4096. At d = 128 (dQ in two chunks, a prototype of
-    this kernel in one launch, 2026-11-30) it tied the two kernels at 4k and 16k (non-causal 462 / 462, 499 / 490;
-    causal 376 / 374, 437 / 443) and lost at 1k (336 / 373): not taken."""
+    281 / 273 (296 / 281): causal rows from 2048, the others from 4096. In a third run, 4k with 4 query heads per
+    K/V head (3 launches) lost non-causal, 340 / 350, and won causal, 326 / 308: open. At d = 128 (dQ in two chunks,
+    a prototype of this kernel in one launch, 2026-11-30) it tied the two kernels at 4k and 16k (non-causal 462 /
+    462, 499 / 490; causal 376 / 374, 437 / 443) and lost at 1k (336 / 373): not taken."""
     return d == 64 and min(n_q, n_k) >= (2048 if causal else 4096)
