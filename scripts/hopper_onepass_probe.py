@@ -36,13 +36,19 @@ from course_lib.perf.timing import benchmark
 TOKENS, WIDTH = 16384, 2048
 
 
-def cell(d: int, n: int, causal: bool, group: int = 1) -> dict:
+def _inputs(d: int, n: int, causal: bool, group: int):
+    """A cell's fresh bf16 q, k, v, dO (B * N = 16k tokens, H * d = 2048), the forward's O and L, the softmax scale,
+    the backward's FLOPs (2.5 x the forward's) and B, H."""
     B, H = TOKENS // n, WIDTH // d
     q, do = (torch.randn(B, H, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     k, v = (torch.randn(B, H // group, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    scale = d**-0.5
     o, L = fwd.forward(q, k, v, causal=causal)
     flops = 2.5 * 4 * B * H * n * n * d * (0.5 if causal else 1.0)
+    return q, k, v, do, o, L, d**-0.5, flops, B, H
+
+
+def cell(d: int, n: int, causal: bool, group: int = 1) -> dict:
+    q, k, v, do, o, L, scale, flops, B, H = _inputs(d, n, causal, group)
     row = dict(d=d, n=n, causal=causal, group=group)
     two = {"hopper_onepass": False}
     ref = bwd.backward(do, q, k, v, o, L, causal=causal, config=two)
@@ -74,12 +80,7 @@ def stages_cell(d: int, n: int, causal: bool, group: int, stages: list[int]) -> 
     """--stages: the one pass with each ring depth (`hopper_onepass.NUM_STAGES[d]`), its largest difference from the
     two kernels' gradients, and TFLOP/s of the whole backward, timed in two interleaved rounds (the best of each)
     beside the two kernels'."""
-    B, H = TOKENS // n, WIDTH // d
-    q, do = (torch.randn(B, H, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    k, v = (torch.randn(B, H // group, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    scale = d**-0.5
-    o, L = fwd.forward(q, k, v, causal=causal)
-    flops = 2.5 * 4 * B * H * n * n * d * (0.5 if causal else 1.0)
+    q, k, v, do, o, L, scale, flops, B, H = _inputs(d, n, causal, group)
     row = dict(d=d, n=n, causal=causal, group=group)
     ref = bwd.backward(do, q, k, v, o, L, causal=causal, config={"hopper_onepass": False})
     saved = dict(onepass.NUM_STAGES)
