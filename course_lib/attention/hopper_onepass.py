@@ -461,7 +461,9 @@ def choose(d: int, causal: bool, n_q: int, n_k: int, group: int) -> bool:
     probe and day): 4k 380 / 372, 16k 407 / 368; causal 4k 338 / 296, 16k 393 / 316; 2k 346 / 341, causal 281 / 266;
     1k 296 / 331, causal 149 / 233. At 2k in a second run (the same day): non-causal 347 / 358 (325 / 350), causal
     281 / 273 (296 / 281): causal rows from 2048, the others from 4096. In a third run, 4k with 4 query heads per
-    K/V head (3 launches) lost non-causal, 340 / 350, and won causal, 326 / 308: open. At d = 128 (dQ in two chunks,
-    a prototype of this kernel in one launch, 2026-11-30) it tied the two kernels at 4k and 16k (non-causal 462 /
-    462, 499 / 490; causal 376 / 374, 437 / 443) and lost at 1k (336 / 373): not taken."""
+    K/V head lost non-causal, 340 / 350, and won causal, 326 / 308: open. There `slices` makes 3 launches of 2.6
+    waves (1024 programs; 4 launches would be under 2 waves), where one launch of 7.8 waves had run 388 / 348: a
+    launch's last wave 58 % full, three times, is the suspect; 2 launches (3.9 waves) not yet timed. At d = 128 (dQ
+    in two chunks, a prototype of this kernel in one launch, 2026-11-30) it tied the two kernels at 4k and 16k
+    (non-causal 462 / 462, 499 / 490; causal 376 / 374, 437 / 443) and lost at 1k (336 / 373): not taken."""
     return d == 64 and min(n_q, n_k) >= (2048 if causal else 4096)
