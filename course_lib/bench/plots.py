@@ -12,6 +12,7 @@ import math
 from pathlib import Path
 
 from .. import records
+from .providers import LABELS
 from .report import lookup, ratios, summarise, tflops_of
 from .shapes import BYTES, MODE_NAMES, MODES
 
@@ -34,9 +35,16 @@ COLORS = {
 }
 
 
+def label(data: dict, provider: str) -> str:
+    """A provider's name in the plots: today's (`providers.LABELS`), whatever name the record was written with
+    (course_lib's was "course_lib (Triton FA-2)" until its Hopper kernels were Gluon ones); the record's own for a
+    provider no longer measured."""
+    return LABELS.get(provider) or data["labels"][provider]
+
+
 def _style(ax, data: dict) -> None:
     """One colour per provider in every panel and figure; course_lib's line drawn thick, on top."""
-    by_label = {data["labels"][p]: p for p in data["providers"]}
+    by_label = {label(data, p): p for p in data["providers"]}
     for line in ax.get_lines():
         p = by_label.get(line.get_label())
         if p is not None:
@@ -86,7 +94,7 @@ def plot_tflops(record: dict, mode: str = "fwd"):
             for p in data["providers"]:
                 ys = [tflops_of(data, p, mode, d, causal, n) for n in ns]
                 if any(y is not None for y in ys):
-                    series[data["labels"][p]] = [math.nan if y is None else y for y in ys]
+                    series[label(data, p)] = [math.nan if y is None else y for y in ys]
             ax = axes[i][j]
             plot_series(
                 ns,
@@ -128,7 +136,7 @@ def plot_memory(record: dict, d: int | None = None, causal: bool = False):
                 for r in rs
             ]
             if not all(math.isnan(y) for y in ys):
-                series[data["labels"][p]] = ys
+                series[label(data, p)] = ys
         # What any implementation must hold: q, k, v, O (+ dO, dQ, dK, dV): 4 (8) tensors of B*H*N*d.
         cells = {c["N"]: c for c in data["cells"] if c["d"] == d and c["causal"] == causal}
         tensor_gb = [cells[n]["B"] * cells[n]["H"] * n * d * BYTES[data["dtype"]] / 1e9 for n in ns]

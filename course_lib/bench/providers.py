@@ -21,7 +21,7 @@ SDPA_BACKENDS = {
 }
 PROVIDERS = ("course_lib", *SDPA_BACKENDS, "eager", "compiled")
 LABELS = {
-    "course_lib": "course_lib (Triton FA-2)",
+    "course_lib": "course_lib.flash_attention",  # what it runs depends on the GPU: Triton, Gluon on Hopper
     "sdpa_default": "SDPA default",
     "sdpa_flash": "SDPA FLASH_ATTENTION",
     "sdpa_efficient": "SDPA EFFICIENT_ATTENTION",
