@@ -652,7 +652,7 @@ print(f"all {len(bench.LADDER)} rungs agree with the float64 reference")
 # %% [markdown]
 # ### Predicted against measured, on the H200
 #
-# `make bench` measures the ladder (`course_lib.bench.ladder`) and records it. Left, the forward; right, the
+# `make bench` measures the ladder (`course_lib.bench.ladder`) and records it. Above, the forward; below, the
 # backward; grey, the prediction; orange, the measurement. Where they disagree, the model behind the
 # prediction missed something — that is where to look with Nsight Compute.
 

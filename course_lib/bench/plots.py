@@ -161,35 +161,37 @@ def plot_memory(record: dict, d: int | None = None, causal: bool = False):
 
 
 def plot_ladder(record: dict):
-    """Predicted and measured gain of each ladder step (left: forward, right: backward); returns the Figure"""
+    """Predicted and measured gain of each ladder step (top: forward, below: backward), as horizontal bars with the
+    steps' names beside them, readable at a laptop's width; returns the Figure"""
     import matplotlib.pyplot as plt
 
     from ..perf.plotting import bar_chart
 
     data = record["data"]
-    fig, axes = plt.subplots(1, 2, figsize=(9.1, 7.0), squeeze=False)
-    for ax, pass_ in zip(axes[0], ("fwd", "bwd")):
-        steps = [s for s in data["steps"] if s["pass_"] == pass_][1:]  # the first rung has nothing below it
-        ok = [s for s in data["steps"] if s["pass_"] == pass_ and s.get("status") == "ok"]
+    passes = [(p, [s for s in data["steps"] if s["pass_"] == p]) for p in ("fwd", "bwd")]
+    rows = [max(len(steps) - 1, 1) for _, steps in passes]  # the first rung has nothing below it
+    fig, axes = plt.subplots(
+        2, 1, figsize=(9.1, 2.6 + 0.62 * sum(rows)), squeeze=False, gridspec_kw={"height_ratios": rows}
+    )
+    for ax, (pass_, all_steps) in zip(axes[:, 0], passes):
+        steps = all_steps[1:]
+        ok = [s for s in all_steps if s.get("status") == "ok"]
         best = max(ok, key=lambda s: s["tflops"], default=None)  # the last rung is not always the best
-        span = f":\n{ok[0]['tflops']:.3g} -> best {best['tflops']:.3g} TFLOP/s" if len(ok) > 1 else ""
+        span = f": {ok[0]['tflops']:.3g} -> best {best['tflops']:.3g} TFLOP/s" if len(ok) > 1 else ""
         gains = {
             "predicted": [s["predicted_gain"] for s in steps],
             "measured": [s.get("measured_gain") for s in steps],
         }
         title = f"{MODE_NAMES[pass_].capitalize()}{span}"
-        bar_chart([s["name"] for s in steps], gains, xlabel="step (each over the one before)",
-                  ylabel="gain over the step before (x)", title=title, ax=ax, fmt="{:.2f}")  # fmt: skip
+        bar_chart([s["name"] for s in steps], gains, xlabel="gain over the step before (x)", ylabel="step",
+                  title=title, ax=ax, fmt="{:.2f}", horizontal=True)  # fmt: skip
         for bar in ax.containers[0]:
             bar.set_color("0.72")  # the prediction in grey, the measurement in colour
-        ax.legend(fontsize=12)
-        ax.axhline(1.0, color="black", lw=1)
-        ax.tick_params(axis="x", labelrotation=25)
-        for label in ax.get_xticklabels():
-            label.set_horizontalalignment("right")
+        ax.legend(fontsize=11, loc="lower right")
+        ax.axvline(1.0, color="black", lw=1)
     causal = "causal" if data["causal"] else "not causal"
     shape = f"B={data['B']}, H={data['H']}, N={data['N']}, d={data['d']}, {causal}"
-    title = f"The optimisation ladder, predicted and measured ({shape}, {data['dtype']})"
+    title = f"The optimisation ladder, predicted and measured\n({shape}, {data['dtype']})"
     fig.suptitle(f"{title}\n{credit(record)}", fontsize=13)
     fig.tight_layout()
     return fig
