@@ -66,8 +66,7 @@ from .hopper_backward import (
     QUERY_ROWS,
     load_kv,
     partition_barrier,
-    program_index,
-    query_block_range,
+    program_block,
     shared_tiles,
     step_block,
     store_dkdv,
@@ -102,14 +101,11 @@ def _add_dq(dq, dq_c, dq_desc, row, col, PENDING: gl.constexpr):
 
 
 @gluon.jit
-def _slice_block(num_n, BHKV, BHK0, GROUP, N_Q, OFFSET, CAUSAL: gl.constexpr, CTA_N: gl.constexpr):
-    """`hopper_backward.program_block` in a slice of (batch, K/V head) pairs from BHK0 on: (batch * K/V head,
-    first key, query blocks lo, mid, their number, batch * H + the group's first query head)."""
-    bhk, n_blk = program_index(num_n, BHKV, CAUSAL)
-    bhk += BHK0
-    n_start = n_blk * CTA_N
-    lo, mid, hi = query_block_range(n_start, N_Q, OFFSET, CAUSAL, CTA_N)
-    return bhk, n_start, lo, mid, hi - lo, bhk * GROUP
+def _slice_block(num_n, BHKV, BHK0, H, GROUP, N_Q, OFFSET, CAUSAL: gl.constexpr, CTA_N: gl.constexpr):
+    """`hopper_backward.program_block` in a slice of (batch, K/V head) pairs from BHK0 on: the block of the
+    slice's program, its pair and first query head moved on by the slice's start."""
+    bhk, n_start, lo, mid, n_m, first_head = program_block(num_n, BHKV, H, GROUP, N_Q, OFFSET, CAUSAL, CTA_N)
+    return bhk + BHK0, n_start, lo, mid, n_m, first_head + BHK0 * GROUP
 
 
 @gluon.jit
@@ -119,7 +115,9 @@ def _producer(args, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_CONSUMER
     (q_desc, do_desc, k_desc, v_desc, l_desc, d_desc, q_smem, do_smem, k_smem, v_smem, l_smem, d_smem, kv_bar,
      ready_bar, empty_bar, H, GROUP, N_Q, N_K, OFFSET, num_n, BHKV, BHK0, N_PAD) = args  # fmt: skip
     CTA_N: gl.constexpr = KROWS * NUM_CONSUMERS
-    bhk, n_start, lo, _, n_m, first_head = _slice_block(num_n, BHKV, BHK0, GROUP, N_Q, OFFSET, CAUSAL, CTA_N)
+    bhk, n_start, lo, _, n_m, first_head = _slice_block(
+        num_n, BHKV, BHK0, H, GROUP, N_Q, OFFSET, CAUSAL, CTA_N
+    )
     load_kv(k_desc, v_desc, k_smem, v_smem, kv_bar, bhk * N_K + n_start, NUM_CONSUMERS)
     nbytes: gl.constexpr = (
         q_desc.block_type.nbytes
@@ -176,7 +174,7 @@ def _consumer(args, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl
     )
     dq_zero = gl.zeros([QROWS, C], gl.float32, layout=dq_layout)
     bhk, n_start, lo, mid, n_m, first_head = _slice_block(
-        num_n, BHKV, BHK0, GROUP, N_Q, OFFSET, CAUSAL, CTA_N
+        num_n, BHKV, BHK0, H, GROUP, N_Q, OFFSET, CAUSAL, CTA_N
     )
     k_w = k_smem.index(WG)
     v_w = v_smem.index(WG)
