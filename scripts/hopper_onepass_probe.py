@@ -3,6 +3,7 @@ and SDPA's on a Hopper GPU.
 
     python3 scripts/hopper_onepass_probe.py --out build/onepass.json [--ns 1024,4096,16384] [--ds 128,64] [--groups 1,4]
     python3 scripts/hopper_onepass_probe.py --ds 64 --stages 2,3,4   # the ring's depth only
+    python3 scripts/hopper_onepass_probe.py --ds 64 --ns 4096 --groups 4 --slices 1,2,3,4   # launches only
 
 For each cell (bf16, B * N = 16k tokens, H * d = 2048, causal and not, `group` query heads per K/V head): dQ, dK, dV
 of `hopper_onepass.backward`, its dQ in 1 or 2 chunks of columns a warpgroup (`dq_chunks`), against the two-kernel
@@ -76,36 +77,63 @@ def cell(d: int, n: int, causal: bool, group: int = 1) -> dict:
     return row
 
 
-def stages_cell(d: int, n: int, causal: bool, group: int, stages: list[int]) -> dict:
-    """--stages: the one pass with each ring depth (`hopper_onepass.NUM_STAGES[d]`), its largest difference from the
-    two kernels' gradients, and TFLOP/s of the whole backward, timed in two interleaved rounds (the best of each)
-    beside the two kernels'."""
+def _set_stages(d: int, s: int) -> None:
+    onepass.NUM_STAGES[d] = s
+
+
+def _set_slices(d: int, s: int) -> None:
+    """Exactly s launches over the (batch, K/V head) pairs (or fewer where there are fewer pairs): the wave rule
+    of `hopper_onepass.slices` off."""
+    onepass.DQ_SLICES = s
+    onepass._slices = lambda q4, k4: onepass.slices(q4.shape[0] * k4.shape[1])
+
+
+KNOBS = {"stages": _set_stages, "slices": _set_slices}
+
+
+def knob_cell(d: int, n: int, causal: bool, group: int, knob: str, values: list[int]) -> dict:
+    """--stages / --slices: the one pass with each value of the knob (`hopper_onepass.NUM_STAGES[d]`, or the number
+    of launches `hopper_onepass.slices` makes), its largest difference from the two kernels' gradients, and TFLOP/s
+    of the whole backward, timed in two interleaved rounds (the best of each) beside the two kernels' and the
+    default's (the knob as shipped)."""
     q, k, v, do, o, L, scale, flops, B, H = _inputs(d, n, causal, group)
-    row = dict(d=d, n=n, causal=causal, group=group)
+    row = dict(d=d, n=n, causal=causal, group=group, default_slices=len(onepass._slices(q, k)))
     ref = bwd.backward(do, q, k, v, o, L, causal=causal, config={"hopper_onepass": False})
-    saved = dict(onepass.NUM_STAGES)
+    saved = dict(onepass.NUM_STAGES), onepass.DQ_SLICES, onepass._slices
+
+    def restore():
+        onepass.NUM_STAGES.update(saved[0])
+        onepass.DQ_SLICES, onepass._slices = saved[1], saved[2]
+
     calls = {
-        "two_kernel": lambda: bwd.backward(do, q, k, v, o, L, causal=causal, config={"hopper_onepass": False})
+        "two_kernel": lambda: bwd.backward(
+            do, q, k, v, o, L, causal=causal, config={"hopper_onepass": False}
+        ),
+        "onepass_default": lambda: onepass.backward(q, k, v, o, do, L, 0, causal, scale),
     }
     try:
-        for s in stages:
-            onepass.NUM_STAGES[d] = s
+        for s in values:
+            KNOBS[knob](d, s)
             grads = onepass.backward(q, k, v, o, do, L, 0, causal, scale)
-            row[f"stages{s}_diff"] = max(
+            row[f"{knob}{s}_diff"] = max(
                 (a.float() - b.float()).abs().max().item() for a, b in zip(grads, ref)
             )
+            restore()
 
             def call(s=s):
-                onepass.NUM_STAGES[d] = s
-                return onepass.backward(q, k, v, o, do, L, 0, causal, scale)
+                KNOBS[knob](d, s)
+                try:
+                    return onepass.backward(q, k, v, o, do, L, 0, causal, scale)
+                finally:
+                    restore()
 
-            calls[f"stages{s}"] = call
+            calls[f"{knob}{s}"] = call
         for _ in range(2):
             for name, call in calls.items():
                 tf = round(flops / benchmark(call) / 1e9, 1)
                 row[f"{name}_tflops"] = max(tf, row.get(f"{name}_tflops", 0.0))
     finally:
-        onepass.NUM_STAGES.update(saved)
+        restore()
     return row
 
 
@@ -121,7 +149,10 @@ def main() -> None:
     p.add_argument("--ds", default="128,64")
     p.add_argument("--groups", default="1")
     p.add_argument("--hang-s", type=float, default=120)
-    p.add_argument("--stages", default="", help="e.g. 2,3,4: the one pass's ring depths only (`stages_cell`)")
+    p.add_argument("--stages", default="", help="e.g. 2,3,4: the one pass's ring depths only (`knob_cell`)")
+    p.add_argument(
+        "--slices", default="", help="e.g. 1,2,3,4: the one pass's launch counts only (`knob_cell`)"
+    )
     a = p.parse_args()
     rows = []
     for d in map(int, a.ds.split(",")):
@@ -130,8 +161,10 @@ def main() -> None:
                 timer = threading.Timer(a.hang_s, _hang, (d, n, causal))
                 timer.start()
                 try:
-                    if a.stages:
-                        row = stages_cell(d, n, causal, group, [int(s) for s in a.stages.split(",")])
+                    knob = "stages" if a.stages else "slices" if a.slices else ""
+                    if knob:
+                        values = [int(s) for s in getattr(a, knob).split(",")]
+                        row = knob_cell(d, n, causal, group, knob, values)
                     else:
                         row = cell(d, n, causal, group)
                 except Exception as e:  # noqa: BLE001 (a failed cell is a row with its error)

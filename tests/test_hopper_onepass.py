@@ -90,22 +90,24 @@ def test_choose():
 
 
 def test_slices_cover_every_pair_once():
-    """The launches' (batch, K/V head) pairs: at most 4 launches of equal count (the last may hold fewer), fewer
-    where a launch would get under two waves of programs, together every pair once."""
+    """The launches' (batch, K/V head) pairs: at most 4 launches of equal count (the last may hold fewer), as many
+    as keep the waves as full as the best count does, each launch 1.5 waves or more; together every pair once."""
     assert onepass.slices(1) == [(0, 1)]
     assert onepass.slices(32) == [(0, 8), (8, 8), (16, 8), (24, 8)]
     assert onepass.slices(5) == [(0, 2), (2, 2), (4, 1)]
-    assert onepass.slices(8, 32, 132) == [(0, 8)]  # 256 programs: under two waves a launch, so one launch
-    assert onepass.slices(8, 128, 132) == [
-        (0, 3),
-        (3, 3),
-        (6, 2),
-    ]  # 1024 programs: 3 launches of 2 waves or more
-    assert onepass.slices(32, 128, 132) == [(0, 8), (8, 8), (16, 8), (24, 8)]
+    assert onepass.slices(8, 32, 132) == [(0, 8)]  # 256 programs: 2 launches would get under 1.5 waves each
+    # 1024 programs: 4 launches of 1.94 waves (97 % full), as full as 1 launch of 7.76
+    assert onepass.slices(8, 128, 132) == [(0, 2), (2, 2), (4, 2), (6, 2)]
+    # 4 query heads per K/V head at 4k (32 pairs of 32 programs): not 3 launches of 2.67 waves (86 % full)
+    assert onepass.slices(32, 32, 132) == [(0, 8), (8, 8), (16, 8), (24, 8)]
+    # 396 programs: 3 full waves in one launch; 2 launches of 1.5 waves would take 4
+    assert onepass.slices(6, 66, 132) == [(0, 6)]
+    assert onepass.slices(3, 5, 132) == [(0, 3)]  # under one wave: one launch
     for n in range(1, 40):
-        got = onepass.slices(n)
-        assert len(got) <= 4 and len({count for _, count in got[:-1]}) <= 1
-        assert [p for first, count in got for p in range(first, first + count)] == list(range(n))
+        for blocks, sms in ((1, 0), (7, 132), (32, 132), (128, 78)):
+            got = onepass.slices(n, blocks, sms)
+            assert len(got) <= 4 and len({count for _, count in got[:-1]}) <= 1
+            assert [p for first, count in got for p in range(first, first + count)] == list(range(n))
 
 
 @pytest.mark.parametrize("n_q", (1, 70, 128))

@@ -335,14 +335,31 @@ def _launch(q4, k4, v4, do4, stats, dq_acc, dk4, dv4, offset, causal, scale, dq_
 
 
 def slices(bhkv: int, key_blocks: int = 1, sms: int = 0) -> list[tuple[int, int]]:
-    """(first, count) of the (batch, K/V head) pairs each launch takes: `DQ_SLICES` launches of equal count, so
-    that the float32 dQ accumulator holds a quarter of dQ's rows; fewer where there are fewer pairs, or where a
-    launch would get under two waves of programs (`key_blocks` a pair, on `sms` SMs; 0: not counted), which would
-    leave SMs idle: the tensors are small there, and the accumulator with them (a rule from the wave count, not
-    yet timed; the cells `choose` was measured on have 8 waves a launch or more)."""
-    n = min(DQ_SLICES, bhkv)
-    if sms:
-        n = max(1, min(n, key_blocks * bhkv // (2 * sms)))
+    """(first, count) of the (batch, K/V head) pairs each launch takes: up to `DQ_SLICES` launches of equal count
+    (the last may hold fewer), so that the float32 dQ accumulator holds a quarter of dQ's rows. With `key_blocks`
+    programs a pair on `sms` SMs (0: not counted), the count of launches is the largest whose waves are as full as
+    the best count's (within 3 %; a launch of p programs takes ceil(p / sms) waves) among those that give every
+    launch 1.5 waves or more (or 1 launch): a last wave part empty in every launch leaves SMs idle each time.
+    Measured (`hopper_onepass_probe.py --ds 64 --ns 4096,2048 --groups 4,1 --slices 1,2,3,4`, H200, 2026-11-30):
+    4 query heads per K/V head at 4k, 32 pairs of 32 programs, TFLOP/s in 1, 2, 3, 4 launches: non-causal 383,
+    385, 343, 381, causal 354, 358, 329, 360: 3 launches of 2.67 waves (a third wave 67 % full) lost 11 %; at 2k
+    (64 pairs of 16) likewise 366, 364, 327, 360. With one query head per K/V head (128 pairs at 4k) causal rows
+    ran 298, 328, 336, 338: more launches, a smaller accumulator, faster."""
+    most = min(DQ_SLICES, bhkv)
+    if not sms:
+        return _cut(bhkv, most)
+    fill = {}
+    for n in range(1, most + 1):
+        programs = [count * key_blocks for _, count in _cut(bhkv, n)]
+        if n == 1 or min(programs) >= 1.5 * sms:
+            fill[n] = sum(programs) / (sms * sum(cdiv(p, sms) for p in programs))
+    best = max(fill.values())
+    return _cut(bhkv, max(n for n, f in fill.items() if f >= best - 0.03))
+
+
+def _cut(bhkv: int, n: int) -> list[tuple[int, int]]:
+    """bhkv pairs in n launches of equal count (the last may hold fewer; fewer launches where that leaves one
+    empty)."""
     per = cdiv(bhkv, n)
     return [(first, min(per, bhkv - first)) for first in range(0, bhkv, per)]
 
@@ -459,9 +476,8 @@ def choose(d: int, causal: bool, n_q: int, n_k: int, group: int) -> bool:
     probe and day): 4k 380 / 372, 16k 407 / 368; causal 4k 338 / 296, 16k 393 / 316; 2k 346 / 341, causal 281 / 266;
     1k 296 / 331, causal 149 / 233. At 2k in a second run (the same day): non-causal 347 / 358 (325 / 350), causal
     281 / 273 (296 / 281): causal rows from 2048, the others from 4096. In a third run, 4k with 4 query heads per
-    K/V head lost non-causal, 340 / 350, and won causal, 326 / 308: open. There `slices` makes 3 launches of 2.6
-    waves (1024 programs; 4 launches would be under 2 waves), where one launch of 7.8 waves had run 388 / 348: a
-    launch's last wave 58 % full, three times, is the suspect; 2 launches (3.9 waves) not yet timed. At d = 128 (dQ
+    K/V head lost non-causal, 340 / 350, and won causal, 326 / 308: there `slices` made 3 launches of 2.6 waves;
+    it now makes 4 (see `slices`: 381 / 370, 360 / 314 in a fourth run). At d = 128 (dQ
     in two chunks, a prototype of this kernel in one launch, 2026-11-30) it tied the two kernels at 4k and 16k
     (non-causal 462 / 462, 499 / 490; causal 376 / 374, 437 / 443) and lost at 1k (336 / 373): not taken."""
     return d == 64 and min(n_q, n_k) >= (2048 if causal else 4096)
