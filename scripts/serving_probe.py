@@ -66,6 +66,7 @@ its wall time, then where its host time goes (Python's profiler, PyTorch's profi
     COURSE_DEVICE=cuda python3 scripts/serving_probe.py --prefill-key-splits   # its keys split in 1-8 runs
     COURSE_DEVICE=cuda python3 scripts/serving_probe.py --ttft-split-ab   # first tokens with the split and without
     COURSE_DEVICE=cuda python3 scripts/serving_probe.py --prefill-split-host   # the host's time of its calls
+    COURSE_DEVICE=cuda python3 scripts/serving_probe.py --layer-host   # host us a call of a layer's operations
 
 With --prefix-gap: the ladder of `prefix_gap.py`, from the split kernel alone on the prefix (the probe of
 `decode.heuristics.MANY_ROWS`, 93.8 us) to the cascade's prefix pass (121.2 us), one difference a rung, each a
@@ -465,7 +466,8 @@ def ttft_cprofile(n: int = 32768, cached_fraction: float = 0.9) -> None:
     first(b)
     prof.disable()
     stats = pstats.Stats(prof)
-    stats.sort_stats("tottime").print_stats(25)
+    stats.sort_stats("tottime").print_stats(40)
+    stats.sort_stats("cumulative").print_stats(60)
 
 
 def ttft_timeline(n: int = 32768, cached_fraction: float = 0.9, runs: int = 5) -> None:
@@ -659,6 +661,73 @@ def _ttft_host_calls(n: int, cached_fraction: float, runs: int, busy_ms: float) 
         first_us = statistics.median(r[name][0] for r in per_run)
         rest_us = statistics.median(r[name][1] for r in per_run)
         print(f"  {name:14s} {first_us:8.1f} / {rest_us:8.1f}   ({per_run[0][name][2]} calls)")
+
+
+def layer_host(t: int = 3280, rounds: int = 5, calls: int = 200) -> None:
+    """--layer-host: the host's microseconds a call of each operation a layer of the bench's model makes in a cached
+    32k first token's step (t new tokens, width 1024, 16 / 4 heads, d = 64, bf16), the GPU kept busy by a spin
+    (`torch.cuda._sleep`) so that no call waits for it: `calls` calls in a row, best of `rounds`. The matmuls also
+    with cuBLASLt preferred (`torch.backends.cuda.preferred_blas_library`), and against a transposed copy of
+    the weight (torch.mm), the norms and RoPE against PyTorch's."""
+    import torch.nn.functional as F
+
+    from course_lib.fused import rms_norm, rope
+    from course_lib.models.llama import rope_torch
+
+    dev, bf = "cuda", torch.bfloat16
+    x = torch.randn(t, 1024, device=dev, dtype=bf)
+    w_norm = torch.ones(1024, device=dev, dtype=bf)
+    weights = {
+        "qkv": torch.randn(1536, 1024, device=dev, dtype=bf), "wo": torch.randn(1024, 1024, device=dev, dtype=bf),
+        "w1w3": torch.randn(5632, 1024, device=dev, dtype=bf), "w2": torch.randn(1024, 2816, device=dev, dtype=bf),
+    }  # fmt: skip
+    h = torch.randn(t, 2816, device=dev, dtype=bf)
+    qkv = F.linear(x, weights["qkv"])
+    q, k, _ = qkv.split((1024, 256, 256), dim=-1)
+    q, k = q.view(t, 16, 64).transpose(0, 1), k.view(t, 4, 64).transpose(0, 1)
+    cos, sin = torch.randn(t, 64, device=dev, dtype=bf), torch.randn(t, 64, device=dev, dtype=bf)
+    cycles = _gpu_cycles_per_ms()
+    ops = {
+        "x + x": lambda: x + x,
+        "F.silu(h)": lambda: F.silu(h),
+        "h * h": lambda: h * h,
+        "torch.empty_like(x)": lambda: torch.empty_like(x),
+        "course_lib rms_norm": lambda: rms_norm(x, w_norm, 1e-5),
+        "F.rms_norm": lambda: F.rms_norm(x, (1024,), w_norm, 1e-5),
+        "course_lib rope": lambda: rope(q, k, cos, sin),
+        "rope_torch": lambda: rope_torch(q, k, cos, sin),
+    }
+    for name, w in weights.items():
+        inp = h if name == "w2" else x
+        wt = w.t().contiguous()
+        ops[f"F.linear {name}"] = lambda inp=inp, w=w: F.linear(inp, w)
+        ops[f"torch.mm {name} (weight transposed once)"] = lambda inp=inp, wt=wt: torch.mm(inp, wt)
+    libraries = ["default"]
+    if hasattr(torch.backends.cuda, "preferred_blas_library"):
+        libraries += ["cublaslt", "cublas"]
+    before = torch.backends.cuda.preferred_blas_library() if len(libraries) > 1 else None
+    try:
+        for lib in libraries:
+            if lib != "default":
+                torch.backends.cuda.preferred_blas_library(lib)
+            for name, op in ops.items():
+                if lib != "default" and "linear" not in name and "mm" not in name:
+                    continue
+                for _ in range(3):
+                    op()
+                best = float("inf")
+                for _ in range(rounds):
+                    torch.cuda.synchronize()
+                    torch.cuda._sleep(int(60 * cycles))
+                    t0 = time.perf_counter()
+                    for _ in range(calls):
+                        op()
+                    best = min(best, (time.perf_counter() - t0) / calls * 1e6)
+                print(f"  {lib:9s} {name:44s} {best:7.1f} us", flush=True)
+    finally:
+        if before is not None:
+            torch.backends.cuda.preferred_blas_library(before)
+    torch.cuda.synchronize()
 
 
 def prefill_split_host(n: int = 416, length: int = 4096, calls: int = 300) -> None:
@@ -1181,8 +1250,11 @@ if __name__ == "__main__":
     parser.add_argument(
         "--prefill-split-host", action="store_true", help="the host's time of a split prefill's call"
     )
+    parser.add_argument("--layer-host", action="store_true", help="host us a call of a layer's operations")
     args = parser.parse_args()
-    if args.prefill_key_splits:
+    if args.layer_host:
+        layer_host()
+    elif args.prefill_key_splits:
         prefill_key_splits()
     elif args.ttft_split_ab:
         ttft_split_ab()
