@@ -343,8 +343,9 @@ def slices(bhkv: int, key_blocks: int = 1, sms: int = 0) -> list[tuple[int, int]
     Measured (`hopper_onepass_probe.py --ds 64 --ns 4096,2048 --groups 4,1 --slices 1,2,3,4`, H200, 2026-11-30):
     4 query heads per K/V head at 4k, 32 pairs of 32 programs, TFLOP/s in 1, 2, 3, 4 launches: non-causal 383,
     385, 343, 381, causal 354, 358, 329, 360: 3 launches of 2.67 waves (a third wave 67 % full) lost 11 %; at 2k
-    (64 pairs of 16) likewise 366, 364, 327, 360. With one query head per K/V head (128 pairs at 4k) causal rows
-    ran 298, 328, 336, 338: more launches, a smaller accumulator, faster."""
+    (64 pairs of 16) likewise 366, 364, 327, 360; at 16k (8 pairs of 128) causal 401, 398, 369, 392, non-causal
+    395-398 for every count. With one query head per K/V head (128 pairs at 4k) causal rows ran 298, 328, 336,
+    338: more launches, a smaller accumulator, faster."""
     most = min(DQ_SLICES, bhkv)
     if not sms:
         return _cut(bhkv, most)
