@@ -755,9 +755,9 @@ if got_one_pass is not None:
 # (`hopper_onepass.choose`'s docstring has the numbers). The products are not the whole step: each
 # warpgroup waits for the other's dS before dQ's product, and dQ's products and adds follow dK's in the same
 # warps, where the two kernels' dQ kernel has its warps to itself. So `backward` runs one pass at d = 64 from
-# 4096 queries and keys (2048 with a causal mask), two kernels elsewhere — and under
-# `torch.use_deterministic_algorithms(True)`, since the order of TMA's adds, and so the last bits of dQ,
-# changes from run to run.
+# 4096 queries and keys (2048 with a causal mask, or with several query heads per K/V head), two kernels
+# elsewhere — and under `torch.use_deterministic_algorithms(True)`, since the order of TMA's adds, and so the
+# last bits of dQ, changes from run to run.
 #
 # ## Summary
 # - In the Triton forward every warp loads, multiplies and exponentiates in turn, so the tensor cores idle
@@ -783,7 +783,8 @@ if got_one_pass is not None:
 #   S, dP and dQ's products in flight behind the softmax; it reads D from a pass of its own (d = 128).
 # - One pass (FlashAttention-3's transposed layout, dQ added into a float32 accumulator by TMA) does 5
 #   products a step instead of 7, but its warpgroups wait for each other's dS: faster at d = 64 on rows of
-#   4096 or more (causal ones from 2048), a tie at d = 128. Its accumulator is run in quarters to keep the memory peak.
+#   4096 or more (causal or grouped ones from 2048), a tie at d = 128. Its accumulator is run in quarters to
+#   keep the memory peak.
 #
 # ## Exercises
 # 6. On a Hopper GPU, time `hopper.forward` with each of `hopper.VARIANTS` at d = 128, causal, N = 2k and

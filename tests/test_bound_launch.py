@@ -69,6 +69,67 @@ def test_floats_bools_and_none_key_by_kind():
     assert bound._runtime_key(None) is type(None)
 
 
+def test_a_calls_key_tells_calls_apart_as_its_arguments_keys_do():
+    """`_Signature.key` (tensors, integers and keyword constants written out, integers' keys looked up) puts two
+    calls under one key exactly when every argument's `_runtime_key` or `_constant_key` agrees, keywords by name:
+    never coarser than the per-argument keys (whose fineness the tests above check against Triton), and not
+    finer. Random calls of the stand-in kernel (x, n, scale, out=None, BLOCK: constexpr, FLAG: constexpr)."""
+    import random
+
+    sig = bound._Signature(_Kernel())
+    rng = random.Random(0)
+    base = torch.zeros(64)
+    tensors = [
+        base,
+        base[1:],
+        base[4:],
+        torch.zeros(8, dtype=torch.bfloat16),
+        torch.nn.Parameter(torch.zeros(4)),
+    ]
+    runtime = [*tensors, *INTS[:8], 2**40, 0.5, 2.0, True, False, None]
+    constants = [1, True, 1.0, 16, 32, "a", (1, 2), None]
+
+    def reference(args, kwargs):
+        key = [
+            bound._constant_key(a) if sig.constant[i] else bound._runtime_key(a) for i, a in enumerate(args)
+        ]
+        return key, sorted(
+            (
+                name,
+                bound._constant_key(v) if name in ("BLOCK", "FLAG", "num_warps") else bound._runtime_key(v),
+            )
+            for name, v in kwargs.items()
+        )
+
+    seen = {}
+    for _ in range(3000):
+        n_args = rng.choice((3, 4, 5, 6))
+        args = [rng.choice(runtime) for _ in range(min(n_args, 4))] + [
+            rng.choice(constants) for _ in range(n_args - 4)
+        ]
+        kwargs = {}
+        for name in ("BLOCK", "FLAG")[n_args - 4 if n_args > 4 else 0 :]:
+            if rng.random() < 0.5:
+                kwargs[name] = rng.choice(constants)
+        if n_args == 3 and rng.random() < 0.3:
+            kwargs["out"] = rng.choice(runtime)  # a runtime argument by keyword
+        if rng.random() < 0.5:
+            kwargs["num_warps"] = rng.choice((4, 8, 4.0))
+        try:
+            key = sig.key(tuple(args), kwargs)
+            hash(key)
+        except TypeError:  # an unhashable constant: not bound (`_launch` sends the call through Triton)
+            continue
+        ref = repr(reference(args, kwargs))
+        seen.setdefault(key, set()).add(ref)
+    assert all(len(refs) == 1 for refs in seen.values())  # never coarser
+    by_ref = {}
+    for key, refs in seen.items():
+        by_ref.setdefault(next(iter(refs)), set()).add(key)
+    assert all(len(keys) == 1 for keys in by_ref.values())  # not finer (one call order of keywords here)
+    assert len(seen) > 500
+
+
 def test_an_empty_chain_of_hooks_is_no_hook():
     class Chain:
         calls = []

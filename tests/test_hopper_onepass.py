@@ -77,16 +77,21 @@ def test_gradients_match_reference(name, shape, n_k, kv_heads, causal, dtype, d,
 
 
 def test_choose():
-    """d = 64 with 4096 queries and keys or more, 2048 causal (where it was measured faster); never d = 128 (a tie)."""
+    """d = 64 with 4096 queries and keys or more, 2048 causal or grouped (where it was measured faster); never
+    d = 128 (a tie)."""
     for causal in (False, True, "bottom_right"):
         least = 2048 if causal else 4096
         assert onepass.choose(64, causal, least, least, 1)
-        assert onepass.choose(64, causal, 16384, least, 4)
+        assert onepass.choose(64, causal, 16384, 2048, 4)
         assert not onepass.choose(64, causal, least - 1, 8192, 1)
         assert not onepass.choose(64, causal, 8192, least - 96, 1)
+        assert not onepass.choose(64, causal, 2047, 8192, 4)
         assert not onepass.choose(128, causal, 16384, 16384, 1)
+        assert not onepass.choose(128, causal, 16384, 16384, 4)
     assert not onepass.choose(64, False, 2048, 2048, 1)
+    assert onepass.choose(64, False, 2048, 2048, 2)
     assert not onepass.choose(64, True, 1024, 1024, 1)
+    assert not onepass.choose(64, False, 1024, 1024, 4)
 
 
 def test_slices_cover_every_pair_once():

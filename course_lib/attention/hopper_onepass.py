@@ -1,5 +1,6 @@
 """FlashAttention-3's one-pass backward on Hopper GPUs, in Gluon, in its transposed layout: dK, dV and dQ from one
-kernel (notebook 08c, sections 5 and 7). The backward's default at d = 64 from 4096 tokens, 2048 causal (`choose`).
+kernel (notebook 08c, sections 5 and 7). The backward's default at d = 64 from 4096 tokens, 2048 causal or
+grouped (`choose`).
 
 The two-kernel backward (`hopper_backward` or the Triton kernel for dK, dV; a dQ kernel) computes S and dP twice:
 7 products where the algorithm needs 5. Here one kernel makes all three gradients, as FlashAttention-3 does (Shah
@@ -468,17 +469,19 @@ def compile_ahead(q4, k4, v4, l3, offset: int, causal: bool, scale: float) -> No
 
 def choose(d: int, causal: bool, n_q: int, n_k: int, group: int) -> bool:
     """Whether the backward (`backward._backward`) runs this kernel rather than its two: d = 64 with 4096 queries
-    and keys or more, or 2048 with a causal mask. Measured on an H200 (bf16, B x N = 16k tokens, 32 query heads, d =
-    64; the whole backward, TFLOP/s of 2.5 x the forward's FLOPs, one pass against the two kernels in the same run,
-    `scripts/hopper_onepass_probe.py --ds 64 --groups 1,4`, 2026-11-30), in one launch: non-causal 1k 312 / 332 (4
-    query heads per K/V head: 338 / 325), 2k 353 / 359, 4k 380 / 358 (388 / 348), 8k 396 / 363, 16k 407 / 366 (410 /
-    366); causal 1k 212 / 233 (244 / 250), 2k 263 / 268, 4k 302 / 294 (355 / 306), 8k 353 / 300, 16k 381 / 314 (402
-    / 331). dQ in two chunks was 6-9 % slower than in one at every cell. In 4 launches (`slices`, as now; the same
-    probe and day): 4k 380 / 372, 16k 407 / 368; causal 4k 338 / 296, 16k 393 / 316; 2k 346 / 341, causal 281 / 266;
-    1k 296 / 331, causal 149 / 233. At 2k in a second run (the same day): non-causal 347 / 358 (325 / 350), causal
-    281 / 273 (296 / 281): causal rows from 2048, the others from 4096. In a third run, 4k with 4 query heads per
-    K/V head lost non-causal, 340 / 350, and won causal, 326 / 308: there `slices` made 3 launches of 2.6 waves;
-    it now makes 4 (see `slices`: 381 / 370, 360 / 314 in a fourth run). At d = 128 (dQ
-    in two chunks, a prototype of this kernel in one launch, 2026-11-30) it tied the two kernels at 4k and 16k
-    (non-causal 462 / 462, 499 / 490; causal 376 / 374, 437 / 443) and lost at 1k (336 / 373): not taken."""
-    return d == 64 and min(n_q, n_k) >= (2048 if causal else 4096)
+    and keys or more, or 2048 with a causal mask or several query heads a K/V head (`group`). Measured on an H200
+    (bf16, B x N = 16k tokens, 32 query heads, d = 64; the whole backward, TFLOP/s of 2.5 x the forward's FLOPs, one
+    pass against the two kernels in the same run, `scripts/hopper_onepass_probe.py --ds 64 --groups 1,4`,
+    2026-11-30), in one launch: non-causal 1k 312 / 332 (4 query heads per K/V head: 338 / 325), 2k 353 / 359, 4k
+    380 / 358 (388 / 348), 8k 396 / 363, 16k 407 / 366 (410 / 366); causal 1k 212 / 233 (244 / 250), 2k 263 / 268,
+    4k 302 / 294 (355 / 306), 8k 353 / 300, 16k 381 / 314 (402 / 331). dQ in two chunks was 6-9 % slower than in one
+    at every cell. In 4 launches (`slices`, as now; the same probe and day): 4k 380 / 372, 16k 407 / 368; causal 4k
+    338 / 296, 16k 393 / 316; 2k 346 / 341, causal 281 / 266; 1k 296 / 331, causal 149 / 233. At 2k in a second run
+    (the same day): non-causal 347 / 358 (325 / 350), causal 281 / 273 (296 / 281): causal rows from 2048, the
+    others from 4096. In a third run, 4k with 4 query heads per K/V head lost non-causal, 340 / 350, and won causal,
+    326 / 308: there `slices` made 3 launches of 2.6 waves; it now makes 4 (see `slices`: 381 / 370, 360 / 314 in a
+    fourth run). Grouped at 2k without a mask, in 4 launches: 360 / 338, 358 / 341, 360 / 351 in three runs (one
+    head a K/V head: 348 / 339, 346 / 358), so grouped rows take it from 2048 too; at 1k it lost (207 / 325). At d =
+    128 (dQ in two chunks, a prototype of this kernel in one launch, 2026-11-30) it tied the two kernels at 4k and
+    16k (non-causal 462 / 462, 499 / 490; causal 376 / 374, 437 / 443) and lost at 1k (336 / 373): not taken."""
+    return d == 64 and min(n_q, n_k) >= (2048 if causal or group > 1 else 4096)
