@@ -108,4 +108,5 @@ def rope(
         q_out, k_out = RoPEFunction.apply(q4, k4, cos3, sin3, pos, interleaved)
     else:  # nothing to differentiate (a serving step, generation): the kernel without autograd's Function
         q_out, k_out = rotate(q4, k4, cos3, sin3, pos, interleaved)
-    return q_out.reshape(q.shape), k_out.reshape(k.shape)
+    # (H, T, d) inputs: as_4d's leading 1 dropped again (a view, cheaper on the host than reshape)
+    return (q_out.squeeze(0) if q.dim() == 3 else q_out), (k_out.squeeze(0) if k.dim() == 3 else k_out)

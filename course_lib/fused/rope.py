@@ -221,9 +221,11 @@ def rotate(
     if q.numel() == 0 and k.numel() == 0:
         return q_out, k_out
     n_pairs = d // 2
-    if cos.stride() != sin.stride() or cos.stride(-1) != 1:  # the kernel reads both with cos's strides
+    cs = cos.stride()  # each tensor's strides read once (a call's host time)
+    if cs != sin.stride() or cs[-1] != 1:  # the kernel reads both with cos's strides
         cos, sin = cos.contiguous(), sin.contiguous()
-    stride_cb = cos.stride(0) if cos.shape[0] > 1 else 0
+        cs = cos.stride()
+    stride_cb = cs[0] if cos.shape[0] > 1 else 0
     has_positions = isinstance(positions, torch.Tensor)
     if has_positions and positions.shape[-1] > 1 and positions.stride(-1) != 1:  # read with unit stride
         positions = positions.contiguous()
@@ -242,7 +244,7 @@ def rotate(
         q, k, q_out, k_out, cos, sin, positions if has_positions else cos,
         n_tokens, n_token_tiles, n_q_heads, k.shape[1], n_pairs,
         *q.stride()[:3], *k.stride()[:3], *q_out.stride()[:3], *k_out.stride()[:3],
-        stride_cb, cos.stride(1), stride_pb, 0 if has_positions else positions, cos.shape[1],
+        stride_cb, cs[1], stride_pb, 0 if has_positions else positions, cos.shape[1],
         HAS_POSITIONS=has_positions, INTERLEAVED=interleaved, BACKWARD=backward, TOKENS=tokens,
         BLOCK_HQ=block_hq, BLOCK_HK=block_hk, BLOCK_PAIRS=block_pairs,
         ACC_64=accumulator_dtype(q.dtype) == torch.float64,
