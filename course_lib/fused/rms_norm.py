@@ -271,7 +271,7 @@ def column_sum_kernel(buf_ptr, out_ptr, n_rows, n_cols, BLOCK_R: tl.constexpr, B
 # --------------------------------------------------------------------------------------------------
 def _rows(t: torch.Tensor) -> torch.Tensor:
     """t (..., D) as a (rows, D) matrix whose last dim is contiguous (a view when it can be)."""
-    t2 = t.reshape(-1, t.shape[-1])
+    t2 = t if t.dim() == 2 else t.reshape(-1, t.shape[-1])
     return t2 if t2.stride(-1) == 1 or t2.shape[0] == 0 else t2.contiguous()
 
 
@@ -305,7 +305,8 @@ def rms_norm_forward(
     weight = weight.contiguous()  # read with unit stride (a strided or expanded weight is copied)
     n_rows, n_cols = x2.shape
     out_dtype = torch.promote_types(x.dtype, weight.dtype)
-    y = torch.empty((n_rows, n_cols), device=x.device, dtype=out_dtype)
+    # y contiguous in x's shape: rows n_cols apart, read by the kernel as (n_rows, n_cols), returned as it is
+    y = torch.empty(x.shape, device=x.device, dtype=out_dtype)
     rstd = torch.empty(n_rows if store_rstd else 1, device=x.device, dtype=accumulator_dtype(x.dtype))
     if n_rows:
         block = runtime.next_power_of_2(n_cols)
@@ -313,17 +314,17 @@ def rms_norm_forward(
         chunk = setting.chunk if chunk is None else chunk
         if chunk:
             bound.launch(rms_norm_fwd_chunked_kernel, (n_rows,),
-                x2, weight, y, rstd, x2.stride(0), y.stride(0), eps,
+                x2, weight, y, rstd, x2.stride(0), n_cols, eps,
                 N_COLS=n_cols, CHUNK=_power_of_two("chunk", chunk), KEEP=launch.keep_hint(x2.nbytes, x.device),
                 STORE_RSTD=store_rstd, num_warps=warps or setting.warps,
             )  # fmt: skip
         else:
             rows = _power_of_two("rows", rows or setting.rows)
             bound.launch(rms_norm_fwd_kernel, (runtime.cdiv(n_rows, rows),),
-                x2, weight, y, rstd, n_rows, n_cols, x2.stride(0), y.stride(0), eps,
+                x2, weight, y, rstd, n_rows, n_cols, x2.stride(0), n_cols, eps,
                 BLOCK_D=block, ROWS=rows, STORE_RSTD=store_rstd, num_warps=warps or setting.warps,
             )  # fmt: skip
-    return y.reshape(x.shape), rstd if store_rstd else None
+    return y, rstd if store_rstd else None
 
 
 def column_sum(
