@@ -312,9 +312,7 @@ def test_gpu_peak_memory_linear_in_n():
         peaks.append(torch.cuda.max_memory_allocated() - before)
         budget = 4 * q.numel() * q.element_size()  # O, dq, dk, dv
         one_pass = bwd_mod.hopper_onepass(q, k, v, do, True, n, n, DEFAULT_SWITCHES)
-        if (
-            one_pass is not None
-        ):  # and its float32 dQ accumulator for the largest slice of (batch, head) pairs
+        if one_pass is not None:  # its float32 dQ accumulator, for the largest slice of (batch, head) pairs
             _, pairs = one_pass.slices(4, -(-n // 128), course_lib.runtime.sm_count())[0]
             budget += pairs * n * 64 * 4
         budgets.append(budget)

@@ -152,8 +152,8 @@ def _spy(monkeypatch) -> list:
     ids=("ragged", "GQA bottom-right", "MQA top-left Nq > Nk"),
 )
 def test_default_backward_runs_it_at_d64(shape, n_k, kv_heads, causal, monkeypatch):
-    """`backward.backward` at d = 64, 4096 queries and keys or more (2048 causal): the one pass runs (once), and
-    its gradients are within PyTorch's bf16 error of float64."""
+    """`backward.backward` at d = 64, 4096 queries and keys or more (2048 causal or grouped): the one pass runs
+    (once), and its gradients are within PyTorch's bf16 error of float64."""
     calls = _spy(monkeypatch)
     torch.manual_seed(n_k)
     q, k, v = random_qkv((*shape, 64), n_k, dtype=torch.bfloat16, device="cuda", kv_heads=kv_heads)

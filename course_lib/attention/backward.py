@@ -617,7 +617,7 @@ def hopper_onepass(q4, k4, v4, do4, causal: bool, n_q: int, n_k: int, switches: 
     `torch.use_deterministic_algorithms(True)`: TMA's adds come in any order), a shape where
     `hopper_onepass.choose` found it faster than the two kernels; else None."""
     if (
-        not (switches["HOPPER"] and switches.get("HOPPER_ONEPASS", True))
+        not (switches["HOPPER"] and switches["HOPPER_ONEPASS"])
         or HOPPER_ONEPASS_FAILED
         or hopper_kernels() is None
     ):

@@ -118,6 +118,8 @@ class _Signature:
         (`_INT_KEYS`); keywords that are all constants (compile-time constants or launch options) key as their
         names, values and types together. A constant is keyed without hashing it first: the table's look-up
         hashes the key, and an unhashable constant fails there (`_launch` sends that call through Triton)."""
+        if len(args) > len(self.constant):
+            raise _Unbound("more arguments than parameters")
         key, ints = [], _INT_KEYS
         append = key.append
         for is_constant, a in zip(self.constant, args):
@@ -135,8 +137,6 @@ class _Signature:
                 append((a.dtype, a.data_ptr() % 16 == 0))
             else:
                 append(_runtime_key(a))
-        if len(args) > len(self.constant):
-            raise _Unbound("more arguments than parameters")
         if not kwargs:
             return tuple(key)
         if self.runtime_names.isdisjoint(kwargs):
