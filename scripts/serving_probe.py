@@ -400,7 +400,9 @@ def _cached_prompt(n: int, cached_fraction: float):
     other = prompt[:n_cached] + [(t + 1) % vocab for t in prompt[n_cached:]]
 
     def ready():
-        b = PrefixCachingBatcher(model, -(-(2 * n + 2) // page) + 4, page, max_batch=2, max_step_tokens=n + 1)
+        b = PrefixCachingBatcher(
+            model, -(-(2 * n + 2) // page) + 4, page, max_batch=2, max_step_tokens=n + 1, cuda_graphs=True
+        )  # as the bench's
         b.submit(other, 1)
         b.run()
         torch.cuda.synchronize()
@@ -539,30 +541,39 @@ def ttft_timeline(n: int = 32768, cached_fraction: float = 0.9, runs: int = 5) -
 
 
 def _layer_marks(ready, first) -> tuple[dict, dict]:
-    """One cached first token with a mark (host clock and CUDA event) where each layer of the model starts, where
-    its attention's output projection starts, and at the end: ({mark: host ms}, {mark: GPU ms}), both from the
-    model step's start. Where the GPU reaches a mark as soon as the host does, the GPU had been waiting."""
+    """One cached first token with a mark (host clock and CUDA event) where the model's step starts, where each
+    layer's attention (`PagedKV.attend`) starts and returns, and where the step returns: ({mark: host ms}, {mark:
+    GPU ms}), both from the step's start. Where the GPU reaches a mark as soon as the host does, the GPU had been
+    waiting. Marks at the attention calls, outside the model's graphs (`models.step_graphs`), so they are taken
+    whether the rest of the step is replayed or launched."""
+    from course_lib.decode.paged_kv import PagedKV
+
     b = ready()
-    model, handles, marks = b.model, [], []
+    model, marks, attend, step = b.model, [], PagedKV.attend, b.model.forward_step
 
     def mark(name):
-        def hook(*_):
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            marks.append((name, time.perf_counter(), event))
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        marks.append((name, time.perf_counter(), event))
 
-        return hook
+    def marked_attend(kv, layer, q, k, v):
+        mark(f"layer {layer} attention")
+        o = attend(kv, layer, q, k, v)
+        mark(f"layer {layer} after attention")
+        return o
 
-    handles.append(model.tok_embeddings.register_forward_pre_hook(mark("step start (embedding)")))
-    for i, layer in enumerate(model.layers):
-        handles.append(layer.attention_norm.register_forward_pre_hook(mark(f"layer {i}")))
-        handles.append(layer.attention.wo.register_forward_pre_hook(mark(f"layer {i} after attention")))
-    handles.append(model.output.register_forward_hook(mark("logits")))
+    def marked_forward_step(*args):
+        mark("step start")
+        out = step(*args)
+        mark("step end")
+        return out
+
+    PagedKV.attend, model.forward_step = marked_attend, marked_forward_step
     try:
         first(b)
     finally:
-        for h in handles:
-            h.remove()
+        PagedKV.attend = attend
+        del model.forward_step
     _, h0, e0 = marks[0]
     return (
         {name: 1e3 * (h - h0) for name, h, _ in marks},
@@ -993,7 +1004,10 @@ def _first_token_batcher(model, prompt, cached: bool, page: int = 16):
     """`bench.serving.ttft`'s batcher, the prompt submitted: cached, an earlier request left its first 90 % cached."""
     n = len(prompt)
     n_cached = int(n * 0.9) // page * page
-    b = PrefixCachingBatcher(model, -(-(2 * n + 2) // page) + 4, page, max_batch=2, max_step_tokens=n + 1)
+    gpu = torch.device(model.device).type == "cuda"  # graphs as the bench's batchers replay them
+    b = PrefixCachingBatcher(
+        model, -(-(2 * n + 2) // page) + 4, page, max_batch=2, max_step_tokens=n + 1, cuda_graphs=gpu
+    )
     if cached:
         b.submit(prompt[:n_cached] + [(t + 1) % model.config.vocab_size for t in prompt[n_cached:]], 1)
         b.run()

@@ -12,7 +12,9 @@ to first token of a cached prompt, and static against continuous batching on the
    and copies, from torch.profiler), so the share of the wall clock the host takes shows, and the FLOPs ratio
    (what a GPU-bound prefill would gain). The first tokens with and without the cache are compared. At 16k and
    32k, the host's time split by part (`ttft_host`: the prompt's checks, hashing, sharing, the batcher's step,
-   the model's launches, inserting).
+   the model's launches, inserting). On a GPU the batchers replay the work between a step's attention calls
+   from CUDA graphs per token count (cuda_graphs=True, `models.step_graphs`: captured in the warm-up run, as a
+   server captures its sizes at start; steps over 8192 tokens, the uncached 16k and 32k prompts, run as usual).
 3. Batching: one request stream (drawn prompt and output lengths, all waiting at the start) served by the static
    and the continuous batcher at equal KV memory, and continuous with chunked prefill: tokens / s, TTFT and TPOT
    (p50, p90), against the prediction from the step counts (`serving.scheduling.predict_steps`). On a GPU in
@@ -162,7 +164,9 @@ def ttft(model, prompt, cached_fraction: float, repeats: int, warmup: bool = Tru
     other = prompt[:n_cached] + [(t + 1) % vocab for t in prompt[n_cached:]]
 
     def ready(kind):
-        batcher = PrefixCachingBatcher(model, pages, page, max_batch=2, max_step_tokens=len(prompt) + 1)
+        batcher = PrefixCachingBatcher(
+            model, pages, page, max_batch=2, max_step_tokens=len(prompt) + 1, cuda_graphs=runtime.ON_GPU
+        )
         if kind == "cached":
             batcher.submit(other, 1)
             batcher.run()
@@ -286,7 +290,9 @@ def ttft_host(model, prompt, cached_fraction: float, repeats: int, page: int = 1
         return call
 
     def one(kind) -> dict[str, float]:
-        batcher = PrefixCachingBatcher(model, pages, page, max_batch=2, max_step_tokens=len(prompt) + 1)
+        batcher = PrefixCachingBatcher(
+            model, pages, page, max_batch=2, max_step_tokens=len(prompt) + 1, cuda_graphs=runtime.ON_GPU
+        )
         if kind == "cached":
             batcher.submit(other, 1)
             batcher.run()

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..checks import check_eps, check_int, check_real, check_token_ids, shape_and_dtype, should_validate
+from .step_graphs import MAX_TOKENS, StepGraphs
 
 BACKENDS = ("course_lib", "sdpa", "eager")
 
@@ -208,6 +209,9 @@ def stacked_weight(module: nn.Module, names: tuple[str, ...]) -> torch.Tensor | 
     return cached[1]
 
 
+# model -> its `StepGraphs` (`Llama.use_step_graphs`), beside the model as the stacks are.
+_STEP_GRAPHS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
 # module -> (its weights' versions, pointers, dtypes and devices; their stack): held beside the module, not in it,
 # so that pickling, `copy.deepcopy` and `state_dict` never carry a stack; it goes when the module does.
 _STACKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -248,13 +252,14 @@ class Attention(nn.Module):
             return flash(q, k, v, causal=causal)
         return attention_torch(q, k, v, True, backend)
 
-    def step(self, x, positions, cos, sin, kv, layer: int):
-        """One serving step over T new tokens of several sequences: x (T, dim), positions (T,) int64 with cos/sin the
-        (max_seq_len, d) tables, or positions None with cos/sin the (T, d) rows of the tokens' positions, looked up
-        once a step (`Llama.forward_step`); `kv` is the step's `course_lib.decode.paged_kv.PagedKV`, which writes
-        K/V into the paged cache and runs the paged split-KV decode kernel (notebook 10). Returns (T, dim)."""
+    def stacked(self) -> torch.Tensor | None:
+        """WQ, WK, WV stacked for one matmul (`stacked_weight`), or None."""
+        return stacked_weight(self, ("wq", "wk", "wv"))
+
+    def project_step(self, x, positions, cos, sin, w):
+        """`step`'s Q (T, Hq, d), K and V (T, Hkv, d) of x (T, dim), RoPE applied; w: the stacked weight
+        (`stacked`) or None for the separate ones (`models.step_graphs` passes the stack it captured)."""
         t, c = x.shape[0], self.c
-        w = stacked_weight(self, ("wq", "wk", "wv"))
         if w is None:
             q, k, v = self.wq(x), self.wk(x), self.wv(x)
         else:  # one matmul; Q, K, V are column slices of its output (d contiguous, as the kernels take)
@@ -264,12 +269,19 @@ class Attention(nn.Module):
         k, v = k.view(t, c.n_kv_heads, c.head_dim), v.view(t, c.n_kv_heads, c.head_dim)
         if self.backend == "course_lib":  # heads first, (H, T, d) views; angles looked up per token
             q, k = _course_lib_kernels()[2](q.transpose(0, 1), k.transpose(0, 1), cos, sin, positions)
-            q, k = q.transpose(0, 1), k.transpose(0, 1)
-        else:
-            if positions is not None:
-                cos, sin = cos[positions], sin[positions]
-            q, k = rope_torch(q, k, cos[:, None, :], sin[:, None, :])
-        return self.wo(kv.attend(layer, q, k, v).reshape(t, -1))
+            return q.transpose(0, 1), k.transpose(0, 1), v
+        if positions is not None:
+            cos, sin = cos[positions], sin[positions]
+        q, k = rope_torch(q, k, cos[:, None, :], sin[:, None, :])
+        return q, k, v
+
+    def step(self, x, positions, cos, sin, kv, layer: int):
+        """One serving step over T new tokens of several sequences: x (T, dim), positions (T,) int64 with cos/sin the
+        (max_seq_len, d) tables, or positions None with cos/sin the (T, d) rows of the tokens' positions, looked up
+        once a step (`Llama.forward_step`); `kv` is the step's `course_lib.decode.paged_kv.PagedKV`, which writes
+        K/V into the paged cache and runs the paged split-KV decode kernel (notebook 10). Returns (T, dim)."""
+        q, k, v = self.project_step(x, positions, cos, sin, self.stacked())
+        return self.wo(kv.attend(layer, q, k, v).reshape(x.shape[0], -1))
 
     def forward(self, x, cos, sin, cache=None, layer=0, start_pos=0):
         b, n, _ = x.shape
@@ -292,9 +304,16 @@ class FeedForward(nn.Module):
     def forward(self, x):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
+    def stacked(self) -> torch.Tensor | None:
+        """W1 and W3 stacked for one matmul (`stacked_weight`), or None."""
+        return stacked_weight(self, ("w1", "w3"))
+
     def step(self, x):
         """`forward` in a serving step (no gradient): W1 and W3 in one matmul (`stacked_weight`)."""
-        w = stacked_weight(self, ("w1", "w3"))
+        return self.stacked_step(x, self.stacked())
+
+    def stacked_step(self, x, w):
+        """`step` with the stacked W1/W3 given (`stacked`; None: the separate weights)."""
         if w is None:
             return self(x)
         gate, up = F.linear(x, w).chunk(2, dim=-1)
@@ -436,7 +455,14 @@ class Llama(nn.Module):
         launched 2 gathers a layer, and the fused kernel checked the positions in every layer (on a GPU a sync
         each, waiting for the layers before). Positions outside 0..max_seq_len - 1 raise here where they are on
         the CPU (`should_validate`); on a GPU the lookup's device-side assert catches those past the end, as the
-        embedding does token ids (reading them would sync every step)."""
+        embedding does token ids (reading them would sync every step).
+
+        After `use_step_graphs` (on a GPU), the work between the attention calls of a step of up to its
+        max_tokens tokens is replayed from CUDA graphs (`step_graphs.StepGraphs`); the logits are then the
+        graphs' memory, overwritten by the next step."""
+        graphs = _STEP_GRAPHS.get(self)
+        if graphs is not None and (logits := graphs.run(token_ids, positions, kv)) is not None:
+            return logits
         x = self.tok_embeddings(token_ids)
         n = self.rope_cos.shape[0]
         if should_validate(False, positions.device) and positions.numel():  # the CPU: reading them is free
@@ -451,6 +477,18 @@ class Llama(nn.Module):
             h = x + layer.attention.step(layer.attention_norm(x), None, cos, sin, kv, i)
             x = h + layer.feed_forward.step(layer.ffn_norm(h))
         return self.output(self.norm(x)).float()
+
+    def use_step_graphs(self, enabled: bool = True, max_tokens: int = MAX_TOKENS) -> None:
+        """Replay the work between a serving step's attention calls from CUDA graphs (`step_graphs`, notebook 14):
+        on for steps of up to `max_tokens` tokens, or off. A model on a CUDA device; the graphs are kept beside
+        the model, not in it (a copy or a pickle of the model carries none)."""
+        if not enabled:
+            _STEP_GRAPHS.pop(self, None)
+            return
+        max_tokens = check_int("Llama.use_step_graphs", "max_tokens", max_tokens, 1)
+        graphs = _STEP_GRAPHS.get(self)
+        if graphs is None or graphs.max_tokens != max_tokens:
+            _STEP_GRAPHS[self] = StepGraphs(self, max_tokens)
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())

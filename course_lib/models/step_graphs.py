@@ -1,0 +1,145 @@
+"""A serving step's work between its attention calls replayed from CUDA graphs, one set per token count
+("piecewise" graphs, as vLLM and SGLang capture them): notebook 14.
+
+A step over T new tokens (`Llama.forward_step`) launches, per layer, about twenty kernels from Python: two
+RMSNorms, four matmuls, RoPE, SwiGLU's products, the residual adds, and the attention over the paged cache.
+With a few thousand tokens the GPU's work per layer is around a millisecond, and the host's launches take as
+long: the GPU waits for them at the start of a step (a cached prompt's first token, notes/serving.md). Only
+the attention depends on the cache (its pages, lengths and the kernel's plan); everything between two
+attention calls depends on T alone. So, per bucket of token counts, the step is cut at its attention calls:
+
+    piece 0:      embedding, RoPE rows of the positions, layer 0's norm, Q/K/V projection, RoPE
+    piece i:      layer i-1's output projection, residual, SwiGLU MLP, residual; layer i's norm, Q/K/V, RoPE
+    piece L:      layer L-1's output projection and MLP, the final norm, the logits (fp32)
+
+and each piece is captured as a CUDA graph over fixed buffers (token ids, positions, the attention's output),
+T padded up to the bucket (`bucket`). A step copies its token ids and positions in, replays piece 0, runs
+layer 0's attention as usual on the first T rows (`kv.attend`: the cache write, the paged or prefill kernel),
+copies its output in, replays piece 1, and so on: L + 1 replays and L attention calls, where it launched
+about 20 L kernels. Padding rows compute on stale but valid ids and positions; rows never mix outside
+attention, so they change nothing in the first T rows, and their logits are not returned.
+
+The graphs read the weights where they are, so changes in place are seen; the stacked Q/K/V and W1/W3
+weights (`llama.stacked_weight`) are copies, so a graph set is dropped and captured again when any
+parameter changes (its version) or moves (its storage). Capturing a bucket costs three runs of its step
+(`perf.timing.graphed`): the first step at a new bucket pays it, the later ones replay.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from ..perf.timing import graphed
+
+MAX_TOKENS = 8192  # steps of more tokens run as usual: per-token work there outweighs the launches
+
+
+def bucket(tokens: int) -> int:
+    """The token count a step of `tokens` tokens is padded to: the next power of two up to 256 (at least 16),
+    then the next multiple of 256 (at most 1/9 of the rows padded past 256; 3280 -> 3328)."""
+    if tokens <= 256:
+        return max(16, 1 << (tokens - 1).bit_length())
+    return -(-tokens // 256) * 256
+
+
+def weights_key(model) -> tuple:
+    """What a captured graph set depends on beyond T: every parameter's storage, and its version where it has
+    one (a tensor made under `torch.inference_mode` has none; its stacks are not made either)."""
+    return tuple(
+        (p.data_ptr(), None if p.is_inference() else p._version) for p in model.parameters()
+    )  # fmt: skip
+
+
+class _Pieces:
+    """The L + 1 graphs of one bucket of `tokens` rows, their input buffers and the tensors they pass on."""
+
+    def __init__(self, model, tokens: int, pool):
+        c, device = model.config, model.device
+        self.tokens = torch.zeros(tokens, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(tokens, dtype=torch.int64, device=device)
+        self.o = torch.zeros(tokens, c.n_heads * c.head_dim, dtype=model.dtype, device=device)
+        layers = model.layers
+        stacks = [(b.attention.stacked(), b.feed_forward.stacked()) for b in layers]
+        self.stacks = stacks  # held: the graphs read them where they were at capture
+        # Each piece writes its outputs into its own dict and reads the tensors the piece before it wrote under
+        # capture (those its graph wrote): a warm-up run of a piece must not feed the next one.
+        self.outs = [{} for _ in range(len(layers) + 1)]
+
+        def project(i, x, cos, sin):  # layer i's Q, K, V (T, H, d) of x, RoPE applied
+            block = layers[i]
+            return block.attention.project_step(block.attention_norm(x), None, cos, sin, stacks[i][0])
+
+        def finish(i, x):  # layer i after its attention: the output projection, the MLP, both residuals
+            block = layers[i]
+            h = x + block.attention.wo(self.o)
+            return h + block.feed_forward.stacked_step(block.ffn_norm(h), stacks[i][1])
+
+        def first(out):
+            x = model.tok_embeddings(self.tokens)
+            out["cos"] = model.rope_cos[self.positions].to(x.dtype)
+            out["sin"] = model.rope_sin[self.positions].to(x.dtype)
+            out["x"], out["qkv"] = x, project(0, x, out["cos"], out["sin"])
+
+        def middle(i, out, x, cos, sin):
+            out["x"] = finish(i - 1, x)
+            out["qkv"] = project(i, out["x"], cos, sin)
+
+        def last(out, x):
+            out["logits"] = model.output(model.norm(finish(len(layers) - 1, x))).float()
+
+        outs = self.outs
+        self.replays = [graphed(lambda: first(outs[0]), pool)]
+        cos, sin = outs[0]["cos"], outs[0]["sin"]
+        for i in range(1, len(layers)):
+            x = outs[i - 1]["x"]
+            self.replays.append(graphed(lambda i=i, x=x: middle(i, outs[i], x, cos, sin), pool))
+        x = outs[-2]["x"]
+        self.replays.append(graphed(lambda: last(outs[-1], x), pool))
+        self.qkv = [out["qkv"] for out in outs[:-1]]  # layer i's attention reads piece i's Q, K, V
+        self.logits = outs[-1]["logits"]
+
+    def run(self, token_ids, positions, kv) -> torch.Tensor:
+        t = token_ids.shape[0]
+        self.tokens[:t].copy_(token_ids)
+        self.positions[:t].copy_(positions)
+        for i, replay in enumerate(self.replays[:-1]):
+            replay()
+            q, k, v = self.qkv[i]
+            self.o[:t].copy_(kv.attend(i, q[:t], k[:t], v[:t]).reshape(t, -1))
+        self.replays[-1]()
+        return self.logits[:t]
+
+
+class StepGraphs:
+    """`Llama.forward_step` with the work between attention calls replayed from CUDA graphs, one set per
+    token bucket (`bucket`), captured at first use. `run(token_ids, positions, kv)` returns the logits
+    (T, vocab) fp32, memory of the graphs (read them before the next step), or None where the step runs as
+    usual: more than `max_tokens` tokens, or a CUDA graph being captured (a caller's graph holds the step)."""
+
+    def __init__(self, model, max_tokens: int = MAX_TOKENS):
+        if torch.device(model.device).type != "cuda":
+            raise ValueError(f"StepGraphs: CUDA graphs need a model on a CUDA device, got {model.device}")
+        self.model = weakref.ref(model)  # kept beside the model, in a weak mapping (`Llama.use_step_graphs`)
+        self.max_tokens = max_tokens
+        self.pieces: dict[int, _Pieces] = {}
+        self.key = None
+        self.pool = torch.cuda.graph_pool_handle()
+        self.captures = 0  # buckets captured (again after a weight change)
+
+    def run(self, token_ids, positions, kv) -> torch.Tensor | None:
+        t = token_ids.shape[0]
+        if not 0 < t <= self.max_tokens or torch.cuda.is_current_stream_capturing():
+            return None
+        model = self.model()
+        key = weights_key(model)
+        if key != self.key:  # a parameter changed or moved: every graph set is stale
+            self.pieces.clear()
+            self.key = key
+        n = bucket(t)
+        pieces = self.pieces.get(n)
+        if pieces is None:
+            pieces = self.pieces[n] = _Pieces(model, n, self.pool)
+            self.captures += 1
+        return pieces.run(token_ids, positions, kv)
