@@ -212,8 +212,11 @@ assert same and cached.prefix.hits == 3 * 3 * PAGE  # requests 2-4 each found th
 # Time to first token is the prefill's time. A prompt 90 % cached computes a tenth of its tokens, but each of
 # them still attends to every key before it, cached or not, so its FLOPs fall less than 10x: about 6x at 32k
 # tokens, where attention is most of the work (`bench.serving.prefill_flops`). On a GPU the time falls less
-# still: every layer launches its kernels whatever their size, and for a small model that host time is a large
-# part of a short prefill. The serving record (`make bench BENCH=serving`) measures both first tokens.
+# still: the host's work before the model's step does not shrink with the cache, and every layer launches its
+# kernels whatever their size, which for a small model is a large part of a short prefill. The record's batchers
+# replay each layer's work between its attention calls (norms, projections, RoPE, the MLP) from CUDA graphs
+# captured per token count (`cuda_graphs=True`: piecewise graphs, as vLLM and SGLang capture them), so what the
+# host still launches is the attention. The serving record (`make bench BENCH=serving`) measures both first tokens.
 #
 # **Predict first.** A 32k-token prompt, 90 % of it cached: how many times faster is its first token than the
 # same prompt's uncached? The FLOPs ratio (6x) is the most it could be; the host's launches take some of it
@@ -249,10 +252,10 @@ else:
 # %% [markdown]
 # The wall clock holds more than the GPU's work. Before the model's first kernel the host checks the prompt, walks
 # its pages through the hash table, admits it and builds the step's arrays; nothing runs on the GPU meanwhile.
-# Then the first layer's small kernels (norm, projections, RoPE, the cache write) each finish before the host has
-# launched the next, so the GPU waits again until the first attention kernel is queued; only after it does the
-# host run ahead. A record with these parts prints them above: the host's time before the step, and the step's
-# time on the GPU against the GPU's busy time within it.
+# Then the first layer's replayed piece finishes long before the host has launched its attention (the cache
+# write, the cached keys gathered, the kernel), so the GPU waits again until that kernel is queued; only after it
+# does the host run ahead. A record with these parts prints them above: the host's time before the step, and the
+# step's time on the GPU against the GPU's busy time within it.
 
 # %% [markdown]
 # ## 4. Cascade attention from the merge

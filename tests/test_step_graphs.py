@@ -13,7 +13,7 @@ from course_lib.decode.batching import ContinuousBatcher
 from course_lib.decode.cache import PagedKVCache
 from course_lib.decode.paged_kv import PagedKV
 from course_lib.models.llama import _STEP_GRAPHS, Llama, LlamaConfig
-from course_lib.models.step_graphs import bucket
+from course_lib.models.step_graphs import Weights, bucket
 
 gpu = pytest.mark.skipif(not course_lib.ON_GPU, reason="CUDA graphs need a GPU")
 
@@ -23,6 +23,26 @@ def test_buckets_pad_little_past_256_tokens():
     assert [bucket(t) for t in tokens] == [16, 16, 32, 128, 256, 512, 3328, 8192]
     for t in range(257, 9000, 97):
         assert t <= bucket(t) < t + 256 and bucket(t) % 256 == 0
+
+
+def test_weights_tell_a_parameter_changed_in_place_replaced_or_moved():
+    model = Llama(LlamaConfig(n_layers=2))
+    weights = Weights(model)
+    assert not weights.changed() and len(weights.params) == len(list(model.parameters())) + 1  # tied output
+    with torch.no_grad():
+        model.layers[1].feed_forward.w3.weight.mul_(2.0)  # as an optimizer's step
+    assert weights.changed()
+    weights = Weights(model)
+    model.layers[0].attention.wo.weight = torch.nn.Parameter(model.layers[0].attention.wo.weight.clone())
+    assert weights.changed()
+    weights = Weights(model)
+    model.float()  # already float32: nothing moves
+    assert not weights.changed()
+    model.double()
+    assert weights.changed()
+    with torch.inference_mode():
+        frozen = Llama(LlamaConfig(n_layers=1))
+    assert not Weights(frozen).changed()
 
 
 def test_step_graphs_need_a_cuda_model_and_a_token_limit():
