@@ -12,6 +12,7 @@ import course_lib
 from course_lib.decode.batching import ContinuousBatcher
 from course_lib.decode.cache import PagedKVCache
 from course_lib.decode.paged_kv import PagedKV
+from course_lib.models import step_graphs
 from course_lib.models.llama import _STEP_GRAPHS, Llama, LlamaConfig
 from course_lib.models.step_graphs import Weights, bucket
 
@@ -67,7 +68,27 @@ def _model(backend="course_lib"):
     return Llama(config, backend).to("cuda", torch.bfloat16).eval()
 
 
-def _step(model, cache, lens):
+@pytest.mark.parametrize("backend", ["sdpa", "course_lib"])
+def test_the_pieces_cut_a_step_at_its_attention_calls(monkeypatch, backend):
+    """The pieces' arithmetic on any machine: each "graph" run as the function it would capture (CPU, float32), a
+    mixed step of 5 + 9 + 1 tokens padded to 16 rows, twice over the same buffers, against the step as usual."""
+    monkeypatch.setattr(step_graphs, "graphed", lambda fn, pool=None: fn)
+    torch.manual_seed(0)
+    config = LlamaConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=96, max_seq_len=128)
+    model = Llama(config, backend).to(course_lib.DEVICE).eval()
+    c = model.config
+    cache = PagedKVCache(c.n_layers, 16, 8, c.n_kv_heads, c.head_dim, torch.float32, course_lib.DEVICE)
+    tokens, positions, kv = _step(model, cache, (5, 9, 1), course_lib.DEVICE)
+    want = model.forward_step(tokens, positions, kv)
+    with torch.no_grad():  # as forward_step runs them
+        pieces = step_graphs._Pieces(model, bucket(15), None)
+        got = [pieces.run(model, tokens, positions, kv) for _ in range(2)]
+    for got in got:
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert pieces.x.shape == (16, c.dim) and len(pieces.replays) == c.n_layers + 1
+
+
+def _step(model, cache, lens, device="cuda"):
     """A step over new sequences of `lens` tokens (fresh ids), the last one after 40 tokens already cached."""
     g = torch.Generator().manual_seed(sum(lens))
     seqs = list(range(len(lens)))
@@ -76,8 +97,10 @@ def _step(model, cache, lens):
     cache.append(seqs[-1], 40)  # its earlier tokens' pages (their K/V: whatever the pool holds, as for all)
     slots = torch.cat([cache.append(s, n) for s, n in zip(seqs, lens)])
     kv = PagedKV.for_step(cache, seqs, list(lens), slots)
-    tokens = torch.randint(0, model.config.vocab_size, (sum(lens),), generator=g).cuda()
-    positions = torch.cat([torch.arange(n) + (40 if s == seqs[-1] else 0) for s, n in zip(seqs, lens)]).cuda()
+    tokens = torch.randint(0, model.config.vocab_size, (sum(lens),), generator=g).to(device)
+    positions = torch.cat([torch.arange(n) + (40 if s == seqs[-1] else 0) for s, n in zip(seqs, lens)]).to(
+        device
+    )
     return tokens, positions, kv
 
 

@@ -10,14 +10,15 @@ attention calls depends on T alone. So, per bucket of token counts, the step is 
 
     piece 0:      embedding, RoPE rows of the positions, layer 0's norm, Q/K/V projection, RoPE
     piece i:      layer i-1's output projection, residual, SwiGLU MLP, residual; layer i's norm, Q/K/V, RoPE
-    piece L:      layer L-1's output projection and MLP, the final norm, the logits (fp32)
+    piece L:      layer L-1's output projection, residual, MLP, residual
 
-and each piece is captured as a CUDA graph over fixed buffers (token ids, positions, the attention's output),
-T padded up to the bucket (`bucket`). A step copies its token ids and positions in, replays piece 0, runs
-layer 0's attention as usual on the first T rows (`kv.attend`: the cache write, the paged or prefill kernel),
-copies its output in, replays piece 1, and so on: L + 1 replays and L attention calls, where it launched
-about 20 L kernels. Padding rows compute on stale but valid ids and positions; rows never mix outside
-attention, so they change nothing in the first T rows, and their logits are not returned.
+and each piece is captured as a CUDA graph over fixed buffers of the bucket's T rows (`_Pieces`: token ids,
+positions, the residual stream, Q/K/V, the attention's output), T padded up to the bucket (`bucket`). A step
+copies its token ids and positions in, replays piece 0, runs layer 0's attention as usual on the first T rows
+(`kv.attend`: the cache write, the paged or prefill kernel), copies its output in, replays piece 1, and so on;
+then the final norm and the logits (fp32) as usual: L + 1 replays, L attention calls and 3 launches, where it
+launched about 20 L kernels. Padding rows compute on stale but valid ids and positions; rows never mix outside
+attention, so they change nothing in the first T rows.
 
 The graphs read the weights where they are, so changes in place are seen; the stacked Q/K/V and W1/W3
 weights (`llama.stacked_weight`) are copies, so a graph set is dropped and captured again when any
@@ -76,70 +77,70 @@ class Weights:
 
 
 class _Pieces:
-    """The L + 1 graphs of one bucket of `tokens` rows, their input buffers and the tensors they pass on."""
+    """The L graphs of one bucket of `tokens` rows and the buffers they read and write, one set for every layer: the
+    residual stream x (added to in place), Q/K/V after RoPE (T, Hq + 2 Hkv, d), the attention's output, the token
+    ids, positions and their RoPE rows. The graphs' other tensors live in the pool all buckets share (no two
+    graphs run at once), so a bucket holds a few activations of T rows, not L of them."""
 
     def __init__(self, model, tokens: int, pool):
-        c, device = model.config, model.device
+        c, device, dtype = model.config, model.device, model.dtype
         self.tokens = torch.zeros(tokens, dtype=torch.int64, device=device)
         self.positions = torch.zeros(tokens, dtype=torch.int64, device=device)
-        self.o = torch.zeros(tokens, c.n_heads * c.head_dim, dtype=model.dtype, device=device)
+        self.cos = torch.zeros(tokens, c.head_dim, dtype=dtype, device=device)
+        self.sin = torch.zeros_like(self.cos)
+        self.x = torch.zeros(tokens, c.dim, dtype=dtype, device=device)
+        self.qkv = torch.zeros(tokens, c.n_heads + 2 * c.n_kv_heads, c.head_dim, dtype=dtype, device=device)
+        self.o = torch.zeros(tokens, c.n_heads * c.head_dim, dtype=dtype, device=device)
+        self.heads = (c.n_heads, c.n_heads + c.n_kv_heads)  # where K and V start in qkv's heads
         layers = model.layers
         stacks = [(b.attention.stacked(), b.feed_forward.stacked()) for b in layers]
         self.stacks = stacks  # held: the graphs read them where they were at capture
-        # Each piece writes its outputs into its own dict and reads the tensors the piece before it wrote under
-        # capture (those its graph wrote): a warm-up run of a piece must not feed the next one.
-        self.outs = [{} for _ in range(len(layers) + 1)]
 
-        def project(i, x, cos, sin):  # layer i's Q, K, V (T, H, d) of x, RoPE applied
+        def project(i):  # layer i's Q, K, V of x, RoPE applied, into qkv
             block = layers[i]
-            return block.attention.project_step(block.attention_norm(x), None, cos, sin, stacks[i][0])
+            q, k, v = block.attention.project_step(
+                block.attention_norm(self.x), None, self.cos, self.sin, stacks[i][0]
+            )
+            torch.cat((q, k, v), dim=1, out=self.qkv)
 
-        def finish(i, x):  # layer i after its attention: the output projection, the MLP, both residuals
+        def finish(i):  # layer i after its attention: the output projection, the MLP, both residuals, in x
             block = layers[i]
-            h = x + block.attention.wo(self.o)
-            return h + block.feed_forward.stacked_step(block.ffn_norm(h), stacks[i][1])
+            self.x.add_(block.attention.wo(self.o))
+            self.x.add_(block.feed_forward.stacked_step(block.ffn_norm(self.x), stacks[i][1]))
 
-        def first(out):
-            x = model.tok_embeddings(self.tokens)
-            out["cos"] = model.rope_cos[self.positions].to(x.dtype)
-            out["sin"] = model.rope_sin[self.positions].to(x.dtype)
-            out["x"], out["qkv"] = x, project(0, x, out["cos"], out["sin"])
+        def first():
+            self.x.copy_(model.tok_embeddings(self.tokens))
+            self.cos.copy_(model.rope_cos[self.positions])
+            self.sin.copy_(model.rope_sin[self.positions])
+            project(0)
 
-        def middle(i, out, x, cos, sin):
-            out["x"] = finish(i - 1, x)
-            out["qkv"] = project(i, out["x"], cos, sin)
+        def middle(i):
+            finish(i - 1)
+            project(i)
 
-        def last(out, x):
-            out["logits"] = model.output(model.norm(finish(len(layers) - 1, x))).float()
+        self.replays = [graphed(first, pool)]
+        self.replays += [graphed(lambda i=i: middle(i), pool) for i in range(1, len(layers))]
+        self.replays.append(graphed(lambda: finish(len(layers) - 1), pool))
 
-        outs = self.outs
-        self.replays = [graphed(lambda: first(outs[0]), pool)]
-        cos, sin = outs[0]["cos"], outs[0]["sin"]
-        for i in range(1, len(layers)):
-            x = outs[i - 1]["x"]
-            self.replays.append(graphed(lambda i=i, x=x: middle(i, outs[i], x, cos, sin), pool))
-        x = outs[-2]["x"]
-        self.replays.append(graphed(lambda: last(outs[-1], x), pool))
-        self.qkv = [out["qkv"] for out in outs[:-1]]  # layer i's attention reads piece i's Q, K, V
-        self.logits = outs[-1]["logits"]
-
-    def run(self, token_ids, positions, kv) -> torch.Tensor:
-        t = token_ids.shape[0]
+    def run(self, model, token_ids, positions, kv) -> torch.Tensor:
+        t, (k0, v0) = token_ids.shape[0], self.heads
         self.tokens[:t].copy_(token_ids)
         self.positions[:t].copy_(positions)
+        qkv = self.qkv[:t]
+        q, k, v = qkv[:, :k0], qkv[:, k0:v0], qkv[:, v0:]
         for i, replay in enumerate(self.replays[:-1]):
             replay()
-            q, k, v = self.qkv[i]
-            self.o[:t].copy_(kv.attend(i, q[:t], k[:t], v[:t]).reshape(t, -1))
+            self.o[:t].copy_(kv.attend(i, q, k, v).reshape(t, -1))
         self.replays[-1]()
-        return self.logits[:t]
+        # The logits (T, vocab) as usual, outside the graphs: a bucket would keep them (vocab may be large).
+        return model.output(model.norm(self.x[:t])).float()
 
 
 class StepGraphs:
     """`Llama.forward_step` with the work between attention calls replayed from CUDA graphs, one set per
     token bucket (`bucket`), captured at first use. `run(token_ids, positions, kv)` returns the logits
-    (T, vocab) fp32, memory of the graphs (read them before the next step), or None where the step runs as
-    usual: more than `max_tokens` tokens, or a CUDA graph being captured (a caller's graph holds the step)."""
+    (T, vocab) fp32, or None where the step runs as usual: more than `max_tokens` tokens, or a CUDA graph being
+    captured (a caller's graph holds the step)."""
 
     def __init__(self, model, max_tokens: int = MAX_TOKENS):
         if torch.device(model.device).type != "cuda":
@@ -151,6 +152,7 @@ class StepGraphs:
         self.pool = None
         self.captures = 0  # buckets captured (again after a weight change)
 
+    @torch.no_grad()
     def run(self, token_ids, positions, kv) -> torch.Tensor | None:
         t = token_ids.shape[0]
         if not 0 < t <= self.max_tokens or torch.cuda.is_current_stream_capturing():
@@ -167,4 +169,4 @@ class StepGraphs:
         if pieces is None:
             pieces = self.pieces[n] = _Pieces(model, n, self.pool)
             self.captures += 1
-        return pieces.run(token_ids, positions, kv)
+        return pieces.run(model, token_ids, positions, kv)
