@@ -82,8 +82,8 @@ def test_the_pieces_cut_a_step_at_its_attention_calls(monkeypatch, backend):
     want = model.forward_step(tokens, positions, kv)
     with torch.no_grad():  # as forward_step runs them
         pieces = step_graphs._Pieces(model, bucket(15), None)
-        got = [pieces.run(model, tokens, positions, kv) for _ in range(2)]
-    for got in got:
+        runs = [pieces.run(model, tokens, positions, kv) for _ in range(2)]
+    for got in runs:
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     assert pieces.x.shape == (16, c.dim) and len(pieces.replays) == c.n_layers + 1
 
@@ -133,9 +133,9 @@ def test_a_step_replayed_in_pieces_gives_the_step_as_usual(backend, lens):
 @pytest.mark.gpu
 @gpu
 def test_step_graphs_follow_weight_changes_and_leave_long_steps_as_they_are():
-    """A weight changed in place (as an optimizer does) or replaced: the graphs are captured again and the logits
-    follow (the stacked Q/K/V and W1/W3 are copies the old graphs would read); a step of more than max_tokens
-    tokens runs as usual."""
+    """A weight changed in place (as an optimizer does) or replaced, or the backend changed: the graphs are captured
+    again and the logits follow (the stacked Q/K/V and W1/W3 are copies the old graphs would read); a step of more
+    than max_tokens tokens runs as usual."""
     model = _model()
     c = model.config
     cache = PagedKVCache(c.n_layers, 128, 16, c.n_kv_heads, c.head_dim, torch.bfloat16, "cuda")
@@ -158,9 +158,16 @@ def test_step_graphs_follow_weight_changes_and_leave_long_steps_as_they_are():
         assert (got - before).abs().max() > 0.1  # the change is one the logits show
         model.use_step_graphs(max_tokens=128)
         graphs = _STEP_GRAPHS[model]
+        model.forward_step(tokens, positions, kv)
         model.layers[0].attention.wo.weight = torch.nn.Parameter(model.layers[0].attention.wo.weight * 0.5)
         got = model.forward_step(tokens, positions, kv).clone()
+        assert graphs.captures == 2
+        model.backend = "sdpa"  # other kernels: captured again
+        got_sdpa = model.forward_step(tokens, positions, kv).clone()
+        assert graphs.captures == 3
         model.use_step_graphs(False)
+        torch.testing.assert_close(got_sdpa, model.forward_step(tokens, positions, kv), atol=2e-2, rtol=2e-2)
+        model.backend = "course_lib"
         torch.testing.assert_close(got, model.forward_step(tokens, positions, kv), atol=2e-2, rtol=2e-2)
     finally:
         model.use_step_graphs(False)

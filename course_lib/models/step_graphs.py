@@ -22,8 +22,9 @@ attention, so they change nothing in the first T rows.
 
 The graphs read the weights where they are, so changes in place are seen; the stacked Q/K/V and W1/W3
 weights (`llama.stacked_weight`) are copies, so a graph set is dropped and captured again when any
-parameter changes (its version) or moves (its storage). Capturing a bucket costs three runs of its step
-(`perf.timing.graphed`): the first step at a new bucket pays it, the later ones replay.
+parameter changes (its version) or moves (its storage), and when the model's backend changes.
+Capturing a bucket costs three runs of its step (`perf.timing.graphed`): the first step at a new bucket pays it,
+the later ones replay.
 """
 
 from __future__ import annotations
@@ -77,9 +78,9 @@ class Weights:
 
 
 class _Pieces:
-    """The L graphs of one bucket of `tokens` rows and the buffers they read and write, one set for every layer: the
-    residual stream x (added to in place), Q/K/V after RoPE (T, Hq + 2 Hkv, d), the attention's output, the token
-    ids, positions and their RoPE rows. The graphs' other tensors live in the pool all buckets share (no two
+    """The L + 1 graphs of one bucket of `tokens` rows and the buffers they read and write, one set shared by every
+    layer: the residual stream x (added to in place), Q/K/V after RoPE (T, Hq + 2 Hkv, d), the attention's output,
+    the token ids, positions and their RoPE rows. The graphs' other tensors live in the pool all buckets share (no two
     graphs run at once), so a bucket holds a few activations of T rows, not L of them."""
 
     def __init__(self, model, tokens: int, pool):
@@ -149,6 +150,7 @@ class StepGraphs:
         self.max_tokens = max_tokens
         self.pieces: dict[int, _Pieces] = {}
         self.weights: Weights | None = None
+        self.backend = model.backend
         self.pool = None
         self.captures = 0  # buckets captured (again after a weight change)
 
@@ -158,12 +160,13 @@ class StepGraphs:
         if not 0 < t <= self.max_tokens or torch.cuda.is_current_stream_capturing():
             return None
         model = self.model()
-        if (
-            self.weights is None or self.weights.changed()
-        ):  # a parameter changed or moved: every graph is stale
+        if model.device.type != "cuda":  # moved off the GPU since
+            return None
+        # A parameter changed or moved, or the backend (its kernels) changed: every graph is stale.
+        if self.weights is None or self.weights.changed() or self.backend != model.backend:
             self.pieces.clear()
             self.pool = torch.cuda.graph_pool_handle()  # the old pool goes with its graphs
-            self.weights = Weights(model)
+            self.weights, self.backend = Weights(model), model.backend
         n = bucket(t)
         pieces = self.pieces.get(n)
         if pieces is None:
