@@ -525,7 +525,8 @@ assert batcher.cache.allocator.num_free == 10  # every page came back
 # as a CUDA graph and replay it with one call. `ContinuousBatcher(..., cuda_graphs=True)` does so for every
 # step in which all sequences decode (`course_lib.decode.graphs`): one graph per batch size and block-table
 # width (padded to a power of two pages), its inputs copied into fixed tensors before each replay. The
-# tokens must not change. (CUDA graphs need a GPU; on a CPU this cell only says so.)
+# tokens must not change. (CUDA graphs need a GPU; on a CPU this cell only says so.) With the capstone's
+# model (notebooks 12 and 14) the other steps, prefills among them, replay their work between attention calls.
 
 # %%
 if course_lib.ON_GPU:
