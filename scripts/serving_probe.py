@@ -544,7 +544,7 @@ def _layer_marks(ready, first) -> tuple[dict, dict]:
     """One cached first token with a mark (host clock and CUDA event) where the model's step starts, where each
     layer's attention (`PagedKV.attend`) starts and returns, and where the step returns: ({mark: host ms}, {mark:
     GPU ms}), both from the step's start. Where the GPU reaches a mark as soon as the host does, the GPU had been
-    waiting. Marks at the attention calls, outside the model's graphs (`models.step_graphs`), so they are taken
+    waiting. Marks at the attention calls, outside the model's graphs (`models.piecewise`), so they are taken
     whether the rest of the step is replayed or launched."""
     from course_lib.decode.paged_kv import PagedKV
 

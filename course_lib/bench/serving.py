@@ -13,7 +13,7 @@ to first token of a cached prompt, and static against continuous batching on the
    (what a GPU-bound prefill would gain). The first tokens with and without the cache are compared. At 16k and
    32k, the host's time split by part (`ttft_host`: the prompt's checks, hashing, sharing, the batcher's step,
    the model's launches, inserting). On a GPU the batchers replay the work between a step's attention calls
-   from CUDA graphs per token count (cuda_graphs=True, `models.step_graphs`: captured in the warm-up run, as a
+   from CUDA graphs per token count (cuda_graphs=True, `models.piecewise`: captured in the warm-up run, as a
    server captures its sizes at start; steps over 8192 tokens, the uncached 16k and 32k prompts, run as usual).
 3. Batching: one request stream (drawn prompt and output lengths, all waiting at the start) served by the static
    and the continuous batcher at equal KV memory, and continuous with chunked prefill: tokens / s, TTFT and TPOT

@@ -164,8 +164,8 @@ class ContinuousBatcher:
     copies them back into free pages when it is admitted again (`swap_in`), so nothing is recomputed.
     cuda_graphs=True (a model on a CUDA device) replays each step in which every sequence decodes as a
     CUDA graph (`graphs.DecodeGraphs`): the same model code, one launch from the CPU per step; and a model
-    that has `use_step_graphs` (`models.Llama`) replays the work between the attention calls of the other
-    steps (prefills, mixed steps) from graphs per token count (`models.step_graphs`, notebook 14).
+    that has `use_piecewise_graphs` (`models.Llama`) replays the work between the attention calls of the other
+    steps (prefills, mixed steps) from graphs per token count (`models.piecewise`, notebook 14).
     kv_view(cache, seq_ids, new_lens, slots) -> a view with `attend`, or None: asked first at each step
     for the view the model attends through; None (or no kv_view) takes `PagedKV.for_step` (and the CUDA
     graph where one replays the step). `serving.cascade.CascadeChoice` is one: cascade attention for the
@@ -211,8 +211,8 @@ class ContinuousBatcher:
         self.max_step_tokens = max_step_tokens
         # decode-only steps replayed as CUDA graphs (`graphs.DecodeGraphs`; a CUDA model only)
         self.graphs = DecodeGraphs(model, self.cache) if cuda_graphs else None
-        if cuda_graphs and hasattr(model, "use_step_graphs"):
-            model.use_step_graphs()
+        if cuda_graphs and hasattr(model, "use_piecewise_graphs"):
+            model.use_piecewise_graphs()
         self.preemption, self.kv_view = preemption, kv_view
         self.swapped: dict[int, SwappedSequence] = {}  # request id -> its pages in host memory ("swap")
         self.preemptions = 0

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..checks import check_eps, check_int, check_real, check_token_ids, shape_and_dtype, should_validate
-from .step_graphs import MAX_TOKENS, StepGraphs
+from .piecewise import MAX_TOKENS, PiecewiseGraphs
 
 BACKENDS = ("course_lib", "sdpa", "eager")
 
@@ -209,8 +209,8 @@ def stacked_weight(module: nn.Module, names: tuple[str, ...]) -> torch.Tensor | 
     return cached[1]
 
 
-# model -> its `StepGraphs` (`Llama.use_step_graphs`), beside the model as the stacks are.
-_STEP_GRAPHS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# model -> its `PiecewiseGraphs` (`Llama.use_piecewise_graphs`), beside the model as the stacks are.
+_PIECEWISE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 # module -> (its weights' versions, pointers, dtypes and devices; their stack): held beside the module, not in it,
 # so that pickling, `copy.deepcopy` and `state_dict` never carry a stack; it goes when the module does.
@@ -258,7 +258,7 @@ class Attention(nn.Module):
 
     def project_step(self, x, positions, cos, sin, w):
         """`step`'s Q (T, Hq, d), K and V (T, Hkv, d) of x (T, dim), RoPE applied; w: the stacked weight
-        (`stacked`) or None for the separate ones (`models.step_graphs` passes the stack it captured)."""
+        (`stacked`) or None for the separate ones (`models.piecewise` passes the stack it captured)."""
         t, c = x.shape[0], self.c
         if w is None:
             q, k, v = self.wq(x), self.wk(x), self.wv(x)
@@ -457,10 +457,10 @@ class Llama(nn.Module):
         the CPU (`should_validate`); on a GPU the lookup's device-side assert catches those past the end, as the
         embedding does token ids (reading them would sync every step).
 
-        After `use_step_graphs` (on a GPU), the work between the attention calls of a step of up to its
-        max_tokens tokens is replayed from CUDA graphs (`step_graphs.StepGraphs`); the logits are then the
+        After `use_piecewise_graphs` (on a GPU), the work between the attention calls of a step of up to its
+        max_tokens tokens is replayed from CUDA graphs (`piecewise.PiecewiseGraphs`); the logits are then the
         graphs' memory, overwritten by the next step."""
-        graphs = _STEP_GRAPHS.get(self)
+        graphs = _PIECEWISE.get(self)
         if graphs is not None and (logits := graphs.run(token_ids, positions, kv)) is not None:
             return logits
         x = self.tok_embeddings(token_ids)
@@ -478,17 +478,17 @@ class Llama(nn.Module):
             x = h + layer.feed_forward.step(layer.ffn_norm(h))
         return self.output(self.norm(x)).float()
 
-    def use_step_graphs(self, enabled: bool = True, max_tokens: int = MAX_TOKENS) -> None:
-        """Replay the work between a serving step's attention calls from CUDA graphs (`step_graphs`, notebook 14):
+    def use_piecewise_graphs(self, enabled: bool = True, max_tokens: int = MAX_TOKENS) -> None:
+        """Replay the work between a serving step's attention calls from CUDA graphs (`piecewise`, notebook 14):
         on for steps of up to `max_tokens` tokens, or off. A model on a CUDA device; the graphs are kept beside
         the model, not in it (a copy or a pickle of the model carries none)."""
         if not enabled:
-            _STEP_GRAPHS.pop(self, None)
+            _PIECEWISE.pop(self, None)
             return
-        max_tokens = check_int("Llama.use_step_graphs", "max_tokens", max_tokens, 1)
-        graphs = _STEP_GRAPHS.get(self)
+        max_tokens = check_int("Llama.use_piecewise_graphs", "max_tokens", max_tokens, 1)
+        graphs = _PIECEWISE.get(self)
         if graphs is None or graphs.max_tokens != max_tokens:
-            _STEP_GRAPHS[self] = StepGraphs(self, max_tokens)
+            _PIECEWISE[self] = PiecewiseGraphs(self, max_tokens)
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())

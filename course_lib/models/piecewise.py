@@ -137,7 +137,7 @@ class _Pieces:
         return model.output(model.norm(self.x[:t])).float()
 
 
-class StepGraphs:
+class PiecewiseGraphs:
     """`Llama.forward_step` with the work between attention calls replayed from CUDA graphs, one set per
     token bucket (`bucket`), captured at first use. `run(token_ids, positions, kv)` returns the logits
     (T, vocab) fp32, or None where the step runs as usual: more than `max_tokens` tokens, or a CUDA graph being
@@ -145,8 +145,12 @@ class StepGraphs:
 
     def __init__(self, model, max_tokens: int = MAX_TOKENS):
         if torch.device(model.device).type != "cuda":
-            raise ValueError(f"StepGraphs: CUDA graphs need a model on a CUDA device, got {model.device}")
-        self.model = weakref.ref(model)  # kept beside the model, in a weak mapping (`Llama.use_step_graphs`)
+            raise ValueError(
+                f"PiecewiseGraphs: CUDA graphs need a model on a CUDA device, got {model.device}"
+            )
+        self.model = weakref.ref(
+            model
+        )  # kept beside the model, in a weak mapping (`Llama.use_piecewise_graphs`)
         self.max_tokens = max_tokens
         self.pieces: dict[int, _Pieces] = {}
         self.weights: Weights | None = None

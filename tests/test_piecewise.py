@@ -1,4 +1,4 @@
-"""course_lib.models.step_graphs: a serving step's work between its attention calls replayed from CUDA graphs
+"""course_lib.models.piecewise: a serving step's work between its attention calls replayed from CUDA graphs
 (piecewise), against the same step run as usual; its buckets, the weights it follows, what it refuses."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import course_lib
 from course_lib.decode.batching import ContinuousBatcher
 from course_lib.decode.cache import PagedKVCache
 from course_lib.decode.paged_kv import PagedKV
-from course_lib.models import step_graphs
-from course_lib.models.llama import _STEP_GRAPHS, Llama, LlamaConfig
-from course_lib.models.step_graphs import Weights, bucket
+from course_lib.models import piecewise
+from course_lib.models.llama import _PIECEWISE, Llama, LlamaConfig
+from course_lib.models.piecewise import Weights, bucket
 
 gpu = pytest.mark.skipif(not course_lib.ON_GPU, reason="CUDA graphs need a GPU")
 
@@ -46,20 +46,20 @@ def test_weights_tell_a_parameter_changed_in_place_replaced_or_moved():
     assert not Weights(frozen).changed()
 
 
-def test_step_graphs_need_a_cuda_model_and_a_token_limit():
+def test_piecewise_graphs_need_a_cuda_model_and_a_token_limit():
     model = Llama(LlamaConfig(n_layers=1))
     if not course_lib.ON_GPU:
         with pytest.raises(ValueError, match="CUDA graphs need a model on a CUDA device"):
-            model.use_step_graphs()
+            model.use_piecewise_graphs()
         return
     model = model.cuda()
     with pytest.raises(ValueError, match="max_tokens"):
-        model.use_step_graphs(max_tokens=0)
-    model.use_step_graphs()
-    assert model in _STEP_GRAPHS
+        model.use_piecewise_graphs(max_tokens=0)
+    model.use_piecewise_graphs()
+    assert model in _PIECEWISE
     copy.deepcopy(model)  # the graphs live beside the model: a copy carries none
-    model.use_step_graphs(False)
-    assert model not in _STEP_GRAPHS
+    model.use_piecewise_graphs(False)
+    assert model not in _PIECEWISE
 
 
 def _model(backend="course_lib"):
@@ -72,7 +72,7 @@ def _model(backend="course_lib"):
 def test_the_pieces_cut_a_step_at_its_attention_calls(monkeypatch, backend):
     """The pieces' arithmetic on any machine: each "graph" run as the function it would capture (CPU, float32), a
     mixed step of 5 + 9 + 1 tokens padded to 16 rows, twice over the same buffers, against the step as usual."""
-    monkeypatch.setattr(step_graphs, "graphed", lambda fn, pool=None: fn)
+    monkeypatch.setattr(piecewise, "graphed", lambda fn, pool=None: fn)
     torch.manual_seed(0)
     config = LlamaConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=96, max_seq_len=128)
     model = Llama(config, backend).to(course_lib.DEVICE).eval()
@@ -81,7 +81,7 @@ def test_the_pieces_cut_a_step_at_its_attention_calls(monkeypatch, backend):
     tokens, positions, kv = _step(model, cache, (5, 9, 1), course_lib.DEVICE)
     want = model.forward_step(tokens, positions, kv)
     with torch.no_grad():  # as forward_step runs them
-        pieces = step_graphs._Pieces(model, bucket(15), None)
+        pieces = piecewise._Pieces(model, bucket(15), None)
         runs = [pieces.run(model, tokens, positions, kv) for _ in range(2)]
     for got in runs:
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
@@ -118,21 +118,21 @@ def test_a_step_replayed_in_pieces_gives_the_step_as_usual(backend, lens):
     tokens, positions, kv = _step(model, cache, lens)
     assert (kv.prefill is not None) == (lens == (1300, 1260))
     want = model.forward_step(tokens, positions, kv).clone()
-    model.use_step_graphs()
+    model.use_piecewise_graphs()
     try:
-        graphs = _STEP_GRAPHS[model]
+        graphs = _PIECEWISE[model]
         for _ in range(2):  # captured, then replayed
             got = model.forward_step(tokens, positions, kv)
             assert got.shape == want.shape and got.dtype == torch.float32
             torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
         assert graphs.captures == 1 and list(graphs.pieces) == [bucket(sum(lens))]
     finally:
-        model.use_step_graphs(False)
+        model.use_piecewise_graphs(False)
 
 
 @pytest.mark.gpu
 @gpu
-def test_step_graphs_follow_weight_changes_and_leave_long_steps_as_they_are():
+def test_piecewise_graphs_follow_weight_changes_and_leave_long_steps_as_they_are():
     """A weight changed in place (as an optimizer does) or replaced, or the backend changed: the graphs are captured
     again and the logits follow (the stacked Q/K/V and W1/W3 are copies the old graphs would read); a step of more
     than max_tokens tokens runs as usual."""
@@ -140,24 +140,24 @@ def test_step_graphs_follow_weight_changes_and_leave_long_steps_as_they_are():
     c = model.config
     cache = PagedKVCache(c.n_layers, 128, 16, c.n_kv_heads, c.head_dim, torch.bfloat16, "cuda")
     tokens, positions, kv = _step(model, cache, (50, 20))
-    model.use_step_graphs(max_tokens=64)
-    graphs = _STEP_GRAPHS[model]
+    model.use_piecewise_graphs(max_tokens=64)
+    graphs = _PIECEWISE[model]
     try:
         assert model.forward_step(tokens, positions, kv) is not None and graphs.captures == 0  # 70 > 64
-        model.use_step_graphs(max_tokens=128)
-        graphs = _STEP_GRAPHS[model]
+        model.use_piecewise_graphs(max_tokens=128)
+        graphs = _PIECEWISE[model]
         before = model.forward_step(tokens, positions, kv).clone()
         with torch.no_grad():
             model.layers[1].attention.wk.weight.mul_(-1.5)  # in place: the stacked Q/K/V changes
             model.layers[2].feed_forward.w3.weight.mul_(2.0)
         got = model.forward_step(tokens, positions, kv).clone()
         assert graphs.captures == 2
-        model.use_step_graphs(False)
+        model.use_piecewise_graphs(False)
         want = model.forward_step(tokens, positions, kv)
         torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
         assert (got - before).abs().max() > 0.1  # the change is one the logits show
-        model.use_step_graphs(max_tokens=128)
-        graphs = _STEP_GRAPHS[model]
+        model.use_piecewise_graphs(max_tokens=128)
+        graphs = _PIECEWISE[model]
         model.forward_step(tokens, positions, kv)
         model.layers[0].attention.wo.weight = torch.nn.Parameter(model.layers[0].attention.wo.weight * 0.5)
         got = model.forward_step(tokens, positions, kv).clone()
@@ -165,12 +165,12 @@ def test_step_graphs_follow_weight_changes_and_leave_long_steps_as_they_are():
         model.backend = "sdpa"  # other kernels: captured again
         got_sdpa = model.forward_step(tokens, positions, kv).clone()
         assert graphs.captures == 3
-        model.use_step_graphs(False)
+        model.use_piecewise_graphs(False)
         torch.testing.assert_close(got_sdpa, model.forward_step(tokens, positions, kv), atol=2e-2, rtol=2e-2)
         model.backend = "course_lib"
         torch.testing.assert_close(got, model.forward_step(tokens, positions, kv), atol=2e-2, rtol=2e-2)
     finally:
-        model.use_step_graphs(False)
+        model.use_piecewise_graphs(False)
 
 
 @pytest.mark.gpu
@@ -191,6 +191,6 @@ def test_a_batcher_with_cuda_graphs_serves_the_same_tokens():
     try:
         want = serve(False)
         assert serve(True) == want
-        assert _STEP_GRAPHS[model].captures >= 2
+        assert _PIECEWISE[model].captures >= 2
     finally:
-        model.use_step_graphs(False)
+        model.use_piecewise_graphs(False)
