@@ -458,8 +458,7 @@ class Llama(nn.Module):
         embedding does token ids (reading them would sync every step).
 
         After `use_piecewise_graphs` (on a GPU), the work between the attention calls of a step of up to its
-        max_tokens tokens is replayed from CUDA graphs (`piecewise.PiecewiseGraphs`); the logits are then the
-        graphs' memory, overwritten by the next step."""
+        max_tokens tokens is replayed from CUDA graphs (`piecewise.PiecewiseGraphs`), with the same result."""
         graphs = _PIECEWISE.get(self)
         if graphs is not None and (logits := graphs.run(token_ids, positions, kv)) is not None:
             return logits
