@@ -55,8 +55,13 @@ def test_piecewise_graphs_need_a_cuda_model_and_a_token_limit():
     model = model.cuda()
     with pytest.raises(ValueError, match="max_tokens"):
         model.use_piecewise_graphs(max_tokens=0)
-    model.use_piecewise_graphs()
-    assert model in _PIECEWISE
+    model.use_piecewise_graphs(max_tokens=64, capture=(5, 40))  # captured ahead, as a server at its start
+    graphs = _PIECEWISE[model]
+    assert graphs.captures == 2 and sorted(graphs.pieces) == [16, 64]
+    with pytest.raises(ValueError, match="100 tokens is more than max_tokens=64"):
+        model.use_piecewise_graphs(max_tokens=64, capture=[100])
+    with pytest.raises(ValueError, match="token count"):
+        graphs.capture([0])
     copy.deepcopy(model)  # the graphs live beside the model: a copy carries none
     model.use_piecewise_graphs(False)
     assert model not in _PIECEWISE

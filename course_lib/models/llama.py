@@ -477,17 +477,19 @@ class Llama(nn.Module):
             x = h + layer.feed_forward.step(layer.ffn_norm(h))
         return self.output(self.norm(x)).float()
 
-    def use_piecewise_graphs(self, enabled: bool = True, max_tokens: int = MAX_TOKENS) -> None:
+    def use_piecewise_graphs(self, enabled: bool = True, max_tokens: int = MAX_TOKENS, capture=()) -> None:
         """Replay the work between a serving step's attention calls from CUDA graphs (`piecewise`, notebook 14):
-        on for steps of up to `max_tokens` tokens, or off. A model on a CUDA device; the graphs are kept beside
-        the model, not in it (a copy or a pickle of the model carries none)."""
+        on for steps of up to `max_tokens` tokens, or off; `capture`: token counts whose graphs are captured now
+        (else each bucket's at its first step). A model on a CUDA device; the graphs are kept beside the model,
+        not in it (a copy or a pickle of the model carries none)."""
         if not enabled:
             _PIECEWISE.pop(self, None)
             return
         max_tokens = check_int("Llama.use_piecewise_graphs", "max_tokens", max_tokens, 1)
         graphs = _PIECEWISE.get(self)
         if graphs is None or graphs.max_tokens != max_tokens:
-            _PIECEWISE[self] = PiecewiseGraphs(self, max_tokens)
+            graphs = _PIECEWISE[self] = PiecewiseGraphs(self, max_tokens)
+        graphs.capture(capture)
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())

@@ -34,6 +34,7 @@ import weakref
 
 import torch
 
+from ..checks import check_int
 from ..perf.timing import graphed
 
 MAX_TOKENS = 8192  # steps of more tokens run as usual: per-token work there outweighs the launches
@@ -164,16 +165,34 @@ class PiecewiseGraphs:
         if not 0 < t <= self.max_tokens or torch.cuda.is_current_stream_capturing():
             return None
         model = self.model()
-        if model.device.type != "cuda":  # moved off the GPU since
+        pieces = self._pieces(model, bucket(t))
+        return None if pieces is None else pieces.run(model, token_ids, positions, kv)
+
+    @torch.no_grad()
+    def capture(self, token_counts) -> None:
+        """Capture now the buckets of steps of these token counts (at most max_tokens), as a server captures its
+        sizes when it starts, so that no request pays a capture (three runs of a step) on its first token."""
+        model = self.model()
+        for t in token_counts:
+            t = check_int("PiecewiseGraphs.capture", "a token count", t, 1)
+            if t > self.max_tokens:
+                raise ValueError(
+                    f"PiecewiseGraphs.capture: {t} tokens is more than max_tokens={self.max_tokens}; such steps run "
+                    "as usual (raise max_tokens to replay them)"
+                )
+            self._pieces(model, bucket(t))
+
+    def _pieces(self, model, n: int) -> _Pieces | None:
+        """The graphs of bucket n, captured if need be; None once the model is off the GPU."""
+        if model.device.type != "cuda":
             return None
         # A parameter changed or moved, or the backend (its kernels) changed: every graph is stale.
         if self.weights is None or self.weights.changed() or self.backend != model.backend:
             self.pieces.clear()
             self.pool = torch.cuda.graph_pool_handle()  # the old pool goes with its graphs
             self.weights, self.backend = Weights(model), model.backend
-        n = bucket(t)
         pieces = self.pieces.get(n)
         if pieces is None:
             pieces = self.pieces[n] = _Pieces(model, n, self.pool)
             self.captures += 1
-        return pieces.run(model, token_ids, positions, kv)
+        return pieces
