@@ -219,7 +219,7 @@ assert same and cached.prefix.hits == 3 * 3 * PAGE  # requests 2-4 each found th
 # host still launches is the attention. The serving record (`make bench BENCH=serving`) measures both first tokens.
 #
 # **Predict first.** A 32k-token prompt, 90 % of it cached: how many times faster is its first token than the
-# same prompt's uncached? The FLOPs ratio (6x) is the most it could be; the host's launches take some of it
+# same prompt's uncached? The FLOPs ratio (6x) is the most it could be; the host's work takes some of it
 # back. Type your estimate.
 
 # %%
