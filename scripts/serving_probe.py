@@ -388,10 +388,11 @@ def prefill_split(cells=((3280, 32768), (1648, 16384)), cuts=(0.25, 0.5, 0.75, 0
                   f"({t_whole[1] / t[1]:.2f}x), max diff {err:.1e}", flush=True)  # fmt: skip
 
 
-def _cached_prompt(n: int, cached_fraction: float):
+def _cached_prompt(n: int, cached_fraction: float, graphs: bool = True):
     """An n-token prompt for the bench's model, `ready()`: a fresh batcher that has served another prompt sharing
     its first `cached_fraction` (whole pages), so that the prompt's first token starts on cached pages, and
-    `first(batcher)`: the prompt submitted and its first token computed (the GPU waited for)."""
+    `first(batcher)`: the prompt submitted and its first token computed (the GPU waited for). graphs: the
+    batchers' `cuda_graphs`, as the bench's (False: every layer's calls launched from Python)."""
     model = serving_model(True)
     vocab, page = model.config.vocab_size, 16
     g = torch.Generator().manual_seed(1)
@@ -401,8 +402,8 @@ def _cached_prompt(n: int, cached_fraction: float):
 
     def ready():
         b = PrefixCachingBatcher(
-            model, -(-(2 * n + 2) // page) + 4, page, max_batch=2, max_step_tokens=n + 1, cuda_graphs=True
-        )  # as the bench's
+            model, -(-(2 * n + 2) // page) + 4, page, max_batch=2, max_step_tokens=n + 1, cuda_graphs=graphs
+        )
         b.submit(other, 1)
         b.run()
         torch.cuda.synchronize()
@@ -611,7 +612,8 @@ def ttft_host_calls(n: int = 32768, cached_fraction: float = 0.9, runs: int = 5,
     (while the GPU waits for it: the step's first launches) against the mean of layers 1-7 (median of `runs`
     first tokens). Each function is wrapped with a timer for the run; nested ones count inside their callers.
     Once for each of `busy_ms`: the GPU first given that many ms of a spin (`torch.cuda._sleep`), so that with 30
-    it is busy through the whole step's launches: whether layer 0's calls cost more because the GPU is idle."""
+    it is busy through the whole step's launches: whether layer 0's calls cost more because the GPU is idle.
+    Without the bench's piecewise graphs, so that every call is made from Python."""
     for busy in busy_ms:
         _ttft_host_calls(n, cached_fraction, runs, busy)
 
@@ -624,7 +626,7 @@ def _ttft_host_calls(n: int, cached_fraction: float, runs: int, busy_ms: float) 
     from course_lib.decode import paged_kv
     from course_lib.decode.cache import PagedKVCache
 
-    _, ready, first = _cached_prompt(n, cached_fraction)
+    _, ready, first = _cached_prompt(n, cached_fraction, graphs=False)
     for _ in range(2):
         first(ready())
     cycles = _gpu_cycles_per_ms() if busy_ms else 0.0
