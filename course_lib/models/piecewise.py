@@ -149,9 +149,8 @@ class PiecewiseGraphs:
             raise ValueError(
                 f"PiecewiseGraphs: CUDA graphs need a model on a CUDA device, got {model.device}"
             )
-        self.model = weakref.ref(
-            model
-        )  # kept beside the model, in a weak mapping (`Llama.use_piecewise_graphs`)
+        # Kept beside the model, in a weak mapping (`Llama.use_piecewise_graphs`): a weak reference back.
+        self.model = weakref.ref(model)
         self.max_tokens = max_tokens
         self.pieces: dict[int, _Pieces] = {}
         self.weights: Weights | None = None
