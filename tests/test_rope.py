@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import course_lib
-from course_lib.fused import RMSNorm, rope, rope_cache, rope_reference
+from course_lib.fused import RMSNorm, rope, rope_, rope_cache, rope_reference
 from course_lib.testing import assert_close_in_ulps, dtype_name, eager_and_compiled
 from course_lib.testing import seeded_randn as _randn
 
@@ -409,3 +409,34 @@ def test_rope_under_torch_compile(positions):
         ValueError, match=r"rope: positions run from 0 to 40, but cos and sin have rows 0\.\.31"
     ):
         torch.compile(lambda q, k: rope(q, k, cos, sin, far), fullgraph=True, backend="aot_eager")(q, k)
+
+
+@pytest.mark.parametrize("positions", ["none", "offset", "tensor"])
+def test_rope_in_place_on_slices_of_a_fused_projection(positions):
+    """`rope_` rotates the Q and K column slices of one (T, Hq + 2 Hkv, d) projection output where they lie (what a
+    serving step's `Attention.project_into` does): the same bits as `rope`, V untouched, float64 behind both; it
+    refuses tensors that need gradients and a d that is not contiguous, by name; under torch.compile it is rope
+    and a copy back."""
+    t, hq, hkv, d = 9, 4, 2, 16
+    qkv = _randn(t, hq + 2 * hkv, d)
+    cos, sin = rope_cache(24, d, device=DEVICE)
+    pos = {"none": None, "offset": 3, "tensor": torch.tensor([5, 0, 7, 1, 2, 9, 3, 3, 8], device=DEVICE)}[positions]
+    q, k, v = qkv[:, :hq].transpose(0, 1), qkv[:, hq : hq + hkv].transpose(0, 1), qkv[:, hq + hkv :].clone()
+    want = rope(q, k, cos, sin, pos)
+    q_ref, k_ref = rope_reference(q, cos, sin, pos), rope_reference(k, cos, sin, pos)
+    got = rope_(q, k, cos, sin, pos)
+    assert got[0].data_ptr() == qkv.data_ptr() and torch.equal(qkv[:, hq + hkv :], v)
+    for g, w, ref, name in zip(got, want, (q_ref, k_ref), "qk"):
+        assert torch.equal(g, w), f"rope_ {name} differs from rope"
+        assert_close_in_ulps(g, ref, torch.float32, f"rope_ {name}")
+    torch._dynamo.reset()
+    qkv2 = _randn(t, hq + 2 * hkv, d)
+    q2, k2 = qkv2[:, :hq].transpose(0, 1), qkv2[:, hq : hq + hkv].transpose(0, 1)
+    want2 = rope(q2, k2, cos, sin, pos)
+    torch.compile(lambda q, k: rope_(q, k, cos, sin, pos), fullgraph=True, backend="aot_eager")(q2, k2)
+    assert torch.equal(q2, want2[0]) and torch.equal(k2, want2[1])
+    leaf = _randn(1, 2, t, d).requires_grad_()
+    with pytest.raises(ValueError, match="rope_: q and k require gradients"):
+        rope_(leaf, _randn(1, 1, t, d), cos, sin)
+    with pytest.raises(ValueError, match="d contiguous"):
+        rope_(_randn(1, 2, d, t).transpose(-1, -2), _randn(1, 1, t, d), cos, sin)

@@ -1,4 +1,5 @@
-"""The fused kernels' public entry points (notebook 11): `rms_norm` and the module `RMSNorm`, and `rope`.
+"""The fused kernels' public entry points (notebook 11): `rms_norm` and the module `RMSNorm`, `rope` (`rope_` in
+place) and `swiglu`.
 
 Each checks its arguments (`rms_norm.check_rms_norm`, `rope.check_rope`; once for each kind of call, with the
 kinds it accepted kept in a `checks.AcceptedCalls`), then runs the kernels
@@ -15,7 +16,17 @@ from torch import nn
 from ..checks import AcceptedCalls, check_eps, check_int, tensors_key
 from .op import rms_norm_forward_op, rope_op
 from .rms_norm import RMSNormFunction, check_rms_norm, rms_norm_forward
-from .rope import RoPEFunction, as_4d, cache_3d, check_rope, kernel_positions, rotate
+from .rope import (
+    OFFSET_LIMIT,
+    RoPEFunction,
+    _heads_span,
+    as_4d,
+    cache_3d,
+    check_rope,
+    kernel_positions,
+    rotate,
+)
+from .swiglu import SwiGLUFunction, check_swiglu, swiglu_forward
 
 # The kinds of call each check accepted (`checks.AcceptedCalls`): a repeat skips it. A model calls these once or
 # twice a layer with the same kinds of tensors; the checks took about 10 us of a call's host time (a 2-core CPU).
@@ -110,3 +121,63 @@ def rope(
         q_out, k_out = rotate(q4, k4, cos3, sin3, pos, interleaved)
     # (H, T, d) inputs: as_4d's leading 1 dropped again (a view, cheaper on the host than reshape)
     return (q_out.squeeze(0) if q.dim() == 3 else q_out), (k_out.squeeze(0) if k.dim() == 3 else k_out)
+
+
+def rope_(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: int | torch.Tensor | None = None,
+    layout: str = "half",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rope` in place: q and k rotated where they lie, returned (a serving step rotates the Q and K column slices
+    of its fused QKV projection's output, which the attention then reads without a copy: `models.piecewise`).
+    The arguments are `rope`'s, and q, k need d contiguous (any other strides) and may not be tensors autograd
+    tracks (nothing is differentiated in place; `rope` is the differentiable one). Same arithmetic as `rope`:
+    float32, rounded once."""
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
+        raise ValueError("rope_: q and k require gradients; rotate in place only without autograd (use rope)")
+    if q.dim() not in (3, 4) or k.dim() not in (3, 4) or q.stride(-1) != 1 or k.stride(-1) != 1:
+        raise ValueError(
+            "rope_: q and k must be (B, H, T, d) or (H, T, d) with d contiguous (they are written in place); got "
+            f"shapes {tuple(q.shape)}, {tuple(k.shape)} with strides {q.stride()}, {k.stride()}"
+        )
+    if torch.compiler.is_compiling():  # the operator is functional: rotate, then write back
+        q_out, k_out = rope(q, k, cos, sin, positions, layout)
+        return q.copy_(q_out), k.copy_(k_out)
+    key = tensors_key(q, k, cos, sin)
+    key = key and (*key, layout)
+    if not _ROPE_CALLS.seen(key):
+        check_rope(q, k, cos, sin, layout)
+        _ROPE_CALLS.add(key)
+    q4, k4 = as_4d(q), as_4d(k)
+    if max(_heads_span(q4), _heads_span(k4)) >= OFFSET_LIMIT:  # past the kernel's 32-bit head offsets
+        q_out, k_out = rope(q, k, cos, sin, positions, layout)
+        return q.copy_(q_out), k.copy_(k_out)
+    cos3, sin3 = cache_3d(cos), cache_3d(sin)
+    pos = kernel_positions(positions, q4.shape[0], q4.shape[2], cos3.shape[1], q.device)
+    rotate(q4, k4, cos3, sin3, pos, layout == "interleaved", out=(q4, k4))
+    return q, k
+
+
+_SWIGLU_CALLS = AcceptedCalls()
+
+
+def swiglu(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """silu(a) * b in one fused kernel, differentiable in a and b: the gate of Llama's SwiGLU MLP,
+    W2 (swiglu(W1 x, W3 x)) (taught in notebook 11; kernels in `swiglu.py`).
+
+    a, b: (..., F) of one shape, dtype (float16, bfloat16, float32; float64 for gradcheck) and device, any
+    strides (the halves of one fused W1/W3 matmul's output are read through their row stride). Computed in
+    float32 and rounded once (PyTorch's F.silu(a) * b rounds twice). Returns (..., F) contiguous in a's dtype.
+    Under torch.compile the PyTorch expression, which the compiler fuses itself."""
+    key = tensors_key(a, b)
+    if not _SWIGLU_CALLS.seen(key):
+        check_swiglu(a, b)
+        _SWIGLU_CALLS.add(key)
+    if torch.compiler.is_compiling():
+        return torch.nn.functional.silu(a) * b
+    if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
+        return SwiGLUFunction.apply(a, b)
+    return swiglu_forward(a, b)

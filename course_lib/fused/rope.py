@@ -207,16 +207,19 @@ def rotate(
     *,
     tokens: int | None = None,
     warps: int | None = None,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel alone, on checked 4-D q, k, 3-D cos, sin and positions: a (1 or B, T) tensor, or an
     int p for the positions p..p+T-1 (computed in the kernel); outputs keep the inputs' strides where
     they are dense (`kernel_input` and `kernel_output` say when a copy or another layout is needed).
-    `backward=True` rotates by the negative angles.
+    `backward=True` rotates by the negative angles. out: (q_out, k_out) to write instead, 4-D like q and k
+    with d contiguous; (q, k) themselves rotate in place (a program loads every head of its tokens before it
+    stores any, and no two programs share a token: `api.rope_`).
 
     Launch settings: `tokens` per program (a power of two) and `warps`, defaults from `launch.rope`;
     pass them to try other settings."""
     q, k = kernel_input(q), kernel_input(k)  # d with unit stride, head offsets within 32 bits
-    q_out, k_out = kernel_output(q), kernel_output(k)
+    q_out, k_out = (kernel_output(q), kernel_output(k)) if out is None else out
     n_batch, n_q_heads, n_tokens, d = q.shape
     if q.numel() == 0 and k.numel() == 0:
         return q_out, k_out

@@ -100,10 +100,9 @@ class _Pieces:
 
         def project(i):  # layer i's Q, K, V of x, RoPE applied, into qkv
             block = layers[i]
-            q, k, v = block.attention.project_step(
-                block.attention_norm(self.x), None, self.cos, self.sin, stacks[i][0]
+            block.attention.project_into(
+                block.attention_norm(self.x), self.cos, self.sin, stacks[i][0], self.qkv
             )
-            torch.cat((q, k, v), dim=1, out=self.qkv)
 
         def finish(i):  # layer i after its attention: the output projection, the MLP, both residuals, in x
             block = layers[i]
