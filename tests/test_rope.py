@@ -420,7 +420,9 @@ def test_rope_in_place_on_slices_of_a_fused_projection(positions):
     t, hq, hkv, d = 9, 4, 2, 16
     qkv = _randn(t, hq + 2 * hkv, d)
     cos, sin = rope_cache(24, d, device=DEVICE)
-    pos = {"none": None, "offset": 3, "tensor": torch.tensor([5, 0, 7, 1, 2, 9, 3, 3, 8], device=DEVICE)}[positions]
+    pos = {"none": None, "offset": 3, "tensor": torch.tensor([5, 0, 7, 1, 2, 9, 3, 3, 8], device=DEVICE)}[
+        positions
+    ]
     q, k, v = qkv[:, :hq].transpose(0, 1), qkv[:, hq : hq + hkv].transpose(0, 1), qkv[:, hq + hkv :].clone()
     want = rope(q, k, cos, sin, pos)
     q_ref, k_ref = rope_reference(q, cos, sin, pos), rope_reference(k, cos, sin, pos)

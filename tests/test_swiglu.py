@@ -25,7 +25,9 @@ def _grads64(a, b, dy):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=dtype_name)
-@pytest.mark.parametrize("shape", [(5, 40), (2, 3, 1100), (7,)], ids=["rows", "3-d, two column blocks", "1-d"])
+@pytest.mark.parametrize(
+    "shape", [(5, 40), (2, 3, 1100), (7,)], ids=["rows", "3-d, two column blocks", "1-d"]
+)
 def test_swiglu_forward_and_backward_match_float64(dtype, shape):
     """Values of both signs and large magnitudes (silu's two tails), every dtype, rows shorter and longer than a
     program's column block: y, da, db within a few units in the last place of float64."""
@@ -83,8 +85,16 @@ def test_swiglu_under_torch_compile():
         (lambda: swiglu(_randn(3, 4), _randn(4, 3)), ValueError, r"same shape, got \(3, 4\) and \(4, 3\)"),
         (lambda: swiglu(_randn(3), _randn(3).half()), ValueError, "same dtype"),
         (lambda: swiglu(_randn(3).long(), _randn(3).long()), TypeError, "a has dtype torch.int64"),
-        (lambda: swiglu(torch.tensor(1.0, device=DEVICE), torch.tensor(2.0, device=DEVICE)), ValueError, "0-d"),
-        (lambda: swiglu(_randn(3, device="meta"), _randn(3, device="meta")), (TypeError, ValueError), "swiglu: a"),
+        (
+            lambda: swiglu(torch.tensor(1.0, device=DEVICE), torch.tensor(2.0, device=DEVICE)),
+            ValueError,
+            "0-d",
+        ),
+        (
+            lambda: swiglu(_randn(3, device="meta"), _randn(3, device="meta")),
+            (TypeError, ValueError),
+            "swiglu: a",
+        ),
     ],
     ids=["not a tensor", "shapes", "dtypes", "integer dtype", "0-d", "device"],
 )
