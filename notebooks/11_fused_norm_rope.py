@@ -30,10 +30,11 @@
 #    q and k in one kernel.
 # 4. Show that the backward of a rotation is the rotation by the negative angle, and use position offsets
 #    for tokens appended to a KV cache.
-# 5. Know where fusion goes further: the residual add inside the norm, RoPE inside attention.
+# 5. Know where fusion goes further: the residual add inside the norm, RoPE inside attention, SwiGLU's gate.
 #
-# The finished pieces live in `course_lib.fused`: `rms_norm`, `RMSNorm`, `rope`, `rope_cache`, and the
-# float64 references `rms_norm_reference`, `rope_reference`. The benchmark is `course_lib.bench.fused`.
+# The finished pieces live in `course_lib.fused`: `rms_norm`, `RMSNorm`, `rope` (`rope_` in place), `rope_cache`,
+# `swiglu` (section 6), and the float64 references `rms_norm_reference`, `rope_reference`, `swiglu_reference`.
+# The benchmark is `course_lib.bench.fused`.
 
 # %% [markdown]
 # ## 0. Sizes
@@ -51,7 +52,15 @@ import course_lib
 from course_lib import records
 from course_lib.bench import fused as fused_bench
 from course_lib.exercises import check, check_cases, guarded_empty, predict, time_kernels
-from course_lib.fused import rms_norm, rms_norm_reference, rope, rope_cache, rope_reference
+from course_lib.fused import (
+    rms_norm,
+    rms_norm_reference,
+    rope,
+    rope_cache,
+    rope_reference,
+    swiglu,
+    swiglu_reference,
+)
 from course_lib.perf import plotting
 from course_lib.perf.ceilings import measure_copy_bandwidth
 from course_lib.perf.timing import benchmark
@@ -524,6 +533,16 @@ else:
 #   RoPE, and the backward must rotate dQ and dK back.
 # - **Norm into the next matmul.** rstd is one number per row: a matmul's epilogue or prologue can apply it,
 #   and the weight w can be folded into the matmul's weights at load time.
+# - **SwiGLU's gate.** Llama's MLP is W2 (silu(a) * b) with a = W1 x, b = W3 x, each (T, F). Eagerly,
+#   `F.silu(a)` reads a and writes a tensor, then `* b` reads it and b and writes the product: 5 TF elements
+#   and two roundings to 16 bits. One kernel reads a and b and writes the gate once: 3 TF, rounded once. It
+#   is `course_lib.fused.swiglu` (forward and backward; the same one-row-tile pattern as the RMSNorm forward,
+#   with nothing to reduce), which the capstone model's MLP calls on course_lib's kernels (notebook 12). The
+#   cell below checks it against float64 and counts the bytes.
+# - **Writing in place.** A serving step makes Q, K and V with one matmul into one (T, Hq + 2 Hkv, d) buffer;
+#   `course_lib.fused.rope_` rotates the Q and K heads where they lie (each program loads every head of its
+#   tokens before it stores any), so no rotated copies are written and no copy assembles them again
+#   (notebook 14 times such a step).
 #
 # Fusing by hand has a cost of its own: the compiler's view of the model. `torch.compile` does trace
 # user-defined Triton kernels: a launch inside a function it compiles, or an operator registered with
@@ -536,6 +555,20 @@ else:
 # interpreted on a CPU alike; traced into through the autograd Function, the launches failed to compile
 # (`course_lib/fused/op.py` says how). The price: Inductor cannot fuse anything into our kernels. A model
 # that calls `rms_norm` and `rope`, notebook 12's among them, still compiles as one graph around them.
+# (`swiglu` takes a third way: under `torch.compile` it is PyTorch's `F.silu(a) * b`, which Inductor fuses
+# into one kernel by itself.)
+
+# %%
+ab = 3 * torch.randn(T, 2 * 96, device=DEVICE, dtype=DTYPE)  # one fused W1/W3 output: a, b are its two halves
+a, b = ab.chunk(2, dim=-1)
+gate = swiglu(a, b)
+err = (gate.double() - swiglu_reference(a, b)).abs().max().item()
+print(f"swiglu on {tuple(a.shape)} halves of one projection: max |error| against float64 {err:.1e}")
+t_rows, f_cols = 4096, 14336  # Llama-3-8B's MLP width, 4096 tokens, bf16
+print(
+    f"bytes at T={t_rows}, F={f_cols} (bf16): eager silu then multiply {5 * t_rows * f_cols * 2 / 1e6:.0f} MB, "
+    f"fused {3 * t_rows * f_cols * 2 / 1e6:.0f} MB"
+)
 
 # %% [markdown]
 # ## Exercises
