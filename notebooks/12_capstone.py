@@ -99,7 +99,7 @@ _ = torch.manual_seed(0)
 # | attention | softmax(QKᵀ/√d) V, causal, with the online softmax | notebooks 03, 04, 06, 07 |
 # | grouped-query attention | `n_heads` query heads share `n_kv_heads` K/V heads, no repeat | notebooks 08b, 09 |
 # | KV cache, bottom-right causal | new queries see every cached key up to their own position | notebooks 09, 10 |
-# | SwiGLU | $W_2(\mathrm{silu}(W_1 x) \odot W_3 x)$ | plain matmuls (notebook 01's roofline); the gate one fused kernel (notebook 11) |
+# | SwiGLU | $W_2(\mathrm{silu}(W_1 x) \odot W_3 x)$ | matmuls (notebook 01); the gate fused (notebook 11) |
 #
 # One argument, `backend`, picks the kernels: `"course_lib"` (our Triton kernels), `"sdpa"` (PyTorch's
 # `scaled_dot_product_attention` and plain PyTorch norm and rotation), or `"eager"` (attention written out
