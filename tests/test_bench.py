@@ -337,6 +337,17 @@ def test_bench_tables_and_targets_read_a_record(tmp_path):
     assert (
         "| fwd | 16384 | 4096 | 500 (250) | 2000 (1000) | 3000 (1500) | 3600 (1800) | 1.20x | 90 % |" in table
     )
+    assert "SwiGLU gate" not in table  # a record from before the gate was measured
+    data["swiglu"] = [
+        row("swiglu", p, m, g, T=4096, F=14336)
+        for m in ("fwd", "bwd")
+        for p, g in zip(bench.SWIGLU_PROVIDERS, (1200, 3200, 3400))
+    ]
+    assert (
+        "| bwd | 4096 | 14336 | 1200 (600) | 3200 (1600) | 3400 (1700) | 1.06x | 85 % |"
+        in bench.format_table(data)
+    )
+    assert bench.swiglu_bytes(2, 3, "fwd") == 36 and bench.swiglu_bytes(2, 3, "bwd") == 60
     assert "CUDA-graph replay" in table.splitlines()[0], table
     misses = bench.target_misses(data)
     assert misses == [

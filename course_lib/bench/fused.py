@@ -1,4 +1,4 @@
-"""The fused-kernel benchmark: RMSNorm and RoPE in GB/s of the copy ceiling (notebook 11).
+"""The fused-kernel benchmark: RMSNorm, RoPE and SwiGLU's gate in GB/s of the copy ceiling (notebook 11).
 
 `python -m course_lib.bench.fused [--quick] [--out DIR]` (also `python -m course_lib bench fused`).
 On a GPU, bf16, in one run:
@@ -8,8 +8,12 @@ On a GPU, bf16, in one run:
 - the three dW reductions of course_lib's backward (`dw_mode`) at a few cells, with a determinism check
   (three backward passes, dW compared bit for bit);
 - RoPE of q (T, 32, 128) and k (T, 8, 128) stored token-major, forward and backward, for `eager`
-  (apply_rotary_pos_emb's arithmetic), `compiled` and `course_lib` (`course_lib.fused.rope`).
-Every time becomes GB/s counting the bytes that must move (docstrings of `rms_norm_bytes`, `rope_bytes`)
+  (apply_rotary_pos_emb's arithmetic), `compiled` and `course_lib` (`course_lib.fused.rope`);
+- SwiGLU's gate silu(a) * b on a, b (T, F) with F in `SWIGLU_WIDTH`, forward and backward, for `eager`
+  (`F.silu(a) * b`), `compiled` and `course_lib` (`course_lib.fused.swiglu`); no target (the issues set none):
+  its table row says where it stands against torch.compile, which fuses the eager expression itself.
+Every time becomes GB/s counting the bytes that must move (docstrings of `rms_norm_bytes`, `rope_bytes`,
+`swiglu_bytes`)
 and a fraction of the copy ceiling (`perf.ceilings.measure_copy_bandwidth`) measured in the same run.
 
 Two timings of each call: plain launches (`perf.timing.benchmark` of the Python call: at a few MB the
@@ -30,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import records, runtime
-from ..fused import rms_norm, rope, rope_cache
+from ..fused import rms_norm, rope, rope_cache, swiglu
 from ..perf.ceilings import measure_copy_bandwidth, measure_copy_time
 from ..perf.timing import benchmark, describe, free_memory, graph_ms
 from .plots import save_figure
@@ -43,6 +47,8 @@ EPS = 1e-6
 DW_CELLS = ((16384, 4096), (65536, 8192), (4096, 2048))  # where the dW reductions are compared
 RMS_PROVIDERS = ("eager", "F.rms_norm", "compiled", "course_lib")
 ROPE_PROVIDERS = ("eager", "compiled", "course_lib")
+SWIGLU_PROVIDERS = ("eager", "compiled", "course_lib")
+SWIGLU_WIDTH = 14336  # F: Llama-3-8B's MLP width
 TARGETS = {"vs_compiled": 1.0, "copy_fraction": 0.85, "copy_fraction_min_tokens": 16384}
 
 
@@ -59,6 +65,12 @@ def rope_bytes(tokens: int, elem: int = 2) -> int:
     k (or their gradients) and the T rows of cos and sin (d each), write the rotated q and k."""
     qk = tokens * (HQ + HK) * HEAD_DIM
     return (2 * qk + 2 * tokens * HEAD_DIM) * elem
+
+
+def swiglu_bytes(tokens: int, width: int, mode: str, elem: int = 2) -> int:
+    """Bytes SwiGLU's gate on a, b (T, F) must move. Forward: read a and b, write the gate (3 T F elements).
+    Backward: read a, b and dy, write da and db (5 T F)."""
+    return (3 if mode == "fwd" else 5) * tokens * width * elem
 
 
 def llama_rms_norm(x, weight, eps: float = EPS):
@@ -211,6 +223,23 @@ def measure_rope(tokens: int, provider: str, copy_gbps: float, dtype, device) ->
     return [{**cell, **r} for r in measure_fwd_bwd(fn, (q, k), (dq, dk), nbytes, copy_gbps)]
 
 
+def measure_swiglu(tokens: int, width: int, provider: str, copy_gbps: float, dtype, device) -> list[dict]:
+    """silu(a) * b on a, b (T, F), forward and backward, for one provider, plain and graphed."""
+    gen = torch.Generator(device=device).manual_seed(3)
+    a = torch.randn(tokens, width, device=device, dtype=dtype, generator=gen).requires_grad_()
+    b = torch.randn(tokens, width, device=device, dtype=dtype, generator=gen).requires_grad_()
+    dy = torch.randn(tokens, width, device=device, dtype=dtype, generator=gen)
+    if provider == "course_lib":
+        fn = swiglu
+    elif provider == "eager":
+        fn = lambda a, b: F.silu(a) * b
+    else:
+        fn = compiled_for_shape(lambda a, b: F.silu(a) * b)
+    cell = {"kernel": "swiglu", "T": tokens, "F": width, "provider": provider}
+    nbytes = {m: swiglu_bytes(tokens, width, m) for m in ("fwd", "bwd")}
+    return [{**cell, **r} for r in measure_fwd_bwd(fn, (a, b), (dy,), nbytes, copy_gbps)]
+
+
 def _freed(rows: list[dict]) -> list[dict]:
     free_memory()  # the cell's tensors are gone once its function returned
     return rows
@@ -219,8 +248,9 @@ def _freed(rows: list[dict]) -> list[dict]:
 def run(quick: bool = False) -> dict:
     """Measure everything (see the module docstring); `quick` or a CPU keeps to the smallest cells.
 
-    Returns {"dtype", "copy_gbps", "rms_norm": [...], "dw_modes": [...], "rope": [...], "targets"}; each
-    result row has provider, T (and D), mode, status and, when ok, ms, gbps and copy_fraction."""
+    Returns {"dtype", "copy_gbps", "rms_norm": [...], "dw_modes": [...], "rope": [...], "swiglu": [...],
+    "targets"}; each result row has provider, T (and D or F), mode, status and, when ok, ms, gbps and
+    copy_fraction."""
     device = runtime.DEVICE
     dtype = torch.bfloat16 if runtime.ON_GPU else torch.float32
     if runtime.ON_GPU:
@@ -229,6 +259,7 @@ def run(quick: bool = False) -> dict:
         )
     else:  # the interpreter: a smoke test of the code path, the timings mean nothing
         tokens, hidden, dw_cells = (32,), (256,), ((32, 256),)
+    width = SWIGLU_WIDTH if runtime.ON_GPU else 256
     copy_gbps = measure_copy_bandwidth()
     free_memory()
     data = {
@@ -253,6 +284,10 @@ def run(quick: bool = False) -> dict:
     data["rope"] = [
         row for t in tokens for p in ROPE_PROVIDERS for row in measure_rope(t, p, copy_gbps, dtype, device)
     ]
+    data["swiglu"] = [
+        row for t in tokens for p in SWIGLU_PROVIDERS
+        for row in _freed(measure_swiglu(t, width, p, copy_gbps, dtype, device))
+    ]  # fmt: skip
     return data
 
 
@@ -339,6 +374,24 @@ def format_table(data: dict) -> str:
         ratio = f"{ours['gbps'] / comp['gbps']:.2f}x" if ours and comp else "-"
         frac = f"{ours['copy_fraction'] * 100:.0f} %" if ours else "-"
         lines.append(f"| {mode} | {t} | {gb} | {ratio} | {frac} |")
+    if data.get("swiglu"):  # records from 2026-11-30 on
+        lines += [
+            "",
+            "| SwiGLU gate | T | F | "
+            + " | ".join(f"{p} GB/s" for p in SWIGLU_PROVIDERS)
+            + " | course_lib / compiled | % copy |",
+            "| --- " * (5 + len(SWIGLU_PROVIDERS)) + "|",
+        ]
+        cells = sorted(
+            {(r["mode"], r["T"], r["F"]) for r in data["swiglu"]}, key=lambda c: (c[0] != "fwd", *c[1:])
+        )
+        for mode, t, f in cells:
+            rows = {p: _ok(data["swiglu"], mode=mode, T=t, F=f, provider=p) for p in SWIGLU_PROVIDERS}
+            gb = " | ".join(_gb(rows[p]) for p in SWIGLU_PROVIDERS)
+            ours, comp = rows["course_lib"], rows["compiled"]
+            ratio = f"{ours['gbps'] / comp['gbps']:.2f}x" if ours and comp else "-"
+            frac = f"{ours['copy_fraction'] * 100:.0f} %" if ours else "-"
+            lines.append(f"| {mode} | {t} | {f} | {gb} | {ratio} | {frac} |")
     return "\n".join(lines)
 
 
