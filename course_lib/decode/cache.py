@@ -344,8 +344,13 @@ class PagedKVCache:
                 )
         if validate and slots.device.type == "cpu":
             self.check_slots(slots)
+        slots = slots.to(self.k_pages[layer].device)
         for pool, x in ((self.k_pages[layer], k), (self.v_pages[layer], v)):
-            pool.view(-1, *pool.shape[2:])[slots.to(pool.device)] = x.to(pool.dtype)
+            flat = pool.view(-1, *pool.shape[2:])
+            if slots.dtype == torch.int64:  # the host's cheaper call: 31 against 45-61 us for both (H200's host)
+                flat.index_copy_(0, slots, x.to(pool.dtype))
+            else:
+                flat[slots] = x.to(pool.dtype)
 
     def check_slots(self, slots: torch.Tensor) -> None:
         """Every slot of `slots` (a CPU tensor) in [0, num_pages x page_size), in a page some sequence holds (a
