@@ -129,10 +129,12 @@ def test_llama_mlp_on_course_lib_kernels_matches_pytorch(dim, hidden):
 
 @gpu
 def test_gpu_swiglu_bf16_serving_size():
-    """A serving step's gate on a GPU: the halves of a (3280, 2 x 2816) bf16 projection, against float64 and
-    against PyTorch's silu(a) * b (which rounds twice)."""
+    """A serving step's gate on a GPU: the halves of a (3280, 2 x 2816) bf16 projection (the 2-D tiles), against
+    float64 and against PyTorch's silu(a) * b (which rounds twice); contiguous copies (the flat kernel) give the
+    same bits."""
     ab = torch.randn(3280, 2 * 2816, device="cuda", dtype=torch.bfloat16)
     a, b = ab.chunk(2, dim=-1)
     y = swiglu(a, b)
     assert_close_in_ulps(y, swiglu_reference(a, b), torch.bfloat16, "swiglu bf16 3280 x 2816")
     torch.testing.assert_close(y, F.silu(a) * b, rtol=2e-2, atol=2e-2)
+    assert torch.equal(swiglu(a.contiguous(), b.contiguous()), y)  # the flat kernel: the same arithmetic
