@@ -144,7 +144,7 @@ def workload() -> None:
     from course_lib.attention import attention_backward, attention_forward
     from course_lib.attention import backward as attention_backward_module
     from course_lib.decode import decode_attention, heuristics, paged_decode_attention
-    from course_lib.fused import rms_norm, rope, rope_cache
+    from course_lib.fused import rms_norm, rope, rope_cache, swiglu
     from course_lib.fused.rms_norm import rms_norm_backward, rms_norm_forward
 
     gen = torch.Generator().manual_seed(0)
@@ -220,7 +220,7 @@ def workload() -> None:
         combine_module.MANY_ROWS = many
 
     # fused: RMSNorm (whole rows; pieces that divide the row and pieces that do not; the three dW
-    # reductions; the streaming hints), RoPE (both layouts, an offset and a positions tensor, the backward)
+    # reductions; the streaming hints), RoPE (both layouts, an offset and a positions tensor, the backward), SwiGLU
     for dtype in (torch.float32, torch.bfloat16):
         x, w = randn(3, 96, dtype=dtype, grad=True), randn(96, dtype=dtype, grad=True)
         rms_norm(x, w, 1e-6).float().sum().backward()
@@ -236,6 +236,11 @@ def workload() -> None:
         for positions in (4, torch.arange(5).view(1, 5)):
             q_rot, k_rot = rope(q, k, cos, sin, positions=positions, layout=layout)
             (q_rot.sum() + k_rot.sum()).backward()
+    # SwiGLU's gate: contiguous inputs (the flat kernels) and the halves of one projection (the 2-D tiles), both ways
+    for dtype in (torch.float32, torch.bfloat16):
+        ab = randn(3, 2 * 40, dtype=dtype, grad=True)
+        a, b = randn(3, 40, dtype=dtype, grad=True), randn(3, 40, dtype=dtype, grad=True)
+        (swiglu(*ab.chunk(2, dim=-1)).float().sum() + swiglu(a, b).float().sum()).backward()
 
     # the read kernel of the bandwidth ceiling (notebooks 01 and 09)
     from course_lib.perf.ceilings import block_sums
