@@ -360,39 +360,32 @@ def format_table(data: dict) -> str:
                 f"| {r['dw_mode']} | {r['T']} | {r['D']} | {_gb(r)} | {r['copy_fraction'] * 100:.0f} % "
                 f"| {r['deterministic']} |"
             )
-    lines += [
+    lines += _provider_table("RoPE q+k", data["rope"], ROPE_PROVIDERS, ("T",))
+    if data.get("swiglu"):  # records from 2026-11-30 on
+        lines += _provider_table("SwiGLU gate", data["swiglu"], SWIGLU_PROVIDERS, ("T", "F"))
+    return "\n".join(lines)
+
+
+def _provider_table(title: str, rows: list[dict], providers: tuple, keys: tuple) -> list[str]:
+    """A blank line and a Markdown table of one kernel's rows: a row per (mode, *keys) cell, forward first, with each
+    provider's GB/s, course_lib / compiled and course_lib's % of the copy ceiling."""
+    lines = [
         "",
-        "| RoPE q+k | T | "
-        + " | ".join(f"{p} GB/s" for p in ROPE_PROVIDERS)
+        f"| {title} | "
+        + " | ".join((*keys, *(f"{p} GB/s" for p in providers)))
         + " | course_lib / compiled | % copy |",
-        "| --- " * (4 + len(ROPE_PROVIDERS)) + "|",
+        "| --- " * (3 + len(keys) + len(providers)) + "|",
     ]
-    for mode, t in sorted({(r["mode"], r["T"]) for r in data["rope"]}, key=lambda c: (c[0] != "fwd", c[1])):
-        rows = {p: _ok(data["rope"], mode=mode, T=t, provider=p) for p in ROPE_PROVIDERS}
-        gb = " | ".join(_gb(rows[p]) for p in ROPE_PROVIDERS)
-        ours, comp = rows["course_lib"], rows["compiled"]
+    cells = sorted({(r["mode"], *(r[k] for k in keys)) for r in rows}, key=lambda c: (c[0] != "fwd", *c[1:]))
+    for mode, *values in cells:
+        where = dict(zip(keys, values))
+        found = {p: _ok(rows, mode=mode, provider=p, **where) for p in providers}
+        ours, comp = found["course_lib"], found["compiled"]
         ratio = f"{ours['gbps'] / comp['gbps']:.2f}x" if ours and comp else "-"
         frac = f"{ours['copy_fraction'] * 100:.0f} %" if ours else "-"
-        lines.append(f"| {mode} | {t} | {gb} | {ratio} | {frac} |")
-    if data.get("swiglu"):  # records from 2026-11-30 on
-        lines += [
-            "",
-            "| SwiGLU gate | T | F | "
-            + " | ".join(f"{p} GB/s" for p in SWIGLU_PROVIDERS)
-            + " | course_lib / compiled | % copy |",
-            "| --- " * (5 + len(SWIGLU_PROVIDERS)) + "|",
-        ]
-        cells = sorted(
-            {(r["mode"], r["T"], r["F"]) for r in data["swiglu"]}, key=lambda c: (c[0] != "fwd", *c[1:])
-        )
-        for mode, t, f in cells:
-            rows = {p: _ok(data["swiglu"], mode=mode, T=t, F=f, provider=p) for p in SWIGLU_PROVIDERS}
-            gb = " | ".join(_gb(rows[p]) for p in SWIGLU_PROVIDERS)
-            ours, comp = rows["course_lib"], rows["compiled"]
-            ratio = f"{ours['gbps'] / comp['gbps']:.2f}x" if ours and comp else "-"
-            frac = f"{ours['copy_fraction'] * 100:.0f} %" if ours else "-"
-            lines.append(f"| {mode} | {t} | {f} | {gb} | {ratio} | {frac} |")
-    return "\n".join(lines)
+        cells_text = " | ".join((mode, *map(str, values), *(_gb(found[p]) for p in providers)))
+        lines.append(f"| {cells_text} | {ratio} | {frac} |")
+    return lines
 
 
 def target_misses(data: dict) -> list[str]:

@@ -103,14 +103,7 @@ def rope(
     (partial rotary, GPT-NeoX, Phi) is refused.
     Returns (q', k') with the shapes and dtype of q and k, computed in float32 (float64 for float64
     inputs)."""
-    key = tensors_key(q, k, cos, sin)
-    key = key and (*key, layout)
-    if not _ROPE_CALLS.seen(key):
-        check_rope(q, k, cos, sin, layout)
-        _ROPE_CALLS.add(key)
-    q4, k4 = as_4d(q), as_4d(k)
-    cos3, sin3 = cache_3d(cos), cache_3d(sin)
-    pos = kernel_positions(positions, q4.shape[0], q4.shape[2], cos3.shape[1], q.device)
+    q4, k4, cos3, sin3, pos = _rope_arguments(q, k, cos, sin, positions, layout)
     interleaved = layout == "interleaved"
     if torch.compiler.is_compiling():  # one opaque node per call (`op.py`)
         tensor = isinstance(pos, torch.Tensor)
@@ -146,19 +139,25 @@ def rope_(
     if torch.compiler.is_compiling():  # the operator is functional: rotate, then write back
         q_out, k_out = rope(q, k, cos, sin, positions, layout)
         return q.copy_(q_out), k.copy_(k_out)
+    q4, k4, cos3, sin3, pos = _rope_arguments(q, k, cos, sin, positions, layout)
+    if max(_heads_span(q4), _heads_span(k4)) >= OFFSET_LIMIT:  # past the kernel's 32-bit head offsets
+        q_out, k_out = rope(q, k, cos, sin, positions, layout)
+        return q.copy_(q_out), k.copy_(k_out)
+    rotate(q4, k4, cos3, sin3, pos, layout == "interleaved", out=(q4, k4))
+    return q, k
+
+
+def _rope_arguments(q, k, cos, sin, positions, layout: str) -> tuple:
+    """`rope`'s and `rope_`'s arguments checked (once for each kind of call) and as the kernel takes them: q, k 4-D,
+    cos, sin 3-D, the positions a tensor or an int start (`rope.kernel_positions`)."""
     key = tensors_key(q, k, cos, sin)
     key = key and (*key, layout)
     if not _ROPE_CALLS.seen(key):
         check_rope(q, k, cos, sin, layout)
         _ROPE_CALLS.add(key)
     q4, k4 = as_4d(q), as_4d(k)
-    if max(_heads_span(q4), _heads_span(k4)) >= OFFSET_LIMIT:  # past the kernel's 32-bit head offsets
-        q_out, k_out = rope(q, k, cos, sin, positions, layout)
-        return q.copy_(q_out), k.copy_(k_out)
     cos3, sin3 = cache_3d(cos), cache_3d(sin)
-    pos = kernel_positions(positions, q4.shape[0], q4.shape[2], cos3.shape[1], q.device)
-    rotate(q4, k4, cos3, sin3, pos, layout == "interleaved", out=(q4, k4))
-    return q, k
+    return q4, k4, cos3, sin3, kernel_positions(positions, q4.shape[0], q4.shape[2], cos3.shape[1], q.device)
 
 
 _SWIGLU_CALLS = AcceptedCalls()

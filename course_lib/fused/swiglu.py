@@ -89,14 +89,21 @@ def swiglu_flat_bwd_kernel(
 
 
 @triton.jit
+def _tile_of_program(n_rows, n_cols, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    """(rows (ROWS,) int64, cols (BLOCK,), mask (ROWS, BLOCK)) of this program's tile: row tiles on the grid's first
+    axis, column blocks on its second."""
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    return rows, cols, (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
+
+
+@triton.jit
 def swiglu_fwd_kernel(
     a_ptr, b_ptr, y_ptr, n_rows, n_cols, stride_a, stride_b, stride_y,
     ROWS: tl.constexpr, BLOCK: tl.constexpr, ACC_64: tl.constexpr,
 ):  # fmt: skip
     """y = silu(a) * b over this program's (ROWS, BLOCK) tile."""
-    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
+    rows, cols, mask = _tile_of_program(n_rows, n_cols, ROWS, BLOCK)
     acc_ty = tl.float64 if ACC_64 else tl.float32
     a = tl.load(a_ptr + rows[:, None] * stride_a + cols[None, :], mask=mask, other=0.0).to(acc_ty)
     b = tl.load(b_ptr + rows[:, None] * stride_b + cols[None, :], mask=mask, other=0.0).to(acc_ty)
@@ -110,9 +117,7 @@ def swiglu_bwd_kernel(
     ROWS: tl.constexpr, BLOCK: tl.constexpr, ACC_64: tl.constexpr,
 ):  # fmt: skip
     """da = dy * b * s * (1 + a (1 - s)), db = dy * a * s (s = sigmoid(a)) over a (ROWS, BLOCK) tile."""
-    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
+    rows, cols, mask = _tile_of_program(n_rows, n_cols, ROWS, BLOCK)
     acc_ty = tl.float64 if ACC_64 else tl.float32
     a = tl.load(a_ptr + rows[:, None] * stride_a + cols[None, :], mask=mask, other=0.0).to(acc_ty)
     b = tl.load(b_ptr + rows[:, None] * stride_b + cols[None, :], mask=mask, other=0.0).to(acc_ty)
