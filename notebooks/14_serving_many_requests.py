@@ -217,6 +217,10 @@ assert same and cached.prefix.hits == 3 * 3 * PAGE  # requests 2-4 each found th
 # replay each layer's work between its attention calls (norms, projections, RoPE, the MLP) from CUDA graphs
 # captured per token count (`cuda_graphs=True`: piecewise graphs, as vLLM and SGLang capture them), so what the
 # host still launches is the attention. The serving record (`make bench BENCH=serving`) measures both first tokens.
+# A ratio also moves the other way: a kernel that makes each token's work cheaper (the MLP's fused gate, notebook 11)
+# saves ten times as much on the uncached prompt, which has ten times the tokens, so both first tokens get faster
+# while the speed-up falls. Only what the cached path pays beyond its share of the FLOPs (the host's fixed work, the
+# gather and merge around its attention) moves the ratio up.
 #
 # **Predict first.** A 32k-token prompt, 90 % of it cached: how many times faster is its first token than the
 # same prompt's uncached? The FLOPs ratio (6x) is the most it could be; the host's work takes some of it
