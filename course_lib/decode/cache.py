@@ -347,9 +347,8 @@ class PagedKVCache:
         slots = slots.to(self.k_pages[layer].device)
         for pool, x in ((self.k_pages[layer], k), (self.v_pages[layer], v)):
             flat = pool.view(-1, *pool.shape[2:])
-            if (
-                slots.dtype == torch.int64
-            ):  # the host's cheaper call: 31 against 45-61 us for both (H200's host)
+            # int64 slots: index_copy_, the host's cheaper call (both copies 31 against 45-61 us, an H200's host)
+            if slots.dtype == torch.int64:
                 flat.index_copy_(0, slots, x.to(pool.dtype))
             else:
                 flat[slots] = x.to(pool.dtype)
