@@ -136,15 +136,14 @@ def rope_(
             "rope_: q and k must be (B, H, T, d) or (H, T, d) with d contiguous (they are written in place); got "
             f"shapes {tuple(q.shape)}, {tuple(k.shape)} with strides {q.stride()}, {k.stride()}"
         )
-    if torch.compiler.is_compiling():  # the operator is functional: rotate, then write back
-        q_out, k_out = rope(q, k, cos, sin, positions, layout)
-        return q.copy_(q_out), k.copy_(k_out)
-    q4, k4, cos3, sin3, pos = _rope_arguments(q, k, cos, sin, positions, layout)
-    if max(_heads_span(q4), _heads_span(k4)) >= OFFSET_LIMIT:  # past the kernel's 32-bit head offsets
-        q_out, k_out = rope(q, k, cos, sin, positions, layout)
-        return q.copy_(q_out), k.copy_(k_out)
-    rotate(q4, k4, cos3, sin3, pos, layout == "interleaved", out=(q4, k4))
-    return q, k
+    if not torch.compiler.is_compiling():
+        q4, k4, cos3, sin3, pos = _rope_arguments(q, k, cos, sin, positions, layout)
+        if max(_heads_span(q4), _heads_span(k4)) < OFFSET_LIMIT:  # within the kernel's 32-bit head offsets
+            rotate(q4, k4, cos3, sin3, pos, layout == "interleaved", out=(q4, k4))
+            return q, k
+    # under torch.compile (its operator is functional) or past 32-bit head offsets: rotated copies written back
+    q_out, k_out = rope(q, k, cos, sin, positions, layout)
+    return q.copy_(q_out), k.copy_(k_out)
 
 
 def _rope_arguments(q, k, cos, sin, positions, layout: str) -> tuple:

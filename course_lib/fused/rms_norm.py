@@ -269,8 +269,9 @@ def column_sum_kernel(buf_ptr, out_ptr, n_rows, n_cols, BLOCK_R: tl.constexpr, B
 # --------------------------------------------------------------------------------------------------
 # Host side
 # --------------------------------------------------------------------------------------------------
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    """t (..., D) as a (rows, D) matrix whose last dim is contiguous (a view when it can be)."""
+def as_rows(t: torch.Tensor) -> torch.Tensor:
+    """t (..., D) as a (rows, D) matrix whose last dim is contiguous (a view when it can be); `swiglu` reads its
+    strided inputs so too."""
     t2 = t if t.dim() == 2 else t.reshape(-1, t.shape[-1])
     return t2 if t2.stride(-1) == 1 or t2.shape[0] == 0 else t2.contiguous()
 
@@ -301,7 +302,7 @@ def rms_norm_forward(
     many elements (`rows` does not apply). store_rstd=False (no backward will follow): rstd is not
     written and None is returned in its place; torch.compile's inference graph of the eager code writes
     none either."""
-    x2 = _rows(x)
+    x2 = as_rows(x)
     weight = weight.contiguous()  # read with unit stride (a strided or expanded weight is copied)
     n_rows, n_cols = x2.shape
     out_dtype = torch.promote_types(x.dtype, weight.dtype)
@@ -371,7 +372,7 @@ def rms_norm_backward(
     `column_tile`; "torch": `sum(dim=0)`)."""
     if dw_sum not in DW_SUMS:
         raise ValueError(f"rms_norm_backward: dw_sum must be one of {DW_SUMS}, got {dw_sum!r}")
-    x2, dy2 = _rows(x), _rows(dy)
+    x2, dy2 = as_rows(x), as_rows(dy)
     weight, rstd = weight.contiguous(), rstd.contiguous()  # read with unit stride, as in the forward
     n_rows, n_cols = x2.shape
     acc = accumulator_dtype(x.dtype)

@@ -30,6 +30,7 @@ from ..checks import accumulator_dtype, check_dtype, check_kernel_device
 from ..kernels import bound
 from ..runtime import tl, triton
 from ..second_derivative import refuse_second_derivative
+from .rms_norm import as_rows
 
 runtime.require_triton()
 
@@ -127,17 +128,6 @@ def swiglu_bwd_kernel(
     tl.store(db_ptr + rows[:, None] * stride_db + cols[None, :], db.to(db_ptr.dtype.element_ty), mask=mask)
 
 
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    """t (..., F) as (rows, F) with unit column stride, a view where the leading dims flatten into one stride."""
-    t = t if t.stride(-1) == 1 else t.contiguous()
-    if t.dim() == 2:
-        return t
-    try:
-        return t.view(-1, t.shape[-1])
-    except RuntimeError:  # leading dims that no single stride walks
-        return t.reshape(-1, t.shape[-1])
-
-
 def _tile(n_rows: int, n_cols: int) -> tuple[tuple[int, int], int, int]:
     """(grid, ROWS, BLOCK): BLOCK columns (at most `BLOCK`), as many rows as make a tile of `TILE` elements."""
     block = min(BLOCK, runtime.next_power_of_2(max(n_cols, 1)))
@@ -156,7 +146,7 @@ def swiglu_forward(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         bound.launch(swiglu_flat_fwd_kernel, (runtime.cdiv(n, FLAT_BLOCK),), a, b, y, n,
                      BLOCK=FLAT_BLOCK, ACC_64=acc_64, num_warps=WARPS)  # fmt: skip
         return y
-    a2, b2, y2 = _rows(a), _rows(b), y.view(-1, a.shape[-1])
+    a2, b2, y2 = as_rows(a), as_rows(b), y.view(-1, a.shape[-1])
     grid, rows, block = _tile(*a2.shape)
     bound.launch(swiglu_fwd_kernel, grid,
         a2, b2, y2, *a2.shape, a2.stride(0), b2.stride(0), y2.stride(0),
@@ -177,7 +167,7 @@ def swiglu_backward(a: torch.Tensor, b: torch.Tensor, dy: torch.Tensor) -> tuple
         bound.launch(swiglu_flat_bwd_kernel, (runtime.cdiv(n, FLAT_BLOCK),), a, b, dy, da, db, n,
                      BLOCK=FLAT_BLOCK, ACC_64=acc_64, num_warps=WARPS)  # fmt: skip
         return da, db
-    a2, b2, dy2 = _rows(a), _rows(b), _rows(dy)
+    a2, b2, dy2 = as_rows(a), as_rows(b), as_rows(dy)
     da2, db2 = da.view(-1, a.shape[-1]), db.view(-1, a.shape[-1])
     grid, rows, block = _tile(*a2.shape)
     bound.launch(swiglu_bwd_kernel, grid,
@@ -209,9 +199,8 @@ def check_swiglu(a, b) -> None:
     """a and b: tensors of one shape (at least 1-D), dtype (float16, bfloat16, float32, float64) and device (a
     CUDA GPU, or the CPU under Triton's interpreter); a TypeError or ValueError naming what is wrong."""
     where = "swiglu"
+    check_kernel_device(where, a=a, b=b)  # tensors, on the kernels' device
     for name, t in (("a", a), ("b", b)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{where}: {name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() == 0:
             raise ValueError(f"{where}: {name} must have at least one dim (..., F), got a 0-d tensor")
         check_dtype(where, name, t, DTYPES)
@@ -223,7 +212,6 @@ def check_swiglu(a, b) -> None:
         raise ValueError(f"{where}: a and b must have the same dtype, got {a.dtype} and {b.dtype}")
     if a.device != b.device:
         raise ValueError(f"{where}: a and b must be on the same device, got {a.device} and {b.device}")
-    check_kernel_device(where, a=a, b=b)
 
 
 def swiglu_reference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
