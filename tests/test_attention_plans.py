@@ -231,6 +231,47 @@ def test_the_gluon_routes_run_their_plans_and_match_the_full_path(causal, heads)
         assert torch.equal(a, b)
 
 
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="the one-pass backward runs on a Hopper GPU")
+@pytest.mark.parametrize("causal, heads", [(False, (4, 4)), (True, (8, 2)), ("bottom_right", (4, 1))])
+def test_the_one_pass_backward_runs_its_plan_and_not_under_deterministic_algorithms(causal, heads):
+    """d = 64 bf16 from 4096 tokens: the one-pass backward (`hopper_onepass`) on a Hopper GPU. A repeated call
+    replays its launches (`backward.OnePassPlan`): dK, dV the full path's bits, dQ (TMA's adds in any order)
+    within float64's bound; under deterministic algorithms the same call keeps a plan of its own (the two
+    kernels), whose dQ repeats bit for bit."""
+    from course_lib.attention import hopper_onepass
+    from course_lib.attention.backward import BackwardPlan, OnePassPlan
+
+    hq, hkv = heads
+    q, k, v = _inputs((1, hq, 4096, 64), (1, hkv, 4096, 64))
+    do = torch.randn_like(q)
+    if not hopper_onepass.supports(q, k, v, do):
+        pytest.skip("the one pass runs on Hopper GPUs")
+    first = _run(q, k, v, do, causal)
+    plan = plans.FORWARD[plans.call_key(q, k, v, causal, None, None, None)]
+    assert [type(p) for p in plan.backward.values()] == [OnePassPlan]
+    ran = []
+    real_run = OnePassPlan.run
+    OnePassPlan.run = lambda self, *a: ran.append(1) or real_run(self, *a)
+    try:
+        again = _run(q, k, v, do, causal)
+    finally:
+        OnePassPlan.run = real_run
+    assert ran == [1]
+    for a, b in zip(first[:2] + first[3:], again[:2] + again[3:]):  # O twice, dK, dV
+        assert torch.equal(a, b)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    o64 = reference(q64, k64, v64, causal=causal)
+    dq64 = torch.autograd.grad(o64, q64, do.double())[0]
+    assert (again[2].double() - dq64).abs().max().item() < TOL * max(1.0, dq64.abs().max().item())
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        exact = [_run(q, k, v, do, causal) for _ in range(2)]
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert [type(p) for p in plan.backward.values()] == [OnePassPlan, BackwardPlan]
+    assert torch.equal(exact[0][2], exact[1][2])  # dQ by the two kernels, the second time from their plan
+
+
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_a_repeated_decoding_step_runs_its_plan_with_the_new_pages_and_lengths(num_splits):
     """decode.split_kv's plans: the split kernel (and the combine when S > 1) again, over the block table and

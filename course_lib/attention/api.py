@@ -104,7 +104,10 @@ class FlashAttentionTriton(torch.autograd.Function):
         with torch.no_grad():
             if plan is not None and plan.generation != plans.generation():
                 plan = None  # a launch choice changed since the forward: the full path
-            key = None if plan is None else (do.stride(), do.data_ptr() % 16, do.dtype)  # do's shape is O's
+            # do's shape is O's; deterministic algorithms turn the one-pass backward off (`backward.OnePassPlan`)
+            key = None if plan is None else (
+                do.stride(), do.data_ptr() % 16, do.dtype, torch.are_deterministic_algorithms_enabled()
+            )  # fmt: skip
             backward_plan = plans.find(plan.backward, key) if plan is not None else None
             if backward_plan is not None:  # a backward seen before (plans.py)
                 dq, dk, dv = backward_plan.run(do, q, k, v, o, lse)

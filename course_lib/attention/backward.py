@@ -698,8 +698,9 @@ def _backward(
     compile_only=True (the autograd forward, before its own launch): launch nothing; start compiling
     the default backward's two kernels for this shape (`launch.compile_ahead`). do, o and L may then be
     None: their stand-ins, and every buffer, live on the meta device (shapes and strides, no memory).
-    plan_out: None, or a list to which a `BackwardPlan` of this call is appended where it can be repeated
-    so (`plans.py`: the default launches, no atomic dQ, sinks, packing or copy of an input)."""
+    plan_out: None, or a list to which a `BackwardPlan` (the one pass's: `OnePassPlan`) of this call is appended
+    where it can be repeated so (`plans.py`: the default launches, no atomic dQ, sinks, packing or copy of an
+    input)."""
     where = "meta" if compile_only else q.device
     if compile_only:
         if launch_cfg is not None or dq_mode != "two_kernel":
@@ -733,16 +734,21 @@ def _backward(
     offset = causal_offset(alignment, n_q, n_k) if seqs is None else 0
     window = kernel_window(window, n_q, n_k)
     atomic = dq_mode == "atomic"
-    # the warp-specialised dK/dV kernel (Hopper), or None
     fixed_launch = launch_cfg is not None
+    plannable = (  # a plan of this call may be kept (`plan_out`)
+        plan_out is not None and not compile_only and not fixed_launch and not atomic
+        and seqs is None and sinks is None and on_current_device(q)
+        and all(a is b for a, b in zip(viewed, (q4, k4, v4, o4, do4)))  # nothing copied (`within_offsets`)
+    )  # fmt: skip
     # (the Gluon kernel has no sliding window and no packed sequences)
     use_gluon = not (fixed_launch or atomic or window or seqs is not None)
     # dQ, dK, dV from one kernel (`hopper_onepass`) where it runs, or on to the two kernels if it fails
     onepass = hopper_onepass(q4, k4, v4, do4, causal, n_q, n_k, switches) if use_gluon else None
     if onepass is not None:
         grads = _onepass(
-            onepass, q, k, v, q4, k4, v4, o4, do4, l3, dk4, dv4, offset, causal, scale, sinks, compile_only
-        )
+            onepass, q, k, v, q4, k4, v4, o4, do4, L, l3, dk4, dv4, offset, causal, scale, sinks, compile_only,
+            plan_out if plannable else None,
+        )  # fmt: skip
         if grads is not None or compile_only:
             return grads
     gluon = hopper_dkdv(q4, k4, v4, do4, causal, n_q, n_k, switches) if use_gluon else None
@@ -806,12 +812,8 @@ def _backward(
     kv_shape = dkdv_shape_class(n_q, n_k, d, causal, q.dtype, atomic, on_chip)
     kv_tuner = _dkdv_atomic_tuned if atomic else _dkdv_tuned
     tensors = None  # {name: tensor} for a plan of this call (`BackwardPlan`)
-    if (
-        plan_out is not None and not compile_only and launch_cfg is None and not atomic
-        and seqs is None and sinks is None and on_current_device(q)
-        and all(a is b for a, b in zip(viewed, (q4, k4, v4, o4, do4)))  # nothing copied (`within_offsets`)
-    ):  # fmt: skip
-        tensors = dict(q4=q4, k4=k4, v4=v4, o4=o4, do4=do4, l3=l3, delta=delta, dq_acc=dq_acc)
+    if plannable:
+        tensors = dict(q4=q4, k4=k4, v4=v4, o4=o4, do4=do4, l3=l3, delta=delta, dq4=dq_acc)
         tensors.update(dk4=dk4, dv4=dv4)
         if share > 1:
             tensors.update(dk_out=dk_out, dv_out=dv_out)
@@ -887,26 +889,66 @@ def _backward(
     return dq, dk, dv, dsinks
 
 
-def _onepass(module, q, k, v, q4, k4, v4, o4, do4, l3, dk4, dv4, offset, causal, scale, sinks, compile_only):
+def _onepass(
+    module,
+    q,
+    k,
+    v,
+    q4,
+    k4,
+    v4,
+    o4,
+    do4,
+    L,
+    l3,
+    dk4,
+    dv4,
+    offset,
+    causal,
+    scale,
+    sinks,
+    compile_only,
+    plan_out,
+):
     """`_backward` by the one-pass kernel (`hopper_onepass`): (dq, dk, dv, dsinks) shaped as q, k, v; None if
     it failed (`run_gluon`), or with compile_only (its kernel and D pass then compile in the background). dk4,
-    dv4: `_backward`'s dK, dV (contiguous), which it writes."""
+    dv4: `_backward`'s dK, dV (contiguous), which it writes. plan_out: None, or a list to which a
+    `OnePassPlan` of this call is appended where its launches can be repeated."""
     if compile_only:
         if runtime.ON_GPU:
             module.compile_ahead(q4, k4, v4, l3, offset, causal, scale)
         return None
-    grads = []
+    grads, replays = [], None if plan_out is None else []
     with cuda_device(q):
         ran = run_gluon(
             "one-pass backward", HOPPER_ONEPASS_FAILED,
-            lambda *a: grads.append(module.backward(*a, dk4=dk4, dv4=dv4)),
+            lambda *a: grads.append(module.backward(*a, dk4=dk4, dv4=dv4, replay_out=replays)),
             q4, k4, v4, o4, do4, l3, offset, causal, scale,
         )  # fmt: skip
     if not ran:
         return None
+    if replays:
+        plan_out.append(OnePassPlan(replays[0], q, q4, L, l3))
     dq4, _, _, delta = grads[0]
     dsinks = None if sinks is None else sink_gradient(sinks, l3, delta.reshape(l3.shape))
     return dq4.view(q.shape), dk4.view(k.shape), dv4.view(v.shape), dsinks
+
+
+def _plan_tensors(four_d: bool, l3_shape: tuple, do, q, k, v, o, L) -> tuple:
+    """A plan's dQ, dK, dV, allocated contiguous, and {name: tensor}: the call's tensors and those three as the
+    kernels take them (q4, k4, v4, o4, do4, l3, dq4, dk4, dv4), viewed as `_backward` viewed them."""
+    contiguous = torch.contiguous_format
+    dk = torch.empty_like(k, memory_format=contiguous)
+    dv = torch.empty_like(v, memory_format=contiguous)
+    dq = torch.empty_like(q, memory_format=contiguous)
+    if four_d:
+        tensors = dict(q4=q, k4=k, v4=v, o4=o, do4=do, l3=L, dq4=dq, dk4=dk, dv4=dv)
+    else:
+        tensors = dict(
+            q4=as_4d(q), k4=as_4d(k), v4=as_4d(v), o4=as_4d(o), do4=as_4d(do), l3=L.reshape(l3_shape),
+            dq4=as_4d(dq), dk4=as_4d(dk), dv4=as_4d(dv),
+        )  # fmt: skip
+    return dq, dk, dv, tensors
 
 
 class BackwardPlan:
@@ -925,23 +967,30 @@ class BackwardPlan:
         self.partial_shape = None if partial is None else tuple(partial.shape)
 
     def run(self, do, q, k, v, o, L):
-        contiguous = torch.contiguous_format
-        dk = torch.empty_like(k, memory_format=contiguous)
-        dv = torch.empty_like(v, memory_format=contiguous)
-        dq = torch.empty_like(q, memory_format=contiguous)
-        delta = q.new_empty(self.delta_shape, dtype=self.acc_dtype)  # 1.4 us less than torch.empty(device=)
-        if self.four_d:
-            tensors = dict(q4=q, k4=k, v4=v, o4=o, do4=do, l3=L, delta=delta, dq_acc=dq, dk4=dk, dv4=dv)
-        else:
-            tensors = dict(
-                q4=as_4d(q), k4=as_4d(k), v4=as_4d(v), o4=as_4d(o), do4=as_4d(do), l3=L.reshape(self.l3_shape),
-                delta=delta, dq_acc=as_4d(dq), dk4=as_4d(dk), dv4=as_4d(dv),
-            )  # fmt: skip
+        dq, dk, dv, tensors = _plan_tensors(self.four_d, self.l3_shape, do, q, k, v, o, L)
+        tensors["delta"] = q.new_empty(self.delta_shape, dtype=self.acc_dtype)  # 1.4 us less than torch.empty
         if self.partial_shape is not None:
             tensors["dk_out"] = q.new_empty(self.partial_shape, dtype=self.acc_dtype)
             tensors["dv_out"] = q.new_empty(self.partial_shape, dtype=self.acc_dtype)
         for launch_ in self.launches:
             launch_(tensors)
+        return dq, dk, dv
+
+
+class OnePassPlan:
+    """A backward call by the one-pass kernel to repeat (`plans.py`): its `hopper_onepass.Replay` (the D pass
+    and the kernel's launches over the slices, with the accumulator's zeroing and cast between them) over the
+    new call's tensors, viewed as `_backward` viewed them. `run(do, q, k, v, o, L)` gives (dq, dk, dv). Kept
+    under a key that holds whether deterministic algorithms are on (`api.py`): the one pass is not, then."""
+
+    __slots__ = ("replay", "four_d", "l3_shape")
+
+    def __init__(self, replay, q, q4, L, l3):
+        self.replay, self.four_d, self.l3_shape = replay, q4 is q and l3 is L, tuple(l3.shape)
+
+    def run(self, do, q, k, v, o, L):
+        dq, dk, dv, tensors = _plan_tensors(self.four_d, self.l3_shape, do, q, k, v, o, L)
+        self.replay.run(**tensors)
         return dq, dk, dv
 
 

@@ -41,6 +41,8 @@ at d = 64 16k 352 / 327 against this one's 407 / 374. No CPU path: Gluon has no 
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from triton._C.libtriton import ir as _ir
 from triton.experimental import gluon
@@ -309,7 +311,9 @@ def _vector_desc(t):
     return TensorDescriptor(t, [t.numel()], [1], [QUERY_ROWS], layout)
 
 
-def _launch(q4, k4, v4, do4, stats, dq_acc, dk4, dv4, offset, causal, scale, dq_chunks, bhk0, bhkv, warmup):
+def _launch(
+    q4, k4, v4, do4, delta, l2, dq_acc, dk4, dv4, offset, causal, scale, dq_chunks, bhk0, bhkv, warmup
+):
     """The kernel on the (batch, K/V head) pairs bhk0 ... bhk0 + bhkv - 1, adding their dQ into dq_acc's first
     bhkv * group * N_Q rows."""
     B, H, n_q, d = q4.shape
@@ -321,9 +325,9 @@ def _launch(q4, k4, v4, do4, stats, dq_acc, dk4, dv4, offset, causal, scale, dq_
     grid = (cdiv(n_k, KROWS.value * NUM_CONSUMERS) * bhkv,)
     args = (
         descriptor(q4, QUERY_ROWS), descriptor(do4, QUERY_ROWS), descriptor(k4, KROWS.value),
-        descriptor(v4, KROWS.value), _vector_desc(stats[1].view(-1)), _vector_desc(stats[0].view(-1)), dq_desc,
+        descriptor(v4, KROWS.value), _vector_desc(l2.view(-1)), _vector_desc(delta.view(-1)), dq_desc,
         dk4, dv4, scale * LOG2E, scale, dk4.stride(0), dk4.stride(1), dk4.stride(2),
-        H, H // h_kv, n_q, n_k, offset, bhkv, bhk0, stats.shape[-1],
+        H, H // h_kv, n_q, n_k, offset, bhkv, bhk0, delta.shape[-1],
     )  # fmt: skip
     meta = dict(
         CAUSAL=causal, HEAD_DIM=d, NUM_STAGES=NUM_STAGES[d], NUM_CONSUMERS=NUM_CONSUMERS, DQ_CHUNKS=dq_chunks,
@@ -333,6 +337,47 @@ def _launch(q4, k4, v4, do4, stats, dq_acc, dk4, dv4, offset, causal, scale, dq_
         return bwd_ws_kernel.warmup(*args, grid=grid, **meta)
     bound.launch(bwd_ws_kernel, grid, *args, **meta)  # bound once (host time)
     return None
+
+
+def _by_slices(cuts, rows_per_pair: int, dq_acc, dq_rows, launch) -> None:
+    """The kernel's launches over the slices `cuts` ((first pair, count) each; `launch(first, count)`), each
+    adding into dq_acc zeroed (the first call's accumulator comes zeroed), then cast into its rows of dQ,
+    dq_rows ((B * H * N_Q, d)); rows_per_pair = group * N_Q."""
+    for i, (first, count) in enumerate(cuts):
+        rows = count * rows_per_pair
+        if i:
+            dq_acc[:rows].zero_()
+        launch(first, count)
+        dq_rows[first * rows_per_pair : first * rows_per_pair + rows].copy_(dq_acc[:rows])
+
+
+class Replay:
+    """The launches of one `backward` call (the D pass, then the kernel over each slice), repeated over new
+    tensors of the same shapes, strides and alignments, nothing decided again: `attention.backward`'s plan of a
+    one-pass call (`kernels/plans.py`: host time)."""
+
+    __slots__ = ("launches", "cuts", "rows_per_pair", "stats_shape", "acc_shape")
+
+    def __init__(self, launches: tuple, cuts: list, rows_per_pair: int, stats, dq_acc):
+        self.launches, self.cuts, self.rows_per_pair = launches, cuts, rows_per_pair
+        self.stats_shape, self.acc_shape = tuple(stats.shape), tuple(dq_acc.shape)
+
+    def run(self, q4, k4, v4, o4, do4, l3, dq4, dk4, dv4) -> None:
+        """dQ into dq4 (contiguous as q4), dK, dV into dk4, dv4 (contiguous as k4), as `backward` made them."""
+        stats = q4.new_empty(self.stats_shape, dtype=torch.float32)
+        dq_acc = q4.new_zeros(self.acc_shape, dtype=torch.float32)
+        tensors = dict(q4=q4, k4=k4, v4=v4, o4=o4, do4=do4, l3=l3, delta=stats[0], l2=stats[1], dq_acc=dq_acc,
+                       dk4=dk4, dv4=dv4)  # fmt: skip
+        pre, *kernels = self.launches
+        pre(tensors)
+        kernels = iter(kernels)
+        _by_slices(
+            self.cuts,
+            self.rows_per_pair,
+            dq_acc,
+            dq4.view(-1, q4.shape[-1]),
+            lambda *_: next(kernels)(tensors),
+        )
 
 
 def slices(bhkv: int, key_blocks: int = 1, sms: int = 0) -> list[tuple[int, int]]:
@@ -412,6 +457,7 @@ def backward(
     dq_chunks: int | None = None,
     dk4=None,
     dv4=None,
+    replay_out=None,
 ):
     """(dQ, dK, dV, D) of attention for q4, do4 (B, H, N_Q, d), o4 likewise (any strides) and k4, v4
     (B, H_kv, N_K, d) that pass `supports` (a Hopper GPU, 16-bit, contiguous, d 64 or 128); l3 (B, H, N_Q) the
@@ -420,26 +466,33 @@ def backward(
     dk4, dv4 if given, contiguous as k4), and D = rowsum(dO * O) as a (B * H, N_Q) float32 view (the sinks'
     gradient reads it). dq_chunks: `DQ_CHUNKS[d]` if None. Launches: the D pass (D and L2), then for each of
     `slices` a zeroed float32 accumulator (half dQ's bytes in 4 slices), the kernel and dQ's cast. The caller
-    makes q4's GPU current."""
+    makes q4's GPU current. replay_out: None, or a list to which a `Replay` of this call's launches is appended
+    where they can be repeated so (`kernels.bound.recording`: not a first call, which compiles or binds)."""
     B, H, n_q, d = q4.shape
     group = H // k4.shape[1]
     dq_chunks = dq_chunks or DQ_CHUNKS[d]
     cuts = _slices(q4, k4)
     stats, dq_acc = _buffers(q4, k4, q4.device, cuts)
-    wait_compiled(_d_pass_key(q4))
-    preprocess(o4, do4, stats[0], q4.dtype, l3, stats[1])
+    delta, l2 = stats
     dk = torch.empty_like(k4) if dk4 is None else dk4
     dv = torch.empty_like(v4) if dv4 is None else dv4
     dq = torch.empty_like(q4)
-    dq_rows = dq.view(B * H * n_q, d)
-    wait_compiled(_key(q4, k4, offset, causal, dq_chunks))  # compiled ahead (`compile_ahead`): not twice
-    for i, (first, count) in enumerate(cuts):
-        rows = count * group * n_q
-        if i:
-            dq_acc[:rows].zero_()
-        _launch(q4, k4, v4, do4, stats, dq_acc, dk, dv, offset, causal, scale, dq_chunks, first, count, False)
-        dq_rows[first * group * n_q : first * group * n_q + rows].copy_(dq_acc[:rows])
-    return dq, dk, dv, stats[0, :, :n_q]
+    tensors = dict(
+        q4=q4, k4=k4, v4=v4, o4=o4, do4=do4, l3=l3, delta=delta, l2=l2, dq_acc=dq_acc, dk4=dk, dv4=dv
+    )
+    with bound.recording(tensors) if replay_out is not None else contextlib.nullcontext() as recorded:
+        wait_compiled(_d_pass_key(q4))
+        preprocess(o4, do4, delta, q4.dtype, l3, l2)
+        wait_compiled(_key(q4, k4, offset, causal, dq_chunks))  # compiled ahead (`compile_ahead`): not twice
+        _by_slices(
+            cuts, group * n_q, dq_acc, dq.view(B * H * n_q, d),
+            lambda first, count: _launch(q4, k4, v4, do4, delta, l2, dq_acc, dk, dv, offset, causal, scale,
+                                         dq_chunks, first, count, False),
+        )  # fmt: skip
+    launches = recorded.prepared() if recorded is not None else None
+    if launches:
+        replay_out.append(Replay(launches, cuts, group * n_q, stats, dq_acc))
+    return dq, dk, dv, delta[:, :n_q]
 
 
 def warmup(q4, k4, v4, offset: int, causal: bool, scale: float, dq_chunks: int | None = None, where="meta"):
@@ -449,9 +502,9 @@ def warmup(q4, k4, v4, offset: int, causal: bool, scale: float, dq_chunks: int |
     dq_chunks = dq_chunks or DQ_CHUNKS[q4.shape[-1]]
     cuts = slices(q4.shape[0] * k4.shape[1])  # the binary is the same for every slice
     stats, dq_acc = _buffers(q4, k4, where, cuts)
-    first, count = cuts[0]
+    delta, l2 = stats
     return _launch(
-        q4, k4, v4, q4, stats, dq_acc, k4, v4, offset, causal, scale, dq_chunks, first, count, True
+        q4, k4, v4, q4, delta, l2, dq_acc, k4, v4, offset, causal, scale, dq_chunks, *cuts[0], True
     )
 
 

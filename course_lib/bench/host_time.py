@@ -11,6 +11,8 @@ sync) is recorded beside it:
 
 - forward: `flash_attention(q, k, v, causal=True)` under `torch.no_grad()` against SDPA's default;
 - forward+backward: `torch.autograd.grad` of the same call's output with a given dO, against SDPA;
+- fwd+bwd, 2k causal: the same at 2048 tokens, where a Hopper GPU's backward is the one-pass kernel (its
+  launches over slices of the heads, with the accumulator's zeroing and cast between them, repeated by its plan);
 - decode step: one query token over a 256-token cache, `flash_attention` against SDPA (is_causal=False: a
   single bottom-right query sees every key); at this length the FlashAttention-2 forward keeps the call, one
   launch (`attention.decode_route` hands longer ones to split-KV decoding, two launches).
@@ -88,6 +90,8 @@ def _calls(device) -> dict:
     q, k, v = (rand(1, 2, 128, 64, grad=True) for _ in range(3))
     do = rand(1, 2, 128, 64)
     q1, kc, vc = rand(1, 2, 1, 64), rand(1, 2, 256, 64), rand(1, 2, 256, 64)
+    ql, kl, vl = (rand(1, 2, 2048, 64, grad=True) for _ in range(3))
+    dol = rand(1, 2, 2048, 64)
     sdpa = F.scaled_dot_product_attention
 
     def no_grad(fn):
@@ -105,6 +109,12 @@ def _calls(device) -> dict:
         "forward+backward": {
             "course_lib": lambda: torch.autograd.grad(flash_attention(q, k, v, causal=True), (q, k, v), do),
             "sdpa": lambda: torch.autograd.grad(sdpa(q, k, v, is_causal=True), (q, k, v), do),
+        },
+        "fwd+bwd, 2k causal": {  # a Hopper GPU's one-pass backward (`attention.hopper_onepass`) from here
+            "course_lib": lambda: torch.autograd.grad(
+                flash_attention(ql, kl, vl, causal=True), (ql, kl, vl), dol
+            ),
+            "sdpa": lambda: torch.autograd.grad(sdpa(ql, kl, vl, is_causal=True), (ql, kl, vl), dol),
         },
         "decode step": {
             "course_lib": no_grad(lambda: flash_attention(q1, kc, vc, causal=True)),
@@ -155,18 +165,18 @@ def format_table(data: dict) -> str:
         f"target <= {data['target']}x SDPA; {data.get('process', 'this')} process); wall clock per call beside it"
     ]
     lines.append(
-        f"{'call':<18} {'course_lib us':>14} {'SDPA us':>9} {'ratio':>6} {'wall us':>9} {'SDPA wall':>10}"
+        f"{'call':<19} {'course_lib us':>14} {'SDPA us':>9} {'ratio':>6} {'wall us':>9} {'SDPA wall':>10}"
     )
     for r in data["rows"]:
         lines.append(
-            f"{r['call']:<18} {r['course_lib_us']:>14.1f} {r['sdpa_us']:>9.1f} {r['ratio']:>6.2f} "
+            f"{r['call']:<19} {r['course_lib_us']:>14.1f} {r['sdpa_us']:>9.1f} {r['ratio']:>6.2f} "
             f"{r.get('course_lib_wall_us', float('nan')):>9.1f} {r.get('sdpa_wall_us', float('nan')):>10.1f}"
         )
     return "\n".join(lines)
 
 
 def profile(call: str, calls: int = 500, top: int = 25) -> None:
-    """Print where the CPU time of `calls` calls of `call` ("forward", "forward+backward", "decode step")
+    """Print where the CPU time of `calls` calls of `call` (a row's name: "forward", "forward+backward", ...)
     goes: cProfile, by own time."""
     from ..perf.profiling import print_host_profile
 
@@ -200,7 +210,7 @@ if __name__ == "__main__":
         print(json.dumps(measure("--quick" in sys.argv)))
         sys.exit(0)
     if "--profile" in sys.argv:
-        for call in ("forward", "forward+backward", "decode step"):
+        for call in _calls(torch.device("cuda")):
             profile(call)
     result = measure()
     print(format_table(result))
