@@ -367,7 +367,11 @@ if hw is not None:
 # autograd node, and a call seen before runs its **plan** (`course_lib/attention/plans.py`): everything the
 # first call of that kind decided (checks passed, route, launch, and each kernel's forty arguments bound
 # once, `course_lib/kernels/bound.py`) is kept per key (shapes, strides, dtypes, devices, alignment, causal,
-# scale), so the call only allocates its outputs and launches. `make bench` also measures `torch.compile`
+# scale), so the call only allocates its outputs and launches. The one-pass backward of 08c has a plan too, and
+# needs it: at 2048 tokens (d = 64, causal, 256 heads) its eager backward once ran at 183-200 TFLOP/s against
+# its kernel's 282, the GPU idle while Python prepared each of its launches. What a plan cannot skip is the
+# record's last row: a Gluon launch encodes a TMA descriptor per tensor it reads (seven for the one pass) on
+# every call. `make bench` also measures `torch.compile`
 # after every other provider, because after it had run, Python launches in that process were measured
 # slower (`notes/attention.md`); the host-time record (`make bench BENCH=host_time`) is therefore measured in
 # a fresh process, as an eager caller runs. What is left of the host's time per call is one reason serving
@@ -379,7 +383,7 @@ if host_rec is None:
     print("No host-time record yet: `make bench BENCH=attention` on a GPU writes one.")
 else:
     meta = host_rec["meta"]
-    print(f"CPU time to issue one call, tiny shape, {host_rec['data']['calls']} calls "
+    print(f"CPU time to issue one call, (1, 2, 128, 64) unless named, {host_rec['data']['calls']} calls "
           f"({meta['gpu']}, torch {meta['torch']}, {meta['date']}):")
     for row in host_rec["data"]["rows"]:
         print(f"  {row['call']:<18} course_lib {row['course_lib_us']:6.1f} us   SDPA {row['sdpa_us']:6.1f} us   "
