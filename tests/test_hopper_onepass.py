@@ -115,6 +115,28 @@ def test_slices_cover_every_pair_once():
             assert [p for first, count in got for p in range(first, first + count)] == list(range(n))
 
 
+def test_each_slice_adds_into_a_zeroed_accumulator_and_lands_in_its_own_rows():
+    """`_by_slices`, the bookkeeping `backward` and its plan (`Replay`) share: before each launch after the first,
+    the accumulator's rows that launch adds into are zeroed; after it, they are cast into that slice's rows of dQ.
+    Here a stand-in launch checks the zeros and adds its slice's own values."""
+    cuts, per, d = onepass.slices(5), 3, 4  # (0, 2), (2, 2), (4, 1): 3 rows a pair
+    dq_acc = torch.zeros(2 * per, d)
+    dq_rows = torch.full((5 * per, d), float("nan"), dtype=torch.bfloat16)
+    launched = []
+
+    def launch(first, count):
+        rows = count * per
+        assert torch.equal(dq_acc[:rows], torch.zeros(rows, d)), f"slice {first}: accumulator not zeroed"
+        dq_acc[:rows] += torch.arange(first * per, first * per + rows, dtype=torch.float32)[:, None]
+        dq_acc[rows:] = -1.0  # rows past the slice: never copied
+        launched.append((first, count))
+
+    onepass._by_slices(cuts, per, dq_acc, dq_rows, launch)
+    assert launched == cuts
+    want = torch.arange(5 * per, dtype=torch.float32)[:, None].expand(5 * per, d)
+    assert torch.equal(dq_rows.float(), want)
+
+
 @pytest.mark.parametrize("n_q", (1, 70, 128))
 def test_the_d_pass_writes_padded_base2_stats(n_q):
     """`d_pass.preprocess` with l3: D = rowsum(dO * O) and L2 = L log2 e in rows of 64 * k columns: D 0 and
