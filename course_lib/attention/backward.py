@@ -889,27 +889,8 @@ def _backward(
     return dq, dk, dv, dsinks
 
 
-def _onepass(
-    module,
-    q,
-    k,
-    v,
-    q4,
-    k4,
-    v4,
-    o4,
-    do4,
-    L,
-    l3,
-    dk4,
-    dv4,
-    offset,
-    causal,
-    scale,
-    sinks,
-    compile_only,
-    plan_out,
-):
+def _onepass(module, q, k, v, q4, k4, v4, o4, do4, L, l3, dk4, dv4, offset, causal, scale, sinks, compile_only,
+             plan_out):  # fmt: skip
     """`_backward` by the one-pass kernel (`hopper_onepass`): (dq, dk, dv, dsinks) shaped as q, k, v; None if
     it failed (`run_gluon`), or with compile_only (its kernel and D pass then compile in the background). dk4,
     dv4: `_backward`'s dK, dV (contiguous), which it writes. plan_out: None, or a list to which a
