@@ -368,10 +368,10 @@ if hw is not None:
 # first call of that kind decided (checks passed, route, launch, and each kernel's forty arguments bound
 # once, `course_lib/kernels/bound.py`) is kept per key (shapes, strides, dtypes, devices, alignment, causal,
 # scale), so the call only allocates its outputs and launches. The one-pass backward of 08c has a plan too, and
-# needs it: at 2048 tokens (d = 64, causal, 256 heads) its eager backward once ran at 183-200 TFLOP/s against
-# its kernel's 282, the GPU idle while Python prepared each of its launches. What a plan cannot skip is the
-# record's last row: a Gluon launch encodes a TMA descriptor per tensor it reads (seven for the one pass) on
-# every call. `make bench` also measures `torch.compile`
+# needs it: without one, at 2048 tokens (d = 64, causal, 256 heads) its eager backward ran well below its
+# kernel's own speed, the GPU idle while Python prepared each of its launches. What a plan cannot skip shows in
+# the record's "fwd+bwd, 2k causal" row: a Gluon launch encodes a TMA descriptor for each tensor it reads (seven
+# for the one pass) on every call. `make bench` also measures `torch.compile`
 # after every other provider, because after it had run, Python launches in that process were measured
 # slower (`notes/attention.md`); the host-time record (`make bench BENCH=host_time`) is therefore measured in
 # a fresh process, as an eager caller runs. What is left of the host's time per call is one reason serving
