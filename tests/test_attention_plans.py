@@ -259,6 +259,17 @@ def test_the_one_pass_backward_runs_its_plan_and_not_under_deterministic_algorit
     assert ran == [1]
     for a, b in zip(first[:2] + first[3:], again[:2] + again[3:]):  # O twice, dK, dV
         assert torch.equal(a, b)
+    (one_pass,) = plan.backward.values()
+    kernels = one_pass.replay.launches[1:]
+    # descriptors encoded once an address (`bound._Encoded`); the freed blocks taken, the next call lies elsewhere
+    assert all(p.encoded is not None for p in kernels)
+    held = [torch.empty_like(q) for _ in range(12)]
+    moved = _run(q, k, v, do, causal)
+    seen = {name: len(known) for _, name, *_, known in kernels[0].encoded.descriptors}
+    assert seen["q4"] >= 2 and seen["dq_acc"] >= 1  # a new address encoded, the old one kept
+    for a, b in zip(first[:2] + first[3:], moved[:2] + moved[3:]):
+        assert torch.equal(a, b)
+    del held
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
     o64 = reference(q64, k64, v64, causal=causal)
     dq64 = torch.autograd.grad(o64, q64, do.double())[0]

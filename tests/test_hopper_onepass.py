@@ -57,9 +57,10 @@ CASES = [
 @pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=("bf16", "fp16"))
 @pytest.mark.parametrize("name,shape,n_k,kv_heads,causal", CASES, ids=[c[0] for c in CASES])
 def test_gradients_match_reference(name, shape, n_k, kv_heads, causal, dtype, d, dq_chunks, monkeypatch):
-    """dq_chunks: a warpgroup's columns of dQ in one product a step, or two (`DQ_CHUNKS`). The (batch, K/V head)
-    pairs in as many launches as `slices` gives without its wave rule (2-3 here, each with its own rows of the
-    accumulator: the rows past a slice's end dropped); the default-path tests below run one launch."""
+    """dq_chunks: a warpgroup's columns of dQ in one product a step, or two (`DQ_CHUNKS`, `dq_chunks_for`). The
+    (batch, K/V head) pairs in as many launches as `slices` gives without its wave rule (2-3 here, each with its
+    own rows of the accumulator: the rows past a slice's end dropped); the default-path tests below run one
+    launch."""
     monkeypatch.setattr(onepass, "_slices", lambda q4, k4: onepass.slices(q4.shape[0] * k4.shape[1]))
     torch.manual_seed(zlib.crc32(name.encode()) + d)
     q, k, v = random_qkv((*shape, d), n_k, dtype=dtype, device="cuda", kv_heads=kv_heads)
@@ -77,8 +78,8 @@ def test_gradients_match_reference(name, shape, n_k, kv_heads, causal, dtype, d,
 
 
 def test_choose():
-    """d = 64 with 4096 queries and keys or more, 2048 causal or grouped (where it was measured faster); never
-    d = 128 (a tie)."""
+    """d = 64 with 4096 queries and keys or more, 2048 causal or grouped (where it was measured faster); d = 128
+    causal from 4096, non-causal from 8192 with one query head a K/V head."""
     for causal in (False, True, "bottom_right"):
         least = 2048 if causal else 4096
         assert onepass.choose(64, causal, least, least, 1)
@@ -86,12 +87,16 @@ def test_choose():
         assert not onepass.choose(64, causal, least - 1, 8192, 1)
         assert not onepass.choose(64, causal, 8192, least - 96, 1)
         assert not onepass.choose(64, causal, 2047, 8192, 4)
-        assert not onepass.choose(128, causal, 16384, 16384, 1)
-        assert not onepass.choose(128, causal, 16384, 16384, 4)
+        assert onepass.choose(128, causal, 16384, 16384, 1)
+        assert onepass.choose(128, causal, 16384, 16384, 4) == bool(causal)
+        assert not onepass.choose(128, causal, 2048, 16384, 1)
     assert not onepass.choose(64, False, 2048, 2048, 1)
     assert onepass.choose(64, False, 2048, 2048, 2)
     assert not onepass.choose(64, True, 1024, 1024, 1)
     assert not onepass.choose(64, False, 1024, 1024, 4)
+    assert onepass.choose(128, True, 4096, 4096, 4) and not onepass.choose(128, False, 4096, 4096, 1)
+    assert onepass.choose(128, False, 8192, 8192, 1) and not onepass.choose(128, True, 4095, 8192, 1)
+    assert [onepass.dq_chunks_for(d, c) for d in (64, 128) for c in (False, True)] == [1, 1, 1, 2]
 
 
 def test_slices_cover_every_pair_once():
@@ -192,7 +197,8 @@ def test_default_backward_runs_it_at_d64(shape, n_k, kv_heads, causal, monkeypat
 @hopper_gpu
 def test_sinks_gradient_and_the_paths_it_leaves(monkeypatch):
     """With sinks the one pass gives the sinks' gradient (from its D) as the Triton kernels do; deterministic
-    algorithms, `hopper=False` and d = 128 keep the two kernels; a failing one pass warns and falls back."""
+    algorithms, `hopper=False` and d = 128 without a mask at 4096 tokens keep the two kernels (with one, the one
+    pass); a failing one pass warns and falls back."""
     calls = _spy(monkeypatch)
     torch.manual_seed(11)
     q, k, v = random_qkv((1, 4, 4096, 64), 4096, dtype=torch.bfloat16, device="cuda")
@@ -212,9 +218,11 @@ def test_sinks_gradient_and_the_paths_it_leaves(monkeypatch):
         torch.use_deterministic_algorithms(False)
     assert calls == [True], "the one pass ran under deterministic algorithms"
     q128, k128, v128 = (torch.cat([t, t], -1) for t in (q, k, v))
-    o128, lse128 = attention_forward(q128, k128, v128, True)
-    bwd_mod.backward(torch.cat([do, do], -1), q128, k128, v128, o128, lse128, True)
-    assert calls == [True], "the one pass ran at d = 128"
+    for causal, runs in ((False, [True]), (True, [True, True])):
+        o128, lse128 = attention_forward(q128, k128, v128, causal)
+        bwd_mod.backward(torch.cat([do, do], -1), q128, k128, v128, o128, lse128, causal)
+        assert calls == runs, f"d = 128, 4096 tokens, causal={causal}: {calls}"
+    del calls[1:]
 
     def broken(*args, **kwargs):
         raise RuntimeError("no Gluon here")

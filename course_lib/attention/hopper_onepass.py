@@ -19,14 +19,14 @@ consumer warpgroup (64 keys of the program's 128, dK and dV in registers) and st
   key: P = 0 there) and of D into shared memory by TMA with Q and dO; the D pass writes both, padded to whole
   steps (`d_pass.preprocess` with l3). Loaded into registers instead, ptxas spilled 140 bytes at d = 128 and
   serialised the wgmmas (its C7515).
-* each warpgroup computes d / 2 columns of the step's dQ from both warpgroups' dS (`ds_bar`: an mbarrier between
-  the two), in DQ_CHUNKS products, multiplies them by the softmax scale and puts them in shared memory, and TMA
-  adds them into a zeroed float32 accumulator (`cp.reduce.async.bulk.tensor ... .add`): the consumers never hold
-  an address or wait for an atomic. dQ = the accumulator cast to Q's dtype afterwards. The kernel runs in up to 4
-  launches over the (batch, K/V head) pairs (`slices`), each with the accumulator of its own rows: a quarter of
-  dQ's rows in float32, half dQ's bytes, not twice (a model's backward peak would otherwise rise by a quarter).
-  The order of TMA's adds varies, so dQ is not bitwise deterministic: `torch.use_deterministic_algorithms(True)`
-  keeps the two kernels.
+* each warpgroup computes d / 2 columns of the step's dQ from both warpgroups' dS (`ds_bar`: an mbarrier between the
+  two), in DQ_CHUNKS products (`dq_chunks_for`), multiplies them by the softmax scale and puts them in shared
+  memory, and TMA adds them into a zeroed float32 accumulator (`cp.reduce.async.bulk.tensor ... .add`): the
+  consumers never hold an address or wait for an atomic. dQ = the accumulator cast to Q's dtype afterwards. The
+  kernel runs in up to 4 launches over the (batch, K/V head) pairs (`slices`), each with the accumulator of its own
+  rows: a quarter of dQ's rows in float32, half dQ's bytes, not twice (a model's backward peak would otherwise rise
+  by a quarter). The order of TMA's adds varies, so dQ is not bitwise deterministic:
+  `torch.use_deterministic_algorithms(True)` keeps the two kernels.
 * the program's block, its steps (GQA: the group's query heads in turn, dK and dV summed on chip; both causal
   alignments), the shared memory and the dK, dV store are `hopper_backward`'s.
 
@@ -299,10 +299,18 @@ NUM_CONSUMERS = 2  # warpgroups of 64 keys: the kernel's `gl.warp_specialize` li
 # H200, 2026-11-30): geomean 346.4, 342.8, 344.8, 344.1 TFLOP/s over the 12 cells, no cell 2 % apart: a slot is
 # freed as soon as the next step's S^T is done, early enough that two hide the loads.
 NUM_STAGES = {64: 2, 128: 2}
-# products a warpgroup's columns of a step's dQ are made in (the faster, by head dim); launches over the (batch,
-# K/V head) pairs, so that the float32 dQ accumulator holds a quarter of dQ's rows (`slices`)
-DQ_CHUNKS = {64: 1, 128: 2}
+# launches over the (batch, K/V head) pairs, so that the float32 dQ accumulator holds a quarter of dQ's rows
+# (`slices`)
 DQ_SLICES = 4
+
+
+def dq_chunks_for(d: int, causal) -> int:
+    """Products a warpgroup's columns of a step's dQ are made in (`DQ_CHUNKS`), the faster by head dim and mask:
+    two at d = 128 with a causal mask, one elsewhere. Measured (`hopper_onepass_probe.py --ds 128 --ns
+    2048,4096,8192,16384 --groups 1,4`, H200, 2026-11-30, TFLOP/s in one / two): causal 2k 316 / 338, 4k 385 /
+    405, 8k 432 / 451, 16k 456 / 474 (4 query heads a K/V head: 332 / 373 ... 433 / 473); non-causal 2k 431 /
+    431, 4k 473 / 473, 8k 505 / 495, 16k 517 / 452. At d = 64 one chunk was 6-9 % faster in every cell."""
+    return 2 if d == 128 and causal else 1
 
 
 def _vector_desc(t):
@@ -464,13 +472,13 @@ def backward(
     forward's L (float32, natural log); offset: the causal alignment's `checks.causal_offset`. dK, dV are summed
     over the H / H_kv query heads of each K/V head; the gradients come back contiguous in Q's dtype (dK, dV into
     dk4, dv4 if given, contiguous as k4), and D = rowsum(dO * O) as a (B * H, N_Q) float32 view (the sinks'
-    gradient reads it). dq_chunks: `DQ_CHUNKS[d]` if None. Launches: the D pass (D and L2), then for each of
+    gradient reads it). dq_chunks: `dq_chunks_for(d, causal)` if None. Launches: the D pass (D and L2), then for each of
     `slices` a zeroed float32 accumulator (half dQ's bytes in 4 slices), the kernel and dQ's cast. The caller
     makes q4's GPU current. replay_out: None, or a list to which a `Replay` of this call's launches is appended
     where they can be repeated so (`kernels.bound.recording`: not a first call, which compiles or binds)."""
     B, H, n_q, d = q4.shape
     group = H // k4.shape[1]
-    dq_chunks = dq_chunks or DQ_CHUNKS[d]
+    dq_chunks = dq_chunks or dq_chunks_for(d, causal)
     cuts = _slices(q4, k4)
     stats, dq_acc = _buffers(q4, k4, q4.device, cuts)
     delta, l2 = stats
@@ -499,7 +507,7 @@ def warmup(q4, k4, v4, offset: int, causal: bool, scale: float, dq_chunks: int |
     """Compile, without launching, the kernel `backward` launches for these shapes; returns the compiled kernel.
     q4, k4, v4 may be stand-ins on the meta device (or CPU tensors: scripts/gluon_spills.py compiles for sm_90a
     on a machine without a GPU, `where` then "cpu")."""
-    dq_chunks = dq_chunks or DQ_CHUNKS[q4.shape[-1]]
+    dq_chunks = dq_chunks or dq_chunks_for(q4.shape[-1], causal)
     cuts = slices(q4.shape[0] * k4.shape[1])  # the binary is the same for every slice
     stats, dq_acc = _buffers(q4, k4, where, cuts)
     delta, l2 = stats
@@ -512,7 +520,7 @@ def compile_ahead(q4, k4, v4, l3, offset: int, causal: bool, scale: float) -> No
     """`warmup`, and the D pass `backward` launches, each in a background thread, once per process
     (`launch.compile_ahead` says why); `backward` waits for them. q4, k4, v4, l3 may be stand-ins on the meta
     device (q4 stands in for O and dO)."""
-    key = _key(q4, k4, offset, causal, DQ_CHUNKS[q4.shape[-1]])
+    key = _key(q4, k4, offset, causal, dq_chunks_for(q4.shape[-1], causal))
     compile_in_background(key, lambda: warmup(q4, k4, v4, offset, causal, scale))
     B, H, n_q, d = q4.shape
     stats = _buffers(q4, k4, "meta", slices(B * k4.shape[1]))[0]
@@ -522,7 +530,8 @@ def compile_ahead(q4, k4, v4, l3, offset: int, causal: bool, scale: float) -> No
 
 def choose(d: int, causal: bool, n_q: int, n_k: int, group: int) -> bool:
     """Whether the backward (`backward._backward`) runs this kernel rather than its two: d = 64 with 4096 queries
-    and keys or more, or 2048 with a causal mask or several query heads a K/V head (`group`). Measured on an H200
+    and keys or more, or 2048 with a causal mask or several query heads a K/V head (`group`); d = 128 with a causal
+    mask from 4096, or without one from 8192 with one query head a K/V head. Measured on an H200
     (bf16, B x N = 16k tokens, 32 query heads, d = 64; the whole backward, TFLOP/s of 2.5 x the forward's FLOPs, one
     pass against the two kernels in the same run, `scripts/hopper_onepass_probe.py --ds 64 --groups 1,4`,
     2026-11-30), in one launch: non-causal 1k 312 / 332 (4 query heads per K/V head: 338 / 325), 2k 353 / 359, 4k
@@ -535,6 +544,11 @@ def choose(d: int, causal: bool, n_q: int, n_k: int, group: int) -> bool:
     326 / 308: there `slices` made 3 launches of 2.6 waves; it now makes 4 (see `slices`: 381 / 370, 360 / 314 in a
     fourth run). Grouped at 2k without a mask, in 4 launches: 360 / 338, 358 / 341, 360 / 351 in three runs (one
     head a K/V head: 348 / 339, 346 / 358), so grouped rows take it from 2048 too; at 1k it lost (207 / 325). At d =
-    128 (dQ in two chunks, a prototype of this kernel in one launch, 2026-11-30) it tied the two kernels at 4k and
-    16k (non-causal 462 / 462, 499 / 490; causal 376 / 374, 437 / 443) and lost at 1k (336 / 373): not taken."""
+    128 (16 heads; against two Gluon kernels; `--ds 128 --ns 2048,4096,8192,16384 --groups 1,4`, 2026-11-30, each
+    with `dq_chunks_for`'s chunks): causal 2k 338 / 330 (4 query heads a K/V head: 373 / 373), 4k 405 / 375 (423 /
+    411), 8k 451 / 416 (458 / 461), 16k 474 / 451 (473 / 466), a run before 4k 412 / 390, 16k 478 / 449;
+    non-causal 2k 431 / 460 (459 / 437), 4k 473 / 471 (474 / 475), 8k 505 / 492 (488 / 492), 16k 517 / 493 (496 /
+    495); at 1k it lost (336 / 373)."""
+    if d == 128:
+        return min(n_q, n_k) >= (4096 if causal else 8192) and (bool(causal) or group == 1)
     return d == 64 and min(n_q, n_k) >= (2048 if causal or group > 1 else 4096)

@@ -46,37 +46,46 @@ REPEATS = 5
 TARGET = 1.5
 
 
-def _per_call_us(fn, calls: int, repeats: int) -> float:
-    """Wall clock per call of `calls` calls back to back, after a sync, best of `repeats`."""
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(calls):
+def _per_call_us(providers: dict, calls: int, repeats: int) -> dict:
+    """{name: wall clock per call} of `calls` calls of each provider's fn back to back, after a sync, best of
+    `repeats`; the providers take turns within each repeat (a machine's drift reaches both)."""
+    for fn in providers.values():
+        for _ in range(20):
             fn()
-        torch.cuda.synchronize()
-        best = min(best, (time.perf_counter() - t0) / calls * 1e6)
+    torch.cuda.synchronize()
+    best = dict.fromkeys(providers, float("inf"))
+    for _ in range(repeats):
+        for name, fn in providers.items():
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            torch.cuda.synchronize()
+            best[name] = min(best[name], (time.perf_counter() - t0) / calls * 1e6)
     return best
 
 
-def _issue_us(fn, calls: int, repeats: int) -> float:
-    """CPU time to issue one call (module docstring): rounds of ROUND calls, each from a synced GPU to its last
-    call's return, summed over `calls` calls, best of `repeats`."""
-    for _ in range(20):
-        fn()
+def _issue_us(providers: dict, calls: int, repeats: int) -> dict:
+    """{name: CPU time to issue one call} (module docstring): rounds of ROUND calls, each from a synced GPU to its
+    last call's return, summed over `calls` calls, best of `repeats`. The providers take turns round by round, so
+    that what else the machine does in a repeat reaches each of them alike: timed one after the other (before
+    2026-11-30), one provider's five repeats could all fall in a slow spell (the 2k row read 1.34x, 1.96x and
+    1.82x SDPA's in three measurements of one process)."""
+    for fn in providers.values():
+        for _ in range(20):
+            fn()
     rounds = max(1, calls // ROUND)
-    best = float("inf")
+    best = dict.fromkeys(providers, float("inf"))
     for _ in range(repeats):
-        spent = 0.0
+        spent = dict.fromkeys(providers, 0.0)
         for _ in range(rounds):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for _ in range(ROUND):
-                fn()
-            spent += time.perf_counter() - t0
-        best = min(best, spent / (rounds * ROUND) * 1e6)
+            for name, fn in providers.items():
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                for _ in range(ROUND):
+                    fn()
+                spent[name] += time.perf_counter() - t0
+        for name in providers:
+            best[name] = min(best[name], spent[name] / (rounds * ROUND) * 1e6)
     torch.cuda.synchronize()
     return best
 
@@ -145,8 +154,8 @@ def measure(quick: bool = False, fresh: bool = False) -> dict:
     calls = CALLS // 4 if quick else CALLS
     rows = []
     for call, providers in _calls(torch.device("cuda")).items():
-        us = {name: _issue_us(fn, calls, REPEATS) for name, fn in providers.items()}
-        wall = {name: _per_call_us(fn, calls, REPEATS) for name, fn in providers.items()}
+        us = _issue_us(providers, calls, REPEATS)
+        wall = _per_call_us(providers, calls, REPEATS)
         rows.append(
             {"call": call, "course_lib_us": us["course_lib"], "sdpa_us": us["sdpa"],
              "ratio": us["course_lib"] / us["sdpa"],
@@ -181,7 +190,7 @@ def profile(call: str, calls: int = 500, top: int = 25) -> None:
     from ..perf.profiling import print_host_profile
 
     fn = _calls(torch.device("cuda"))[call]["course_lib"]
-    _per_call_us(fn, 10, 1)
+    _per_call_us({"course_lib": fn}, 10, 1)
     print_host_profile(fn, calls, f"cProfile of {calls} course_lib {call} calls, by own time:", top)
 
 

@@ -30,6 +30,7 @@ and a `Prepared` launch is that call again with the new tensors.
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import threading
 
@@ -41,6 +42,8 @@ MODE = os.environ.get("COURSE_BOUND_LAUNCH", "1").strip().lower()
 if MODE not in ("0", "1", "check"):
     raise ValueError(f"COURSE_BOUND_LAUNCH must be 0, 1 or check, got {MODE!r}")
 ACTIVE = MODE != "0" and runtime.ON_GPU and not runtime.INTERPRET
+# `_Encoded`; 0: Triton encodes every TMA descriptor at every launch
+ENCODE = os.environ.get("COURSE_ENCODED_DESCRIPTORS", "1").strip() != "0"
 _I32 = (-(2**31), 2**31)  # (`_Signature.key` writes these bounds out)
 _TENSOR, _PARAMETER = torch.Tensor, torch.nn.Parameter
 _INT_KEYS: dict = {}  # int -> `_int_key` (sizes and strides recur); cleared past MAX_ENTRIES
@@ -278,22 +281,101 @@ def _launch(kernel, grid, args: tuple, kwargs: dict) -> None:
     )  # fmt: skip
 
 
+ENCODED_MAX = 64  # encoded TMA descriptors kept per descriptor of a `Prepared` launch (addresses that recur)
+
+
+class _Encoded:
+    """A `Prepared` launch's TMA descriptors encoded once per address: Triton's launcher encodes every descriptor
+    on every launch (`make_tensordesc_arg`: `cuTensorMapEncodeTiled` and its Python, 7 a launch of the one-pass
+    backward, 13 launches a call), though a descriptor of a `Prepared` launch differs from one call to the next
+    only by its tensor's address. Here each is encoded the first time its address is seen and kept (up to
+    `ENCODED_MAX` addresses a descriptor: a model's layers each have their own), and the launch goes to the
+    launcher below Triton's wrapper (`wrap_handle_tensordesc`'s `launcher`) with the descriptors already
+    expanded as the wrapper would expand them. `of` returns None where the launcher is not built so (another
+    Triton): then the launch encodes as Triton does."""
+
+    __slots__ = ("run", "values", "slots", "descriptors")
+
+    def __init__(self, run, values, slots, descriptors):
+        self.run, self.values, self.slots, self.descriptors = run, values, slots, descriptors
+
+    @staticmethod
+    def of(compiled, values: list, slots: tuple, descriptors: tuple):
+        wrapped = getattr(compiled.run, "launch", None)
+        code, cells = getattr(wrapped, "__code__", None), getattr(wrapped, "__closure__", None)
+        if code is None or cells is None or not descriptors:
+            return None
+        try:
+            found = {name: cell.cell_contents for name, cell in zip(code.co_freevars, cells)}
+            launcher, metas = found["launcher"], list(found["tensordesc_meta"])
+            encode = wrapped.__globals__["make_tensordesc_arg"]
+            indices = sorted(found["tensordesc_indices"])
+        except (KeyError, ValueError, TypeError):
+            return None
+        if any("shape" not in d[3] for d in descriptors):
+            return None
+        if indices != [d[0] for d in descriptors] or len(metas) != len(indices) or None in metas:
+            return None
+        run = copy.copy(compiled.run)
+        run.launch = launcher
+        expanded, at, where = [], {}, []
+        for i, a in enumerate(values):
+            at[i] = len(expanded)
+            if i in indices:
+                where.append(len(expanded))
+                fields = descriptors[len(where) - 1][3]
+                expanded.extend([None] * (1 + 2 * len(fields["shape"])))  # the encoded map, shape, strides
+            else:
+                expanded.append(a)
+        return _Encoded(
+            run, expanded, tuple((at[slot], name) for slot, name in slots),
+            tuple((pos, d[1], d[2], d[3], d[4], meta, encode, {}) for pos, d, meta in zip(where, descriptors, metas)),
+        )  # fmt: skip
+
+    def __call__(self, grid, stream, compiled, tensors: dict) -> None:
+        values = self.values.copy()
+        for pos, name in self.slots:
+            values[pos] = tensors[name]
+        for pos, name, cls, fields, shape, meta, encode, known in self.descriptors:
+            t = tensors[name]
+            address = t.data_ptr()
+            args = known.get(address)
+            if args is None:
+                desc = object.__new__(cls)
+                desc.__dict__.update(fields)
+                desc.base = t.view(shape)
+                args = encode(desc, meta)
+                if len(known) >= ENCODED_MAX:
+                    known.clear()
+                known[address] = args
+            values[pos : pos + len(args)] = args
+        run, function, metadata = self.run, compiled.function, compiled.packed_metadata
+        run(grid[0], grid[1], grid[2], stream, function, metadata, None, None, None, *values)
+
+
 class Prepared:
     """A launch to run again with other tensors of the same kinds: the kernel, the grid and every non-tensor
     argument as the call given to `prepare` had them. `prepared(tensors)` takes a dict {name: tensor} and
     puts each tensor where the first call had the tensor of that name, and each TMA descriptor of a named
-    tensor's view made again over the new tensor. On a GPU it calls the compiled kernel's launcher directly
-    (the bound entry); under the interpreter it is `kernel[grid](...)` again. The caller's key must fix
-    everything but the tensors' data: their dtypes and 16-byte alignment included (fresh allocations are
-    aligned)."""
+    tensor's view made again over the new tensor (on a GPU, encoded once per address: `_Encoded`). On a GPU it
+    calls the compiled kernel's launcher directly (the bound entry); under the interpreter it is
+    `kernel[grid](...)` again. The caller's key must fix everything but the tensors' data: their dtypes and
+    16-byte alignment included (fresh allocations are aligned)."""
 
     __slots__ = ("kernel", "compiled", "values", "slots", "descriptors", "grid", "device", "kwargs")
+    __slots__ += ("encoded",)
 
     def __init__(self, kernel, compiled, values, slots, descriptors, grid, device, kwargs):
         self.kernel, self.compiled, self.values, self.slots = kernel, compiled, values, slots
         self.descriptors, self.grid, self.device, self.kwargs = descriptors, grid, device, kwargs
+        self.encoded = None
+        if compiled is not None and descriptors and ENCODE:
+            self.encoded = _Encoded.of(compiled, values, slots, descriptors)
 
     def __call__(self, tensors: dict) -> None:
+        if self.encoded is not None:
+            self.encoded(self.grid, _current_stream(self.device), self.compiled, tensors)
+            return
         values = self.values.copy()
         for slot, name in self.slots:
             values[slot] = tensors[name]
