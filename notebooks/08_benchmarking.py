@@ -369,9 +369,12 @@ if hw is not None:
 # once, `course_lib/kernels/bound.py`) is kept per key (shapes, strides, dtypes, devices, alignment, causal,
 # scale), so the call only allocates its outputs and launches. The one-pass backward of 08c has a plan too, and
 # needs it: without one, at 2048 tokens (d = 64, causal, 256 heads) its eager backward ran well below its
-# kernel's own speed, the GPU idle while Python prepared each of its launches. What a plan cannot skip shows in
-# the record's "fwd+bwd, 2k causal" row: a Gluon launch encodes a TMA descriptor for each tensor it reads (seven
-# for the one pass) on every call. `make bench` also measures `torch.compile`
+# kernel's own speed, the GPU idle while Python prepared each of its launches. A Gluon launch reads each tensor
+# through a TMA descriptor (seven for the one pass), a 128-byte record the driver encodes from the tensor's
+# address; a plan encodes each once per address and keeps it, since a model's tensors come back at the same
+# addresses from call to call. The record's "fwd+bwd, 2k causal" row still pays for the one pass's steps around
+# its kernel (a zeroed float32 accumulator, the D pass, dQ's cast), each issued from the host. `make bench` also
+# measures `torch.compile`
 # after every other provider, because after it had run, Python launches in that process were measured
 # slower (`notes/attention.md`); the host-time record (`make bench BENCH=host_time`) is therefore measured in
 # a fresh process, as an eager caller runs. What is left of the host's time per call is one reason serving
