@@ -818,7 +818,7 @@ if att_rec is not None:
 # in turn, and from there one warp-specialised Gluon kernel that makes dQ, dK and dV in one pass (notebook
 # 08c, section 7). At d = 128 both backward kernels are warp-specialised Gluon kernels (the dK/dV kernel after
 # FlashAttention-3, which no longer spills registers, notebook 08c, section 5; the dQ kernel with a
-# producer warp), except causal at N = 1k, where the Triton kernels run, and from 4096 causal tokens (8192
+# producer warp), except causal at N = 1k, where the Triton kernels run, and from 2048 causal tokens (8192
 # without a mask) the one pass. Every one of them still trails cuDNN's backward.
 #
 # cuDNN's lead over a Triton kernel comes from overlapping the softmax with the matrix products, which

@@ -750,14 +750,14 @@ if got_one_pass is not None:
 # Faster on causal rows, where the Triton dK/dV kernel of the two kernels is slowest, but by less than
 # 7 / 5 = 1.4x; without a mask, level or a few per cent faster (the range is printed above; at 4096 tokens
 # non-causal the two have measured within 2 % of each other, either way, from run to run). At d = 128,
-# against two Gluon kernels, course_lib's probe measured it faster on causal rows from 4096 tokens, level
+# against two Gluon kernels, course_lib's probe measured it faster on causal rows from 2048 tokens, level
 # without a mask up to 4096 and a few per cent faster beyond, and slower at 1024; at d = 64 and 2048 tokens
 # a few per cent faster on causal rows and slower without a mask, and at 1024 slower
 # (`hopper_onepass.choose`'s docstring has the numbers). The products are not the whole step: each
 # warpgroup waits for the other's dS before dQ's product, and dQ's products and adds follow dK's in the same
 # warps, where the two kernels' dQ kernel has its warps to itself. So `backward` runs one pass at d = 64 from
 # 4096 queries and keys (2048 with a causal mask, or with several query heads per K/V head), at d = 128 from
-# 4096 with a causal mask (8192 without one, one query head per K/V head), two kernels elsewhere — and
+# 2048 with a causal mask (8192 without one, one query head per K/V head), two kernels elsewhere — and
 # under `torch.use_deterministic_algorithms(True)`, since the order of TMA's adds, and so the last bits of
 # dQ, changes from run to run.
 #

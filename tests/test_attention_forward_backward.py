@@ -291,8 +291,8 @@ def test_gpu_sizes(shape_q, n_k, causal, dtype):
 @gpu
 def test_gpu_peak_memory_linear_in_n():
     """Forward + backward allocate only O(N) beyond their inputs: peak memory stays within 10% of inputs +
-    outputs + gradients, and, where the one-pass backward runs (`hopper_onepass`: d = 64 from 4096 tokens, 2048
-    causal, on a Hopper GPU), its float32 dQ accumulator (`hopper_onepass.slices`: a quarter of dQ's rows at a
+    outputs + gradients, and, where the one-pass backward runs (`hopper_onepass.choose`, on a Hopper GPU), its
+    float32 dQ accumulator (`hopper_onepass.slices`: a quarter of dQ's rows at a
     time where there are enough programs, half dQ's bytes; all of them for these few heads): a budget linear in
     N."""
     from course_lib.attention.configs import DEFAULT_SWITCHES

@@ -79,7 +79,7 @@ def test_gradients_match_reference(name, shape, n_k, kv_heads, causal, dtype, d,
 
 def test_choose():
     """d = 64 with 4096 queries and keys or more, 2048 causal or grouped (where it was measured faster); d = 128
-    causal from 4096, non-causal from 8192 with one query head a K/V head."""
+    causal from 2048, non-causal from 8192 with one query head a K/V head."""
     for causal in (False, True, "bottom_right"):
         least = 2048 if causal else 4096
         assert onepass.choose(64, causal, least, least, 1)
@@ -89,13 +89,14 @@ def test_choose():
         assert not onepass.choose(64, causal, 2047, 8192, 4)
         assert onepass.choose(128, causal, 16384, 16384, 1)
         assert onepass.choose(128, causal, 16384, 16384, 4) == bool(causal)
-        assert not onepass.choose(128, causal, 2048, 16384, 1)
+        assert not onepass.choose(128, causal, 1024, 16384, 1)
+        assert onepass.choose(128, causal, 2048, 2048, 4) == bool(causal)
     assert not onepass.choose(64, False, 2048, 2048, 1)
     assert onepass.choose(64, False, 2048, 2048, 2)
     assert not onepass.choose(64, True, 1024, 1024, 1)
     assert not onepass.choose(64, False, 1024, 1024, 4)
     assert onepass.choose(128, True, 4096, 4096, 4) and not onepass.choose(128, False, 4096, 4096, 1)
-    assert onepass.choose(128, False, 8192, 8192, 1) and not onepass.choose(128, True, 4095, 8192, 1)
+    assert onepass.choose(128, False, 8192, 8192, 1) and not onepass.choose(128, True, 2047, 8192, 1)
     assert [onepass.dq_chunks_for(d, c) for d in (64, 128) for c in (False, True)] == [1, 1, 1, 2]
 
 

@@ -531,7 +531,7 @@ def compile_ahead(q4, k4, v4, l3, offset: int, causal: bool, scale: float) -> No
 def choose(d: int, causal: bool, n_q: int, n_k: int, group: int) -> bool:
     """Whether the backward (`backward._backward`) runs this kernel rather than its two: d = 64 with 4096 queries
     and keys or more, or 2048 with a causal mask or several query heads a K/V head (`group`); d = 128 with a causal
-    mask from 4096, or without one from 8192 with one query head a K/V head. Measured on an H200
+    mask from 2048, or without one from 8192 with one query head a K/V head. Measured on an H200
     (bf16, B x N = 16k tokens, 32 query heads, d = 64; the whole backward, TFLOP/s of 2.5 x the forward's FLOPs, one
     pass against the two kernels in the same run, `scripts/hopper_onepass_probe.py --ds 64 --groups 1,4`,
     2026-11-30), in one launch: non-causal 1k 312 / 332 (4 query heads per K/V head: 338 / 325), 2k 353 / 359, 4k
@@ -548,7 +548,8 @@ def choose(d: int, causal: bool, n_q: int, n_k: int, group: int) -> bool:
     with `dq_chunks_for`'s chunks): causal 2k 338 / 330 (4 query heads a K/V head: 373 / 373), 4k 405 / 375 (423 /
     411), 8k 451 / 416 (458 / 461), 16k 474 / 451 (473 / 466), a run before 4k 412 / 390, 16k 478 / 449;
     non-causal 2k 431 / 460 (459 / 437), 4k 473 / 471 (474 / 475), 8k 505 / 492 (488 / 492), 16k 517 / 493 (496 /
-    495); at 1k it lost (336 / 373)."""
+    495); at 1k it lost (336 / 373). Causal 2k in a third run (`--ns 1024,2048`): 338 / 321 (370 / 372); 1k 246 / 245
+    (294 / 279): a tie, left to the two kernels."""
     if d == 128:
-        return min(n_q, n_k) >= (4096 if causal else 8192) and (bool(causal) or group == 1)
+        return min(n_q, n_k) >= (2048 if causal else 8192) and (bool(causal) or group == 1)
     return d == 64 and min(n_q, n_k) >= (2048 if causal or group > 1 else 4096)
