@@ -198,6 +198,77 @@ def test_a_descriptor_is_made_again_over_the_new_tensor(monkeypatch):
     assert bound.prepare(kernel, (5,), (unnamed, out, 7), {}, {"q4": first, "o": out}) is None
 
 
+ENCODED = []  # (address, meta) of each descriptor the stand-in below encodes
+
+
+def make_tensordesc_arg(desc, meta):
+    """Stand-in for Triton's encoder (`bound._Encoded` finds it among the wrapper's globals): the 'map' is the
+    base's address, then the shape and strides, as Triton's expands a descriptor."""
+    ENCODED.append((desc.base.data_ptr(), meta))
+    return [("map", desc.base.data_ptr()), *desc.shape, *desc.strides]
+
+
+def _wrap(launcher, tensordesc_indices, tensordesc_meta):
+    """Stand-in for Triton's `wrap_handle_tensordesc`: a closure over the raw launcher, the descriptors' positions
+    and their metadata (what `bound._Encoded.of` reads), encoding each descriptor on every call."""
+
+    def inner(*args):
+        grid_and_more, values = args[:9], list(args[9:])
+        expanded = []
+        for i, a in enumerate(values):
+            meta = tensordesc_meta[sorted(tensordesc_indices).index(i)] if i in tensordesc_indices else None
+            expanded.extend(make_tensordesc_arg(a, meta) if i in tensordesc_indices else [a])
+        return launcher(*grid_and_more, *expanded)
+
+    return inner
+
+
+def test_an_encoded_descriptor_is_kept_per_address_and_the_launch_gets_it_expanded():
+    """`bound._Encoded`: a replayed launch's TMA descriptor is encoded once for each address its tensor comes at
+    and handed to the launcher below Triton's wrapper expanded as the wrapper would (map, shape, strides); a
+    new address is encoded, an old one found; a launcher not built so is left to Triton (None)."""
+
+    @dataclasses.dataclass
+    class Descriptor:
+        base: torch.Tensor
+        shape: list
+        strides: list
+        block_shape: list
+
+    raw_calls = []
+
+    class Run:  # a compiled kernel's launcher: its __call__ hands the grid and values to `launch`
+        def __init__(self):
+            self.launch = _wrap(lambda *a: raw_calls.append(a), {0}, [{"swizzle": 128}])
+
+        def __call__(self, *args):
+            self.launch(*args)
+
+    class Compiled:
+        run, function, packed_metadata = Run(), "function", "metadata"
+
+    first, out = torch.randn(2, 8, 16), torch.empty(4)
+    values = [Descriptor(first.view(16, 16), [16, 16], [16, 1], [8, 16]), out, 7]
+    found = bound._named_slots(values, {"q4": first, "o": out})
+    assert found is not None
+    encoded = bound._Encoded.of(Compiled(), values, *found)
+    assert encoded is not None and encoded.values == [None] * 6 + [7]
+    ENCODED.clear()
+    others = [torch.randn(2, 8, 16) for _ in range(2)]
+    for t in (others[0], others[1], others[0]):
+        other_out = torch.empty(4)
+        encoded((3, 1, 1), "stream", Compiled(), {"q4": t, "o": other_out})
+        args = raw_calls[-1]
+        assert args[:9] == (3, 1, 1, "stream", "function", "metadata", None, None, None)
+        assert args[9:15] == (("map", t.data_ptr()), 16, 16, 16, 1, other_out) and args[15] == 7
+    assert ENCODED == [(others[0].data_ptr(), {"swizzle": 128}), (others[1].data_ptr(), {"swizzle": 128})]
+
+    class Plain:  # a launcher with no descriptor wrapper: Triton encodes, as before
+        run = type("R", (), {"launch": staticmethod(lambda *a: None)})()
+
+    assert bound._Encoded.of(Plain(), values, *found) is None
+
+
 def test_aliased_inputs_leave_no_plan_and_a_later_call_is_still_right():
     """k is v: a plan made from it would put v's tensor in k's place for a later call whose k and v differ."""
     q, k, v = _inputs((1, 2, 32, 16), (1, 2, 32, 16), grad=False)
