@@ -286,8 +286,8 @@ ENCODED_MAX = 64  # encoded TMA descriptors kept per descriptor of a `Prepared` 
 
 class _Encoded:
     """A `Prepared` launch's TMA descriptors encoded once per address: Triton's launcher encodes every descriptor
-    on every launch (`make_tensordesc_arg`: `cuTensorMapEncodeTiled` and its Python, 7 a launch of the one-pass
-    backward, 13 launches a call), though a descriptor of a `Prepared` launch differs from one call to the next
+    on every launch (`make_tensordesc_arg`: `cuTensorMapEncodeTiled` and its Python; 7 a launch of the one-pass
+    backward, in up to 4 launches a call), though a descriptor of a `Prepared` launch differs from one call to the next
     only by its tensor's address. Here each is encoded the first time its address is seen and kept (up to
     `ENCODED_MAX` addresses a descriptor: a model's layers each have their own), and the launch goes to the
     launcher below Triton's wrapper (`wrap_handle_tensordesc`'s `launcher`) with the descriptors already
@@ -362,8 +362,9 @@ class Prepared:
     `kernel[grid](...)` again. The caller's key must fix everything but the tensors' data: their dtypes and
     16-byte alignment included (fresh allocations are aligned)."""
 
-    __slots__ = ("kernel", "compiled", "values", "slots", "descriptors", "grid", "device", "kwargs")
-    __slots__ += ("encoded",)
+    __slots__ = (
+        "kernel", "compiled", "values", "slots", "descriptors", "grid", "device", "kwargs", "encoded",
+    )  # fmt: skip
 
     def __init__(self, kernel, compiled, values, slots, descriptors, grid, device, kwargs):
         self.kernel, self.compiled, self.values, self.slots = kernel, compiled, values, slots
