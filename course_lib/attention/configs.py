@@ -209,7 +209,7 @@ def split_config(config: dict | None, fixed: Launch | None) -> tuple[dict | None
             ("hopper_onepass", "HOPPER_ONEPASS"),
         )
     }  # HOPPER: the Gluon forward and dK/dV; HOPPER_DQ: the Gluon dQ beside that dK/dV (the ladder's last rung);
-    # HOPPER_ONEPASS: the one-pass Gluon backward where `hopper_onepass.choose` takes it (d = 64)
+    # HOPPER_ONEPASS: the one-pass Gluon backward where `hopper_onepass.choose` takes it
     for upper, value in switches.items():
         if not isinstance(value, (bool, int)) or value not in (0, 1):  # "no" would read as True
             raise TypeError(f"config switch {upper.lower()} must be True or False; got {value!r}")

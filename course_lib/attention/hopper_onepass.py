@@ -1,6 +1,6 @@
 """FlashAttention-3's one-pass backward on Hopper GPUs, in Gluon, in its transposed layout: dK, dV and dQ from one
 kernel (notebook 08c, sections 5 and 7). The backward's default at d = 64 from 4096 tokens, 2048 causal or
-grouped (`choose`).
+grouped, and at d = 128 from 2048 causal, 8192 with one query head a K/V head (`choose`).
 
 The two-kernel backward (`hopper_backward` or the Triton kernel for dK, dV; a dQ kernel) computes S and dP twice:
 7 products where the algorithm needs 5. Here one kernel makes all three gradients, as FlashAttention-3 does (Shah
