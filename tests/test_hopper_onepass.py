@@ -165,6 +165,47 @@ def test_the_d_pass_writes_padded_base2_stats(n_q):
     assert (stats[1, :, n_q:] == float("inf")).all()
 
 
+@pytest.mark.parametrize("n_q, pairs", ((70, 2), (128, 6)))
+def test_the_d_pass_zeroes_the_first_slice_of_the_accumulator(n_q, pairs):
+    """`d_pass.preprocess` with acc: the one pass's float32 dQ accumulator of the first slice (its rows = the
+    first heads' query rows, in dQ's row order) comes back zeroed, and nothing past its rows is written (here the
+    slice's rows are a view of a larger buffer). One launch fewer a call than zeroing it apart."""
+    torch.manual_seed(n_q)
+    device = course_lib.DEVICE
+    B, H, d = 2, 3, 64
+    o, do = (torch.randn(B, H, n_q, d, device=device).to(torch.bfloat16) for _ in range(2))
+    lse = torch.randn(B, H, n_q, device=device)
+    n_pad = -(-n_q // 64) * 64
+    stats = torch.empty((2, B * H, n_pad), device=device)
+    rows = pairs * n_q  # the first `pairs` heads' rows (of B * H = 6)
+    buffer = torch.full((B * H * n_q + 8, d), float("nan"), device=device)
+    preprocess(o, do, stats[0], o.dtype, lse, stats[1], buffer[:rows])
+    assert (buffer[:rows] == 0).all()
+    assert buffer[rows:].isnan().all()
+    torch.testing.assert_close(stats[0, :, :n_q], (o.float() * do.float()).sum(-1).reshape(B * H, n_q),
+                               rtol=1e-5, atol=1e-5)  # fmt: skip
+    with pytest.raises(ValueError, match="float32 accumulator"):
+        preprocess(o, do, stats[0], o.dtype, lse, stats[1], buffer[:rows].to(torch.bfloat16))
+
+
+def test_one_slice_casts_the_whole_accumulator():
+    """`_by_slices` with one slice (short rows): one launch, then the accumulator cast into every row of dQ."""
+    d, per = 4, 3
+    dq_acc = torch.zeros(2 * per, d)
+    dq_rows = torch.full((2 * per, d), float("nan"), dtype=torch.bfloat16)
+    launched = []
+
+    def launch(first, count):
+        dq_acc.add_(torch.arange(2 * per, dtype=torch.float32)[:, None])
+        launched.append((first, count))
+
+    onepass._by_slices([(0, 2)], per, dq_acc, dq_rows, launch)
+    assert launched == [(0, 2)]
+    assert torch.equal(
+        dq_rows.float(), torch.arange(2 * per, dtype=torch.float32)[:, None].expand(2 * per, d)
+    )
+
+
 def _spy(monkeypatch) -> list:
     """Record each `hopper_onepass.backward` call (its causal flag) while still running it."""
     calls = []

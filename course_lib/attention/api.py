@@ -24,7 +24,7 @@ except ImportError:  # pragma: no cover - a PyTorch without it: every tensor rea
 from .. import runtime
 from ..second_derivative import refuse_second_derivative
 from . import plans
-from .backward import _backward, save_tensors, saved_tensors
+from .backward import SAVED_WITHOUT_SINKS, _backward, save_tensors, saved_tensors
 from .configs import DEFAULT_LAUNCH, DEFAULT_SWITCHES
 from .decode_route import routed_forward
 from .inputs import check_call
@@ -67,7 +67,7 @@ class FlashAttentionTriton(torch.autograd.Function):
         if plan is not None and (plan.grad_ready or not needs_grad):  # a call seen before (plans.py)
             o, lse = plan.run(q, k, v)
             ctx.save_for_backward(q, k, v, o, lse)
-            ctx.saved_present = _PRESENT
+            ctx.saved_present = SAVED_WITHOUT_SINKS
             ctx.alignment, ctx.scale, ctx.window = plan.call
             ctx.sinks_dtype, ctx.plan = None, plan
             return o
@@ -123,9 +123,6 @@ class FlashAttentionTriton(torch.autograd.Function):
                 dsinks = None if dsinks is None else dsinks.to(ctx.sinks_dtype)
         dq, dk, dv, dsinks = refuse_second_derivative((dq, dk, dv, dsinks), (do, q, k, v, sinks32))
         return dq, dk, dv, None, None, None, dsinks
-
-
-_PRESENT = (True,) * 5 + (False,)  # `save_tensors`'s record of a call without sinks
 
 
 def _keep(key, plan_out, call: tuple):

@@ -631,6 +631,9 @@ def hopper_onepass(q4, k4, v4, do4, causal: bool, n_q: int, n_k: int, switches: 
     return module if module.choose(q4.shape[-1], causal, n_q, n_k, kv_group(q4, k4)) else None
 
 
+SAVED_WITHOUT_SINKS = (True,) * 5 + (False,)  # `save_tensors`'s record of (q, k, v, o, L, sinks=None)
+
+
 def save_tensors(ctx, *tensors) -> None:
     """`ctx.save_for_backward` of the tensors that are not None (an absent sinks tensor, say), with
     `saved_tensors(ctx)` giving them back in place. Homework tests find L by its shape among an autograd
@@ -641,6 +644,8 @@ def save_tensors(ctx, *tensors) -> None:
 
 def saved_tensors(ctx) -> tuple:
     """The tensors `save_tensors` saved, None where it was given None."""
+    if ctx.saved_present == SAVED_WITHOUT_SINKS:  # no sinks, the common call: no loop
+        return (*ctx.saved_tensors, None)
     kept = iter(ctx.saved_tensors)
     return tuple(next(kept) if present else None for present in ctx.saved_present)
 
@@ -971,7 +976,7 @@ class OnePassPlan:
 
     def run(self, do, q, k, v, o, L):
         dq, dk, dv, tensors = _plan_tensors(self.four_d, self.l3_shape, do, q, k, v, o, L)
-        self.replay.run(**tensors)
+        self.replay.run(tensors)
         return dq, dk, dv
 
 

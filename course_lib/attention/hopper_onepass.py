@@ -349,8 +349,12 @@ def _launch(
 
 def _by_slices(cuts, rows_per_pair: int, dq_acc, dq_rows, launch) -> None:
     """The kernel's launches over the slices `cuts` ((first pair, count) each; `launch(first, count)`), each
-    adding into dq_acc zeroed (the first call's accumulator comes zeroed), then cast into its rows of dQ,
-    dq_rows ((B * H * N_Q, d)); rows_per_pair = group * N_Q."""
+    adding into dq_acc zeroed (the D pass zeroes it for the first), then cast into its rows of dQ, dq_rows
+    ((B * H * N_Q, d)); rows_per_pair = group * N_Q."""
+    if len(cuts) == 1:  # the whole of dQ in one launch (short rows, where host time shows): no slicing
+        launch(*cuts[0])
+        dq_rows.copy_(dq_acc)
+        return
     for i, (first, count) in enumerate(cuts):
         rows = count * rows_per_pair
         if i:
@@ -364,28 +368,31 @@ class Replay:
     tensors of the same shapes, strides and alignments, nothing decided again: `attention.backward`'s plan of a
     one-pass call (`kernels/plans.py`: host time)."""
 
-    __slots__ = ("launches", "cuts", "rows_per_pair", "stats_shape", "acc_shape")
+    __slots__ = ("launches", "cuts", "rows_per_pair", "stat_shape", "acc_shape", "dq_rows")
 
     def __init__(self, launches: tuple, cuts: list, rows_per_pair: int, stats, dq_acc):
         self.launches, self.cuts, self.rows_per_pair = launches, cuts, rows_per_pair
-        self.stats_shape, self.acc_shape = tuple(stats.shape), tuple(dq_acc.shape)
+        self.stat_shape, self.acc_shape = tuple(stats.shape[1:]), tuple(dq_acc.shape)
+        self.dq_rows = (-1, dq_acc.shape[-1])
 
-    def run(self, q4, k4, v4, o4, do4, l3, dq4, dk4, dv4) -> None:
-        """dQ into dq4 (contiguous as q4), dK, dV into dk4, dv4 (contiguous as k4), as `backward` made them."""
-        stats = q4.new_empty(self.stats_shape, dtype=torch.float32)
-        dq_acc = q4.new_zeros(self.acc_shape, dtype=torch.float32)
-        tensors = dict(q4=q4, k4=k4, v4=v4, o4=o4, do4=do4, l3=l3, delta=stats[0], l2=stats[1], dq_acc=dq_acc,
-                       dk4=dk4, dv4=dv4)  # fmt: skip
-        pre, *kernels = self.launches
-        pre(tensors)
-        kernels = iter(kernels)
-        _by_slices(
-            self.cuts,
-            self.rows_per_pair,
-            dq_acc,
-            dq4.view(-1, q4.shape[-1]),
-            lambda *_: next(kernels)(tensors),
-        )
+    def run(self, tensors: dict) -> None:
+        """dQ into tensors["dq4"] (contiguous as q4), dK, dV into "dk4", "dv4" (contiguous as k4), as `backward`
+        made them, from the call's tensors by the names `backward` gives them (q4, k4, v4, o4, do4, l3); D, L2
+        and the accumulator are added to the dict. D and L2 are allocated apart: two allocations cost less
+        host time than one and its two rows taken as views."""
+        q4, f32 = tensors["q4"], torch.float32
+        tensors["delta"] = q4.new_empty(self.stat_shape, dtype=f32)
+        tensors["l2"] = q4.new_empty(self.stat_shape, dtype=f32)
+        dq_acc = tensors["dq_acc"] = q4.new_empty(self.acc_shape, dtype=f32)  # zeroed by the D pass
+        launches = self.launches
+        launches[0](tensors)
+        dq_rows = tensors["dq4"].view(self.dq_rows)
+        if len(launches) == 2:  # one slice: `_by_slices`'s first branch, without its Python
+            launches[1](tensors)
+            dq_rows.copy_(dq_acc)
+            return
+        kernels = iter(launches[1:])
+        _by_slices(self.cuts, self.rows_per_pair, dq_acc, dq_rows, lambda *_: next(kernels)(tensors))
 
 
 def slices(bhkv: int, key_blocks: int = 1, sms: int = 0) -> list[tuple[int, int]]:
@@ -426,13 +433,14 @@ def _slices(q4, k4) -> list[tuple[int, int]]:
 
 
 def _buffers(q4, k4, where, cuts):
-    """The D pass's output (2, B * H, N_PAD) float32 (D, then L2; N_PAD = N_Q rounded up to 64) and the zeroed
-    float32 dQ accumulator of the largest of the slices `cuts` ((its pairs * group * N_Q, d))."""
+    """The D pass's output (2, B * H, N_PAD) float32 (D, then L2; N_PAD = N_Q rounded up to 64) and the float32
+    dQ accumulator of the largest of the slices `cuts` ((its pairs * group * N_Q, d)), not zeroed: the D pass
+    zeroes it."""
     B, H, n_q, d = q4.shape
     n_pad = cdiv(n_q, QUERY_ROWS) * QUERY_ROWS
     stats = torch.empty((2, B * H, n_pad), dtype=torch.float32, device=where)
     per = cuts[0][1]
-    return stats, torch.zeros((per * (H // k4.shape[1]) * n_q, d), dtype=torch.float32, device=where)
+    return stats, torch.empty((per * (H // k4.shape[1]) * n_q, d), dtype=torch.float32, device=where)
 
 
 def _d_pass_key(q4) -> tuple:
@@ -472,8 +480,9 @@ def backward(
     forward's L (float32, natural log); offset: the causal alignment's `checks.causal_offset`. dK, dV are summed
     over the H / H_kv query heads of each K/V head; the gradients come back contiguous in Q's dtype (dK, dV into
     dk4, dv4 if given, contiguous as k4), and D = rowsum(dO * O) as a (B * H, N_Q) float32 view (the sinks'
-    gradient reads it). dq_chunks: `dq_chunks_for(d, causal)` if None. Launches: the D pass (D and L2), then for each of
-    `slices` a zeroed float32 accumulator (half dQ's bytes in 4 slices), the kernel and dQ's cast. The caller
+    gradient reads it). dq_chunks: `dq_chunks_for(d, causal)` if None. Launches: the D pass (D and L2, and the
+    float32 accumulator zeroed: half dQ's bytes in 4 slices), then for each of `slices` the kernel and dQ's cast
+    (and the accumulator zeroed again before each slice but the first). The caller
     makes q4's GPU current. replay_out: None, or a list to which a `Replay` of this call's launches is appended
     where they can be repeated so (`kernels.bound.recording`: not a first call, which compiles or binds)."""
     B, H, n_q, d = q4.shape
@@ -490,7 +499,7 @@ def backward(
     )
     with bound.recording(tensors) if replay_out is not None else contextlib.nullcontext() as recorded:
         wait_compiled(_d_pass_key(q4))
-        preprocess(o4, do4, delta, q4.dtype, l3, l2)
+        preprocess(o4, do4, delta, q4.dtype, l3, l2, dq_acc)  # dq_acc zeroed too
         wait_compiled(_key(q4, k4, offset, causal, dq_chunks))  # compiled ahead (`compile_ahead`): not twice
         _by_slices(
             cuts, group * n_q, dq_acc, dq.view(B * H * n_q, d),
@@ -523,8 +532,8 @@ def compile_ahead(q4, k4, v4, l3, offset: int, causal: bool, scale: float) -> No
     key = _key(q4, k4, offset, causal, dq_chunks_for(q4.shape[-1], causal))
     compile_in_background(key, lambda: warmup(q4, k4, v4, offset, causal, scale))
     B, H, n_q, d = q4.shape
-    stats = _buffers(q4, k4, "meta", slices(B * k4.shape[1]))[0]
-    pre = preprocess_launch(q4, q4, stats[0], B, H, n_q, d, q4.dtype, l3, stats[1])
+    stats, dq_acc = _buffers(q4, k4, "meta", slices(B * k4.shape[1]))
+    pre = preprocess_launch(q4, q4, stats[0], B, H, n_q, d, q4.dtype, l3, stats[1], dq_acc)
     compile_kernel_ahead(_d_pass_key(q4), preprocess_kernel, *pre)
 
 
