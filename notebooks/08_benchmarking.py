@@ -373,7 +373,8 @@ if hw is not None:
 # through a TMA descriptor (seven for the one pass), a 128-byte record the driver encodes from the tensor's
 # address; a plan encodes each once per address and keeps it, since a model's tensors come back at the same
 # addresses from call to call. The record's "fwd+bwd, 2k causal" row still pays for the one pass's steps around
-# its kernel (a zeroed float32 accumulator, the D pass, dQ's cast), each issued from the host. `make bench` also
+# its kernel, each issued from the host: the D pass (which also zeroes the float32 dQ accumulator, one launch
+# fewer than zeroing it apart) and dQ's cast. `make bench` also
 # measures `torch.compile`
 # after every other provider, because after it had run, Python launches in that process were measured
 # slower (`notes/attention.md`); the host-time record (`make bench BENCH=host_time`) is therefore measured in
