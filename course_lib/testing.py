@@ -149,6 +149,25 @@ def assert_grads_close_to_reference(
         )
 
 
+def reference64(q, k, v, causal, heads_at_once: int = 8, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    """(O, L) of the float64 reference on the CPU for q (B, Hq, Nq, d), k and v (B, Hkv, Nk, d), a few heads at
+    a time: its S and P take 8 bytes per (query, key) pair and head, 5.4 GB a matrix at 40 heads of 4096 x 4096,
+    and several float64 references side by side in a test run's workers can fill a host. `heads_at_once`
+    query heads (a multiple of the group, Hq / Hkv) per call of `attention`; kwargs go to it (scale, window)."""
+    group = q.shape[1] // k.shape[1]
+    step = max(group, heads_at_once // group * group)
+    outs, lses = [], []
+    for h in range(0, q.shape[1], step):
+        kv = slice(h // group, (h + step) // group)
+        o, lse = attention(
+            *(t.detach().cpu().double() for t in (q[:, h : h + step], k[:, kv], v[:, kv])),
+            causal, return_lse=True, **kwargs,
+        )  # fmt: skip
+        outs.append(o)
+        lses.append(lse)
+    return torch.cat(outs, dim=1), torch.cat(lses, dim=1)
+
+
 def reference_outputs(q, k, v, causal: bool, scale=None, grad_out=None, window=None):
     """Forward (and, with grad_out, dq, dk, dv) of the standard reference on the given tensors
     (window: a sliding window, as in `flash_attention`).

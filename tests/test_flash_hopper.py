@@ -17,7 +17,7 @@ import torch
 import course_lib
 from course_lib.attention import forward as fwd_mod
 from course_lib.attention.reference import attention as reference_attention
-from course_lib.testing import assert_close_to_reference, random_qkv, reference_outputs
+from course_lib.testing import assert_close_to_reference, random_qkv, reference64, reference_outputs
 
 hopper = pytest.importorskip("course_lib.attention.hopper", reason="needs a Triton with Gluon")
 
@@ -91,7 +91,7 @@ CASES = [
 def test_every_variant_matches_reference(name, shape, n_k, causal, dtype, d):
     torch.manual_seed(zlib.crc32(name.encode()) + d)
     q, k, v = random_qkv(shape[:3] + (d,), n_k, dtype=dtype, device="cuda")
-    ref_o, ref_l = reference_attention(*(t.cpu().double() for t in (q, k, v)), causal, return_lse=True)
+    ref_o, ref_l = reference64(q, k, v, causal)  # a few heads at a time: 40 heads of 4096 x 4096 here
     base_o, _ = reference_outputs(q, k, v, causal)
     assert hopper.VARIANTS[d], f"no Gluon variant for d={d}"
     for variant in hopper.VARIANTS[d]:

@@ -95,3 +95,20 @@ def test_run_cases_keeps_the_order_and_raises_a_failure():
 
     with pytest.raises(AssertionError, match="case 7 fails"):
         run_cases(check, range(12))
+
+
+@pytest.mark.parametrize("causal", (False, True, "bottom_right"))
+def test_reference64_by_heads_matches_one_call(causal):
+    """`testing.reference64` (a few heads at a time, for large float64 references) gives what one call of the
+    reference gives, with grouped K/V heads split with their query heads and a window passed through."""
+    from course_lib.testing import reference64
+
+    torch.manual_seed(3)
+    q = torch.randn(2, 6, 33, 16, dtype=torch.float16)
+    k, v = torch.randn(2, 3, 41, 16, dtype=torch.float16), torch.randn(2, 3, 41, 16, dtype=torch.float16)
+    window = 9 if causal else None
+    got_o, got_l = reference64(q, k, v, causal, heads_at_once=4, window=window)
+    want_o, want_l = attention(q.double(), k.double(), v.double(), causal, return_lse=True, window=window)
+    assert got_o.dtype == torch.float64 and got_o.shape == want_o.shape
+    torch.testing.assert_close(got_o, want_o, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(got_l, want_l, rtol=1e-12, atol=1e-12)
