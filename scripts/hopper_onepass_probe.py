@@ -8,8 +8,8 @@ and SDPA's on a Hopper GPU.
 For each cell (bf16, B * N = 16k tokens, H * d = 2048, causal and not, `group` query heads per K/V head): dQ, dK, dV
 of `hopper_onepass.backward`, its dQ in 1 or 2 chunks of columns a warpgroup (`dq_chunks`), against the two-kernel
 backward (`attention.backward` with hopper_onepass=False; largest difference), then the time of each whole backward
-(the one pass with its D pass, zeroed accumulator and dQ cast; the two kernels with D; the default, which is one of
-them by `hopper_onepass.choose`; SDPA's, cuDNN) as TFLOP/s of the backward's 2.5 x forward FLOPs; and the Gluon
+(the one pass with its D pass, which zeroes the accumulator, and dQ cast; the two kernels with D; the default, one
+of them by `hopper_onepass.choose`; SDPA's, cuDNN) as TFLOP/s of the backward's 2.5 x forward FLOPs; and the Gluon
 dK/dV kernel alone as TFLOP/s of its 4 products (2 x forward). Correctness against float64 is
 tests/test_hopper_onepass.py's. A cell that runs past --hang-s seconds (a deadlocked kernel) ends the run with what
 was measured.

@@ -965,7 +965,7 @@ class BackwardPlan:
 
 class OnePassPlan:
     """A backward call by the one-pass kernel to repeat (`plans.py`): its `hopper_onepass.Replay` (the D pass
-    and the kernel's launches over the slices, with the accumulator's zeroing and cast between them) over the
+    (which zeroes the accumulator) and the kernel's launches over the slices, each slice's cast after it) over the
     new call's tensors, viewed as `_backward` viewed them. `run(do, q, k, v, o, L)` gives (dq, dk, dv). Kept
     under a key that holds whether deterministic algorithms are on (`api.py`): the one pass is not, then."""
 

@@ -12,7 +12,8 @@ sync) is recorded beside it:
 - forward: `flash_attention(q, k, v, causal=True)` under `torch.no_grad()` against SDPA's default;
 - forward+backward: `torch.autograd.grad` of the same call's output with a given dO, against SDPA;
 - fwd+bwd, 2k causal: the same at 2048 tokens, where a Hopper GPU's backward is the one-pass kernel (its
-  launches over slices of the heads, with the accumulator's zeroing and cast between them, repeated by its plan);
+  launches over slices of the heads, the D pass zeroing the accumulator first, dQ cast after each, repeated by
+  its plan);
 - decode step: one query token over a 256-token cache, `flash_attention` against SDPA (is_causal=False: a
   single bottom-right query sees every key); at this length the FlashAttention-2 forward keeps the call, one
   launch (`attention.decode_route` hands longer ones to split-KV decoding, two launches).
