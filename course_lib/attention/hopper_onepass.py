@@ -370,28 +370,23 @@ class Replay:
 
     __slots__ = ("launches", "cuts", "rows_per_pair", "stat_shape", "acc_shape", "dq_rows")
 
-    def __init__(self, launches: tuple, cuts: list, rows_per_pair: int, stats, dq_acc):
+    def __init__(self, launches: tuple, cuts: list, rows_per_pair: int, delta, dq_acc):
         self.launches, self.cuts, self.rows_per_pair = launches, cuts, rows_per_pair
-        self.stat_shape, self.acc_shape = tuple(stats.shape[1:]), tuple(dq_acc.shape)
+        self.stat_shape, self.acc_shape = tuple(delta.shape), tuple(dq_acc.shape)
         self.dq_rows = (-1, dq_acc.shape[-1])
 
     def run(self, tensors: dict) -> None:
         """dQ into tensors["dq4"] (contiguous as q4), dK, dV into "dk4", "dv4" (contiguous as k4), as `backward`
         made them, from the call's tensors by the names `backward` gives them (q4, k4, v4, o4, do4, l3); D, L2
-        and the accumulator are added to the dict. D and L2 are allocated apart: two allocations cost less
-        host time than one and its two rows taken as views."""
+        and the accumulator are added to the dict (`_buffers`)."""
         q4, f32 = tensors["q4"], torch.float32
         tensors["delta"] = q4.new_empty(self.stat_shape, dtype=f32)
         tensors["l2"] = q4.new_empty(self.stat_shape, dtype=f32)
         dq_acc = tensors["dq_acc"] = q4.new_empty(self.acc_shape, dtype=f32)  # zeroed by the D pass
-        launches = self.launches
-        launches[0](tensors)
+        pre, *kernels = self.launches
+        pre(tensors)
+        kernels = iter(kernels)
         dq_rows = tensors["dq4"].view(self.dq_rows)
-        if len(launches) == 2:  # one slice: `_by_slices`'s first branch, without its Python
-            launches[1](tensors)
-            dq_rows.copy_(dq_acc)
-            return
-        kernels = iter(launches[1:])
         _by_slices(self.cuts, self.rows_per_pair, dq_acc, dq_rows, lambda *_: next(kernels)(tensors))
 
 
@@ -433,14 +428,14 @@ def _slices(q4, k4) -> list[tuple[int, int]]:
 
 
 def _buffers(q4, k4, where, cuts):
-    """The D pass's output (2, B * H, N_PAD) float32 (D, then L2; N_PAD = N_Q rounded up to 64) and the float32
+    """The D pass's outputs D and L2, each (B * H, N_PAD) float32 (N_PAD = N_Q rounded up to 64), and the float32
     dQ accumulator of the largest of the slices `cuts` ((its pairs * group * N_Q, d)), not zeroed: the D pass
-    zeroes it."""
+    zeroes it. Three allocations: one with D and L2 as its two rows cost the host more (the views)."""
     B, H, n_q, d = q4.shape
     n_pad = cdiv(n_q, QUERY_ROWS) * QUERY_ROWS
-    stats = torch.empty((2, B * H, n_pad), dtype=torch.float32, device=where)
+    delta, l2 = (torch.empty((B * H, n_pad), dtype=torch.float32, device=where) for _ in range(2))
     per = cuts[0][1]
-    return stats, torch.empty((per * (H // k4.shape[1]) * n_q, d), dtype=torch.float32, device=where)
+    return delta, l2, torch.empty((per * (H // k4.shape[1]) * n_q, d), dtype=torch.float32, device=where)
 
 
 def _d_pass_key(q4) -> tuple:
@@ -489,8 +484,7 @@ def backward(
     group = H // k4.shape[1]
     dq_chunks = dq_chunks or dq_chunks_for(d, causal)
     cuts = _slices(q4, k4)
-    stats, dq_acc = _buffers(q4, k4, q4.device, cuts)
-    delta, l2 = stats
+    delta, l2, dq_acc = _buffers(q4, k4, q4.device, cuts)
     dk = torch.empty_like(k4) if dk4 is None else dk4
     dv = torch.empty_like(v4) if dv4 is None else dv4
     dq = torch.empty_like(q4)
@@ -508,7 +502,7 @@ def backward(
         )  # fmt: skip
     launches = recorded.prepared() if recorded is not None else None
     if launches:
-        replay_out.append(Replay(launches, cuts, group * n_q, stats, dq_acc))
+        replay_out.append(Replay(launches, cuts, group * n_q, delta, dq_acc))
     return dq, dk, dv, delta[:, :n_q]
 
 
@@ -518,8 +512,7 @@ def warmup(q4, k4, v4, offset: int, causal: bool, scale: float, dq_chunks: int |
     on a machine without a GPU, `where` then "cpu")."""
     dq_chunks = dq_chunks or dq_chunks_for(q4.shape[-1], causal)
     cuts = slices(q4.shape[0] * k4.shape[1])  # the binary is the same for every slice
-    stats, dq_acc = _buffers(q4, k4, where, cuts)
-    delta, l2 = stats
+    delta, l2, dq_acc = _buffers(q4, k4, where, cuts)
     return _launch(
         q4, k4, v4, q4, delta, l2, dq_acc, k4, v4, offset, causal, scale, dq_chunks, *cuts[0], True
     )
@@ -532,8 +525,8 @@ def compile_ahead(q4, k4, v4, l3, offset: int, causal: bool, scale: float) -> No
     key = _key(q4, k4, offset, causal, dq_chunks_for(q4.shape[-1], causal))
     compile_in_background(key, lambda: warmup(q4, k4, v4, offset, causal, scale))
     B, H, n_q, d = q4.shape
-    stats, dq_acc = _buffers(q4, k4, "meta", slices(B * k4.shape[1]))
-    pre = preprocess_launch(q4, q4, stats[0], B, H, n_q, d, q4.dtype, l3, stats[1], dq_acc)
+    delta, l2, dq_acc = _buffers(q4, k4, "meta", slices(B * k4.shape[1]))
+    pre = preprocess_launch(q4, q4, delta, B, H, n_q, d, q4.dtype, l3, l2, dq_acc)
     compile_kernel_ahead(_d_pass_key(q4), preprocess_kernel, *pre)
 
 
