@@ -4,6 +4,7 @@ and SDPA's on a Hopper GPU.
     python3 scripts/hopper_onepass_probe.py --out build/onepass.json [--ns 1024,4096,16384] [--ds 128,64] [--groups 1,4]
     python3 scripts/hopper_onepass_probe.py --ds 64 --stages 2,3,4   # the ring's depth only
     python3 scripts/hopper_onepass_probe.py --ds 64 --ns 4096 --groups 4 --slices 1,2,3,4   # launches only
+    python3 scripts/hopper_onepass_probe.py --small 1x2x2048,1x8x2048 --ds 64,128   # grids under a wave
 
 For each cell (bf16, B * N = 16k tokens, H * d = 2048, causal and not, `group` query heads per K/V head): dQ, dK, dV
 of `hopper_onepass.backward`, its dQ in 1 or 2 chunks of columns a warpgroup (`dq_chunks`), against the two-kernel
@@ -32,7 +33,7 @@ from course_lib.attention import forward as fwd
 from course_lib.attention import hopper_backward as hb
 from course_lib.attention import hopper_onepass as onepass
 from course_lib.attention.d_pass import preprocess
-from course_lib.perf.timing import benchmark
+from course_lib.perf.timing import benchmark, graph_ms
 
 TOKENS, WIDTH = 16384, 2048
 
@@ -137,6 +138,22 @@ def knob_cell(d: int, n: int, causal: bool, group: int, knob: str, values: list[
     return row
 
 
+def small_cell(d: int, batch: int, heads: int, n: int, causal: bool) -> dict:
+    """--small: one shape (batch, heads, n, d) of few programs, the one pass (with its D pass and dQ's cast)
+    against the two kernels, us of CUDA-graph replays (the GPU's time alone; `hopper_onepass.choose`'s grid
+    rule), L2 flushed; the one pass's programs (pairs x key blocks of 128)."""
+    q, k, v, do = (torch.randn(batch, heads, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    o, L = fwd.forward(q, k, v, causal=causal)
+    two = lambda: bwd.backward(do, q, k, v, o, L, causal=causal, config={"hopper_onepass": False})  # noqa: E731
+    one = lambda: onepass.backward(q, k, v, o, do, L, 0, causal, d**-0.5)  # noqa: E731
+    row = dict(d=d, shape=[batch, heads, n], causal=causal, programs=batch * heads * -(-n // 128))
+    for _ in range(2):  # two rounds, the best of each
+        for name, call in (("two_kernel", two), ("onepass", one)):
+            us = round(graph_ms(call) * 1e3, 1)
+            row[f"{name}_us"] = min(us, row.get(f"{name}_us", us))
+    return row
+
+
 def _hang(d: int, n: int, causal: bool) -> None:
     print("HANG", d, n, causal, flush=True)
     os._exit(3)
@@ -153,8 +170,16 @@ def main() -> None:
     p.add_argument(
         "--slices", default="", help="e.g. 1,2,3,4: the one pass's launch counts only (`knob_cell`)"
     )
+    p.add_argument(
+        "--small", default="", help="e.g. 1x2x2048,1x8x2048: batch x heads x tokens, causal (`small_cell`)"
+    )
     a = p.parse_args()
     rows = []
+    for d, shape in itertools.product(map(int, a.ds.split(",")), a.small.split(",") if a.small else []):
+        rows.append(small_cell(d, *map(int, shape.split("x")), True))
+        print(json.dumps(rows[-1]), flush=True)
+    if a.small:
+        return
     for d in map(int, a.ds.split(",")):
         for n in map(int, a.ns.split(",")):
             for causal, group in itertools.product((False, True), map(int, a.groups.split(","))):

@@ -628,7 +628,8 @@ def hopper_onepass(q4, k4, v4, do4, causal: bool, n_q: int, n_k: int, switches: 
 
     if not module.supports(q4, k4, v4, do4):
         return None
-    return module if module.choose(q4.shape[-1], causal, n_q, n_k, kv_group(q4, k4)) else None
+    pairs, sms = q4.shape[0] * k4.shape[1], runtime.sm_count(q4.device.index)
+    return module if module.choose(q4.shape[-1], causal, n_q, n_k, kv_group(q4, k4), pairs, sms) else None
 
 
 SAVED_WITHOUT_SINKS = (True,) * 5 + (False,)  # `save_tensors`'s record of (q, k, v, o, L, sinks=None)

@@ -530,8 +530,10 @@ def compile_ahead(q4, k4, v4, l3, offset: int, causal: bool, scale: float) -> No
     compile_kernel_ahead(_d_pass_key(q4), preprocess_kernel, *pre)
 
 
-def choose(d: int, causal: bool, n_q: int, n_k: int, group: int) -> bool:
-    """Whether the backward (`backward._backward`) runs this kernel rather than its two: d = 64 with 4096 queries
+def choose(d: int, causal: bool, n_q: int, n_k: int, group: int, pairs: int = 0, sms: int = 0) -> bool:
+    """Whether the backward (`backward._backward`) runs this kernel rather than its two: with `pairs` (batch, K/V
+    head) pairs on `sms` SMs given, a grid of half a wave or more (pairs x key blocks of 128 >= sms / 2), and
+    d = 64 with 4096 queries
     and keys or more, or 2048 with a causal mask or several query heads a K/V head (`group`); d = 128 with a causal
     mask from 2048, or without one from 8192 with one query head a K/V head. Measured on an H200
     (bf16, B x N = 16k tokens, 32 query heads, d = 64; the whole backward, TFLOP/s of 2.5 x the forward's FLOPs, one
@@ -551,7 +553,16 @@ def choose(d: int, causal: bool, n_q: int, n_k: int, group: int) -> bool:
     411), 8k 451 / 416 (458 / 461), 16k 474 / 451 (473 / 466), a run before 4k 412 / 390, 16k 478 / 449;
     non-causal 2k 431 / 460 (459 / 437), 4k 473 / 471 (474 / 475), 8k 505 / 492 (488 / 492), 16k 517 / 493 (496 /
     495); at 1k it lost (336 / 373). Causal 2k in a third run (`--ns 1024,2048`): 338 / 321 (370 / 372); 1k 246 / 245
-    (294 / 279): a tie, left to the two kernels."""
+    (294 / 279): a tie, left to the two kernels. Small grids (graph replays, us of the whole backward, one
+    pass / two kernels, causal; `hopper_onepass_probe.py --small`, 2026-11-30): d = 64 at 2048 tokens, 1 x 2
+    heads (32 programs) 62.8 / 58.1, 1 x 4 (64) 63.8 / 59.1, 1 x 8 (128) 65.3 / 76.0, 1 x 16 78.4 / 118.5; 1 x 2
+    heads at 4096 (64) 116.1 / 110.2; d = 128 at 2048, 1 x 2 96.2 / 93.9, 1 x 8 (128) 103.5 / 100.6, 1 x 16
+    128.8 / 145.1; a second run (L2 flushed) d = 64 32 / 64 / 128 / 256 programs 68.6 / 63.2, 69.6 / 64.8, 71.5
+    / 79.8, 82.8 / 123.5, d = 128 102.6 / 101.3, 104.2 / 102.9, 108.2 / 106.4, 129.9 / 148.8. Under half a wave
+    the two kernels' grids, a program per query block too, finish first, and their host time is lower (the
+    plan's backward 42-45 us against 51-53); at d = 128 a grid of 128 is a tie (1-3 %)."""
+    if pairs and sms and 2 * pairs * cdiv(n_k, KROWS.value * NUM_CONSUMERS) < sms:
+        return False
     if d == 128:
         return min(n_q, n_k) >= (2048 if causal else 8192) and (bool(causal) or group == 1)
     return d == 64 and min(n_q, n_k) >= (2048 if causal or group > 1 else 4096)
