@@ -3,6 +3,7 @@
     COURSE_DEVICE=cuda python3 scripts/hopper_ws_forward.py [--ns 1024,4096,16384]
     COURSE_DEVICE=cuda python3 scripts/hopper_ws_forward.py --passes 4 [--heads 128]
     COURSE_DEVICE=cuda python3 scripts/hopper_ws_forward.py --bottom-right 3280x32768,1024x8192 [--passes 4]
+    COURSE_DEVICE=cuda python3 scripts/hopper_ws_forward.py --grids 64x1x8x4096,128x1x2x2048c   # small grids
 
 Checks every variant below against a float32 reference (ragged, causal, Nq != Nk, bf16 and fp16,
 K/V with as many heads as Q and with one: grouped-query attention), then times each on the standard
@@ -159,6 +160,36 @@ def bottom_right(
             timed_cell(f"d={d:3d} bottom-right {n_q}x{n_k} B={b}", runs, flops, pick, passes, timer)
 
 
+def grids(cells: list[str]) -> None:
+    """--grids: d x batch x heads x N (a trailing c: causal) per cell, the Gluon variant `hopper.choose` takes
+    for a grid that fills the GPU against the Triton forward, us of CUDA-graph replays (best of two rounds),
+    and what `choose` picks with the grid given (its grid rule)."""
+    from course_lib.attention import forward
+    from course_lib.perf.timing import graph_ms
+    from course_lib.runtime import sm_count
+
+    for cell in cells:
+        causal = cell.endswith("c")
+        d, b, h, n = map(int, cell.rstrip("c").split("x"))
+        q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        variant = hopper.choose(d, causal, n, n)
+        row = dict(
+            cell=cell, variant=str(variant), pick=str(hopper.choose(d, causal, n, n, 0, b * h, sm_count()))
+        )
+        if variant is not None:
+            o = torch.empty_like(q)
+            lse = torch.empty(q.shape[:-1], dtype=torch.float32, device="cuda")
+            calls = {  # the Gluon variant itself (`forward.forward` would apply the grid rule)
+                "gluon_us": lambda: hopper.forward(q, k, v, o, lse, causal, d**-0.5, variant, 0),  # noqa: B023
+                "triton_us": lambda: forward.forward(q, k, v, causal, config={"hopper": False}),  # noqa: B023
+            }
+            for _ in range(2):
+                for name, call in calls.items():
+                    us = round(graph_ms(call) * 1e3, 1)
+                    row[name] = min(us, row.get(name, us))
+        print(row, flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--ns", default="1024,2048,4096,8192,16384")
@@ -171,8 +202,14 @@ def main():
     ap.add_argument("--bottom-right", default="", help="NqxNk,... : time bottom-right causal calls")
     ap.add_argument("--batch", type=int, default=0, help="--bottom-right: sequences (default ~8k rows)")
     ap.add_argument("--q-heads", type=int, default=0, help="--bottom-right: query heads (default 2048 / d)")
+    ap.add_argument(
+        "--grids", default="", help="dxBxHxN[c],... : small grids, Gluon against Triton (`grids`)"
+    )
     args = ap.parse_args()
     t0 = time.time()
+    if args.grids:
+        grids(args.grids.split(","))
+        return
     if args.bottom_right:
         pairs = [tuple(map(int, p.split("x"))) for p in args.bottom_right.split(",")]
         heads = list(map(int, args.heads.split(",")))

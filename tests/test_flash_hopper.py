@@ -61,6 +61,38 @@ def test_variants_fit_an_sm():
     assert hopper.choose(32, False, 4096, 4096) is None and hopper.choose(256, True, 4096, 4096) is None
 
 
+def test_choose_grid_rule():
+    """With the grid given (batch x query heads, SMs), `choose` leaves to the Triton kernel the grids where the
+    Gluon kernel's larger tiles lose (measured in its docstring): at d = 64 where an SM's rows (rounds of tiles
+    x 192, weighed by 0.85) outnumber the Triton kernel's (rounds x 128), at d = 128 fewer 128-row tiles than
+    half the SMs over <= 2048 keys; the standard grid keeps its variant."""
+    sms = 132
+    for d, heads, n, causal, taken in [
+        (64, 2, 4096, False, False),  # 44 tiles of 192 rows: one round, 163 rows against 128
+        (64, 8, 4096, False, False),  # 176 tiles, two rounds: 326 against 256
+        (64, 2, 16384, False, False),  # 172
+        (64, 9, 4096, False, True),  # 198: 326 against 384
+        (64, 12, 4096, False, True),  # 264
+        (64, 16, 4096, False, True),  # 352: 490 against 512
+        (64, 2, 8192, True, False),  # 86
+        (128, 2, 2048, True, False),  # 32 tiles
+        (128, 4, 2048, True, False),  # 64
+        (128, 2, 4096, False, True),  # 64 tiles over 4096 keys
+        (128, 8, 2048, True, True),  # 128
+        (128, 4, 1024, True, True),  # one consumer's 64-row tiles
+    ]:
+        assert hopper.choose(d, causal, n, n) is not None
+        assert (hopper.choose(d, causal, n, n, 0, heads, sms) is not None) == taken, (d, heads, n, causal)
+    for d in (64, 128):  # the standard grid (B x N = 16k tokens, H x d = 2048)
+        for n in (2048, 4096, 8192, 16384):
+            for causal in (False, True):
+                free = hopper.choose(d, causal, n, n)
+                assert hopper.choose(d, causal, n, n, 0, 16384 // n * 2048 // d, sms) == free
+    # bottom-right (a cached prompt's rest) keeps its variant at any grid
+    assert hopper.choose(64, True, 3280, 32768, 32768 - 3280, 16, sms) == hopper.D64_ROWS_128
+    assert hopper.choose(128, True, 256, 8192, 8192 - 256, 2, sms) is not None
+
+
 def test_cpu_never_takes_it():
     """Under the interpreter `forward.forward` has no Gluon path to take."""
     if course_lib.ON_GPU:
@@ -113,8 +145,9 @@ def test_forward_takes_it_where_chosen(monkeypatch):
     real = hopper.forward
     monkeypatch.setattr(hopper, "forward", lambda *a: calls.append(a[7]) or real(*a))  # the variant
     torch.manual_seed(7)
-    q, k, v = random_qkv((2, 4, 700, 128), 1500, dtype=torch.bfloat16, device="cuda")
-    chosen = hopper.choose(128, True, 700, 1500)
+    q, k, v = random_qkv((4, 4, 700, 128), 1500, dtype=torch.bfloat16, device="cuda")
+    sms = course_lib.runtime.sm_count()
+    chosen = hopper.choose(128, True, 700, 1500, 0, 16, sms)
     assert chosen is not None, "the test needs a shape where the Gluon kernel is chosen"
     o, lse = fwd_mod.forward(q, k, v, True)
     assert calls == [chosen], f"Gluon kernel calls: {calls}"
@@ -123,21 +156,27 @@ def test_forward_takes_it_where_chosen(monkeypatch):
     ref_o, ref_l = reference_attention(*(t.cpu().double() for t in (q, k, v)), True, return_lse=True)
     base_o, _ = reference_outputs(q, k, v, True)
     for what, out, l in (("Gluon", o, lse), ("Triton", o_triton, lse_triton)):
-        assert_close_to_reference(out, ref_o, base_o, what=f"O, {what}, (2, 4, 700 / 1500, 128) causal")
+        assert_close_to_reference(out, ref_o, base_o, what=f"O, {what}, (4, 4, 700 / 1500, 128) causal")
         torch.testing.assert_close(l.cpu().double(), ref_l, rtol=1e-4, atol=1e-4, msg=f"L, {what}")
     # The homework's (batch, N, d) layout takes it too (viewed as (batch, 1, N, d)).
-    o3, _ = fwd_mod.forward(q.reshape(8, 700, 128), k.reshape(8, 1500, 128), v.reshape(8, 1500, 128), True)
+    o3, _ = fwd_mod.forward(q.reshape(16, 700, 128), k.reshape(16, 1500, 128), v.reshape(16, 1500, 128), True)
     assert len(calls) == 2, f"3-D inputs did not take the Gluon kernel: {calls}"
-    torch.testing.assert_close(o3, o.reshape(8, 700, 128), rtol=0, atol=0)
-    # Not taken: a strided view (SDPA's (B, N, H, d) layout), d = 32, a fixed launch, d = 64 at Nk = 1500.
+    torch.testing.assert_close(o3, o.reshape(16, 700, 128), rtol=0, atol=0)
+    # Not taken: a strided view (SDPA's (B, N, H, d) layout), d = 32, a fixed launch, d = 64 at Nk = 1500, and
+    # a grid of 12 tiles of 128 rows (`choose`'s grid rule: the Triton kernel's smaller tiles finish first).
     fwd_mod.forward(q.transpose(1, 2).contiguous().transpose(1, 2), k, v, True)
     fwd_mod.forward(q[..., :32], k[..., :32], v[..., :32], True)
     fwd_mod.forward(q, k, v, True, config={"BLOCK_M": 64})
     fwd_mod.forward(q[..., :64].contiguous(), k[..., :64].contiguous(), v[..., :64].contiguous(), True)
+    fwd_mod.forward(q[:1, :2].contiguous(), k[:1, :2].contiguous(), v[:1, :2].contiguous(), True)
+    assert (
+        hopper.choose(128, True, 700, 1500) is not None
+        and hopper.choose(128, True, 700, 1500, 0, 2, sms) is None
+    )
     assert len(calls) == 2, f"the Gluon kernel ran where it should not: {calls}"
     # Bottom-right (a chunk of queries at the end of a KV cache) takes it; with Nq > Nk (rows that see no
     # key) it does not.
-    chosen = hopper.choose(128, True, 700, 1500, 800)
+    chosen = hopper.choose(128, True, 700, 1500, 800, 16, sms)
     assert chosen is not None, "the test needs a bottom-right shape where the Gluon kernel is chosen"
     o_br, lse_br = fwd_mod.forward(q, k, v, "bottom_right")
     assert calls[2:] == [chosen], f"bottom-right: Gluon kernel calls {calls[2:]}"
@@ -145,7 +184,7 @@ def test_forward_takes_it_where_chosen(monkeypatch):
         *(t.cpu().double() for t in (q, k, v)), "bottom_right", return_lse=True
     )
     base_o, _ = reference_outputs(q, k, v, "bottom_right")
-    assert_close_to_reference(o_br, ref_o, base_o, what="O, Gluon, (2, 4, 700 / 1500, 128) bottom-right")
+    assert_close_to_reference(o_br, ref_o, base_o, what="O, Gluon, (4, 4, 700 / 1500, 128) bottom-right")
     torch.testing.assert_close(lse_br.cpu().double(), ref_l, rtol=1e-4, atol=1e-4, msg="L, bottom-right")
     fwd_mod.forward(k, q, v[:, :, :700].contiguous(), "bottom_right")  # 1500 queries over 700 keys
     assert len(calls) == 3, f"bottom-right with Nq > Nk ran the Gluon kernel: {calls}"
@@ -156,10 +195,10 @@ def test_forward_takes_it_where_chosen(monkeypatch):
 def test_training_step_through_it():
     """flash_attention forward (Gluon kernel) + backward (Triton kernels, from the Gluon kernel's L)
     against the float64 reference, at a size where `choose` picks a kernel for each head dim."""
-    for d, n in ((128, 1024), (64, 2048)):
-        assert hopper.choose(d, False, n, n) is not None
+    for d, n, heads in ((128, 1024, 16), (64, 2048, 12)):  # grids that fill the GPU (`choose`'s grid rule)
+        assert hopper.choose(d, False, n, n, 0, heads, course_lib.runtime.sm_count()) is not None
         torch.manual_seed(d)
-        q, k, v = random_qkv((1, 2, n, d), n, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+        q, k, v = random_qkv((1, heads, n, d), n, dtype=torch.bfloat16, device="cuda", requires_grad=True)
         do = torch.randn_like(q)
         o = course_lib.flash_attention(q, k, v)
         o.backward(do)

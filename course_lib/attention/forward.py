@@ -104,7 +104,10 @@ def _try_hopper(
         return False
     if causal and offset < 0:  # bottom-right with Nq > Nk: rows that see no key stay with the Triton kernel
         return False
-    variant = hopper.choose(q4.shape[-1], causal, q4.shape[2], k4.shape[2], offset if causal else 0)
+    heads, sms = q4.shape[0] * q4.shape[1], runtime.sm_count(q4.device.index)
+    variant = hopper.choose(
+        q4.shape[-1], causal, q4.shape[2], k4.shape[2], offset if causal else 0, heads, sms
+    )
     if variant is None:
         return False
     return run_gluon(

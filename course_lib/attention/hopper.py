@@ -451,8 +451,39 @@ VARIANTS = {
 }
 
 
-def choose(d: int, causal: bool, n_q: int, n_k: int, offset: int = 0) -> Variant | None:
-    """The variant to run for this shape, or None where the Triton kernel was faster.
+def choose(
+    d: int, causal: bool, n_q: int, n_k: int, offset: int = 0, heads: int = 0, sms: int = 0
+) -> Variant | None:
+    """The variant to run for this shape, or None where the Triton kernel was faster: `_variant`'s, then, with
+    `heads` (batch x query heads) and `sms` given, the grid's rule, for grids that do not fill the GPU evenly.
+    At d = 64 (tiles of 192 rows, a persistent grid of `sms` programs) the rows an SM gets, its tiles' rounds x
+    192, weighed by 0.85 (the Gluon kernel's speed per row against the Triton kernel's, on full grids), against
+    the Triton kernel's (tiles of 128 rows: rounds x 128): the fewer wins. At d = 128 on 128-row tiles, the
+    Triton kernel where fewer tiles than half the SMs have 2048 keys or fewer. Bottom-right calls (offset >=
+    n_q) keep `_variant`'s. Measured (graph replays, us, Gluon / Triton; `scripts/hopper_ws_forward.py --grids`,
+    H200, 2026-11-30), d = 64 non-causal, (batch x heads, N): 2 x 4096 (Gluon rows 1 x 192 x 0.85 = 163 against
+    Triton's 1 x 128) 61.2 / 58.6, 8 x 4096 (326 / 256) 113.6 / 88.3, 2 x 16384 (326 / 256) 397.2 / 325.3, 9 and
+    10 x 4096 (326 / 384) 114.6 / 136.1 (10), 12 x 4096 (326 / 384) 115.3 / 138.0, 16 x 4096 (490 / 512) 166.3 /
+    171.1, 4 x 16384 (490 / 512) 592.6 / 643.5, 8 x 16384 (979 / 1024) 1174.6 / 1288.0, 32 x 4096 (979 / 1024)
+    316.9 / 332.2; causal 2 x 8192 (163 / 128) 118.2 / 110.1, 8 x 8192 (490 / 512) 180.2 / 248.6. d = 128: 2 x
+    2048 (32 tiles) causal 35.6 / 29.9, non-causal 35.3 / 29.2; 4 x 2048 causal (64) 36.1 / 30.5; 2 x 4096
+    non-causal (64) 59.8 / 73.4; 5 x 2048 causal (80) 37.2 / 40.4; 5 x 4096 causal (160) 61.8 / 74.7; 8 x 2048
+    causal (128) 37.9 / 42.2; 3 x 8192 non-causal (192) 211.3 / 274.7; one consumer's 64-row tiles, 4 x 1024
+    causal 18.0 / 18.9. The Triton kernel's 128-row tiles are an approximation (its table's launch decides)."""
+    variant = _variant(d, causal, n_q, n_k, offset)
+    if variant is None or not (heads and sms) or (causal and offset >= n_q):
+        return variant
+    rows = 64 * variant.num_consumers
+    tiles = heads * cdiv(n_q, rows)
+    if d == 64:
+        gluon_rows = 0.85 * rows * cdiv(tiles, sms)
+        return variant if gluon_rows <= 128 * cdiv(heads * cdiv(n_q, 128), sms) else None
+    return None if rows >= 128 and 2 * tiles < sms and n_k <= 2048 else variant
+
+
+def _variant(d: int, causal: bool, n_q: int, n_k: int, offset: int = 0) -> Variant | None:
+    """The variant for this shape on a grid that fills the GPU (`choose`), or None where the Triton kernel was
+    faster.
 
     From `scripts/hopper_ws_forward.py` on an H200 (notes/attention.md, "Why it is so": the sweeps
     and repeated timings): at d = 128 this kernel wins everywhere but on short causal rows. Without
@@ -475,7 +506,7 @@ def choose(d: int, causal: bool, n_q: int, n_k: int, offset: int = 0) -> Variant
     Triton kernel, the same recorded launch, ran 6-10 % below the bench's, the Gluon ones' 1-2 %: unexplained); at
     1k 255 / 273, at 8k 402 against D64's 416."""
     if causal and offset >= n_q:
-        unmasked = choose(d, False, n_q, offset + n_q // 2)
+        unmasked = _variant(d, False, n_q, offset + n_q // 2)
         return D64_ROWS_128 if d == 64 and unmasked is not None else unmasked
     blocks = cdiv(n_k, 128) / (2 if causal else 1)  # K/V blocks per tile, on average
     if d == 128:
