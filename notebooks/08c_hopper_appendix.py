@@ -281,7 +281,11 @@ for d_head in (64, 128):
 # fully only in perfect alternation: no slack is left to absorb a barrier or a late load. `choose` takes
 # the Gluon kernel at d = 64 only on long rows (from 8k keys with the causal mask, 2k without), where the
 # sweeps had it ahead, and its margin there is small (the record printed in section 4 has the measured
-# cells).
+# cells). The sweeps ran grids of many tiles. A grid of a few (one sequence, few heads) gets its tiles in
+# rounds of one a program, and a tile of 192 rows (d = 64) or 128 takes as long as one of the Triton kernel's
+# smaller tiles would twice: given the batch and heads, `choose` counts the rows an SM gets from each kernel
+# and takes the Triton kernel where it gets fewer (its docstring has the timings: one sequence of 8 heads at
+# 4k keys, d = 64, 88 us with the Triton kernel, 114 with the Gluon one).
 #
 # A chunk of a prompt attending to its KV cache is causal **bottom-right**: query row i sees keys up to
 # i + (N_k − N_q). The kernel takes that offset as one more run-time integer: it moves the last K/V block a

@@ -36,7 +36,9 @@ two kernels): see `choose`. Compiled for sm_90a (`scripts/gluon_spills.py`): no 
 dQ in 2 chunks 4 / 52 bytes of spill stores non-causal / causal (12 / 60 in one launch, before `slices`; the
 d = 128 figures in `choose` are that version's), where the earlier one-pass kernel, which stored
 P and dS to shared memory in the untransposed layout (git history before 2026-11-30), spilled 44 / 172 and ran
-at d = 64 16k 352 / 327 against this one's 407 / 374. No CPU path: Gluon has no interpreter.
+at d = 64 16k 352 / 327 against this one's 407 / 374. The H200's Triton 3.6 (its ptxas; the script run there,
+2026-11-30): d = 64 none; d = 128 in 1 chunk 180 / 216 bytes, in 2 chunks 8 / 52 (1 chunk still the faster without a
+mask: `dq_chunks_for`). No CPU path: Gluon has no interpreter.
 """
 
 from __future__ import annotations
