@@ -378,8 +378,9 @@ if hw is not None:
 # also zeroes the float32 dQ accumulator, one launch fewer than zeroing it apart) and dQ's cast. `make bench`
 # also measures `torch.compile` after every other provider, because after it had run, Python launches in that
 # process were measured slower (`notes/attention.md`); the host-time record (`make bench BENCH=host_time`) is
-# therefore measured in a fresh process, as an eager caller runs. What is left of the host's time per call is one reason serving
-# engines replay decoding steps as CUDA graphs: a replay issues every kernel of the step from one CPU call.
+# therefore measured in a fresh process, as an eager caller runs. What is left of the host's time per call is
+# one reason serving engines replay decoding steps as CUDA graphs: a replay issues every kernel of the step
+# from one CPU call.
 
 # %%
 host_rec = records.load_record("host_time")
