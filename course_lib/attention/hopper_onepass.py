@@ -555,14 +555,13 @@ def choose(d: int, causal: bool, n_q: int, n_k: int, group: int, pairs: int = 0,
     411), 8k 451 / 416 (458 / 461), 16k 474 / 451 (473 / 466), a run before 4k 412 / 390, 16k 478 / 449;
     non-causal 2k 431 / 460 (459 / 437), 4k 473 / 471 (474 / 475), 8k 505 / 492 (488 / 492), 16k 517 / 493 (496 /
     495); at 1k it lost (336 / 373). Causal 2k in a third run (`--ns 1024,2048`): 338 / 321 (370 / 372); 1k 246 / 245
-    (294 / 279): a tie, left to the two kernels. Small grids (graph replays, us of the whole backward, one
-    pass / two kernels, causal; `hopper_onepass_probe.py --small`, 2026-11-30): d = 64 at 2048 tokens, 1 x 2
-    heads (32 programs) 62.8 / 58.1, 1 x 4 (64) 63.8 / 59.1, 1 x 8 (128) 65.3 / 76.0, 1 x 16 78.4 / 118.5; 1 x 2
-    heads at 4096 (64) 116.1 / 110.2; d = 128 at 2048, 1 x 2 96.2 / 93.9, 1 x 8 (128) 103.5 / 100.6, 1 x 16
-    128.8 / 145.1; a second run (L2 flushed) d = 64 32 / 64 / 128 / 256 programs 68.6 / 63.2, 69.6 / 64.8, 71.5
-    / 79.8, 82.8 / 123.5, d = 128 102.6 / 101.3, 104.2 / 102.9, 108.2 / 106.4, 129.9 / 148.8. Under half a wave
-    the two kernels' grids, a program per query block too, finish first, and their host time is lower (the
-    plan's backward 42-45 us against 51-53); at d = 128 a grid of 128 is a tie (1-3 %)."""
+    (294 / 279): a tie, left to the two kernels. Small grids (graph replays, L2 flushed, us of the whole backward,
+    one pass / two kernels, causal; `hopper_onepass_probe.py --small 1x2x2048,1x4x2048,1x8x2048,1x16x2048,1x2x4096
+    --ds 64,128`, 2026-11-30): d = 64 at 2048 tokens, 1 x 2 heads (32 programs) 68.6 / 63.2, 1 x 4 (64) 69.6 /
+    64.8, 1 x 8 (128) 71.5 / 79.8, 1 x 16 (256) 82.8 / 123.5, 1 x 2 heads at 4096 (64) 122.1 / 118.2; d = 128 102.6
+    / 101.3, 104.2 / 102.9, 108.2 / 106.4, 129.9 / 148.8, 186.2 / 181.4 (an earlier timing without the flush, the
+    same order). Under half a wave the two kernels' grids, a program per query block too, finish first, and their
+    host time is lower (the plan's backward 42-45 us against 51-53); at d = 128 a grid of 128 is a tie (1-3 %)."""
     if pairs and sms and 2 * pairs * cdiv(n_k, KROWS.value * NUM_CONSUMERS) < sms:
         return False
     if d == 128:
