@@ -33,7 +33,7 @@ from course_lib.attention import forward as fwd
 from course_lib.attention import hopper_backward as hb
 from course_lib.attention import hopper_onepass as onepass
 from course_lib.attention.d_pass import preprocess
-from course_lib.perf.timing import benchmark, graph_ms
+from course_lib.perf.timing import benchmark, graph_ms, interleaved
 
 TOKENS, WIDTH = 16384, 2048
 
@@ -147,10 +147,8 @@ def small_cell(d: int, batch: int, heads: int, n: int, causal: bool) -> dict:
     two = lambda: bwd.backward(do, q, k, v, o, L, causal=causal, config={"hopper_onepass": False})  # noqa: E731
     one = lambda: onepass.backward(q, k, v, o, do, L, 0, causal, d**-0.5)  # noqa: E731
     row = dict(d=d, shape=[batch, heads, n], causal=causal, programs=batch * heads * -(-n // 128))
-    for _ in range(2):  # two rounds, the best of each
-        for name, call in (("two_kernel", two), ("onepass", one)):
-            us = round(graph_ms(call) * 1e3, 1)
-            row[f"{name}_us"] = min(us, row.get(f"{name}_us", us))
+    times = interleaved({"two_kernel": two, "onepass": one}, 2, timer=graph_ms)  # the best of two rounds
+    row.update({f"{name}_us": round(min(ms) * 1e3, 1) for name, ms in times.items()})
     return row
 
 

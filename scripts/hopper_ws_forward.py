@@ -183,10 +183,8 @@ def grids(cells: list[str]) -> None:
                 "gluon_us": lambda: hopper.forward(q, k, v, o, lse, causal, d**-0.5, variant, 0),  # noqa: B023
                 "triton_us": lambda: forward.forward(q, k, v, causal, config={"hopper": False}),  # noqa: B023
             }
-            for _ in range(2):
-                for name, call in calls.items():
-                    us = round(graph_ms(call) * 1e3, 1)
-                    row[name] = min(us, row.get(name, us))
+            times = interleaved(calls, 2, timer=graph_ms)  # the best of two rounds
+            row.update({name: round(min(ms) * 1e3, 1) for name, ms in times.items()})
         print(row, flush=True)
 
 
