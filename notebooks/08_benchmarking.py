@@ -378,7 +378,10 @@ if hw is not None:
 # also zeroes the float32 dQ accumulator, one launch fewer than zeroing it apart) and dQ's cast. `make bench`
 # also measures `torch.compile` after every other provider, because after it had run, Python launches in that
 # process were measured slower (`notes/attention.md`); the host-time record (`make bench BENCH=host_time`) is
-# therefore measured in a fresh process, as an eager caller runs. What is left of the host's time per call is
+# therefore measured in a fresh process, as an eager caller runs. It also times the floor under every Python
+# `autograd.Function`: one whose forward and backward only allocate their outputs, no kernel, no check. Compare
+# its forward+backward with SDPA's whole one: what the Function's Python and autograd's thread cost before a
+# single kernel is launched. What is left of the host's time per call is
 # one reason serving engines replay decoding steps as CUDA graphs: a replay issues every kernel of the step
 # from one CPU call.
 
@@ -393,6 +396,10 @@ else:
     for row in host_rec["data"]["rows"]:
         print(f"  {row['call']:<18} course_lib {row['course_lib_us']:6.1f} us   SDPA {row['sdpa_us']:6.1f} us   "
               f"ratio {row['ratio']:.2f}")
+    floor = host_rec["data"].get("floor")
+    if floor:
+        print(f"  an empty Python autograd.Function, forward+backward: {floor['empty_function_us']:.1f} us "
+              f"(SDPA's forward+backward {floor['sdpa_us']:.1f} us)")
 
 # %% [markdown]
 # ## 2. Profiling: where does the time go?

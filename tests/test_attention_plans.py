@@ -225,8 +225,9 @@ def _wrap(launcher, tensordesc_indices, tensordesc_meta):
 
 def test_an_encoded_descriptor_is_kept_per_address_and_the_launch_gets_it_expanded():
     """`bound._Encoded`: a replayed launch's TMA descriptor is encoded once for each address its tensor comes at
-    and handed to the launcher below Triton's wrapper expanded as the wrapper would (map, shape, strides); a
-    new address is encoded, an old one found; a launcher not built so is left to Triton (None)."""
+    and handed to the launcher below Triton's wrapper expanded as the wrapper would (map, shape, strides), other
+    tensors as their addresses; a new address is encoded, an old one found; a launcher not built so is left to
+    Triton (None)."""
 
     @dataclasses.dataclass
     class Descriptor:
@@ -255,12 +256,12 @@ def test_an_encoded_descriptor_is_kept_per_address_and_the_launch_gets_it_expand
     assert encoded is not None and encoded.values == [None] * 6 + [7]
     ENCODED.clear()
     others = [torch.randn(2, 8, 16) for _ in range(2)]
-    for t in (others[0], others[1], others[0]):
-        other_out = torch.empty(4)
+    outs = [torch.empty(4) for _ in range(3)]  # kept: each at an address of its own
+    for t, other_out in zip((others[0], others[1], others[0]), outs):
         encoded((3, 1, 1), "stream", Compiled(), {"q4": t, "o": other_out})
         args = raw_calls[-1]
         assert args[:9] == (3, 1, 1, "stream", "function", "metadata", None, None, None)
-        assert args[9:15] == (("map", t.data_ptr()), 16, 16, 16, 1, other_out) and args[15] == 7
+        assert args[9:15] == (("map", t.data_ptr()), 16, 16, 16, 1, other_out.data_ptr()) and args[15] == 7
     assert ENCODED == [(others[0].data_ptr(), {"swizzle": 128}), (others[1].data_ptr(), {"swizzle": 128})]
 
     class Plain:  # a launcher with no descriptor wrapper: Triton encodes, as before

@@ -19,6 +19,12 @@ sync) is recorded beside it:
   single bottom-right query sees every key); at this length the FlashAttention-2 forward keeps the call, one
   launch (`attention.decode_route` hands longer ones to split-KV decoding, two launches).
 
+Beside the rows, the floor of any Python autograd Function (`floor`): forward+backward of `_Empty`, a Function
+whose forward and backward only allocate their outputs, on the tiny shape, against SDPA's whole forward+backward.
+Autograd runs a Python backward for CUDA tensors on its own thread, and the Function's forward goes through Python
+too: on the H200's host this empty call cost 68-107 us against SDPA's 98-114 (2026-11-30), so a Python Function
+leaves its kernels, checks and plans about half of SDPA's time before it passes 1.5x.
+
 The target: at most 1.5x SDPA's time per call. `make bench BENCH=host_time` (and `make bench`, after the
 attention benchmark) records it as `host_time`; `python -m course_lib.bench.host_time` prints it (GPU only). Setting
 COURSE_BOUND_LAUNCH=0 launches through Triton's own path (`kernels.bound`), for the comparison.
@@ -92,6 +98,34 @@ def _issue_us(providers: dict, calls: int, repeats: int) -> dict:
     return best
 
 
+class _Empty(torch.autograd.Function):
+    """The floor of a Python autograd Function (module docstring): the forward saves its inputs and allocates O,
+    the backward allocates dQ, dK, dV; no kernel, no check."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        ctx.save_for_backward(q, k, v)
+        return torch.empty_like(q)
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v = ctx.saved_tensors
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _floor(device) -> dict:
+    """{"empty Function": fwd+bwd of `_Empty`, "sdpa": SDPA's fwd+bwd}, both on the tiny shape."""
+    q, k, v = (
+        torch.randn(1, 2, 128, 64, device=device, dtype=torch.bfloat16, requires_grad=True) for _ in "qkv"
+    )
+    do = torch.randn_like(q)
+    sdpa = F.scaled_dot_product_attention
+    return {
+        "empty Function": lambda: torch.autograd.grad(_Empty.apply(q, k, v), (q, k, v), do),
+        "sdpa": lambda: torch.autograd.grad(sdpa(q, k, v, is_causal=True), (q, k, v), do),
+    }
+
+
 def _calls(device) -> dict:
     from .. import flash_attention
 
@@ -163,8 +197,10 @@ def measure(quick: bool = False, fresh: bool = False) -> dict:
              "ratio": us["course_lib"] / us["sdpa"],
              "course_lib_wall_us": wall["course_lib"], "sdpa_wall_us": wall["sdpa"]}
         )  # fmt: skip
+    floor = _issue_us(_floor(torch.device("cuda")), calls, REPEATS)
     return {
-        "rows": rows, "calls": calls, "round": ROUND, "repeats": REPEATS, "target": TARGET,
+        "rows": rows, "floor": {"empty_function_us": floor["empty Function"], "sdpa_us": floor["sdpa"]},
+        "calls": calls, "round": ROUND, "repeats": REPEATS, "target": TARGET,
         "bound_launch": bound.MODE, "plans": plans.ENABLED, "measure": "CPU time to issue a call",
         "process": "this",
     }  # fmt: skip
@@ -182,6 +218,12 @@ def format_table(data: dict) -> str:
         lines.append(
             f"{r['call']:<19} {r['course_lib_us']:>14.1f} {r['sdpa_us']:>9.1f} {r['ratio']:>6.2f} "
             f"{r.get('course_lib_wall_us', float('nan')):>9.1f} {r.get('sdpa_wall_us', float('nan')):>10.1f}"
+        )
+    floor = data.get("floor")
+    if floor:
+        lines.append(
+            f"floor: an empty Python autograd.Function, fwd+bwd {floor['empty_function_us']:.1f} us "
+            f"(SDPA's fwd+bwd {floor['sdpa_us']:.1f} us)"
         )
     return "\n".join(lines)
 

@@ -291,8 +291,8 @@ class _Encoded:
     only by its tensor's address. Here each is encoded the first time its address is seen and kept (up to
     `ENCODED_MAX` addresses a descriptor: a model's layers each have their own), and the launch goes to the
     launcher below Triton's wrapper (`wrap_handle_tensordesc`'s `launcher`) with the descriptors already
-    expanded as the wrapper would expand them. `of` returns None where the launcher is not built so (another
-    Triton): then the launch encodes as Triton does."""
+    expanded as the wrapper would expand them, and every other tensor as its address (as in `Prepared`). `of`
+    returns None where the launcher is not built so (another Triton): then the launch encodes as Triton does."""
 
     __slots__ = ("run", "values", "slots", "descriptors")
 
@@ -335,7 +335,7 @@ class _Encoded:
     def __call__(self, grid, stream, compiled, tensors: dict) -> None:
         values = self.values.copy()
         for pos, name in self.slots:
-            values[pos] = tensors[name]
+            values[pos] = tensors[name].data_ptr()
         for pos, name, cls, fields, shape, meta, encode, known in self.descriptors:
             t = tensors[name]
             address = t.data_ptr()
@@ -359,8 +359,11 @@ class Prepared:
     puts each tensor where the first call had the tensor of that name, and each TMA descriptor of a named
     tensor's view made again over the new tensor (on a GPU, encoded once per address: `_Encoded`). On a GPU it
     calls the compiled kernel's launcher directly (the bound entry); under the interpreter it is
-    `kernel[grid](...)` again. The caller's key must fix everything but the tensors' data: their dtypes and
-    16-byte alignment included (fresh allocations are aligned)."""
+    `kernel[grid](...)` again, with the tensors. On a GPU each tensor goes as its address, an int: given the
+    tensor, Triton's launcher calls its data_ptr and asks the driver whether the address is a GPU's
+    (`cuPointerGetAttribute`, once a pointer a launch), which the plan's key (the tensors' devices) settled. The
+    caller's key must fix everything but the tensors' data: their dtypes and 16-byte alignment included (fresh
+    allocations are aligned)."""
 
     __slots__ = (
         "kernel", "compiled", "values", "slots", "descriptors", "grid", "device", "kwargs", "encoded",
@@ -378,8 +381,12 @@ class Prepared:
             self.encoded(self.grid, _current_stream(self.device), self.compiled, tensors)
             return
         values = self.values.copy()
-        for slot, name in self.slots:
-            values[slot] = tensors[name]
+        if self.compiled is None:  # the interpreter takes the tensors
+            for slot, name in self.slots:
+                values[slot] = tensors[name]
+        else:
+            for slot, name in self.slots:  # pointers as ints: the launcher then asks the driver nothing
+                values[slot] = tensors[name].data_ptr()
         for (
             slot,
             name,
