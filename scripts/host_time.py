@@ -41,6 +41,7 @@ import torch.nn.functional as F  # noqa: E402
 
 import course_lib  # noqa: E402
 import course_lib.decode  # noqa: E402
+from course_lib.bench.host_time import _Empty  # noqa: E402 (the floor: an empty autograd.Function)
 from course_lib.perf.profiling import print_host_profile  # noqa: E402
 from course_lib.runtime import triton  # noqa: E402
 
@@ -79,20 +80,6 @@ def values_unread():
     finally:
         for module in (split_kv, paged):
             module.should_validate = saved
-
-
-class _Floor(torch.autograd.Function):
-    """Forward and backward that allocate their results and nothing else: autograd's own cost."""
-
-    @staticmethod
-    def forward(ctx, q, k, v):
-        ctx.save_for_backward(q, k, v)
-        return torch.empty_like(q)
-
-    @staticmethod
-    def backward(ctx, do):
-        q, k, v = ctx.saved_tensors
-        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def cases() -> dict:
@@ -153,7 +140,7 @@ def cases() -> dict:
         return torch.empty_like(q), torch.empty(q.shape[:-1], device=dev)
 
     def floor_forward_backward():  # an autograd.Function that allocates its outputs and gradients alone
-        return torch.autograd.grad(_Floor.apply(qg, kg, vg), (qg, kg, vg), do)
+        return torch.autograd.grad(_Empty.apply(qg, kg, vg), (qg, kg, vg), do)
 
     return {
         "forward (no_grad)": forward,
