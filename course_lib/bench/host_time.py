@@ -22,8 +22,9 @@ sync) is recorded beside it:
 Beside the rows, the floor of any Python autograd Function (`floor`): forward+backward of `_Empty`, a Function
 whose forward and backward only allocate their outputs, on the tiny shape, against SDPA's whole forward+backward.
 Autograd runs a Python backward for CUDA tensors on its own thread, and the Function's forward goes through Python
-too: on the H200's host this empty call cost 68-107 us against SDPA's 98-114 (2026-11-30), so a Python Function
-leaves its kernels, checks and plans about half of SDPA's time before it passes 1.5x.
+too: on the H200's hosts this empty call cost 68-107 us against SDPA's 98-114, and 119 against 163-188 on a slower
+one (2026-11-30), so a Python Function that stays within 1.5x has about 0.8x SDPA's time for all it does above
+the floor: its checks, plans, launches and allocations.
 
 The target: at most 1.5x SDPA's time per call. `make bench BENCH=host_time` (and `make bench`, after the
 attention benchmark) records it as `host_time`; `python -m course_lib.bench.host_time` prints it (GPU only). Setting
