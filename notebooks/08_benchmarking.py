@@ -399,7 +399,7 @@ else:
     floor = host_rec["data"].get("floor")
     if floor:
         print(f"  an empty Python autograd.Function, forward+backward: {floor['empty_function_us']:.1f} us "
-              f"(SDPA's forward+backward {floor['sdpa_us']:.1f} us)")
+              f"(timed in turns with the forward+backward row: SDPA {floor['sdpa_us']:.1f} us)")
 
 # %% [markdown]
 # ## 2. Profiling: where does the time go?
