@@ -79,6 +79,7 @@ print(course_lib.RUNTIME.describe())
 B, H, D = course_lib.pick(cpu=(1, 2, 32), gpu=(2, 4, 64))  # batch, heads, head dim
 N_Q, N_K = course_lib.pick(cpu=(100, 75), gpu=(1000, 1531))  # ragged and unequal on purpose
 BLOCK_M, BLOCK_N = course_lib.pick(cpu=(32, 32), gpu=(64, 64))  # the teaching launches
+CHECK_BLOCK = 32  # the float32 checks' tiles (sections 4 and 5): quick to compile (section 4 says why)
 TIME_SHAPE = course_lib.pick(cpu=(1, 2, 128, 32), gpu=(4, 16, 4096, 64))  # (B, H, N, d) your backward is timed at
 GRADCHECK_SHAPE, GRADCHECK_NK = (1, 2, 24, 16), 20  # float64 gradcheck, CPU only (the interpreter)
 BENCH_NS = course_lib.pick(cpu=[], gpu=[4096])  # GPU timing of the two dQ strategies (each length compiles anew)
@@ -462,7 +463,10 @@ def dkdv_backward(do, q, k, v, o, L, causal=False, block_m=BLOCK_M, block_n=BLOC
 # Nq > Nk, not causal and causal in both alignments, against dK and dV from float64 autograd through standard
 # attention. O and L come from the float64 reference too, so it checks the backward alone. First in float32
 # (`input_precision="ieee"`: exact products, a tight tolerance), then two cases in float16, which catch a
-# product whose operands differ in dtype.
+# product whose operands differ in dtype. The float32 cases run on tiles of `CHECK_BLOCK` = 32 rows: an "ieee"
+# product is compiled into plain multiply-adds, not tensor-core instructions, and each of the kernel's
+# variants (causal or not, lengths that are multiples of 16 or not) compiles anew after every edit of your
+# loop; compiled for sm_90 on a 2-core CPU, a variant took 4-11 s at 64 x 64 tiles, 1-2 s at 32 x 32.
 
 
 # %%
@@ -486,10 +490,16 @@ BWD_CASES = [dict(n_q=2 * BLOCK_M, n_k=2 * BLOCK_N, causal=False)] + [
 BWD_CASES_FP16 = [dict(n_q=N_Q, n_k=N_K, causal="top_left"), dict(n_q=N_K, n_k=N_Q, causal="bottom_right")]
 
 
+def check_tiles(dtype) -> dict:
+    """The checks' launch tiles: `CHECK_BLOCK` in float32 (quick to compile), the teaching launch's otherwise."""
+    block = (CHECK_BLOCK, CHECK_BLOCK) if dtype == torch.float32 else (BLOCK_M, BLOCK_N)
+    return dict(block_m=block[0], block_n=block[1])
+
+
 # %% tags=["check"]
 def your_dkdv(n_q, n_k, causal, dtype=torch.float32):
     check_masked_memory_ops(_dkdv_loop, "dkdv_kernel_loop")
-    return dkdv_backward(*backward_case(n_q, n_k, causal, dtype)[0], causal)
+    return dkdv_backward(*backward_case(n_q, n_k, causal, dtype)[0], causal, **check_tiles(dtype))
 
 
 def reference_dkdv(n_q, n_k, causal, dtype=torch.float32):
@@ -628,7 +638,7 @@ def dq_backward(do, q, k, v, o, L, causal=False, block_m=BLOCK_M, block_n=BLOCK_
 # %% tags=["check"]
 def your_dq(n_q, n_k, causal, dtype=torch.float32):
     check_masked_memory_ops(_dq_loop, "dq_kernel_loop")
-    return dq_backward(*backward_case(n_q, n_k, causal, dtype)[0], causal)
+    return dq_backward(*backward_case(n_q, n_k, causal, dtype)[0], causal, **check_tiles(dtype))
 
 
 def reference_dq(n_q, n_k, causal, dtype=torch.float32):
