@@ -155,6 +155,47 @@ def test_walk_finds_what_the_page_by_page_lookup_finds(weak_hash, monkeypatch):
     assert prefix.evictions > 0 and len(prefix.entry) > 10, "the set-up must evict and keep pages"
 
 
+def test_walk_takes_a_run_of_pages_together_and_stops_where_it_must():
+    """A page found brings the pages its sequence registered after it (`_Run`) as far as they hold the prompt's
+    tokens: a prompt that leaves the run mid-way stops there, an evicted page cuts the run, and a sequence that
+    goes on from a cached prefix starts a run of its own; always what the page-by-page lookup finds."""
+    size, num_pages = 4, 64
+    cache = PagedKVCache(1, num_pages, size, 1, 16, torch.float32, "cpu")
+    cache.allocator = CachingPageAllocator(num_pages)
+    prefix = PrefixCache(cache)
+    rng = np.random.default_rng(11)
+    first = rng.integers(0, 1000, 30 * size).tolist()
+
+    def register(seq, tokens, chunks):
+        prefix.start(seq, tokens)
+        ids = np.asarray(tokens, dtype=np.int64)
+        for stop in chunks:  # a few pages at a time, as a batcher's steps register them
+            cache.append(seq, stop - cache.seqs[seq].length)
+            prefix.insert(seq, ids[:stop])
+
+    def check(query, expect_pages):
+        got = prefix.walk(query)
+        assert got == _walk_page_by_page(prefix, query) and len(got[0]) == expect_pages
+
+    register(0, first, (5 * size, 17 * size + 2, 30 * size))  # one run of 30 pages
+    run, at = prefix.run_of[cache.seqs[0].pages[0]]
+    assert at == 0 and run.pages == cache.seqs[0].pages[:30]
+    check(first, 30)
+    check(first[: 12 * size + 3], 12)  # stops inside a page
+    leave = list(first)
+    leave[20 * size + 1] += 1  # leaves the run in page 20
+    check(leave, 20)
+    second = first[: 10 * size] + rng.integers(0, 1000, 8 * size).tolist()  # goes on from 10 cached pages
+    register(1, second, (18 * size,))
+    assert prefix.run_of[cache.seqs[1].pages[10]][0] is not run  # its own run, after the first's pages
+    check(second, 18)
+    prefix.release(0)
+    victims = prefix.evict(1)  # the first idle page: the first's page 10
+    assert victims == 1 and run.cut == 10
+    check(first, 10)  # page 9, then the lookup finds no page 10
+    check(second, 18)  # the second's own pages are untouched
+
+
 def test_ttft_host_times_each_part_and_puts_the_model_back():
     """bench.serving.ttft_host (scripts/serving_probe.py --host): each part's host time, cached and not, and the
     model's own forward_step once it is done."""
