@@ -261,7 +261,8 @@ def prefill_key_splits(
     projection) against `decode.prefill_split` with its keys in 1 ... 8 runs (K/V gathered head-major, the
     warp-specialised forward, the combine writing token-major), each timed eagerly (`perf.timing.benchmark`: the
     host's launches included) and as a CUDA-graph replay (`graph_ms`: the GPU's work alone); `hopper.key_splits`'
-    pick; then the GPU's time by kernel (PyTorch's profiler, 5 calls) of the dense route and of `profile`'s runs.
+    pick, and stream-K (`hopper.stream_work`: the route's own choice where it applies); then the GPU's time by
+    kernel (PyTorch's profiler, 5 calls) of the dense route, of `profile`'s runs and of stream-K.
     Heads: (query heads, K/V heads, d): the bench's model, and 32 / 8 at d = 128."""
     from course_lib.attention import flash_attention, hopper
     from course_lib.decode.paged_kv import gather_tokens
@@ -299,7 +300,15 @@ def prefill_key_splits(
                 )
                 print(f"  {splits} runs: {t:.3f} ms eager ({t0 / t:.2f}x), {gt:.3f} graph ({g0 / gt:.2f}x, "
                       f"{flops / gt / 1e9:.0f} TFLOP/s), max diff {err:.1e}", flush=True)  # fmt: skip
-            for name, fn in [("dense", dense)] + [(f"{s} runs", lambda s=s: split(s)) for s in profile]:
+            got = split(None)  # the route's own pick: stream-K where `hopper.stream_work` applies
+            err = (got.reshape(n, -1).float() - want.float()).abs().max().item()
+            t, gt = benchmark(lambda: split(None)), graph_ms(lambda: split(None))
+            print(f"  stream-K: {t:.3f} ms eager ({t0 / t:.2f}x), {gt:.3f} graph ({g0 / gt:.2f}x, "
+                  f"{flops / gt / 1e9:.0f} TFLOP/s), max diff {err:.1e}", flush=True)  # fmt: skip
+            runs = [(f"{s} runs", lambda s=s: split(s)) for s in profile] + [
+                ("stream-K", lambda: split(None))
+            ]
+            for name, fn in [("dense", dense)] + runs:
                 with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
                     for _ in range(5):
                         fn()

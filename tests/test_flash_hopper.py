@@ -230,6 +230,37 @@ def test_key_splits_fill_the_waves():
         assert 1 <= short <= 3, short
 
 
+def test_stream_work_gives_every_program_an_equal_span():
+    """`stream_work` (stream-K): the tiles' key blocks in the kernel's order, cut into one span a program that
+    differ by at most a block; every block in exactly one span; no tile in more than two parts (the two slots of
+    partials); None where spans would be shorter than a tile or tiles are fewer than programs."""
+    variant = hopper.D64_ROWS_128
+    shapes = ((16, 3280, 32768, True, 132), (4, 1000, 5000, True, 8), (3, 700, 4000, False, 5))
+    for heads, n_q, n_k, causal, sms in shapes:
+        offset = n_k - n_q if causal else 0
+        table = hopper.stream_work(variant, heads, n_q, n_k, causal, offset, sms)
+        assert table is not None and table.dtype.name == "int32" and table.shape == (sms + 1, 2)
+        rows = 128
+        num_m = -(-n_q // rows)
+        blocks = []
+        for t in range(num_m * heads):
+            m = num_m - 1 - t % num_m if causal else t % num_m
+            n = -(-n_k // 128)
+            blocks.append(min(n, -(-((m + 1) * rows + offset) // 128)) if causal else n)
+        starts = [0]
+        for b in blocks:
+            starts.append(starts[-1] + b)
+        at = [starts[t] + lo for t, lo in table.tolist()]
+        assert at[0] == 0 and at[-1] == starts[-1] and table[-1].tolist() == [len(blocks), 0]
+        spans = [b - a for a, b in zip(at, at[1:])]
+        assert max(spans) - min(spans) <= 1 and min(spans) >= max(blocks)
+        cuts = [t for t, lo in table[1:-1].tolist() if lo > 0]
+        assert len(cuts) == len(set(cuts))  # a tile cut once at most: two parts
+    assert hopper.stream_work(variant, 4, 1000, 5000, True, 4000, 132) is None  # 32 tiles, 132 programs
+    # causal top-left, one head of 140 tiles: 1 to 140 blocks, 9870 in all, spans of 74 on 132 programs
+    assert hopper.stream_work(variant, 1, 140 * 128, 140 * 128, True, 0, 132) is None
+
+
 # (q shape (B, H, Nq), Hkv, Nk, causal, splits): bottom-right (offsets 64 does not divide), non-causal, grouped
 SPLIT_CASES = [
     ((1, 4, 200), 2, 2345, "bottom_right", 2),
@@ -266,6 +297,48 @@ def test_key_splits_match_reference(case, d):
         torch.testing.assert_close(
             lse.transpose(1, 2).cpu().double(), ref_l, rtol=1e-4, atol=1e-4, msg=f"L, {what}"
         )
+
+
+# (q shape (B, H, Nq), Hkv, Nk, causal, programs): each program's span a few tiles long, tiles cut mid-way
+STREAM_CASES = [
+    ((1, 4, 1000), 2, 5000, "bottom_right", 8),
+    ((2, 3, 300), 3, 1531, "bottom_right", 4),
+    ((1, 6, 700), 2, 4000, False, 5),
+]
+
+
+@hopper_gpu
+@pytest.mark.parametrize("d", (64, 128))
+@pytest.mark.parametrize("case", STREAM_CASES, ids=[f"{c[0]}x{c[2]} {c[3]} P={c[4]}" for c in STREAM_CASES])
+def test_stream_k_matches_reference(case, d):
+    """Stream-K (`forward`'s work, `stream_work`'s table for a few programs): each program's even share of the
+    key blocks, a tile cut between two programs into the two slots of partials, merged by notebook 09's combine,
+    against float64, bf16; the partials start as NaN, so an unused slot's O must not be read."""
+    from course_lib.decode.combine import combine
+
+    (B, H, n_q), hkv, n_k, causal, programs = case
+    torch.manual_seed(n_q * 5 + n_k + d)
+    q = torch.randn(B, H, n_q, d, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(B, hkv, n_k, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    ref_o, ref_l = reference_attention(*(t.cpu().double() for t in (q, k, v)), causal, return_lse=True)
+    base_o, _ = reference_outputs(q, k, v, causal)
+    offset = n_k - n_q if causal else 0
+    variant = hopper.D64_ROWS_128 if d == 64 else hopper.D128_LONG
+    table = hopper.stream_work(variant, B * H, n_q, n_k, bool(causal), offset, programs)
+    assert table is not None and (table[1:-1, 1] > 0).any(), "no tile is cut: the case tests nothing"
+    o_part = torch.full((2, B, H, n_q, d), float("nan"), device="cuda")
+    l_part = torch.full((2, B, H, n_q), float("nan"), device="cuda")
+    hopper.forward(
+        q, k, v, o_part, l_part, bool(causal), d**-0.5, variant, offset, work=torch.from_numpy(table).cuda()
+    )
+    o = torch.empty(B, n_q, H, d, device="cuda", dtype=q.dtype)
+    lse = torch.empty(B, n_q, H, device="cuda")
+    combine(o_part.permute(0, 1, 3, 2, 4), l_part.permute(0, 1, 3, 2), o, lse)
+    what = f"{(B, H, n_q, d)} x {n_k} {causal}, {programs} programs"
+    assert_close_to_reference(o.transpose(1, 2), ref_o, base_o, what=f"O, {what}")
+    torch.testing.assert_close(
+        lse.transpose(1, 2).cpu().double(), ref_l, rtol=1e-4, atol=1e-4, msg=f"L, {what}"
+    )
 
 
 def test_forward_names_wrong_outputs_and_split_counts():

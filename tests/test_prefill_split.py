@@ -46,11 +46,18 @@ def test_no_split_off_a_hopper_gpu():
 
 
 @pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU (compute capability 9.x)")
+@pytest.mark.parametrize("stream", (False, True), ids=("key splits", "stream-K"))
 @pytest.mark.parametrize("d", (64, 128))
-def test_a_cached_prompts_prefill_splits_its_keys(monkeypatch, d):
+def test_a_cached_prompts_prefill_splits_its_keys(monkeypatch, request, d, stream):
     """A prefill step of 300 new tokens after 2500 cached ones (16 query, 4 K/V heads, pages of 16 scattered):
-    the split route runs (48 tiles on the GPU's SMs: `key_splits` > 1), twice (the second time from its plan), and
-    matches float64 attention over the sequence's keys, and the dense FlashAttention-2 route."""
+    the split route runs (48 tiles on the GPU's SMs: `key_splits` > 1; or, as if the GPU had 16 SMs, stream-K:
+    `hopper.stream_work`), twice (the second time from its plan), and matches float64 attention over the
+    sequence's keys, and the dense FlashAttention-2 route."""
+    for forget in (prefill_split._choice.cache_clear, prefill_split.PLANS.clear):  # choices made for 16 SMs
+        forget()
+        request.addfinalizer(forget)
+    if stream:
+        monkeypatch.setattr(prefill_split, "sm_count", lambda index: 16)
     monkeypatch.setattr(paged_kv, "DENSE_PREFILL_MIN_ROWS", 64)
     monkeypatch.setattr(paged_kv, "DENSE_PREFILL_MIN_PAIRS", 1000)
     monkeypatch.setattr(prefill_split, "MIN_PAIRS", 1000)
@@ -74,6 +81,8 @@ def test_a_cached_prompts_prefill_splits_its_keys(monkeypatch, d):
     k, v = (torch.randn(n, hkv, d, generator=g).to("cuda", torch.bfloat16) for _ in range(2))
     got = kv.attend(0, q, k, v)
     assert len(calls) == 1 and calls[0] is not None, "the split route did not run"
+    choice = prefill_split._choice(d, hq, hkv, n, cached + n, q.device.index)
+    assert (choice[2] is not None) == stream, choice
     again = kv.attend(0, q, k, v)
     assert len(calls) == 2 and torch.equal(again, got), "the call repeated from its plan differs"
     assert any(isinstance(p, prefill_split.SplitPlan) for p in prefill_split.PLANS.values()), "no plan kept"

@@ -22,6 +22,9 @@ dialect, which exposes what the hardware does asynchronously:
 * KEY_SPLITS: each tile's key blocks cut into runs, a program each, writing partial (O, L) that notebook
   09's combine merges: for few query rows over many keys, whose tiles leave the last wave part idle
   (`key_splits`; a cached prompt's prefill, `decode.prefill_split`).
+* STREAM (stream-K): one program an SM, each taking an equal span of all the tiles' key blocks from a table
+  (`stream_work`): a tile cut between two programs writes its two parts' partials into two slots for the
+  combine, so every SM gets the same work with no last wave.
 
 Shared memory per program: (64 * consumers + 2 * NUM_STAGES * BLOCK_N) * d * 2 bytes (224 KB for
 d = 128 with 3 stages: one program per SM). HBM traffic is the Triton forward's: Q, O once, K and
@@ -37,6 +40,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -162,6 +166,36 @@ def _split_range(split, n_blocks, KEY_SPLITS: gl.constexpr):
 
 
 @gluon.jit
+def _stream_span(WORK):
+    """STREAM: this program's span of the tiles' key blocks, from `stream_work`'s table (int32, (programs + 1, 2)):
+    it starts at key block lo0 of tile t0 and ends before key block lo1 of tile t1; and how many tile parts that
+    is."""
+    pid = gl.program_id(0)
+    t0 = gl.load(WORK + 2 * pid)
+    lo0 = gl.load(WORK + 2 * pid + 1)
+    t1 = gl.load(WORK + 2 * pid + 2)
+    lo1 = gl.load(WORK + 2 * pid + 3)
+    return t0, lo0, t1, lo1, t1 - t0 + gl.where(lo1 > 0, 1, 0)
+
+
+@gluon.jit
+def _stream_part(k, t0, lo0, t1, lo1, num_m, N_K, OFFSET, CTA_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                 CAUSAL: gl.constexpr):  # fmt: skip
+    """STREAM: part k of this program's span: (batch*head index, query-block index, the tile's key blocks, lo, hi):
+    key blocks lo ... hi - 1 of tile t0 + k, tiles one program per (batch, head) after another as without
+    PERSISTENT."""
+    t = t0 + k
+    off_hz = t // num_m
+    start_m = t % num_m
+    if CAUSAL:
+        start_m = num_m - 1 - start_m
+    n_blocks = _n_blocks(start_m, N_K, OFFSET, CTA_M, BLOCK_N, CAUSAL)
+    lo = gl.where(k == 0, lo0, 0)
+    hi = gl.where(t == t1, lo1, n_blocks)
+    return off_hz, start_m, n_blocks, lo, hi
+
+
+@gluon.jit
 def _n_blocks(start_m, N_K, OFFSET, CTA_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
     """How many K/V blocks the query block start_m visits (causal: none past the key its last row
     sees, row + OFFSET)."""
@@ -173,24 +207,35 @@ def _n_blocks(start_m, N_K, OFFSET, CTA_M: gl.constexpr, BLOCK_N: gl.constexpr, 
 
 @gluon.jit
 def _producer(args, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-              NUM_CONSUMERS: gl.constexpr, PERSISTENT: gl.constexpr, KEY_SPLITS: gl.constexpr):  # fmt: skip
+              NUM_CONSUMERS: gl.constexpr, PERSISTENT: gl.constexpr, KEY_SPLITS: gl.constexpr,
+              STREAM: gl.constexpr):  # fmt: skip
     """One warp issues every TMA copy (HBM -> shared memory) of the program. Per tile: the Q blocks,
     once the consumers are done with the previous tile's; then K_j, V_j into ring slot
     it % NUM_STAGES, once every consumer has released that slot. `it` counts K/V blocks over all
     of the program's tiles. Rows past a head's end are the next head's (or zeros past the tensor):
     the consumers mask those keys and never store those queries."""
     (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_bar, v_bar, empty_bar,
-     BH, H, GROUP, N_Q, N_K, OFFSET, num_m, num_tiles) = args  # fmt: skip
+     BH, H, GROUP, N_Q, N_K, OFFSET, num_m, num_tiles, WORK) = args  # fmt: skip
     CTA_M: gl.constexpr = ROWS * NUM_CONSUMERS
     it = 0
     tcount = 0
-    for k in range(gl.cdiv(num_tiles, gl.num_programs(0))):
-        valid, off_hz, start_m, split = _tile(k, BH, num_m, num_tiles, CAUSAL, PERSISTENT, KEY_SPLITS)
-        n_blocks = gl.where(valid, _n_blocks(start_m, N_K, OFFSET, CTA_M, BLOCK_N, CAUSAL), 0)
-        lo = 0
-        hi = n_blocks
-        if KEY_SPLITS > 1:
-            lo, hi = _split_range(split, n_blocks, KEY_SPLITS)
+    if STREAM:
+        t0, lo0, t1, lo1, rounds = _stream_span(WORK)
+    else:
+        rounds = gl.cdiv(num_tiles, gl.num_programs(0))
+    for k in range(rounds):
+        if STREAM:
+            off_hz, start_m, n_blocks, lo, hi = _stream_part(
+                k, t0, lo0, t1, lo1, num_m, N_K, OFFSET, CTA_M, BLOCK_N, CAUSAL
+            )
+            valid = hi > lo
+        else:
+            valid, off_hz, start_m, split = _tile(k, BH, num_m, num_tiles, CAUSAL, PERSISTENT, KEY_SPLITS)
+            n_blocks = gl.where(valid, _n_blocks(start_m, N_K, OFFSET, CTA_M, BLOCK_N, CAUSAL), 0)
+            lo = 0
+            hi = n_blocks
+            if KEY_SPLITS > 1:
+                lo, hi = _split_range(split, n_blocks, KEY_SPLITS)
         q_row = off_hz * N_Q + start_m * CTA_M
         # K/V head of query head h: h // GROUP (grouped-query attention), of the same batch
         kv_row = ((off_hz // H) * (H // GROUP) + (off_hz % H) // GROUP) * N_K
@@ -217,13 +262,13 @@ def _producer(args, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.
 @gluon.jit
 def _consumer(args, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
               NUM_CONSUMERS: gl.constexpr, PINGPONG: gl.constexpr, PERSISTENT: gl.constexpr,
-              WG: gl.constexpr, KEY_SPLITS: gl.constexpr):  # fmt: skip
+              WG: gl.constexpr, KEY_SPLITS: gl.constexpr, STREAM: gl.constexpr):  # fmt: skip
     """Warpgroup WG: for each of the program's tiles, O and L of the tile's query rows
     64 * WG ... 64 * WG + 63 (m, l: 64 floats, acc: 64 x HEAD_DIM fp32, all in registers).
     args: the run-time values every consumer shares (see `fwd_ws_kernel`)."""
     (q_smem, k_smem, v_smem, q_bar, q_empty, k_bar, v_bar, empty_bar, turn_bar,
      O, L, qk_scale, stride_ob, stride_oh, stride_om, stride_lb, stride_lh, stride_lm,
-     BH, H, N_Q, N_K, OFFSET, num_m, num_tiles) = args  # fmt: skip
+     BH, H, N_Q, N_K, OFFSET, num_m, num_tiles, WORK) = args  # fmt: skip
     dtype: gl.constexpr = q_smem.dtype
     CTA_M: gl.constexpr = ROWS * NUM_CONSUMERS
     # Register layouts of the two products' results: wgmma tiles of 16 rows x N columns per warp.
@@ -243,16 +288,30 @@ def _consumer(args, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.co
 
     it = 0  # K/V blocks consumed over all tiles: gives ring slot, ring phase and turn parity
     tcount = 0
-    for k in range(gl.cdiv(num_tiles, gl.num_programs(0))):
-        valid, off_hz, start_m, split = _tile(k, BH, num_m, num_tiles, CAUSAL, PERSISTENT, KEY_SPLITS)
+    if STREAM:
+        t0, lo0, t1, lo1, rounds = _stream_span(WORK)
+    else:
+        rounds = gl.cdiv(num_tiles, gl.num_programs(0))
+    for k in range(rounds):
+        if STREAM:
+            off_hz, start_m, n_blocks, lo, hi = _stream_part(
+                k, t0, lo0, t1, lo1, num_m, N_K, OFFSET, CTA_M, BLOCK_N, CAUSAL
+            )
+            valid = hi > lo
+            # a tile's first part in slot 0, the rest of it (another program's) in slot 1
+            split = gl.where(lo > 0, 1, 0)
+        else:
+            valid, off_hz, start_m, split = _tile(k, BH, num_m, num_tiles, CAUSAL, PERSISTENT, KEY_SPLITS)
         if valid:
-            n_blocks = _n_blocks(start_m, N_K, OFFSET, CTA_M, BLOCK_N, CAUSAL)
-            lo = 0
-            hi = n_blocks
+            if not STREAM:
+                n_blocks = _n_blocks(start_m, N_K, OFFSET, CTA_M, BLOCK_N, CAUSAL)
+                lo = 0
+                hi = n_blocks
             o_ptr = O
             l_ptr = L
-            if KEY_SPLITS > 1:  # this split's key blocks; its partial (O, L) in its slot of the buffers
-                lo, hi = _split_range(split, n_blocks, KEY_SPLITS)
+            if KEY_SPLITS > 1 or STREAM:  # a split's partial (O, L) in its slot of the buffers
+                if not STREAM:
+                    lo, hi = _split_range(split, n_blocks, KEY_SPLITS)
                 o_ptr = O + split.to(gl.int64) * BH * N_Q * HEAD_DIM
                 l_ptr = L + split.to(gl.int64) * BH * N_Q
             m_start = start_m * CTA_M + WG * ROWS
@@ -321,6 +380,16 @@ def _consumer(args, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.co
                 acc, m_i, l_i, rows, m_start, o_ptr, l_ptr, off_hz, H, N_Q,
                 stride_ob, stride_oh, stride_om, stride_lb, stride_lh, stride_lm, ROWS, HEAD_DIM, dtype, o_layout,
             )  # fmt: skip
+            if STREAM:
+                # the whole tile here: slot 1 holds nothing (L = -inf; its O is not read)
+                if (lo == 0) & (hi == n_blocks):
+                    l_ptrs = (
+                        L + BH * N_Q + (off_hz // H).to(gl.int64) * stride_lb
+                        + (off_hz % H).to(gl.int64) * stride_lh + rows * stride_lm
+                    )  # fmt: skip
+                    gl.store(
+                        l_ptrs, gl.full([ROWS], float("-inf"), gl.float32, layout=row_layout), mask=rows < N_Q
+                    )
 
 
 @gluon.jit(do_not_specialize=["OFFSET"])  # an offset's divisibility changes no instruction: one binary
@@ -330,7 +399,7 @@ def fwd_ws_kernel(
     BH, H, GROUP, N_Q, N_K, OFFSET,
     CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
     NUM_CONSUMERS: gl.constexpr, PINGPONG: gl.constexpr, PERSISTENT: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr, KEY_SPLITS: gl.constexpr = 1,
+    CONSUMER_REGS: gl.constexpr, KEY_SPLITS: gl.constexpr = 1, STREAM: gl.constexpr = False, WORK=None,
 ):  # fmt: skip
     """O and L for tiles of CTA_M = 64 * NUM_CONSUMERS query rows of one (batch, head).
 
@@ -373,15 +442,15 @@ def fwd_ws_kernel(
     # in a variable turns its constexpr entries into run-time values).
     shared = (q_smem, k_smem, v_smem, q_bar, q_empty, k_bar, v_bar, empty_bar, turn_bar,
               O, L, qk_scale, stride_ob, stride_oh, stride_om, stride_lb, stride_lh, stride_lm,
-              BH, H, N_Q, N_K, OFFSET, num_m, num_tiles)  # fmt: skip
+              BH, H, N_Q, N_K, OFFSET, num_m, num_tiles, WORK)  # fmt: skip
     loads = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_bar, v_bar, empty_bar,
-             BH, H, GROUP, N_Q, N_K, OFFSET, num_m, num_tiles)  # fmt: skip
+             BH, H, GROUP, N_Q, N_K, OFFSET, num_m, num_tiles, WORK)  # fmt: skip
     if NUM_CONSUMERS == 1:  # two programs share an SM (`Variant.programs_per_sm`)
         gl.warp_specialize(
             [
                 (_consumer, (shared, CAUSAL, HEAD_DIM, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, PINGPONG, PERSISTENT, 0,
-                             KEY_SPLITS)),
-                (_producer, (loads, CAUSAL, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, PERSISTENT, KEY_SPLITS)),
+                             KEY_SPLITS, STREAM)),
+                (_producer, (loads, CAUSAL, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, PERSISTENT, KEY_SPLITS, STREAM)),
             ],
             [1], [24],
         )  # fmt: skip
@@ -389,10 +458,10 @@ def fwd_ws_kernel(
         gl.warp_specialize(
             [
                 (_consumer, (shared, CAUSAL, HEAD_DIM, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, PINGPONG, PERSISTENT, 0,
-                             KEY_SPLITS)),
+                             KEY_SPLITS, STREAM)),
                 (_consumer, (shared, CAUSAL, HEAD_DIM, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, PINGPONG, PERSISTENT, 1,
-                             KEY_SPLITS)),
-                (_producer, (loads, CAUSAL, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, PERSISTENT, KEY_SPLITS)),
+                             KEY_SPLITS, STREAM)),
+                (_producer, (loads, CAUSAL, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, PERSISTENT, KEY_SPLITS, STREAM)),
             ],
             [4, 1], [CONSUMER_REGS, 24],
         )  # fmt: skip
@@ -400,12 +469,12 @@ def fwd_ws_kernel(
         gl.warp_specialize(
             [
                 (_consumer, (shared, CAUSAL, HEAD_DIM, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, PINGPONG, PERSISTENT, 0,
-                             KEY_SPLITS)),
+                             KEY_SPLITS, STREAM)),
                 (_consumer, (shared, CAUSAL, HEAD_DIM, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, PINGPONG, PERSISTENT, 1,
-                             KEY_SPLITS)),
+                             KEY_SPLITS, STREAM)),
                 (_consumer, (shared, CAUSAL, HEAD_DIM, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, PINGPONG, PERSISTENT, 2,
-                             KEY_SPLITS)),
-                (_producer, (loads, CAUSAL, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, PERSISTENT, KEY_SPLITS)),
+                             KEY_SPLITS, STREAM)),
+                (_producer, (loads, CAUSAL, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, PERSISTENT, KEY_SPLITS, STREAM)),
             ],
             [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24],
         )  # fmt: skip
@@ -573,6 +642,7 @@ def forward(
     offset: int = 0,
     key_splits: int = 1,
     token_major: bool = False,
+    work: torch.Tensor | None = None,
 ) -> None:
     """Write O into o4 (B, H, Nq, d; q's dtype or float32, contiguous rows: any strides of B and H) and L into
     lse3 (B, H, Nq) float32, for q4 (B, H, Nq, d) and
@@ -585,7 +655,10 @@ def forward(
     program each, and o4 and lse3 hold a leading split dimension, float32, each split's slot B * H * Nq rows
     after the one before ((S, B, H, Nq, d) and (S, B, H, Nq) contiguous, or token-major (S, B, Nq, H, d) and (S,
     B, Nq, H)): each run's partial (O_s divided by its own row sums, L_s its logsumexp), which notebook 09's
-    combine merges (`decode.combine`). Every tile must have at least S key blocks (`key_splits` sees to it)."""
+    combine merges (`decode.combine`). Every tile must have at least S key blocks (`key_splits` sees to it).
+    work: `stream_work`'s table on q's GPU (key_splits 1): each program takes its even share of all the tiles'
+    key blocks (stream-K), o4 and lse3 hold 2 slots as with key_splits=2: a tile's first part in slot 0, its
+    rest (another program's) in slot 1, L = -inf there where one program did the whole tile."""
     B, H, n_q, d = q4.shape
     n_k = k4.shape[2]
     if causal and offset < 0:
@@ -595,7 +668,10 @@ def forward(
     if isinstance(key_splits, bool) or not isinstance(key_splits, int) or key_splits < 1:
         raise ValueError(f"hopper.forward: key_splits must be an int >= 1, got {key_splits!r}")
     rows = (B, n_q, H) if token_major else (B, H, n_q)
-    lead = (key_splits,) if key_splits > 1 else ()
+    if work is not None and key_splits != 1:
+        raise ValueError(f"hopper.forward: work (stream-K) takes key_splits=1, got {key_splits}")
+    slots = 2 if work is not None else key_splits
+    lead = (slots,) if slots > 1 else ()
     if tuple(o4.shape) != (*lead, *rows, d) or tuple(lse3.shape) != (*lead, *rows):
         raise ValueError(
             f"hopper.forward: o4 must be {(*lead, *rows, d)} and lse3 {(*lead, *rows)} for q4 {tuple(q4.shape)} "
@@ -604,11 +680,14 @@ def forward(
         )
     tiles = cdiv(n_q, QUERY_ROWS * variant.num_consumers) * B * H * key_splits
     grid = (min(tiles, variant.programs_per_sm * sm_count(q4.device.index)) if variant.persistent else tiles,)
-    if key_splits > 1 and not (o4.is_contiguous() and lse3.is_contiguous()):
+    if slots > 1 and not (o4.is_contiguous() and lse3.is_contiguous()):
         raise ValueError(
             f"hopper.forward: key_splits={key_splits} needs contiguous partials (a slot a split)"
         )
     splits = {"KEY_SPLITS": key_splits} if key_splits > 1 else {}
+    if work is not None:
+        grid = (work.shape[0] - 1,)
+        splits = {"STREAM": True, "WORK": work}
     # strides of the batch, then of the other two dims (split 0's slot)
     o_strides, l_strides = o4.stride()[-4:-1], lse3.stride()[-3:]
     if token_major:  # (B, Nq, H, ...): batch, head, row
@@ -650,3 +729,35 @@ def key_splits(
         return cdiv(s * tiles, sms) / s * (1 + SPLIT_COST * s)
 
     return min(range(1, max(1, min(MAX_KEY_SPLITS, shortest)) + 1), key=lambda s: (time(s), s))
+
+
+def stream_work(
+    variant: Variant, batch_heads: int, n_q: int, n_k: int, causal: bool, offset: int, sms: int
+) -> np.ndarray | None:
+    """Stream-K for few query rows over many keys (a cached prompt's prefill): all the tiles' key blocks, tiles in
+    `forward`'s order (a head's after another's), cut into `programs_per_sm` x sms equal spans, a program each, so
+    that every SM gets the same work (`key_splits` rounds whole runs of tiles: 3 splits of 416 tiles are 9.45
+    waves, the last 45 % busy). The (programs + 1, 2) int32 table of (tile, first key block) where each span
+    starts (the last row: (tiles, 0)); None where a span would be shorter than a tile (a tile would then be cut
+    in more than two parts, which the two slots of partials cannot hold) or there are fewer tiles than programs."""
+    cta_m = QUERY_ROWS * variant.num_consumers
+    num_m = cdiv(n_q, cta_m)
+    programs = variant.programs_per_sm * sms
+    if num_m * batch_heads < programs:
+        return None
+    m = np.arange(num_m)
+    if causal:
+        m = num_m - 1 - m  # the kernel's order of a head's query blocks
+    blocks = np.full(num_m, cdiv(n_k, variant.block_n), dtype=np.int64)
+    if causal:
+        blocks = np.minimum(blocks, -(-((m + 1) * cta_m + offset) // variant.block_n))
+    blocks = np.tile(blocks, batch_heads)
+    starts = np.concatenate(([0], np.cumsum(blocks)))
+    total = int(starts[-1])
+    if total // programs < int(blocks.max()):
+        return None
+    at = np.arange(programs + 1, dtype=np.int64) * total // programs
+    tile = np.searchsorted(starts, at, side="right") - 1
+    table = np.stack([tile, at - starts[np.minimum(tile, len(blocks))]], axis=1)
+    table[-1] = (len(blocks), 0)
+    return table.astype(np.int32)

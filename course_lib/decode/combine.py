@@ -64,7 +64,8 @@ def combine_kernel(
         + t * stride_pt
         + h * stride_ph
         + offs_d[None, :] * stride_pd,
-        mask=s_ok[:, None] & (offs_d < HEAD_DIM)[None, :],
+        mask=(s_ok & (lse_s > float("-inf")))[:, None]
+        & (offs_d < HEAD_DIM)[None, :],  # an empty split's O unread
         other=0.0,
     )
     empty = total == 0.0
@@ -112,7 +113,8 @@ def combine_rows_kernel(
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows no split saw yet: weights 0, no NaN
         alpha = tl.math.exp2((m - m_safe) * LOG2E)
         w = tl.math.exp2((lse_s - m_safe) * LOG2E)
-        o_s = tl.load(o_rows + s * stride_ps, mask=o_mask, other=0.0)
+        # a split that saw no key (L = -inf) is not read: its O may hold anything (stream-K's unused slot)
+        o_s = tl.load(o_rows + s * stride_ps, mask=o_mask & (lse_s > float("-inf"))[:, None], other=0.0)
         acc = acc * alpha[:, None] + w[:, None] * o_s
         total = total * alpha + w
         m = m_new
