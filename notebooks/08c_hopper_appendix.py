@@ -361,6 +361,52 @@ assert max(schedules["longest first, snake"]) < max(schedules["round-robin"])
 # "Tried and rejected".) Balanced on paper is not the same as fast: at d = 128 the snake-dealt persistent grid
 # still trailed one program per tile on causal rows in repeated timings (section 3).
 #
+# ### Few tiles: key splits and stream-K
+#
+# Notebook 14's cached prompt leaves the opposite problem: 3280 new query rows over 32k keys at 16 heads are
+# 26 tiles of 128 rows a head, 416 tiles in all, each long (232-256 K/V blocks). On 132 SMs that is 3.15
+# waves: the fourth holds 20 tiles and 112 SMs wait. `hopper.key_splits` cuts each tile's keys into S runs, a
+# program each, whose partial (O, L) notebook 09's combine merges: more, shorter programs, so the last wave
+# holds less, at the price of one more tile start, end and partial per run. `hopper.stream_work` (stream-K)
+# goes further: each of the 132 programs takes an equal span of all the tiles' key blocks, one after the
+# other; a tile cut between two programs writes its two parts into two slots of partials. The cell below
+# deals the same tiles each way as the persistent kernel does (132 programs, round k's units dealt in snake
+# order, `program_loads` above; a program's cost its K/V blocks plus one per tile part, for its start and end)
+# and prints the busiest program's work against perfectly balanced work.
+
+# %%
+rows, heads, n_q, n_k, sms = 128, 16, 3280, 32768, 132
+offset = n_k - n_q  # bottom-right: the new rows are the last of the keys
+num_m = math.ceil(n_q / rows)
+# each tile's K/V blocks, in the kernel's order (a head's longest query block first)
+tiles = [min(n_k // 128, math.ceil(((num_m - m) * rows + offset) / 128)) for m in range(num_m)] * heads
+balanced = (sum(tiles) + len(tiles)) / sms
+variant = hopper.D64_ROWS_128
+picked = hopper.key_splits(variant, heads, n_q, n_k, True, offset, sms)
+for splits in (1, 2, 3, 4):
+    # run r of every tile, then run r + 1 (the kernel's order): a run's blocks + 1
+    runs = [(r + 1) * t // splits - r * t // splits + 1 for r in range(splits) for t in tiles]
+    busiest = max(program_loads(runs, sms, snake=True))
+    note = "  <- key_splits' pick" if splits == picked else ""
+    print(f"{splits} run(s) a tile: {len(runs):4} units, busiest program {busiest / balanced:.3f}x balanced{note}")
+table = hopper.stream_work(variant, heads, n_q, n_k, True, offset, sms).tolist()  # (tile, first block) a program
+starts = [0]
+for t in tiles:
+    starts.append(starts[-1] + t)
+stream = [  # a program's key blocks + one per tile part
+    starts[t1] + lo1 - starts[t0] - lo0 + (t1 - t0 + (lo1 > 0)) for (t0, lo0), (t1, lo1) in zip(table, table[1:])
+]
+print(f"stream-K: {len(stream)} programs, busiest {max(stream) / balanced:.3f}x balanced")
+assert sum(stream) >= sum(tiles) and max(stream) < max(program_loads([t + 1 for t in tiles], sms, snake=True))
+
+# %% [markdown]
+# On paper stream-K is within a percent of balanced, `key_splits`' pick 8 % off, one program a tile a third
+# off. On an H200 (`scripts/serving_probe.py --prefill-key-splits`, notes/serving.md) stream-K beat the key
+# splits at d = 64, by less than the paper's 8 %, and lost at d = 128: with 8 K/V heads of 32k keys its 132
+# programs sweep 134 MB of keys at once, more than the L2 cache holds, while the key splits' programs of one
+# head run side by side and share their K/V blocks there. So `decode.prefill_split` takes stream-K only where
+# every head's K and V fit in the L2: balanced work is not the only cost that counts.
+#
 # ## 4. The Gluon kernel against the Triton kernel
 #
 # Notebook 08's ladder measured the Gluon forward against the autotuned Triton forward at one cell, d = 128,
