@@ -651,8 +651,14 @@ def _ttft_host_calls(n: int, cached_fraction: float, runs: int, busy_ms: float) 
             "split_prefill": (paged_kv, "split_prefill", paged_kv.split_prefill),
             "kernels": (llama, "_course_lib_kernels", llama._course_lib_kernels),
         }
-        flash, rms, rope = llama._course_lib_kernels()
-        wrapped = (flash, timer("rms_norm", rms), timer("rope", rope))
+        flash, rms, rope, rope_, swiglu = llama._course_lib_kernels()
+        wrapped = (
+            flash,
+            timer("rms_norm", rms),
+            timer("rope", rope),
+            timer("rope_", rope_),
+            timer("swiglu", swiglu),
+        )
         for name, (owner, attr, fn) in saved.items():
             setattr(owner, attr, (lambda w=wrapped: w) if name == "kernels" else timer(name, fn))
         for lay in model.layers:
