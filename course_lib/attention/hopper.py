@@ -179,10 +179,20 @@ def _stream_span(WORK):
 
 
 @gluon.jit
+def _rounds(WORK, num_tiles, STREAM: gl.constexpr):
+    """(t0, lo0, t1, lo1, rounds): STREAM's span and its parts (`_stream_span`), else the rounds of a program over
+    the tiles (the span's four values unused)."""
+    if STREAM:
+        return _stream_span(WORK)
+    else:
+        return 0, 0, 0, 0, gl.cdiv(num_tiles, gl.num_programs(0))
+
+
+@gluon.jit
 def _stream_part(k, t0, lo0, t1, lo1, num_m, N_K, OFFSET, CTA_M: gl.constexpr, BLOCK_N: gl.constexpr,
                  CAUSAL: gl.constexpr):  # fmt: skip
-    """STREAM: part k of this program's span: (batch*head index, query-block index, the tile's key blocks, lo, hi):
-    key blocks lo ... hi - 1 of tile t0 + k, tiles one program per (batch, head) after another as without
+    """STREAM: part k of this program's span: (valid, batch*head index, query-block index, the tile's key blocks,
+    lo, hi): key blocks lo ... hi - 1 of tile t0 + k, tiles one program per (batch, head) after another as without
     PERSISTENT."""
     t = t0 + k
     off_hz = t // num_m
@@ -192,7 +202,7 @@ def _stream_part(k, t0, lo0, t1, lo1, num_m, N_K, OFFSET, CTA_M: gl.constexpr, B
     n_blocks = _n_blocks(start_m, N_K, OFFSET, CTA_M, BLOCK_N, CAUSAL)
     lo = gl.where(k == 0, lo0, 0)
     hi = gl.where(t == t1, lo1, n_blocks)
-    return off_hz, start_m, n_blocks, lo, hi
+    return hi > lo, off_hz, start_m, n_blocks, lo, hi
 
 
 @gluon.jit
@@ -219,16 +229,12 @@ def _producer(args, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.
     CTA_M: gl.constexpr = ROWS * NUM_CONSUMERS
     it = 0
     tcount = 0
-    if STREAM:
-        t0, lo0, t1, lo1, rounds = _stream_span(WORK)
-    else:
-        rounds = gl.cdiv(num_tiles, gl.num_programs(0))
+    t0, lo0, t1, lo1, rounds = _rounds(WORK, num_tiles, STREAM)
     for k in range(rounds):
         if STREAM:
-            off_hz, start_m, n_blocks, lo, hi = _stream_part(
+            valid, off_hz, start_m, n_blocks, lo, hi = _stream_part(
                 k, t0, lo0, t1, lo1, num_m, N_K, OFFSET, CTA_M, BLOCK_N, CAUSAL
             )
-            valid = hi > lo
         else:
             valid, off_hz, start_m, split = _tile(k, BH, num_m, num_tiles, CAUSAL, PERSISTENT, KEY_SPLITS)
             n_blocks = gl.where(valid, _n_blocks(start_m, N_K, OFFSET, CTA_M, BLOCK_N, CAUSAL), 0)
@@ -288,16 +294,12 @@ def _consumer(args, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.co
 
     it = 0  # K/V blocks consumed over all tiles: gives ring slot, ring phase and turn parity
     tcount = 0
-    if STREAM:
-        t0, lo0, t1, lo1, rounds = _stream_span(WORK)
-    else:
-        rounds = gl.cdiv(num_tiles, gl.num_programs(0))
+    t0, lo0, t1, lo1, rounds = _rounds(WORK, num_tiles, STREAM)
     for k in range(rounds):
         if STREAM:
-            off_hz, start_m, n_blocks, lo, hi = _stream_part(
+            valid, off_hz, start_m, n_blocks, lo, hi = _stream_part(
                 k, t0, lo0, t1, lo1, num_m, N_K, OFFSET, CTA_M, BLOCK_N, CAUSAL
             )
-            valid = hi > lo
             # a tile's first part in slot 0, the rest of it (another program's) in slot 1
             split = gl.where(lo > 0, 1, 0)
         else:
