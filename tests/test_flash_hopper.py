@@ -270,33 +270,48 @@ SPLIT_CASES = [
 ]
 
 
+def _partials_match_reference(case, d, slots, launches, seed):
+    """Draw q, k, v (bf16) for `case` ((B, H, Nq), Hkv, Nk, causal, _); for each (what, launch) of `launches`,
+    launch(q, k, v, o_part, l_part, offset) fills `slots` slots of partials, which start as NaN (an unused slot's
+    O must not be read), notebook 09's combine merges them, and O and L are checked against float64."""
+    from course_lib.decode.combine import combine
+
+    (B, H, n_q), hkv, n_k, causal, _ = case
+    torch.manual_seed(seed)
+    q = torch.randn(B, H, n_q, d, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(B, hkv, n_k, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    ref_o, ref_l = reference_attention(*(t.cpu().double() for t in (q, k, v)), causal, return_lse=True)
+    base_o, _ = reference_outputs(q, k, v, causal)
+    offset = n_k - n_q if causal else 0
+    for what, launch in launches:
+        o_part = torch.full((slots, B, H, n_q, d), float("nan"), device="cuda")
+        l_part = torch.full((slots, B, H, n_q), float("nan"), device="cuda")
+        launch(q, k, v, o_part, l_part, offset)
+        o = torch.empty(B, n_q, H, d, device="cuda", dtype=q.dtype)
+        lse = torch.empty(B, n_q, H, device="cuda")
+        combine(o_part.permute(0, 1, 3, 2, 4), l_part.permute(0, 1, 3, 2), o, lse)
+        what = f"{(B, H, n_q, d)} x {n_k} {causal}, {what}"
+        assert_close_to_reference(o.transpose(1, 2), ref_o, base_o, what=f"O, {what}")
+        torch.testing.assert_close(
+            lse.transpose(1, 2).cpu().double(), ref_l, rtol=1e-4, atol=1e-4, msg=f"L, {what}"
+        )
+
+
 @hopper_gpu
 @pytest.mark.parametrize("d", (64, 128))
 @pytest.mark.parametrize("case", SPLIT_CASES, ids=[f"{c[0]}x{c[2]} {c[3]} S={c[4]}" for c in SPLIT_CASES])
 def test_key_splits_match_reference(case, d):
     """Every variant with its keys cut into S runs (`forward`'s key_splits), the partials merged by notebook
     09's combine: O and L against float64, bf16."""
-    from course_lib.decode.combine import combine
+    (_, _, n_q), _, n_k, causal, splits = case
 
-    (B, H, n_q), hkv, n_k, causal, splits = case
-    torch.manual_seed(n_q * 7 + n_k + d)
-    q = torch.randn(B, H, n_q, d, device="cuda", dtype=torch.bfloat16)
-    k, v = (torch.randn(B, hkv, n_k, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    ref_o, ref_l = reference_attention(*(t.cpu().double() for t in (q, k, v)), causal, return_lse=True)
-    base_o, _ = reference_outputs(q, k, v, causal)
-    offset = n_k - n_q if causal else 0
-    for variant in hopper.VARIANTS[d]:
-        o_part = torch.full((splits, B, H, n_q, d), float("nan"), device="cuda")
-        l_part = torch.full((splits, B, H, n_q), float("nan"), device="cuda")
-        hopper.forward(q, k, v, o_part, l_part, bool(causal), d**-0.5, variant, offset, splits)
-        o = torch.empty(B, n_q, H, d, device="cuda", dtype=q.dtype)
-        lse = torch.empty(B, n_q, H, device="cuda")
-        combine(o_part.permute(0, 1, 3, 2, 4), l_part.permute(0, 1, 3, 2), o, lse)
-        what = f"{(B, H, n_q, d)} x {n_k} {causal}, {splits} splits, variant {variant}"
-        assert_close_to_reference(o.transpose(1, 2), ref_o, base_o, what=f"O, {what}")
-        torch.testing.assert_close(
-            lse.transpose(1, 2).cpu().double(), ref_l, rtol=1e-4, atol=1e-4, msg=f"L, {what}"
+    def launch(variant):
+        return lambda q, k, v, o, lse, offset: hopper.forward(
+            q, k, v, o, lse, bool(causal), d**-0.5, variant, offset, splits
         )
+
+    runs = [(f"{splits} splits, variant {variant}", launch(variant)) for variant in hopper.VARIANTS[d]]
+    _partials_match_reference(case, d, splits, runs, seed=n_q * 7 + n_k + d)
 
 
 # (q shape (B, H, Nq), Hkv, Nk, causal, programs): each program's span a few tiles long, tiles cut mid-way
@@ -313,32 +328,18 @@ STREAM_CASES = [
 def test_stream_k_matches_reference(case, d):
     """Stream-K (`forward`'s work, `stream_work`'s table for a few programs): each program's even share of the
     key blocks, a tile cut between two programs into the two slots of partials, merged by notebook 09's combine,
-    against float64, bf16; the partials start as NaN, so an unused slot's O must not be read."""
-    from course_lib.decode.combine import combine
-
-    (B, H, n_q), hkv, n_k, causal, programs = case
-    torch.manual_seed(n_q * 5 + n_k + d)
-    q = torch.randn(B, H, n_q, d, device="cuda", dtype=torch.bfloat16)
-    k, v = (torch.randn(B, hkv, n_k, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    ref_o, ref_l = reference_attention(*(t.cpu().double() for t in (q, k, v)), causal, return_lse=True)
-    base_o, _ = reference_outputs(q, k, v, causal)
+    against float64, bf16."""
+    (B, H, n_q), _, n_k, causal, programs = case
     offset = n_k - n_q if causal else 0
     variant = hopper.D64_ROWS_128 if d == 64 else hopper.D128_LONG
     table = hopper.stream_work(variant, B * H, n_q, n_k, bool(causal), offset, programs)
     assert table is not None and (table[1:-1, 1] > 0).any(), "no tile is cut: the case tests nothing"
-    o_part = torch.full((2, B, H, n_q, d), float("nan"), device="cuda")
-    l_part = torch.full((2, B, H, n_q), float("nan"), device="cuda")
-    hopper.forward(
-        q, k, v, o_part, l_part, bool(causal), d**-0.5, variant, offset, work=torch.from_numpy(table).cuda()
-    )
-    o = torch.empty(B, n_q, H, d, device="cuda", dtype=q.dtype)
-    lse = torch.empty(B, n_q, H, device="cuda")
-    combine(o_part.permute(0, 1, 3, 2, 4), l_part.permute(0, 1, 3, 2), o, lse)
-    what = f"{(B, H, n_q, d)} x {n_k} {causal}, {programs} programs"
-    assert_close_to_reference(o.transpose(1, 2), ref_o, base_o, what=f"O, {what}")
-    torch.testing.assert_close(
-        lse.transpose(1, 2).cpu().double(), ref_l, rtol=1e-4, atol=1e-4, msg=f"L, {what}"
-    )
+    work = torch.from_numpy(table).cuda()
+
+    def launch(q, k, v, o, lse, offset):
+        hopper.forward(q, k, v, o, lse, bool(causal), d**-0.5, variant, offset, work=work)
+
+    _partials_match_reference(case, d, 2, [(f"{programs} programs", launch)], seed=n_q * 5 + n_k + d)
 
 
 def test_forward_names_wrong_outputs_and_split_counts():
