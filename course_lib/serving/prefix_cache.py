@@ -29,7 +29,8 @@ one pass. A page's SHA-256 is computed once, by `insert` as it is registered (ab
 time on a 2-core CPU (`scripts/serving_probe.py --host`, 2026-11-29): `walk` 1.61 -> 0.50 (a SHA-256 a page
 before), `start` 0.32 -> 0.15; `insert` gained `by_key`'s entries (2048 pages: 2.9 -> 3.3). Since 2026-11-30 a
 page found also brings the pages its sequence registered after it (`_Run`), checked against the prompt in one
-comparison of their token bytes: `walk` 0.42 -> 0.14 ms in the step (0.085 alone).
+comparison of their token bytes: `walk` 0.42 -> 0.14 ms in the step (0.085 alone); `insert` pays for the runs
+(2048 pages: 2.72 -> 3.41 ms, while the step computes on a GPU).
 
 Not here: pages of a sequence that rolls back (speculative decoding) are never cached partial, so rollback
 never touches a cached page; SGLang's radix tree answers the same question with a tree of token runs (the hash
