@@ -538,7 +538,9 @@ def ttft_timeline(n: int = 32768, cached_fraction: float = 0.9, runs: int = 5) -
         f"  under the profiler: GPU busy {busy / 1e3:.2f} ms, idle {sum(g for g, *_ in gaps) / 1e3:.2f} ms in "
         f"{len(gaps)} gaps between its first and last work"
     )
-    for g, a, c in sorted(gaps, reverse=True)[:5]:
+    small = [g for g, *_ in gaps if g < 10]
+    print(f"    gaps under 10 us: {len(small)}, {sum(small) / 1e3:.2f} ms in all; the longest:")
+    for g, a, c in sorted(gaps, reverse=True)[:12]:
         print(f"    {g:7.1f} us after {a[:45]!r} before {c[:45]!r}")
     by_name = {}
     for e in gpu:
