@@ -355,6 +355,14 @@ def test_forward_names_wrong_outputs_and_split_counts():
         (dict(key_splits=True), o, lse, "key_splits"),
         (dict(token_major=True), o, lse, "token-major"),  # (B, H, Nq, d) given where (B, Nq, H, d) is asked
         (dict(key_splits=2), o, lse, "2 key splits"),  # no split dimension
+        (dict(work=torch.zeros(5, 2, dtype=torch.int32), key_splits=2), o, lse, "key_splits=1"),
+        (dict(work=torch.zeros(5, 2)), torch.zeros(2, 1, 4, 200, 64), torch.zeros(2, 1, 4, 200), "int32"),
+        (
+            dict(work=torch.zeros(5, 3, dtype=torch.int32)),
+            torch.zeros(2, 1, 4, 200, 64),
+            torch.zeros(2, 1, 4, 200),
+            "int32",
+        ),
         ({}, torch.zeros(1, 4, 200, 32), lse, "head-major"),
         ({}, o, torch.zeros(1, 4, 199), "head-major"),
     ]

@@ -45,6 +45,15 @@ def test_no_split_off_a_hopper_gpu():
     assert prefill_split.split_prefill(q, pool, pool, torch.arange(125), 2000) is None
 
 
+@pytest.mark.parametrize("splits", (0, -1, 2.0, True, "3"))
+def test_a_split_count_that_is_not_a_positive_int_is_named(splits):
+    """`split_prefill`'s splits: None or an int >= 1, else a ValueError before anything runs (a bad count must not
+    reach the kernel, whose failure would turn the Gluon route off for the process)."""
+    q, pool = torch.randn(300, 4, 64), torch.randn(200, 16, 2, 64)
+    with pytest.raises(ValueError, match="splits must be None or an int >= 1"):
+        prefill_split.split_prefill(q, pool, pool, torch.arange(125), 2000, splits=splits)
+
+
 @pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU (compute capability 9.x)")
 @pytest.mark.parametrize("stream", (False, True), ids=("key splits", "stream-K"))
 @pytest.mark.parametrize("d", (64, 128))

@@ -672,6 +672,14 @@ def forward(
     rows = (B, n_q, H) if token_major else (B, H, n_q)
     if work is not None and key_splits != 1:
         raise ValueError(f"hopper.forward: work (stream-K) takes key_splits=1, got {key_splits}")
+    if work is not None and not (
+        isinstance(work, torch.Tensor) and work.dtype == torch.int32 and work.dim() == 2 and work.shape[1] == 2
+        and work.shape[0] >= 2 and work.is_contiguous() and work.device == q4.device
+    ):  # fmt: skip
+        raise ValueError(
+            "hopper.forward: work must be `stream_work`'s table, an int32 (programs + 1, 2) contiguous tensor on "
+            f"q's device; got {getattr(work, 'dtype', type(work).__name__)} {tuple(getattr(work, 'shape', ()))}"
+        )
     slots = 2 if work is not None else key_splits
     lead = (slots,) if slots > 1 else ()
     if tuple(o4.shape) != (*lead, *rows, d) or tuple(lse3.shape) != (*lead, *rows):

@@ -135,6 +135,8 @@ def split_prefill(
     token and a key on, `hopper.key_splits`' choice), or the number of runs to take (1: the kernel writes the
     output itself, no combine; `scripts/serving_probe.py --prefill-key-splits` times each). A call seen before
     runs its plan (`SplitPlan`: launches bound once)."""
+    if splits is not None and (isinstance(splits, bool) or not isinstance(splits, int) or splits < 1):
+        raise ValueError(f"split_prefill: splits must be None or an int >= 1, got {splits!r}")
     key = None
     if plans.ENABLED:
         key = (
