@@ -74,8 +74,8 @@ def block_hash(parent: bytes, tokens) -> bytes:
 
 class _Run:
     """Pages one sequence registered one after another (`PrefixCache.insert`), so page i + 1's parent is page i's
-    hash; data: their token bytes end to end; cut: the first page evicted since (its page id may be registered
-    again, in another run), len(pages) while none is."""
+    hash; data: their token bytes end to end; cut: the place of the first page evicted since (its page id may be
+    registered again, in another run), _UNCUT while none is. A run with a page evicted is never extended."""
 
     __slots__ = ("pages", "data", "hashes", "cut")
 
