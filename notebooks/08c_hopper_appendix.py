@@ -365,8 +365,8 @@ assert max(schedules["longest first, snake"]) < max(schedules["round-robin"])
 #
 # Notebook 14's cached prompt leaves the opposite problem: 3280 new query rows over 32k keys at 16 heads are
 # 26 tiles of 128 rows a head, 416 tiles in all, each long (232-256 K/V blocks). On 132 SMs that is 3.15
-# waves: the fourth holds 20 tiles and 112 SMs wait. `hopper.key_splits` cuts each tile's keys into S runs, a
-# program each, whose partial (O, L) notebook 09's combine merges: more, shorter programs, so the last wave
+# waves: the fourth holds 20 tiles and 112 SMs wait. `hopper.key_splits` cuts each tile's keys into S runs,
+# each a unit of work whose partial (O, L) notebook 09's combine merges: more, shorter units, so the last round
 # holds less, at the price of one more tile start, end and partial per run. `hopper.stream_work` (stream-K)
 # goes further: each of the 132 programs takes an equal span of all the tiles' key blocks, one after the
 # other; a tile cut between two programs writes its two parts into two slots of partials. The cell below
