@@ -309,11 +309,11 @@ def _consumer(args, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.co
                 n_blocks = _n_blocks(start_m, N_K, OFFSET, CTA_M, BLOCK_N, CAUSAL)
                 lo = 0
                 hi = n_blocks
+                if KEY_SPLITS > 1:
+                    lo, hi = _split_range(split, n_blocks, KEY_SPLITS)
             o_ptr = O
             l_ptr = L
             if KEY_SPLITS > 1 or STREAM:  # a split's partial (O, L) in its slot of the buffers
-                if not STREAM:
-                    lo, hi = _split_range(split, n_blocks, KEY_SPLITS)
                 o_ptr = O + split.to(gl.int64) * BH * N_Q * HEAD_DIM
                 l_ptr = L + split.to(gl.int64) * BH * N_Q
             m_start = start_m * CTA_M + WG * ROWS
@@ -767,7 +767,5 @@ def stream_work(
     if total // programs < int(blocks.max()):
         return None
     at = np.arange(programs + 1, dtype=np.int64) * total // programs
-    tile = np.searchsorted(starts, at, side="right") - 1
-    table = np.stack([tile, at - starts[np.minimum(tile, len(blocks))]], axis=1)
-    table[-1] = (len(blocks), 0)
-    return table.astype(np.int32)
+    tile = np.searchsorted(starts, at, side="right") - 1  # the last span ends at (tiles, 0)
+    return np.stack([tile, at - starts[tile]], axis=1).astype(np.int32)
