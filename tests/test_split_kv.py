@@ -78,13 +78,16 @@ def test_combine_kernel_equals_merge_many():
     assert (out[1, 0, 2] == 0).all() and torch.isneginf(lse[1, 0, 2])
 
 
-def test_combine_of_many_rows_equals_merge_many(monkeypatch):
-    """From `MANY_ROWS` rows on, blocks of rows a program (`combine_rows_kernel`, the splits merged one after
-    another): against merge_many, with empty splits, a row no split saw, a block's last rows past the end and
-    partials in a permuted layout (a prefill's (S, B, Hq, T, d), read as (S, B, T, Hq, d))."""
+@pytest.mark.parametrize("rows_per_program", [None, 3])
+def test_combine_of_many_rows_equals_merge_many(monkeypatch, rows_per_program):
+    """From `MANY_ROWS` rows on, or with rows_per_program (3: blocks of 4, cascade attention's merge), blocks of
+    rows a program (`combine_rows_kernel`, the splits merged one after another): against merge_many, with empty
+    splits, a row no split saw, a block's last rows past the end and partials in a permuted layout (a prefill's
+    (S, B, Hq, T, d), read as (S, B, T, Hq, d))."""
     from course_lib.decode import combine as combine_mod
 
-    monkeypatch.setattr(combine_mod, "MANY_ROWS", 8)
+    if rows_per_program is None:
+        monkeypatch.setattr(combine_mod, "MANY_ROWS", 8)
     g = torch.Generator().manual_seed(4)
     S, B, T, H, d = 3, 2, 5, 3, 48  # 30 rows: two blocks of 16, the second part empty
     o_part = torch.randn(S, B, H, T, d, generator=g).transpose(2, 3)
@@ -94,11 +97,21 @@ def test_combine_of_many_rows_equals_merge_many(monkeypatch):
     o_part[:, 1, 4, 2] = 0.0
     out = torch.empty(B, T, H, d, device=DEV, dtype=torch.float16)
     lse = torch.empty(B, T, H, device=DEV)
-    combine(o_part.to(DEV), l_part.to(DEV), out, lse)
+    combine(o_part.to(DEV), l_part.to(DEV), out, lse, rows_per_program=rows_per_program)
     ref_o, ref_l = merge_many(o_part.double(), l_part.double(), dim=0)
     torch.testing.assert_close(out.double().cpu(), ref_o, rtol=2e-3, atol=2e-3)
     torch.testing.assert_close(lse.double().cpu(), ref_l, rtol=1e-5, atol=1e-5)
     assert (out[1, 4, 2] == 0).all() and torch.isneginf(lse[1, 4, 2])
+
+
+@pytest.mark.parametrize("bad", [0, -2, True, 2.0, "4"])
+def test_combine_refuses_a_bad_rows_per_program(bad):
+    o_part, l_part = torch.zeros(2, 1, 1, 2, 16, device=DEV), torch.zeros(2, 1, 1, 2, device=DEV)
+    out, lse = torch.empty(1, 1, 2, 16, device=DEV), torch.empty(1, 1, 2, device=DEV)
+    with pytest.raises(ValueError, match="rows_per_program"):
+        combine(o_part, l_part, out, lse, rows_per_program=bad)
+    with pytest.raises(ValueError, match="without pdl"):
+        combine(o_part, l_part, out, lse, rows_per_program=4, pdl=True)
 
 
 def assert_whole_cache_matches(q, k, v, what):

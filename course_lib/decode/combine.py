@@ -140,20 +140,35 @@ def combine(
     lse: torch.Tensor,
     *,
     pdl: bool = False,
+    rows_per_program: int | None = None,
 ) -> None:
     """Merge partials o_part (S, B, Tq, Hq, d) fp32 and lse_part (S, B, Tq, Hq) fp32 into out
     (B, Tq, Hq, d) (any float dtype) and lse (B, Tq, Hq) fp32, in place. Taught in notebook 09.
-    From MANY_ROWS rows on, ROWS_PER_PROGRAM rows a program (`combine_rows_kernel`).
+    From MANY_ROWS rows on, ROWS_PER_PROGRAM rows a program (`combine_rows_kernel`); rows_per_program: that
+    many rows a program (rounded up to a power of 2) whatever the count of rows, not with pdl (cascade
+    attention's merge takes 4).
     pdl: launch with programmatic dependent launch (`course_lib.pdl`; GPUs that support it only)."""
     S, B, T, H, d = o_part.shape
     if B * T * H == 0:
         return
-    if B * T * H >= MANY_ROWS and not pdl:
-        bound.launch(combine_rows_kernel, (triton.cdiv(B * T * H, ROWS_PER_PROGRAM),),
+    if rows_per_program is not None and (
+        isinstance(rows_per_program, bool)
+        or not isinstance(rows_per_program, int)
+        or rows_per_program < 1
+        or pdl
+    ):
+        raise ValueError(
+            f"combine: rows_per_program must be None or an int >= 1 without pdl, got {rows_per_program!r}"
+        )
+    if rows_per_program is None and B * T * H >= MANY_ROWS and not pdl:
+        rows_per_program = ROWS_PER_PROGRAM
+    if rows_per_program is not None:
+        rows_per_program = runtime.next_power_of_2(rows_per_program)  # a block of the kernel's rows
+        bound.launch(combine_rows_kernel, (triton.cdiv(B * T * H, rows_per_program),),
             o_part, lse_part, out, lse,
             *o_part.stride(), *lse_part.stride(), *out.stride(), *lse.stride(),
             T, H, B * T * H, S,
-            HEAD_DIM=d, BLOCK_D=runtime.next_power_of_2(d), BLOCK_R=ROWS_PER_PROGRAM,
+            HEAD_DIM=d, BLOCK_D=runtime.next_power_of_2(d), BLOCK_R=rows_per_program,
         )  # fmt: skip
         return
     bound.launch(combine_kernel, (B * T * H,),

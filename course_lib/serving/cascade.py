@@ -190,8 +190,9 @@ def cascade_passes(
     def merge():
         # notebook 09's combine of split partials over both passes' splits (the merge of attention.merge in
         # PyTorch ops took 35 us here on an H200 at B = 64, Hq = 32, d = 128; a combine of the two passes'
-        # results after each pass's own, 209 us a step in all)
-        combine(o_part, l_part, out, lse, pdl=pdl)
+        # results after each pass's own, 209 us a step in all); COMBINE_ROWS rows a program over few slots
+        rows = COMBINE_ROWS if not pdl and s_p + s_s <= COMBINE_ROWS_SLOTS else None
+        combine(o_part, l_part, out, lse, pdl=pdl, rows_per_program=rows)
 
     if dense is not None:
         prefix.stage = dense.stage
@@ -337,6 +338,16 @@ def dense_prefix_pass(q, prefix_kv, prefix_len: int, scale=None) -> _DensePrefix
         return None
     return _DensePrefix(q, k, v, variant, 1 / math.sqrt(d) if scale is None else scale)
 
+
+# Rows a program of the merge (`decode.combine`'s `combine_rows_kernel`) where it has at most COMBINE_ROWS_SLOTS
+# slots of partials and is not launched with PDL; else one program a row. The rows kernel takes the slots one after
+# another (two loads in turn each), the other all at once. Graph replays on an H200 (2026-12-01): the bench's step at
+# B = 64, Hq = 32, d = 128 (the dense prefix pass's 4 slots and 1 of the suffix), the combine alone, one program a
+# row 11.5 us; 4, 8, 16, 32 rows a program 8.3, 9.3, 11.3, 13.0 us; the bench's cascade step 132.4 -> 128.0 and 128.3 us (two runs).
+# With 4 rows a program over the paged prefix pass's many splits (B = 4 and 16) every step was slower: B = 4,
+# 16k 33.3 -> 44.5 us, B = 16, 4k 43.1 -> 58.2 us.
+COMBINE_ROWS = 4
+COMBINE_ROWS_SLOTS = 8
 
 # The prefix and suffix passes on two CUDA streams, so that one's programs fill the SMs the other leaves idle
 # (its last wave, its tail); under CUDA-graph capture the fork and join are captured too.
