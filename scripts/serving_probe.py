@@ -51,6 +51,7 @@ and 128, 16k and 32k prefixes (the table in `serving.cascade.prefix_splits`).
     COURSE_DEVICE=cuda python3 scripts/serving_probe.py --dense-prefix
     COURSE_DEVICE=cuda python3 scripts/serving_probe.py --dense-prefix-one-consumer   # B = 64, 32k: the prefix pass
                                                            # on one-consumer variants (two programs an SM)
+    COURSE_DEVICE=cuda python3 scripts/serving_probe.py --suffix-sms   # the suffix pass with n SMs held by a blocker
 
 With --prefill-split: the cached prefill's attention (3280 x 32k, 1648 x 16k) with its keys cut in two, the halves on
 two streams and merged, against one call. With --ttft-cprofile: a cached 32k first token on the bench's model,
@@ -140,6 +141,48 @@ def cascade_pieces():
     for overlap in (False, True):
         cascade.OVERLAP = overlap
         print(f"cascade step, {'two streams' if overlap else 'one stream '}: {graph_ms(step) * 1e3:7.1f} us")
+
+
+def suffix_sms(blocked=(0, 16, 32, 48, 56, 64, 72, 80, 96, 112), reps: int = 7) -> None:
+    """--suffix-sms: the cascade step's suffix pass (B = 64, S = 1024 of their own, 32 / 8 heads, d = 128) timed while
+    a blocker holds n SMs: the Gluon forward, one program an SM (64k keys of one K/V head that every program shares,
+    so it reads next to nothing from HBM), launched first on a side stream, then a spin, then the suffix pass on the
+    rest of the GPU (CUDA events, median of `reps`). Where the step's two passes share the GPU, the suffix pass gets
+    what the prefix pass leaves: how its time grows as its SMs fall (its programs come in waves)."""
+    from course_lib.attention import hopper
+    from course_lib.serving import cascade
+
+    args = cascade_step_args()
+    _, suffix, _, _ = cascade.cascade_passes(*args, validate=False)
+    suffix()
+    side, main = torch.cuda.Stream(), torch.cuda.current_stream()
+    suffix_bytes = 2 * args[0].shape[0] * 1024 * HKV * D * 2
+    for n in blocked:
+        if n:
+            qb = torch.randn(1, n, 128, D, device="cuda", dtype=torch.bfloat16)
+            kb = torch.randn(1, 1, 262144, D, device="cuda", dtype=torch.bfloat16)
+            ob, lb = torch.empty_like(qb), torch.empty(1, n, 128, device="cuda")
+        times = []
+        for _ in range(reps):
+            torch.cuda.synchronize()
+            if n:  # about 3.5 ms a program: longer than the spin and the suffix pass together
+                with torch.cuda.stream(side):
+                    hopper.forward(qb, kb, kb, ob, lb, False, D**-0.5, hopper.D128_LONG)
+            torch.cuda._sleep(
+                2_000_000
+            )  # the blocker takes its SMs; the suffix pass is queued behind the spin
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record(main)
+            suffix()
+            end.record(main)
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end) * 1e3)
+        us = sorted(times)[reps // 2]
+        print(
+            f"blocker on {n:3d} SMs: suffix pass {us:6.1f} us on {132 - n} SMs, {suffix_bytes / us / 1e6:5.2f} TB/s, "
+            f"{suffix_bytes / us / 1e3 / (132 - n):5.1f} GB/s an SM",
+            flush=True,
+        )
 
 
 def dense_prefix(splits_tried=(2, 4, 8, 16), cells=((64, P), (64, P // 2), (128, P), (128, P // 2))):
@@ -1284,8 +1327,11 @@ if __name__ == "__main__":
         "--prefill-split-host", action="store_true", help="the host's time of a split prefill's call"
     )
     parser.add_argument("--layer-host", action="store_true", help="host us a call of a layer's operations")
+    parser.add_argument("--suffix-sms", action="store_true", help="the cascade's suffix pass on fewer SMs")
     args = parser.parse_args()
-    if args.layer_host:
+    if args.suffix_sms:
+        suffix_sms()
+    elif args.layer_host:
         layer_host()
     elif args.prefill_key_splits:
         prefill_key_splits()
