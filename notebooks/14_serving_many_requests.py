@@ -410,8 +410,9 @@ if got:
 # CUDA streams. The bound assumes the prefix's arithmetic and the suffixes' reads run at once; they can only
 # if neither pass fills the GPU by itself, so the prefix is cut into just enough slices for its tiles to take
 # half the SMs (`serving.cascade.prefix_splits`), and the suffix pass takes the other half at the same time.
-# Even so the prefix pass on half the GPU takes longer than the suffix pass, and the merge comes after both
-# (notes/serving.md has the time of each piece). The serving record
+# Even so each pass takes longer on its half than alone on the whole GPU (the suffix pass's programs run in
+# waves, and fewer SMs hold fewer of them at once), and the merge comes after both (notes/serving.md has the
+# time of each piece). The serving record
 # (`make bench BENCH=serving`) also sweeps B and P to show where cascade starts to win: at small B the prefix
 # is read only a few times over, and the second pass and the merge cost more than they save.
 # `PrefixCachingBatcher` takes cascade by itself for the decode steps past that crossover
