@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from .. import runtime
+from ..checks import check_int
 from ..kernels import bound
 from ..kernels.softmax import LN2, LOG2E
 from ..pdl import launch_options, wait_for_prior_grid
@@ -148,18 +149,15 @@ def combine(
     many rows a program (rounded up to a power of 2) whatever the count of rows, not with pdl (cascade
     attention's merge takes 4).
     pdl: launch with programmatic dependent launch (`course_lib.pdl`; GPUs that support it only)."""
+    if rows_per_program is not None:
+        rows_per_program = check_int("combine", "rows_per_program", rows_per_program, 1)
+        if pdl:
+            raise ValueError(
+                "combine: rows_per_program is for launches without pdl (one program a row with it)"
+            )
     S, B, T, H, d = o_part.shape
     if B * T * H == 0:
         return
-    if rows_per_program is not None and (
-        isinstance(rows_per_program, bool)
-        or not isinstance(rows_per_program, int)
-        or rows_per_program < 1
-        or pdl
-    ):
-        raise ValueError(
-            f"combine: rows_per_program must be None or an int >= 1 without pdl, got {rows_per_program!r}"
-        )
     if rows_per_program is None and B * T * H >= MANY_ROWS and not pdl:
         rows_per_program = ROWS_PER_PROGRAM
     if rows_per_program is not None:
