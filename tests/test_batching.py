@@ -72,6 +72,11 @@ def test_the_batcher_refuses_what_it_could_not_serve_before_a_step():
         [np.int64(3), 4],
         (5, 6),
         torch.tensor([7, 8]),
+        torch.tensor([7, 0, 255], dtype=torch.int32),
+        torch.tensor([9, 3], dtype=torch.uint8),
+        torch.arange(10, 250, 3)[::2],  # strided
+        np.array([4, 200], dtype=np.int16),
+        np.array([255, 0], dtype=np.uint64),
         [0, 255],
         [1, torch.tensor(0)],
         list(range(256)),
@@ -97,6 +102,16 @@ def test_token_ids_array_is_token_ids_as_int64(prompt):
         "ab",
         5,
         [],
+        torch.tensor([1, 0], dtype=torch.bool),
+        torch.tensor([1.0, 2.0]),
+        torch.tensor([[1, 2]]),
+        torch.tensor([3, 256]),
+        torch.tensor([-1, 3], dtype=torch.int8),
+        torch.tensor(7),
+        np.array([1.0, 2.0]),
+        np.array([1, 256], dtype=np.uint16),
+        np.array([2**63 + 1], dtype=np.uint64),
+        np.array([True, False]),
     ],
 )
 def test_token_ids_array_refuses_what_token_ids_refuses(prompt):
@@ -109,6 +124,20 @@ def test_token_ids_array_refuses_what_token_ids_refuses(prompt):
         assert prompt == []  # an empty list is the batcher's to refuse (submit names it)
     with pytest.raises(ValueError, match=f"^where: prompt token ids must fit in int64; got {2**70}$"):
         token_ids_array("where", [1, 2**70])  # no vocabulary: any id >= 0, but not past int64
+
+
+@pytest.mark.parametrize("as_array", [torch.tensor, np.array])
+def test_a_tensor_prompt_is_read_whole_and_copied(monkeypatch, as_array):
+    """A 1-D integer tensor or NumPy array (a tokenizer's return_tensors) is checked and converted whole, not id by
+    id (`token_ids`, 4.6-6.1 ms at 32k ids), and the request keeps a copy: the caller may reuse its buffer."""
+    from course_lib.checks import tokens
+
+    prompt = as_array([5, 9, 3, 14])
+    monkeypatch.setattr(tokens, "token_ids", lambda *a: pytest.fail("id by id"))
+    batcher = ContinuousBatcher(ToyModel("cpu"), num_pages=8, page_size=4)
+    rid = batcher.submit(prompt, 2)
+    prompt[0] = 7
+    assert batcher.waiting[0].id == rid and batcher.waiting[0].prompt == [5, 9, 3, 14]
 
 
 def test_a_requests_ids_are_its_tokens():

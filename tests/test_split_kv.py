@@ -78,16 +78,19 @@ def test_combine_kernel_equals_merge_many():
     assert (out[1, 0, 2] == 0).all() and torch.isneginf(lse[1, 0, 2])
 
 
+@pytest.mark.parametrize("at_once", [True, False], ids=["splits-at-once", "splits-in-turn"])
 @pytest.mark.parametrize("rows_per_program", [None, 3])
-def test_combine_of_many_rows_equals_merge_many(monkeypatch, rows_per_program):
+def test_combine_of_many_rows_equals_merge_many(monkeypatch, rows_per_program, at_once):
     """From `MANY_ROWS` rows on, or with rows_per_program (3: blocks of 4, cascade attention's merge), blocks of
-    rows a program (`combine_rows_kernel`, the splits merged one after another): against merge_many, with empty
-    splits, a row no split saw, a block's last rows past the end and partials in a permuted layout (a prefill's
-    (S, B, Hq, T, d), read as (S, B, T, Hq, d))."""
+    rows a program (`combine_rows_kernel`, the splits loaded at once or merged one after another): against
+    merge_many, with empty splits, a row no split saw, a block's last rows past the end and partials in a
+    permuted layout (a prefill's (S, B, Hq, T, d), read as (S, B, T, Hq, d))."""
     from course_lib.decode import combine as combine_mod
 
     if rows_per_program is None:
         monkeypatch.setattr(combine_mod, "MANY_ROWS", 8)
+    if not at_once:
+        monkeypatch.setattr(combine_mod, "SLOTS_AT_ONCE", 0)
     g = torch.Generator().manual_seed(4)
     S, B, T, H, d = 3, 2, 5, 3, 48  # 30 rows: two blocks of 16, the second part empty
     o_part = torch.randn(S, B, H, T, d, generator=g).transpose(2, 3)

@@ -41,6 +41,8 @@ def token_ids(where: str, prompt, vocab: int | None = None) -> list[int]:
     if type(prompt) is list and prompt and set(map(type, prompt)) == {int}:
         if min(prompt) >= 0 and (vocab is None or max(prompt) < vocab):
             return list(prompt)
+    if (ids := _vector_int64(prompt, vocab)) is not None:
+        return ids.tolist()
     if isinstance(prompt, torch.Tensor) and prompt.dim() == 1 and not prompt.is_floating_point():
         prompt = prompt.tolist()
     if isinstance(prompt, (str, bytes, torch.Tensor)) or not hasattr(prompt, "__iter__"):
@@ -67,14 +69,45 @@ def token_ids_array(
     conversion / here: ids below 32000 1.34 / 0.78 ms, below 256 1.39 / 0.46 (`tolist` makes no new object for
     an int up to 256), every id 0 1.44 / 1.28 (a 2-core CPU, 2026-11-29). as_list=False: (None, the array) where
     the fast path took the list (`tolist` was 0.45 of 0.81 ms at 32k ids below 32000; the batcher makes a request's
-    list only if it is read, `Request.prompt`)."""
+    list only if it is read, `Request.prompt`). A 1-D integer tensor or NumPy array is read whole
+    (`_vector_int64`)."""
     if type(prompt) is list and prompt and (ids := _packed_int64(prompt, vocab)) is not None:
+        return (ids.tolist() if as_list else None), ids
+    if (ids := _vector_int64(prompt, vocab)) is not None:
         return (ids.tolist() if as_list else None), ids
     prompt = token_ids(where, prompt, vocab)
     try:
         return prompt, np.asarray(prompt, dtype=np.int64)
     except OverflowError:
         raise ValueError(f"{where}: prompt token ids must fit in int64; got {max(prompt)}") from None
+
+
+def _vector_int64(prompt, vocab: int | None) -> np.ndarray | None:
+    """A non-empty 1-D integer tensor (any device) or NumPy array, not bool, as an int64 NumPy copy (never a view of
+    the caller's memory) if every id lies in [0, vocab) (vocab None: >= 0); else None (`token_ids` says what is
+    wrong). What a tokenizer returns with return_tensors: a 32k-token prompt 0.02-0.05 ms here, against 4.6-6.1 ms
+    id by id (a 2-core CPU, 2026-12-01)."""
+    if isinstance(prompt, torch.Tensor):
+        if prompt.dim() != 1 or not prompt.numel() or prompt.dtype == torch.bool:
+            return None
+        if prompt.is_floating_point() or prompt.is_complex():
+            return None
+        try:
+            array = prompt.detach().cpu().numpy()
+        except (TypeError, RuntimeError):  # a dtype NumPy has no match for
+            return None
+    elif isinstance(prompt, np.ndarray):
+        if prompt.ndim != 1 or not prompt.size or prompt.dtype.kind not in "iu":
+            return None
+        array = prompt
+    else:
+        return None
+    if array.dtype == np.uint64 and int(array.max()) > np.iinfo(np.int64).max:
+        return None
+    ids = array.astype(np.int64)  # a copy, whatever the dtype
+    if ids.min() < 0 or (vocab is not None and ids.max() >= vocab):
+        return None
+    return ids
 
 
 def _packed_int64(prompt: list, vocab: int | None) -> np.ndarray | None:

@@ -89,12 +89,14 @@ def combine_rows_kernel(
     stride_ob, stride_ot, stride_oh, stride_od,
     stride_lb, stride_lt, stride_lh,
     T_Q, H_Q, NUM_ROWS, NUM_SPLITS,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr,
 ):  # fmt: skip
     """`combine_kernel` for many rows (a prefill's keys split: 3280 tokens x 16 heads is 52k rows): BLOCK_R rows
     (b, t, h) a program, the splits taken one after another with notebook 03's running merge (the row max m, the
     sum of exp(L_s - m), the sum of exp(L_s - m) O_s, rescaled when m grows). Grid: (cdiv(rows, BLOCK_R),). One
-    program per row took 0.31 ms for 105k rows of d = 128 and 2 splits on an H200, ten times their bytes' time."""
+    program per row took 0.31 ms for 105k rows of d = 128 and 2 splits on an H200, ten times their bytes' time.
+    BLOCK_S > 0 (a power of 2 >= NUM_SPLITS): every split's (O, L) loaded at once, (BLOCK_R, BLOCK_S, d), as
+    `combine_kernel` does for one row: two waits for memory in all, not two a split."""
     pid = tl.program_id(0)
     r = pid * BLOCK_R + tl.arange(0, BLOCK_R)
     r_ok = r < NUM_ROWS
@@ -105,20 +107,35 @@ def combine_rows_kernel(
     o_mask = r_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
     l_rows = L_PART + b * stride_qb + t * stride_qt + h * stride_qh
     o_rows = O_PART + (b * stride_pb + t * stride_pt + h * stride_ph)[:, None] + offs_d[None, :] * stride_pd
-    m = tl.full([BLOCK_R], float("-inf"), tl.float32)
-    total = tl.zeros([BLOCK_R], tl.float32)
-    acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
-    for s in range(NUM_SPLITS):
-        lse_s = tl.load(l_rows + s * stride_qs, mask=r_ok, other=float("-inf"))
-        m_new = tl.maximum(m, lse_s)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows no split saw yet: weights 0, no NaN
-        alpha = tl.math.exp2((m - m_safe) * LOG2E)
-        w = tl.math.exp2((lse_s - m_safe) * LOG2E)
-        # a split that saw no key (L = -inf) is not read: its O may hold anything (stream-K's unused slot)
-        o_s = tl.load(o_rows + s * stride_ps, mask=o_mask & (lse_s > float("-inf"))[:, None], other=0.0)
-        acc = acc * alpha[:, None] + w[:, None] * o_s
-        total = total * alpha + w
-        m = m_new
+    if BLOCK_S > 0:
+        offs_s = tl.arange(0, BLOCK_S)
+        s_ok = r_ok[:, None] & (offs_s < NUM_SPLITS)[None, :]
+        lse_s = tl.load(l_rows[:, None] + offs_s[None, :] * stride_qs, mask=s_ok, other=float("-inf"))
+        m = tl.max(lse_s, 1)
+        m_safe = tl.where(m == float("-inf"), 0.0, m)  # a row no split saw: all weights 0, no NaN
+        w = tl.math.exp2((lse_s - m_safe[:, None]) * LOG2E)  # (BLOCK_R, BLOCK_S); 0 for empty splits
+        total = tl.sum(w, 1)
+        o_s = tl.load(
+            o_rows[:, None, :] + (offs_s * stride_ps)[None, :, None],
+            mask=o_mask[:, None, :] & (s_ok & (lse_s > float("-inf")))[:, :, None],  # an empty split unread
+            other=0.0,
+        )
+        acc = tl.sum(w[:, :, None] * o_s, 1)
+    else:
+        m = tl.full([BLOCK_R], float("-inf"), tl.float32)
+        total = tl.zeros([BLOCK_R], tl.float32)
+        acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+        for s in range(NUM_SPLITS):
+            lse_s = tl.load(l_rows + s * stride_qs, mask=r_ok, other=float("-inf"))
+            m_new = tl.maximum(m, lse_s)
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows no split saw yet: weights 0, no NaN
+            alpha = tl.math.exp2((m - m_safe) * LOG2E)
+            w = tl.math.exp2((lse_s - m_safe) * LOG2E)
+            # a split that saw no key (L = -inf) is not read: its O may hold anything (stream-K's unused slot)
+            o_s = tl.load(o_rows + s * stride_ps, mask=o_mask & (lse_s > float("-inf"))[:, None], other=0.0)
+            acc = acc * alpha[:, None] + w[:, None] * o_s
+            total = total * alpha + w
+            m = m_new
     empty = total == 0.0
     safe_total = tl.where(empty, 1.0, total)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
@@ -132,6 +149,12 @@ def combine_rows_kernel(
 # decoding's and cascade's few thousand rows keep one program each (their latency counts, not their bytes).
 MANY_ROWS = 16384
 ROWS_PER_PROGRAM = 16
+# `combine_rows_kernel` loads every split at once where a program's (rows, splits, d) block, padded to powers of 2,
+# holds at most this many floats (64 registers a thread at 4 warps); else it takes the splits one after another.
+# Graph replays on an H200 (2026-12-01), us, in turn / at once: a cached prefill's 3280 tokens x 16 heads, d = 64,
+# 16 rows a program, 2 / 3 / 5 splits 15.0 / 14.0, 19.5 / 19.1, 28.2 / 24.3; 32 heads, d = 128 (past the limit at 4
+# and more splits) 41.3 / 38.7, 56.3 / 52.8, 84.6 / 76.4; cascade's merge (5 slots, 4 rows) 8.5 / 7.0.
+SLOTS_AT_ONCE = 8192
 
 
 def combine(
@@ -147,7 +170,7 @@ def combine(
     (B, Tq, Hq, d) (any float dtype) and lse (B, Tq, Hq) fp32, in place. Taught in notebook 09.
     From MANY_ROWS rows on, ROWS_PER_PROGRAM rows a program (`combine_rows_kernel`); rows_per_program: that
     many rows a program (rounded up to a power of 2) whatever the count of rows, not with pdl (cascade
-    attention's merge takes 4).
+    attention's merge takes 4); a program loads all its splits at once where they fit `SLOTS_AT_ONCE`.
     pdl: launch with programmatic dependent launch (`course_lib.pdl`; GPUs that support it only)."""
     if rows_per_program is not None:
         rows_per_program = check_int("combine", "rows_per_program", rows_per_program, 1)
@@ -162,11 +185,13 @@ def combine(
         rows_per_program = ROWS_PER_PROGRAM
     if rows_per_program is not None:
         rows_per_program = runtime.next_power_of_2(rows_per_program)  # a block of the kernel's rows
+        block_d, block_s = runtime.next_power_of_2(d), runtime.next_power_of_2(S)
+        at_once = rows_per_program * block_s * block_d <= SLOTS_AT_ONCE
         bound.launch(combine_rows_kernel, (triton.cdiv(B * T * H, rows_per_program),),
             o_part, lse_part, out, lse,
             *o_part.stride(), *lse_part.stride(), *out.stride(), *lse.stride(),
             T, H, B * T * H, S,
-            HEAD_DIM=d, BLOCK_D=runtime.next_power_of_2(d), BLOCK_R=rows_per_program,
+            HEAD_DIM=d, BLOCK_D=block_d, BLOCK_R=rows_per_program, BLOCK_S=block_s if at_once else 0,
         )  # fmt: skip
         return
     bound.launch(combine_kernel, (B * T * H,),

@@ -340,12 +340,13 @@ def dense_prefix_pass(q, prefix_kv, prefix_len: int, scale=None) -> _DensePrefix
 
 
 # Rows a program of the merge (`decode.combine`'s `combine_rows_kernel`) where it has at most COMBINE_ROWS_SLOTS
-# slots of partials and is not launched with PDL; else one program a row. The rows kernel takes the slots one after
-# another (two loads in turn each), the other all at once. Graph replays on an H200 (2026-12-01): the bench's step at
-# B = 64, Hq = 32, d = 128 (the dense prefix pass's 4 slots and 1 of the suffix), the combine alone, one program a
-# row 11.5 us; 4, 8, 16, 32 rows a program 8.3, 9.3, 11.3, 13.0 us; the bench's cascade step 132.4 -> 128.0 and
-# 128.3 us (two runs). With 4 rows a program over the paged prefix pass's many splits (B = 4 and 16) every step was
-# slower: B = 4, 16k 33.3 -> 44.5 us, B = 16, 4k 43.1 -> 58.2 us.
+# slots of partials and is not launched with PDL; else one program a row. Graph replays on an H200 (2026-12-01): the
+# bench's step at B = 64, Hq = 32, d = 128 (the dense prefix pass's 4 slots and 1 of the suffix), the combine alone,
+# one program a row 11.5 us; 4, 8, 16, 32 rows a program 8.3, 9.3, 11.3, 13.0 us (the slots in turn); the bench's
+# cascade step 132.4 -> 128.0 and 128.3 us (two runs). 4 rows with the slots loaded at once (`combine.SLOTS_AT_ONCE`):
+# 7.0 us alone, the step 127.7 -> 127.5 us (the passes set it). With 4 rows a program over the paged prefix pass's
+# many splits (B = 4 and 16) every step was slower: B = 4, 16k 33.3 -> 44.5 us, B = 16, 4k 43.1 -> 58.2 us (the
+# slots in turn); 45.4 / 59.3 with them at once where they fit, 36.2 / 46.4 loaded at once however many.
 COMBINE_ROWS = 4
 COMBINE_ROWS_SLOTS = 8
 
