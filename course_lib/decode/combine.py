@@ -150,11 +150,11 @@ def combine_rows_kernel(
 MANY_ROWS = 16384
 ROWS_PER_PROGRAM = 16
 # `combine_rows_kernel` loads every split at once where a program's (rows, splits, d) block, padded to powers of 2,
-# holds at most this many floats (64 registers a thread at 4 warps); else it takes the splits one after another.
+# holds at most this many floats (128 registers a thread at 4 warps); else it takes the splits one after another.
 # Graph replays on an H200 (2026-12-01), us, in turn / at once: a cached prefill's 3280 tokens x 16 heads, d = 64,
-# 16 rows a program, 2 / 3 / 5 splits 15.0 / 14.0, 19.5 / 19.1, 28.2 / 24.3; 32 heads, d = 128 (past the limit at 4
-# and more splits) 41.3 / 38.7, 56.3 / 52.8, 84.6 / 76.4; cascade's merge (5 slots, 4 rows) 8.5 / 7.0.
-SLOTS_AT_ONCE = 8192
+# 16 rows a program, 2 / 3 / 5 splits 15.0 / 14.0, 19.5 / 19.1, 28.2 / 24.3; 32 heads, d = 128, 41.3 / 38.7, 56.3 /
+# 52.8, 84.6 / 76.4 (16384 floats); cascade's merge (5 slots, 4 rows) 8.5 / 7.0.
+SLOTS_AT_ONCE = 16384
 
 
 def combine(
@@ -170,7 +170,7 @@ def combine(
     (B, Tq, Hq, d) (any float dtype) and lse (B, Tq, Hq) fp32, in place. Taught in notebook 09.
     From MANY_ROWS rows on, ROWS_PER_PROGRAM rows a program (`combine_rows_kernel`); rows_per_program: that
     many rows a program (rounded up to a power of 2) whatever the count of rows, not with pdl (cascade
-    attention's merge takes 4); a program loads all its splits at once where they fit `SLOTS_AT_ONCE`.
+    attention's merge takes 4); a program loads all its splits at once where they fit in `SLOTS_AT_ONCE`.
     pdl: launch with programmatic dependent launch (`course_lib.pdl`; GPUs that support it only)."""
     if rows_per_program is not None:
         rows_per_program = check_int("combine", "rows_per_program", rows_per_program, 1)
