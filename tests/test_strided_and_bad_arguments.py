@@ -3,6 +3,7 @@ float64), and arguments that must be refused with a message naming them. CPU (in
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -226,6 +227,20 @@ def test_continuous_batcher_arguments_named():
         ([1, 2], 0, ValueError, "max_new_tokens must be >= 1, got 0"),
         (None, 2, TypeError, "prompt must be a list of token ids, got NoneType"),
         ("ab", 2, TypeError, "prompt must be a list of token ids, got str"),
+        (
+            torch.tensor([[1, 2]]),  # a tokenizer's return_tensors for one text
+            2,
+            TypeError,
+            r"prompt must be a list of token ids or a 1-D integer tensor, got a tensor of shape \(1, 2\) and dtype "
+            r"torch.int64 \(one sequence: pass prompt\[0\]\)",
+        ),
+        (
+            np.array([1.0, 2.0]),
+            2,
+            TypeError,
+            r"prompt must be a list of token ids or a 1-D integer tensor, got a tensor of shape \(2,\) and dtype "
+            r"float64",
+        ),
         ([], 2, ValueError, "a request needs a non-empty prompt"),
         # 8 pages of 4 tokens: a request that could never fit, even alone, once jammed every later step
         (

@@ -45,6 +45,12 @@ def token_ids(where: str, prompt, vocab: int | None = None) -> list[int]:
         return ids.tolist()
     if isinstance(prompt, torch.Tensor) and prompt.dim() == 1 and not prompt.is_floating_point():
         prompt = prompt.tolist()
+    if isinstance(prompt, (torch.Tensor, np.ndarray)) and (prompt.ndim != 1 or _floating(prompt)):
+        one = " (one sequence: pass prompt[0])" if prompt.ndim == 2 and prompt.shape[0] == 1 else ""
+        raise TypeError(
+            f"{where}: prompt must be a list of token ids or a 1-D integer tensor, got a tensor of shape "
+            f"{tuple(prompt.shape)} and dtype {prompt.dtype}{one}"
+        )
     if isinstance(prompt, (str, bytes, torch.Tensor)) or not hasattr(prompt, "__iter__"):
         raise TypeError(f"{where}: prompt must be a list of token ids, got {type(prompt).__name__}")
     prompt = list(prompt)  # any iterable, a one-pass iterator too: read once
@@ -80,6 +86,13 @@ def token_ids_array(
         return prompt, np.asarray(prompt, dtype=np.int64)
     except OverflowError:
         raise ValueError(f"{where}: prompt token ids must fit in int64; got {max(prompt)}") from None
+
+
+def _floating(array) -> bool:
+    """Whether a tensor's or a NumPy array's dtype is a floating-point or complex one."""
+    if isinstance(array, torch.Tensor):
+        return array.is_floating_point() or array.is_complex()
+    return array.dtype.kind in "fc"
 
 
 def _vector_int64(prompt, vocab: int | None) -> np.ndarray | None:
