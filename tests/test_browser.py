@@ -104,14 +104,24 @@ def _open_notebook(sync_api, p, url, viewport=(1400, 1000)):
     )  # fmt: skip
     page = browser.new_page(viewport={"width": viewport[0], "height": viewport[1]})
     page.goto(url)
-    page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=90_000)
+    # after ?reset JupyterLab may ask which kernel to use (the notebook names python3): wait for whichever comes first,
+    # the notebook's kernel connected and idle (the indicator reads idle before, with "No Kernel") or that question
+    # (a fixed 5 s wait for a question that did not come cost each test 5 s)
+    page.wait_for_function(f"() => ({_KERNEL_READY})() || ({_ASKS_KERNEL})()", timeout=90_000)
     select = page.get_by_role("button", name="Select", exact=True)
-    try:  # after ?reset JupyterLab may ask which kernel to use; the notebook names python3
-        select.wait_for(timeout=5_000)
+    if select.is_visible():
         select.click()
-    except sync_api.TimeoutError:
-        pass
+        page.wait_for_function(_KERNEL_READY, timeout=90_000)
     return browser, page
+
+
+_KERNEL_READY = """() => {
+    const name = document.querySelector('.jp-KernelName'),
+          status = document.querySelector('.jp-Notebook-ExecutionIndicator');
+    return !!name && !!status && !name.textContent.includes('No Kernel')
+        && status.getAttribute('data-status') === 'idle';
+}"""
+_ASKS_KERNEL = "() => [...document.querySelectorAll('.jp-Dialog button')].some(b => b.textContent.trim() === 'Select')"
 
 
 def test_make_lab_student_shows_a_friendly_check_message(tmp_path):
