@@ -121,7 +121,9 @@ _KERNEL_READY = """() => {
     return !!name && !!status && !name.textContent.includes('No Kernel')
         && status.getAttribute('data-status') === 'idle';
 }"""
-_ASKS_KERNEL = "() => [...document.querySelectorAll('.jp-Dialog button')].some(b => b.textContent.trim() === 'Select')"
+_ASKS_KERNEL = (
+    "() => [...document.querySelectorAll('.jp-Dialog button')].some(b => b.textContent.trim() === 'Select')"
+)
 
 
 def test_make_lab_student_shows_a_friendly_check_message(tmp_path):
