@@ -388,7 +388,7 @@ if hw is not None:
 # %%
 host_rec = records.load_record("host_time")
 if host_rec is None:
-    print("No host-time record yet: `make bench BENCH=attention` on a GPU writes one.")
+    print("No host-time record yet: `make bench BENCH=host_time` on a GPU writes one.")
 else:
     meta = host_rec["meta"]
     print(f"CPU time to issue one call, (1, 2, 128, 64), the 2k row (1, 8, 2048, 64), "
