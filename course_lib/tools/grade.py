@@ -96,6 +96,9 @@ def grade_notebook(path: Path, timeout: int = 900) -> dict:
             client = NotebookClient(
                 nb, timeout=timeout, allow_errors=True, kernel_name="python3",
                 resources={"metadata": {"path": str(path.parent)}},
+                # the kernel's own log, errors only: ipykernel 7 warns of its local TCP sockets at every start, a
+                # line per notebook between the scorecard's (a cell's warnings are its outputs, not this log)
+                extra_arguments=["--IPKernelApp.log_level=ERROR"],
             )  # fmt: skip
             client.execute()
         except Exception as exc:  # a kernel that died: grade what was logged before it
