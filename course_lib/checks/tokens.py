@@ -101,9 +101,7 @@ def _vector_int64(prompt, vocab: int | None) -> np.ndarray | None:
     wrong). What a tokenizer returns with return_tensors: a 32k-token prompt 0.02-0.05 ms here, against 4.6-6.1 ms
     id by id (a 2-core CPU, 2026-12-01)."""
     if isinstance(prompt, torch.Tensor):
-        if prompt.dim() != 1 or not prompt.numel() or prompt.dtype == torch.bool:
-            return None
-        if prompt.is_floating_point() or prompt.is_complex():
+        if prompt.dim() != 1 or not prompt.numel() or prompt.dtype == torch.bool or _floating(prompt):
             return None
         try:
             array = prompt.detach().cpu().numpy()
