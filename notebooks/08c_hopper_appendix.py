@@ -270,18 +270,15 @@ for d_head in (64, 128):
 # %% [markdown]
 # The rule behind `choose` came from sweeps on an H200: at d = 128 the Gluon kernel wins everywhere.
 # Without the mask it runs persistent while rows are short (up to 32 K/V blocks), so that one tile's
-# epilogue overlaps the next tile's loads. With the mask it runs one program per tile at every length.
-# Causal tiles differ in work: a plain grid lets the hardware hand each free SM the next tile, and in
-# repeated timings that beat the persistent grid's fixed deal (below) by 3-7 % at 2k keys. Short causal rows
-# (N <= 1k) leave each tile only 1-8 K/V blocks, too few to hide its start and its epilogue. There `choose`
-# takes one consumer of 64 rows and 64-key blocks: a program then needs half the registers and half the
-# shared memory, two programs share an SM, and one's start and epilogue overlap the other's products
-# (ping-pong between programs instead of between the consumers of one).
+# epilogue overlaps the next tile's loads. With the mask it runs persistent at every length, its tiles dealt
+# longest first a chunk of heads at a time (the end of this section says why the chunk matters): short causal
+# rows (N <= 2k) leave each tile only a few K/V blocks, too few to hide its start and its epilogue, and there
+# the overlap pays most.
 # At d = 64 the exponentials take as long as the products (S = M in section 1), so two consumers overlap
 # fully only in perfect alternation: no slack is left to absorb a barrier or a late load. `choose` takes
-# the Gluon kernel at d = 64 only on long rows (from 8k keys with the causal mask, 2k without), where the
-# sweeps had it ahead, and its margin there is small (the record printed in section 4 has the measured
-# cells). The sweeps ran grids of many tiles. A grid of a few (one sequence, few heads) gets its tiles in
+# the Gluon kernel at d = 64 from 2k keys, with 128-row tiles on causal rows up to 4k, where the sweeps had
+# it ahead, and its margin there is small (the record printed in section 4 has the measured cells). The
+# sweeps ran grids of many tiles. A grid of a few (one sequence, few heads) gets its tiles in
 # rounds of one a program, and a tile of 192 rows (d = 64) or 128 takes as long as one of the Triton kernel's
 # smaller tiles would twice: given the batch and heads, `choose` counts the rows an SM gets from each kernel
 # and takes the Triton kernel where it gets fewer (its docstring has the timings: one sequence of 8 heads at
@@ -320,7 +317,7 @@ check(
 )
 
 # %% [markdown]
-# Apply it to a cell of the notes' sweeps (`choose` runs no persistent grid on causal rows today): d = 64,
+# Apply it to a cell of the notes' sweeps: d = 64,
 # causal, N = 4096, B = 4, H = 32, three consumers (192 query rows per tile), K/V blocks of 128, 132
 # programs. Then deal the same tiles longest first, in "snake" order (left to right, then right to left),
 # which is what course_lib's persistent kernel does:
@@ -359,7 +356,22 @@ assert max(schedules["longest first, snake"]) < max(schedules["round-robin"])
 # mean, and the whole grid waits for it. The longest-first snake order is nearly balanced. (On the H200 the
 # round-robin schedule measured far slower at this cell than one program per tile; `notes/attention.md`,
 # "Tried and rejected".) Balanced on paper is not the same as fast: at d = 128 the snake-dealt persistent grid
-# still trailed one program per tile on causal rows in repeated timings (section 3).
+# at first still trailed one program per tile on causal rows. Sorting *all* the tiles longest first puts the
+# first query block of every head in the first round: the 132 programs read the K and V of 132 different
+# heads at once, and at short rows those no longer fit in the L2 (50 MB on an H200), so every tile reads its
+# keys from HBM. One program per tile runs a head's tiles side by side, and they share its keys in the L2.
+# course_lib's kernel now sorts a *chunk* of heads at a time: with `programs` a multiple of a head's query
+# blocks (`hopper.persistent_grid`), each round is one chunk of programs / blocks heads, longest first, so the
+# snake still pairs each long tile with a short one and the keys read at once are the chunk's. The cell below
+# counts the K/V bytes the first round reads each way, at d = 128 and 2k keys (B = 8, H = 16, 128-row tiles).
+
+# %%
+blocks_per_head = 2048 // 128
+heads_per_chunk = 132 // blocks_per_head  # 8: 128 of the 132 programs, whole heads a round
+kv_bytes_per_head = 2 * 2048 * 128 * 2  # K and V, bf16
+for name, heads_read in (("all tiles longest first", min(132, 8 * 16)), ("a chunk at a time", heads_per_chunk)):
+    mib = heads_read * kv_bytes_per_head / 2**20
+    print(f"{name:24}: round 1 reads the keys of {heads_read:3} heads, {mib:5.0f} MiB")
 #
 # ### Few tiles: key splits and stream-K
 #
@@ -527,8 +539,9 @@ if got is not None:
 # sweeps behind `choose` (`notes/attention.md`, "Why it is so") timed every candidate
 # several times per cell, each first in turn (`course_lib.perf.timing.interleaved`). An earlier H200
 # record had `choose` taking the persistent grid for causal rows of 2k keys, 5 % behind the plain ping-pong
-# kernel. Repeated timings showed the same gap in two more runs, so `choose` now takes the plain kernel
-# there.
+# kernel. Repeated timings showed the same gap in two more runs, so `choose` took the plain kernel there,
+# until the persistent grid dealt its tiles a chunk of heads at a time (section 3) and moved ahead at every
+# causal length.
 #
 # ## 5. The backward: dK and dV without spilling
 #

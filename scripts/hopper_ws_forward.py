@@ -49,6 +49,7 @@ VARIANTS = {
         V(64, 2, 1, False, False),
         V(64, 3, 1, False, False),
         V(64, 2, 1, False, True),
+        V(64, 3, 1, False, True),
     ],
     64: [
         V(128, 3, 3, True, True),
@@ -59,6 +60,7 @@ VARIANTS = {
         V(64, 4, 1, False, False),
         V(128, 3, 1, False, False),
         V(128, 3, 1, False, True),
+        V(64, 4, 1, False, True),
     ],
 }
 

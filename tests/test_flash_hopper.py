@@ -79,7 +79,8 @@ def test_choose_grid_rule():
         (128, 4, 2048, True, False),  # 64
         (128, 2, 4096, False, True),  # 64 tiles over 4096 keys
         (128, 8, 2048, True, True),  # 128
-        (128, 4, 1024, True, True),  # one consumer's 64-row tiles
+        (128, 4, 1024, True, False),  # 32 tiles
+        (128, 16, 1024, True, True),  # 128
     ]:
         assert hopper.choose(d, causal, n, n) is not None
         assert (hopper.choose(d, causal, n, n, 0, heads, sms) is not None) == taken, (d, heads, n, causal)
@@ -112,6 +113,7 @@ CASES = [
     ("Nq=200 < Nk=2345, bottom-right", (1, 4, 200, None), 2345, "bottom_right"),
     ("N=130 ragged", (1, 5, 130, None), 130, False),
     ("N=4096, causal, many tiles per SM", (1, 40, 4096, None), 4096, True),
+    ("N=2048, causal, a last chunk of fewer heads", (1, 37, 2048, None), 2048, True),
     ("N=1, one query", (3, 2, 1, None), 1, True),
 ]
 

@@ -133,10 +133,12 @@ def _tile(k, BH, num_m, num_tiles, CAUSAL: gl.constexpr, PERSISTENT: gl.constexp
     One program per tile (not PERSISTENT): round 0 only, tile = program id; tiles of one head are
     adjacent (its K and V stay in L2) and, under CAUSAL, its longest query blocks come first.
     PERSISTENT: round k covers tiles k*G ... k*G + G - 1 of the G programs, in snake order (program
-    G-1-pid on odd rounds). Under CAUSAL the tiles are then ordered longest first over all heads, so
-    that each program gets long and short ones: a static round-robin over head-major tiles gives
-    program pid the same query block of every head whenever G is a multiple of the blocks per head,
-    and 1.5-1.8x the average work at the standard shapes (a simulation).
+    G-1-pid on odd rounds). Under CAUSAL the tiles go longest first, so that the snake hands each program a
+    long tile and then a short one (a static round-robin over head-major tiles gives program pid the same
+    query block of every head whenever G is a multiple of the blocks per head, 1.5-1.8x the average work at
+    the standard shapes, a simulation): where G is a multiple of num_m (`persistent_grid` makes it one for
+    top-left rows), in chunks of G // num_m heads, a round a chunk, so that the K and V read at once are a
+    chunk's heads; else over all heads at once (at short rows out of the L2: 6-12 % slower at d = 128).
     KEY_SPLITS > 1: the num_m * BH tiles of split 0 first, then those of split 1, ... (a split's tiles of
     one head read the same K/V blocks, so they run together)."""
     G = gl.num_programs(0)
@@ -148,8 +150,12 @@ def _tile(k, BH, num_m, num_tiles, CAUSAL: gl.constexpr, PERSISTENT: gl.constexp
         split = t // (num_m * BH)
         t = t % (num_m * BH)
     if CAUSAL and PERSISTENT:
-        off_hz = t % BH
-        start_m = num_m - 1 - t // BH
+        hg = gl.where(G % num_m == 0, G // num_m, BH)  # heads a chunk: all of them on a grid not so cut
+        chunk = t // (hg * num_m)
+        r = t % (hg * num_m)
+        hc = gl.maximum(gl.minimum(hg, BH - chunk * hg), 1)  # the last chunk's heads may be fewer
+        off_hz = chunk * hg + r % hc
+        start_m = num_m - 1 - r // hc
     else:
         off_hz = t // num_m
         start_m = t % num_m
@@ -511,13 +517,12 @@ class Variant(Launch):
 D128_SHORT = Variant(128, 3, 2, True, True)  # d = 128, no mask, rows of <= 32 K/V blocks
 D128_LONG = Variant(128, 3, 2, True, False)
 D64 = Variant(128, 3, 3, True, True)
-D64_ROWS_128 = Variant(128, 4, 2, True, True)  # bottom-right calls (a KV cache's chunk): 128-row tiles
-# One consumer, two programs an SM: causal rows of d = 128 up to 1k keys.
-D128_CAUSAL_SHORT = Variant(64, 3, 1, False, False)
+# 128-row tiles at d = 64: causal rows of 2k-4k keys, bottom-right calls (a KV cache's chunk)
+D64_ROWS_128 = Variant(128, 4, 2, True, True)
 # Every variant the tests check: the chosen ones and a few others (each fits in 227 KB of shared memory, or its
-# share of it where two run on an SM).
+# share of it where two run on an SM: one consumer, 64-key blocks, two programs an SM).
 VARIANTS = {
-    128: (D128_SHORT, D128_LONG, Variant(128, 3, 2, False, True), D128_CAUSAL_SHORT),
+    128: (D128_SHORT, D128_LONG, Variant(128, 3, 2, False, True), Variant(64, 3, 1, False, False)),
     64: (D64, Variant(128, 3, 3, False, False), D64_ROWS_128),
 }
 
@@ -539,8 +544,8 @@ def choose(
     316.9 / 332.2; causal 2 x 8192 (163 / 128) 118.2 / 110.1, 8 x 8192 (490 / 512) 180.2 / 248.6. d = 128: 2 x
     2048 (32 tiles) causal 35.6 / 29.9, non-causal 35.3 / 29.2; 4 x 2048 causal (64) 36.1 / 30.5; 2 x 4096
     non-causal (64) 59.8 / 73.4; 5 x 2048 causal (80) 37.2 / 40.4; 5 x 4096 causal (160) 61.8 / 74.7; 8 x 2048
-    causal (128) 37.9 / 42.2; 3 x 8192 non-causal (192) 211.3 / 274.7; one consumer's 64-row tiles, 4 x 1024
-    causal 18.0 / 18.9. The Triton kernel's 128-row tiles are an approximation (its table's launch decides)."""
+    causal (128) 37.9 / 42.2; 3 x 8192 non-causal (192) 211.3 / 274.7. The Triton kernel's 128-row tiles are
+    an approximation (its table's launch decides)."""
     variant = _variant(d, causal, n_q, n_k, offset)
     if variant is None or not (heads and sms) or (causal and offset >= n_q):
         return variant
@@ -560,30 +565,29 @@ def _variant(d: int, causal: bool, n_q: int, n_k: int, offset: int = 0) -> Varia
     and repeated timings): at d = 128 this kernel wins everywhere but on short causal rows. Without
     the mask, one program per SM (persistent) while rows are short (<= 32 K/V blocks of 128: the
     epilogue of one tile overlaps the next one's loads), one program per tile beyond. With the mask,
-    one program per tile at every length (3-7 % faster at 2k keys in each of five runs): the hardware
-    hands each free SM the next tile, while the persistent grid deals tiles of unequal work in a fixed
-    order. At d = 64 the exponentials, not the tensor cores, set the pace; three consumers win on long
-    rows, the Triton kernel on short and causal ones. A causal offset (bottom-right: a chunk of queries at
+    persistent at every length, its tiles dealt longest first a chunk of heads at a time (`_tile`;
+    `scripts/hopper_ws_forward.py --passes 4 --causal 1` and an A/B of the tile orders, H200,
+    2026-12-01, TFLOP/s, persistent / one program per tile / persistent with the tiles longest first over
+    all heads, as before): 1k 373 / 318 / 309 (the one-consumer variant of before, 335), 2k 475 / 399 / 385,
+    4k 541 / 471 / 465, 8k 575 / 527 / 554, 16k 606 / 578 / 581. At d = 64 the exponentials, not the tensor
+    cores, set the pace; three consumers win on long rows, the Triton kernel on short ones; causal rows of
+    2k-4k keys take 128-row tiles (D64_ROWS_128, chunked as above): 346 / 393 against Triton's 309 / 355
+    (8k: 406 against D64's 414, 16k 426 / 421-425, 1k 278 / Triton's 281: left as they were). One consumer of
+    64 rows a program, two programs an SM (`Variant.programs_per_sm`; the choice at d = 128 causal 1k until
+    2026-12-01) ran 335-340 there. A causal offset (bottom-right: a chunk of queries at
     the end of a KV cache) at least n_q puts most of each row's keys before the diagonal: such shapes
     follow the unmasked rule, at the keys a row sees on average, and at d = 64 take tiles of 128 rows
     (`scripts/hopper_ws_forward.py --bottom-right`, H200, 2026-11-29, Nq x Nk from 256 x 8192 to
     3280 x 32768 over ~8k query rows, and at 16 heads of one sequence: the pick 1.29-1.35x the Triton
     kernel at d = 128, 1.00-1.05x at d = 64, within 0.96 of the fastest variant in every cell; the
-    192-row tiles of D64 lost up to 28 % where the rows are few). Short causal rows take one consumer of 64
-    rows a program and two programs an SM (`Variant.programs_per_sm`; `--passes 6 --causal 1`, H200,
-    2026-11-30, TFLOP/s against the Triton kernel): d = 128 at 1k keys with 64-key blocks 334 / 307 (the
-    two-consumer variants 304-317; `make bench` 340 against 325). Not at d = 64: the sweep had it ahead, 329 /
-    306 at 2k and 376 / 325 at 4k, but `make bench` not, 333 / 339 and 387 / 383 (the sweep's timings of the
-    Triton kernel, the same recorded launch, ran 6-10 % below the bench's, the Gluon ones' 1-2 %: unexplained); at
-    1k 255 / 273, at 8k 402 against D64's 416."""
+    192-row tiles of D64 lost up to 28 % where the rows are few)."""
     if causal and offset >= n_q:
         unmasked = _variant(d, False, n_q, offset + n_q // 2)
         return D64_ROWS_128 if d == 64 and unmasked is not None else unmasked
-    blocks = cdiv(n_k, 128) / (2 if causal else 1)  # K/V blocks per tile, on average
     if d == 128:
-        if blocks <= 4:  # causal N <= 1k: tiles of 1-8 blocks of 128
-            return D128_CAUSAL_SHORT
-        return D128_SHORT if not causal and blocks <= 32 else D128_LONG
+        return D128_SHORT if causal or cdiv(n_k, 128) <= 32 else D128_LONG
+    if d == 64 and causal and 2048 <= n_k < 8192:
+        return D64_ROWS_128
     if d == 64:
         return D64 if n_k >= (8192 if causal else 2048) else None
     return None
@@ -609,6 +613,17 @@ def launch_options(num_consumers: int, programs_per_sm: int = 1) -> dict:
     maxnreg = (65536 // (programs_per_sm * warps * 32)) // 8 * 8
     consumer_regs = min(240, ((maxnreg * (warps // 4) - 24) // num_consumers) // 8 * 8)
     return {"num_warps": 4, "maxnreg": maxnreg, "CONSUMER_REGS": consumer_regs}
+
+
+def persistent_grid(variant: Variant, tiles: int, num_m: int, top_left: bool, index: int) -> int:
+    """Programs of a PERSISTENT launch of `tiles` tiles, num_m a head (its query blocks): one per slot
+    (`programs_per_sm` an SM), fewer where the tiles are fewer; for causal rows with most keys on the diagonal
+    (top_left: offset < n_q) a multiple of num_m where that keeps 90 % of the slots, so that each round is a
+    chunk of whole heads sorted longest first (`_tile`)."""
+    slots = variant.programs_per_sm * sm_count(index)
+    if top_left and slots // num_m * num_m >= 0.9 * slots:
+        slots = slots // num_m * num_m
+    return min(tiles, slots)
 
 
 @functools.cache
@@ -689,7 +704,8 @@ def forward(
             f"and {tuple(lse3.shape)}"
         )
     tiles = cdiv(n_q, QUERY_ROWS * variant.num_consumers) * B * H * key_splits
-    grid = (min(tiles, variant.programs_per_sm * sm_count(q4.device.index)) if variant.persistent else tiles,)
+    grid = (persistent_grid(variant, tiles, cdiv(n_q, QUERY_ROWS * variant.num_consumers), causal and offset < n_q,
+                            q4.device.index) if variant.persistent else tiles,)  # fmt: skip
     if slots > 1 and not (o4.is_contiguous() and lse3.is_contiguous()):
         raise ValueError(
             f"hopper.forward: key_splits={key_splits} needs contiguous partials (a slot a split)"
