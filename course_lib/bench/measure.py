@@ -260,6 +260,7 @@ def run_attention(quick: bool = False) -> dict:
         model_dim=None if not on_gpu else MODEL_DIM,
         quick=quick,
         timer=timer_name(quick),
+        paired=dict(providers=list(PAIRED), passes=PAIR_PASSES[quick]),
         seconds_per_provider={p: round(t, 1) for p, t in seconds.items()},
         max_score_bytes=MAX_SCORE_BYTES,
         providers=list(PROVIDERS),
