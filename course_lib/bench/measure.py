@@ -134,36 +134,37 @@ def paired_times(fns: dict, providers, q, k, v, do, causal: bool, timer, passes:
     """Medians of each provider's forward, backward and forward + backward (eager; forward and both also as
     CUDA-graph replays, on a GPU), all timed in turn over `passes` passes (`perf.timing.interleaved`): {provider:
     {mode: {"ms", "ms_passes"[, "graph_ms", "graph_ms_passes"]}}}. Inputs as `measure_provider`'s; each call
-    ran before (warm)."""
-    calls, keep = {}, []
-    for p in providers:
-        fn = fns[p]
+    ran before (warm). Each timing keeps nothing alive after it (a graph, or the forward a backward is timed
+    through, is made for it and dropped), as in `measure_provider`."""
 
-        def fwd(fn=fn):
+    def modes(fn):
+        def fwd():
             with torch.no_grad():
                 return fn(q, k, v, causal)
 
-        def fwd_bwd(fn=fn):
+        def fwd_bwd():
             return torch.autograd.grad(fn(q, k, v, causal), (q, k, v), do)
 
-        o = fn(q, k, v, causal)
-        keep.append(o)
-        calls[p, "fwd", "ms"] = fwd
-        calls[p, "fwd_bwd", "ms"] = fwd_bwd
-        calls[p, "bwd", "ms"] = lambda o=o: torch.autograd.grad(o, (q, k, v), do, retain_graph=True)
+        def bwd_ms():
+            o = fn(q, k, v, causal)  # dropped on return
+            return timer(lambda: torch.autograd.grad(o, (q, k, v), do, retain_graph=True))
+
+        return fwd, fwd_bwd, bwd_ms
+
+    calls = {}
+    for p in providers:
+        fwd, fwd_bwd, bwd_ms = modes(fns[p])
+        calls[p, "fwd", "ms"] = lambda fwd=fwd: timer(fwd)
+        calls[p, "fwd_bwd", "ms"] = lambda fwd_bwd=fwd_bwd: timer(fwd_bwd)
+        calls[p, "bwd", "ms"] = bwd_ms
         if runtime.ON_GPU:
-            for mode, call in (("fwd", fwd), ("fwd_bwd", fwd_bwd)):
-                try:
-                    calls[p, mode, "graph_ms"] = timing.graphed(call)
-                except Exception:  # a provider that refuses capture keeps its graph time of `_measure`
-                    pass
-    times = timing.interleaved(calls, passes, timer)
+            calls[p, "fwd", "graph_ms"] = lambda fwd=fwd: _graph_ms(fwd, timer)
+            calls[p, "fwd_bwd", "graph_ms"] = lambda fwd_bwd=fwd_bwd: _graph_ms(fwd_bwd, timer)
+    times = timing.interleaved(calls, passes, timer=lambda timed: timed())
     out = {p: {} for p in providers}
     for (p, mode, key), ms in times.items():
-        out[p].setdefault(mode, {}).update({key: statistics.median(ms), f"{key}_passes": ms})
-    del calls, keep
-    if runtime.ON_GPU:
-        torch.cuda.empty_cache()
+        if None not in ms:  # a graph that could not be captured keeps `_measure`'s figure
+            out[p].setdefault(mode, {}).update({key: statistics.median(ms), f"{key}_passes": ms})
     return out
 
 
@@ -243,7 +244,7 @@ def run_attention(quick: bool = False) -> dict:
                         for key in ("ms", "graph_ms")
                         if key in entries[p, m]
                     }
-                    entries[p, m].update(first, **paired[p][m])
+                    entries[p, m].update(first, **paired[p].get(m, {}))
             seconds["paired"] = seconds.get("paired", 0.0) + time.perf_counter() - t0
         for (_, m), entry in entries.items():
             if entry["status"] == "ok":
