@@ -572,6 +572,8 @@ for d_head in (64, 128, 256):
 # - *Warp-specialised dQ (backward, Gluon)*: the dQ kernel's warps take jobs too: one warp streams K and V
 #   while two warpgroups keep S, dP and dQ's products in flight behind the softmax. It reads D = rowsum(dO·O),
 #   which the Triton dQ kernel computed as it went, from a pass of its own over O and dO.
+# - *One pass (backward, Gluon)*: one kernel makes dK, dV and dQ, so S and dP are computed once, not twice:
+#   5 tile products instead of 7, with dQ added into a float32 accumulator by TMA (notebook 08c, section 7).
 # - *One pass, atomic dQ*: notebook 07, section 7 (this rung's gain is over the Gluon rungs before it).
 
 # %%
@@ -602,7 +604,8 @@ rung_guesses = {  # (pass, rung): your predicted gain over the rung before it
     ("bwd", "3 pipeline stages"): predict("backward: 3 pipeline stages", 1.2, unit="x"),
     ("bwd", "autotuned (Triton)"): predict("backward: autotuned (Triton)", 1.05, unit="x"),
     ("bwd", "dK/dV without spills (Gluon, Hopper)"): predict("backward: dK/dV, no spills", 1.1, unit="x"),
-    ("bwd", "warp-specialised dQ (Gluon, Hopper; course_lib)"): predict("backward: warp-specialised dQ", 1.1, unit="x"),
+    ("bwd", "warp-specialised dQ (Gluon, Hopper)"): predict("backward: warp-specialised dQ", 1.1, unit="x"),
+    ("bwd", "one pass (Gluon, Hopper; course_lib)"): predict("backward: one pass (Gluon)", 1.2, unit="x"),
     ("bwd", "one pass, atomic dQ"): predict("backward: one pass, atomic dQ", 0.4, unit="x"),
 }
 
@@ -722,7 +725,8 @@ if ladder_rec is not None:
 #   each K/V tile and then waits for it with nothing else to do, so doubling the tile bought nothing; three
 #   stages then paid more than predicted, because they hide exactly those waits. Two steps that interact
 #   should be predicted together: their product is what to compare.
-# - *Atomic dQ.* Predicted faster (5 tile products instead of 7), measured slower: every K/V program
+# - *Atomic dQ.* Predicted faster than the Triton two-kernel backward (5 tile products instead of 7), so a
+#   little slower than the Gluon one pass before it; measured about two thirds of it: every K/V program
 #   adds a BLOCK_M x d float32 tile into dQ at every step, and those read-modify-writes in L2 cost more than
 #   the two products they save. The byte count the prediction left out is the atomics' traffic — notebook 07
 #   measures the same trade-off across shapes. The adds are relaxed (notebook 07 says why); with the
@@ -742,6 +746,11 @@ if ladder_rec is not None:
 #   this backward. Where the rest went is not measured yet:
 #   the pass for D (one more launch, a read of O and dO) and what the dK/dV kernel finds in the L2 after it
 #   are the first suspects.
+# - *One pass.* Predicted 1.2x; measured only a few per cent faster at this shape. The products it saves were
+#   already overlapped with the softmax in the two warp-specialised kernels, and it adds costs of its own:
+#   both warpgroups must have stored their dS before either can start dQ's product, and dQ goes out in
+#   float32 adds. It gains more on longer rows (`hopper_onepass.choose`'s docstring has the timings), which
+#   is where course_lib runs it.
 #
 # The figures these words read, from the records, and the words checked against them (a new record that
 # tells another story stops this notebook until its words are rewritten):
@@ -762,11 +771,13 @@ if ladder_rec is not None:
     tuned_bwd, _ = rung_gain(ladder_rec, "bwd", "autotuned")
     no_spills, no_spills_predicted = rung_gain(ladder_rec, "bwd", "dK/dV without spills")
     ws_dq, ws_dq_predicted = rung_gain(ladder_rec, "bwd", "warp-specialised dQ")
+    one_pass, one_pass_predicted = rung_gain(ladder_rec, "bwd", "one pass")
     assert tile < 1.05 and stages > stages_predicted, "128-row blocks bought nothing; 3 stages beat the prediction"
     assert atomic < 0.8, "atomic dQ measured slower"
     assert 0.95 < tuned_fwd < 1.1 and tuned_bwd < 1.0, "autotuned: within a few % of 1.0x forward, below 1.0x backward"
     assert no_spills < 1.05 * no_spills_predicted, "dK/dV without spills: no better than predicted, within noise"
     assert 1.0 < ws_dq < 1.05 * ws_dq_predicted, "warp-specialised dQ: faster, about as predicted"
+    assert 0.98 < one_pass < 1.1 < one_pass_predicted, "one pass: a few per cent at most, well under the prediction"
     hb_rec = records.load_record("hopper_backward")
     if hb_rec is not None:
         cell = [r for r in hb_rec["data"]["results"] if (r["d"], r["N"], r["causal"]) == (128, 16384, False)]
@@ -851,6 +862,8 @@ if att_rec is not None:
 #   autograd node, since nothing there needs a gradient) against its own direct launch; at N = 1k a forward
 #   takes a fraction of a millisecond, so tens of microseconds of Python per call are visible.
 # Compare figures only within one record, where one process measured every provider on the same inputs.
+# Within it, the two columns the targets read (course_lib against SDPA's default) come from timings taken in
+# turn (the drift trap of section 1): each cell's entries keep their passes (`ms_passes`) beside the median.
 
 # %%
 def ratios(rows, column, n=None, d=None):

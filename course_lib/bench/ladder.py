@@ -79,17 +79,21 @@ LADDER = (
          "the next streamed tile loads during this one's 4 (dK/dV) or 3 (dQ) matmuls"),
     Step("autotuned (Triton)", "bwd", {"hopper": False}, 1.05,
          "the best of several configs for this shape"),
-    Step("dK/dV without spills (Gluon, Hopper)", "bwd", {"hopper_dq": False}, 1.1,
+    Step("dK/dV without spills (Gluon, Hopper)", "bwd", {"hopper_dq": False, "hopper_onepass": False}, 1.1,
          "the Triton dK/dV kernel needs ~256 registers per thread (transposed tiles, L and D per column, "
          "16-bit operands in registers) and spills; the Gluon kernel's layout needs ~196 (untransposed "
          "tiles, P and dS through shared memory): dK/dV ~1.2x, about 60 % of the backward (dQ unchanged)"),
-    Step("warp-specialised dQ (Gluon, Hopper; course_lib)", "bwd", None, 1.1,
+    Step("warp-specialised dQ (Gluon, Hopper)", "bwd", {"hopper_onepass": False}, 1.1,
          "dQ is ~40 % of the backward now; a producer warp streams K, V while two warpgroups keep S, dP "
          "and dQ's products in flight behind the softmax: dQ ~1.3x (the probe's 1.2-1.4x), less a pass "
          "for D over O and dO (~2 %): ~1.1x"),
-    Step("one pass, atomic dQ", "bwd", {"hopper": False}, 1.1,
+    Step("one pass (Gluon, Hopper; course_lib)", "bwd", None, 1.2,
+         "5 tile products, not 7 (S and dP made once, for dK, dV and dQ alike): 1.4x where the products set "
+         "the pace, less dQ's float32 adds by TMA (a 64 x 128 tile per step and program) and each warpgroup "
+         "waiting for the other's dS before dQ's product: ~1.2x"),
+    Step("one pass, atomic dQ", "bwd", {"hopper": False}, 0.9,
          "over the Triton two-kernel backward: 5 tile matmuls, not 7 (S, dP not recomputed for dQ): 1.4x, "
-         "less fp32 atomic adds to dQ, ~1.2x; the rung below is ~1.1x faster than that one",
+         "less fp32 atomic adds to dQ, ~1.2x; the Gluon one pass below is ~1.3x faster than that one: ~0.9x",
          dq_mode="atomic"),
 )
 # fmt: on
