@@ -357,8 +357,8 @@ assert max(schedules["longest first, snake"]) < max(schedules["round-robin"])
 # round-robin schedule measured far slower at this cell than one program per tile; `notes/attention.md`,
 # "Tried and rejected".) Balanced on paper is not the same as fast: at d = 128 the snake-dealt persistent grid
 # at first still trailed one program per tile on causal rows. Sorting *all* the tiles longest first puts the
-# first query block of every head in the first round: the 132 programs read the K and V of 132 different
-# heads at once, and at short rows those no longer fit in the L2 (50 MB on an H200), so every tile reads its
+# first query block of every head in the first round: the 132 programs read the K and V of up to 132
+# heads at once, and at short rows those no longer fit in the L2 (60 MiB on an H200), so many tiles read their
 # keys from HBM. One program per tile runs a head's tiles side by side, and they share its keys in the L2.
 # course_lib's kernel now sorts a *chunk* of heads at a time: with `programs` a multiple of a head's query
 # blocks (`hopper.persistent_grid`), each round is one chunk of programs / blocks heads, longest first, so the

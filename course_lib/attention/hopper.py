@@ -138,7 +138,7 @@ def _tile(k, BH, num_m, num_tiles, CAUSAL: gl.constexpr, PERSISTENT: gl.constexp
     query block of every head whenever G is a multiple of the blocks per head, 1.5-1.8x the average work at
     the standard shapes, a simulation): where G is a multiple of num_m (`persistent_grid` makes it one for
     top-left rows), in chunks of G // num_m heads, a round a chunk, so that the K and V read at once are a
-    chunk's heads; else over all heads at once (at short rows out of the L2: 6-12 % slower at d = 128).
+    chunk's heads (the L2 holds a chunk's, not every head's); else over all heads at once (4-19 % slower at d = 128).
     KEY_SPLITS > 1: the num_m * BH tiles of split 0 first, then those of split 1, ... (a split's tiles of
     one head read the same K/V blocks, so they run together)."""
     G = gl.num_programs(0)
