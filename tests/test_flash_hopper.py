@@ -61,6 +61,21 @@ def test_variants_fit_an_sm():
     assert hopper.choose(32, False, 4096, 4096) is None and hopper.choose(256, True, 4096, 4096) is None
 
 
+def test_persistent_grid(monkeypatch):
+    """A persistent launch takes one program a slot, or fewer where the tiles are fewer; on causal top-left rows
+    a multiple of a head's query blocks (each round a chunk of whole heads, `_tile`) where that keeps 90 % of
+    the slots, else every slot (the kernel then deals over all heads at once)."""
+    monkeypatch.setattr(hopper, "sm_count", lambda index=None: 132)
+    d128, d64 = hopper.D128_SHORT, hopper.D64
+    assert hopper.persistent_grid(d128, 16 * 8 * 16, 16, True, 0) == 128  # 2k keys: 8 heads a round
+    assert hopper.persistent_grid(d128, 16 * 8 * 16, 16, False, 0) == 132  # bottom-right: every slot
+    assert hopper.persistent_grid(d128, 64 * 128, 128, True, 0) == 128  # 16k keys: one head a round
+    assert hopper.persistent_grid(d64, 32 * 86, 86, True, 0) == 132  # 86 programs would leave 35 % idle
+    assert hopper.persistent_grid(d128, 40, 8, True, 0) == 40  # fewer tiles than slots: one round
+    one_consumer = hopper.Variant(64, 3, 1, False, True)  # two programs an SM: 264 slots
+    assert hopper.persistent_grid(one_consumer, 256 * 16, 16, True, 0) == 256
+
+
 def test_choose_grid_rule():
     """With the grid given (batch x query heads, SMs), `choose` leaves to the Triton kernel the grids where the
     Gluon kernel's larger tiles lose (measured in its docstring): at d = 64 where an SM's rows (rounds of tiles
