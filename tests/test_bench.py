@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ import torch
 import course_lib
 from course_lib import bench, records
 from course_lib.bench import attention as attention_bench
-from course_lib.bench import registry
+from course_lib.bench import measure, registry
 from course_lib.perf import timing
 
 
@@ -169,6 +170,10 @@ def test_main_quick_writes_records(tmp_path, capsys, monkeypatch):
             assert r["max_abs_diff_vs_sdpa"] < 1e-5, r  # fp32 on the CPU: about 1e-6
         else:
             assert r["reason"], r
+        if r["provider"] in measure.PAIRED and r["status"] == "ok":  # timed in turn: the median of the passes
+            passes = r["ms_passes"]
+            assert len(passes) == data["paired"]["passes"] and r["first_ms"] > 0, r
+            assert r["ms"] == pytest.approx(statistics.median(passes), rel=1e-12), r
     lad = records.load_record("ladder", folder=tmp_path)["data"]
     assert [s["name"] for s in lad["steps"]] == [s.name for s in bench.LADDER]
     assert all(s["status"] == "ok" and s["max_abs_diff_vs_tuned"] < 1e-5 for s in lad["steps"]), lad["steps"]
