@@ -836,10 +836,10 @@ if got_one_pass is not None:
 #   memory, mbarriers, TMA, asynchronous `warpgroup_mma` and `warp_specialize`.
 # - Shared memory (227 KB per program) bounds the variants; stages mattered most. A persistent grid needs a
 #   balanced schedule: round-robin over causal tiles can leave one program with far more than its share.
-#   Even dealt longest first, causal tiles ran faster on a plain grid, which the hardware balances.
-# - course_lib runs the Gluon kernel where `hopper.choose` says it measured faster (d = 128 everywhere, short
-#   causal rows with one consumer and two programs an SM; d = 64 on long rows) and the Triton kernel
-#   elsewhere.
+#   Dealt longest first over every head, causal tiles still ran faster on a plain grid; dealt longest first a
+#   chunk of heads at a time, so that the keys read at once stay in the L2, the persistent grid won.
+# - course_lib runs the Gluon kernel where `hopper.choose` says it measured faster (d = 128 everywhere; d = 64
+#   from 2k keys) and the Triton kernel elsewhere.
 # - The Triton dK/dV kernel needs about 256 registers per thread at d = 128 (transposed tiles, L and D per
 #   column, 16-bit operands in registers) and spills; the Gluon kernel's layout (FlashAttention-3's warp
 #   specialisation, untransposed tiles, P and dS through shared memory, 240 registers for each consumer)
