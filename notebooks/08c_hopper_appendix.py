@@ -372,7 +372,8 @@ kv_bytes_per_head = 2 * 2048 * 128 * 2  # K and V, bf16
 for name, heads_read in (("all tiles longest first", min(132, 8 * 16)), ("a chunk at a time", heads_per_chunk)):
     mib = heads_read * kv_bytes_per_head / 2**20
     print(f"{name:24}: round 1 reads the keys of {heads_read:3} heads, {mib:5.0f} MiB")
-#
+
+# %% [markdown]
 # ### Few tiles: key splits and stream-K
 #
 # Notebook 14's cached prompt leaves the opposite problem: 3280 new query rows over 32k keys at 16 heads are
