@@ -750,7 +750,7 @@ if ladder_rec is not None:
 #   yet measured apart: the two warp-specialised kernels already hid much of the products it saves behind
 #   the softmax, and it adds costs of its own (both warpgroups must have stored their dS before either can
 #   start dQ's product, and dQ goes out in float32 adds). The timings behind `hopper_onepass.choose` (its
-#   docstring) put it 1-8 % ahead of the two kernels on causal rows of 2k-16k keys at d = 128.
+#   docstring) put it 2-8 % ahead of the two kernels on causal rows of 2k-16k keys at d = 128.
 #
 # The figures these words read, from the records, and the words checked against them (a new record that
 # tells another story stops this notebook until its words are rewritten):
