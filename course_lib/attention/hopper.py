@@ -703,9 +703,12 @@ def forward(
             f"({'token-major' if token_major else 'head-major'}, {key_splits} key splits); got {tuple(o4.shape)} "
             f"and {tuple(lse3.shape)}"
         )
-    tiles = cdiv(n_q, QUERY_ROWS * variant.num_consumers) * B * H * key_splits
-    grid = (persistent_grid(variant, tiles, cdiv(n_q, QUERY_ROWS * variant.num_consumers), causal and offset < n_q,
-                            q4.device.index) if variant.persistent else tiles,)  # fmt: skip
+    num_m = cdiv(n_q, QUERY_ROWS * variant.num_consumers)  # query blocks a head
+    tiles = num_m * B * H * key_splits
+    top_left = causal and offset < n_q
+    grid = (
+        persistent_grid(variant, tiles, num_m, top_left, q4.device.index) if variant.persistent else tiles,
+    )
     if slots > 1 and not (o4.is_contiguous() and lse3.is_contiguous()):
         raise ValueError(
             f"hopper.forward: key_splits={key_splits} needs contiguous partials (a slot a split)"

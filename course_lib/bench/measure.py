@@ -89,12 +89,8 @@ def _measure(call, resident: int, ideal: int, timer, provider: str, graph: bool 
     return out
 
 
-def measure_provider(fn, q, k, v, do, causal: bool, timer, provider: str = "") -> dict:
-    """Time and peak memory of `fn` for the forward, the backward and both; mode -> `_measure`'s dict.
-
-    q, k, v: (B, H, N, d) with requires_grad; do: (B, H, N, d), the gradient of O. The forward runs
-    under no_grad; the backward alone backpropagates through one forward kept alive for it."""
-    size = _nbytes(q)  # one (B, H, N, d) tensor
+def _mode_calls(fn, q, k, v, do, causal: bool):
+    """The forward (under no_grad) and the forward + backward of `fn` on these inputs, as calls to time."""
 
     def fwd():
         with torch.no_grad():
@@ -103,6 +99,16 @@ def measure_provider(fn, q, k, v, do, causal: bool, timer, provider: str = "") -
     def fwd_bwd():
         return torch.autograd.grad(fn(q, k, v, causal), (q, k, v), do)
 
+    return fwd, fwd_bwd
+
+
+def measure_provider(fn, q, k, v, do, causal: bool, timer, provider: str = "") -> dict:
+    """Time and peak memory of `fn` for the forward, the backward and both; mode -> `_measure`'s dict.
+
+    q, k, v: (B, H, N, d) with requires_grad; do: (B, H, N, d), the gradient of O. The forward runs
+    under no_grad; the backward alone backpropagates through one forward kept alive for it."""
+    size = _nbytes(q)  # one (B, H, N, d) tensor
+    fwd, fwd_bwd = _mode_calls(fn, q, k, v, do, causal)
     # What each mode cannot avoid holding: q, k, v, O (forward); also dO, dQ, dK, dV (with a backward).
     out = {
         "fwd": _measure(fwd, 3 * size, 4 * size, timer, provider, graph=provider != "compiled"),
@@ -137,26 +143,16 @@ def paired_times(fns: dict, providers, q, k, v, do, causal: bool, timer, passes:
     ran before (warm). Each timing keeps nothing alive after it (a graph, or the forward a backward is timed
     through, is made for it and dropped), as in `measure_provider`."""
 
-    def modes(fn):
-        def fwd():
-            with torch.no_grad():
-                return fn(q, k, v, causal)
-
-        def fwd_bwd():
-            return torch.autograd.grad(fn(q, k, v, causal), (q, k, v), do)
-
-        def bwd_ms():
-            o = fn(q, k, v, causal)  # dropped on return
-            return timer(lambda: torch.autograd.grad(o, (q, k, v), do, retain_graph=True))
-
-        return fwd, fwd_bwd, bwd_ms
+    def bwd_ms(fn):
+        o = fn(q, k, v, causal)  # dropped on return
+        return timer(lambda: torch.autograd.grad(o, (q, k, v), do, retain_graph=True))
 
     calls = {}
     for p in providers:
-        fwd, fwd_bwd, bwd_ms = modes(fns[p])
+        fwd, fwd_bwd = _mode_calls(fns[p], q, k, v, do, causal)
         calls[p, "fwd", "ms"] = lambda fwd=fwd: timer(fwd)
         calls[p, "fwd_bwd", "ms"] = lambda fwd_bwd=fwd_bwd: timer(fwd_bwd)
-        calls[p, "bwd", "ms"] = bwd_ms
+        calls[p, "bwd", "ms"] = lambda fn=fns[p]: bwd_ms(fn)
         if runtime.ON_GPU:
             calls[p, "fwd", "graph_ms"] = lambda fwd=fwd: _graph_ms(fwd, timer)
             calls[p, "fwd_bwd", "graph_ms"] = lambda fwd_bwd=fwd_bwd: _graph_ms(fwd_bwd, timer)
