@@ -615,8 +615,12 @@ check(
 
 # %% [markdown]
 # At d = 64 the Triton layout fits (192), and there the small products (K = 64) favour Triton: course_lib
-# runs the Gluon dK/dV kernel where `hopper_backward.choose` measured it faster (d = 128 except short causal
-# rows; d = 64 only on long causal rows with grouped K/V heads), with a dQ kernel before it (section 6).
+# runs the Gluon dK/dV kernel where `hopper_backward.choose` measured it faster (d = 128; d = 64 only on
+# long causal rows with grouped K/V heads), with a dQ kernel before it (section 6). Its causal programs
+# start with the first key blocks, which the most query blocks see, of a chunk of 8 (batch, K/V head)
+# pairs, then the next chunk: section 3's lesson again, since over every head at once the first wave would
+# stream the Q and dO of up to one head a program, more than the L2 holds (the chunks bought 9-15 % for
+# this kernel at 1k-4k tokens; `hopper_backward.program_index` has the numbers).
 # Its shared memory, at d = 128: the ring of Q and dO blocks, the K and V block, and a P and a dS tile per
 # consumer:
 

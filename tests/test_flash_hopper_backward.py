@@ -28,10 +28,10 @@ hopper_gpu = pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU (compu
 
 
 def test_choose():
-    """d = 128 except short causal rows; d = 64 only for long grouped causal cells; other head dims never."""
+    """d = 128 always; d = 64 only for long grouped causal cells; other head dims never."""
     for causal in (False, True):
         for n in (1, 1024, 16384):
-            assert hopper_backward.choose(128, causal, n, n, 1) == (not causal or n > 1024)
+            assert hopper_backward.choose(128, causal, n, n, 1)
             assert not hopper_backward.choose(64, False, n, n, 4)
             assert not hopper_backward.choose(32, causal, n, n, 4)
     assert hopper_backward.choose(64, True, 8192, 8192, 4)
@@ -68,6 +68,9 @@ CASES = [
     ("GQA 8 / 2, N=700, causal", (1, 8, 700, None), 700, 2, True),
     ("MQA 4 / 1, Nq=200, Nk=333", (2, 4, 200, None), 333, 1, False),
     ("N=1, one query", (3, 2, 1, None), 1, 2, True),
+    # causal programs run a chunk of 8 (batch, K/V head) pairs at a time: 2 full chunks and one of 3 pairs
+    ("19 heads, causal: a last chunk of 3 pairs", (1, 19, 260, None), 260, 19, True),
+    ("GQA 2 x 24 / 6, bottom-right: a last chunk of 4 pairs", (2, 24, 190, None), 250, 6, "bottom_right"),
 ]
 
 

@@ -48,6 +48,8 @@ CASES = [
     ("N=130 ragged", (1, 5, 130), 130, 5, False),
     ("GQA 8 / 2, N=700, causal", (1, 8, 700), 700, 2, True),
     ("MQA 4 / 1, Nq=200, Nk=333", (2, 4, 200), 333, 1, False),
+    # causal programs run a chunk of 8 (batch, K/V head) pairs at a time (in each launch's slice of pairs)
+    ("2 x 41 heads, causal: slices of 21 pairs, a last chunk of 5", (2, 41, 140), 140, 41, True),
 ]
 
 

@@ -57,6 +57,8 @@ KEY_ROWS = 64  # keys per consumer warpgroup: one wgmma's M
 QUERY_ROWS = 64  # query rows per step
 KROWS = gl.constexpr(KEY_ROWS)
 QROWS = gl.constexpr(QUERY_ROWS)
+# Causal programs run block-major a chunk of this many (batch, K/V head) pairs at a time (`program_index`).
+CHUNK_PAIRS = gl.constexpr(8)
 # The kernel's pieces below are public: `hopper_onepass` builds its kernel on them.
 # A barrier among the warps of one partition (the name changed between Triton releases).
 partition_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
@@ -65,11 +67,23 @@ partition_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 @gluon.jit
 def program_index(num_n, BHKV, CAUSAL: gl.constexpr):
     """This program's (batch * K/V head index, key block index). Non-causal: head-major (the
-    programs of one head share its Q and dO in the L2 cache). Causal: block-major, so that the
-    first key blocks of every head, which the most query blocks see, start first."""
+    programs of one head share its Q and dO in the L2 cache). Causal: block-major within a chunk of
+    CHUNK_PAIRS pairs, chunk after chunk, so that the first key blocks of a chunk's heads, which the
+    most query blocks see, start first, while a wave streams the Q and dO of a few heads, not of up to
+    one head a program (at d = 128, 16 x 16 heads of 1k, that is 66 MiB against the L2's 60), as
+    `hopper._tile` deals the forward's tiles. Measured on an H200 (bf16, B x N = 16k tokens, 2048 / d
+    heads, the kernel alone, TFLOP/s of its 4 products, chunks of 8 pairs / block-major over all,
+    `scripts/hopper_onepass_probe.py`, alternating processes, 2026-12-01): d = 128 1k 373 / 326, 2k 469
+    / 407, 4k 522 / 475; d = 64 1k 262 / 235, 2k 327 / 287, 4k 358 / 325; chunks of 16 and 32 pairs
+    within 1-5 % of 8. The whole two-kernel backward at d = 128: 1k 268 / 249, 2k 341 / 313, 8k 409 /
+    390, 16k 437 / 436."""
     pid = gl.program_id(0)
     if CAUSAL:
-        return pid % BHKV, pid // BHKV
+        per = CHUNK_PAIRS * num_n  # programs a chunk; the last chunk may hold fewer pairs
+        c = pid // per
+        r = pid % per
+        pairs = gl.maximum(gl.minimum(BHKV - c * CHUNK_PAIRS, CHUNK_PAIRS), 1)
+        return c * CHUNK_PAIRS + r % pairs, r // pairs
     return pid // num_n, pid % num_n
 
 
@@ -415,13 +429,15 @@ def choose(d: int, causal: bool, n_q: int, n_k: int, group: int) -> bool:
     """Whether this kernel, rather than the Triton dK/dV kernel, runs for this shape (`group` query
     heads per K/V head). Measured on an H200 (bf16, B x N = 16k tokens, 2048 / d query heads; the
     backward alone, Triton dQ kernel included, notebook 08c and notes/attention.md, "Why it is so"):
-    at d = 128 it is 3-11 % faster with one query head per K/V head and 6-16 % with four, except for
-    causal rows of 1024 keys or fewer (688-692 against 699-716 us at 1k). At d = 64 its products are
+    at d = 128 it is 3-11 % faster with one query head per K/V head and 6-16 % with four; causal rows of
+    1024 keys, which it lost before its programs ran in chunks of heads (`program_index`), it now wins
+    too (whole backward, TFLOP/s, against the Triton dK/dV kernel: 268 / 240, four query heads a K/V head
+    293 / 271; 2026-12-01). At d = 64 its products are
     small (K = 64) and the Triton kernel, which does not spill there, wins non-causal cells (by 4-17 %)
     and causal ones up to 4k; beyond, it wins grouped causal cells (4 heads per K/V head, 8k: 4245
     against 4353 us, 16k: 8121 against 8658) and ties single-head ones."""
     if d == 128:
-        return not (causal and n_k <= 1024)
+        return True
     return d == 64 and causal and group > 1 and n_k >= 8192
 
 
