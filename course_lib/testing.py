@@ -9,6 +9,7 @@ allows, not against a tolerance picked to make it pass.
 from __future__ import annotations
 
 import math
+import zlib
 
 import torch
 
@@ -185,10 +186,12 @@ def check_forward_backward(fn, q, k, v, causal, what: str) -> torch.Tensor:
     """`fn(q, k, v, causal=causal)` and its backward against the float64 reference, by the rule above
     (the bound from plain PyTorch in the inputs' dtype, which repeats K/V for grouped-query attention);
     O and every gradient finite, each gradient of its input's shape. q (..., Nq, d), k and v (..., Nk, d)
-    with Hq a multiple of Hkv, any device and dtype `fn` takes. Returns O."""
+    with Hq a multiple of Hkv, any device and dtype `fn` takes. dO is drawn from a generator seeded by `what`, so
+    that a failure repeats whatever ran before in the process. Returns O."""
     q, k, v = (t.detach().requires_grad_(True) for t in (q, k, v))
     o = fn(q, k, v, causal=causal)
-    do = torch.randn_like(o)
+    seeded = torch.Generator().manual_seed(zlib.crc32(what.encode()))
+    do = torch.randn(o.shape, generator=seeded, dtype=torch.float32).to(o)
     o.backward(do)
     ref_o, ref_g = reference_outputs(
         *(t.detach().cpu().double() for t in (q, k, v)), causal, None, do.cpu().double()
