@@ -382,8 +382,9 @@ def test_bench_train_quick_runs():
     mains = [r for r in result["train"] if r["provider"] in ("course_lib", "sdpa")]
     assert all(r["status"] == "ok" for r in mains), mains  # quick sizes: nothing may run out of memory
     for r in result["train"]:
-        if r["status"] == "ok":  # the profiler saw the step's kernels, and they fit in the step's time
-            assert 0 < r["kernel_ms"] < 1.5 * r["step_ms"] and r["kernels_per_step"] > 100, r
+        if r["status"] == "ok":  # the profiler saw the step's kernels, and they fit in that step's wall time
+            # (the profiled step's own: a parallel test run's other processes can slow one step, not the others)
+            assert 0 < r["kernel_ms"] < 1.5 * r["kernel_wall_ms"] and r["kernels_per_step"] > 100, r
     assert result["serve"]["course_lib_paged"]["tokens_per_s"] > 0
     assert result["memory"][0]["bytes_per_param"]["optimizer_states"] >= 8, result["memory"][0]
 

@@ -109,7 +109,9 @@ def measure_throughput(provider: str, tokens, s: dict) -> dict:
         # the GPU's share of a step: its kernels in one more step, under the profiler
         kernels = timing.kernel_stats(lambda m=model: training.train(m, tokens, steps=1, **kw))
         if kernels is not None:
-            row.update(kernel_ms=kernels["ms"], kernels_per_step=kernels["count"])
+            row.update(
+                kernel_ms=kernels["ms"], kernels_per_step=kernels["count"], kernel_wall_ms=kernels["wall_ms"]
+            )
     except torch.OutOfMemoryError as exc:
         row.update(status="oom", reason=str(exc).splitlines()[0])
     del model

@@ -163,19 +163,22 @@ def peak_memory(fn) -> int | None:
 
 def kernel_stats(fn) -> dict | None:
     """The GPU kernels that one call of `fn()` launches, from torch.profiler: {"ms": their device time
-    summed, "count": how many}; None off the GPU. Set against the call's wall time it says who waits:
-    kernels close to the wall time mean the GPU is busy, far below it that the GPU waits on the CPU's
-    launches (notebook 12)."""
+    summed, "count": how many, "wall_ms": that call's wall time, the profiler's overhead included}; None
+    off the GPU. Set against the call's wall time it says who waits: kernels close to the wall time mean
+    the GPU is busy, far below it that the GPU waits on the CPU's launches (notebook 12)."""
     if not runtime.ON_GPU:
         return None
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
         fn()
         torch.cuda.synchronize()
+        wall = time.perf_counter() - start
     kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
     return {
         "ms": sum(e.self_device_time_total for e in kernels) / 1e3,
         "count": sum(e.count for e in kernels),
+        "wall_ms": 1e3 * wall,
     }
 
 
