@@ -73,10 +73,10 @@ def program_index(num_n, BHKV, CAUSAL: gl.constexpr):
     one head a program (at d = 128, 16 x 16 heads of 1k, that is 66 MiB against the L2's 60), as
     `hopper._tile` deals the forward's tiles. Measured on an H200 (bf16, B x N = 16k tokens, 2048 / d
     heads, the kernel alone, TFLOP/s of its 4 products, chunks of 8 pairs / block-major over all,
-    `scripts/hopper_onepass_probe.py` in alternating processes, CHUNK_PAIRS edited between them, 2026-12-01): d = 128 1k 373 / 326, 2k 469
-    / 407, 4k 522 / 475; d = 64 1k 262 / 235, 2k 327 / 287, 4k 358 / 325; chunks of 16 and 32 pairs
-    within 1-5 % of 8. The whole two-kernel backward at d = 128: 1k 268 / 249, 2k 341 / 313, 8k 409 /
-    390, 16k 437 / 436."""
+    `scripts/hopper_onepass_probe.py` in alternating processes, CHUNK_PAIRS edited between them,
+    2026-12-01): d = 128 1k 373 / 326, 2k 469 / 407, 4k 522 / 475; d = 64 1k 262 / 235, 2k 327 / 287,
+    4k 358 / 325; chunks of 16 and 32 pairs within 1-5 % of 8. The whole two-kernel backward at d = 128:
+    1k 268 / 249, 2k 341 / 313, 8k 409 / 390, 16k 437 / 436."""
     pid = gl.program_id(0)
     if CAUSAL:
         per = CHUNK_PAIRS * num_n  # programs a chunk; the last chunk may hold fewer pairs
