@@ -5,16 +5,18 @@ whether it serialised the kernel's wgmmas.
     python3 scripts/gluon_spills.py [--d 128] [--chunks 1,2]
 
 Rows: the one-pass backward (`attention.hopper_onepass`, each DQ_CHUNKS) and the two-kernel backward's dK/dV kernel
-(`attention.hopper_backward`), non-causal and causal. A register change to the one-pass kernel can be checked
-here in seconds before a GPU times it (the spills are not the whole story: hopper_onepass's docstring). The
-counts come from this machine's Triton and ptxas, which may differ from a GPU machine's (2026-11-30, the earlier
-one-pass kernel: 608 / 440 bytes of spill stores at d = 128 for one chunk here, where the H200's Triton 3.6
-reported 54 / 74 values). The kernels are compiled for 1 x 2 heads of 1024 tokens.
+(`attention.hopper_backward`; at d = 64 with 64 and 128 query rows a step), non-causal and causal. A register
+change to the one-pass kernel can be checked here in seconds before a GPU times it (the spills are not the whole
+story: hopper_onepass's docstring). The counts come from this machine's Triton and ptxas, which may differ from a
+GPU machine's (2026-11-30, the earlier one-pass kernel: 608 / 440 bytes of spill stores at d = 128 for one chunk
+here, where the H200's Triton 3.6 reported 54 / 74 values). The kernels are compiled for 1 x 2 heads of 1024
+tokens.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import subprocess
 import tempfile
@@ -91,10 +93,16 @@ def main() -> None:
         for chunks in map(int, a.chunks.split(",")):
             compiled = onepass.warmup(q, k, v, 0, causal, 0.1, dq_chunks=chunks, where="cpu")
             print(f"one pass, d = {d}, causal {causal}, {chunks} chunk(s): {ptxas_spills(compiled)}")
-        compiled = hb.dkdv_ws_kernel.warmup(
-            *descs, *rest, CAUSAL=causal, HEAD_DIM=d, **hb.LAUNCHES[d].kwargs(), grid=(1,)
-        )  # fmt: skip
-        print(f"dK/dV kernel, d = {d}, causal {causal}: {ptxas_spills(compiled)}")
+        for rows in (64, 128) if d == 64 else (64,):  # query rows a step (`DkdvLaunch.q_rows`)
+            launch = dataclasses.replace(hb.LAUNCHES[d], q_rows=rows)
+            compiled = hb.dkdv_ws_kernel.warmup(
+                descriptor(q, rows), descriptor(do, rows), *descs[2:], *rest, CAUSAL=causal, HEAD_DIM=d,
+                **launch.kwargs(), grid=(1,),
+            )  # fmt: skip
+            print(
+                f"dK/dV kernel, d = {d}, causal {causal}, {rows} query rows a step: {ptxas_spills(compiled)}; "
+                f"{compiled.metadata.shared // 1024} KB of shared memory"
+            )
 
 
 if __name__ == "__main__":

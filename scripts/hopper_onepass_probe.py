@@ -5,6 +5,7 @@ and SDPA's on a Hopper GPU.
     python3 scripts/hopper_onepass_probe.py --ds 64 --stages 2,3,4   # the ring's depth only
     python3 scripts/hopper_onepass_probe.py --ds 64 --ns 4096 --groups 4 --slices 1,2,3,4   # launches only
     python3 scripts/hopper_onepass_probe.py --small 1x2x2048,1x8x2048 --ds 64,128   # grids under a wave
+    python3 scripts/hopper_onepass_probe.py --ds 64 --ns 1024,2048,4096 --dkdv-rows 64,128   # dK/dV's query steps
 
 For each cell (bf16, B * N = 16k tokens, H * d = 2048, causal and not, `group` query heads per K/V head): dQ, dK, dV
 of `hopper_onepass.backward`, its dQ in 1 or 2 chunks of columns a warpgroup (`dq_chunks`), against the two-kernel
@@ -138,6 +139,49 @@ def knob_cell(d: int, n: int, causal: bool, group: int, knob: str, values: list[
     return row
 
 
+def rows_cell(d: int, n: int, causal: bool, group: int, values: list[int]) -> dict:
+    """--dkdv-rows: the two-kernel backward with the Gluon dK/dV kernel (forced on, `hopper_backward.choose`) at
+    each number of query rows a step (`DkdvLaunch.q_rows`), its largest difference from the gradients with the
+    Triton dK/dV kernel, and TFLOP/s of the whole backward (best of two interleaved rounds) beside the Triton dK/dV
+    kernel's and the default's; and the Gluon kernel alone at each value (TFLOP/s of its 4 products)."""
+    import dataclasses
+
+    q, k, v, do, o, L, scale, flops, B, H = _inputs(d, n, causal, group)
+    row = dict(d=d, n=n, causal=causal, group=group)
+    saved_choose, saved_launch = hb.choose, hb.LAUNCHES[d]
+
+    def run(rows: int | None, **config):
+        hb.choose = (lambda *a: True) if rows else (lambda *a: False)
+        if rows:
+            hb.LAUNCHES[d] = dataclasses.replace(saved_launch, q_rows=rows)
+        try:
+            return bwd.backward(do, q, k, v, o, L, causal=causal, config={"hopper_onepass": False, **config})
+        finally:
+            hb.choose, hb.LAUNCHES[d] = saved_choose, saved_launch
+
+    ref = run(None)
+    calls = {
+        "triton_dkdv": lambda: run(None),
+        "default": lambda: bwd.backward(do, q, k, v, o, L, causal=causal),
+    }
+    delta = torch.empty(B * H, n, dtype=torch.float32, device="cuda")
+    preprocess(o, do, delta, q.dtype)
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    for r in values:
+        grads = run(r)
+        row[f"rows{r}_diff"] = max((a.float() - b.float()).abs().max().item() for a, b in zip(grads, ref))
+        calls[f"rows{r}"] = lambda r=r: run(r)
+        hb.LAUNCHES[d] = dataclasses.replace(saved_launch, q_rows=r)
+        try:
+            kernel = lambda: hb.dkdv(q, k, v, do, L, delta, dk, dv, 0, causal, scale)  # noqa: E731
+            row[f"rows{r}_dkdv_raw_tflops"] = round(flops * 4 / 5 / benchmark(kernel) / 1e9, 1)
+        finally:
+            hb.LAUNCHES[d] = saved_launch
+    times = interleaved(calls, 2)
+    row.update({f"{name}_tflops": round(flops / min(ms) / 1e9, 1) for name, ms in times.items()})
+    return row
+
+
 def small_cell(d: int, batch: int, heads: int, n: int, causal: bool) -> dict:
     """--small: one shape (batch, heads, n, d) of few programs, the one pass (with its D pass and dQ's cast)
     against the two kernels, us of CUDA-graph replays (the GPU's time alone; `hopper_onepass.choose`'s grid
@@ -169,6 +213,9 @@ def main() -> None:
         "--slices", default="", help="e.g. 1,2,3,4: the one pass's launch counts only (`knob_cell`)"
     )
     p.add_argument(
+        "--dkdv-rows", default="", help="e.g. 64,128: the Gluon dK/dV's query rows a step (`rows_cell`)"
+    )
+    p.add_argument(
         "--small", default="", help="e.g. 1x2x2048,1x8x2048: batch x heads x tokens, causal (`small_cell`)"
     )
     a = p.parse_args()
@@ -185,7 +232,9 @@ def main() -> None:
                 timer.start()
                 try:
                     knob = "stages" if a.stages else "slices" if a.slices else ""
-                    if knob:
+                    if a.dkdv_rows:
+                        row = rows_cell(d, n, causal, group, [int(r) for r in a.dkdv_rows.split(",")])
+                    elif knob:
                         values = [int(s) for s in getattr(a, knob).split(",")]
                         row = knob_cell(d, n, causal, group, knob, values)
                     else:

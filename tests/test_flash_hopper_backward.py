@@ -9,6 +9,7 @@ otherwise, and to fall back to the Triton kernel if it fails. On any machine: th
 
 from __future__ import annotations
 
+import dataclasses
 import zlib
 
 import pytest
@@ -108,6 +109,18 @@ def _check_gluon_gradients(monkeypatch, name, shape, n_k, kv_heads, causal, dtyp
 @pytest.mark.parametrize("name,shape,n_k,kv_heads,causal", CASES, ids=[c[0] for c in CASES])
 def test_gradients_match_reference(name, shape, n_k, kv_heads, causal, dtype, d, monkeypatch):
     _check_gluon_gradients(monkeypatch, name, shape, n_k, kv_heads, causal, dtype, d, d, f"d={d}, {dtype}")
+
+
+@hopper_gpu
+@pytest.mark.parametrize("name,shape,n_k,kv_heads,causal", CASES, ids=[c[0] for c in CASES])
+def test_128_query_rows_a_step_at_d64(name, shape, n_k, kv_heads, causal, monkeypatch):
+    """The launch of 128 query rows a step (`DkdvLaunch.q_rows`; FlashAttention-3's tile at d = 64): the query
+    blocks, the causal diagonal and the rows past N_Q in blocks of 128; bf16 against the float64 reference."""
+    launch = dataclasses.replace(hopper_backward.LAUNCHES[64], q_rows=128)
+    monkeypatch.setitem(hopper_backward.LAUNCHES, 64, launch)
+    _check_gluon_gradients(
+        monkeypatch, name, shape, n_k, kv_heads, causal, torch.bfloat16, 64, 128, "128 query rows a step"
+    )
 
 
 GROUPED = [c for c in CASES if c[3] < c[1][1]]  # the grouped- and multi-query cases

@@ -88,16 +88,16 @@ def program_index(num_n, BHKV, CAUSAL: gl.constexpr):
 
 
 @gluon.jit
-def query_block_range(n_start, N_Q, OFFSET, CAUSAL: gl.constexpr, CTA_N: gl.constexpr):
-    """Query blocks (of QROWS rows) that see keys n_start ... n_start + CTA_N - 1: (lo, mid, hi),
+def query_block_range(n_start, N_Q, OFFSET, CAUSAL: gl.constexpr, CTA_N: gl.constexpr, QR: gl.constexpr):
+    """Query blocks (of QR rows) that see keys n_start ... n_start + CTA_N - 1: (lo, mid, hi),
     block indices; blocks [lo, mid) see part of the keys (masked), [mid, hi) all of them.
     Row i sees key j when i + OFFSET >= j (`blocks.q_block_range`, in blocks)."""
-    hi = gl.cdiv(N_Q, QROWS)
+    hi = gl.cdiv(N_Q, QR)
     lo = 0
     mid = 0
     if CAUSAL:
-        lo = gl.minimum(gl.maximum(n_start - OFFSET, 0) // QROWS, hi)
-        mid = gl.minimum(gl.cdiv(gl.maximum(n_start + CTA_N - 1 - OFFSET, 0), QROWS), hi)
+        lo = gl.minimum(gl.maximum(n_start - OFFSET, 0) // QR, hi)
+        mid = gl.minimum(gl.cdiv(gl.maximum(n_start + CTA_N - 1 - OFFSET, 0), QR), hi)
     return lo, mid, hi
 
 
@@ -115,12 +115,14 @@ def step_block(step, lo, n_m, GROUP, CAUSAL: gl.constexpr):
 
 
 @gluon.jit
-def program_block(num_n, BHKV, H, GROUP, N_Q, OFFSET, CAUSAL: gl.constexpr, CTA_N: gl.constexpr):
+def program_block(
+    num_n, BHKV, H, GROUP, N_Q, OFFSET, CAUSAL: gl.constexpr, CTA_N: gl.constexpr, QR: gl.constexpr
+):
     """This program's (batch * K/V head, first key, query blocks lo, mid (`query_block_range`), their number,
     batch * H + the first query head of its group)."""
     bhk, n_blk = program_index(num_n, BHKV, CAUSAL)
     n_start = n_blk * CTA_N
-    lo, mid, hi = query_block_range(n_start, N_Q, OFFSET, CAUSAL, CTA_N)
+    lo, mid, hi = query_block_range(n_start, N_Q, OFFSET, CAUSAL, CTA_N, QR)
     H_KV = H // GROUP
     first_head = (bhk // H_KV) * H + (bhk % H_KV) * GROUP
     return bhk, n_start, lo, mid, hi - lo, first_head
@@ -162,7 +164,7 @@ def _probabilities(s, rows, cols, m_blk, mid, OFFSET, lse2, qk_scale, CAUSAL: gl
 
 
 @gluon.jit
-def _tiles(key_start, HEAD_DIM: gl.constexpr):
+def _tiles(key_start, HEAD_DIM: gl.constexpr, QR: gl.constexpr):
     """A consumer's register tiles, in wgmma's accumulator layouts: a zero score tile (64 query rows x 64 keys;
     what products with use_acc=False are given), dK and dV (64 keys x d, zero), the query rows of a step's tile
     (from 0) and the keys key_start ... + 63 of its columns."""
@@ -172,10 +174,10 @@ def _tiles(key_start, HEAD_DIM: gl.constexpr):
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16]
     )
-    s_zero = gl.zeros([QROWS, KROWS], gl.float32, layout=s_layout)
+    s_zero = gl.zeros([QR, KROWS], gl.float32, layout=s_layout)
     dk = gl.zeros([KROWS, HEAD_DIM], gl.float32, layout=acc_layout)
     dv = gl.zeros([KROWS, HEAD_DIM], gl.float32, layout=acc_layout)
-    offs_m = gl.arange(0, QROWS, layout=gl.SliceLayout(1, s_layout))
+    offs_m = gl.arange(0, QR, layout=gl.SliceLayout(1, s_layout))
     cols = key_start + gl.arange(0, KROWS, layout=gl.SliceLayout(0, s_layout))
     return s_zero, dk, dv, offs_m, cols
 
@@ -204,7 +206,8 @@ def load_kv(k_desc, v_desc, k_smem, v_smem, kv_bar, kv_row, NUM_CONSUMERS: gl.co
 
 
 @gluon.jit
-def _producer(args, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr):
+def _producer(args, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
+              QR: gl.constexpr):  # fmt: skip
     """One warp issues every TMA copy: the K and V blocks of the program once (one 64-row half per
     consumer), then Q and dO of each (query head, query block) step into ring slot step % NUM_STAGES,
     once both consumers have released it. Rows past a head's end are the next head's (or zeros past
@@ -216,12 +219,12 @@ def _producer(args, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_CONSUMER
     n_start = n_blk * CTA_N
     kv_row = (bhk // SHARE) * N_K + n_start  # batch * H_kv + K/V head: SHARE programs per K/V head
     load_kv(k_desc, v_desc, k_smem, v_smem, kv_bar, kv_row, NUM_CONSUMERS)
-    lo, mid, hi = query_block_range(n_start, N_Q, OFFSET, CAUSAL, CTA_N)
+    lo, mid, hi = query_block_range(n_start, N_Q, OFFSET, CAUSAL, CTA_N, QR)
     n_m = hi - lo
     first_head = (bhk // (H // GROUP)) * H + (bhk % (H // GROUP)) * GROUP  # batch * H + query head
     for step in range(GROUP * n_m):
         g, m_blk = step_block(step, lo, n_m, GROUP, CAUSAL)
-        row = (first_head + g) * N_Q + m_blk * QROWS
+        row = (first_head + g) * N_Q + m_blk * QR
         slot = step % NUM_STAGES
         mbarrier.wait(empty_bar.index(slot), ((step // NUM_STAGES) & 1) ^ 1)
         mbarrier.expect(ready_bar.index(slot), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
@@ -231,7 +234,7 @@ def _producer(args, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_CONSUMER
 
 @gluon.jit
 def _consumer(args, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr,
-              NUM_CONSUMERS: gl.constexpr, WG: gl.constexpr):  # fmt: skip
+              NUM_CONSUMERS: gl.constexpr, WG: gl.constexpr, QR: gl.constexpr):  # fmt: skip
     """Warpgroup WG: dK and dV of keys n_start + 64 WG ... + 63 (registers), summed over every query
     block of the program's GROUP query heads, then stored (rows past N_K masked)."""
     (q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, kv_bar, ready_bar, empty_bar,
@@ -239,19 +242,21 @@ def _consumer(args, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl
      stride_kb, stride_kh, stride_kn, H, GROUP, N_Q, N_K, OFFSET, num_n, BHKV) = args  # fmt: skip
     dtype: gl.constexpr = q_smem.dtype
     CTA_N: gl.constexpr = KROWS * NUM_CONSUMERS
-    bhk, n_start, lo, mid, n_m, first_head = program_block(num_n, BHKV, H, GROUP, N_Q, OFFSET, CAUSAL, CTA_N)
+    bhk, n_start, lo, mid, n_m, first_head = program_block(
+        num_n, BHKV, H, GROUP, N_Q, OFFSET, CAUSAL, CTA_N, QR
+    )
     k_w = k_smem.index(WG)
     v_w = v_smem.index(WG)
     p_w = p_smem.index(WG)
     ds_w = ds_smem.index(WG)
-    s_zero, dk, dv, offs_m, cols = _tiles(n_start + WG * KROWS, HEAD_DIM)
+    s_zero, dk, dv, offs_m, cols = _tiles(n_start + WG * KROWS, HEAD_DIM, QR)
     mbarrier.wait(kv_bar, 0)
     dk_tok = warpgroup_mma_init(dk)  # the accumulators as in-flight products (none issued yet)
     dv_tok = warpgroup_mma_init(dv)
     for step in range(GROUP * n_m):
         g, m_blk = step_block(step, lo, n_m, GROUP, CAUSAL)
         head = first_head + g  # batch * H + query head
-        rows = m_blk * QROWS + offs_m
+        rows = m_blk * QR + offs_m
         q, do, s_tok, dp_tok = _scores(q_smem, do_smem, ready_bar, k_w, v_w, s_zero, step, NUM_STAGES)
         lse2, delta = _row_stats(L, Dlt, head, rows, H, N_Q, stride_lb, stride_lh, stride_lm)
         # Products complete in issue order: S done means the previous step's dV and dK are too, so
@@ -278,18 +283,18 @@ def _consumer(args, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl
 
 @gluon.jit
 def shared_tiles(q_desc, do_desc, k_desc, v_desc, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr,
-            NUM_CONSUMERS: gl.constexpr):  # fmt: skip
+            NUM_CONSUMERS: gl.constexpr, QR: gl.constexpr):  # fmt: skip
     """The kernel's shared memory: the Q, dO ring (NUM_STAGES slots of 64 rows), K and V (a 64-key half per
     consumer), P and dS tiles (one per consumer), and the barriers: K/V loaded, a slot ready, a slot free
     (counting the consumers done with it), initialised."""
     dtype: gl.constexpr = q_desc.dtype
-    q_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, QROWS, HEAD_DIM], q_desc.layout)
-    do_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, QROWS, HEAD_DIM], do_desc.layout)
+    q_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, QR, HEAD_DIM], q_desc.layout)
+    do_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, QR, HEAD_DIM], do_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, KROWS, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, KROWS, HEAD_DIM], v_desc.layout)
-    pds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([QROWS, KROWS], dtype)
-    p_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, QROWS, KROWS], pds_layout)
-    ds_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, QROWS, KROWS], pds_layout)
+    pds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([QR, KROWS], dtype)
+    p_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, QR, KROWS], pds_layout)
+    ds_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, QR, KROWS], pds_layout)
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ready_bar = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     empty_bar = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
@@ -306,13 +311,14 @@ def dkdv_ws_kernel(
     stride_lb, stride_lh, stride_lm, stride_kb, stride_kh, stride_kn,
     H, GROUP, SHARE, N_Q, N_K, OFFSET, BHKV,
     CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, Q_ROWS: gl.constexpr,
 ):  # fmt: skip
     """dK, dV of one block of 64 * NUM_CONSUMERS keys of one (batch, K/V head), summed over GROUP query
     heads that share it: all of them (SHARE = 1), or one of the SHARE slices of GROUP heads each, whose
     partial sums the caller adds up.
 
-    q_desc, do_desc: TMA descriptors of Q, dO as (B*H*N_Q, d) matrices in blocks of (64, d); k_desc,
+    q_desc, do_desc: TMA descriptors of Q, dO as (B*H*N_Q, d) matrices in blocks of (Q_ROWS, d), the query rows
+    of a step (`DkdvLaunch.q_rows`); k_desc,
     v_desc: K, V as (B*H_kv*N_K, d) in blocks of (64, d). L (B, H, N_Q) float32 (natural log, strides
     stride_l*); Dlt (B*H, N_Q) float32, contiguous. DK, DV (B, H // GROUP, N_K, d) with strides
     stride_k* (unit last): dK, dV in K's dtype when SHARE = 1, else one fp32 partial per slice.
@@ -321,7 +327,7 @@ def dkdv_ws_kernel(
     CTA_N: gl.constexpr = KROWS * NUM_CONSUMERS
     num_n = gl.cdiv(N_K, CTA_N)
     q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, kv_bar, ready_bar, empty_bar = shared_tiles(
-        q_desc, do_desc, k_desc, v_desc, HEAD_DIM, NUM_STAGES, NUM_CONSUMERS
+        q_desc, do_desc, k_desc, v_desc, HEAD_DIM, NUM_STAGES, NUM_CONSUMERS, Q_ROWS
     )
     fence_async_shared()
 
@@ -332,9 +338,9 @@ def dkdv_ws_kernel(
              H, GROUP, SHARE, N_Q, N_K, OFFSET, num_n, BHKV)  # fmt: skip
     gl.warp_specialize(
         [
-            (_consumer, (shared, CAUSAL, HEAD_DIM, NUM_STAGES, NUM_CONSUMERS, 0)),
-            (_consumer, (shared, CAUSAL, HEAD_DIM, NUM_STAGES, NUM_CONSUMERS, 1)),
-            (_producer, (loads, CAUSAL, NUM_STAGES, NUM_CONSUMERS)),
+            (_consumer, (shared, CAUSAL, HEAD_DIM, NUM_STAGES, NUM_CONSUMERS, 0, Q_ROWS)),
+            (_consumer, (shared, CAUSAL, HEAD_DIM, NUM_STAGES, NUM_CONSUMERS, 1, Q_ROWS)),
+            (_producer, (loads, CAUSAL, NUM_STAGES, NUM_CONSUMERS, Q_ROWS)),
         ],
         [4, 1], [CONSUMER_REGS, 24],
     )  # fmt: skip
@@ -348,10 +354,15 @@ NUM_CONSUMERS = 2  # warpgroups of 64 keys: the kernel's `gl.warp_specialize` li
 
 @dataclass(frozen=True)
 class DkdvLaunch(Launch):
-    """The kernel's launch for one head dim: NUM_STAGES Q, dO ring slots, NUM_CONSUMERS warpgroups."""
+    """The kernel's launch for one head dim: NUM_STAGES Q, dO ring slots, NUM_CONSUMERS warpgroups, Q_ROWS query
+    rows a step. 128 rows a step at d = 64 (FlashAttention-3's tile there: the dV and dK products sum over 128
+    query rows, not 64) compile for sm_90a with the registers and shared memory of d = 128's 64 (164 KB, 8-24
+    bytes of spills, `scripts/gluon_spills.py`); not timed yet (`scripts/hopper_onepass_probe.py --dkdv-rows`).
+    At d = 128 they need 262 KB, more than an SM has."""
 
     num_stages: int = keyword("NUM_STAGES")
     num_consumers: int = keyword("NUM_CONSUMERS", default=NUM_CONSUMERS)
+    q_rows: int = keyword("Q_ROWS", default=QUERY_ROWS)  # query rows a step: Q, dO's blocks
 
     def kwargs(self) -> dict:
         """The kernel's constants of the launch, and its warps and registers (`hopper.launch_options`)."""
@@ -377,7 +388,7 @@ def _launch(q4, k4, v4, do4, l3, delta, dk4, dv4, offset: int, causal: bool, sca
     setting = LAUNCHES[d]
     grid = (cdiv(n_k, KEY_ROWS * setting.num_consumers) * B * slices,)
     args = (
-        descriptor(q4, QUERY_ROWS), descriptor(do4, QUERY_ROWS),
+        descriptor(q4, setting.q_rows), descriptor(do4, setting.q_rows),
         descriptor(k4, KEY_ROWS), descriptor(v4, KEY_ROWS),
         l3, delta, dk4, dv4, scale * LOG2E, scale,
         l3.stride(0), l3.stride(1), l3.stride(2), dk4.stride(0), dk4.stride(1), dk4.stride(2),

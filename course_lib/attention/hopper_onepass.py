@@ -109,7 +109,9 @@ def _add_dq(dq, dq_c, dq_desc, row, col, PENDING: gl.constexpr):
 def _slice_block(num_n, BHKV, BHK0, H, GROUP, N_Q, OFFSET, CAUSAL: gl.constexpr, CTA_N: gl.constexpr):
     """`hopper_backward.program_block` in a slice of (batch, K/V head) pairs from BHK0 on: the block of the
     slice's program, its pair and first query head moved on by the slice's start."""
-    bhk, n_start, lo, mid, n_m, first_head = program_block(num_n, BHKV, H, GROUP, N_Q, OFFSET, CAUSAL, CTA_N)
+    bhk, n_start, lo, mid, n_m, first_head = program_block(
+        num_n, BHKV, H, GROUP, N_Q, OFFSET, CAUSAL, CTA_N, QROWS
+    )
     return bhk + BHK0, n_start, lo, mid, n_m, first_head + BHK0 * GROUP
 
 
@@ -266,7 +268,7 @@ def bwd_ws_kernel(
     num_n = gl.cdiv(N_K, CTA_N)
     # `hopper_backward`'s ring, K, V and barriers; its P tiles go unused, its dS tiles hold dS^T (64 x 64 either way)
     q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, kv_bar, ready_bar, empty_bar = shared_tiles(
-        q_desc, do_desc, k_desc, v_desc, HEAD_DIM, NUM_STAGES, NUM_CONSUMERS
+        q_desc, do_desc, k_desc, v_desc, HEAD_DIM, NUM_STAGES, NUM_CONSUMERS, QROWS
     )
     l_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, QROWS], l_desc.layout)
     d_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, QROWS], d_desc.layout)
