@@ -127,6 +127,19 @@ def store_o_l(
 
 
 @gluon.jit
+def chunked_block_major(t, chunk, count, blocks):
+    """Item t of `count` rows (heads, or (batch, K/V head) pairs) of `blocks` blocks each, taken block-major a chunk
+    of `chunk` rows at a time, chunk after chunk (the last chunk may hold fewer rows): (row, block). Block 0 of a
+    chunk's rows comes first, while what is read at once is a chunk's rows, not every row's (`_tile`,
+    `hopper_backward.program_index`)."""
+    per = chunk * blocks
+    c = t // per
+    r = t % per
+    rows = gl.maximum(gl.minimum(count - c * chunk, chunk), 1)
+    return c * chunk + r % rows, r // rows
+
+
+@gluon.jit
 def _tile(k, BH, num_m, num_tiles, CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr, KEY_SPLITS: gl.constexpr):
     """The tile of this program's round k: (valid, batch*head index, query-block index, key split).
 
@@ -151,11 +164,8 @@ def _tile(k, BH, num_m, num_tiles, CAUSAL: gl.constexpr, PERSISTENT: gl.constexp
         t = t % (num_m * BH)
     if CAUSAL and PERSISTENT:
         hg = gl.where(G % num_m == 0, G // num_m, BH)  # heads a chunk: all of them on a grid not so cut
-        chunk = t // (hg * num_m)
-        r = t % (hg * num_m)
-        hc = gl.maximum(gl.minimum(hg, BH - chunk * hg), 1)  # the last chunk's heads may be fewer
-        off_hz = chunk * hg + r % hc
-        start_m = num_m - 1 - r // hc
+        off_hz, longest = chunked_block_major(t, hg, BH, num_m)
+        start_m = num_m - 1 - longest
     else:
         off_hz = t // num_m
         start_m = t % num_m

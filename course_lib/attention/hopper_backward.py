@@ -50,7 +50,7 @@ from ..kernels import bound
 from ..kernels.launch import Launch, keyword
 from ..runtime import cdiv
 from . import hopper
-from .hopper import LOG2E, descriptor, launch_options
+from .hopper import LOG2E, chunked_block_major, descriptor, launch_options
 from .launch import compile_in_background, wait_compiled
 
 KEY_ROWS = 64  # keys per consumer warpgroup: one wgmma's M
@@ -79,11 +79,7 @@ def program_index(num_n, BHKV, CAUSAL: gl.constexpr):
     1k 268 / 249, 2k 341 / 313, 8k 409 / 390, 16k 437 / 436."""
     pid = gl.program_id(0)
     if CAUSAL:
-        per = CHUNK_PAIRS * num_n  # programs a chunk; the last chunk may hold fewer pairs
-        c = pid // per
-        r = pid % per
-        pairs = gl.maximum(gl.minimum(BHKV - c * CHUNK_PAIRS, CHUNK_PAIRS), 1)
-        return c * CHUNK_PAIRS + r % pairs, r // pairs
+        return chunked_block_major(pid, CHUNK_PAIRS, BHKV, num_n)
     return pid // num_n, pid % num_n
 
 
@@ -165,7 +161,7 @@ def _probabilities(s, rows, cols, m_blk, mid, OFFSET, lse2, qk_scale, CAUSAL: gl
 
 @gluon.jit
 def _tiles(key_start, HEAD_DIM: gl.constexpr, QR: gl.constexpr):
-    """A consumer's register tiles, in wgmma's accumulator layouts: a zero score tile (64 query rows x 64 keys;
+    """A consumer's register tiles, in wgmma's accumulator layouts: a zero score tile (QR query rows x 64 keys;
     what products with use_acc=False are given), dK and dV (64 keys x d, zero), the query rows of a step's tile
     (from 0) and the keys key_start ... + 63 of its columns."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -215,13 +211,11 @@ def _producer(args, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_CONSUMER
     (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, ready_bar, empty_bar,
      H, GROUP, SHARE, N_Q, N_K, OFFSET, num_n, BHKV) = args  # fmt: skip
     CTA_N: gl.constexpr = KROWS * NUM_CONSUMERS
-    bhk, n_blk = program_index(num_n, BHKV, CAUSAL)
-    n_start = n_blk * CTA_N
+    bhk, n_start, lo, _, n_m, first_head = program_block(
+        num_n, BHKV, H, GROUP, N_Q, OFFSET, CAUSAL, CTA_N, QR
+    )
     kv_row = (bhk // SHARE) * N_K + n_start  # batch * H_kv + K/V head: SHARE programs per K/V head
     load_kv(k_desc, v_desc, k_smem, v_smem, kv_bar, kv_row, NUM_CONSUMERS)
-    lo, mid, hi = query_block_range(n_start, N_Q, OFFSET, CAUSAL, CTA_N, QR)
-    n_m = hi - lo
-    first_head = (bhk // (H // GROUP)) * H + (bhk % (H // GROUP)) * GROUP  # batch * H + query head
     for step in range(GROUP * n_m):
         g, m_blk = step_block(step, lo, n_m, GROUP, CAUSAL)
         row = (first_head + g) * N_Q + m_blk * QR
@@ -284,7 +278,7 @@ def _consumer(args, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl
 @gluon.jit
 def shared_tiles(q_desc, do_desc, k_desc, v_desc, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr,
             NUM_CONSUMERS: gl.constexpr, QR: gl.constexpr):  # fmt: skip
-    """The kernel's shared memory: the Q, dO ring (NUM_STAGES slots of 64 rows), K and V (a 64-key half per
+    """The kernel's shared memory: the Q, dO ring (NUM_STAGES slots of QR rows), K and V (a 64-key half per
     consumer), P and dS tiles (one per consumer), and the barriers: K/V loaded, a slot ready, a slot free
     (counting the consumers done with it), initialised."""
     dtype: gl.constexpr = q_desc.dtype
