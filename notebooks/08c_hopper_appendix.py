@@ -614,9 +614,12 @@ check(
 )
 
 # %% [markdown]
-# At d = 64 the Triton layout fits (192), and there the small products (K = 64) favour Triton: course_lib
-# runs the Gluon dK/dV kernel where `hopper_backward.choose` measured it faster (d = 128; d = 64 only on
-# long causal rows with grouped K/V heads), with a dQ kernel before it (section 6). Its causal programs
+# At d = 64 the Triton layout fits (192). The Gluon kernel's small products (K = 64) lost to it there on
+# steps of 64 query rows; at d = 64 it takes 128 rows a step, FlashAttention-3's tile, in the registers of
+# d = 128's (196 by the count above), and then wins (the kernel alone 9-22 % faster than on 64 rows). course_lib
+# runs the Gluon dK/dV kernel where `hopper_backward.choose` measured it faster (d = 128; d = 64 with one
+# query head a K/V head, and on long causal rows with grouped K/V heads), with a dQ kernel before it (section
+# 6). Its causal programs
 # start with the first key blocks, which the most query blocks see, of a chunk of 8 (batch, K/V head)
 # pairs, then the next chunk: section 3's lesson again, since over every head at once the first wave would
 # stream the Q and dO of up to one head a program, more than the L2 holds (the chunks bought 9-15 % for
@@ -683,10 +686,10 @@ if got_bwd is not None:
     show_hopper_backward(*got_bwd)
 
 # %% [markdown]
-# The gain is at d = 128, where the Triton kernel spills, and most on rows without the causal mask, where
-# the dK/dV kernel is most of the backward; at d = 64 the Triton kernel does not spill, and `choose` leaves
-# the cells measured here to it. (A record taken before section 6's dQ kernel existed times the Triton dQ
-# kernel in both columns: its date says which.)
+# At d = 128 the Triton kernel spills, and the gain is largest on rows without the causal mask, where the
+# dK/dV kernel is most of the backward. At d = 64 nothing spills; what the Gluon kernel gains there comes from
+# its 128 query rows a step. (A record taken before section 6's dQ kernel existed times the Triton dQ kernel in
+# both columns, and one before 2026-12-01 ran d = 64 on the Triton kernel in both: its date says which.)
 #
 # ## 6. The backward: dQ with warps that take jobs
 #

@@ -50,16 +50,36 @@ def _no_plans_from_other_tests():
             plans.clear_all()
 
 
+# `make test-gpu` runs a worker per 12 GiB of GPU memory at most (`runtime.gpu_test_workers`): a test that holds
+# more can starve the others' tests of memory (they then fail out of memory, not this one).
+GPU_TEST_GIB = 12
+
+
 @pytest.fixture(autouse=True)
-def _gpu_memory_returned():
+def _gpu_memory_returned(request):
     """PyTorch's caching allocator keeps a process's freed GPU memory for that process: after a test
     with a large float64 reference, a worker of `make test-gpu` (pytest -n) would hold gigabytes the
-    other workers need. Empty the cache after each test that used the GPU."""
+    other workers need. Empty the cache after each test that used the GPU. A test whose peak passed
+    GPU_TEST_GIB is named in a warning; COURSE_GPU_MEMORY_LOG=path appends every GPU test's peak there."""
     yield
     import torch
 
-    if torch.cuda.is_initialized():
-        torch.cuda.empty_cache()
+    if not torch.cuda.is_initialized():
+        return
+    peak = torch.cuda.max_memory_reserved() / 2**30
+    torch.cuda.reset_peak_memory_stats()
+    torch.cuda.empty_cache()
+    if os.environ.get("COURSE_GPU_MEMORY_LOG"):
+        with open(os.environ["COURSE_GPU_MEMORY_LOG"], "a") as log:
+            log.write(f"{peak:.2f} GiB\t{os.getpid()}\t{request.node.nodeid}\n")
+    if peak > GPU_TEST_GIB:
+        import warnings
+
+        warnings.warn(
+            f"{request.node.nodeid} held {peak:.1f} GiB of GPU memory, more than the {GPU_TEST_GIB} "
+            "a test worker of make test-gpu may count on",
+            stacklevel=1,
+        )
 
 
 @pytest.fixture(scope="module")

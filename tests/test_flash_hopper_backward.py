@@ -29,14 +29,16 @@ hopper_gpu = pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU (compu
 
 
 def test_choose():
-    """d = 128 always; d = 64 only for long grouped causal cells; other head dims never."""
+    """d = 128 always; d = 64 with one query head a K/V head, and long grouped causal cells; other head dims
+    never."""
     for causal in (False, True):
         for n in (1, 1024, 16384):
             assert hopper_backward.choose(128, causal, n, n, 1)
+            assert hopper_backward.choose(64, causal, n, n, 1)
             assert not hopper_backward.choose(64, False, n, n, 4)
             assert not hopper_backward.choose(32, causal, n, n, 4)
+            assert not hopper_backward.choose(32, causal, n, n, 1)
     assert hopper_backward.choose(64, True, 8192, 8192, 4)
-    assert not hopper_backward.choose(64, True, 8192, 8192, 1)
     assert not hopper_backward.choose(64, True, 4096, 4096, 4)
 
 
@@ -113,13 +115,15 @@ def test_gradients_match_reference(name, shape, n_k, kv_heads, causal, dtype, d,
 
 @hopper_gpu
 @pytest.mark.parametrize("name,shape,n_k,kv_heads,causal", CASES, ids=[c[0] for c in CASES])
-def test_128_query_rows_a_step_at_d64(name, shape, n_k, kv_heads, causal, monkeypatch):
-    """The launch of 128 query rows a step (`DkdvLaunch.q_rows`; FlashAttention-3's tile at d = 64): the query
-    blocks, the causal diagonal and the rows past N_Q in blocks of 128; bf16 against the float64 reference."""
-    launch = dataclasses.replace(hopper_backward.LAUNCHES[64], q_rows=128)
+def test_64_query_rows_a_step_at_d64(name, shape, n_k, kv_heads, causal, monkeypatch):
+    """d = 64 on 64 query rows a step (`DkdvLaunch.q_rows`; d = 128's launch, and d = 64's before 128 rows
+    became its default, which `test_gradients_match_reference` checks): the query blocks, the causal
+    diagonal and the rows past N_Q in blocks of 64; bf16 against the float64 reference."""
+    assert hopper_backward.LAUNCHES[64].q_rows == 128 and hopper_backward.LAUNCHES[128].q_rows == 64
+    launch = dataclasses.replace(hopper_backward.LAUNCHES[64], q_rows=64)
     monkeypatch.setitem(hopper_backward.LAUNCHES, 64, launch)
     _check_gluon_gradients(
-        monkeypatch, name, shape, n_k, kv_heads, causal, torch.bfloat16, 64, 128, "128 query rows a step"
+        monkeypatch, name, shape, n_k, kv_heads, causal, torch.bfloat16, 64, 64, "64 query rows a step"
     )
 
 

@@ -349,10 +349,12 @@ NUM_CONSUMERS = 2  # warpgroups of 64 keys: the kernel's `gl.warp_specialize` li
 @dataclass(frozen=True)
 class DkdvLaunch(Launch):
     """The kernel's launch for one head dim: NUM_STAGES Q, dO ring slots, NUM_CONSUMERS warpgroups, Q_ROWS query
-    rows a step. 128 rows a step at d = 64 (FlashAttention-3's tile there: the dV and dK products sum over 128
-    query rows, not 64) compile for sm_90a with the registers and shared memory of d = 128's 64 (164 KB, 8-24
-    bytes of spills, `scripts/gluon_spills.py`); not timed yet (`scripts/hopper_onepass_probe.py --dkdv-rows`).
-    At d = 128 they need 262 KB, more than an SM has."""
+    rows a step. d = 64 takes 128 rows a step (FlashAttention-3's tile there: the dV and dK products sum over 128
+    query rows, not 64), with the registers and shared memory of d = 128's 64 (164 KB, 8-24 bytes of spills,
+    `scripts/gluon_spills.py --d 64`). The kernel alone, TFLOP/s of its 4 products, 128 rows against 64 (H200,
+    bf16, B x N = 16k, 32 heads; `scripts/hopper_onepass_probe.py --ds 64 --dkdv-rows 64,128`, 2026-12-01):
+    non-causal 1k 412 / 376, 2k 472 / 425, 4k 495 / 436; causal 1k 302 / 262, 2k 390 / 325, 4k 436 / 358. At
+    d = 128, 128 rows would need 262 KB, more than an SM has."""
 
     num_stages: int = keyword("NUM_STAGES")
     num_consumers: int = keyword("NUM_CONSUMERS", default=NUM_CONSUMERS)
@@ -363,7 +365,7 @@ class DkdvLaunch(Launch):
         return {**super().kwargs(), **launch_options(self.num_consumers)}
 
 
-LAUNCHES = {64: DkdvLaunch(num_stages=2), 128: DkdvLaunch(num_stages=2)}  # Q, dO ring slots by head dim
+LAUNCHES = {64: DkdvLaunch(num_stages=2, q_rows=128), 128: DkdvLaunch(num_stages=2)}  # by head dim
 STAGES = {d: launch.num_stages for d, launch in LAUNCHES.items()}  # the ring slots alone (older 08c copies)
 
 
@@ -437,13 +439,15 @@ def choose(d: int, causal: bool, n_q: int, n_k: int, group: int) -> bool:
     at d = 128 it is 3-11 % faster with one query head per K/V head and 6-16 % with four; causal rows of
     1024 keys, which it lost before its programs ran in chunks of heads (`program_index`), it now wins
     too (whole backward, TFLOP/s, against the Triton dK/dV kernel: 268 / 240, four query heads a K/V head
-    293 / 271; 2026-12-01). At d = 64 its products are
-    small (K = 64) and the Triton kernel, which does not spill there, wins non-causal cells (by 4-17 %)
-    and causal ones up to 4k; beyond, it wins grouped causal cells (4 heads per K/V head, 8k: 4245
-    against 4353 us, 16k: 8121 against 8658) and ties single-head ones."""
+    293 / 271; 2026-12-01). At d = 64, on 128 query rows a step (`LAUNCHES`), it wins with one query head a
+    K/V head (whole backward, against the Triton dK/dV kernel, `hopper_onepass_probe.py --ds 64 --dkdv-rows
+    64,128`, 2026-12-01): non-causal 1k 317 / 317, 2k 357 / 341, 4k 380 / 349; causal 1k 237 / 227, 2k 290 /
+    263, 4k 324 / 287 (on 64 rows the Triton kernel won non-causal cells by 4-17 %). With several query heads a
+    K/V head it takes causal rows from 8k keys (on 64 rows: 4 heads, 8k 4245 against 4353 us, 16k 8121 against
+    8658)."""
     if d == 128:
         return True
-    return d == 64 and causal and group > 1 and n_k >= 8192
+    return d == 64 and (group == 1 or (causal and n_k >= 8192))
 
 
 def heads_per_program(group: int, causal: bool, n_k: int) -> int:
