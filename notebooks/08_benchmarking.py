@@ -833,13 +833,13 @@ if att_rec is not None:
 # **Reading the comparison.** Against FlashAttention-2 (SDPA's FLASH_ATTENTION backend) course_lib's
 # kernels are ahead in every cell of the recorded run. Against cuDNN, PyTorch's default on Hopper, the
 # forward is level or ahead on long sequences and trails on short ones, causal or not, where each program's
-# tile has few K/V blocks to amortise its start and end. The forward+backward trails cuDNN. At d = 64 the
-# backward is notebook 07's Triton kernels below 4096 tokens (2048 causal), where every warp does everything
-# in turn, and from there one warp-specialised Gluon kernel that makes dQ, dK and dV in one pass (notebook
-# 08c, section 7). At d = 128 both backward kernels are warp-specialised Gluon kernels (the dK/dV kernel after
-# FlashAttention-3, which no longer spills registers, notebook 08c, section 5; the dQ kernel with a
-# producer warp), except causal at N = 1k, where the Triton kernels run, and from 2048 causal tokens (8192
-# without a mask) the one pass. Every one of them still trails cuDNN's backward.
+# tile has few K/V blocks to amortise its start and end. The forward+backward trails cuDNN. At d = 64, below
+# 4096 tokens, the backward is notebook 07's Triton dQ kernel, where every warp does everything in turn, and a
+# warp-specialised Gluon dK/dV kernel after FlashAttention-3 on its tile of 128 query rows (notebook 08c,
+# section 5); from 4096 tokens one warp-specialised Gluon kernel makes dQ, dK and dV in one pass (section 7
+# there). At d = 128 both backward kernels are warp-specialised Gluon kernels (the dK/dV kernel, which unlike
+# the Triton one does not spill registers there; the dQ kernel with a producer warp), and from 2048 causal
+# tokens (8192 without a mask) the one pass. Every one of them still trails cuDNN's backward.
 #
 # cuDNN's lead over a Triton kernel comes from overlapping the softmax with the matrix products, which
 # needs warps with different jobs: course_lib's forward does that on Hopper with a Gluon kernel wherever

@@ -59,7 +59,7 @@ from course_lib.perf.plotting import bar_chart
 DEVICE = course_lib.DEVICE
 # (d, N) of the live comparison, all causal; B = 16384 // N, H = 2048 // d.
 CELLS = course_lib.pick(cpu=[], gpu=[(128, 2048), (128, 16384), (64, 2048), (64, 16384)])
-# (d, N) of section 7's one pass, where the backward runs it (d = 64 from 4096 tokens, 2048 causal), causal and not
+# (d, N) of section 7's one pass, where the backward runs it (d = 64 from 4096 tokens), causal and not
 ONE_PASS_CELLS = course_lib.pick(cpu=[], gpu=[(64, 4096), (64, 16384)])
 SM_MATMUL_FLOPS_PER_CLOCK, SM_EX2_PER_CLOCK = 4096, 16  # H100/H200: dense bf16 tensor cores; MUFU ex2
 SMEM_PER_PROGRAM = 227 * 1024  # bytes of shared memory one Hopper program (CTA) may use
@@ -752,8 +752,8 @@ assert smem_dq <= SMEM_PER_PROGRAM
 # times faster is one pass (5 products a step) than two kernels (7)? The one pass also pays for what two
 # kernels never do: the warpgroups wait for each other's dS every step, and 4 bytes per dQ element go
 # through TMA's adds for every key block. Predict the one pass's speed-up over the two kernels at d = 64,
-# N = 16k, causal, where the two kernels run the Triton dK/dV kernel (section 5). Type your estimate in
-# place of the value.
+# N = 16k, causal, where the two kernels run a Triton dQ kernel and the Gluon dK/dV kernel on 128 query rows a
+# step (section 5). Type your estimate in place of the value.
 
 # %%
 onepass_guess = predict("one pass over two kernels (d = 64, causal, N = 16k)", 1.4, unit="x")
@@ -818,16 +818,15 @@ if got_one_pass is not None:
     print(f"one pass over two kernels: {min(gains.values()):.2f}x to {max(gains.values()):.2f}x")
 
 # %% [markdown]
-# Faster on causal rows, where the Triton dK/dV kernel of the two kernels is slowest, but by less than
-# 7 / 5 = 1.4x; without a mask, level or a few per cent faster (the range is printed above; at 4096 tokens
-# non-causal the two have measured within 2 % of each other, either way, from run to run). At d = 128,
-# against two Gluon kernels, course_lib's probe measured it faster on causal rows from 2048 tokens, level
-# without a mask up to 4096 and a few per cent faster beyond, and slower at 1024; at d = 64 and 2048 tokens
-# a few per cent faster on causal rows and slower without a mask, and at 1024 slower
-# (`hopper_onepass.choose`'s docstring has the numbers). The products are not the whole step: each
+# Faster on causal rows, but by less than 7 / 5 = 1.4x; without a mask, level or a few per cent faster (the
+# range is printed above; at 4096 tokens non-causal the two have measured within 2 % of each other, either
+# way, from run to run). At d = 128, against two Gluon kernels, course_lib's probe measured it faster on
+# causal rows from 2048 tokens, level without a mask up to 4096 and a few per cent faster beyond, and slower
+# at 1024; at d = 64 and 2048 tokens level on causal rows and slower with grouped K/V heads, and at 1024
+# slower (`hopper_onepass.choose`'s docstring has the numbers). The products are not the whole step: each
 # warpgroup waits for the other's dS before dQ's product, and dQ's products and adds follow dK's in the same
 # warps, where the two kernels' dQ kernel has its warps to itself. So `backward` runs one pass at d = 64 from
-# 4096 queries and keys (2048 with a causal mask, or with several query heads per K/V head), at d = 128 from
+# 4096 queries and keys, at d = 128 from
 # 2048 with a causal mask (8192 without one, one query head per K/V head), two kernels elsewhere — and
 # under `torch.use_deterministic_algorithms(True)`, since the order of TMA's adds, and so the last bits of
 # dQ, changes from run to run.

@@ -131,16 +131,16 @@ GROUPED = [c for c in CASES if c[3] < c[1][1]]  # the grouped- and multi-query c
 
 
 @hopper_gpu
+@pytest.mark.parametrize("d", (64, 128))
 @pytest.mark.parametrize("on_chip", (1, 2))
 @pytest.mark.parametrize("name,shape,n_k,kv_heads,causal", GROUPED, ids=[c[0] for c in GROUPED])
-def test_partial_sums_match_reference(name, shape, n_k, kv_heads, causal, on_chip, monkeypatch):
+def test_partial_sums_match_reference(name, shape, n_k, kv_heads, causal, on_chip, d, monkeypatch):
     """Grouped-query attention with `on_chip` query heads per program (`heads_per_program`): each
-    program writes a partial dK, dV, added up afterwards; bf16, d = 128, against the float64 reference."""
+    program writes a partial dK, dV, added up afterwards; bf16, d = 64 (128 query rows a step) and 128,
+    against the float64 reference."""
     monkeypatch.setattr(hopper_backward, "heads_per_program", lambda group, causal, n_k: on_chip)
-    what = f"{on_chip} heads per program"
-    _check_gluon_gradients(
-        monkeypatch, name, shape, n_k, kv_heads, causal, torch.bfloat16, 128, on_chip, what
-    )
+    what = f"{on_chip} heads per program, d = {d}"
+    _check_gluon_gradients(monkeypatch, name, shape, n_k, kv_heads, causal, torch.bfloat16, d, on_chip, what)
 
 
 @hopper_gpu

@@ -10,7 +10,7 @@
 - `hopper_backward`: a warp-specialised dK/dV kernel in Gluon after FlashAttention-3, which
   `backward.backward` runs on Hopper GPUs where it is faster (08c); `hopper_onepass`: the one-pass backward
   (dQ, dK, dV from one kernel in FlashAttention-3's transposed layout, dQ added by TMA), which it runs at
-  d = 64 from 4096 tokens, 2048 causal or grouped, and at d = 128 from 2048 causal, 8192 ungrouped (08c,
+  d = 64 from 4096 tokens, and at d = 128 from 2048 causal, 8192 ungrouped (08c,
   section 7); `d_pass`: the backward's pass for
   D = rowsum(dO * O) (07).
 - `api`: `flash_attention(q, k, v, causal=...)` and the autograd Function `FlashAttentionTriton`.

@@ -310,7 +310,10 @@ def run(quick: bool = False) -> dict:
         "sizes": {k: v for k, v in s.items() if k != "config"},
         "quick": quick,
     }
-    result["train"] = [measure_throughput(p, tokens, s) for p in PROVIDERS]
+    # --quick on a GPU (the smoke test that `make test-gpu` runs beside other test processes) leaves out the eager
+    # model: its N x N scores for 16 layers take about 105 GiB, which the other processes' tests then lack.
+    providers = PROVIDERS if not (quick and runtime.ON_GPU) else tuple(p for p in PROVIDERS if p != "eager")
+    result["train"] = [measure_throughput(p, tokens, s) for p in providers]
     schemes = ("autocast", "bf16_master") if runtime.ON_GPU else ("autocast",)  # no bf16 in the interpreter
     result["memory"] = [memory_breakdown(scheme, tokens, s) for scheme in schemes]
     model, history = train_for_a_while(tokens, val_tokens, s)
