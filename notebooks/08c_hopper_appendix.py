@@ -617,9 +617,8 @@ check(
 # At d = 64 the Triton layout fits (192). The Gluon kernel's small products (K = 64) lost to it there on
 # steps of 64 query rows; at d = 64 it takes 128 rows a step, FlashAttention-3's tile, in the registers of
 # d = 128's (196 by the count above), and then wins (the kernel alone 9-22 % faster than on 64 rows). course_lib
-# runs the Gluon dK/dV kernel where `hopper_backward.choose` measured it faster (d = 128; d = 64 with one
-# query head a K/V head, and on long causal rows with grouped K/V heads), with a dQ kernel before it (section
-# 6). Its causal programs
+# runs the Gluon dK/dV kernel where `hopper_backward.choose` measured it faster (d = 128 and d = 64), with a dQ
+# kernel before it (section 6). Its causal programs
 # start with the first key blocks, which the most query blocks see, of a chunk of 8 (batch, K/V head)
 # pairs, then the next chunk: section 3's lesson again, since over every head at once the first wave would
 # stream the Q and dO of up to one head a program, more than the L2 holds (the chunks bought 9-15 % for

@@ -29,9 +29,10 @@ walk all the heads' query blocks in one loop, `dkdv_one_loop`); where that measu
 (`dkdv_heads_per_program`, and the Hopper kernel's `heads_per_program`), fewer heads per program write
 partial sums that `_group_sum_kernel` adds up. Rows that saw no key (L = -inf) contribute nothing.
 
-On a Hopper GPU, where `hopper_backward.choose` measured it faster (d = 128 mostly), the dK/dV kernel is
+On a Hopper GPU, where `hopper_backward.choose` measured it faster (d = 64 and 128), the dK/dV kernel is
 instead a warp-specialised one after FlashAttention-3, in Gluon (`hopper_backward`, notebook 08c): the Triton
-kernel above spills registers at d = 128. The dQ kernel (with D) runs first either way.
+kernel above spills registers at d = 128, and at d = 64 the Gluon one sums over 128 query rows a step. The dQ
+kernel (with D) runs first either way.
 
 How P is rebuilt (`probabilities`) and which blocks a program visits (`blocks.q_block_range`,
 `blocks.kv_block_range`) are `tl.constexpr` function arguments of the kernels, defaulting to these

@@ -439,15 +439,12 @@ def choose(d: int, causal: bool, n_q: int, n_k: int, group: int) -> bool:
     at d = 128 it is 3-11 % faster with one query head per K/V head and 6-16 % with four; causal rows of
     1024 keys, which it lost before its programs ran in chunks of heads (`program_index`), it now wins
     too (whole backward, TFLOP/s, against the Triton dK/dV kernel: 268 / 240, four query heads a K/V head
-    293 / 271; 2026-12-01). At d = 64, on 128 query rows a step (`LAUNCHES`), it wins with one query head a
-    K/V head (whole backward, against the Triton dK/dV kernel, `hopper_onepass_probe.py --ds 64 --dkdv-rows
-    64,128`, 2026-12-01): non-causal 1k 317 / 317, 2k 357 / 341, 4k 380 / 349; causal 1k 237 / 227, 2k 290 /
-    263, 4k 324 / 287 (on 64 rows the Triton kernel won non-causal cells by 4-17 %). With several query heads a
-    K/V head it takes causal rows from 8k keys (on 64 rows: 4 heads, 8k 4245 against 4353 us, 16k 8121 against
-    8658)."""
-    if d == 128:
-        return True
-    return d == 64 and (group == 1 or (causal and n_k >= 8192))
+    293 / 271; 2026-12-01). At d = 64, on 128 query rows a step (`LAUNCHES`), it wins too (whole backward,
+    against the Triton dK/dV kernel, `hopper_onepass_probe.py --ds 64 --dkdv-rows 64,128 [--groups 4]`,
+    2026-12-01): non-causal 1k 317 / 317 (4 query heads a K/V head: 345 / 329), 2k 357 / 341 (368 / 340), 4k
+    380 / 349 (380 / 356); causal 1k 237 / 227 (266 / 252), 2k 290 / 263 (317 / 279), 4k 324 / 287 (357 / 312).
+    On 64 rows the Triton kernel had won non-causal cells by 4-17 %."""
+    return d in (64, 128)
 
 
 def heads_per_program(group: int, causal: bool, n_k: int) -> int:
