@@ -80,14 +80,15 @@ def test_gradients_match_reference(name, shape, n_k, kv_heads, causal, dtype, d,
 
 
 def test_choose():
-    """d = 64 with 4096 queries and keys or more (where it was measured faster); d = 128 causal from 2048,
-    non-causal from 8192 with one query head a K/V head."""
+    """d = 64 with 4096 queries and keys or more causal, 8192 not (where it was measured faster); d = 128 causal
+    from 2048, non-causal from 8192 with one query head a K/V head."""
     for causal in (False, True, "bottom_right"):
+        least = 4096 if causal else 8192
         for group in (1, 4):
-            assert onepass.choose(64, causal, 4096, 4096, group)
-            assert onepass.choose(64, causal, 16384, 4096, group)
-            assert not onepass.choose(64, causal, 4095, 8192, group)
-            assert not onepass.choose(64, causal, 8192, 4000, group)
+            assert onepass.choose(64, causal, least, least, group)
+            assert onepass.choose(64, causal, 16384, least, group)
+            assert not onepass.choose(64, causal, least - 1, 16384, group)
+            assert not onepass.choose(64, causal, 16384, least - 96, group)
             assert not onepass.choose(64, causal, 2048, 2048, group)
         assert onepass.choose(128, causal, 16384, 16384, 1)
         assert onepass.choose(128, causal, 16384, 16384, 4) == bool(causal)
@@ -215,11 +216,11 @@ def _spy(monkeypatch) -> list:
 @hopper_gpu
 @pytest.mark.parametrize(
     "shape,n_k,kv_heads,causal",
-    [((1, 4, 4100), 4100, 4, False), ((1, 4, 4096), 4500, 2, "bottom_right"), ((4, 2, 4500), 4200, 1, True)],
+    [((1, 4, 8200), 8200, 4, False), ((1, 4, 4096), 4500, 2, "bottom_right"), ((4, 2, 4500), 4200, 1, True)],
     ids=("ragged", "GQA bottom-right", "MQA top-left Nq > Nk"),
 )
 def test_default_backward_runs_it_at_d64(shape, n_k, kv_heads, causal, monkeypatch):
-    """`backward.backward` at d = 64, 4096 queries and keys or more, on half a wave of
+    """`backward.backward` at d = 64, 4096 queries and keys or more (8192 without a mask), on half a wave of
     programs or more: the one pass runs (once), and its gradients are within PyTorch's bf16 error of float64."""
     calls = _spy(monkeypatch)
     torch.manual_seed(n_k)

@@ -538,12 +538,15 @@ def choose(d: int, causal: bool, n_q: int, n_k: int, group: int, pairs: int = 0,
     """Whether the backward (`backward._backward`) runs this kernel rather than its two: with `pairs` (batch, K/V
     head) pairs on `sms` SMs given, a grid of half a wave or more (pairs x key blocks of 128 >= sms / 2), and
     d = 64 with 4096 queries
-    and keys or more; d = 128 with a causal mask from 2048, or without one from 8192 with one query head a K/V head.
+    and keys or more with a causal mask, 8192 without; d = 128 with a causal mask from 2048, or without one from
+    8192 with one query head a K/V head.
     At d = 64 and 2048 tokens it lost, since the two kernels' dK/dV kernel became the Gluon one on 128 query rows a
     step (`hopper_backward.LAUNCHES`; whole backward, TFLOP/s, two kernels / one pass, `hopper_onepass_probe.py --ds
     64 --ns 1024,2048,4096 --groups 4 --dkdv-rows 128`, 2026-12-01): causal 290 / 285 (4 query heads a K/V head:
-    317 / 244), non-causal grouped 368 / 358; at 4096 it still wins causal rows (324 / 338, grouped 357 / 353) and
-    ties the rest (380 / 379, 380 / 377). Before that, against the Triton dK/dV kernel: measured on an H200
+    317 / 244), non-causal grouped 368 / 358; at 4096 it won causal rows (324 / 338, grouped 357 / 353) and tied
+    the rest (380 / 379, 380 / 377); notebook 08c's timing the same day, one pass over two kernels: 4096 0.90x
+    non-causal, 0.98x causal; 16k 1.02x, 1.08x. So without a mask from 8192. Before that, against the Triton
+    dK/dV kernel: measured on an H200
     (bf16, B x N = 16k tokens, 32 query heads, d = 64; the whole backward, TFLOP/s of 2.5 x the forward's FLOPs, one
     pass against the two kernels in the same run, `scripts/hopper_onepass_probe.py --ds 64 --groups 1,4`,
     2026-11-30), in one launch: non-causal 1k 312 / 332 (4 query heads per K/V head: 338 / 325), 2k 353 / 359, 4k
@@ -572,4 +575,4 @@ def choose(d: int, causal: bool, n_q: int, n_k: int, group: int, pairs: int = 0,
         return False
     if d == 128:
         return min(n_q, n_k) >= (2048 if causal else 8192) and (bool(causal) or group == 1)
-    return d == 64 and min(n_q, n_k) >= 4096
+    return d == 64 and min(n_q, n_k) >= (4096 if causal else 8192)
