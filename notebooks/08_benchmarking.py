@@ -372,9 +372,10 @@ if hw is not None:
 # kernel's own speed, the GPU idle while Python prepared each of its launches. A Gluon launch reads each tensor
 # through a TMA descriptor (seven for the one pass), a 128-byte record the driver encodes from the tensor's
 # address; a plan encodes each once per address and keeps it, since a model's tensors come back at the same
-# addresses from call to call. The record's "fwd+bwd, 2k causal" row, (1, 8, 2048, 64), still pays for the one
-# pass's steps around its kernel, each issued from the host (with 2 heads its grid would be 32 programs, under
-# half the SMs, and the backward takes the two kernels there, faster on the GPU as well): the D pass (which
+# addresses from call to call. The record's longer causal row, at a shape where the backward is the one pass
+# ((1, 4, 4096, 64); (1, 8, 2048, 64) in records before 2026-12-01), still pays for the one pass's steps around
+# its kernel, each issued from the host (with fewer heads its grid would be under half the SMs, and the backward
+# takes the two kernels there, faster on the GPU as well): the D pass (which
 # also zeroes the float32 dQ accumulator, one launch fewer than zeroing it apart) and dQ's cast. `make bench`
 # also measures `torch.compile` after every other provider, because after it had run, Python launches in that
 # process were measured slower (`notes/attention.md`); the host-time record (`make bench BENCH=host_time`) is
@@ -391,7 +392,7 @@ if host_rec is None:
     print("No host-time record yet: `make bench BENCH=host_time` on a GPU writes one.")
 else:
     meta = host_rec["meta"]
-    print(f"CPU time to issue one call, (1, 2, 128, 64), the 2k row (1, 8, 2048, 64), "
+    print(f"CPU time to issue one call, (1, 2, 128, 64), the longer causal row as named, "
           f"{host_rec['data']['calls']} calls ({meta['gpu']}, torch {meta['torch']}, {meta['date']}):")
     for row in host_rec["data"]["rows"]:
         print(f"  {row['call']:<18} course_lib {row['course_lib_us']:6.1f} us   SDPA {row['sdpa_us']:6.1f} us   "

@@ -59,7 +59,7 @@ from course_lib.perf.plotting import bar_chart
 DEVICE = course_lib.DEVICE
 # (d, N) of the live comparison, all causal; B = 16384 // N, H = 2048 // d.
 CELLS = course_lib.pick(cpu=[], gpu=[(128, 2048), (128, 16384), (64, 2048), (64, 16384)])
-# (d, N) of section 7's one pass, where the backward runs it (d = 64 from 4096 tokens), causal and not
+# (d, N) of section 7's one pass, where the backward runs it (d = 64 from 4096 causal tokens), causal and not
 ONE_PASS_CELLS = course_lib.pick(cpu=[], gpu=[(64, 4096), (64, 16384)])
 SM_MATMUL_FLOPS_PER_CLOCK, SM_EX2_PER_CLOCK = 4096, 16  # H100/H200: dense bf16 tensor cores; MUFU ex2
 SMEM_PER_PROGRAM = 227 * 1024  # bytes of shared memory one Hopper program (CTA) may use
@@ -793,8 +793,9 @@ def show_one_pass(data: dict, source: str) -> None:
     for d_head, n, causal in sorted({key[:3] for key in rows}):
         two, one = rows[(d_head, n, causal, "two kernels")], rows[(d_head, n, causal, "one pass")]
         kind = "causal    " if causal else "non-causal"
+        runs = "one pass" if hopper_onepass.choose(d_head, causal, n, n, 1) else "two kernels"  # the rule of now
         print(f"d = {d_head:3}, N = {n:5}, {kind}: two kernels {two['tflops']:5.0f}, one pass {one['tflops']:5.0f}: "
-              f"{one['tflops'] / two['tflops']:.2f}x (backward runs: {one['chosen']})")  # fmt: skip
+              f"{one['tflops'] / two['tflops']:.2f}x (backward runs: {runs})")  # fmt: skip
 
 
 missing_one_pass = (
@@ -811,24 +812,28 @@ if got_one_pass is not None:
              for key in one_pass_rows}  # fmt: skip
     if (64, 16384, True) in gains:
         onepass_guess.score(gains[(64, 16384, True)])
-    assert all(0.95 < gain < 7 / 5 for gain in gains.values()), f"one pass: no slower, faster by under 7 / 5: {gains}"
-    assert all(gain > 1.0 for key, gain in gains.items() if key[2]), f"one pass: faster on causal rows: {gains}"
+    longest = max(key[1] for key in gains)
+    assert all(0.85 < gain < 7 / 5 for gain in gains.values()), f"one pass: never far behind, under 7 / 5: {gains}"
+    at_longest = {key[2]: gain for key, gain in gains.items() if key[1] == longest}  # causal: gain
+    assert all(gain > (1.0 if causal else 0.95) for causal, gain in at_longest.items()), (
+        f"one pass at {longest}: faster on causal rows, level or faster without a mask: {gains}"
+    )
     assert max(gains, key=gains.get)[2], "the largest gain is on causal rows"
     print(f"one pass over two kernels: {min(gains.values()):.2f}x to {max(gains.values()):.2f}x")
 
 # %% [markdown]
-# Faster on causal rows, but by less than 7 / 5 = 1.4x; without a mask, level or a few per cent faster (the
-# range is printed above; at 4096 tokens non-causal the two have measured within 2 % of each other, either
-# way, from run to run). At d = 128, against two Gluon kernels, course_lib's probe measured it faster on
-# causal rows from 2048 tokens, level without a mask up to 4096 and a few per cent faster beyond, and slower
-# at 1024; at d = 64 and 2048 tokens level on causal rows and slower with grouped K/V heads, and at 1024
-# slower (`hopper_onepass.choose`'s docstring has the numbers). The products are not the whole step: each
-# warpgroup waits for the other's dS before dQ's product, and dQ's products and adds follow dK's in the same
-# warps, where the two kernels' dQ kernel has its warps to itself. So `backward` runs one pass at d = 64 from
-# 4096 queries and keys, at d = 128 from
-# 2048 with a causal mask (8192 without one, one query head per K/V head), two kernels elsewhere — and
-# under `torch.use_deterministic_algorithms(True)`, since the order of TMA's adds, and so the last bits of
-# dQ, changes from run to run.
+# On the longest rows faster with a causal mask and level or a little faster without one; the largest gain is on
+# causal rows, and under 7 / 5 = 1.4x. At 4096 tokens the two kernels, whose dK/dV kernel takes 128 query rows a
+# step at d = 64 (section 5), were level on causal rows and faster without a mask (the range is printed above;
+# before the 128-row steps the one pass won there). At d = 128, against two Gluon kernels, course_lib's probe
+# measured it faster on causal rows from 2048 tokens, level without a mask up to 4096 and a few per cent faster
+# beyond, and slower at 1024; at d = 64 and 2048 tokens level on causal rows and slower with grouped K/V heads, and
+# at 1024 slower (`hopper_onepass.choose`'s docstring has the numbers). The products are not the whole step: each
+# warpgroup waits for the other's dS before dQ's product, and dQ's products and adds follow dK's in the same warps,
+# where the two kernels' dQ kernel has its warps to itself. So `backward` runs one pass at d = 64 from 4096 queries
+# and keys with a causal mask (8192 without one), at d = 128 from 2048 with a causal mask (8192 without one, one
+# query head per K/V head), two kernels elsewhere — and under `torch.use_deterministic_algorithms(True)`, since the
+# order of TMA's adds, and so the last bits of dQ, changes from run to run.
 #
 # ## Summary
 # - In the Triton forward every warp loads, multiplies and exponentiates in turn, so the tensor cores idle

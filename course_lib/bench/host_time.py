@@ -11,10 +11,10 @@ sync) is recorded beside it:
 
 - forward: `flash_attention(q, k, v, causal=True)` under `torch.no_grad()` against SDPA's default;
 - forward+backward: `torch.autograd.grad` of the same call's output with a given dO, against SDPA;
-- fwd+bwd, 2k causal: the same at (1, 8, 2048, 64), where a Hopper GPU's backward is the one-pass kernel (from
-  2048 tokens on half a wave of programs or more, `hopper_onepass.choose`; at 2 heads, 32 programs, the row's
-  shape until 2026-11-30, the two kernels are faster on the GPU and cost less host time): its launches over
-  slices of the heads, the D pass zeroing the accumulator first, dQ cast after each, repeated by its plan;
+- fwd+bwd, 4k causal: the same at (1, 4, 4096, 64), where a Hopper GPU's backward is the one-pass kernel (from
+  4096 causal tokens on half a wave of programs or more, `hopper_onepass.choose`; the row was (1, 8, 2048, 64)
+  until 2026-12-01, when the one pass at d = 64 began at 2048 causal tokens): its launches over slices of the
+  heads, the D pass zeroing the accumulator first, dQ cast after each, repeated by its plan;
 - decode step: one query token over a 256-token cache, `flash_attention` against SDPA (is_causal=False: a
   single bottom-right query sees every key); at this length the FlashAttention-2 forward keeps the call, one
   launch (`attention.decode_route` hands longer ones to split-KV decoding, two launches).
@@ -133,8 +133,8 @@ def _calls(device) -> dict:
     q, k, v = (rand(1, 2, 128, 64, grad=True) for _ in range(3))
     do = rand(1, 2, 128, 64)
     q1, kc, vc = rand(1, 2, 1, 64), rand(1, 2, 256, 64), rand(1, 2, 256, 64)
-    ql, kl, vl = (rand(1, 8, 2048, 64, grad=True) for _ in range(3))  # 128 programs: the one pass's grid rule
-    dol = rand(1, 8, 2048, 64)
+    ql, kl, vl = (rand(1, 4, 4096, 64, grad=True) for _ in range(3))  # 128 programs: the one pass's grid rule
+    dol = rand(1, 4, 4096, 64)
     sdpa = F.scaled_dot_product_attention
 
     def no_grad(fn):
@@ -153,7 +153,7 @@ def _calls(device) -> dict:
             "course_lib": lambda: torch.autograd.grad(flash_attention(q, k, v, causal=True), (q, k, v), do),
             "sdpa": lambda: torch.autograd.grad(sdpa(q, k, v, is_causal=True), (q, k, v), do),
         },
-        "fwd+bwd, 2k causal": {  # a Hopper GPU's one-pass backward (`attention.hopper_onepass`) from here
+        "fwd+bwd, 4k causal": {  # a Hopper GPU's one-pass backward (`attention.hopper_onepass`) from here
             "course_lib": lambda: torch.autograd.grad(
                 flash_attention(ql, kl, vl, causal=True), (ql, kl, vl), dol
             ),
