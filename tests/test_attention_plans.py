@@ -309,7 +309,8 @@ def test_the_gluon_routes_run_their_plans_and_match_the_full_path(causal, heads)
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="the one-pass backward runs on a Hopper GPU")
 @pytest.mark.parametrize("causal, heads", [(False, (4, 4)), (True, (8, 2)), ("bottom_right", (4, 1))])
 def test_the_one_pass_backward_runs_its_plan_and_not_under_deterministic_algorithms(causal, heads):
-    """d = 64 bf16 from 4096 tokens: the one-pass backward (`hopper_onepass`) on a Hopper GPU. A repeated call
+    """d = 64 bf16 from 4096 causal tokens (8192 without a mask): the one-pass backward (`hopper_onepass`) on a
+    Hopper GPU. A repeated call
     replays its launches (`backward.OnePassPlan`): dK, dV the full path's bits, dQ (TMA's adds in any order)
     within float64's bound; under deterministic algorithms the same call keeps a plan of its own (the two
     kernels), whose dQ repeats bit for bit."""
@@ -318,7 +319,8 @@ def test_the_one_pass_backward_runs_its_plan_and_not_under_deterministic_algorit
 
     hq, hkv = heads
     batch = 4 // hkv  # 4 (batch, K/V head) pairs: 128 programs, half a wave or more (`hopper_onepass.choose`)
-    q, k, v = _inputs((batch, hq, 4096, 64), (batch, hkv, 4096, 64))
+    n = 4096 if causal else 8192
+    q, k, v = _inputs((batch, hq, n, 64), (batch, hkv, n, 64))
     do = torch.randn_like(q)
     if not hopper_onepass.supports(q, k, v, do):
         pytest.skip("the one pass runs on Hopper GPUs")
@@ -398,8 +400,9 @@ def test_a_repeated_decoding_step_runs_its_plan_with_the_new_pages_and_lengths(n
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="partial dK, dV per query head from 4096 keys: GPU sizes")
 @pytest.mark.parametrize("d", [64, 128])
 def test_a_grouped_backward_with_partials_runs_its_plan(d, monkeypatch):
-    """Grouped-query attention whose dK, dV are summed from fp32 partials (d <= 64 beyond 4096 keys in
-    Triton, non-causal rows from 4096 keys in Gluon): the plan allocates the partials and sums them too.
+    """Grouped-query attention whose dK, dV are summed from fp32 partials (non-causal rows from 4096 keys in
+    the Gluon kernel on a Hopper GPU; d <= 64 beyond 4096 keys in the Triton one elsewhere): the plan allocates
+    the partials and sums them too.
     (The two kernels: at d = 64 the one pass, which has no plan, would otherwise take these shapes.)"""
     from course_lib.attention import backward as bwd
 
