@@ -12,13 +12,14 @@ backward's code offers (untransposed tiles; at d = 128 on Hopper FlashAttention-
 and feeds P^T and dS^T to dV and dK from registers, which this kernel has not tried):
 
 * producer (1 warp, 24 registers per thread): loads the program's K and V block once with TMA, then,
-  for every query block that sees them, the Q and dO blocks (64 rows each) into a ring of NUM_STAGES
+  for every query block that sees them, the Q and dO blocks (Q_ROWS rows each: 64 at d = 128, 128 at d = 64,
+  FlashAttention-3's tiles, `DkdvLaunch`) into a ring of NUM_STAGES
   shared-memory slots (a `ready` mbarrier per slot; an `empty` one counts the consumers done with it).
 * consumers (2 warpgroups of 4 warps, up to 240 registers per thread): warpgroup w owns keys
   64 w ... 64 w + 63 of the block and their dK, dV (64 x d fp32 each, registers). Per query block it
-  computes S = Q K_w^T and dP = dO V_w^T untransposed (64 query rows x 64 keys), so L and D are one
-  value per *row*: two registers per thread each. P = exp2(S * scale log2 e - L log2 e) and
-  dS = P (dP - D) go to shared memory in 16 bits, and the tensor cores read them back transposed for
+  computes S = Q K_w^T and dP = dO V_w^T untransposed (Q_ROWS query rows x 64 keys), so L and D are one
+  value per *row*: two registers per thread each (four at 128 rows). P = exp2(S * scale log2 e - L log2 e)
+  and dS = P (dP - D) go to shared memory in 16 bits, and the tensor cores read them back transposed for
   dV += P^T dO and dK += dS^T Q (wgmma reads either orientation of a 16-bit shared-memory tile).
 
 Grouped-query attention: a program owns a block of one K/V head and walks the query blocks of every
@@ -75,8 +76,8 @@ def program_index(num_n, BHKV, CAUSAL: gl.constexpr):
     heads, the kernel alone, TFLOP/s of its 4 products, chunks of 8 pairs / block-major over all,
     `scripts/hopper_onepass_probe.py` in alternating processes, CHUNK_PAIRS edited between them,
     2026-12-01): d = 128 1k 373 / 326, 2k 469 / 407, 4k 522 / 475; d = 64 1k 262 / 235, 2k 327 / 287,
-    4k 358 / 325; chunks of 16 and 32 pairs within 1-5 % of 8. The whole two-kernel backward at d = 128:
-    1k 268 / 249, 2k 341 / 313, 8k 409 / 390, 16k 437 / 436."""
+    4k 358 / 325 (64 query rows a step then); chunks of 16 and 32 pairs within 1-5 % of 8. The whole two-kernel
+    backward at d = 128: 1k 268 / 249, 2k 341 / 313, 8k 409 / 390, 16k 437 / 436."""
     pid = gl.program_id(0)
     if CAUSAL:
         return chunked_block_major(pid, CHUNK_PAIRS, BHKV, num_n)
